@@ -1,0 +1,9 @@
+"""linattn: fast, verified gated linear attention (Gated DeltaNet) for PyTorch.
+
+Public API only; see README.md and docs/api.md.
+"""
+from .ops.gated_delta.chunk import chunk_gated_delta_rule
+
+__version__ = "0.1.0"
+
+__all__ = ["chunk_gated_delta_rule", "__version__"]

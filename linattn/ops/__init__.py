@@ -1,0 +1,1 @@
+"""Operators: kernels, their PyTorch twins and the autograd/dispatch glue."""

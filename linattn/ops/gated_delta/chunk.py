@@ -1,0 +1,159 @@
+"""``chunk_gated_delta_rule``: the public chunked GDN op — input checks, backend dispatch, autograd.
+
+The core (q, k, v, g, beta, initial_state → o, final_state) is a pair of ``torch.library`` custom ops,
+``linattn::chunk_gated_delta_rule_fwd`` and ``..._bwd``, with fake implementations, so ``torch.compile(
+fullgraph=True)`` traces a call without a graph break. The optional pre-processing (q/k L2 norm, the
+Qwen3-Next gate −exp(A_log)·softplus(g + dt_bias), β = sigmoid(b)) is plain PyTorch around the core, so autograd
+reaches A_log and dt_bias without extra kernels. (Fusing it into the kernels is a speed matter for later.)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..utils import check_cu_seqlens_values, check_gated_delta_inputs, gate_from_raw, l2norm, select_backend
+from .reference import gated_delta_rule_reference
+from .torch_chunk import chunk_gated_delta_rule_bwd_torch, chunk_gated_delta_rule_fwd_torch
+
+
+def _state_dtype(v: torch.Tensor) -> torch.dtype:
+    return torch.float64 if v.dtype == torch.float64 else torch.float32
+
+
+def _offsets(cu_seqlens: Optional[torch.Tensor], T: int) -> Optional[list[int]]:
+    return None if cu_seqlens is None else check_cu_seqlens_values(cu_seqlens, T)
+
+
+def _triton_impl():
+    from . import triton_chunk  # imported lazily: triton is optional on CPU machines
+    return triton_chunk
+
+
+@torch.library.custom_op("linattn::chunk_gated_delta_rule_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+            initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = _offsets(cu_seqlens, q.shape[1])
+    if backend == "triton":
+        return _triton_impl().chunk_gated_delta_rule_fwd_triton(q, k, v, g, beta, scale, initial_state,
+                                                                cu_seqlens, offsets)
+    return chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return v.new_empty(B, T, HV, V), v.new_empty(N, HV, K, V, dtype=_state_dtype(v))
+
+
+@torch.library.custom_op("linattn::chunk_gated_delta_rule_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+            initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+            dht: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor]:
+    offsets = _offsets(cu_seqlens, q.shape[1])
+    if backend == "triton":
+        grads = _triton_impl().chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state,
+                                                                 cu_seqlens, offsets, do, dht)
+    else:
+        grads = chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
+    dh0 = grads[5] if grads[5] is not None else torch.zeros_like(dht)
+    return (*grads[:5], dh0)
+
+
+@_bwd_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, backend):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else torch.empty_like(dht)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, backend = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale, ctx.backend = scale, backend
+    ctx.has_initial_state = initial_state is not None
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if do is None:
+        do = torch.zeros_like(v)
+    if dht is None:
+        dht = v.new_zeros(N, HV, K, V, dtype=_state_dtype(v))
+    dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
+                                         do.contiguous(), dht.contiguous(), ctx.backend)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""Gated delta rule, chunked: a drop-in for fla's ``chunk_gated_delta_rule``.
+
+    Per value head, with S a ``K × V`` state, ``g ≤ 0`` a log decay and ``0 ≤ β ≤ 1``::
+
+        S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ        o_t = scale · S_tᵀ q_t
+
+    o_t sees tokens 1..t of its own sequence only (causal; with ``cu_seqlens`` each packed sequence starts from
+    its own initial state).
+
+    Args:
+        q (torch.Tensor): queries of shape ``[B, T, H, K]``.
+        k (torch.Tensor): keys of shape ``[B, T, H, K]``.
+        v (torch.Tensor): values of shape ``[B, T, HV, V]``; grouped value heads if ``HV > H`` (``HV % H == 0``):
+            value head ``i`` reads query/key head ``i // (HV // H)``.
+        g (torch.Tensor): log decays of shape ``[B, T, HV]`` (fp32 recommended); raw gate logits when ``A_log``
+            and ``dt_bias`` are given.
+        beta (torch.Tensor): write strengths of shape ``[B, T, HV]``; logits if ``use_beta_sigmoid_in_kernel``.
+        scale (float): query scale; default ``K ** -0.5``.
+        initial_state (torch.Tensor): ``[N, HV, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``).
+        output_final_state (bool): also return the final state ``[N, HV, K, V]`` (fp32).
+        cu_seqlens (torch.Tensor): ``[N + 1]`` int32/int64 offsets of packed sequences (needs ``B == 1``).
+        use_qk_l2norm_in_kernel (bool): L2-normalise q and k as ``x · rsqrt(Σx² + 1e-6)``.
+        A_log, dt_bias (torch.Tensor): ``[HV]``; if given, ``g ← −exp(A_log) · softplus(g + dt_bias)``.
+        use_beta_sigmoid_in_kernel (bool): ``beta ← sigmoid(beta)``.
+        backend (str): ``"triton"`` (default on CUDA), ``"torch"`` (default elsewhere) or ``"reference"``
+            (token-by-token float64; for tests).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (fp64 for fp64 inputs) or None.
+    """
+    scale, _ = check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias)
+    backend = select_backend(backend, q.device)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if A_log is not None:
+        g = gate_from_raw(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.sigmoid()
+    if backend == "reference":
+        o, ht = gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, _offsets(cu_seqlens, q.shape[1]))
+        return o.to(v.dtype), (ht.to(_state_dtype(v)) if output_final_state else None)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    o, ht = _fwd_op(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
+    return o, (ht if output_final_state else None)

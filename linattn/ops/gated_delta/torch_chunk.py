@@ -1,0 +1,284 @@
+"""Chunked gated delta rule in vectorised PyTorch: the CPU backend and the readable twin of the Triton kernels.
+
+Every function ``<stage>_ref`` here is one stage of the chunked algorithm, and the Triton kernel of the same stage
+is tested against it. Tensors live in a *chunked layout*: ``[B, HV, NT, C, d]`` (NT chunks of C tokens), with gates
+``[B, HV, NT, C]``; grouped value heads are expanded before the stages run. The math (../docs/architecture.md):
+
+    Inside a chunk, G = cumsum(g), Γ_i = e^{G_i}, D_ij = e^{G_i − G_j} (i ≥ j only; never e^{G_i}·e^{−G_j})
+    A = strict_lower(diag(β) K Kᵀ ⊙ D),  T = (I + A)⁻¹
+    W = T diag(βΓ) K,   U = T diag(β) V                       (the WY / UT representation)
+    V_new = U − W S,    O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new]
+    S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
+
+The backward is written out by hand (not autograd), stage by stage, so it is the twin of the Triton backward:
+a reverse pass over chunks carries dS, everything else is parallel over chunks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+CHUNK = 64
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layout helpers
+# ----------------------------------------------------------------------------------------------------------------
+def to_chunks(x: torch.Tensor, C: int = CHUNK) -> torch.Tensor:
+    """``[B, T, HV, (d)]`` → ``[B, HV, NT, C, (d)]``, zero-padding T up to a multiple of C.
+
+    Zero padding is exact: a padded token has g = 0 (no decay) and β = 0 (no update), so it leaves the state as it
+    was, and its q = 0 gives an output that is dropped anyway.
+    """
+    B, T = x.shape[:2]
+    NT = -(-T // C)
+    pad = NT * C - T
+    if pad:
+        x = torch.cat([x, x.new_zeros(B, pad, *x.shape[2:])], dim=1)
+    x = x.reshape(B, NT, C, *x.shape[2:])
+    return x.permute(0, 3, 1, 2, 4) if x.dim() == 5 else x.permute(0, 3, 1, 2)
+
+
+def from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """Inverse of :func:`to_chunks`: ``[B, HV, NT, C, (d)]`` → ``[B, T, HV, (d)]``."""
+    B, HV, NT, C = x.shape[:4]
+    x = x.permute(0, 2, 3, 1, 4) if x.dim() == 5 else x.permute(0, 2, 3, 1)
+    return x.reshape(B, NT * C, HV, *x.shape[4:])[:, :T]
+
+
+def _causal(C: int, device, strict: bool) -> torch.Tensor:
+    return torch.ones(C, C, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+def decay_matrix(gc: torch.Tensor, strict: bool) -> torch.Tensor:
+    """D_ij = e^{G_i − G_j} on the (strict) lower triangle, 0 above: the difference is masked *before* exp, so
+    neither an overflow above the diagonal nor e^{G_i}·e^{−G_j} ever appears (G can reach −6400 in one chunk)."""
+    C = gc.shape[-1]
+    diff = gc[..., :, None] - gc[..., None, :]
+    return diff.masked_fill(~_causal(C, gc.device, strict), float("-inf")).exp()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward stages
+# ----------------------------------------------------------------------------------------------------------------
+def chunk_local_cumsum_ref(g: torch.Tensor) -> torch.Tensor:
+    """G = cumulative sum of g inside each chunk. g: ``[B, HV, NT, C]``."""
+    return g.cumsum(-1)
+
+
+def kkt_solve_ref(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
+    """T = (I + A)⁻¹ with A = strict_lower(diag(β) K Kᵀ ⊙ D). Returns ``[B, HV, NT, C, C]`` (unit lower)."""
+    C = k.shape[-2]
+    A = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay_matrix(gc, strict=True)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+
+
+def wy_ref(A_inv, k, v, beta, gc):
+    """W = T diag(βΓ) K and U = T diag(β) V."""
+    w = A_inv @ (k * (beta * gc.exp())[..., None])
+    u = A_inv @ (v * beta[..., None])
+    return w, u
+
+
+def state_pass_fwd_ref(w, u, k, gc, h0: torch.Tensor):
+    """Walk the chunks in order. Returns h ``[B, HV, NT, K, V]`` (the state *entering* each chunk), v_new
+    ``[B, HV, NT, C, V]`` and the final state ``[B, HV, K, V]``."""
+    NT = k.shape[2]
+    S = h0
+    hs, vns = [], []
+    g_last = gc[..., -1]
+    for c in range(NT):
+        hs.append(S)
+        v_new = u[:, :, c] - w[:, :, c] @ S
+        vns.append(v_new)
+        k_decay = k[:, :, c] * (g_last[:, :, c, None] - gc[:, :, c]).exp()[..., None]
+        S = g_last[:, :, c, None, None].exp() * S + k_decay.transpose(-1, -2) @ v_new
+    return torch.stack(hs, 2), torch.stack(vns, 2), S
+
+
+def output_fwd_ref(q, k, v_new, h, gc, scale: float):
+    """O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new]."""
+    o_inter = (q * gc.exp()[..., None]) @ h
+    P = (q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)
+    return scale * (o_inter + P @ v_new)
+
+
+def chunk_fwd_ref(q, k, v, g, beta, scale: float, h0: torch.Tensor):
+    """All forward stages in the chunked layout; returns (o, final state, saved tensors for the backward)."""
+    gc = chunk_local_cumsum_ref(g)
+    A_inv = kkt_solve_ref(k, beta, gc)
+    w, u = wy_ref(A_inv, k, v, beta, gc)
+    h, v_new, ht = state_pass_fwd_ref(w, u, k, gc, h0)
+    o = output_fwd_ref(q, k, v_new, h, gc, scale)
+    return o, ht, (gc, A_inv, w, h, v_new)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward stages
+# ----------------------------------------------------------------------------------------------------------------
+def state_pass_bwd_ref(q, k, w, gc, do, dht: torch.Tensor, scale: float):
+    """Walk the chunks in reverse carrying dS, the gradient of the state leaving the chunk.
+
+    Per chunk: dV_new = scale·Pᵀ dO + (K ⊙ e^{G_C − G}) dS  and
+               dS_in  = e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new.
+    Returns dh ``[B, HV, NT, K, V]`` (dS leaving each chunk), dv_new ``[B, HV, NT, C, V]`` and dh0.
+    """
+    NT = k.shape[2]
+    P = (q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)
+    dv_local = scale * P.transpose(-1, -2) @ do          # parallel part of dV_new (independent of dS)
+    q_decay = q * gc.exp()[..., None]
+    g_last = gc[..., -1]
+    dS = dht
+    dhs, dvns = [None] * NT, [None] * NT
+    for c in reversed(range(NT)):
+        dhs[c] = dS
+        k_decay = k[:, :, c] * (g_last[:, :, c, None] - gc[:, :, c]).exp()[..., None]
+        dv_new = dv_local[:, :, c] + k_decay @ dS
+        dvns[c] = dv_new
+        dS = (g_last[:, :, c, None, None].exp() * dS + scale * q_decay[:, :, c].transpose(-1, -2) @ do[:, :, c]
+              - w[:, :, c].transpose(-1, -2) @ dv_new)
+    return torch.stack(dhs, 2), torch.stack(dvns, 2), dS
+
+
+def _dgc_from_log_decay(dlogD: torch.Tensor) -> torch.Tensor:
+    """Gradient reaching G through D_ij = e^{G_i − G_j}, given dlogD_ij = ∂L/∂(G_i − G_j)."""
+    return dlogD.sum(-1) - dlogD.sum(-2)
+
+
+def local_bwd_ref(q, k, v, beta, gc, A_inv, w, h, v_new, do, dh, dv_new, scale: float):
+    """Every gradient that needs no sequential pass: dq, dk, dv, dbeta and dG (the gradient of the cumulative
+    gate). Inputs as saved by the forward plus dh / dv_new from :func:`state_pass_bwd_ref`."""
+    gamma = gc.exp()                                               # Γ_i
+    e_last = (gc[..., -1:] - gc).exp()                             # e^{G_C − G_i}
+    D_incl = decay_matrix(gc, strict=False)
+    D_strict = decay_matrix(gc, strict=True)
+    KKt = k @ k.transpose(-1, -2)
+    QKt = q @ k.transpose(-1, -2)
+
+    # S_out = e^{G_C} S + (K ⊙ e_last)ᵀ V_new
+    dgc = torch.zeros_like(gc)
+    dgc[..., -1] += gc[..., -1].exp() * (h * dh).sum((-1, -2))
+    dk_decay = v_new @ dh.transpose(-1, -2)                        # [.., C, K]
+    dk = e_last[..., None] * dk_decay
+    t = e_last * (k * dk_decay).sum(-1)
+    dgc[..., -1] += t.sum(-1)
+    dgc -= t
+
+    # O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D) V_new]
+    dP = scale * (do @ v_new.transpose(-1, -2)) * D_incl           # ∂L/∂(QKᵀ) after the decay
+    dq = dP @ k
+    dk += dP.transpose(-1, -2) @ q
+    dgc += _dgc_from_log_decay(dP * QKt)
+    dq_decay = scale * do @ h.transpose(-1, -2)
+    dq += gamma[..., None] * dq_decay
+    dgc += gamma * (q * dq_decay).sum(-1)
+
+    # V_new = U − W S
+    du = dv_new
+    dw = -dv_new @ h.transpose(-1, -2)
+
+    # W = T diag(βΓ) K,  U = T diag(β) V
+    dA_inv = dw @ (k * (beta * gamma)[..., None]).transpose(-1, -2) + du @ (v * beta[..., None]).transpose(-1, -2)
+    dkb = A_inv.transpose(-1, -2) @ dw
+    dvb = A_inv.transpose(-1, -2) @ du
+    dk += (beta * gamma)[..., None] * dkb
+    tk = (k * dkb).sum(-1)
+    dbeta = gamma * tk + (v * dvb).sum(-1)
+    dgc += beta * gamma * tk
+    dv = beta[..., None] * dvb
+
+    # T = (I + A)⁻¹  ⇒  dA = −Tᵀ dT Tᵀ on the strict lower triangle; A = diag(β) (K Kᵀ ⊙ D)
+    dA = -(A_inv.transpose(-1, -2) @ dA_inv @ A_inv.transpose(-1, -2)).tril(-1)
+    dbeta += (dA * KKt * D_strict).sum(-1)
+    dKKt = dA * beta[..., :, None] * D_strict
+    dk += dKKt @ k + dKKt.transpose(-1, -2) @ k
+    dgc += _dgc_from_log_decay(dA * beta[..., :, None] * KKt * D_strict)
+    return dq, dk, dv, dbeta, dgc
+
+
+def chunk_local_cumsum_bwd_ref(dgc: torch.Tensor) -> torch.Tensor:
+    """dg_t = Σ_{s ≥ t in the chunk} dG_s (reverse cumulative sum inside each chunk)."""
+    return dgc.flip(-1).cumsum(-1).flip(-1)
+
+
+def chunk_bwd_ref(q, k, v, g, beta, scale, h0, do, dht):
+    """Recompute the forward stages, then run the backward stages. Returns dq, dk, dv, dg, dbeta, dh0."""
+    _, _, (gc, A_inv, w, h, v_new) = chunk_fwd_ref(q, k, v, g, beta, scale, h0)
+    dh, dv_new, dh0 = state_pass_bwd_ref(q, k, w, gc, do, dht, scale)
+    dq, dk, dv, dbeta, dgc = local_bwd_ref(q, k, v, beta, gc, A_inv, w, h, v_new, do, dh, dv_new, scale)
+    return dq, dk, dv, chunk_local_cumsum_bwd_ref(dgc), dbeta, dh0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the backend: [B, T, ...] in, [B, T, ...] out; GVA and varlen handled here
+# ----------------------------------------------------------------------------------------------------------------
+def _sequences(B: int, T: int, offsets: Optional[list[int]]):
+    """(batch index, bos, eos) of every sequence."""
+    if offsets is None:
+        return [(b, 0, T) for b in range(B)]
+    return [(0, bos, eos) for bos, eos in zip(offsets[:-1], offsets[1:])]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets, chunk_size=CHUNK):
+    """Forward of the torch backend. q, k ``[B, T, H, K]`` ... as the public op; offsets: host list or None.
+    Returns o ``[B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (fp32; fp64 for fp64 input)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    cd = _compute_dtype(v)
+    G = HV // H
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    finals = []
+    for n, (b, bos, eos) in enumerate(_sequences(B, T, offsets)):
+        h0 = (initial_state[n].to(cd) if initial_state is not None
+              else torch.zeros(HV, K, V, dtype=cd, device=v.device))
+        if eos == bos:
+            finals.append(h0)
+            continue
+        x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta)]
+        x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
+        qc, kc, vc, gch, bc = (to_chunks(t, chunk_size) for t in x)
+        oc, ht, _ = chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None])
+        o[b:b + 1, bos:eos] = from_chunks(oc, eos - bos).to(v.dtype)
+        finals.append(ht[0])
+    state_dtype = torch.float64 if cd == torch.float64 else torch.float32
+    return o, torch.stack(finals).to(state_dtype)
+
+
+def chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht,
+                                     chunk_size=CHUNK):
+    """Backward of the torch backend: returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without initial_state).
+    Gradients of grouped query/key heads are summed over the value heads that read them."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    cd = _compute_dtype(v)
+    G = HV // H
+    dq, dk = torch.zeros(B, T, HV, K, dtype=cd, device=q.device), torch.zeros(B, T, HV, K, dtype=cd,
+                                                                              device=q.device)
+    dv = torch.zeros(B, T, HV, V, dtype=cd, device=q.device)
+    dg, dbeta = torch.zeros(B, T, HV, dtype=cd, device=q.device), torch.zeros(B, T, HV, dtype=cd, device=q.device)
+    dh0s = []
+    for n, (b, bos, eos) in enumerate(_sequences(B, T, offsets)):
+        h0 = (initial_state[n].to(cd) if initial_state is not None
+              else torch.zeros(HV, K, V, dtype=cd, device=v.device))
+        dht_n = dht[n].to(cd) if dht is not None else torch.zeros(HV, K, V, dtype=cd, device=v.device)
+        if eos == bos:
+            dh0s.append(dht_n)
+            continue
+        L = eos - bos
+        x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta, do)]
+        x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
+        qc, kc, vc, gch, bc, doc = (to_chunks(t, chunk_size) for t in x)
+        grads = chunk_bwd_ref(qc, kc, vc, gch, bc, scale, h0[None], doc, dht_n[None])
+        for dst, src in zip((dq, dk, dv, dg, dbeta), grads[:5]):
+            dst[b:b + 1, bos:eos] = from_chunks(src, L)
+        dh0s.append(grads[5][0])
+    dq = dq.view(B, T, H, G, K).sum(3)
+    dk = dk.view(B, T, H, G, K).sum(3)
+    dh0 = torch.stack(dh0s).to(initial_state.dtype) if initial_state is not None else None
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0)

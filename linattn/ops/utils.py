@@ -1,0 +1,157 @@
+"""Input checks, varlen helpers and backend selection shared by every linattn operator.
+
+Every public op calls :func:`check_gated_delta_inputs` before doing any work, so a wrong call fails with a
+``ValueError``/``TypeError`` that names the argument, what it got and what was expected, instead of a shape error
+deep inside a kernel (or, worse, a silently wrong answer).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+BACKENDS = ("reference", "torch", "triton")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def select_backend(backend: Optional[str], device: torch.device) -> str:
+    """Pick the backend for tensors on ``device``; ``backend`` overrides the default.
+
+    Defaults: ``triton`` on CUDA, ``torch`` everywhere else. ``triton`` on the CPU is allowed only under
+    ``TRITON_INTERPRET=1`` (the tests use it); any other impossible request is an error, never a silent fallback.
+    """
+    if backend is None:
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' needs the triton package (pip install 'linattn[triton]')")
+        if device.type != "cuda" and not triton_interpret():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU use backend='torch', "
+                "or set TRITON_INTERPRET=1 to run the kernels in the (slow) Triton interpreter")
+    return backend
+
+
+def _check_tensor(name: str, x, ndim: int, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
+
+
+def check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log=None, dt_bias=None):
+    """Validate the arguments of the gated delta rule ops; return ``(scale, N)``, N = number of sequences.
+
+    Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` with ``HV % H == 0``; g, beta ``[B, T, HV]``;
+    initial_state ``[N, HV, K, V]``; cu_seqlens ``[N + 1]`` integer, only with ``B == 1``. Only shapes, dtypes
+    and devices are checked here (no device sync); :func:`check_cu_seqlens_values` checks the offsets' values.
+    """
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    _check_tensor("g", g, 3)
+    _check_tensor("beta", beta, 3)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)} ([B, T, H, K]), got {tuple(k.shape)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {tuple(v.shape)}")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the value heads HV={HV} must be a positive multiple of the query/key heads H={H}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, HV):
+            raise ValueError(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(x.shape)}")
+    if T == 0 or B == 0:
+        raise ValueError(f"q must hold at least one token (B, T = {B}, {T})")
+    for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    device = q.device
+    named = [("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+             ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)]
+    for name, x in named:
+        if x is not None and isinstance(x, torch.Tensor) and x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}; all inputs must share one device")
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens (varlen) needs B == 1 with the sequences packed along T, got B={B}")
+        N = cu_seqlens.numel() - 1
+
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, 4, dtypes=(torch.float32, torch.float64, torch.bfloat16,
+                                                                 torch.float16))
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)}, got "
+                             f"{tuple(initial_state.shape)}")
+
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is not None:
+            _check_tensor(name, x, 1, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16))
+            if x.shape[0] != HV:
+                raise ValueError(f"{name} must be [HV] = [{HV}], got {tuple(x.shape)}")
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias go together: pass both (gate computed in the op) or neither")
+    return scale, N
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """Check that offsets start at 0, never decrease and end at T; return them as a Python list.
+
+    Reading the values syncs with the device; the ops need them on the host anyway (to plan chunks).
+    """
+    offs = cu_seqlens.tolist()
+    if offs[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {offs[0]}")
+    if offs[-1] != T:
+        raise ValueError(f"cu_seqlens must end at T={T} (the packed length), got {offs[-1]}")
+    if any(b < a for a, b in zip(offs[:-1], offs[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offs}")
+    return offs
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x · rsqrt(Σx² + eps) over the last dim, in fp32 (fla's and transformers' convention), back to x's dtype."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gate_from_raw(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's decay: g = −exp(A_log) · softplus(g_raw + dt_bias), in fp32 (fp64 for fp64 inputs)."""
+    dt = torch.float64 if g_raw.dtype == torch.float64 else torch.float32
+    return -A_log.to(dt).exp() * torch.nn.functional.softplus(g_raw.to(dt) + dt_bias.to(dt))
