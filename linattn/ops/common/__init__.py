@@ -1,0 +1,38 @@
+"""Triton stages shared by the chunked gated-linear-attention family (GDN today, plain GLA later).
+
+One file per algorithm stage, each a ``<stage>_kernel`` plus a ``<stage>`` launcher, tested against the PyTorch
+``<stage>_ref`` twin in ``linattn/ops/gated_delta/torch_chunk.py``:
+
+    varlen.py      chunk index tables for packed sequences (host → int32 device tensors) and the chunk prologue
+    cumsum.py      gc = cumulative sum of the log decay inside each chunk
+    kkt_solve.py   A = strict_lower(diag(β) K Kᵀ ⊙ D),  A_inv = (I + A)⁻¹
+    wy.py          W = A_inv diag(βΓ) K,  U = A_inv diag(β) V
+    state_pass.py  the sequential walk over chunks: h (state entering each chunk), v_new, final state
+    output.py      O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new]
+
+Precision policy (one place, :func:`dot_precision`): every ``tl.dot`` accumulates in fp32. A dot whose operands
+are both *inputs* (Q Kᵀ, K Kᵀ) runs in the input dtype, so 16-bit inputs feed the tensor cores directly and the
+products are exact. A dot that touches an fp32 *intermediate* (A_inv, W, U, V_new, the state) runs on fp32
+operands at ``dot_precision(input dtype)``: ``"ieee"`` for fp32 inputs (the accuracy path), ``"tf32"`` for
+bf16/fp16 inputs (11-bit operands: 8× finer than bf16, which keeps the bf16 output error under 2e-3).
+The small 16×16 block merges of the triangular solve always run in ``"ieee"`` (they cost ~1% of the FLOPs).
+The Triton interpreter ignores the precision and multiplies in fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the dots on fp32 intermediates for inputs of ``dtype`` (see the module docstring)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def block_size(d: int, cap: int) -> int:
+    """Power-of-two tile covering ``d`` (tails are masked), at least 16 (``tl.dot``'s minimum) and at most cap."""
+    b = 16
+    while b < d and b < cap:
+        b *= 2
+    return b

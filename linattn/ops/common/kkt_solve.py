@@ -1,0 +1,171 @@
+"""Stage 2: A = strict_lower(diag(β) K Kᵀ ⊙ D) and A_inv = (I + A)⁻¹, one 64×64 chunk per program.
+
+Twin: ``torch_chunk.kkt_solve_ref``. Output ``A_inv [B, T, HV, BT]`` fp32: row t holds row (t − chunk start) of
+its chunk's inverse; columns past the chunk's length are 0 (the inverse is lower triangular).
+
+Method (exact, no iteration to convergence). Split the chunk into four 16-row blocks, A_ij (i ≥ j):
+  1. the ten blocks A_ij = β_i (K_i K_jᵀ) ⊙ e^{G_i − G_j}: ten 16×16 dots per K tile, in the input dtype
+     (products of inputs are exact in fp32 accumulation); the gate difference is masked *before* exp, so padded
+     rows and the upper triangle never overflow, and e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
+  2. forward substitution on each diagonal block: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in registers;
+  3. block merges, Ainv_ij = −Ainv_ii Σ_{j ≤ m < i} A_im Ainv_mj: six levels of 16×16 fp32 dots ("ieee").
+Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
+(entries of A³² reach C(63, 31) ≈ 1e18 while the inverse stays O(1)); substitution does not.
+Per chunk it reads BT·K keys, 2·BT gates/betas and writes BT·BT fp32; the ~2·BT²·K FLOPs are ~5% of the forward.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import CHUNK, block_size, dot_precision
+from .varlen import chunk_bounds
+
+
+@triton.jit
+def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr,
+                DIAG: tl.constexpr):
+    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} on the rows o_i / columns o_j of the chunk, 0 where masked."""
+    m_i = o_i < T_seq
+    m_j = o_j < T_seq
+    m_A = m_i[:, None] & m_j[None, :]
+    if DIAG:
+        m_A = m_A & (o_i[:, None] > o_j[None, :])
+    b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
+    if USE_DECAY:
+        b_gi = tl.load(gc + (bos + o_i) * HV + i_hv, mask=m_i, other=0)
+        b_gj = tl.load(gc + (bos + o_j) * HV + i_hv, mask=m_j, other=0)
+        b_A = b_A * tl.exp(tl.where(m_A, b_gi[:, None] - b_gj[None, :], float("-inf")))
+    return tl.where(m_A, b_A * b_beta[:, None], 0.)
+
+
+@triton.jit
+def _invert_diag_block(b_A, o_r):
+    """(I + A)⁻¹ of a strictly lower 16×16 block by forward substitution: with N = (I + A)⁻¹ − I, row r is
+    N_r = −A_r + Σ_{m<r} (−A_rm) N_m; rows m < r of b_N already hold N_m, rows ≥ r still hold −A (unused)."""
+    b_N = -b_A
+    for r in range(1, 16):
+        m_r = (o_r == r)[:, None]
+        b_a = tl.sum(tl.where(m_r, b_N, 0.), 0)
+        b_a = b_a + tl.sum(b_a[:, None] * b_N, 0)
+        b_N = tl.where(m_r, b_a[None, :], b_N)
+    return b_N + (o_r[:, None] == o_r[None, :]).to(tl.float32)
+
+
+@triton.jit
+def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+                     USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
+    tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
+    T_seq = eos - bos
+    o_r = tl.arange(0, 16)
+    o_0 = i_c * BT + o_r
+    o_1, o_2, o_3 = o_0 + 16, o_0 + 32, o_0 + 48
+
+    # 1. K Kᵀ in ten 16×16 blocks, accumulated over K tiles (read BT×K keys once)
+    b_A00 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A10 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A11 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A20 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A21 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A22 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A30 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A31 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A32 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A33 = tl.zeros([16, 16], dtype=tl.float32)
+    p_k0 = k + (bos * H + i_h) * K
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k = tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (16, BK), (1, 0))
+        b_k0 = tl.load(p_k, boundary_check=(0, 1))
+        b_k1 = tl.load(tl.advance(p_k, (16, 0)), boundary_check=(0, 1))
+        b_k2 = tl.load(tl.advance(p_k, (32, 0)), boundary_check=(0, 1))
+        b_k3 = tl.load(tl.advance(p_k, (48, 0)), boundary_check=(0, 1))
+        b_A00 += tl.dot(b_k0, tl.trans(b_k0), input_precision=DOT_PREC)
+        b_A10 += tl.dot(b_k1, tl.trans(b_k0), input_precision=DOT_PREC)
+        b_A11 += tl.dot(b_k1, tl.trans(b_k1), input_precision=DOT_PREC)
+        b_A20 += tl.dot(b_k2, tl.trans(b_k0), input_precision=DOT_PREC)
+        b_A21 += tl.dot(b_k2, tl.trans(b_k1), input_precision=DOT_PREC)
+        b_A22 += tl.dot(b_k2, tl.trans(b_k2), input_precision=DOT_PREC)
+        b_A30 += tl.dot(b_k3, tl.trans(b_k0), input_precision=DOT_PREC)
+        b_A31 += tl.dot(b_k3, tl.trans(b_k1), input_precision=DOT_PREC)
+        b_A32 += tl.dot(b_k3, tl.trans(b_k2), input_precision=DOT_PREC)
+        b_A33 += tl.dot(b_k3, tl.trans(b_k3), input_precision=DOT_PREC)
+    # β_i and the decay e^{G_i − G_j}, masked before exp
+    b_A00 = _gate_block(b_A00, gc, beta, bos, T_seq, o_0, o_0, i_hv, HV, USE_DECAY, True)
+    b_A10 = _gate_block(b_A10, gc, beta, bos, T_seq, o_1, o_0, i_hv, HV, USE_DECAY, False)
+    b_A11 = _gate_block(b_A11, gc, beta, bos, T_seq, o_1, o_1, i_hv, HV, USE_DECAY, True)
+    b_A20 = _gate_block(b_A20, gc, beta, bos, T_seq, o_2, o_0, i_hv, HV, USE_DECAY, False)
+    b_A21 = _gate_block(b_A21, gc, beta, bos, T_seq, o_2, o_1, i_hv, HV, USE_DECAY, False)
+    b_A22 = _gate_block(b_A22, gc, beta, bos, T_seq, o_2, o_2, i_hv, HV, USE_DECAY, True)
+    b_A30 = _gate_block(b_A30, gc, beta, bos, T_seq, o_3, o_0, i_hv, HV, USE_DECAY, False)
+    b_A31 = _gate_block(b_A31, gc, beta, bos, T_seq, o_3, o_1, i_hv, HV, USE_DECAY, False)
+    b_A32 = _gate_block(b_A32, gc, beta, bos, T_seq, o_3, o_2, i_hv, HV, USE_DECAY, False)
+    b_A33 = _gate_block(b_A33, gc, beta, bos, T_seq, o_3, o_3, i_hv, HV, USE_DECAY, True)
+
+    # 2. diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
+    b_T00 = _invert_diag_block(b_A00, o_r)
+    b_T11 = _invert_diag_block(b_A11, o_r)
+    b_T22 = _invert_diag_block(b_A22, o_r)
+    b_T33 = _invert_diag_block(b_A33, o_r)
+
+    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj
+    b_T10 = -tl.dot(b_T11, tl.dot(b_A10, b_T00, input_precision="ieee"), input_precision="ieee")
+    b_T21 = -tl.dot(b_T22, tl.dot(b_A21, b_T11, input_precision="ieee"), input_precision="ieee")
+    b_T32 = -tl.dot(b_T33, tl.dot(b_A32, b_T22, input_precision="ieee"), input_precision="ieee")
+    b_T20 = -tl.dot(b_T22, tl.dot(b_A20, b_T00, input_precision="ieee")
+                    + tl.dot(b_A21, b_T10, input_precision="ieee"), input_precision="ieee")
+    b_T31 = -tl.dot(b_T33, tl.dot(b_A31, b_T11, input_precision="ieee")
+                    + tl.dot(b_A32, b_T21, input_precision="ieee"), input_precision="ieee")
+    b_T30 = -tl.dot(b_T33, tl.dot(b_A30, b_T00, input_precision="ieee")
+                    + tl.dot(b_A31, b_T10, input_precision="ieee")
+                    + tl.dot(b_A32, b_T20, input_precision="ieee"), input_precision="ieee")
+
+    # write all sixteen blocks (the upper ones as zeros) of the chunk's rows; rows past eos are not written
+    p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (16, 16),
+                            (1, 0))
+    b_zero = tl.zeros([16, 16], dtype=tl.float32)
+    tl.store(p_T, b_T00, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (0, 16)), b_zero, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (0, 32)), b_zero, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (0, 48)), b_zero, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (16, 0)), b_T10, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (16, 16)), b_T11, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (16, 32)), b_zero, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (16, 48)), b_zero, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (32, 0)), b_T20, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (32, 16)), b_T21, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (32, 32)), b_T22, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (32, 48)), b_zero, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (48, 0)), b_T30, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (48, 16)), b_T31, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (48, 32)), b_T32, boundary_check=(0, 1))
+    tl.store(tl.advance(p_T, (48, 48)), b_T33, boundary_check=(0, 1))
+
+
+def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], HV: int,
+              cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
+              chunk_size: int = CHUNK) -> torch.Tensor:
+    """A_inv = (I + strict_lower(diag(β) K Kᵀ ⊙ D))⁻¹ per chunk.
+
+    Args:
+        k: keys ``[B, T, H, K]``; value head i reads key head ``i // (HV // H)``.
+        beta: ``[B, T, HV]``. gc: chunk-local cumulative log decay ``[B, T, HV]`` fp32, or None for no decay.
+        cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
+    Returns:
+        A_inv ``[B, T, HV, BT]`` fp32 (row t = row of t's chunk inverse, zero past the chunk's length).
+    """
+    B, T, H, K = k.shape
+    A_inv = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    kkt_solve_kernel[(NT, B * HV)](
+        k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
+        DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None)
+    return A_inv

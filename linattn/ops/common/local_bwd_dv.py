@@ -1,0 +1,75 @@
+"""Backward stage 1: dv_local = scale·Pᵀ dO, the part of dV_new that needs no state (twin:
+``torch_chunk_bwd_parts.local_bwd_dv_ref``).
+
+P = Q Kᵀ ⊙ D with D_ij = e^{G_i − G_j} on the inclusive lower triangle, so dv_local_j = scale·Σ_{i ≥ j} P_ij dO_i.
+It is parallel over chunks; the sequential reverse pass (state_pass_bwd.py) then adds the state's share.
+
+One program per (chunk, value head). Per chunk it reads q, k (BT×K), the gates (BT) and dO (BT×V), and writes
+dv_local (BT×V, fp32). Pᵀ is built once (a K loop of BT×BK×BT dots) and reused for every V tile.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64
+
+
+@triton.jit
+def local_bwd_dv_kernel(
+    q, k, gc, do, dv, cu_seqlens, chunk_indices, scale,
+    T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        i_n, i_t = tl.load(chunk_indices + i_t * 2).to(tl.int32), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T = eos - bos
+    else:
+        bos, eos = i_b.to(tl.int64) * T, i_b.to(tl.int64) * T + T
+
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0.)
+    # Pᵀ_ji = k_j·q_i e^{G_i − G_j} for i ≥ j; the exponent is masked before exp, so it never overflows
+    m_ji = (o_t[None, :] >= o_t[:, None]) & m_t[:, None] & m_t[None, :]
+    b_decay = tl.exp(tl.where(m_ji, b_g[None, :] - b_g[:, None], float('-inf')))
+
+    b_Pt = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
+        b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
+        b_Pt += tl.dot(b_k, tl.trans(b_q), input_precision="ieee")
+    b_Pt = (b_Pt * b_decay * scale).to(k.dtype.element_ty)
+
+    for i_v in range(tl.cdiv(V, BV)):
+        p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_dv = tl.make_block_ptr(dv + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero").to(k.dtype.element_ty)
+        b_dv = tl.dot(b_Pt, b_do, input_precision="ieee")
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+
+
+def local_bwd_dv(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, do: torch.Tensor, scale: float,
+                 cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """dv_local ``[B, T, HV, V]`` fp32 from q, k ``[B, T, H, K]``, gc ``[B, T, HV]`` fp32 (chunk-local cumsum of
+    g) and do ``[B, T, HV, V]``. With cu_seqlens (B == 1), chunk_indices ``[NT, 2]`` lists (sequence, chunk)."""
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
+    dv = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    local_bwd_dv_kernel[(NT, B * HV)](
+        q, k, gc, do, dv, cu_seqlens, chunk_indices, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+    )
+    return dv

@@ -1,0 +1,92 @@
+"""Stage 5: the output O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new], parallel over chunks.
+
+Twin: ``torch_chunk.output_fwd_ref``. One program per (BV slice, chunk, value head). Per program:
+    K tiles (BK = 64):  read BT×BK queries + BT×BK keys + BK×BV fp32 state,
+                        O_inter += Q S (fp32 operands, DOT_PREC),  P += Q Kᵀ (input dtype: exact products)
+    then                read BT gates + BT×BV fp32 V_new, O = scale·(Γ ⊙ O_inter + (P ⊙ D) V_new),
+                        write BT×BV in the output dtype.
+BV = 64 keeps the two fp32 accumulators ([BT, BV] and [BT, BT]) at 8192 values; Q Kᵀ is recomputed for every V
+slice, which costs 2·BT²·K FLOPs per slice (cheap next to re-reading h). D_ij = e^{G_i − G_j} is formed from the
+masked difference (upper triangle and padded rows → −inf → 0). The same kernel serves plain gated linear attention
+by passing V as ``v_new``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import CHUNK, block_size, dot_precision
+from .varlen import chunk_bounds
+
+
+@triton.jit
+def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
+                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # grid (cdiv(V, BV), NT, B·HV)
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
+    T_seq = eos - bos
+    # global chunk index into h [B, NT, HV, K, V] (varlen: B = 1 and i_t is already global)
+    i_tg = i_b.to(tl.int64) * NT + i_t
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_P = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
+                                (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (i_k * BK, i_c * BT), (BK, BT),
+                                (0, 1))
+        p_h = tl.make_block_ptr(h + (i_tg * HV + i_hv) * K * V, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV),
+                                (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_kt = tl.load(p_k, boundary_check=(0, 1))
+        b_h = tl.load(p_h, boundary_check=(0, 1))
+        b_o += tl.dot(b_q.to(tl.float32), b_h, input_precision=DOT_PREC)
+        b_P += tl.dot(b_q, b_kt, input_precision=DOT_PREC)
+
+    m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    if USE_DECAY:
+        b_gc = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+        b_o *= tl.exp(b_gc)[:, None]
+        b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    else:
+        b_P = tl.where(m_P, b_P, 0.)
+
+    p_v = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                            (1, 0))
+    b_v = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32)
+    b_o = (b_o + tl.dot(b_P, b_v, input_precision=DOT_PREC)) * scale
+    p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                            (1, 0))
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+
+
+def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, gc: Optional[torch.Tensor],
+               scale: float, out_dtype: torch.dtype, cu_seqlens: Optional[torch.Tensor] = None,
+               chunk_indices: Optional[torch.Tensor] = None, chunk_size: int = CHUNK) -> torch.Tensor:
+    """O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new] per chunk.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v_new: ``[B, T, HV, V]`` (fp32 from the state pass; plain GLA: the values);
+        h: ``[B, NT, HV, K, V]`` fp32 states entering each chunk; gc: ``[B, T, HV]`` fp32 or None.
+    Returns:
+        o ``[B, T, HV, V]`` in ``out_dtype``.
+    """
+    B, T, H, K = q.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    BV = block_size(V, 64)
+    output_fwd_kernel[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        BK=block_size(K, 64), BV=BV, DOT_PREC=dot_precision(q.dtype), USE_DECAY=gc is not None,
+        IS_VARLEN=cu_seqlens is not None)
+    return o

@@ -1,0 +1,139 @@
+"""Stage 4 (forward): the sequential walk over chunks, the only stage that is not parallel over chunks.
+
+Twin: ``torch_chunk.state_pass_fwd_ref``. Per chunk, with S the state entering it (fp32, in registers):
+
+    h[chunk]  = S                                        write BK×BV fp32
+    V_new     = U − W S                                  read BT×K (W) + BT×BV (U) fp32, write BT×BV fp32
+    S        ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new      read BT×K keys + BT gates
+
+One program owns one (sequence, value head, BV-wide slice of V) and holds the whole K extent of the state
+(BK = next power of two ≥ K, up to 256), because W S needs every row of S. BV is what keeps the register tile
+[BK, BV] fp32 bounded: 64 columns up to K = 128, 32 beyond (≤ 8192 fp32 per program); the V slices of one head
+are independent programs, which also multiplies the parallelism of this sequential stage.
+The decay of the last token, e^{G_C − G_t}, is formed from the masked difference (padded rows → −inf → 0).
+With ``STORE_V_NEW``/``USE_DELTA`` off the same walk serves plain gated linear attention (V_new = U = V).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import CHUNK, block_size, dot_precision
+
+
+@triton.jit
+def _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr, USE_DELTA: tl.constexpr):
+    """One chunk of the walk: write h[chunk] = S and V_new, return the state leaving the chunk."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    # the state entering chunk i_c
+    tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_h, mask=m_kv)
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+
+    p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                            (1, 0))
+    b_v = tl.load(p_u, boundary_check=(0, 1)).to(tl.float32)
+    if USE_DELTA:
+        # V_new = U − W S (padded rows of W and U load as 0, so their V_new is 0)
+        p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T_seq, K), (HV * K, 1), (i_c * BT, 0), (BT, BK),
+                                (1, 0))
+        b_w = tl.load(p_w, boundary_check=(0, 1)).to(tl.float32)
+        b_v -= tl.dot(b_w, b_h, input_precision=DOT_PREC)
+        p_vn = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV),
+                                 (BT, BV), (1, 0))
+        tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
+
+    p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (0, i_c * BT), (BK, BT), (0, 1))
+    b_kt = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32)
+    if USE_DECAY:
+        i_last = tl.minimum((i_c + 1) * BT, T_seq) - 1
+        b_g_last = tl.load(gc + (bos + i_last) * HV + i_hv)
+        b_gc = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+        b_kt = b_kt * tl.exp(tl.where(m_t, b_g_last - b_gc, float("-inf")))[None, :]
+        b_h *= tl.exp(b_g_last)
+    # S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
+    b_h += tl.dot(b_kt, b_v, input_precision=DOT_PREC)
+    return b_h
+
+
+@triton.jit
+def state_pass_fwd_kernel(k, w, u, gc, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
+                          USE_DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # grid (cdiv(V, BV), N·HV)
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        boh = i_n.to(tl.int64) * NT
+    T_seq = eos - bos
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    o_s = i_nh.to(tl.int64) * K * V
+    if USE_INITIAL_STATE:
+        b_h = tl.load(h0 + o_s + o_kv, mask=m_kv, other=0).to(tl.float32)
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+
+    # a while loop, not range(): the interpreter cannot take range() of a runtime bound (numpy >= 2 refuses
+    # int() of its 1-element arrays); compiled, both lower to the same sequential loop
+    NT_seq = tl.cdiv(T_seq, BT)
+    i_c = 0
+    while i_c < NT_seq:
+        b_h = _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
+                          DOT_PREC, USE_DECAY, USE_DELTA)
+        i_c += 1
+
+    tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
+
+
+def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, gc: Optional[torch.Tensor],
+                   initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
+                   chunk_offsets: Optional[torch.Tensor] = None, num_chunks: Optional[int] = None,
+                   chunk_size: int = CHUNK) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Walk the chunks of every sequence in order.
+
+    Args:
+        k: keys ``[B, T, H, K]`` (value head i reads key head ``i // (HV // H)``).
+        w: ``[B, T, HV, K]`` fp32 (the delta rule's W), or None for plain gated linear attention.
+        u: ``[B, T, HV, V]``: the WY U (delta rule) or the values (plain GLA).
+        gc: ``[B, T, HV]`` fp32 chunk-local cumulative log decay, or None (no decay).
+        initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
+        cu_seqlens, chunk_offsets, num_chunks: varlen offsets ``[N + 1]``, :func:`varlen.chunk_tables`
+            chunk_offsets and NT_total; or None.
+    Returns:
+        h ``[B, NT, HV, K, V]`` fp32 (the state entering each chunk; varlen: B = 1, NT = NT_total),
+        v_new ``[B, T, HV, V]`` fp32 (None without ``w``), final state ``[N, HV, K, V]`` fp32.
+    """
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    is_varlen = cu_seqlens is not None
+    N = cu_seqlens.shape[0] - 1 if is_varlen else B
+    NT = num_chunks if is_varlen else triton.cdiv(T, chunk_size)
+    h = torch.empty(B, NT, HV, K, V, dtype=torch.float32, device=k.device)
+    v_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device) if w is not None else None
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
+    BK = block_size(K, 256)
+    BV = block_size(V, 64 if BK <= 128 else 32)
+    state_pass_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        k, w, u, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
+        USE_DELTA=w is not None, USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=is_varlen)
+    return h, v_new, ht

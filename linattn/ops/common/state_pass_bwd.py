@@ -1,0 +1,106 @@
+"""Backward stage 2: the reverse walk over chunks carrying dS (twin: ``torch_chunk.state_pass_bwd_ref``).
+
+dS is the gradient of the state *leaving* the current chunk. Walking the chunks of one sequence backwards:
+
+    dh[c]      = dS                                                   (stored for the local stages)
+    dV_new     = dv_local + (K ⊙ e^{G_C − G}) dS                       (dv_local from local_bwd_dv.py)
+    dS        ← e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new
+    dh0        = dS after the first chunk
+
+One program per (V tile, sequence, value head) holds a K × BV tile of dS in fp32 registers for the whole walk;
+the V tiles are independent because every update is column-wise in V. Per chunk it reads q, k, w (BT×K), dO and
+dv_local (BT×BV) and the gates, and writes dh (K×BV, fp32) and dV_new (BT×BV, fp32). K is one tile (≤ 256), so
+BV shrinks as K grows to bound the registers the carried state takes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64
+
+
+@triton.jit
+def state_pass_bwd_kernel(
+    q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale,
+    T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T = eos - bos
+        NT = tl.cdiv(T, BT)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos, eos = i_n.to(tl.int64) * T, i_n.to(tl.int64) * T + T
+        NT = tl.cdiv(T, BT)
+        boh = i_n.to(tl.int64) * NT
+    DT = k.dtype.element_ty
+
+    p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+    b_dh = tl.load(p_dht, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+
+    for i_t in range(NT - 1, -1, -1):
+        p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        tl.store(p_dh, b_dh, boundary_check=(0, 1))
+
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0.)
+        b_g_last = tl.load(gc + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_hv)
+
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_dvl = tl.make_block_ptr(dv_local + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
+        b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
+        b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero").to(DT)
+        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero").to(DT)
+
+        # dV_new = dv_local + (K ⊙ e^{G_C − G}) dS; masked rows get exponent −inf, so padding stays 0
+        b_k_decay = b_k * tl.exp(tl.where(m_t, b_g_last - b_g, float('-inf')))[:, None]
+        b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
+        b_dv += tl.dot(b_k_decay.to(DT), b_dh.to(DT), input_precision="ieee")
+        tl.store(p_dvn, b_dv, boundary_check=(0, 1))
+
+        # dS ← e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new (Γ ≤ 1: G is a cumsum of g ≤ 0)
+        b_q_decay = b_q * (scale * tl.exp(tl.where(m_t, b_g, float('-inf'))))[:, None]
+        b_dh *= tl.exp(b_g_last)
+        b_dh += tl.dot(tl.trans(b_q_decay.to(DT)), b_do, input_precision="ieee")
+        b_dh -= tl.dot(tl.trans(b_w), b_dv.to(DT), input_precision="ieee")
+
+    p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+    tl.store(p_dh0, b_dh, boundary_check=(0, 1))
+
+
+def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.Tensor, do: torch.Tensor,
+                   dv_local: torch.Tensor, dht: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
+                   chunk_offsets: torch.Tensor | None = None, num_chunks: int | None = None):
+    """Reverse pass. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``; gc ``[B, T, HV]`` fp32; do, dv_local
+    ``[B, T, HV, V]``; dht ``[N, HV, K, V]``. With cu_seqlens (B == 1), chunk_offsets ``[N + 1]`` gives each
+    sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk),
+    dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``, all fp32."""
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    NT = num_chunks if cu_seqlens is not None else triton.cdiv(T, BT)
+    dh = torch.empty(B, NT, HV, K, V, dtype=torch.float32, device=q.device)
+    dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
+    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
+    BK = max(16, triton.next_power_of_2(K))
+    # the carried dS tile is BK × BV fp32: keep it at ≤ 8K elements (64 registers a thread at 4 warps)
+    BV = max(16, min(64, triton.next_power_of_2(V), 8192 // BK))
+    state_pass_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+    )
+    return dh, dv_new, dh0

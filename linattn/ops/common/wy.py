@@ -1,0 +1,85 @@
+"""Stage 3: the WY (UT) representation W = A_inv diag(βΓ) K and U = A_inv diag(β) V, Γ = e^{G}.
+
+Twin: ``torch_chunk.wy_ref``. One program per (chunk, value head) reads the chunk's fp32 A_inv [BT, BT] once and
+streams K and V through it in BK/BV-wide tiles (64: a [64, 64] fp32 operand pair per dot keeps the register
+footprint flat for K, V up to 256). Per chunk: read BT² fp32 + BT·(K + V) inputs, write BT·(K + V) fp32.
+The β(Γ) row scaling is applied to the K/V tile in fp32 before the dot, so only one rounding (the dot's
+operand precision, see ``common/__init__.py``) touches the product.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import CHUNK, block_size, dot_precision
+from .varlen import chunk_bounds
+
+
+@triton.jit
+def wy_kernel(k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # grid (NT, B·HV)
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
+    T_seq = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+
+    # read A_inv [BT, BT] fp32 and the row scales β, βΓ (0 on padded rows)
+    p_A = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
+                            (1, 0))
+    b_A = tl.load(p_A, boundary_check=(0, 1))
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+    if USE_DECAY:
+        b_bg = b_beta * tl.exp(tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0))
+    else:
+        b_bg = b_beta
+
+    # W = A_inv (βΓ ⊙ K): read BT×BK keys, write BT×BK fp32 per tile
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
+                                (1, 0))
+        p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T_seq, K), (HV * K, 1), (i_c * BT, i_k * BK),
+                                (BT, BK), (1, 0))
+        b_kb = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32) * b_bg[:, None]
+        b_w = tl.dot(b_A, b_kb, input_precision=DOT_PREC)
+        tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+
+    # U = A_inv (β ⊙ V): read BT×BV values, write BT×BV fp32 per tile
+    for i_v in range(tl.cdiv(V, BV)):
+        p_v = tl.make_block_ptr(v + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                                (1, 0))
+        p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV),
+                                (BT, BV), (1, 0))
+        b_vb = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
+        b_u = tl.dot(b_A, b_vb, input_precision=DOT_PREC)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+
+
+def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], A_inv: torch.Tensor,
+           cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
+           chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = A_inv diag(βΓ) K and U = A_inv diag(β) V per chunk.
+
+    Args:
+        k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; beta: ``[B, T, HV]``; gc: ``[B, T, HV]`` fp32 or None (Γ = 1);
+        A_inv: ``[B, T, HV, BT]`` fp32 from :func:`kkt_solve.kkt_solve`.
+    Returns:
+        w ``[B, T, HV, K]`` and u ``[B, T, HV, V]``, both fp32.
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    w = torch.empty(B, T, HV, K, dtype=torch.float32, device=k.device)
+    u = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    wy_kernel[(NT, B * HV)](
+        k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
+        IS_VARLEN=cu_seqlens is not None)
+    return w, u

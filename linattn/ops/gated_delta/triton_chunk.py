@@ -1,0 +1,99 @@
+"""Triton forward of the chunked gated delta rule: chains the stages of ``linattn/ops/common``.
+
+    gc     = chunk_local_cumsum(g)                     [B, T, HV]      fp32
+    A_inv  = kkt_solve(k, β, gc)                       [B, T, HV, BT]  fp32  (row t: row of its chunk's (I + A)⁻¹)
+    w, u   = wy_fwd(k, v, β, gc, A_inv)                [B, T, HV, K], [B, T, HV, V]  fp32
+    h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state)
+                                                       [B, NT, HV, K, V] fp32 (state entering each chunk),
+                                                       [B, T, HV, V] fp32, [N, HV, K, V] fp32
+    o      = output_fwd(q, k, v_new, h, gc, scale)     [B, T, HV, V]   v.dtype
+
+Layout contract with the backward (token-major, like the public API): as above, chunk size BT = 64; with
+``cu_seqlens`` (B == 1) chunks never cross a sequence boundary and h's chunk axis is NT_total, indexed through
+``chunk_offsets`` (first global chunk of each sequence). Grouped value heads (HV > H) read q/k head
+``i_hv // (HV // H)`` in the kernels; the repeat is never materialised.
+
+Intermediate dtype: w, u and v_new are fp32 for every input dtype. They feed dots against the fp32 state, so
+storing them in bf16 would add a bf16 rounding (~1e-3 relative) to each — more than the whole 2e-3 error budget
+of a bf16 output allows next to the output's own rounding. See ``common/__init__.py`` for the dot precisions.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+
+from ..common import CHUNK
+from ..common.cumsum import chunk_local_cumsum
+from ..common.kkt_solve import kkt_solve
+from ..common.output import output_fwd
+from ..common.state_pass import state_pass_fwd
+from ..common.varlen import chunk_tables
+from ..common.wy import wy_fwd
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class FwdStages(NamedTuple):
+    """Everything the forward computes; the backward recomputes it with :func:`chunk_gated_delta_rule_fwd_stages`.
+
+    Shapes (varlen: B = 1, NT = NT_total): o ``[B, T, HV, V]`` (v.dtype); final_state ``[N, HV, K, V]``; gc
+    ``[B, T, HV]``; A_inv ``[B, T, HV, 64]``; w ``[B, T, HV, K]``; u, v_new ``[B, T, HV, V]``; h
+    ``[B, NT, HV, K, V]``, all fp32. chunk_indices ``[NT_total, 2]`` / chunk_offsets ``[N + 1]`` int32 (None
+    without cu_seqlens).
+    """
+    o: torch.Tensor
+    final_state: torch.Tensor
+    gc: torch.Tensor
+    A_inv: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    v_new: torch.Tensor
+    h: torch.Tensor
+    chunk_indices: Optional[torch.Tensor]
+    chunk_offsets: Optional[torch.Tensor]
+
+
+def chunk_gated_delta_rule_fwd_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
+                                      cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]]
+                                      ) -> FwdStages:
+    """Run every forward stage and return the output, the final state and the intermediates.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (HV % H == 0); g (log decay), beta: ``[B, T, HV]``;
+            all contiguous (the public op makes them so). q, k, v share one dtype: fp16, bf16 or fp32.
+        scale: query scale. initial_state: ``[N, HV, K, V]`` or None.
+        cu_seqlens: ``[N + 1]`` device offsets (B == 1) or None; offsets: the same values as a host list.
+    """
+    if v.dtype not in TRITON_DTYPES:
+        raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
+                        "for float64")
+    B, T = q.shape[:2]
+    if cu_seqlens is not None:
+        if offsets is None:
+            offsets = cu_seqlens.tolist()
+        chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
+        num_chunks = chunk_indices.shape[0]
+    else:
+        chunk_indices = chunk_offsets = None
+        num_chunks = triton.cdiv(T, CHUNK)
+    HV = v.shape[2]
+
+    gc = chunk_local_cumsum(g, cu_seqlens, chunk_indices)
+    A_inv = kkt_solve(k, beta, gc, HV, cu_seqlens, chunk_indices)
+    w, u = wy_fwd(k, v, beta, gc, A_inv, cu_seqlens, chunk_indices)
+    h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets, num_chunks)
+    o = output_fwd(q, k, v_new, h, gc, scale, v.dtype, cu_seqlens, chunk_indices)
+    return FwdStages(o, final_state, gc, A_inv, w, u, v_new, h, chunk_indices, chunk_offsets)
+
+
+def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
+                                      cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]]
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of the triton backend: o ``[B, T, HV, V]`` in v.dtype and the final state ``[N, HV, K, V]`` fp32.
+    Arguments as :func:`chunk_gated_delta_rule_fwd_stages`."""
+    st = chunk_gated_delta_rule_fwd_stages(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets)
+    return st.o, st.final_state
