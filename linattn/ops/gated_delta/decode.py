@@ -1,0 +1,189 @@
+"""``gated_delta_rule_decode``: one serving step of Gated DeltaNet over a pool of recurrent states.
+
+A serving engine keeps one ``[HV, K, V]`` state per live sequence in a pool ``[P, HV, K, V]`` and addresses it
+by slot (continuous batching: sequences come and go, slots are reused). Each step feeds 1 token per sequence
+(or a few: speculative verification) and must read and write each state exactly once; that traffic is the whole
+cost, so the step is one kernel launch that reads the state, walks the tokens in registers and writes the state
+back **in place**. This is the one linattn op that mutates an input: the pool.
+
+State layout: K-major ``[K, V]`` per head (row k holds V contiguous values), the layout of
+``chunk_gated_delta_rule``'s ``initial_state`` / ``final_state``: a prefill's final state goes into the pool with a
+plain copy, and a pool row is a valid ``initial_state``. (The kernel tiles V; each tile's reads are contiguous
+rows of BV values, so the layout costs no bandwidth.)
+
+Slots: ``state_indices[b]`` is the pool row of sequence b. A negative slot means "no state": the sequence starts
+from a zero state and nothing is written back (its outputs, and intermediate states if asked, are still
+produced): padding rows of a CUDA graph batch use it. Two sequences sharing a slot would race on one state, so
+duplicate non-negative slots are a ValueError (checked on the host; see ``check_indices``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..utils import check_gated_delta_inputs, select_backend
+from .recurrent import fused_recurrent_fwd_ref, load_recurrent_kernels, prepare_ref
+
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_pool(state_pool, state_indices, B: int, HV: int, K: int, V: int, device, check_values: bool) -> None:
+    if not isinstance(state_pool, torch.Tensor):
+        raise TypeError(f"state_pool must be a torch.Tensor, got {type(state_pool).__name__}")
+    if state_pool.dtype not in POOL_DTYPES:
+        raise TypeError(f"state_pool must have dtype in {[str(d) for d in POOL_DTYPES]}, got {state_pool.dtype}")
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state_pool must be [P, HV, K, V] with (HV, K, V) = {(HV, K, V)}, got "
+                         f"{tuple(state_pool.shape)}")
+    if state_pool.device != device:
+        raise ValueError(f"state_pool is on {state_pool.device} but q is on {device}")
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool must be contiguous: it is updated in place, and a strided pool would be "
+                         "updated through a copy that the caller never sees")
+    P = state_pool.shape[0]
+    if state_indices is None:
+        if P < B:
+            raise ValueError(f"without state_indices sequence b uses pool row b, so the pool needs P >= B = {B} "
+                             f"rows, got P = {P}")
+        return
+    if not isinstance(state_indices, torch.Tensor):
+        raise TypeError(f"state_indices must be a torch.Tensor, got {type(state_indices).__name__}")
+    if state_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"state_indices must be int32 or int64, got {state_indices.dtype}")
+    if tuple(state_indices.shape) != (B,):
+        raise ValueError(f"state_indices must be [B] = [{B}], got {tuple(state_indices.shape)}")
+    if state_indices.device != device:
+        raise ValueError(f"state_indices is on {state_indices.device} but q is on {device}")
+    if not check_values:
+        return
+    slots = state_indices.tolist()
+    bad = [s for s in slots if s >= P]
+    if bad:
+        raise ValueError(f"state_indices must be < P = {P} (the pool's rows), got {bad}")
+    live = [s for s in slots if s >= 0]
+    if len(set(live)) != len(live):
+        dups = sorted({s for s in live if live.count(s) > 1})
+        raise ValueError(f"state_indices must not repeat a slot (two sequences would update one state): {dups}")
+
+
+def _skip_value_checks() -> bool:
+    """Reading the slots syncs with the device: impossible while a CUDA graph is captured, a graph break under
+    torch.compile. There the caller vouches for them."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@torch.library.custom_op("linattn::gated_delta_rule_decode", mutates_args=("state_pool",))
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+               state_pool: torch.Tensor, state_indices: Optional[torch.Tensor], A_log: Optional[torch.Tensor],
+               dt_bias: Optional[torch.Tensor], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+               output_intermediate_states: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns o and the intermediate states (an empty tensor when not asked: custom ops cannot return None)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if backend == "triton":
+        hs = (state_pool.new_empty(B, T, HV, K, V) if output_intermediate_states else None)
+        o = load_recurrent_kernels().fused_recurrent_fwd(
+            q, k, v, g, beta, scale, state_pool, state_pool, hs, None, state_indices, A_log, dt_bias,
+            use_qk_l2norm, use_beta_sigmoid)
+        return o, (hs if hs is not None else state_pool.new_empty(0))
+    return decode_ref(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bias, use_qk_l2norm,
+                      use_beta_sigmoid, output_intermediate_states)
+
+
+@_decode_op.register_fake
+def _(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid,
+      output_intermediate_states, backend):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    hs = state_pool.new_empty(B, T, HV, K, V) if output_intermediate_states else state_pool.new_empty(0)
+    return v.new_empty(B, T, HV, V), hs
+
+
+def decode_ref(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bias, use_qk_l2norm,
+               use_beta_sigmoid, output_intermediate_states):
+    """The torch backend and the twin of the decode launch: gather the slots' states (zero for negative slots),
+    run :func:`fused_recurrent_fwd_ref` in fp32, scatter the final states back in the pool's dtype."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    qp, kp, gp, bp = prepare_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid)
+    qp, kp = qp.repeat_interleave(HV // H, 2), kp.repeat_interleave(HV // H, 2)
+    slots = (state_indices.long() if state_indices is not None
+             else torch.arange(B, device=q.device))
+    live = slots >= 0
+    h0 = torch.where(live[:, None, None, None], state_pool[slots.clamp(min=0)].to(qp.dtype), 0.)
+    o, ht, hs = fused_recurrent_fwd_ref(qp, kp, v.to(qp.dtype), gp, bp, scale, h0, output_intermediate_states)
+    rows = live.nonzero().squeeze(1)
+    state_pool[slots[rows]] = ht[rows].to(state_pool.dtype)
+    hs = hs.to(state_pool.dtype) if output_intermediate_states else state_pool.new_empty(0)
+    return o.to(v.dtype), hs
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    output_intermediate_states: bool = False,
+    check_indices: bool = True,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""One decode step (1 or a few tokens per sequence) of the gated delta rule; updates ``state_pool`` in place.
+
+    Per sequence b and value head, starting from ``S = state_pool[state_indices[b]]`` (zeros if the slot is
+    negative), for each of its Tq tokens::
+
+        S ← exp(g_t) (I − β_t k_t k_tᵀ) S + β_t k_t v_tᵀ        o_t = scale · Sᵀ q_t
+
+    then ``state_pool[state_indices[b]] = S`` (skipped for negative slots). Inference only (no autograd).
+    The arithmetic is fp32 whatever the pool dtype: a bf16 pool is read, widened, and rounded once per step.
+
+    Args:
+        q (torch.Tensor): queries of shape ``[B, Tq, H, K]``.
+        k (torch.Tensor): keys of shape ``[B, Tq, H, K]``.
+        v (torch.Tensor): values of shape ``[B, Tq, HV, V]``; grouped value heads if ``HV > H``.
+        g (torch.Tensor): log decays ``[B, Tq, HV]``; raw gate logits when ``A_log``/``dt_bias`` are given.
+        beta (torch.Tensor): write strengths ``[B, Tq, HV]``; logits if ``use_beta_sigmoid_in_kernel``.
+        state_pool (torch.Tensor): ``[P, HV, K, V]`` fp32, bf16 or fp16, contiguous, K-major; **updated in place**.
+        state_indices (torch.Tensor): ``[B]`` int32/int64 pool rows; negative = start from zero, write nothing.
+            None: sequence b uses row b.
+        scale (float): query scale; default ``K ** -0.5``.
+        use_qk_l2norm_in_kernel (bool): L2-normalise q and k as ``x · rsqrt(Σx² + 1e-6)`` (fused).
+        A_log, dt_bias (torch.Tensor): ``[HV]``; if given, ``g ← −exp(A_log) · softplus(g + dt_bias)`` (fused).
+        use_beta_sigmoid_in_kernel (bool): ``beta ← sigmoid(beta)`` (fused).
+        output_intermediate_states (bool): also return the state after every token, ``[B, Tq, HV, K, V]`` in the
+            pool's dtype, for speculative decoding: after verifying that j tokens are accepted, roll back with
+            ``state_pool[slot] = intermediate[b, j - 1]``.
+        check_indices (bool): check on the host that slots are < P and never repeated (syncs with the device).
+            Skipped automatically while a CUDA graph is being captured or under torch.compile.
+        backend (str): ``"triton"`` (default on CUDA) or ``"torch"`` (default elsewhere).
+
+    Returns:
+        ``(o, intermediate_states)``: o ``[B, Tq, HV, V]`` in v's dtype; intermediate_states or None.
+    """
+    scale, _ = check_gated_delta_inputs(q, k, v, g, beta, scale, None, None, A_log, dt_bias)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_pool(state_pool, state_indices, B, HV, K, V, q.device,
+                check_values=bool(check_indices) and not _skip_value_checks())
+    backend = select_backend(backend, q.device)
+    if backend == "reference":
+        raise ValueError("gated_delta_rule_decode has backends 'triton' and 'torch'; the float64 reference is "
+                         "linattn.ops.gated_delta.reference.gated_delta_rule_reference")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if state_indices is not None:
+        state_indices = state_indices.contiguous()
+    o, hs = _decode_op(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bias,
+                       bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
+                       bool(output_intermediate_states), backend)
+    return o, (hs if output_intermediate_states else None)
