@@ -40,7 +40,7 @@ def local_bwd_dqk_kernel(
         i_tg = i_t.to(tl.int64)
         i_n, i_t = tl.load(chunk_indices + i_t * 2).to(tl.int32), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
         bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T = eos - bos
+        T = (eos - bos).to(tl.int32)
     else:
         i_tg = i_b.to(tl.int64) * NT + i_t
         bos, eos = i_b.to(tl.int64) * T, i_b.to(tl.int64) * T + T

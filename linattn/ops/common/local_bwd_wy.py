@@ -35,7 +35,7 @@ def local_bwd_wy_kernel(
     if IS_VARLEN:
         i_n, i_t = tl.load(chunk_indices + i_t * 2).to(tl.int32), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
         bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T = eos - bos
+        T = (eos - bos).to(tl.int32)
     else:
         bos, eos = i_b.to(tl.int64) * T, i_b.to(tl.int64) * T + T
     DT = k.dtype.element_ty

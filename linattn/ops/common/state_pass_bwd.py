@@ -34,7 +34,7 @@ def state_pass_bwd_kernel(
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
         bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T = eos - bos
+        T = (eos - bos).to(tl.int32)
         NT = tl.cdiv(T, BT)
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
@@ -46,7 +46,9 @@ def state_pass_bwd_kernel(
     p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
     b_dh = tl.load(p_dht, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 
-    for i_t in range(NT - 1, -1, -1):
+    # a while loop, not range(NT − 1, −1, −1): the interpreter cannot index a range with a runtime bound
+    i_t = NT - 1
+    while i_t >= 0:
         p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         tl.store(p_dh, b_dh, boundary_check=(0, 1))
 
@@ -77,6 +79,7 @@ def state_pass_bwd_kernel(
         b_dh *= tl.exp(b_g_last)
         b_dh += tl.dot(tl.trans(b_q_decay.to(DT)), b_do, input_precision="ieee")
         b_dh -= tl.dot(tl.trans(b_w), b_dv.to(DT), input_precision="ieee")
+        i_t -= 1
 
     p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
     tl.store(p_dh0, b_dh, boundary_check=(0, 1))
