@@ -56,8 +56,9 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
                                                        torch.Tensor, torch.Tensor]:
     offsets = _offsets(cu_seqlens, q.shape[1])
     if backend == "triton":
-        grads = _triton_impl().chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state,
-                                                                 cu_seqlens, offsets, do, dht)
+        from .triton_bwd import chunk_gated_delta_rule_bwd_triton  # lazy: triton is optional on CPU machines
+        grads = chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets, do,
+                                                  dht)
     else:
         grads = chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
     dh0 = grads[5] if grads[5] is not None else torch.zeros_like(dht)
