@@ -12,8 +12,8 @@ Grouped value heads: ``num_v_heads`` may be a multiple of ``num_heads`` (query/k
 (16 key heads, 32 value heads); value head i reads query/key head ``i // (num_v_heads // num_heads)``.
 
 Modes: ``"chunk"`` runs :func:`linattn.chunk_gated_delta_rule` (training, prefill); ``"recurrent"`` steps the
-state token by token (decode) with linattn's recurrent op when the package has one, else with the chunked op on
-the short input (exact, slower). ``mode="auto"`` (the default) picks recurrent for inputs of at most
+state token by token (decode) with :func:`linattn.fused_recurrent_gated_delta_rule`.
+``mode="auto"`` (the default) picks recurrent for inputs of at most
 ``recurrent_max_len`` tokens in eval mode, chunked otherwise.
 """
 from __future__ import annotations
@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.gated_delta.chunk import chunk_gated_delta_rule
+from ..ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule
 from .cache import GatedDeltaNetState
 from .conv import ShortConvolution
 from .norm import GatedRMSNorm, RMSNorm
@@ -33,26 +35,14 @@ from .varlen import check_layer_cu_seqlens
 MODES = ("auto", "chunk", "recurrent")
 
 
-def _recurrent_op():
-    """linattn's token-by-token decode op if this build has it (it is newer than the chunked op), else None."""
-    import linattn
-    return getattr(linattn, "fused_recurrent_gated_delta_rule", None)
-
-
 def gated_delta_rule(q, k, v, a, beta, A_log, dt_bias, *, mode: str, initial_state=None, output_final_state=False,
                      cu_seqlens=None, backend=None):
-    """Run the gated delta rule on the layer's tensors; the gate is raw (``g = −exp(A_log)·softplus(a + dt_bias)``
-    inside the op) and q, k are L2-normalised inside the op. Shapes as in :func:`linattn.chunk_gated_delta_rule`."""
-    from ..ops.gated_delta.chunk import chunk_gated_delta_rule
-    if mode == "recurrent":
-        op = _recurrent_op()
-        if op is not None:
-            from ..ops.utils import gate_from_raw
-            return op(q, k, v, gate_from_raw(a, A_log, dt_bias), beta, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-    return chunk_gated_delta_rule(q, k, v, a, beta, initial_state=initial_state, output_final_state=output_final_state,
-                                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                  backend=backend)
+    """Run the gated delta rule on the layer's tensors: ``mode="chunk"`` with the chunked op, ``"recurrent"`` with
+    the token-by-token op. The gate is raw (``g = −exp(A_log)·softplus(a + dt_bias)`` inside the op) and q, k are
+    L2-normalised inside the op. Shapes as in :func:`linattn.chunk_gated_delta_rule`."""
+    op = fused_recurrent_gated_delta_rule if mode == "recurrent" else chunk_gated_delta_rule
+    return op(q, k, v, a, beta, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, backend=backend)
 
 
 class GatedDeltaNet(nn.Module):
