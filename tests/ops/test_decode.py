@@ -1,0 +1,232 @@
+"""gated_delta_rule_decode against the float64 reference, on both backends (the Triton kernel under the
+interpreter): one step, many steps, several tokens per step with intermediate states (speculative rollback),
+slots with gaps, negative slots, rejected slots, a bf16 pool, fused gating, and prefill with the chunked op
+followed by decode steps equal to the chunked op over the whole sequence.
+
+Shapes: K = 20 and V = 36 are not powers of two (the kernel's K and V tails); HV = 2·H (grouped heads).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.utils import gate_from_raw, l2norm
+
+# relative RMS error against float64, by pool dtype (bf16: the state is rounded to 8 bits once per step)
+TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+
+H, HV, K, V = 1, 2, 20, 36
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+
+
+def make_tokens(B: int, T: int, gate_in_op: bool = False, l2norm_qk: bool = False):
+    t = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V))
+    if not l2norm_qk:
+        t["k"] = F.normalize(t["k"], dim=-1)
+    if gate_in_op:
+        t["g"], t["beta"] = torch.randn(B, T, HV), torch.randn(B, T, HV)
+    else:
+        t["g"], t["beta"] = F.logsigmoid(torch.randn(B, T, HV)), torch.rand(B, T, HV)
+    return t
+
+
+def reference(t: dict, h0: torch.Tensor, gate=None, l2norm_qk=False):
+    """float64 o and final state; ``gate`` = (A_log, dt_bias): raw g and beta logits as the op's fused path."""
+    q, k, v, g, beta = (t[n].double() for n in ("q", "k", "v", "g", "beta"))
+    if l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    if gate is not None:
+        g, beta = gate_from_raw(g, gate[0].double(), gate[1].double()), beta.sigmoid()
+    return gated_delta_rule_reference(q, k, v, g, beta, K ** -0.5, h0.double())
+
+
+def rel_rms(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def slice_tokens(t: dict, lo: int, hi: int) -> dict:
+    return {n: x[:, lo:hi] for n, x in t.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_step_slots_with_gaps(backend):
+    P, slots = 8, [6, 1, 3]
+    pool = torch.randn(P, HV, K, V)
+    before = pool.clone()
+    t = make_tokens(3, 1)
+    t_before = {n: x.clone() for n, x in t.items()}
+    idx = torch.tensor(slots, dtype=torch.int32)
+    o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=idx, backend=backend)
+    ro, rht = reference(t, before[slots])
+    assert inter is None and o.shape == (3, 1, HV, V) and o.dtype == torch.float32
+    assert rel_rms(o, ro) <= TOLERANCES[torch.float32]
+    assert rel_rms(pool[slots], rht) <= TOLERANCES[torch.float32]
+    untouched = [s for s in range(P) if s not in slots]
+    assert torch.equal(pool[untouched], before[untouched]), "rows without a sequence must not change"
+    for n in t:
+        assert torch.equal(t[n], t_before[n]), f"{n} was modified"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_steps_fused_gating(backend):
+    """12 one-token steps with the gate, β sigmoid and q/k L2 norm in the op = the reference over 12 tokens."""
+    B, steps = 2, 12
+    pool = torch.randn(5, HV, K, V) * 0.1
+    slots = torch.tensor([4, 0])
+    h0 = pool[[4, 0]].clone()
+    gate = (torch.randn(HV) * 0.5, torch.randn(HV))
+    t = make_tokens(B, steps, gate_in_op=True, l2norm_qk=True)
+    outs = []
+    for s in range(steps):
+        o, _ = linattn.gated_delta_rule_decode(**slice_tokens(t, s, s + 1), state_pool=pool, state_indices=slots,
+                                               A_log=gate[0], dt_bias=gate[1], use_qk_l2norm_in_kernel=True,
+                                               use_beta_sigmoid_in_kernel=True, backend=backend)
+        outs.append(o)
+    ro, rht = reference(t, h0, gate=gate, l2norm_qk=True)
+    assert rel_rms(torch.cat(outs, 1), ro) <= TOLERANCES[torch.float32]
+    assert rel_rms(pool[[4, 0]], rht) <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multi_token_intermediate_states_and_rollback(backend):
+    B, Tq = 2, 4
+    pool = torch.randn(3, HV, K, V)
+    h0 = pool[[2, 0]].clone()
+    t = make_tokens(B, Tq)
+    o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=torch.tensor([2, 0]),
+                                               output_intermediate_states=True, backend=backend)
+    ro, _ = reference(t, h0)
+    assert rel_rms(o, ro) <= TOLERANCES[torch.float32]
+    assert inter.shape == (B, Tq, HV, K, V) and inter.dtype == pool.dtype
+    for j in range(1, Tq + 1):  # the state after j tokens = the reference over the first j tokens
+        _, rj = reference(slice_tokens(t, 0, j), h0)
+        assert rel_rms(inter[:, j - 1], rj) <= TOLERANCES[torch.float32], f"state after {j} tokens"
+    torch.testing.assert_close(pool[[2, 0]], inter[:, -1], rtol=0, atol=0)
+    pool[2] = inter[0, 1]   # rollback: sequence 0 accepted 2 of its 4 tokens; the next step starts from there
+    _, r2 = reference(slice_tokens(t, 0, 2), h0)
+    assert rel_rms(pool[2], r2[0]) <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_slot_starts_from_zero_and_writes_nothing(backend):
+    pool = torch.randn(4, HV, K, V)
+    before = pool.clone()
+    t = make_tokens(3, 2)
+    o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=torch.tensor([-1, 3, -7]),
+                                               output_intermediate_states=True, backend=backend)
+    h0 = torch.stack([torch.zeros(HV, K, V), before[3], torch.zeros(HV, K, V)])
+    ro, rht = reference(t, h0)
+    assert rel_rms(o, ro) <= TOLERANCES[torch.float32]
+    assert rel_rms(inter[:, -1], rht) <= TOLERANCES[torch.float32]
+    assert torch.equal(pool[:3], before[:3])
+    assert rel_rms(pool[3], rht[1]) <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_pool(backend):
+    """A bf16 pool is widened to fp32 on load and rounded once on store: the error is one bf16 rounding of the
+    state, not an accumulation over tokens."""
+    pool32 = torch.randn(3, HV, K, V)
+    pool = pool32.to(torch.bfloat16)
+    h0 = pool[[1, 2]].float()
+    t = make_tokens(2, 3)
+    o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=torch.tensor([1, 2]),
+                                               output_intermediate_states=True, backend=backend)
+    ro, rht = reference(t, h0)
+    assert pool.dtype == inter.dtype == torch.bfloat16
+    assert rel_rms(o, ro) <= TOLERANCES[torch.float32]        # o is computed from the fp32 state
+    assert rel_rms(pool[[1, 2]], rht) <= TOLERANCES[torch.bfloat16]
+    assert rel_rms(pool[[1, 2]], rht) > 0                      # the test would see a missing store
+
+
+def test_no_state_indices_uses_row_b():
+    pool = torch.randn(3, HV, K, V)
+    h0 = pool[:2].clone()
+    t = make_tokens(2, 1)
+    o, _ = linattn.gated_delta_rule_decode(**t, state_pool=pool)
+    ro, rht = reference(t, h0)
+    assert rel_rms(o, ro) <= TOLERANCES[torch.float32] and rel_rms(pool[:2], rht) <= TOLERANCES[torch.float32]
+
+
+BAD_CALLS = [
+    ("repeated_slot", dict(state_indices=torch.tensor([1, 1])), ValueError, "repeat"),
+    ("slot_out_of_range", dict(state_indices=torch.tensor([0, 4])), ValueError, "< P"),
+    ("float_slots", dict(state_indices=torch.tensor([0.0, 1.0])), TypeError, "int32 or int64"),
+    ("slots_wrong_length", dict(state_indices=torch.tensor([0, 1, 2])), ValueError, r"\[B\]"),
+    ("pool_wrong_shape", dict(state_pool=torch.randn(4, HV, V, K)), ValueError, "P, HV, K, V"),
+    ("pool_fp64", dict(state_pool=torch.randn(4, HV, K, V, dtype=torch.float64)), TypeError, "dtype"),
+    ("pool_not_contiguous", dict(state_pool=torch.randn(4, HV, V, K).transpose(-1, -2)), ValueError, "contiguous"),
+    ("pool_too_small", dict(state_pool=torch.randn(1, HV, K, V), state_indices=None), ValueError, "P >= B"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_slots_and_pools_are_rejected(kwargs, exc, match):
+    args = dict(**make_tokens(2, 1), state_pool=torch.randn(4, HV, K, V), state_indices=torch.tensor([0, 1]))
+    args.update(kwargs)
+    pool_before = args["state_pool"].clone()
+    with pytest.raises(exc, match=match):
+        linattn.gated_delta_rule_decode(**args)
+    assert torch.equal(args["state_pool"], pool_before), "a rejected call must not touch the pool"
+
+
+def test_repeated_negative_slots_are_allowed():
+    pool = torch.randn(2, HV, K, V)
+    before = pool.clone()
+    linattn.gated_delta_rule_decode(**make_tokens(3, 1), state_pool=pool, state_indices=torch.tensor([-1, -1, 0]))
+    assert torch.equal(pool[1], before[1]) and not torch.equal(pool[0], before[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_then_decode_equals_whole_sequence(backend):
+    """Chunked prefill of 37 tokens (varlen: two sequences) → states into pool slots → 3 one-token steps and one
+    3-token step = the chunked op over all the tokens of each sequence. The chunked op (the truth here) runs on its
+    torch backend; ``backend`` picks the decode path."""
+    lengths, T_dec = (37, 21), 6
+    full = [make_tokens(1, L + T_dec, gate_in_op=True, l2norm_qk=True) for L in lengths]
+    gate = dict(A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV))
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate)
+    chunk_backend = "torch"
+    # the whole sequences, one call each
+    whole = [linattn.chunk_gated_delta_rule(**t, **kw, backend=chunk_backend)[0] for t in full]
+    # prefill, packed
+    pre = {n: torch.cat([t[n][:, :L] for t, L in zip(full, lengths)], 1) for n in full[0]}
+    cu = torch.tensor([0, lengths[0], sum(lengths)])
+    o_pre, ht = linattn.chunk_gated_delta_rule(**pre, **kw, cu_seqlens=cu, output_final_state=True,
+                                               backend=chunk_backend)
+    pool = torch.randn(5, HV, K, V)
+    slots = torch.tensor([3, 1])
+    pool[slots] = ht
+    dec = {n: torch.cat([t[n][:, L:] for t, L in zip(full, lengths)], 0) for n in full[0]}   # [2, T_dec, ...]
+    outs = []
+    for lo, hi in ((0, 1), (1, 2), (2, 3), (3, 6)):
+        o, _ = linattn.gated_delta_rule_decode(**slice_tokens(dec, lo, hi), state_pool=pool, state_indices=slots,
+                                               **kw, backend=backend)
+        outs.append(o)
+    o_dec = torch.cat(outs, 1)
+    for b, L in enumerate(lengths):
+        o_seq = torch.cat([o_pre[:, sum(lengths[:b]):sum(lengths[:b]) + L], o_dec[b:b + 1]], 1)
+        assert rel_rms(o_seq, whole[b]) <= TOLERANCES[torch.float32], f"sequence {b}"
+    _, ht_whole = linattn.chunk_gated_delta_rule(**full[0], **kw, output_final_state=True, backend=chunk_backend)
+    assert rel_rms(pool[3], ht_whole[0]) <= TOLERANCES[torch.float32]
+
+
+def test_torch_compile_fullgraph_mutates_pool():
+    pool = torch.randn(3, HV, K, V)
+    pool_eager = pool.clone()
+    t = make_tokens(2, 2)
+    slots = torch.tensor([2, 0])
+
+    def step(pool, slots, **t):
+        o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots,
+                                                   output_intermediate_states=True)
+        return o, inter
+
+    o_eager, i_eager = step(pool_eager, slots, **t)
+    o_comp, i_comp = torch.compile(step, fullgraph=True, backend="aot_eager")(pool, slots, **t)
+    torch.testing.assert_close(o_comp, o_eager)
+    torch.testing.assert_close(i_comp, i_eager)
+    torch.testing.assert_close(pool, pool_eager)
