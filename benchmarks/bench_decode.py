@@ -1,0 +1,308 @@
+"""Decode benchmark (issue 5): gated_delta_rule_decode on one GPU, CUDA-graph replay, beside fla's fused_recurrent.
+
+Checks correctness first (against the float64 reference: pool slots with gaps and a negative slot, 1 and 4 tokens,
+fp32 and bf16 pools; bf16-pool drift over 4096 steps; the recurrent training op's forward and backward), then
+times, at HV = 32, H = 16, K = V = 128, q/k/v bf16, fused gate / β sigmoid / q-k L2 norm:
+
+* kernel time per step under CUDA-graph replay for B ∈ {1, 64, 256}, state fp32 and bf16, Tq ∈ {1, 4, 8};
+* state bandwidth (state bytes read + written per step / time) against the measured device-to-device copy
+  bandwidth of the same number of bytes (torch ``copy_`` in this script, same run);
+* eager call latency at B = 1 (with and without the host-side slot check);
+* a BV / num_warps sweep of the kernel's tiles at B = 64 and 256 (to tune ``pick_tiles``);
+* fla's ``fused_recurrent_gated_delta_rule`` on the same inputs if fla is importable (fp32 state, gate and β
+  precomputed since its call takes them so; it reads initial_state and writes a new final state: same bytes).
+
+    python benchmarks/bench_decode.py [--out DIR] [--quick]
+
+Prints one table last and writes bench_decode.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+import linattn
+from linattn.ops.gated_delta import recurrent_kernels as rk
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.utils import gate_from_raw, l2norm
+
+H, HV, K, V = 16, 32, 128, 128
+DEV = "cuda"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_step(B, Tq, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)
+    return dict(q=r(B, Tq, H, K).to(dtype), k=r(B, Tq, H, K).to(dtype), v=r(B, Tq, HV, V).to(dtype),
+                g=r(B, Tq, HV), beta=r(B, Tq, HV))
+
+
+def gate_params(seed=1):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return dict(A_log=torch.rand(HV, device=DEV, generator=gen).log() - 2.0,
+                dt_bias=torch.randn(HV, device=DEV, generator=gen))
+
+
+FUSED = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+
+def reference(t, h0, gate):
+    q, k = l2norm(t["q"].double()), l2norm(t["k"].double())
+    g = gate_from_raw(t["g"].double(), gate["A_log"].double(), gate["dt_bias"].double())
+    return gated_delta_rule_reference(q, k, t["v"].double(), g, t["beta"].double().sigmoid(), K ** -0.5,
+                                      h0.double())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# correctness
+# ----------------------------------------------------------------------------------------------------------------
+def check_decode(rows):
+    gate = gate_params()
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        for Tq in (1, 4):
+            P, slots = 9, [7, 2, -1, 4]
+            pool = (torch.randn(P, HV, K, V, device=DEV) * 0.05).to(pool_dtype)
+            before = pool.clone()
+            t = make_step(len(slots), Tq, seed=Tq)
+            h0 = torch.stack([before[s].float() if s >= 0 else torch.zeros(HV, K, V, device=DEV) for s in slots])
+            o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=torch.tensor(
+                slots, device=DEV), output_intermediate_states=True, **gate, **FUSED)
+            ro, rht = reference(t, h0, gate)
+            live = [i for i, s in enumerate(slots) if s >= 0]
+            others = [s for s in range(P) if s not in slots]
+            rows.append(dict(check=f"decode pool={str(pool_dtype)[6:]} Tq={Tq}", o_err=rel(o, ro),
+                             state_err=rel(pool[[slots[i] for i in live]], rht[live]),
+                             inter_last_err=rel(inter[:, -1], rht),
+                             untouched=bool(torch.equal(pool[others], before[others]))))
+    for name, slots in (("repeated slots", [1, 1]), ("slot >= P", [0, 9])):
+        try:
+            linattn.gated_delta_rule_decode(**make_step(2, 1), state_pool=torch.zeros(9, HV, K, V, device=DEV),
+                                            state_indices=torch.tensor(slots, device=DEV))
+            rows.append(dict(check=name, rejected=False))
+        except ValueError:
+            rows.append(dict(check=name, rejected=True))
+
+
+def check_drift(rows, steps):
+    """One-token steps from a zero state: fp32 and bf16 pools against the float64 reference over all steps."""
+    B = 2
+    gate = gate_params()
+    t = make_step(B, steps, seed=7)
+    ro, rht = reference(t, torch.zeros(B, HV, K, V, device=DEV), gate)
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        pool = torch.zeros(B, HV, K, V, device=DEV, dtype=pool_dtype)
+        outs = []
+        for s in range(steps):
+            o, _ = linattn.gated_delta_rule_decode(**{n: x[:, s:s + 1] for n, x in t.items()}, state_pool=pool,
+                                                   check_indices=False, **gate, **FUSED)
+            outs.append(o)
+        o = torch.cat(outs, 1)
+        rows.append(dict(check=f"drift {steps} steps pool={str(pool_dtype)[6:]}", o_err=rel(o, ro),
+                         o_err_last256=rel(o[:, -256:], ro[:, -256:]), state_err=rel(pool, rht)))
+
+
+def check_recurrent_training(rows):
+    """The recurrent op's forward + backward (bf16 inputs, fused pre-processing) against float64 autograd."""
+    B, T = 2, 64
+    gate = gate_params()
+    t = make_step(B, T, seed=11)
+    t["initial_state"] = torch.randn(B, HV, K, V, device=DEV) * 0.05
+    xs = {n: x.detach().clone().requires_grad_() for n, x in {**t, **gate}.items()}
+    o, ht = linattn.fused_recurrent_gated_delta_rule(**xs, output_final_state=True, **FUSED)
+    rx = {n: x.detach().double().requires_grad_() for n, x in xs.items()}
+    q, k = l2norm(rx["q"]), l2norm(rx["k"])
+    g = gate_from_raw(rx["g"], rx["A_log"], rx["dt_bias"])
+    ro, rht = gated_delta_rule_reference(q, k, rx["v"], g, rx["beta"].sigmoid(), K ** -0.5, rx["initial_state"])
+    do, dht = torch.randn_like(ro), torch.randn_like(rht)
+    grads = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dht).sum(), list(xs.values()))
+    rgrads = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), list(rx.values()))
+    rec = dict(check="recurrent fwd+bwd bf16 T=64", o_err=rel(o, ro), state_err=rel(ht, rht))
+    rec.update({f"d{n}_err": rel(a, b) for n, a, b in zip(xs, grads, rgrads)})
+    rows.append(rec)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------------------------
+def graph_time_us(fn, calls_per_graph=20, replays=30):
+    """Median µs per call: fn captured calls_per_graph times in one CUDA graph, the graph replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls_per_graph)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes):
+    """GB/s of a device-to-device torch copy of nbytes (read + write counted)."""
+    src = torch.empty(nbytes // 4, device=DEV, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src))
+    return 2 * nbytes / us / 1e3, us
+
+
+def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None):
+    gate = gate_params()
+    t = make_step(B, Tq)
+    P = 2 * B + 1
+    pool = (torch.randn(P, HV, K, V, device=DEV) * 0.05).to(pool_dtype)
+    slots = torch.randperm(P, device=DEV)[:B]                 # pool rows with gaps, in no order
+    if BV is None:
+        fn = lambda: linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots, **gate, **FUSED)
+    else:
+        tc = {n: x.contiguous() for n, x in t.items()}
+        fn = lambda: rk.fused_recurrent_fwd(tc["q"], tc["k"], tc["v"], tc["g"], tc["beta"], K ** -0.5, pool, pool,
+                                            None, None, slots, gate["A_log"], gate["dt_bias"], True, True,
+                                            BV=BV, num_warps=num_warps)
+    return graph_time_us(fn), t, pool, slots, gate
+
+
+def time_fla(B, Tq):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr
+    gate = gate_params()
+    t = make_step(B, Tq)
+    g = gate_from_raw(t["g"], gate["A_log"], gate["dt_bias"])
+    beta = t["beta"].sigmoid().to(torch.bfloat16)
+    h0 = torch.randn(B, HV, K, V, device=DEV) * 0.05
+    fn = lambda: fla_fr(t["q"], t["k"], t["v"], g, beta, scale=K ** -0.5, initial_state=h0,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return graph_time_us(fn)
+
+
+def eager_latency_us(fn, n=1000):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return times[n // 2], times[int(n * 0.95)], times[int(n * 0.99)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true", help="fewer drift steps, no tile sweep")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(card=props.name, sms=props.multi_processor_count, date=time.strftime("%Y-%m-%d %H:%M"),
+                commit=commit, torch=torch.__version__, triton=__import__("triton").__version__)
+    print(json.dumps(meta), flush=True)
+
+    checks = []
+    check_decode(checks)
+    check_recurrent_training(checks)
+    check_drift(checks, 512 if a.quick else 4096)
+    for r in checks:
+        print(json.dumps(r), flush=True)
+
+    timings, sweep = [], []
+    copy = {}
+    for B in (1, 64, 256):
+        for pool_dtype in (torch.float32, torch.bfloat16):
+            state_bytes = B * HV * K * V * pool_dtype.itemsize * 2          # read + write once per step
+            if (B, pool_dtype) not in copy:
+                copy[(B, pool_dtype)] = copy_bandwidth(max(state_bytes // 2, 1 << 20))[0]
+            for Tq in (1, 4, 8):
+                us = time_decode(B, Tq, pool_dtype)[0]
+                rec = dict(impl="linattn", B=B, pool=str(pool_dtype)[6:], Tq=Tq, us=us, us_per_token=us / Tq,
+                           state_GBps=state_bytes / us / 1e3, copy_GBps=copy[(B, pool_dtype)])
+                rec["pct_of_copy"] = 100 * rec["state_GBps"] / rec["copy_GBps"]
+                timings.append(rec)
+                print(json.dumps(rec), flush=True)
+                if pool_dtype == torch.float32:
+                    try:
+                        us = time_fla(B, Tq)
+                        rec = dict(impl="fla", B=B, pool="float32", Tq=Tq, us=us, us_per_token=us / Tq,
+                                   state_GBps=state_bytes / us / 1e3, copy_GBps=copy[(B, pool_dtype)])
+                        rec["pct_of_copy"] = 100 * rec["state_GBps"] / rec["copy_GBps"]
+                    except Exception as e:  # fla missing or its API differs: say so in the table
+                        rec = dict(impl="fla", B=B, pool="float32", Tq=Tq, error=f"{type(e).__name__}: {e}"[:120])
+                    timings.append(rec)
+                    print(json.dumps(rec), flush=True)
+
+    gate_small = gate_params()
+    t1 = make_step(1, 1)
+    pool1 = torch.randn(4, HV, K, V, device=DEV) * 0.05
+    slot1 = torch.tensor([2], device=DEV)
+    eager = {}
+    for checked in (True, False):
+        eager[checked] = eager_latency_us(lambda c=checked: linattn.gated_delta_rule_decode(
+            **t1, state_pool=pool1, state_indices=slot1, check_indices=c, **gate_small, **FUSED))
+
+    if not a.quick:
+        for B in (64, 256):
+            state_bytes = B * HV * K * V * 4 * 2
+            for BV in (8, 16, 32, 64):
+                for nw in (1, 2, 4, 8):
+                    try:
+                        us = time_decode(B, 1, torch.float32, BV=BV, num_warps=nw)[0]
+                        sweep.append(dict(B=B, BV=BV, num_warps=nw, us=us, state_GBps=state_bytes / us / 1e3))
+                    except Exception as e:
+                        sweep.append(dict(B=B, BV=BV, num_warps=nw, error=str(e)[:80]))
+
+    with open(os.path.join(a.out, "bench_decode.json"), "w") as fh:
+        json.dump(dict(meta=meta, checks=checks, timings=timings, eager=eager, sweep=sweep), fh, indent=1)
+
+    print(f"\n{meta['card']}  {meta['date']}  commit {meta['commit']}  torch {meta['torch']}  "
+          f"triton {meta['triton']}")
+    print("\ncorrectness (relative L2 error against float64)")
+    for r in checks:
+        print("  " + "  ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    print("\nB=1 eager call latency, µs (P50 / P95 / P99): "
+          f"with slot check {eager[True][0]:.1f} / {eager[True][1]:.1f} / {eager[True][2]:.1f}, "
+          f"without {eager[False][0]:.1f} / {eager[False][1]:.1f} / {eager[False][2]:.1f}")
+    if sweep:
+        print("\ntile sweep (fp32 state, Tq=1): best per B")
+        for B in (64, 256):
+            ok = [s for s in sweep if s["B"] == B and "us" in s]
+            for s in sorted(ok, key=lambda s: s["us"])[:4]:
+                print(f"  B={B:3d} BV={s['BV']:2d} warps={s['num_warps']}  {s['us']:8.1f} µs  "
+                      f"{s['state_GBps']:6.0f} GB/s")
+    print("\nCUDA-graph replay, HV=32 K=V=128, per step")
+    print(f"{'impl':8s} {'B':>4s} {'pool':>9s} {'Tq':>3s} {'µs':>9s} {'µs/tok':>8s} {'GB/s':>7s} {'copy':>7s} "
+          f"{'%copy':>6s}")
+    for r in timings:
+        if "error" in r:
+            print(f"{r['impl']:8s} {r['B']:4d} {r['pool']:>9s} {r['Tq']:3d}  {r['error']}")
+            continue
+        print(f"{r['impl']:8s} {r['B']:4d} {r['pool']:>9s} {r['Tq']:3d} {r['us']:9.1f} {r['us_per_token']:8.1f} "
+              f"{r['state_GBps']:7.0f} {r['copy_GBps']:7.0f} {r['pct_of_copy']:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
