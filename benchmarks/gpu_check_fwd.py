@@ -1,6 +1,6 @@
 """GPU check of the Triton forward of chunk_gated_delta_rule (issue 2, forward half): accuracy and stage timings.
 
-    python benchmarks/gpu_check_fwd.py [--quick] [--dot-prec tf32|tf32x3|ieee] [--out DIR]
+    python benchmarks/gpu_check_fwd.py [--quick] [--dot-prec tf32|tf32x3|bf16x3|ieee] [--out DIR]
 
 Part 1, accuracy (bf16 and fp16; bf16 cannot be tested under the CPU interpreter): every intermediate of
 ``chunk_gated_delta_rule_fwd_stages`` against the float64 chunked twin, and o / final state against the float64
@@ -135,7 +135,7 @@ def speed(B, T, H, HV, fla_fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--dot-prec", default=None, choices=["tf32", "tf32x3", "ieee"])
+    ap.add_argument("--dot-prec", default=None, choices=["tf32", "tf32x3", "bf16x3", "ieee"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     if a.dot_prec:
