@@ -10,6 +10,8 @@ import sys
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
 SUBCOMMANDS = {
     "eval": ("linattn.eval.cli", "evaluate gated-delta-rule implementations (correctness, speed, memory, ...)"),
+    "train": ("linattn.apps.train", "train a small byte-level hybrid GDN / sliding-window LM (--quick on a CPU)"),
+    "generate": ("linattn.apps.generate", "sample text from a model written by `linattn train`"),
 }
 
 

@@ -1,0 +1,1 @@
+"""Applications behind ``linattn train`` and ``linattn generate``: a byte-level hybrid LM, end to end."""
