@@ -184,11 +184,19 @@ def plot_losses(log: dict, path: Path, title: str) -> None:
 
 def train(args) -> dict:
     """Run a training job from parsed arguments; return the summary written to train_log.json."""
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _train(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(args) -> dict:
     s = _settings(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     amp_dtype, use_scaler = _amp(args.dtype, device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
