@@ -10,6 +10,9 @@ Per chunk, with dP = scale·(dO V_newᵀ) ⊙ D (inclusive causal), dW = −dV_n
     dG  = rowsum − colsum of dP ⊙ Q Kᵀ + Γ ⊙ (q·scale dO hᵀ) + βΓ ⊙ (k·dkb) − t,   t = e^{G_C − G} ⊙ (k·V_new dhᵀ)
           plus, on the chunk's last token, e^{G_C} Σ h ⊙ dh + Σ t          (returned reverse-summed as dg)
 
+Terms that cancel exactly in dg (the diagonal of dP ⊙ Q Kᵀ, t_{C−1} against Σ t) are left out rather than added
+and subtracted, so dg keeps its relative accuracy where it is tiny (strong decay, or T = 1 without a state).
+
 The row/column sums of dP ⊙ Q Kᵀ are q·(dP K) and k·(dPᵀ Q), sums over K, so each K tile adds its share and Q Kᵀ
 is never formed. dP needs all of V and is recomputed by every K tile (a BT×BV×BT dot per V tile, small next to the
 BT×BV×BK dots for dq/dk/dW). Per program: reads q, k (BT×BK), h and dh (BK×V, fp32), V_new, dO, dV_new (BT×V),
@@ -21,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .local_bwd_utils import bwd_dot_precision, mdot
+
 BT = 64
 
 
@@ -30,7 +35,7 @@ def local_bwd_dqk_kernel(
     T, NT, NTB,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     # NTB: tokens of the whole batch (B·T), the stride between the K-tile partials of dβ, dg and dA_inv
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -67,14 +72,14 @@ def local_bwd_dqk_kernel(
         p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         b_h = tl.load(p_h, boundary_check=(0, 1), padding_option="zero")           # hᵀ tile [BV, BK]
         b_dh = tl.load(p_dh, boundary_check=(0, 1), padding_option="zero")
-        b_vn = tl.load(p_vn, boundary_check=(0, 1), padding_option="zero").to(DT)
-        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero").to(DT)
-        b_dvn = tl.load(p_dvn, boundary_check=(0, 1), padding_option="zero").to(DT)
+        b_vn = tl.load(p_vn, boundary_check=(0, 1), padding_option="zero")
+        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
+        b_dvn = tl.load(p_dvn, boundary_check=(0, 1), padding_option="zero")
         b_hdh += tl.sum(b_h * b_dh, 0)
-        b_dP += tl.dot(b_do, tl.trans(b_vn), input_precision="ieee")
-        b_dqd += tl.dot(b_do, b_h.to(DT), input_precision="ieee")
-        b_dkd += tl.dot(b_vn, b_dh.to(DT), input_precision="ieee")
-        b_dw -= tl.dot(b_dvn, b_h.to(DT), input_precision="ieee")
+        b_dP += mdot(b_do, tl.trans(b_vn), DT, DOT_PREC)
+        b_dqd += mdot(b_do, b_h, DT, DOT_PREC)
+        b_dkd += mdot(b_vn, b_dh, DT, DOT_PREC)
+        b_dw -= mdot(b_dvn, b_h, DT, DOT_PREC)
 
     p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
@@ -87,32 +92,39 @@ def local_bwd_dqk_kernel(
     b_A = tl.where(m_incl, b_A, 0.)                   # T is unit lower: read only its triangle
     b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
 
-    # intra-chunk: dP = scale·(dO V_newᵀ) ⊙ D, exponent masked before exp
+    # intra-chunk: dP = scale·(dO V_newᵀ) ⊙ D, exponent masked before exp. The diagonal (D_ii = 1) reaches G as
+    # dP_ii q_i·k_i − dP_ii k_i·q_i = 0: it is kept out of the row/column sums so that it cancels exactly, not to
+    # rounding (which would leave a spurious ~1e-7·|dP_ii| in dg where the true dg is ~e^{−100} or 0)
     b_dP = b_dP * scale * tl.exp(tl.where(m_incl, b_g[:, None] - b_g[None, :], float('-inf')))
-    b_dq = tl.dot(b_dP.to(DT), b_k, input_precision="ieee")
-    b_dk = tl.dot(tl.trans(b_dP).to(DT), b_q, input_precision="ieee")
+    m_diag = o_i[:, None] == o_i[None, :]
+    b_dP_diag = tl.sum(tl.where(m_diag, b_dP, 0.), 1)
+    b_dP = tl.where(m_diag, 0., b_dP)
+    b_dq = mdot(b_dP, b_k, DT, DOT_PREC)
+    b_dk = mdot(tl.trans(b_dP), b_q, DT, DOT_PREC)
     b_dgc = tl.sum(b_qf * b_dq, 1) - tl.sum(b_kf * b_dk, 1)
+    b_dq += b_dP_diag[:, None] * b_kf
+    b_dk += b_dP_diag[:, None] * b_qf
 
     # inter-chunk: o gets scale·Γ q h, and S_out gets (K ⊙ e^{G_C − G})ᵀ V_new
     b_dqd = b_dqd * scale
     b_dq += b_gamma[:, None] * b_dqd
     b_dgc += b_gamma * tl.sum(b_qf * b_dqd, 1)
+    # t_i = e^{G_C − G_i} k_i·(V_new dhᵀ)_i reaches G_C as +t_i and G_i as −t_i; after the reverse cumsum row i
+    # keeps Σ_{j<i} t_j, summed directly (t_{C−1} has e^0 = 1 and would otherwise cancel only to rounding)
     b_t = b_e_last * tl.sum(b_kf * b_dkd, 1)
     b_dk += b_e_last[:, None] * b_dkd
-    b_dgc -= b_t
-    b_dgc_last = tl.exp(b_g_last) * tl.sum(b_hdh, 0) + tl.sum(b_t, 0)
+    b_dg_last = tl.exp(b_g_last) * tl.sum(b_hdh, 0)
 
     # WY: W = T diag(βΓ) K  ⇒  dK += βΓ Tᵀ dW, dβ gets Γ (k·Tᵀ dW), dT = dW (K ⊙ βΓ)ᵀ
-    b_dkb = tl.dot(tl.trans(b_A), b_dw, input_precision="ieee")
+    b_dkb = mdot(tl.trans(b_A), b_dw, DT, DOT_PREC)
     b_bg = b_beta * b_gamma
     b_tk = tl.sum(b_kf * b_dkb, 1)
     b_dk += b_bg[:, None] * b_dkb
     b_dgc += b_bg * b_tk
-    b_kbg = (b_kf * b_bg[:, None]).to(DT)
-    b_dAi = tl.dot(b_dw.to(DT), tl.trans(b_kbg), input_precision="ieee")
+    b_dAi = mdot(b_dw, tl.trans(b_kf * b_bg[:, None]), DT, DOT_PREC)
 
-    # dg_i = Σ_{j ≥ i} dG_j; the last-token terms reach every row
-    b_dg = tl.sum(tl.where(o_i[:, None] <= o_i[None, :], b_dgc[None, :], 0.), 1) + b_dgc_last
+    # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j; the e^{G_C} term (on the last token) reaches every row
+    b_dg = tl.sum(tl.where(o_i[:, None] <= o_i[None, :], b_dgc[None, :], b_t[None, :]), 1) + b_dg_last
 
     p_dq = tl.make_block_ptr(dq + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
     p_dk = tl.make_block_ptr(dk + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
@@ -126,7 +138,8 @@ def local_bwd_dqk_kernel(
 
 
 def local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float,
-                  cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None):
+                  cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                  dot_prec: str | None = None):
     """q, k ``[B, T, H, K]``; beta ``[B, T, HV]``; gc ``[B, T, HV]`` fp32; A_inv ``[B, T, HV, 64]`` fp32; h, dh
     ``[B, NT, HV, K, V]`` fp32; v_new, do, dv_new ``[B, T, HV, V]``.
 
@@ -145,6 +158,6 @@ def local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float,
     local_bwd_dqk_kernel[(NK, NT, B * HV)](
         q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, dq, dk, dbeta, dg, dA_inv, cu_seqlens, chunk_indices,
         scale, T, triton.cdiv(T, BT), B * T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=4,
     )
     return dq, dk, dbeta, dg, dA_inv

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .local_bwd_utils import bwd_dot_precision, mdot
+
 BT = 64
 
 
@@ -22,7 +24,7 @@ def local_bwd_dv_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -47,21 +49,23 @@ def local_bwd_dv_kernel(
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
         b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-        b_Pt += tl.dot(b_k, tl.trans(b_q), input_precision="ieee")
-    b_Pt = (b_Pt * b_decay * scale).to(k.dtype.element_ty)
+        b_Pt += tl.dot(b_k, tl.trans(b_q), input_precision="ieee")      # inputs only: exact products
+    b_Pt = b_Pt * b_decay * scale
 
     for i_v in range(tl.cdiv(V, BV)):
         p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_dv = tl.make_block_ptr(dv + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero").to(k.dtype.element_ty)
-        b_dv = tl.dot(b_Pt, b_do, input_precision="ieee")
+        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
+        b_dv = mdot(b_Pt, b_do, k.dtype.element_ty, DOT_PREC)
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
 
 def local_bwd_dv(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, do: torch.Tensor, scale: float,
-                 cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
+                 cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                 dot_prec: str | None = None) -> torch.Tensor:
     """dv_local ``[B, T, HV, V]`` fp32 from q, k ``[B, T, H, K]``, gc ``[B, T, HV]`` fp32 (chunk-local cumsum of
-    g) and do ``[B, T, HV, V]``. With cu_seqlens (B == 1), chunk_indices ``[NT, 2]`` lists (sequence, chunk)."""
+    g) and do ``[B, T, HV, V]``. With cu_seqlens (B == 1), chunk_indices ``[NT, 2]`` lists (sequence, chunk).
+    dot_prec: see local_bwd_utils.py (None: the default policy)."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
@@ -70,6 +74,6 @@ def local_bwd_dv(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, do: torch.T
     BV = min(64, max(16, triton.next_power_of_2(V)))
     local_bwd_dv_kernel[(NT, B * HV)](
         q, k, gc, do, dv, cu_seqlens, chunk_indices, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=4,
     )
     return dv

@@ -8,7 +8,7 @@ With T = (I + A)⁻¹, U = T diag(β) V and dU = dV_new:
     dk += β ⊙ R + (diag(β) dA ⊙ D)ᵀ K,    dβ += k·R,    dG += β ⊙ (k·R) − k·((diag(β) dA ⊙ D)ᵀ K)
 
 and finally dg = (partials) + reverse cumsum of this stage's dG inside the chunk. The T products are BT×BT×BT and
-stay in fp32; everything BT×K or BT×V goes through tl.dot in the input dtype. Per program: reads A_inv and the
+stay in fp32 ("ieee"); the BT×K and BT×V dots follow the precision policy of local_bwd_utils.py. Per program: reads A_inv and the
 dA_inv partials (BT×BT, fp32), v and dV_new (BT×V), k and the partial dk (BT×K), the gates and the dβ/dg
 partials; writes dv (BT×V, input dtype), dk (BT×K, fp32, in place), dβ and dg (BT, fp32).
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .local_bwd_utils import bwd_dot_precision, mdot
 
 BT = 64
 
@@ -27,7 +29,7 @@ def local_bwd_wy_kernel(
     T, NTB,
     HV: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NK: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -63,24 +65,21 @@ def local_bwd_wy_kernel(
         o_p += NTB
 
     # U = T diag(β) V: dT += dU (V ⊙ β)ᵀ, dv = β ⊙ Tᵀ dU
-    b_At = tl.trans(b_A).to(DT)
     for i_v in range(tl.cdiv(V, BV)):
         p_v = tl.make_block_ptr(v + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_du = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_dv = tl.make_block_ptr(dv + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         b_v = tl.load(p_v, boundary_check=(0, 1), padding_option="zero")
-        b_du = tl.load(p_du, boundary_check=(0, 1), padding_option="zero").to(DT)
-        b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(DT)
-        b_dAi += tl.dot(b_du, tl.trans(b_vb), input_precision="ieee")
-        b_dvb = tl.dot(b_At, b_du, input_precision="ieee")
+        b_du = tl.load(p_du, boundary_check=(0, 1), padding_option="zero")
+        b_dAi += mdot(b_du, tl.trans(b_v.to(tl.float32) * b_beta[:, None]), DT, DOT_PREC)
+        b_dvb = mdot(tl.trans(b_A), b_du, DT, DOT_PREC)
         b_dbeta += tl.sum(b_v.to(tl.float32) * b_dvb, 1)
         tl.store(p_dv, (b_beta[:, None] * b_dvb).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
     # T = (I + A)⁻¹ ⇒ dA = −Tᵀ dT Tᵀ on the strict lower triangle (fp32: T's entries carry the whole chunk)
     b_dA = tl.dot(tl.dot(tl.trans(b_A), b_dAi, input_precision="ieee"), tl.trans(b_A), input_precision="ieee")
     b_dAD = tl.where(m_strict, -b_dA, 0.) * tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float('-inf')))
-    b_dKKt = (b_dAD * b_beta[:, None]).to(DT)
-    b_dADt = b_dAD.to(DT)
+    b_dKKt = b_dAD * b_beta[:, None]
 
     b_dgc = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -88,8 +87,8 @@ def local_bwd_wy_kernel(
         p_dk = tl.make_block_ptr(dk + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
         b_dk = tl.load(p_dk, boundary_check=(0, 1), padding_option="zero")
-        b_r = tl.dot(b_dADt, b_k, input_precision="ieee")
-        b_kdAt = tl.dot(tl.trans(b_dKKt), b_k, input_precision="ieee")
+        b_r = mdot(b_dAD, b_k, DT, DOT_PREC)
+        b_kdAt = mdot(tl.trans(b_dKKt), b_k, DT, DOT_PREC)
         b_dk += b_beta[:, None] * b_r + b_kdAt
         tl.store(p_dk, b_dk, boundary_check=(0, 1))
         b_kr = tl.sum(b_k.to(tl.float32) * b_r, 1)
@@ -103,7 +102,8 @@ def local_bwd_wy_kernel(
 
 
 def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
-                 cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None):
+                 cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                 dot_prec: str | None = None):
     """k ``[B, T, H, K]``; v ``[B, T, HV, V]``; beta ``[B, T, HV]``; gc ``[B, T, HV]`` fp32; A_inv
     ``[B, T, HV, 64]`` fp32; dv_new ``[B, T, HV, V]``; the partials of :func:`local_bwd_dqk`: dA_inv_p
     ``[NK, B, T, HV, 64]``, dbeta_p and dg_p ``[NK, B, T, HV]``; dk ``[B, T, HV, K]`` fp32, completed IN PLACE
@@ -121,6 +121,6 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
     local_bwd_wy_kernel[(NT, B * HV)](
         k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
         T, B * T, HV=HV, H=H, K=K, V=V, NK=dA_inv_p.shape[0], BT=BT, BK=BK, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, num_warps=4,
+        DOT_PREC=bwd_dot_precision(k.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=4,
     )
     return dk, dv, dbeta, dg

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .local_bwd_utils import bwd_dot_precision, mdot
+
 BT = 64
 
 
@@ -27,7 +29,7 @@ def state_pass_bwd_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -65,20 +67,20 @@ def state_pass_bwd_kernel(
         p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
         b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-        b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero").to(DT)
-        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero").to(DT)
+        b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero")
+        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
 
         # dV_new = dv_local + (K ⊙ e^{G_C − G}) dS; masked rows get exponent −inf, so padding stays 0
         b_k_decay = b_k * tl.exp(tl.where(m_t, b_g_last - b_g, float('-inf')))[:, None]
         b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
-        b_dv += tl.dot(b_k_decay.to(DT), b_dh.to(DT), input_precision="ieee")
+        b_dv += mdot(b_k_decay, b_dh, DT, DOT_PREC)
         tl.store(p_dvn, b_dv, boundary_check=(0, 1))
 
         # dS ← e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new (Γ ≤ 1: G is a cumsum of g ≤ 0)
         b_q_decay = b_q * (scale * tl.exp(tl.where(m_t, b_g, float('-inf'))))[:, None]
         b_dh *= tl.exp(b_g_last)
-        b_dh += tl.dot(tl.trans(b_q_decay.to(DT)), b_do, input_precision="ieee")
-        b_dh -= tl.dot(tl.trans(b_w), b_dv.to(DT), input_precision="ieee")
+        b_dh += mdot(tl.trans(b_q_decay), b_do, DT, DOT_PREC)
+        b_dh -= mdot(tl.trans(b_w), b_dv, DT, DOT_PREC)
         i_t -= 1
 
     p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
@@ -87,7 +89,8 @@ def state_pass_bwd_kernel(
 
 def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.Tensor, do: torch.Tensor,
                    dv_local: torch.Tensor, dht: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
-                   chunk_offsets: torch.Tensor | None = None, num_chunks: int | None = None):
+                   chunk_offsets: torch.Tensor | None = None, num_chunks: int | None = None,
+                   dot_prec: str | None = None):
     """Reverse pass. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``; gc ``[B, T, HV]`` fp32; do, dv_local
     ``[B, T, HV, V]``; dht ``[N, HV, K, V]``. With cu_seqlens (B == 1), chunk_offsets ``[N + 1]`` gives each
     sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk),
@@ -104,6 +107,6 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     BV = max(16, min(64, triton.next_power_of_2(V), 8192 // BK))
     state_pass_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=4,
     )
     return dh, dv_new, dh0

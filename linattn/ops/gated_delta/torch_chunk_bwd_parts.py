@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .torch_chunk import CHUNK, chunk_fwd_ref, chunk_local_cumsum_bwd_ref, decay_matrix, from_chunks, to_chunks
+from .torch_chunk import chunk_local_cumsum_bwd_ref, decay_matrix
 
 
 def local_bwd_dv_ref(q, k, gc, do, scale: float):
@@ -40,17 +40,21 @@ def local_bwd_dqk_ref(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: fl
     """
     gamma = gc.exp()
     e_last = (gc[..., -1:] - gc).exp()
-    dgc = torch.zeros_like(gc)
     dgc_last = gc[..., -1].exp() * (h * dh).sum((-1, -2))           # through e^{G_C} S
 
+    # t_i reaches G_C as +t_i and G_i as −t_i: after the reverse cumsum, row i keeps Σ_{j<i} t_j
     dk_decay = v_new @ dh.transpose(-1, -2)
     t = e_last * (k * dk_decay).sum(-1)
-    dgc_last = dgc_last + t.sum(-1)
-    dgc -= t
+    dg_t = torch.nn.functional.pad(t.cumsum(-1)[..., :-1], (1, 0))
 
+    # the diagonal of dP ⊙ Q Kᵀ enters rowsum and colsum alike: kept out of the sums (it cancels exactly)
     dP = scale * (do @ v_new.transpose(-1, -2)) * decay_matrix(gc, strict=False)
-    dq_intra, dk_intra = dP @ k, dP.transpose(-1, -2) @ q
-    dgc += (q * dq_intra).sum(-1) - (k * dk_intra).sum(-1)        # = rowsum − colsum of dP ⊙ Q Kᵀ
+    dP_diag = dP.diagonal(dim1=-2, dim2=-1)
+    dP_strict = dP.tril(-1)
+    dq_intra, dk_intra = dP_strict @ k, dP_strict.transpose(-1, -2) @ q
+    dgc = (q * dq_intra).sum(-1) - (k * dk_intra).sum(-1)         # = rowsum − colsum of dP ⊙ Q Kᵀ
+    dq_intra = dq_intra + dP_diag[..., None] * k
+    dk_intra = dk_intra + dP_diag[..., None] * q
     dq_decay = scale * do @ h.transpose(-1, -2)
     dq = dq_intra + gamma[..., None] * dq_decay
     dgc += gamma * (q * dq_decay).sum(-1)
@@ -63,7 +67,7 @@ def local_bwd_dqk_ref(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: fl
     dbeta = gamma * tk
     dgc += beta * gamma * tk
     dA_inv = dw @ (k * (beta * gamma)[..., None]).transpose(-1, -2)
-    dg = chunk_local_cumsum_bwd_ref(dgc) + dgc_last[..., None]
+    dg = chunk_local_cumsum_bwd_ref(dgc) + dg_t + dgc_last[..., None]
     return dq, dk, dbeta, dg, dA_inv
 
 
@@ -86,34 +90,3 @@ def local_bwd_wy_ref(k, v, beta, gc, A_inv, dv_new, dA_inv, dk, dbeta, dg):
     dgc = beta * kr - (k * kdAt).sum(-1)                         # rowsum − colsum of dKKt ⊙ K Kᵀ
     return dk, dv, dbeta, dg + chunk_local_cumsum_bwd_ref(dgc)
 
-
-def forward_intermediates_ref(q, k, v, g, beta, scale: float, initial_state, offsets):
-    """The forward intermediates the backward reads, from the torch twin, in the Triton layout contract.
-
-    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state ``[N, HV, K, V]`` or None;
-    offsets: host list of cu_seqlens or None. Returns gc ``[B, T, HV]``, A_inv ``[B, T, HV, 64]``, w
-    ``[B, T, HV, K]``, v_new ``[B, T, HV, V]`` and h ``[B, NT, HV, K, V]`` (the state entering each chunk; with
-    offsets, B == 1 and NT counts the chunks of all sequences in order), all in fp32 (fp64 for fp64 inputs).
-    """
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    cd = torch.float64 if v.dtype == torch.float64 else torch.float32
-    G = HV // H
-    seqs = [(b, 0, T) for b in range(B)] if offsets is None else [(0, a, e) for a, e in zip(offsets[:-1], offsets[1:])]
-    z = dict(dtype=cd, device=q.device)
-    out = dict(gc=torch.zeros(B, T, HV, **z), A_inv=torch.zeros(B, T, HV, CHUNK, **z),
-               w=torch.zeros(B, T, HV, K, **z), v_new=torch.zeros(B, T, HV, V, **z))
-    hs = [[] for _ in range(B)]
-    for n, (b, bos, eos) in enumerate(seqs):
-        if eos == bos:
-            continue
-        h0 = (initial_state[n].to(cd) if initial_state is not None else torch.zeros(HV, K, V, **z))
-        x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta)]
-        x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
-        qc, kc, vc, gch, bc = (to_chunks(t) for t in x)
-        _, _, (gc, A_inv, w, h, v_new) = chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None])
-        for name, val in (("gc", gc), ("A_inv", A_inv), ("w", w), ("v_new", v_new)):
-            out[name][b:b + 1, bos:eos] = from_chunks(val, eos - bos)
-        hs[b].append(h.permute(0, 2, 1, 3, 4)[0])
-    h = torch.stack([torch.cat(x, 0) for x in hs])
-    return out["gc"], out["A_inv"], out["w"], out["v_new"], h

@@ -1,0 +1,39 @@
+"""The one dot helper the backward kernels share, and its precision policy.
+
+The backward follows the forward's policy (``common/__init__.py``): a dot whose operands are both inputs (Q Kᵀ)
+runs in the input dtype; a dot that touches an fp32 intermediate (the state, A_inv, V_new, dS, any gate-scaled
+operand) runs on fp32 operands at ``dot_precision(dtype)``: ``"ieee"`` for fp32 inputs, ``"tf32"`` for bf16/fp16.
+``dot_prec="input"`` instead rounds those operands to the 16-bit input dtype (full tensor-core rate, ~8× coarser
+operands); benchmarks/gpu_check_bwd.py measures both so the faster one can be chosen where it stays accurate.
+Every dot accumulates in fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dot_precision
+
+DOT_PRECISIONS = ("ieee", "tf32", "input")
+
+
+def bwd_dot_precision(dtype: torch.dtype, dot_prec: Optional[str] = None) -> str:
+    """The ``DOT_PREC`` constexpr for inputs of ``dtype``: ``dot_prec`` if given, else the forward's policy."""
+    if dot_prec is None:
+        return dot_precision(dtype)
+    if dot_prec not in DOT_PRECISIONS:
+        raise ValueError(f"dot_prec must be one of {DOT_PRECISIONS} or None, got {dot_prec!r}")
+    return "ieee" if dtype == torch.float32 else dot_prec
+
+
+@triton.jit
+def mdot(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """a @ b accumulated in fp32; operands in DT (the input dtype) if DOT_PREC is "input", else fp32 operands at
+    input_precision DOT_PREC."""
+    if DOT_PREC == "input":
+        return tl.dot(a.to(DT), b.to(DT))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
