@@ -4,8 +4,11 @@ import json
 import pytest
 import torch
 
-from linattn.apps.data import ByteBatches, load_corpus
-from linattn.cli import main
+pytest.importorskip("safetensors", reason="safetensors is not installed (pip install 'linattn[model]')")
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'linattn[model]')")
+
+from linattn.apps.data import ByteBatches, load_corpus  # noqa: E402
+from linattn.cli import main  # noqa: E402
 
 TINY = ["--hidden-size", "32", "--layers", "3", "--pattern", "GS", "--gdn-heads", "1", "--head-dim", "16",
         "--attn-heads", "2", "--window", "8", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1",
