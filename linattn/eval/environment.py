@@ -1,0 +1,136 @@
+"""Environment: what ran where (versions, commit, device), and GPU utilisation and memory sampled with NVML.
+
+The NVML sampler (nvidia-ml-py, optional) polls the GPU every ``interval_s`` in a thread for the whole run; each
+sample is tagged with the section running at the time, so the report can say e.g. that the performance section
+kept the GPU 97 % busy. Without a GPU or without nvidia-ml-py the section says so instead of guessing.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import threading
+import time
+from typing import Optional
+
+import torch
+
+
+def _git_commit() -> Optional[dict]:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+        return {"sha": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def collect(device: torch.device) -> dict:
+    from .. import __version__
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "linattn": __version__, "commit": _git_commit(), "python": platform.python_version(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": None, "platform": platform.platform(),
+        "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "device": str(device), "gpu": None, "driver": None,
+    }
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:  # triton is optional on CPU machines
+        pass
+    if device.type == "cuda":
+        prop = torch.cuda.get_device_properties(device)
+        env["gpu"] = {"name": prop.name, "capability": f"{prop.major}.{prop.minor}",
+                      "memory_bytes": prop.total_memory, "sm_count": prop.multi_processor_count}
+    return env
+
+
+class NvmlSampler:
+    """Background GPU sampler; ``summary()`` gives per-section utilisation and memory, or why there is none."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.2):
+        self.device, self.interval_s = device, interval_s
+        self.samples: list = []
+        self.section = "setup"
+        self.reason: Optional[str] = None
+        self.driver: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = None
+        self._nvml = None
+        if device.type != "cuda":
+            self.reason = "needs a GPU (no CUDA device in this run)"
+            return
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+            self._handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid
+                            else pynvml.nvmlDeviceGetHandleByIndex(index))
+            self.driver = pynvml.nvmlSystemGetDriverVersion()
+            self._nvml = pynvml
+        except ImportError:
+            self.reason = "nvidia-ml-py is not installed (pip install 'linattn[eval]')"
+        except Exception as e:  # NVML missing from the driver, permissions, a container without it
+            self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
+
+    def _loop(self):
+        nv = self._nvml
+        while not self._stop.is_set():
+            try:
+                util = nv.nvmlDeviceGetUtilizationRates(self._handle)
+                mem = nv.nvmlDeviceGetMemoryInfo(self._handle)
+                self.samples.append((time.monotonic(), self.section, util.gpu, util.memory, mem.used))
+            except Exception as e:
+                self.reason = f"NVML sampling failed: {e}"
+                return
+            self._stop.wait(self.interval_s)
+
+    def start(self):
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # shutting down is best effort
+                pass
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"available": False, "reason": self.reason or "no samples taken"}
+        out = {"available": True, "interval_s": self.interval_s, "samples": len(self.samples), "per_section": {}}
+        for name in dict.fromkeys(s[1] for s in self.samples):
+            rows = [s for s in self.samples if s[1] == name]
+            out["per_section"][name] = {
+                "samples": len(rows), "gpu_util_mean_pct": sum(r[2] for r in rows) / len(rows),
+                "gpu_util_max_pct": max(r[2] for r in rows), "mem_util_mean_pct": sum(r[3] for r in rows) / len(rows),
+                "memory_used_max_bytes": max(r[4] for r in rows)}
+        t0 = self.samples[0][0]
+        step = max(1, len(self.samples) // 300)
+        out["trace"] = [{"t_s": s[0] - t0, "section": s[1], "gpu_util_pct": s[2], "memory_used_bytes": s[4]}
+                        for s in self.samples[::step]]
+        return out

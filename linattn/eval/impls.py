@@ -1,0 +1,162 @@
+"""The implementations ``linattn eval`` compares, behind one calling convention.
+
+Every implementation is called as ``impl(inputs) -> (o, final_state)`` with the dict :func:`cases.make_inputs`
+builds (linattn's keyword arguments). Options an implementation lacks natively (the in-op gate, β sigmoid, q/k L2
+norm) are applied in plain PyTorch before the call, so every implementation computes the same function; a feature
+it cannot do at all (varlen for SDPA) is reported as unsupported, not faked.
+
+Names: ``linattn`` (the default backend for the device: triton on CUDA, torch on CPU), ``linattn-torch``,
+``linattn-triton``, ``fla``, ``flashqla`` (both need CUDA) and ``sdpa`` (PyTorch causal softmax attention: a
+speed and memory baseline, not a gated-delta-rule implementation, so it takes no part in the accuracy checks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.utils import gate_from_raw, l2norm, triton_available, triton_interpret
+
+DEFAULT_IMPLS = ("linattn", "fla", "flashqla", "sdpa")
+KNOWN_IMPLS = ("linattn", "linattn-torch", "linattn-triton", "fla", "flashqla", "sdpa")
+
+
+@dataclass
+class Impl:
+    name: str
+    kind: str  # "gdn" (gated delta rule: checked for accuracy) or "softmax" (baseline: time and memory only)
+    fn: Optional[Callable] = None
+    available: bool = True
+    reason: str = ""  # why it is unavailable
+    native: set = field(default_factory=set)  # options it handles itself: l2norm, gate, beta_sigmoid, varlen, h0
+    version: Optional[str] = None
+
+    def __call__(self, inputs: dict):
+        return self.fn(_adapt(inputs, self.native))
+
+    def supports(self, inputs: dict) -> Optional[str]:
+        """None if it can run these inputs, else the reason it cannot."""
+        if inputs.get("cu_seqlens") is not None and "varlen" not in self.native:
+            return f"{self.name} has no varlen (cu_seqlens) support"
+        if inputs.get("initial_state") is not None and "h0" not in self.native:
+            return f"{self.name} takes no initial state"
+        return None
+
+    def grad_inputs(self, inputs: dict) -> list:
+        names = ("q", "k", "v") if self.kind == "softmax" else ("q", "k", "v", "g", "beta", "initial_state")
+        return [inputs[n] for n in names if inputs.get(n) is not None and inputs[n].requires_grad]
+
+
+def _adapt(inputs: dict, native: set) -> dict:
+    """Apply in PyTorch the pre-processing an implementation does not do itself (same math as linattn's)."""
+    x = dict(inputs)
+    if x.get("use_qk_l2norm_in_kernel") and "l2norm" not in native:
+        x["q"], x["k"] = l2norm(x["q"]), l2norm(x["k"])
+        x["use_qk_l2norm_in_kernel"] = False
+    if x.get("A_log") is not None and "gate" not in native:
+        x["g"] = gate_from_raw(x["g"], x.pop("A_log"), x.pop("dt_bias"))
+    if x.get("use_beta_sigmoid_in_kernel") and "beta_sigmoid" not in native:
+        x["beta"] = x["beta"].sigmoid()
+        x["use_beta_sigmoid_in_kernel"] = False
+    return x
+
+
+def _linattn(backend: Optional[str]) -> Callable:
+    from .. import chunk_gated_delta_rule
+
+    def call(x):
+        return chunk_gated_delta_rule(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x.get("scale"), initial_state=x.get("initial_state"),
+            output_final_state=True, cu_seqlens=x.get("cu_seqlens"),
+            use_qk_l2norm_in_kernel=x.get("use_qk_l2norm_in_kernel", False), A_log=x.get("A_log"),
+            dt_bias=x.get("dt_bias"), use_beta_sigmoid_in_kernel=x.get("use_beta_sigmoid_in_kernel", False),
+            backend=backend)
+    return call
+
+
+def _fla() -> Callable:
+    import os
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    os.environ.setdefault("FLA_FLASH_QLA", "0")  # time fla's own kernels, not its FlashQLA dispatch
+
+    def call(x):
+        kw = dict(scale=x.get("scale"), output_final_state=True,
+                  use_qk_l2norm_in_kernel=x.get("use_qk_l2norm_in_kernel", False))
+        if x.get("initial_state") is not None:
+            kw["initial_state"] = x["initial_state"]
+        if x.get("cu_seqlens") is not None:
+            kw["cu_seqlens"] = x["cu_seqlens"].long()
+        return fla_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    return call
+
+
+def _flashqla() -> Callable:
+    import flash_qla
+
+    def call(x):
+        kw = dict(scale=x.get("scale"), output_final_state=True)
+        if x.get("initial_state") is not None:
+            kw["initial_state"] = x["initial_state"]
+        if x.get("cu_seqlens") is not None:
+            kw["cu_seqlens"] = x["cu_seqlens"]
+        return flash_qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    return call
+
+
+def _sdpa(x):
+    """Causal softmax attention over the same q, k, v (query/key heads repeated for grouped value heads)."""
+    q, k, v = x["q"], x["k"], x["v"]
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       scale=x.get("scale"))
+    return o.transpose(1, 2), None
+
+
+def _version(module: str) -> Optional[str]:
+    from importlib import metadata
+    for dist in {"fla": ("flash-linear-attention", "fla-core"), "flash_qla": ("flash-qla", "flash_qla")}[module]:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def build(name: str, device: torch.device) -> Impl:
+    """The implementation ``name`` for ``device``, or an unavailable one that says why."""
+    cuda = device.type == "cuda"
+    linattn_native = {"l2norm", "gate", "beta_sigmoid", "varlen", "h0"}
+    if name in ("linattn", "linattn-torch", "linattn-triton"):
+        backend = None if name == "linattn" else name.split("-")[1]
+        if backend == "triton" and not (cuda and triton_available()) and not triton_interpret():
+            return Impl(name, "gdn", available=False, reason="the triton backend needs a GPU (and triton)")
+        label = backend or ("triton" if cuda and triton_available() else "torch")
+        from .. import __version__
+        return Impl(name, "gdn", _linattn(backend), native=linattn_native, version=f"{__version__} ({label})")
+    if name in ("fla", "flashqla"):
+        if not cuda:
+            return Impl(name, "gdn", available=False, reason=f"{name} needs a GPU")
+        try:
+            fn = _fla() if name == "fla" else _flashqla()
+        except Exception as e:  # not installed, or installed but broken: either way, say what happened
+            return Impl(name, "gdn", available=False, reason=f"not importable ({type(e).__name__}: {e})"[:300])
+        native = {"l2norm", "varlen", "h0"} if name == "fla" else {"h0", "varlen"}
+        return Impl(name, "gdn", fn, native=native, version=_version("fla" if name == "fla" else "flash_qla"))
+    if name == "sdpa":
+        return Impl(name, "softmax", _sdpa, version=torch.__version__)
+    raise ValueError(f"unknown implementation {name!r}; known: {', '.join(KNOWN_IMPLS)}")
+
+
+def parse_impls(spec: str, device: torch.device) -> list[Impl]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--impl needs at least one implementation name")
+    unknown = [n for n in names if n not in KNOWN_IMPLS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(KNOWN_IMPLS)}")
+    return [build(n, device) for n in dict.fromkeys(names)]

@@ -1,0 +1,72 @@
+"""Memory: peak bytes a call adds, how that grows as T doubles, and allocator fragmentation across the sweep.
+
+Per implementation and T (the scaling section's T list), one forward and one forward + backward call on fresh
+inputs; the figure is the peak *above* what was allocated before the call (inputs excluded), so it is the
+operator's own workspace plus its outputs (and, for fwd+bwd, the saved activations and the gradients).
+
+* GPU: the CUDA caching allocator's counters (exact). After each call, active and reserved bytes give the
+  fragmentation ``1 − active / reserved`` (memory the allocator holds but cannot hand out as one block).
+* CPU: the PyTorch profiler's allocation and free events for the call, replayed in order: the exact peak of live
+  tensor bytes (no caching allocator on CPU, so fragmentation needs a GPU and is reported as such).
+
+``growth_exponent`` is the fitted p in peak ∝ T^p: about 1 for a linear-memory operator (2 for attention that
+materialises the T × T scores). ``linear`` is true when p ≤ 1.15.
+"""
+from __future__ import annotations
+
+from .cases import DTYPES, make_inputs
+from .context import Context, empty_cache, error_record, is_oom, measure_peak
+from .perf import loglog_slope, make_call
+
+LINEAR_EXPONENT = 1.15
+
+
+def _sweep(ctx: Context, impl, direction: str) -> dict:
+    p = ctx.profile
+    dtype = p.scale_dtype
+    points, stop = [], None
+    for T in p.scale_T:
+        if ctx.out_of_time():
+            stop = "time budget"
+            break
+        shape = p.scale_base.with_(T=T)
+        ctx.step(f"memory {impl.name} T={T} {direction}")
+        rec = {"T": T, "shape_id": shape.id}
+        try:
+            inputs = make_inputs(shape, DTYPES[dtype], ctx.device, ctx.seed, requires_grad=direction == "fwdbwd")
+            rec["input_bytes"] = sum(t.numel() * t.element_size() for t in inputs.values()
+                                     if hasattr(t, "element_size"))
+            rec.update(measure_peak(ctx, make_call(impl, inputs, direction)))
+            del inputs
+        except Exception as e:
+            rec["error"] = error_record(e)
+            stop = "out of memory" if is_oom(e) else f"error: {type(e).__name__}"
+            points.append(rec)
+            empty_cache(ctx)
+            break
+        if rec.get("reserved_bytes"):
+            rec["fragmentation"] = 1 - rec["active_bytes"] / rec["reserved_bytes"]
+        if rec.get("peak_bytes") is not None:
+            rec["bytes_per_token"] = rec["peak_bytes"] / shape.tokens
+        points.append(rec)
+        empty_cache(ctx)
+    ok = [r for r in points if r.get("peak_bytes")]
+    Ts = [r["T"] for r in ok]
+    peaks = [r["peak_bytes"] for r in ok]
+    expo = loglog_slope(Ts, peaks)
+    frag = [r["fragmentation"] for r in points if "fragmentation" in r]
+    return {"id": f"{impl.name}/{direction}", "impl": impl.name, "direction": direction, "dtype": dtype,
+            "T": Ts, "peak_bytes": peaks, "growth_per_doubling": [b / a for a, b in zip(peaks[:-1], peaks[1:])],
+            "growth_exponent": expo, "linear": None if expo is None else expo <= LINEAR_EXPONENT,
+            "max_fragmentation": max(frag) if frag else None, "stopped": stop, "points": points}
+
+
+def run(ctx: Context) -> dict:
+    jobs = [(impl, d) for impl in ctx.available() for d in ("fwd", "fwdbwd")]
+    sweeps = []
+    for i, (impl, direction) in enumerate(jobs):
+        with ctx.share(len(jobs) - i):
+            sweeps.append(_sweep(ctx, impl, direction))
+    return {"method": "cuda_allocator" if ctx.gpu else "cpu_profiler",
+            "fragmentation": None if ctx.gpu else "needs a GPU (CUDA caching allocator statistics)",
+            "linear_exponent_max": LINEAR_EXPONENT, "sweeps": sweeps}

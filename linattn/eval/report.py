@@ -1,0 +1,399 @@
+"""Writers: ``report.json`` (numbers), ``report.md`` (tables, plots as PNG beside it) and a self-contained
+``report.html`` (the same tables, plots embedded as base64 PNG, no external file or network access).
+
+Both human-readable reports are rendered from one list of blocks (heading, paragraph, table, figure) built by
+:func:`blocks`, so the Markdown and the HTML never disagree.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+
+from . import SECTIONS
+
+
+# --------------------------------------------------------------------------------------------------------------
+# JSON
+# --------------------------------------------------------------------------------------------------------------
+def clean(x):
+    """JSON-safe copy: NaN/Inf → None (strict JSON has no NaN), tuples → lists, other objects → str."""
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return str(x)
+
+
+def write_json(results: dict, path: str) -> None:
+    missing = [s for s in SECTIONS if s not in results]
+    if missing:
+        raise ValueError(f"report is missing sections {missing}")
+    with open(path, "w") as fh:
+        json.dump(clean(results), fh, indent=1, allow_nan=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# formatting helpers
+# --------------------------------------------------------------------------------------------------------------
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        if x == 0:
+            return "0"
+        if abs(x) >= 1e5 or abs(x) < 1e-3:
+            return f"{x:.{digits - 1}e}"
+        return f"{x:.{digits}g}" if abs(x) < 1 else f"{x:,.{max(0, digits - len(str(int(abs(x)))))}f}"
+    return str(x)
+
+
+def mb(x) -> str:
+    return "–" if x is None else f"{x / 2**20:,.1f}"
+
+
+def _status(r: dict) -> str:
+    return {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "hang": "HANG", "unsupported": "n/a"}.get(
+        r.get("status"), str(r.get("status")))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# blocks
+# --------------------------------------------------------------------------------------------------------------
+def _h(level, text):
+    return ("h", level, text)
+
+
+def _p(text):
+    return ("p", text)
+
+
+def _t(headers, rows):
+    return ("t", headers, rows)
+
+
+def _fig(name, caption):
+    return ("fig", name, caption)
+
+
+def _env_blocks(r: dict) -> list:
+    env = r["environment"]
+    gpu = env.get("gpu") or {}
+    commit = env.get("commit") or {}
+    rows = [["date (UTC)", env.get("date_utc")], ["device", env.get("device")],
+            ["GPU", gpu.get("name", "none (CPU run)")], ["driver", env.get("driver") or "–"],
+            ["CUDA", env.get("cuda") or "–"], ["torch", env.get("torch")], ["triton", env.get("triton") or "–"],
+            ["linattn", env.get("linattn")],
+            ["commit", (commit.get("sha", "–")[:12] + (" (dirty)" if commit.get("dirty") else "")) if commit else "–"],
+            ["CPU", f"{env.get('cpu')} ({env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads)"],
+            ["profile", r["meta"]["profile"]], ["wall time", f"{r['meta']['wall_s']:.0f} s"]]
+    for impl in r["meta"]["impls"]:
+        rows.append([f"impl {impl['name']}", impl["version"] if impl["available"] else f"skipped: {impl['reason']}"])
+    out = [_h(2, "Environment"), _t(["", ""], rows)]
+    nv = env.get("nvml", {})
+    if nv.get("available"):
+        out.append(_t(["section", "GPU util mean %", "GPU util max %", "memory used max (MB)"],
+                      [[s, fmt(v["gpu_util_mean_pct"]), fmt(v["gpu_util_max_pct"]), mb(v["memory_used_max_bytes"])]
+                       for s, v in nv["per_section"].items()]))
+    else:
+        out.append(_p(f"GPU utilisation (NVML): {nv.get('reason', 'not sampled')}."))
+    return out
+
+
+def _corr_blocks(r: dict) -> list:
+    c = r["correctness"]
+    out = [_h(2, "Correctness"), _p(
+        f"Against the {c['reference']} reference, forward and backward; relative L2 tolerances per dtype: "
+        + ", ".join(f"{d} fwd {fmt(t['fwd'])} / bwd {fmt(t['bwd'])}" for d, t in c["tolerances"].items()) + ".")]
+    rows = []
+    for name, s in c["summary"].items():
+        rows.append([name, f"{s['passed']}/{s['cases']}",
+                     ", ".join(f"{d}: {fmt(v)}" for d, v in s["worst_rel_l2_fwd"].items()),
+                     ", ".join(f"{d}: {fmt(v)}" for d, v in s["worst_rel_l2_bwd"].items()),
+                     ", ".join(s["failed"]) or "–"])
+    out.append(_t(["impl", "passed", "worst rel L2 fwd", "worst rel L2 bwd", "failed"], rows))
+    rows = [[x["impl"], x["case"], x["dtype"], _status(x), fmt(x.get("max_rel_l2_fwd")),
+             fmt(x.get("max_rel_l2_bwd")), fmt(x.get("nonfinite")),
+             (x.get("error") or {}).get("message", x.get("reason", ""))] for x in c["records"]]
+    out.append(_t(["impl", "case", "dtype", "status", "rel L2 fwd", "rel L2 bwd", "NaN/Inf", "note"], rows))
+    if c["reproducibility"]:
+        out.append(_t(["impl", "case", "dtype", "bitwise identical", "max |diff|"],
+                      [[x["impl"], x.get("case"), x.get("dtype"), fmt(x.get("bitwise")), fmt(x.get("max_abs_diff"))]
+                       for x in c["reproducibility"]]))
+    for x in c["not_checked"]:
+        out.append(_p(f"{x['impl']}: not checked ({x['reason']})."))
+    return out
+
+
+def _perf_blocks(r: dict) -> list:
+    p = r["performance"]
+    out = [_h(2, "Performance"), _p(
+        f"Timer: {p['timer']}; {p['warmup']} warm-up calls, up to {p['max_reps']} timed calls per row. Roofline "
+        "fraction = model floor / median (see docs/eval.md); peaks: " + "; ".join(
+            f"{d}: {fmt(v['tflops'])} TFLOP/s, {fmt(v['gbs'])} GB/s ({v['source']})" for d, v in p["peaks"].items())
+        + ".")]
+    rows = []
+    for x in p["records"]:
+        if "error" in x:
+            rows.append([x["impl"], x["shape_id"], x["dtype"], x["direction"], "error: " + x["error"]["type"]]
+                        + [""] * 9)
+            continue
+        rows.append([x["impl"], x["shape_id"], x["dtype"], x["direction"], fmt(x["p50_ms"]), fmt(x["p95_ms"]),
+                     fmt(x["p99_ms"]), fmt(x["max_ms"]), fmt(x["tokens_per_s"] / 1e6), fmt(x["tflops"]),
+                     fmt(x["gbs"]), fmt(x["roofline_fraction"]), fmt(x["first_call_s"]), str(x["n"])])
+    out.append(_t(["impl", "shape", "dtype", "dir", "P50 ms", "P95 ms", "P99 ms", "max ms", "Mtok/s", "TFLOP/s",
+                   "GB/s", "roofline frac", "first call s", "n"], rows))
+    out.append(_fig("latency_dist", "Latency distribution per row (box: P25-P75, whiskers: P5-P95, dots: P99)."))
+    return out
+
+
+def _scaling_blocks(r: dict) -> list:
+    s = r["scaling"]
+    out = [_h(2, "Scaling"), _p(f"dtype {s['dtype']}, base shape {s['base_shape']}; memory by {s['memory_method']}."),
+           _fig("latency_vs_T", "Latency vs T (log-log); dashed: forward + backward.")]
+    rows = []
+    for sw in s["T_sweep"]:
+        rows.append([sw["impl"], sw["direction"], " ".join(str(t) for t in sw["T"]),
+                     " ".join(fmt(v) for v in sw["median_ms"]),
+                     " ".join(fmt(v, 2) for v in sw["time_ratio_per_doubling"]), fmt(sw["time_exponent"]),
+                     fmt(sw["max_T"]), sw["stopped"] or "–"])
+    out.append(_t(["impl", "dir", "T", "median ms", "ratio per doubling", "exponent", "max T", "stopped"], rows))
+    out.append(_fig("throughput_vs_batch", "Throughput vs batch at fixed T."))
+    out.append(_t(["impl", "T", "B", "Mtok/s", "speedup vs B=1", "knee (batch)"],
+                  [[b["impl"], str(b["T"]), " ".join(map(str, b["B"])),
+                    " ".join(fmt(v / 1e6) for v in b["tokens_per_s"]), " ".join(fmt(v, 2) for v in b["speedup_vs_B1"]),
+                    fmt(b["knee_batch"]) if b["knee_batch"] is not None else "none (still scaling)"]
+                   for b in s["batch_sweep"]]))
+    out.append(_t(["impl", "total tokens", "B x T", "median ms", "Mtok/s"],
+                  [[e["impl"], str(e["total_tokens"]), " ".join(f"{b}x{t}" for b, t in zip(e["B"], e["T"])),
+                    " ".join(fmt(v) for v in e["median_ms"]), " ".join(fmt(v / 1e6) for v in e["tokens_per_s"])]
+                   for e in s["equal_tokens"]]))
+    return out
+
+
+def _memory_blocks(r: dict) -> list:
+    m = r["memory"]
+    out = [_h(2, "Memory"), _p(f"Peak bytes above the inputs, by {m['method']}. Fragmentation: "
+                               f"{m['fragmentation'] or 'max of 1 - active/reserved over the sweep'}."),
+           _fig("memory_vs_T", "Peak memory per call vs T (log-log).")]
+    out.append(_t(["impl", "dir", "T", "peak MB", "growth per doubling", "exponent", "linear", "max fragmentation",
+                   "stopped"],
+                  [[x["impl"], x["direction"], " ".join(map(str, x["T"])), " ".join(mb(v) for v in x["peak_bytes"]),
+                    " ".join(fmt(v, 2) for v in x["growth_per_doubling"]), fmt(x["growth_exponent"]),
+                    fmt(x["linear"]), fmt(x["max_fragmentation"]), x["stopped"] or "–"] for x in m["sweeps"]]))
+    return out
+
+
+def _stability_blocks(r: dict) -> list:
+    s = r["stability"]
+    return [_h(2, "Numerical stability"), _p(
+        f"Forward relative L2 error against the {s['reference']} reference as T grows (shape {s['shape']}); "
+        f"passes when the fitted exponent of error vs T is at most {s['max_growth_exponent']}."),
+        _fig("error_vs_T", "Relative L2 error of o vs T per dtype (log-log)."),
+        _t(["impl", "dtype", "T", "rel L2 (o)", "rel L2 (state)", "exponent", "status"],
+           [[x["impl"], x["dtype"], " ".join(map(str, x["T"])), " ".join(fmt(v, 2) for v in x["rel_l2_o"]),
+             " ".join(fmt(v, 2) for v in x["rel_l2_state"]), fmt(x["growth_exponent"]),
+             "PASS" if x["passed"] else ("–" if x["passed"] is None else "FAIL")] for x in s["series"]])]
+
+
+def _robust_blocks(r: dict) -> list:
+    s = r["robustness"]
+    rows = []
+    for x in s["records"]:
+        if x.get("planted"):
+            detail = (f"NaN in {x['planted']['tensor']}[b={x['planted']['b']}, t={x['planted']['t']}]: "
+                      f"{x['nonfinite_in_cone']}/{x['cone_tokens']} in cone; leaked to {x['leak_earlier_tokens']} "
+                      f"earlier tokens, {x['leak_other_heads_or_sequences']} other heads/sequences")
+        elif "rel_l2" in x:
+            detail = f"rel L2 {fmt(x['rel_l2'])}, NaN {x['o_nan']}, Inf {x['o_inf']}"
+        else:
+            detail = (x.get("error") or {}).get("message", x.get("reason", ""))
+        rows.append([x["impl"], x["case"], x["dtype"], _status(x), detail])
+    return [_h(2, "Robustness (abnormal inputs)"), _p(
+        f"Each call in a worker thread with a {s['timeout_s']} s timeout. Summary: " + "; ".join(
+            f"{n}: {v['passed']}/{v['cases']} pass, {v['errors']} errors, {v['hangs']} hangs, {v['nan_leaks']} NaN "
+            f"leaks ({v['nan_leaks_across_heads_or_sequences']} across heads/sequences)" for n, v in
+            s["summary"].items()) + "."),
+        _t(["impl", "case", "dtype", "status", "detail"], rows)]
+
+
+def _soak_blocks(r: dict) -> list:
+    s = r["soak"]
+    rows = []
+    for x in s["records"]:
+        if "calls" not in x:
+            rows.append([x["impl"], "–", "–", "skipped: " + str(x.get("skipped")), "", "", "", "", ""])
+            continue
+        rows.append([x["impl"], x["id"].split("/", 1)[1], str(x["calls"]), fmt(x.get("duration_s")),
+                     fmt(x.get("latency_p50_ms")), fmt(x.get("latency_drift")), mb(x.get("memory_drift_bytes")),
+                     fmt(x.get("leak_suspected")), fmt(x.get("output_drift_max_abs"))
+                     + (" (bitwise)" if x.get("bitwise_stable") else "")])
+    return [_h(2, "Soak"), _p(f"Repeated forward + backward on fixed inputs; memory counter: {s['memory_counter']}; "
+                              f"leak threshold {mb(s['leak_threshold_bytes'])} MB."),
+            _t(["impl", "shape", "calls", "seconds", "P50 ms", "latency drift", "memory drift MB", "leak?",
+                "output drift"], rows), _fig("soak", "Latency and memory over the soak.")]
+
+
+def _amp_blocks(r: dict) -> list:
+    s = r["mixed_precision"]
+    rows = []
+    for x in s["records"]:
+        if "error" in x or "skipped" in x:
+            rows.append([x["impl"], "ERROR: " + x["error"]["message"] if "error" in x else x["skipped"]] + [""] * 5)
+            continue
+        rows.append([x["impl"], "PASS" if x["passed"] else "FAIL", f"{x['overflow_steps']}/{x['steps']}",
+                     fmt(x["final_scale"]), fmt(x["final_loss_fp16"]), fmt(x["final_loss_fp32"]),
+                     fmt(x["final_loss_rel_gap"])])
+    return [_h(2, "Mixed precision"), _p(f"fp16 autocast + {s['scaler']} on {s['device']}, shape {s['shape']}."),
+            _t(["impl", "status", "overflow steps", "final scale", "loss fp16", "loss fp32", "rel gap"], rows)]
+
+
+def _score_blocks(r: dict) -> list:
+    s = r["scorecard"]
+    impls = list(s["raw"])
+    rows = []
+    for scen, per in s["scenarios"].items():
+        row = [scen.replace("_", " ")]
+        for name in impls:
+            e = per.get(name, {})
+            raw = ", ".join(f"{m} {fmt(v['value'])}" for m, v in e.get("metrics", {}).items()
+                            if v["value"] is not None)
+            row.append(f"**{fmt(e.get('score'), 2)}** ({raw})" if e.get("score") is not None else "–")
+        rows.append(row)
+    weights = "; ".join(f"{k.replace('_', ' ')}: " + ", ".join(f"{m} {w}" for m, w in v.items())
+                        for k, v in s["weights"].items())
+    return [_h(2, "Scorecard"), _p("Score 0-100 per scenario, relative to the best implementation in this run "
+                                   f"(raw values in brackets). Weights: {weights}."),
+            _t(["scenario"] + impls, rows)]
+
+
+def headline(r: dict) -> list:
+    """The one-screen summary: per implementation, the numbers a reader looks at first."""
+    rows = []
+    perf = r["performance"].get("records", [])
+    for impl in r["meta"]["impls"]:
+        name = impl["name"]
+        if not impl["available"]:
+            rows.append([name, "skipped", impl["reason"], "", "", "", ""])
+            continue
+        corr = r["correctness"].get("summary", {}).get(name)
+        mine = [x for x in perf if x["impl"] == name and "error" not in x]
+        big = max(mine, key=lambda x: x["shape"]["B"] * x["shape"]["T"], default=None)
+        sc = r["scorecard"].get("scenarios", {})
+        rows.append([name, f"{corr['passed']}/{corr['cases']}" if corr else "n/a (baseline)",
+                     f"{big['shape_id']} {big['dtype']} {big['direction']}" if big else "–",
+                     fmt(big["p50_ms"]) if big else "–", fmt(big["p99_ms"]) if big else "–",
+                     fmt(big["tokens_per_s"] / 1e6) if big else "–",
+                     " ".join(f"{k[:4]}:{fmt(v.get(name, {}).get('score'), 2)}" for k, v in sc.items())])
+    return ["impl", "correct", "largest perf row", "P50 ms", "P99 ms", "Mtok/s", "scores"], rows
+
+
+def blocks(r: dict) -> list:
+    hdr, rows = headline(r)
+    out = [_h(1, "linattn eval report"), _p(
+        f"Profile **{r['meta']['profile']}** on **{r['environment'].get('device')}**"
+        f" ({(r['environment'].get('gpu') or {}).get('name', r['environment'].get('cpu'))}), "
+        f"{r['environment'].get('date_utc')}."), _h(2, "Summary"), _t(hdr, rows)]
+    for section, title, fn in (
+            ("correctness", "Correctness", _corr_blocks), ("performance", "Performance", _perf_blocks),
+            ("scaling", "Scaling", _scaling_blocks), ("memory", "Memory", _memory_blocks),
+            ("stability", "Numerical stability", _stability_blocks),
+            ("robustness", "Robustness (abnormal inputs)", _robust_blocks), ("soak", "Soak", _soak_blocks),
+            ("mixed_precision", "Mixed precision", _amp_blocks), ("scorecard", "Scorecard", _score_blocks),
+            ("environment", "Environment", _env_blocks)):
+        sec = r.get(section, {})
+        if "skipped" in sec:
+            out += [_h(2, title), _p(f"Skipped: {sec['skipped']}.")]
+        elif "error" in sec and isinstance(sec["error"], dict) and len(sec) <= 2:
+            out += [_h(2, title), _p(f"FAILED: {sec['error']['type']}: {sec['error']['message']}")]
+        else:
+            out += fn(r)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# renderers
+# --------------------------------------------------------------------------------------------------------------
+def to_markdown(bl: list, figdir: str = "plots", figs: dict = None) -> str:
+    lines = []
+    for b in bl:
+        if b[0] == "h":
+            lines += ["#" * b[1] + " " + b[2], ""]
+        elif b[0] == "p":
+            lines += [b[1], ""]
+        elif b[0] == "t":
+            lines += ["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
+            lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in b[2]]
+            lines.append("")
+        elif b[0] == "fig" and figs and b[1] in figs:
+            lines += [f"![{b[2]}]({figdir}/{b[1]}.png)", ""]
+    return "\n".join(lines)
+
+
+_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1300px;
+color:#222;padding:0 16px}h1{border-bottom:2px solid #333}h2{margin-top:32px;border-bottom:1px solid #ccc}
+table{border-collapse:collapse;font-size:13px;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 7px;
+text-align:left;vertical-align:top}th{background:#f0f0f0}tr:nth-child(even){background:#fafafa}
+.pass{color:#137333;font-weight:600}.fail{color:#c5221f;font-weight:600}figure{margin:8px 0 20px}
+figcaption{font-size:13px;color:#555}img{max-width:100%;border:1px solid #eee}"""
+
+
+def _cell(c) -> str:
+    s = html.escape(str(c))
+    if s in ("PASS", "FAIL", "ERROR", "HANG"):
+        return f'<span class="{"pass" if s == "PASS" else "fail"}">{s}</span>'
+    return s.replace("**", "")
+
+
+def to_html(bl: list, figs: dict) -> str:
+    body = []
+    for b in bl:
+        if b[0] == "h":
+            body.append(f"<h{b[1]}>{html.escape(b[2])}</h{b[1]}>")
+        elif b[0] == "p":
+            body.append(f"<p>{html.escape(b[1]).replace('**', '')}</p>")
+        elif b[0] == "t":
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in b[1])
+            rows = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>" for row in b[2])
+            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+        elif b[0] == "fig" and b[1] in figs:
+            data = base64.b64encode(figs[b[1]]).decode()
+            body.append(f'<figure><img alt="{html.escape(b[2])}" src="data:image/png;base64,{data}">'
+                        f"<figcaption>{html.escape(b[2])}</figcaption></figure>")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>linattn eval report</title>"
+            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")
+
+
+def write_all(results: dict, out_dir: str) -> dict:
+    """Write report.json, report.md (+ plots/*.png) and report.html into ``out_dir``; return their paths."""
+    from .plots import make_figures
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, "report.json"), "md": os.path.join(out_dir, "report.md"),
+             "html": os.path.join(out_dir, "report.html")}
+    write_json(results, paths["json"])
+    r = clean(results)
+    figs = make_figures(r)
+    if figs:
+        os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
+        for name, png in figs.items():
+            with open(os.path.join(out_dir, "plots", f"{name}.png"), "wb") as fh:
+                fh.write(png)
+    bl = blocks(r)
+    with open(paths["md"], "w") as fh:
+        fh.write(to_markdown(bl, figs=figs))
+    with open(paths["html"], "w") as fh:
+        fh.write(to_html(bl, figs))
+    return paths
+

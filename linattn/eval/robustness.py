@@ -1,0 +1,175 @@
+"""Robustness: abnormal inputs. Every call runs in a worker thread with a timeout, so a hang is reported, not
+suffered; an exception is recorded with its type and message.
+
+Finite abnormal inputs (every token identical, values of 1e4, g = 0 and g = −100, β = 0 and β = 1, a random
+quarter of the tokens zeroed) must give finite outputs that match the float64 reference within the correctness
+tolerance of the dtype.
+
+A NaN planted in one token must stay inside the set of outputs that token feeds (its *cone*), and must not crash:
+
+* in q at (b, t, head h): only o[b, t] of the value heads that read head h;
+* in k at (b, t, h): o[b, t'] for t' ≥ t in the same sequence, value heads reading h, and their final states;
+* in v, g or β at (b, t, value head h): o[b, t' ≥ t] of head h in the same sequence, and that final state.
+
+Non-finite outputs outside the cone are counted separately as *other heads / sequences* and *earlier tokens*:
+a chunked kernel that multiplies a NaN by a masked zero (NaN · 0 = NaN) leaks it into the earlier tokens of the
+same chunk, and a packed (varlen) kernel must never leak it into the next sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cases import DTYPES, Case, make_inputs
+from .context import Context, error_record, run_with_timeout
+from .correctness import TOLERANCES, _reference, compare
+
+FINITE_CASES = ("identical-tokens", "huge-1e4", "g-zero", "g-minus-100", "beta-zero", "beta-one", "zeroed-tokens")
+NAN_CASES = ("nan-q", "nan-k", "nan-v", "nan-g", "nan-beta", "nan-varlen-v")
+
+
+def build_inputs(name: str, shape, dtype: str, device, seed: int) -> tuple[dict, dict]:
+    """Inputs for robustness case ``name`` and where a NaN was planted (empty for the finite cases)."""
+    varlen = name == "nan-varlen-v"
+    case = None
+    if varlen:
+        shape = shape.with_(B=1, T=2 * shape.T)
+        case = Case(name, shape, seqlens=(shape.T // 2, shape.T - shape.T // 2))
+    elif name == "identical-tokens":
+        case = Case(name, shape, structure="repeated_token")
+    elif name == "huge-1e4":
+        case = Case(name, shape, l2norm=True)  # trained models normalise q, k; v carries the magnitude
+    x = make_inputs(shape, DTYPES[dtype], device, seed, case=case)
+    with torch.no_grad():
+        if name == "huge-1e4":
+            for n in ("q", "k", "v"):
+                x[n] = x[n] * 1e4
+        elif name == "g-zero":
+            x["g"] = torch.zeros_like(x["g"])
+        elif name == "g-minus-100":
+            x["g"] = torch.full_like(x["g"], -100.0)
+        elif name == "beta-zero":
+            x["beta"] = torch.zeros_like(x["beta"])
+        elif name == "beta-one":
+            x["beta"] = torch.ones_like(x["beta"])
+        elif name == "zeroed-tokens":
+            gen = torch.Generator(device=device).manual_seed(seed + 7)
+            keep = (torch.rand(shape.B, shape.T, 1, 1, device=device, generator=gen) > 0.25)
+            for n in ("q", "k", "v"):
+                x[n] = x[n] * keep.to(x[n].dtype)
+    plant = {}
+    if name.startswith("nan-"):
+        tensor = "v" if varlen else name.split("-")[1]
+        # inside the first sequence, past the start of a chunk, so earlier tokens of the same chunk exist
+        t0 = shape.T // 4 + 1 if varlen else shape.T // 2 + 1
+        plant = {"tensor": tensor, "b": 0, "t": t0, "head": 0}
+        x[tensor] = x[tensor].clone()
+        with torch.no_grad():
+            x[tensor][0, t0, 0] = float("nan")
+    return x, plant
+
+
+def cone(inputs: dict, plant: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean masks of the outputs a planted NaN may reach: o ``[B, T, HV]`` and final state ``[N, HV]``."""
+    B, T, H = inputs["q"].shape[:3]
+    HV = inputs["v"].shape[2]
+    rep = HV // H
+    cu = inputs.get("cu_seqlens")
+    offs = cu.tolist() if cu is not None else [0, T]
+    N = len(offs) - 1 if cu is not None else B
+    b, t, h = plant["b"], plant["t"], plant["head"]
+    heads = list(range(h * rep, (h + 1) * rep)) if plant["tensor"] in ("q", "k") else [h]
+    seq = next(i for i in range(len(offs) - 1) if offs[i] <= t < offs[i + 1]) if cu is not None else 0
+    eos = offs[seq + 1]
+    o_mask = torch.zeros(B, T, HV, dtype=torch.bool)
+    h_mask = torch.zeros(N, HV, dtype=torch.bool)
+    for hv in heads:
+        if plant["tensor"] == "q":
+            o_mask[b, t, hv] = True
+        else:
+            o_mask[b, t:eos, hv] = True
+            h_mask[seq if cu is not None else b, hv] = True
+    return o_mask, h_mask
+
+
+def check_confinement(o: torch.Tensor, ht, inputs: dict, plant: dict) -> dict:
+    o_mask, h_mask = cone(inputs, plant)
+    bad = ~torch.isfinite(o.detach()).all(-1).cpu()  # [B, T, HV]: any non-finite entry in the head's output
+    outside = bad & ~o_mask
+    # outside the cone: split into tokens before the NaN in the cone's own heads/sequence, and everything else
+    b, t = plant["b"], plant["t"]
+    heads_in_cone = o_mask.any(1)  # [B, HV]
+    earlier = torch.zeros_like(outside)
+    earlier[b, :t] = outside[b, :t] & heads_in_cone[b][None, :]
+    rec = {"cone_tokens": int(o_mask.sum()), "nonfinite_in_cone": int((bad & o_mask).sum()),
+           "nonfinite_outside_cone": int(outside.sum()), "leak_earlier_tokens": int(earlier.sum()),
+           "leak_other_heads_or_sequences": int((outside & ~earlier).sum())}
+    if ht is not None:
+        hbad = ~torch.isfinite(ht.detach()).flatten(2).all(-1).cpu()
+        rec["state_nonfinite_outside_cone"] = int((hbad & ~h_mask).sum())
+    rec["confined"] = rec["nonfinite_outside_cone"] == 0 and rec.get("state_nonfinite_outside_cone", 0) == 0
+    return rec
+
+
+def check(impl, name: str, dtype: str, ctx: Context) -> dict:
+    p = ctx.profile
+    inputs, plant = build_inputs(name, p.rob_shape, dtype, ctx.device, ctx.seed)
+    rec = {"id": f"{impl.name}/{name}/{dtype}", "impl": impl.name, "case": name, "dtype": dtype}
+    reason = impl.supports(inputs)
+    if reason:
+        rec.update(status="unsupported", reason=reason, passed=None)
+        return rec
+
+    def call():
+        with torch.no_grad():
+            o, ht = impl(inputs)
+            ctx.sync()
+            return o, ht
+
+    status, result = run_with_timeout(call, p.rob_timeout_s)
+    if status == "hang":
+        rec.update(status="hang", timeout_s=p.rob_timeout_s, passed=False)
+        return rec
+    if status == "error":
+        rec.update(status="error", error=error_record(result), passed=False)
+        return rec
+    o, ht = result
+    rec["o_nan"] = int(torch.isnan(o).sum())
+    rec["o_inf"] = int(torch.isinf(o).sum())
+    rec["state_nonfinite"] = int((~torch.isfinite(ht)).sum()) if ht is not None else None
+    if plant:
+        rec["planted"] = plant
+        rec.update(check_confinement(o, ht, inputs, plant))
+        rec["passed"] = rec["confined"]
+    else:
+        ref = _reference(inputs, grads=False)
+        err = compare(o, ref["o"])
+        rec["rel_l2"] = err["rel_l2"]
+        rec["reference_finite"] = bool(torch.isfinite(ref["o"]).all())
+        rec["passed"] = (rec["o_nan"] + rec["o_inf"] == 0 and not rec["state_nonfinite"]
+                         and err["rel_l2"] <= TOLERANCES[dtype]["fwd"])
+    rec["status"] = "pass" if rec["passed"] else "fail"
+    return rec
+
+
+def run(ctx: Context) -> dict:
+    p = ctx.profile
+    records, skipped = [], []
+    for impl in ctx.available("gdn"):
+        for dtype in p.corr_dtypes:
+            for name in FINITE_CASES + NAN_CASES:
+                if ctx.out_of_time():
+                    skipped.append(f"{impl.name}/{name}/{dtype}")
+                    continue
+                ctx.step(f"robustness {impl.name} {name} {dtype}")
+                records.append(check(impl, name, dtype, ctx))
+    summary = {i.name: {"cases": sum(r["impl"] == i.name and r["passed"] is not None for r in records),
+                        "passed": sum(r["impl"] == i.name and bool(r["passed"]) for r in records),
+                        "errors": sum(r["impl"] == i.name and r["status"] == "error" for r in records),
+                        "hangs": sum(r["impl"] == i.name and r["status"] == "hang" for r in records),
+                        "nan_leaks": sum(r["impl"] == i.name and r.get("confined") is False for r in records),
+                        "nan_leaks_across_heads_or_sequences": sum(
+                            r["impl"] == i.name and bool(r.get("leak_other_heads_or_sequences")) for r in records)}
+               for i in ctx.available("gdn")}
+    return {"shape": vars(p.rob_shape).copy(), "timeout_s": p.rob_timeout_s, "records": records, "summary": summary,
+            "not_checked": [{"impl": i.name, "reason": "softmax baseline"} for i in ctx.available("softmax")],
+            "skipped_for_time": skipped}

@@ -1,0 +1,134 @@
+"""Scaling: latency, throughput and memory as the sequence grows and as the batch grows.
+
+Three sweeps per implementation, each point timed like the performance section (median of ``scale_reps`` calls):
+
+* **T doubling** at fixed batch (``scale_T``): the ratio of consecutive medians (≈ 2 for a linear-time operator,
+  ≈ 4 for quadratic attention once it is compute-bound) and the fitted exponent of latency ∝ T^p. A sweep stops for
+  an implementation at its first out-of-memory point ("where memory allows") or when one call exceeds the point
+  budget (the next doubling would too).
+* **Batch growth** at fixed T (``scale_batch``): throughput in tokens/s and its *knee*, the first batch at which
+  doubling the batch raises throughput by less than 10 % (the device is full; more batch only adds latency).
+* **Equal total tokens**: the same B·T split from one long sequence to many short ones ("small batch, long
+  sequence" against "large batch, short sequence").
+"""
+from __future__ import annotations
+
+from .cases import DTYPES, Shape, make_inputs
+from .context import Context, empty_cache, measure_peak
+from .perf import loglog_slope, make_call, measure
+
+KNEE_GAIN = 1.10  # throughput must grow by at least 10 % per batch doubling to count as still scaling
+
+
+def _point(ctx: Context, impl, shape: Shape, dtype: str, direction: str, with_memory: bool) -> dict:
+    p = ctx.profile
+    rec = measure(ctx, impl, shape, dtype, direction, warmup=1, reps=p.scale_reps, budget_s=p.point_budget_s,
+                  seed=ctx.seed)
+    rec.pop("samples_ms", None)
+    if with_memory and "error" not in rec:
+        try:
+            inputs = make_inputs(shape, DTYPES[dtype], ctx.device, ctx.seed, requires_grad=direction == "fwdbwd")
+            rec["memory"] = measure_peak(ctx, make_call(impl, inputs, direction))
+            del inputs
+        except Exception as e:  # memory is a bonus here; the memory section reports it properly
+            rec["memory"] = {"peak_bytes": None, "error": str(e)[:200]}
+        empty_cache(ctx)
+    return rec
+
+
+def knee(batches: list, tokens_per_s: list):
+    """First batch after which the next batch size does not raise throughput by ``KNEE_GAIN``; None if it never
+    stops growing within the sweep."""
+    for i in range(len(batches) - 1):
+        if tokens_per_s[i + 1] < tokens_per_s[i] * KNEE_GAIN:
+            return batches[i]
+    return None
+
+
+def _t_sweep(ctx: Context, impl, dtype: str, direction: str) -> dict:
+    p = ctx.profile
+    points, stop = [], None
+    for T in p.scale_T:
+        if ctx.out_of_time():
+            stop = "time budget"
+            break
+        ctx.step(f"scaling {impl.name} T={T} {direction}")
+        rec = _point(ctx, impl, p.scale_base.with_(T=T), dtype, direction, with_memory=True)
+        points.append(rec)
+        if "error" in rec:
+            stop = "out of memory" if rec.get("oom") else f"error: {rec['error']['type']}"
+            break
+        if rec["max_ms"] / 1e3 > p.point_budget_s:
+            stop = f"one call took {rec['max_ms'] / 1e3:.1f} s > point budget {p.point_budget_s} s"
+            break
+    ok = [r for r in points if "error" not in r]
+    Ts = [r["shape"]["T"] for r in ok]
+    med = [r["median_ms"] for r in ok]
+    mem = [r.get("memory", {}).get("peak_bytes") for r in ok]
+    return {
+        "impl": impl.name, "dtype": dtype, "direction": direction, "id": f"{impl.name}/T/{dtype}/{direction}",
+        "T": Ts, "median_ms": med, "tokens_per_s": [r["tokens_per_s"] for r in ok], "peak_bytes": mem,
+        "time_ratio_per_doubling": [b / a for a, b in zip(med[:-1], med[1:])],
+        "memory_ratio_per_doubling": [b / a if a and b else None for a, b in zip(mem[:-1], mem[1:])],
+        "time_exponent": loglog_slope(Ts, med), "max_T": max(Ts) if Ts else None, "stopped": stop,
+        "points": points}
+
+
+def _batch_sweep(ctx: Context, impl, dtype: str) -> dict:
+    p = ctx.profile
+    points = []
+    for B in p.scale_batch:
+        if ctx.out_of_time():
+            break
+        ctx.step(f"scaling {impl.name} B={B}")
+        rec = _point(ctx, impl, p.scale_base.with_(B=B, T=p.scale_batch_T), dtype, "fwd", with_memory=False)
+        points.append(rec)
+        if "error" in rec:
+            break
+    ok = [r for r in points if "error" not in r]
+    Bs = [r["shape"]["B"] for r in ok]
+    tps = [r["tokens_per_s"] for r in ok]
+    return {"impl": impl.name, "dtype": dtype, "id": f"{impl.name}/batch/{dtype}", "T": p.scale_batch_T, "B": Bs,
+            "median_ms": [r["median_ms"] for r in ok], "tokens_per_s": tps,
+            "speedup_vs_B1": [t / tps[0] for t in tps] if tps else [], "knee_batch": knee(Bs, tps) if tps else None,
+            "points": points}
+
+
+def equal_token_splits(total: int, min_T: int = 128, max_points: int = 5) -> list[tuple[int, int]]:
+    """(B, T) pairs with B·T = total, B = 1, 4, 16, ... while T ≥ min_T."""
+    out, B = [], 1
+    while total // B >= min_T and len(out) < max_points:
+        out.append((B, total // B))
+        B *= 4
+    return out
+
+
+def _equal_tokens(ctx: Context, impl, dtype: str) -> dict:
+    p = ctx.profile
+    points = []
+    for B, T in equal_token_splits(p.equal_tokens):
+        if ctx.out_of_time():
+            break
+        ctx.step(f"scaling {impl.name} {B}x{T}")
+        points.append(_point(ctx, impl, p.scale_base.with_(B=B, T=T), dtype, "fwd", with_memory=False))
+    ok = [r for r in points if "error" not in r]
+    return {"impl": impl.name, "dtype": dtype, "id": f"{impl.name}/equal/{dtype}", "total_tokens": p.equal_tokens,
+            "B": [r["shape"]["B"] for r in ok], "T": [r["shape"]["T"] for r in ok],
+            "median_ms": [r["median_ms"] for r in ok], "tokens_per_s": [r["tokens_per_s"] for r in ok],
+            "points": points}
+
+
+def run(ctx: Context) -> dict:
+    p = ctx.profile
+    dtype = p.scale_dtype
+    directions = ("fwd", "fwdbwd") if ctx.gpu else ("fwd",)
+    t_sweeps, batch, equal = [], [], []
+    jobs = [(t_sweeps, _t_sweep, (impl, dtype, d)) for impl in ctx.available() for d in directions]
+    jobs += [(batch, _batch_sweep, (impl, dtype)) for impl in ctx.available()]
+    jobs += [(equal, _equal_tokens, (impl, dtype)) for impl in ctx.available()]
+    for i, (out, fn, fn_args) in enumerate(jobs):
+        with ctx.share(len(jobs) - i):
+            out.append(fn(ctx, *fn_args))
+    return {"dtype": dtype, "base_shape": vars(p.scale_base).copy(), "knee_gain": KNEE_GAIN,
+            "memory_method": "cuda_allocator" if ctx.gpu else "cpu_profiler",
+            "T_sweep": t_sweeps, "batch_sweep": batch, "equal_tokens": equal}

@@ -1,0 +1,120 @@
+"""Unit checks of the sections' logic on tiny inputs: the accuracy metric, NaN cone, scorecard, time budget."""
+import math
+
+import pytest
+import torch
+
+from linattn.eval import correctness, robustness, scorecard
+from linattn.eval.cases import Case, Shape, correctness_cases, profile
+from linattn.eval.context import Context, run_with_timeout
+from linattn.eval.impls import Impl, build, parse_impls
+
+CPU = torch.device("cpu")
+
+
+def _ctx():
+    return Context(CPU, profile("tiny", CPU), [build("linattn", CPU)], deadline=math.inf)
+
+
+def test_compare_metric():
+    ref = torch.tensor([3.0, 4.0])
+    m = correctness.compare(torch.tensor([3.0, 4.5]), ref)
+    assert m["rel_l2"] == pytest.approx(0.1) and m["max_abs"] == pytest.approx(0.5) and m["nonfinite"] == 0
+    bad = correctness.compare(torch.tensor([float("nan"), float("inf")]), ref)
+    assert bad["nan"] == 1 and bad["inf"] == 1 and bad["rel_l2"] == math.inf
+
+
+CASES = {c.id: c for c in correctness_cases(T=19, H=1, D=16)}
+
+
+@pytest.mark.parametrize("case_id", ["prefill", "varlen-initial-state", "gva", "gate-in-op"])
+def test_linattn_passes_and_a_wrong_impl_fails(case_id):
+    case = CASES[case_id]
+    good = build("linattn", CPU)
+    rec = correctness.check_case(good, case, "fp32", CPU, seed=3)
+    assert rec["status"] == "pass", rec
+    # the same op with the output off by 1 %: the suite must catch it (forward and backward)
+    wrong = Impl("wrong", "gdn", lambda x: (lambda o, h: (o * 1.01, h))(*good(x)), native=good.native)
+    bad = correctness.check_case(wrong, case, "fp32", CPU, seed=3)
+    assert bad["status"] == "fail" and not bad["fwd_passed"] and not bad["bwd_passed"]
+
+
+def test_error_and_unsupported_are_recorded():
+    def boom(x):
+        raise RuntimeError("kernel exploded")
+    rec = correctness.check_case(Impl("boom", "gdn", boom), CASES["prefill"], "fp32", CPU, seed=0)
+    assert rec["status"] == "error" and rec["error"]["message"] == "kernel exploded" and rec["passed"] is False
+    rec = correctness.check_case(Impl("novarlen", "gdn", boom), CASES["varlen"], "fp32", CPU, seed=0)
+    assert rec["status"] == "unsupported" and rec["passed"] is None
+
+
+@pytest.mark.parametrize("tensor,heads,tokens", [("q", [2, 3], [10]), ("k", [2, 3], list(range(10, 19))),
+                                                 ("v", [1], list(range(10, 19)))])
+def test_nan_cone_with_grouped_heads(tensor, heads, tokens):
+    x = {"q": torch.zeros(2, 19, 2, 4), "v": torch.zeros(2, 19, 4, 4)}
+    o_mask, h_mask = robustness.cone(x, {"tensor": tensor, "b": 1, "t": 10, "head": 1})
+    want = torch.zeros(2, 19, 4, dtype=torch.bool)
+    for h in heads:
+        want[1, tokens, h] = True
+    assert torch.equal(o_mask, want)
+    assert h_mask.sum() == (0 if tensor == "q" else len(heads))
+
+
+def test_nan_cone_stops_at_the_sequence_end_and_leaks_are_counted():
+    x = {"q": torch.zeros(1, 20, 1, 4), "v": torch.zeros(1, 20, 1, 4),
+         "cu_seqlens": torch.tensor([0, 8, 20], dtype=torch.int32)}
+    plant = {"tensor": "v", "b": 0, "t": 3, "head": 0}
+    o_mask, h_mask = robustness.cone(x, plant)
+    assert o_mask[0, :, 0].nonzero().flatten().tolist() == list(range(3, 8))
+    assert h_mask.tolist() == [[True], [False]]
+    o = torch.zeros(1, 20, 1, 4)
+    o[0, 3:8] = float("nan")
+    assert robustness.check_confinement(o, torch.zeros(2, 1, 4, 4), x, plant)["confined"]
+    o[0, 12, 0, 1] = float("nan")  # leaks into the next packed sequence
+    o[0, 1, 0, 0] = float("inf")  # and into an earlier token
+    rec = robustness.check_confinement(o, torch.zeros(2, 1, 4, 4), x, plant)
+    assert not rec["confined"] and rec["leak_other_heads_or_sequences"] == 1 and rec["leak_earlier_tokens"] == 1
+
+
+def test_robustness_finite_case_runs_and_hang_is_reported():
+    rec = robustness.check(build("linattn", CPU), "g-minus-100", "fp32", _ctx())
+    assert rec["status"] == "pass" and rec["rel_l2"] < 1e-4
+    import threading
+    gate = threading.Event()
+    status, _ = run_with_timeout(lambda: gate.wait(5), timeout_s=0.1)
+    gate.set()
+    assert status == "hang"
+    assert run_with_timeout(lambda: 1 / 0, 1)[0] == "error"
+
+
+def test_scorecard_normalisation():
+    raw = {"a": {"p99_ms": 2.0, "first_token_ms": 1.0, "first_call_s": 1.0, "worst_rel_l2": 1e-6, "pass_rate": 1.0},
+           "b": {"p99_ms": 1.0, "first_token_ms": 1.0, "first_call_s": 4.0, "worst_rel_l2": 1e-2, "pass_rate": 0.5}}
+    s = scorecard.score(raw)
+    rt = s["real_time"]
+    assert rt["b"]["metrics"]["p99_ms"]["normalised"] == 1.0 and rt["a"]["metrics"]["p99_ms"]["normalised"] == 0.5
+    assert rt["a"]["score"] == pytest.approx(100 * (0.5 * 0.5 + 0.3 + 0.2))
+    assert rt["b"]["score"] == pytest.approx(100 * (0.5 + 0.3 + 0.2 * 0.25))
+    sci = s["scientific"]
+    assert sci["b"]["metrics"]["worst_rel_l2"]["normalised"] == pytest.approx(0.0)  # 4 decades worse
+    assert sci["a"]["score"] == pytest.approx(100) and sci["a"]["coverage"] == pytest.approx(0.6)
+    assert s["edge"]["a"]["score"] == pytest.approx(100)  # only first_token_ms present, equal for both
+
+
+def test_parse_impls_and_availability():
+    impls = parse_impls("linattn,fla,sdpa,linattn", CPU)
+    assert [i.name for i in impls] == ["linattn", "fla", "sdpa"]
+    assert not impls[1].available and "GPU" in impls[1].reason
+    with pytest.raises(ValueError, match="unknown implementation"):
+        parse_impls("linattn,flashattn9", CPU)
+    o, _ = impls[2]({"q": torch.randn(1, 8, 1, 4), "k": torch.randn(1, 8, 1, 4), "v": torch.randn(1, 8, 2, 4)})
+    assert o.shape == (1, 8, 2, 4)
+
+
+def test_structured_inputs_are_not_random_noise():
+    s = Shape(1, 9, 1, 1, 4, 4)
+    from linattn.eval.cases import make_inputs
+    x = make_inputs(s, torch.float32, CPU, 0, case=Case("r", s, structure="repeated_token"))
+    assert torch.equal(x["q"][0, 0], x["q"][0, 8]) and not torch.equal(x["q"], torch.zeros_like(x["q"]))
+    y = make_inputs(s, torch.float32, CPU, 0, case=Case("o", s, structure="onehot_keys"))
+    assert torch.equal(y["k"][0, 5, 0], torch.eye(4)[1])
