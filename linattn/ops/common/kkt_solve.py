@@ -56,16 +56,13 @@ def _invert_diag_block(b_A, o_r):
 
 
 @triton.jit
-def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-                     USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):
-    # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
+def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+                       USE_DECAY: tl.constexpr):
+    """Steps 1–3 for chunk i_c of the sequence at bos: the ten lower 16×16 blocks of (I + A)⁻¹, fp32, as
+    (T00, T10, T11, T20, T21, T22, T30, T31, T32, T33). Shared by :func:`kkt_solve_kernel` and the fused
+    pre-pass (``fused_prepass.py``), which keeps them in registers instead of writing A_inv."""
     tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
-    T_seq = eos - bos
     o_r = tl.arange(0, 16)
     o_0 = i_c * BT + o_r
     o_1, o_2, o_3 = o_0 + 16, o_0 + 32, o_0 + 48
@@ -127,6 +124,21 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
     b_T30 = -tl.dot(b_T33, tl.dot(b_A30, b_T00, input_precision="ieee")
                     + tl.dot(b_A31, b_T10, input_precision="ieee")
                     + tl.dot(b_A32, b_T20, input_precision="ieee"), input_precision="ieee")
+    return b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33
+
+
+@triton.jit
+def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+                     USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
+    T_seq = eos - bos
+    b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
+        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY)
 
     # write all sixteen blocks (the upper ones as zeros) of the chunk's rows; rows past eos are not written
     p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (16, 16),

@@ -41,6 +41,15 @@ def wy_kernel(k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.c
     else:
         b_bg = b_beta
 
+    wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
+
+
+@triton.jit
+def wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             DOT_PREC: tl.constexpr):
+    """Write W = b_A (βΓ ⊙ K) and U = b_A (β ⊙ V) of chunk i_c, given its inverse b_A [BT, BT] fp32 and the row
+    scales b_beta, b_bg [BT] in registers. Shared by :func:`wy_kernel` and the fused pre-pass."""
     # W = A_inv (βΓ ⊙ K): read BT×BK keys, write BT×BK fp32 per tile
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),

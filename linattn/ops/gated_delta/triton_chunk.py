@@ -29,6 +29,8 @@ import triton
 
 from ..common import CHUNK
 from ..common.cumsum import chunk_local_cumsum
+from ..common.fused_fwd import fused_fwd
+from ..common.fused_prepass import fused_prepass
 from ..common.kkt_solve import kkt_solve
 from ..common.output import output_fwd
 from ..common.state_pass import state_pass_fwd
@@ -97,6 +99,16 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
                                       cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]]
                                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of the triton backend: o ``[B, T, HV, V]`` in v.dtype and the final state ``[N, HV, K, V]`` fp32.
-    Arguments as :func:`chunk_gated_delta_rule_fwd_stages`."""
-    st = chunk_gated_delta_rule_fwd_stages(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets)
-    return st.o, st.final_state
+    Arguments as :func:`chunk_gated_delta_rule_fwd_stages`.
+
+    The fused path (docs/architecture.md, "Fused forward"): one parallel pre-pass writes gc, W, U; one sequential
+    kernel per (sequence, value head, V slice) keeps the state on chip and writes only o and the final state.
+    """
+    if v.dtype not in TRITON_DTYPES:
+        raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
+                        "for float64")
+    chunk_indices = None
+    if cu_seqlens is not None:
+        chunk_indices, _ = chunk_tables(offsets if offsets is not None else cu_seqlens.tolist(), CHUNK, q.device)
+    gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
+    return fused_fwd(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens)

@@ -1,0 +1,143 @@
+"""Fused forward, part 2: ONE sequential kernel walks the chunks with the state on chip and writes o directly.
+
+Twin: ``torch_chunk.state_pass_fwd_ref`` followed by ``torch_chunk.output_fwd_ref`` (the two stages it fuses;
+h and v_new are the values those twins would pass between them, never stored here).
+
+One program owns one (sequence, value head, BV-wide slice of V) and holds the whole K extent of the state S
+[BK, BV] in fp32 registers (BK = next power of two ≥ K, up to 256). Per chunk, with S the state entering it:
+
+    read   W [BT, BK] fp32, U [BT, BV] fp32, gc [BT] fp32       (from the pre-pass, ``fused_prepass.py``)
+           Q [BT, BK], K [BT, BK] in the input dtype
+    V_new = U − W S                                              [BT, BV] fp32, registers only
+    O     = scale·[Γ ⊙ (Q S) + (Q Kᵀ ⊙ D ⊙ causal) V_new]       write BT×BV in the output dtype
+    S    ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
+
+so per chunk and head it moves BT·(K + V)·4 + BT·2K·(2 bytes) + BT·V·2 bytes and writes neither h (BK·BV fp32
+per chunk) nor V_new, against the unfused state pass + output stages that write h and V_new and read them back.
+Q Kᵀ does not depend on S but is recomputed here for each V slice: it costs 2·BT²·K FLOPs per slice and saves a
+[BT, BT] fp32 round trip through HBM. The order inside a chunk — V_new, then O from the entering S, then the update
+— is the math's; O and V_new both read the S that entered the chunk.
+
+Dot precision (``common/__init__.py``): Q Kᵀ runs on the input dtype (exact products); W S, Q S, P V_new and
+Kᵀ V_new touch fp32 intermediates and run at ``dot_precision(input dtype)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import CHUNK, block_size, dot_precision
+
+
+@triton.jit
+def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One chunk: write its BT×BV slice of O and return the state leaving it."""
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+    i_last = tl.minimum((i_c + 1) * BT, T_seq) - 1
+    b_gc = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_g_last = tl.load(gc + (bos + i_last) * HV + i_hv)
+
+    # V_new = U − W S (padded rows of W and U load as 0, so their V_new is 0 and they leave S unchanged)
+    p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T_seq, K), (HV * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
+    p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                            (1, 0))
+    b_w = tl.load(p_w, boundary_check=(0, 1))
+    b_v = tl.load(p_u, boundary_check=(0, 1)) - tl.dot(b_w, b_h, input_precision=DOT_PREC)
+
+    # O = scale·[Γ ⊙ (Q S) + (Q Kᵀ ⊙ D ⊙ causal) V_new]; D is formed from the masked difference (→ −inf → 0)
+    p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
+    p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (0, i_c * BT), (BK, BT), (0, 1))
+    b_q = tl.load(p_q, boundary_check=(0, 1))
+    b_kt = tl.load(p_k, boundary_check=(0, 1))
+    m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_P = tl.dot(b_q, b_kt, input_precision=DOT_PREC)
+    b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    b_o = tl.dot(b_q.to(tl.float32), b_h, input_precision=DOT_PREC) * tl.exp(b_gc)[:, None]
+    b_o = (b_o + tl.dot(b_P, b_v, input_precision=DOT_PREC)) * scale
+    p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                            (1, 0))
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+
+    # S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
+    b_kd = b_kt.to(tl.float32) * tl.exp(tl.where(m_t, b_g_last - b_gc, float("-inf")))[None, :]
+    return b_h * tl.exp(b_g_last) + tl.dot(b_kd, b_v, input_precision=DOT_PREC)
+
+
+@triton.jit
+def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     DOT_PREC: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # grid (cdiv(V, BV), N·HV)
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    T_seq = eos - bos
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    o_s = i_nh.to(tl.int64) * K * V
+    if USE_INITIAL_STATE:
+        b_h = tl.load(h0 + o_s + o_kv, mask=m_kv, other=0).to(tl.float32)
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+
+    # a while loop, not range(): the interpreter cannot take range() of a runtime bound (see state_pass.py)
+    NT_seq = tl.cdiv(T_seq, BT)
+    i_c = 0
+    while i_c < NT_seq:
+        b_h = _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
+                           DOT_PREC)
+        i_c += 1
+
+    tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
+
+
+def fused_fwd_config(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) of :func:`fused_fwd`: the whole K extent in registers, BV keeping the fp32 state tile at
+    ≤ 8192 values (64 columns up to K = 128, 32 beyond), 8 warps so the [BT, BK] W/Q/K tiles fit beside it."""
+    BK = block_size(K, 256)
+    BV = block_size(V, 64 if BK <= 128 else 32)
+    return BK, BV, 8
+
+
+def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
+              initial_state: Optional[torch.Tensor], out_dtype: torch.dtype,
+              cu_seqlens: Optional[torch.Tensor] = None, BV: Optional[int] = None,
+              num_warps: Optional[int] = None, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk the chunks of every sequence in order and write the output and the final state.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (value head i reads query/key head ``i // (HV // H)``).
+        w: ``[B, T, HV, K]`` fp32, u: ``[B, T, HV, V]`` fp32, gc: ``[B, T, HV]`` fp32, from :func:`fused_prepass`.
+        scale: query scale. initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
+        out_dtype: dtype of o. cu_seqlens: varlen offsets ``[N + 1]`` (B == 1) or None.
+        BV, num_warps: override :func:`fused_fwd_config` (benchmarks).
+    Returns:
+        o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
+    """
+    B, T, H, K = q.shape
+    HV, V = u.shape[2], u.shape[3]
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    BK, BV_default, warps_default = fused_fwd_config(K, V)
+    BV = BV or BV_default
+    o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
+    fused_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, T, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK,
+        BV=BV, DOT_PREC=dot_precision(q.dtype), USE_INITIAL_STATE=initial_state is not None,
+        IS_VARLEN=cu_seqlens is not None, num_warps=num_warps or warps_default)
+    return o, ht

@@ -1,0 +1,103 @@
+"""Fused forward, part 1: the parallel pre-pass — cumsum, kkt + triangular solve and WY of a chunk in ONE kernel.
+
+Twin: ``torch_chunk.chunk_local_cumsum_ref`` → ``kkt_solve_ref`` → ``wy_ref`` (the three stages this kernel
+fuses). One program per (chunk, value head), grid (NT, B·HV), like the stages it replaces. Per chunk it
+
+    reads   BT gates, BT betas, BT×K keys (twice: once for K Kᵀ, once for W; the second read hits L2),
+            BT×V values
+    writes  gc [BT] fp32, W [BT, K] fp32, U [BT, V] fp32        — and nothing else: A_inv stays in registers.
+
+Against the unfused stages (cumsum → kkt_solve → wy) this drops the A_inv round trip (BT² fp32 written and read
+back: 32 KB per chunk and head), two launches, and the re-reads of gc and β.
+
+The solve (``kkt_solve.kkt_inverse_blocks``) reads the cumulative gates back from ``gc`` in 16-row slices; the
+program writes them first and then passes a CTA barrier, which makes its own global stores visible to all its
+threads (the values come from L1/L2, not HBM). The ten inverse blocks are then assembled into one [BT, BT]
+register tile with ``tl.join`` (no data leaves the SM) so that W and U are [64, 64]-sized dots, shared with
+``wy.wy_tiles``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import CHUNK, block_size, dot_precision
+from .kkt_solve import kkt_inverse_blocks
+from .varlen import chunk_bounds
+from .wy import wy_tiles
+
+
+@triton.jit
+def _cat_cols(a, b):
+    """[M, N] ++ [M, N] → [M, 2N] along columns (register shuffle only)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _cat_rows(a, b):
+    """[M, N] ++ [M, N] → [2M, N] along rows (register shuffle only)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * a.shape[0], a.shape[1]))
+
+
+@triton.jit
+def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
+    T_seq = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+
+    # 1. gc = cumsum(g) in fp32: read BT gates, write BT fp32 (the tail of the last chunk is masked)
+    o_g = (bos + o_t) * HV + i_hv
+    b_gc = tl.cumsum(tl.load(g + o_g, mask=m_t, other=0).to(tl.float32), axis=0)
+    tl.store(gc + o_g, b_gc, mask=m_t)
+    # the solve reads gc back in 16-row slices: a CTA barrier makes this program's stores visible to its threads
+    tl.debug_barrier()
+
+    # 2. (I + A)⁻¹ in ten 16×16 blocks (reads BT×K keys, BT gates and betas), assembled to [BT, BT] in registers
+    b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
+        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, True)
+    b_0 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A = _cat_rows(_cat_rows(_cat_cols(_cat_cols(b_T00, b_0), _cat_cols(b_0, b_0)),
+                              _cat_cols(_cat_cols(b_T10, b_T11), _cat_cols(b_0, b_0))),
+                    _cat_rows(_cat_cols(_cat_cols(b_T20, b_T21), _cat_cols(b_T22, b_0)),
+                              _cat_cols(_cat_cols(b_T30, b_T31), _cat_cols(b_T32, b_T33))))
+
+    # 3. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
+    b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
+    b_bg = b_beta * tl.exp(b_gc)
+    wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
+
+
+def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
+                  chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gc, W and U of every chunk, in one launch.
+
+    Args:
+        g: log decays ``[B, T, HV]``; k: keys ``[B, T, H, K]`` (value head i reads key head ``i // (HV // H)``);
+            v: values ``[B, T, HV, V]``; beta: ``[B, T, HV]``.
+        cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
+    Returns:
+        gc ``[B, T, HV]``, w ``[B, T, HV, K]``, u ``[B, T, HV, V]``, all fp32 — the same values (up to rounding
+        order) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd``.
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    gc = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
+    w = torch.empty(B, T, HV, K, dtype=torch.float32, device=k.device)
+    u = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    fused_prepass_kernel[(NT, B * HV)](
+        g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_precision(k.dtype),
+        IS_VARLEN=cu_seqlens is not None)
+    return gc, w, u
