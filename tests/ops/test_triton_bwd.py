@@ -32,10 +32,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 0.37
 
 # relative RMS error allowed, per dtype. KERNEL: one kernel vs its float64 twin on the same (rounded) inputs.
-# E2E: the whole backward vs the float64 reference (fp16 inputs rounded first; fp16 tl.dot operands inside).
+# E2E: the whole backward vs the float64 reference on the same rounded inputs. Measured here: fp32 ≤ 5e-7; fp16
+# ≈ 2e-4 (storing dq/dk/dv in fp16 is most of it), ≈ 4e-4 with "input" dots: 1e-3 leaves a 2.5× margin.
 TOL = {
-    "kernel": {torch.float32: 1e-5, torch.float16: 4e-3},
-    "e2e": {torch.float32: 1e-5, torch.float16: 8e-3},
+    "kernel": {torch.float32: 1e-5, torch.float16: 1e-3},
+    "e2e": {torch.float32: 1e-5, torch.float16: 1e-3},
 }
 
 KERNEL_CASES = [
