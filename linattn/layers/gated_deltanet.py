@@ -115,6 +115,11 @@ class GatedDeltaNet(nn.Module):
         dt = dt.clamp(min=1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    def _rule(self, q, k, v, a, beta, *, mode, initial_state, output_final_state, cu_seqlens):
+        """The recurrence itself (subclasses swap it: :class:`GatedLinearAttention` drops the delta term)."""
+        return gated_delta_rule(q, k, v, a, beta, self.A_log, self.dt_bias, mode=mode, initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=self.backend)
+
     def _mode(self, T: int) -> str:
         if self.mode != "auto":
             return self.mode
@@ -154,9 +159,9 @@ class GatedDeltaNet(nn.Module):
         beta = self.b_proj(x).float().sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2
-        o, recurrent = gated_delta_rule(q, k, v, a, beta, self.A_log, self.dt_bias, mode=self._mode(T),
-                                        initial_state=None if state is None else state.recurrent,
-                                        output_final_state=output_state, cu_seqlens=cu_seqlens, backend=self.backend)
+        o, recurrent = self._rule(q, k, v, a, beta, mode=self._mode(T),
+                                  initial_state=None if state is None else state.recurrent,
+                                  output_final_state=output_state, cu_seqlens=cu_seqlens)
         if self.g_proj is not None:
             o = self.o_norm(o, self.g_proj(x).unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         else:
