@@ -11,6 +11,7 @@ LAYER_KINDS = {
     "G": "Gated DeltaNet (linattn.layers.GatedDeltaNet)",
     "S": "sliding-window softmax attention (window_size tokens)",
     "A": "full causal softmax attention",
+    "L": "gated linear attention (linattn.layers.GatedLinearAttention, the GDN layer without the delta term)",
 }
 
 
@@ -26,7 +27,7 @@ class HybridConfig:
     hidden_size: int = 512
     num_layers: int = 8
     layer_pattern: str = "GGGS"
-    # Gated DeltaNet layers
+    # Gated DeltaNet (and gated linear attention) layers
     gdn_num_heads: int = 4
     gdn_head_dim: int = 64
     gdn_num_v_heads: Optional[int] = None

@@ -2,8 +2,9 @@
 
     tokens → Embedding → [ x + mixer(RMSNorm(x));  x + SwiGLU(RMSNorm(x)) ] × num_layers → RMSNorm → lm_head
 
-Each mixer is a :class:`~linattn.layers.GatedDeltaNet` (letter G in the config's pattern), or a
-:class:`~linattn.layers.SlidingWindowAttention` with a window (S) or without (A). Weights save to and load from
+Each mixer is a :class:`~linattn.layers.GatedDeltaNet` (letter G in the config's pattern), a
+:class:`~linattn.layers.GatedLinearAttention` (L), or a :class:`~linattn.layers.SlidingWindowAttention` with a
+window (S) or without (A). Weights save to and load from
 ``config.json`` + ``model.safetensors``.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..layers import Cache, GatedDeltaNet, RMSNorm, SlidingWindowAttention
+from ..layers import Cache, GatedDeltaNet, GatedLinearAttention, RMSNorm, SlidingWindowAttention
 from .config import HybridConfig
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -37,12 +38,12 @@ class SwiGLU(nn.Module):
 
 
 def make_mixer(config: HybridConfig, kind: str, layer_idx: int) -> nn.Module:
-    if kind == "G":
-        return GatedDeltaNet(config.hidden_size, num_heads=config.gdn_num_heads, head_dim=config.gdn_head_dim,
-                             num_v_heads=config.gdn_num_v_heads, expand_v=config.gdn_expand_v,
-                             use_gate=config.gdn_use_gate, conv_size=config.gdn_conv_size,
-                             allow_neg_eigval=config.gdn_allow_neg_eigval, norm_eps=config.norm_eps,
-                             backend=config.gdn_backend, layer_idx=layer_idx)
+    if kind in "GL":
+        cls = GatedDeltaNet if kind == "G" else GatedLinearAttention
+        return cls(config.hidden_size, num_heads=config.gdn_num_heads, head_dim=config.gdn_head_dim,
+                   num_v_heads=config.gdn_num_v_heads, expand_v=config.gdn_expand_v, use_gate=config.gdn_use_gate,
+                   conv_size=config.gdn_conv_size, allow_neg_eigval=config.gdn_allow_neg_eigval and kind == "G",
+                   norm_eps=config.norm_eps, backend=config.gdn_backend, layer_idx=layer_idx)
     return SlidingWindowAttention(config.hidden_size, num_heads=config.attn_num_heads,
                                   num_kv_heads=config.attn_num_kv_heads, head_dim=config.attn_head_dim,
                                   window_size=config.window_size if kind == "S" else None,

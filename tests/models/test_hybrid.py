@@ -17,6 +17,7 @@ CONFIGS = {
     "hybrid-GGS": dict(layer_pattern="GGS"),
     "gdn-gva-negeig-untied": dict(layer_pattern="G", gdn_num_v_heads=4, gdn_allow_neg_eigval=True,
                                   tie_embeddings=False),
+    "gla-and-full-attn-LA": dict(layer_pattern="LA"),
     "swa-only": dict(layer_pattern="S"),
     "full-attn": dict(layer_pattern="A"),
 }
