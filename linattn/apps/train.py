@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--hidden-size", type=int)
     p.add_argument("--layers", type=int)
-    p.add_argument("--pattern", help="layer kinds, repeated: G = Gated DeltaNet, S = sliding window, A = full attn")
+    p.add_argument("--pattern", help="layer kinds, repeated: G = Gated DeltaNet, L = gated linear attention, "
+                                     "S = sliding-window attention, A = full attention")
     p.add_argument("--gdn-heads", type=int)
     p.add_argument("--head-dim", type=int, help="GDN query/key head dim")
     p.add_argument("--attn-heads", type=int)
