@@ -125,3 +125,48 @@ def unpatch_model(model: torch.nn.Module) -> int:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return any(getattr(m, _PATCHED_ATTR, None) is not None for m in _gdn_modules(model))
+
+
+@torch.no_grad()
+def gated_deltanet_from_transformers(module: torch.nn.Module, backend: Optional[str] = None):
+    """A :class:`linattn.layers.GatedDeltaNet` holding the weights of a transformers Qwen3-Next / Qwen3.5
+    GatedDeltaNet ``module`` (copied, on the module's device and dtype): the same function of the hidden states.
+
+    Qwen3-Next packs q, k, v, z per key head (``in_proj_qkvz`` rows ``[H, 2K + 2·r·V]``, r = HV/H) and b, a the
+    same way (``in_proj_ba`` rows ``[H, 2r]``); Qwen3.5 keeps ``in_proj_qkv`` (``[q | k | v]``), ``in_proj_z``,
+    ``in_proj_b`` and ``in_proj_a`` apart. The convolution runs over ``[q | k | v]`` channels in both, as in linattn.
+    """
+    from ..layers import GatedDeltaNet
+    if not (type(module).__name__.endswith("GatedDeltaNet") and type(module).__module__ in SUPPORTED_MODULES):
+        raise TypeError(f"expected a GatedDeltaNet module of {', '.join(SUPPORTED_MODULES)}, got "
+                        f"{type(module).__module__}.{type(module).__name__}")
+    H, HV = module.num_k_heads, module.num_v_heads
+    K, V = module.head_k_dim, module.head_v_dim
+    if module.activation not in ("silu", "swish"):
+        raise ValueError(f"linattn's GatedDeltaNet uses SiLU after the convolution, the module uses "
+                         f"{module.activation!r}")
+    w_ref = module.out_proj.weight
+    layer = GatedDeltaNet(module.hidden_size, num_heads=H, head_dim=K, num_v_heads=HV, expand_v=V / K,
+                          conv_size=module.conv_kernel_size, conv_bias=module.conv1d.bias is not None,
+                          norm_eps=module.layer_norm_epsilon, backend=backend, layer_idx=module.layer_idx)
+    layer.to(device=w_ref.device, dtype=w_ref.dtype)
+    r = HV // H
+    if hasattr(module, "in_proj_qkvz"):
+        w = module.in_proj_qkvz.weight.view(H, 2 * K + 2 * r * V, -1)
+        q, k, v, z = w.split([K, K, r * V, r * V], dim=1)
+        ba = module.in_proj_ba.weight.view(H, 2 * r, -1)
+        b, a = ba[:, :r], ba[:, r:]
+    else:
+        q, k, v = module.in_proj_qkv.weight.split([H * K, H * K, HV * V], dim=0)
+        z, b, a = module.in_proj_z.weight, module.in_proj_b.weight, module.in_proj_a.weight
+    for dst, src in ((layer.q_proj, q), (layer.k_proj, k), (layer.v_proj, v), (layer.g_proj, z),
+                     (layer.b_proj, b), (layer.a_proj, a)):
+        dst.weight.copy_(src.reshape(dst.weight.shape))
+    layer.conv1d.weight.copy_(module.conv1d.weight)
+    if module.conv1d.bias is not None:
+        layer.conv1d.bias.copy_(module.conv1d.bias)
+    layer.A_log.copy_(module.A_log)
+    layer.dt_bias.copy_(module.dt_bias)
+    layer.o_norm.weight.copy_(module.norm.weight)
+    layer.o_proj.weight.copy_(module.out_proj.weight)
+    return layer

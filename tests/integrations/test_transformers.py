@@ -91,3 +91,15 @@ def test_patch_rejects_models_without_gdn_layers():
         lt.patch_model(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="nn.Module"):
         lt.patch_model("model")
+
+
+@pytest.mark.parametrize("make", MODELS.values(), ids=MODELS.keys())
+def test_linattn_layer_built_from_transformers_weights_matches(make):
+    model = _model(make)
+    gdn = next(lt._gdn_modules(model))
+    layer = lt.gated_deltanet_from_transformers(gdn, backend="torch").eval()
+    x = torch.randn(2, 70, gdn.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x)[0], gdn(x), atol=TOL["logits"][0], rtol=TOL["logits"][1])
+    with pytest.raises(TypeError, match="GatedDeltaNet"):
+        lt.gated_deltanet_from_transformers(torch.nn.Linear(2, 2))
