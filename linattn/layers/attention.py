@@ -172,11 +172,14 @@ class SlidingWindowAttention(nn.Module):
             # path is for tests, where compiling would cost more than it saves)
             fn = _compiled_flex() if q.is_cuda else flex_attention
             return fn(q, k, v, block_mask=bm, enable_gqa=rep > 1)
-        mask = window_mask(pos_q, pos_k, self.window_size, seq, seq)
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        Lq, Lk = q.shape[2], k.shape[2]
+        if seq is None and Lq == Lk and (self.window_size is None or self.window_size >= Lq):
+            # plain causal: no mask tensor, so SDPA may pick its flash kernel
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(pos_q, pos_k, self.window_size, seq, seq))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, "
