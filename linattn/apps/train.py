@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="autocast dtype: auto = bf16 on GPU, fp32 on CPU; fp16 uses a GradScaler")
     p.add_argument("--grad-checkpointing", action="store_true", help="recompute blocks in the backward")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (1 is fastest on a busy small machine)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 with --quick on a CPU, "
+                                               "else torch's default)")
     p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-batches", type=int)
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
@@ -186,8 +187,13 @@ def plot_losses(log: dict, path: Path, title: str) -> None:
 def train(args) -> dict:
     """Run a training job from parsed arguments; return the summary written to train_log.json."""
     threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    n = args.threads
+    if n is None and args.quick and not torch.cuda.is_available():
+        # the quick model's ops are tiny: a second thread buys little, and on a shared 2-core machine OpenMP
+        # spinning made 2 threads 10x slower than 1 (measured); --threads overrides
+        n = 1
+    if n:
+        torch.set_num_threads(n)
     try:
         return _train(args)
     finally:
