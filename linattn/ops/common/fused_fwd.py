@@ -18,8 +18,9 @@ Q Kᵀ does not depend on S but is recomputed here for each V slice: it costs 2�
 [BT, BT] fp32 round trip through HBM. The order inside a chunk — V_new, then O from the entering S, then the update
 — is the math's; O and V_new both read the S that entered the chunk.
 
-Dot precision (``common/__init__.py``): Q Kᵀ runs on the input dtype (exact products); W S, Q S, P V_new and
-Kᵀ V_new touch fp32 intermediates and run at ``dot_precision(input dtype)``.
+Dot precision (``common/__init__.py``): Q Kᵀ runs on the input dtype (exact products; INPUT_PREC only matters
+for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates and run at DOT_PREC =
+``dot_precision(input dtype)`` unless the launcher is told otherwise.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from . import CHUNK, block_size, dot_precision
 @triton.jit
 def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, DOT_PREC: tl.constexpr):
+                 BV: tl.constexpr, DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr):
     """One chunk: write its BT×BV slice of O and return the state leaving it."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -56,7 +57,7 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
     b_q = tl.load(p_q, boundary_check=(0, 1))
     b_kt = tl.load(p_k, boundary_check=(0, 1))
     m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_P = tl.dot(b_q, b_kt, input_precision=DOT_PREC)
+    b_P = tl.dot(b_q, b_kt, input_precision=INPUT_PREC)
     b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
     b_o = tl.dot(b_q.to(tl.float32), b_h, input_precision=DOT_PREC) * tl.exp(b_gc)[:, None]
     b_o = (b_o + tl.dot(b_P, b_v, input_precision=DOT_PREC)) * scale
@@ -72,7 +73,8 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
 @triton.jit
 def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     DOT_PREC: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                     DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                     IS_VARLEN: tl.constexpr):
     # grid (cdiv(V, BV), N·HV)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -100,7 +102,7 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.cons
     i_c = 0
     while i_c < NT_seq:
         b_h = _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
-                           DOT_PREC)
+                           DOT_PREC, INPUT_PREC)
         i_c += 1
 
     tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
@@ -117,7 +119,8 @@ def fused_fwd_config(K: int, V: int) -> tuple[int, int, int]:
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
               initial_state: Optional[torch.Tensor], out_dtype: torch.dtype,
               cu_seqlens: Optional[torch.Tensor] = None, BV: Optional[int] = None,
-              num_warps: Optional[int] = None, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+              num_warps: Optional[int] = None, dot_prec: Optional[str] = None,
+              chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk the chunks of every sequence in order and write the output and the final state.
 
     Args:
@@ -125,7 +128,8 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
         w: ``[B, T, HV, K]`` fp32, u: ``[B, T, HV, V]`` fp32, gc: ``[B, T, HV]`` fp32, from :func:`fused_prepass`.
         scale: query scale. initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         out_dtype: dtype of o. cu_seqlens: varlen offsets ``[N + 1]`` (B == 1) or None.
-        BV, num_warps: override :func:`fused_fwd_config` (benchmarks).
+        BV, num_warps: override :func:`fused_fwd_config`; dot_prec: override ``dot_precision(q.dtype)`` for the
+            dots on fp32 intermediates (benchmarks measure ``"tf32x3"``).
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """
@@ -138,6 +142,7 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     fused_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, T, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK,
-        BV=BV, DOT_PREC=dot_precision(q.dtype), USE_INITIAL_STATE=initial_state is not None,
-        IS_VARLEN=cu_seqlens is not None, num_warps=num_warps or warps_default)
+        BV=BV, DOT_PREC=dot_prec or dot_precision(q.dtype), INPUT_PREC=dot_precision(q.dtype),
+        USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+        num_warps=num_warps or warps_default)
     return o, ht

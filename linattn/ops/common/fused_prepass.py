@@ -45,7 +45,7 @@ def _cat_rows(a, b):
 @triton.jit
 def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
+                         DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -62,9 +62,10 @@ def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, 
     # the solve reads gc back in 16-row slices: a CTA barrier makes this program's stores visible to its threads
     tl.debug_barrier()
 
-    # 2. (I + A)⁻¹ in ten 16×16 blocks (reads BT×K keys, BT gates and betas), assembled to [BT, BT] in registers
+    # 2. (I + A)⁻¹ in ten 16×16 blocks (reads BT×K keys, BT gates and betas), assembled to [BT, BT] in registers;
+    #    K Kᵀ runs on the inputs (INPUT_PREC), W and U on the fp32 inverse (DOT_PREC)
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
-        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, True)
+        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True)
     b_0 = tl.zeros([16, 16], dtype=tl.float32)
     b_A = _cat_rows(_cat_rows(_cat_cols(_cat_cols(b_T00, b_0), _cat_cols(b_0, b_0)),
                               _cat_cols(_cat_cols(b_T10, b_T11), _cat_cols(b_0, b_0))),
@@ -79,13 +80,15 @@ def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, 
 
 def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                   cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
-                  chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  dot_prec: Optional[str] = None, chunk_size: int = CHUNK
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gc, W and U of every chunk, in one launch.
 
     Args:
         g: log decays ``[B, T, HV]``; k: keys ``[B, T, H, K]`` (value head i reads key head ``i // (HV // H)``);
             v: values ``[B, T, HV, V]``; beta: ``[B, T, HV]``.
         cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
+        dot_prec: override ``dot_precision(k.dtype)`` for the W/U dots (benchmarks).
     Returns:
         gc ``[B, T, HV]``, w ``[B, T, HV, K]``, u ``[B, T, HV, V]``, all fp32 — the same values (up to rounding
         order) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd``.
@@ -98,6 +101,6 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
     fused_prepass_kernel[(NT, B * HV)](
         g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
-        BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_precision(k.dtype),
-        IS_VARLEN=cu_seqlens is not None)
+        BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
+        INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None)
     return gc, w, u
