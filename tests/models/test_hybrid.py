@@ -135,3 +135,15 @@ def test_sampling_filters():
 def test_bad_config(bad, match):
     with pytest.raises(ValueError, match=match):
         HybridConfig(**{**SMALL, **bad})
+
+
+def test_compiles_without_graph_breaks():
+    # fullgraph=True fails on any graph break; aot_eager traces forward and backward without a C++ compiler
+    m = _model(layer_pattern="GS", num_layers=2).train()
+    ids = torch.randint(0, 50, (2, 20))
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    got = compiled(ids, labels=ids)
+    want = m(ids, labels=ids)
+    _close(got.logits, want.logits, "ckpt")
+    got.loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
