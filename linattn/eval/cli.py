@@ -172,6 +172,8 @@ def evaluate(args) -> dict:
     sampler.stop()
     env["nvml"] = sampler.summary()
     env["driver"] = sampler.driver
+    env["load_avg_end"] = environment.load_average()
+    env["warning"] = environment.busy_warning(env)
     results["environment"] = env
     results["scorecard"] = scorecard.run(results) if "scorecard" in selected else {
         "skipped": "not selected (--sections)"}
@@ -197,6 +199,8 @@ def _summary(results: dict, paths: dict) -> None:
         table.add_row(*[str(c) for c in row])
     console = Console()
     console.print(table)
+    if results["environment"].get("warning"):
+        console.print(f"[yellow]warning: {results['environment']['warning']}")
     for name in SECTIONS:
         sec = results.get(name, {})
         if "error" in sec and isinstance(sec["error"], dict):

@@ -124,19 +124,21 @@ def run(ctx: Context) -> dict:
     cases = correctness_cases(p.corr_T, p.corr_H, p.corr_D)
     impls = ctx.available("gdn")
     records, repro, skipped = [], [], []
-    for impl in impls:
-        for dtype in p.corr_dtypes:
-            for case in cases:
-                if ctx.out_of_time():
-                    skipped.append(f"{impl.name}/{case.id}/{dtype}")
-                    continue
-                ctx.step(f"correctness {impl.name} {case.id} {dtype}")
-                records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))
-        if not ctx.out_of_time():
-            try:
-                repro.append(reproducibility(impl, cases[0], p.corr_dtypes[0], ctx.device, ctx.seed))
-            except Exception as e:
-                repro.append({"impl": impl.name, "error": error_record(e)})
+    for i, impl in enumerate(impls):
+        # a fair share per implementation: one that JIT-compiles per shape must not starve the next
+        with ctx.share(len(impls) - i):
+            for dtype in p.corr_dtypes:
+                for case in cases:
+                    if ctx.out_of_time():
+                        skipped.append(f"{impl.name}/{case.id}/{dtype}")
+                        continue
+                    ctx.step(f"correctness {impl.name} {case.id} {dtype}")
+                    records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))
+            if not ctx.out_of_time():
+                try:
+                    repro.append(reproducibility(impl, cases[0], p.corr_dtypes[0], ctx.device, ctx.seed))
+                except Exception as e:
+                    repro.append({"impl": impl.name, "error": error_record(e)})
     summary = {}
     for impl in impls:
         mine = [r for r in records if r["impl"] == impl.name and r.get("passed") is not None]

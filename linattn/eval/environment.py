@@ -41,6 +41,25 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> Optional[float]:
+    """1-minute load average (runnable processes), or None where the OS does not report it."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_warning(env: dict) -> Optional[str]:
+    """A warning when other work competed for the CPU during the run: timings are then unreliable (PyTorch's
+    OpenMP threads wait at barriers for descheduled peers, which can multiply small-op latencies many times)."""
+    loads = [x for x in (env.get("load_avg_start"), env.get("load_avg_end")) if x is not None]
+    cores = env.get("cpu_count") or 1
+    if loads and max(loads) > 0.75 * cores + 0.5:
+        return (f"the machine was busy (load average up to {max(loads):.1f} on {cores} cores): CPU timings are "
+                "unreliable; rerun on an idle machine")
+    return None
+
+
 def collect(device: torch.device) -> dict:
     from .. import __version__
     env = {
@@ -48,7 +67,7 @@ def collect(device: torch.device) -> dict:
         "linattn": __version__, "commit": _git_commit(), "python": platform.python_version(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": None, "platform": platform.platform(),
         "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "device": str(device), "gpu": None, "driver": None,
+        "device": str(device), "gpu": None, "driver": None, "load_avg_start": load_average(),
     }
     try:
         import triton
@@ -81,15 +100,24 @@ class NvmlSampler:
             import pynvml
             pynvml.nvmlInit()
             index = device.index if device.index is not None else torch.cuda.current_device()
-            uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-            self._handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid
-                            else pynvml.nvmlDeviceGetHandleByIndex(index))
+            self._handle = self._find_handle(pynvml, index)
             self.driver = pynvml.nvmlSystemGetDriverVersion()
             self._nvml = pynvml
         except ImportError:
             self.reason = "nvidia-ml-py is not installed (pip install 'linattn[eval]')"
         except Exception as e:  # NVML missing from the driver, permissions, a container without it
             self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
+
+    @staticmethod
+    def _find_handle(pynvml, index: int):
+        """NVML numbers all GPUs of the machine, CUDA only the visible ones: match by UUID, else by index."""
+        uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+        if uuid:
+            try:
+                return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            except Exception:  # an older driver or a MIG slice: fall back to the index
+                pass
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
 
     def _loop(self):
         nv = self._nvml

@@ -63,6 +63,10 @@ def _adapt(inputs: dict, native: set) -> dict:
     return x
 
 
+def _scale(x: dict) -> float:
+    return x["scale"] if x.get("scale") is not None else x["q"].shape[-1] ** -0.5
+
+
 def _linattn(backend: Optional[str]) -> Callable:
     from .. import chunk_gated_delta_rule
 
@@ -83,7 +87,7 @@ def _fla() -> Callable:
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # time fla's own kernels, not its FlashQLA dispatch
 
     def call(x):
-        kw = dict(scale=x.get("scale"), output_final_state=True,
+        kw = dict(scale=_scale(x), output_final_state=True,
                   use_qk_l2norm_in_kernel=x.get("use_qk_l2norm_in_kernel", False))
         if x.get("initial_state") is not None:
             kw["initial_state"] = x["initial_state"]
@@ -97,7 +101,7 @@ def _flashqla() -> Callable:
     import flash_qla
 
     def call(x):
-        kw = dict(scale=x.get("scale"), output_final_state=True)
+        kw = dict(scale=_scale(x), output_final_state=True)
         if x.get("initial_state") is not None:
             kw["initial_state"] = x["initial_state"]
         if x.get("cu_seqlens") is not None:

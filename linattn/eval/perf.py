@@ -1,9 +1,10 @@
 """Performance: latency distribution, throughput and the FLOP/byte (roofline) model.
 
 For each (implementation, shape, dtype, direction) the first call is timed alone (it includes JIT compilation and
-autotuning), then ``warmup`` calls are discarded and up to ``reps`` calls are timed one by one: CUDA events on a
-GPU, ``time.perf_counter`` around the (synchronous) call on a CPU. The report keeps every sample and gives
-median, P50/P95/P99 (linear interpolation between order statistics, numpy's default), min, max, mean and std.
+autotuning: the forward's in the fwd row, which runs first, the backward's in the fwd+bwd row), then ``warmup``
+calls are discarded and up to ``reps`` calls are timed one by one: CUDA events on a GPU, ``time.perf_counter``
+around the (synchronous) call on a CPU. The report keeps every sample and gives median, P50/P95/P99
+(linear interpolation between order statistics, numpy's default), min, max, mean and std.
 
 FLOP/byte model of the chunked gated delta rule (chunk C, per value head, K = q/k head dim, V = value head dim).
 A fused kernel needs, per chunk of C tokens, these matrix products (multiply-adds):

@@ -98,10 +98,11 @@ def _env_blocks(r: dict) -> list:
             ["linattn", env.get("linattn")],
             ["commit", (commit.get("sha", "–")[:12] + (" (dirty)" if commit.get("dirty") else "")) if commit else "–"],
             ["CPU", f"{env.get('cpu')} ({env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads)"],
+            ["load average (start, end)", f"{fmt(env.get('load_avg_start'))}, {fmt(env.get('load_avg_end'))}"],
             ["profile", r["meta"]["profile"]], ["wall time", f"{r['meta']['wall_s']:.0f} s"]]
     for impl in r["meta"]["impls"]:
         rows.append([f"impl {impl['name']}", impl["version"] if impl["available"] else f"skipped: {impl['reason']}"])
-    out = [_h(2, "Environment"), _t(["", ""], rows)]
+    out = [_h(2, "Environment"), _t(["item", "value"], rows)]
     nv = env.get("nvml", {})
     if nv.get("available"):
         out.append(_t(["section", "GPU util mean %", "GPU util max %", "memory used max (MB)"],
@@ -268,8 +269,8 @@ def _score_blocks(r: dict) -> list:
         row = [scen.replace("_", " ")]
         for name in impls:
             e = per.get(name, {})
-            raw = ", ".join(f"{m} {fmt(v['value'])}" for m, v in e.get("metrics", {}).items()
-                            if v["value"] is not None)
+            raw = ", ".join(f"{m[:-6]} {mb(v['value'])} MB" if m.endswith("_bytes") else f"{m} {fmt(v['value'])}"
+                            for m, v in e.get("metrics", {}).items() if v["value"] is not None)
             row.append(f"**{fmt(e.get('score'), 2)}** ({raw})" if e.get("score") is not None else "–")
         rows.append(row)
     weights = "; ".join(f"{k.replace('_', ' ')}: " + ", ".join(f"{m} {w}" for m, w in v.items())
@@ -306,6 +307,8 @@ def blocks(r: dict) -> list:
         f"Profile **{r['meta']['profile']}** on **{r['environment'].get('device')}**"
         f" ({(r['environment'].get('gpu') or {}).get('name', r['environment'].get('cpu'))}), "
         f"{r['environment'].get('date_utc')}."), _h(2, "Summary"), _t(hdr, rows)]
+    if r["environment"].get("warning"):
+        out.insert(2, _p(f"**Warning:** {r['environment']['warning']}."))
     for section, title, fn in (
             ("correctness", "Correctness", _corr_blocks), ("performance", "Performance", _perf_blocks),
             ("scaling", "Scaling", _scaling_blocks), ("memory", "Memory", _memory_blocks),

@@ -154,14 +154,16 @@ def check(impl, name: str, dtype: str, ctx: Context) -> dict:
 def run(ctx: Context) -> dict:
     p = ctx.profile
     records, skipped = [], []
-    for impl in ctx.available("gdn"):
-        for dtype in p.corr_dtypes:
-            for name in FINITE_CASES + NAN_CASES:
-                if ctx.out_of_time():
-                    skipped.append(f"{impl.name}/{name}/{dtype}")
-                    continue
-                ctx.step(f"robustness {impl.name} {name} {dtype}")
-                records.append(check(impl, name, dtype, ctx))
+    impls = ctx.available("gdn")
+    for i, impl in enumerate(impls):
+        with ctx.share(len(impls) - i):
+            for dtype in p.corr_dtypes:
+                for name in FINITE_CASES + NAN_CASES:
+                    if ctx.out_of_time():
+                        skipped.append(f"{impl.name}/{name}/{dtype}")
+                        continue
+                    ctx.step(f"robustness {impl.name} {name} {dtype}")
+                    records.append(check(impl, name, dtype, ctx))
     summary = {i.name: {"cases": sum(r["impl"] == i.name and r["passed"] is not None for r in records),
                         "passed": sum(r["impl"] == i.name and bool(r["passed"]) for r in records),
                         "errors": sum(r["impl"] == i.name and r["status"] == "error" for r in records),

@@ -25,8 +25,9 @@ SECTION_KEYS = {  # a few numbers every filled section must carry
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
+    # a generous budget: a slow CI machine must not cut the sweeps this test checks
     rc = main(["eval", "--profile", "tiny", "--impl", "linattn,fla,sdpa", "--device", "cpu", "--out", str(out),
-               "--no-progress"])
+               "--no-progress", "--time-budget", "900"])
     assert rc == 0
     with open(out / "report.json") as fh:
         return out, json.load(fh)

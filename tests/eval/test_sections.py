@@ -118,3 +118,19 @@ def test_structured_inputs_are_not_random_noise():
     assert torch.equal(x["q"][0, 0], x["q"][0, 8]) and not torch.equal(x["q"], torch.zeros_like(x["q"]))
     y = make_inputs(s, torch.float32, CPU, 0, case=Case("o", s, structure="onehot_keys"))
     assert torch.equal(y["k"][0, 5, 0], torch.eye(4)[1])
+
+
+def test_busy_machine_warning():
+    from linattn.eval.environment import busy_warning
+    assert busy_warning({"load_avg_start": 0.3, "load_avg_end": 1.1, "cpu_count": 2}) is None
+    assert "busy" in busy_warning({"load_avg_start": 0.3, "load_avg_end": 4.5, "cpu_count": 2})
+    assert busy_warning({"load_avg_start": None, "load_avg_end": None, "cpu_count": 2}) is None
+
+
+def test_share_splits_the_remaining_time():
+    import time
+    ctx = _ctx()
+    ctx.deadline = time.monotonic() + 100
+    with ctx.share(4):
+        assert 20 < ctx.remaining() <= 25
+    assert ctx.remaining() > 95
