@@ -132,6 +132,8 @@ def evaluate(args) -> dict:
     from .impls import parse_impls
 
     device = _device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # kernels (Triton's included) launch on the current device
     prof = profile(args.profile, device)
     selected = _sections(args.sections)
     budget = args.time_budget if args.time_budget is not None else prof.time_budget_s

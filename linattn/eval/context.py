@@ -156,7 +156,8 @@ def empty_cache(ctx: Context) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # calls that may hang
 # --------------------------------------------------------------------------------------------------------------
-def run_with_timeout(fn: Callable[[], object], timeout_s: float) -> tuple[str, object]:
+def run_with_timeout(fn: Callable[[], object], timeout_s: float,
+                     device: Optional[torch.device] = None) -> tuple[str, object]:
     """Run ``fn`` in a worker thread; return ``("ok", result)``, ``("error", exception)`` or ``("hang", None)``.
 
     A thread cannot be killed: a hung call is left running as a daemon and reported; the suite moves on. (A process
@@ -166,6 +167,9 @@ def run_with_timeout(fn: Callable[[], object], timeout_s: float) -> tuple[str, o
 
     def target():
         try:
+            if device is not None and device.type == "cuda":
+                # a new thread starts on CUDA device 0; kernels launch on the current device
+                torch.cuda.set_device(device)
             box["result"] = fn()
         except BaseException as e:  # recorded, not raised: the report says which inputs raise what
             box["error"] = e

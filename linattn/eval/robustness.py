@@ -125,7 +125,7 @@ def check(impl, name: str, dtype: str, ctx: Context) -> dict:
             ctx.sync()
             return o, ht
 
-    status, result = run_with_timeout(call, p.rob_timeout_s)
+    status, result = run_with_timeout(call, p.rob_timeout_s, ctx.device)
     if status == "hang":
         rec.update(status="hang", timeout_s=p.rob_timeout_s, passed=False)
         return rec
