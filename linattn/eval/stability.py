@@ -12,6 +12,8 @@ dtypes see the same numbers and one float64 reference per T serves them all.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..ops.gated_delta.reference import gated_delta_rule_reference
@@ -33,6 +35,13 @@ def _common_inputs(shape: Shape, ctx: Context) -> dict:
     for n in ("q", "k", "v", "beta"):
         x[n] = x[n].to(torch.bfloat16).to(torch.float16).to(torch.float32)
     return x
+
+
+def _passed(points: list, exponent) -> Optional[bool]:
+    """False on any non-finite output or an error growing faster than linearly; None if nothing to fit."""
+    if any(q["o"]["nonfinite"] for q in points):
+        return False
+    return None if exponent is None else exponent <= MAX_EXPONENT
 
 
 def _series(ctx: Context, impl, dtype: str, refs: dict, common: dict, skipped: list) -> dict:
@@ -64,7 +73,7 @@ def _series(ctx: Context, impl, dtype: str, refs: dict, common: dict, skipped: l
             "rel_l2_state": [q["final_state"]["rel_l2"] for q in ok],
             "error_ratio_per_doubling": [b / a if a else None for a, b in zip(err_o[:-1], err_o[1:])],
             "growth_exponent": expo,
-            "passed": None if expo is None else expo <= MAX_EXPONENT and all(q["o"]["nonfinite"] == 0 for q in ok),
+            "passed": _passed(ok, expo),
             "points": pts}
 
 
