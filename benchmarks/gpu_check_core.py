@@ -8,7 +8,7 @@ kernel that stores intermediates in bf16/fp16 cannot avoid). The bound is kernel
 
     python benchmarks/gpu_check_core.py [--quick] [--out DIR]
 
-Prints one table last; writes core_check.json under --out.
+Prints one table last; writes core_check.json (and core_check.jsonl, line by line) under --out.
 """
 from __future__ import annotations
 
@@ -137,6 +137,7 @@ def main():
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows = []
+    log = open(os.path.join(a.out, "core_check.jsonl"), "w")  # one line per case, kept if the run is cut short
     for case in CASES[:3] if a.quick else CASES:
         for dt in (torch.bfloat16, torch.float16):
             try:
@@ -144,7 +145,8 @@ def main():
             except Exception as e:  # keep going: one failing case must not hide the others
                 row = dict(case=case[0], dtype=str(dt), error=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
             torch.cuda.empty_cache()
     with open(os.path.join(a.out, "core_check.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
