@@ -213,7 +213,7 @@ def profile(name: str, device: torch.device) -> Profile:
             name="quick", time_budget_s=270, corr_T=67, corr_H=2, corr_D=32, corr_dtypes=("fp32", "bf16"),
             perf_shapes=(Shape(1, 1024, 4, 4, 64, 64), Shape(4, 1024, 4, 4, 64, 64), Shape(1, 2048, 2, 4, 64, 64)),
             warmup=2, reps=15, point_budget_s=8,
-            scale_base=Shape(1, 512, 4, 4, 64, 64), scale_T=(256, 512, 1024, 2048, 4096, 8192),
+            scale_base=Shape(1, 512, 4, 4, 64, 64), scale_T=(256, 512, 1024, 2048, 4096, 8192, 16384),
             scale_batch=(1, 2, 4, 8, 16), scale_batch_T=512, equal_tokens=4096, scale_reps=5,
             stab_T=(64, 128, 256, 512, 1024), stab_H=2, stab_D=32, stab_dtypes=("fp32", "bf16", "fp16"),
             rob_shape=Shape(2, 67, 2, 2, 32, 32), soak_s=10, soak_T=4096, amp_steps=10)

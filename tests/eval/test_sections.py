@@ -10,6 +10,7 @@ from linattn.eval.context import Context, run_with_timeout
 from linattn.eval.impls import Impl, build, parse_impls
 
 CPU = torch.device("cpu")
+TOL = {"fp32_rel_l2": 1e-4}  # what the torch backend reaches on abnormal-but-finite inputs, with margin (~2e-7)
 
 
 def _ctx():
@@ -78,7 +79,7 @@ def test_nan_cone_stops_at_the_sequence_end_and_leaks_are_counted():
 
 def test_robustness_finite_case_runs_and_hang_is_reported():
     rec = robustness.check(build("linattn", CPU), "g-minus-100", "fp32", _ctx())
-    assert rec["status"] == "pass" and rec["rel_l2"] < 1e-4
+    assert rec["status"] == "pass" and rec["rel_l2"] < TOL["fp32_rel_l2"]
     import threading
     gate = threading.Event()
     status, _ = run_with_timeout(lambda: gate.wait(5), timeout_s=0.1)
