@@ -71,11 +71,12 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def fused(x, cu, offsets, scale, prec_seq=None, prec_pre=None):
+def fused(x, cu, offsets, scale, prec_seq=None, prec_pre=None, prec_state=None):
     """The fused path with optional dot-precision overrides (what chunk_gated_delta_rule_fwd_triton runs)."""
     ci = chunk_tables(offsets, CHUNK, DEVICE)[0] if cu is not None else None
     gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], cu, ci, dot_prec=prec_pre)
-    return fused_fwd(x["q"], x["k"], w, u, gc, scale, x["initial_state"], x["v"].dtype, cu, dot_prec=prec_seq)
+    return fused_fwd(x["q"], x["k"], w, u, gc, scale, x["initial_state"], x["v"].dtype, cu, dot_prec=prec_seq,
+                     state_prec=prec_state)
 
 
 def accuracy(quick):
@@ -83,6 +84,7 @@ def accuracy(quick):
     cases = [("anchor B=2 T=300 H=4 K=V=128", (2, 300, 4, 4, 128, 128), None),
              ("varlen 1,64,235 H=2 HV=4 K=60 V=100", (1, 300, 2, 4, 60, 100), (1, 64, 235))]
     variants = [("unfused (tf32)", None), ("fused tf32", (None, None)), ("fused seq tf32x3", ("tf32x3", None)),
+                ("fused state dots tf32x3", (None, None, "tf32x3")),
                 ("fused both tf32x3", ("tf32x3", "tf32x3"))]
     for name, (B, T, H, HV, K, V), lengths in cases[:1] if quick else cases:
         for dt in (torch.bfloat16, torch.float16):
@@ -120,13 +122,14 @@ def time_shape(B, T, H, HV, K, V):
                                              num_warps=nw)
     t = {n: triton.testing.do_bench(f) for n, f in (
         ("unfused", old), ("fused", new), ("fused_x3", lambda: fused(x, None, None, scale, "tf32x3", None)),
+        ("fused_state_x3", lambda: fused(x, None, None, scale, None, None, "tf32x3")),
         ("prepass", lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"])), ("sequential", seq))}
     fl, flops, bytes_ = floor_ms(B, T, H, HV, K, V)
     row = dict(shape=(B, T, H, HV, K, V), o_vs_unfused=diff_o, ht_vs_unfused=diff_h, floor_ms=fl,
                tflops=flops / t["fused"] / 1e9, gbs=bytes_ / t["fused"] / 1e6, **t)
     cfg = []
     if (B, T, H, HV) in ((1, 4096, 16, 16), (8, 4096, 16, 16)) and K == V == 128:
-        for bv, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+        for bv, nw in ((32, 4), (32, 2), (64, 4), (16, 4)):
             cfg.append(dict(shape=(B, T, H, HV), BV=bv, num_warps=nw,
                             ms=triton.testing.do_bench(lambda bv=bv, nw=nw: seq(bv, nw))))
     return row, cfg
@@ -169,13 +172,14 @@ def main():
         print(f"| {r['shape']} | {r['BV']} | {r['num_warps']} | {r['ms']:.3f} |")
     print(f"\nfirst call on a new T (T=5000, same heads): {first:.3f} s")
     print("\n## Forward speed, bf16, do_bench median ms")
-    print("| B, T, H, HV, K, V | unfused | fused | prepass | sequential | fused tf32x3 | floor | fused TFLOP/s "
-          "| fused GB/s | ×floor | FlashQLA (anchor) | goal | o vs unfused | ht vs unfused |")
-    print("|" + "---|" * 14)
+    print("| B, T, H, HV, K, V | unfused | fused | prepass | sequential | fused tf32x3 | fused state tf32x3 | floor "
+          "| fused TFLOP/s | fused GB/s | ×floor | FlashQLA (anchor) | goal | o vs unfused | ht vs unfused |")
+    print("|" + "---|" * 15)
     for r in sp:
         an = ANCHOR.get(tuple(r["shape"][:4]), ("–", "–", "–"))
         print(f"| {', '.join(map(str, r['shape']))} | {r['unfused']:.3f} | {r['fused']:.3f} | {r['prepass']:.3f} | "
-              f"{r['sequential']:.3f} | {r['fused_x3']:.3f} | {r['floor_ms']:.3f} | {r['tflops']:.0f} | "
+              f"{r['sequential']:.3f} | {r['fused_x3']:.3f} | {r['fused_state_x3']:.3f} | {r['floor_ms']:.3f} | "
+              f"{r['tflops']:.0f} | "
               f"{r['gbs']:.0f} | {r['fused'] / r['floor_ms']:.1f} | {an[1]} | {an[2]} | {r['o_vs_unfused']:.1e} | "
               f"{r['ht_vs_unfused']:.1e} |")
 

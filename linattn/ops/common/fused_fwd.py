@@ -20,7 +20,8 @@ Q Kᵀ does not depend on S but is recomputed here for each V slice: it costs 2�
 
 Dot precision (``common/__init__.py``): Q Kᵀ runs on the input dtype (exact products; INPUT_PREC only matters
 for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates and run at DOT_PREC =
-``dot_precision(input dtype)`` unless the launcher is told otherwise.
+``dot_precision(input dtype)`` unless the launcher is told otherwise (STATE_PREC for W S and Kᵀ V_new, the two
+dots whose rounding the state carries forward).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from . import CHUNK, block_size, dot_precision
 @triton.jit
 def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr):
+                 BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr):
     """One chunk: write its BT×BV slice of O and return the state leaving it."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -49,7 +50,7 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
     p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
     b_w = tl.load(p_w, boundary_check=(0, 1))
-    b_v = tl.load(p_u, boundary_check=(0, 1)) - tl.dot(b_w, b_h, input_precision=DOT_PREC)
+    b_v = tl.load(p_u, boundary_check=(0, 1)) - tl.dot(b_w, b_h, input_precision=STATE_PREC)
 
     # O = scale·[Γ ⊙ (Q S) + (Q Kᵀ ⊙ D ⊙ causal) V_new]; D is formed from the masked difference (→ −inf → 0)
     p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
@@ -67,13 +68,14 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
 
     # S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
     b_kd = b_kt.to(tl.float32) * tl.exp(tl.where(m_t, b_g_last - b_gc, float("-inf")))[None, :]
-    return b_h * tl.exp(b_g_last) + tl.dot(b_kd, b_v, input_precision=DOT_PREC)
+    return b_h * tl.exp(b_g_last) + tl.dot(b_kd, b_v, input_precision=STATE_PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                     DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
+                     USE_INITIAL_STATE: tl.constexpr,
                      IS_VARLEN: tl.constexpr):
     # grid (cdiv(V, BV), N·HV)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -102,25 +104,29 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.cons
     i_c = 0
     while i_c < NT_seq:
         b_h = _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
-                           DOT_PREC, INPUT_PREC)
+                           DOT_PREC, STATE_PREC, INPUT_PREC)
         i_c += 1
 
     tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
 
 
-def fused_fwd_config(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) of :func:`fused_fwd`: the whole K extent in registers, BV keeping the fp32 state tile at
-    ≤ 8192 values (64 columns up to K = 128, 32 beyond), 8 warps so the [BT, BK] W/Q/K tiles fit beside it."""
+def fused_fwd_config(K: int, V: int, NHV: int, num_sms: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) of :func:`fused_fwd` for N·HV = NHV (sequence, value head) pairs on num_sms SMs.
+
+    The whole K extent stays in registers (BK = next power of two ≥ K). BV is the one lever on parallelism: the
+    walk is sequential, so when NHV·cdiv(V, 64) programs cannot fill the SMs, 32-wide slices double the programs
+    (measured on the H200, B=1 T=4096 H=16: 0.42 ms at BV=32 vs 0.66 at 64; B=8: 0.87 at 64 vs 1.07 at 32), and
+    beyond K = 128 BV = 32 keeps the fp32 state tile at ≤ 8192 values. 4 warps measured faster than 8 at both."""
     BK = block_size(K, 256)
-    BV = block_size(V, 64 if BK <= 128 else 32)
-    return BK, BV, 8
+    BV = 64 if BK <= 128 and NHV * triton.cdiv(V, 64) >= num_sms else 32
+    return BK, block_size(V, BV), 4
 
 
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
               initial_state: Optional[torch.Tensor], out_dtype: torch.dtype,
               cu_seqlens: Optional[torch.Tensor] = None, BV: Optional[int] = None,
               num_warps: Optional[int] = None, dot_prec: Optional[str] = None,
-              chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+              state_prec: Optional[str] = None, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk the chunks of every sequence in order and write the output and the final state.
 
     Args:
@@ -129,20 +135,23 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
         scale: query scale. initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         out_dtype: dtype of o. cu_seqlens: varlen offsets ``[N + 1]`` (B == 1) or None.
         BV, num_warps: override :func:`fused_fwd_config`; dot_prec: override ``dot_precision(q.dtype)`` for the
-            dots on fp32 intermediates (benchmarks measure ``"tf32x3"``).
+            dots on fp32 intermediates; state_prec: the same for the two dots that feed the state (W S and
+            Kᵀ V_new) only (benchmarks measure ``"tf32x3"``).
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-    BK, BV_default, warps_default = fused_fwd_config(K, V)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    BK, BV_default, warps_default = fused_fwd_config(K, V, N * HV, num_sms)
     BV = BV or BV_default
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     fused_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, T, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK,
-        BV=BV, DOT_PREC=dot_prec or dot_precision(q.dtype), INPUT_PREC=dot_precision(q.dtype),
+        BV=BV, DOT_PREC=dot_prec or dot_precision(q.dtype),
+        STATE_PREC=state_prec or dot_prec or dot_precision(q.dtype), INPUT_PREC=dot_precision(q.dtype),
         USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=num_warps or warps_default)
     return o, ht

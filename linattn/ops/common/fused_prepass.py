@@ -42,7 +42,7 @@ def _cat_rows(a, b):
     return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * a.shape[0], a.shape[1]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
