@@ -83,8 +83,8 @@ def accuracy(quick):
     rows = []
     cases = [("anchor B=2 T=300 H=4 K=V=128", (2, 300, 4, 4, 128, 128), None),
              ("varlen 1,64,235 H=2 HV=4 K=60 V=100", (1, 300, 2, 4, 60, 100), (1, 64, 235))]
-    variants = [("unfused (tf32)", None), ("fused tf32", (None, None)), ("fused seq tf32x3", ("tf32x3", None)),
-                ("fused state dots tf32x3", (None, None, "tf32x3")),
+    variants = [("unfused (tf32)", None), ("fused tf32", ("tf32", None)), ("fused seq tf32x3", ("tf32x3", None)),
+                ("fused state dots tf32x3", (None, None, "tf32x3")), ("fused o dots tf32x3", ("tf32x3", None, "tf32")),
                 ("fused both tf32x3", ("tf32x3", "tf32x3"))]
     for name, (B, T, H, HV, K, V), lengths in cases[:1] if quick else cases:
         for dt in (torch.bfloat16, torch.float16):
@@ -123,6 +123,7 @@ def time_shape(B, T, H, HV, K, V):
     t = {n: triton.testing.do_bench(f) for n, f in (
         ("unfused", old), ("fused", new), ("fused_x3", lambda: fused(x, None, None, scale, "tf32x3", None)),
         ("fused_state_x3", lambda: fused(x, None, None, scale, None, None, "tf32x3")),
+        ("fused_o_x3", lambda: fused(x, None, None, scale, "tf32x3", None, "tf32")),
         ("prepass", lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"])), ("sequential", seq))}
     fl, flops, bytes_ = floor_ms(B, T, H, HV, K, V)
     row = dict(shape=(B, T, H, HV, K, V), o_vs_unfused=diff_o, ht_vs_unfused=diff_h, floor_ms=fl,
@@ -172,13 +173,15 @@ def main():
         print(f"| {r['shape']} | {r['BV']} | {r['num_warps']} | {r['ms']:.3f} |")
     print(f"\nfirst call on a new T (T=5000, same heads): {first:.3f} s")
     print("\n## Forward speed, bf16, do_bench median ms")
-    print("| B, T, H, HV, K, V | unfused | fused | prepass | sequential | fused tf32x3 | fused state tf32x3 | floor "
-          "| fused TFLOP/s | fused GB/s | ×floor | FlashQLA (anchor) | goal | o vs unfused | ht vs unfused |")
-    print("|" + "---|" * 15)
+    print("| B, T, H, HV, K, V | unfused | fused | prepass | sequential | fused tf32x3 | fused state tf32x3 "
+          "| fused o tf32x3 | floor | fused TFLOP/s | fused GB/s | ×floor | FlashQLA (anchor) | goal "
+          "| o vs unfused | ht vs unfused |")
+    print("|" + "---|" * 16)
     for r in sp:
         an = ANCHOR.get(tuple(r["shape"][:4]), ("–", "–", "–"))
         print(f"| {', '.join(map(str, r['shape']))} | {r['unfused']:.3f} | {r['fused']:.3f} | {r['prepass']:.3f} | "
-              f"{r['sequential']:.3f} | {r['fused_x3']:.3f} | {r['fused_state_x3']:.3f} | {r['floor_ms']:.3f} | "
+              f"{r['sequential']:.3f} | {r['fused_x3']:.3f} | {r['fused_state_x3']:.3f} | {r['fused_o_x3']:.3f} | "
+              f"{r['floor_ms']:.3f} | "
               f"{r['tflops']:.0f} | "
               f"{r['gbs']:.0f} | {r['fused'] / r['floor_ms']:.1f} | {an[1]} | {an[2]} | {r['o_vs_unfused']:.1e} | "
               f"{r['ht_vs_unfused']:.1e} |")

@@ -100,3 +100,16 @@ def test_fused_forward_matches_reference_and_unfused(case):
         ro, rht = gated_delta_rule_reference(*args, scale, x["initial_state"], offsets)
         assert rel_rms(o, ro) <= TOLERANCES["forward_fp32"], f"o: {rel_rms(o, ro):.2e}"
         assert rel_rms(ht, rht) <= TOLERANCES["forward_fp32"], f"ht: {rel_rms(ht, rht):.2e}"
+
+
+@pytest.mark.parametrize("BV", [32, 64])
+def test_sequential_kernel_wider_v_slices(BV):
+    """The launcher picks BV from the SM count (16 on the CPU's tiny shapes): check the wider slices too."""
+    c = Case("T65_K60_V100_h0", T=65, K=60, V=100, B=1, h0=True)
+    x, offsets = make_inputs(c, torch.float32)
+    scale = c.K ** -0.5
+    ref = twin(x, offsets, scale)
+    o, ht = fused_fwd(x["q"], x["k"], f32(ref["w"]), f32(ref["u"]), f32(ref["gc"]), scale, x["initial_state"],
+                      torch.float32, BV=BV)
+    assert rel_rms(o, ref["o"]) <= TOLERANCES["kernel"][torch.float32]
+    assert rel_rms(ht, ref["ht"]) <= TOLERANCES["kernel"][torch.float32]

@@ -19,9 +19,8 @@ Q Kᵀ does not depend on S but is recomputed here for each V slice: it costs 2�
 — is the math's; O and V_new both read the S that entered the chunk.
 
 Dot precision (``common/__init__.py``): Q Kᵀ runs on the input dtype (exact products; INPUT_PREC only matters
-for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates and run at DOT_PREC =
-``dot_precision(input dtype)`` unless the launcher is told otherwise (STATE_PREC for W S and Kᵀ V_new, the two
-dots whose rounding the state carries forward).
+for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates: the output dots (Q S, P V_new) run
+at DOT_PREC, the state dots (W S, Kᵀ V_new) at STATE_PREC, both from :func:`fused_dot_precisions` (bf16: tf32x3 / tf32, chosen by measurement).
 """
 from __future__ import annotations
 
@@ -110,16 +109,33 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.cons
     tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
 
 
+def fused_dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
+    """(DOT_PREC, STATE_PREC) of the sequential kernel for inputs of ``dtype``.
+
+    bf16 runs the two output dots (Q S, P V_new) at ``"tf32x3"`` and the two state dots (W S, Kᵀ V_new) at tf32:
+    the cheapest split that meets the bf16 rule (anchor o ≤ 2e-3 with margin). Measured on the H200 (run 2,
+    B=2 T=300 H=4 K=V=128, o relative L2): all tf32 2.0003e-3; state dots tf32x3 1.957e-3; output dots tf32x3
+    1.736e-3; all four 1.701e-3; rounding floor 1.657e-3. Other dtypes follow ``dot_precision``."""
+    if dtype == torch.bfloat16:
+        return "tf32x3", "tf32"
+    return dot_precision(dtype), dot_precision(dtype)
+
+
 def fused_fwd_config(K: int, V: int, NHV: int, num_sms: int) -> tuple[int, int, int]:
     """(BK, BV, num_warps) of :func:`fused_fwd` for N·HV = NHV (sequence, value head) pairs on num_sms SMs.
 
     The whole K extent stays in registers (BK = next power of two ≥ K). BV is the one lever on parallelism: the
-    walk is sequential, so when NHV·cdiv(V, 64) programs cannot fill the SMs, 32-wide slices double the programs
-    (measured on the H200, B=1 T=4096 H=16: 0.42 ms at BV=32 vs 0.66 at 64; B=8: 0.87 at 64 vs 1.07 at 32), and
-    beyond K = 128 BV = 32 keeps the fp32 state tile at ≤ 8192 values. 4 warps measured faster than 8 at both."""
+    walk is sequential, so BV is the widest of 64, 32, 16 whose NHV·cdiv(V, BV) programs fill the SMs (16 if none
+    does). Measured on the H200 (run 2), sequential kernel, K = V = 128: B=1 T=4096 H=16 0.70 / 0.42 / 0.34 ms at
+    BV = 64 / 32 / 16; B=8 0.88 / 1.07 / 1.65 ms. Beyond K = 128, BV ≤ 32 keeps the fp32 state tile at ≤ 8192
+    values. 4 warps measured faster than 8 (and than 2 at B=1)."""
     BK = block_size(K, 256)
-    BV = 64 if BK <= 128 and NHV * triton.cdiv(V, 64) >= num_sms else 32
-    return BK, block_size(V, BV), 4
+    BV = 16
+    for bv in ((64, 32) if BK <= 128 else (32,)):
+        if NHV * triton.cdiv(V, bv) >= num_sms:
+            BV = bv
+            break
+    return BK, min(BV, block_size(V, 64)), 4
 
 
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
@@ -134,9 +150,9 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
         w: ``[B, T, HV, K]`` fp32, u: ``[B, T, HV, V]`` fp32, gc: ``[B, T, HV]`` fp32, from :func:`fused_prepass`.
         scale: query scale. initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         out_dtype: dtype of o. cu_seqlens: varlen offsets ``[N + 1]`` (B == 1) or None.
-        BV, num_warps: override :func:`fused_fwd_config`; dot_prec: override ``dot_precision(q.dtype)`` for the
-            dots on fp32 intermediates; state_prec: the same for the two dots that feed the state (W S and
-            Kᵀ V_new) only (benchmarks measure ``"tf32x3"``).
+        BV, num_warps: override :func:`fused_fwd_config`; dot_prec, state_prec: override
+            :func:`fused_dot_precisions` for the output dots (Q S, P V_new) and the state dots (W S, Kᵀ V_new);
+            a dot_prec alone sets both (benchmarks).
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """
@@ -146,12 +162,13 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
     BK, BV_default, warps_default = fused_fwd_config(K, V, N * HV, num_sms)
     BV = BV or BV_default
+    o_prec, s_prec = fused_dot_precisions(q.dtype)
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     fused_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, T, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK,
-        BV=BV, DOT_PREC=dot_prec or dot_precision(q.dtype),
-        STATE_PREC=state_prec or dot_prec or dot_precision(q.dtype), INPUT_PREC=dot_precision(q.dtype),
+        BV=BV, DOT_PREC=dot_prec or o_prec, STATE_PREC=state_prec or dot_prec or s_prec,
+        INPUT_PREC=dot_precision(q.dtype),
         USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=num_warps or warps_default)
     return o, ht
