@@ -185,6 +185,20 @@ class Profile:
     stab_H: int = 2
     stab_D: int = 32
     stab_dtypes: tuple = ("fp32", "bf16", "fp16")
+    # decode (real time): heads and dims (B, T unused), batches, tokens per step, pool dtypes, q/k/v dtype, timed
+    # steps, CUDA-graph calls per capture and replays (GPU), drift steps after a prefill of dec_prompt_T tokens
+    dec_shape: Shape = field(default_factory=lambda: Shape(1, 1, 2, 4, 32, 32))
+    dec_batch: tuple = (1, 8)
+    dec_Tq: tuple = (1,)
+    dec_pools: tuple = ("fp32",)
+    dec_dtype: str = "fp32"
+    dec_steps: int = 1000
+    dec_warmup: int = 20
+    dec_graph_calls: int = 20
+    dec_graph_replays: int = 30
+    dec_drift_steps: int = 256
+    dec_drift_pools: tuple = ("fp32", "bf16")
+    dec_prompt_T: int = 64
     # robustness
     rob_shape: Shape = field(default_factory=lambda: Shape(2, 67, 2, 2, 32, 32))
     rob_timeout_s: float = 30.0
@@ -206,7 +220,8 @@ def profile(name: str, device: torch.device) -> Profile:
             scale_base=Shape(1, 32, 2, 2, 16, 16), scale_T=(32, 64, 128), scale_batch=(1, 2), scale_batch_T=32,
             equal_tokens=128, scale_reps=2, stab_T=(16, 32, 64), stab_H=1, stab_D=16, stab_dtypes=("fp32", "bf16"),
             rob_shape=Shape(2, 19, 1, 1, 16, 16), soak_s=0.5, soak_T=128, amp_steps=3,
-            amp_shape=Shape(1, 16, 1, 1, 16, 16))
+            amp_shape=Shape(1, 16, 1, 1, 16, 16), dec_shape=Shape(1, 1, 1, 2, 16, 16), dec_batch=(1, 2),
+            dec_steps=40, dec_warmup=3, dec_drift_steps=24, dec_prompt_T=16)
     if name == "quick" and not gpu:
         # sized so the whole run takes about 2-3 minutes on a 2-core laptop-class CPU
         return Profile(
@@ -216,7 +231,8 @@ def profile(name: str, device: torch.device) -> Profile:
             scale_base=Shape(1, 512, 4, 4, 64, 64), scale_T=(256, 512, 1024, 2048, 4096, 8192, 16384),
             scale_batch=(1, 2, 4, 8, 16), scale_batch_T=512, equal_tokens=4096, scale_reps=5,
             stab_T=(64, 128, 256, 512, 1024), stab_H=2, stab_D=32, stab_dtypes=("fp32", "bf16", "fp16"),
-            rob_shape=Shape(2, 67, 2, 2, 32, 32), soak_s=10, soak_T=4096, amp_steps=10)
+            rob_shape=Shape(2, 67, 2, 2, 32, 32), soak_s=10, soak_T=4096, amp_steps=10,
+            dec_shape=Shape(1, 1, 2, 4, 32, 32), dec_batch=(1, 8), dec_steps=1000, dec_drift_steps=256)
     if name == "quick":
         return Profile(
             # 480 s leaves room for fla's / FlashQLA's JIT compiles (unbounded first calls) in a 10-minute run
@@ -228,7 +244,8 @@ def profile(name: str, device: torch.device) -> Profile:
             scale_batch=(1, 2, 4, 8, 16, 32), scale_batch_T=4096, equal_tokens=65536, scale_reps=10,
             scale_dtype="bf16", stab_T=(256, 512, 1024, 2048, 4096), stab_H=4, stab_D=64,
             rob_shape=Shape(2, 131, 4, 4, 64, 64), soak_s=30, soak_T=65536, amp_steps=20,
-            amp_shape=Shape(2, 512, 4, 4, 64, 64))
+            amp_shape=Shape(2, 512, 4, 4, 64, 64), dec_shape=Shape(1, 1, 16, 32, 128, 128), dec_batch=(1, 64),
+            dec_dtype="bf16", dec_steps=1000, dec_warmup=50, dec_drift_steps=1024, dec_prompt_T=512)
     if name == "full" and not gpu:
         return Profile(
             name="full", time_budget_s=1800, corr_T=131, corr_H=2, corr_D=64, corr_dtypes=("fp32", "bf16", "fp16"),
@@ -238,7 +255,8 @@ def profile(name: str, device: torch.device) -> Profile:
             scale_base=Shape(1, 512, 4, 4, 64, 64), scale_T=tuple(512 * 2 ** i for i in range(8)),
             scale_batch=(1, 2, 4, 8, 16, 32), scale_batch_T=1024, equal_tokens=16384, scale_reps=5,
             stab_T=(64, 128, 256, 512, 1024, 2048, 4096), rob_shape=Shape(2, 131, 2, 2, 64, 64), soak_s=60,
-            soak_T=32768, amp_steps=30)
+            soak_T=32768, amp_steps=30, dec_shape=Shape(1, 1, 4, 8, 64, 64), dec_batch=(1, 8, 32), dec_Tq=(1, 4, 8),
+            dec_pools=("fp32", "bf16"), dec_steps=1000, dec_drift_steps=1024, dec_prompt_T=256)
     if name == "full":
         shapes = []
         for D in (64, 128):
@@ -253,5 +271,7 @@ def profile(name: str, device: torch.device) -> Profile:
             scale_batch=(1, 4, 16, 32), scale_batch_T=4096, equal_tokens=131072, scale_reps=20, scale_dtype="bf16",
             stab_T=(256, 512, 1024, 2048, 4096, 8192, 16384), stab_H=4, stab_D=64,
             rob_shape=Shape(2, 257, 4, 4, 128, 128), soak_s=120, soak_T=131072, amp_steps=50,
-            amp_shape=Shape(2, 2048, 8, 8, 128, 128))
+            amp_shape=Shape(2, 2048, 8, 8, 128, 128), dec_shape=Shape(1, 1, 16, 32, 128, 128),
+            dec_batch=(1, 64, 256), dec_Tq=(1, 4, 8), dec_pools=("fp32", "bf16"), dec_dtype="bf16", dec_steps=2000,
+            dec_warmup=50, dec_drift_steps=4096, dec_prompt_T=2048)
     raise ValueError(f"unknown profile {name!r}; choose quick or full")

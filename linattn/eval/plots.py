@@ -1,7 +1,8 @@
 """The report's figures (matplotlib, headless Agg backend), each returned as PNG bytes keyed by name.
 
 latency_vs_T (log-log, per implementation, dashed fwd+bwd), throughput_vs_batch, error_vs_T (per implementation and
-dtype), memory_vs_T, latency_dist (box plots of every performance row's samples) and soak (latency and memory
+dtype), memory_vs_T, latency_dist (box plots of every performance row's samples), decode_latency (the same for every
+decode row's per-step samples, in µs), decode_drift (error per window of decode steps) and soak (latency and memory
 traces). A figure with nothing to draw is left out rather than drawn empty.
 """
 from __future__ import annotations
@@ -100,18 +101,54 @@ def latency_dist(r: dict):
     if not recs:
         return None
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(recs) + 1.5))
-    labels = [f"{x['impl']} {x['shape_id']} {x['dtype']} {x['direction']}" for x in recs]
-    data = [x["samples_ms"] for x in recs]
+    _boxes(ax, [x["samples_ms"] for x in recs],
+           [f"{x['impl']} {x['shape_id']} {x['dtype']} {x['direction']}" for x in recs], [x["p99_ms"] for x in recs])
+    ax.set_xlabel("latency (ms), log scale; red dot = P99")
+    ax.set_title("Latency distributions")
+    return _done(fig)
+
+
+def _boxes(ax, data: list, labels: list, p99: list, mx: list = None):
+    """Horizontal box plots (whiskers P5-P95, no fliers), P99 as a red dot and, if given, the max as a black x."""
     # matplotlib 3.10 renamed vert=False to orientation="horizontal" (the old name warns from 3.11)
     horizontal = {"orientation": "horizontal"} if _MPL >= (3, 10) else {"vert": False}
     ax.boxplot(data, whis=(5, 95), showfliers=False, **horizontal)
-    for i, x in enumerate(recs, start=1):
-        ax.plot([x["p99_ms"]], [i], "r.", markersize=6)
-    ax.set_yticks(range(1, len(recs) + 1), labels, fontsize=7)
+    for i, v in enumerate(p99, start=1):
+        ax.plot([v], [i], "r.", markersize=6)
+    for i, v in enumerate(mx or [], start=1):
+        ax.plot([v], [i], "kx", markersize=4)
+    ax.set_yticks(range(1, len(data) + 1), labels, fontsize=7)
     ax.set_xscale("log")
-    ax.set_xlabel("latency (ms), log scale; red dot = P99")
-    ax.set_title("Latency distributions")
     ax.grid(True, axis="x", alpha=0.3)
+
+
+def decode_latency(r: dict):
+    recs = [x for x in r["decode"]["records"] if x.get("samples_ms")]
+    if not recs:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(recs) + 1.5))
+    _boxes(ax, [[s * 1e3 for s in x["samples_ms"]] for x in recs],
+           [f"{x['impl']}/{x['path']} B{x['B']} Tq{x['Tq']} {x['pool']}" for x in recs],
+           [x["p99_ms"] * 1e3 for x in recs], [x["max_ms"] * 1e3 for x in recs])
+    ax.set_xlabel("step latency (µs), log scale; red dot = P99, black x = max")
+    ax.set_title(f"Decode step latency ({r['decode']['timer']}, eager)")
+    return _done(fig)
+
+
+def decode_drift(r: dict):
+    recs = [x for x in r["decode"]["drift"] if x.get("rel_l2_o_windows")]
+    if not recs:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for x in recs:
+        ax.plot(x["window_end_steps"], [max(e, 1e-12) if e is not None else None for e in x["rel_l2_o_windows"]],
+                "o-" if x["pool"] == "fp32" else "s--", label=f"{x['impl']}/{x['path']} {x['pool']} state")
+    ax.set_yscale("log")
+    ax.set_title(f"Decode drift against float64 (after a {recs[0]['prompt_T']}-token prefill)")
+    ax.set_xlabel("decode steps (end of window)")
+    ax.set_ylabel("rel L2 error of o in the window")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
     return _done(fig)
 
 
@@ -142,9 +179,11 @@ def make_figures(r: dict) -> dict:
     for name, fn, section in (("latency_vs_T", latency_vs_T, "scaling"),
                               ("throughput_vs_batch", throughput_vs_batch, "scaling"),
                               ("error_vs_T", error_vs_T, "stability"), ("memory_vs_T", memory_vs_T, "memory"),
-                              ("latency_dist", latency_dist, "performance"), ("soak", soak, "soak")):
-        sec = r.get(section, {})
-        if "skipped" in sec or "error" in sec:
+                              ("latency_dist", latency_dist, "performance"),
+                              ("decode_latency", decode_latency, "decode"), ("decode_drift", decode_drift, "decode"),
+                              ("soak", soak, "soak")):
+        sec = r.get(section)
+        if sec is None or "skipped" in sec or "error" in sec:
             continue
         png = fn(r)
         if png is not None:

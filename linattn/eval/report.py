@@ -13,6 +13,7 @@ import math
 import os
 
 from . import SECTIONS
+from .decode import best_step
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -160,6 +161,63 @@ def _perf_blocks(r: dict) -> list:
     return out
 
 
+def us(x) -> str:
+    return "–" if x is None else fmt(x * 1e3)
+
+
+def _decode_blocks(r: dict) -> list:
+    d = r["decode"]
+    s = d["shape"]
+    text = (f"Per-step latency of each decode path: {d['warmup']} warm-up steps, then up to {d['steps']} steps timed "
+            f"one by one ({d['timer']}), each finished before the next starts, as in a generation loop; H={s['H']}, "
+            f"HV={s['HV']}, K={s['K']}, V={s['V']}, q/k/v {d['io_dtype']}, gate, β sigmoid and q/k L2 norm in the "
+            "step. Latencies in µs. ")
+    if d["graph"]:
+        text += (f"Graph µs: the step under CUDA-graph replay ({d['graph_calls']} steps per graph; kernel time, no "
+                 "host). GB/s: the bytes a step must move (state read + written once, q/k/v/g/β in, o out) over "
+                 "the graph time; % of copy: against a torch device copy of the same bytes timed the same way.")
+    else:
+        text += (f"No CUDA: eager steps only (no graph replay or bandwidth); PyTorch ran with "
+                 f"{d['cpu_threads']} intra-op thread.")
+    out = [_h(2, "Decode (real time)"), _p(text)]
+    rows = []
+    for x in d["records"]:
+        head = [f"{x['impl']}/{x['path']}", str(x["B"]), str(x["Tq"]), x["pool"]]
+        if "error" in x:
+            rows.append(head + ["error: " + x["error"]["type"] + ": " + x["error"]["message"][:80]] + [""] * 11)
+            continue
+        graph = us(x.get("graph_ms")) if "graph_error" not in x else "error: " + x["graph_error"]["type"]
+        rows.append(head + [str(x["n"]), us(x["p50_ms"]), us(x["p95_ms"]), us(x["p99_ms"]), us(x["max_ms"]),
+                            us(x["ms_per_token"]), graph, fmt(x["bytes"] / 2**20), fmt(x.get("gbs")),
+                            fmt(x.get("copy_gbs")), fmt(x.get("pct_of_copy")), fmt(x["first_call_s"])])
+    out.append(_t(["path", "B", "Tq", "state", "steps", "P50", "P95", "P99", "max", "P50 / token", "graph",
+                   "MB / step", "GB/s", "copy GB/s", "% of copy", "first call s"], rows))
+    out.append(_fig("decode_latency", "Per-step latency distribution per row (box: P25-P75, whiskers: P5-P95, "
+                                      "red dot: P99, black x: max)."))
+    rows = []
+    for x in d["drift"]:
+        if "error" in x:
+            rows.append([f"{x['impl']}/{x['path']}", x["pool"], "", "ERROR", x["error"]["message"][:100]]
+                        + [""] * 5)
+            continue
+        rows.append([f"{x['impl']}/{x['path']}", x["pool"], f"{x['prompt_T']} + {x['steps']}",
+                     "PASS" if x["passed"] else "FAIL", fmt(x["rel_l2_o"], 2),
+                     fmt(x["rel_l2_o_windows"][-1], 2) if x["rel_l2_o_windows"] else "–", fmt(x["rel_l2_state"], 2),
+                     fmt(x["max_abs_o"], 2), fmt(x["others_untouched"]), fmt(x["tolerance"])])
+    out.append(_p(f"Drift: prefill with the implementation's chunked op, then one-token steps (B = "
+                  f"{d['drift'][0]['B'] if d['drift'] else '–'}); outputs and the final state against the float64 "
+                  "reference of the whole sequence. Passes when finite, within the tolerance (by the coarser of the "
+                  "q/k/v and state dtypes) and, for a pool, the rows of other sequences are untouched."))
+    out.append(_t(["path", "state", "prompt + steps", "status", "rel L2 o", "rel L2 o (last window)",
+                   "rel L2 state", "max abs err o", "other rows untouched", "tolerance"], rows))
+    out.append(_fig("decode_drift", "Relative L2 error of o per window of decode steps."))
+    for x in d["not_measured"]:
+        out.append(_p(f"{x['impl']}: not measured ({x['reason']})."))
+    if d["skipped_for_time"]:
+        out.append(_p("Skipped for time: " + ", ".join(d["skipped_for_time"]) + "."))
+    return out
+
+
 def _scaling_blocks(r: dict) -> list:
     s = r["scaling"]
     out = [_h(2, "Scaling"), _p(f"dtype {s['dtype']}, base shape {s['base_shape']}; memory by {s['memory_method']}."),
@@ -287,18 +345,20 @@ def headline(r: dict) -> list:
     for impl in r["meta"]["impls"]:
         name = impl["name"]
         if not impl["available"]:
-            rows.append([name, "skipped", impl["reason"], "", "", "", ""])
+            rows.append([name, "skipped", impl["reason"], "", "", "", "", ""])
             continue
         corr = r["correctness"].get("summary", {}).get(name)
         mine = [x for x in perf if x["impl"] == name and "error" not in x]
         big = max(mine, key=lambda x: x["shape"]["B"] * x["shape"]["T"], default=None)
         sc = r["scorecard"].get("scenarios", {})
+        step = best_step(r.get("decode"), name)
         rows.append([name, f"{corr['passed']}/{corr['cases']}" if corr else "n/a (baseline)",
                      f"{big['shape_id']} {big['dtype']} {big['direction']}" if big else "–",
                      fmt(big["p50_ms"]) if big else "–", fmt(big["p99_ms"]) if big else "–",
                      fmt(big["tokens_per_s"] / 1e6) if big else "–",
+                     us(step["p99_ms"]) if step else "–",
                      " ".join(f"{k[:4]}:{fmt(v.get(name, {}).get('score'), 2)}" for k, v in sc.items())])
-    return ["impl", "correct", "largest perf row", "P50 ms", "P99 ms", "Mtok/s", "scores"], rows
+    return ["impl", "correct", "largest perf row", "P50 ms", "P99 ms", "Mtok/s", "step P99 µs", "scores"], rows
 
 
 def blocks(r: dict) -> list:
@@ -311,12 +371,15 @@ def blocks(r: dict) -> list:
         out.insert(2, _p(f"**Warning:** {r['environment']['warning']}."))
     for section, title, fn in (
             ("correctness", "Correctness", _corr_blocks), ("performance", "Performance", _perf_blocks),
+            ("decode", "Decode (real time)", _decode_blocks),
             ("scaling", "Scaling", _scaling_blocks), ("memory", "Memory", _memory_blocks),
             ("stability", "Numerical stability", _stability_blocks),
             ("robustness", "Robustness (abnormal inputs)", _robust_blocks), ("soak", "Soak", _soak_blocks),
             ("mixed_precision", "Mixed precision", _amp_blocks), ("scorecard", "Scorecard", _score_blocks),
             ("environment", "Environment", _env_blocks)):
-        sec = r.get(section, {})
+        if section not in r:  # a report written before the section existed
+            continue
+        sec = r[section]
         if "skipped" in sec:
             out += [_h(2, title), _p(f"Skipped: {sec['skipped']}.")]
         elif "error" in sec and isinstance(sec["error"], dict) and len(sec) <= 2:

@@ -11,6 +11,7 @@ from linattn.eval import SECTIONS, compare
 SECTION_KEYS = {  # a few numbers every filled section must carry
     "correctness": ("records", "summary", "tolerances"),
     "performance": ("records", "peaks", "timer"),
+    "decode": ("records", "drift", "not_measured", "timer"),
     "scaling": ("T_sweep", "batch_sweep", "equal_tokens"),
     "memory": ("sweeps", "method"),
     "stability": ("series",),
@@ -46,6 +47,10 @@ def test_report_schema(tiny_run):
     assert {("linattn", "fwd"), ("linattn", "fwdbwd"), ("sdpa", "fwd")} <= perf
     rec = r["performance"]["records"][0]
     assert rec["p50_ms"] <= rec["p95_ms"] <= rec["p99_ms"] <= rec["max_ms"] and rec["flops"] > 0
+    dec = {(x["path"], x["B"]) for x in r["decode"]["records"] if "p99_ms" in x}
+    assert dec == {(p, b) for p in ("decode", "recurrent") for b in (1, 2)}
+    assert r["decode"]["drift"] and all(x["passed"] for x in r["decode"]["drift"])
+    assert r["scorecard"]["raw"]["linattn"]["step_p99_ms"] > 0
     assert all(len(s["T"]) >= 2 for s in r["scaling"]["T_sweep"])
     assert all(m["peak_bytes"] and all(b > 0 for b in m["peak_bytes"]) for m in r["memory"]["sweeps"])
     assert r["stability"]["series"] and all(s["passed"] for s in r["stability"]["series"])
@@ -60,12 +65,13 @@ def test_report_schema(tiny_run):
 def test_markdown_and_self_contained_html(tiny_run):
     out, _ = tiny_run
     md = (out / "report.md").read_text()
-    for title in ("Correctness", "Performance", "Scaling", "Memory", "Numerical stability", "Robustness", "Soak",
-                  "Mixed precision", "Scorecard", "Environment"):
+    for title in ("Correctness", "Performance", "Decode (real time)", "Scaling", "Memory", "Numerical stability",
+                  "Robustness", "Soak", "Mixed precision", "Scorecard", "Environment"):
         assert f"## {title}" in md
     assert "fla" in md and "needs a GPU" in md
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") >= 4
+    assert html.count("data:image/png;base64,") >= 6
+    assert os.path.exists(out / "plots" / "decode_latency.png") and os.path.exists(out / "plots" / "decode_drift.png")
     assert "src=\"http" not in html and "href=" not in html and "plots/" not in html
     assert os.path.exists(out / "plots" / "latency_vs_T.png")
 
@@ -77,11 +83,14 @@ def test_compare_reports(tiny_run, tmp_path, capsys):
     b = copy.deepcopy(r)
     rec = next(x for x in b["performance"]["records"] if x["impl"] == "linattn" and x["direction"] == "fwd")
     rec["p99_ms"] *= 2
+    step = b["decode"]["records"][0]
+    step["p99_ms"] *= 2
     b["correctness"]["records"][0]["passed"] = False
     b["scaling"]["T_sweep"][0]["median_ms"][1] *= 0.5
     d = compare.diff(r, b)
     worse = {w["key"] for w in d["worse"]}
     assert f"performance/records/{rec['id']}/p99_ms" in worse
+    assert f"decode/records/{step['id']}/p99_ms" in worse
     assert f"correctness/records/{r['correctness']['records'][0]['id']}/passed" in worse
     assert any("median_ms[T=" in x["key"] for x in d["better"])
     path_b = tmp_path / "b.json"

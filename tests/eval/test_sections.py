@@ -94,8 +94,12 @@ def test_scorecard_normalisation():
     s = scorecard.score(raw)
     rt = s["real_time"]
     assert rt["b"]["metrics"]["p99_ms"]["normalised"] == 1.0 and rt["a"]["metrics"]["p99_ms"]["normalised"] == 0.5
-    assert rt["a"]["score"] == pytest.approx(100 * (0.5 * 0.5 + 0.3 + 0.2))
-    assert rt["b"]["score"] == pytest.approx(100 * (0.5 + 0.3 + 0.2 * 0.25))
+    w = {m: wt for m, wt, _ in scorecard.SCENARIOS["real_time"]}  # no step_p99_ms here: the rest renormalised
+    present = w["p99_ms"] + w["first_token_ms"] + w["first_call_s"]
+    assert rt["a"]["score"] == pytest.approx(100 * (w["p99_ms"] * 0.5 + w["first_token_ms"] + w["first_call_s"])
+                                             / present)
+    assert rt["b"]["score"] == pytest.approx(100 * (w["p99_ms"] + w["first_token_ms"] + w["first_call_s"] * 0.25)
+                                             / present)
     sci = s["scientific"]
     assert sci["b"]["metrics"]["worst_rel_l2"]["normalised"] == pytest.approx(0.0)  # 4 decades worse
     assert sci["a"]["score"] == pytest.approx(100) and sci["a"]["coverage"] == pytest.approx(0.6)
