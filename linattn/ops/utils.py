@@ -6,6 +6,7 @@ deep inside a kernel (or, worse, a silently wrong answer).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -16,7 +17,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether triton imports (cached: the answer cannot change within a process, and the ops ask on every call)."""
     try:
         import triton  # noqa: F401
     except Exception:
@@ -27,6 +30,16 @@ def triton_available() -> bool:
 def triton_interpret() -> bool:
     """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division for host code: ``triton.cdiv`` is a constexpr function whose host call costs ~3 µs."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ≥ n (≥ 1), for host code (``triton.next_power_of_2`` costs ~3 µs per host call)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def select_backend(backend: Optional[str], device: torch.device) -> str:
@@ -47,6 +60,24 @@ def select_backend(backend: Optional[str], device: torch.device) -> str:
                 f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU use backend='torch', "
                 "or set TRITON_INTERPRET=1 to run the kernels in the (slow) Triton interpreter")
     return backend
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # a Parameter adds no torch_function/dispatch behaviour
+
+
+def eager_call(*tensors) -> bool:
+    """True when a public op may call its implementation directly instead of through its ``torch.library`` custom op.
+
+    The custom ops exist for tracing (torch.compile, export, fake tensors); an eager call through one pays tens of µs
+    of Python dispatch (a mutating op about 80 µs: docs/performance.md, "Host overhead"). The direct call is taken
+    only when nothing can observe the difference: not compiling, no ``__torch_dispatch__`` mode or functorch
+    transform active, and every tensor argument a plain ``torch.Tensor`` (not a FakeTensor, DTensor or other
+    subclass). ``tensors`` may hold None.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
+            torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors)
 
 
 def _check_tensor(name: str, x, ndim: int, dtypes=FLOAT_DTYPES) -> None:
@@ -70,17 +101,20 @@ def check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens,
     _check_tensor("v", v, 4)
     _check_tensor("g", g, 3)
     _check_tensor("beta", beta, 3)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q {tuple(q.shape)} ([B, T, H, K]), got {tuple(k.shape)}")
-    if v.shape[:2] != (B, T):
-        raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {tuple(v.shape)}")
+    # each .shape / .device read builds a Python object (~0.3 µs): read them once (every op calls this per step)
+    q_shape, v_shape = q.shape, v.shape
+    B, T, H, K = q_shape
+    HV, V = v_shape[2], v_shape[3]
+    if k.shape != q_shape:
+        raise ValueError(f"k must have the shape of q {tuple(q_shape)} ([B, T, H, K]), got {tuple(k.shape)}")
+    if v_shape[0] != B or v_shape[1] != T:
+        raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T} as in q, got {tuple(v_shape)}")
     if H == 0 or HV % H != 0:
         raise ValueError(f"the value heads HV={HV} must be a positive multiple of the query/key heads H={H}")
+    gate_shape = (B, T, HV)
     for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (B, T, HV):
-            raise ValueError(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(x.shape)}")
+        if x.shape != gate_shape:
+            raise ValueError(f"{name} must be [B, T, HV] = {gate_shape}, got {tuple(x.shape)}")
     if T == 0 or B == 0:
         raise ValueError(f"q must hold at least one token (B, T = {B}, {T})")
     for name, d in (("K (q/k head dim)", K), ("V (v head dim)", V)):
@@ -89,9 +123,8 @@ def check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens,
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     device = q.device
-    named = [("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)]
-    for name, x in named:
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)):
         if x is not None and isinstance(x, torch.Tensor) and x.device != device:
             raise ValueError(f"{name} is on {x.device} but q is on {device}; all inputs must share one device")
 

@@ -11,24 +11,40 @@ A 0-length sequence owns no chunk (its final state is its initial state).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import triton
 import triton.language as tl
+
+_TABLES: OrderedDict = OrderedDict()    # (offsets, chunk_size, device) -> tables; the newest last
+_TABLES_MAX = 16                        # a training step's forward and backward share one entry
 
 
 def chunk_tables(offsets: list[int], chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Build ``(chunk_indices [NT_total, 2], chunk_offsets [N + 1])`` as int32 tensors on ``device``.
 
-    ``offsets`` is the host list of the N + 1 values of ``cu_seqlens``.
+    ``offsets`` is the host list of the N + 1 values of ``cu_seqlens``. Both tables travel in one host-to-device
+    copy, and the last few are cached by their offsets (the backward reuses the forward's; the kernels only read
+    them), so a repeated batch layout costs a dict lookup. Callers must not write into the returned tensors.
     """
-    indices, firsts = [], [0]
+    key = (tuple(offsets), chunk_size, str(device))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    flat, firsts = [], [0]
     for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
-        nt = triton.cdiv(eos - bos, chunk_size)
-        indices.extend((n, c) for c in range(nt))
+        nt = -(-(eos - bos) // chunk_size)
+        for c in range(nt):
+            flat += (n, c)
         firsts.append(firsts[-1] + nt)
-    chunk_indices = torch.tensor(indices, dtype=torch.int32).reshape(-1, 2).to(device)
-    chunk_offsets = torch.tensor(firsts, dtype=torch.int32).to(device)
-    return chunk_indices, chunk_offsets
+    both = torch.tensor(flat + firsts, dtype=torch.int32).to(device)
+    tables = both[:len(flat)].view(-1, 2), both[len(flat):]
+    _TABLES[key] = tables
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return tables
 
 
 def chunk_tables_ref(offsets: list[int], chunk_size: int) -> tuple[list[tuple[int, int]], list[int]]:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..utils import check_cu_seqlens_values, check_gated_delta_inputs, gate_from_raw, l2norm, select_backend
+from ..utils import check_cu_seqlens_values, check_gated_delta_inputs, eager_call, gate_from_raw, l2norm, select_backend
 from .reference import gated_delta_rule_reference
 from .torch_chunk import chunk_gated_delta_rule_bwd_torch, chunk_gated_delta_rule_fwd_torch
 
@@ -30,8 +30,7 @@ def _triton_impl():
     return triton_chunk
 
 
-@torch.library.custom_op("linattn::chunk_gated_delta_rule_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = _offsets(cu_seqlens, q.shape[1])
@@ -39,6 +38,9 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         return _triton_impl().chunk_gated_delta_rule_fwd_triton(q, k, v, g, beta, scale, initial_state,
                                                                 cu_seqlens, offsets)
     return chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets)
+
+
+_fwd_op = torch.library.custom_op("linattn::chunk_gated_delta_rule_fwd", _fwd_impl, mutates_args=())
 
 
 @_fwd_op.register_fake
@@ -49,8 +51,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend):
     return v.new_empty(B, T, HV, V), v.new_empty(N, HV, K, V, dtype=_state_dtype(v))
 
 
-@torch.library.custom_op("linattn::chunk_gated_delta_rule_bwd", mutates_args=())
-def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
             dht: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor]:
@@ -63,6 +64,9 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         grads = chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
     dh0 = grads[5] if grads[5] is not None else torch.zeros_like(dht)
     return (*grads[:5], dh0)
+
+
+_bwd_op = torch.library.custom_op("linattn::chunk_gated_delta_rule_bwd", _bwd_impl, mutates_args=())
 
 
 @_bwd_op.register_fake
@@ -88,12 +92,41 @@ def _backward(ctx, do, dht):
         do = torch.zeros_like(v)
     if dht is None:
         dht = v.new_zeros(N, HV, K, V, dtype=_state_dtype(v))
-    dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
-                                         do.contiguous(), dht.contiguous(), ctx.backend)
+    do, dht = do.contiguous(), dht.contiguous()
+    bwd = _bwd_impl if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, do, dht) else _bwd_op
+    dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, ctx.backend)
     return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """The eager twin of ``_fwd_op`` with its registered autograd: the same forward, context and backward
+    without the custom op's dispatch (utils.eager_call)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)
+        output = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+def chunk_fwd_dispatch(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the core forward on ``_fwd_op``'s arguments: through the custom op while tracing (torch.compile,
+    export, fake tensors, dispatch modes), directly in eager (plus an autograd.Function when a gradient is
+    needed). Both give identical results (tests/ops/test_host_overhead.py)."""
+    q, k, v, g, beta, _, initial_state, cu_seqlens, _ = inputs
+    if not eager_call(q, k, v, g, beta, initial_state, cu_seqlens):
+        return _fwd_op(*inputs)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
+                                    or beta.requires_grad
+                                    or (initial_state is not None and initial_state.requires_grad)):
+        return _EagerFunction.apply(*inputs)
+    return _fwd_impl(*inputs)
 
 
 def chunk_gated_delta_rule(
@@ -156,5 +189,5 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    o, ht = _fwd_op(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
+    o, ht = chunk_fwd_dispatch(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
     return o, (ht if output_final_state else None)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..utils import check_cu_seqlens_values, check_gated_delta_inputs, select_backend
+from ..utils import check_cu_seqlens_values, check_gated_delta_inputs, eager_call, select_backend
 from .reference import gated_delta_rule_reference
 
 
@@ -205,8 +205,7 @@ def _offsets(cu_seqlens: Optional[torch.Tensor], T: int) -> Optional[list[int]]:
     return None if cu_seqlens is None else check_cu_seqlens_values(cu_seqlens, T)
 
 
-@torch.library.custom_op("linattn::fused_recurrent_gated_delta_rule_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], A_log: Optional[torch.Tensor],
             dt_bias: Optional[torch.Tensor], use_qk_l2norm: bool, use_beta_sigmoid: bool,
             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,6 +221,9 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
                                      use_qk_l2norm, use_beta_sigmoid)
 
 
+_fwd_op = torch.library.custom_op("linattn::fused_recurrent_gated_delta_rule_fwd", _fwd_impl, mutates_args=())
+
+
 @_fwd_op.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid, backend):
     B, T, _, K = q.shape
@@ -230,8 +232,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, use_qk
     return v.new_empty(B, T, HV, V), v.new_empty(N, HV, K, V, dtype=_compute_dtype(v))
 
 
-@torch.library.custom_op("linattn::fused_recurrent_gated_delta_rule_bwd", mutates_args=())
-def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], A_log: Optional[torch.Tensor],
             dt_bias: Optional[torch.Tensor], use_qk_l2norm: bool, use_beta_sigmoid: bool, do: torch.Tensor,
             dht: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -256,6 +257,9 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if dA_log is None:
         dA_log, ddt_bias = q.new_zeros(0), q.new_zeros(0)
     return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, dA_log, ddt_bias)
+
+
+_bwd_op = torch.library.custom_op("linattn::fused_recurrent_gated_delta_rule_bwd", _bwd_impl, mutates_args=())
 
 
 @_bwd_op.register_fake
@@ -286,14 +290,42 @@ def _backward(ctx, do, dht):
         do = torch.zeros_like(v)
     if dht is None:
         dht = v.new_zeros(N, HV, K, V, dtype=_compute_dtype(v))
-    dq, dk, dv, dg, dbeta, dh0, dA, ddt = _bwd_op(
+    do, dht = do.contiguous(), dht.contiguous()
+    bwd = _bwd_impl if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, do, dht) else _bwd_op
+    dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(
         q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, A_log, dt_bias, ctx.use_qk_l2norm,
-        ctx.use_beta_sigmoid, do.contiguous(), dht.contiguous(), ctx.backend)
+        ctx.use_beta_sigmoid, do, dht, ctx.backend)
     gate = (dA, ddt) if ctx.has_gate else (None, None)
     return (dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, *gate, None, None, None)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """The eager twin of ``_fwd_op`` with its registered autograd: the same forward, context and backward
+    without the custom op's dispatch (utils.eager_call)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)
+        output = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+def recurrent_fwd_dispatch(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the core forward on ``_fwd_op``'s arguments: through the custom op while tracing, directly in eager
+    (plus an autograd.Function when a gradient is needed); see chunk.chunk_fwd_dispatch."""
+    q, k, v, g, beta, _, initial_state, cu_seqlens, A_log, dt_bias = inputs[:10]
+    if not eager_call(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+        return _fwd_op(*inputs)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
+        return _EagerFunction.apply(*inputs)
+    return _fwd_impl(*inputs)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -350,6 +382,6 @@ def fused_recurrent_gated_delta_rule(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    o, ht = _fwd_op(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, use_qk_l2norm,
-                    use_beta_sigmoid, backend)
+    o, ht = recurrent_fwd_dispatch(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias,
+                                   use_qk_l2norm, use_beta_sigmoid, backend)
     return o, (ht if output_final_state else None)

@@ -20,9 +20,13 @@ price of the recurrent form's backward: it is meant for short sequences (use the
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from ..utils import cdiv, next_power_of_2
 
 # Gate: g = −exp(A_log) · softplus(g_raw + dt_bias); softplus(x) = x above this threshold (torch's default).
 SOFTPLUS_THRESHOLD = 20.0
@@ -232,20 +236,23 @@ def fused_recurrent_bwd_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------------------------
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # the interpreter: pretend to be an H200 so the tiles match the GPU's
 
 
+@functools.lru_cache(maxsize=1024)
 def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device) -> tuple[int, int, int]:
     """(BK, BV, num_warps). BK covers all of K (the reductions run over K inside a program). BV: 32-wide rows
     (128 B of fp32, whole cache lines) when there are enough (sequence, head) pairs to fill the machine, narrower
     tiles (more programs, more loads in flight) when there are few, e.g. decode at batch 1. One warp per
-    1024 state elements keeps the slice at 32 fp32 registers per thread."""
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 32)
-    while BV > 8 and num_programs_nh * triton.cdiv(V, BV) < 4 * _num_sms(device):
+    1024 state elements keeps the slice at 32 fp32 registers per thread. Cached: a launch plan per shape, so a
+    decode step pays one dict lookup instead of the arithmetic (the key has no T: kernels never specialise on T)."""
+    BK = next_power_of_2(K)
+    BV = min(next_power_of_2(V), 32)
+    while BV > 8 and num_programs_nh * cdiv(V, BV) < 4 * _num_sms(device):
         BV //= 2
     num_warps = max(1, min(8, BK * BV // 1024))
     return BK, BV, num_warps
@@ -265,7 +272,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
     BK, BV_, nw = pick_tiles(N * HV, K, V, q.device)
     BV, num_warps = BV or BV_, num_warps or nw
     o = torch.empty_like(v)
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV), N * HV)
     fused_recurrent_fwd_kernel[grid](
         q, k, v, g, beta, o, initial_state, final_state, intermediate_states, cu_seqlens, state_indices,
         A_log, dt_bias, scale, T, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
@@ -288,7 +295,7 @@ def fused_recurrent_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_lo
     fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, None, hs, cu_seqlens, None, A_log, dt_bias,
                         use_qk_l2norm, use_beta_sigmoid)
     BK, BV, num_warps = pick_tiles(N * HV, K, V, q.device)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = torch.empty(NV, B, T, HV, K, **f32)
     dk = torch.empty(NV, B, T, HV, K, **f32)
