@@ -180,18 +180,21 @@ def _decode_blocks(r: dict) -> list:
         text += (f"No CUDA: eager steps only (no graph replay or bandwidth); PyTorch ran with "
                  f"{d['cpu_threads']} intra-op thread.")
     out = [_h(2, "Decode (real time)"), _p(text)]
+    gpu = ["graph", "GB/s", "copy GB/s", "% of copy"] if d["graph"] else []  # no graph or bandwidth on a CPU
+    hdr = ["path", "B", "Tq", "state", "steps", "P50", "P95", "P99", "max", "P50 / token"] + gpu + ["MB / step",
+                                                                                                 "first call s"]
     rows = []
     for x in d["records"]:
         head = [f"{x['impl']}/{x['path']}", str(x["B"]), str(x["Tq"]), x["pool"]]
         if "error" in x:
-            rows.append(head + ["error: " + x["error"]["type"] + ": " + x["error"]["message"][:80]] + [""] * 11)
+            rows.append(head + ["error: " + x["error"]["type"] + ": " + x["error"]["message"][:80]]
+                        + [""] * (len(hdr) - 5))
             continue
         graph = us(x.get("graph_ms")) if "graph_error" not in x else "error: " + x["graph_error"]["type"]
+        bw = [graph, fmt(x.get("gbs")), fmt(x.get("copy_gbs")), fmt(x.get("pct_of_copy"))] if gpu else []
         rows.append(head + [str(x["n"]), us(x["p50_ms"]), us(x["p95_ms"]), us(x["p99_ms"]), us(x["max_ms"]),
-                            us(x["ms_per_token"]), graph, fmt(x["bytes"] / 2**20), fmt(x.get("gbs")),
-                            fmt(x.get("copy_gbs")), fmt(x.get("pct_of_copy")), fmt(x["first_call_s"])])
-    out.append(_t(["path", "B", "Tq", "state", "steps", "P50", "P95", "P99", "max", "P50 / token", "graph",
-                   "MB / step", "GB/s", "copy GB/s", "% of copy", "first call s"], rows))
+                            us(x["ms_per_token"])] + bw + [fmt(x["bytes"] / 2**20), fmt(x["first_call_s"])])
+    out.append(_t(hdr, rows))
     out.append(_fig("decode_latency", "Per-step latency distribution per row (box: P25-P75, whiskers: P5-P95, "
                                       "red dot: P99, black x: max)."))
     rows = []
