@@ -36,8 +36,9 @@ from . import CHUNK, block_size, dot_precision
 @triton.jit
 def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr):
-    """One chunk: write its BT×BV slice of O and return the state leaving it."""
+                 BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
+                 AFFINE: tl.constexpr):
+    """One chunk: write its BT×BV slice of O (not in AFFINE mode) and return the state leaving it."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
     i_last = tl.minimum((i_c + 1) * BT, T_seq) - 1
@@ -46,40 +47,66 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
 
     # V_new = U − W S (padded rows of W and U load as 0, so their V_new is 0 and they leave S unchanged)
     p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T_seq, K), (HV * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
-    p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
-                            (1, 0))
     b_w = tl.load(p_w, boundary_check=(0, 1))
-    b_v = tl.load(p_u, boundary_check=(0, 1)) - tl.dot(b_w, b_h, input_precision=STATE_PREC)
+    if AFFINE:
+        # column c of the augmented state [M | N]: c < K is a column of M (its U column is 0), c ≥ K is column
+        # c − K of N (U column c − K); a BV slice may straddle the two, so the mask is per element
+        o_u = i_v * BV + tl.arange(0, BV) - K
+        m_u = (o_u >= 0) & (o_u < V)
+        b_u = tl.load(u + ((bos + o_t) * HV + i_hv)[:, None] * V + o_u[None, :], mask=m_t[:, None] & m_u[None, :],
+                      other=0)
+    else:
+        p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                                (1, 0))
+        b_u = tl.load(p_u, boundary_check=(0, 1))
+    b_v = b_u - tl.dot(b_w, b_h, input_precision=STATE_PREC)
 
-    # O = scale·[Γ ⊙ (Q S) + (Q Kᵀ ⊙ D ⊙ causal) V_new]; D is formed from the masked difference (→ −inf → 0)
-    p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (0, i_c * BT), (BK, BT), (0, 1))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
     b_kt = tl.load(p_k, boundary_check=(0, 1))
-    m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_P = tl.dot(b_q, b_kt, input_precision=INPUT_PREC)
-    b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
-    b_o = tl.dot(b_q.to(tl.float32), b_h, input_precision=DOT_PREC) * tl.exp(b_gc)[:, None]
-    b_o = (b_o + tl.dot(b_P, b_v, input_precision=DOT_PREC)) * scale
-    p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
-                            (1, 0))
-    tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+    if not AFFINE:
+        # O = scale·[Γ ⊙ (Q S) + (Q Kᵀ ⊙ D ⊙ causal) V_new]; D is formed from the masked difference (→ −inf → 0)
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+        b_P = tl.dot(b_q, b_kt, input_precision=INPUT_PREC)
+        b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        b_o = tl.dot(b_q.to(tl.float32), b_h, input_precision=DOT_PREC) * tl.exp(b_gc)[:, None]
+        b_o = (b_o + tl.dot(b_P, b_v, input_precision=DOT_PREC)) * scale
+        p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
+                                (1, 0))
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
 
     # S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
     b_kd = b_kt.to(tl.float32) * tl.exp(tl.where(m_t, b_g_last - b_gc, float("-inf")))[None, :]
     return b_h * tl.exp(b_g_last) + tl.dot(b_kd, b_v, input_precision=STATE_PREC)
 
 
-@triton.jit(do_not_specialize=["T"])
-def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
-                     USE_INITIAL_STATE: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):
-    # grid (cdiv(V, BV), N·HV)
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
+@triton.jit(do_not_specialize=["T", "NSEG", "L"])
+def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, NSEG, L, H: tl.constexpr,
+                     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
+                     USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
+                     AFFINE: tl.constexpr):
+    # grid (cdiv(VS, BV), NS·HV): program (i_v, segment i_s, value head i_hv). Without SEGMENTED a segment is a
+    # whole sequence (NS = N, i_s = i_n): the default walk. With SEGMENTED (seq_parallel.py) segment i_s covers
+    # chunks [i_c0, i_c1) of sequence i_n: varlen reads (i_n, i_c0, i_c1) from segments [NS, 3]; otherwise every
+    # sequence has NSEG segments of L chunks (the last one shorter).
+    # AFFINE (phase A of seq_parallel.py): no output; the walked state is the augmented [M | N] of K + V columns,
+    # starting from [I | 0] with U's columns shifted by K, and the state leaving the segment is stored to
+    # ht [NS, HV, K, K + V]. Otherwise the state starts from h0 (per segment i_s) and the state leaving the last
+    # chunk of sequence i_n is stored to ht [N, HV, K, V].
+    i_v, i_sh = tl.program_id(0), tl.program_id(1)
+    i_s, i_hv = i_sh // HV, i_sh % HV
     i_h = i_hv // (HV // H)
+    if SEGMENTED and IS_VARLEN:
+        i_n = tl.load(segments + i_s * 3)
+        i_c0 = tl.load(segments + i_s * 3 + 1)
+    elif SEGMENTED:
+        i_n = i_s // NSEG
+        i_c0 = (i_s % NSEG) * L
+    else:
+        i_n = i_s
+        i_c0 = 0
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -87,26 +114,41 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, T, H: tl.cons
         bos = i_n.to(tl.int64) * T
         eos = bos + T
     T_seq = eos - bos
+    NT_seq = tl.cdiv(T_seq, BT)
+    if SEGMENTED and IS_VARLEN:
+        i_c1 = tl.load(segments + i_s * 3 + 2)
+    elif SEGMENTED:
+        i_c1 = tl.minimum(i_c0 + L, NT_seq)
+    else:
+        i_c1 = NT_seq
 
+    if AFFINE:
+        VS: tl.constexpr = K + V
+    else:
+        VS: tl.constexpr = V
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
-    o_kv = o_k[:, None] * V + o_v[None, :]
-    o_s = i_nh.to(tl.int64) * K * V
-    if USE_INITIAL_STATE:
-        b_h = tl.load(h0 + o_s + o_kv, mask=m_kv, other=0).to(tl.float32)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < VS)
+    o_kv = o_k[:, None] * VS + o_v[None, :]
+    if AFFINE:
+        b_h = ((o_k[:, None] == o_v[None, :]) & (o_k[:, None] < K)).to(tl.float32)
+    elif USE_INITIAL_STATE:
+        b_h = tl.load(h0 + i_sh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0).to(tl.float32)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
 
     # a while loop, not range(): the interpreter cannot take range() of a runtime bound (see state_pass.py)
-    NT_seq = tl.cdiv(T_seq, BT)
-    i_c = 0
-    while i_c < NT_seq:
+    i_c = i_c0
+    while i_c < i_c1:
         b_h = _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
-                           DOT_PREC, STATE_PREC, INPUT_PREC)
+                           DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE)
         i_c += 1
 
-    tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
+    if AFFINE:
+        tl.store(ht + i_sh.to(tl.int64) * K * VS + o_kv, b_h, mask=m_kv)
+    else:
+        # only the segment that ends the sequence writes its final state (always true without SEGMENTED)
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + o_kv, b_h, mask=m_kv & (i_c1 == NT_seq))
 
 
 def fused_dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
@@ -138,6 +180,29 @@ def fused_fwd_config(K: int, V: int, NHV: int, num_sms: int) -> tuple[int, int, 
     return BK, min(BV, block_size(V, 64)), 4
 
 
+def num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device; 132 (an H200) elsewhere, so CPU tests plan as the GPU would."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, num_warps: int,
+                dot_prec: Optional[str], state_prec: Optional[str], chunk_size: int, num_segments: int,
+                segments: Optional[torch.Tensor] = None, nseg: int = 1, seg_len: int = 0,
+                segmented: bool = False, affine: bool = False) -> None:
+    """Launch :func:`fused_fwd_kernel` over ``num_segments`` segments (sequences without ``segmented``) × value
+    heads × BV slices of the walked state's columns (V, or K + V with ``affine``). The tensors are as the kernel
+    describes; seq_parallel.py drives the segmented and affine modes."""
+    B, T, H, K = q.shape
+    HV, V = u.shape[2], u.shape[3]
+    o_prec, s_prec = fused_dot_precisions(q.dtype)
+    fused_fwd_kernel[(triton.cdiv(K + V if affine else V, BV), num_segments * HV)](
+        q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, nseg, seg_len, H=H, HV=HV, K=K, V=V,
+        BT=chunk_size, BK=block_size(K, 256), BV=BV, DOT_PREC=dot_prec or o_prec,
+        STATE_PREC=state_prec or dot_prec or s_prec, INPUT_PREC=dot_precision(q.dtype),
+        USE_INITIAL_STATE=h0 is not None, IS_VARLEN=cu_seqlens is not None, SEGMENTED=segmented, AFFINE=affine,
+        num_warps=num_warps)
+
+
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
               initial_state: Optional[torch.Tensor], out_dtype: torch.dtype,
               cu_seqlens: Optional[torch.Tensor] = None, BV: Optional[int] = None,
@@ -159,16 +224,9 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
     N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    BK, BV_default, warps_default = fused_fwd_config(K, V, N * HV, num_sms)
-    BV = BV or BV_default
-    o_prec, s_prec = fused_dot_precisions(q.dtype)
+    _, BV_default, warps_default = fused_fwd_config(K, V, N * HV, num_sms(q.device))
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
-    fused_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
-        q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, T, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK,
-        BV=BV, DOT_PREC=dot_prec or o_prec, STATE_PREC=state_prec or dot_prec or s_prec,
-        INPUT_PREC=dot_precision(q.dtype),
-        USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        num_warps=num_warps or warps_default)
+    launch_walk(q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, BV or BV_default,
+                num_warps or warps_default, dot_prec, state_prec, chunk_size, N)
     return o, ht

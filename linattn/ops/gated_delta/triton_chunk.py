@@ -29,10 +29,10 @@ import triton
 
 from ..common import CHUNK
 from ..common.cumsum import chunk_local_cumsum
-from ..common.fused_fwd import fused_fwd
 from ..common.fused_prepass import fused_prepass
 from ..common.kkt_solve import kkt_solve
 from ..common.output import output_fwd
+from ..common.seq_parallel import fused_fwd_seq_parallel
 from ..common.state_pass import state_pass_fwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
@@ -102,13 +102,16 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     Arguments as :func:`chunk_gated_delta_rule_fwd_stages`.
 
     The fused path (docs/architecture.md, "Fused forward"): one parallel pre-pass writes gc, W, U; one sequential
-    kernel per (sequence, value head, V slice) keeps the state on chip and writes only o and the final state.
+    kernel per (sequence, value head, V slice) keeps the state on chip and writes only o and the final state;
+    when those programs cannot fill the SMs, long sequences are split into segments stitched exactly through their
+    affine state maps (``common/seq_parallel.py``).
     """
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
     chunk_indices = None
     if cu_seqlens is not None:
-        chunk_indices, _ = chunk_tables(offsets if offsets is not None else cu_seqlens.tolist(), CHUNK, q.device)
+        offsets = offsets if offsets is not None else cu_seqlens.tolist()
+        chunk_indices, _ = chunk_tables(offsets, CHUNK, q.device)
     gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
-    return fused_fwd(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens)
+    return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets)
