@@ -53,9 +53,14 @@ class _NoLaunch:
 
 
 def no_launches():
+    import importlib
     for mod, name in ((rk, "fused_recurrent_fwd_kernel"), (ff_mod, "fused_fwd_kernel"),
                       (fp_mod, "fused_prepass_kernel")):
         setattr(mod, name, _NoLaunch())
+    try:  # the sequence-parallel forward's scan (present since the fused forward split long sequences)
+        importlib.import_module("linattn.ops.common.seq_parallel").affine_scan_kernel = _NoLaunch()
+    except (ImportError, AttributeError):
+        pass
 
 
 def sync():
