@@ -97,12 +97,14 @@ def _sequences(x, offsets):
 # planner and tables
 # ----------------------------------------------------------------------------------------------------------------
 # (id, chunks per sequence, HV, K, V, BV, expected L): K = V = 128 rows are issue 4's shapes (132 SMs, BV from
-# fused_fwd_config); the model's arithmetic for the first: unsplit 64 chunk-times (128 programs, one wave); L = 16:
-# phase C 16 + phase A 0.5·16·2 waves + phase B 4 = 36, the cheapest candidate.
+# fused_fwd_config). The model's arithmetic (264 slots): B=1 HV=8 has 64 programs, unsplit 512 chunk-times; L = 128:
+# phase C 128·1 wave + phase A 0.5·128·waves(512) = 128 + phase B 4 = 260, the cheapest candidate. HV=16 has 128
+# programs: at most 2.06× shorter phases, eaten by phase A, so no split saves 10%.
 PLAN_CASES = [
-    ("B1_T4096_H16", [64], 16, 128, 128, 16, 16),
-    ("B1_T131072_H16", [2048], 16, 128, 128, 16, 512),
-    ("B1_T32768_HV8", [512], 8, 128, 128, 16, 64),
+    ("B1_T32768_HV8", [512], 8, 128, 128, 16, 128),
+    ("B1_T4096_H16_no_gain", [64], 16, 128, 128, 16, None),
+    ("B1_T131072_H16_no_gain", [2048], 16, 128, 128, 16, None),
+    ("B1_T131072_HV2", [2048], 2, 128, 128, 16, 128),
     ("B8_T4096_H16_fills_the_card", [64] * 8, 16, 128, 128, 64, None),
     ("B2_T16384_H32_fills_the_card", [256] * 2, 32, 128, 128, 32, None),
     ("B1_T960_too_short", [15], 16, 128, 128, 16, None),

@@ -7,7 +7,7 @@ identity with U = 0 and N the walk of a zero state. A sequence cut into segments
 
     A  mn[s] = [M_s | N_s]            fused_fwd_kernel, AFFINE: one walk of the augmented K×(K+V) state per
                                       segment, no output                        grid (cdiv(K+V, BV), NS·HV)
-    B  h_in[s+1] = M_s h_in[s] + N_s  affine_scan_kernel: fp32 ("ieee") over the segments of each sequence,
+    B  h_in[s+1] = M_s h_in[s] + N_s  affine_scan_kernel: fp32 (tf32x3 dots) over the segments of a sequence,
                                       from its initial state (or 0)             grid (cdiv(V, BV), N·HV)
     C  o, final state                 fused_fwd_kernel, SEGMENTED: each segment's walk from its true h_in,
                                       with the output                           grid (cdiv(V, BV), NS·HV)
@@ -33,11 +33,13 @@ from ..gated_delta import torch_chunk as tc
 from . import CHUNK, block_size
 from .fused_fwd import fused_fwd, fused_fwd_config, launch_walk, num_sms
 
-OCCUPANCY = 4             # programs of the walk one SM runs at once (latency-bound, ~100 registers per thread)
+OCCUPANCY = 2             # programs of the walk one SM holds at once: 255 registers × 128 threads each (ptxas,
+                          # sm_90, K = 128, every BV), so the 64K-register file takes two
 MIN_SEGMENT_CHUNKS = 8    # shorter segments spend more on phases A and B than they save
 MAX_SEGMENTS = 64         # per sequence: bounds phase B's sequential length and the planner's search
 AFFINE_COST = 0.5         # a chunk of phase A per column slice, relative to a chunk of the walk with output
 SCAN_COST = 1.0           # a segment of phase B, in chunks of the walk
+SPLIT_MARGIN = 0.9        # split only when the model predicts at least a 10% saving (its constants are rough)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -55,9 +57,10 @@ def plan_segments(chunks: list[int], HV: int, K: int, V: int, BV: int, sms: int,
         phase A  AFFINE_COST · L · waves(P_L · cdiv(K+V, BV) / cdiv(V, BV))
         phase B  SCAN_COST · cdiv(NT_max, L)
 
-    and L ranges over cdiv(NT_max, j), j = 2 … min(MAX_SEGMENTS, NT_max // min_chunks). The cheapest wins; a tie
-    keeps the unsplit walk. Splitting pays only while the unsplit grid leaves SMs idle: once P fills
-    occupancy·sms, every split adds phase A and saves nothing. Nothing here depends on T beyond the chunk counts,
+    and L ranges over cdiv(NT_max, j), j = 2 … min(MAX_SEGMENTS, NT_max // min_chunks). The cheapest wins if it
+    costs under SPLIT_MARGIN × the unsplit walk. Splitting pays only while the unsplit grid leaves slots idle: the
+    best it can do is occupancy·sms / P shorter phases, paid for by phase A (≈ 1 + AFFINE_COST·(K+V)/V in all).
+    The constants are first estimates; benchmarks/bench_seq_parallel.py measures what calibrates them. Nothing here depends on T beyond the chunk counts,
     and nothing is compiled per plan (L and the segment count are runtime kernel arguments).
     """
     nt_max = max(chunks, default=0)
@@ -65,7 +68,8 @@ def plan_segments(chunks: list[int], HV: int, K: int, V: int, BV: int, sms: int,
     per_seq = HV * triton.cdiv(V, BV)
     widen = triton.cdiv(K + V, BV) / triton.cdiv(V, BV)
     waves = lambda p: -(-p // slots)
-    best_cost, best = nt_max * waves(per_seq * len(chunks)), None
+    unsplit = nt_max * waves(per_seq * len(chunks))
+    best_cost, best = SPLIT_MARGIN * unsplit, None
     for j in range(2, min(MAX_SEGMENTS, nt_max // min_chunks) + 1):
         L = -(-nt_max // j)
         progs = per_seq * sum(-(-nt // L) for nt in chunks)
@@ -131,14 +135,15 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, NSEG, HV: tl.constexpr, K: t
         p_mn = mn + (i_s * HV + i_hv).to(tl.int64) * K * (K + V)
         p_h = h_in + ((i_s + 1) * HV + i_hv).to(tl.int64) * K * V
         # h_in[s+1] = M_s h_in[s] + N_s, BR rows at a time (a whole [BK, BK] tile of M would not fit in registers
-        # for K > 128); each row block reads M_s[rows, :] and N_s[rows, slice] and writes h_in[s+1][rows, slice]
+        # for K > 128); each row block reads M_s[rows, :] and N_s[rows, slice] and writes h_in[s+1][rows, slice].
+        # tf32x3 (≈ fp32 products on the tensor cores): "ieee" made ptxas spill 2.7 KB per thread (sm_90, K = 128)
         for i_r in tl.static_range(0, BK, BR):
             m_r = (i_r + o_r) < K
             b_m = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + o_k[None, :],
                           mask=m_r[:, None] & (o_k[None, :] < K), other=0)
             b_nv = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + K + o_v[None, :],
                            mask=m_r[:, None] & (o_v[None, :] < V), other=0)
-            b_new = tl.dot(b_m, b_h, input_precision="ieee") + b_nv
+            b_new = tl.dot(b_m, b_h, input_precision="tf32x3") + b_nv
             tl.store(p_h + (i_r + o_r)[:, None] * V + o_v[None, :], b_new, mask=m_r[:, None] & (o_v[None, :] < V))
         # the next segment reads back the whole state this program just wrote: a CTA barrier makes it visible
         tl.debug_barrier()
