@@ -18,6 +18,11 @@ Q Kᵀ does not depend on S but is recomputed here for each V slice: it costs 2�
 [BT, BT] fp32 round trip through HBM. The order inside a chunk — V_new, then O from the entering S, then the update
 — is the math's; O and V_new both read the S that entered the chunk.
 
+Modes (constexpr flags of the same kernel, driven by ``seq_parallel.py`` for intra-card sequence parallelism):
+SEGMENTED walks a chunk range [i_c0, i_c1) of a sequence from a per-segment initial state; AFFINE skips Q and the
+output and walks the augmented K×(K+V) state [M | N] from [I | 0] (U = 0 in M's columns), giving the segment's
+affine map S_out = M S_in + N. Without either flag the kernel is the plain walk above.
+
 Dot precision (``common/__init__.py``): Q Kᵀ runs on the input dtype (exact products; INPUT_PREC only matters
 for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates: the output dots (Q S, P V_new) run
 at DOT_PREC, the state dots (W S, Kᵀ V_new) at STATE_PREC, both from :func:`fused_dot_precisions` (bf16: tf32x3 / tf32, chosen by measurement).
