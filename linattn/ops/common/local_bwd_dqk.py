@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .local_bwd_utils import bwd_dot_precision, mdot
+from .varlen import chunk_bounds
 
 BT = 64
 
@@ -43,12 +44,11 @@ def local_bwd_dqk_kernel(
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
         i_tg = i_t.to(tl.int64)
-        i_n, i_t = tl.load(chunk_indices + i_t * 2).to(tl.int32), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T = (eos - bos).to(tl.int32)
     else:
         i_tg = i_b.to(tl.int64) * NT + i_t
-        bos, eos = i_b.to(tl.int64) * T, i_b.to(tl.int64) * T + T
+    i_n, i_t, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
+    if IS_VARLEN:
+        T = (eos - bos).to(tl.int32)
     DT = k.dtype.element_ty
 
     o_t = i_t * BT + tl.arange(0, BT)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .local_bwd_utils import bwd_dot_precision, mdot
+from .varlen import chunk_bounds
 
 BT = 64
 
@@ -34,12 +35,9 @@ def local_bwd_wy_kernel(
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
+    i_n, i_t, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
     if IS_VARLEN:
-        i_n, i_t = tl.load(chunk_indices + i_t * 2).to(tl.int32), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
         T = (eos - bos).to(tl.int32)
-    else:
-        bos, eos = i_b.to(tl.int64) * T, i_b.to(tl.int64) * T + T
     DT = k.dtype.element_ty
 
     o_i = tl.arange(0, BT)
