@@ -27,6 +27,7 @@ import time
 import torch
 
 import linattn
+from linattn.eval.decode import graph_ms
 from linattn.ops.gated_delta import recurrent_kernels as rk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.utils import gate_from_raw, l2norm
@@ -135,27 +136,7 @@ def check_recurrent_training(rows):
 # ----------------------------------------------------------------------------------------------------------------
 def graph_time_us(fn, calls_per_graph=20, replays=30):
     """Median µs per call: fn captured calls_per_graph times in one CUDA graph, the graph replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls_per_graph)
-    return sorted(times)[len(times) // 2]
+    return graph_ms(fn, calls_per_graph, replays) * 1e3
 
 
 def copy_bandwidth(nbytes):
