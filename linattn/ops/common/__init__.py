@@ -10,6 +10,15 @@ One file per algorithm stage, each a ``<stage>_kernel`` plus a ``<stage>`` launc
     state_pass.py  the sequential walk over chunks: h (state entering each chunk), v_new, final state
     output.py      O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new]
 
+The fused forward the public op runs (docs/architecture.md, "Fused forward"), twins the same stages chained:
+
+    fused_prepass.py   cumsum → kkt_solve → wy of one chunk in one kernel
+    fused_fwd.py       the sequential walk: state_pass → output per chunk, state on chip
+    seq_parallel.py    segments of long sequences stitched through affine state maps (planner, scan kernel)
+
+The backward (twins in ``torch_chunk.py`` and ``torch_chunk_bwd_parts.py``): ``local_bwd_dv.py``,
+``state_pass_bwd.py``, ``local_bwd_dqk.py``, ``local_bwd_wy.py``, and their shared dot in ``local_bwd_utils.py``.
+
 Precision policy (one place, :func:`dot_precision`): every ``tl.dot`` accumulates in fp32. A dot whose operands
 are both *inputs* (Q Kᵀ, K Kᵀ) runs in the input dtype, so 16-bit inputs feed the tensor cores directly and the
 products are exact. A dot that touches an fp32 *intermediate* (A_inv, W, U, V_new, the state) runs on fp32

@@ -2,7 +2,8 @@
 
 The backward follows the forward's policy (``common/__init__.py``): a dot whose operands are both inputs (Q Kᵀ)
 runs in the input dtype; a dot that touches an fp32 intermediate (the state, A_inv, V_new, dS, any gate-scaled
-operand) runs on fp32 operands at ``dot_precision(dtype)``: ``"ieee"`` for fp32 inputs, ``"tf32"`` for bf16/fp16.
+operand) runs on fp32 operands at ``dot_precision(dtype)``: ``"ieee"`` for fp32, ``"tf32"`` for bf16, ``"tf32x3"``
+for fp16 inputs.
 ``dot_prec="input"`` instead rounds those operands to the 16-bit input dtype (full tensor-core rate, ~8× coarser
 operands); benchmarks/gpu_check_bwd.py measures both so the faster one can be chosen where it stays accurate.
 Every dot accumulates in fp32.
