@@ -16,10 +16,6 @@ import torch.nn.functional as F
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
-
-
 @dataclass(frozen=True)
 class Shape:
     """``q, k: [B, T, H, K]``, ``v: [B, T, HV, V]``, ``g, beta: [B, T, HV]``."""

@@ -182,9 +182,3 @@ def run_with_timeout(fn: Callable[[], object], timeout_s: float,
     if "error" in box:
         return "error", box["error"]
     return "ok", box.get("result")
-
-
-@contextlib.contextmanager
-def no_grad_if(flag: bool):
-    with torch.no_grad() if flag else contextlib.nullcontext():
-        yield
