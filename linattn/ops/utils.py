@@ -178,6 +178,16 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     return offs
 
 
+def host_offsets(cu_seqlens: Optional[torch.Tensor], T: int) -> Optional[list[int]]:
+    """``cu_seqlens`` checked and read to the host (:func:`check_cu_seqlens_values`), or None without varlen."""
+    return None if cu_seqlens is None else check_cu_seqlens_values(cu_seqlens, T)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the torch paths' arithmetic and of every state: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x · rsqrt(Σx² + eps) over the last dim, in fp32 (fla's and transformers' convention), back to x's dtype."""
     xf = x.float() if x.dtype != torch.float64 else x

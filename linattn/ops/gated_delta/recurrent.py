@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..utils import check_cu_seqlens_values, check_gated_delta_inputs, eager_call, select_backend
+from ..utils import check_gated_delta_inputs, compute_dtype, eager_call, host_offsets, select_backend
 from .reference import gated_delta_rule_reference
 
 
@@ -29,17 +29,13 @@ def load_recurrent_kernels():
     return recurrent_kernels
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # PyTorch twins: pre-processing, forward, backward (vectorised over sequences and heads, a loop over tokens)
 # ----------------------------------------------------------------------------------------------------------------
 def prepare_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm: bool, use_beta_sigmoid: bool):
     """The fused pre-processing, in fp32 (fp64 for fp64 input), as the kernels' ``_prepare_token`` does it:
     q, k ← x·rsqrt(Σx² + 1e-6); g ← −exp(A_log)·softplus(g + dt_bias); β ← sigmoid(β). Scale is not applied."""
-    cd = _compute_dtype(q)
+    cd = compute_dtype(q)
     q, k, g, beta = (x.to(cd) for x in (q, k, g, beta))
     if use_qk_l2norm:
         q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
@@ -59,7 +55,7 @@ def prepare_bwd_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm: bool, use_beta
     L2 norm y = x·r, r = (Σx² + ε)^{-1/2}:  dx = r·(dy − y·Σ(dy·y)).
     Gate g = −e^{A}·softplus(x + b):  dx = dg·(−e^{A}·σ(x + b)),  db = Σ dx,  dA = Σ dg·g.
     Sigmoid β = σ(x):  dx = dβ·β(1 − β)."""
-    cd = _compute_dtype(q)
+    cd = compute_dtype(q)
     q, k, g_raw, b_raw = (x.to(cd) for x in (q, k, g, beta))
     dA_log = ddt_bias = None
     if use_qk_l2norm:
@@ -201,18 +197,14 @@ def fused_recurrent_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, A
 # ----------------------------------------------------------------------------------------------------------------
 # custom ops and autograd
 # ----------------------------------------------------------------------------------------------------------------
-def _offsets(cu_seqlens: Optional[torch.Tensor], T: int) -> Optional[list[int]]:
-    return None if cu_seqlens is None else check_cu_seqlens_values(cu_seqlens, T)
-
-
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], A_log: Optional[torch.Tensor],
             dt_bias: Optional[torch.Tensor], use_qk_l2norm: bool, use_beta_sigmoid: bool,
             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = _offsets(cu_seqlens, q.shape[1])
+    offsets = host_offsets(cu_seqlens, q.shape[1])
     if backend == "triton":
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        ht = v.new_empty(N, v.shape[2], q.shape[3], v.shape[3], dtype=_compute_dtype(v))
+        ht = v.new_empty(N, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v))
         o = load_recurrent_kernels().fused_recurrent_fwd(
             q, k, v, g, beta, scale, initial_state, ht, None, cu_seqlens, None, A_log, dt_bias, use_qk_l2norm,
             use_beta_sigmoid)
@@ -229,7 +221,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, use_qk
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return v.new_empty(B, T, HV, V), v.new_empty(N, HV, K, V, dtype=_compute_dtype(v))
+    return v.new_empty(B, T, HV, V), v.new_empty(N, HV, K, V, dtype=compute_dtype(v))
 
 
 def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
@@ -245,7 +237,7 @@ def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
             q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid,
             do, dht)
     else:
-        grads = fused_recurrent_bwd_torch(q, k, v, g, beta, scale, initial_state, _offsets(cu_seqlens, q.shape[1]),
+        grads = fused_recurrent_bwd_torch(q, k, v, g, beta, scale, initial_state, host_offsets(cu_seqlens, q.shape[1]),
                                           A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid, do, dht)
     dq, dk, dv, dg, dbeta, dh0 = grads
     B, T = q.shape[:2]
@@ -289,7 +281,7 @@ def _backward(ctx, do, dht):
     if do is None:
         do = torch.zeros_like(v)
     if dht is None:
-        dht = v.new_zeros(N, HV, K, V, dtype=_compute_dtype(v))
+        dht = v.new_zeros(N, HV, K, V, dtype=compute_dtype(v))
     do, dht = do.contiguous(), dht.contiguous()
     bwd = _bwd_impl if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, do, dht) else _bwd_op
     dq, dk, dv, dg, dbeta, dh0, dA, ddt = bwd(
@@ -377,8 +369,8 @@ def fused_recurrent_gated_delta_rule(
     if backend == "reference":
         qp, kp, gp, bp = prepare_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid)
         o, ht = gated_delta_rule_reference(qp, kp, v, gp, bp, scale, initial_state,
-                                           _offsets(cu_seqlens, q.shape[1]))
-        return o.to(v.dtype), (ht.to(_compute_dtype(v)) if output_final_state else None)
+                                           host_offsets(cu_seqlens, q.shape[1]))
+        return o.to(v.dtype), (ht.to(compute_dtype(v)) if output_final_state else None)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

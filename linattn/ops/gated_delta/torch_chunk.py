@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from ..utils import compute_dtype
+
 CHUNK = 64
 
 
@@ -214,15 +216,11 @@ def chunk_bwd_ref(q, k, v, g, beta, scale, h0, do, dht):
 # ----------------------------------------------------------------------------------------------------------------
 # the backend: [B, T, ...] in, [B, T, ...] out; GVA and varlen handled here
 # ----------------------------------------------------------------------------------------------------------------
-def _sequences(B: int, T: int, offsets: Optional[list[int]]):
-    """(batch index, bos, eos) of every sequence."""
+def sequence_spans(B: int, T: int, offsets: Optional[list[int]]) -> list[tuple[int, int, int]]:
+    """(batch index, bos, eos) of every sequence: ``B`` rows of ``[0, T)``, or the packed sequences of row 0."""
     if offsets is None:
         return [(b, 0, T) for b in range(B)]
     return [(0, bos, eos) for bos, eos in zip(offsets[:-1], offsets[1:])]
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets, chunk_size=CHUNK):
@@ -230,11 +228,11 @@ def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, off
     Returns o ``[B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (fp32; fp64 for fp64 input)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cd = _compute_dtype(v)
+    cd = compute_dtype(v)
     G = HV // H
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     finals = []
-    for n, (b, bos, eos) in enumerate(_sequences(B, T, offsets)):
+    for n, (b, bos, eos) in enumerate(sequence_spans(B, T, offsets)):
         h0 = (initial_state[n].to(cd) if initial_state is not None
               else torch.zeros(HV, K, V, dtype=cd, device=v.device))
         if eos == bos:
@@ -246,8 +244,7 @@ def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, off
         oc, ht, _ = chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None])
         o[b:b + 1, bos:eos] = from_chunks(oc, eos - bos).to(v.dtype)
         finals.append(ht[0])
-    state_dtype = torch.float64 if cd == torch.float64 else torch.float32
-    return o, torch.stack(finals).to(state_dtype)
+    return o, torch.stack(finals)
 
 
 def chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht,
@@ -256,14 +253,14 @@ def chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, off
     Gradients of grouped query/key heads are summed over the value heads that read them."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cd = _compute_dtype(v)
+    cd = compute_dtype(v)
     G = HV // H
     dq, dk = torch.zeros(B, T, HV, K, dtype=cd, device=q.device), torch.zeros(B, T, HV, K, dtype=cd,
                                                                               device=q.device)
     dv = torch.zeros(B, T, HV, V, dtype=cd, device=q.device)
     dg, dbeta = torch.zeros(B, T, HV, dtype=cd, device=q.device), torch.zeros(B, T, HV, dtype=cd, device=q.device)
     dh0s = []
-    for n, (b, bos, eos) in enumerate(_sequences(B, T, offsets)):
+    for n, (b, bos, eos) in enumerate(sequence_spans(B, T, offsets)):
         h0 = (initial_state[n].to(cd) if initial_state is not None
               else torch.zeros(HV, K, V, dtype=cd, device=v.device))
         dht_n = dht[n].to(cd) if dht is not None else torch.zeros(HV, K, V, dtype=cd, device=v.device)

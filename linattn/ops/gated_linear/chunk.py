@@ -9,30 +9,22 @@ from typing import Optional
 
 import torch
 
-from ..utils import check_cu_seqlens_values, check_gated_delta_inputs
+from ..utils import check_gated_delta_inputs, compute_dtype, host_offsets
 from .reference import gated_linear_attention_reference
 from .torch_chunk import gla_bwd_torch, gla_fwd_torch
-
-
-def _state_dtype(v: torch.Tensor) -> torch.dtype:
-    return torch.float64 if v.dtype == torch.float64 else torch.float32
-
-
-def _offsets(cu_seqlens, T):
-    return None if cu_seqlens is None else check_cu_seqlens_values(cu_seqlens, T)
 
 
 @torch.library.custom_op("linattn::gated_linear_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gla_fwd_torch(q, k, v, g, beta, scale, initial_state, _offsets(cu_seqlens, q.shape[1]))
+    return gla_fwd_torch(q, k, v, g, beta, scale, initial_state, host_offsets(cu_seqlens, q.shape[1]))
 
 
 @_fwd_op.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return v.new_empty(v.shape), v.new_empty(N, v.shape[2], q.shape[3], v.shape[3], dtype=_state_dtype(v))
+    return v.new_empty(v.shape), v.new_empty(N, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v))
 
 
 @torch.library.custom_op("linattn::gated_linear_attention_bwd", mutates_args=())
@@ -40,7 +32,7 @@ def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
             dht: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                         torch.Tensor]:
-    grads = gla_bwd_torch(q, k, v, g, beta, scale, initial_state, _offsets(cu_seqlens, q.shape[1]), do, dht)
+    grads = gla_bwd_torch(q, k, v, g, beta, scale, initial_state, host_offsets(cu_seqlens, q.shape[1]), do, dht)
     return (*grads[:5], grads[5] if grads[5] is not None else torch.zeros_like(dht))
 
 
@@ -61,7 +53,7 @@ def _backward(ctx, do, dht):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     do = torch.zeros_like(v) if do is None else do
-    dht = v.new_zeros(N, v.shape[2], q.shape[3], v.shape[3], dtype=_state_dtype(v)) if dht is None else dht
+    dht = v.new_zeros(N, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v)) if dht is None else dht
     dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
                                          do.contiguous(), dht.contiguous())
     return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None
@@ -111,8 +103,8 @@ def gated_linear_attention(
                          f"got {backend!r}")
     if backend == "reference":
         o, ht = gated_linear_attention_reference(q, k, v, g, beta, scale, initial_state,
-                                                 _offsets(cu_seqlens, q.shape[1]))
-        return o.to(v.dtype), (ht.to(_state_dtype(v)) if output_final_state else None)
+                                                 host_offsets(cu_seqlens, q.shape[1]))
+        return o.to(v.dtype), (ht.to(compute_dtype(v)) if output_final_state else None)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

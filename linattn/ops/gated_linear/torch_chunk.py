@@ -9,8 +9,6 @@ the decay matrix, the state pass (forward and reverse) and the output stage. Onl
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..gated_delta.torch_chunk import (
@@ -20,10 +18,12 @@ from ..gated_delta.torch_chunk import (
     decay_matrix,
     from_chunks,
     output_fwd_ref,
+    sequence_spans,
     state_pass_bwd_ref,
     state_pass_fwd_ref,
     to_chunks,
 )
+from ..utils import compute_dtype
 
 
 def gla_chunk_fwd_ref(q, k, v, g, beta, scale: float, h0: torch.Tensor):
@@ -70,23 +70,14 @@ def gla_chunk_bwd_ref(q, k, v, g, beta, scale, h0, do, dht):
     return dq, dk, dv, chunk_local_cumsum_bwd_ref(dgc), dbeta, dh0
 
 
-def _sequences(B: int, T: int, offsets: Optional[list[int]]):
-    return [(b, 0, T) for b in range(B)] if offsets is None else [
-        (0, bos, eos) for bos, eos in zip(offsets[:-1], offsets[1:])]
-
-
-def _cd(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def gla_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets, chunk_size=CHUNK):
     """o ``[B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (fp32; fp64 for fp64 inputs)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cd, G = _cd(v), HV // H
+    cd, G = compute_dtype(v), HV // H
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     finals = []
-    for n, (b, bos, eos) in enumerate(_sequences(B, T, offsets)):
+    for n, (b, bos, eos) in enumerate(sequence_spans(B, T, offsets)):
         h0 = initial_state[n].to(cd) if initial_state is not None else v.new_zeros(HV, K, V, dtype=cd)
         if eos == bos:
             finals.append(h0)
@@ -103,11 +94,11 @@ def gla_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht, chun
     """dq, dk, dv, dg, dbeta, dh0 (None without an initial state); grouped q/k gradients summed over their heads."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    cd, G = _cd(v), HV // H
+    cd, G = compute_dtype(v), HV // H
     grads = [torch.zeros(B, T, HV, d, dtype=cd, device=v.device) for d in (K, K, V)]
     grads += [torch.zeros(B, T, HV, dtype=cd, device=v.device) for _ in range(2)]
     dh0s = []
-    for n, (b, bos, eos) in enumerate(_sequences(B, T, offsets)):
+    for n, (b, bos, eos) in enumerate(sequence_spans(B, T, offsets)):
         h0 = initial_state[n].to(cd) if initial_state is not None else v.new_zeros(HV, K, V, dtype=cd)
         dht_n = dht[n].to(cd)
         if eos == bos:
