@@ -124,6 +124,7 @@ def unpatch_model(model: torch.nn.Module) -> int:
 
 
 def is_patched(model: torch.nn.Module) -> bool:
+    """Whether any GatedDeltaNet module of ``model`` runs linattn (patched by :func:`patch_model`)."""
     return any(getattr(m, _PATCHED_ATTR, None) is not None for m in _gdn_modules(model))
 
 

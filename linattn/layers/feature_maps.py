@@ -23,6 +23,8 @@ FEATURE_MAPS = ("identity", "elu+1", "rff", "learnable", "block_orthogonal")
 
 
 class IdentityMap(nn.Module):
+    """φ(x) = x: ``[..., dim] → [..., dim]``."""
+
     positive = False
 
     def __init__(self, dim: int):
@@ -34,6 +36,8 @@ class IdentityMap(nn.Module):
 
 
 class EluPlusOne(nn.Module):
+    """φ(x) = elu(x) + 1 > 0: ``[..., dim] → [..., dim]``."""
+
     positive = True
 
     def __init__(self, dim: int):
@@ -45,6 +49,9 @@ class EluPlusOne(nn.Module):
 
 
 class RandomFourierFeatures(nn.Module):
+    """φ(x) = √(2/F)·cos(xΩ + b), Ω ``[dim, F]`` ~ N(0, σ⁻²) and b ``[F]`` fixed buffers:
+    ``[..., dim] → [..., num_features]``."""
+
     positive = False
 
     def __init__(self, dim: int, num_features: int, sigma: float = 1.0):
@@ -58,6 +65,8 @@ class RandomFourierFeatures(nn.Module):
 
 
 class LearnableProjection(nn.Module):
+    """φ(x) = x Wᵀ with a trained W ``[num_features, dim]``: ``[..., dim] → [..., num_features]``."""
+
     positive = False
 
     def __init__(self, dim: int, num_features: int):
@@ -70,6 +79,9 @@ class LearnableProjection(nn.Module):
 
 
 class BlockOrthogonalProjection(nn.Module):
+    """φ(x) = x R, R block-diagonal with ``num_blocks`` trained blocks ``[dim / num_blocks]²`` initialised
+    orthogonal: ``[..., dim] → [..., dim]``."""
+
     positive = False
 
     def __init__(self, dim: int, num_blocks: int = 4):

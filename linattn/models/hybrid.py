@@ -38,6 +38,8 @@ class SwiGLU(nn.Module):
 
 
 def make_mixer(config: HybridConfig, kind: str, layer_idx: int) -> nn.Module:
+    """The token mixer of one layer: ``kind`` "G" GatedDeltaNet, "L" GatedLinearAttention, "S" sliding-window
+    attention, "A" full causal attention; its forward maps x ``[B, T, hidden_size]`` to (y of x's shape, state)."""
     if kind in "GL":
         cls = GatedDeltaNet if kind == "G" else GatedLinearAttention
         return cls(config.hidden_size, num_heads=config.gdn_num_heads, head_dim=config.gdn_head_dim,
@@ -52,6 +54,9 @@ def make_mixer(config: HybridConfig, kind: str, layer_idx: int) -> nn.Module:
 
 
 class HybridBlock(nn.Module):
+    """Pre-norm residual block: x + mixer(RMSNorm(x)), then + SwiGLU(RMSNorm(x)); x ``[B, T, hidden_size]``.
+    ``forward`` returns the new x and the mixer's state (or None)."""
+
     def __init__(self, config: HybridConfig, kind: str, layer_idx: int):
         super().__init__()
         self.kind = kind
@@ -68,6 +73,8 @@ class HybridBlock(nn.Module):
 
 @dataclass
 class CausalLMOutput:
+    """What :meth:`HybridLM.forward` returns."""
+
     logits: torch.Tensor                 # [B, T, vocab] (fp32)
     loss: Optional[torch.Tensor] = None  # mean cross-entropy over labels != -100
     cache: Optional[Cache] = None        # the decode cache after these tokens (use_cache=True)

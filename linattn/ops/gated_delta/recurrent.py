@@ -25,6 +25,7 @@ from .reference import gated_delta_rule_reference
 
 
 def load_recurrent_kernels():
+    """The Triton kernel module (``recurrent_kernels``), imported on first use."""
     from . import recurrent_kernels  # imported lazily: triton is optional on CPU machines
     return recurrent_kernels
 
