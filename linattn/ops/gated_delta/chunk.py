@@ -3,8 +3,9 @@
 The core (q, k, v, g, beta, initial_state → o, final_state) is a pair of ``torch.library`` custom ops,
 ``linattn::chunk_gated_delta_rule_fwd`` and ``..._bwd``, with fake implementations, so ``torch.compile(
 fullgraph=True)`` traces a call without a graph break. The optional pre-processing (q/k L2 norm, the
-Qwen3-Next gate −exp(A_log)·softplus(g + dt_bias), β = sigmoid(b)) is plain PyTorch around the core, so autograd
-reaches A_log and dt_bias without extra kernels. (Fusing it into the kernels is a speed matter for later.)
+Qwen3-Next gate −exp(A_log)·softplus(g + dt_bias), β = sigmoid(b)) runs before the core: on the triton backend in
+eager mode as one Triton launch forward and one backward (common/preprocess.py), elsewhere as the PyTorch twin
+(utils.l2norm / gate_from_raw; torch.compile fuses those ops itself).
 """
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ def _offsets(cu_seqlens: Optional[torch.Tensor], T: int) -> Optional[list[int]]:
 def _triton_impl():
     from . import triton_chunk  # imported lazily: triton is optional on CPU machines
     return triton_chunk
+
+
+def _preprocess_impl():
+    from ..common import preprocess  # lazy: triton is optional on CPU machines
+    return preprocess
+
+
+def _fused_preprocess(q: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> bool:
+    return _preprocess_impl().preprocess_supported(q, g, beta)
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
@@ -177,12 +187,18 @@ def chunk_gated_delta_rule(
     """
     scale, _ = check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias)
     backend = select_backend(backend, q.device)
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    if A_log is not None:
-        g = gate_from_raw(g, A_log, dt_bias)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta.sigmoid()
+    fusable = use_qk_l2norm_in_kernel or A_log is not None or use_beta_sigmoid_in_kernel
+    if fusable and backend == "triton" and eager_call(q, k, g, beta, A_log, dt_bias) and _fused_preprocess(q, g, beta):
+        # one Triton launch (common/preprocess.py); traced calls keep the PyTorch ops, which torch.compile fuses
+        q, k, g, beta = _preprocess_impl().preprocess(q, k, g, beta, A_log, dt_bias, use_qk_l2norm_in_kernel,
+                                                      use_beta_sigmoid_in_kernel)
+    else:
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm(q), l2norm(k)
+        if A_log is not None:
+            g = gate_from_raw(g, A_log, dt_bias)
+        if use_beta_sigmoid_in_kernel:
+            beta = beta.sigmoid()
     if backend == "reference":
         o, ht = gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, _offsets(cu_seqlens, q.shape[1]))
         return o.to(v.dtype), (ht.to(_state_dtype(v)) if output_final_state else None)

@@ -1,0 +1,69 @@
+"""Compile the fused pre-processing kernels for an H200 (sm_90, triton's own ptxas) on any machine, no GPU needed.
+
+Prints one row per (kernel, dtype, K, HV): registers, spill bytes and shared memory from ``ptxas -v``, so a change
+to the tiles can be checked for register pressure before it reaches the device. Run without TRITON_INTERPRET::
+
+    python benchmarks/compile_preprocess.py
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from linattn.ops.common import preprocess as P
+
+TARGET = GPUTarget("cuda", 90, 64)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+QK_ARGS = {"q", "k", "qn", "kn", "dqn", "dkn", "dq", "dk", "beta", "betan", "dbetan", "dbeta"}  # in the input dtype
+INT_ARGS = {"NTOK", "NB"}
+SHAPES = [(128, 16), (128, 32), (60, 8), (256, 64), (32, 4)]  # (K, HV), H = HV / 2
+
+
+def compile_kernel(kernel, dtype: str, K: int, HV: int, flags=(True, True, True)):
+    """Compile ``kernel`` for sm_90 with the launcher's tiles; return (registers, spill bytes, shared bytes)."""
+    BT, BK, BHV = P._tiles(K, HV, flags[0])
+    consts = dict(H=HV // 2, HV=HV, K=K, BT=BT, BK=BK, BHV=BHV, L2NORM=flags[0], GATE=flags[1], BETA_SIGMOID=flags[2])
+    signature = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in INT_ARGS:
+            signature[name] = "i32"
+        else:
+            signature[name] = DTYPES[dtype] if name in QK_ARGS else "*fp32"
+    constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
+    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=TARGET, options=dict(num_warps=P.NUM_WARPS))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
+    return regs, spills, compiled.metadata.shared
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this script compiles")
+    print("| kernel | dtype | K | HV | BT | registers | spill bytes | shared bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kernel in (P.preprocess_fwd_kernel, P.preprocess_bwd_kernel):
+        for dtype in DTYPES:
+            for K, HV in SHAPES:
+                regs, spills, shared = compile_kernel(kernel, dtype, K, HV)
+                print(f"| {kernel.fn.__name__} | {dtype} | {K} | {HV} | {P._tiles(K, HV, True)[0]} | {regs} | "
+                      f"{spills} | {shared} |")
+
+
+if __name__ == "__main__":
+    main()
