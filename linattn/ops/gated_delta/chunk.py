@@ -13,17 +13,17 @@ from typing import Optional
 
 import torch
 
-from ..utils import check_cu_seqlens_values, check_gated_delta_inputs, eager_call, gate_from_raw, l2norm, select_backend
+from ..utils import (
+    check_gated_delta_inputs,
+    compute_dtype,
+    eager_call,
+    gate_from_raw,
+    host_offsets,
+    l2norm,
+    select_backend,
+)
 from .reference import gated_delta_rule_reference
 from .torch_chunk import chunk_gated_delta_rule_bwd_torch, chunk_gated_delta_rule_fwd_torch
-
-
-def _state_dtype(v: torch.Tensor) -> torch.dtype:
-    return torch.float64 if v.dtype == torch.float64 else torch.float32
-
-
-def _offsets(cu_seqlens: Optional[torch.Tensor], T: int) -> Optional[list[int]]:
-    return None if cu_seqlens is None else check_cu_seqlens_values(cu_seqlens, T)
 
 
 def _triton_impl():
@@ -43,7 +43,7 @@ def _fused_preprocess(q: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> b
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = _offsets(cu_seqlens, q.shape[1])
+    offsets = host_offsets(cu_seqlens, q.shape[1])
     if backend == "triton":
         return _triton_impl().chunk_gated_delta_rule_fwd_triton(q, k, v, g, beta, scale, initial_state,
                                                                 cu_seqlens, offsets)
@@ -58,14 +58,14 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return v.new_empty(B, T, HV, V), v.new_empty(N, HV, K, V, dtype=_state_dtype(v))
+    return v.new_empty(B, T, HV, V), v.new_empty(N, HV, K, V, dtype=compute_dtype(v))
 
 
 def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
             dht: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor]:
-    offsets = _offsets(cu_seqlens, q.shape[1])
+    offsets = host_offsets(cu_seqlens, q.shape[1])
     if backend == "triton":
         from .triton_bwd import chunk_gated_delta_rule_bwd_triton  # lazy: triton is optional on CPU machines
         grads = chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets, do,
@@ -101,7 +101,7 @@ def _backward(ctx, do, dht):
     if do is None:
         do = torch.zeros_like(v)
     if dht is None:
-        dht = v.new_zeros(N, HV, K, V, dtype=_state_dtype(v))
+        dht = v.new_zeros(N, HV, K, V, dtype=compute_dtype(v))
     do, dht = do.contiguous(), dht.contiguous()
     bwd = _bwd_impl if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, do, dht) else _bwd_op
     dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, ctx.backend)
@@ -200,8 +200,8 @@ def chunk_gated_delta_rule(
         if use_beta_sigmoid_in_kernel:
             beta = beta.sigmoid()
     if backend == "reference":
-        o, ht = gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, _offsets(cu_seqlens, q.shape[1]))
-        return o.to(v.dtype), (ht.to(_state_dtype(v)) if output_final_state else None)
+        o, ht = gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, host_offsets(cu_seqlens, q.shape[1]))
+        return o.to(v.dtype), (ht.to(compute_dtype(v)) if output_final_state else None)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
