@@ -80,6 +80,34 @@ def eager_call(*tensors) -> bool:
     return all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors)
 
 
+def eager_autograd_function(fwd_impl, setup_context, backward_fn) -> type:
+    """The eager twin of a custom op with registered autograd: an ``autograd.Function`` with the same forward,
+    context and backward, without the op's dispatch (see :func:`eager_call`)."""
+
+    class EagerFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            ctx.set_materialize_grads(False)
+            output = fwd_impl(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        backward = staticmethod(backward_fn)
+
+    return EagerFunction
+
+
+def dispatch_forward(op, fwd_impl, eager_function, inputs: tuple, tensors: tuple):
+    """Run a core forward on ``op``'s ``inputs``: through the custom op while tracing (torch.compile, export, fake
+    tensors, dispatch modes), directly in eager, through ``eager_function`` when one of ``tensors`` needs a
+    gradient. Both routes give identical results (tests/ops/test_host_overhead.py)."""
+    if not eager_call(*tensors):
+        return op(*inputs)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return eager_function.apply(*inputs)
+    return fwd_impl(*inputs)
+
+
 def _check_tensor(name: str, x, ndim: int, dtypes=FLOAT_DTYPES) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

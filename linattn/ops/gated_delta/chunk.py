@@ -16,6 +16,8 @@ import torch
 from ..utils import (
     check_gated_delta_inputs,
     compute_dtype,
+    dispatch_forward,
+    eager_autograd_function,
     eager_call,
     gate_from_raw,
     host_offsets,
@@ -111,32 +113,7 @@ def _backward(ctx, do, dht):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """The eager twin of ``_fwd_op`` with its registered autograd: the same forward, context and backward
-    without the custom op's dispatch (utils.eager_call)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        ctx.set_materialize_grads(False)
-        output = _fwd_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_backward)
-
-
-def chunk_fwd_dispatch(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the core forward on ``_fwd_op``'s arguments: through the custom op while tracing (torch.compile,
-    export, fake tensors, dispatch modes), directly in eager (plus an autograd.Function when a gradient is
-    needed). Both give identical results (tests/ops/test_host_overhead.py)."""
-    q, k, v, g, beta, _, initial_state, cu_seqlens, _ = inputs
-    if not eager_call(q, k, v, g, beta, initial_state, cu_seqlens):
-        return _fwd_op(*inputs)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
-                                    or beta.requires_grad
-                                    or (initial_state is not None and initial_state.requires_grad)):
-        return _EagerFunction.apply(*inputs)
-    return _fwd_impl(*inputs)
+_EagerFunction = eager_autograd_function(_fwd_impl, _setup_context, _backward)
 
 
 def chunk_gated_delta_rule(
@@ -205,5 +182,7 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    o, ht = chunk_fwd_dispatch(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
+    o, ht = dispatch_forward(_fwd_op, _fwd_impl, _EagerFunction,
+                             (q, k, v, g, beta, scale, initial_state, cu_seqlens, backend),
+                             (q, k, v, g, beta, initial_state, cu_seqlens))
     return o, (ht if output_final_state else None)

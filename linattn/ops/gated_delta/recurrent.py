@@ -20,7 +20,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..utils import check_gated_delta_inputs, compute_dtype, eager_call, host_offsets, select_backend
+from ..utils import (
+    check_gated_delta_inputs,
+    compute_dtype,
+    dispatch_forward,
+    eager_autograd_function,
+    eager_call,
+    host_offsets,
+    select_backend,
+)
 from .reference import gated_delta_rule_reference
 
 
@@ -295,30 +303,7 @@ def _backward(ctx, do, dht):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """The eager twin of ``_fwd_op`` with its registered autograd: the same forward, context and backward
-    without the custom op's dispatch (utils.eager_call)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        ctx.set_materialize_grads(False)
-        output = _fwd_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_backward)
-
-
-def recurrent_fwd_dispatch(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the core forward on ``_fwd_op``'s arguments: through the custom op while tracing, directly in eager
-    (plus an autograd.Function when a gradient is needed); see chunk.chunk_fwd_dispatch."""
-    q, k, v, g, beta, _, initial_state, cu_seqlens, A_log, dt_bias = inputs[:10]
-    if not eager_call(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-        return _fwd_op(*inputs)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
-        return _EagerFunction.apply(*inputs)
-    return _fwd_impl(*inputs)
+_EagerFunction = eager_autograd_function(_fwd_impl, _setup_context, _backward)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -375,6 +360,8 @@ def fused_recurrent_gated_delta_rule(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    o, ht = recurrent_fwd_dispatch(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias,
-                                   use_qk_l2norm, use_beta_sigmoid, backend)
+    o, ht = dispatch_forward(_fwd_op, _fwd_impl, _EagerFunction,
+                             (q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, use_qk_l2norm,
+                              use_beta_sigmoid, backend),
+                             (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias))
     return o, (ht if output_final_state else None)
