@@ -21,8 +21,11 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 import triton
+
+# inputs and the error measure are gpu_check_fwd's (this file runs as `python benchmarks/bench_fwd.py`, so its
+# folder is on sys.path)
+from gpu_check_fwd import make, rel  # noqa: E402
 
 from linattn.ops.common import CHUNK
 from linattn.ops.common.fused_fwd import fused_fwd
@@ -55,22 +58,6 @@ def floor_ms(B, T, H, HV, K, V, C=CHUNK):
     return max(flops / PEAK, bytes_ / BW) * 1e3, flops, bytes_
 
 
-def make(B, T, H, HV, K, V, dt, seed=0, lengths=None):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)
-    N = len(lengths) if lengths else B
-    x = dict(q=r(B, T, H, K).to(dt), k=F.normalize(r(B, T, H, K), dim=-1).to(dt), v=r(B, T, HV, V).to(dt),
-             g=F.logsigmoid(r(B, T, HV)) / 16, beta=torch.rand(B, T, HV, device=DEVICE, generator=gen).to(dt),
-             initial_state=r(N, HV, K, V) * 0.1)
-    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()] if lengths else None
-    cu = torch.tensor(offsets, device=DEVICE, dtype=torch.int32) if offsets else None
-    return x, cu, offsets
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def fused(x, cu, offsets, scale, prec_seq=None, prec_pre=None, prec_state=None):
     """The fused path with optional dot-precision overrides (what chunk_gated_delta_rule_fwd_triton runs)."""
     ci = chunk_tables(offsets, CHUNK, DEVICE)[0] if cu is not None else None
@@ -88,7 +75,7 @@ def accuracy(quick):
                 ("fused both tf32x3", ("tf32x3", "tf32x3"))]
     for name, (B, T, H, HV, K, V), lengths in cases[:1] if quick else cases:
         for dt in (torch.bfloat16, torch.float16):
-            x, cu, offsets = make(B, T, H, HV, K, V, dt, lengths=lengths)
+            x, cu, offsets = make(B, T, H, HV, K, V, lengths, dt)
             scale = K ** -0.5
             args = [x[n] for n in ("q", "k", "v", "g", "beta")]
             ro, rht = gated_delta_rule_reference(*args, scale, x["initial_state"], offsets)
@@ -106,7 +93,7 @@ def accuracy(quick):
 
 def time_shape(B, T, H, HV, K, V):
     """One row of the speed table (and the config sweep on the first two shapes)."""
-    x, _, _ = make(B, T, H, HV, K, V, torch.bfloat16)
+    x, _, _ = make(B, T, H, HV, K, V, None, torch.bfloat16)
     scale = K ** -0.5
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     old = lambda: chunk_gated_delta_rule_fwd_stages(*args, scale, None, None, None)
@@ -144,7 +131,7 @@ def speed(quick):
         cfg_rows += cfg
         torch.cuda.empty_cache()
     # first call on a new T with the same heads: no specialisation on T, so only the launch cost
-    x, _, _ = make(1, 5000, 16, 16, 128, 128, torch.bfloat16)
+    x, _, _ = make(1, 5000, 16, 16, 128, 128, None, torch.bfloat16)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     chunk_gated_delta_rule_fwd_triton(*[x[n] for n in ("q", "k", "v", "g", "beta")], 128 ** -0.5, None, None, None)
