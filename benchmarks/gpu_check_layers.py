@@ -15,15 +15,18 @@ from linattn.layers import GatedDeltaNet, GatedLinearAttention, LinearAttention
 from linattn.models import HybridConfig, HybridLM
 
 ROWS = []
+T0 = time.perf_counter()
 BOUND = {torch.float32: 2e-3, torch.bfloat16: 3e-2}   # tf32 dots on the GPU; bf16 operands
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def row(name: str, err: float, bound: float) -> None:
     ROWS.append((name, err, bound, "ok" if err <= bound else "FAIL"))
+    print(f"[{time.perf_counter() - T0:6.1f}s] {name}: {err:.2e} (bound {bound:.1e}) {ROWS[-1][3]}", flush=True)
 
 
 def check_gdn(dtype: torch.dtype) -> None:

@@ -244,14 +244,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device) -> tuple[int, int, int]:
-    """(BK, BV, num_warps). BK covers all of K (the reductions run over K inside a program). BV: 32-wide rows
-    (128 B of fp32, whole cache lines) when there are enough (sequence, head) pairs to fill the machine, narrower
-    tiles (more programs, more loads in flight) when there are few, e.g. decode at batch 1. One warp per
-    1024 state elements keeps the slice at 32 fp32 registers per thread. Cached: a launch plan per shape, so a
-    decode step pays one dict lookup instead of the arithmetic (the key has no T: kernels never specialise on T)."""
+def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device,
+               state_bytes: int = 4) -> tuple[int, int, int]:
+    """(BK, BV, num_warps). BK covers all of K (the reductions run over K inside a program). BV: rows of 128 bytes
+    of state (whole cache lines: 32 fp32 or 64 bf16 values, ``state_bytes`` per value) when there are enough
+    (sequence, head) pairs to fill the machine, narrower tiles (more programs, more loads in flight) when there
+    are few, e.g. decode at batch 1. One warp per 1024 state elements keeps the slice at 32 fp32 registers per
+    thread. Cached: a launch plan per shape, so a decode step pays one dict lookup instead of the arithmetic (the
+    key has no T: kernels never specialise on T)."""
     BK = next_power_of_2(K)
-    BV = min(next_power_of_2(V), 32)
+    BV = min(next_power_of_2(V), 128 // state_bytes)
     while BV > 8 and num_programs_nh * cdiv(V, BV) < 4 * _num_sms(device):
         BV //= 2
     num_warps = max(1, min(8, BK * BV // 1024))
@@ -269,7 +271,8 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    BK, BV_, nw = pick_tiles(N * HV, K, V, q.device)
+    state = final_state if final_state is not None else initial_state
+    BK, BV_, nw = pick_tiles(N * HV, K, V, q.device, state.element_size() if state is not None else 4)
     BV, num_warps = BV or BV_, num_warps or nw
     o = torch.empty_like(v)
     grid = (cdiv(V, BV), N * HV)
