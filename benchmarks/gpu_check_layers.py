@@ -86,6 +86,14 @@ def check_model() -> None:
         ms = (time.perf_counter() - t0) * 10
     row(f"HybridLM prefill+decode vs full fp32 ({ms:.2f} ms/step, B=4)", rel(torch.cat(logits, 1), full),
         BOUND[torch.float32])
+    # causality at the training shape and precision (bf16 autocast, Triton kernels): changing the tokens after
+    # position t must leave the logits up to t unchanged (bitwise: the kernels are deterministic)
+    x = torch.randint(0, 256, (2, 2048), device="cuda")
+    x2 = x.clone()
+    x2[:, 1000:] = torch.randint(0, 256, (2, 1048), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = m(x).logits[:, :1000], m(x2).logits[:, :1000]
+    row("HybridLM causal: logits[:1000] after changing tokens 1000: (bf16, T=2048)", rel(a, b), 0.0)
     m.train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (16, 1024), device="cuda")
