@@ -5,11 +5,13 @@ state_pass_fwd → output_fwd for the sequential kernel, fed the twin's own W, U
 (``chunk_gated_delta_rule_fwd_triton``) against the float64 token-by-token reference and against the unfused
 five-stage path that the backward still uses (``chunk_gated_delta_rule_fwd_stages``).
 
-bf16 is measured on the GPU (benchmarks/bench_fwd.py): the interpreter multiplies bf16 ``tl.dot`` operands as raw
-bits. The grid is pruned to where a chunked kernel goes wrong, not a cross product: T = 1 (one partial chunk),
-63/65 (either side of the chunk), 200 (four chunks, partial last); K/V = 60/100 (masked tails, two V slices);
-K = 160 (BK = 256, BV = 32: the other register configuration); GVA; varlen with lengths 1 and 64 and an empty
-sequence; an initial state; strong decay (g ≈ −100: every exp must be of a masked, non-positive argument).
+The split-bf16 dots ("bf16x3", ``common/dot.py``) are checked on the sequential kernel with fp32 and bf16 inputs:
+its dots widen bf16 operands under the interpreter, which multiplies bf16 ``tl.dot`` operands as raw bits (triton
+issue 11584). The pre-pass still feeds bf16 to ``tl.dot`` directly, so the whole bf16 forward is measured on the
+GPU (benchmarks/bench_fwd.py). The grid is pruned to where a chunked kernel goes wrong, not a cross product: T = 1
+(one partial chunk), 63/65 (either side of the chunk), 200 (four chunks, partial last); K/V = 60/100 (masked tails,
+two V slices); K = 160 (BK = 256, BV = 32: the other register configuration); GVA; varlen with lengths 1 and 64 and
+an empty sequence; an initial state; strong decay (g ≈ −100: every exp must be of a masked, non-positive argument).
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ TOLERANCES = {
     # whole fused forward vs the unfused path, same inputs: relative RMS. fp32: both compute the same fp32 math in
     # a different order; fp16: o is rounded to fp16 by both, so they may differ by a rounding step (2^-11)
     "vs_unfused": {torch.float32: 1e-5, torch.float16: 1e-3},
+    # sequential kernel with bf16x3 dots vs float64, o written in fp32: the dot helper's own bound
+    # (tests/ops/test_dot.py: 16-bit halves, ≤ 2^-14 per operand with the interpreter's truncating casts), which
+    # the walk does not amplify: measured 1.9e-5 to 3.3e-5 for o, ≤ 3e-5 for the final state. Plain bf16 or tf32
+    # operands would miss it (≈ 2e-3, ≈ 3e-4).
+    "split_bf16": 1e-4,
 }
 DTYPES = [torch.float32, torch.float16]
 
@@ -113,3 +120,48 @@ def test_sequential_kernel_wider_v_slices(BV):
                       torch.float32, BV=BV)
     assert rel_rms(o, ref["o"]) <= TOLERANCES["kernel"][torch.float32]
     assert rel_rms(ht, ref["ht"]) <= TOLERANCES["kernel"][torch.float32]
+
+
+def store_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 as the interpreter's stores round it: toward zero (the GPU rounds to nearest, half the
+    error), so the bound below holds for either."""
+    return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
+
+
+SPLIT_PARAMS = [(c, d, p) for c in CASES for d, p in ((torch.float32, ("bf16x3", "bf16x3")),
+                                                       (torch.bfloat16, ("bf16x3", "bf16x3")),
+                                                       (torch.bfloat16, (None, None)))]
+
+
+@pytest.mark.parametrize("c,dtype,prec", SPLIT_PARAMS,
+                         ids=[f"{c.id}-{str(d)[6:]}-{p[0] or 'default'}" for c, d, p in SPLIT_PARAMS])
+def test_sequential_kernel_split_bf16_dots(c, dtype, prec):
+    """dot_prec = state_prec = "bf16x3" on fp32 and bf16 inputs, and bf16 inputs at the default precisions (the
+    interpreter ignores Triton's precisions: those are fp32 dots here, held to the fp32 bound). Fed the float64
+    twin's W, U, gc; compared with the float64 token-by-token reference on the same (bf16-rounded) inputs.
+    With a bf16 o, the error may add the rounding of o itself: bounded by rounding the reference the same way."""
+    torch.manual_seed(0)
+    x, offsets = make_inputs(c, dtype)
+    scale = c.K ** -0.5
+    ref = twin(x, offsets, scale)
+    args = [x[n].double() for n in ("q", "k", "v", "g", "beta")]
+    ro, rht = gated_delta_rule_reference(*args, scale, x["initial_state"], offsets)
+    walk = lambda out_dtype: fused_fwd(x["q"], x["k"], f32(ref["w"]), f32(ref["u"]), f32(ref["gc"]), scale,
+                                       x["initial_state"], out_dtype, x["cu_seqlens"], dot_prec=prec[0],
+                                       state_prec=prec[1])
+    tol = TOLERANCES["split_bf16"] if prec[0] == "bf16x3" else TOLERANCES["kernel"][torch.float32]
+    o, ht = walk(torch.float32)
+    assert rel_rms(o, ro) <= tol, f"o: {rel_rms(o, ro):.2e}"
+    assert rel_rms(ht, rht) <= tol, f"ht: {rel_rms(ht, rht):.2e}"
+    if dtype == torch.bfloat16:
+        o16, _ = walk(torch.bfloat16)
+        assert o16.dtype == torch.bfloat16
+        floor = rel_rms(store_bf16(ro), ro)
+        assert rel_rms(o16, ro) <= floor + tol, f"bf16 o: {rel_rms(o16, ro):.2e} (rounding floor {floor:.2e})"
+
+
+def test_bad_dot_precision():
+    x, _ = make_inputs(Case("T1", T=1, B=1), torch.float32)
+    w, u, gc = torch.zeros(1, 1, 2, 32), torch.zeros(1, 1, 2, 32), torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="state_prec"):
+        fused_fwd(x["q"], x["k"], w, u, gc, 1.0, None, torch.float32, state_prec="bf16x6")

@@ -14,7 +14,9 @@ straddling M and N (K, V = 60, 100), K = 160 (BK = 256: phase B's row blocks), G
 shorter than a segment (lengths 1, 64, an empty one) next to split ones, an initial state, no decay (M carries
 everything across segments) and strong decay (g ≈ −100 per token). Gates are weak by default (g/64: about e^-1.6
 per 2-chunk segment), so M matters; with the usual logsigmoid gates the state forgets within one chunk and a wrong
-M would go unseen. bf16 is measured on the GPU (benchmarks/bench_seq_parallel.py).
+M would go unseen. bf16 is measured on the GPU (benchmarks/bench_seq_parallel.py), except for the walk with
+split-bf16 dots ("bf16x3", ``common/dot.py``), whose bf16 products the interpreter computes right: phases A → B → C
+are checked with it on fp32 and bf16 inputs.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ TOLERANCES = {
     # fp16 output, which may differ by a rounding step of fp16 (2^-11) in a few elements
     "forward_fp32": 1e-5,
     "forward_vs_unsegmented_fp16": 1e-3,
+    # phases A → B → C with bf16x3 dots vs the float64 twin, o in fp32: the dot helper's bound, as in
+    # test_fused_fwd.py (the stitched state adds no error beyond the dots': measured ≤ 3.5e-5)
+    "split_bf16": 1e-4,
 }
 DTYPES = [torch.float32, torch.float16]
 
@@ -204,6 +209,26 @@ def test_segmented_walk_matches_twin_and_unsegmented(case):
     assert rel_rms(ht, ref["ht"]) <= TOLERANCES["kernel"], f"ht: {rel_rms(ht, ref['ht']):.2e}"
     assert rel_rms(o, o0) <= TOLERANCES["vs_unsegmented"], f"o vs unsegmented: {rel_rms(o, o0):.2e}"
     assert rel_rms(ht, ht0) <= TOLERANCES["vs_unsegmented"], f"ht vs unsegmented: {rel_rms(ht, ht0):.2e}"
+
+
+SPLIT_CASES = [CASES[0], CASES[1], CASES[4]]          # a boundary per chunk, masked K/V tails with GVA, varlen
+SPLIT_PARAMS = [(c, d) for c in SPLIT_CASES for d in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("c,dtype", SPLIT_PARAMS, ids=[f"{c.id}-{str(d)[6:]}" for c, d in SPLIT_PARAMS])
+def test_segmented_walk_split_bf16_dots(c, dtype):
+    """Phases A → B → C with dot_prec = state_prec = "bf16x3", fed the twin's W, U, gc (computed in float64 from the
+    same, possibly bf16-rounded, inputs): o and the final state equal the float64 twin to the split's precision."""
+    torch.manual_seed(0)
+    x, offsets = make(c, dtype)
+    scale = c.case.K ** -0.5
+    ref = twin(x, offsets, scale)
+    f32 = {n: ref[n].float().contiguous() for n in ("gc", "w", "u")}
+    o, ht = sp.fused_fwd_seq_parallel(x["q"], x["k"], f32["w"], f32["u"], f32["gc"], scale, x["initial_state"],
+                                      torch.float32, x["cu_seqlens"], offsets, segment_chunks=c.L,
+                                      dot_prec="bf16x3", state_prec="bf16x3")
+    assert rel_rms(o, ref["o"]) <= TOLERANCES["split_bf16"], f"o: {rel_rms(o, ref['o']):.2e}"
+    assert rel_rms(ht, ref["ht"]) <= TOLERANCES["split_bf16"], f"ht: {rel_rms(ht, ref['ht']):.2e}"
 
 
 def test_segmented_fwd_ref_matches_unsegmented_twin():

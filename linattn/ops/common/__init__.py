@@ -15,6 +15,7 @@ The fused forward the public op runs (docs/architecture.md, "Fused forward"), tw
     fused_prepass.py   cumsum → kkt_solve → wy of one chunk in one kernel
     fused_fwd.py       the sequential walk: state_pass → output per chunk, state on chip
     seq_parallel.py    segments of long sequences stitched through affine state maps (planner, scan kernel)
+    dot.py             the walk's dot: Triton's precisions or split-bf16 "bf16x3", right under the interpreter
 
 The backward (twins in ``torch_chunk.py`` and ``torch_chunk_bwd_parts.py``): ``local_bwd_dv.py``,
 ``state_pass_bwd.py``, ``local_bwd_dqk.py``, ``local_bwd_wy.py``, and their shared dot in ``local_bwd_utils.py``.
@@ -26,11 +27,16 @@ operands at ``dot_precision(input dtype)``: ``"ieee"`` for fp32 inputs (the accu
 bf16 inputs (11-bit operands: 8× finer than bf16, which keeps the bf16 output error near 2e-3) and ``"tf32x3"``
 for fp16 inputs (fp16 already has tf32's mantissa; plain tf32 made fp16 errors 3–5× the rounded-PyTorch baseline).
 The small 16×16 block merges of the triangular solve always run in ``"ieee"`` (they cost ~1% of the FLOPs).
-The Triton interpreter ignores the precision and multiplies in fp32.
+The sequential walk (``fused_fwd.py``) picks its own pair with ``fused_dot_precisions`` and may also run
+``"bf16x3"`` (``dot.py``: fp32 operands split into bf16 halves, three bf16 MMAs, ≈ 2^-16 per product).
+The Triton interpreter ignores the precision and multiplies in fp32, and multiplies bf16 ``tl.dot`` operands as raw
+bits: kernels that must run bf16 on the CPU pass ``INTERPRET=triton_interpret()`` to ``dot.dot``, which widens them.
 """
 from __future__ import annotations
 
 import torch
+
+from ..utils import triton_interpret  # noqa: F401  (re-exported for launchers: the INTERPRET constexpr of dot.py)
 
 CHUNK = 64
 

@@ -26,6 +26,8 @@ affine map S_out = M S_in + N. Without either flag the kernel is the plain walk 
 Dot precision (``common/__init__.py``): Q Kᵀ runs on the input dtype (exact products; INPUT_PREC only matters
 for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates: the output dots (Q S, P V_new) run
 at DOT_PREC, the state dots (W S, Kᵀ V_new) at STATE_PREC, both from :func:`fused_dot_precisions` (bf16: tf32x3 / tf32, chosen by measurement).
+Every dot goes through ``common/dot.py``'s ``dot``, which also offers split-bf16 "bf16x3" (three bf16 MMAs; two for
+Q S of bf16 inputs, whose Q is not split) and keeps bf16 products right under the interpreter (INTERPRET).
 """
 from __future__ import annotations
 
@@ -35,14 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision
+from . import CHUNK, block_size, dot_precision, triton_interpret
+from .dot import DOT_PRECISIONS, dot
 
 
 @triton.jit
 def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
-                 AFFINE: tl.constexpr):
+                 AFFINE: tl.constexpr, INTERPRET: tl.constexpr):
     """One chunk: write its BT×BV slice of O (not in AFFINE mode) and return the state leaving it."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -64,7 +67,7 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
         p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                                 (1, 0))
         b_u = tl.load(p_u, boundary_check=(0, 1))
-    b_v = b_u - tl.dot(b_w, b_h, input_precision=STATE_PREC)
+    b_v = b_u - dot(b_w, b_h, STATE_PREC, INTERPRET)
 
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (0, i_c * BT), (BK, BT), (0, 1))
     b_kt = tl.load(p_k, boundary_check=(0, 1))
@@ -73,17 +76,21 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
         p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
         b_q = tl.load(p_q, boundary_check=(0, 1))
         m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-        b_P = tl.dot(b_q, b_kt, input_precision=INPUT_PREC)
+        b_P = dot(b_q, b_kt, INPUT_PREC, INTERPRET)
         b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
-        b_o = tl.dot(b_q.to(tl.float32), b_h, input_precision=DOT_PREC) * tl.exp(b_gc)[:, None]
-        b_o = (b_o + tl.dot(b_P, b_v, input_precision=DOT_PREC)) * scale
+        # Q stays in the input dtype: dot widens it to fp32 only where Triton's precisions need matching dtypes
+        # (bf16x3 multiplies a bf16 Q as it is, which saves the fp32 copy's registers)
+        b_o = dot(b_q, b_h, DOT_PREC, INTERPRET) * tl.exp(b_gc)[:, None]
+        b_o = (b_o + dot(b_P, b_v, DOT_PREC, INTERPRET)) * scale
         p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                                 (1, 0))
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
 
-    # S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
-    b_kd = b_kt.to(tl.float32) * tl.exp(tl.where(m_t, b_g_last - b_gc, float("-inf")))[None, :]
-    return b_h * tl.exp(b_g_last) + tl.dot(b_kd, b_v, input_precision=STATE_PREC)
+    # S ← e^{G_C} S + Kᵀ (e^{G_C − G} ⊙ V_new): the decay scales the rows of V_new [BT, BV] instead of the
+    # columns of Kᵀ [BK, BT], so K stays in the input dtype (bf16x3 does not split it: 2 MMAs, not 3; tf32 rounds
+    # only V_new) and no fp32 [BK, BT] copy of K is held: fewer spills at every precision (ptxas, sm_90)
+    b_vd = b_v * tl.exp(tl.where(m_t, b_g_last - b_gc, float("-inf")))[:, None]
+    return b_h * tl.exp(b_g_last) + dot(b_kt, b_vd, STATE_PREC, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["T", "NSEG", "L"])
@@ -91,7 +98,7 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, 
                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
                      USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
-                     AFFINE: tl.constexpr):
+                     AFFINE: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (cdiv(VS, BV), NS·HV): program (i_v, segment i_s, value head i_hv). Without SEGMENTED a segment is a
     # whole sequence (NS = N, i_s = i_n): the default walk. With SEGMENTED (seq_parallel.py) segment i_s covers
     # chunks [i_c0, i_c1) of sequence i_n: varlen reads (i_n, i_c0, i_c1) from segments [NS, 3]; otherwise every
@@ -146,7 +153,7 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, 
     i_c = i_c0
     while i_c < i_c1:
         b_h = _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
-                           DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE)
+                           DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE, INTERPRET)
         i_c += 1
 
     if AFFINE:
@@ -199,13 +206,16 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
     describes; seq_parallel.py drives the segmented and affine modes."""
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
+    for name, prec in (("dot_prec", dot_prec), ("state_prec", state_prec)):
+        if prec is not None and prec not in DOT_PRECISIONS:
+            raise ValueError(f"{name} must be one of {DOT_PRECISIONS} or None, got {prec!r}")
     o_prec, s_prec = fused_dot_precisions(q.dtype)
     fused_fwd_kernel[(triton.cdiv(K + V if affine else V, BV), num_segments * HV)](
         q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, nseg, seg_len, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=block_size(K, 256), BV=BV, DOT_PREC=dot_prec or o_prec,
         STATE_PREC=state_prec or dot_prec or s_prec, INPUT_PREC=dot_precision(q.dtype),
         USE_INITIAL_STATE=h0 is not None, IS_VARLEN=cu_seqlens is not None, SEGMENTED=segmented, AFFINE=affine,
-        num_warps=num_warps)
+        INTERPRET=triton_interpret(), num_warps=num_warps)
 
 
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
@@ -221,8 +231,9 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
         scale: query scale. initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         out_dtype: dtype of o. cu_seqlens: varlen offsets ``[N + 1]`` (B == 1) or None.
         BV, num_warps: override :func:`fused_fwd_config`; dot_prec, state_prec: override
-            :func:`fused_dot_precisions` for the output dots (Q S, P V_new) and the state dots (W S, Kᵀ V_new);
-            a dot_prec alone sets both (benchmarks).
+            :func:`fused_dot_precisions` for the output dots (Q S, P V_new) and the state dots (W S, Kᵀ V_new):
+            one of ``dot.DOT_PRECISIONS`` ("ieee", "tf32", "tf32x3", "bf16x3"); a dot_prec alone sets both
+            (benchmarks).
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """

@@ -172,7 +172,8 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
                            scale: float, initial_state: Optional[torch.Tensor], out_dtype: torch.dtype,
                            cu_seqlens: Optional[torch.Tensor] = None, offsets: Optional[list[int]] = None,
                            segment_chunks: Optional[int] = None, BV: Optional[int] = None,
-                           num_warps: Optional[int] = None, chunk_size: int = CHUNK
+                           num_warps: Optional[int] = None, dot_prec: Optional[str] = None,
+                           state_prec: Optional[str] = None, chunk_size: int = CHUNK
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_fwd` with long sequences split into segments when the unsplit walk cannot fill the SMs.
 
@@ -180,6 +181,8 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
         ``[B, T, HV]`` fp32; initial_state ``[N, HV, K, V]`` or None), plus
         offsets: host list of cu_seqlens (read from the device if None and cu_seqlens is given);
         segment_chunks: force segments of this many chunks (≥ 1; tests and benchmarks); None: :func:`plan_segments`.
+        dot_prec, state_prec: precision overrides of the walk's dots, as :func:`fused_fwd` (benchmarks); phases A
+            and C both use them.
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """
@@ -197,7 +200,7 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
     L = segment_chunks or plan_segments(chunks, HV, K, V, BV, num_sms(q.device))
     if L is None or L >= max(chunks, default=0):
         return fused_fwd(q, k, w, u, gc, scale, initial_state, out_dtype, cu_seqlens, BV=BV, num_warps=num_warps,
-                         chunk_size=chunk_size)
+                         dot_prec=dot_prec, state_prec=state_prec, chunk_size=chunk_size)
 
     if cu_seqlens is not None:
         segments, segment_first = segment_tables(offsets, L, chunk_size, q.device)
@@ -208,8 +211,8 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
         L = -(-chunks[0] // nseg)
         segments = segment_first = None
         NS = N * nseg
-    walk = dict(cu_seqlens=cu_seqlens, num_warps=num_warps, dot_prec=None, state_prec=None, chunk_size=chunk_size,
-                num_segments=NS, segments=segments, nseg=nseg, seg_len=L, segmented=True)
+    walk = dict(cu_seqlens=cu_seqlens, num_warps=num_warps, dot_prec=dot_prec, state_prec=state_prec,
+                chunk_size=chunk_size, num_segments=NS, segments=segments, nseg=nseg, seg_len=L, segmented=True)
     mn = torch.empty(NS, HV, K, K + V, dtype=torch.float32, device=q.device)
     launch_walk(q, k, w, u, gc, None, None, mn, scale, BV=BV, affine=True, **walk)
     h_in = affine_scan(mn, initial_state, V, N, segment_first, nseg, BV=BV)
