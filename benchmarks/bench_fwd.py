@@ -140,8 +140,15 @@ def precision_speed(B, T, H, HV, K, V):
         walk = lambda dp=dp, sp=sp: fused_fwd(x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16, dot_prec=dp,
                                               state_prec=sp)
         fwd = lambda dp=dp, sp=sp: fused(x, None, None, scale, dp, None, sp)
-        rows.append(dict(shape=(B, T, H, HV, K, V), dot_prec=dp, state_prec=sp,
-                         walk=triton.testing.do_bench(walk), fwd=triton.testing.do_bench(fwd)))
+        rec = dict(shape=(B, T, H, HV, K, V), dot_prec=dp, state_prec=sp,
+                   walk=triton.testing.do_bench(walk), fwd=triton.testing.do_bench(fwd))
+        if T == 4096:  # the spills changed with the precision: the walk at each BV (fused_fwd_config picks one)
+            for bv in (16, 32, 64):
+                rec[f"walk_bv{bv}"] = triton.testing.do_bench(
+                    lambda dp=dp, sp=sp, bv=bv: fused_fwd(x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16,
+                                                          BV=bv, dot_prec=dp, state_prec=sp))
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
     return rows
 
 
