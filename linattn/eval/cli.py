@@ -5,14 +5,23 @@
     linattn eval --impl linattn,sdpa --device cpu --time-budget 120
     linattn eval --compare old/report.json new/report.json
 
-Sections run in a fixed order; each gets a share of the time budget (:data:`BUDGET_SHARES`, cumulative, so time a
-section leaves unused passes to the next). A section that fails is recorded with its error and the others still
-run, so the report always has every section.
+Sections run in a fixed order; each gets a share of the time budget (:data:`BUDGET_SHARES`, normalised over the
+selected sections and cumulative, so time a section leaves unused passes to the next). A section that fails is
+recorded with its error and the others still run, so the report always has every section.
+
+The reports are written after every section (and at most every :data:`CHECKPOINT_EVERY_S` inside one) with
+``"partial": true`` and the list ``sections_done``; SIGTERM (what ``timeout`` sends) and SIGINT stop the run at the
+next Python instruction, the running section is kept as interrupted with the records it had, and the reports are
+written once more (exit status 128 + signal number). Without a progress bar (``--no-progress``, or output that is
+not a terminal) every unit of work prints one line to stderr: elapsed seconds, what ran, its result and its time.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -24,6 +33,7 @@ PROFILES = ("quick", "full", "tiny")  # "tiny": a seconds-long run for tests, no
 BUDGET_SHARES = {"correctness": 0.10, "performance": 0.20, "decode": 0.07, "scaling": 0.20, "memory": 0.08,
                  "stability": 0.10, "robustness": 0.08, "soak": 0.10, "mixed_precision": 0.07}
 REPORT_RESERVE_S = 10.0  # kept back for the scorecard and the report writers
+CHECKPOINT_EVERY_S = 30.0  # inside a long section, rewrite the partial report after a unit at most this often
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every random input (default: 0)")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the roofline's compute peak")
     p.add_argument("--peak-gbs", type=float, default=None, help="override the roofline's bandwidth peak (GB/s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: one line per unit of work on stderr instead (also when not on a terminal)")
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), default=None,
                    help="print what got better or worse from report A to report B, and exit")
     p.add_argument("--threshold", type=float, default=0.05,
@@ -113,79 +124,260 @@ class _Progress:
             self.bar.advance(self.task)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM / SIGINT while ``linattn eval`` runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGTERM and SIGINT raise :class:`Interrupted` in the main thread (so the partial report gets written),
+    except inside :meth:`deferred` (a report being written: the signal is raised when the block ends) and after
+    :meth:`hold` (the run is over and its report being written: the signal is only remembered, in ``pending``).
+    After the first one, further signals are ignored. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.previous, self.mode, self.pending, self.received = {}, "raise", None, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self.previous.items():
+            signal.signal(sig, old)
+        self.previous = {}
+
+    def _handler(self, signum, frame):
+        if self.received is not None or self.pending is not None:
+            return  # already stopping: let the report be written
+        if self.mode != "raise":
+            self.pending = signum
+            return
+        self.received = signum
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        prev = self.mode
+        self.mode = "defer" if prev == "raise" else prev
+        try:
+            yield
+        finally:
+            self.mode = prev
+        if self.mode == "raise" and self.pending is not None:
+            self.received, self.pending = self.pending, None
+            raise Interrupted(self.received)
+
+    def hold(self) -> None:
+        self.mode = "hold"
+
+
+class _Log:
+    """One flushed line per unit of work on stderr, prefixed with the seconds since the run started."""
+
+    def __init__(self, enabled: bool, t0: float):
+        self.enabled, self.t0 = enabled, t0
+
+    def __call__(self, line: str) -> None:
+        if self.enabled:
+            print(f"[{time.monotonic() - self.t0:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+
+class Evaluation:
+    """One ``linattn eval`` run: its arguments checked (``ValueError`` otherwise), then :meth:`run`."""
+
+    def __init__(self, args, guard: _Signals = None):
+        from .cases import profile
+        from .context import Context
+        from .impls import parse_impls
+
+        self.args, self.guard = args, guard or _Signals()
+        self.device = _device(args.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels (Triton's included) launch on the current device
+        self.prof = profile(args.profile, self.device)
+        self.selected = _sections(args.sections)
+        self.budget = args.time_budget if args.time_budget is not None else self.prof.time_budget_s
+        if self.budget <= 0:
+            raise ValueError(f"--time-budget must be positive, got {self.budget}")
+        self.impls = parse_impls(args.impl, self.device)
+        if not any(i.available for i in self.impls):
+            raise ValueError("none of the requested implementations can run here: " + "; ".join(
+                f"{i.name}: {i.reason}" for i in self.impls))
+        self.bar_enabled = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
+        self.t0 = time.monotonic()
+        self.log = _Log(not self.bar_enabled, self.t0)
+        self.ctx = Context(device=self.device, profile=self.prof, impls=self.impls, deadline=self.t0 + self.budget,
+                           seed=args.seed, peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs, t0=self.t0,
+                           log=self.log, on_unit=self._maybe_checkpoint)
+        self.results: dict = {}
+        self.done: list = []
+        self.running = None
+        self.interrupted = None
+        self.env = None
+        self.sampler = None
+        self.last_checkpoint = self.t0
+
+    # ---- the report, whole or partial --------------------------------------------------------------------
+    def assemble(self, final: bool = False) -> dict:
+        """The results dict with every section of :data:`SECTIONS`: the finished ones, the running one (in a
+        partial report: its records so far), the others marked as not run (yet)."""
+        from . import environment, scorecard
+        out = {}
+        for name in RUNNERS:
+            if name in self.results:
+                out[name] = self.results[name]
+            elif name == self.running:
+                state = "interrupted" if self.interrupted else "in progress"
+                out[name] = {"skipped": f"{state} (partial: the records so far are in report.json)",
+                             state.replace(" ", "_"): True, **_copy(self.ctx.partial),
+                             "elapsed_s": time.monotonic() - self.section_start}
+            elif name not in self.selected:
+                out[name] = {"skipped": "not selected (--sections)"}
+            else:
+                out[name] = {"skipped": "not run: the run was interrupted" if self.interrupted else
+                             "pending (partial report written during the run)"}
+        if self.env is None:  # interrupted before it was collected
+            self.env = environment.collect(self.device)
+        env = dict(self.env)
+        if final:
+            self.sampler.stop()
+            env["nvml"] = self.sampler.summary()
+            env["driver"] = self.sampler.driver
+            env["load_avg_end"] = environment.load_average()
+        else:
+            env["nvml"] = {"available": False, "reason": "summarised when the run ends"}
+        env["warning"] = environment.busy_warning(env)
+        out["environment"] = env
+        out["scorecard"] = {"skipped": "not selected (--sections)"}
+        if "scorecard" in self.selected:
+            try:
+                out["scorecard"] = scorecard.run(out)
+            except Exception as e:  # a partial report must not fail on a score it cannot compute yet
+                from .context import error_record
+                out["scorecard"] = {"error": error_record(e)}
+        done = ["environment"] + list(self.done) + (["scorecard"] if final and not self.interrupted
+                                                    and "scorecard" in self.selected else [])
+        complete = final and not self.interrupted
+        out["partial"] = not complete
+        out["sections_done"] = done
+        out["meta"] = {
+            "profile": self.prof.name, "device": str(self.device), "time_budget_s": self.budget,
+            "wall_s": time.monotonic() - self.t0, "sections": self.selected, "seed": self.args.seed,
+            "argv": sys.argv[1:], "partial": not complete, "interrupted": self.interrupted,
+            "first_call_max_s": {k: c.first_call_max_s for k, c in self.ctx.costs.items()},
+            "impls": [{"name": i.name, "kind": i.kind, "available": i.available, "reason": i.reason,
+                       "version": i.version} for i in self.impls]}
+        return out
+
+    def write(self, results: dict, figures: bool) -> dict:
+        from .report import write_all
+        with self.guard.deferred():
+            return write_all(results, self.args.out, figures=figures)
+
+    def checkpoint(self) -> None:
+        self.last_checkpoint = time.monotonic()
+        self.write(self.assemble(), figures=False)
+
+    def _maybe_checkpoint(self) -> None:
+        if time.monotonic() - self.last_checkpoint >= CHECKPOINT_EVERY_S:
+            self.checkpoint()
+
+    # ---- the run -------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Run the selected sections; return the final results (partial when interrupted)."""
+        from . import (
+            correctness,
+            decode,
+            environment,
+            memory,
+            mixed_precision,
+            perf,
+            robustness,
+            scaling,
+            soak,
+            stability,
+        )
+        from .context import error_record
+
+        ctx, results = self.ctx, self.results
+        runners = {"correctness": correctness.run, "performance": perf.run, "decode": decode.run,
+                   "scaling": scaling.run, "memory": memory.run, "stability": stability.run,
+                   "robustness": robustness.run, "soak": lambda c: soak.run(c, results.get("scaling")),
+                   "mixed_precision": mixed_precision.run}
+        chosen = [n for n in runners if n in self.selected]
+        total = sum(BUDGET_SHARES[n] for n in chosen) or 1.0
+        usable = max(self.budget - REPORT_RESERVE_S, self.budget * 0.5)
+        ctx.run_deadline = self.t0 + usable
+        self.sampler = environment.NvmlSampler(self.device)
+        share = 0.0
+        try:
+            self.sampler.start()
+            self.env = environment.collect(self.device)
+            names = ", ".join(i.name for i in self.impls if i.available)
+            self.log(f"linattn eval: profile {self.prof.name} on {self.device}, impls {names}, budget "
+                     f"{self.budget:.0f} s (sections until {usable:.0f} s), out {self.args.out}")
+            self.checkpoint()
+            with _Progress(self.bar_enabled, len(chosen)) as bar:
+                ctx.progress = bar.step
+                for name in chosen:
+                    share += BUDGET_SHARES[name] / total
+                    bar.section(name)
+                    self.sampler.section = name
+                    ctx.deadline = self.t0 + usable * share
+                    ctx.later_s = usable * (1.0 - share)
+                    ctx.begin_section(name)
+                    self.running, self.section_start = name, time.monotonic()
+                    self.log(f"{name}: start ({ctx.remaining():.0f} s until its deadline at "
+                             f"{ctx.deadline - self.t0:.0f} s)")
+                    try:
+                        results[name] = runners[name](ctx)
+                    except Exception as e:  # a broken section must not lose the others; the report shows the error
+                        results[name] = {"error": error_record(e)}
+                        self.log(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    budget = ctx.end_section()
+                    results[name]["elapsed_s"] = time.monotonic() - self.section_start
+                    results[name]["budget"] = budget
+                    self.running = None
+                    self.done.append(name)
+                    skips = sum(v["skipped_for_time"] for v in budget["impls"].values())
+                    self.log(f"{name}: done in {results[name]['elapsed_s']:.1f} s"
+                             + (f", {skips} units skipped for time" if skips else ""))
+                    bar.advance()
+                    self.checkpoint()
+        except KeyboardInterrupt as e:
+            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+            unit = (ctx._unit or {}).get("desc") if self.running else None
+            self.interrupted = {"signal": signal.Signals(signum).name, "signum": int(signum),
+                                "at_s": time.monotonic() - self.t0, "section": self.running, "unit": unit}
+            self.log(f"interrupted by {self.interrupted['signal']} during {unit or self.running or 'setup'}: "
+                     "writing the partial report")
+        self.guard.hold()  # from here on a signal waits for the reports
+        out = self.assemble(final=True)
+        self.running = None
+        return out
+
+
+RUNNERS = ("correctness", "performance", "decode", "scaling", "memory", "stability", "robustness", "soak",
+           "mixed_precision")
+
+
+def _copy(partial: dict) -> dict:
+    """A shallow snapshot of a running section's lists (they keep growing after the checkpoint)."""
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in partial.items()}
+
+
 def evaluate(args) -> dict:
     """Run the selected sections; return the results dict (every section of :data:`SECTIONS` present)."""
-    from . import (
-        correctness,
-        decode,
-        environment,
-        memory,
-        mixed_precision,
-        perf,
-        robustness,
-        scaling,
-        scorecard,
-        soak,
-        stability,
-    )
-    from .cases import profile
-    from .context import Context, error_record
-    from .impls import parse_impls
-
-    device = _device(args.device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # kernels (Triton's included) launch on the current device
-    prof = profile(args.profile, device)
-    selected = _sections(args.sections)
-    budget = args.time_budget if args.time_budget is not None else prof.time_budget_s
-    if budget <= 0:
-        raise ValueError(f"--time-budget must be positive, got {budget}")
-    impls = parse_impls(args.impl, device)
-    if not any(i.available for i in impls):
-        raise ValueError("none of the requested implementations can run here: " + "; ".join(
-            f"{i.name}: {i.reason}" for i in impls))
-    t0 = time.monotonic()
-    ctx = Context(device=device, profile=prof, impls=impls, deadline=t0 + budget, seed=args.seed,
-                  peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs)
-    sampler = environment.NvmlSampler(device).start()
-    runners = {"correctness": correctness.run, "performance": perf.run, "decode": decode.run,
-               "scaling": scaling.run, "memory": memory.run, "stability": stability.run, "robustness": robustness.run,
-               "soak": lambda c: soak.run(c, results.get("scaling")), "mixed_precision": mixed_precision.run}
-    results: dict = {}
-    env = environment.collect(device)
-    share = 0.0
-    usable = max(budget - REPORT_RESERVE_S, budget * 0.5)
-    with _Progress(not args.no_progress and sys.stderr.isatty(), len(runners)) as bar:
-        ctx.progress = bar.step
-        for name, fn in runners.items():
-            share += BUDGET_SHARES[name]
-            if name not in selected:
-                results[name] = {"skipped": "not selected (--sections)"}
-                continue
-            bar.section(name)
-            sampler.section = name
-            ctx.deadline = t0 + usable * share
-            start = time.monotonic()
-            try:
-                results[name] = fn(ctx)
-            except Exception as e:  # a broken section must not lose the others; the report shows the error
-                results[name] = {"error": error_record(e)}
-            results[name]["elapsed_s"] = time.monotonic() - start
-            bar.advance()
-    sampler.stop()
-    env["nvml"] = sampler.summary()
-    env["driver"] = sampler.driver
-    env["load_avg_end"] = environment.load_average()
-    env["warning"] = environment.busy_warning(env)
-    results["environment"] = env
-    results["scorecard"] = scorecard.run(results) if "scorecard" in selected else {
-        "skipped": "not selected (--sections)"}
-    results["meta"] = {
-        "profile": prof.name, "device": str(device), "time_budget_s": budget, "wall_s": time.monotonic() - t0,
-        "sections": selected, "seed": args.seed, "argv": sys.argv[1:],
-        "impls": [{"name": i.name, "kind": i.kind, "available": i.available, "reason": i.reason,
-                   "version": i.version} for i in impls]}
-    return results
+    with _Signals() as guard:
+        return Evaluation(args, guard).run()
 
 
 def _summary(results: dict, paths: dict) -> None:
@@ -208,21 +400,42 @@ def _summary(results: dict, paths: dict) -> None:
         sec = results.get(name, {})
         if "error" in sec and isinstance(sec["error"], dict):
             console.print(f"[red]section {name} failed: {sec['error']['type']}: {sec['error']['message']}")
+    stop = results["meta"].get("interrupted")
+    if stop:
+        console.print(f"[yellow]partial report: interrupted by {stop['signal']} at {stop['at_s']:.0f} s during "
+                      f"{stop['section'] or 'setup'}; sections done: {', '.join(results['sections_done'])}")
     console.print("reports: " + ", ".join(paths.values()))
 
 
 def run(args) -> int:
-    from .report import write_all
     try:
         if args.compare:
             from . import compare
             d, text = compare.run(args.compare[0], args.compare[1], args.threshold)
             print(text)
             return 1 if args.fail_on_regression and d["worse"] else 0
-        results = evaluate(args)
     except ValueError as e:
         print(f"linattn eval: {e}", file=sys.stderr)
         return 2
-    paths = write_all(results, args.out)
+    with _Signals() as guard:
+        try:
+            ev = Evaluation(args, guard)
+        except ValueError as e:
+            print(f"linattn eval: {e}", file=sys.stderr)
+            return 2
+        except Interrupted as e:  # before the run started (importing fla / FlashQLA can take a while)
+            print(f"linattn eval: interrupted by {e} before the run started; no report", file=sys.stderr)
+            return 128 + e.signum
+        results = ev.run()
+        paths = ev.write(results, figures=False)  # json, md and html without plots first
+        paths = ev.write(results, figures=True)
+    ev.log("reports: " + ", ".join(paths.values()))
     _summary(results, paths)
+    stop = ev.interrupted
+    if stop:
+        return 128 + stop["signum"]
+    if guard.pending is not None:  # a signal after the last section: the report is complete, still say so
+        print(f"linattn eval: {signal.Signals(guard.pending).name} received while writing the reports",
+              file=sys.stderr)
+        return 128 + int(guard.pending)
     return 0

@@ -1,12 +1,31 @@
-"""What every section receives: device, profile, implementations, the time budget and the progress display.
+"""What every section receives: device, profile, implementations, the time budget, the progress display and log.
+
+Units of work and the time budget: a section announces each unit with :meth:`Context.fits` (may it start?), then
+:meth:`Context.step` (it starts: progress bar, unit clock) and :meth:`Context.done` (one log line, and the unit's
+time goes into the cost model). The cost model keeps, per implementation, the *shape classes* it has already run
+(dtype, direction, head counts and dims, the options that select other kernels: see :func:`shape_classes`), its
+first-call times (JIT compile / autotune: a unit's own measurement, else the whole unit when its class was new) and
+its last steady unit time per section. :meth:`Context.fits` estimates a unit and refuses it when the estimate
+exceeds the time it may use:
+
+* class already run: the last steady unit time, against what is left of the current share;
+* new class, the implementation already paid a first call in this section: that section's first-call time (the
+  largest for the compiled third-party implementations fla and FlashQLA, tens of seconds per class; the latest
+  for the others) plus the steady time, against what is left of the share;
+* new class, first one of the implementation in this section (kernel families differ: fla's recurrent decode
+  kernel compiles in seconds, its chunked kernels autotune for half a minute): the largest first call seen in the
+  run, or :data:`FIRST_CALL_PRIOR_S` if there is none yet (GPU, third-party compilers), against what is left of the
+  *whole run* less half the nominal time of the sections after this one (:attr:`Context.later_s`): a first
+  compile is tried where later sections can absorb it, not at the very end, and never takes all of their time.
 
 Also the device-neutral helpers the sections share: ``sync``, peak-memory measurement (the CUDA caching
 allocator's counters on GPU; the PyTorch profiler's allocation events on CPU), the process's resident set (soak),
-and ``run_with_timeout`` (robustness and soak must survive a call that never returns).
+and ``run_with_timeout`` (robustness must survive a call that never returns).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -19,6 +38,36 @@ import torch
 from .cases import Profile
 from .impls import Impl
 
+# Seconds a first call (compile + autotune) is assumed to take before this run has timed one, per implementation;
+# GPU only. fla autotunes for ~35 s on its first shape; FlashQLA's TileLang compiles take 10-25 s per kernel, and a
+# forward + backward unit compiles several.
+FIRST_CALL_PRIOR_S = {"fla": 40.0, "flashqla": 60.0}
+SKIP_LOG_LINES = 5  # skipped units logged one by one per section; the rest are counted in the section's last line
+
+
+@dataclass
+class ImplCost:
+    """What the run has learnt about one implementation's cost (see the module docstring)."""
+    classes: set = field(default_factory=set)
+    first_call_max_s: float = 0.0  # over the run
+    section_first_s: dict = field(default_factory=dict)  # section -> (largest, latest) first call there
+    steady_s: dict = field(default_factory=dict)  # section -> last unit time without a first call
+
+
+def shape_classes(impl, shape, dtype: str, direction: str, **options) -> tuple:
+    """The compile classes a call of ``impl`` needs: one per direction it runs (fwd+bwd runs the forward too).
+
+    A class is what selects a different compiled kernel in a JIT implementation: dtype, direction, head counts and
+    dims, T == 1 and T % 16 == 0 (Triton specialises integer arguments equal to 1 or divisible by 16), and the
+    options that switch kernels (varlen, initial state, and the pre-processing the implementation does natively;
+    pre-processing done in PyTorch for it compiles nothing). B and T otherwise do not matter.
+    """
+    native = getattr(impl, "native", set()) or set()
+    opts = tuple(sorted(k for k, v in options.items() if v and (k in ("varlen", "h0", "step") or k in native)))
+    base = (dtype, shape.H, shape.HV, shape.K, shape.V, shape.T == 1, shape.T % 16 == 0) + opts
+    dirs = ("fwd", "fwdbwd") if direction == "fwdbwd" else (direction,)
+    return tuple((d,) + base for d in dirs)
+
 
 @dataclass
 class Context:
@@ -27,10 +76,21 @@ class Context:
     impls: list[Impl]
     deadline: float  # time.monotonic() value after which sections stop starting new work
     seed: int = 0
-    progress: Optional[Callable[[str], None]] = None  # called with a short description after each unit of work
+    progress: Optional[Callable[[str], None]] = None  # called with a short description when a unit starts
     peak_tflops: Optional[float] = None  # user overrides of the roofline ceilings
     peak_gbs: Optional[float] = None
     notes: list = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)  # start of the run: the log lines' clock
+    run_deadline: float = math.inf  # end of the whole run's usable time (the last section's deadline)
+    later_s: float = 0.0  # nominal seconds of the sections after the running one (half is kept from first compiles)
+    log: Optional[Callable[[str], None]] = None  # one line per unit of work (no progress bar)
+    on_unit: Optional[Callable[[], None]] = None  # after each unit (the CLI checkpoints the report)
+    partial: dict = field(default_factory=dict)  # the running section's results so far, kept if it is interrupted
+    costs: dict = field(default_factory=dict)  # impl name -> ImplCost, across the run
+    section: str = ""
+    section_stats: dict = field(default_factory=dict)  # impl name -> units, seconds, first calls, skips (section)
+    _unit: Optional[dict] = None
+    _skip_lines: int = 0
 
     @property
     def gpu(self) -> bool:
@@ -56,9 +116,111 @@ class Context:
         finally:
             self.deadline = old
 
-    def step(self, desc: str) -> None:
+    # ---- the cost model and the per-unit budget ------------------------------------------------------------
+    def _stats(self, impl: str) -> dict:
+        return self.section_stats.setdefault(impl, {"units": 0, "seconds": 0.0, "new_shape_classes": 0,
+                                                    "first_call_max_s": None, "skipped_for_time": 0})
+
+    def estimate(self, impl: Optional[str], classes: tuple = ()) -> tuple[float, str]:
+        """(seconds a unit of ``impl`` on ``classes`` is expected to take, the rule that gave it: "last unit" and
+        "new shape class" are judged against the share, "first in section" and "prior" against the whole run)."""
+        if impl is None:
+            return 0.0, "none"
+        c = self.costs.get(impl)
+        if c is None:
+            return (FIRST_CALL_PRIOR_S.get(impl, 0.0) if self.gpu else 0.0), "prior"
+        steady = c.steady_s.get(self.section, 0.0)
+        if all(k in c.classes for k in classes):
+            return steady, "last unit"
+        if self.section in c.section_first_s:
+            largest, latest = c.section_first_s[self.section]
+            return (largest if impl in FIRST_CALL_PRIOR_S else latest) + steady, "new shape class"
+        return c.first_call_max_s + steady, "first in section"
+
+    def _left(self, rule: str) -> float:
+        if rule in ("prior", "first in section"):
+            return self.run_deadline - 0.5 * self.later_s - time.monotonic()
+        return self.deadline - time.monotonic()
+
+    def fits(self, impl: Optional[str] = None, classes: tuple = (), desc: str = "") -> bool:
+        """May a unit of ``impl`` (on these shape classes) start? False when the share is spent or the unit's
+        estimate exceeds the time it may use (see the module docstring); a refused unit is counted (and logged) as
+        skipped for time."""
+        left = self.remaining()
+        est, rule = self.estimate(impl, classes)
+        if left > 0 and est <= self._left(rule):
+            return True
+        if impl is not None:
+            self._stats(impl)["skipped_for_time"] += 1
+        self._skip_lines += 1
+        if self._skip_lines <= SKIP_LOG_LINES and desc:
+            why = (f"needs ~{est:.0f} s ({rule}), {max(self._left(rule), 0):.0f} s left" if left > 0
+                   else "share spent")
+            self.emit(f"skip {desc}: time budget ({why})")
+        return False
+
+    def step(self, desc: str, impl: Optional[str] = None, classes: tuple = ()) -> None:
+        """A unit of work starts (the previous one, if not closed with :meth:`done`, is closed as "done")."""
+        if self._unit is not None:
+            self.done("done")
+        c = self.costs.get(impl) if impl is not None else None
+        new = impl is not None and (c is None or any(k not in c.classes for k in classes))
+        self._unit = {"desc": desc, "impl": impl, "classes": tuple(classes), "new": new, "t": time.monotonic()}
         if self.progress is not None:
             self.progress(desc)
+
+    def done(self, result: str = "done", first_call_s: Optional[float] = None) -> None:
+        """The current unit ended: log one line and feed its time to the cost model. ``first_call_s``: the
+        unit's own measurement of its first call (else a unit on a new shape class counts whole as a first call)."""
+        u, self._unit = self._unit, None
+        if u is None:
+            return
+        unit_s = time.monotonic() - u["t"]
+        note = f"{unit_s:.1f} s"
+        if u["impl"] is not None:
+            c = self.costs.setdefault(u["impl"], ImplCost())
+            st = self._stats(u["impl"])
+            st["units"] += 1
+            st["seconds"] += unit_s
+            if u["new"]:
+                fc = first_call_s if first_call_s is not None else unit_s
+                c.first_call_max_s = max(c.first_call_max_s, fc)
+                largest, _ = c.section_first_s.get(self.section, (0.0, 0.0))
+                c.section_first_s[self.section] = (max(largest, fc), fc)
+                st["new_shape_classes"] += 1
+                st["first_call_max_s"] = max(st["first_call_max_s"] or 0.0, fc)
+                if first_call_s is not None:
+                    c.steady_s[self.section] = max(0.0, unit_s - fc)
+                note += f", new shape class: first call {fc:.1f} s"
+            else:
+                c.steady_s[self.section] = unit_s
+            c.classes.update(u["classes"])
+        self.emit(f"{u['desc']}: {result} ({note})")
+        if self.on_unit is not None:
+            self.on_unit()
+
+    def begin_section(self, name: str) -> None:
+        self.section, self.section_stats, self.partial, self._unit, self._skip_lines = name, {}, {}, None, 0
+
+    def end_section(self) -> dict:
+        """Close the section's last unit; return its budget record (per implementation: units, seconds, new shape
+        classes, largest first call, units skipped for time)."""
+        if self._unit is not None:
+            self.done("done")
+        return {"impls": self.section_stats, "skip_lines_not_logged": max(0, self._skip_lines - SKIP_LOG_LINES)}
+
+    def emit(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+
+    def hard_timeout(self, impl: Optional[str], classes: tuple, limit_s: float, grace_s: float = 5.0) -> tuple:
+        """(timeout for a call run with :func:`run_with_timeout`, whether the budget set it). ``limit_s`` (a hang)
+        plus the first-call estimate when the class is new, cut to what :meth:`fits` let the unit use plus
+        ``grace_s``."""
+        est, rule = self.estimate(impl, classes)
+        want = limit_s + (est if rule != "last unit" else 0.0)
+        cut = max(self._left(rule), 0.0) + grace_s
+        return (cut, True) if cut < want else (want, False)
 
     def sync(self) -> None:
         if self.gpu:

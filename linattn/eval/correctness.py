@@ -9,6 +9,13 @@ NaN/Inf. A case passes when every tensor is finite and within the dtype's relati
 The tolerances bound what a correct chunked kernel reaches at that precision (fla and FlashQLA measure about
 3-4e-3 in bf16 on the forward); a bug (a wrong mask, a missing chunk, a stale state) gives errors of order one.
 The softmax baseline (SDPA) computes a different function and is not checked here.
+
+Order and budget: linattn (and any implementation not in :data:`COMPILED_THIRD_PARTY`) runs the whole table in
+table order, dtype by dtype. fla and FlashQLA compile (Triton autotune, TileLang) per shape class, which costs tens
+of seconds on a GPU, so their units run preferred dtype first (bf16, fp16, fp32) and, within a dtype, grouped by
+compile class (the cases on the base shape first, then varlen, initial state, GVA, K ≠ V, ...). When the time is
+short the budget then cuts whole new classes at the end (recorded per implementation in ``skipped_for_time``)
+instead of paying a compile per case.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import torch
 
 from .. import chunk_gated_delta_rule
 from .cases import DTYPES, correctness_cases, make_inputs
-from .context import Context, error_record
+from .context import Context, error_record, shape_classes
 
 # relative L2 error bounds: forward tensors (o, final state), backward tensors (gradients)
 # (fp32 admits TF32 tensor-core products, which Triton uses for fp32 tl.dot by default; the torch backend on a CPU
@@ -27,6 +34,8 @@ TOLERANCES = {
     "bf16": {"fwd": 1e-2, "bwd": 4e-2},
 }
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+COMPILED_THIRD_PARTY = ("fla", "flashqla")  # JIT compile per shape class: units ordered to share compiles
+DTYPE_PREFERENCE = ("bf16", "fp16", "fp32")  # what those kernels are built for first
 
 
 def compare(x: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -119,26 +128,72 @@ def reproducibility(impl, case, dtype: str, device, seed: int) -> dict:
             "within_tolerance": diff <= TOLERANCES[dtype]["fwd"]}
 
 
+def case_classes(impl, case, dtype: str) -> tuple:
+    """The compile classes of one correctness unit (forward + backward) of ``impl``."""
+    return shape_classes(impl, case.shape, dtype, "fwdbwd", varlen=case.seqlens is not None, h0=case.initial_state,
+                         l2norm=case.l2norm, gate=case.gate_in_op, beta_sigmoid=case.beta_sigmoid)
+
+
+def preferred_dtypes(impl, dtypes) -> list:
+    """``dtypes`` in the order ``impl`` runs them: as given, or preferred first for a compiled third party."""
+    if impl.name not in COMPILED_THIRD_PARTY:
+        return list(dtypes)
+    return sorted(dtypes, key=lambda d: DTYPE_PREFERENCE.index(d) if d in DTYPE_PREFERENCE else len(DTYPE_PREFERENCE))
+
+
+def unit_order(impl, cases: list, dtypes) -> tuple[list, str]:
+    """[(dtype, case)] in the order ``impl`` runs them, and that order in words (see the module docstring)."""
+    if impl.name not in COMPILED_THIRD_PARTY:
+        return [(d, c) for d in dtypes for c in cases], "table order, dtype by dtype"
+    out = []
+    for d in preferred_dtypes(impl, dtypes):
+        groups: dict = {}
+        for c in cases:
+            groups.setdefault(case_classes(impl, c, d), []).append(c)
+        out += [(d, c) for group in groups.values() for c in group]
+    return out, "preferred dtype first (bf16, fp16, fp32), cases grouped by compile class"
+
+
+def _result(rec: dict) -> str:
+    if rec["status"] in ("pass", "fail"):
+        bwd = rec.get("max_rel_l2_bwd")
+        return (f"{'ok' if rec['passed'] else 'FAIL'} fwd {rec['max_rel_l2_fwd']:.1e}"
+                + (f" bwd {bwd:.1e}" if bwd is not None else ""))
+    if rec["status"] == "error":
+        return f"error {rec['error']['type']}: {rec['error']['message'][:80]}"
+    return f"{rec['status']}: {rec.get('reason', '')}"
+
+
 def run(ctx: Context) -> dict:
     p = ctx.profile
     cases = correctness_cases(p.corr_T, p.corr_H, p.corr_D)
     impls = ctx.available("gdn")
-    records, repro, skipped = [], [], []
+    records, repro, skipped, orders = [], [], [], {}
+    ctx.partial.update(records=records, skipped_for_time=skipped, reproducibility=repro)
     for i, impl in enumerate(impls):
         # a fair share per implementation: one that JIT-compiles per shape must not starve the next
         with ctx.share(len(impls) - i):
-            for dtype in p.corr_dtypes:
-                for case in cases:
-                    if ctx.out_of_time():
-                        skipped.append(f"{impl.name}/{case.id}/{dtype}")
-                        continue
-                    ctx.step(f"correctness {impl.name} {case.id} {dtype}")
-                    records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))
-            if not ctx.out_of_time():
+            units, orders[impl.name] = unit_order(impl, cases, p.corr_dtypes)
+            for dtype, case in units:
+                classes = case_classes(impl, case, dtype)
+                desc = f"correctness {impl.name} {dtype} case {case.id}"
+                if not ctx.fits(impl.name, classes, desc):
+                    skipped.append(f"{impl.name}/{case.id}/{dtype}")
+                    continue
+                ctx.step(desc, impl.name, classes)
+                records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))
+                ctx.done(_result(records[-1]))
+            dtype = p.corr_dtypes[0]
+            classes = case_classes(impl, cases[0], dtype)
+            desc = f"correctness {impl.name} {dtype} reproducibility"
+            if ctx.fits(impl.name, classes, desc):
+                ctx.step(desc, impl.name, classes)
                 try:
-                    repro.append(reproducibility(impl, cases[0], p.corr_dtypes[0], ctx.device, ctx.seed))
+                    repro.append(reproducibility(impl, cases[0], dtype, ctx.device, ctx.seed))
+                    ctx.done("bitwise" if repro[-1]["bitwise"] else f"max diff {repro[-1]['max_abs_diff']:.1e}")
                 except Exception as e:
                     repro.append({"impl": impl.name, "error": error_record(e)})
+                    ctx.done(f"error {type(e).__name__}")
     summary = {}
     for impl in impls:
         mine = [r for r in records if r["impl"] == impl.name and r.get("passed") is not None]
@@ -146,6 +201,8 @@ def run(ctx: Context) -> dict:
             "cases": len(mine), "passed": sum(bool(r["passed"]) for r in mine),
             "failed": [r["id"] for r in mine if not r["passed"]],
             "unsupported": [r["id"] for r in records if r["impl"] == impl.name and r["status"] == "unsupported"],
+            "skipped_for_time": [s for s in skipped if s.split("/", 1)[0] == impl.name],
+            "order": orders[impl.name],
             "worst_rel_l2_fwd": {d: max((r["max_rel_l2_fwd"] for r in mine if r["dtype"] == d
                                          and "max_rel_l2_fwd" in r), default=None) for d in p.corr_dtypes},
             "worst_rel_l2_bwd": {d: max((r["max_rel_l2_bwd"] for r in mine if r["dtype"] == d

@@ -39,7 +39,7 @@ import torch
 from ..ops.gated_delta.reference import gated_delta_rule_reference
 from ..ops.utils import gate_from_raw, l2norm
 from .cases import DTYPES, Shape
-from .context import Context, empty_cache, error_record, is_oom
+from .context import Context, empty_cache, error_record, is_oom, shape_classes
 from .correctness import compare
 from .perf import summarize
 
@@ -345,6 +345,15 @@ def drift(ctx: Context, path: DecodePath, pool: str, refs: dict) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # the section
 # --------------------------------------------------------------------------------------------------------------
+def _impl(ctx: Context, path: DecodePath):
+    return next(i for i in ctx.available() if i.name == path.impl)
+
+
+def step_classes(impl, path: DecodePath, shape: Shape, Tq: int, pool: str, io_dtype: str) -> tuple:
+    """Compile classes of a decode step: its own kernel, per path, tokens per step and state dtype."""
+    return tuple((path.path, pool) + k for k in shape_classes(impl, shape.with_(T=Tq), io_dtype, "fwd", step=True))
+
+
 def run(ctx: Context) -> dict:
     p = ctx.profile
     paths, none = paths_for(ctx)
@@ -355,23 +364,41 @@ def run(ctx: Context) -> dict:
     try:
         jobs = [(path, pool) for path in paths for pool in p.dec_drift_pools if pool in path.pools]
         refs: dict = {}
+        ctx.partial.update(drift=drifts, records=records, skipped_for_time=skipped)
         with ctx.share(2):  # correctness first, with at most half of the section's time
             for path, pool in jobs:
-                if ctx.out_of_time():
+                impl = _impl(ctx, path)
+                # the prefill compiles the implementation's chunked forward; the steps its recurrent kernel
+                classes = (shape_classes(impl, p.dec_shape.with_(T=p.dec_prompt_T), p.dec_dtype, "fwd", l2norm=True,
+                                         gate=True, beta_sigmoid=True)
+                           + step_classes(impl, path, p.dec_shape, 1, pool, p.dec_dtype))
+                desc = f"decode drift {path.name} {pool}"
+                if not ctx.fits(path.impl, classes, desc):
                     skipped.append(f"drift {path.name}/{pool}")
                     continue
-                ctx.step(f"decode drift {path.name} {pool}")
-                drifts.append(drift(ctx, path, pool, refs))
+                ctx.step(desc, path.impl, classes)
+                d = drift(ctx, path, pool, refs)
+                drifts.append(d)
+                ctx.done(f"error {d['error']['type']}: {d['error']['message'][:80]}" if "error" in d else
+                         f"{'ok' if d['passed'] else 'FAIL'} rel L2 o {d['rel_l2_o']:.1e}, state "
+                         f"{d['rel_l2_state']:.1e}")
         del refs
         rows = [(path, B, Tq, pool) for B in p.dec_batch for Tq in p.dec_Tq for pool in p.dec_pools
                 for path in paths if pool in path.pools]
         copy_cache: dict = {}
         for i, (path, B, Tq, pool) in enumerate(rows):
-            if ctx.out_of_time():
+            classes = step_classes(_impl(ctx, path), path, p.dec_shape, Tq, pool, p.dec_dtype)
+            desc = f"decode {path.name} B={B} Tq={Tq} {pool}"
+            if not ctx.fits(path.impl, classes, desc):
                 skipped.append(f"{path.name}/B{B}-Tq{Tq}/{pool}")
                 continue
-            ctx.step(f"decode {path.name} B={B} Tq={Tq} {pool}")
-            records.append(measure(ctx, path, B, Tq, pool, ctx.remaining() / (len(rows) - i), copy_cache))
+            ctx.step(desc, path.impl, classes)
+            rec = measure(ctx, path, B, Tq, pool, ctx.remaining() / (len(rows) - i), copy_cache)
+            records.append(rec)
+            ctx.done(f"error {rec['error']['type']}: {rec['error']['message'][:80]}" if "error" in rec else
+                     f"P50 {rec['p50_ms'] * 1e3:.3g} us, P99 {rec['p99_ms'] * 1e3:.3g} us, n={rec['n']}"
+                     + (f", graph {rec['graph_ms'] * 1e3:.3g} us" if rec.get("graph_ms") else ""),
+                     rec.get("first_call_s"))
     finally:
         torch.set_num_threads(threads)
     s = p.dec_shape

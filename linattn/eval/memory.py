@@ -15,7 +15,7 @@ materialises the T × T scores). ``linear`` is true when p ≤ 1.15.
 from __future__ import annotations
 
 from .cases import DTYPES, make_inputs
-from .context import Context, empty_cache, error_record, is_oom, measure_peak
+from .context import Context, empty_cache, error_record, is_oom, measure_peak, shape_classes
 from .perf import loglog_slope, make_call
 
 LINEAR_EXPONENT = 1.15
@@ -26,11 +26,13 @@ def _sweep(ctx: Context, impl, direction: str) -> dict:
     dtype = p.scale_dtype
     points, stop = [], None
     for T in p.scale_T:
-        if ctx.out_of_time():
+        shape = p.scale_base.with_(T=T)
+        classes = shape_classes(impl, shape, dtype, direction)
+        desc = f"memory {impl.name} T={T} {direction}"
+        if not ctx.fits(impl.name, classes, desc):
             stop = "time budget"
             break
-        shape = p.scale_base.with_(T=T)
-        ctx.step(f"memory {impl.name} T={T} {direction}")
+        ctx.step(desc, impl.name, classes)
         rec = {"T": T, "shape_id": shape.id}
         try:
             inputs = make_inputs(shape, DTYPES[dtype], ctx.device, ctx.seed, requires_grad=direction == "fwdbwd")
@@ -43,6 +45,7 @@ def _sweep(ctx: Context, impl, direction: str) -> dict:
             stop = "out of memory" if is_oom(e) else f"error: {type(e).__name__}"
             points.append(rec)
             empty_cache(ctx)
+            ctx.done(stop)
             break
         if rec.get("reserved_bytes"):
             rec["fragmentation"] = 1 - rec["active_bytes"] / rec["reserved_bytes"]
@@ -50,6 +53,7 @@ def _sweep(ctx: Context, impl, direction: str) -> dict:
             rec["bytes_per_token"] = rec["peak_bytes"] / shape.tokens
         points.append(rec)
         empty_cache(ctx)
+        ctx.done(f"peak {rec['peak_bytes'] / 2**20:.1f} MB" if rec.get("peak_bytes") is not None else "no peak")
     ok = [r for r in points if r.get("peak_bytes")]
     Ts = [r["T"] for r in ok]
     peaks = [r["peak_bytes"] for r in ok]
@@ -64,6 +68,7 @@ def _sweep(ctx: Context, impl, direction: str) -> dict:
 def run(ctx: Context) -> dict:
     jobs = [(impl, d) for impl in ctx.available() for d in ("fwd", "fwdbwd")]
     sweeps = []
+    ctx.partial.update(sweeps=sweeps)
     for i, (impl, direction) in enumerate(jobs):
         with ctx.share(len(jobs) - i):
             sweeps.append(_sweep(ctx, impl, direction))

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .context import Context, error_record
+from .context import Context, error_record, shape_classes
 
 
 class GDNBlock(nn.Module):
@@ -70,11 +70,15 @@ def _train(model, ctx: Context, amp: bool, d_model: int) -> dict:
 def run(ctx: Context) -> dict:
     p = ctx.profile
     records = []
+    ctx.partial.update(records=records)
     for impl in ctx.available("gdn"):
-        if ctx.out_of_time():
+        classes = shape_classes(impl, p.amp_shape, "fp16", "fwdbwd", l2norm=True) + shape_classes(
+            impl, p.amp_shape, "fp32", "fwdbwd", l2norm=True)
+        desc = f"mixed precision {impl.name}"
+        if not ctx.fits(impl.name, classes, desc):
             records.append({"id": impl.name, "impl": impl.name, "skipped": "time budget"})
             continue
-        ctx.step(f"mixed precision {impl.name}")
+        ctx.step(desc, impl.name, classes)
         rec = {"id": impl.name, "impl": impl.name, "steps": p.amp_steps}
         try:
             s = p.amp_shape
@@ -86,6 +90,7 @@ def run(ctx: Context) -> dict:
         except Exception as e:
             rec.update(error=error_record(e), passed=False)
             records.append(rec)
+            ctx.done(f"error {type(e).__name__}")
             continue
         n_over = len(fp16["overflow_steps"])
         finite = all(torch.isfinite(torch.tensor(fp16["losses"])).tolist())
@@ -97,5 +102,7 @@ def run(ctx: Context) -> dict:
             loss_decreased=fp16["losses"][-1] < fp16["losses"][0], all_losses_finite=finite,
             passed=finite and n_over <= p.amp_steps // 2 and n_over < p.amp_steps)
         records.append(rec)
+        ctx.done(f"{'ok' if rec['passed'] else 'FAIL'}: {n_over}/{p.amp_steps} overflow steps, final loss fp16 "
+                 f"{rec['final_loss_fp16']:.3g} vs fp32 {rec['final_loss_fp32']:.3g}")
     return {"autocast_dtype": "fp16", "scaler": "torch.amp.GradScaler(init_scale=2**16)", "device": ctx.device.type,
             "shape": vars(p.amp_shape).copy(), "records": records}

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .cases import DTYPES, Shape, make_inputs
-from .context import Context, empty_cache, error_record, is_oom
+from .context import Context, empty_cache, error_record, is_oom, shape_classes
 
 CHUNK = 64
 BWD_FLOP_FACTOR, BWD_BYTE_FACTOR = 2.5, 2.0
@@ -239,21 +239,32 @@ def measure(ctx: Context, impl, shape: Shape, dtype: str, direction: str, *, war
     return rec
 
 
+def result_line(rec: dict) -> str:
+    """A record's outcome for the log: median and P99, or the error."""
+    if "error" in rec:
+        return ("out of memory" if rec.get("oom") else f"error {rec['error']['type']}: "
+                f"{rec['error']['message'][:80]}")
+    return f"P50 {rec['p50_ms']:.3g} ms, P99 {rec['p99_ms']:.3g} ms, n={rec['n']}"
+
+
 def run(ctx: Context) -> dict:
     p = ctx.profile
     records, skipped = [], []
+    ctx.partial.update(records=records, skipped_for_time=skipped)
     rows = [(impl, shape, dtype, direction) for shape in p.perf_shapes for dtype in p.perf_dtypes
             for direction in p.perf_directions for impl in ctx.available()]
     for i, (impl, shape, dtype, direction) in enumerate(rows):
-        if ctx.out_of_time():
+        classes = shape_classes(impl, shape, dtype, direction)
+        desc = f"perf {impl.name} {shape.id} {dtype} {direction}"
+        if not ctx.fits(impl.name, classes, desc):
             skipped.append(f"{impl.name}/{shape.id}/{dtype}/{direction}")
             continue
-        ctx.step(f"perf {impl.name} {shape.id} {dtype} {direction}")
+        ctx.step(desc, impl.name, classes)
         # each row may time for its fair share of what is left (a first call that compiles is not bounded)
         budget = min(p.point_budget_s, ctx.remaining() / (len(rows) - i))
         records.append(measure(ctx, impl, shape, dtype, direction, warmup=p.warmup, reps=p.reps, budget_s=budget,
                                seed=ctx.seed))
+        ctx.done(result_line(records[-1]), records[-1].get("first_call_s"))
     peaks = {d: dict(zip(("tflops", "gbs", "source"), device_peaks(ctx, d))) for d in p.perf_dtypes}
     return {"timer": "cuda_events" if ctx.gpu else "perf_counter", "warmup": p.warmup, "max_reps": p.reps,
             "chunk": CHUNK, "peaks": peaks, "records": records, "skipped_for_time": skipped}
-

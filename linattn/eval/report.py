@@ -3,6 +3,10 @@
 
 Both human-readable reports are rendered from one list of blocks (heading, paragraph, table, figure) built by
 :func:`blocks`, so the Markdown and the HTML never disagree.
+
+Every file is written atomically (a temporary file in the same directory, then ``os.replace``): a run killed while
+writing leaves the previous complete file, never half of one. ``linattn eval`` writes the reports after every
+section (``"partial": true``) and once more at the end.
 """
 from __future__ import annotations
 
@@ -32,12 +36,23 @@ def clean(x):
     return str(x)
 
 
+def atomic_write(path: str, data) -> None:
+    """Write ``data`` (str or bytes) to ``path`` through a temporary file and ``os.replace``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def write_json(results: dict, path: str) -> None:
     missing = [s for s in SECTIONS if s not in results]
     if missing:
         raise ValueError(f"report is missing sections {missing}")
-    with open(path, "w") as fh:
-        json.dump(clean(results), fh, indent=1, allow_nan=False)
+    atomic_write(path, json.dumps(clean(results), indent=1, allow_nan=False))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -372,6 +387,12 @@ def blocks(r: dict) -> list:
         f"{r['environment'].get('date_utc')}."), _h(2, "Summary"), _t(hdr, rows)]
     if r["environment"].get("warning"):
         out.insert(2, _p(f"**Warning:** {r['environment']['warning']}."))
+    if r.get("partial"):
+        stop = r["meta"].get("interrupted")
+        why = (f"interrupted ({stop['signal']}) at {stop['at_s']:.0f} s during {stop['section'] or 'setup'}"
+               if stop else "written while the run is still going")
+        out.insert(2, _p(f"**Partial report:** {why}; sections done: {', '.join(r.get('sections_done', [])) or 'none'}"
+                         ". A section marked interrupted keeps the records it had in report.json."))
     for section, title, fn in (
             ("correctness", "Correctness", _corr_blocks), ("performance", "Performance", _perf_blocks),
             ("decode", "Decode (real time)", _decode_blocks),
@@ -385,10 +406,13 @@ def blocks(r: dict) -> list:
         sec = r[section]
         if "skipped" in sec:
             out += [_h(2, title), _p(f"Skipped: {sec['skipped']}.")]
-        elif "error" in sec and isinstance(sec["error"], dict) and len(sec) <= 2:
+        elif "error" in sec and isinstance(sec["error"], dict) and set(sec) <= {"error", "elapsed_s", "budget"}:
             out += [_h(2, title), _p(f"FAILED: {sec['error']['type']}: {sec['error']['message']}")]
         else:
             out += fn(r)
+            if sec.get("skipped_for_time") and section != "decode":  # decode lists its own
+                out.append(_p(f"Skipped for time ({len(sec['skipped_for_time'])}): "
+                              + ", ".join(sec["skipped_for_time"]) + "."))
     return out
 
 
@@ -445,24 +469,25 @@ def to_html(bl: list, figs: dict) -> str:
             f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")
 
 
-def write_all(results: dict, out_dir: str) -> dict:
-    """Write report.json, report.md (+ plots/*.png) and report.html into ``out_dir``; return their paths."""
-    from .plots import make_figures
+def write_all(results: dict, out_dir: str, figures: bool = True) -> dict:
+    """Write report.json, report.md (+ plots/*.png) and report.html into ``out_dir``, in that order, each
+    atomically; return their paths. ``figures=False`` (the partial reports written during a run) skips the plots,
+    the only slow part (about a second)."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "report.json"), "md": os.path.join(out_dir, "report.md"),
              "html": os.path.join(out_dir, "report.html")}
     write_json(results, paths["json"])
     r = clean(results)
-    figs = make_figures(r)
+    figs = {}
+    if figures:
+        from .plots import make_figures
+        figs = make_figures(r)
     if figs:
         os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
         for name, png in figs.items():
-            with open(os.path.join(out_dir, "plots", f"{name}.png"), "wb") as fh:
-                fh.write(png)
+            atomic_write(os.path.join(out_dir, "plots", f"{name}.png"), png)
     bl = blocks(r)
-    with open(paths["md"], "w") as fh:
-        fh.write(to_markdown(bl, figs=figs))
-    with open(paths["html"], "w") as fh:
-        fh.write(to_html(bl, figs))
+    atomic_write(paths["md"], to_markdown(bl, figs=figs))
+    atomic_write(paths["html"], to_html(bl, figs))
     return paths
 

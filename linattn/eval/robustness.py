@@ -11,6 +11,10 @@ A NaN planted in one token must stay inside the set of outputs that token feeds 
 * in k at (b, t, h): o[b, t'] for t' ≥ t in the same sequence, value heads reading h, and their final states;
 * in v, g or β at (b, t, value head h): o[b, t' ≥ t] of head h in the same sequence, and that final state.
 
+The timeout is ``rob_timeout_s`` (plus the first-call estimate when the call needs a new compile), cut to what is
+left of the time budget: a call stopped by that cut is recorded as skipped for time, not as a hang, and the
+implementation's remaining cases are skipped (its call may still be running in the worker thread).
+
 Non-finite outputs outside the cone are counted separately as *other heads / sequences* and *earlier tokens*:
 a chunked kernel that multiplies a NaN by a masked zero (NaN · 0 = NaN) leaks it into the earlier tokens of the
 same chunk, and a packed (varlen) kernel must never leak it into the next sequence.
@@ -20,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from .cases import DTYPES, Case, make_inputs
-from .context import Context, error_record, run_with_timeout
-from .correctness import TOLERANCES, _reference, compare
+from .context import Context, error_record, run_with_timeout, shape_classes
+from .correctness import TOLERANCES, _reference, compare, preferred_dtypes
 
 FINITE_CASES = ("identical-tokens", "huge-1e4", "g-zero", "g-minus-100", "beta-zero", "beta-one", "zeroed-tokens")
 NAN_CASES = ("nan-q", "nan-k", "nan-v", "nan-g", "nan-beta", "nan-varlen-v")
@@ -110,6 +114,12 @@ def check_confinement(o: torch.Tensor, ht, inputs: dict, plant: dict) -> dict:
     return rec
 
 
+def case_classes(impl, name: str, dtype: str, shape) -> tuple:
+    varlen = name == "nan-varlen-v"
+    return shape_classes(impl, shape.with_(B=1, T=2 * shape.T) if varlen else shape, dtype, "fwd", varlen=varlen,
+                         l2norm=name == "huge-1e4")
+
+
 def check(impl, name: str, dtype: str, ctx: Context) -> dict:
     p = ctx.profile
     inputs, plant = build_inputs(name, p.rob_shape, dtype, ctx.device, ctx.seed)
@@ -125,9 +135,14 @@ def check(impl, name: str, dtype: str, ctx: Context) -> dict:
             ctx.sync()
             return o, ht
 
-    status, result = run_with_timeout(call, p.rob_timeout_s, ctx.device)
+    timeout, by_budget = ctx.hard_timeout(impl.name, case_classes(impl, name, dtype, p.rob_shape), p.rob_timeout_s)
+    status, result = run_with_timeout(call, timeout, ctx.device)
+    if status == "hang" and by_budget:
+        rec.update(status="skipped", skipped="time budget", passed=None,
+                   reason=f"time budget: still running after {timeout:.1f} s (left in a worker thread)")
+        return rec
     if status == "hang":
-        rec.update(status="hang", timeout_s=p.rob_timeout_s, passed=False)
+        rec.update(status="hang", timeout_s=timeout, passed=False)
         return rec
     if status == "error":
         rec.update(status="error", error=error_record(result), passed=False)
@@ -151,19 +166,36 @@ def check(impl, name: str, dtype: str, ctx: Context) -> dict:
     return rec
 
 
+def _result(rec: dict) -> str:
+    if rec["status"] in ("error", "hang", "skipped", "unsupported"):
+        return f"{rec['status']}" + (f": {rec['error']['type']}" if "error" in rec else
+                                     f": {rec['reason']}" if rec.get("reason") else "")
+    if "confined" in rec:
+        return ("ok: NaN confined" if rec["confined"] else
+                f"FAIL: NaN leaked to {rec['nonfinite_outside_cone']} tokens outside its cone")
+    return f"{'ok' if rec['passed'] else 'FAIL'} rel L2 {rec['rel_l2']:.1e}"
+
+
 def run(ctx: Context) -> dict:
     p = ctx.profile
     records, skipped = [], []
+    ctx.partial.update(records=records, skipped_for_time=skipped)
     impls = ctx.available("gdn")
     for i, impl in enumerate(impls):
         with ctx.share(len(impls) - i):
-            for dtype in p.corr_dtypes:
+            cut = False
+            for dtype in preferred_dtypes(impl, p.corr_dtypes):
                 for name in FINITE_CASES + NAN_CASES:
-                    if ctx.out_of_time():
+                    classes = case_classes(impl, name, dtype, p.rob_shape)
+                    desc = f"robustness {impl.name} {name} {dtype}"
+                    if cut or not ctx.fits(impl.name, classes, desc):
                         skipped.append(f"{impl.name}/{name}/{dtype}")
                         continue
-                    ctx.step(f"robustness {impl.name} {name} {dtype}")
-                    records.append(check(impl, name, dtype, ctx))
+                    ctx.step(desc, impl.name, classes)
+                    rec = check(impl, name, dtype, ctx)
+                    records.append(rec)
+                    cut = rec["status"] == "skipped"
+                    ctx.done(_result(rec))
     summary = {i.name: {"cases": sum(r["impl"] == i.name and r["passed"] is not None for r in records),
                         "passed": sum(r["impl"] == i.name and bool(r["passed"]) for r in records),
                         "errors": sum(r["impl"] == i.name and r["status"] == "error" for r in records),

@@ -14,8 +14,8 @@ Three sweeps per implementation, each point timed like the performance section (
 from __future__ import annotations
 
 from .cases import DTYPES, Shape, make_inputs
-from .context import Context, empty_cache, measure_peak
-from .perf import loglog_slope, make_call, measure
+from .context import Context, empty_cache, measure_peak, shape_classes
+from .perf import loglog_slope, make_call, measure, result_line
 
 KNEE_GAIN = 1.10  # throughput must grow by at least 10 % per batch doubling to count as still scaling
 
@@ -36,6 +36,17 @@ def _point(ctx: Context, impl, shape: Shape, dtype: str, direction: str, with_me
     return rec
 
 
+def _unit(ctx: Context, impl, shape: Shape, dtype: str, direction: str, desc: str, with_memory: bool):
+    """One sweep point as a unit of work: None when the budget refuses it."""
+    classes = shape_classes(impl, shape, dtype, direction)
+    if not ctx.fits(impl.name, classes, desc):
+        return None
+    ctx.step(desc, impl.name, classes)
+    rec = _point(ctx, impl, shape, dtype, direction, with_memory)
+    ctx.done(result_line(rec), rec.get("first_call_s"))
+    return rec
+
+
 def knee(batches: list, tokens_per_s: list):
     """First batch after which the next batch size does not raise throughput by ``KNEE_GAIN``; None if it never
     stops growing within the sweep."""
@@ -49,11 +60,11 @@ def _t_sweep(ctx: Context, impl, dtype: str, direction: str) -> dict:
     p = ctx.profile
     points, stop = [], None
     for T in p.scale_T:
-        if ctx.out_of_time():
+        rec = _unit(ctx, impl, p.scale_base.with_(T=T), dtype, direction, f"scaling {impl.name} T={T} {direction}",
+                    with_memory=True)
+        if rec is None:
             stop = "time budget"
             break
-        ctx.step(f"scaling {impl.name} T={T} {direction}")
-        rec = _point(ctx, impl, p.scale_base.with_(T=T), dtype, direction, with_memory=True)
         points.append(rec)
         if "error" in rec:
             stop = "out of memory" if rec.get("oom") else f"error: {rec['error']['type']}"
@@ -78,10 +89,10 @@ def _batch_sweep(ctx: Context, impl, dtype: str) -> dict:
     p = ctx.profile
     points = []
     for B in p.scale_batch:
-        if ctx.out_of_time():
+        rec = _unit(ctx, impl, p.scale_base.with_(B=B, T=p.scale_batch_T), dtype, "fwd",
+                    f"scaling {impl.name} B={B}", with_memory=False)
+        if rec is None:
             break
-        ctx.step(f"scaling {impl.name} B={B}")
-        rec = _point(ctx, impl, p.scale_base.with_(B=B, T=p.scale_batch_T), dtype, "fwd", with_memory=False)
         points.append(rec)
         if "error" in rec:
             break
@@ -107,10 +118,11 @@ def _equal_tokens(ctx: Context, impl, dtype: str) -> dict:
     p = ctx.profile
     points = []
     for B, T in equal_token_splits(p.equal_tokens):
-        if ctx.out_of_time():
+        rec = _unit(ctx, impl, p.scale_base.with_(B=B, T=T), dtype, "fwd", f"scaling {impl.name} {B}x{T}",
+                    with_memory=False)
+        if rec is None:
             break
-        ctx.step(f"scaling {impl.name} {B}x{T}")
-        points.append(_point(ctx, impl, p.scale_base.with_(B=B, T=T), dtype, "fwd", with_memory=False))
+        points.append(rec)
     ok = [r for r in points if "error" not in r]
     return {"impl": impl.name, "dtype": dtype, "id": f"{impl.name}/equal/{dtype}", "total_tokens": p.equal_tokens,
             "B": [r["shape"]["B"] for r in ok], "T": [r["shape"]["T"] for r in ok],
@@ -123,6 +135,7 @@ def run(ctx: Context) -> dict:
     dtype = p.scale_dtype
     directions = ("fwd", "fwdbwd") if ctx.gpu else ("fwd",)
     t_sweeps, batch, equal = [], [], []
+    ctx.partial.update(T_sweep=t_sweeps, batch_sweep=batch, equal_tokens=equal)
     jobs = [(t_sweeps, _t_sweep, (impl, dtype, d)) for impl in ctx.available() for d in directions]
     jobs += [(batch, _batch_sweep, (impl, dtype)) for impl in ctx.available()]
     jobs += [(equal, _equal_tokens, (impl, dtype)) for impl in ctx.available()]

@@ -10,6 +10,10 @@ calls repeat until the soak time (``soak_s``, never more than the run's remainin
   cache, fragmentation).
 * output drift: max |o − o_first| and max |dq − dq_first| over all calls; ``bitwise_stable`` if always zero (a
   deterministic kernel on fixed inputs must return the same bits every time).
+
+The soak runs in the main thread (a worker thread measured 2-3x slower per call on a CPU, which would be the
+soak's own finding) and starts only when the budget's estimate for it (:meth:`Context.fits`, a first call when
+its shape is a new compile class) fits the implementation's share; the loop stops at its time.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import time
 import torch
 
 from .cases import DTYPES, make_inputs
-from .context import Context, allocated_bytes, empty_cache, error_record
+from .context import Context, allocated_bytes, empty_cache, error_record, shape_classes
 from .perf import percentile
 
 WARM = 3
@@ -69,6 +73,7 @@ def soak_one(ctx: Context, impl, T: int, seconds: float) -> dict:
     n = len(lat)
     rec["calls"] = n
     rec["duration_s"] = time.perf_counter() - start
+    rec["first_call_s"] = lat[0] / 1e3 if lat else None
     if n <= WARM:
         return rec
     tenth = max(1, (n - WARM) // 10)
@@ -96,15 +101,22 @@ def run(ctx: Context, scaling: dict = None) -> dict:
     p = ctx.profile
     impls = ctx.available()
     records = []
+    ctx.partial.update(records=records)
     for i, impl in enumerate(impls):
-        share = ctx.remaining() / (len(impls) - i) * 0.5  # leave room for the sections after this one
-        seconds = min(p.soak_s, share)
-        if seconds <= 0.2:
+        part = ctx.remaining() / (len(impls) - i)
+        seconds = min(p.soak_s, part * 0.5)  # leave room for the sections after this one
+        T = _soak_T(ctx, impl, scaling)
+        classes = shape_classes(impl, p.scale_base.with_(T=T), p.scale_dtype, "fwdbwd")
+        desc = f"soak {impl.name} T={T} for {max(seconds, 0):.1f} s"
+        if seconds <= 0.2 or not ctx.fits(impl.name, classes, desc):
             records.append({"id": impl.name, "impl": impl.name, "skipped": "time budget"})
             continue
-        T = _soak_T(ctx, impl, scaling)
-        ctx.step(f"soak {impl.name} T={T} {seconds:.0f}s")
-        records.append(soak_one(ctx, impl, T, seconds))
+        ctx.step(desc, impl.name, classes)
+        rec = soak_one(ctx, impl, T, seconds)
+        records.append(rec)
+        ctx.done((f"error {rec['error']['type']} after " if "error" in rec else "")
+                 + f"{rec['calls']} calls" + (f", P50 {rec['latency_p50_ms']:.3g} ms" if "latency_p50_ms" in rec
+                                              else ""), rec.get("first_call_s"))
     return {"memory_counter": "cuda memory_allocated" if ctx.gpu else "process resident set (RSS)",
             "warm_calls": WARM, "leak_threshold_bytes": LEAK_BYTES if ctx.gpu else LEAK_BYTES_CPU,
             "soak_s": p.soak_s, "records": records}

@@ -18,7 +18,7 @@ import torch
 
 from ..ops.gated_delta.reference import gated_delta_rule_reference
 from .cases import DTYPES, Shape, make_inputs
-from .context import Context, error_record
+from .context import Context, error_record, shape_classes
 from .correctness import compare
 from .perf import loglog_slope
 
@@ -49,12 +49,15 @@ def _series(ctx: Context, impl, dtype: str, refs: dict, common: dict, skipped: l
     p = ctx.profile
     pts = []
     for T in p.stab_T:
-        if ctx.out_of_time():
+        shape = Shape(1, T, p.stab_H, p.stab_H, p.stab_D, p.stab_D)
+        classes = shape_classes(impl, shape, dtype, "fwd")
+        desc = f"stability {impl.name} {dtype} T={T}"
+        if not ctx.fits(impl.name, classes, desc):
             skipped.append(f"{impl.name}/{dtype}/T{T}")
             continue
-        ctx.step(f"stability {impl.name} {dtype} T={T}")
+        ctx.step(desc, impl.name, classes)
         if T not in common:
-            common[T] = _common_inputs(Shape(1, T, p.stab_H, p.stab_H, p.stab_D, p.stab_D), ctx)
+            common[T] = _common_inputs(shape, ctx)
         inputs = {n: (x.to(DTYPES[dtype]) if n != "g" and torch.is_tensor(x) else x) for n, x in common[T].items()}
         try:
             with torch.no_grad():
@@ -63,8 +66,10 @@ def _series(ctx: Context, impl, dtype: str, refs: dict, common: dict, skipped: l
                     refs[T] = _reference(common[T])
             ro, rh = refs[T]
             pts.append({"T": T, "o": compare(o, ro), "final_state": compare(ht, rh)})
+            ctx.done(f"rel L2 o {pts[-1]['o']['rel_l2']:.1e}")
         except Exception as e:
             pts.append({"T": T, "error": error_record(e)})
+            ctx.done(f"error {type(e).__name__}")
     ok = [q for q in pts if "error" not in q]
     Ts = [q["T"] for q in ok]
     err_o = [q["o"]["rel_l2"] for q in ok]
@@ -82,6 +87,7 @@ def run(ctx: Context) -> dict:
     series, skipped = [], []
     refs: dict = {}
     common: dict = {}
+    ctx.partial.update(series=series, skipped_for_time=skipped)
     jobs = [(dtype, impl) for dtype in p.stab_dtypes for impl in ctx.available("gdn")]
     for i, (dtype, impl) in enumerate(jobs):
         with ctx.share(len(jobs) - i):
