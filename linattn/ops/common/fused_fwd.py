@@ -209,6 +209,12 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
     for name, prec in (("dot_prec", dot_prec), ("state_prec", state_prec)):
         if prec is not None and prec not in DOT_PRECISIONS:
             raise ValueError(f"{name} must be one of {DOT_PRECISIONS} or None, got {prec!r}")
+        if prec == "bf16x3" and q.device.type == "cuda":
+            # measured 2026-11-29 (H200, Triton 3.6, benchmarks/walk_precision_probe.py): every walk variant with
+            # a bf16x3 dot (output or state dots) faults with an illegal memory access, while the same `dot`
+            # helper passes tests/ops/test_dot.py on that GPU; refuse it there until the fault is understood
+            raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
+                             "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
     o_prec, s_prec = fused_dot_precisions(q.dtype)
     fused_fwd_kernel[(triton.cdiv(K + V if affine else V, BV), num_segments * HV)](
         q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, nseg, seg_len, H=H, HV=HV, K=K, V=V,
