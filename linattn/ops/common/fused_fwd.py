@@ -10,7 +10,8 @@ One program owns one (sequence, value head, BV-wide slice of V) and holds the wh
            Q [BT, BK], K [BT, BK] in the input dtype
     V_new = U − W S                                              [BT, BV] fp32, registers only
     O     = scale·[Γ ⊙ (Q S) + (Q Kᵀ ⊙ D ⊙ causal) V_new]       write BT×BV in the output dtype
-    S    ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
+    S    ← e^{G_C} S + Kᵀ (e^{G_C − G} ⊙ V_new)                 the decay scales V_new's rows, so K stays in
+                                                                 the input dtype (fewer registers, no fp32 copy)
 
 so per chunk and head it moves BT·(K + V)·4 + BT·2K·(2 bytes) + BT·V·2 bytes and writes neither h (BK·BV fp32
 per chunk) nor V_new, against the unfused state pass + output stages that write h and V_new and read them back.
@@ -28,6 +29,8 @@ for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates: the
 at DOT_PREC, the state dots (W S, Kᵀ V_new) at STATE_PREC, both from :func:`fused_dot_precisions` (bf16: tf32x3 / tf32, chosen by measurement).
 Every dot goes through ``common/dot.py``'s ``dot``, which also offers split-bf16 "bf16x3" (three bf16 MMAs; two for
 Q S of bf16 inputs, whose Q is not split) and keeps bf16 products right under the interpreter (INTERPRET).
+"bf16x3" in this kernel faults on the H200 with Triton 3.6 (illegal memory access, docs/performance.md run 8) while
+the helper alone passes its GPU test; ``launch_walk`` refuses it on CUDA until the cause is found.
 """
 from __future__ import annotations
 
