@@ -83,14 +83,15 @@ def rel_rms(a, b):
 
 def twin(x: dict, offsets, scale: float) -> dict:
     """Run the torch twin stage by stage in float64, sequence by sequence, and return every intermediate in the
-    Triton layout: token-major ``[B, T, HV, ...]``, h ``[B, NT, HV, K, V]`` (varlen: B = 1, NT = NT_total)."""
+    Triton layout: token-major ``[B, T, HV, ...]``, h ``[B, NT, HV, K, V]`` (varlen: B = 1, NT = NT_total); p (the
+    chunk's P = Q Kᵀ ⊙ D ⊙ causal, row t of its chunk) ``[B, T, HV, 64]`` like A_inv."""
     q, k, v, g, beta = (x[n].double() for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     h0 = x["initial_state"]
     seqs = [(b, 0, T) for b in range(B)] if offsets is None else list(zip([0] * (len(offsets) - 1), offsets[:-1],
                                                                          offsets[1:]))
-    out = {n: [] for n in ("gc", "A_inv", "w", "u", "v_new", "o", "h", "ht")}
+    out = {n: [] for n in ("gc", "A_inv", "w", "u", "v_new", "o", "p", "h", "ht")}
     for n, (b, bos, eos) in enumerate(seqs):
         S = h0[n].double() if h0 is not None else torch.zeros(HV, K, V, dtype=torch.float64)
         if eos == bos:
@@ -105,12 +106,13 @@ def twin(x: dict, offsets, scale: float) -> dict:
         w, u = tc.wy_ref(A_inv, kc, vc, bc, gc)
         h, v_new, ht = tc.state_pass_fwd_ref(w, u, kc, gc, S[None])
         o = tc.output_fwd_ref(qc, kc, v_new, h, gc, scale)
-        for name, t in (("gc", gc), ("A_inv", A_inv), ("w", w), ("u", u), ("v_new", v_new), ("o", o)):
+        p = tc.qk_decay_ref(qc, kc, gc)
+        for name, t in (("gc", gc), ("A_inv", A_inv), ("w", w), ("u", u), ("v_new", v_new), ("o", o), ("p", p)):
             out[name].append(tc.from_chunks(t, L))
         out["h"].append(h.permute(0, 2, 1, 3, 4))
         out["ht"].append(ht[0])
     cat = 0 if offsets is None else 1          # batch axis, or the packed token / chunk axis
-    res = {n: torch.cat(out[n], cat) for n in ("gc", "A_inv", "w", "u", "v_new", "o", "h")}
+    res = {n: torch.cat(out[n], cat) for n in ("gc", "A_inv", "w", "u", "v_new", "o", "p", "h")}
     res["ht"] = torch.stack(out["ht"])
     return res
 

@@ -15,9 +15,15 @@ One program owns one (sequence, value head, BV-wide slice of V) and holds the wh
 
 so per chunk and head it moves BT·(K + V)·4 + BT·2K·(2 bytes) + BT·V·2 bytes and writes neither h (BK·BV fp32
 per chunk) nor V_new, against the unfused state pass + output stages that write h and V_new and read them back.
-Q Kᵀ does not depend on S but is recomputed here for each V slice: it costs 2·BT²·K FLOPs per slice and saves a
-[BT, BT] fp32 round trip through HBM. The order inside a chunk — V_new, then O from the entering S, then the update
-— is the math's; O and V_new both read the S that entered the chunk.
+The order inside a chunk — V_new, then O from the entering S, then the update — is the math's; O and V_new both
+read the S that entered the chunk.
+
+P = Q Kᵀ ⊙ D ⊙ causal does not depend on S. By default it is recomputed here for each V slice (2·BT²·K FLOPs per
+slice, ≈ 24% of the walk's tensor-core work at the default precisions, docs/performance.md run 8). With LOAD_P
+(``p`` given, from ``fused_prepass`` with queries) the walk instead reads the chunk's P [BT, BT] fp32 (16 KB per
+chunk and head; the V slices of one head read the same tile, mostly from L2) and skips that dot and its mask; Q
+is still read for Q S and K for the state update. Off by default until measured on the GPU (triton_chunk.py,
+``PRECOMPUTE_QK``).
 
 Modes (constexpr flags of the same kernel, driven by ``seq_parallel.py`` for intra-card sequence parallelism):
 SEGMENTED walks a chunk range [i_c0, i_c1) of a sequence from a per-segment initial state; AFFINE skips Q and the
@@ -45,10 +51,10 @@ from .dot import DOT_PRECISIONS, dot
 
 
 @triton.jit
-def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
+def _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
-                 AFFINE: tl.constexpr, INTERPRET: tl.constexpr):
+                 AFFINE: tl.constexpr, LOAD_P: tl.constexpr, INTERPRET: tl.constexpr):
     """One chunk: write its BT×BV slice of O (not in AFFINE mode) and return the state leaving it."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -78,9 +84,15 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
         # O = scale·[Γ ⊙ (Q S) + (Q Kᵀ ⊙ D ⊙ causal) V_new]; D is formed from the masked difference (→ −inf → 0)
         p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK), (1, 0))
         b_q = tl.load(p_q, boundary_check=(0, 1))
-        m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-        b_P = dot(b_q, b_kt, INPUT_PREC, INTERPRET)
-        b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        if LOAD_P:
+            # P from the pre-pass: read BT×BT fp32 (rows past the sequence end load as 0, like Q's)
+            p_P = tl.make_block_ptr(p + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
+                                    (1, 0))
+            b_P = tl.load(p_P, boundary_check=(0,))
+        else:
+            m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+            b_P = dot(b_q, b_kt, INPUT_PREC, INTERPRET)
+            b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
         # Q stays in the input dtype: dot widens it to fp32 only where Triton's precisions need matching dtypes
         # (bf16x3 multiplies a bf16 Q as it is, which saves the fp32 copy's registers)
         b_o = dot(b_q, b_h, DOT_PREC, INTERPRET) * tl.exp(b_gc)[:, None]
@@ -97,11 +109,11 @@ def _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v,
 
 
 @triton.jit(do_not_specialize=["T", "NSEG", "L"])
-def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, NSEG, L, H: tl.constexpr,
+def fused_fwd_kernel(q, k, w, u, gc, p, o, h0, ht, scale, cu_seqlens, segments, T, NSEG, L, H: tl.constexpr,
                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
                      USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
-                     AFFINE: tl.constexpr, INTERPRET: tl.constexpr):
+                     AFFINE: tl.constexpr, LOAD_P: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (cdiv(VS, BV), NS·HV): program (i_v, segment i_s, value head i_hv). Without SEGMENTED a segment is a
     # whole sequence (NS = N, i_s = i_n): the default walk. With SEGMENTED (seq_parallel.py) segment i_s covers
     # chunks [i_c0, i_c1) of sequence i_n: varlen reads (i_n, i_c0, i_c1) from segments [NS, 3]; otherwise every
@@ -110,6 +122,8 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, 
     # starting from [I | 0] with U's columns shifted by K, and the state leaving the segment is stored to
     # ht [NS, HV, K, K + V]. Otherwise the state starts from h0 (per segment i_s) and the state leaving the last
     # chunk of sequence i_n is stored to ht [N, HV, K, V].
+    # LOAD_P (never with AFFINE, which has no output): P of each chunk is read from p [B, T, HV, BT] instead of
+    # being computed from Q Kᵀ.
     i_v, i_sh = tl.program_id(0), tl.program_id(1)
     i_s, i_hv = i_sh // HV, i_sh % HV
     i_h = i_hv // (HV // H)
@@ -155,8 +169,8 @@ def fused_fwd_kernel(q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, 
     # a while loop, not range(): the interpreter cannot take range() of a runtime bound (see state_pass.py)
     i_c = i_c0
     while i_c < i_c1:
-        b_h = _fused_chunk(q, k, w, u, gc, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
-                           DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE, INTERPRET)
+        b_h = _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK,
+                           BV, DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE, LOAD_P, INTERPRET)
         i_c += 1
 
     if AFFINE:
@@ -203,10 +217,11 @@ def num_sms(device: torch.device) -> int:
 def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, num_warps: int,
                 dot_prec: Optional[str], state_prec: Optional[str], chunk_size: int, num_segments: int,
                 segments: Optional[torch.Tensor] = None, nseg: int = 1, seg_len: int = 0,
-                segmented: bool = False, affine: bool = False) -> None:
+                segmented: bool = False, affine: bool = False, p: Optional[torch.Tensor] = None) -> None:
     """Launch :func:`fused_fwd_kernel` over ``num_segments`` segments (sequences without ``segmented``) × value
     heads × BV slices of the walked state's columns (V, or K + V with ``affine``). The tensors are as the kernel
-    describes; seq_parallel.py drives the segmented and affine modes."""
+    describes; seq_parallel.py drives the segmented and affine modes. ``p`` (``[B, T, HV, chunk_size]`` fp32 from
+    ``fused_prepass`` with queries, or None) sets LOAD_P; the affine mode has no output and ignores it."""
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
     for name, prec in (("dot_prec", dot_prec), ("state_prec", state_prec)):
@@ -218,20 +233,25 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
             # helper passes tests/ops/test_dot.py on that GPU; refuse it there until the fault is understood
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
+    load_p = p is not None and not affine
+    if load_p and (p.shape != (B, T, HV, chunk_size) or p.dtype != torch.float32):
+        raise ValueError(f"p must be [B, T, HV, chunk_size] = {[B, T, HV, chunk_size]} fp32 (fused_prepass with q), "
+                         f"got {list(p.shape)} {p.dtype}")
     o_prec, s_prec = fused_dot_precisions(q.dtype)
     fused_fwd_kernel[(triton.cdiv(K + V if affine else V, BV), num_segments * HV)](
-        q, k, w, u, gc, o, h0, ht, scale, cu_seqlens, segments, T, nseg, seg_len, H=H, HV=HV, K=K, V=V,
-        BT=chunk_size, BK=block_size(K, 256), BV=BV, DOT_PREC=dot_prec or o_prec,
+        q, k, w, u, gc, p if load_p else None, o, h0, ht, scale, cu_seqlens, segments, T, nseg, seg_len, H=H,
+        HV=HV, K=K, V=V, BT=chunk_size, BK=block_size(K, 256), BV=BV, DOT_PREC=dot_prec or o_prec,
         STATE_PREC=state_prec or dot_prec or s_prec, INPUT_PREC=dot_precision(q.dtype),
         USE_INITIAL_STATE=h0 is not None, IS_VARLEN=cu_seqlens is not None, SEGMENTED=segmented, AFFINE=affine,
-        INTERPRET=triton_interpret(), num_warps=num_warps)
+        LOAD_P=load_p, INTERPRET=triton_interpret(), num_warps=num_warps)
 
 
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
               initial_state: Optional[torch.Tensor], out_dtype: torch.dtype,
               cu_seqlens: Optional[torch.Tensor] = None, BV: Optional[int] = None,
               num_warps: Optional[int] = None, dot_prec: Optional[str] = None,
-              state_prec: Optional[str] = None, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+              state_prec: Optional[str] = None, chunk_size: int = CHUNK, p: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk the chunks of every sequence in order and write the output and the final state.
 
     Args:
@@ -243,6 +263,9 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
             :func:`fused_dot_precisions` for the output dots (Q S, P V_new) and the state dots (W S, Kᵀ V_new):
             one of ``dot.DOT_PRECISIONS`` ("ieee", "tf32", "tf32x3", "bf16x3"); a dot_prec alone sets both
             (benchmarks).
+        p: ``[B, T, HV, chunk_size]`` fp32 P = Q Kᵀ ⊙ D ⊙ causal of every chunk (``fused_prepass`` with q), or
+            None: the walk computes P itself. Given, it is read instead (LOAD_P); the result is the same up to fp32
+            rounding.
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """
@@ -253,5 +276,5 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     launch_walk(q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, BV or BV_default,
-                num_warps or warps_default, dot_prec, state_prec, chunk_size, N)
+                num_warps or warps_default, dot_prec, state_prec, chunk_size, N, p=p)
     return o, ht

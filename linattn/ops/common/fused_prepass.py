@@ -7,6 +7,13 @@ fuses). One program per (chunk, value head), grid (NT, B·HV), like the stages i
             BT×V values
     writes  gc [BT] fp32, W [BT, K] fp32, U [BT, V] fp32        — and nothing else: A_inv stays in registers.
 
+With queries given (STORE_P) it also reads BT×K queries and the keys once more (from L2) and writes the chunk's
+P = Q Kᵀ ⊙ D ⊙ causal [BT, BT] fp32 (+25% writes at K = V = 128), so that the sequential walk (``fused_fwd.py``,
+LOAD_P) loads P instead of recomputing it for every V slice. Twin: ``torch_chunk.qk_decay_ref``. The query scale
+is NOT folded into P: P is then the same matrix as the twin's (and the backward's), and the walk applies the scale
+once to the sum Γ ⊙ (Q S) + P V_new with or without a stored P, so both modes round the same way up to the order
+of the Q Kᵀ sum. Without queries the flag is off and the kernel compiles to what it was.
+
 Against the unfused stages (cumsum → kkt_solve → wy) this drops the A_inv round trip (BT² fp32 written and read
 back: 32 KB per chunk and head), two launches, and the re-reads of gc and β.
 
@@ -24,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision
+from . import CHUNK, block_size, dot_precision, triton_interpret
+from .dot import dot
 from .kkt_solve import kkt_inverse_blocks
 from .varlen import chunk_bounds
 from .wy import wy_tiles
@@ -43,9 +51,10 @@ def _cat_rows(a, b):
 
 
 @triton.jit(do_not_specialize=["T"])
-def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
+def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
+                         IS_VARLEN: tl.constexpr, STORE_P: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -62,7 +71,26 @@ def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, 
     # the solve reads gc back in 16-row slices: a CTA barrier makes this program's stores visible to its threads
     tl.debug_barrier()
 
-    # 2. (I + A)⁻¹ in ten 16×16 blocks (reads BT×K keys, BT gates and betas), assembled to [BT, BT] in registers;
+    if STORE_P:
+        # 2. P = Q Kᵀ ⊙ D ⊙ causal for the walk: read BT×K queries and keys in BK-wide tiles, write BT×BT fp32.
+        #    Q Kᵀ runs on the inputs at INPUT_PREC like the walk's (dot widens bf16 under the interpreter); D comes
+        #    from the masked difference (→ −inf → 0). Rows past the sequence end are not stored; in a stored row t
+        #    every column past the end is above the diagonal, so it is 0 (the varlen neighbour's keys never leak in)
+        b_P = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
+                                    (1, 0))
+            p_kt = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (i_k * BK, i_c * BT),
+                                     (BK, BT), (0, 1))
+            b_P += dot(tl.load(p_q, boundary_check=(0, 1)), tl.load(p_kt, boundary_check=(0, 1)), INPUT_PREC,
+                       INTERPRET)
+        m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+        b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        p_p = tl.make_block_ptr(p + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
+                                (1, 0))
+        tl.store(p_p, b_P, boundary_check=(0,))
+
+    # 3. (I + A)⁻¹ in ten 16×16 blocks (reads BT×K keys, BT gates and betas), assembled to [BT, BT] in registers;
     #    K Kᵀ runs on the inputs (INPUT_PREC), W and U on the fp32 inverse (DOT_PREC)
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
         k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True)
@@ -72,7 +100,7 @@ def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, 
                     _cat_rows(_cat_cols(_cat_cols(b_T20, b_T21), _cat_cols(b_T22, b_0)),
                               _cat_cols(_cat_cols(b_T30, b_T31), _cat_cols(b_T32, b_T33))))
 
-    # 3. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
+    # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
     b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
     b_bg = b_beta * tl.exp(b_gc)
     wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
@@ -80,27 +108,32 @@ def fused_prepass_kernel(g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, 
 
 def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                   cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
-                  dot_prec: Optional[str] = None, chunk_size: int = CHUNK
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gc, W and U of every chunk, in one launch.
+                  dot_prec: Optional[str] = None, chunk_size: int = CHUNK, q: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, ...]:
+    """gc, W and U of every chunk (and P, with ``q``), in one launch.
 
     Args:
         g: log decays ``[B, T, HV]``; k: keys ``[B, T, H, K]`` (value head i reads key head ``i // (HV // H)``);
             v: values ``[B, T, HV, V]``; beta: ``[B, T, HV]``.
         cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
         dot_prec: override ``dot_precision(k.dtype)`` for the W/U dots (benchmarks).
+        q: queries ``[B, T, H, K]`` (k's dtype) or None: given, P is computed too.
     Returns:
         gc ``[B, T, HV]``, w ``[B, T, HV, K]``, u ``[B, T, HV, V]``, all fp32 — the same values (up to rounding
-        order) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd``.
+        order) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd`` — and, with ``q``, p ``[B, T, HV, BT]``
+        fp32: row t holds row t − c·BT of its chunk c's P = Q Kᵀ ⊙ D ⊙ causal (unscaled; columns at positions
+        past the sequence end are 0), the layout of ``A_inv``; the input of ``fused_fwd``'s ``p``.
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     gc = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     w = torch.empty(B, T, HV, K, dtype=torch.float32, device=k.device)
     u = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
+    p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
     fused_prepass_kernel[(NT, B * HV)](
-        g, k, v, beta, gc, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
-        INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None)
-    return gc, w, u
+        INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
+        INTERPRET=triton_interpret())
+    return (gc, w, u) if q is None else (gc, w, u, p)

@@ -173,8 +173,8 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
                            cu_seqlens: Optional[torch.Tensor] = None, offsets: Optional[list[int]] = None,
                            segment_chunks: Optional[int] = None, BV: Optional[int] = None,
                            num_warps: Optional[int] = None, dot_prec: Optional[str] = None,
-                           state_prec: Optional[str] = None, chunk_size: int = CHUNK
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           state_prec: Optional[str] = None, chunk_size: int = CHUNK,
+                           p: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_fwd` with long sequences split into segments when the unsplit walk cannot fill the SMs.
 
     Args: as :func:`fused_fwd` (q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``, u ``[B, T, HV, V]``, gc
@@ -183,6 +183,8 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
         segment_chunks: force segments of this many chunks (≥ 1; tests and benchmarks); None: :func:`plan_segments`.
         dot_prec, state_prec: precision overrides of the walk's dots, as :func:`fused_fwd` (benchmarks); phases A
             and C both use them.
+        p: P of every chunk from ``fused_prepass`` with q, or None (:func:`fused_fwd`'s ``p``): phase C reads it;
+            phase A has no output and never needs it.
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """
@@ -200,7 +202,7 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
     L = segment_chunks or plan_segments(chunks, HV, K, V, BV, num_sms(q.device))
     if L is None or L >= max(chunks, default=0):
         return fused_fwd(q, k, w, u, gc, scale, initial_state, out_dtype, cu_seqlens, BV=BV, num_warps=num_warps,
-                         dot_prec=dot_prec, state_prec=state_prec, chunk_size=chunk_size)
+                         dot_prec=dot_prec, state_prec=state_prec, chunk_size=chunk_size, p=p)
 
     if cu_seqlens is not None:
         segments, segment_first = segment_tables(offsets, L, chunk_size, q.device)
@@ -218,7 +220,7 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
     h_in = affine_scan(mn, initial_state, V, N, segment_first, nseg, BV=BV)
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
-    launch_walk(q, k, w, u, gc, o, h_in, ht, scale, BV=BV, **walk)
+    launch_walk(q, k, w, u, gc, o, h_in, ht, scale, BV=BV, p=p, **walk)
     return o, ht
 
 

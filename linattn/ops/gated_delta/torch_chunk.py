@@ -100,11 +100,16 @@ def state_pass_fwd_ref(w, u, k, gc, h0: torch.Tensor):
     return torch.stack(hs, 2), torch.stack(vns, 2), S
 
 
+def qk_decay_ref(q, k, gc):
+    """P = Q Kᵀ ⊙ D ⊙ causal (inclusive diagonal), ``[B, HV, NT, C, C]``: the state-free part of the output, also
+    stored by the pre-pass for the walk (``fused_prepass.py``, q given). The scale is not folded in."""
+    return (q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)
+
+
 def output_fwd_ref(q, k, v_new, h, gc, scale: float):
     """O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new]."""
     o_inter = (q * gc.exp()[..., None]) @ h
-    P = (q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)
-    return scale * (o_inter + P @ v_new)
+    return scale * (o_inter + qk_decay_ref(q, k, gc) @ v_new)
 
 
 def chunk_fwd_ref(q, k, v, g, beta, scale: float, h0: torch.Tensor):
@@ -128,7 +133,7 @@ def state_pass_bwd_ref(q, k, w, gc, do, dht: torch.Tensor, scale: float):
     Returns dh ``[B, HV, NT, K, V]`` (dS leaving each chunk), dv_new ``[B, HV, NT, C, V]`` and dh0.
     """
     NT = k.shape[2]
-    P = (q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)
+    P = qk_decay_ref(q, k, gc)
     dv_local = scale * P.transpose(-1, -2) @ do          # parallel part of dV_new (independent of dS)
     q_decay = q * gc.exp()[..., None]
     g_last = gc[..., -1]

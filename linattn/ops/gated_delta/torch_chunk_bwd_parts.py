@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from .torch_chunk import chunk_local_cumsum_bwd_ref, decay_matrix
+from .torch_chunk import chunk_local_cumsum_bwd_ref, decay_matrix, qk_decay_ref
 
 
 def local_bwd_dv_ref(q, k, gc, do, scale: float):
     """dv_local = scale·Pᵀ dO with P = Q Kᵀ ⊙ D (inclusive causal): the part of dV_new that needs no state."""
-    P = (q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)
-    return scale * P.transpose(-1, -2) @ do
+    return scale * qk_decay_ref(q, k, gc).transpose(-1, -2) @ do
 
 
 def local_bwd_dqk_ref(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float):

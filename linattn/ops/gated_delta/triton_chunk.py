@@ -39,6 +39,12 @@ from ..common.wy import wy_fwd
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# The fused forward's P = Q Kᵀ ⊙ D ⊙ causal: computed once per (chunk, value head) by the pre-pass and read by the
+# walk (True), or recomputed by the walk for every V slice (False, the measured default). Predicted from the
+# walk's MMA share (docs/performance.md run 8): walk −20–30% at B=1 T=4096 H=16, pre-pass +25% writes. Off until
+# the GPU measures it (benchmarks/walk_precision_probe.py --p); the backward path (fwd_stages) never uses it.
+PRECOMPUTE_QK = False
+
 
 class FwdStages(NamedTuple):
     """Everything the forward computes; the backward recomputes it with :func:`chunk_gated_delta_rule_fwd_stages`.
@@ -104,7 +110,8 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     The fused path (docs/architecture.md, "Fused forward"): one parallel pre-pass writes gc, W, U; one sequential
     kernel per (sequence, value head, V slice) keeps the state on chip and writes only o and the final state;
     when those programs cannot fill the SMs, long sequences are split into segments stitched exactly through their
-    affine state maps (``common/seq_parallel.py``).
+    affine state maps (``common/seq_parallel.py``). With :data:`PRECOMPUTE_QK` the pre-pass also writes P and the
+    walk reads it.
     """
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
@@ -113,5 +120,8 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if cu_seqlens is not None:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, _ = chunk_tables(offsets, CHUNK, q.device)
-    gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
-    return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets)
+    if PRECOMPUTE_QK:
+        gc, w, u, p = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, q=q)
+    else:
+        (gc, w, u), p = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices), None
+    return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)

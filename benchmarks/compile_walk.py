@@ -1,0 +1,97 @@
+"""Compile the fused forward's two kernels for an H200 (sm_90, triton's own ptxas) on any machine, no GPU needed.
+
+Prints registers, spill bytes and shared memory from ``ptxas -v`` for the sequential walk (``fused_fwd_kernel``)
+with and without LOAD_P (P read from the pre-pass instead of Q Kᵀ recomputed), per BV, and for the pre-pass
+(``fused_prepass_kernel``) with and without STORE_P, so that a change to either is checked for register pressure
+before it reaches the device. bf16 inputs, the launchers' tiles and precisions. Run without TRITON_INTERPRET::
+
+    python benchmarks/compile_walk.py [K=V ...]       # default 128
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+from linattn.ops.common import block_size, dot_precision
+from linattn.ops.common.fused_fwd import fused_dot_precisions, fused_fwd_kernel
+from linattn.ops.common.fused_prepass import fused_prepass_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+INPUT_ARGS = {"q", "k", "v", "o", "beta"}      # in the input dtype; g and the intermediates are fp32
+INT_ARGS = {"T", "NSEG", "L"}
+INDEX_ARGS = {"cu_seqlens", "chunk_indices", "segments"}
+
+
+def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4) -> tuple[int, int, int]:
+    """Compile ``kernel`` for sm_90 with the given constexprs; return (registers, spill bytes, shared bytes)."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in INT_ARGS:
+            signature[name] = "i32"
+        elif name == "scale":
+            signature[name] = "fp32"
+        elif name in INDEX_ARGS:
+            signature[name] = "*i32"
+        else:
+            signature[name] = f"*{dtype}" if name in INPUT_ARGS else "*fp32"
+    constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
+    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=TARGET, options=dict(num_warps=num_warps))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
+    return regs, spills, compiled.metadata.shared
+
+
+def walk_consts(d: int, BV: int, load_p: bool) -> dict:
+    """Constexprs of the plain walk at K = V = d for bf16 inputs (the launcher's tiles and precisions)."""
+    dp, sp = fused_dot_precisions(torch.bfloat16)
+    return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV, DOT_PREC=dp, STATE_PREC=sp,
+                INPUT_PREC=dot_precision(torch.bfloat16), USE_INITIAL_STATE=False, IS_VARLEN=False, SEGMENTED=False,
+                AFFINE=False, LOAD_P=load_p, INTERPRET=False)
+
+
+def prepass_consts(d: int, store_p: bool) -> dict:
+    """Constexprs of the pre-pass at K = V = d for bf16 inputs."""
+    ip = dot_precision(torch.bfloat16)
+    return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64), DOT_PREC=ip,
+                INPUT_PREC=ip, IS_VARLEN=False, STORE_P=store_p, INTERPRET=False)
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this script compiles")
+    print("| kernel | K=V | BV | flag | DOT_PREC / STATE_PREC | registers | spill bytes | shared bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d in [int(a) for a in sys.argv[1:]] or [128]:
+        for BV in (16, 32, 64):
+            for load_p in (False, True):
+                c = walk_consts(d, BV, load_p)
+                r = compile_kernel(fused_fwd_kernel, c)
+                print(f"| walk | {d} | {BV} | LOAD_P={load_p} | {c['DOT_PREC']} / {c['STATE_PREC']} | "
+                      f"{' | '.join(map(str, r))} |", flush=True)
+        for store_p in (False, True):
+            c = prepass_consts(d, store_p)
+            r = compile_kernel(fused_prepass_kernel, c)
+            print(f"| prepass | {d} | - | STORE_P={store_p} | {c['DOT_PREC']} | {' | '.join(map(str, r))} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
