@@ -5,9 +5,10 @@
     linattn eval --impl linattn,sdpa --device cpu --time-budget 120
     linattn eval --compare old/report.json new/report.json
 
-Sections run in a fixed order; each gets a share of the time budget (:data:`BUDGET_SHARES`, normalised over the
-selected sections and cumulative, so time a section leaves unused passes to the next). A section that fails is
-recorded with its error and the others still run, so the report always has every section.
+Sections run in a fixed order; when one starts, what is left of the time budget is divided over it and the later
+ones (:data:`BUDGET_SHARES`, normalised over the selected sections, above a minimum each: see
+:meth:`Context.plan_section`), so time a section leaves unused, or borrows, is shared by the later ones. A
+section that fails is recorded with its error and the others still run, so the report always has every section.
 
 The reports are written after every section (and at most every :data:`CHECKPOINT_EVERY_S` inside one) with
 ``"partial": true`` and the list ``sections_done``; SIGTERM (what ``timeout`` sends) and SIGINT stop the run at the
@@ -48,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--out", default="eval-out", help="output directory (default: %(default)s)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="wall-clock budget for the run (default: the profile's); sections stop starting work when "
-                        "their share is spent")
+                   help="wall-clock budget for the run (default: the profile's); a unit of work starts only when its "
+                        "estimated time fits its section's share or the run's spare time")
     p.add_argument("--sections", default=None,
                    help=f"comma-separated subset of sections to run (default: all of {', '.join(SECTIONS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of every random input (default: 0)")
@@ -273,6 +274,10 @@ class Evaluation:
             "wall_s": time.monotonic() - self.t0, "sections": self.selected, "seed": self.args.seed,
             "argv": sys.argv[1:], "partial": not complete, "interrupted": self.interrupted,
             "first_call_max_s": {k: c.first_call_max_s for k, c in self.ctx.costs.items()},
+            "compiles": {k: [{"family": e.sig.family, "kernel": list(e.sig.kernel), "dtype": e.sig.dtype,
+                              "dims": list(e.sig.dims), "flags": list(e.sig.flags), "seconds": e.seconds,
+                              "incremental": e.incremental} for e in c.compiles]
+                         for k, c in self.ctx.costs.items()},
             "impls": [{"name": i.name, "kind": i.kind, "available": i.available, "reason": i.reason,
                        "version": i.version} for i in self.impls]}
         return out
@@ -313,11 +318,10 @@ class Evaluation:
                    "robustness": robustness.run, "soak": lambda c: soak.run(c, results.get("scaling")),
                    "mixed_precision": mixed_precision.run}
         chosen = [n for n in runners if n in self.selected]
-        total = sum(BUDGET_SHARES[n] for n in chosen) or 1.0
+        weights = [BUDGET_SHARES[n] for n in chosen]
         usable = max(self.budget - REPORT_RESERVE_S, self.budget * 0.5)
-        ctx.run_deadline = self.t0 + usable
+        ctx.run_deadline, ctx.budget_s = self.t0 + usable, usable
         self.sampler = environment.NvmlSampler(self.device)
-        share = 0.0
         try:
             self.sampler.start()
             self.env = environment.collect(self.device)
@@ -327,16 +331,15 @@ class Evaluation:
             self.checkpoint()
             with _Progress(self.bar_enabled, len(chosen)) as bar:
                 ctx.progress = bar.step
-                for name in chosen:
-                    share += BUDGET_SHARES[name] / total
+                for i, name in enumerate(chosen):
                     bar.section(name)
                     self.sampler.section = name
-                    ctx.deadline = self.t0 + usable * share
-                    ctx.later_s = usable * (1.0 - share)
+                    ctx.plan_section(weights, i)  # what is left, divided over this section and the later ones
                     ctx.begin_section(name)
                     self.running, self.section_start = name, time.monotonic()
                     self.log(f"{name}: start ({ctx.remaining():.0f} s until its deadline at "
-                             f"{ctx.deadline - self.t0:.0f} s)")
+                             f"{ctx.deadline - self.t0:.0f} s, {max(ctx.spare(), 0):.0f} s with the run's spare "
+                             "time)")
                     try:
                         results[name] = runners[name](ctx)
                     except Exception as e:  # a broken section must not lose the others; the report shows the error

@@ -2,21 +2,30 @@
 
 Units of work and the time budget: a section announces each unit with :meth:`Context.fits` (may it start?), then
 :meth:`Context.step` (it starts: progress bar, unit clock) and :meth:`Context.done` (one log line, and the unit's
-time goes into the cost model). The cost model keeps, per implementation, the *shape classes* it has already run
-(dtype, direction, head counts and dims, the options that select other kernels: see :func:`shape_classes`), its
-first-call times (JIT compile / autotune: a unit's own measurement, else the whole unit when its class was new) and
-its last steady unit time per section. :meth:`Context.fits` estimates a unit and refuses it when the estimate
-exceeds the time it may use:
+time goes into the cost model).
 
-* class already run: the last steady unit time, against what is left of the current share;
-* new class, the implementation already paid a first call in this section: that section's first-call time (the
-  largest for the compiled third-party implementations fla and FlashQLA, tens of seconds per class; the latest
-  for the others) plus the steady time, against what is left of the share;
-* new class, first one of the implementation in this section (kernel families differ: fla's recurrent decode
-  kernel compiles in seconds, its chunked kernels autotune for half a minute): the largest first call seen in the
-  run, or :data:`FIRST_CALL_PRIOR_S` if there is none yet (GPU, third-party compilers), against what is left of the
-  *whole run* less half the nominal time of the sections after this one (:attr:`Context.later_s`): a first
-  compile is tried where later sections can absorb it, not at the very end, and never takes all of their time.
+The cost model (per implementation, :class:`ImplCost`) keeps the *compile signatures* the process has already run
+(:class:`Sig`: kernel family, kernel, dtype, K/V, and the flags that specialise a kernel, see
+:func:`shape_classes`), what each new one cost to compile (a unit's first-call time less its steady time, split
+over the signatures it added), and the last steady unit time per section. A unit's estimate is its section's
+steady time plus, for each signature it has not run yet:
+
+* a flag-only change (same family, kernel, dtype and K/V as one compiled before: T = 1, varlen, initial state,
+  in-op gate / L2 norm, head counts): the implementation's measured *incremental* compile in that family (the mean;
+  the largest for the compiled third parties fla and FlashQLA), or before any, :data:`INCREMENTAL_FRACTION` of that
+  base's first compile;
+* a new kernel, dtype or K/V: the first compile of the most similar signature of the same family, scaled by the
+  kernels' weight (:data:`KERNEL_WEIGHT`: a backward compiles about twice the forward's kernels);
+* a family the implementation has not compiled yet (the chunked op, ``chunk``, or a decode path's step kernel,
+  ``step``: different kernels, so decode never inherits the chunked op's compile): :data:`FIRST_CALL_PRIOR_S` per
+  kernel set on a GPU, else 0 (a CPU has no compiler to wait for: as measured).
+
+A unit starts when its estimate fits what is left of its share (the section's, or inside it the implementation's
+or sweep's, :meth:`Context.share`) or, failing that, the run's *spare* time (:meth:`Context.spare`): what is left
+of the whole run less a reserve for the minimal work of each later section (:data:`RESERVE_FRACTION` of the
+budget each, at most its nominal share) and the fair shares of the later parts of this section. A unit over its
+share borrows that time (later sections rebalance: the CLI divides what is left when each starts,
+:meth:`Context.plan_section`); a unit that fits neither is skipped, counted and logged.
 
 Also the device-neutral helpers the sections share: ``sync``, peak-memory measurement (the CUDA caching
 allocator's counters on GPU; the PyTorch profiler's allocation events on CPU), the process's resident set (soak),
@@ -25,48 +34,95 @@ and ``run_with_timeout`` (robustness must survive a call that never returns).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .cases import Profile
 from .impls import Impl
 
-# Seconds a first call (compile + autotune) is assumed to take before this run has timed one, per implementation;
-# GPU only. fla autotunes for ~35 s on its first shape; FlashQLA's TileLang compiles take 10-25 s per kernel, and a
-# forward + backward unit compiles several.
-FIRST_CALL_PRIOR_S = {"fla": 40.0, "flashqla": 60.0}
+# Seconds the first kernel set (a direction: forward, backward, or a decode step) of a kernel family is assumed to
+# compile (and autotune) before this run has timed one, per implementation; GPU only (H200 measurements). fla
+# autotunes its chunked forward for ~35 s on a first shape; FlashQLA compiles 40-60 s per shape class and
+# direction; a forward + backward unit pays two. A decode path's step kernel is small: linattn's recurrent kernels
+# compile in 3-5 s, fla's similar. linattn's chunked op has no prior: it is the suite's subject, its first unit is
+# always tried.
+FIRST_CALL_PRIOR_S = {"chunk": {"fla": 40.0, "flashqla": 60.0},
+                      "step": {"linattn": 10.0, "linattn-triton": 10.0, "fla": 15.0}}
+INCREMENTAL_FRACTION = 0.3  # a flag-only new signature, before an incremental compile was measured: this x the base's
+KERNEL_WEIGHT = {"bwd": 2.0}  # compile weight of a kernel set relative to a forward (1)
+COMPILED_THIRD_PARTY = ("fla", "flashqla")  # autotune per signature: the largest incremental compile, not the mean
+RESERVE_FRACTION = 0.10  # kept for each later section: this x the usable budget, at most its nominal share
 SKIP_LOG_LINES = 5  # skipped units logged one by one per section; the rest are counted in the section's last line
+
+
+class Sig(NamedTuple):
+    """One compile signature: what selects a separately compiled kernel (set) in a JIT implementation."""
+    family: str  # "chunk" (the chunked op) or "step" (a decode path's step kernel)
+    kernel: tuple  # ("fwd",) / ("bwd",) for the chunked op; (path, state dtype) for a decode step
+    dtype: str
+    dims: tuple  # (K, V): block sizes, everything recompiles
+    flags: tuple  # (H, HV, T == 1, T % 16 == 0, options): a specialisation of kernels compiled before
+
+    @property
+    def weight(self) -> float:
+        return KERNEL_WEIGHT.get(self.kernel[0] if self.kernel else "", 1.0)
+
+    def base(self) -> tuple:
+        return self.family, self.kernel, self.dtype, self.dims
+
+
+@dataclass
+class Compile:
+    sig: Sig
+    seconds: float
+    incremental: bool  # a flag-only change of a signature compiled before
 
 
 @dataclass
 class ImplCost:
     """What the run has learnt about one implementation's cost (see the module docstring)."""
-    classes: set = field(default_factory=set)
-    first_call_max_s: float = 0.0  # over the run
-    section_first_s: dict = field(default_factory=dict)  # section -> (largest, latest) first call there
+    classes: set = field(default_factory=set)  # signatures already run in this process
+    compiles: list = field(default_factory=list)  # [Compile], in the order measured
+    first_call_max_s: float = 0.0  # over the run (the report's meta)
     steady_s: dict = field(default_factory=dict)  # section -> last unit time without a first call
 
 
-def shape_classes(impl, shape, dtype: str, direction: str, **options) -> tuple:
-    """The compile classes a call of ``impl`` needs: one per direction it runs (fwd+bwd runs the forward too).
+def shape_classes(impl, shape, dtype: str, direction: str, step: Optional[tuple] = None, **options) -> tuple:
+    """The compile signatures (:class:`Sig`) a call of ``impl`` needs: the forward's, and the backward's for
+    "fwdbwd"; with ``step=(path, state dtype)`` the one of a decode path's step kernel instead.
 
-    A class is what selects a different compiled kernel in a JIT implementation: dtype, direction, head counts and
-    dims, T == 1 and T % 16 == 0 (Triton specialises integer arguments equal to 1 or divisible by 16), and the
-    options that switch kernels (varlen, initial state, and the pre-processing the implementation does natively;
-    pre-processing done in PyTorch for it compiles nothing). B and T otherwise do not matter.
+    Flags: head counts, T == 1 and T % 16 == 0 (Triton specialises integer arguments equal to 1 or divisible by
+    16), and the options that switch kernels (varlen, initial state, and the pre-processing the implementation does
+    natively; pre-processing done in PyTorch for it compiles nothing). B and T otherwise do not matter.
     """
     native = getattr(impl, "native", set()) or set()
-    opts = tuple(sorted(k for k, v in options.items() if v and (k in ("varlen", "h0", "step") or k in native)))
-    base = (dtype, shape.H, shape.HV, shape.K, shape.V, shape.T == 1, shape.T % 16 == 0) + opts
-    dirs = ("fwd", "fwdbwd") if direction == "fwdbwd" else (direction,)
-    return tuple((d,) + base for d in dirs)
+    opts = tuple(sorted(k for k, v in options.items() if v and (k in ("varlen", "h0") or k in native)))
+    flags = (shape.H, shape.HV, shape.T == 1, shape.T % 16 == 0) + opts
+    dims = (shape.K, shape.V)
+    if step is not None:
+        return (Sig("step", tuple(step), dtype, dims, flags),)
+    kernels = ("fwd", "bwd") if direction == "fwdbwd" else ("fwd",)
+    return tuple(Sig("chunk", (k,), dtype, dims, flags) for k in kernels)
+
+
+def compile_time(rec: dict) -> Optional[float]:
+    """A timed record's first call less one steady call (its median / P50): what the first call paid to compile,
+    for :meth:`Context.done`; None when the record has no first call."""
+    first = rec.get("first_call_s")
+    if first is None:
+        return None
+    steady_ms = next((rec[k] for k in ("median_ms", "p50_ms", "latency_p50_ms") if rec.get(k) is not None), 0.0)
+    return max(0.0, first - steady_ms / 1e3)
+
+
+def _similarity(a: Sig, b: Sig) -> tuple:
+    return (a.kernel == b.kernel, a.dtype == b.dtype, a.dims == b.dims, sum(x == y for x, y in zip(a.flags, b.flags)))
 
 
 @dataclass
@@ -74,15 +130,16 @@ class Context:
     device: torch.device
     profile: Profile
     impls: list[Impl]
-    deadline: float  # time.monotonic() value after which sections stop starting new work
+    deadline: float  # time.monotonic() value: the end of the running share (section, or a part of it)
     seed: int = 0
     progress: Optional[Callable[[str], None]] = None  # called with a short description when a unit starts
     peak_tflops: Optional[float] = None  # user overrides of the roofline ceilings
     peak_gbs: Optional[float] = None
     notes: list = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)  # start of the run: the log lines' clock
-    run_deadline: float = math.inf  # end of the whole run's usable time (the last section's deadline)
-    later_s: float = 0.0  # nominal seconds of the sections after the running one (half is kept from first compiles)
+    run_deadline: Optional[float] = None  # end of the whole run's usable time (default: ``deadline``)
+    budget_s: Optional[float] = None  # the run's usable seconds (reserves are fractions of it; default from t0)
+    later_reserve_s: float = 0.0  # kept for the minimal work of the sections after the running one
     log: Optional[Callable[[str], None]] = None  # one line per unit of work (no progress bar)
     on_unit: Optional[Callable[[], None]] = None  # after each unit (the CLI checkpoints the report)
     partial: dict = field(default_factory=dict)  # the running section's results so far, kept if it is interrupted
@@ -91,6 +148,14 @@ class Context:
     section_stats: dict = field(default_factory=dict)  # impl name -> units, seconds, first calls, skips (section)
     _unit: Optional[dict] = None
     _skip_lines: int = 0
+    _part_reserves: list = field(default_factory=list)  # per nested share: kept for its later parts
+    _borrow: bool = False  # the unit fits() just let start runs on spare time
+
+    def __post_init__(self):
+        if self.run_deadline is None:
+            self.run_deadline = self.deadline
+        if self.budget_s is None:
+            self.budget_s = max(0.0, self.run_deadline - self.t0)
 
     @property
     def gpu(self) -> bool:
@@ -100,78 +165,145 @@ class Context:
         return [i for i in self.impls if i.available and (kind is None or i.kind == kind)]
 
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        """Seconds left of the running share (what time-sized loops divide), never past what the run keeps for
+        the later sections."""
+        return min(self.deadline, self.run_deadline - self.later_reserve_s) - time.monotonic()
+
+    def spare(self) -> float:
+        """Seconds a unit may borrow beyond its share: the run's remaining time less the reserves for the later
+        sections and the later parts of this one."""
+        return self.run_deadline - time.monotonic() - self.later_reserve_s - sum(self._part_reserves)
 
     def out_of_time(self, reserve_s: float = 0.0) -> bool:
         return self.remaining() <= reserve_s
 
+    def _reserve(self, nominal_s: float) -> float:
+        return min(RESERVE_FRACTION * self.budget_s, max(0.0, nominal_s))
+
+    def plan_section(self, weights: list, i: int) -> None:
+        """Section ``i`` of the selected ones (``weights``: their budget shares, in run order) starts now: set its
+        deadline and the reserve kept for the later ones. Each section gets a minimum (:data:`RESERVE_FRACTION` of
+        the budget, at most its nominal share) plus its share by weight of what is left beyond the minima of it and
+        the later sections; when even the minima no longer fit, they shrink in proportion."""
+        now = time.monotonic()
+        left = max(0.0, self.run_deadline - now)
+        total = sum(weights) or 1.0
+        mins = [self._reserve(self.budget_s * w / total) for w in weights[i:]]
+        floor = sum(mins)
+        if left >= floor:
+            share = mins[0] + (left - floor) * weights[i] / (sum(weights[i:]) or 1.0)
+            self.later_reserve_s = floor - mins[0]
+        else:
+            share = left * mins[0] / floor if floor > 0 else left
+            self.later_reserve_s = left - share
+        self.deadline = now + share
+
     @contextlib.contextmanager
     def share(self, parts_left: int):
-        """Run the block with a fair share of the remaining time, ``1 / parts_left`` of it; time the block leaves
-        unused stays for the parts after it. (Without this, the first sweep of a section could starve the rest.)"""
-        old = self.deadline
-        self.deadline = time.monotonic() + max(0.0, self.remaining()) / max(1, parts_left)
+        """Run the block with a fair share of the running share's remaining time, ``1 / parts_left`` of it; the
+        rest is kept for the ``parts_left - 1`` parts after it: a unit of this block over its share borrows only
+        the run's spare time (:meth:`spare`), and the time the block overran is given back to the enclosing share
+        when it ends, so the later parts keep theirs (within what the run has left); time the block leaves unused
+        stays for them. (Without this, the first implementation of a section could starve the rest.)"""
+        old, n = self.deadline, max(1, parts_left)
+        now = time.monotonic()
+        left = max(0.0, old - now)
+        self.deadline = now + left / n
+        self._part_reserves.append(left - left / n)
         try:
             yield
         finally:
-            self.deadline = old
+            self._part_reserves.pop()
+            over = max(0.0, time.monotonic() - self.deadline)
+            self.deadline = old + over
 
     # ---- the cost model and the per-unit budget ------------------------------------------------------------
     def _stats(self, impl: str) -> dict:
         return self.section_stats.setdefault(impl, {"units": 0, "seconds": 0.0, "new_shape_classes": 0,
-                                                    "first_call_max_s": None, "skipped_for_time": 0})
+                                                    "first_call_max_s": None, "borrowed": 0,
+                                                    "skipped_for_time": 0})
+
+    def prior(self, impl: str, family: str) -> float:
+        return FIRST_CALL_PRIOR_S.get(family, {}).get(impl, 0.0) if self.gpu else 0.0
+
+    def compile_estimates(self, impl: Optional[str], classes: tuple = ()) -> list:
+        """[(signature, seconds, rule)] for each signature of ``classes`` ``impl`` has not run yet (see the module
+        docstring; rule: "prior", "new flags" or "new kernel")."""
+        if impl is None:
+            return []
+        c = self.costs.get(impl) or ImplCost()
+        new = [s for s in dict.fromkeys(classes) if s not in c.classes]
+        out = []
+        for s in new:
+            fam = [e for e in c.compiles if e.sig.family == s.family]
+            full = [e for e in fam if not e.incremental]
+            if not full:  # the family's first compile: the prior, per kernel set (direction)
+                out.append((s, self.prior(impl, s.family), "prior"))
+                continue
+            same = [e for e in full if e.sig.base() == s.base()]
+            if same:
+                inc = [e.seconds / e.sig.weight for e in fam if e.incremental]
+                if inc:
+                    per = max(inc) if impl in COMPILED_THIRD_PARTY else sum(inc) / len(inc)
+                    out.append((s, per * s.weight, "new flags"))
+                else:
+                    e = same[-1]
+                    out.append((s, INCREMENTAL_FRACTION * e.seconds * s.weight / e.sig.weight, "new flags"))
+                continue
+            e = max(reversed(full), key=lambda e: _similarity(e.sig, s))  # ties: the latest measured
+            out.append((s, e.seconds * s.weight / e.sig.weight, "new kernel"))
+        return out
 
     def estimate(self, impl: Optional[str], classes: tuple = ()) -> tuple[float, str]:
-        """(seconds a unit of ``impl`` on ``classes`` is expected to take, the rule that gave it: "last unit" and
-        "new shape class" are judged against the share, "first in section" and "prior" against the whole run)."""
+        """(seconds a unit of ``impl`` on ``classes`` is expected to take, the rule that dominated it: "steady",
+        or the compile rule of :meth:`compile_estimates` that weighs most)."""
         if impl is None:
             return 0.0, "none"
         c = self.costs.get(impl)
-        if c is None:
-            return (FIRST_CALL_PRIOR_S.get(impl, 0.0) if self.gpu else 0.0), "prior"
-        steady = c.steady_s.get(self.section, 0.0)
-        if all(k in c.classes for k in classes):
-            return steady, "last unit"
-        if self.section in c.section_first_s:
-            largest, latest = c.section_first_s[self.section]
-            return (largest if impl in FIRST_CALL_PRIOR_S else latest) + steady, "new shape class"
-        return c.first_call_max_s + steady, "first in section"
-
-    def _left(self, rule: str) -> float:
-        if rule in ("prior", "first in section"):
-            return self.run_deadline - 0.5 * self.later_s - time.monotonic()
-        return self.deadline - time.monotonic()
+        steady = c.steady_s.get(self.section, 0.0) if c is not None else 0.0
+        comp = self.compile_estimates(impl, classes)
+        if not comp:
+            return steady, "steady"
+        rules: dict = {}
+        for _, sec, rule in comp:
+            rules[rule] = rules.get(rule, 0.0) + sec
+        return steady + sum(rules.values()), max(rules, key=rules.get)
 
     def fits(self, impl: Optional[str] = None, classes: tuple = (), desc: str = "") -> bool:
-        """May a unit of ``impl`` (on these shape classes) start? False when the share is spent or the unit's
-        estimate exceeds the time it may use (see the module docstring); a refused unit is counted (and logged) as
+        """May a unit of ``impl`` (on these signatures) start? Yes when its estimate fits what is left of the share,
+        or else of the run's spare time (it borrows: :meth:`spare`); otherwise the unit is counted (and logged) as
         skipped for time."""
-        left = self.remaining()
         est, rule = self.estimate(impl, classes)
-        if left > 0 and est <= self._left(rule):
+        share, spare = self.remaining(), self.spare()
+        self._borrow = False
+        if share > 0 and est <= share:
+            return True
+        if spare > 0 and est <= spare:
+            self._borrow = True
             return True
         if impl is not None:
             self._stats(impl)["skipped_for_time"] += 1
         self._skip_lines += 1
         if self._skip_lines <= SKIP_LOG_LINES and desc:
-            why = (f"needs ~{est:.0f} s ({rule}), {max(self._left(rule), 0):.0f} s left" if left > 0
-                   else "share spent")
-            self.emit(f"skip {desc}: time budget ({why})")
+            self.emit(f"skip {desc}: time budget (needs ~{est:.0f} s ({rule}), {max(share, spare, 0):.0f} s left "
+                      "with the run's spare time)")
         return False
 
     def step(self, desc: str, impl: Optional[str] = None, classes: tuple = ()) -> None:
         """A unit of work starts (the previous one, if not closed with :meth:`done`, is closed as "done")."""
         if self._unit is not None:
             self.done("done")
-        c = self.costs.get(impl) if impl is not None else None
-        new = impl is not None and (c is None or any(k not in c.classes for k in classes))
-        self._unit = {"desc": desc, "impl": impl, "classes": tuple(classes), "new": new, "t": time.monotonic()}
+        new = self.compile_estimates(impl, classes)
+        self._unit = {"desc": desc, "impl": impl, "classes": tuple(classes), "new": new, "t": time.monotonic(),
+                      "borrowed": self._borrow}
+        self._borrow = False
         if self.progress is not None:
             self.progress(desc)
 
     def done(self, result: str = "done", first_call_s: Optional[float] = None) -> None:
         """The current unit ended: log one line and feed its time to the cost model. ``first_call_s``: the
-        unit's own measurement of its first call (else a unit on a new shape class counts whole as a first call)."""
+        unit's own measurement of its first call; else a unit on new signatures counts as first call its time
+        less the section's steady unit time (the whole unit before there is one)."""
         u, self._unit = self._unit, None
         if u is None:
             return
@@ -182,12 +314,17 @@ class Context:
             st = self._stats(u["impl"])
             st["units"] += 1
             st["seconds"] += unit_s
+            st["borrowed"] += bool(u["borrowed"])
             if u["new"]:
-                fc = first_call_s if first_call_s is not None else unit_s
+                steady = c.steady_s.get(self.section)
+                fc = first_call_s if first_call_s is not None else max(0.0, unit_s - (steady or 0.0))
                 c.first_call_max_s = max(c.first_call_max_s, fc)
-                largest, _ = c.section_first_s.get(self.section, (0.0, 0.0))
-                c.section_first_s[self.section] = (max(largest, fc), fc)
-                st["new_shape_classes"] += 1
+                weights = [e for _, e, _ in u["new"]]
+                if sum(weights) <= 0:
+                    weights = [s.weight for s, _, _ in u["new"]]
+                for (s, _, rule), w in zip(u["new"], weights):
+                    c.compiles.append(Compile(s, fc * w / sum(weights), rule == "new flags"))
+                st["new_shape_classes"] += len(u["new"])
                 st["first_call_max_s"] = max(st["first_call_max_s"] or 0.0, fc)
                 if first_call_s is not None:
                     c.steady_s[self.section] = max(0.0, unit_s - fc)
@@ -195,6 +332,8 @@ class Context:
             else:
                 c.steady_s[self.section] = unit_s
             c.classes.update(u["classes"])
+        if u["borrowed"]:
+            note += ", borrowed time"
         self.emit(f"{u['desc']}: {result} ({note})")
         if self.on_unit is not None:
             self.on_unit()
@@ -204,7 +343,7 @@ class Context:
 
     def end_section(self) -> dict:
         """Close the section's last unit; return its budget record (per implementation: units, seconds, new shape
-        classes, largest first call, units skipped for time)."""
+        classes, largest first call, units run on borrowed time, units skipped for time)."""
         if self._unit is not None:
             self.done("done")
         return {"impls": self.section_stats, "skip_lines_not_logged": max(0, self._skip_lines - SKIP_LOG_LINES)}
@@ -215,11 +354,10 @@ class Context:
 
     def hard_timeout(self, impl: Optional[str], classes: tuple, limit_s: float, grace_s: float = 5.0) -> tuple:
         """(timeout for a call run with :func:`run_with_timeout`, whether the budget set it). ``limit_s`` (a hang)
-        plus the first-call estimate when the class is new, cut to what :meth:`fits` let the unit use plus
-        ``grace_s``."""
-        est, rule = self.estimate(impl, classes)
-        want = limit_s + (est if rule != "last unit" else 0.0)
-        cut = max(self._left(rule), 0.0) + grace_s
+        plus the compile estimate of its new signatures, cut to what :meth:`fits` let the unit use (its share, or
+        the run's spare time) plus ``grace_s``."""
+        want = limit_s + sum(sec for _, sec, _ in self.compile_estimates(impl, classes))
+        cut = max(self.remaining(), self.spare(), 0.0) + grace_s
         return (cut, True) if cut < want else (want, False)
 
     def sync(self) -> None:

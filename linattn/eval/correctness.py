@@ -23,7 +23,7 @@ import torch
 
 from .. import chunk_gated_delta_rule
 from .cases import DTYPES, correctness_cases, make_inputs
-from .context import Context, error_record, shape_classes
+from .context import COMPILED_THIRD_PARTY, Context, error_record, shape_classes
 
 # relative L2 error bounds: forward tensors (o, final state), backward tensors (gradients)
 # (fp32 admits TF32 tensor-core products, which Triton uses for fp32 tl.dot by default; the torch backend on a CPU
@@ -34,7 +34,6 @@ TOLERANCES = {
     "bf16": {"fwd": 1e-2, "bwd": 4e-2},
 }
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-COMPILED_THIRD_PARTY = ("fla", "flashqla")  # JIT compile per shape class: units ordered to share compiles
 DTYPE_PREFERENCE = ("bf16", "fp16", "fp32")  # what those kernels are built for first
 
 

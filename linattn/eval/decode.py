@@ -39,7 +39,7 @@ import torch
 from ..ops.gated_delta.reference import gated_delta_rule_reference
 from ..ops.utils import gate_from_raw, l2norm
 from .cases import DTYPES, Shape
-from .context import Context, empty_cache, error_record, is_oom, shape_classes
+from .context import Context, compile_time, empty_cache, error_record, is_oom, shape_classes
 from .correctness import compare
 from .perf import summarize
 
@@ -351,7 +351,7 @@ def _impl(ctx: Context, path: DecodePath):
 
 def step_classes(impl, path: DecodePath, shape: Shape, Tq: int, pool: str, io_dtype: str) -> tuple:
     """Compile classes of a decode step: its own kernel, per path, tokens per step and state dtype."""
-    return tuple((path.path, pool) + k for k in shape_classes(impl, shape.with_(T=Tq), io_dtype, "fwd", step=True))
+    return shape_classes(impl, shape.with_(T=Tq), io_dtype, "fwd", step=(path.path, pool))
 
 
 def run(ctx: Context) -> dict:
@@ -398,7 +398,7 @@ def run(ctx: Context) -> dict:
             ctx.done(f"error {rec['error']['type']}: {rec['error']['message'][:80]}" if "error" in rec else
                      f"P50 {rec['p50_ms'] * 1e3:.3g} us, P99 {rec['p99_ms'] * 1e3:.3g} us, n={rec['n']}"
                      + (f", graph {rec['graph_ms'] * 1e3:.3g} us" if rec.get("graph_ms") else ""),
-                     rec.get("first_call_s"))
+                     compile_time(rec))
     finally:
         torch.set_num_threads(threads)
     s = p.dec_shape

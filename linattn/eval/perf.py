@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .cases import DTYPES, Shape, make_inputs
-from .context import Context, empty_cache, error_record, is_oom, shape_classes
+from .context import Context, compile_time, empty_cache, error_record, is_oom, shape_classes
 
 CHUNK = 64
 BWD_FLOP_FACTOR, BWD_BYTE_FACTOR = 2.5, 2.0
@@ -264,7 +264,7 @@ def run(ctx: Context) -> dict:
         budget = min(p.point_budget_s, ctx.remaining() / (len(rows) - i))
         records.append(measure(ctx, impl, shape, dtype, direction, warmup=p.warmup, reps=p.reps, budget_s=budget,
                                seed=ctx.seed))
-        ctx.done(result_line(records[-1]), records[-1].get("first_call_s"))
+        ctx.done(result_line(records[-1]), compile_time(records[-1]))
     peaks = {d: dict(zip(("tflops", "gbs", "source"), device_peaks(ctx, d))) for d in p.perf_dtypes}
     return {"timer": "cuda_events" if ctx.gpu else "perf_counter", "warmup": p.warmup, "max_reps": p.reps,
             "chunk": CHUNK, "peaks": peaks, "records": records, "skipped_for_time": skipped}

@@ -14,7 +14,7 @@ Three sweeps per implementation, each point timed like the performance section (
 from __future__ import annotations
 
 from .cases import DTYPES, Shape, make_inputs
-from .context import Context, empty_cache, measure_peak, shape_classes
+from .context import Context, compile_time, empty_cache, measure_peak, shape_classes
 from .perf import loglog_slope, make_call, measure, result_line
 
 KNEE_GAIN = 1.10  # throughput must grow by at least 10 % per batch doubling to count as still scaling
@@ -43,7 +43,7 @@ def _unit(ctx: Context, impl, shape: Shape, dtype: str, direction: str, desc: st
         return None
     ctx.step(desc, impl.name, classes)
     rec = _point(ctx, impl, shape, dtype, direction, with_memory)
-    ctx.done(result_line(rec), rec.get("first_call_s"))
+    ctx.done(result_line(rec), compile_time(rec))
     return rec
 
 

@@ -12,8 +12,9 @@ calls repeat until the soak time (``soak_s``, never more than the run's remainin
   deterministic kernel on fixed inputs must return the same bits every time).
 
 The soak runs in the main thread (a worker thread measured 2-3x slower per call on a CPU, which would be the
-soak's own finding) and starts only when the budget's estimate for it (:meth:`Context.fits`, a first call when
-its shape is a new compile class) fits the implementation's share; the loop stops at its time.
+soak's own finding) and starts only when the budget's estimate for it (:meth:`Context.fits`, a compile when its
+shape is a new signature) fits the implementation's share or the run's spare time (its soak time is sized from the
+same); the loop stops at its time.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import time
 import torch
 
 from .cases import DTYPES, make_inputs
-from .context import Context, allocated_bytes, empty_cache, error_record, shape_classes
+from .context import Context, allocated_bytes, compile_time, empty_cache, error_record, shape_classes
 from .perf import percentile
 
 WARM = 3
@@ -103,7 +104,7 @@ def run(ctx: Context, scaling: dict = None) -> dict:
     records = []
     ctx.partial.update(records=records)
     for i, impl in enumerate(impls):
-        part = ctx.remaining() / (len(impls) - i)
+        part = max(ctx.remaining(), ctx.spare()) / (len(impls) - i)  # its share, or the run's spare time
         seconds = min(p.soak_s, part * 0.5)  # leave room for the sections after this one
         T = _soak_T(ctx, impl, scaling)
         classes = shape_classes(impl, p.scale_base.with_(T=T), p.scale_dtype, "fwdbwd")
@@ -116,7 +117,7 @@ def run(ctx: Context, scaling: dict = None) -> dict:
         records.append(rec)
         ctx.done((f"error {rec['error']['type']} after " if "error" in rec else "")
                  + f"{rec['calls']} calls" + (f", P50 {rec['latency_p50_ms']:.3g} ms" if "latency_p50_ms" in rec
-                                              else ""), rec.get("first_call_s"))
+                                              else ""), compile_time(rec))
     return {"memory_counter": "cuda memory_allocated" if ctx.gpu else "process resident set (RSS)",
             "warm_calls": WARM, "leak_threshold_bytes": LEAK_BYTES if ctx.gpu else LEAK_BYTES_CPU,
             "soak_s": p.soak_s, "records": records}

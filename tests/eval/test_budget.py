@@ -13,9 +13,16 @@ import torch
 
 from linattn.cli import main
 from linattn.eval import SECTIONS, correctness
-from linattn.eval.cases import correctness_cases, profile
+from linattn.eval.cases import Shape, correctness_cases, profile
 from linattn.eval.cli import RUNNERS
-from linattn.eval.context import FIRST_CALL_PRIOR_S, Context, ImplCost
+from linattn.eval.context import (
+    FIRST_CALL_PRIOR_S,
+    INCREMENTAL_FRACTION,
+    Compile,
+    Context,
+    ImplCost,
+    shape_classes,
+)
 from linattn.eval.impls import Impl, build
 
 CPU = torch.device("cpu")
@@ -93,45 +100,158 @@ def test_the_budget_holds_and_what_it_cut_is_recorded(tmp_path, capsys):
             assert re.search(rf"{name}: done in .*, {counted} units skipped for time", err), name
 
 
-def test_budget_estimates_from_first_calls_and_shape_classes():
+def _sigs(impl, dtype="fp32", direction="fwdbwd", T=32, K=16, V=16, **options):
+    return shape_classes(impl, Shape(1, T, 2, 2, K, V), dtype, direction, **options)
+
+
+def test_compile_estimates_per_signature_family_and_flags():
+    lin, fla = build("linattn", CPU), Impl("fla", "gdn", None, native={"l2norm", "varlen", "h0"})
     now = time.monotonic()
-    ctx = Context(CPU, profile("tiny", CPU), [build("linattn", CPU)], deadline=now + 10)
-    ctx.run_deadline = now + 20
+    ctx = Context(CPU, profile("tiny", CPU), [lin], deadline=now + 100)
     ctx.begin_section("correctness")
-    ctx.costs["fla"] = ImplCost(classes={("a",)}, first_call_max_s=30.0, section_first_s={"correctness": (30.0, 2.0)},
-                                steady_s={"correctness": 0.5})
-    assert ctx.estimate("fla", (("a",),)) == (0.5, "last unit") and ctx.fits("fla", (("a",),))
-    # fla (compiled third party): the section's largest first call stands for every new class, against the share
-    assert ctx.estimate("fla", (("a",), ("b",))) == (30.5, "new shape class")
-    assert not ctx.fits("fla", (("b",),), "unit b") and ctx.section_stats["fla"]["skipped_for_time"] == 1
-    # linattn: the section's latest first call (its first one carries the one-off start-up)
-    ctx.costs["linattn"] = ImplCost(section_first_s={"correctness": (20.0, 0.5)})
-    assert ctx.estimate("linattn", (("new",),)) == (0.5, "new shape class")
-    # the first new class of a section (another kernel family): the run's largest first call, against the run
+    base = _sigs(lin)  # forward and backward kernels, fp32, K = V = 16
+    assert [s.kernel for s in base] == [("fwd",), ("bwd",)] and all(s.family == "chunk" for s in base)
+    # the first compile of a family: 0 on a CPU (as measured), the unit's time split by kernel weight (fwd 1, bwd 2)
+    assert ctx.estimate("linattn", base) == (0.0, "prior")
+    ctx.step("first", "linattn", base)
+    ctx.done("ok", first_call_s=3.0)
+    c = ctx.costs["linattn"]
+    assert [(e.seconds, e.incremental) for e in c.compiles] == [(1.0, False), (2.0, False)]
+    assert ctx.estimate("linattn", base) == (pytest.approx(0.0, abs=0.05), "steady")
+    # a flag-only change (T = 1, an initial state, an in-op gate): INCREMENTAL_FRACTION of the base's compile
+    flag = _sigs(lin, h0=True)
+    assert ctx.estimate("linattn", flag)[0] == pytest.approx(INCREMENTAL_FRACTION * 3.0, abs=0.05)
+    assert ctx.estimate("linattn", flag)[1] == "new flags"
+    ctx.step("flag", "linattn", flag)
+    ctx.done("ok", first_call_s=0.6)  # measured: the incremental compile decides from now on (mean, per weight)
+    assert [e.incremental for e in c.compiles[2:]] == [True, True]
+    assert ctx.estimate("linattn", _sigs(lin, T=1))[0] == pytest.approx(0.6, abs=0.05)
+    assert ctx.estimate("linattn", _sigs(lin, T=1, direction="fwd"))[0] == pytest.approx(0.2, abs=0.05)
+    # a new dtype or K/V: the most similar first compile (forward from forward), not the sum of everything seen
+    assert ctx.estimate("linattn", _sigs(lin, "bf16", "fwd")) == (pytest.approx(1.0, abs=0.05), "new kernel")
+    assert ctx.estimate("linattn", _sigs(lin, "bf16"))[0] == pytest.approx(3.0, abs=0.05)
+    assert ctx.estimate("linattn", _sigs(lin, V=32))[0] == pytest.approx(3.0, abs=0.05)
+    # a decode step is another kernel family: never the chunked op's compile; its own once measured
+    step = _sigs(lin, direction="fwd", T=1, step=("decode", "fp32"))
+    assert step[0].family == "step" and ctx.estimate("linattn", step) == (0.0, "prior")
     ctx.begin_section("decode")
-    assert ctx.estimate("fla", (("step",),)) == (30.0, "first in section")
-    assert not ctx.fits("fla", (("step",),))  # 20 s left in the run
-    ctx.run_deadline = time.monotonic() + 100
-    assert ctx.fits("fla", (("step",),))  # although the share has only 10 s
-    ctx.later_s = 150  # but not when it would take more than half of the later sections' time
-    assert not ctx.fits("fla", (("step",),))
-    ctx.later_s = 0
-    ctx.step("unit step", "fla", (("step",),))
-    ctx.done("ok", first_call_s=2.0)  # measured: decode's own first calls decide from now on
-    assert ctx.estimate("fla", (("step2",),))[0] == pytest.approx(2.0, abs=0.5)
-    assert ("step",) in ctx.costs["fla"].classes and ctx.costs["fla"].first_call_max_s == 30.0
-    assert ctx.section_stats["fla"]["new_shape_classes"] == 1
-    # robustness: the hard timeout is the hang limit unless the budget is shorter
-    ctx.deadline = time.monotonic() + 1
-    assert ctx.hard_timeout("fla", (("a",),), 30.0, grace_s=1.0)[1] is True
-    ctx.deadline = time.monotonic() + 1000
-    assert ctx.hard_timeout("fla", (("a",),), 30.0) == (30.0, False)
-    # an implementation never timed on a GPU: its first compile is judged against the whole run, not the share
-    g = Context(torch.device("cuda"), profile("tiny", CPU), [], deadline=time.monotonic() + 5)
-    g.run_deadline = time.monotonic() + FIRST_CALL_PRIOR_S["flashqla"] / 2
-    assert not g.fits("flashqla", (("a",),))
-    g.run_deadline = time.monotonic() + 10 * FIRST_CALL_PRIOR_S["flashqla"]
-    assert g.fits("flashqla", (("a",),))
+    ctx.step("decode step", "linattn", step)
+    ctx.done("ok", first_call_s=0.5)
+    assert ctx.estimate("linattn", _sigs(lin, direction="fwd", T=1, step=("recurrent", "fp32")))[0] == \
+        pytest.approx(0.5, abs=0.05)
+    assert ctx.estimate("linattn", _sigs(lin, direction="fwd", T=4, step=("decode", "fp32")))[0] == \
+        pytest.approx(INCREMENTAL_FRACTION * 0.5, abs=0.05)
+    # on a GPU: the family's prior until measured (decode: linattn 10 s, fla 15 s; fla's chunked op 40 s)
+    g = Context(torch.device("cuda"), profile("tiny", CPU), [], deadline=time.monotonic() + 1000)
+    g.begin_section("decode")
+    assert g.estimate("linattn", step) == (FIRST_CALL_PRIOR_S["step"]["linattn"], "prior") == (10.0, "prior")
+    assert g.estimate("fla", step)[0] == FIRST_CALL_PRIOR_S["step"]["fla"] == 15.0
+    assert g.estimate("fla", _sigs(fla)) == (2 * FIRST_CALL_PRIOR_S["chunk"]["fla"], "prior")  # per direction
+    g.costs["fla"] = ImplCost(classes=set(_sigs(fla)), compiles=[Compile(s, 10.0 * s.weight, False)
+                                                                 for s in _sigs(fla)])
+    assert g.estimate("fla", step) == (15.0, "prior")  # fla's chunked compile says nothing about its decode
+    g.costs["fla"].compiles += [Compile(_sigs(fla, T=1)[0], 2.0, True), Compile(_sigs(fla, h0=True)[0], 8.0, True)]
+    assert g.estimate("fla", _sigs(fla, varlen=True, direction="fwd"))[0] == 8.0  # third party: the largest
+    # robustness's hard timeout: the hang limit plus the compile estimate, cut by what the budget lets it use
+    assert g.hard_timeout("fla", _sigs(fla, V=32), 30.0) == (60.0, False)
+    g.deadline = g.run_deadline = time.monotonic() + 1
+    assert g.hard_timeout("fla", _sigs(fla, V=32), 30.0, grace_s=1.0)[1] is True
+
+
+def test_a_unit_over_its_share_borrows_the_runs_spare_time():
+    lin = build("linattn", CPU)
+    now = time.monotonic()
+    ctx = Context(CPU, profile("tiny", CPU), [lin], deadline=now + 5, run_deadline=now + 100, budget_s=100)
+    ctx.begin_section("correctness")
+    ctx.costs["linattn"] = ImplCost(compiles=[Compile(s, 20.0 * s.weight, False) for s in _sigs(lin)],
+                                    classes=set(_sigs(lin)))
+    assert ctx.fits("linattn", _sigs(lin))  # steady: fits the share
+    assert ctx.estimate("linattn", _sigs(lin, "bf16"))[0] == pytest.approx(60.0)
+    assert ctx.fits("linattn", _sigs(lin, "bf16"), "bf16 unit")  # over the 5 s share, within the spare time
+    ctx.step("bf16 unit", "linattn", _sigs(lin, "bf16"))
+    ctx.done("ok", first_call_s=0.0)
+    assert ctx.section_stats["linattn"]["borrowed"] == 1
+    ctx.later_reserve_s = 50.0  # the later sections' minimal work is not lent
+    assert not ctx.fits("linattn", _sigs(lin, V=32), "new V")
+    assert ctx.section_stats["linattn"]["skipped_for_time"] == 1
+    ctx.later_reserve_s = 0.0
+    assert ctx.fits("linattn", _sigs(lin, V=32))  # 60 s
+    ctx.deadline = time.monotonic() + 90
+    with ctx.share(3):  # nor are the fair shares of the later parts of this section (30 s each)
+        assert ctx.remaining() == pytest.approx(30, abs=0.1) and ctx.spare() == pytest.approx(40, abs=0.1)
+        assert not ctx.fits("linattn", _sigs(lin, V=32))
+        assert ctx.fits("linattn", _sigs(lin, h0=True))  # a flag-only change: 0.3 x 60 s
+        ctx.deadline -= 35  # this part overran its share by 5 s: given back to the later parts when it ends
+    assert ctx.remaining() == pytest.approx(95, abs=0.1)
+
+
+def test_sections_rebalance_what_is_left():
+    now = time.monotonic()
+    ctx = Context(CPU, profile("tiny", CPU), [], deadline=now, run_deadline=now + 100, budget_s=100)
+    weights = [0.1, 0.2, 0.07]
+    ctx.plan_section(weights, 0)  # on schedule: a minimum each (10 % of the budget) plus a share by weight
+    share, spare = ctx.remaining(), ctx.spare()
+    assert share == pytest.approx(10 + 70 * 0.1 / 0.37, abs=0.1) and spare == pytest.approx(80, abs=0.1)
+    ctx.run_deadline = time.monotonic() + 30  # the first section borrowed: the second gets what is left over it
+    ctx.plan_section(weights, 1)
+    assert ctx.remaining() == pytest.approx(10 + 10 * 0.2 / 0.27, abs=0.1) and ctx.later_reserve_s == 10
+    ctx.run_deadline = time.monotonic() + 10  # behind schedule: the minima shrink in proportion
+    ctx.plan_section(weights, 1)
+    assert ctx.remaining() == pytest.approx(5, abs=0.1) and ctx.spare() == pytest.approx(5, abs=0.1)
+    ctx.plan_section(weights, 2)  # the last section: all that is left, nothing reserved
+    assert ctx.remaining() == pytest.approx(10, abs=0.1) and ctx.later_reserve_s == 0
+
+
+class SlowCompiler:
+    """linattn's op behind a fake JIT: the process's first call sleeps ``first`` s (its compile), the first call of
+    each new (dtype, T == 1, option) combination ``inc`` s (a specialisation of kernels compiled before)."""
+
+    def __init__(self, fn, first: float, inc: float):
+        self.fn, self.first, self.inc, self.seen = fn, first, inc, set()
+
+    def __call__(self, x):
+        key = (x["q"].dtype, x["q"].shape[1] == 1, x["q"].shape[2], x["v"].shape[-1], x.get("cu_seqlens") is not None,
+               x.get("initial_state") is not None, x.get("A_log") is not None, bool(x.get("use_qk_l2norm_in_kernel")))
+        if key not in self.seen:
+            time.sleep(self.inc if self.seen else self.first)
+            self.seen.add(key)
+        return self.fn(x)
+
+
+def test_a_slow_first_compile_does_not_starve_the_run(tmp_path, capsys, monkeypatch):
+    """The H200 log scaled to seconds: linattn's first call compiles for half the run. Afterwards its cheap units
+    (known signatures, flag-only changes) still run, borrowing the run's spare time, and decode is estimated from
+    its own kernels, not from that compile."""
+    from linattn.eval import impls
+
+    real = impls.build
+
+    def build_slow(name, device):
+        impl = real(name, device)
+        if name == "linattn":
+            impl.fn = SlowCompiler(impl.fn, first=5.0, inc=0.2)
+        return impl
+
+    monkeypatch.setattr(impls, "build", build_slow)
+    budget = 20.0  # 10 s for the sections: the first compile is half of it, twice correctness's share
+    t = time.monotonic()
+    assert main(["eval", "--profile", "tiny", "--impl", "linattn,sdpa", "--device", "cpu", "--out", str(tmp_path),
+                 "--no-progress", "--time-budget", str(budget), "--sections", "correctness,performance,decode"]) == 0
+    assert time.monotonic() - t <= budget + 3
+    err = capsys.readouterr().err
+    first = re.search(r"correctness linattn fp32 case prefill: ok .* first call (\d+\.\d) s\)$", err, re.M)
+    assert first and float(first.group(1)) >= 5.0, err
+    r = json.loads((tmp_path / "report.json").read_text())
+    ran = [x["case"] for x in r["correctness"]["records"]]
+    # after the slow compile (past correctness's share), flag-only changes of its signature ran on borrowed time;
+    # a new K/V (a whole compile again) did not fit
+    assert ran[0] == "prefill" and {"prefill-T1", "varlen", "initial-state"} <= set(ran) and len(ran) >= 5, err
+    assert r["correctness"]["budget"]["impls"]["linattn"]["borrowed"] >= 4, err
+    assert any(x["impl"] == "linattn" for x in r["performance"]["records"]), err
+    assert any(x["impl"] == "linattn" for x in r["decode"]["records"]), err
+    for need in re.findall(r"skip (?:perf|decode) linattn.*needs ~(\d+) s", err):  # none inherited the compile
+        assert float(need) < 0.5 * float(first.group(1)), err
+    assert r["meta"]["wall_s"] <= budget
 
 
 def test_third_party_order_groups_compile_classes_linattn_keeps_the_table():
@@ -153,8 +273,9 @@ def test_short_budget_keeps_a_compiling_impl_to_the_classes_it_has():
     fla = Impl("fla", "gdn", lin.fn, native={"l2norm", "varlen", "h0"})  # linattn's op under fla's name and options
     ctx = Context(CPU, profile("tiny", CPU), [fla], deadline=time.monotonic() + 120)
     ctx.begin_section("correctness")
-    ctx.costs["fla"] = ImplCost(classes=set(correctness.case_classes(fla, CASES["prefill"], "fp32")),
-                                first_call_max_s=1000.0, section_first_s={"correctness": (1000.0, 1000.0)})
+    sigs = correctness.case_classes(fla, CASES["prefill"], "fp32")  # a 1000 s compile, fwd + bwd
+    ctx.costs["fla"] = ImplCost(classes=set(sigs), first_call_max_s=1000.0,
+                                compiles=[Compile(s, 1000.0 * s.weight / 3, False) for s in sigs])
     r = correctness.run(ctx)
     ran = {x["case"] for x in r["records"]}
     assert ran == {"prefill", "gate-in-op", "onehot-keys", "repeated-token", "alternating-gates"}
