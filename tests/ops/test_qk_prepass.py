@@ -187,7 +187,7 @@ def test_bad_p_shape():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the public op with PRECOMPUTE_QK on
+# the public op with PRECOMPUTE_QK on (the default) against it off
 # ----------------------------------------------------------------------------------------------------------------
 OP_CASES = [
     (Case("T1", T=1), None),
@@ -210,6 +210,7 @@ def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
               backend="triton")
     if L is not None:
         monkeypatch.setattr(sp, "plan_segments", lambda *a, **k: L)
+    monkeypatch.setattr(triton_chunk, "PRECOMPUTE_QK", False)    # the recomputing path, for comparison
     o0, ht0 = linattn.chunk_gated_delta_rule(*args, **kw)
     seen, walk_fn = [], triton_chunk.fused_fwd_seq_parallel
 

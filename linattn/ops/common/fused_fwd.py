@@ -18,12 +18,12 @@ per chunk) nor V_new, against the unfused state pass + output stages that write 
 The order inside a chunk — V_new, then O from the entering S, then the update — is the math's; O and V_new both
 read the S that entered the chunk.
 
-P = Q Kᵀ ⊙ D ⊙ causal does not depend on S. By default it is recomputed here for each V slice (2·BT²·K FLOPs per
+P = Q Kᵀ ⊙ D ⊙ causal does not depend on S. Without LOAD_P it is recomputed here for each V slice (2·BT²·K FLOPs per
 slice, ≈ 24% of the walk's tensor-core work at the default precisions, docs/performance.md run 8). With LOAD_P
 (``p`` given, from ``fused_prepass`` with queries) the walk instead reads the chunk's P [BT, BT] fp32 (16 KB per
 chunk and head; the V slices of one head read the same tile, mostly from L2) and skips that dot and its mask; Q
-is still read for Q S and K for the state update. Off by default until measured on the GPU (triton_chunk.py,
-``PRECOMPUTE_QK``).
+is still read for Q S and K for the state update. The default since the GPU measured it (triton_chunk.py,
+``PRECOMPUTE_QK``; run 9: walk −27% at B=1 T=4096 H=16).
 
 Modes (constexpr flags of the same kernel, driven by ``seq_parallel.py`` for intra-card sequence parallelism):
 SEGMENTED walks a chunk range [i_c0, i_c1) of a sequence from a per-segment initial state; AFFINE skips Q and the

@@ -40,10 +40,12 @@ from ..common.wy import wy_fwd
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # The fused forward's P = Q Kᵀ ⊙ D ⊙ causal: computed once per (chunk, value head) by the pre-pass and read by the
-# walk (True), or recomputed by the walk for every V slice (False, the measured default). Predicted from the
-# walk's MMA share (docs/performance.md run 8): walk −20–30% at B=1 T=4096 H=16, pre-pass +25% writes. Off until
-# the GPU measures it (benchmarks/walk_precision_probe.py --p); the backward path (fwd_stages) never uses it.
-PRECOMPUTE_QK = False
+# walk (True, the default), or recomputed by the walk for every V slice (False). Predicted from the walk's MMA
+# share: walk −20–30% at B=1 T=4096 H=16. Measured on the H200 (docs/performance.md run 9, bf16, K=V=128): walk
+# 0.734 → 0.536 ms at B=1 (BV=16), 1.550 → 1.451 at B=8 (BV=64); whole forward 0.861 → 0.674 at B=1, 2.574 →
+# 2.571 at B=8 (the pre-pass's extra writes, +0.09 ms, eat the walk's gain there); o unchanged (1.715e-3 vs
+# float64 at the anchor case, 6e-7 from the path without P). The backward path (fwd_stages) never uses it.
+PRECOMPUTE_QK = True
 
 
 class FwdStages(NamedTuple):
