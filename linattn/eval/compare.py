@@ -17,7 +17,8 @@ METRICS = {
     "max_rel_l2_fwd": "lower", "max_rel_l2_bwd": "lower", "rel_l2_o": "lower", "rel_l2": "lower",
     "peak_bytes": "lower", "growth_exponent": "lower", "time_exponent": "lower", "knee_batch": "higher",
     "max_T": "higher", "overflow_steps": "lower", "memory_drift_bytes": "lower", "latency_drift": "lower",
-    "score": "higher", "graph_ms": "lower", "pct_of_copy": "higher", "rel_l2_state": "lower",
+    "score": "higher", "graph_ms": "lower", "pct_of_copy": "higher", "pct_of_peak_bw": "higher",
+    "rel_l2_state": "lower",
     "passed": "flag", "linear": "flag", "confined": "flag", "bitwise": "flag",
 }
 _SWEEP_AXES = ("T", "B")

@@ -190,12 +190,14 @@ def _decode_blocks(r: dict) -> list:
     if d["graph"]:
         text += (f"Graph µs: the step under CUDA-graph replay ({d['graph_calls']} steps per graph; kernel time, no "
                  "host). GB/s: the bytes a step must move (state read + written once, q/k/v/g/β in, o out) over "
-                 "the graph time; % of copy: against a torch device copy of the same bytes timed the same way.")
+                 "the graph time; % of copy: against a torch device copy of the same bytes timed the same way; "
+                 "% of peak: against the device's bandwidth ceiling (the roofline's, or --peak-gbs).")
     else:
         text += (f"No CUDA: eager steps only (no graph replay or bandwidth); PyTorch ran with "
                  f"{d['cpu_threads']} intra-op thread.")
     out = [_h(2, "Decode (real time)"), _p(text)]
-    gpu = ["graph", "GB/s", "copy GB/s", "% of copy"] if d["graph"] else []  # no graph or bandwidth on a CPU
+    # no graph or bandwidth on a CPU
+    gpu = ["graph", "GB/s", "copy GB/s", "% of copy", "% of peak"] if d["graph"] else []
     hdr = ["path", "B", "Tq", "state", "steps", "P50", "P95", "P99", "max", "P50 / token"] + gpu + ["MB / step",
                                                                                                  "first call s"]
     rows = []
@@ -206,7 +208,8 @@ def _decode_blocks(r: dict) -> list:
                         + [""] * (len(hdr) - 5))
             continue
         graph = us(x.get("graph_ms")) if "graph_error" not in x else "error: " + x["graph_error"]["type"]
-        bw = [graph, fmt(x.get("gbs")), fmt(x.get("copy_gbs")), fmt(x.get("pct_of_copy"))] if gpu else []
+        bw = [graph, fmt(x.get("gbs")), fmt(x.get("copy_gbs")), fmt(x.get("pct_of_copy")),
+              fmt(x.get("pct_of_peak_bw"))] if gpu else []
         rows.append(head + [str(x["n"]), us(x["p50_ms"]), us(x["p95_ms"]), us(x["p99_ms"]), us(x["max_ms"]),
                             us(x["ms_per_token"])] + bw + [fmt(x["bytes"] / 2**20), fmt(x["first_call_s"])])
     out.append(_t(hdr, rows))
