@@ -8,17 +8,11 @@ to the tiles can be checked for register pressure before it reaches the device. 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
+from sm90 import compile_sm90  # noqa: E402  (this folder is on sys.path)
 
 from linattn.ops.common import preprocess as P
 
-TARGET = GPUTarget("cuda", 90, 64)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 QK_ARGS = {"q", "k", "qn", "kn", "dqn", "dkn", "dq", "dk", "beta", "betan", "dbetan", "dbeta"}  # in the input dtype
 INT_ARGS = {"NTOK", "NB"}
@@ -37,19 +31,7 @@ def compile_kernel(kernel, dtype: str, K: int, HV: int, flags=(True, True, True)
             signature[name] = "i32"
         else:
             signature[name] = DTYPES[dtype] if name in QK_ARGS else "*fp32"
-    constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
-    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=TARGET, options=dict(num_warps=P.NUM_WARPS))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=True).stderr
-    finally:
-        os.unlink(f.name)
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
-    return regs, spills, compiled.metadata.shared
+    return compile_sm90(kernel, signature, consts, P.NUM_WARPS)
 
 
 def main():

@@ -10,21 +10,15 @@ before it reaches the device. bf16 inputs, the launchers' tiles and precisions. 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
+from sm90 import compile_sm90  # noqa: E402  (this folder is on sys.path)
 
 from linattn.ops.common import block_size, dot_precision
 from linattn.ops.common.fused_fwd import fused_dot_precisions, fused_fwd_kernel
 from linattn.ops.common.fused_prepass import fused_prepass_kernel
 
-TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 INPUT_ARGS = {"q", "k", "v", "o", "beta"}      # in the input dtype; g and the intermediates are fp32
 INT_ARGS = {"T", "NSEG", "L"}
 INDEX_ARGS = {"cu_seqlens", "chunk_indices", "segments"}
@@ -44,19 +38,7 @@ def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4
             signature[name] = "*i32"
         else:
             signature[name] = f"*{dtype}" if name in INPUT_ARGS else "*fp32"
-    constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
-    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=TARGET, options=dict(num_warps=num_warps))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=True).stderr
-    finally:
-        os.unlink(f.name)
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
-    return regs, spills, compiled.metadata.shared
+    return compile_sm90(kernel, signature, consts, num_warps)
 
 
 def walk_consts(d: int, BV: int, load_p: bool) -> dict:

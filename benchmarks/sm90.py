@@ -1,0 +1,35 @@
+"""Compile a Triton kernel for an H200 (sm_90) on any machine, no GPU needed, and read ptxas's resource report.
+
+Shared by ``compile_walk.py`` and ``compile_preprocess.py``: each builds the kernel's signature and constexprs
+from its launcher; this file compiles to PTX with Triton and assembles it with Triton's own ptxas (``-v``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+TARGET = GPUTarget("cuda", 90, 32)  # sm_90, 32-thread warps
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_sm90(kernel, signature: dict, consts: dict, num_warps: int) -> tuple[int, int, int]:
+    """Compile ``kernel`` (a ``@triton.jit`` function) with ``signature`` (argument name → Triton type string,
+    "constexpr" for the entries of ``consts``); return (registers per thread, spill bytes, shared memory bytes)."""
+    constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
+    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=TARGET, options=dict(num_warps=num_warps))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
+    return regs, spills, compiled.metadata.shared
