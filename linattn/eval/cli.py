@@ -4,6 +4,7 @@
     linattn eval --profile full --out eval-full   # the whole grid
     linattn eval --impl linattn,sdpa --device cpu --time-budget 120
     linattn eval --compare old/report.json new/report.json
+    linattn eval --merge part1/report.json part2/report.json --out eval-full   # one report from --sections runs
 
 Sections run in a fixed order; when one starts, what is left of the time budget is divided over it and the later
 ones (:data:`BUDGET_SHARES`, normalised over the selected sections, above a minimum each: see
@@ -64,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--compare: relative change that counts (default: %(default)s)")
     p.add_argument("--fail-on-regression", action="store_true",
                    help="--compare: exit with status 1 if anything got worse")
+    p.add_argument("--merge", nargs="+", metavar="REPORT_JSON", default=None,
+                   help="write one report into --out from several runs of the same profile, device and --impl made "
+                        "with different --sections (report.json files or their directories), and exit")
+    p.add_argument("--prefer-last", action="store_true",
+                   help="--merge: a section selected by several runs is taken from the last of them (else an error)")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="--merge: accept partial (interrupted) runs; the merged report is marked partial")
 
 
 def _device(spec) -> torch.device:
@@ -410,8 +418,24 @@ def _summary(results: dict, paths: dict) -> None:
     console.print("reports: " + ", ".join(paths.values()))
 
 
+def _merge(args) -> int:
+    from . import merge
+    if args.compare:
+        raise ValueError("--merge and --compare cannot be used together")
+    results, paths = merge.run(args.merge, args.out, prefer_last=args.prefer_last, allow_partial=args.allow_partial)
+    for src in results["meta"]["merged_from"]:
+        print(f"{src['path']}: {', '.join(src['taken']) or 'no section taken'}", file=sys.stderr)
+    if results["partial"] or results["missing_sections"]:
+        print(f"linattn eval: merged report {'is partial; ' if results['partial'] else ''}sections missing: "
+              f"{', '.join(results['missing_sections']) or 'none'}", file=sys.stderr)
+    _summary(results, paths)
+    return 0
+
+
 def run(args) -> int:
     try:
+        if args.merge:
+            return _merge(args)
         if args.compare:
             from . import compare
             d, text = compare.run(args.compare[0], args.compare[1], args.threshold)

@@ -116,9 +116,28 @@ def _env_blocks(r: dict) -> list:
             ["CPU", f"{env.get('cpu')} ({env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads)"],
             ["load average (start, end)", f"{fmt(env.get('load_avg_start'))}, {fmt(env.get('load_avg_end'))}"],
             ["profile", r["meta"]["profile"]], ["wall time", f"{r['meta']['wall_s']:.0f} s"]]
+    runs = env.get("runs") or []
+    if runs:
+        rows[0][0] = "date (UTC, first run)"
+        rows[-1] = [f"wall time (sum of {len(runs)} runs)", f"{r['meta']['wall_s']:.0f} s"]
     for impl in r["meta"]["impls"]:
         rows.append([f"impl {impl['name']}", impl["version"] if impl["available"] else f"skipped: {impl['reason']}"])
     out = [_h(2, "Environment"), _t(["item", "value"], rows)]
+    if runs:
+        out.append(_p(f"Merged from {len(runs)} runs (the table above is the first run's; `environment.runs` in "
+                      "report.json has each run's whole environment)"
+                      + (": they differ in " + ", ".join(env["differences"]) if env.get("differences") else "")
+                      + "."))
+        out.append(_t(["run", "report", "date (UTC)", "commit", "GPU", "driver", "torch", "triton", "linattn",
+                       "wall time", "sections"],
+                      [[str(i + 1), e.get("path"), e.get("date_utc"),
+                        ((e.get("commit") or {}).get("sha", "–")[:12]
+                         + (" (dirty)" if (e.get("commit") or {}).get("dirty") else "")),
+                        (e.get("gpu") or {}).get("name", "none (CPU run)"), e.get("driver") or "–", e.get("torch"),
+                        e.get("triton") or "–", e.get("linattn"),
+                        f"{e['wall_s']:.0f} s" if e.get("wall_s") is not None else "–",
+                        ", ".join(x for x in e.get("sections", []) if x != "scorecard")
+                        + (" (partial)" if e.get("partial") else "")] for i, e in enumerate(runs)]))
     nv = env.get("nvml", {})
     if nv.get("available"):
         out.append(_t(["section", "GPU util mean %", "GPU util max %", "memory used max (MB)"],
@@ -390,12 +409,23 @@ def blocks(r: dict) -> list:
         f"{r['environment'].get('date_utc')}."), _h(2, "Summary"), _t(hdr, rows)]
     if r["environment"].get("warning"):
         out.insert(2, _p(f"**Warning:** {r['environment']['warning']}."))
-    if r.get("partial"):
+    merged = r["meta"].get("merged_from")
+    if r.get("partial") and merged:
+        out.insert(2, _p("**Partial report:** merged from partial runs (--allow-partial); sections missing: "
+                         f"{', '.join(r.get('missing_sections', [])) or 'none'}. A section marked interrupted keeps "
+                         "the records it had in report.json."))
+    elif r.get("partial"):
         stop = r["meta"].get("interrupted")
         why = (f"interrupted ({stop['signal']}) at {stop['at_s']:.0f} s during {stop['section'] or 'setup'}"
                if stop else "written while the run is still going")
         out.insert(2, _p(f"**Partial report:** {why}; sections done: {', '.join(r.get('sections_done', [])) or 'none'}"
                          ". A section marked interrupted keeps the records it had in report.json."))
+    if merged:
+        out.insert(2, _p(f"Merged from {len(merged)} reports (`linattn eval --merge`; the scorecard is computed from "
+                         "the merged sections): " + "; ".join(
+                             f"{m['path']}: {', '.join(m['taken']) or 'nothing taken'}" for m in merged)
+                         + (f". Not covered by any run: {', '.join(r['missing_sections'])}"
+                            if r.get("missing_sections") and not r.get("partial") else "") + "."))
     for section, title, fn in (
             ("correctness", "Correctness", _corr_blocks), ("performance", "Performance", _perf_blocks),
             ("decode", "Decode (real time)", _decode_blocks),
