@@ -40,14 +40,13 @@ the fault), or ``TIMEOUT``. How to read it:
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import subprocess
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from bf16x3_walk_ab import ptxas_version, run_in_subprocess  # noqa: E402  (same folder, on sys.path)
 
 # how product() multiplies; globals read inside a jitted function must be tl.constexpr
 MODE_CHAINED = tl.constexpr(0)  # dot.py's split: the hi/lo products chained through tl.dot's accumulator
@@ -61,7 +60,6 @@ CHUNKS = 8
 BT = 64
 BK = 128
 NV = 128
-CHILD_TIMEOUT_S = 300
 
 
 @triton.jit
@@ -162,15 +160,6 @@ def run_one_variant(mode: int, loop: int, w_bf16: int, num_warps: int, bv: int) 
     print(f"OK rel-diff vs tf32 o {relative_difference(o, o_ref):.1e} S {relative_difference(s, s_ref):.1e}")
 
 
-def ptxas_version(path: str | None) -> str:
-    if not path or not os.path.exists(path):
-        return "not found"
-    out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    # one line reads "Cuda compilation tools, release 13.0, V13.0.88" (newer builds add a "Build ..." line after it)
-    match = re.search(r"release [\d.]+, (V[\d.]+)", out)
-    return match.group(1) if match else "?"
-
-
 def variants(system_ptxas: str | None) -> list[tuple[str, list[int], dict[str, str]]]:
     """(label, child arguments MODE LOOP W_BF16 WARPS BV, extra environment) of every row."""
     base = [MODE_CHAINED.value, 1, 0, 4, 16]
@@ -195,20 +184,6 @@ def variants(system_ptxas: str | None) -> list[tuple[str, list[int], dict[str, s
     return rows
 
 
-def run_in_subprocess(args: list[int], env: dict[str, str]) -> str:
-    """Result text of one variant run in a fresh process: an illegal access poisons the CUDA context for good."""
-    cmd = [sys.executable, os.path.abspath(__file__), *map(str, args)]
-    try:
-        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"TIMEOUT after {CHILD_TIMEOUT_S} s"
-    if proc.returncode == 0 and proc.stdout.strip():
-        return proc.stdout.strip().splitlines()[-1]
-    stderr = proc.stderr.splitlines()
-    errors = [line for line in stderr if "error" in line.lower()] or stderr or [f"exit code {proc.returncode}"]
-    return "FAIL " + errors[-1].strip()[:150]
-
-
 def main() -> None:
     system_ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
     print(f"triton {triton.__version__}, bundled ptxas {triton.knobs.nvidia.ptxas.version}, "
@@ -221,7 +196,7 @@ def main() -> None:
     # rows print as they finish, so a call cut short by the device's time limit still shows the finished ones
     print(f"{'variant':{label_width}s} | {'MODE LOOP W16 WARPS BV':22s} | {'env':{env_width}s} | result", flush=True)
     for (label, args, env), env_text in zip(rows, env_texts):
-        result = run_in_subprocess(args, env)
+        result = run_in_subprocess(args, env, __file__)
         print(f"{label:{label_width}s} | {' '.join(map(str, args)):22s} | {env_text:{env_width}s} | {result}",
               flush=True)
 

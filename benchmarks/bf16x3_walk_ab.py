@@ -146,9 +146,10 @@ def variants(system_ptxas: str | None) -> list[tuple[str, list[str], dict[str, s
     return rows
 
 
-def run_in_subprocess(args: list[str], env: dict[str, str]) -> str:
-    """Result text of one variant run in a fresh process: an illegal access poisons the CUDA context for good."""
-    cmd = [sys.executable, os.path.abspath(__file__), *args]
+def run_in_subprocess(args: list, env: dict[str, str], script: str = __file__) -> str:
+    """Result text of one variant of ``script`` run in a fresh process: an illegal access poisons the CUDA context
+    for good. Shared with bf16x3_repro.py."""
+    cmd = [sys.executable, os.path.abspath(script), *map(str, args)]
     try:
         proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -157,7 +158,7 @@ def run_in_subprocess(args: list[str], env: dict[str, str]) -> str:
         return proc.stdout.strip().splitlines()[-1]
     stderr = proc.stderr.splitlines()
     errors = [line for line in stderr if "error" in line.lower()] or stderr or [f"exit code {proc.returncode}"]
-    return "FAIL " + errors[-1].strip()[:160]
+    return "FAIL " + errors[-1].strip()[:150]
 
 
 def main() -> None:
