@@ -52,7 +52,9 @@ ANCHOR = {(1, 4096, 16, 16): (0.532, 0.334, 0.15), (8, 4096, 16, 16): (0.935, 0.
           (4, 8192, 16, 32): (1.642, 0.632, 0.50), (2, 16384, 32, 32): (1.716, 0.783, 0.63),
           (1, 32768, 2, 8): (1.095, 0.290, 0.23)}
 # (DOT_PREC, STATE_PREC) of the sequential kernel compared for bf16: today's default first (fused_dot_precisions)
-PRECISIONS = [("tf32x3", "tf32"), ("bf16x3", "tf32"), ("bf16x3", "bf16x3"), ("tf32", "tf32")]
+# ("bf16x3", …) pairs are left out: the walk refuses them on CUDA (they fault on the H200, docs/performance.md run 8;
+# benchmarks/bf16x3_walk_ab.py bisects that)
+PRECISIONS = [("tf32x3", "tf32"), ("tf32", "tf32")]
 PRECISION_SHAPES = [(1, 4096, 16, 16, 128, 128), (8, 4096, 16, 16, 128, 128), (1, 32768, 16, 16, 128, 128),
                     (4, 8192, 16, 32, 128, 128)]
 
