@@ -35,6 +35,7 @@ from linattn.ops.common.fused_fwd import fused_fwd
 from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.seq_parallel import fused_fwd_seq_parallel
 from linattn.ops.common.varlen import chunk_tables
+from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages, chunk_gated_delta_rule_fwd_triton
 
@@ -68,11 +69,18 @@ def floor_ms(B, T, H, HV, K, V, C=CHUNK):
     return max(flops / PEAK, bytes_ / BW) * 1e3, flops, bytes_
 
 
+def prepass_as_default(x, cu=None, ci=None, dot_prec=None):
+    """gc, W, U and P (None unless the default path precomputes it: ``triton_chunk.PRECOMPUTE_QK``)."""
+    q = x["q"] if triton_chunk.PRECOMPUTE_QK else None
+    out = fused_prepass(x["g"], x["k"], x["v"], x["beta"], cu, ci, dot_prec=dot_prec, q=q)
+    return out if q is not None else (*out, None)
+
+
 def fused(x, cu, offsets, scale, prec_seq=None, prec_pre=None, prec_state=None):
     """The fused path with optional dot-precision overrides (what chunk_gated_delta_rule_fwd_triton runs)."""
     ci = chunk_tables(offsets, CHUNK, DEVICE)[0] if cu is not None else None
-    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], cu, ci, dot_prec=prec_pre)
-    return fused_fwd_seq_parallel(x["q"], x["k"], w, u, gc, scale, x["initial_state"], x["v"].dtype, cu, offsets,
+    gc, w, u, p = prepass_as_default(x, cu, ci, dot_prec=prec_pre)
+    return fused_fwd_seq_parallel(x["q"], x["k"], w, u, gc, scale, x["initial_state"], x["v"].dtype, cu, offsets, p=p,
                                   dot_prec=prec_seq, state_prec=prec_state)
 
 
@@ -114,11 +122,11 @@ def time_shape(B, T, H, HV, K, V):
     o, ht = new()
     diff_o, diff_h = rel(o, st.o), rel(ht, st.final_state)
     del st
-    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"])
+    gc, w, u, p = prepass_as_default(x)
     seq = lambda bv=None, nw=None: fused_fwd(x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16, BV=bv,
-                                             num_warps=nw)
+                                             num_warps=nw, p=p)
     t = {n: triton.testing.do_bench(f) for n, f in (
-        ("unfused", old), ("fused", new), ("prepass", lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"])),
+        ("unfused", old), ("fused", new), ("prepass", lambda: prepass_as_default(x)),
         ("sequential", seq))}
     fl, flops, bytes_ = floor_ms(B, T, H, HV, K, V)
     row = dict(shape=(B, T, H, HV, K, V), o_vs_unfused=diff_o, ht_vs_unfused=diff_h, floor_ms=fl,
@@ -136,11 +144,11 @@ def precision_speed(B, T, H, HV, K, V):
     x, _, _ = make(B, T, H, HV, K, V, None, torch.bfloat16)
     x["initial_state"] = None
     scale = K ** -0.5
-    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"])
+    gc, w, u, p = prepass_as_default(x)
     rows = []
     for dp, sp in PRECISIONS:
         walk = lambda dp=dp, sp=sp: fused_fwd(x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16, dot_prec=dp,
-                                              state_prec=sp)
+                                              state_prec=sp, p=p)
         fwd = lambda dp=dp, sp=sp: fused(x, None, None, scale, dp, None, sp)
         rec = dict(shape=(B, T, H, HV, K, V), dot_prec=dp, state_prec=sp,
                    walk=triton.testing.do_bench(walk), fwd=triton.testing.do_bench(fwd))
@@ -148,7 +156,7 @@ def precision_speed(B, T, H, HV, K, V):
             for bv in (16, 32, 64):
                 rec[f"walk_bv{bv}"] = triton.testing.do_bench(
                     lambda dp=dp, sp=sp, bv=bv: fused_fwd(x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16,
-                                                          BV=bv, dot_prec=dp, state_prec=sp))
+                                                          BV=bv, dot_prec=dp, state_prec=sp, p=p))
         rows.append(rec)
         print(json.dumps(rec), flush=True)
     return rows

@@ -25,6 +25,7 @@ from linattn.ops.common import CHUNK
 from linattn.ops.common import seq_parallel as sp
 from linattn.ops.common.fused_fwd import fused_fwd, fused_fwd_config, launch_walk, num_sms
 from linattn.ops.common.fused_prepass import fused_prepass
+from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_triton
 
@@ -51,24 +52,31 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def prepass_as_default(x):
+    """gc, W, U and P (None unless the default path precomputes it: ``triton_chunk.PRECOMPUTE_QK``)."""
+    if triton_chunk.PRECOMPUTE_QK:
+        return fused_prepass(x["g"], x["k"], x["v"], x["beta"], q=x["q"])
+    return (*fused_prepass(x["g"], x["k"], x["v"], x["beta"]), None)
+
+
 def time_shape(B, T, H, HV, K=128, V=128):
     x = make(B, T, H, HV, K, V, torch.bfloat16)
     scale = K ** -0.5
-    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"])
+    gc, w, u, p = prepass_as_default(x)
     base = (x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16)
     NT = triton.cdiv(T, CHUNK)
     _, BV, nw = fused_fwd_config(K, V, B * HV, num_sms(x["q"].device))
     L_plan = sp.plan_segments([NT] * B, HV, K, V, BV, num_sms(x["q"].device))
-    o0, ht0 = fused_fwd(*base)
+    o0, ht0 = fused_fwd(*base, p=p)
     row = dict(shape=(B, T, H, HV), BV=BV, L_plan=L_plan, nseg_plan=triton.cdiv(NT, L_plan) if L_plan else 1,
-               unsegmented=triton.testing.do_bench(lambda: fused_fwd(*base)),
-               planned=triton.testing.do_bench(lambda: sp.fused_fwd_seq_parallel(*base)),
+               unsegmented=triton.testing.do_bench(lambda: fused_fwd(*base, p=p)),
+               planned=triton.testing.do_bench(lambda: sp.fused_fwd_seq_parallel(*base, p=p)),
                forward=triton.testing.do_bench(lambda: chunk_gated_delta_rule_fwd_triton(
                    x["q"], x["k"], x["v"], x["g"], x["beta"], scale, None, None, None)))
     diffs = []
     for nseg in FORCED:
         L = triton.cdiv(NT, nseg)
-        f = lambda L=L: sp.fused_fwd_seq_parallel(*base, segment_chunks=L)
+        f = lambda L=L: sp.fused_fwd_seq_parallel(*base, segment_chunks=L, p=p)
         o, ht = f()
         diffs.append((rel(o, o0), rel(ht, ht0)))
         row[f"seg{nseg}"] = triton.testing.do_bench(f)
@@ -106,12 +114,12 @@ def accuracy():
         x = make(B, T, H, HV, K, V, dt, seed=1)
         h0 = torch.randn(B, HV, K, V, device=DEVICE) * 0.1
         scale = K ** -0.5
-        gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"])
-        o0, ht0 = fused_fwd(x["q"], x["k"], w, u, gc, scale, h0, torch.float32)
+        gc, w, u, p = prepass_as_default(x)
+        o0, ht0 = fused_fwd(x["q"], x["k"], w, u, gc, scale, h0, torch.float32, p=p)
         ro, rht = gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, h0)
         for nseg in (1, 4, 16):
             o, ht = sp.fused_fwd_seq_parallel(x["q"], x["k"], w, u, gc, scale, h0, torch.float32,
-                                              segment_chunks=triton.cdiv(T // CHUNK, nseg))
+                                              segment_chunks=triton.cdiv(T // CHUNK, nseg), p=p)
             rows.append(dict(dtype=str(dt)[6:], nseg=nseg, o_vs_unsegmented=rel(o, o0), ht_vs_unsegmented=rel(ht, ht0),
                              o_vs_ref=rel(o, ro), o_out_dtype_vs_ref=rel(o.to(dt), ro), ht_vs_ref=rel(ht, rht)))
     return rows
