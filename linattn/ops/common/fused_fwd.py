@@ -36,7 +36,8 @@ at DOT_PREC, the state dots (W S, Kᵀ V_new) at STATE_PREC, both from :func:`fu
 Every dot goes through ``common/dot.py``'s ``dot``, which also offers split-bf16 "bf16x3" (three bf16 MMAs; two for
 Q S of bf16 inputs, whose Q is not split) and keeps bf16 products right under the interpreter (INTERPRET).
 "bf16x3" in this kernel faults on the H200 with Triton 3.6 (illegal memory access, docs/performance.md run 8) while
-the helper alone passes its GPU test; ``launch_walk`` refuses it on CUDA until the cause is found.
+the helper alone passed its GPU test at M=32 (mma.sync, not wgmma); ``launch_walk`` refuses it on CUDA until the
+cause is found (benchmarks/bf16x3_walk_ab.py bisects it).
 """
 from __future__ import annotations
 
@@ -230,7 +231,7 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
         if prec == "bf16x3" and q.device.type == "cuda":
             # measured 2026-11-29 (H200, Triton 3.6, benchmarks/walk_precision_probe.py): every walk variant with
             # a bf16x3 dot (output or state dots) faults with an illegal memory access, while the same `dot`
-            # helper passes tests/ops/test_dot.py on that GPU; refuse it there until the fault is understood
+            # helper passed tests/ops/test_dot.py there at M=32 (mma.sync, not wgmma); refuse it until understood
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
     load_p = p is not None and not affine
