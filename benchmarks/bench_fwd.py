@@ -32,12 +32,14 @@ from gpu_check_fwd import make, rel  # noqa: E402
 
 from linattn.ops.common import CHUNK
 from linattn.ops.common.fused_fwd import fused_fwd
-from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.seq_parallel import fused_fwd_seq_parallel
 from linattn.ops.common.varlen import chunk_tables
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
-from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages, chunk_gated_delta_rule_fwd_triton
+from linattn.ops.gated_delta.triton_chunk import (
+    chunk_gated_delta_rule_fwd_stages,
+    chunk_gated_delta_rule_fwd_triton,
+    fwd_prepass,
+)
 
 torch.backends.cuda.matmul.allow_tf32 = False
 DEVICE = "cuda"
@@ -70,10 +72,8 @@ def floor_ms(B, T, H, HV, K, V, C=CHUNK):
 
 
 def prepass_as_default(x, cu=None, ci=None, dot_prec=None):
-    """gc, W, U and P (None unless the default path precomputes it: ``triton_chunk.PRECOMPUTE_QK``)."""
-    q = x["q"] if triton_chunk.PRECOMPUTE_QK else None
-    out = fused_prepass(x["g"], x["k"], x["v"], x["beta"], cu, ci, dot_prec=dot_prec, q=q)
-    return out if q is not None else (*out, None)
+    """gc, W, U and P as the default path computes them (``triton_chunk.fwd_prepass``)."""
+    return fwd_prepass(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, ci, dot_prec=dot_prec)
 
 
 def fused(x, cu, offsets, scale, prec_seq=None, prec_pre=None, prec_state=None):

@@ -24,10 +24,8 @@ import triton
 from linattn.ops.common import CHUNK
 from linattn.ops.common import seq_parallel as sp
 from linattn.ops.common.fused_fwd import fused_fwd, fused_fwd_config, launch_walk, num_sms
-from linattn.ops.common.fused_prepass import fused_prepass
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
-from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_triton
+from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_triton, fwd_prepass
 
 torch.backends.cuda.matmul.allow_tf32 = False
 DEVICE = "cuda"
@@ -52,17 +50,10 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def prepass_as_default(x):
-    """gc, W, U and P (None unless the default path precomputes it: ``triton_chunk.PRECOMPUTE_QK``)."""
-    if triton_chunk.PRECOMPUTE_QK:
-        return fused_prepass(x["g"], x["k"], x["v"], x["beta"], q=x["q"])
-    return (*fused_prepass(x["g"], x["k"], x["v"], x["beta"]), None)
-
-
 def time_shape(B, T, H, HV, K=128, V=128):
     x = make(B, T, H, HV, K, V, torch.bfloat16)
     scale = K ** -0.5
-    gc, w, u, p = prepass_as_default(x)
+    gc, w, u, p = fwd_prepass(x["q"], x["k"], x["v"], x["g"], x["beta"])
     base = (x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16)
     NT = triton.cdiv(T, CHUNK)
     _, BV, nw = fused_fwd_config(K, V, B * HV, num_sms(x["q"].device))
@@ -114,7 +105,7 @@ def accuracy():
         x = make(B, T, H, HV, K, V, dt, seed=1)
         h0 = torch.randn(B, HV, K, V, device=DEVICE) * 0.1
         scale = K ** -0.5
-        gc, w, u, p = prepass_as_default(x)
+        gc, w, u, p = fwd_prepass(x["q"], x["k"], x["v"], x["g"], x["beta"])
         o0, ht0 = fused_fwd(x["q"], x["k"], w, u, gc, scale, h0, torch.float32, p=p)
         ro, rht = gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, h0)
         for nseg in (1, 4, 16):

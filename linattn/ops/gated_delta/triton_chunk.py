@@ -102,6 +102,16 @@ def chunk_gated_delta_rule_fwd_stages(q: torch.Tensor, k: torch.Tensor, v: torch
     return FwdStages(o, final_state, gc, A_inv, w, u, v_new, h, chunk_indices, chunk_offsets)
 
 
+def fwd_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
+                dot_prec: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The fused forward's pre-pass as the default path runs it: (gc, W, U, P), P None unless
+    :data:`PRECOMPUTE_QK` (read at call time, so tests and benchmarks can switch it)."""
+    if PRECOMPUTE_QK:
+        return fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, dot_prec=dot_prec, q=q)
+    return (*fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, dot_prec=dot_prec), None)
+
+
 def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                       beta: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
                                       cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]]
@@ -122,8 +132,5 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if cu_seqlens is not None:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, _ = chunk_tables(offsets, CHUNK, q.device)
-    if PRECOMPUTE_QK:
-        gc, w, u, p = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, q=q)
-    else:
-        (gc, w, u), p = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices), None
+    gc, w, u, p = fwd_prepass(q, k, v, g, beta, cu_seqlens, chunk_indices)
     return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)
