@@ -23,15 +23,8 @@ def compile_kernel(kernel, dtype: str, K: int, HV: int, flags=(True, True, True)
     """Compile ``kernel`` for sm_90 with the launcher's tiles; return (registers, spill bytes, shared bytes)."""
     BT, BK, BHV = P._tiles(K, HV, flags[0])
     consts = dict(H=HV // 2, HV=HV, K=K, BT=BT, BK=BK, BHV=BHV, L2NORM=flags[0], GATE=flags[1], BETA_SIGMOID=flags[2])
-    signature = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in INT_ARGS:
-            signature[name] = "i32"
-        else:
-            signature[name] = DTYPES[dtype] if name in QK_ARGS else "*fp32"
-    return compile_sm90(kernel, signature, consts, P.NUM_WARPS)
+    arg_type = lambda name: "i32" if name in INT_ARGS else DTYPES[dtype] if name in QK_ARGS else "*fp32"
+    return compile_sm90(kernel, consts, arg_type, P.NUM_WARPS)
 
 
 def main():

@@ -26,19 +26,16 @@ INDEX_ARGS = {"cu_seqlens", "chunk_indices", "segments"}
 
 def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4) -> tuple[int, int, int]:
     """Compile ``kernel`` for sm_90 with the given constexprs; return (registers, spill bytes, shared bytes)."""
-    signature = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in INT_ARGS:
-            signature[name] = "i32"
-        elif name == "scale":
-            signature[name] = "fp32"
-        elif name in INDEX_ARGS:
-            signature[name] = "*i32"
-        else:
-            signature[name] = f"*{dtype}" if name in INPUT_ARGS else "*fp32"
-    return compile_sm90(kernel, signature, consts, num_warps)
+    def arg_type(name: str) -> str:
+        if name in INT_ARGS:
+            return "i32"
+        if name == "scale":
+            return "fp32"
+        if name in INDEX_ARGS:
+            return "*i32"
+        return f"*{dtype}" if name in INPUT_ARGS else "*fp32"
+
+    return compile_sm90(kernel, consts, arg_type, num_warps)
 
 
 def walk_consts(d: int, BV: int, load_p: bool) -> dict:

@@ -17,9 +17,11 @@ TARGET = GPUTarget("cuda", 90, 32)  # sm_90, 32-thread warps
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_sm90(kernel, signature: dict, consts: dict, num_warps: int) -> tuple[int, int, int]:
-    """Compile ``kernel`` (a ``@triton.jit`` function) with ``signature`` (argument name → Triton type string,
-    "constexpr" for the entries of ``consts``); return (registers per thread, spill bytes, shared memory bytes)."""
+def compile_sm90(kernel, consts: dict, arg_type, num_warps: int) -> tuple[int, int, int]:
+    """Compile ``kernel`` (a ``@triton.jit`` function) with the constexprs ``consts`` and, for every other
+    argument, the Triton type string ``arg_type(name)`` gives ("*bf16", "i32", ...); return (registers per thread,
+    spill bytes, shared memory bytes)."""
+    signature = {name: "constexpr" if name in consts else arg_type(name) for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
     compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=TARGET, options=dict(num_warps=num_warps))
