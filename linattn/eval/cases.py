@@ -254,11 +254,11 @@ def profile(name: str, device: torch.device) -> Profile:
             soak_T=32768, amp_steps=30, dec_shape=Shape(1, 1, 4, 8, 64, 64), dec_batch=(1, 8, 32), dec_Tq=(1, 4, 8),
             dec_pools=("fp32", "bf16"), dec_steps=1000, dec_drift_steps=1024, dec_prompt_T=256)
     if name == "full":
-        shapes = []
-        for D in (64, 128):
-            for B, T in ((1, 4096), (8, 4096), (1, 32768), (32, 4096), (1, 131072)):
-                shapes.append(Shape(B, T, 16, 16, D, D))
-        shapes += [Shape(4, 8192, 16, 32, 128, 128), Shape(1, 32768, 2, 8, 128, 128)]
+        # the fast-forward issue's table first (K = V = 128), in its order, then batch 32 and head dim 64
+        shapes = [Shape(B, T, H, HV, 128, 128) for B, T, H, HV in (
+            (1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (1, 131072, 16, 16), (4, 8192, 16, 32),
+            (2, 16384, 32, 32), (1, 32768, 2, 8), (32, 4096, 16, 16))]
+        shapes += [Shape(B, T, 16, 16, 64, 64) for B, T in ((1, 4096), (8, 4096), (1, 32768), (32, 4096), (1, 131072))]
         return Profile(
             name="full", time_budget_s=3600, corr_T=257, corr_H=4, corr_D=128,
             corr_dtypes=("fp32", "bf16", "fp16"), perf_shapes=tuple(shapes), perf_dtypes=("bf16", "fp32"),

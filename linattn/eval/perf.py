@@ -251,7 +251,8 @@ def run(ctx: Context) -> dict:
     p = ctx.profile
     records, skipped = [], []
     ctx.partial.update(records=records, skipped_for_time=skipped)
-    rows = [(impl, shape, dtype, direction) for shape in p.perf_shapes for dtype in p.perf_dtypes
+    # dtype-major: when the budget is short, every shape is timed in the first dtype before any in the second
+    rows = [(impl, shape, dtype, direction) for dtype in p.perf_dtypes for shape in p.perf_shapes
             for direction in p.perf_directions for impl in ctx.available()]
     for i, (impl, shape, dtype, direction) in enumerate(rows):
         classes = shape_classes(impl, shape, dtype, direction)
