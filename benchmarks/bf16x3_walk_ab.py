@@ -81,7 +81,8 @@ def kernel_arguments(x: dict, o: torch.Tensor, ht: torch.Tensor, T: int, bv: int
     args = dict(q=x["q"], k=x["k"], w=x["w"], u=x["u"], gc=x["gc"], p=x["p"] if load_p else None, o=o, h0=x["h0"],
                 ht=ht, scale=K ** -0.5, cu_seqlens=None, segments=None, T=T, NSEG=1, L=0, H=H, HV=H, K=K, V=V, BT=BT,
                 BK=BK, BV=bv, DOT_PREC=dot_prec, STATE_PREC=state_prec, INPUT_PREC="tf32", USE_INITIAL_STATE=True,
-                IS_VARLEN=False, SEGMENTED=False, AFFINE=False, LOAD_P=load_p, INTERPRET=False)
+                IS_VARLEN=False, SEGMENTED=False, AFFINE=False, LOAD_P=load_p, INTERPRET=False,
+                NUM_STAGES=0)
     missing = sorted(set(fused_fwd_kernel.arg_names) - set(args))
     if missing:
         raise SystemExit(f"fused_fwd_kernel has arguments this script does not set: {missing}")

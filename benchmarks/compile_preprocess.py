@@ -20,7 +20,7 @@ SHAPES = [(128, 16), (128, 32), (60, 8), (256, 64), (32, 4)]  # (K, HV), H = HV 
 
 
 def compile_kernel(kernel, dtype: str, K: int, HV: int, flags=(True, True, True)):
-    """Compile ``kernel`` for sm_90 with the launcher's tiles; return (registers, spill bytes, shared bytes)."""
+    """Compile ``kernel`` for sm_90 with the launcher's tiles; return sm90.Resources."""
     BT, BK, BHV = P._tiles(K, HV, flags[0])
     consts = dict(H=HV // 2, HV=HV, K=K, BT=BT, BK=BK, BHV=BHV, L2NORM=flags[0], GATE=flags[1], BETA_SIGMOID=flags[2])
     arg_type = lambda name: "i32" if name in INT_ARGS else DTYPES[dtype] if name in QK_ARGS else "*fp32"
@@ -35,7 +35,7 @@ def main():
     for kernel in (P.preprocess_fwd_kernel, P.preprocess_bwd_kernel):
         for dtype in DTYPES:
             for K, HV in SHAPES:
-                regs, spills, shared = compile_kernel(kernel, dtype, K, HV)
+                regs, spills, shared, _ = compile_kernel(kernel, dtype, K, HV)
                 print(f"| {kernel.fn.__name__} | {dtype} | {K} | {HV} | {P._tiles(K, HV, True)[0]} | {regs} | "
                       f"{spills} | {shared} |")
 

@@ -19,13 +19,13 @@ from linattn.ops.common import block_size, dot_precision
 from linattn.ops.common.fused_fwd import fused_dot_precisions, fused_fwd_kernel
 from linattn.ops.common.fused_prepass import fused_prepass_kernel
 
-INPUT_ARGS = {"q", "k", "v", "o", "beta"}      # in the input dtype; g and the intermediates are fp32
-INT_ARGS = {"T", "NSEG", "L"}
-INDEX_ARGS = {"cu_seqlens", "chunk_indices", "segments"}
+INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
+INT_ARGS = {"T", "NT", "NSEG", "L"}
+INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments"}
 
 
-def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4) -> tuple[int, int, int]:
-    """Compile ``kernel`` for sm_90 with the given constexprs; return (registers, spill bytes, shared bytes)."""
+def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4):
+    """Compile ``kernel`` for sm_90 with the given constexprs; return sm90.Resources."""
     def arg_type(name: str) -> str:
         if name in INT_ARGS:
             return "i32"
@@ -43,7 +43,7 @@ def walk_consts(d: int, BV: int, load_p: bool) -> dict:
     dp, sp = fused_dot_precisions(torch.bfloat16)
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV, DOT_PREC=dp, STATE_PREC=sp,
                 INPUT_PREC=dot_precision(torch.bfloat16), USE_INITIAL_STATE=False, IS_VARLEN=False, SEGMENTED=False,
-                AFFINE=False, LOAD_P=load_p, INTERPRET=False)
+                AFFINE=False, LOAD_P=load_p, INTERPRET=False, NUM_STAGES=0)
 
 
 def prepass_consts(d: int, store_p: bool) -> dict:
@@ -64,11 +64,11 @@ def main():
                 c = walk_consts(d, BV, load_p)
                 r = compile_kernel(fused_fwd_kernel, c)
                 print(f"| walk | {d} | {BV} | LOAD_P={load_p} | {c['DOT_PREC']} / {c['STATE_PREC']} | "
-                      f"{' | '.join(map(str, r))} |", flush=True)
+                      f"{' | '.join(map(str, r[:3]))} |", flush=True)
         for store_p in (False, True):
             c = prepass_consts(d, store_p)
             r = compile_kernel(fused_prepass_kernel, c)
-            print(f"| prepass | {d} | - | STORE_P={store_p} | {c['DOT_PREC']} | {' | '.join(map(str, r))} |",
+            print(f"| prepass | {d} | - | STORE_P={store_p} | {c['DOT_PREC']} | {' | '.join(map(str, r[:3]))} |",
                   flush=True)
 
 

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -17,10 +18,16 @@ TARGET = GPUTarget("cuda", 90, 32)  # sm_90, 32-thread warps
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_sm90(kernel, consts: dict, arg_type, num_warps: int) -> tuple[int, int, int]:
+class Resources(NamedTuple):
+    registers: int       # per thread
+    spill_bytes: int     # stores + loads, ptxas -v
+    shared_bytes: int    # Triton's shared memory (pipelining buffers included)
+    cp_async: int        # cp.async instructions in the PTX: > 0 when a loop's loads were software-pipelined
+
+
+def compile_sm90(kernel, consts: dict, arg_type, num_warps: int) -> Resources:
     """Compile ``kernel`` (a ``@triton.jit`` function) with the constexprs ``consts`` and, for every other
-    argument, the Triton type string ``arg_type(name)`` gives ("*bf16", "i32", ...); return (registers per thread,
-    spill bytes, shared memory bytes)."""
+    argument, the Triton type string ``arg_type(name)`` gives ("*bf16", "i32", ...); return its resources."""
     signature = {name: "constexpr" if name in consts else arg_type(name) for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
     compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
@@ -34,4 +41,4 @@ def compile_sm90(kernel, consts: dict, arg_type, num_warps: int) -> tuple[int, i
         os.unlink(f.name)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
-    return regs, spills, compiled.metadata.shared
+    return Resources(regs, spills, compiled.metadata.shared, compiled.asm["ptx"].count("cp.async."))

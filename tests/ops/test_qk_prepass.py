@@ -242,9 +242,9 @@ def test_p_kernels_compile_for_h200():
     root = Path(__file__).resolve().parents[2]
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     script = ("import sys; sys.path.insert(0, 'benchmarks'); import compile_walk as c; "
-              "print([c.compile_kernel(c.fused_fwd_kernel, c.walk_consts(128, 16, True)), "
-              "c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, True))])")
+              "print([tuple(c.compile_kernel(c.fused_fwd_kernel, c.walk_consts(128, 16, True))), "
+              "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, True)))])")
     done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    for regs, _, _ in eval(done.stdout.strip().splitlines()[-1]):
+    for regs, _, _, _ in eval(done.stdout.strip().splitlines()[-1]):
         assert 0 < regs <= 255, done.stdout

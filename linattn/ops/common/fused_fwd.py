@@ -38,6 +38,12 @@ Q S of bf16 inputs, whose Q is not split) and keeps bf16 products right under th
 "bf16x3" in this kernel faults on the H200 with Triton 3.6 (illegal memory access, docs/performance.md run 8) while
 the helper alone passed its GPU test at M=32 (mma.sync, not wgmma); ``launch_walk`` refuses it on CUDA until the
 cause is found (benchmarks/bf16x3_walk_ab.py bisects it).
+
+Load pipelining (NUM_STAGES, :data:`WALK_STAGES`): the chunk loop was a ``while`` loop, which Triton never
+software-pipelines, so each chunk waited for its own loads before its dots (≈ 8 µs per chunk at B=1 T=4096 H=16
+BV=16, run 9: latency, not bandwidth or tensor cores). NUM_STAGES ≥ 1 compiles the same steps as a ``tl.range``
+loop; at 2 Triton prefetches the next chunk's tiles with cp.async while this chunk computes (sm_90 compile, no
+GPU: shared memory 45 → 103 KB at BV=16, spills 1920 → 1772 bytes/thread; at BV=64 164 KB and 6472 bytes).
 """
 from __future__ import annotations
 
@@ -49,6 +55,12 @@ import triton.language as tl
 
 from . import CHUNK, block_size, dot_precision, triton_interpret
 from .dot import DOT_PRECISIONS, dot
+
+# Stages of the walk's chunk loop: 0 = the while loop every GPU figure so far was measured with; n >= 1 = a
+# tl.range loop with num_stages = n. Prediction for 2 (not yet measured; benchmarks/bench_pipelining.py sweeps
+# it): the walk at B=1 T=4096 H=16 from 0.54 ms toward 0.3 ms, more at long T where the walk dominates. Flip the
+# default only after the GPU has checked it (benchmarks/gpu_check_core.py) and timed it.
+WALK_STAGES = 0
 
 
 @triton.jit
@@ -114,7 +126,8 @@ def fused_fwd_kernel(q, k, w, u, gc, p, o, h0, ht, scale, cu_seqlens, segments, 
                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
                      USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
-                     AFFINE: tl.constexpr, LOAD_P: tl.constexpr, INTERPRET: tl.constexpr):
+                     AFFINE: tl.constexpr, LOAD_P: tl.constexpr, INTERPRET: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
     # grid (cdiv(VS, BV), NS·HV): program (i_v, segment i_s, value head i_hv). Without SEGMENTED a segment is a
     # whole sequence (NS = N, i_s = i_n): the default walk. With SEGMENTED (seq_parallel.py) segment i_s covers
     # chunks [i_c0, i_c1) of sequence i_n: varlen reads (i_n, i_c0, i_c1) from segments [NS, 3]; otherwise every
@@ -167,12 +180,22 @@ def fused_fwd_kernel(q, k, w, u, gc, p, o, h0, ht, scale, cu_seqlens, segments, 
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
 
-    # a while loop, not range(): the interpreter cannot take range() of a runtime bound (see state_pass.py)
-    i_c = i_c0
-    while i_c < i_c1:
-        b_h = _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK,
-                           BV, DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE, LOAD_P, INTERPRET)
-        i_c += 1
+    if INTERPRET or NUM_STAGES == 0:
+        # a while loop: the interpreter cannot take range() of a runtime bound (numpy >= 2 refuses int() of its
+        # 1-element arrays), and NUM_STAGES = 0 keeps the loop every measurement so far was made with
+        i_c = i_c0
+        while i_c < i_c1:
+            b_h = _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT,
+                               BK, BV, DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE, LOAD_P, INTERPRET)
+            i_c += 1
+    else:
+        # the same steps in a for loop (scf.for), which Triton's software pipeliner can stage: the loads of the
+        # next NUM_STAGES - 1 chunks (W, U, K, Q or P, gates: none depends on the state) are issued as cp.async
+        # into shared memory while this chunk's dots run. A while loop is never pipelined: every chunk waits for
+        # its own loads. int32 bounds: block-pointer offsets must be 32-bit.
+        for i_c in tl.range(i_c0, i_c1.to(tl.int32), num_stages=NUM_STAGES):
+            b_h = _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT,
+                               BK, BV, DOT_PREC, STATE_PREC, INPUT_PREC, AFFINE, LOAD_P, INTERPRET)
 
     if AFFINE:
         tl.store(ht + i_sh.to(tl.int64) * K * VS + o_kv, b_h, mask=m_kv)
@@ -218,11 +241,13 @@ def num_sms(device: torch.device) -> int:
 def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, num_warps: int,
                 dot_prec: Optional[str], state_prec: Optional[str], chunk_size: int, num_segments: int,
                 segments: Optional[torch.Tensor] = None, nseg: int = 1, seg_len: int = 0,
-                segmented: bool = False, affine: bool = False, p: Optional[torch.Tensor] = None) -> None:
+                segmented: bool = False, affine: bool = False, p: Optional[torch.Tensor] = None,
+                num_stages: Optional[int] = None) -> None:
     """Launch :func:`fused_fwd_kernel` over ``num_segments`` segments (sequences without ``segmented``) × value
     heads × BV slices of the walked state's columns (V, or K + V with ``affine``). The tensors are as the kernel
     describes; seq_parallel.py drives the segmented and affine modes. ``p`` (``[B, T, HV, chunk_size]`` fp32 from
-    ``fused_prepass`` with queries, or None) sets LOAD_P; the affine mode has no output and ignores it."""
+    ``fused_prepass`` with queries, or None) sets LOAD_P; the affine mode has no output and ignores it.
+    ``num_stages``: the chunk loop's pipelining (None: :data:`WALK_STAGES`)."""
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
     for name, prec in (("dot_prec", dot_prec), ("state_prec", state_prec)):
@@ -234,6 +259,9 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
             # helper passed tests/ops/test_dot.py there at M=32 (mma.sync, not wgmma); refuse it until understood
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
+    stages = WALK_STAGES if num_stages is None else num_stages
+    if not isinstance(stages, int) or stages < 0:
+        raise ValueError(f"num_stages must be an int >= 0 (0: the unpipelined while loop), got {stages!r}")
     load_p = p is not None and not affine
     if load_p and (p.shape != (B, T, HV, chunk_size) or p.dtype != torch.float32):
         raise ValueError(f"p must be [B, T, HV, chunk_size] = {[B, T, HV, chunk_size]} fp32 (fused_prepass with q), "
@@ -244,15 +272,16 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
         HV=HV, K=K, V=V, BT=chunk_size, BK=block_size(K, 256), BV=BV, DOT_PREC=dot_prec or o_prec,
         STATE_PREC=state_prec or dot_prec or s_prec, INPUT_PREC=dot_precision(q.dtype),
         USE_INITIAL_STATE=h0 is not None, IS_VARLEN=cu_seqlens is not None, SEGMENTED=segmented, AFFINE=affine,
-        LOAD_P=load_p, INTERPRET=triton_interpret(), num_warps=num_warps)
+        LOAD_P=load_p, INTERPRET=triton_interpret(), NUM_STAGES=stages,
+        num_warps=num_warps)
 
 
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
               initial_state: Optional[torch.Tensor], out_dtype: torch.dtype,
               cu_seqlens: Optional[torch.Tensor] = None, BV: Optional[int] = None,
               num_warps: Optional[int] = None, dot_prec: Optional[str] = None,
-              state_prec: Optional[str] = None, chunk_size: int = CHUNK, p: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              state_prec: Optional[str] = None, chunk_size: int = CHUNK, p: Optional[torch.Tensor] = None,
+              num_stages: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk the chunks of every sequence in order and write the output and the final state.
 
     Args:
@@ -267,6 +296,7 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
         p: ``[B, T, HV, chunk_size]`` fp32 P = Q Kᵀ ⊙ D ⊙ causal of every chunk (``fused_prepass`` with q), or
             None: the walk computes P itself. Given, it is read instead (LOAD_P); the result is the same up to fp32
             rounding.
+        num_stages: the chunk loop's pipelining (None: :data:`WALK_STAGES`; benchmarks).
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """
@@ -277,5 +307,5 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     launch_walk(q, k, w, u, gc, o, initial_state, ht, scale, cu_seqlens, BV or BV_default,
-                num_warps or warps_default, dot_prec, state_prec, chunk_size, N, p=p)
+                num_warps or warps_default, dot_prec, state_prec, chunk_size, N, p=p, num_stages=num_stages)
     return o, ht

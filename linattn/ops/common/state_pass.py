@@ -21,7 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision
+from . import CHUNK, block_size, dot_precision, triton_interpret
+
+# Stages of the chunk loop (0: the unpipelined while loop every GPU figure so far used; n >= 1: tl.range with
+# num_stages = n). See fused_fwd.WALK_STAGES; benchmarks/bench_pipelining.py measures it.
+STATE_PASS_STAGES = 0
 
 
 @triton.jit
@@ -67,7 +71,8 @@ def _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v
 def state_pass_fwd_kernel(k, w, u, gc, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
-                          USE_DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                          USE_DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr):
     # grid (cdiv(V, BV), N·HV)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -92,14 +97,21 @@ def state_pass_fwd_kernel(k, w, u, gc, h, v_new, h0, ht, cu_seqlens, chunk_offse
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
 
-    # a while loop, not range(): the interpreter cannot take range() of a runtime bound (numpy >= 2 refuses
-    # int() of its 1-element arrays); compiled, both lower to the same sequential loop
     NT_seq = tl.cdiv(T_seq, BT)
-    i_c = 0
-    while i_c < NT_seq:
-        b_h = _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK, BV,
-                          DOT_PREC, USE_DECAY, USE_DELTA)
-        i_c += 1
+    if INTERPRET or NUM_STAGES == 0:
+        # a while loop: the interpreter cannot take range() of a runtime bound (numpy >= 2 refuses int() of its
+        # 1-element arrays), and NUM_STAGES = 0 keeps the loop every GPU measurement so far was made with
+        i_c = 0
+        while i_c < NT_seq:
+            b_h = _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK,
+                              BV, DOT_PREC, USE_DECAY, USE_DELTA)
+            i_c += 1
+    else:
+        # a for loop Triton can software-pipeline: the next chunks' W, U, K and gates arrive (cp.async) while this
+        # chunk's dots run (fused_fwd.WALK_STAGES); int32 bound: block-pointer offsets must be 32-bit
+        for i_c in tl.range(0, NT_seq.to(tl.int32), num_stages=NUM_STAGES):
+            b_h = _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT, BK,
+                              BV, DOT_PREC, USE_DECAY, USE_DELTA)
 
     tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
 
@@ -107,7 +119,8 @@ def state_pass_fwd_kernel(k, w, u, gc, h, v_new, h0, ht, cu_seqlens, chunk_offse
 def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, gc: Optional[torch.Tensor],
                    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
                    chunk_offsets: Optional[torch.Tensor] = None, num_chunks: Optional[int] = None,
-                   chunk_size: int = CHUNK) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                   chunk_size: int = CHUNK, num_stages: Optional[int] = None, block_v: Optional[int] = None
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Walk the chunks of every sequence in order.
 
     Args:
@@ -118,6 +131,8 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
         initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         cu_seqlens, chunk_offsets, num_chunks: varlen offsets ``[N + 1]``, :func:`varlen.chunk_tables`
             chunk_offsets and NT_total; or None.
+        num_stages, block_v: the loop's pipelining (None: :data:`STATE_PASS_STAGES`) and the V tile (None: 64,
+            32 beyond K = 128), for benchmarks/bench_pipelining.py.
     Returns:
         h ``[B, NT, HV, K, V]`` fp32 (the state entering each chunk; varlen: B = 1, NT = NT_total),
         v_new ``[B, T, HV, V]`` fp32 (None without ``w``), final state ``[N, HV, K, V]`` fp32.
@@ -131,9 +146,13 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     v_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device) if w is not None else None
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = block_size(K, 256)
-    BV = block_size(V, 64 if BK <= 128 else 32)
+    BV = block_v or block_size(V, 64 if BK <= 128 else 32)
+    stages = STATE_PASS_STAGES if num_stages is None else num_stages
+    if not isinstance(stages, int) or stages < 0 or not (16 <= BV <= 64 and BV & (BV - 1) == 0):
+        raise ValueError(f"num_stages must be an int >= 0 and block_v a power of two in [16, 64], got {stages!r}, {BV}")
     state_pass_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         k, w, u, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
-        USE_DELTA=w is not None, USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=is_varlen)
+        USE_DELTA=w is not None, USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=is_varlen,
+        INTERPRET=triton_interpret(), NUM_STAGES=stages)
     return h, v_new, ht

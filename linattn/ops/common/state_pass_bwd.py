@@ -18,9 +18,52 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpret
 from .local_bwd_utils import bwd_dot_precision, mdot
 
 BT = 64
+# Stages of the reverse walk's chunk loop (0: the unpipelined while loop every GPU figure so far used; n >= 1: a
+# tl.range loop with num_stages = n). See fused_fwd.WALK_STAGES; benchmarks/bench_pipelining.py measures both.
+BWD_STAGES = 0
+
+
+@triton.jit
+def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh, T, i_h, i_hv, i_v,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Chunk i_t of the reverse walk: store dS leaving it to dh, write its dV_new, return dS entering it."""
+    DT = k.dtype.element_ty
+    p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+    tl.store(p_dh, b_dh, boundary_check=(0, 1))
+
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0.)
+    b_g_last = tl.load(gc + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_hv)
+
+    p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+    p_dvl = tl.make_block_ptr(dv_local + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+    p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+    b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
+    b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
+    b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero")
+    b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
+
+    # dV_new = dv_local + (K ⊙ e^{G_C − G}) dS; masked rows get exponent −inf, so padding stays 0
+    b_k_decay = b_k * tl.exp(tl.where(m_t, b_g_last - b_g, float('-inf')))[:, None]
+    b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
+    b_dv += mdot(b_k_decay, b_dh, DT, DOT_PREC)
+    tl.store(p_dvn, b_dv, boundary_check=(0, 1))
+
+    # dS ← e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new (Γ ≤ 1: G is a cumsum of g ≤ 0)
+    b_q_decay = b_q * (scale * tl.exp(tl.where(m_t, b_g, float('-inf'))))[:, None]
+    b_dh *= tl.exp(b_g_last)
+    b_dh += mdot(tl.trans(b_q_decay), b_do, DT, DOT_PREC)
+    b_dh -= mdot(tl.trans(b_w), b_dv, DT, DOT_PREC)
+    return b_dh
 
 
 @triton.jit
@@ -29,7 +72,7 @@ def state_pass_bwd_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -43,45 +86,24 @@ def state_pass_bwd_kernel(
         bos, eos = i_n.to(tl.int64) * T, i_n.to(tl.int64) * T + T
         NT = tl.cdiv(T, BT)
         boh = i_n.to(tl.int64) * NT
-    DT = k.dtype.element_ty
 
     p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
     b_dh = tl.load(p_dht, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 
-    # a while loop, not range(NT − 1, −1, −1): the interpreter cannot index a range with a runtime bound
-    i_t = NT - 1
-    while i_t >= 0:
-        p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_dh, b_dh, boundary_check=(0, 1))
-
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0.)
-        b_g_last = tl.load(gc + (bos + tl.minimum(i_t * BT + BT, T) - 1) * HV + i_hv)
-
-        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_dvl = tl.make_block_ptr(dv_local + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
-        b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-        b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero")
-        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
-
-        # dV_new = dv_local + (K ⊙ e^{G_C − G}) dS; masked rows get exponent −inf, so padding stays 0
-        b_k_decay = b_k * tl.exp(tl.where(m_t, b_g_last - b_g, float('-inf')))[:, None]
-        b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
-        b_dv += mdot(b_k_decay, b_dh, DT, DOT_PREC)
-        tl.store(p_dvn, b_dv, boundary_check=(0, 1))
-
-        # dS ← e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new (Γ ≤ 1: G is a cumsum of g ≤ 0)
-        b_q_decay = b_q * (scale * tl.exp(tl.where(m_t, b_g, float('-inf'))))[:, None]
-        b_dh *= tl.exp(b_g_last)
-        b_dh += mdot(tl.trans(b_q_decay), b_do, DT, DOT_PREC)
-        b_dh -= mdot(tl.trans(b_w), b_dv, DT, DOT_PREC)
-        i_t -= 1
+    if INTERPRET or NUM_STAGES == 0:
+        # a while loop: the interpreter cannot take a range with a runtime bound, and NUM_STAGES = 0 keeps the
+        # loop every GPU measurement so far was made with (never software-pipelined)
+        i_t = NT - 1
+        while i_t >= 0:
+            b_dh = _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh, T, i_h, i_hv, i_v,
+                              H, HV, K, V, BT, BK, BV, DOT_PREC)
+            i_t -= 1
+    else:
+        # a for loop over j = 0 … NT−1 visiting chunk NT−1−j, so Triton can prefetch the next chunks' q, k, w, dO,
+        # dv_local and gates (cp.async) while this chunk's dots run (fused_fwd.py, WALK_STAGES)
+        for j in tl.range(0, NT, num_stages=NUM_STAGES):
+            b_dh = _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, NT - 1 - j, bos, boh, T, i_h,
+                              i_hv, i_v, H, HV, K, V, BT, BK, BV, DOT_PREC)
 
     p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
     tl.store(p_dh0, b_dh, boundary_check=(0, 1))
@@ -90,11 +112,12 @@ def state_pass_bwd_kernel(
 def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.Tensor, do: torch.Tensor,
                    dv_local: torch.Tensor, dht: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
                    chunk_offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                   dot_prec: str | None = None):
+                   dot_prec: str | None = None, num_stages: int | None = None, block_v: int | None = None):
     """Reverse pass. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``; gc ``[B, T, HV]`` fp32; do, dv_local
     ``[B, T, HV, V]``; dht ``[N, HV, K, V]``. With cu_seqlens (B == 1), chunk_offsets ``[N + 1]`` gives each
     sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk),
-    dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``, all fp32."""
+    dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``, all fp32. ``num_stages`` (None: :data:`BWD_STAGES`) and
+    ``block_v`` (None: the rule below) exist for benchmarks/bench_pipelining.py."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -104,9 +127,13 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     # the carried dS tile is BK × BV fp32: keep it at ≤ 8K elements (64 registers a thread at 4 warps)
-    BV = max(16, min(64, triton.next_power_of_2(V), 8192 // BK))
+    BV = block_v or max(16, min(64, triton.next_power_of_2(V), 8192 // BK))
+    stages = BWD_STAGES if num_stages is None else num_stages
+    if not isinstance(stages, int) or stages < 0 or not (16 <= BV <= 64 and BV & (BV - 1) == 0):
+        raise ValueError(f"num_stages must be an int >= 0 and block_v a power of two in [16, 64], got {stages!r}, {BV}")
     state_pass_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
+        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=4,
     )
     return dh, dv_new, dh0

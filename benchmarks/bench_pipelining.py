@@ -1,0 +1,180 @@
+"""GPU check and timing of the sequential kernels' loop pipelining (NUM_STAGES) and V tile (BV), and of the
+backward stage by stage.
+
+    python benchmarks/bench_pipelining.py [--quick] [--out DIR]
+
+The three kernels that walk chunks one after another — the fused forward's walk (``fused_fwd``), the forward state
+pass the backward recomputes with (``state_pass_fwd``) and the backward's reverse walk (``state_pass_bwd``) — ran
+as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 compiles them as ``tl.range`` loops (at
+2, the next chunk's tiles arrive by cp.async while this one computes). Per shape (bf16, K = V = 128):
+
+1. each kernel alone at NUM_STAGES 0 (the while loop) … 3 and BV 16 / 32 / 64: median ms (do_bench) and the
+   largest relative difference of its outputs from NUM_STAGES = 0 at the same BV (same inputs: a pipelined loop
+   computes the same thing, so anything above ~1e-6 is a bug);
+2. the backward stage by stage at today's defaults (recompute, dv_local, reverse walk, dq/dk, WY), to show where
+   its time goes;
+3. the public op, forward and forward + backward, at today's defaults and with every NUM_STAGES = 2, and its
+   output against the float64 reference (B=2 T=300 H=4 anchor) for both.
+
+Prediction written before any run (sm_90 compile, benchmarks/compile_sequential.py: the while loops issue no
+cp.async; at NUM_STAGES = 2 every kernel does): the walk ≈ 8 µs per chunk at B=1 T=4096 H=16 BV=16 is load
+latency, so NUM_STAGES = 2 takes it toward 4–5 µs (walk 0.54 → ~0.3 ms), and the state passes likewise. Prints
+the tables last; writes bench_pipelining.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
+
+from linattn import chunk_gated_delta_rule
+from linattn.ops.common import fused_fwd as FF
+from linattn.ops.common import state_pass as SP
+from linattn.ops.common import state_pass_bwd as SPB
+from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
+from linattn.ops.common.local_bwd_dv import local_bwd_dv
+from linattn.ops.common.local_bwd_wy import local_bwd_wy
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages, fwd_prepass
+
+torch.backends.cuda.matmul.allow_tf32 = False
+SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (1, 32768, 2, 8)]
+STAGES = (0, 1, 2, 3)
+BVS = (16, 32, 64)
+D = 128
+
+
+def max_rel(outs, refs) -> float:
+    return max(rel(a, b) for a, b in zip(outs, refs))
+
+
+def kernels_alone(B, T, H, HV):
+    """Rows of table 1 for one shape."""
+    x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
+    x["initial_state"] = None
+    scale = D ** -0.5
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    st = chunk_gated_delta_rule_fwd_stages(*args, scale, None, None, None)
+    gc, w, u, p = fwd_prepass(*args, None, None)
+    do = torch.randn_like(x["v"])
+    dv_local = torch.randn(B, T, HV, D, device=x["q"].device)
+    dht = torch.zeros(B, HV, D, D, device=x["q"].device)
+    calls = {
+        "walk": lambda bv, s: FF.fused_fwd(x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16, BV=bv, p=p,
+                                           num_stages=s),
+        "state_pass_fwd": lambda bv, s: SP.state_pass_fwd(x["k"], st.w, st.u, st.gc, None, num_stages=s,
+                                                          block_v=bv),
+        "state_pass_bwd": lambda bv, s: SPB.state_pass_bwd(x["q"], x["k"], st.w, st.gc, do, dv_local, dht, scale,
+                                                           num_stages=s, block_v=bv),
+    }
+    rows = []
+    for name, call in calls.items():
+        for bv in BVS:
+            ref = [t for t in call(bv, 0) if t is not None]
+            for s in STAGES:
+                row = dict(kernel=name, shape=(B, T, H, HV), BV=bv, stages=s)
+                try:
+                    out = [t for t in call(bv, s) if t is not None]
+                    row["diff"] = max_rel(out, ref)
+                    row["ms"] = triton.testing.do_bench(lambda: call(bv, s))
+                except Exception as e:  # a variant that does not compile or launch is a row, not the end
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def backward_stages(B, T, H, HV):
+    """Table 2: the backward's stages at the defaults (the op's own calls, timed one by one)."""
+    x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
+    scale = D ** -0.5
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    q, k, v, beta = x["q"], x["k"], x["v"], x["beta"]
+    recompute = lambda: chunk_gated_delta_rule_fwd_stages(*args, scale, None, None, None)
+    st = recompute()
+    do = torch.randn_like(v)
+    dht = torch.zeros(B, HV, D, D, device=x["q"].device)
+    dv_local = local_bwd_dv(q, k, st.gc, do, scale, None, None)
+    dh, dv_new, _ = SPB.state_pass_bwd(q, k, st.w, st.gc, do, dv_local, dht, scale)
+    dqk = lambda: local_bwd_dqk(q, k, beta, st.gc, st.A_inv, st.h, st.v_new, do, dh, dv_new, scale, None, None)
+    dq, dk, dbeta_p, dg_p, dA_inv_p = dqk()
+    t = {"recompute (fwd stages)": recompute,
+         "dv_local": lambda: local_bwd_dv(q, k, st.gc, do, scale, None, None),
+         "state_pass_bwd": lambda: SPB.state_pass_bwd(q, k, st.w, st.gc, do, dv_local, dht, scale),
+         "dq/dk (local_bwd_dqk)": dqk,
+         "WY (local_bwd_wy)": lambda: local_bwd_wy(k, v, beta, st.gc, st.A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
+                                                    None, None)}
+    rows = [dict(shape=(B, T, H, HV), stage=n, ms=triton.testing.do_bench(f)) for n, f in t.items()]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def set_stages(n: int):
+    FF.WALK_STAGES = SP.STATE_PASS_STAGES = SPB.BWD_STAGES = n
+
+
+def whole_op(shapes):
+    """Table 3: the public op at the defaults and with every NUM_STAGES = 2."""
+    rows = []
+    xa, _, _ = make(2, 300, 4, 4, D, D, None, torch.bfloat16)
+    a_args = [xa[n] for n in ("q", "k", "v", "g", "beta")]
+    ro, _ = gated_delta_rule_reference(*a_args, D ** -0.5, None, None)
+    for n in (0, 2):
+        set_stages(n)
+        o, _ = chunk_gated_delta_rule(*a_args, scale=D ** -0.5)
+        anchor = rel(o, ro)
+        for (B, T, H, HV) in shapes:
+            x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
+            ins = [x[k].requires_grad_(True) for k in ("q", "k", "v", "g", "beta")]
+            f = lambda: chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
+            with torch.no_grad():
+                fwd = triton.testing.do_bench(f)
+            do = torch.randn_like(x["v"])
+            fb = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
+            row = dict(stages=n, shape=(B, T, H, HV), fwd_ms=fwd, fwdbwd_ms=fb, anchor_o=anchor)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    set_stages(0)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the first two shapes only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    shapes = SHAPES[:2] if a.quick else SHAPES
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    alone = [r for s in shapes for r in kernels_alone(*s)]
+    bwd = [r for s in shapes for r in backward_stages(*s)]
+    op = whole_op(shapes)
+    with open(os.path.join(a.out, "bench_pipelining.json"), "w") as f:
+        json.dump(dict(alone=alone, backward=bwd, op=op), f, indent=1)
+
+    print("\n| kernel | B, T, H, HV | BV | " + " | ".join(f"stages {s} ms (diff)" for s in STAGES) + " |")
+    print("|---|---|---|" + "---|" * len(STAGES))
+    for name in ("walk", "state_pass_fwd", "state_pass_bwd"):
+        for shape in shapes:
+            for bv in BVS:
+                cells = []
+                for s in STAGES:
+                    r = next(r for r in alone if (r["kernel"], r["shape"], r["BV"], r["stages"]) ==
+                             (name, shape, bv, s))
+                    cells.append(r["error"][:30] if "error" in r else f"{r['ms']:.3f} ({r['diff']:.0e})")
+                print(f"| {name} | {', '.join(map(str, shape))} | {bv} | " + " | ".join(cells) + " |")
+    print("\n| B, T, H, HV | backward stage | ms |\n|---|---|---|")
+    for r in bwd:
+        print(f"| {', '.join(map(str, r['shape']))} | {r['stage']} | {r['ms']:.3f} |")
+    print("\n| NUM_STAGES | B, T, H, HV | fwd ms | fwd+bwd ms | anchor o rel L2 |\n|---|---|---|---|---|")
+    for r in op:
+        print(f"| {r['stages']} | {', '.join(map(str, r['shape']))} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
+              f"{r['anchor_o']:.3e} |")
+
+
+if __name__ == "__main__":
+    main()

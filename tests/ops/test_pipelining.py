@@ -1,0 +1,76 @@
+"""The sequential kernels' loop pipelining (NUM_STAGES): argument checks, and the compiled loop on sm_90.
+
+The interpreter always runs the while loop (it cannot take range() of a runtime bound), so the numerics of every
+NUM_STAGES are the CPU tests' of the kernels themselves; what only a compile shows is checked here: with
+NUM_STAGES = 2 each kernel compiles for an H200 and Triton pipelines its loads (cp.async in the PTX), while
+NUM_STAGES = 0 (the while loop) has none. Speed and GPU numerics: benchmarks/bench_pipelining.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn.ops.common.fused_fwd import fused_fwd
+from linattn.ops.common.state_pass import state_pass_fwd
+from linattn.ops.common.state_pass_bwd import state_pass_bwd
+
+pytestmark = pytest.mark.interpreter
+
+
+def _inputs(B=1, T=8, H=1, K=16, V=16):
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    w, u = torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+    gc = -torch.rand(B, T, H)
+    return q, k, w, u, gc
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2"])
+def test_bad_num_stages_is_a_value_error(bad):
+    q, k, w, u, gc = _inputs()
+    with pytest.raises(ValueError, match="num_stages"):
+        fused_fwd(q, k, w, u, gc, 0.25, None, torch.float32, num_stages=bad)
+    with pytest.raises(ValueError, match="num_stages"):
+        state_pass_fwd(k, w, u, gc, None, num_stages=bad)
+    with pytest.raises(ValueError, match="num_stages"):
+        state_pass_bwd(q, k, w, gc, u, u, torch.zeros(1, 1, 16, 16), 0.25, num_stages=bad)
+
+
+def test_bad_block_v_is_a_value_error():
+    q, k, w, u, gc = _inputs()
+    with pytest.raises(ValueError, match="block_v"):
+        state_pass_fwd(k, w, u, gc, None, block_v=24)
+    with pytest.raises(ValueError, match="block_v"):
+        state_pass_bwd(q, k, w, gc, u, u, torch.zeros(1, 1, 16, 16), 0.25, block_v=128)
+
+
+def test_num_stages_keeps_the_result_in_the_interpreter():
+    """Any NUM_STAGES runs the same steps (here: the while loop), so outputs are bitwise equal."""
+    q, k, w, u, gc = _inputs(T=70)
+    a = fused_fwd(q, k, w, u, gc, 0.25, None, torch.float32, num_stages=0)
+    b = fused_fwd(q, k, w, u, gc, 0.25, None, torch.float32, num_stages=2)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_pipelined_loops_compile_for_h200():
+    """Each sequential kernel at BV = 16 (bf16, K = V = 128) compiles for sm_90 at NUM_STAGES 0 and 2, in a process
+    without the interpreter; only NUM_STAGES = 2 issues cp.async (Triton pipelines scf.for, never scf.while)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    script = ("import sys; sys.path.insert(0, 'benchmarks'); import compile_sequential as c; "
+              "print({(n, s): tuple(c.compile_kernel(kern, consts)) for s in (0, 2) "
+              "for n, (kern, consts) in c.kernels(128, 16, s).items()})")
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = eval(done.stdout.strip().splitlines()[-1])
+    assert {n for n, _ in res} == {"walk", "state_pass_fwd", "state_pass_bwd"}
+    for (name, stages), (regs, _, shared, cp_async) in res.items():
+        assert 0 < regs <= 255, (name, stages, regs)
+        assert (cp_async > 0) == (stages == 2), (name, stages, cp_async)
+        # two programs per SM need <= 114 KB each (228 KB of shared memory on an H200 SM)
+        assert shared <= 114 * 1024 or stages == 0, (name, stages, shared)
