@@ -80,7 +80,7 @@ def kernels_alone(B, T, H, HV):
                 try:
                     out = [t for t in call(bv, s) if t is not None]
                     row["diff"] = max_rel(out, ref)
-                    row["ms"] = triton.testing.do_bench(lambda: call(bv, s))
+                    row["ms"] = triton.testing.do_bench(lambda call=call, bv=bv, s=s: call(bv, s))
                 except Exception as e:  # a variant that does not compile or launch is a row, not the end
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
@@ -131,11 +131,11 @@ def whole_op(shapes):
         for (B, T, H, HV) in shapes:
             x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
             ins = [x[k].requires_grad_(True) for k in ("q", "k", "v", "g", "beta")]
-            f = lambda: chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
+            f = lambda ins=ins: chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
             with torch.no_grad():
                 fwd = triton.testing.do_bench(f)
             do = torch.randn_like(x["v"])
-            fb = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
+            fb = triton.testing.do_bench(lambda f=f, ins=ins, do=do: torch.autograd.grad(f()[0], ins, do))
             row = dict(stages=n, shape=(B, T, H, HV), fwd_ms=fwd, fwdbwd_ms=fb, anchor_o=anchor)
             rows.append(row)
             print(json.dumps(row), flush=True)
