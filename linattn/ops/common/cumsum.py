@@ -15,7 +15,7 @@ from . import CHUNK
 from .varlen import chunk_bounds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def chunk_local_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, T, HV: tl.constexpr, BT: tl.constexpr,
                               IS_VARLEN: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head)

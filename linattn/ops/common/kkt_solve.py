@@ -127,7 +127,7 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     return b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                      USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):

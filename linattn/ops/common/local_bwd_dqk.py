@@ -30,7 +30,7 @@ from .varlen import chunk_bounds
 BT = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT", "NTB"])
 def local_bwd_dqk_kernel(
     q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, dq, dk, dbeta, dg, dA_inv, cu_seqlens, chunk_indices, scale,
     T, NT, NTB,

@@ -19,7 +19,7 @@ from .varlen import chunk_bounds
 BT = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def local_bwd_dv_kernel(
     q, k, gc, do, dv, cu_seqlens, chunk_indices, scale,
     T,

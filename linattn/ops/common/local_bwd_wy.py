@@ -24,7 +24,7 @@ from .varlen import chunk_bounds
 BT = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NTB"])
 def local_bwd_wy_kernel(
     k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
     T, NTB,

@@ -22,7 +22,7 @@ from . import CHUNK, block_size, dot_precision
 from .varlen import chunk_bounds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):

@@ -50,7 +50,7 @@ def _softplus(u):
     return tl.maximum(u, 0.0) + log1p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NTOK"])
 def preprocess_fwd_kernel(q, k, qn, kn, g, A_log, dt_bias, gn, beta, betan, NTOK, H: tl.constexpr, HV: tl.constexpr,
                           K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BHV: tl.constexpr,
                           L2NORM: tl.constexpr, GATE: tl.constexpr, BETA_SIGMOID: tl.constexpr):
@@ -85,7 +85,7 @@ def preprocess_fwd_kernel(q, k, qn, kn, g, A_log, dt_bias, gn, beta, betan, NTOK
                 tl.store(betan + o_g, tl.sigmoid(b_b), mask=m_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NTOK", "NB"])
 def preprocess_bwd_kernel(q, k, dqn, dkn, dq, dk, g, A_log, dt_bias, dgn, dg, dpart, beta, dbetan, dbeta, NTOK, NB,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                           BHV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, BETA_SIGMOID: tl.constexpr):

@@ -67,7 +67,7 @@ def _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v
     return b_h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])
 def state_pass_fwd_kernel(k, w, u, gc, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T, NT, H: tl.constexpr,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,

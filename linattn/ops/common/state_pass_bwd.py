@@ -66,7 +66,7 @@ def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh
     return b_dh
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def state_pass_bwd_kernel(
     q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale,
     T,
