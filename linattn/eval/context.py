@@ -456,20 +456,39 @@ def empty_cache(ctx: Context) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # calls that may hang
 # --------------------------------------------------------------------------------------------------------------
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: an index-less CUDA device is the calling thread's current one. ``set_device``
+    refuses a device without an index, and a new thread starts on device 0, so a worker must be told the index its
+    caller runs on."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def run_with_timeout(fn: Callable[[], object], timeout_s: float,
                      device: Optional[torch.device] = None) -> tuple[str, object]:
     """Run ``fn`` in a worker thread; return ``("ok", result)``, ``("error", exception)`` or ``("hang", None)``.
 
     A thread cannot be killed: a hung call is left running as a daemon and reported; the suite moves on. (A process
     would be killable but cannot share the caller's CUDA context and tensors, which is what is being tested.)
+
+    ``("error", ...)`` is only ever what ``fn`` raised: when the harness cannot set the worker up (select the CUDA
+    device), the exception is raised here, in the caller, so it fails the section loudly instead of being recorded
+    as every case's result.
     """
     box: dict = {}
+    if device is not None and device.type == "cuda":
+        device = indexed(device)  # resolved in the caller's thread: the worker's current device is 0
 
     def target():
         try:
             if device is not None and device.type == "cuda":
                 # a new thread starts on CUDA device 0; kernels launch on the current device
                 torch.cuda.set_device(device)
+        except BaseException as e:
+            box["setup"] = e
+            return
+        try:
             box["result"] = fn()
         except BaseException as e:  # recorded, not raised: the report says which inputs raise what
             box["error"] = e
@@ -479,6 +498,9 @@ def run_with_timeout(fn: Callable[[], object], timeout_s: float,
     th.join(timeout_s)
     if th.is_alive():
         return "hang", None
+    if "setup" in box:
+        raise RuntimeError(f"run_with_timeout: the worker thread could not select {device} "
+                           f"({type(box['setup']).__name__}: {box['setup']})") from box["setup"]
     if "error" in box:
         return "error", box["error"]
     return "ok", box.get("result")

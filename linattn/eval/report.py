@@ -320,12 +320,16 @@ def _robust_blocks(r: dict) -> list:
         else:
             detail = (x.get("error") or {}).get("message", x.get("reason", ""))
         rows.append([x["impl"], x["case"], x["dtype"], _status(x), detail])
-    return [_h(2, "Robustness (abnormal inputs)"), _p(
+    out = [_h(2, "Robustness (abnormal inputs)"), _p(
         f"Each call in a worker thread with a {s['timeout_s']} s timeout. Summary: " + "; ".join(
             f"{n}: {v['passed']}/{v['cases']} pass, {v['errors']} errors, {v['hangs']} hangs, {v['nan_leaks']} NaN "
             f"leaks ({v['nan_leaks_across_heads_or_sequences']} across heads/sequences)" for n, v in
-            s["summary"].items()) + "."),
-        _t(["impl", "case", "dtype", "status", "detail"], rows)]
+            s["summary"].items()) + ".")]
+    for n, v in s["summary"].items():
+        if v.get("same_error_every_case"):  # absent in reports written before it existed
+            out.append(_p(f"**Warning:** every {n} case raised the same error ({v['same_error_every_case']}): "
+                          "suspect the harness or the installation, not the inputs."))
+    return out + [_t(["impl", "case", "dtype", "status", "detail"], rows)]
 
 
 def _soak_blocks(r: dict) -> list:
