@@ -29,7 +29,7 @@ share borrows that time (later sections rebalance: the CLI divides what is left 
 
 Also the device-neutral helpers the sections share: ``sync``, peak-memory measurement (the CUDA caching
 allocator's counters on GPU; the PyTorch profiler's allocation events on CPU), the process's resident set (soak),
-and ``run_with_timeout`` (robustness must survive a call that never returns).
+and ``run_with_timeout`` (robustness and mixed precision must survive a call that never returns).
 """
 from __future__ import annotations
 
@@ -359,6 +359,24 @@ class Context:
         want = limit_s + sum(sec for _, sec, _ in self.compile_estimates(impl, classes))
         cut = max(self.remaining(), self.spare(), 0.0) + grace_s
         return (cut, True) if cut < want else (want, False)
+
+    def call_with_timeout(self, fn: Callable[[], object], impl: Optional[str], classes: tuple,
+                          limit_s: float) -> tuple[str, object, dict]:
+        """Run a unit's call ``fn`` in a worker thread (:func:`run_with_timeout`), bounded by :meth:`hard_timeout`.
+
+        Returns ``(status, result, stopped)``: "ok" with ``fn``'s result or "error" with its exception, and
+        ``stopped`` empty; or, for a call that did not return in time, "skipped" (the budget's cut stopped it) or
+        "hang" (``limit_s``, the profile's own limit, did), with ``stopped`` the record fields that say so. A stopped
+        call may still be running in the abandoned thread: the caller skips the implementation's later units."""
+        timeout, by_budget = self.hard_timeout(impl, classes, limit_s)
+        status, result = run_with_timeout(fn, timeout, self.device)
+        if status != "hang":
+            return status, result, {}
+        if by_budget:
+            return "skipped", None, {"status": "skipped", "skipped": "time budget", "passed": None,
+                                     "reason": f"time budget: still running after {timeout:.1f} s (left in a "
+                                               "worker thread)"}
+        return "hang", None, {"status": "hang", "timeout_s": timeout, "passed": False}
 
     def sync(self) -> None:
         if self.gpu:

@@ -81,8 +81,19 @@ def mb(x) -> str:
 
 
 def _status(r: dict) -> str:
-    return {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "hang": "HANG", "unsupported": "n/a"}.get(
-        r.get("status"), str(r.get("status")))
+    # records written before every section set a status (a merged older report) say it with their keys
+    status = r.get("status") or ("skipped" if "skipped" in r else "error" if "error" in r else
+                                 "pass" if r.get("passed") else "fail")
+    return {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "hang": "HANG", "unsupported": "n/a"}.get(status, status)
+
+
+def _why(r: dict) -> str:
+    """What a record that has no result says about it: the error's message, the reason, or the hang's timeout."""
+    if "error" in r:
+        return r["error"]["message"]
+    if r.get("status") == "hang":
+        return f"no return after {fmt(r.get('timeout_s'))} s"
+    return str(r.get("reason") or r.get("skipped") or "")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -353,13 +364,15 @@ def _amp_blocks(r: dict) -> list:
     s = r["mixed_precision"]
     rows = []
     for x in s["records"]:
-        if "error" in x or "skipped" in x:
-            rows.append([x["impl"], "ERROR: " + x["error"]["message"] if "error" in x else x["skipped"]] + [""] * 5)
+        if "overflow_steps" not in x:  # the fp16 run did not finish: say why
+            rows.append([x["impl"], _status(x) + ": " + _why(x)] + [""] * 5)
             continue
-        rows.append([x["impl"], "PASS" if x["passed"] else "FAIL", f"{x['overflow_steps']}/{x['steps']}",
-                     fmt(x["final_scale"]), fmt(x["final_loss_fp16"]), fmt(x["final_loss_fp32"]),
-                     fmt(x["final_loss_rel_gap"])])
-    return [_h(2, "Mixed precision"), _p(f"fp16 autocast + {s['scaler']} on {s['device']}, shape {s['shape']}."),
+        ref = x.get("fp32_reference")
+        rows.append([x["impl"], _status(x), f"{x['overflow_steps']}/{x['steps']}", fmt(x["final_scale"]),
+                     fmt(x["final_loss_fp16"]), fmt(x["final_loss_fp32"]) if not ref else
+                     f"{_status(ref)}: {_why(ref)}", fmt(x["final_loss_rel_gap"])])
+    return [_h(2, "Mixed precision"), _p(f"fp16 autocast + {s['scaler']} on {s['device']}, shape {s['shape']}; "
+                                         "each training run in a worker thread with a timeout."),
             _t(["impl", "status", "overflow steps", "final scale", "loss fp16", "loss fp32", "rel gap"], rows)]
 
 

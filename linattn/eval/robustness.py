@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from .cases import DTYPES, Case, make_inputs
-from .context import Context, error_record, run_with_timeout, shape_classes
+from .context import Context, error_record, shape_classes
 from .correctness import TOLERANCES, _reference, compare, preferred_dtypes
 
 FINITE_CASES = ("identical-tokens", "huge-1e4", "g-zero", "g-minus-100", "beta-zero", "beta-one", "zeroed-tokens")
@@ -137,14 +137,10 @@ def check(impl, name: str, dtype: str, ctx: Context) -> dict:
             ctx.sync()
             return o, ht
 
-    timeout, by_budget = ctx.hard_timeout(impl.name, case_classes(impl, name, dtype, p.rob_shape), p.rob_timeout_s)
-    status, result = run_with_timeout(call, timeout, ctx.device)
-    if status == "hang" and by_budget:
-        rec.update(status="skipped", skipped="time budget", passed=None,
-                   reason=f"time budget: still running after {timeout:.1f} s (left in a worker thread)")
-        return rec
-    if status == "hang":
-        rec.update(status="hang", timeout_s=timeout, passed=False)
+    status, result, stopped = ctx.call_with_timeout(call, impl.name, case_classes(impl, name, dtype, p.rob_shape),
+                                                    p.rob_timeout_s)
+    if stopped:
+        rec.update(stopped)
         return rec
     if status == "error":
         rec.update(status="error", error=error_record(result), passed=False)

@@ -216,3 +216,46 @@ def test_robustness_flags_one_error_on_every_case():
     assert s["broken"]["same_error_every_case"].startswith("ValueError: Expected a torch.device")
     assert any("robustness broken: every case raised ValueError" in x for x in lines)
     assert s["linattn"]["same_error_every_case"] is None
+
+
+def _stuck(gate):
+    """An implementation whose call does not return until ``gate`` is set (a hang, or an endless first autotune)."""
+    return Impl("stuck", "gdn", lambda x: gate.wait(30) and None, native={"l2norm"})
+
+
+def test_mixed_precision_survives_a_call_that_never_returns():
+    import dataclasses
+    import threading
+    import time
+
+    from linattn.eval import mixed_precision
+    gate = threading.Event()
+    prof = dataclasses.replace(profile("tiny", CPU), amp_timeout_s=3.0)  # linattn trains in well under that
+    ctx = Context(CPU, prof, [_stuck(gate), build("linattn", CPU)], deadline=math.inf)
+    ctx.begin_section("mixed_precision")
+    t = time.monotonic()
+    try:
+        r = mixed_precision.run(ctx)
+    finally:
+        gate.set()
+    assert time.monotonic() - t < 15
+    stuck, lin = r["records"]
+    assert stuck["status"] == "hang" and stuck["passed"] is False and stuck["timeout_s"] == pytest.approx(3.0)
+    assert ctx.section_stats["stuck"]["units"] == 1  # the fp32 run was not started beside the abandoned one
+    assert lin["status"] == "pass" and lin["final_loss_rel_gap"] is not None and "fp32_reference" not in lin
+
+
+def test_mixed_precision_call_cut_by_the_budget_is_skipped_not_a_hang():
+    import threading
+    import time
+
+    from linattn.eval import mixed_precision
+    gate = threading.Event()
+    ctx = Context(CPU, profile("tiny", CPU), [_stuck(gate)], deadline=time.monotonic() + 0.5)
+    ctx.begin_section("mixed_precision")
+    try:
+        rec = mixed_precision.run(ctx)["records"][0]
+    finally:
+        gate.set()
+    assert rec["status"] == "skipped" and rec["passed"] is None
+    assert rec["reason"].startswith("time budget: still running after")
