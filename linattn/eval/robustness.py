@@ -193,7 +193,7 @@ def run(ctx: Context) -> dict:
     for i, impl in enumerate(impls):
         with ctx.share(len(impls) - i):
             cut = False
-            for dtype in preferred_dtypes(impl, p.corr_dtypes):
+            for dtype in preferred_dtypes(impl, p.corr_dtypes, ctx.gpu):
                 for name in FINITE_CASES + NAN_CASES:
                     classes = case_classes(impl, name, dtype, p.rob_shape)
                     desc = f"robustness {impl.name} {name} {dtype}"
