@@ -289,6 +289,17 @@ class Context:
                       "with the run's spare time)")
         return False
 
+    def unsupported(self, impl: Impl, shape, uid: str, out: list, **options) -> bool:
+        """Whether ``impl`` cannot run ``shape`` with ``options`` (:meth:`Impl.supports_shape`); if so, the record
+        ``{id: uid, impl, status: "unsupported", reason}`` goes to ``out`` and the log says why. Asked before
+        :meth:`fits`: an unsupported unit is neither run nor budgeted (its compile estimate could otherwise have it
+        skipped "for time")."""
+        reason = impl.supports_shape(shape, **options)
+        if reason:
+            out.append({"id": uid, "impl": impl.name, "status": "unsupported", "reason": reason, "passed": None})
+            self.emit(f"{self.section} {uid}: unsupported ({reason})")
+        return reason is not None
+
     def step(self, desc: str, impl: Optional[str] = None, classes: tuple = ()) -> None:
         """A unit of work starts (the previous one, if not closed with :meth:`done`, is closed as "done")."""
         if self._unit is not None:

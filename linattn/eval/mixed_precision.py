@@ -120,6 +120,8 @@ def run(ctx: Context) -> dict:
     records = []
     ctx.partial.update(records=records)
     for impl in ctx.available("gdn"):
+        if ctx.unsupported(impl, s, impl.name, records):
+            continue
         rec = {"id": impl.name, "impl": impl.name, "steps": p.amp_steps}
         records.append(rec)
         torch.manual_seed(ctx.seed)

@@ -348,7 +348,7 @@ def _soak_blocks(r: dict) -> list:
     rows = []
     for x in s["records"]:
         if "calls" not in x:
-            rows.append([x["impl"], "–", "–", "skipped: " + str(x.get("skipped")), "", "", "", "", ""])
+            rows.append([x["impl"], "–", "–", _status(x) + ": " + _why(x), "", "", "", "", ""])
             continue
         rows.append([x["impl"], x["id"].split("/", 1)[1], str(x["calls"]), fmt(x.get("duration_s")),
                      fmt(x.get("latency_p50_ms")), fmt(x.get("latency_drift")), mb(x.get("memory_drift_bytes")),
@@ -463,6 +463,12 @@ def blocks(r: dict) -> list:
             if sec.get("skipped_for_time") and section != "decode":  # decode lists its own
                 out.append(_p(f"Skipped for time ({len(sec['skipped_for_time'])}): "
                               + ", ".join(sec["skipped_for_time"]) + "."))
+            if sec.get("unsupported"):  # sections of measurements list what an implementation cannot run here
+                by_reason: dict = {}
+                for x in sec["unsupported"]:
+                    by_reason.setdefault(x["reason"], []).append(x["id"])
+                out.append(_p(f"Unsupported ({len(sec['unsupported'])}): " + "; ".join(
+                    f"{', '.join(ids)}: {reason}" for reason, ids in by_reason.items()) + "."))
     return out
 
 

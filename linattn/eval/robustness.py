@@ -33,12 +33,17 @@ FINITE_CASES = ("identical-tokens", "huge-1e4", "g-zero", "g-minus-100", "beta-z
 NAN_CASES = ("nan-q", "nan-k", "nan-v", "nan-g", "nan-beta", "nan-varlen-v")
 
 
+def case_shape(name: str, shape):
+    """The shape robustness case ``name`` runs: the packed (varlen) case holds two sequences of ``shape.T``."""
+    return shape.with_(B=1, T=2 * shape.T) if name == "nan-varlen-v" else shape
+
+
 def build_inputs(name: str, shape, dtype: str, device, seed: int) -> tuple[dict, dict]:
     """Inputs for robustness case ``name`` and where a NaN was planted (empty for the finite cases)."""
     varlen = name == "nan-varlen-v"
     case = None
+    shape = case_shape(name, shape)
     if varlen:
-        shape = shape.with_(B=1, T=2 * shape.T)
         case = Case(name, shape, seqlens=(shape.T // 2, shape.T - shape.T // 2))
     elif name == "identical-tokens":
         case = Case(name, shape, structure="repeated_token")
@@ -117,8 +122,7 @@ def check_confinement(o: torch.Tensor, ht, inputs: dict, plant: dict) -> dict:
 
 
 def case_classes(impl, name: str, dtype: str, shape) -> tuple:
-    varlen = name == "nan-varlen-v"
-    return shape_classes(impl, shape.with_(B=1, T=2 * shape.T) if varlen else shape, dtype, "fwd", varlen=varlen,
+    return shape_classes(impl, case_shape(name, shape), dtype, "fwd", varlen=name == "nan-varlen-v",
                          l2norm=name == "huge-1e4")
 
 
@@ -195,6 +199,9 @@ def run(ctx: Context) -> dict:
             cut = False
             for dtype in preferred_dtypes(impl, p.corr_dtypes, ctx.gpu):
                 for name in FINITE_CASES + NAN_CASES:
+                    if impl.supports_shape(case_shape(name, p.rob_shape), varlen=name == "nan-varlen-v"):
+                        records.append(check(impl, name, dtype, ctx))  # its "unsupported" record, nothing run
+                        continue
                     classes = case_classes(impl, name, dtype, p.rob_shape)
                     desc = f"robustness {impl.name} {name} {dtype}"
                     if cut or not ctx.fits(impl.name, classes, desc):

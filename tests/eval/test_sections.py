@@ -259,3 +259,34 @@ def test_mixed_precision_call_cut_by_the_budget_is_skipped_not_a_hang():
         gate.set()
     assert rec["status"] == "skipped" and rec["passed"] is None
     assert rec["reason"].startswith("time budget: still running after")
+
+
+def test_every_section_records_flashqlas_head_dim_as_unsupported(monkeypatch):
+    """FlashQLA as build() configures it, its kernel faked on the CPU as flash-qla 0.1.3 behaves (an assertion on
+    the head dim): on the tiny profile (K = V = 16) every section records it as unsupported, with the reason,
+    without running or budgeting a unit (an H200 run recorded 7 x "error AssertionError" in stability)."""
+    from linattn.eval import impls, memory, mixed_precision, perf, scaling, soak, stability
+    lin = build("linattn", CPU)
+
+    def hopper_kernel(x):
+        assert x["q"].shape[-1] == x["v"].shape[-1] == 128
+        return lin.fn(x)
+
+    monkeypatch.setattr(impls, "_flashqla", lambda: hopper_kernel)
+    qla = impls.build("flashqla", torch.device("cuda"))  # the Impl only; its calls run on the CPU here
+    assert qla.supports_shape(Shape(1, 64, 2, 2, 128, 128)) is None
+    assert "K = V = 128" in qla.supports_shape(Shape(1, 64, 2, 2, 64, 64))
+    sections = {"correctness": correctness.run, "performance": perf.run, "scaling": scaling.run,
+                "memory": memory.run, "stability": stability.run, "robustness": robustness.run,
+                "soak": soak.run, "mixed_precision": mixed_precision.run}
+    for name, run in sections.items():
+        ctx = Context(CPU, profile("tiny", CPU), [qla], deadline=math.inf)
+        ctx.begin_section(name)
+        r = run(ctx)
+        if "unsupported" in r:  # a section of measurements: nothing measured, its list says why
+            marked = r["unsupported"]
+            assert not any(r.get(k) for k in ("records", "series", "sweeps", "T_sweep")), name
+        else:  # a section of verdicts: its records say it
+            marked = r["records"]
+        assert marked and all(x["status"] == "unsupported" and "K = V = 128" in x["reason"] for x in marked), name
+        assert ctx.section_stats == {}, name  # nothing started, nothing budgeted
