@@ -201,8 +201,9 @@ class Profile:
     # soak: seconds, and the largest T tried for it
     soak_s: float = 5.0
     soak_T: int = 1024
-    # mixed precision: training steps
+    # mixed precision: training steps, and a training run's hang limit (beyond the estimate of its compiles)
     amp_steps: int = 8
+    amp_timeout_s: float = 60.0
     amp_shape: Shape = field(default_factory=lambda: Shape(2, 64, 2, 2, 32, 32))
 
 

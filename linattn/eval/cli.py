@@ -75,8 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _device(spec) -> torch.device:
+    """The run's device, with its index for CUDA (``cuda`` is the current device, ``cuda:0`` on a fresh process):
+    the sections and their worker threads all select that one device."""
+    from .context import indexed
     if spec is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(spec)
     except RuntimeError as e:
@@ -85,7 +88,7 @@ def _device(spec) -> torch.device:
         raise ValueError(f"--device {spec}: CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {spec}: linattn eval supports cpu and cuda devices")
-    return dev
+    return indexed(dev)
 
 
 def _sections(spec) -> list:
@@ -209,7 +212,7 @@ class Evaluation:
 
         self.args, self.guard = args, guard or _Signals()
         self.device = _device(args.device)
-        if self.device.type == "cuda" and self.device.index is not None:
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels (Triton's included) launch on the current device
         self.prof = profile(args.profile, self.device)
         self.selected = _sections(args.sections)

@@ -29,7 +29,7 @@ share borrows that time (later sections rebalance: the CLI divides what is left 
 
 Also the device-neutral helpers the sections share: ``sync``, peak-memory measurement (the CUDA caching
 allocator's counters on GPU; the PyTorch profiler's allocation events on CPU), the process's resident set (soak),
-and ``run_with_timeout`` (robustness must survive a call that never returns).
+and ``run_with_timeout`` (robustness and mixed precision must survive a call that never returns).
 """
 from __future__ import annotations
 
@@ -289,6 +289,17 @@ class Context:
                       "with the run's spare time)")
         return False
 
+    def unsupported(self, impl: Impl, shape, uid: str, out: list, **options) -> bool:
+        """Whether ``impl`` cannot run ``shape`` with ``options`` (:meth:`Impl.supports_shape`); if so, the record
+        ``{id: uid, impl, status: "unsupported", reason}`` goes to ``out`` and the log says why. Asked before
+        :meth:`fits`: an unsupported unit is neither run nor budgeted (its compile estimate could otherwise have it
+        skipped "for time")."""
+        reason = impl.supports_shape(shape, **options)
+        if reason:
+            out.append({"id": uid, "impl": impl.name, "status": "unsupported", "reason": reason, "passed": None})
+            self.emit(f"{self.section} {uid}: unsupported ({reason})")
+        return reason is not None
+
     def step(self, desc: str, impl: Optional[str] = None, classes: tuple = ()) -> None:
         """A unit of work starts (the previous one, if not closed with :meth:`done`, is closed as "done")."""
         if self._unit is not None:
@@ -359,6 +370,24 @@ class Context:
         want = limit_s + sum(sec for _, sec, _ in self.compile_estimates(impl, classes))
         cut = max(self.remaining(), self.spare(), 0.0) + grace_s
         return (cut, True) if cut < want else (want, False)
+
+    def call_with_timeout(self, fn: Callable[[], object], impl: Optional[str], classes: tuple,
+                          limit_s: float) -> tuple[str, object, dict]:
+        """Run a unit's call ``fn`` in a worker thread (:func:`run_with_timeout`), bounded by :meth:`hard_timeout`.
+
+        Returns ``(status, result, stopped)``: "ok" with ``fn``'s result or "error" with its exception, and
+        ``stopped`` empty; or, for a call that did not return in time, "skipped" (the budget's cut stopped it) or
+        "hang" (``limit_s``, the profile's own limit, did), with ``stopped`` the record fields that say so. A stopped
+        call may still be running in the abandoned thread: the caller skips the implementation's later units."""
+        timeout, by_budget = self.hard_timeout(impl, classes, limit_s)
+        status, result = run_with_timeout(fn, timeout, self.device)
+        if status != "hang":
+            return status, result, {}
+        if by_budget:
+            return "skipped", None, {"status": "skipped", "skipped": "time budget", "passed": None,
+                                     "reason": f"time budget: still running after {timeout:.1f} s (left in a "
+                                               "worker thread)"}
+        return "hang", None, {"status": "hang", "timeout_s": timeout, "passed": False}
 
     def sync(self) -> None:
         if self.gpu:
@@ -456,20 +485,39 @@ def empty_cache(ctx: Context) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # calls that may hang
 # --------------------------------------------------------------------------------------------------------------
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: an index-less CUDA device is the calling thread's current one. ``set_device``
+    refuses a device without an index, and a new thread starts on device 0, so a worker must be told the index its
+    caller runs on."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def run_with_timeout(fn: Callable[[], object], timeout_s: float,
                      device: Optional[torch.device] = None) -> tuple[str, object]:
     """Run ``fn`` in a worker thread; return ``("ok", result)``, ``("error", exception)`` or ``("hang", None)``.
 
     A thread cannot be killed: a hung call is left running as a daemon and reported; the suite moves on. (A process
     would be killable but cannot share the caller's CUDA context and tensors, which is what is being tested.)
+
+    ``("error", ...)`` is only ever what ``fn`` raised: when the harness cannot set the worker up (select the CUDA
+    device), the exception is raised here, in the caller, so it fails the section loudly instead of being recorded
+    as every case's result.
     """
     box: dict = {}
+    if device is not None and device.type == "cuda":
+        device = indexed(device)  # resolved in the caller's thread: the worker's current device is 0
 
     def target():
         try:
             if device is not None and device.type == "cuda":
                 # a new thread starts on CUDA device 0; kernels launch on the current device
                 torch.cuda.set_device(device)
+        except BaseException as e:
+            box["setup"] = e
+            return
+        try:
             box["result"] = fn()
         except BaseException as e:  # recorded, not raised: the report says which inputs raise what
             box["error"] = e
@@ -479,6 +527,9 @@ def run_with_timeout(fn: Callable[[], object], timeout_s: float,
     th.join(timeout_s)
     if th.is_alive():
         return "hang", None
+    if "setup" in box:
+        raise RuntimeError(f"run_with_timeout: the worker thread could not select {device} "
+                           f"({type(box['setup']).__name__}: {box['setup']})") from box["setup"]
     if "error" in box:
         return "error", box["error"]
     return "ok", box.get("result")

@@ -10,12 +10,15 @@ The tolerances bound what a correct chunked kernel reaches at that precision (fl
 3-4e-3 in bf16 on the forward); a bug (a wrong mask, a missing chunk, a stale state) gives errors of order one.
 The softmax baseline (SDPA) computes a different function and is not checked here.
 
-Order and budget: linattn (and any implementation not in :data:`COMPILED_THIRD_PARTY`) runs the whole table in
-table order, dtype by dtype. fla and FlashQLA compile (Triton autotune, TileLang) per shape class, which costs tens
-of seconds on a GPU, so their units run preferred dtype first (bf16, fp16, fp32) and, within a dtype, grouped by
-compile class (the cases on the base shape first, then varlen, initial state, GVA, K ≠ V, ...). When the time is
-short the budget then cuts whole new classes at the end (recorded per implementation in ``skipped_for_time``)
-instead of paying a compile per case.
+Order and budget: a JIT implementation compiles per compile class (signature: dtype, K/V, flags), which costs
+tens of seconds on a GPU (linattn's Triton kernels 70-90 s for a first forward + backward on an H200), so every
+implementation's units are grouped into *tiers*, one per (dtype, compile class): preferred dtype first (bf16, fp16,
+fp32 on a GPU and for fla and FlashQLA; on a CPU linattn keeps the profile's order, fp32 first) and, within a dtype,
+the base shape's class first (prefill, the structured inputs and what the implementation does in PyTorch), then T = 1,
+varlen, initial state, GVA, K ≠ V, ... The implementations take turns, one tier each per round (:func:`run`), so
+each runs its base-shape cases in its first dtype before any runs a second class or dtype: one slow compiler cannot
+spend the section before the others start. When the time is short the budget cuts whole classes at the end
+(recorded per implementation in ``skipped_for_time``) instead of paying a compile per case.
 """
 from __future__ import annotations
 
@@ -133,24 +136,40 @@ def case_classes(impl, case, dtype: str) -> tuple:
                          l2norm=case.l2norm, gate=case.gate_in_op, beta_sigmoid=case.beta_sigmoid)
 
 
-def preferred_dtypes(impl, dtypes) -> list:
-    """``dtypes`` in the order ``impl`` runs them: as given, or preferred first for a compiled third party."""
-    if impl.name not in COMPILED_THIRD_PARTY:
+def preferred_dtypes(impl, dtypes, gpu: bool) -> list:
+    """``dtypes`` in the order ``impl`` runs them: preferred first (bf16, fp16, fp32) on a GPU, where bf16 is what
+    users run, and always for the compiled third parties (their kernels are built for it); linattn on a CPU keeps
+    the profile's order (fp32 first: the torch backend's own precision)."""
+    if not gpu and impl.name not in COMPILED_THIRD_PARTY:
         return list(dtypes)
     return sorted(dtypes, key=lambda d: DTYPE_PREFERENCE.index(d) if d in DTYPE_PREFERENCE else len(DTYPE_PREFERENCE))
 
 
-def unit_order(impl, cases: list, dtypes) -> tuple[list, str]:
-    """[(dtype, case)] in the order ``impl`` runs them, and that order in words (see the module docstring)."""
-    if impl.name not in COMPILED_THIRD_PARTY:
-        return [(d, c) for d in dtypes for c in cases], "table order, dtype by dtype"
-    out = []
-    for d in preferred_dtypes(impl, dtypes):
+def unit_tiers(impl, cases: list, dtypes, gpu: bool) -> tuple[list, str]:
+    """``impl``'s units as *tiers*, in the order it runs them, and that order in words: one tier per (dtype, compile
+    class), dtypes in :func:`preferred_dtypes` order and, within a dtype, compile classes in the order the case table
+    first needs them, so tier 0 is the base shape's class (prefill and every case on its signature)."""
+    tiers, order = [], preferred_dtypes(impl, dtypes, gpu)
+    for d in order:
         groups: dict = {}
         for c in cases:
             groups.setdefault(case_classes(impl, c, d), []).append(c)
-        out += [(d, c) for group in groups.values() for c in group]
-    return out, "preferred dtype first (bf16, fp16, fp32), cases grouped by compile class"
+        tiers += [[(d, c) for c in group] for group in groups.values()]
+    return tiers, f"dtypes {', '.join(order)}, cases grouped by compile class"
+
+
+def _case_unit(ctx: Context, impl, case, dtype: str, records: list, skipped: list) -> None:
+    if impl.supports_shape(case.shape, varlen=case.seqlens is not None, initial_state=case.initial_state):
+        records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))  # its "unsupported" record, nothing run
+        return
+    classes = case_classes(impl, case, dtype)
+    desc = f"correctness {impl.name} {dtype} case {case.id}"
+    if not ctx.fits(impl.name, classes, desc):
+        skipped.append(f"{impl.name}/{case.id}/{dtype}")
+        return
+    ctx.step(desc, impl.name, classes)
+    records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))
+    ctx.done(_result(records[-1]))
 
 
 def _result(rec: dict) -> str:
@@ -167,32 +186,34 @@ def run(ctx: Context) -> dict:
     p = ctx.profile
     cases = correctness_cases(p.corr_T, p.corr_H, p.corr_D)
     impls = ctx.available("gdn")
-    records, repro, skipped, orders = [], [], [], {}
+    records, repro, skipped = [], [], []
     ctx.partial.update(records=records, skipped_for_time=skipped, reproducibility=repro)
-    for i, impl in enumerate(impls):
-        # a fair share per implementation: one that JIT-compiles per shape must not starve the next
-        with ctx.share(len(impls) - i):
-            units, orders[impl.name] = unit_order(impl, cases, p.corr_dtypes)
-            for dtype, case in units:
-                classes = case_classes(impl, case, dtype)
-                desc = f"correctness {impl.name} {dtype} case {case.id}"
-                if not ctx.fits(impl.name, classes, desc):
-                    skipped.append(f"{impl.name}/{case.id}/{dtype}")
-                    continue
-                ctx.step(desc, impl.name, classes)
-                records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))
-                ctx.done(_result(records[-1]))
-            dtype = p.corr_dtypes[0]
-            classes = case_classes(impl, cases[0], dtype)
-            desc = f"correctness {impl.name} {dtype} reproducibility"
-            if ctx.fits(impl.name, classes, desc):
-                ctx.step(desc, impl.name, classes)
-                try:
-                    repro.append(reproducibility(impl, cases[0], dtype, ctx.device, ctx.seed))
-                    ctx.done("bitwise" if repro[-1]["bitwise"] else f"max diff {repro[-1]['max_abs_diff']:.1e}")
-                except Exception as e:
-                    repro.append({"impl": impl.name, "error": error_record(e)})
-                    ctx.done(f"error {type(e).__name__}")
+    tiers, orders = {}, {}
+    for impl in impls:
+        tiers[impl.name], orders[impl.name] = unit_tiers(impl, cases, p.corr_dtypes, ctx.gpu)
+    # round r runs every implementation's tier r: each runs its base-shape cases in its first dtype before any runs a
+    # second compile class or dtype, so a slow compiler cannot spend the others' turn; in a round, each has a fair
+    # share of what is left (the later ones' shares are not lent to it)
+    for r in range(max(map(len, tiers.values()), default=0)):
+        turn = [impl for impl in impls if r < len(tiers[impl.name])]
+        for i, impl in enumerate(turn):
+            with ctx.share(len(turn) - i):
+                for dtype, case in tiers[impl.name][r]:
+                    _case_unit(ctx, impl, case, dtype, records, skipped)
+    for impl in impls:  # prefill in the implementation's first dtype: tier 0's signature, compiled already
+        if impl.supports_shape(cases[0].shape):  # its records say why
+            continue
+        dtype = tiers[impl.name][0][0][0]
+        classes = case_classes(impl, cases[0], dtype)
+        desc = f"correctness {impl.name} {dtype} reproducibility"
+        if ctx.fits(impl.name, classes, desc):
+            ctx.step(desc, impl.name, classes)
+            try:
+                repro.append(reproducibility(impl, cases[0], dtype, ctx.device, ctx.seed))
+                ctx.done("bitwise" if repro[-1]["bitwise"] else f"max diff {repro[-1]['max_abs_diff']:.1e}")
+            except Exception as e:
+                repro.append({"impl": impl.name, "error": error_record(e)})
+                ctx.done(f"error {type(e).__name__}")
     summary = {}
     for impl in impls:
         mine = [r for r in records if r["impl"] == impl.name and r.get("passed") is not None]
@@ -210,5 +231,6 @@ def run(ctx: Context) -> dict:
     not_checked = [{"impl": i.name, "reason": "softmax baseline: a different function, timed only"}
                    for i in ctx.available("softmax")]
     return {"reference": "float64 token-by-token (linattn.ops.gated_delta.reference)", "tolerances": TOLERANCES,
+            "order": "round-robin over the implementations, one tier (dtype and compile class) each per round",
             "cases": [c.id for c in cases], "dtypes": list(p.corr_dtypes), "records": records, "summary": summary,
             "reproducibility": repro, "not_checked": not_checked, "skipped_for_time": skipped}

@@ -32,6 +32,7 @@ class Impl:
     reason: str = ""  # why it is unavailable
     native: set = field(default_factory=set)  # options it handles itself: l2norm, gate, beta_sigmoid, varlen, h0
     version: Optional[str] = None
+    limits: Optional[Callable[[dict], Optional[str]]] = None  # what else it cannot run: inputs -> the reason
 
     def __call__(self, inputs: dict):
         return self.fn(_adapt(inputs, self.native))
@@ -42,7 +43,19 @@ class Impl:
             return f"{self.name} has no varlen (cu_seqlens) support"
         if inputs.get("initial_state") is not None and "h0" not in self.native:
             return f"{self.name} takes no initial state"
-        return None
+        return self.limits(inputs) if self.limits is not None else None
+
+    def supports_shape(self, shape, *, varlen: bool = False, initial_state: bool = False) -> Optional[str]:
+        """:meth:`supports` for a call on ``shape`` (``q, k: [B, T, H, K]``, ``v: [B, T, HV, V]``) with those
+        options, asked before any input exists (placeholders on the meta device: nothing is allocated), so a section
+        records an unsupported unit as such instead of budgeting, running or timing it."""
+        B, T = shape.B, shape.T
+        meta = {"device": "meta"}
+        qk = torch.empty(B, T, shape.H, shape.K, **meta)
+        return self.supports({"q": qk, "k": qk, "v": torch.empty(B, T, shape.HV, shape.V, **meta),
+                              "cu_seqlens": torch.empty(2, **meta) if varlen else None,
+                              "initial_state": torch.empty(B, shape.HV, shape.K, shape.V, **meta)
+                              if initial_state else None})
 
     def grad_inputs(self, inputs: dict) -> list:
         names = ("q", "k", "v") if self.kind == "softmax" else ("q", "k", "v", "g", "beta", "initial_state")
@@ -110,6 +123,15 @@ def _flashqla() -> Callable:
     return call
 
 
+def _flashqla_limits(x: dict) -> Optional[str]:
+    """FlashQLA's Hopper kernels take head dim 128 only: what we observed, flash-qla 0.1.3 raised AssertionError for
+    K = V = 64 (the full GPU profile's stability shape) on an H200."""
+    K, V = x["q"].shape[-1], x["v"].shape[-1]
+    if K == V == 128:
+        return None
+    return f"flashqla needs K = V = 128, got K = {K}, V = {V} (AssertionError for K = V = 64 on flash-qla 0.1.3)"
+
+
 def _sdpa(x):
     """Causal softmax attention over the same q, k, v (query/key heads repeated for grouped value heads)."""
     q, k, v = x["q"], x["k"], x["v"]
@@ -149,8 +171,9 @@ def build(name: str, device: torch.device) -> Impl:
             fn = _fla() if name == "fla" else _flashqla()
         except Exception as e:  # not installed, or installed but broken: either way, say what happened
             return Impl(name, "gdn", available=False, reason=f"not importable ({type(e).__name__}: {e})"[:300])
-        native = {"l2norm", "varlen", "h0"} if name == "fla" else {"h0", "varlen"}
-        return Impl(name, "gdn", fn, native=native, version=_version("fla" if name == "fla" else "flash_qla"))
+        if name == "fla":
+            return Impl(name, "gdn", fn, native={"l2norm", "varlen", "h0"}, version=_version("fla"))
+        return Impl(name, "gdn", fn, native={"h0", "varlen"}, version=_version("flash_qla"), limits=_flashqla_limits)
     if name == "sdpa":
         return Impl(name, "softmax", _sdpa, version=torch.__version__)
     raise ValueError(f"unknown implementation {name!r}; known: {', '.join(KNOWN_IMPLS)}")

@@ -66,12 +66,16 @@ def _sweep(ctx: Context, impl, direction: str) -> dict:
 
 
 def run(ctx: Context) -> dict:
-    jobs = [(impl, d) for impl in ctx.available() for d in ("fwd", "fwdbwd")]
-    sweeps = []
-    ctx.partial.update(sweeps=sweeps)
+    p = ctx.profile
+    sweeps, unsupported = [], []
+    ctx.partial.update(sweeps=sweeps, unsupported=unsupported)
+    # asked once per implementation: the sweep's points differ from the base shape only in T
+    impls = [i for i in ctx.available()
+             if not ctx.unsupported(i, p.scale_base, f"{i.name}/{p.scale_base.id}/{p.scale_dtype}", unsupported)]
+    jobs = [(impl, d) for impl in impls for d in ("fwd", "fwdbwd")]
     for i, (impl, direction) in enumerate(jobs):
         with ctx.share(len(jobs) - i):
             sweeps.append(_sweep(ctx, impl, direction))
     return {"method": "cuda_allocator" if ctx.gpu else "cpu_profiler",
             "fragmentation": None if ctx.gpu else "needs a GPU (CUDA caching allocator statistics)",
-            "linear_exponent_max": LINEAR_EXPONENT, "sweeps": sweeps}
+            "linear_exponent_max": LINEAR_EXPONENT, "sweeps": sweeps, "unsupported": unsupported}

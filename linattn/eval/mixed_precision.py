@@ -6,10 +6,19 @@ Reported: how many steps overflowed (the scaler found Inf/NaN gradients, skipped
 a few at the start are normal while the scale comes down from 2^16), the scale history, both loss curves, and the
 relative gap between the final fp16 and fp32 losses. Fails when any step's loss is non-finite, when more than half
 of the steps overflow, or when no step at all was taken.
+
+Each training run (the fp16 one, then the fp32 reference) is a unit of work in a worker thread, bounded as
+robustness's calls are (:meth:`Context.call_with_timeout`): a JIT implementation's first fp16 forward + backward
+autotunes for minutes on a GPU, and a call that never returns must not take the section (and the run's outer
+``timeout``) with it. A run stopped by the budget's cut is ``skipped``, one stopped by the profile's
+``amp_timeout_s`` (beyond its compile estimate) is ``hang``; the implementation's later run is then not started.
+Without the fp32 reference the record has no loss gap, and ``fp32_reference`` says why.
 """
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -67,42 +76,64 @@ def _train(model, ctx: Context, amp: bool, d_model: int) -> dict:
     return {"losses": losses, "scales": scales, "overflow_steps": overflow_steps, "out_dtype": op_dtype}
 
 
-def run(ctx: Context) -> dict:
+def _unit(ctx: Context, impl, dtype: str, train) -> tuple[Optional[dict], dict]:
+    """One training run (``train``: fp16 autocast or the fp32 reference) as a unit of work, in a worker thread
+    bounded like robustness's calls: (its history, {}), or (None, the record fields that say why there is none)."""
     p = ctx.profile
+    classes = shape_classes(impl, p.amp_shape, dtype, "fwdbwd", l2norm=True)
+    desc = f"mixed precision {impl.name} {dtype}"
+    if not ctx.fits(impl.name, classes, desc):
+        return None, {"status": "skipped", "skipped": "time budget", "passed": None, "reason": "time budget"}
+    ctx.step(desc, impl.name, classes)
+    status, result, stopped = ctx.call_with_timeout(train, impl.name, classes, p.amp_timeout_s)
+    if status == "error":
+        stopped = {"status": "error", "error": error_record(result), "passed": False}
+    if stopped:
+        ctx.done(stopped["status"] + (f" {stopped['error']['type']}" if "error" in stopped else
+                                      f": {stopped['reason']}" if "reason" in stopped else ""))
+        return None, stopped
+    ctx.done(f"{len(result['overflow_steps'])}/{p.amp_steps} overflow steps, final loss {result['losses'][-1]:.3g}")
+    return result, {}
+
+
+def _verdict(fp16: dict, fp32: Optional[dict], steps: int) -> dict:
+    """The record's numbers: the fp16 run decides; the fp32 reference, when it ran, gives the final-loss gap."""
+    n_over = len(fp16["overflow_steps"])
+    finite = all(torch.isfinite(torch.tensor(fp16["losses"])).tolist())
+    passed = finite and n_over <= steps // 2 and n_over < steps
+    last32 = fp32["losses"][-1] if fp32 else None
+    return dict(
+        status="pass" if passed else "fail", passed=passed, overflow_steps=n_over,
+        overflow_step_indices=fp16["overflow_steps"], final_scale=fp16["scales"][-1], loss_fp16=fp16["losses"],
+        loss_fp32=fp32["losses"] if fp32 else None, scale_history=fp16["scales"], op_output_dtype=fp16["out_dtype"],
+        final_loss_fp16=fp16["losses"][-1], final_loss_fp32=last32,
+        final_loss_rel_gap=None if fp32 is None else abs(fp16["losses"][-1] - last32) / max(abs(last32), 1e-12),
+        loss_decreased=fp16["losses"][-1] < fp16["losses"][0], all_losses_finite=finite)
+
+
+def run(ctx: Context) -> dict:
+    """Per implementation two units, the fp16 run then the fp32 reference; a unit that is refused, raises or is
+    stopped (budget or hang limit) ends the implementation's units: a stopped call may still be running."""
+    p = ctx.profile
+    s = p.amp_shape
+    d_model = 2 * s.HV * s.V
     records = []
     ctx.partial.update(records=records)
     for impl in ctx.available("gdn"):
-        classes = shape_classes(impl, p.amp_shape, "fp16", "fwdbwd", l2norm=True) + shape_classes(
-            impl, p.amp_shape, "fp32", "fwdbwd", l2norm=True)
-        desc = f"mixed precision {impl.name}"
-        if not ctx.fits(impl.name, classes, desc):
-            records.append({"id": impl.name, "impl": impl.name, "skipped": "time budget"})
+        if ctx.unsupported(impl, s, impl.name, records):
             continue
-        ctx.step(desc, impl.name, classes)
         rec = {"id": impl.name, "impl": impl.name, "steps": p.amp_steps}
-        try:
-            s = p.amp_shape
-            torch.manual_seed(ctx.seed)
-            d_model = 2 * s.HV * s.V
-            base = GDNBlock(impl, d_model, s.H, s.HV, s.K, s.V).to(ctx.device)
-            fp16 = _train(copy.deepcopy(base), ctx, True, d_model)
-            fp32 = _train(copy.deepcopy(base), ctx, False, d_model)
-        except Exception as e:
-            rec.update(error=error_record(e), passed=False)
-            records.append(rec)
-            ctx.done(f"error {type(e).__name__}")
-            continue
-        n_over = len(fp16["overflow_steps"])
-        finite = all(torch.isfinite(torch.tensor(fp16["losses"])).tolist())
-        rec.update(
-            overflow_steps=n_over, overflow_step_indices=fp16["overflow_steps"], final_scale=fp16["scales"][-1],
-            loss_fp16=fp16["losses"], loss_fp32=fp32["losses"], scale_history=fp16["scales"],
-            op_output_dtype=fp16["out_dtype"], final_loss_fp16=fp16["losses"][-1], final_loss_fp32=fp32["losses"][-1],
-            final_loss_rel_gap=abs(fp16["losses"][-1] - fp32["losses"][-1]) / max(abs(fp32["losses"][-1]), 1e-12),
-            loss_decreased=fp16["losses"][-1] < fp16["losses"][0], all_losses_finite=finite,
-            passed=finite and n_over <= p.amp_steps // 2 and n_over < p.amp_steps)
         records.append(rec)
-        ctx.done(f"{'ok' if rec['passed'] else 'FAIL'}: {n_over}/{p.amp_steps} overflow steps, final loss fp16 "
-                 f"{rec['final_loss_fp16']:.3g} vs fp32 {rec['final_loss_fp32']:.3g}")
+        torch.manual_seed(ctx.seed)
+        base = GDNBlock(impl, d_model, s.H, s.HV, s.K, s.V).to(ctx.device)
+        # each run trains its own copy, made here: an abandoned worker thread keeps only what it was given
+        fp16, why = _unit(ctx, impl, "fp16", functools.partial(_train, copy.deepcopy(base), ctx, True, d_model))
+        if fp16 is None:
+            rec.update(why)
+            continue
+        fp32, why = _unit(ctx, impl, "fp32", functools.partial(_train, copy.deepcopy(base), ctx, False, d_model))
+        rec.update(_verdict(fp16, fp32, p.amp_steps))
+        if why:
+            rec["fp32_reference"] = why
     return {"autocast_dtype": "fp16", "scaler": "torch.amp.GradScaler(init_scale=2**16)", "device": ctx.device.type,
-            "shape": vars(p.amp_shape).copy(), "records": records}
+            "shape": vars(p.amp_shape).copy(), "timeout_s": p.amp_timeout_s, "records": records}

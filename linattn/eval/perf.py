@@ -249,16 +249,19 @@ def result_line(rec: dict) -> str:
 
 def run(ctx: Context) -> dict:
     p = ctx.profile
-    records, skipped = [], []
-    ctx.partial.update(records=records, skipped_for_time=skipped)
+    records, skipped, unsupported = [], [], []
+    ctx.partial.update(records=records, skipped_for_time=skipped, unsupported=unsupported)
     # dtype-major: when the budget is short, every shape is timed in the first dtype before any in the second
     rows = [(impl, shape, dtype, direction) for dtype in p.perf_dtypes for shape in p.perf_shapes
             for direction in p.perf_directions for impl in ctx.available()]
     for i, (impl, shape, dtype, direction) in enumerate(rows):
+        uid = f"{impl.name}/{shape.id}/{dtype}/{direction}"
+        if ctx.unsupported(impl, shape, uid, unsupported):
+            continue
         classes = shape_classes(impl, shape, dtype, direction)
         desc = f"perf {impl.name} {shape.id} {dtype} {direction}"
         if not ctx.fits(impl.name, classes, desc):
-            skipped.append(f"{impl.name}/{shape.id}/{dtype}/{direction}")
+            skipped.append(uid)
             continue
         ctx.step(desc, impl.name, classes)
         # each row may time for its fair share of what is left (a first call that compiles is not bounded)
@@ -268,4 +271,5 @@ def run(ctx: Context) -> dict:
         ctx.done(result_line(records[-1]), compile_time(records[-1]))
     peaks = {d: dict(zip(("tflops", "gbs", "source"), device_peaks(ctx, d))) for d in p.perf_dtypes}
     return {"timer": "cuda_events" if ctx.gpu else "perf_counter", "warmup": p.warmup, "max_reps": p.reps,
-            "chunk": CHUNK, "peaks": peaks, "records": records, "skipped_for_time": skipped}
+            "chunk": CHUNK, "peaks": peaks, "records": records, "skipped_for_time": skipped,
+            "unsupported": unsupported}

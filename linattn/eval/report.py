@@ -81,8 +81,19 @@ def mb(x) -> str:
 
 
 def _status(r: dict) -> str:
-    return {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "hang": "HANG", "unsupported": "n/a"}.get(
-        r.get("status"), str(r.get("status")))
+    # records written before every section set a status (a merged older report) say it with their keys
+    status = r.get("status") or ("skipped" if "skipped" in r else "error" if "error" in r else
+                                 "pass" if r.get("passed") else "fail")
+    return {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "hang": "HANG", "unsupported": "n/a"}.get(status, status)
+
+
+def _why(r: dict) -> str:
+    """What a record that has no result says about it: the error's message, the reason, or the hang's timeout."""
+    if "error" in r:
+        return r["error"]["message"]
+    if r.get("status") == "hang":
+        return f"no return after {fmt(r.get('timeout_s'))} s"
+    return str(r.get("reason") or r.get("skipped") or "")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -320,12 +331,16 @@ def _robust_blocks(r: dict) -> list:
         else:
             detail = (x.get("error") or {}).get("message", x.get("reason", ""))
         rows.append([x["impl"], x["case"], x["dtype"], _status(x), detail])
-    return [_h(2, "Robustness (abnormal inputs)"), _p(
+    out = [_h(2, "Robustness (abnormal inputs)"), _p(
         f"Each call in a worker thread with a {s['timeout_s']} s timeout. Summary: " + "; ".join(
             f"{n}: {v['passed']}/{v['cases']} pass, {v['errors']} errors, {v['hangs']} hangs, {v['nan_leaks']} NaN "
             f"leaks ({v['nan_leaks_across_heads_or_sequences']} across heads/sequences)" for n, v in
-            s["summary"].items()) + "."),
-        _t(["impl", "case", "dtype", "status", "detail"], rows)]
+            s["summary"].items()) + ".")]
+    for n, v in s["summary"].items():
+        if v.get("same_error_every_case"):  # absent in reports written before it existed
+            out.append(_p(f"**Warning:** every {n} case raised the same error ({v['same_error_every_case']}): "
+                          "suspect the harness or the installation, not the inputs."))
+    return out + [_t(["impl", "case", "dtype", "status", "detail"], rows)]
 
 
 def _soak_blocks(r: dict) -> list:
@@ -333,7 +348,7 @@ def _soak_blocks(r: dict) -> list:
     rows = []
     for x in s["records"]:
         if "calls" not in x:
-            rows.append([x["impl"], "–", "–", "skipped: " + str(x.get("skipped")), "", "", "", "", ""])
+            rows.append([x["impl"], "–", "–", _status(x) + ": " + _why(x), "", "", "", "", ""])
             continue
         rows.append([x["impl"], x["id"].split("/", 1)[1], str(x["calls"]), fmt(x.get("duration_s")),
                      fmt(x.get("latency_p50_ms")), fmt(x.get("latency_drift")), mb(x.get("memory_drift_bytes")),
@@ -349,13 +364,15 @@ def _amp_blocks(r: dict) -> list:
     s = r["mixed_precision"]
     rows = []
     for x in s["records"]:
-        if "error" in x or "skipped" in x:
-            rows.append([x["impl"], "ERROR: " + x["error"]["message"] if "error" in x else x["skipped"]] + [""] * 5)
+        if "overflow_steps" not in x:  # the fp16 run did not finish: say why
+            rows.append([x["impl"], _status(x) + ": " + _why(x)] + [""] * 5)
             continue
-        rows.append([x["impl"], "PASS" if x["passed"] else "FAIL", f"{x['overflow_steps']}/{x['steps']}",
-                     fmt(x["final_scale"]), fmt(x["final_loss_fp16"]), fmt(x["final_loss_fp32"]),
-                     fmt(x["final_loss_rel_gap"])])
-    return [_h(2, "Mixed precision"), _p(f"fp16 autocast + {s['scaler']} on {s['device']}, shape {s['shape']}."),
+        ref = x.get("fp32_reference")
+        rows.append([x["impl"], _status(x), f"{x['overflow_steps']}/{x['steps']}", fmt(x["final_scale"]),
+                     fmt(x["final_loss_fp16"]), fmt(x["final_loss_fp32"]) if not ref else
+                     f"{_status(ref)}: {_why(ref)}", fmt(x["final_loss_rel_gap"])])
+    return [_h(2, "Mixed precision"), _p(f"fp16 autocast + {s['scaler']} on {s['device']}, shape {s['shape']}; "
+                                         "each training run in a worker thread with a timeout."),
             _t(["impl", "status", "overflow steps", "final scale", "loss fp16", "loss fp32", "rel gap"], rows)]
 
 
@@ -446,6 +463,12 @@ def blocks(r: dict) -> list:
             if sec.get("skipped_for_time") and section != "decode":  # decode lists its own
                 out.append(_p(f"Skipped for time ({len(sec['skipped_for_time'])}): "
                               + ", ".join(sec["skipped_for_time"]) + "."))
+            if sec.get("unsupported"):  # sections of measurements list what an implementation cannot run here
+                by_reason: dict = {}
+                for x in sec["unsupported"]:
+                    by_reason.setdefault(x["reason"], []).append(x["id"])
+                out.append(_p(f"Unsupported ({len(sec['unsupported'])}): " + "; ".join(
+                    f"{', '.join(ids)}: {reason}" for reason, ids in by_reason.items()) + "."))
     return out
 
 

@@ -21,22 +21,29 @@ same chunk, and a packed (varlen) kernel must never leak it into the next sequen
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .cases import DTYPES, Case, make_inputs
-from .context import Context, error_record, run_with_timeout, shape_classes
+from .context import Context, error_record, shape_classes
 from .correctness import TOLERANCES, _reference, compare, preferred_dtypes
 
 FINITE_CASES = ("identical-tokens", "huge-1e4", "g-zero", "g-minus-100", "beta-zero", "beta-one", "zeroed-tokens")
 NAN_CASES = ("nan-q", "nan-k", "nan-v", "nan-g", "nan-beta", "nan-varlen-v")
 
 
+def case_shape(name: str, shape):
+    """The shape robustness case ``name`` runs: the packed (varlen) case holds two sequences of ``shape.T``."""
+    return shape.with_(B=1, T=2 * shape.T) if name == "nan-varlen-v" else shape
+
+
 def build_inputs(name: str, shape, dtype: str, device, seed: int) -> tuple[dict, dict]:
     """Inputs for robustness case ``name`` and where a NaN was planted (empty for the finite cases)."""
     varlen = name == "nan-varlen-v"
     case = None
+    shape = case_shape(name, shape)
     if varlen:
-        shape = shape.with_(B=1, T=2 * shape.T)
         case = Case(name, shape, seqlens=(shape.T // 2, shape.T - shape.T // 2))
     elif name == "identical-tokens":
         case = Case(name, shape, structure="repeated_token")
@@ -115,8 +122,7 @@ def check_confinement(o: torch.Tensor, ht, inputs: dict, plant: dict) -> dict:
 
 
 def case_classes(impl, name: str, dtype: str, shape) -> tuple:
-    varlen = name == "nan-varlen-v"
-    return shape_classes(impl, shape.with_(B=1, T=2 * shape.T) if varlen else shape, dtype, "fwd", varlen=varlen,
+    return shape_classes(impl, case_shape(name, shape), dtype, "fwd", varlen=name == "nan-varlen-v",
                          l2norm=name == "huge-1e4")
 
 
@@ -135,14 +141,10 @@ def check(impl, name: str, dtype: str, ctx: Context) -> dict:
             ctx.sync()
             return o, ht
 
-    timeout, by_budget = ctx.hard_timeout(impl.name, case_classes(impl, name, dtype, p.rob_shape), p.rob_timeout_s)
-    status, result = run_with_timeout(call, timeout, ctx.device)
-    if status == "hang" and by_budget:
-        rec.update(status="skipped", skipped="time budget", passed=None,
-                   reason=f"time budget: still running after {timeout:.1f} s (left in a worker thread)")
-        return rec
-    if status == "hang":
-        rec.update(status="hang", timeout_s=timeout, passed=False)
+    status, result, stopped = ctx.call_with_timeout(call, impl.name, case_classes(impl, name, dtype, p.rob_shape),
+                                                    p.rob_timeout_s)
+    if stopped:
+        rec.update(stopped)
         return rec
     if status == "error":
         rec.update(status="error", error=error_record(result), passed=False)
@@ -176,6 +178,17 @@ def _result(rec: dict) -> str:
     return f"{'ok' if rec['passed'] else 'FAIL'} rel L2 {rec['rel_l2']:.1e}"
 
 
+def same_error_everywhere(records: list) -> Optional[str]:
+    """"Type: message" when every case that ran raised one identical error, else None. Benign inputs (identical
+    tokens, g = 0, β = 1) raise nothing in a working implementation, so one error on every case says the harness or
+    the installation is broken, not that the implementation rejects abnormal inputs: the report flags it."""
+    ran = [r for r in records if r["status"] not in ("skipped", "unsupported")]
+    errors = {(r["error"]["type"], r["error"]["message"]) for r in ran if r["status"] == "error"}
+    if len(ran) < 2 or len(errors) != 1 or any(r["status"] != "error" for r in ran):
+        return None
+    return "{}: {}".format(*errors.pop())
+
+
 def run(ctx: Context) -> dict:
     p = ctx.profile
     records, skipped = [], []
@@ -184,8 +197,11 @@ def run(ctx: Context) -> dict:
     for i, impl in enumerate(impls):
         with ctx.share(len(impls) - i):
             cut = False
-            for dtype in preferred_dtypes(impl, p.corr_dtypes):
+            for dtype in preferred_dtypes(impl, p.corr_dtypes, ctx.gpu):
                 for name in FINITE_CASES + NAN_CASES:
+                    if impl.supports_shape(case_shape(name, p.rob_shape), varlen=name == "nan-varlen-v"):
+                        records.append(check(impl, name, dtype, ctx))  # its "unsupported" record, nothing run
+                        continue
                     classes = case_classes(impl, name, dtype, p.rob_shape)
                     desc = f"robustness {impl.name} {name} {dtype}"
                     if cut or not ctx.fits(impl.name, classes, desc):
@@ -196,14 +212,18 @@ def run(ctx: Context) -> dict:
                     records.append(rec)
                     cut = rec["status"] == "skipped"
                     ctx.done(_result(rec))
-    summary = {i.name: {"cases": sum(r["impl"] == i.name and r["passed"] is not None for r in records),
-                        "passed": sum(r["impl"] == i.name and bool(r["passed"]) for r in records),
-                        "errors": sum(r["impl"] == i.name and r["status"] == "error" for r in records),
-                        "hangs": sum(r["impl"] == i.name and r["status"] == "hang" for r in records),
-                        "nan_leaks": sum(r["impl"] == i.name and r.get("confined") is False for r in records),
-                        "nan_leaks_across_heads_or_sequences": sum(
-                            r["impl"] == i.name and bool(r.get("leak_other_heads_or_sequences")) for r in records)}
-               for i in ctx.available("gdn")}
+    summary = {}
+    for impl in ctx.available("gdn"):
+        mine = [r for r in records if r["impl"] == impl.name]
+        summary[impl.name] = {
+            "cases": sum(r["passed"] is not None for r in mine), "passed": sum(bool(r["passed"]) for r in mine),
+            "errors": sum(r["status"] == "error" for r in mine), "hangs": sum(r["status"] == "hang" for r in mine),
+            "nan_leaks": sum(r.get("confined") is False for r in mine),
+            "nan_leaks_across_heads_or_sequences": sum(bool(r.get("leak_other_heads_or_sequences")) for r in mine),
+            "same_error_every_case": same_error_everywhere(mine)}
+        if summary[impl.name]["same_error_every_case"]:
+            ctx.emit(f"robustness {impl.name}: every case raised {summary[impl.name]['same_error_every_case']}; "
+                     "suspect the harness or the installation, not the inputs")
     return {"shape": vars(p.rob_shape).copy(), "timeout_s": p.rob_timeout_s, "records": records, "summary": summary,
             "not_checked": [{"impl": i.name, "reason": "softmax baseline"} for i in ctx.available("softmax")],
             "skipped_for_time": skipped}

@@ -134,14 +134,17 @@ def run(ctx: Context) -> dict:
     p = ctx.profile
     dtype = p.scale_dtype
     directions = ("fwd", "fwdbwd") if ctx.gpu else ("fwd",)
-    t_sweeps, batch, equal = [], [], []
-    ctx.partial.update(T_sweep=t_sweeps, batch_sweep=batch, equal_tokens=equal)
-    jobs = [(t_sweeps, _t_sweep, (impl, dtype, d)) for impl in ctx.available() for d in directions]
-    jobs += [(batch, _batch_sweep, (impl, dtype)) for impl in ctx.available()]
-    jobs += [(equal, _equal_tokens, (impl, dtype)) for impl in ctx.available()]
+    t_sweeps, batch, equal, unsupported = [], [], [], []
+    ctx.partial.update(T_sweep=t_sweeps, batch_sweep=batch, equal_tokens=equal, unsupported=unsupported)
+    # asked once per implementation: the sweeps' points differ from the base shape only in B and T
+    impls = [i for i in ctx.available()
+             if not ctx.unsupported(i, p.scale_base, f"{i.name}/{p.scale_base.id}/{dtype}", unsupported)]
+    jobs = [(t_sweeps, _t_sweep, (impl, dtype, d)) for impl in impls for d in directions]
+    jobs += [(batch, _batch_sweep, (impl, dtype)) for impl in impls]
+    jobs += [(equal, _equal_tokens, (impl, dtype)) for impl in impls]
     for i, (out, fn, fn_args) in enumerate(jobs):
         with ctx.share(len(jobs) - i):
             out.append(fn(ctx, *fn_args))
     return {"dtype": dtype, "base_shape": vars(p.scale_base).copy(), "knee_gain": KNEE_GAIN,
             "memory_method": "cuda_allocator" if ctx.gpu else "cpu_profiler",
-            "T_sweep": t_sweeps, "batch_sweep": batch, "equal_tokens": equal}
+            "T_sweep": t_sweeps, "batch_sweep": batch, "equal_tokens": equal, "unsupported": unsupported}

@@ -84,13 +84,17 @@ def _series(ctx: Context, impl, dtype: str, refs: dict, common: dict, skipped: l
 
 def run(ctx: Context) -> dict:
     p = ctx.profile
-    series, skipped = [], []
+    series, skipped, unsupported = [], [], []
     refs: dict = {}
     common: dict = {}
-    ctx.partial.update(series=series, skipped_for_time=skipped)
-    jobs = [(dtype, impl) for dtype in p.stab_dtypes for impl in ctx.available("gdn")]
+    ctx.partial.update(series=series, skipped_for_time=skipped, unsupported=unsupported)
+    # asked once per implementation: the points differ only in T
+    shape = Shape(1, p.stab_T[0], p.stab_H, p.stab_H, p.stab_D, p.stab_D)
+    impls = [i for i in ctx.available("gdn") if not ctx.unsupported(i, shape, f"{i.name}/D{p.stab_D}", unsupported)]
+    jobs = [(dtype, impl) for dtype in p.stab_dtypes for impl in impls]
     for i, (dtype, impl) in enumerate(jobs):
         with ctx.share(len(jobs) - i):
             series.append(_series(ctx, impl, dtype, refs, common, skipped))
     return {"reference": "float64 token-by-token", "shape": {"B": 1, "H": p.stab_H, "D": p.stab_D},
-            "max_growth_exponent": MAX_EXPONENT, "series": series, "skipped_for_time": skipped}
+            "max_growth_exponent": MAX_EXPONENT, "series": series, "skipped_for_time": skipped,
+            "unsupported": unsupported}

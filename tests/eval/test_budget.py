@@ -254,18 +254,44 @@ def test_a_slow_first_compile_does_not_starve_the_run(tmp_path, capsys, monkeypa
     assert r["meta"]["wall_s"] <= budget
 
 
-def test_third_party_order_groups_compile_classes_linattn_keeps_the_table():
+def test_tiers_group_compile_classes_preferred_dtype_first():
     fla = Impl("fla", "gdn", None, native={"l2norm", "varlen", "h0"})
     cases = list(CASES.values())
-    units, how = correctness.unit_order(fla, cases, ("fp32", "bf16", "fp16"))
+    tiers, how = correctness.unit_tiers(fla, cases, ("fp32", "bf16", "fp16"), gpu=True)
+    units = [u for tier in tiers for u in tier]
     assert len(units) == 3 * len(cases) and "grouped" in how
     assert [d for d, _ in units[:len(cases)]] == ["bf16"] * len(cases) and units[0][1].id == "prefill"
-    classes = [correctness.case_classes(fla, c, d) for d, c in units]
-    runs = [k for i, k in enumerate(classes) if i == 0 or classes[i - 1] != k]
-    assert len(runs) == len(set(classes)) < len(units)  # each class once, in one block
+    assert {c.id for _, c in tiers[0]} == {"prefill", "gate-in-op", "onehot-keys", "repeated-token",
+                                           "alternating-gates"}  # fla's base class: gate and β sigmoid in PyTorch
+    for tier in tiers:  # one dtype and one compile class per tier, each class in one tier
+        assert len({(d, correctness.case_classes(fla, c, d)) for d, c in tier}) == 1
+    assert len({(t[0][0], correctness.case_classes(fla, t[0][1], t[0][0])) for t in tiers}) == len(tiers)
+    lin = build("linattn", CPU)  # linattn: bf16 first on a GPU, the profile's order (fp32 first) on a CPU
+    assert [t[0][0] for t in correctness.unit_tiers(lin, cases, ("fp32", "bf16"), gpu=True)[0]][0] == "bf16"
+    tiers, how = correctness.unit_tiers(lin, cases, ("fp32", "bf16"), gpu=False)
+    assert tiers[0][0][0] == "fp32" and how.startswith("dtypes fp32, bf16")
+    assert {c.id for _, c in tiers[0]} == {"prefill", "onehot-keys", "repeated-token", "alternating-gates"}
+
+
+def test_a_slow_compiler_does_not_starve_the_next_implementations_base_case(monkeypatch):
+    """The H200 log scaled down: linattn compiles 70-90 s per flag class (3 s here) where 0.3x its first compile
+    was estimated; fla's first forward + backward is estimated from a prior per direction (40 s, 0.8 s here), and the
+    section may borrow the later sections' time. linattn's second class used to run on that borrowed time and
+    overrun its estimate before fla started, leaving fla no time for its first compile (no fla case at all: checked
+    at these sizes); now fla's base-shape cases run right after linattn's."""
     lin = build("linattn", CPU)
-    units, _ = correctness.unit_order(lin, cases, ("fp32", "bf16"))
-    assert [(d, c.id) for d, c in units] == [(d, c.id) for d in ("fp32", "bf16") for c in cases]
+    slow = Impl("linattn", "gdn", SlowCompiler(lin.fn, first=3.0, inc=3.0), native=lin.native)
+    fla = Impl("fla", "gdn", lin.fn, native={"l2norm", "varlen", "h0"})
+    monkeypatch.setattr(Context, "prior", lambda self, impl, family: 0.8 if impl == "fla" else 0.0)
+    now = time.monotonic()
+    ctx = Context(CPU, profile("tiny", CPU), [slow, fla], deadline=now + 4.4, run_deadline=now + 7.5, budget_s=7.5)
+    ctx.begin_section("correctness")
+    r = correctness.run(ctx)
+    ran = [(x["impl"], x["case"]) for x in r["records"]]
+    assert ran[0] == ("linattn", "prefill") and ("fla", "prefill") in ran, ran
+    first_fla = ran.index(("fla", "prefill"))
+    assert {c for i, c in ran[:first_fla]} <= {"prefill", "onehot-keys", "repeated-token", "alternating-gates"}
+    assert r["summary"]["fla"]["passed"] >= 5 and "round-robin" in r["order"]
 
 
 def test_short_budget_keeps_a_compiling_impl_to_the_classes_it_has():
