@@ -98,12 +98,16 @@ def shape_classes(impl, shape, dtype: str, direction: str, step: Optional[tuple]
     "fwdbwd"; with ``step=(path, state dtype)`` the one of a decode path's step kernel instead.
 
     Flags: head counts, T == 1 and T % 16 == 0 (Triton specialises integer arguments equal to 1 or divisible by
-    16), and the options that switch kernels (varlen, initial state, and the pre-processing the implementation does
+    16; for the chunked op not when the implementation's ``length_specialised`` is False: linattn's chunked
+    kernels take T unspecialised, its decode kernels do specialise on T == 1),
+    and the options that switch kernels (varlen, initial state, and the pre-processing the implementation does
     natively; pre-processing done in PyTorch for it compiles nothing). B and T otherwise do not matter.
     """
     native = getattr(impl, "native", set()) or set()
     opts = tuple(sorted(k for k, v in options.items() if v and (k in ("varlen", "h0") or k in native)))
-    flags = (shape.H, shape.HV, shape.T == 1, shape.T % 16 == 0) + opts
+    specialised = step is not None or getattr(impl, "length_specialised", True)
+    length = (shape.T == 1, shape.T % 16 == 0) if specialised else ()
+    flags = (shape.H, shape.HV) + length + opts
     dims = (shape.K, shape.V)
     if step is not None:
         return (Sig("step", tuple(step), dtype, dims, flags),)

@@ -33,6 +33,9 @@ class Impl:
     native: set = field(default_factory=set)  # options it handles itself: l2norm, gate, beta_sigmoid, varlen, h0
     version: Optional[str] = None
     limits: Optional[Callable[[dict], Optional[str]]] = None  # what else it cannot run: inputs -> the reason
+    # whether its chunked op's JIT kernels compile a variant for T == 1 and T % 16 == 0 (Triton's default for int
+    # arguments); linattn's do not (tests/ops/test_no_length_specialisation.py). Decode kernels are assumed to.
+    length_specialised: bool = True
 
     def __call__(self, inputs: dict):
         return self.fn(_adapt(inputs, self.native))
@@ -163,7 +166,8 @@ def build(name: str, device: torch.device) -> Impl:
             return Impl(name, "gdn", available=False, reason="the triton backend needs a GPU (and triton)")
         label = backend or ("triton" if cuda and triton_available() else "torch")
         from .. import __version__
-        return Impl(name, "gdn", _linattn(backend), native=linattn_native, version=f"{__version__} ({label})")
+        return Impl(name, "gdn", _linattn(backend), native=linattn_native, version=f"{__version__} ({label})",
+                    length_specialised=False)
     if name in ("fla", "flashqla"):
         if not cuda:
             return Impl(name, "gdn", available=False, reason=f"{name} needs a GPU")

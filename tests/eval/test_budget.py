@@ -125,8 +125,11 @@ def test_compile_estimates_per_signature_family_and_flags():
     ctx.step("flag", "linattn", flag)
     ctx.done("ok", first_call_s=0.6)  # measured: the incremental compile decides from now on (mean, per weight)
     assert [e.incremental for e in c.compiles[2:]] == [True, True]
-    assert ctx.estimate("linattn", _sigs(lin, T=1))[0] == pytest.approx(0.6, abs=0.05)
-    assert ctx.estimate("linattn", _sigs(lin, T=1, direction="fwd"))[0] == pytest.approx(0.2, abs=0.05)
+    assert ctx.estimate("linattn", _sigs(lin, varlen=True))[0] == pytest.approx(0.6, abs=0.05)
+    assert ctx.estimate("linattn", _sigs(lin, varlen=True, direction="fwd"))[0] == pytest.approx(0.2, abs=0.05)
+    # T is no flag for linattn (its kernels take lengths unspecialised); for fla T == 1 and T % 16 == 0 are
+    assert _sigs(lin, T=1) == _sigs(lin, T=33) == base and ctx.estimate("linattn", _sigs(lin, T=1))[1] == "steady"
+    assert len({_sigs(fla, T=1), _sigs(fla, T=32), _sigs(fla, T=33)}) == 3
     # a new dtype or K/V: the most similar first compile (forward from forward), not the sum of everything seen
     assert ctx.estimate("linattn", _sigs(lin, "bf16", "fwd")) == (pytest.approx(1.0, abs=0.05), "new kernel")
     assert ctx.estimate("linattn", _sigs(lin, "bf16"))[0] == pytest.approx(3.0, abs=0.05)
@@ -270,7 +273,9 @@ def test_tiers_group_compile_classes_preferred_dtype_first():
     assert [t[0][0] for t in correctness.unit_tiers(lin, cases, ("fp32", "bf16"), gpu=True)[0]][0] == "bf16"
     tiers, how = correctness.unit_tiers(lin, cases, ("fp32", "bf16"), gpu=False)
     assert tiers[0][0][0] == "fp32" and how.startswith("dtypes fp32, bf16")
-    assert {c.id for _, c in tiers[0]} == {"prefill", "onehot-keys", "repeated-token", "alternating-gates"}
+    # T = 1 shares linattn's base class (its kernels do not specialise on T; fla's T = 1 is a class of its own)
+    assert {c.id for _, c in tiers[0]} == {"prefill", "prefill-T1", "onehot-keys", "repeated-token",
+                                           "alternating-gates"}
 
 
 def test_a_slow_compiler_does_not_starve_the_next_implementations_base_case(monkeypatch):
