@@ -60,6 +60,10 @@ def busy_warning(env: dict) -> Optional[str]:
     return None
 
 
+ENV_VARS = ("TRITON_CACHE_AUTOTUNING", "TRITON_CACHE_DIR", "TRITON_INTERPRET", "TILELANG_CACHE_DIR",
+            "CUDA_VISIBLE_DEVICES")
+
+
 def collect(device: torch.device) -> dict:
     from .. import __version__
     env = {
@@ -68,6 +72,8 @@ def collect(device: torch.device) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": None, "platform": platform.platform(),
         "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "device": str(device), "gpu": None, "driver": None, "load_avg_start": load_average(),
+        # settings that change what a JIT implementation pays on its first calls (docs/eval.md, split runs)
+        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
     }
     try:
         import triton

@@ -126,6 +126,7 @@ def _env_blocks(r: dict) -> list:
             ["commit", (commit.get("sha", "–")[:12] + (" (dirty)" if commit.get("dirty") else "")) if commit else "–"],
             ["CPU", f"{env.get('cpu')} ({env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads)"],
             ["load average (start, end)", f"{fmt(env.get('load_avg_start'))}, {fmt(env.get('load_avg_end'))}"],
+            ["environment variables", ", ".join(f"{k}={v}" for k, v in (env.get("env") or {}).items()) or "–"],
             ["profile", r["meta"]["profile"]], ["wall time", f"{r['meta']['wall_s']:.0f} s"]]
     runs = env.get("runs") or []
     if runs:

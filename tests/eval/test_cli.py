@@ -57,6 +57,8 @@ def test_report_schema(tiny_run):
     assert r["soak"]["records"][0]["calls"] > 3
     assert r["mixed_precision"]["records"][0]["steps"] > 0
     assert r["environment"]["nvml"]["available"] is False and "GPU" in r["environment"]["nvml"]["reason"]
+    # the JIT-relevant environment is recorded (the tests run with TRITON_INTERPRET set: conftest.py)
+    assert r["environment"]["env"]["TRITON_INTERPRET"] == os.environ["TRITON_INTERPRET"]
     assert r["scorecard"]["scenarios"]["scientific"]["linattn"]["score"] is not None
     skipped = {i["name"]: i for i in r["meta"]["impls"]}
     assert skipped["fla"]["available"] is False and "GPU" in skipped["fla"]["reason"]
