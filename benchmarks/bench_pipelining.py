@@ -32,6 +32,7 @@ import triton
 from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
+from linattn.ops.common import CHUNK
 from linattn.ops.common import fused_fwd as FF
 from linattn.ops.common import state_pass as SP
 from linattn.ops.common import state_pass_bwd as SPB
@@ -39,6 +40,7 @@ from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
 from linattn.ops.common.local_bwd_dv import local_bwd_dv
 from linattn.ops.common.local_bwd_wy import local_bwd_wy
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.gated_delta.triton_bwd import recompute_forward
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages, fwd_prepass
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -92,21 +94,20 @@ def backward_stages(B, T, H, HV):
     """Table 2: the backward's stages at the defaults (the op's own calls, timed one by one)."""
     x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
     scale = D ** -0.5
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     q, k, v, beta = x["q"], x["k"], x["v"], x["beta"]
-    recompute = lambda: chunk_gated_delta_rule_fwd_stages(*args, scale, None, None, None)
-    st = recompute()
+    recompute = lambda: recompute_forward(k, v, x["g"], beta, None, None, None, None, triton.cdiv(T, CHUNK))
+    gc, A_inv, w, v_new, h = recompute()
     do = torch.randn_like(v)
     dht = torch.zeros(B, HV, D, D, device=x["q"].device)
-    dv_local = local_bwd_dv(q, k, st.gc, do, scale, None, None)
-    dh, dv_new, _ = SPB.state_pass_bwd(q, k, st.w, st.gc, do, dv_local, dht, scale)
-    dqk = lambda: local_bwd_dqk(q, k, beta, st.gc, st.A_inv, st.h, st.v_new, do, dh, dv_new, scale, None, None)
+    dv_local = local_bwd_dv(q, k, gc, do, scale, None, None)
+    dh, dv_new2, _ = SPB.state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale)
+    dqk = lambda: local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new2, scale, None, None)
     dq, dk, dbeta_p, dg_p, dA_inv_p = dqk()
-    t = {"recompute (fwd stages)": recompute,
-         "dv_local": lambda: local_bwd_dv(q, k, st.gc, do, scale, None, None),
-         "state_pass_bwd": lambda: SPB.state_pass_bwd(q, k, st.w, st.gc, do, dv_local, dht, scale),
+    t = {"recompute (cumsum, kkt solve, WY, state pass)": recompute,
+         "dv_local": lambda: local_bwd_dv(q, k, gc, do, scale, None, None),
+         "state_pass_bwd": lambda: SPB.state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale),
          "dq/dk (local_bwd_dqk)": dqk,
-         "WY (local_bwd_wy)": lambda: local_bwd_wy(k, v, beta, st.gc, st.A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
+         "WY (local_bwd_wy)": lambda: local_bwd_wy(k, v, beta, gc, A_inv, dv_new2, dA_inv_p, dbeta_p, dg_p, dk,
                                                     None, None)}
     rows = [dict(shape=(B, T, H, HV), stage=n, ms=triton.testing.do_bench(f)) for n, f in t.items()]
     for r in rows:
