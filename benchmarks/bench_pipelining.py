@@ -14,7 +14,10 @@ as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 comp
 2. the backward stage by stage at today's defaults (recompute, dv_local, reverse walk, dq/dk, WY), to show where
    its time goes;
 3. the public op, forward and forward + backward, at today's defaults and with every NUM_STAGES = 2, and its
-   output against the float64 reference (B=2 T=300 H=4 anchor) for both.
+   output against the float64 reference (B=2 T=300 H=4 anchor) for both;
+4. fp32 inputs with their dots at "ieee" (today) and "tf32x3" (``common.FP32_DOT_PRECISION``): output, final
+   state and every gradient against float64 at the anchor, first-call (compile) time and speed. ieee compiles the
+   walks to 32 registers and tens of KB of spills (compile_sequential.py --dtype fp32).
 
 Prediction written before any run (sm_90 compile, benchmarks/compile_sequential.py: the while loops issue no
 cp.async; at NUM_STAGES = 2 every kernel does): the walk ≈ 8 µs per chunk at B=1 T=4096 H=16 BV=16 is load
@@ -26,12 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import triton
 from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
+from linattn.ops import common
 from linattn.ops.common import CHUNK
 from linattn.ops.common import fused_fwd as FF
 from linattn.ops.common import state_pass as SP
@@ -144,6 +149,39 @@ def whole_op(shapes):
     return rows
 
 
+def fp32_precisions(shapes):
+    """Table 4: fp32 inputs at FP32_DOT_PRECISION "ieee" and "tf32x3"."""
+    rows = []
+    xa, _, _ = make(2, 300, 4, 4, D, D, None, torch.float32)
+    names = ("q", "k", "v", "g", "beta")
+    ref_in = [xa[n].double().requires_grad_(True) for n in names]
+    ro, rS = chunk_gated_delta_rule(*ref_in, scale=D ** -0.5, output_final_state=True, backend="torch")
+    dO = torch.randn_like(ro)
+    ref_grads = torch.autograd.grad((ro * dO).sum(), ref_in)
+    for prec in ("ieee", "tf32x3"):
+        common.FP32_DOT_PRECISION = prec
+        ins = [xa[n].clone().requires_grad_(True) for n in names]
+        t0 = time.time()
+        o, S = chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
+        grads = torch.autograd.grad((o * dO.float()).sum(), ins)
+        torch.cuda.synchronize()
+        row = dict(prec=prec, first_call_s=time.time() - t0, o=rel(o, ro), state=rel(S, rS),
+                   **{f"d{n}": rel(gr, rg) for n, gr, rg in zip(names, grads, ref_grads)})
+        for (B, T, H, HV) in shapes[:2]:
+            x, _, _ = make(B, T, H, HV, D, D, None, torch.float32)
+            xs = [x[n].requires_grad_(True) for n in names]
+            f = lambda xs=xs: chunk_gated_delta_rule(*xs, scale=D ** -0.5, output_final_state=True)
+            with torch.no_grad():
+                row[f"fwd_ms {B},{T},{H},{HV}"] = triton.testing.do_bench(f)
+            do = torch.randn_like(x["v"])
+            row[f"fwdbwd_ms {B},{T},{H},{HV}"] = triton.testing.do_bench(
+                lambda f=f, xs=xs, do=do: torch.autograd.grad(f()[0], xs, do))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    common.FP32_DOT_PRECISION = "ieee"
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the first two shapes only")
@@ -154,8 +192,9 @@ def main():
     alone = [r for s in shapes for r in kernels_alone(*s)]
     bwd = [r for s in shapes for r in backward_stages(*s)]
     op = whole_op(shapes)
+    fp32 = fp32_precisions(shapes)
     with open(os.path.join(a.out, "bench_pipelining.json"), "w") as f:
-        json.dump(dict(alone=alone, backward=bwd, op=op), f, indent=1)
+        json.dump(dict(alone=alone, backward=bwd, op=op, fp32=fp32), f, indent=1)
 
     print("\n| kernel | B, T, H, HV | BV | " + " | ".join(f"stages {s} ms (diff)" for s in STAGES) + " |")
     print("|---|---|---|" + "---|" * len(STAGES))
@@ -175,6 +214,9 @@ def main():
     for r in op:
         print(f"| {r['stages']} | {', '.join(map(str, r['shape']))} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
               f"{r['anchor_o']:.3e} |")
+    print("\nfp32 inputs, FP32_DOT_PRECISION (anchor B=2 T=300 H=4 vs float64; times in ms)")
+    for r in fp32:
+        print("  " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
 
 
 if __name__ == "__main__":

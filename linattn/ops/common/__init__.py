@@ -40,12 +40,17 @@ from ..utils import triton_interpret  # noqa: F401  (re-exported for launchers: 
 
 CHUNK = 64
 
+# dot_precision's answer for fp32 inputs. "ieee" runs those dots on FMA units; on sm_90 it compiles the walks to
+# 32 registers and tens of KB of spills per thread (docs/performance.md run 10). "tf32x3" (tensor cores, about
+# fp32's accuracy) is the candidate: benchmarks/bench_pipelining.py measures both against float64 before a switch.
+FP32_DOT_PRECISION = "ieee"
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the dots on fp32 intermediates for inputs of ``dtype`` (see the module docstring)."""
     if dtype == torch.float16:
         return "tf32x3"  # tf32's 10-bit mantissa is fp16's own: plain tf32 made fp16 errors 3-5x the baseline (run 1)
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return FP32_DOT_PRECISION if dtype == torch.float32 else "tf32"
 
 
 def block_size(d: int, cap: int) -> int:
