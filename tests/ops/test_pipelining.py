@@ -7,17 +7,13 @@ NUM_STAGES = 0 (the while loop) has none. Speed and GPU numerics: benchmarks/ben
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from linattn.ops.common.fused_fwd import fused_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.common.state_pass_bwd import state_pass_bwd
+from tests.ops.sm90_compile import compile_for_h200
 
 pytestmark = pytest.mark.interpreter
 
@@ -60,14 +56,9 @@ def test_num_stages_keeps_the_result_in_the_interpreter():
 def test_pipelined_loops_compile_for_h200():
     """Each sequential kernel at BV = 16 (bf16, K = V = 128) compiles for sm_90 at NUM_STAGES 0 and 2, in a process
     without the interpreter; only NUM_STAGES = 2 issues cp.async (Triton pipelines scf.for, never scf.while)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    script = ("import sys; sys.path.insert(0, 'benchmarks'); import compile_sequential as c; "
-              "print({(n, s): tuple(c.compile_kernel(kern, consts)) for s in (0, 2) "
-              "for n, (kern, consts) in c.kernels(128, 16, s).items()})")
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    res = eval(done.stdout.strip().splitlines()[-1])
+    res = compile_for_h200("import compile_sequential as c",
+                           "{(n, s): tuple(c.compile_kernel(kern, consts)) for s in (0, 2) "
+                           "for n, (kern, consts) in c.kernels(128, 16, s).items()}")
     assert {n for n, _ in res} == {"walk", "state_pass_fwd", "state_pass_bwd"}
     for (name, stages), (regs, _, shared, cp_async) in res.items():
         assert 0 < regs <= 255, (name, stages, regs)

@@ -15,11 +15,7 @@ every flag subset appears, every K appears with all flags on.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import linattn
 from linattn.ops.common import preprocess as pp
+from tests.ops.sm90_compile import compile_for_h200
 
 pytestmark = pytest.mark.interpreter
 
@@ -200,13 +197,8 @@ def test_traced_call_keeps_the_pytorch_preprocessing(monkeypatch):
 
 def test_kernels_compile_for_h200():
     """Compile both kernels for sm_90 in a process without the interpreter; ptxas must report no spills."""
-    root = Path(__file__).resolve().parents[2]
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    script = ("import sys; sys.path.insert(0, 'benchmarks'); import compile_preprocess as c; "
-              "from linattn.ops.common import preprocess as P; "
-              "print([tuple(c.compile_kernel(kern, 'bf16', 60, 8)) for kern in (P.preprocess_fwd_kernel, "
-              "P.preprocess_bwd_kernel)])")
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for regs, spills, _, _ in eval(done.stdout.strip().splitlines()[-1]):
-        assert regs <= 255 and spills == 0, done.stdout
+    resources = compile_for_h200("import compile_preprocess as c; from linattn.ops.common import preprocess as P",
+                                 "[tuple(c.compile_kernel(kern, 'bf16', 60, 8)) for kern in "
+                                 "(P.preprocess_fwd_kernel, P.preprocess_bwd_kernel)]")
+    for regs, spills, _, _ in resources:
+        assert regs <= 255 and spills == 0, resources

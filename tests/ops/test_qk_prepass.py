@@ -17,11 +17,6 @@ strong decay (g ≈ −100: every exp must be of a masked, non-positive argument
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -33,6 +28,7 @@ from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.varlen import chunk_tables
 from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from tests.ops.sm90_compile import compile_for_h200
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms, twin
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -239,12 +235,8 @@ def test_p_kernels_compile_for_h200():
     """The walk with LOAD_P (BV = 16) and the pre-pass with STORE_P compile for sm_90 (bf16, K = V = 128) in a
     process without the interpreter, which skips the GPU backend's layouts. Spills are reported, not bounded: the
     walk spills without p too (benchmarks/compile_walk.py prints the table)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    script = ("import sys; sys.path.insert(0, 'benchmarks'); import compile_walk as c; "
-              "print([tuple(c.compile_kernel(c.fused_fwd_kernel, c.walk_consts(128, 16, True))), "
-              "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, True)))])")
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for regs, _, _, _ in eval(done.stdout.strip().splitlines()[-1]):
-        assert 0 < regs <= 255, done.stdout
+    resources = compile_for_h200("import compile_walk as c",
+                                 "[tuple(c.compile_kernel(c.fused_fwd_kernel, c.walk_consts(128, 16, True))), "
+                                 "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, True)))]")
+    for regs, _, _, _ in resources:
+        assert 0 < regs <= 255, resources
