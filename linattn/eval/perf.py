@@ -157,18 +157,29 @@ def roofline(cost: dict, median_ms: float, tokens: int, peaks: tuple) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 # timing
 # --------------------------------------------------------------------------------------------------------------
+def planned_calls(steady_s: float, warmup: int, reps: int, budget_s: float, min_reps: int = 3) -> tuple[int, int]:
+    """(warm-up calls, timed calls) that fit ``budget_s`` for calls of ``steady_s`` each: warm-up gets a third of
+    the budget, the timed calls the whole budget (at least ``min_reps``). On a GPU this is what bounds a row: the
+    host enqueues calls far faster than the device runs them, so a clock read between enqueues says nothing (SDPA
+    forward + backward at T = 131072 ran all 100 calls, 45 s, against a 20 s row budget on the H200 before this)."""
+    per = max(steady_s, 1e-6)
+    return min(warmup, int(budget_s / 3 / per)), min(reps, max(min_reps, int(budget_s / per)))
+
+
 def time_calls(ctx: Context, fn: Callable[[], object], warmup: int, reps: int, budget_s: float,
                min_reps: int = 3) -> dict:
-    """First-call time, then per-call samples (ms) after warm-up; stops early once ``budget_s`` is spent."""
+    """First-call time, then per-call samples (ms) after warm-up; the number of calls is planned from a second,
+    synchronised call so that the row fits ``budget_s`` (:func:`planned_calls`)."""
     ctx.sync()
     t0 = time.perf_counter()
     fn()
     ctx.sync()
     first_s = time.perf_counter() - t0
-    start = time.perf_counter()
+    t0 = time.perf_counter()
+    fn()
+    ctx.sync()
+    warmup, reps = planned_calls(time.perf_counter() - t0, max(0, warmup - 1), reps, budget_s, min_reps)
     for _ in range(warmup):
-        if time.perf_counter() - start > budget_s / 3:
-            break
         fn()
     ctx.sync()
     samples = []
@@ -176,9 +187,7 @@ def time_calls(ctx: Context, fn: Callable[[], object], warmup: int, reps: int, b
     if ctx.gpu:
         # one event pair per call, read after a single sync: no host sync between calls distorts the timings
         evs = []
-        for i in range(reps):
-            if i >= min_reps and time.perf_counter() - start > budget_s:
-                break
+        for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()

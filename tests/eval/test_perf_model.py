@@ -100,3 +100,20 @@ def test_loglog_slope_recovers_exponents():
     assert perf.loglog_slope(xs, [x * x for x in xs]) == pytest.approx(2.0)
     assert perf.loglog_slope(xs, [7.0] * 4) == pytest.approx(0.0)
     assert perf.loglog_slope([1], [1]) is None
+
+
+def test_planned_calls_fit_the_row_budget():
+    """The number of calls comes from the measured steady call, not from a host clock read between (asynchronous)
+    GPU launches: a 0.45 s call under a 20 s budget gets 44 timed calls, not the profile's 100."""
+    assert perf.planned_calls(0.453, 10, 100, 20.0) == (10, 44)
+    assert perf.planned_calls(1e-4, 10, 100, 20.0) == (10, 100)  # fast calls: the profile's counts
+    assert perf.planned_calls(30.0, 10, 100, 20.0) == (0, 3)      # slower than the budget: the minimum
+    assert perf.planned_calls(0.0, 10, 100, 20.0) == (10, 100)    # an immeasurably fast call
+
+
+def test_time_calls_honours_the_plan_on_the_cpu():
+    ctx = Context(torch.device("cpu"), profile("tiny", torch.device("cpu")), [], deadline=1e18)
+    calls = []
+    out = perf.time_calls(ctx, lambda: calls.append(1), warmup=4, reps=7, budget_s=5.0)
+    # one first call, one planning call, warmup − 1 more warm-up calls, then the timed ones
+    assert len(out["samples_ms"]) == 7 and len(calls) == 1 + 1 + 3 + 7
