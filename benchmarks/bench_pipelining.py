@@ -11,10 +11,11 @@ as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 comp
 1. each kernel alone at NUM_STAGES 0 (the while loop) … 3 and BV 16 / 32 / 64: median ms (do_bench) and the
    largest relative difference of its outputs from NUM_STAGES = 0 at the same BV (same inputs: a pipelined loop
    computes the same thing, so anything above ~1e-6 is a bug);
-2. the backward stage by stage at today's defaults (recompute, dv_local, reverse walk, dq/dk, WY), to show where
-   its time goes;
-3. the public op, forward and forward + backward, at today's defaults and with every NUM_STAGES = 2, and its
-   output against the float64 reference (B=2 T=300 H=4 anchor) for both;
+2. the backward stage by stage (recompute, dv_local, reverse walk, dq/dk, WY) at 4 warps (today) and 8 warps
+   (``local_bwd_utils.BWD_WARPS``: ptxas spills 13 / 7.7 / 5.7 KB per thread in dq/dk, WY and the reverse walk at
+   4 warps, 1.9 / 1.0 / 1.0 KB at 8; compile_all.py), to show where its time goes;
+3. the public op, forward and forward + backward: today's defaults, every NUM_STAGES = 2, and that plus the
+   backward at 8 warps, with the output against the float64 reference (B=2 T=300 H=4 anchor) for each;
 4. fp32 inputs with their dots at "ieee" (today) and "tf32x3" (``common.FP32_DOT_PRECISION``): output, final
    state and every gradient against float64 at the anchor, first-call (compile) time and speed. ieee compiles the
    walks to 32 registers and tens of KB of spills (compile_sequential.py --dtype fp32).
@@ -43,6 +44,7 @@ from linattn.ops.common import state_pass as SP
 from linattn.ops.common import state_pass_bwd as SPB
 from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
 from linattn.ops.common.local_bwd_dv import local_bwd_dv
+from linattn.ops.common.local_bwd_utils import BWD_WARPS
 from linattn.ops.common.local_bwd_wy import local_bwd_wy
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_bwd import recompute_forward
@@ -114,10 +116,19 @@ def backward_stages(B, T, H, HV):
          "dq/dk (local_bwd_dqk)": dqk,
          "WY (local_bwd_wy)": lambda: local_bwd_wy(k, v, beta, gc, A_inv, dv_new2, dA_inv_p, dbeta_p, dg_p, dk,
                                                     None, None)}
-    rows = [dict(shape=(B, T, H, HV), stage=n, ms=triton.testing.do_bench(f)) for n, f in t.items()]
+    rows = []
+    for warps in (4, 8):
+        set_bwd_warps(warps)
+        rows += [dict(shape=(B, T, H, HV), stage=n, warps=warps, ms=triton.testing.do_bench(f)) for n, f in t.items()]
+    set_bwd_warps(4)
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
+
+
+def set_bwd_warps(n: int):
+    for key in BWD_WARPS:
+        BWD_WARPS[key] = n
 
 
 def set_stages(n: int):
@@ -130,8 +141,9 @@ def whole_op(shapes):
     xa, _, _ = make(2, 300, 4, 4, D, D, None, torch.bfloat16)
     a_args = [xa[n] for n in ("q", "k", "v", "g", "beta")]
     ro, _ = gated_delta_rule_reference(*a_args, D ** -0.5, None, None)
-    for n in (0, 2):
+    for name, n, warps in (("defaults", 0, 4), ("stages 2", 2, 4), ("stages 2, backward 8 warps", 2, 8)):
         set_stages(n)
+        set_bwd_warps(warps)
         o, _ = chunk_gated_delta_rule(*a_args, scale=D ** -0.5)
         anchor = rel(o, ro)
         for (B, T, H, HV) in shapes:
@@ -142,10 +154,11 @@ def whole_op(shapes):
                 fwd = triton.testing.do_bench(f)
             do = torch.randn_like(x["v"])
             fb = triton.testing.do_bench(lambda f=f, ins=ins, do=do: torch.autograd.grad(f()[0], ins, do))
-            row = dict(stages=n, shape=(B, T, H, HV), fwd_ms=fwd, fwdbwd_ms=fb, anchor_o=anchor)
+            row = dict(config=name, shape=(B, T, H, HV), fwd_ms=fwd, fwdbwd_ms=fb, anchor_o=anchor)
             rows.append(row)
             print(json.dumps(row), flush=True)
     set_stages(0)
+    set_bwd_warps(4)
     return rows
 
 
@@ -207,12 +220,14 @@ def main():
                              (name, shape, bv, s))
                     cells.append(r["error"][:30] if "error" in r else f"{r['ms']:.3f} ({r['diff']:.0e})")
                 print(f"| {name} | {', '.join(map(str, shape))} | {bv} | " + " | ".join(cells) + " |")
-    print("\n| B, T, H, HV | backward stage | ms |\n|---|---|---|")
+    print("\n| B, T, H, HV | backward stage | ms at 4 warps | ms at 8 warps |\n|---|---|---|---|")
     for r in bwd:
-        print(f"| {', '.join(map(str, r['shape']))} | {r['stage']} | {r['ms']:.3f} |")
-    print("\n| NUM_STAGES | B, T, H, HV | fwd ms | fwd+bwd ms | anchor o rel L2 |\n|---|---|---|---|---|")
+        if r["warps"] == 4:
+            r8 = next(x for x in bwd if (x["shape"], x["stage"], x["warps"]) == (r["shape"], r["stage"], 8))
+            print(f"| {', '.join(map(str, r['shape']))} | {r['stage']} | {r['ms']:.3f} | {r8['ms']:.3f} |")
+    print("\n| config | B, T, H, HV | fwd ms | fwd+bwd ms | anchor o rel L2 |\n|---|---|---|---|---|")
     for r in op:
-        print(f"| {r['stages']} | {', '.join(map(str, r['shape']))} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
+        print(f"| {r['config']} | {', '.join(map(str, r['shape']))} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
               f"{r['anchor_o']:.3e} |")
     print("\nfp32 inputs, FP32_DOT_PRECISION (anchor B=2 T=300 H=4 vs float64; times in ms)")
     for r in fp32:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .local_bwd_utils import bwd_dot_precision, mdot
+from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
 BT = 64
@@ -72,6 +72,6 @@ def local_bwd_dv(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, do: torch.T
     BV = min(64, max(16, triton.next_power_of_2(V)))
     local_bwd_dv_kernel[(NT, B * HV)](
         q, k, gc, do, dv, cu_seqlens, chunk_indices, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=4,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=BWD_WARPS["dv"],
     )
     return dv

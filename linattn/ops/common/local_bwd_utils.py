@@ -20,6 +20,12 @@ from . import dot_precision
 
 DOT_PRECISIONS = ("ieee", "tf32", "input")
 
+# num_warps of each backward kernel's launch, read at call time. At 4 warps ptxas spills 13 KB (dq/dk), 7.7 KB (WY)
+# and 5.7 KB (reverse walk) per thread on sm_90 for bf16 K = V = 128; at 8 warps 1.9 / 1.0 / 1.0 KB
+# (benchmarks/compile_all.py, docs/performance.md run 10). Kept at 4 until benchmarks/bench_pipelining.py has timed
+# both on the GPU.
+BWD_WARPS = {"dv": 4, "state_pass": 4, "dqk": 4, "wy": 4}
+
 
 def bwd_dot_precision(dtype: torch.dtype, dot_prec: Optional[str] = None) -> str:
     """The ``DOT_PREC`` constexpr for inputs of ``dtype``: ``dot_prec`` if given, else the forward's policy."""

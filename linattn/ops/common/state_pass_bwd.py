@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import triton_interpret
-from .local_bwd_utils import bwd_dot_precision, mdot
+from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 
 BT = 64
 # Stages of the reverse walk's chunk loop (0: the unpipelined while loop every GPU figure so far used; n >= 1: a
@@ -134,6 +134,6 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     state_pass_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
-        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=4,
+        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=BWD_WARPS["state_pass"],
     )
     return dh, dv_new, dh0

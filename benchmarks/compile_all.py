@@ -1,0 +1,118 @@
+"""Registers, spills and shared memory of EVERY Triton kernel the chunked op launches, forward and backward, at the
+launch configuration the public op picks on an H200 — on any machine, no GPU needed.
+
+Two steps in two processes (the interpreter replaces the kernels that the compile step needs):
+
+1. record (under TRITON_INTERPRET=1): run ``chunk_gated_delta_rule`` forward + backward on the Triton backend with
+   the kernels' launches intercepted, not executed (the outputs stay uninitialised: only the launch plan matters);
+   note each kernel's constexprs, argument types and num_warps;
+2. compile (without the interpreter): compile each recorded launch for sm_90 with Triton's ptxas (sm90.py).
+
+    python benchmarks/compile_all.py [--dtype bf16|fp32|fp16] [--B 1 --H 16 --HV 16 --D 128] [--gate]
+
+Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32", "torch.int32": "*i32",
+         "torch.int64": "*i64"}
+
+
+def record(a) -> list:
+    """Step 1: the launches of one forward + backward, as JSON-able dicts."""
+    import torch
+    import triton.runtime.interpreter as interp
+
+    import linattn
+
+    launches, seen = [], set()
+
+    def intercept(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        names = list(self.arg_names)
+        types, consts = {}, {}
+        for name, value in zip(names, args):
+            if value is None:
+                consts[name] = None
+            elif isinstance(value, torch.Tensor):
+                types[name] = TYPES[str(value.dtype)]
+            elif isinstance(value, bool):
+                types[name] = "i1"
+            elif isinstance(value, int):
+                types[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            elif isinstance(value, float):
+                types[name] = "fp32"
+        num_warps = kwargs.pop("num_warps", 4)
+        kwargs.pop("num_stages", None)
+        consts.update({k: v for k, v in kwargs.items() if k in names})
+        consts["INTERPRET"] = False if "INTERPRET" in consts else consts.get("INTERPRET")
+        consts = {k: v for k, v in consts.items() if k in names}
+        key = (fn.__module__, fn.__name__, json.dumps(consts, sort_keys=True, default=str), num_warps)
+        if key not in seen:
+            seen.add(key)
+            launches.append(dict(module=fn.__module__, name=fn.__name__, consts=consts, types=types,
+                                 num_warps=num_warps))
+
+    interp.InterpretedFunction.run = intercept
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    T = 256
+    q = torch.randn(a.B, T, a.H, a.D, dtype=dt, requires_grad=True)
+    k = torch.randn(a.B, T, a.H, a.D, dtype=dt, requires_grad=True)
+    v = torch.randn(a.B, T, a.HV, a.D, dtype=dt, requires_grad=True)
+    g = (-torch.rand(a.B, T, a.HV)).requires_grad_(True)
+    beta = torch.rand(a.B, T, a.HV, dtype=dt, requires_grad=True)
+    extra = dict(A_log=torch.zeros(a.HV), dt_bias=torch.zeros(a.HV), use_qk_l2norm_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True) if a.gate else {}
+    o, _ = linattn.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="triton", **extra)
+    torch.autograd.grad(o.float().sum(), (q, k, v, g, beta))
+    return launches
+
+
+def compile_all(launches: list) -> None:
+    """Step 2: compile every recorded launch for sm_90 and print one table."""
+    from sm90 import compile_sm90  # noqa: E402  (this folder is on sys.path)
+    print("| kernel | key constexprs | warps | registers | spill bytes | shared bytes |")
+    print("|---|---|---|---|---|---|")
+    for launch in launches:
+        kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+        consts, types = launch["consts"], launch["types"]
+        r = compile_sm90(kernel, consts, lambda name, types=types: types.get(name, "i32"), launch["num_warps"])
+        shown = {k: v for k, v in consts.items() if k.startswith("B") and k not in ("BETA_SIGMOID",) or k in (
+            "DOT_PREC", "STATE_PREC", "NUM_STAGES", "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE")}
+        print(f"| {launch['name']} | {', '.join(f'{k}={v}' for k, v in shown.items())} | {launch['num_warps']} | "
+              f"{r.registers} | {r.spill_bytes} | {r.shared_bytes} |", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--HV", type=int, default=16)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--gate", action="store_true", help="in-op gate, beta sigmoid and q/k L2 norm (pre-processing)")
+    ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.record_only:
+        print(json.dumps(record(a)))
+        return
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, __file__, "--record-only", *sys.argv[1:]], env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-3000:])
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the compile step needs the real kernels")
+    print(f"{a.dtype}, B={a.B} H={a.H} HV={a.HV} K=V={a.D}{' + in-op pre-processing' if a.gate else ''}")
+    compile_all(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+if __name__ == "__main__":
+    main()
