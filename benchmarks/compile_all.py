@@ -9,6 +9,7 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
 2. compile (without the interpreter): compile each recorded launch for sm_90 with Triton's ptxas (sm90.py).
 
     python benchmarks/compile_all.py [--dtype bf16|fp32|fp16] [--B 1 --H 16 --HV 16 --D 128] [--gate]
+    python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
 
 Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
 """
@@ -70,6 +71,15 @@ def record(a) -> list:
     beta = torch.rand(a.B, T, a.HV, dtype=dt, requires_grad=True)
     extra = dict(A_log=torch.zeros(a.HV), dt_bias=torch.zeros(a.HV), use_qk_l2norm_in_kernel=True,
                  use_beta_sigmoid_in_kernel=True) if a.gate else {}
+    if a.decode:
+        # one serving step over a state pool: B sequences, Tq = 1, gates and norms fused, pool in --decode's dtype
+        pool = torch.zeros(a.B, a.HV, a.D, a.D, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[a.decode])
+        linattn.gated_delta_rule_decode(q[:, :1].detach(), k[:, :1].detach(), v[:, :1].detach(), g[:, :1].detach(),
+                                        beta[:, :1].detach(), pool, torch.arange(a.B, dtype=torch.int32),
+                                        A_log=torch.zeros(a.HV), dt_bias=torch.zeros(a.HV),
+                                        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                        backend="triton")
+        return launches
     o, _ = linattn.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="triton", **extra)
     torch.autograd.grad(o.float().sum(), (q, k, v, g, beta))
     return launches
@@ -85,7 +95,7 @@ def compile_all(launches: list) -> None:
         consts, types = launch["consts"], launch["types"]
         r = compile_sm90(kernel, consts, lambda name, types=types: types.get(name, "i32"), launch["num_warps"])
         shown = {k: v for k, v in consts.items() if k.startswith("B") and k not in ("BETA_SIGMOID",) or k in (
-            "DOT_PREC", "STATE_PREC", "NUM_STAGES", "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE")}
+            "DOT_PREC", "STATE_PREC", "NUM_STAGES", "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE", "USE_STATE_INDICES")}
         print(f"| {launch['name']} | {', '.join(f'{k}={v}' for k, v in shown.items())} | {launch['num_warps']} | "
               f"{r.registers} | {r.spill_bytes} | {r.shared_bytes} |", flush=True)
 
@@ -98,6 +108,7 @@ def main():
     ap.add_argument("--HV", type=int, default=16)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--gate", action="store_true", help="in-op gate, beta sigmoid and q/k L2 norm (pre-processing)")
+    ap.add_argument("--decode", choices=("fp32", "bf16"), help="instead: one decode step over a pool of this dtype")
     ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.record_only:
@@ -110,7 +121,8 @@ def main():
         raise SystemExit(done.stderr[-3000:])
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the compile step needs the real kernels")
-    print(f"{a.dtype}, B={a.B} H={a.H} HV={a.HV} K=V={a.D}{' + in-op pre-processing' if a.gate else ''}")
+    what = f"decode step, {a.decode} pool" if a.decode else ("+ in-op pre-processing" if a.gate else "")
+    print(f"{a.dtype}, B={a.B} H={a.H} HV={a.HV} K=V={a.D} {what}")
     compile_all(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
