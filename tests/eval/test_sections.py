@@ -290,3 +290,25 @@ def test_every_section_records_flashqlas_head_dim_as_unsupported(monkeypatch):
             marked = r["records"]
         assert marked and all(x["status"] == "unsupported" and "K = V = 128" in x["reason"] for x in marked), name
         assert ctx.section_stats == {}, name  # nothing started, nothing budgeted
+
+
+def test_robustness_stops_an_implementation_after_its_first_hang():
+    """A hung call keeps running in its abandoned thread (on a GPU it may hold the stream): the implementation's
+    later cases are recorded as not run instead of each waiting out its own timeout."""
+    import dataclasses
+    import threading
+    import time
+
+    gate = threading.Event()
+    prof = dataclasses.replace(profile("tiny", CPU), rob_timeout_s=1.0, corr_dtypes=("fp32",))
+    ctx = Context(CPU, prof, [_stuck(gate)], deadline=math.inf)
+    ctx.begin_section("robustness")
+    t = time.monotonic()
+    try:
+        recs = robustness.run(ctx)["records"]
+    finally:
+        gate.set()
+    assert time.monotonic() - t < 10  # one timeout, not one per case
+    assert recs[0]["status"] == "hang"
+    later = [r for r in recs[1:] if r["status"] != "unsupported"]  # it has no varlen: that case is unsupported
+    assert len(later) > 2 and all(r["status"] == "skipped" and "hung" in r["reason"] for r in later)
