@@ -27,7 +27,7 @@ import time
 import torch
 
 import linattn
-from linattn.eval.decode import graph_ms
+from linattn.eval.decode import copy_gbs, graph_ms
 from linattn.ops.gated_delta import recurrent_kernels as rk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.utils import gate_from_raw, l2norm
@@ -140,11 +140,10 @@ def graph_time_us(fn, calls_per_graph=20, replays=30):
 
 
 def copy_bandwidth(nbytes):
-    """GB/s of a device-to-device torch copy of nbytes (read + write counted)."""
-    src = torch.empty(nbytes // 4, device=DEV, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src))
-    return 2 * nbytes / us / 1e3, us
+    """(GB/s, µs) of a device-to-device torch copy of nbytes (read + write counted): the eval's reference, the best
+    of a few placements of the destination (linattn.eval.decode.copy_gbs)."""
+    gbs = copy_gbs(torch.device(DEV), 2 * nbytes)
+    return gbs, 2 * nbytes / gbs / 1e3
 
 
 def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None):

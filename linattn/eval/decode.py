@@ -234,13 +234,24 @@ def graph_ms(fn: Callable[[], object], calls: int, replays: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def copy_gbs(ctx: Context, nbytes: int, calls: int, replays: int) -> float:
-    """GB/s of a device-to-device torch copy moving ``nbytes`` (half read, half written), graph-timed like a step."""
+# where the copy's destination starts relative to its source, in fp32 elements past a fresh allocation: on the H200
+# the same 258 MB copy ran at 2.7 TB/s or 4.1 TB/s within one run depending on the buffers' placement (2026-11-29,
+# docs/performance.md run 10), so the reference is the best of a few placements: what the memory system can do
+COPY_PLACEMENTS = (0, (1 << 18) + 1024, (3 << 18) + 3 * 1024)
+
+
+def copy_gbs(device: torch.device, nbytes: int, calls: int = 20, replays: int = 30) -> float:
+    """GB/s of a device-to-device torch copy moving ``nbytes`` (half read, half written), graph-timed like a step:
+    the best of :data:`COPY_PLACEMENTS` of the destination."""
     n = max(nbytes // 8, 1 << 16)  # fp32 elements in the source
-    src = torch.randn(n, device=ctx.device)
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), calls, replays)
-    return 2 * n * 4 / (ms * 1e-3) / 1e9
+    src = torch.randn(n, device=device)
+    best = 0.0
+    for pad in COPY_PLACEMENTS:
+        dst = torch.empty(n + pad, device=device)[pad:]
+        ms = graph_ms(lambda dst=dst: dst.copy_(src), calls, replays)
+        best = max(best, 2 * n * 4 / (ms * 1e-3) / 1e9)
+        del dst
+    return best
 
 
 def measure(ctx: Context, path: DecodePath, B: int, Tq: int, pool: str, budget_s: float, copy_cache: dict) -> dict:
@@ -271,12 +282,13 @@ def measure(ctx: Context, path: DecodePath, B: int, Tq: int, pool: str, budget_s
                 rec["graph_ms_per_token"] = rec["graph_ms"] / Tq
                 rec["gbs"] = rec["bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
                 if rec["bytes"] not in copy_cache:
-                    copy_cache[rec["bytes"]] = copy_gbs(ctx, rec["bytes"], p.dec_graph_calls, p.dec_graph_replays)
+                    copy_cache[rec["bytes"]] = copy_gbs(ctx.device, rec["bytes"], p.dec_graph_calls,
+                                                        p.dec_graph_replays)
                 rec["copy_gbs"] = copy_cache[rec["bytes"]]
                 rec["pct_of_copy"] = 100 * rec["gbs"] / rec["copy_gbs"]
-                # a second reference: the device's bandwidth ceiling (perf.DEVICE_PEAKS or --peak-gbs). The torch
-                # copy measured 2.7 instead of 4.1 TB/s at some sizes on the H200 (2026-11-29), below the decode
-                # kernel itself, so % of copy alone can read over 100%
+                # a second reference: the device's bandwidth ceiling (perf.DEVICE_PEAKS or --peak-gbs). A single
+                # torch copy measured 2.7 instead of 4.1 TB/s at some sizes on the H200 (2026-11-29), below the
+                # decode kernel itself; copy_gbs now takes the best of several placements
                 peak_gbs = device_peaks(ctx, "fp32")[1]
                 rec["pct_of_peak_bw"] = 100 * rec["gbs"] / peak_gbs if peak_gbs else None
             except Exception as e:  # capture can fail where eager works (a host sync inside the call): report it
