@@ -234,9 +234,10 @@ def graph_ms(fn: Callable[[], object], calls: int, replays: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-# where the copy's destination starts relative to its source, in fp32 elements past a fresh allocation: on the H200
-# the same 258 MB copy ran at 2.7 TB/s or 4.1 TB/s within one run depending on the buffers' placement (2026-11-29,
-# docs/performance.md run 10), so the reference is the best of a few placements: what the memory system can do
+# where the copy's destination starts relative to its source, in fp32 elements past a fresh allocation. On the H200
+# one run's copies of ~260 MB read 2.7 TB/s for the first size of each batch and 4.1 TB/s for the next ones
+# (2026-11-29, docs/performance.md run 10; placement or warm-up, not isolated): the reference is the best of a few
+# placements, each timed after the previous, i.e. what the memory system can do
 COPY_PLACEMENTS = (0, (1 << 18) + 1024, (3 << 18) + 3 * 1024)
 
 
