@@ -1,7 +1,7 @@
 """GPU check and timing of the sequential kernels' loop pipelining (NUM_STAGES) and V tile (BV), and of the
 backward stage by stage.
 
-    python benchmarks/bench_pipelining.py [--quick] [--out DIR]
+    python benchmarks/bench_pipelining.py [--quick] [--parts 1,2,3,4] [--out DIR]
 
 The three kernels that walk chunks one after another — the fused forward's walk (``fused_fwd``), the forward state
 pass the backward recomputes with (``state_pass_fwd``) and the backward's reverse walk (``state_pass_bwd``) — ran
@@ -198,20 +198,23 @@ def fp32_precisions(shapes):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the first two shapes only")
+    ap.add_argument("--parts", default="1,2,3,4", help="which tables to run (1 kernels alone, 2 backward stages, "
+                                                          "3 whole op, 4 fp32 precisions)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     shapes = SHAPES[:2] if a.quick else SHAPES
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-    alone = [r for s in shapes for r in kernels_alone(*s)]
-    bwd = [r for s in shapes for r in backward_stages(*s)]
-    op = whole_op(shapes)
-    fp32 = fp32_precisions(shapes)
+    parts = {int(x) for x in a.parts.split(",")}
+    alone = [r for s in shapes for r in kernels_alone(*s)] if 1 in parts else []
+    bwd = [r for s in shapes for r in backward_stages(*s)] if 2 in parts else []
+    op = whole_op(shapes) if 3 in parts else []
+    fp32 = fp32_precisions(shapes) if 4 in parts else []
     with open(os.path.join(a.out, "bench_pipelining.json"), "w") as f:
         json.dump(dict(alone=alone, backward=bwd, op=op, fp32=fp32), f, indent=1)
 
     print("\n| kernel | B, T, H, HV | BV | " + " | ".join(f"stages {s} ms (diff)" for s in STAGES) + " |")
     print("|---|---|---|" + "---|" * len(STAGES))
-    for name in ("walk", "state_pass_fwd", "state_pass_bwd"):
+    for name in ("walk", "state_pass_fwd", "state_pass_bwd") if alone else ():
         for shape in shapes:
             for bv in BVS:
                 cells = []
