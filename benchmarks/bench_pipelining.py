@@ -11,9 +11,10 @@ as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 comp
 1. each kernel alone at NUM_STAGES 0 (the while loop) … 3 and BV 16 / 32 / 64: median ms (do_bench) and the
    largest relative difference of its outputs from NUM_STAGES = 0 at the same BV (same inputs: a pipelined loop
    computes the same thing, so anything above ~1e-6 is a bug);
-2. the backward stage by stage (recompute, dv_local, reverse walk, dq/dk, WY) at 4 warps (today) and 8 warps
-   (``local_bwd_utils.BWD_WARPS``: ptxas spills 13 / 7.7 / 5.7 KB per thread in dq/dk, WY and the reverse walk at
-   4 warps, 1.9 / 1.0 / 1.0 KB at 8; compile_all.py), to show where its time goes;
+2. the forward pre-pass and the backward stage by stage (recompute, dv_local, reverse walk, dq/dk, WY) at 4 warps
+   (today) and 8 warps (``fused_prepass.PREPASS_WARPS``, ``local_bwd_utils.BWD_WARPS``: ptxas spills 13 / 7.7 /
+   5.7 KB per thread in dq/dk, WY and the reverse walk at 4 warps, 1.9 / 1.0 / 1.0 KB at 8; the pre-pass 284 → 0
+   bytes; compile_all.py), to show where the time goes;
 3. the public op, forward and forward + backward: today's defaults, every NUM_STAGES = 2, and that plus the
    backward at 8 warps, with the output against the float64 reference (B=2 T=300 H=4 anchor) for each;
 4. fp32 inputs with their dots at "ieee" (today) and "tf32x3" (``common.FP32_DOT_PRECISION``): output, final
@@ -40,6 +41,7 @@ from linattn import chunk_gated_delta_rule
 from linattn.ops import common
 from linattn.ops.common import CHUNK
 from linattn.ops.common import fused_fwd as FF
+from linattn.ops.common import fused_prepass as FP
 from linattn.ops.common import state_pass as SP
 from linattn.ops.common import state_pass_bwd as SPB
 from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
@@ -110,7 +112,8 @@ def backward_stages(B, T, H, HV):
     dh, dv_new2, _ = SPB.state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale)
     dqk = lambda: local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new2, scale, None, None)
     dq, dk, dbeta_p, dg_p, dA_inv_p = dqk()
-    t = {"recompute (cumsum, kkt solve, WY, state pass)": recompute,
+    t = {"forward pre-pass (fused_prepass, P)": lambda: fwd_prepass(q, k, v, x["g"], beta),
+         "recompute (cumsum, kkt solve, WY, state pass)": recompute,
          "dv_local": lambda: local_bwd_dv(q, k, gc, do, scale, None, None),
          "state_pass_bwd": lambda: SPB.state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale),
          "dq/dk (local_bwd_dqk)": dqk,
@@ -127,8 +130,10 @@ def backward_stages(B, T, H, HV):
 
 
 def set_bwd_warps(n: int):
+    """The backward kernels' and the forward pre-pass's launch width (the pre-pass spills at 4 warps too)."""
     for key in BWD_WARPS:
         BWD_WARPS[key] = n
+    FP.PREPASS_WARPS = n
 
 
 def set_stages(n: int):
@@ -141,7 +146,7 @@ def whole_op(shapes):
     xa, _, _ = make(2, 300, 4, 4, D, D, None, torch.bfloat16)
     a_args = [xa[n] for n in ("q", "k", "v", "g", "beta")]
     ro, _ = gated_delta_rule_reference(*a_args, D ** -0.5, None, None)
-    for name, n, warps in (("defaults", 0, 4), ("stages 2", 2, 4), ("stages 2, backward 8 warps", 2, 8)):
+    for name, n, warps in (("defaults", 0, 4), ("stages 2", 2, 4), ("stages 2, pre-pass + backward 8 warps", 2, 8)):
         set_stages(n)
         set_bwd_warps(warps)
         o, _ = chunk_gated_delta_rule(*a_args, scale=D ** -0.5)

@@ -37,6 +37,10 @@ from .kkt_solve import kkt_inverse_blocks
 from .varlen import chunk_bounds
 from .wy import wy_tiles
 
+# num_warps of the launch, read at call time: at 4 (every GPU figure so far) ptxas spills 284 bytes per thread on
+# sm_90 (bf16, K = V = 128, STORE_P), at 8 none (benchmarks/compile_all.py); bench_pipelining.py times both
+PREPASS_WARPS = 4
+
 
 @triton.jit
 def _cat_cols(a, b):
@@ -135,5 +139,5 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
         INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        INTERPRET=triton_interpret())
+        INTERPRET=triton_interpret(), num_warps=PREPASS_WARPS)
     return (gc, w, u) if q is None else (gc, w, u, p)
