@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-gbs", type=float, default=None, help="override the roofline's bandwidth peak (GB/s)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar: one line per unit of work on stderr instead (also when not on a terminal)")
+    p.add_argument("--warm-from", nargs="+", metavar="REPORT_JSON", default=None,
+                   help="earlier runs on this machine (report.json files or their directories) whose compiled "
+                        "kernels the disk caches hold: the budget charges their signatures a cache load, not a "
+                        "compile (same GPU, torch and Triton; fla only with TRITON_CACHE_AUTOTUNING=1 in both)")
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), default=None,
                    help="print what got better or worse from report A to report B, and exit")
     p.add_argument("--threshold", type=float, default=0.05,
@@ -229,6 +233,11 @@ class Evaluation:
         self.ctx = Context(device=self.device, profile=self.prof, impls=self.impls, deadline=self.t0 + self.budget,
                            seed=args.seed, peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs, t0=self.t0,
                            log=self.log, on_unit=self._maybe_checkpoint)
+        self.warm_from = None  # meta.warm_from: what --warm-from took as cached
+        if args.warm_from:
+            from .warm import load_cached
+            self.ctx.cached, self.warm_from = load_cached(args.warm_from, self.device,
+                                                          [i.name for i in self.impls if i.available])
         self.results: dict = {}
         self.done: list = []
         self.running = None
@@ -287,8 +296,9 @@ class Evaluation:
             "first_call_max_s": {k: c.first_call_max_s for k, c in self.ctx.costs.items()},
             "compiles": {k: [{"family": e.sig.family, "kernel": list(e.sig.kernel), "dtype": e.sig.dtype,
                               "dims": list(e.sig.dims), "flags": list(e.sig.flags), "seconds": e.seconds,
-                              "incremental": e.incremental} for e in c.compiles]
+                              "incremental": e.incremental, "cached": e.cached} for e in c.compiles]
                          for k, c in self.ctx.costs.items()},
+            "warm_from": self.warm_from,
             "impls": [{"name": i.name, "kind": i.kind, "available": i.available, "reason": i.reason,
                        "version": i.version} for i in self.impls]}
         return out
@@ -339,6 +349,9 @@ class Evaluation:
             names = ", ".join(i.name for i in self.impls if i.available)
             self.log(f"linattn eval: profile {self.prof.name} on {self.device}, impls {names}, budget "
                      f"{self.budget:.0f} s (sections until {usable:.0f} s), out {self.args.out}")
+            if self.warm_from:
+                from .warm import describe
+                self.log(f"warm from {describe(self.warm_from)}")
             self.checkpoint()
             with _Progress(self.bar_enabled, len(chosen)) as bar:
                 ctx.progress = bar.step
@@ -425,6 +438,8 @@ def _merge(args) -> int:
     from . import merge
     if args.compare:
         raise ValueError("--merge and --compare cannot be used together")
+    if args.warm_from:
+        raise ValueError("--warm-from applies to a run, not to --merge (each merged run's is in meta.merged_from)")
     results, paths = merge.run(args.merge, args.out, prefer_last=args.prefer_last, allow_partial=args.allow_partial)
     for src in results["meta"]["merged_from"]:
         print(f"{src['path']}: {', '.join(src['taken']) or 'no section taken'}", file=sys.stderr)

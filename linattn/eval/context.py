@@ -18,7 +18,12 @@ steady time plus, for each signature it has not run yet:
   kernels' weight (:data:`KERNEL_WEIGHT`: a backward compiles about twice the forward's kernels);
 * a family the implementation has not compiled yet (the chunked op, ``chunk``, or a decode path's step kernel,
   ``step``: different kernels, so decode never inherits the chunked op's compile): :data:`FIRST_CALL_PRIOR_S` per
-  kernel set on a GPU, else 0 (a CPU has no compiler to wait for: as measured).
+  kernel set on a GPU, else 0 (a CPU has no compiler to wait for: as measured);
+* a signature an earlier run on this machine compiled (``--warm-from``, :attr:`Context.cached`): loading its
+  kernels from the disk caches, :data:`CACHE_LOAD_S`, or once this process has loaded one, the measured load
+  (so a cache that turned out cold corrects the estimate after one unit); never more than the rules above give.
+  Such first calls are recorded as ``cached`` compiles and kept out of the rules above: a 0.1 s cache load says
+  nothing about what a real compile costs.
 
 A unit starts when its estimate fits what is left of its share (the section's, or inside it the implementation's
 or sweep's, :meth:`Context.share`) or, failing that, the run's *spare* time (:meth:`Context.spare`): what is left
@@ -54,6 +59,15 @@ from .impls import Impl
 # always tried.
 FIRST_CALL_PRIOR_S = {"chunk": {"fla": 40.0, "flashqla": 60.0},
                       "step": {"linattn": 10.0, "linattn-triton": 10.0, "fla": 15.0}}
+# Seconds a signature's kernel set takes to load from the disk caches when an earlier process on the same machine
+# compiled it (``--warm-from``), per implementation, GPU only. Measured on one H200 kept warm between four
+# ``--sections`` calls (2026-11-29): linattn's Triton kernels took 0.1 s on their first call in a later process
+# (6-70 s to compile), FlashQLA's TileLang kernels 2.6 s (30-90 s); the constants leave a margin. fla's autotune
+# runs again in every process (35-55 s) unless Triton caches autotune results too (TRITON_CACHE_AUTOTUNING=1, in
+# the earlier run and in this one: :data:`CACHE_NEEDS_ENV`); then its load is assumed to be FlashQLA's. An
+# implementation not listed (no JIT, or not measured) gets no cache assumption.
+CACHE_LOAD_S = {"linattn": 0.5, "linattn-triton": 0.5, "flashqla": 5.0, "fla": 5.0}
+CACHE_NEEDS_ENV = {"fla": "TRITON_CACHE_AUTOTUNING"}  # a cache that only holds what this variable enables
 INCREMENTAL_FRACTION = 0.3  # a flag-only new signature, before an incremental compile was measured: this x the base's
 KERNEL_WEIGHT = {"bwd": 2.0}  # compile weight of a kernel set relative to a forward (1)
 COMPILED_THIRD_PARTY = ("fla", "flashqla")  # autotune per signature: the largest incremental compile, not the mean
@@ -82,6 +96,7 @@ class Compile:
     sig: Sig
     seconds: float
     incremental: bool  # a flag-only change of a signature compiled before
+    cached: bool = False  # an earlier run compiled it (--warm-from): a load from the disk caches, not a compile
 
 
 @dataclass
@@ -148,6 +163,7 @@ class Context:
     on_unit: Optional[Callable[[], None]] = None  # after each unit (the CLI checkpoints the report)
     partial: dict = field(default_factory=dict)  # the running section's results so far, kept if it is interrupted
     costs: dict = field(default_factory=dict)  # impl name -> ImplCost, across the run
+    cached: dict = field(default_factory=dict)  # impl name -> {Sig} earlier runs compiled (--warm-from: warm.py)
     section: str = ""
     section_stats: dict = field(default_factory=dict)  # impl name -> units, seconds, first calls, skips (section)
     _unit: Optional[dict] = None
@@ -230,32 +246,48 @@ class Context:
     def prior(self, impl: str, family: str) -> float:
         return FIRST_CALL_PRIOR_S.get(family, {}).get(impl, 0.0) if self.gpu else 0.0
 
-    def compile_estimates(self, impl: Optional[str], classes: tuple = ()) -> list:
+    def cache_load(self, impl: str) -> float:
+        """Seconds a signature of ``impl`` that an earlier run compiled takes to load from the caches: the loads
+        this process measured (the mean; the largest for fla and FlashQLA), else :data:`CACHE_LOAD_S`."""
+        loads = [e.seconds for e in (self.costs.get(impl) or ImplCost()).compiles if e.cached]
+        if loads:
+            return max(loads) if impl in COMPILED_THIRD_PARTY else sum(loads) / len(loads)
+        return CACHE_LOAD_S.get(impl, 0.0) if self.gpu else 0.0
+
+    def _compile_estimate(self, impl: str, c: ImplCost, s: Sig) -> tuple[float, str]:
+        """(seconds, rule) of compiling ``s`` with no cache assumption, from what this process compiled."""
+        fam = [e for e in c.compiles if e.sig.family == s.family and not e.cached]
+        full = [e for e in fam if not e.incremental]
+        if not full:  # the family's first compile: the prior, per kernel set (direction)
+            return self.prior(impl, s.family), "prior"
+        same = [e for e in full if e.sig.base() == s.base()]
+        if same:
+            inc = [e.seconds / e.sig.weight for e in fam if e.incremental]
+            if inc:
+                per = max(inc) if impl in COMPILED_THIRD_PARTY else sum(inc) / len(inc)
+                return per * s.weight, "new flags"
+            e = same[-1]
+            return INCREMENTAL_FRACTION * e.seconds * s.weight / e.sig.weight, "new flags"
+        e = max(reversed(full), key=lambda e: _similarity(e.sig, s))  # ties: the latest measured
+        return e.seconds * s.weight / e.sig.weight, "new kernel"
+
+    def compile_estimates(self, impl: Optional[str], classes: tuple = (), trust_cache: bool = True) -> list:
         """[(signature, seconds, rule)] for each signature of ``classes`` ``impl`` has not run yet (see the module
-        docstring; rule: "prior", "new flags" or "new kernel")."""
+        docstring; rule: "prior", "new flags", "new kernel" or "cached"). ``trust_cache=False``: as if no earlier
+        run had compiled anything (a timeout must allow for a cache that turned out cold)."""
         if impl is None:
             return []
         c = self.costs.get(impl) or ImplCost()
-        new = [s for s in dict.fromkeys(classes) if s not in c.classes]
+        cached = self.cached.get(impl, ()) if trust_cache else ()
+        load = self.cache_load(impl) if cached else None
         out = []
-        for s in new:
-            fam = [e for e in c.compiles if e.sig.family == s.family]
-            full = [e for e in fam if not e.incremental]
-            if not full:  # the family's first compile: the prior, per kernel set (direction)
-                out.append((s, self.prior(impl, s.family), "prior"))
+        for s in dict.fromkeys(classes):
+            if s in c.classes:
                 continue
-            same = [e for e in full if e.sig.base() == s.base()]
-            if same:
-                inc = [e.seconds / e.sig.weight for e in fam if e.incremental]
-                if inc:
-                    per = max(inc) if impl in COMPILED_THIRD_PARTY else sum(inc) / len(inc)
-                    out.append((s, per * s.weight, "new flags"))
-                else:
-                    e = same[-1]
-                    out.append((s, INCREMENTAL_FRACTION * e.seconds * s.weight / e.sig.weight, "new flags"))
-                continue
-            e = max(reversed(full), key=lambda e: _similarity(e.sig, s))  # ties: the latest measured
-            out.append((s, e.seconds * s.weight / e.sig.weight, "new kernel"))
+            sec, rule = self._compile_estimate(impl, c, s)
+            if s in cached and load < sec:
+                sec, rule = load, "cached"
+            out.append((s, sec, rule))
         return out
 
     def estimate(self, impl: Optional[str], classes: tuple = ()) -> tuple[float, str]:
@@ -337,13 +369,19 @@ class Context:
                 weights = [e for _, e, _ in u["new"]]
                 if sum(weights) <= 0:
                     weights = [s.weight for s, _, _ in u["new"]]
+                cached = self.cached.get(u["impl"], ())
                 for (s, _, rule), w in zip(u["new"], weights):
-                    c.compiles.append(Compile(s, fc * w / sum(weights), rule == "new flags"))
+                    # by membership, not rule: a load the estimate charged as a compile (cheaper) is still a load
+                    c.compiles.append(Compile(s, fc * w / sum(weights), rule == "new flags" and s not in cached,
+                                              s in cached))
                 st["new_shape_classes"] += len(u["new"])
                 st["first_call_max_s"] = max(st["first_call_max_s"] or 0.0, fc)
                 if first_call_s is not None:
                     c.steady_s[self.section] = max(0.0, unit_s - fc)
                 note += f", new shape class: first call {fc:.1f} s"
+                n_cached = sum(s in cached for s, _, _ in u["new"])
+                if n_cached:  # a fast first call explained (or a slow one flagged: the cache was cold)
+                    note += f" ({n_cached} of {len(u['new'])} signatures compiled by an earlier run)"
             else:
                 c.steady_s[self.section] = unit_s
             c.classes.update(u["classes"])
@@ -369,9 +407,9 @@ class Context:
 
     def hard_timeout(self, impl: Optional[str], classes: tuple, limit_s: float, grace_s: float = 5.0) -> tuple:
         """(timeout for a call run with :func:`run_with_timeout`, whether the budget set it). ``limit_s`` (a hang)
-        plus the compile estimate of its new signatures, cut to what :meth:`fits` let the unit use (its share, or
-        the run's spare time) plus ``grace_s``."""
-        want = limit_s + sum(sec for _, sec, _ in self.compile_estimates(impl, classes))
+        plus the compile estimate of its new signatures (as if uncached: a cache that turned out cold must not read
+        as a hang), cut to what :meth:`fits` let the unit use (its share, or the run's spare time) plus ``grace_s``."""
+        want = limit_s + sum(sec for _, sec, _ in self.compile_estimates(impl, classes, trust_cache=False))
         cut = max(self.remaining(), self.spare(), 0.0) + grace_s
         return (cut, True) if cut < want else (want, False)
 

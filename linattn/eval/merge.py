@@ -13,7 +13,8 @@ with plots/, a self-contained report.html: the plots are drawn again from the me
 * runs of different profiles, device types or GPU names, or implementation lists (or an implementation available
   in one run and not in another) are refused, and so are partial runs (``"partial": true``: interrupted, or still
   running) unless ``allow_partial``; the merged report is then partial and lists its ``missing_sections``.
-* ``meta.merged_from`` lists the inputs: path, selected and finished sections, the sections taken from each.
+* ``meta.merged_from`` lists the inputs: path, selected and finished sections, the sections taken from each, and
+  what each took as cached (``--warm-from``; the merged ``meta.warm_from`` is None).
 
 Every refusal is a :class:`ValueError` whose message names the files and what differs.
 """
@@ -201,7 +202,7 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
                     "partial": bool(r.get("partial")), "interrupted": r["meta"].get("interrupted"),
                     "wall_s": r["meta"].get("wall_s"), "time_budget_s": r["meta"].get("time_budget_s"),
                     "date_utc": r["environment"].get("date_utc"), "argv": r["meta"].get("argv"),
-                    "seed": r["meta"].get("seed"),
+                    "seed": r["meta"].get("seed"), "warm_from": r["meta"].get("warm_from"),
                     **({"merged_from": r["meta"]["merged_from"]} if r["meta"].get("merged_from") else {})}
                    for i, (p, r) in enumerate(runs)]
     out["partial"] = partial
@@ -212,6 +213,7 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
                    "time_budget_s": sum(r["meta"].get("time_budget_s") or 0.0 for _, r in runs),
                    "sections": selected, "argv": None, "partial": partial, "interrupted": None,
                    "first_call_max_s": first_call, "compiles": compiles, "missing_sections": missing,
+                   "warm_from": None,  # per run, in merged_from: the first run's would speak for all
                    "merged_from": merged_from, "prefer_last": prefer_last, "allow_partial": allow_partial}
     return out
 

@@ -18,6 +18,7 @@ import os
 
 from . import SECTIONS
 from .decode import best_step
+from .warm import describe
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -132,6 +133,10 @@ def _env_blocks(r: dict) -> list:
     if runs:
         rows[0][0] = "date (UTC, first run)"
         rows[-1] = [f"wall time (sum of {len(runs)} runs)", f"{r['meta']['wall_s']:.0f} s"]
+    # --warm-from: what the budget took as already compiled (a merged report: per run)
+    warm = [("warm from", r["meta"].get("warm_from"))] + [
+        (f"run {i + 1} warm from", m.get("warm_from")) for i, m in enumerate(r["meta"].get("merged_from") or [])]
+    rows += [[label, describe(w)] for label, w in warm if w]
     for impl in r["meta"]["impls"]:
         rows.append([f"impl {impl['name']}", impl["version"] if impl["available"] else f"skipped: {impl['reason']}"])
     out = [_h(2, "Environment"), _t(["item", "value"], rows)]
