@@ -10,6 +10,7 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
 
     python benchmarks/compile_all.py [--dtype bf16|fp32|fp16] [--B 1 --H 16 --HV 16 --D 128] [--gate]
     python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
+    python benchmarks/compile_all.py --warps 8        # the pre-pass and the backward kernels at 8 warps
 
 Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
 """
@@ -62,6 +63,12 @@ def record(a) -> list:
                                  num_warps=num_warps))
 
     interp.InterpretedFunction.run = intercept
+    if a.warps:
+        # the launch widths the op reads at call time (fused_prepass.PREPASS_WARPS, local_bwd_utils.BWD_WARPS)
+        from linattn.ops.common import fused_prepass
+        from linattn.ops.common.local_bwd_utils import BWD_WARPS
+        fused_prepass.PREPASS_WARPS = a.warps
+        BWD_WARPS.update(dict.fromkeys(BWD_WARPS, a.warps))
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     T = 256
     q = torch.randn(a.B, T, a.H, a.D, dtype=dt, requires_grad=True)
@@ -109,6 +116,8 @@ def main():
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--gate", action="store_true", help="in-op gate, beta sigmoid and q/k L2 norm (pre-processing)")
     ap.add_argument("--decode", choices=("fp32", "bf16"), help="instead: one decode step over a pool of this dtype")
+    ap.add_argument("--warps", type=int, help="launch width of the pre-pass and the backward kernels (default: the "
+                                              "op's own, PREPASS_WARPS and BWD_WARPS)")
     ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.record_only:

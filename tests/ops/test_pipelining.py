@@ -7,6 +7,11 @@ NUM_STAGES = 0 (the while loop) has none. Speed and GPU numerics: benchmarks/ben
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,3 +70,21 @@ def test_pipelined_loops_compile_for_h200():
         assert (cp_async > 0) == (stages == 2), (name, stages, cp_async)
         # two programs per SM need <= 114 KB each (228 KB of shared memory on an H200 SM)
         assert shared <= 114 * 1024 or stages == 0, (name, stages, shared)
+
+
+def test_compile_all_records_every_kernel_of_the_op():
+    """benchmarks/compile_all.py's record step (launches intercepted under the interpreter) sees every kernel of a
+    forward + backward, and the launch widths follow PREPASS_WARPS / BWD_WARPS (set by --warps 8 here)."""
+    import json
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "compile_all.py", "--record-only", "--H", "2", "--HV", "4", "--D", "32",
+                           "--warps", "8"], cwd=root / "benchmarks", env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    widths = {x["name"]: x["num_warps"] for x in json.loads(done.stdout.strip().splitlines()[-1])}
+    widened = {"fused_prepass_kernel", "local_bwd_dv_kernel", "state_pass_bwd_kernel", "local_bwd_dqk_kernel",
+               "local_bwd_wy_kernel"}
+    assert set(widths) == widened | {"fused_fwd_kernel", "chunk_local_cumsum_kernel", "kkt_solve_kernel",
+                                     "wy_kernel", "state_pass_fwd_kernel"}
+    assert {n: w for n, w in widths.items() if n in widened} == dict.fromkeys(widened, 8)
+    assert widths["fused_fwd_kernel"] == 4
