@@ -59,3 +59,21 @@ def block_size(d: int, cap: int) -> int:
     while b < d and b < cap:
         b *= 2
     return b
+
+
+def loop_stages(num_stages, default: int) -> int:
+    """NUM_STAGES of a sequential kernel's chunk loop (fused_fwd, state_pass, state_pass_bwd): ``num_stages``, or
+    the launcher's module default when None. 0 is the unpipelined while loop; n >= 1 a tl.range loop."""
+    stages = default if num_stages is None else num_stages
+    if not isinstance(stages, int) or stages < 0:
+        raise ValueError(f"num_stages must be an int >= 0 (0: the unpipelined while loop), got {stages!r}")
+    return stages
+
+
+def state_tile_v(block_v, default: int) -> int:
+    """BV of a state pass (the V columns of the state one program carries): ``block_v`` (benchmarks), or the
+    launcher's rule when None; a power of two in [16, 64]."""
+    BV = default if block_v is None else block_v
+    if not isinstance(BV, int) or not (16 <= BV <= 64 and BV & (BV - 1) == 0):
+        raise ValueError(f"block_v must be a power of two in [16, 64], got {BV!r}")
+    return BV

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, triton_interpret
+from . import CHUNK, block_size, dot_precision, loop_stages, triton_interpret
 from .dot import DOT_PRECISIONS, dot
 
 # Stages of the walk's chunk loop: 0 = the while loop every GPU figure so far was measured with; n >= 1 = a
@@ -259,9 +259,7 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
             # helper passed tests/ops/test_dot.py there at M=32 (mma.sync, not wgmma); refuse it until understood
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
-    stages = WALK_STAGES if num_stages is None else num_stages
-    if not isinstance(stages, int) or stages < 0:
-        raise ValueError(f"num_stages must be an int >= 0 (0: the unpipelined while loop), got {stages!r}")
+    stages = loop_stages(num_stages, WALK_STAGES)
     load_p = p is not None and not affine
     if load_p and (p.shape != (B, T, HV, chunk_size) or p.dtype != torch.float32):
         raise ValueError(f"p must be [B, T, HV, chunk_size] = {[B, T, HV, chunk_size]} fp32 (fused_prepass with q), "

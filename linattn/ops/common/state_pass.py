@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, triton_interpret
+from . import CHUNK, block_size, dot_precision, loop_stages, state_tile_v, triton_interpret
 
 # Stages of the chunk loop (0: the unpipelined while loop every GPU figure so far used; n >= 1: tl.range with
 # num_stages = n). See fused_fwd.WALK_STAGES; benchmarks/bench_pipelining.py measures it.
@@ -146,10 +146,8 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     v_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device) if w is not None else None
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = block_size(K, 256)
-    BV = block_v or block_size(V, 64 if BK <= 128 else 32)
-    stages = STATE_PASS_STAGES if num_stages is None else num_stages
-    if not isinstance(stages, int) or stages < 0 or not (16 <= BV <= 64 and BV & (BV - 1) == 0):
-        raise ValueError(f"num_stages must be an int >= 0 and block_v a power of two in [16, 64], got {stages!r}, {BV}")
+    BV = state_tile_v(block_v, block_size(V, 64 if BK <= 128 else 32))
+    stages = loop_stages(num_stages, STATE_PASS_STAGES)
     state_pass_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         k, w, u, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,

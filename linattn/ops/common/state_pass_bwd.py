@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpret
+from . import loop_stages, state_tile_v, triton_interpret
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 
 BT = 64
@@ -127,10 +127,8 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     # the carried dS tile is BK × BV fp32: keep it at ≤ 8K elements (64 registers a thread at 4 warps)
-    BV = block_v or max(16, min(64, triton.next_power_of_2(V), 8192 // BK))
-    stages = BWD_STAGES if num_stages is None else num_stages
-    if not isinstance(stages, int) or stages < 0 or not (16 <= BV <= 64 and BV & (BV - 1) == 0):
-        raise ValueError(f"num_stages must be an int >= 0 and block_v a power of two in [16, 64], got {stages!r}, {BV}")
+    BV = state_tile_v(block_v, max(16, min(64, triton.next_power_of_2(V), 8192 // BK)))
+    stages = loop_stages(num_stages, BWD_STAGES)
     state_pass_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
