@@ -23,6 +23,9 @@ import os
 import subprocess
 import sys
 
+# the constexprs a table row shows: tiles, precisions and the mode flags that change a kernel's resources
+SHOWN = ("BT", "BK", "BV", "BHV", "DOT_PREC", "STATE_PREC", "NUM_STAGES", "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE",
+         "USE_STATE_INDICES")
 TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32", "torch.int32": "*i32",
          "torch.int64": "*i64"}
 
@@ -51,11 +54,10 @@ def record(a) -> list:
                 types[name] = "i32" if -2**31 <= value < 2**31 else "i64"
             elif isinstance(value, float):
                 types[name] = "fp32"
-        num_warps = kwargs.pop("num_warps", 4)
-        kwargs.pop("num_stages", None)
-        consts.update({k: v for k, v in kwargs.items() if k in names})
-        consts["INTERPRET"] = False if "INTERPRET" in consts else consts.get("INTERPRET")
-        consts = {k: v for k, v in consts.items() if k in names}
+        num_warps = kwargs.get("num_warps", 4)
+        consts.update({k: v for k, v in kwargs.items() if k in names})  # the constexprs (launch options are not)
+        if "INTERPRET" in consts:
+            consts["INTERPRET"] = False  # the compile step builds the GPU kernel
         key = (fn.__module__, fn.__name__, json.dumps(consts, sort_keys=True, default=str), num_warps)
         if key not in seen:
             seen.add(key)
@@ -101,8 +103,7 @@ def compile_all(launches: list) -> None:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         consts, types = launch["consts"], launch["types"]
         r = compile_sm90(kernel, consts, lambda name, types=types: types.get(name, "i32"), launch["num_warps"])
-        shown = {k: v for k, v in consts.items() if k.startswith("B") and k not in ("BETA_SIGMOID",) or k in (
-            "DOT_PREC", "STATE_PREC", "NUM_STAGES", "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE", "USE_STATE_INDICES")}
+        shown = {k: v for k, v in consts.items() if k in SHOWN}
         print(f"| {launch['name']} | {', '.join(f'{k}={v}' for k, v in shown.items())} | {launch['num_warps']} | "
               f"{r.registers} | {r.spill_bytes} | {r.shared_bytes} |", flush=True)
 
