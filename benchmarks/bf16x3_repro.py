@@ -40,13 +40,12 @@ the fault), or ``TIMEOUT``. How to read it:
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from bf16x3_walk_ab import ptxas_version, run_in_subprocess  # noqa: E402  (same folder, on sys.path)
+from bf16x3_walk_ab import run_variant_table  # noqa: E402  (same folder, on sys.path)
 
 # how product() multiplies; globals read inside a jitted function must be tl.constexpr
 MODE_CHAINED = tl.constexpr(0)  # dot.py's split: the hi/lo products chained through tl.dot's accumulator
@@ -185,21 +184,7 @@ def variants(system_ptxas: str | None) -> list[tuple[str, list[int], dict[str, s
 
 
 def main() -> None:
-    system_ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
-    print(f"triton {triton.__version__}, bundled ptxas {triton.knobs.nvidia.ptxas.version}, "
-          f"system ptxas {system_ptxas} {ptxas_version(system_ptxas)}, "
-          f"PTXAS_NEW {ptxas_version(os.environ.get('PTXAS_NEW'))}")
-    rows = variants(system_ptxas)
-    label_width = max(len(label) for label, _, _ in rows)
-    env_texts = [" ".join(f"{key}={value}" for key, value in env.items()) for _, _, env in rows]
-    env_width = max(len("env"), *map(len, env_texts))
-    # rows print as they finish, so a call cut short by the device's time limit still shows the finished ones
-    print(f"{'variant':{label_width}s} | {'MODE LOOP W16 WARPS BV':22s} | {'env':{env_width}s} | result", flush=True)
-    for (label, args, env), env_text in zip(rows, env_texts):
-        result = run_in_subprocess(args, env, __file__)
-        print(f"{label:{label_width}s} | {' '.join(map(str, args)):22s} | {env_text:{env_width}s} | {result}",
-              flush=True)
-
+    run_variant_table(variants, __file__, "MODE LOOP W16 WARPS BV")
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:

@@ -162,23 +162,28 @@ def run_in_subprocess(args: list, env: dict[str, str], script: str = __file__) -
     return "FAIL " + errors[-1].strip()[:150]
 
 
-def main() -> None:
+def run_variant_table(variants, script: str = __file__, args_header: str = "args") -> None:
+    """Print the Triton and ptxas versions, then run every (label, args, env) row of ``variants(system_ptxas)`` in
+    its own process of ``script`` and print it as it finishes, so a call cut short by the device's time limit still
+    shows the finished ones. Shared with bf16x3_repro.py."""
     system_ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
     print(f"triton {triton.__version__}, bundled ptxas {triton.knobs.nvidia.ptxas.version}, "
           f"system ptxas {system_ptxas} {ptxas_version(system_ptxas)}, "
           f"PTXAS_NEW {ptxas_version(os.environ.get('PTXAS_NEW'))}")
     rows = variants(system_ptxas)
     label_width = max(len(label) for label, _, _ in rows)
-    arg_texts = [" ".join(args) for _, args, _ in rows]
-    arg_width = max(len("args"), *map(len, arg_texts))
+    arg_texts = [" ".join(map(str, args)) for _, args, _ in rows]
+    arg_width = max(len(args_header), *map(len, arg_texts))
     env_texts = [" ".join(f"{key}={value}" for key, value in env.items()) for _, _, env in rows]
     env_width = max(len("env"), *map(len, env_texts))
-    # rows print as they finish, so a call cut short by the device's time limit still shows the finished ones
-    print(f"{'variant':{label_width}s} | {'args':{arg_width}s} | {'env':{env_width}s} | result", flush=True)
+    print(f"{'variant':{label_width}s} | {args_header:{arg_width}s} | {'env':{env_width}s} | result", flush=True)
     for (label, args, env), arg_text, env_text in zip(rows, arg_texts, env_texts):
-        result = run_in_subprocess(args, env)
+        result = run_in_subprocess(args, env, script)
         print(f"{label:{label_width}s} | {arg_text:{arg_width}s} | {env_text:{env_width}s} | {result}", flush=True)
 
+
+def main() -> None:
+    run_variant_table(variants)
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
