@@ -50,7 +50,7 @@ from linattn.ops.common.local_bwd_utils import BWD_WARPS
 from linattn.ops.common.local_bwd_wy import local_bwd_wy
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_bwd import recompute_forward
-from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages, fwd_prepass
+from linattn.ops.gated_delta.triton_chunk import fwd_prepass
 
 torch.backends.cuda.matmul.allow_tf32 = False
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (1, 32768, 2, 8)]
@@ -69,7 +69,6 @@ def kernels_alone(B, T, H, HV):
     x["initial_state"] = None
     scale = D ** -0.5
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    st = chunk_gated_delta_rule_fwd_stages(*args, scale, None, None, None)
     gc, w, u, p = fwd_prepass(*args, None, None)
     do = torch.randn_like(x["v"])
     dv_local = torch.randn(B, T, HV, D, device=x["q"].device)
@@ -77,9 +76,9 @@ def kernels_alone(B, T, H, HV):
     calls = {
         "walk": lambda bv, s: FF.fused_fwd(x["q"], x["k"], w, u, gc, scale, None, torch.bfloat16, BV=bv, p=p,
                                            num_stages=s),
-        "state_pass_fwd": lambda bv, s: SP.state_pass_fwd(x["k"], st.w, st.u, st.gc, None, num_stages=s,
+        "state_pass_fwd": lambda bv, s: SP.state_pass_fwd(x["k"], w, u, gc, None, num_stages=s,
                                                           block_v=bv),
-        "state_pass_bwd": lambda bv, s: SPB.state_pass_bwd(x["q"], x["k"], st.w, st.gc, do, dv_local, dht, scale,
+        "state_pass_bwd": lambda bv, s: SPB.state_pass_bwd(x["q"], x["k"], w, gc, do, dv_local, dht, scale,
                                                            num_stages=s, block_v=bv),
     }
     rows = []
