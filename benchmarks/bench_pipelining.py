@@ -119,10 +119,11 @@ def backward_stages(B, T, H, HV):
          "WY (local_bwd_wy)": lambda: local_bwd_wy(k, v, beta, gc, A_inv, dv_new2, dA_inv_p, dbeta_p, dg_p, dk,
                                                     None, None)}
     rows = []
+    saved = settings()
     for warps in (4, 8):
         set_bwd_warps(warps)
         rows += [dict(shape=(B, T, H, HV), stage=n, warps=warps, ms=triton.testing.do_bench(f)) for n, f in t.items()]
-    set_bwd_warps(4)
+    restore(saved)
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
@@ -135,19 +136,40 @@ def set_bwd_warps(n: int):
     FP.PREPASS_WARPS = n
 
 
-def set_stages(n: int):
-    FF.WALK_STAGES = SP.STATE_PASS_STAGES = SPB.BWD_STAGES = n
+def settings() -> dict:
+    """The op's module settings this script varies (restored with :func:`restore`)."""
+    return dict(stages=(FF.WALK_STAGES, SP.STATE_PASS_STAGES, SPB.BWD_STAGES), warps=dict(BWD_WARPS),
+                prepass=FP.PREPASS_WARPS)
+
+
+def restore(saved: dict):
+    FF.WALK_STAGES, SP.STATE_PASS_STAGES, SPB.BWD_STAGES = saved["stages"]
+    BWD_WARPS.update(saved["warps"])
+    FP.PREPASS_WARPS = saved["prepass"]
+
+
+def run10_settings():
+    """Loops and widths as run 10 measured them (the state passes' V tile rule is today's either way)."""
+    FF.WALK_STAGES = SP.STATE_PASS_STAGES = SPB.BWD_STAGES = 0
+    set_bwd_warps(4)
+
+
+# table 3's configurations: name, change from the defaults
+OP_CONFIGS = (("defaults", lambda: None),
+              ("reverse walk at 8 warps", lambda: BWD_WARPS.update(state_pass=8)),
+              ("run-10 loops and widths (stages 0, 4 warps)", run10_settings))
 
 
 def whole_op(shapes):
-    """Table 3: the public op at the defaults and with every NUM_STAGES = 2."""
+    """Table 3: the public op at the defaults and the variants of OP_CONFIGS."""
     rows = []
     xa, _, _ = make(2, 300, 4, 4, D, D, None, torch.bfloat16)
     a_args = [xa[n] for n in ("q", "k", "v", "g", "beta")]
     ro, _ = gated_delta_rule_reference(*a_args, D ** -0.5, None, None)
-    for name, n, warps in (("defaults", 0, 4), ("stages 2", 2, 4), ("stages 2, pre-pass + backward 8 warps", 2, 8)):
-        set_stages(n)
-        set_bwd_warps(warps)
+    saved = settings()
+    for name, change in OP_CONFIGS:
+        restore(saved)
+        change()
         o, _ = chunk_gated_delta_rule(*a_args, scale=D ** -0.5)
         anchor = rel(o, ro)
         for (B, T, H, HV) in shapes:
@@ -161,8 +183,7 @@ def whole_op(shapes):
             row = dict(config=name, shape=(B, T, H, HV), fwd_ms=fwd, fwdbwd_ms=fb, anchor_o=anchor)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    set_stages(0)
-    set_bwd_warps(4)
+    restore(saved)
     return rows
 
 

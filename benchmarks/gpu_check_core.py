@@ -6,7 +6,7 @@ autograd to 1e-15 — for long ones), next to a *baseline*: the error PyTorch ma
 computation from the same low-precision inputs with every stage's output rounded to that precision (the error a
 kernel that stores intermediates in bf16/fp16 cannot avoid). The bound is kernel error ≤ 2 × baseline.
 
-    python benchmarks/gpu_check_core.py [--quick] [--out DIR]
+    python benchmarks/gpu_check_core.py [--quick] [--cases NAME,...] [--out DIR]
 
 Prints one table last; writes core_check.json (and core_check.jsonl, line by line) under --out.
 """
@@ -132,13 +132,21 @@ CASES = [  # name, B, T, H, HV, K, V, varlen lengths
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the first three cases")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all, or --quick's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    cases = CASES[:3] if a.quick else CASES
+    if a.cases:
+        names = a.cases.split(",")
+        unknown = set(names) - {c[0] for c in CASES}
+        if unknown:
+            ap.error(f"unknown case(s) {sorted(unknown)}; known: {[c[0] for c in CASES]}")
+        cases = [c for c in CASES if c[0] in names]
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows = []
     log = open(os.path.join(a.out, "core_check.jsonl"), "w")  # one line per case, kept if the run is cut short
-    for case in CASES[:3] if a.quick else CASES:
+    for case in cases:
         for dt in (torch.bfloat16, torch.float16):
             try:
                 row = check(case, dt, use_token_ref=case[2] <= 1000)

@@ -70,6 +70,34 @@ def loop_stages(num_stages, default: int) -> int:
     return stages
 
 
+def num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device; 132 (an H200) elsewhere, so CPU tests plan as the GPU would."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def fill_tile_v(NHV: int, V: int, cap: int, sms: int) -> int:
+    """V tile of a sequential kernel (one program per (sequence, value head, V tile), each walking its chunks in
+    order) for NHV (sequence, value head) pairs on ``sms`` SMs: the widest of 64, 32, 16 (at most ``cap``, and
+    at most V's power-of-two cover) whose NHV·cdiv(V, BV) programs fill the SMs, else 16. The walk is sequential,
+    so narrower tiles are the one way to put more SMs on a few long sequences; wider tiles do less redundant
+    work per column once the SMs are full (H200, bench_pipelining.py, docs/performance.md run 11)."""
+    widest = min(cap, 64, max(16, 1 << (max(V, 1) - 1).bit_length()))
+    BV = 16
+    for bv in (64, 32):
+        if bv <= widest and NHV * -(-V // bv) >= sms:
+            BV = bv
+            break
+    return BV
+
+
+def one_wave_stages(stages: int, programs: int, sms: int) -> int:
+    """The default NUM_STAGES of a sequential kernel's chunk loop: ``stages`` (the module setting) when its grid
+    fits one wave of one program per SM, else 0 (the while loop). Measured on the H200 (run 11): pipelining pays
+    when each SM runs one latency-bound walk (walk −26%, forward state pass −40% at B=1 T=4096 H=16), and costs
+    when the extra shared memory leaves fewer programs resident per SM (walk +6% … +42% at B=8)."""
+    return stages if programs <= sms else 0
+
+
 def state_tile_v(block_v, default: int) -> int:
     """BV of a state pass (the V columns of the state one program carries): ``block_v`` (benchmarks), or the
     launcher's rule when None; a power of two in [16, 64]."""

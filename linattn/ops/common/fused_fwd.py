@@ -53,14 +53,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, loop_stages, triton_interpret
+from . import CHUNK, block_size, dot_precision, fill_tile_v, loop_stages, num_sms, one_wave_stages, triton_interpret
 from .dot import DOT_PRECISIONS, dot
 
-# Stages of the walk's chunk loop: 0 = the while loop every GPU figure so far was measured with; n >= 1 = a
-# tl.range loop with num_stages = n. Prediction for 2 (not yet measured; benchmarks/bench_pipelining.py sweeps
-# it): the walk at B=1 T=4096 H=16 from 0.54 ms toward 0.3 ms, more at long T where the walk dominates. Flip the
-# default only after the GPU has checked it (benchmarks/gpu_check_core.py) and timed it.
-WALK_STAGES = 0
+# Stages of the walk's chunk loop when its grid is one wave (common.one_wave_stages; 0 otherwise): n >= 1 is a
+# tl.range loop with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py): at B=1 T=4096 H=16
+# BV=16 the walk takes 0.536 / 0.553 / 0.399 / 0.408 ms at 0 / 1 / 2 / 3 (prediction was ~0.3), T=32768 4.23 →
+# 3.13 ms; at B=8 (BV=64, two programs per SM) 1.44 / 1.38 / 2.05 ms: the extra shared memory costs residency.
+WALK_STAGES = 2
 
 
 @triton.jit
@@ -225,17 +225,7 @@ def fused_fwd_config(K: int, V: int, NHV: int, num_sms: int) -> tuple[int, int, 
     BV = 64 / 32 / 16; B=8 0.88 / 1.07 / 1.65 ms. Beyond K = 128, BV ≤ 32 keeps the fp32 state tile at ≤ 8192
     values. 4 warps measured faster than 8 (and than 2 at B=1)."""
     BK = block_size(K, 256)
-    BV = 16
-    for bv in ((64, 32) if BK <= 128 else (32,)):
-        if NHV * triton.cdiv(V, bv) >= num_sms:
-            BV = bv
-            break
-    return BK, min(BV, block_size(V, 64)), 4
-
-
-def num_sms(device: torch.device) -> int:
-    """SM count of a CUDA device; 132 (an H200) elsewhere, so CPU tests plan as the GPU would."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return BK, fill_tile_v(NHV, V, 64 if BK <= 128 else 32, num_sms), 4
 
 
 def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, num_warps: int,
@@ -247,7 +237,7 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
     heads × BV slices of the walked state's columns (V, or K + V with ``affine``). The tensors are as the kernel
     describes; seq_parallel.py drives the segmented and affine modes. ``p`` (``[B, T, HV, chunk_size]`` fp32 from
     ``fused_prepass`` with queries, or None) sets LOAD_P; the affine mode has no output and ignores it.
-    ``num_stages``: the chunk loop's pipelining (None: :data:`WALK_STAGES`)."""
+    ``num_stages``: the chunk loop's pipelining (None: :data:`WALK_STAGES` when the grid is one wave, else 0)."""
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
     for name, prec in (("dot_prec", dot_prec), ("state_prec", state_prec)):
@@ -259,13 +249,14 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
             # helper passed tests/ops/test_dot.py there at M=32 (mma.sync, not wgmma); refuse it until understood
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
-    stages = loop_stages(num_stages, WALK_STAGES)
+    grid = (triton.cdiv(K + V if affine else V, BV), num_segments * HV)
+    stages = loop_stages(num_stages, one_wave_stages(WALK_STAGES, grid[0] * grid[1], num_sms(q.device)))
     load_p = p is not None and not affine
     if load_p and (p.shape != (B, T, HV, chunk_size) or p.dtype != torch.float32):
         raise ValueError(f"p must be [B, T, HV, chunk_size] = {[B, T, HV, chunk_size]} fp32 (fused_prepass with q), "
                          f"got {list(p.shape)} {p.dtype}")
     o_prec, s_prec = fused_dot_precisions(q.dtype)
-    fused_fwd_kernel[(triton.cdiv(K + V if affine else V, BV), num_segments * HV)](
+    fused_fwd_kernel[grid](
         q, k, w, u, gc, p if load_p else None, o, h0, ht, scale, cu_seqlens, segments, T, nseg, seg_len, H=H,
         HV=HV, K=K, V=V, BT=chunk_size, BK=block_size(K, 256), BV=BV, DOT_PREC=dot_prec or o_prec,
         STATE_PREC=state_prec or dot_prec or s_prec, INPUT_PREC=dot_precision(q.dtype),

@@ -37,8 +37,9 @@ from .kkt_solve import kkt_inverse_blocks
 from .varlen import chunk_bounds
 from .wy import wy_tiles
 
-# num_warps of the launch, read at call time: at 4 (every GPU figure so far) ptxas spills 284 bytes per thread on
-# sm_90 (bf16, K = V = 128, STORE_P), at 8 none (benchmarks/compile_all.py); bench_pipelining.py times both
+# num_warps of the launch, read at call time: at 4 ptxas spills 284 bytes per thread on sm_90 (bf16, K = V = 128,
+# STORE_P), at 8 none (benchmarks/compile_all.py), yet 4 is faster on the H200 (run 11: B=8 T=4096 H=16 1.13 ms
+# at 4 warps, 1.86 at 8; B=1 0.146 / 0.240)
 PREPASS_WARPS = 4
 
 

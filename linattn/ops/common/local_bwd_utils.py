@@ -21,10 +21,12 @@ from . import dot_precision
 DOT_PRECISIONS = ("ieee", "tf32", "input")
 
 # num_warps of each backward kernel's launch, read at call time. At 4 warps ptxas spills 13 KB (dq/dk), 7.7 KB (WY)
-# and 5.7 KB (reverse walk) per thread on sm_90 for bf16 K = V = 128; at 8 warps 1.9 / 1.0 / 1.0 KB
-# (benchmarks/compile_all.py, docs/performance.md run 10). Kept at 4 until benchmarks/bench_pipelining.py has timed
-# both on the GPU.
-BWD_WARPS = {"dv": 4, "state_pass": 4, "dqk": 4, "wy": 4}
+# and 5.7 KB (reverse walk, BV=64) per thread on sm_90 for bf16 K = V = 128; at 8 warps 1.9 / 1.0 / 1.0 KB
+# (benchmarks/compile_all.py, docs/performance.md run 10). Timed on the H200 (run 11, bench_pipelining.py, 4 → 8
+# warps): dq/dk 3.82 → 1.69 ms and WY 3.66 → 1.96 ms at B=8 T=4096 H=16 (B=1: 0.49 → 0.23, 0.44 → 0.26); dv_local
+# 0.231 → 0.285 (slower); the reverse walk at BV=64 1.21 → 1.17 (B=8), 0.62 → 0.57 (B=1, but BV=16 at 4 warps is
+# 0.42 and 8 warps was not timed there), so it stays at 4.
+BWD_WARPS = {"dv": 4, "state_pass": 4, "dqk": 8, "wy": 8}
 
 
 def bwd_dot_precision(dtype: torch.dtype, dot_prec: Optional[str] = None) -> str:

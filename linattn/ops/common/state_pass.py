@@ -21,11 +21,22 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, loop_stages, state_tile_v, triton_interpret
+from . import (
+    CHUNK,
+    block_size,
+    dot_precision,
+    fill_tile_v,
+    loop_stages,
+    num_sms,
+    one_wave_stages,
+    state_tile_v,
+    triton_interpret,
+)
 
-# Stages of the chunk loop (0: the unpipelined while loop every GPU figure so far used; n >= 1: tl.range with
-# num_stages = n). See fused_fwd.WALK_STAGES; benchmarks/bench_pipelining.py measures it.
-STATE_PASS_STAGES = 0
+# Stages of the chunk loop when the grid is one wave (common.one_wave_stages; 0 otherwise): n >= 1 is tl.range
+# with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py), BV=16: B=1 T=4096 H=16 0.282 /
+# 0.319 / 0.175 / 0.161 ms at 0 / 1 / 2 / 3; T=32768 2.21 / 2.51 / 1.35 / 1.22; at B=8 (BV=64) all within 8%.
+STATE_PASS_STAGES = 3
 
 
 @triton.jit
@@ -131,8 +142,8 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
         initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         cu_seqlens, chunk_offsets, num_chunks: varlen offsets ``[N + 1]``, :func:`varlen.chunk_tables`
             chunk_offsets and NT_total; or None.
-        num_stages, block_v: the loop's pipelining (None: :data:`STATE_PASS_STAGES`) and the V tile (None: 64,
-            32 beyond K = 128), for benchmarks/bench_pipelining.py.
+        num_stages, block_v: the loop's pipelining (None: :data:`STATE_PASS_STAGES` when the grid is one wave, else
+            0) and the V tile (None: ``common.fill_tile_v``, at most 64, 32 beyond K = 128), for benchmarks.
     Returns:
         h ``[B, NT, HV, K, V]`` fp32 (the state entering each chunk; varlen: B = 1, NT = NT_total),
         v_new ``[B, T, HV, V]`` fp32 (None without ``w``), final state ``[N, HV, K, V]`` fp32.
@@ -146,9 +157,11 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     v_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device) if w is not None else None
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = block_size(K, 256)
-    BV = state_tile_v(block_v, block_size(V, 64 if BK <= 128 else 32))
-    stages = loop_stages(num_stages, STATE_PASS_STAGES)
-    state_pass_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+    sms = num_sms(k.device)
+    BV = state_tile_v(block_v, fill_tile_v(N * HV, V, 64 if BK <= 128 else 32, sms))
+    grid = (triton.cdiv(V, BV), N * HV)
+    stages = loop_stages(num_stages, one_wave_stages(STATE_PASS_STAGES, grid[0] * grid[1], sms))
+    state_pass_fwd_kernel[grid](
         k, w, u, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
         USE_DELTA=w is not None, USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=is_varlen,

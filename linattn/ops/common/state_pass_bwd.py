@@ -18,12 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import loop_stages, state_tile_v, triton_interpret
+from . import fill_tile_v, loop_stages, num_sms, one_wave_stages, state_tile_v, triton_interpret
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 
 BT = 64
-# Stages of the reverse walk's chunk loop (0: the unpipelined while loop every GPU figure so far used; n >= 1: a
-# tl.range loop with num_stages = n). See fused_fwd.WALK_STAGES; benchmarks/bench_pipelining.py measures both.
+# Stages of the reverse walk's chunk loop when its grid is one wave (0: the while loop; n >= 1: a tl.range loop
+# with num_stages = n; see fused_fwd.WALK_STAGES). Stays 0: unlike the forward walks, pipelining measured slower
+# at every shape and tile (H200, run 11: B=1 T=4096 H=16 BV=16 0.417 / 0.449 / 0.499 ms at 0 / 1 / 2; B=8 BV=64
+# 1.21 / 1.33 / 1.56), probably because the loads it would hide are not what this walk waits on (not verified).
 BWD_STAGES = 0
 
 
@@ -126,10 +128,13 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
-    # the carried dS tile is BK × BV fp32: keep it at ≤ 8K elements (64 registers a thread at 4 warps)
-    BV = state_tile_v(block_v, max(16, min(64, triton.next_power_of_2(V), 8192 // BK)))
-    stages = loop_stages(num_stages, BWD_STAGES)
-    state_pass_bwd_kernel[(triton.cdiv(V, BV), N * HV)](
+    # the carried dS tile is BK × BV fp32: keep it at ≤ 8K elements (64 registers a thread at 4 warps); within
+    # that, as narrow as it takes to fill the SMs (B=1 T=4096 H=16: 0.625 ms at BV=64, 0.417 at 16; run 11)
+    sms = num_sms(q.device)
+    BV = state_tile_v(block_v, fill_tile_v(N * HV, V, max(16, 8192 // BK), sms))
+    grid = (triton.cdiv(V, BV), N * HV)
+    stages = loop_stages(num_stages, one_wave_stages(BWD_STAGES, grid[0] * grid[1], sms))
+    state_pass_bwd_kernel[grid](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
         INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=BWD_WARPS["state_pass"],
