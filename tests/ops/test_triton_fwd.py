@@ -27,6 +27,7 @@ from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.common.varlen import chunk_tables, chunk_tables_ref
 from linattn.ops.common.wy import wy_fwd
 from linattn.ops.gated_delta import torch_chunk as tc
+from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages
 
@@ -251,4 +252,31 @@ def test_forward_matches_reference_and_torch(case, dtype):
 def test_float64_inputs_are_refused():
     x, _ = make_inputs(Case("x", T=8), torch.float64)
     with pytest.raises(TypeError, match="backend='torch'"):
+        linattn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="triton")
+
+
+# the "split" forward (pre-pass → state pass → output kernel) through the public op: same checks as the walk's
+SPLIT_CASES = [FWD_CASES[i] for i in (0, 2, 4, 5, 7)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_forward_matches_reference_and_torch(case, dtype, monkeypatch):
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+    test_forward_matches_reference_and_torch(case, dtype)
+    # and against the walk on the same inputs (both fp32 state; o differs by the output dtype's rounding at most)
+    x, _ = make_inputs(case, dtype)
+    kw = dict(output_final_state=True, cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"], backend="triton")
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    o_s, h_s = linattn.chunk_gated_delta_rule(*args, **kw)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
+    o_w, h_w = linattn.chunk_gated_delta_rule(*args, **kw)
+    assert rel_rms(h_s, h_w) <= TOLERANCES["forward_fp32"]
+    assert rel_rms(o_s, o_w) <= (TOLERANCES["forward_fp32"] if dtype == torch.float32 else 2.0 ** -10)
+
+
+def test_unknown_forward_path_is_refused(monkeypatch):
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "fused")
+    x, _ = make_inputs(Case("x", T=8), torch.float32)
+    with pytest.raises(ValueError, match="FORWARD_PATH"):
         linattn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="triton")

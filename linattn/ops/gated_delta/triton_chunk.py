@@ -48,6 +48,18 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PRECOMPUTE_QK = True
 
 
+# Which forward the op runs: "walk" (the default) is the fused sequential kernel — pre-pass (gc, W, U, P), then one
+# program per (sequence, value head, V slice) walking the chunks with the state on chip and writing o; "split"
+# keeps only the state update sequential — pre-pass (gc, W, U), the forward state pass (h of every chunk and
+# V_new to HBM), then the output as a kernel parallel over chunks. Run 11 made the state pass alone 2.5× faster
+# than the walk at B=1 H=16 (0.161 vs 0.399 ms), because its per-chunk chain is two dots, not five. Prediction
+# (benchmarks/bench_forward_paths.py, not yet run): split forward at B=1 T=4096 H=16 ≈ 0.13 + 0.16 + 0.05 ≈ 0.35
+# ms (walk 0.541), B=8 ≈ 1.0 + 0.61 + 0.3 ≈ 1.9 (2.55), B=1 T=32768 ≈ 2.5 (4.28); it writes h (64 KB per chunk
+# and value head in fp32), and has no sequence-parallel split yet.
+FORWARD_PATHS = ("walk", "split")
+FORWARD_PATH = "walk"
+
+
 class FwdStages(NamedTuple):
     """Everything the forward computes; the backward recomputes it with :func:`chunk_gated_delta_rule_fwd_stages`.
 
@@ -123,14 +135,22 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     kernel per (sequence, value head, V slice) keeps the state on chip and writes only o and the final state;
     when those programs cannot fill the SMs, long sequences are split into segments stitched exactly through their
     affine state maps (``common/seq_parallel.py``). With :data:`PRECOMPUTE_QK` the pre-pass also writes P and the
-    walk reads it.
+    walk reads it. :data:`FORWARD_PATH` = "split" runs pre-pass, state pass and output kernel instead.
     """
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
-    chunk_indices = None
+    if FORWARD_PATH not in FORWARD_PATHS:
+        raise ValueError(f"triton_chunk.FORWARD_PATH must be one of {FORWARD_PATHS}, got {FORWARD_PATH!r}")
+    chunk_indices = chunk_offsets = None
+    num_chunks = triton.cdiv(q.shape[1], CHUNK)
     if cu_seqlens is not None:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
-        chunk_indices, _ = chunk_tables(offsets, CHUNK, q.device)
+        chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
+        num_chunks = chunk_indices.shape[0]
+    if FORWARD_PATH == "split":
+        gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
+        h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets, num_chunks)
+        return output_fwd(q, k, v_new, h, gc, scale, v.dtype, cu_seqlens, chunk_indices), final_state
     gc, w, u, p = fwd_prepass(q, k, v, g, beta, cu_seqlens, chunk_indices)
     return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)

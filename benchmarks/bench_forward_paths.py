@@ -1,0 +1,116 @@
+"""GPU timing of the op's two forward paths (``triton_chunk.FORWARD_PATH``): the fused walk and the split path.
+
+    python benchmarks/bench_forward_paths.py [--quick] [--out DIR]
+
+"walk" (the default): pre-pass (gc, W, U, P) → one sequential kernel per (sequence, value head, V slice) that
+keeps the state on chip and writes o (split into segments by the sequence-parallel planner when the programs
+cannot fill the SMs). "split": pre-pass (gc, W, U) → the forward state pass (h of every chunk and V_new to HBM;
+its chain per chunk is two dots, where the walk's is five) → the output, parallel over chunks.
+
+Per shape (bf16, issue 4's table, then K = V = 64 and K = 128 V = 256): the public op's forward and forward +
+backward on each path (do_bench median ms; the backward is the same code), the split path stage by stage, and
+its extra memory (h). First: both paths' o and final state against the float64 reference at the anchor case
+(B=2 T=300 H=4 K=V=128) and their first-call time. Prediction written before any run (triton_chunk.py): split
+forward ≈ 0.35 ms at B=1 T=4096 H=16 (walk 0.541), ≈ 1.9 at B=8 (2.55), ≈ 2.5 at B=1 T=32768 (4.28).
+Prints the table last; writes bench_forward_paths.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
+
+from linattn import chunk_gated_delta_rule
+from linattn.ops.common import CHUNK
+from linattn.ops.common.fused_prepass import fused_prepass
+from linattn.ops.common.output import output_fwd
+from linattn.ops.common.state_pass import state_pass_fwd
+from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+
+torch.backends.cuda.matmul.allow_tf32 = False
+SHAPES = [  # B, T, H, HV, K, V
+    (1, 4096, 16, 16, 128, 128), (8, 4096, 16, 16, 128, 128), (1, 32768, 16, 16, 128, 128),
+    (1, 131072, 16, 16, 128, 128), (4, 8192, 16, 32, 128, 128), (2, 16384, 32, 32, 128, 128),
+    (1, 32768, 2, 8, 128, 128), (1, 32768, 16, 16, 64, 64), (1, 32768, 16, 16, 128, 256),
+]
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def accuracy():
+    """o and final state of both paths against the float64 reference at the anchor case, and first-call time."""
+    x, _, _ = make(2, 300, 4, 4, 128, 128, None, torch.bfloat16)
+    args = [x[n] for n in NAMES]
+    ro, rS = gated_delta_rule_reference(*args, 128 ** -0.5, None, None)
+    rows = []
+    for path in triton_chunk.FORWARD_PATHS:
+        triton_chunk.FORWARD_PATH = path
+        t0 = time.time()
+        o, S = chunk_gated_delta_rule(*args, scale=128 ** -0.5, output_final_state=True)
+        torch.cuda.synchronize()
+        rows.append(dict(path=path, first_call_s=time.time() - t0, o=rel(o, ro), state=rel(S, rS)))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def timings(B, T, H, HV, K, V):
+    x, _, _ = make(B, T, H, HV, K, V, None, torch.bfloat16)
+    ins = [x[n].requires_grad_(True) for n in NAMES]
+    scale = K ** -0.5
+    f = lambda: chunk_gated_delta_rule(*ins, scale=scale, output_final_state=True)
+    do = torch.randn_like(x["v"])
+    row = dict(shape=(B, T, H, HV, K, V))
+    for path in triton_chunk.FORWARD_PATHS:
+        triton_chunk.FORWARD_PATH = path
+        try:
+            with torch.no_grad():
+                row[f"{path}_fwd_ms"] = triton.testing.do_bench(f)
+            row[f"{path}_fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
+        except Exception as e:  # one path failing at one shape is a row, not the end
+            row[f"{path}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    triton_chunk.FORWARD_PATH = "walk"
+    # the split path stage by stage
+    with torch.no_grad():
+        q, k, v, g, beta = (t.detach() for t in ins)
+        gc, w, u = fused_prepass(g, k, v, beta)
+        h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
+        row["prepass_ms"] = triton.testing.do_bench(lambda: fused_prepass(g, k, v, beta))
+        row["state_pass_ms"] = triton.testing.do_bench(lambda: state_pass_fwd(k, w, u, gc, None))
+        row["output_ms"] = triton.testing.do_bench(lambda: output_fwd(q, k, v_new, h, gc, scale, v.dtype))
+        row["h_MB"] = h.numel() * 4 / 2 ** 20
+        row["chunks"] = triton.cdiv(T, CHUNK)
+    print(json.dumps(row), flush=True)
+    del x, ins, h, v_new, w, u
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the first two shapes only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    acc = accuracy()
+    rows = [timings(*s) for s in (SHAPES[:2] if a.quick else SHAPES)]
+    with open(os.path.join(a.out, "bench_forward_paths.json"), "w") as fh:
+        json.dump(dict(accuracy=acc, rows=rows), fh, indent=1)
+
+    print("\nanchor (bf16 B=2 T=300 H=4 vs float64): " + "; ".join(
+        f"{r['path']}: o {r['o']:.3e}, state {r['state']:.3e}, first call {r['first_call_s']:.1f} s" for r in acc))
+    print("\n| B, T, H, HV, K, V | walk fwd | split fwd | split: pre-pass + state pass + output | h MB "
+          "| walk fwd+bwd | split fwd+bwd |\n|---|---|---|---|---|---|---|")
+    cell = lambda r, key: f"{r[key]:.3f}" if key in r else r.get(key.rsplit("_", 2)[0] + "_error", "–")[:40]
+    for r in rows:
+        print(f"| {', '.join(map(str, r['shape']))} | {cell(r, 'walk_fwd_ms')} | {cell(r, 'split_fwd_ms')} | "
+              f"{r['prepass_ms']:.3f} + {r['state_pass_ms']:.3f} + {r['output_ms']:.3f} | {r['h_MB']:.0f} | "
+              f"{cell(r, 'walk_fwdbwd_ms')} | {cell(r, 'split_fwdbwd_ms')} |")
+
+
+if __name__ == "__main__":
+    main()
