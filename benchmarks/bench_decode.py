@@ -140,8 +140,8 @@ def graph_time_us(fn, calls_per_graph=20, replays=30):
 
 
 def copy_bandwidth(nbytes):
-    """(GB/s, µs) of a device-to-device torch copy of nbytes (read + write counted): the eval's reference, the best
-    of a few placements of the destination (linattn.eval.decode.copy_gbs)."""
+    """(GB/s, µs) of a device-to-device stream of nbytes (read + write counted): the eval's reference, the best of
+    a torch copy into a few placements of the destination and an in-place pass (linattn.eval.decode.copy_gbs)."""
     gbs = copy_gbs(torch.device(DEV), 2 * nbytes)
     return gbs, 2 * nbytes / gbs / 1e3
 

@@ -236,22 +236,27 @@ def graph_ms(fn: Callable[[], object], calls: int, replays: int) -> float:
 
 # where the copy's destination starts relative to its source, in fp32 elements past a fresh allocation. On the H200
 # one run's copies of ~260 MB read 2.7 TB/s for the first size of each batch and 4.1 TB/s for the next ones
-# (2026-11-29, docs/performance.md run 10; placement or warm-up, not isolated): the reference is the best of a few
-# placements, each timed after the previous, i.e. what the memory system can do
+# (2026-11-29, docs/performance.md run 10; placement or warm-up, not isolated), and run 11 measured 2.75 TB/s for
+# a 2 × 268 MB copy while the decode step moved the same bytes in place at 3.65 TB/s: the reference is the best of a
+# few placements of the copy and of an in-place pass (negate) over the same bytes — the access pattern of the
+# step itself, which reads and writes its state where it lies
 COPY_PLACEMENTS = (0, (1 << 18) + 1024, (3 << 18) + 3 * 1024)
 
 
 def copy_gbs(device: torch.device, nbytes: int, calls: int = 20, replays: int = 30) -> float:
-    """GB/s of a device-to-device torch copy moving ``nbytes`` (half read, half written), graph-timed like a step:
-    the best of :data:`COPY_PLACEMENTS` of the destination."""
+    """GB/s of a device-to-device stream moving ``nbytes`` (half read, half written), graph-timed like a step: the
+    best of a torch copy into each of :data:`COPY_PLACEMENTS` and an in-place negate of the source."""
     n = max(nbytes // 8, 1 << 16)  # fp32 elements in the source
     src = torch.randn(n, device=device)
     best = 0.0
-    for pad in COPY_PLACEMENTS:
-        dst = torch.empty(n + pad, device=device)[pad:]
-        ms = graph_ms(lambda dst=dst: dst.copy_(src), calls, replays)
+    for pad in (*COPY_PLACEMENTS, None):
+        if pad is None:
+            ms = graph_ms(lambda: src.neg_(), calls, replays)
+        else:
+            dst = torch.empty(n + pad, device=device)[pad:]
+            ms = graph_ms(lambda dst=dst: dst.copy_(src), calls, replays)
+            del dst
         best = max(best, 2 * n * 4 / (ms * 1e-3) / 1e9)
-        del dst
     return best
 
 

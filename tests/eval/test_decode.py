@@ -112,3 +112,18 @@ def test_best_step_and_the_real_time_score():
     assert raw["linattn"]["step_p99_ms"] == 0.2 and raw["fla"]["step_p99_ms"] == 0.4
     rt = scorecard.score(raw)["real_time"]
     assert rt["linattn"]["score"] == pytest.approx(100) and rt["fla"]["score"] == pytest.approx(50)
+
+
+def test_copy_reference_is_the_best_of_copies_and_an_in_place_pass(monkeypatch):
+    """copy_gbs times every copy placement and the in-place pass, and reports the fastest (GB/s of 2·n·4 bytes)."""
+    calls = []
+
+    def fake_graph_ms(fn, n_calls, replays):
+        fn()
+        calls.append(fn)
+        return 2.0 if len(calls) <= len(decode.COPY_PLACEMENTS) else 1.0  # the last one (in place) is fastest
+    monkeypatch.setattr(decode, "graph_ms", fake_graph_ms)
+    gbs = decode.copy_gbs(torch.device("cpu"), 8 << 20)
+    n = (8 << 20) // 8
+    assert len(calls) == len(decode.COPY_PLACEMENTS) + 1
+    assert gbs == pytest.approx(2 * n * 4 / 1e-3 / 1e9)
