@@ -8,10 +8,11 @@ cannot fill the SMs). "split": pre-pass (gc, W, U) → the forward state pass (h
 its chain per chunk is two dots, where the walk's is five) → the output, parallel over chunks.
 
 Per shape (bf16, issue 4's table, then K = V = 64 and K = 128 V = 256): the public op's forward and forward +
-backward on each path (do_bench median ms; the backward is the same code), the split path stage by stage, and
-its extra memory (h). First: both paths' o and final state against the float64 reference at the anchor case
-(B=2 T=300 H=4 K=V=128) and their first-call time. Prediction written before any run (triton_chunk.py): split
-forward ≈ 0.35 ms at B=1 T=4096 H=16 (walk 0.541), ≈ 1.9 at B=8 (2.55), ≈ 2.5 at B=1 T=32768 (4.28).
+backward on each path (do_bench median ms; the backward is the same code), the split path stage by stage, its
+extra memory (h), and the pre-pass's work as the separate cumsum / kkt_solve / wy kernels. First: both paths' o
+and final state against the float64 reference at the anchor case (B=2 T=300 H=4 K=V=128) and their first-call
+time. Prediction written before any run (triton_chunk.py): split forward ≈ 0.35 ms at B=1 T=4096 H=16 (walk
+0.541), ≈ 1.9 at B=8 (2.55), ≈ 2.5 at B=1 T=32768 (4.28).
 Prints the table last; writes bench_forward_paths.json under --out.
 """
 from __future__ import annotations
@@ -27,9 +28,12 @@ from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import CHUNK
+from linattn.ops.common.cumsum import chunk_local_cumsum
 from linattn.ops.common.fused_prepass import fused_prepass
+from linattn.ops.common.kkt_solve import kkt_solve
 from linattn.ops.common.output import output_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
+from linattn.ops.common.wy import wy_fwd
 from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 
@@ -83,6 +87,12 @@ def timings(B, T, H, HV, K, V):
         row["state_pass_ms"] = triton.testing.do_bench(lambda: state_pass_fwd(k, w, u, gc, None))
         row["output_ms"] = triton.testing.do_bench(lambda: output_fwd(q, k, v_new, h, gc, scale, v.dtype))
         row["h_MB"] = h.numel() * 4 / 2 ** 20
+        # the pre-pass's work as the three separate stage kernels the backward's recompute runs: which part of
+        # the pre-pass's time (1.13 ms at B=8 T=4096 H=16, ≈ 36 µs per program, run 11) is the solve, which W/U
+        A_inv = kkt_solve(k, beta, gc, HV)
+        row["cumsum_ms"] = triton.testing.do_bench(lambda: chunk_local_cumsum(g))
+        row["kkt_solve_ms"] = triton.testing.do_bench(lambda: kkt_solve(k, beta, gc, HV))
+        row["wy_ms"] = triton.testing.do_bench(lambda: wy_fwd(k, v, beta, gc, A_inv))
         row["chunks"] = triton.cdiv(T, CHUNK)
     print(json.dumps(row), flush=True)
     return row
@@ -110,12 +120,13 @@ def main():
     print("\nanchor (bf16 B=2 T=300 H=4 vs float64): " + "; ".join(
         f"{r['path']}: o {r['o']:.3e}, state {r['state']:.3e}, first call {r['first_call_s']:.1f} s" for r in acc))
     print("\n| B, T, H, HV, K, V | walk fwd | split fwd | split: pre-pass + state pass + output | h MB "
-          "| walk fwd+bwd | split fwd+bwd |\n|---|---|---|---|---|---|---|")
+          "| walk fwd+bwd | split fwd+bwd | stages: cumsum + kkt_solve + wy |\n|---|---|---|---|---|---|---|---|")
     cell = lambda r, key: f"{r[key]:.3f}" if key in r else r.get(key.rsplit("_", 2)[0] + "_error", "–")[:40]
     for r in rows:
         print(f"| {', '.join(map(str, r['shape']))} | {cell(r, 'walk_fwd_ms')} | {cell(r, 'split_fwd_ms')} | "
               f"{r['prepass_ms']:.3f} + {r['state_pass_ms']:.3f} + {r['output_ms']:.3f} | {r['h_MB']:.0f} | "
-              f"{cell(r, 'walk_fwdbwd_ms')} | {cell(r, 'split_fwdbwd_ms')} |")
+              f"{cell(r, 'walk_fwdbwd_ms')} | {cell(r, 'split_fwdbwd_ms')} | "
+              f"{r['cumsum_ms']:.3f} + {r['kkt_solve_ms']:.3f} + {r['wy_ms']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -15,13 +15,15 @@ as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 comp
    (today) and 8 warps (``fused_prepass.PREPASS_WARPS``, ``local_bwd_utils.BWD_WARPS``: ptxas spills 13 / 7.7 /
    5.7 KB per thread in dq/dk, WY and the reverse walk at 4 warps, 1.9 / 1.0 / 1.0 KB at 8; the pre-pass 284 → 0
    bytes; compile_all.py), to show where the time goes;
-3. the public op, forward and forward + backward: today's defaults, every NUM_STAGES = 2, and that plus the
-   backward at 8 warps, with the output against the float64 reference (B=2 T=300 H=4 anchor) for each;
+3. the public op, forward and forward + backward, at the defaults and the variants of ``OP_CONFIGS`` (the
+   reverse walk at 8 warps; run 10's loops and widths), with the output against the float64 reference (B=2 T=300
+   H=4 anchor) for each;
 4. fp32 inputs with their dots at "ieee" (today) and "tf32x3" (``common.FP32_DOT_PRECISION``): output, final
    state and every gradient against float64 at the anchor, first-call (compile) time and speed. ieee compiles the
    walks to 32 registers and tens of KB of spills (compile_sequential.py --dtype fp32).
 
-Prediction written before any run (sm_90 compile, benchmarks/compile_sequential.py: the while loops issue no
+Run 11 (docs/performance.md) measured tables 1–3 and set the defaults from them. Prediction written before that
+run (sm_90 compile, benchmarks/compile_sequential.py: the while loops issue no
 cp.async; at NUM_STAGES = 2 every kernel does): the walk ≈ 8 µs per chunk at B=1 T=4096 H=16 BV=16 is load
 latency, so NUM_STAGES = 2 takes it toward 4–5 µs (walk 0.54 → ~0.3 ms), and the state passes likewise. Prints
 the tables last; writes bench_pipelining.json under --out.
