@@ -146,7 +146,7 @@ def copy_bandwidth(nbytes):
     return gbs, 2 * nbytes / gbs / 1e3
 
 
-def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None):
+def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None):
     gate = gate_params()
     t = make_step(B, Tq)
     P = 2 * B + 1
@@ -158,7 +158,7 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None):
         tc = {n: x.contiguous() for n, x in t.items()}
         fn = lambda: rk.fused_recurrent_fwd(tc["q"], tc["k"], tc["v"], tc["g"], tc["beta"], K ** -0.5, pool, pool,
                                             None, None, slots, gate["A_log"], gate["dt_bias"], True, True,
-                                            BV=BV, num_warps=num_warps)
+                                            BV=BV, num_warps=num_warps, maxnreg=maxnreg)
     return graph_time_us(fn), t, pool, slots, gate
 
 
@@ -247,18 +247,22 @@ def main():
             **t1, state_pool=pool1, state_indices=slot1, check_indices=c, **gate_small, **FUSED))
 
     if not a.quick:
-        for pool_dtype, BVs in ((torch.float32, (16, 32, 64)), (torch.bfloat16, (32, 64, 128))):
+        # (BV, warps, maxnreg): the tiles, then register caps that fit three programs per SM where the tile alone
+        # takes 255 registers (sm_90 ptxas: bf16 BV=64 → 168 registers + 748 spill bytes; fp32 BV=64 → 700)
+        for pool_dtype, tiles in ((torch.float32, [(bv, nw, None) for bv in (16, 32, 64) for nw in (4, 8)]
+                                   + [(64, 4, 168)]),
+                                  (torch.bfloat16, [(bv, nw, None) for bv in (32, 64, 128) for nw in (4, 8)]
+                                   + [(64, 4, 168), (128, 8, 128)])):
             for B in (64, 256):
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
-                for BV in BVs:
-                    for nw in (4, 8):
-                        rec = dict(pool=str(pool_dtype)[6:], B=B, BV=BV, num_warps=nw)
-                        try:
-                            us = time_decode(B, 1, pool_dtype, BV=BV, num_warps=nw)[0]
-                            rec.update(us=us, state_GBps=state_bytes / us / 1e3)
-                        except Exception as e:
-                            rec.update(error=str(e)[:80])
-                        sweep.append(rec)
+                for BV, nw, maxnreg in tiles:
+                    rec = dict(pool=str(pool_dtype)[6:], B=B, BV=BV, num_warps=nw, maxnreg=maxnreg)
+                    try:
+                        us = time_decode(B, 1, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg)[0]
+                        rec.update(us=us, state_GBps=state_bytes / us / 1e3)
+                    except Exception as e:
+                        rec.update(error=str(e)[:80])
+                    sweep.append(rec)
 
     with open(os.path.join(a.out, "bench_decode.json"), "w") as fh:
         json.dump(dict(meta=meta, checks=checks, timings=timings, eager=eager, sweep=sweep), fh, indent=1)
@@ -277,7 +281,8 @@ def main():
             for B in (64, 256):
                 ok = [s for s in sweep if s["pool"] == pool and s["B"] == B and "us" in s]
                 for s in sorted(ok, key=lambda s: s["us"]):
-                    print(f"  {pool:9s} B={B:3d} BV={s['BV']:3d} warps={s['num_warps']}  {s['us']:8.1f} µs  "
+                    cap = f" maxnreg={s['maxnreg']}" if s.get("maxnreg") else ""
+                    print(f"  {pool:9s} B={B:3d} BV={s['BV']:3d} warps={s['num_warps']}{cap}  {s['us']:8.1f} µs  "
                           f"{s['state_GBps']:6.0f} GB/s")
     print("\nCUDA-graph replay, HV=32 K=V=128, per step")
     print(f"{'impl':8s} {'B':>4s} {'pool':>9s} {'Tq':>3s} {'µs':>9s} {'µs/tok':>8s} {'GB/s':>7s} {'copy':>7s} "

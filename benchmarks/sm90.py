@@ -25,13 +25,14 @@ class Resources(NamedTuple):
     cp_async: int        # cp.async instructions in the PTX: > 0 when a loop's loads were software-pipelined
 
 
-def compile_sm90(kernel, consts: dict, arg_type, num_warps: int) -> Resources:
+def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | None = None) -> Resources:
     """Compile ``kernel`` (a ``@triton.jit`` function) with the constexprs ``consts`` and, for every other
-    argument, the Triton type string ``arg_type(name)`` gives ("*bf16", "i32", ...); return its resources."""
+    argument, the Triton type string ``arg_type(name)`` gives ("*bf16", "i32", ...); return its resources.
+    ``maxnreg`` caps the registers per thread (Triton's launch option of that name; None: ptxas decides)."""
     signature = {name: "constexpr" if name in consts else arg_type(name) for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
     compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=TARGET, options=dict(num_warps=num_warps))
+                              target=TARGET, options=dict(num_warps=num_warps, maxnreg=maxnreg))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     try:
