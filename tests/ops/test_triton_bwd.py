@@ -223,6 +223,17 @@ def test_local_bwd_wy_vs_twin(case, dtype, dot_prec):
     _check(dict(dk=dk, dv=dv, dbeta=dbeta, dg=dg), ref, TOL["kernel"][dtype])
 
 
+def test_local_bwd_wy_refuses_an_unknown_inverse_precision():
+    from linattn.ops.common.local_bwd_wy import local_bwd_wy
+    x = make_inputs(KERNEL_CASES[0], torch.float16)
+    ref = twin_pipeline(x, torch.float16)
+    args = [x["k"], x["v"], x["beta"], ref["gc"].float(), ref["A_inv"].float(), ref["dv_new"].float(),
+            ref["dA_inv_p"][None].float(), ref["dbeta_p"][None].float(), ref["dg_p"][None].float(),
+            ref["dk_p"].float()]
+    with pytest.raises(ValueError, match="inverse_prec"):
+        local_bwd_wy(*args, inverse_prec="tf32")
+
+
 def test_twin_parts_compose_to_local_bwd_ref():
     """local_bwd_dqk_ref ∘ local_bwd_wy_ref == local_bwd_ref + chunk_local_cumsum_bwd_ref (float64)."""
     B, HV, NT, C, K, V = 1, 2, 2, 64, 20, 12

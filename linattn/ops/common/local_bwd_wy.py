@@ -22,6 +22,12 @@ from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
 BT = 64
+# Precision of the two BT×BT×BT products dA = Tᵀ dT Tᵀ for 16-bit inputs (fp32 inputs: always "ieee"). "ieee" runs
+# them on FMA units: 2 × 64³ FMAs per program, 2108 FFMA instructions in the sm_90 SASS of this kernel (bf16, 8
+# warps; the rest of the kernel has ~1000), and WY is the slowest backward stage (1.96 ms at B=8 T=4096 H=16, run
+# 11). "tf32x3" (three tf32 MMAs, about fp32's accuracy) is the candidate; benchmarks/bench_bwd_precision.py
+# measures its speed and the gradients' error against float64 before a switch.
+INVERSE_DOT_PREC = "ieee"
 
 
 @triton.jit(do_not_specialize=["T", "NTB"])
@@ -30,7 +36,7 @@ def local_bwd_wy_kernel(
     T, NTB,
     HV: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NK: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -74,8 +80,9 @@ def local_bwd_wy_kernel(
         b_dbeta += tl.sum(b_v.to(tl.float32) * b_dvb, 1)
         tl.store(p_dv, (b_beta[:, None] * b_dvb).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
-    # T = (I + A)⁻¹ ⇒ dA = −Tᵀ dT Tᵀ on the strict lower triangle (fp32: T's entries carry the whole chunk)
-    b_dA = tl.dot(tl.dot(tl.trans(b_A), b_dAi, input_precision="ieee"), tl.trans(b_A), input_precision="ieee")
+    # T = (I + A)⁻¹ ⇒ dA = −Tᵀ dT Tᵀ on the strict lower triangle (fp32 operands: T's entries carry the whole
+    # chunk; INV_PREC: "ieee", or "tf32x3" on tensor cores, INVERSE_DOT_PREC)
+    b_dA = tl.dot(tl.dot(tl.trans(b_A), b_dAi, input_precision=INV_PREC), tl.trans(b_A), input_precision=INV_PREC)
     b_dAD = tl.where(m_strict, -b_dA, 0.) * tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float('-inf')))
     b_dKKt = b_dAD * b_beta[:, None]
 
@@ -101,11 +108,13 @@ def local_bwd_wy_kernel(
 
 def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
                  cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                 dot_prec: str | None = None):
+                 dot_prec: str | None = None, inverse_prec: str | None = None):
     """k ``[B, T, H, K]``; v ``[B, T, HV, V]``; beta ``[B, T, HV]``; gc ``[B, T, HV]`` fp32; A_inv
     ``[B, T, HV, 64]`` fp32; dv_new ``[B, T, HV, V]``; the partials of :func:`local_bwd_dqk`: dA_inv_p
     ``[NK, B, T, HV, 64]``, dbeta_p and dg_p ``[NK, B, T, HV]``; dk ``[B, T, HV, K]`` fp32, completed IN PLACE
     (it is local_bwd_dqk's own output, never a user tensor).
+
+    ``inverse_prec`` overrides :data:`INVERSE_DOT_PREC` ("ieee" or "tf32x3"; benchmarks).
 
     Returns dk (the same tensor), dv ``[B, T, HV, V]`` in v's dtype, dbeta and dg ``[B, T, HV]`` fp32."""
     B, T, H, K = k.shape
@@ -113,12 +122,16 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
+    inv_prec = "ieee" if k.dtype == torch.float32 else (inverse_prec or INVERSE_DOT_PREC)
+    if inv_prec not in ("ieee", "tf32x3"):
+        raise ValueError(f"inverse_prec must be 'ieee' or 'tf32x3' (fp32 accuracy for the BT³ products), got {inv_prec!r}")
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     dg = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     local_bwd_wy_kernel[(NT, B * HV)](
         k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
         T, B * T, HV=HV, H=H, K=K, V=V, NK=dA_inv_p.shape[0], BT=BT, BK=BK, BV=BV,
-        DOT_PREC=bwd_dot_precision(k.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=BWD_WARPS["wy"],
+        DOT_PREC=bwd_dot_precision(k.dtype, dot_prec), INV_PREC=inv_prec, IS_VARLEN=cu_seqlens is not None,
+        num_warps=BWD_WARPS["wy"],
     )
     return dk, dv, dbeta, dg
