@@ -6,7 +6,9 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
 1. record (under TRITON_INTERPRET=1): run ``chunk_gated_delta_rule`` forward + backward on the Triton backend with
    the kernels' launches intercepted, not executed (the outputs stay uninitialised: only the launch plan matters);
    note each kernel's constexprs, argument types and num_warps;
-2. compile (without the interpreter): compile each recorded launch for sm_90 with Triton's ptxas (sm90.py).
+2. compile (without the interpreter): compile each recorded launch for sm_90 with Triton's ptxas (sm90.py), and
+   count its static SASS instructions by family (cuobjdump): tensor-core MMAs, fp32 FMAs (where an "ieee" dot's
+   work goes), spill traffic (LDL/STL), shuffles and barriers — a CPU-side hint of where a kernel's time goes.
 
     python benchmarks/compile_all.py [--dtype bf16|fp32|fp16] [--B 1 --H 16 --HV 16 --D 128] [--gate]
     python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
@@ -96,16 +98,20 @@ def record(a) -> list:
 
 def compile_all(launches: list) -> None:
     """Step 2: compile every recorded launch for sm_90 and print one table."""
-    from sm90 import compile_sm90  # noqa: E402  (this folder is on sys.path)
-    print("| kernel | key constexprs | warps | registers | spill bytes | shared bytes |")
-    print("|---|---|---|---|---|---|")
+    from sm90 import SASS_FAMILIES, compile_sm90  # noqa: E402  (this folder is on sys.path)
+    shown_sass = ("total", "HGMMA", "HMMA", "FFMA", "LDL", "STL", "SHFL", "BAR")
+    print("| kernel | key constexprs | warps | registers | spill bytes | shared bytes | SASS "
+          + " / ".join(shown_sass) + " |")
+    print("|---|---|---|---|---|---|---|")
+    assert set(shown_sass) - {"total"} <= set(SASS_FAMILIES)
     for launch in launches:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         consts, types = launch["consts"], launch["types"]
         r = compile_sm90(kernel, consts, lambda name, types=types: types.get(name, "i32"), launch["num_warps"])
         shown = {k: v for k, v in consts.items() if k in SHOWN}
         print(f"| {launch['name']} | {', '.join(f'{k}={v}' for k, v in shown.items())} | {launch['num_warps']} | "
-              f"{r.registers} | {r.spill_bytes} | {r.shared_bytes} |", flush=True)
+              f"{r.registers} | {r.spill_bytes} | {r.shared_bytes} | "
+              + " / ".join(str(r.sass[k]) for k in shown_sass) + " |", flush=True)
 
 
 def main():

@@ -35,7 +35,8 @@ def main():
     for kernel in (P.preprocess_fwd_kernel, P.preprocess_bwd_kernel):
         for dtype in DTYPES:
             for K, HV in SHAPES:
-                regs, spills, shared, _ = compile_kernel(kernel, dtype, K, HV)
+                r = compile_kernel(kernel, dtype, K, HV)
+                regs, spills, shared = r.registers, r.spill_bytes, r.shared_bytes
                 print(f"| {kernel.fn.__name__} | {dtype} | {K} | {HV} | {P._tiles(K, HV, True)[0]} | {regs} | "
                       f"{spills} | {shared} |")
 

@@ -5,17 +5,24 @@ from its launcher; this file compiles to PTX with Triton and assembles it with T
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
 import tempfile
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import triton
 from triton.backends.compiler import GPUTarget
 
 TARGET = GPUTarget("cuda", 90, 32)  # sm_90, 32-thread warps
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+# SASS opcode families worth counting (static instructions, not executed ones): tensor-core MMAs (HMMA: mma.sync,
+# HGMMA: wgmma), fp32 FMAs (an "ieee" dot's work lands here), local-memory traffic (spills), shared memory, global
+# loads / stores and async copies, cross-lane shuffles (reductions), barriers, special functions (exp, rsqrt)
+SASS_FAMILIES = ("HGMMA", "HMMA", "FFMA", "LDL", "STL", "LDS", "STS", "LDSM", "LDG", "STG", "LDGSTS", "SHFL", "BAR",
+                 "MUFU")
 
 
 class Resources(NamedTuple):
@@ -23,6 +30,20 @@ class Resources(NamedTuple):
     spill_bytes: int     # stores + loads, ptxas -v
     shared_bytes: int    # Triton's shared memory (pipelining buffers included)
     cp_async: int        # cp.async instructions in the PTX: > 0 when a loop's loads were software-pipelined
+    sass: Optional[dict] = None  # static SASS instruction count per family of SASS_FAMILIES, and "total"
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """Static instruction counts of a cubin's SASS (cuobjdump), per opcode family of :data:`SASS_FAMILIES`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops = collections.Counter(m.group(1) for m in re.finditer(
+        r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", sass, re.MULTILINE))
+    return {"total": sum(ops.values()), **{k: ops[k] for k in SASS_FAMILIES}}
 
 
 def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | None = None) -> Resources:
@@ -42,4 +63,5 @@ def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | 
         os.unlink(f.name)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
-    return Resources(regs, spills, compiled.metadata.shared, compiled.asm["ptx"].count("cp.async."))
+    return Resources(regs, spills, compiled.metadata.shared, compiled.asm["ptx"].count("cp.async."),
+                     sass_counts(compiled.asm["cubin"]))

@@ -62,7 +62,7 @@ def test_pipelined_loops_compile_for_h200():
     """Each sequential kernel at BV = 16 (bf16, K = V = 128) compiles for sm_90 at NUM_STAGES 0 and 2, in a process
     without the interpreter; only NUM_STAGES = 2 issues cp.async (Triton pipelines scf.for, never scf.while)."""
     res = compile_for_h200("import compile_sequential as c",
-                           "{(n, s): tuple(c.compile_kernel(kern, consts)) for s in (0, 2) "
+                           "{(n, s): tuple(c.compile_kernel(kern, consts))[:4] for s in (0, 2) "
                            "for n, (kern, consts) in c.kernels(128, 16, s).items()}")
     assert {n for n, _ in res} == {"walk", "state_pass_fwd", "state_pass_bwd"}
     for (name, stages), (regs, _, shared, cp_async) in res.items():
@@ -70,6 +70,14 @@ def test_pipelined_loops_compile_for_h200():
         assert (cp_async > 0) == (stages == 2), (name, stages, cp_async)
         # two programs per SM need <= 114 KB each (228 KB of shared memory on an H200 SM)
         assert shared <= 114 * 1024 or stages == 0, (name, stages, shared)
+
+
+def test_sass_counts_show_the_walks_dots_on_tensor_cores():
+    """sm90.sass_counts reads the cubin's SASS: the bf16 walk's dots are tensor-core MMAs, its totals add up."""
+    sass = compile_for_h200("import compile_sequential as c",
+                            "c.compile_kernel(*c.kernels(128, 16, 0)['walk']).sass")
+    assert sass["total"] > 0 and sass["HGMMA"] + sass["HMMA"] > 0, sass
+    assert sum(v for k, v in sass.items() if k != "total") <= sass["total"], sass
 
 
 def test_compile_all_records_every_kernel_of_the_op():
