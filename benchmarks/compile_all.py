@@ -13,6 +13,7 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
     python benchmarks/compile_all.py [--dtype bf16|fp32|fp16] [--B 1 --H 16 --HV 16 --D 128] [--gate]
     python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
     python benchmarks/compile_all.py --warps 8        # the pre-pass and the backward kernels at 8 warps
+    python benchmarks/compile_all.py --forward split  # the split forward (pre-pass, state pass, output kernel)
 
 Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
 """
@@ -26,8 +27,8 @@ import subprocess
 import sys
 
 # the constexprs a table row shows: tiles, precisions and the mode flags that change a kernel's resources
-SHOWN = ("BT", "BK", "BV", "BHV", "DOT_PREC", "STATE_PREC", "NUM_STAGES", "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE",
-         "USE_STATE_INDICES")
+SHOWN = ("BT", "BK", "BV", "BHV", "DOT_PREC", "STATE_PREC", "OUT_PREC", "INV_PREC", "NUM_STAGES", "LOAD_P",
+         "STORE_P", "SEGMENTED", "AFFINE", "USE_STATE_INDICES")
 TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32", "torch.int32": "*i32",
          "torch.int64": "*i64"}
 
@@ -67,6 +68,8 @@ def record(a) -> list:
                                  num_warps=num_warps))
 
     interp.InterpretedFunction.run = intercept
+    from linattn.ops.gated_delta import triton_chunk
+    triton_chunk.FORWARD_PATH = a.forward
     if a.warps:
         # the launch widths the op reads at call time (fused_prepass.PREPASS_WARPS, local_bwd_utils.BWD_WARPS)
         from linattn.ops.common import fused_prepass
@@ -125,6 +128,8 @@ def main():
     ap.add_argument("--decode", choices=("fp32", "bf16"), help="instead: one decode step over a pool of this dtype")
     ap.add_argument("--warps", type=int, help="launch width of the pre-pass and the backward kernels (default: the "
                                               "op's own, PREPASS_WARPS and BWD_WARPS)")
+    ap.add_argument("--forward", choices=("walk", "split"), default="walk",
+                    help="the op's forward path (triton_chunk.FORWARD_PATH)")
     ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.record_only:

@@ -29,6 +29,7 @@ import triton
 
 from ..common import CHUNK
 from ..common.cumsum import chunk_local_cumsum
+from ..common.fused_fwd import fused_dot_precisions
 from ..common.fused_prepass import fused_prepass
 from ..common.kkt_solve import kkt_solve
 from ..common.output import output_fwd
@@ -151,6 +152,9 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if FORWARD_PATH == "split":
         gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
         h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets, num_chunks)
-        return output_fwd(q, k, v_new, h, gc, scale, v.dtype, cu_seqlens, chunk_indices), final_state
+        # the output dots at the walk's precision (tf32x3 for bf16), so both paths meet the same accuracy
+        o = output_fwd(q, k, v_new, h, gc, scale, v.dtype, cu_seqlens, chunk_indices,
+                       dot_prec=fused_dot_precisions(v.dtype)[0])
+        return o, final_state
     gc, w, u, p = fwd_prepass(q, k, v, g, beta, cu_seqlens, chunk_indices)
     return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)
