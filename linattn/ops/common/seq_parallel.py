@@ -46,7 +46,7 @@ SPLIT_MARGIN = 0.9        # split only when the model predicts at least a 10% sa
 # the planner
 # ----------------------------------------------------------------------------------------------------------------
 def plan_segments(chunks: list[int], HV: int, K: int, V: int, BV: int, sms: int, occupancy: int = OCCUPANCY,
-                  min_chunks: int = MIN_SEGMENT_CHUNKS) -> Optional[int]:
+                  min_chunks: int = MIN_SEGMENT_CHUNKS, affine_cost: float = AFFINE_COST) -> Optional[int]:
     """Segment length L (in chunks) for sequences of ``chunks`` chunks each, or None for no split.
 
     Model, in units of one chunk of the walk: ``occupancy·sms`` programs run at once; a phase whose programs each
@@ -54,7 +54,7 @@ def plan_segments(chunks: list[int], HV: int, K: int, V: int, BV: int, sms: int,
     NT_max · waves(P) with P = HV·cdiv(V, BV)·N. With segments of L chunks (a sequence shorter than L keeps one):
 
         phase C  L · waves(P_L)             P_L = HV·cdiv(V, BV)·Σ_n cdiv(NT_n, L)
-        phase A  AFFINE_COST · L · waves(P_L · cdiv(K+V, BV) / cdiv(V, BV))
+        phase A  affine_cost · L · waves(P_L · cdiv(K+V, BV) / cdiv(V, BV))   (AFFINE_COST for the walk)
         phase B  SCAN_COST · cdiv(NT_max, L)
 
     and L ranges over cdiv(NT_max, j), j = 2 … min(MAX_SEGMENTS, NT_max // min_chunks). The cheapest wins if it
@@ -73,7 +73,7 @@ def plan_segments(chunks: list[int], HV: int, K: int, V: int, BV: int, sms: int,
     for j in range(2, min(MAX_SEGMENTS, nt_max // min_chunks) + 1):
         L = -(-nt_max // j)
         progs = per_seq * sum(-(-nt // L) for nt in chunks)
-        cost = L * waves(progs) + AFFINE_COST * L * waves(int(progs * widen)) + SCAN_COST * -(-nt_max // L)
+        cost = L * waves(progs) + affine_cost * L * waves(int(progs * widen)) + SCAN_COST * -(-nt_max // L)
         if cost < best_cost:
             best_cost, best = cost, L
     return best

@@ -34,6 +34,7 @@ from ..common.fused_prepass import fused_prepass
 from ..common.kkt_solve import kkt_solve
 from ..common.output import output_fwd
 from ..common.seq_parallel import fused_fwd_seq_parallel
+from ..common.split_fwd import split_fwd
 from ..common.state_pass import state_pass_fwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
@@ -144,17 +145,13 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if FORWARD_PATH not in FORWARD_PATHS:
         raise ValueError(f"triton_chunk.FORWARD_PATH must be one of {FORWARD_PATHS}, got {FORWARD_PATH!r}")
     chunk_indices = chunk_offsets = None
-    num_chunks = triton.cdiv(q.shape[1], CHUNK)
     if cu_seqlens is not None:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
-        num_chunks = chunk_indices.shape[0]
     if FORWARD_PATH == "split":
         gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
-        h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets, num_chunks)
         # the output dots at the walk's precision (tf32x3 for bf16), so both paths meet the same accuracy
-        o = output_fwd(q, k, v_new, h, gc, scale, v.dtype, cu_seqlens, chunk_indices,
-                       dot_prec=fused_dot_precisions(v.dtype)[0])
-        return o, final_state
+        return split_fwd(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
+                         chunk_offsets, out_prec=fused_dot_precisions(v.dtype)[0])
     gc, w, u, p = fwd_prepass(q, k, v, g, beta, cu_seqlens, chunk_indices)
     return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)

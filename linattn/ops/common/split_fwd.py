@@ -1,0 +1,111 @@
+"""The split forward: the state pass walks the chunks, the output is computed in parallel afterwards.
+
+    h, V_new, S_T = state_pass_fwd(k, W, U, gc, S_0)     sequential: per chunk W S and Kᵀ V_new (state_pass.py)
+    o             = output_fwd(q, k, V_new, h, gc)        parallel over (V tile, chunk, value head) (output.py)
+
+after the pre-pass (gc, W, U; fused_prepass.py). The walk (fused_fwd.py) does both in one program per (sequence,
+value head, V slice); this path keeps only the two dots that feed the next chunk on the sequential chain and pays
+for it with h (K·V fp32 per chunk and value head) and V_new written once and read once (docs/architecture.md).
+
+When the state pass's programs cannot fill the SMs, long sequences are cut into segments exactly as for the walk
+(``seq_parallel.py``: phase A the affine map of every segment, phase B the scan that gives each segment its true
+entering state) and phase C is the state pass run over the segments as if each were a sequence of its own: the
+segments are chunk-aligned, so the pseudo-sequences' chunks are the real ones in the same global order, h comes
+out in the layout the output kernel reads, and only the final states need picking (the last segment's of each
+sequence). The split is planned by ``seq_parallel.plan_segments`` with phase A costed against a state-pass chunk
+(:data:`AFFINE_COST`) instead of a walk chunk.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+
+from . import CHUNK
+from .fused_fwd import fused_fwd_config, launch_walk, num_sms
+from .output import output_fwd
+from .seq_parallel import affine_scan, plan_segments, segment_tables
+from .state_pass import state_pass_fwd
+from .varlen import chunk_tables
+
+# phase A's chunk (two dots over the K + V columns of [M | N]) against a chunk of the state pass (the same two
+# dots over V columns), per column slice: about equal work per program. A first estimate, like seq_parallel's.
+AFFINE_COST = 1.0
+
+
+def segment_offsets(offsets: list[int], L: int, chunk_size: int) -> list[int]:
+    """Token offsets of every segment of L chunks, sequence by sequence (``segment_tables``' order); a sequence of
+    at most L chunks, empty included, is one segment."""
+    out = [0]
+    for bos, eos in zip(offsets[:-1], offsets[1:]):
+        nt = -(-(eos - bos) // chunk_size)
+        out += [bos + c * chunk_size for c in range(L, nt, L)] + [eos]
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _offset_tensors(offsets: tuple, L: int, chunk_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets, segment offsets) as int64 tensors on ``device``: one host-to-device copy per batch layout and
+    split (a training step's repeated shapes hit the cache). Callers must not write into them."""
+    seg = segment_offsets(list(offsets), L, chunk_size)
+    both = torch.tensor(list(offsets) + seg, dtype=torch.int64).to(device)
+    return both[:len(offsets)], both[len(offsets):]
+
+
+def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
+              initial_state: Optional[torch.Tensor], out_dtype: torch.dtype, cu_seqlens: Optional[torch.Tensor],
+              offsets: Optional[list[int]], chunk_indices: Optional[torch.Tensor],
+              chunk_offsets: Optional[torch.Tensor], out_prec: Optional[str] = None,
+              segment_chunks: Optional[int] = None, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """o ``[B, T, HV, V]`` in ``out_dtype`` and the final state ``[N, HV, K, V]`` fp32.
+
+    Args: q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``, u ``[B, T, HV, V]``, gc ``[B, T, HV]`` fp32 (the pre-pass);
+        initial_state ``[N, HV, K, V]`` or None; cu_seqlens / offsets (device and host) with chunk_indices /
+        chunk_offsets from ``varlen.chunk_tables``, or all None; out_prec: the output kernel's precision for its
+        fp32 dots (``output_fwd``'s dot_prec); segment_chunks: force segments of this many chunks (≥ 1, tests and
+        benchmarks), None: planned.
+    """
+    B, T, H, K = q.shape
+    HV, V = u.shape[2], u.shape[3]
+    if cu_seqlens is not None and offsets is None:
+        offsets = cu_seqlens.tolist()
+    flat = offsets if cu_seqlens is not None else [b * T for b in range(B + 1)]
+    chunks = [-(-(e - b) // chunk_size) for b, e in zip(flat[:-1], flat[1:])]
+    N, NT_total = len(chunks), sum(chunks)
+    if segment_chunks is not None and segment_chunks < 1:
+        raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
+    _, BV, num_warps = fused_fwd_config(K, V, N * HV, num_sms(q.device))
+    L = segment_chunks or plan_segments(chunks, HV, K, V, BV, num_sms(q.device), affine_cost=AFFINE_COST)
+    if L is None or L >= max(chunks, default=0):
+        h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets,
+                                               NT_total if cu_seqlens is not None else None)
+        o = output_fwd(q, k, v_new, h, gc, scale, out_dtype, cu_seqlens, chunk_indices, dot_prec=out_prec)
+        return o, final_state
+
+    # phases A and B (seq_parallel.py): every segment's entering state
+    segments, segment_first = segment_tables(flat, L, chunk_size, q.device)
+    NS = segments.shape[0]
+    if cu_seqlens is None:
+        # the walk indexes equal sequences by position: give it the flat layout's tables instead
+        q1, k1, w1, u1, gc1 = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, u, gc))
+    else:
+        q1, k1, w1, u1, gc1 = q, k, w, u, gc
+    cu_flat, seg_cu = _offset_tensors(tuple(flat), L, chunk_size, str(q.device))
+    cu_flat = cu_seqlens if cu_seqlens is not None else cu_flat
+    mn = torch.empty(NS, HV, K, K + V, dtype=torch.float32, device=q.device)
+    launch_walk(q1, k1, w1, u1, gc1, None, None, mn, scale, cu_flat, BV=BV, num_warps=num_warps, dot_prec=None,
+                state_prec=None, chunk_size=chunk_size, num_segments=NS, segments=segments, nseg=1, seg_len=L,
+                segmented=True, affine=True)
+    h_in = affine_scan(mn, initial_state, V, N, segment_first, 1, BV=BV)
+
+    # phase C: the state pass over the segments as pseudo-sequences (chunk-aligned: same chunks, same order)
+    _, seg_chunk_offsets = chunk_tables(segment_offsets(flat, L, chunk_size), chunk_size, q.device)
+    h, v_new, seg_final = state_pass_fwd(k1, w1, u1, gc1, h_in, seg_cu, seg_chunk_offsets, NT_total)
+    final_state = seg_final[(segment_first[1:] - 1).long()]
+    if cu_seqlens is None:
+        h = h.view(B, triton.cdiv(T, chunk_size), HV, K, V)
+        v_new = v_new.view(B, T, HV, V)
+    o = output_fwd(q, k, v_new, h, gc, scale, out_dtype, cu_seqlens, chunk_indices, dot_prec=out_prec)
+    return o, final_state
