@@ -28,6 +28,7 @@ from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import CHUNK
+from linattn.ops.common import split_fwd as SF
 from linattn.ops.common.cumsum import chunk_local_cumsum
 from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.kkt_solve import kkt_solve
@@ -77,6 +78,18 @@ def timings(B, T, H, HV, K, V):
             row[f"{path}_fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
         except Exception as e:  # one path failing at one shape is a row, not the end
             row[f"{path}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    # the split path's sequence-parallel plan (split_fwd.py): when it splits, the same path without segments too
+    _, BV, _ = SF.fused_fwd_config(K, V, B * HV, SF.num_sms(x["q"].device))
+    row["split_segment_chunks"] = SF.plan_segments([triton.cdiv(T, CHUNK)] * B, HV, K, V, BV,
+                                                   SF.num_sms(x["q"].device), affine_cost=SF.AFFINE_COST)
+    if row["split_segment_chunks"] is not None:
+        triton_chunk.FORWARD_PATH = "split"
+        planner, SF.plan_segments = SF.plan_segments, lambda *a, **kw: None
+        try:
+            with torch.no_grad():
+                row["split_unsegmented_fwd_ms"] = triton.testing.do_bench(f)
+        finally:
+            SF.plan_segments = planner
     triton_chunk.FORWARD_PATH = "walk"
     # the split path stage by stage
     with torch.no_grad():
@@ -122,14 +135,16 @@ def main():
     print("\nanchor (bf16 B=2 T=300 H=4 vs float64): " + "; ".join(
         f"{r['path']}: o {r['o']:.3e}, state {r['state']:.3e}, first call {r['first_call_s']:.1f} s" for r in acc))
     print("\n| B, T, H, HV, K, V | walk fwd | split fwd | split: pre-pass + state pass + output | h MB "
-          "| walk fwd+bwd | split fwd+bwd | stages: cumsum + kkt_solve + wy | state pass at 8 warps |"
-          "\n|---|---|---|---|---|---|---|---|---|")
+          "| walk fwd+bwd | split fwd+bwd | stages: cumsum + kkt_solve + wy | state pass at 8 warps "
+          "| split segments (chunks each): fwd unsegmented |\n|---|---|---|---|---|---|---|---|---|---|")
     cell = lambda r, key: f"{r[key]:.3f}" if key in r else r.get(key.rsplit("_", 2)[0] + "_error", "–")[:40]
     for r in rows:
         print(f"| {', '.join(map(str, r['shape']))} | {cell(r, 'walk_fwd_ms')} | {cell(r, 'split_fwd_ms')} | "
               f"{r['prepass_ms']:.3f} + {r['state_pass_ms']:.3f} + {r['output_ms']:.3f} | {r['h_MB']:.0f} | "
               f"{cell(r, 'walk_fwdbwd_ms')} | {cell(r, 'split_fwdbwd_ms')} | "
-              f"{r['cumsum_ms']:.3f} + {r['kkt_solve_ms']:.3f} + {r['wy_ms']:.3f} | {r['state_pass_8warps_ms']:.3f} |")
+              f"{r['cumsum_ms']:.3f} + {r['kkt_solve_ms']:.3f} + {r['wy_ms']:.3f} | {r['state_pass_8warps_ms']:.3f} | "
+              + (f"{r['split_segment_chunks']}: {r['split_unsegmented_fwd_ms']:.3f} |"
+                 if r["split_segment_chunks"] else "none |"))
 
 
 if __name__ == "__main__":
