@@ -8,7 +8,8 @@ times, at HV = 32, H = 16, K = V = 128, q/k/v bf16, fused gate / β sigmoid / q-
 * state bandwidth (state bytes read + written per step / time) against the measured device-to-device copy
   bandwidth of the same number of bytes (torch ``copy_`` in this script, same run);
 * eager call latency at B = 1 (with and without the host-side slot check);
-* a BV / num_warps sweep of the kernel's tiles at B = 64 and 256 (to tune ``pick_tiles``);
+* a BV / num_warps (/ register cap) sweep of the kernel's tiles at B = 64 and 256, and at B = 64 with 4 tokens
+  (to tune ``pick_tiles``), one- and two-warp tiles included;
 * fla's ``fused_recurrent_gated_delta_rule`` on the same inputs if fla is importable (fp32 state, gate and β
   precomputed since its call takes them so; it reads initial_state and writes a new final state: same bytes).
 
@@ -247,18 +248,23 @@ def main():
             **t1, state_pool=pool1, state_indices=slot1, check_indices=c, **gate_small, **FUSED))
 
     if not a.quick:
-        # (BV, warps, maxnreg): the tiles, then register caps that fit three programs per SM where the tile alone
-        # takes 255 registers (sm_90 ptxas: bf16 BV=64 → 168 registers + 748 spill bytes; fp32 BV=64 → 700)
+        # (BV, warps, maxnreg): the tiles; register caps that fit three programs per SM where the tile alone takes
+        # 255 registers (sm_90 ptxas: bf16 BV=64 → 168 registers + 748 spill bytes; fp32 BV=64 → 700); and one- or
+        # two-warp tiles, whose reductions over K stay inside a warp (2 barriers per step instead of 16) and whose
+        # small register files let more programs share an SM (fp32 BV=16 at 1 warp: 8 per SM, 64 KB of state in
+        # flight per SM against 48 KB for today's BV=32 at 4 warps). Tq = 4 too: multi-token steps are bound by
+        # those reductions' latency (B=64: 49.7 µs per token against 77 for one token, run 11)
+        narrow = [(8, 1, None), (16, 1, None), (16, 2, None), (32, 2, None)]
         for pool_dtype, tiles in ((torch.float32, [(bv, nw, None) for bv in (16, 32, 64) for nw in (4, 8)]
-                                   + [(64, 4, 168)]),
+                                   + [(64, 4, 168)] + narrow),
                                   (torch.bfloat16, [(bv, nw, None) for bv in (32, 64, 128) for nw in (4, 8)]
-                                   + [(64, 4, 168), (128, 8, 128)])):
-            for B in (64, 256):
+                                   + [(64, 4, 168), (128, 8, 128)] + narrow)):
+            for B, Tq in ((64, 1), (256, 1), (64, 4)):
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
                 for BV, nw, maxnreg in tiles:
-                    rec = dict(pool=str(pool_dtype)[6:], B=B, BV=BV, num_warps=nw, maxnreg=maxnreg)
+                    rec = dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV, num_warps=nw, maxnreg=maxnreg)
                     try:
-                        us = time_decode(B, 1, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg)[0]
+                        us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg)[0]
                         rec.update(us=us, state_GBps=state_bytes / us / 1e3)
                     except Exception as e:
                         rec.update(error=str(e)[:80])
@@ -276,14 +282,14 @@ def main():
           f"with slot check {eager[True][0]:.1f} / {eager[True][1]:.1f} / {eager[True][2]:.1f}, "
           f"without {eager[False][0]:.1f} / {eager[False][1]:.1f} / {eager[False][2]:.1f}")
     if sweep:
-        print("\ntile sweep (Tq=1), fastest first per (pool, B)")
+        print("\ntile sweep, fastest first per (pool, B, Tq); GB/s counts the state read and written once")
         for pool in ("float32", "bfloat16"):
-            for B in (64, 256):
-                ok = [s for s in sweep if s["pool"] == pool and s["B"] == B and "us" in s]
+            for B, Tq in ((64, 1), (256, 1), (64, 4)):
+                ok = [s for s in sweep if (s["pool"], s["B"], s["Tq"]) == (pool, B, Tq) and "us" in s]
                 for s in sorted(ok, key=lambda s: s["us"]):
                     cap = f" maxnreg={s['maxnreg']}" if s.get("maxnreg") else ""
-                    print(f"  {pool:9s} B={B:3d} BV={s['BV']:3d} warps={s['num_warps']}{cap}  {s['us']:8.1f} µs  "
-                          f"{s['state_GBps']:6.0f} GB/s")
+                    print(f"  {pool:9s} B={B:3d} Tq={Tq} BV={s['BV']:3d} warps={s['num_warps']}{cap}  "
+                          f"{s['us']:8.1f} µs  {s['state_GBps']:6.0f} GB/s")
     print("\nCUDA-graph replay, HV=32 K=V=128, per step")
     print(f"{'impl':8s} {'B':>4s} {'pool':>9s} {'Tq':>3s} {'µs':>9s} {'µs/tok':>8s} {'GB/s':>7s} {'copy':>7s} "
           f"{'%copy':>6s}")
