@@ -14,6 +14,7 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
     python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
     python benchmarks/compile_all.py --warps 8        # the pre-pass and the backward kernels at 8 warps
     python benchmarks/compile_all.py --forward split  # the split forward (pre-pass, state pass, output kernel)
+    python benchmarks/compile_all.py --launch-options '{"local_bwd_dqk": {"num_stages": 1}}'   # common.LAUNCH_OPTIONS
 
 Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
 """
@@ -61,15 +62,19 @@ def record(a) -> list:
         consts.update({k: v for k, v in kwargs.items() if k in names})  # the constexprs (launch options are not)
         if "INTERPRET" in consts:
             consts["INTERPRET"] = False  # the compile step builds the GPU kernel
-        key = (fn.__module__, fn.__name__, json.dumps(consts, sort_keys=True, default=str), num_warps)
+        options = {k: kwargs[k] for k in ("maxnreg", "num_stages") if k in kwargs}  # common.LAUNCH_OPTIONS
+        key = (fn.__module__, fn.__name__, json.dumps(consts, sort_keys=True, default=str), num_warps,
+               json.dumps(options, sort_keys=True))
         if key not in seen:
             seen.add(key)
             launches.append(dict(module=fn.__module__, name=fn.__name__, consts=consts, types=types,
-                                 num_warps=num_warps))
+                                 num_warps=num_warps, options=options))
 
     interp.InterpretedFunction.run = intercept
+    from linattn.ops import common
     from linattn.ops.gated_delta import triton_chunk
     triton_chunk.FORWARD_PATH = a.forward
+    common.LAUNCH_OPTIONS.update(json.loads(a.launch_options))
     if a.warps:
         # the launch widths the op reads at call time (fused_prepass.PREPASS_WARPS, local_bwd_utils.BWD_WARPS)
         from linattn.ops.common import fused_prepass
@@ -103,15 +108,16 @@ def compile_all(launches: list) -> None:
     """Step 2: compile every recorded launch for sm_90 and print one table."""
     from sm90 import SASS_FAMILIES, compile_sm90  # noqa: E402  (this folder is on sys.path)
     shown_sass = ("total", "HGMMA", "HMMA", "FFMA", "LDL", "STL", "SHFL", "BAR")
-    print("| kernel | key constexprs | warps | registers | spill bytes | shared bytes | SASS "
+    print("| kernel | key constexprs (launch options) | warps | registers | spill bytes | shared bytes | SASS "
           + " / ".join(shown_sass) + " |")
     print("|---|---|---|---|---|---|---|")
     assert set(shown_sass) - {"total"} <= set(SASS_FAMILIES)
     for launch in launches:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         consts, types = launch["consts"], launch["types"]
-        r = compile_sm90(kernel, consts, lambda name, types=types: types.get(name, "i32"), launch["num_warps"])
-        shown = {k: v for k, v in consts.items() if k in SHOWN}
+        r = compile_sm90(kernel, consts, lambda name, types=types: types.get(name, "i32"), launch["num_warps"],
+                         **launch.get("options", {}))
+        shown = {k: v for k, v in consts.items() if k in SHOWN} | launch.get("options", {})
         print(f"| {launch['name']} | {', '.join(f'{k}={v}' for k, v in shown.items())} | {launch['num_warps']} | "
               f"{r.registers} | {r.spill_bytes} | {r.shared_bytes} | "
               + " / ".join(str(r.sass[k]) for k in shown_sass) + " |", flush=True)
@@ -130,6 +136,8 @@ def main():
                                               "op's own, PREPASS_WARPS and BWD_WARPS)")
     ap.add_argument("--forward", choices=("walk", "split"), default="walk",
                     help="the op's forward path (triton_chunk.FORWARD_PATH)")
+    ap.add_argument("--launch-options", default="{}",
+                    help='common.LAUNCH_OPTIONS as JSON, e.g. \'{"local_bwd_dqk": {"num_stages": 1, "maxnreg": 168}}\'')
     ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.record_only:

@@ -46,14 +46,17 @@ def sass_counts(cubin: bytes) -> dict:
     return {"total": sum(ops.values()), **{k: ops[k] for k in SASS_FAMILIES}}
 
 
-def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | None = None) -> Resources:
+def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | None = None,
+                 num_stages: int | None = None) -> Resources:
     """Compile ``kernel`` (a ``@triton.jit`` function) with the constexprs ``consts`` and, for every other
     argument, the Triton type string ``arg_type(name)`` gives ("*bf16", "i32", ...); return its resources.
-    ``maxnreg`` caps the registers per thread (Triton's launch option of that name; None: ptxas decides)."""
+    ``maxnreg`` caps the registers per thread (Triton's launch option of that name; None: ptxas decides);
+    ``num_stages`` is the launch option that software-pipelines the kernel's ``for`` loops (None: Triton's 3)."""
     signature = {name: "constexpr" if name in consts else arg_type(name) for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(n),): v for n, v in consts.items()}
+    options = dict(num_warps=num_warps, maxnreg=maxnreg, **({} if num_stages is None else dict(num_stages=num_stages)))
     compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=TARGET, options=dict(num_warps=num_warps, maxnreg=maxnreg))
+                              target=TARGET, options=options)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     try:

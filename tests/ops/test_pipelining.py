@@ -96,3 +96,36 @@ def test_compile_all_records_every_kernel_of_the_op():
                                      "wy_kernel", "state_pass_fwd_kernel"}
     assert {n: w for n, w in widths.items() if n in widened} == dict.fromkeys(widened, 8)
     assert widths["fused_fwd_kernel"] == 4
+
+
+def test_launch_options_reach_the_launches_and_are_checked():
+    """common.LAUNCH_OPTIONS: compile_all's record step sees a kernel's options (so its sm_90 compile uses them),
+    the interpreter runs the op to the same result with them, and an option other than maxnreg / num_stages is
+    refused with the allowed ones named."""
+    import json
+
+    import linattn
+    from linattn.ops import common
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    opts = {"local_bwd_dqk": {"num_stages": 1}, "fused_prepass": {"maxnreg": 168}}
+    done = subprocess.run([sys.executable, "compile_all.py", "--record-only", "--H", "2", "--HV", "4", "--D", "32",
+                           "--launch-options", json.dumps(opts)], cwd=root / "benchmarks", env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = {x["name"]: x["options"] for x in json.loads(done.stdout.strip().splitlines()[-1])}
+    assert seen["local_bwd_dqk_kernel"] == {"num_stages": 1} and seen["fused_prepass_kernel"] == {"maxnreg": 168}
+    assert seen["local_bwd_wy_kernel"] == {}
+
+    q, k, w, u, gc = _inputs(T=70)
+    args = (q, k, torch.randn(1, 70, 2, 32), torch.nn.functional.logsigmoid(torch.randn(1, 70, 2)),
+            torch.rand(1, 70, 2))
+    plain = linattn.chunk_gated_delta_rule(*args, backend="triton")[0]
+    try:
+        common.LAUNCH_OPTIONS.update(opts)
+        assert torch.equal(linattn.chunk_gated_delta_rule(*args, backend="triton")[0], plain)
+        common.LAUNCH_OPTIONS["fused_prepass"] = {"num_warps": 8}
+        with pytest.raises(ValueError, match="maxnreg"):
+            linattn.chunk_gated_delta_rule(*args, backend="triton")
+    finally:
+        common.LAUNCH_OPTIONS.clear()

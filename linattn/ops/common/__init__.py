@@ -46,6 +46,25 @@ CHUNK = 64
 FP32_DOT_PRECISION = "ieee"
 
 
+# Extra Triton launch options per kernel (key: the kernel's name without "_kernel"), read at every launch; empty means
+# Triton's defaults. Only "maxnreg" (a cap on registers per thread) and "num_stages" (software pipelining of the
+# kernel's for loops) are allowed. Why they exist: every kernel of the chunked op compiles to ~255 registers, so an
+# SM holds 8 warps of it whatever the width (sm_90 ptxas, benchmarks/compile_all.py), and local_bwd_dqk's default
+# 3-stage pipelining takes 176–192 KB of shared memory (one program per SM). A cap or fewer stages trade spills
+# for residency, which only the GPU can price: benchmarks/bench_launch_options.py sweeps them.
+LAUNCH_OPTION_KEYS = ("maxnreg", "num_stages")
+LAUNCH_OPTIONS: dict[str, dict] = {}
+
+
+def launch_options(kernel: str) -> dict:
+    """The extra launch options of ``kernel`` (see :data:`LAUNCH_OPTIONS`), checked."""
+    opts = LAUNCH_OPTIONS.get(kernel, {})
+    bad = set(opts) - set(LAUNCH_OPTION_KEYS)
+    if bad:
+        raise ValueError(f"LAUNCH_OPTIONS[{kernel!r}] may set only {LAUNCH_OPTION_KEYS}, got {sorted(bad)}")
+    return opts
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the dots on fp32 intermediates for inputs of ``dtype`` (see the module docstring)."""
     if dtype == torch.float16:

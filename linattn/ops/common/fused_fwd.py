@@ -53,7 +53,17 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, fill_tile_v, loop_stages, num_sms, one_wave_stages, triton_interpret
+from . import (
+    CHUNK,
+    block_size,
+    dot_precision,
+    fill_tile_v,
+    launch_options,
+    loop_stages,
+    num_sms,
+    one_wave_stages,
+    triton_interpret,
+)
 from .dot import DOT_PRECISIONS, dot
 
 # Stages of the walk's chunk loop when its grid is one wave (common.one_wave_stages; 0 otherwise): n >= 1 is a
@@ -262,7 +272,7 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
         STATE_PREC=state_prec or dot_prec or s_prec, INPUT_PREC=dot_precision(q.dtype),
         USE_INITIAL_STATE=h0 is not None, IS_VARLEN=cu_seqlens is not None, SEGMENTED=segmented, AFFINE=affine,
         LOAD_P=load_p, INTERPRET=triton_interpret(), NUM_STAGES=stages,
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_options("fused_fwd"))
 
 
 def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,

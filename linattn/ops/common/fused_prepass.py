@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, triton_interpret
+from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
 from .dot import dot
 from .kkt_solve import kkt_inverse_blocks
 from .varlen import chunk_bounds
@@ -140,5 +140,5 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
         INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        INTERPRET=triton_interpret(), num_warps=PREPASS_WARPS)
+        INTERPRET=triton_interpret(), num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
     return (gc, w, u) if q is None else (gc, w, u, p)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision
+from . import CHUNK, block_size, dot_precision, launch_options
 from .varlen import chunk_bounds
 
 
@@ -179,5 +179,6 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
     kkt_solve_kernel[(NT, B * HV)](
         k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
-        DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None)
+        DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None,
+        **launch_options("kkt_solve"))
     return A_inv

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_options
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
@@ -159,5 +160,6 @@ def local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float,
         q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, dq, dk, dbeta, dg, dA_inv, cu_seqlens, chunk_indices,
         scale, T, triton.cdiv(T, BT), B * T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=BWD_WARPS["dqk"],
+        **launch_options("local_bwd_dqk"),
     )
     return dq, dk, dbeta, dg, dA_inv

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_options
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
@@ -73,5 +74,6 @@ def local_bwd_dv(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, do: torch.T
     local_bwd_dv_kernel[(NT, B * HV)](
         q, k, gc, do, dv, cu_seqlens, chunk_indices, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=BWD_WARPS["dv"],
+        **launch_options("local_bwd_dv"),
     )
     return dv

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_options
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
@@ -132,6 +133,6 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
         k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
         T, B * T, HV=HV, H=H, K=K, V=V, NK=dA_inv_p.shape[0], BT=BT, BK=BK, BV=BV,
         DOT_PREC=bwd_dot_precision(k.dtype, dot_prec), INV_PREC=inv_prec, IS_VARLEN=cu_seqlens is not None,
-        num_warps=BWD_WARPS["wy"],
+        num_warps=BWD_WARPS["wy"], **launch_options("local_bwd_wy"),
     )
     return dk, dv, dbeta, dg

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision
+from . import CHUNK, block_size, dot_precision, launch_options
 from .varlen import chunk_bounds
 
 
@@ -93,6 +93,5 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     output_fwd_kernel[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=BV, DOT_PREC=dot_precision(q.dtype), OUT_PREC=dot_prec or dot_precision(q.dtype),
-        USE_DECAY=gc is not None,
-        IS_VARLEN=cu_seqlens is not None)
+        USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None, **launch_options("output_fwd"))
     return o

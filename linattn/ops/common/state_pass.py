@@ -26,6 +26,7 @@ from . import (
     block_size,
     dot_precision,
     fill_tile_v,
+    launch_options,
     loop_stages,
     num_sms,
     one_wave_stages,
@@ -169,5 +170,6 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
         k, w, u, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
         USE_DELTA=w is not None, USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=is_varlen,
-        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=num_warps or STATE_PASS_WARPS)
+        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=num_warps or STATE_PASS_WARPS,
+        **launch_options("state_pass_fwd"))
     return h, v_new, ht

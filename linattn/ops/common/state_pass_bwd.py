@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fill_tile_v, loop_stages, num_sms, one_wave_stages, state_tile_v, triton_interpret
+from . import fill_tile_v, launch_options, loop_stages, num_sms, one_wave_stages, state_tile_v, triton_interpret
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 
 BT = 64
@@ -138,5 +138,6 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
         INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=BWD_WARPS["state_pass"],
+        **launch_options("state_pass_bwd"),
     )
     return dh, dv_new, dh0

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision
+from . import CHUNK, block_size, dot_precision, launch_options
 from .varlen import chunk_bounds
 
 
@@ -90,5 +90,5 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: Optional[to
     wy_kernel[(NT, B * HV)](
         k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
-        IS_VARLEN=cu_seqlens is not None)
+        IS_VARLEN=cu_seqlens is not None, **launch_options("wy"))
     return w, u

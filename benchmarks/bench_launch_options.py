@@ -1,0 +1,121 @@
+"""GPU timing of every kernel of the chunked op under register caps and loop-pipelining depths
+(``common.LAUNCH_OPTIONS``: ``maxnreg``, ``num_stages``).
+
+    python benchmarks/bench_launch_options.py [--quick] [--out DIR]
+
+Why (sm_90 ptxas, benchmarks/compile_all.py, bf16 K = V = 128): every kernel compiles to ~255 registers per
+thread, so an SM holds 8 warps of any of them (two programs at 4 warps, one at 8) — 1/8 of its 64 warp slots —
+and the parallel kernels are latency-bound (run 11: the pre-pass takes ≈ 36 µs per program, for ~6000
+instructions). A cap of 168 registers fits three programs of 4 warps per SM, 128 fits four, at the price of spills
+(pre-pass 284 → 1756 / 4528 bytes per thread; kkt_solve 0 → 680 / 2208; wy 0 → 928 / 1400; dv 0 → 1072 / 1808).
+local_bwd_dqk pipelines its inner loops 3 deep by default (176 KB of shared memory at 4 warps, 192 at 8: one
+program per SM); num_stages = 1 takes it to 64 / 80 KB. Prediction: a cap that doubles residency takes the
+parallel kernels 1.3–1.8× faster where spills stay under ~2 KB; nothing for the sequential kernels at B=1 (one
+program per SM either way).
+
+Per shape (bf16, B=1 and B=8 at T=4096 H=16): each kernel alone (do_bench median ms) at Triton's defaults and at
+every option set of :data:`VARIANTS`, with the largest relative difference of its outputs from the defaults (the
+options change the schedule, not the math: ~0 expected). Prints the table last; writes bench_launch_options.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
+
+from linattn.ops import common
+from linattn.ops.common.fused_fwd import fused_fwd
+from linattn.ops.common.fused_prepass import fused_prepass
+from linattn.ops.common.kkt_solve import kkt_solve
+from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
+from linattn.ops.common.local_bwd_dv import local_bwd_dv
+from linattn.ops.common.local_bwd_wy import local_bwd_wy
+from linattn.ops.common.output import output_fwd
+from linattn.ops.common.state_pass import state_pass_fwd
+from linattn.ops.common.state_pass_bwd import state_pass_bwd
+from linattn.ops.common.wy import wy_fwd
+from linattn.ops.gated_delta.triton_chunk import fwd_prepass
+
+torch.backends.cuda.matmul.allow_tf32 = False
+SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16)]
+D = 128
+VARIANTS = {"maxnreg 168": dict(maxnreg=168), "maxnreg 128": dict(maxnreg=128), "num_stages 1": dict(num_stages=1),
+            "num_stages 1, maxnreg 168": dict(num_stages=1, maxnreg=168)}
+
+
+def kernels(B, T, H, HV):
+    """{LAUNCH_OPTIONS key: a call of that kernel alone on real inputs} for one shape."""
+    x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    scale = D ** -0.5
+    gc, w, u, p = fwd_prepass(q, k, v, g, beta)
+    A_inv = kkt_solve(k, beta, gc, HV)
+    h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
+    do = torch.randn_like(v)
+    dht = torch.zeros(B, HV, D, D, device=q.device)
+    dv_local = local_bwd_dv(q, k, gc, do, scale, None, None)
+    dh, dv_new, _ = state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale)
+    dq, dk, dbeta_p, dg_p, dA_inv_p = local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale, None,
+                                                    None)
+    return {
+        "fused_prepass": lambda: fused_prepass(g, k, v, beta, q=q),
+        "fused_fwd": lambda: fused_fwd(q, k, w, u, gc, scale, None, torch.bfloat16, p=p),
+        "kkt_solve": lambda: kkt_solve(k, beta, gc, HV),
+        "wy": lambda: wy_fwd(k, v, beta, gc, A_inv),
+        "state_pass_fwd": lambda: state_pass_fwd(k, w, u, gc, None),
+        "output_fwd": lambda: output_fwd(q, k, v_new, h, gc, scale, torch.bfloat16),
+        "local_bwd_dv": lambda: local_bwd_dv(q, k, gc, do, scale, None, None),
+        "state_pass_bwd": lambda: state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale),
+        "local_bwd_dqk": lambda: local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale, None, None),
+        "local_bwd_wy": lambda: local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk.clone(),
+                                             None, None),
+    }
+
+
+def tensors(out):
+    return [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+def sweep(shape):
+    rows = []
+    for name, call in kernels(*shape).items():
+        common.LAUNCH_OPTIONS.clear()
+        ref = tensors(call())
+        row = dict(kernel=name, shape=shape, default_ms=triton.testing.do_bench(call))
+        for label, opts in VARIANTS.items():
+            common.LAUNCH_OPTIONS[name] = opts
+            try:
+                out = tensors(call())
+                row[label] = dict(ms=triton.testing.do_bench(call), diff=max(rel(a, b) for a, b in zip(out, ref)))
+            except Exception as e:  # a variant that does not compile or launch is a cell, not the end
+                row[label] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
+        common.LAUNCH_OPTIONS.clear()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="B=8 only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    rows = [r for s in (SHAPES[1:] if a.quick else SHAPES) for r in sweep(s)]
+    with open(os.path.join(a.out, "bench_launch_options.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    print("\n| kernel | B, T, H, HV | defaults ms | " + " | ".join(f"{v} ms (diff)" for v in VARIANTS) + " |")
+    print("|---|---|---|" + "---|" * len(VARIANTS))
+    for r in rows:
+        cells = [(f"{c['ms']:.3f} ({c['diff']:.0e})" if "ms" in c else c["error"][:30]) for c in
+                 (r[v] for v in VARIANTS)]
+        print(f"| {r['kernel']} | {', '.join(map(str, r['shape']))} | {r['default_ms']:.3f} | " + " | ".join(cells)
+              + " |")
+
+
+if __name__ == "__main__":
+    main()
