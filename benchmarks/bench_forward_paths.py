@@ -79,7 +79,7 @@ def timings(B, T, H, HV, K, V):
         except Exception as e:  # one path failing at one shape is a row, not the end
             row[f"{path}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
     # the split path's sequence-parallel plan (split_fwd.py): when it splits, the same path without segments too
-    _, BV, _ = SF.fused_fwd_config(K, V, B * HV, SF.num_sms(x["q"].device))
+    _, BV, _ = SF.fused_fwd_config(K, V, B * HV, SF.num_sms(x["q"].device))  # split_fwd's own plan
     row["split_segment_chunks"] = SF.plan_segments([triton.cdiv(T, CHUNK)] * B, HV, K, V, BV,
                                                    SF.num_sms(x["q"].device), affine_cost=SF.AFFINE_COST)
     if row["split_segment_chunks"] is not None:

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 import triton
 
-from . import CHUNK
-from .fused_fwd import fused_fwd_config, launch_walk, num_sms
+from . import CHUNK, num_sms
+from .fused_fwd import fused_fwd_config, launch_walk
 from .output import output_fwd
 from .seq_parallel import affine_scan, plan_segments, segment_tables
 from .state_pass import state_pass_fwd

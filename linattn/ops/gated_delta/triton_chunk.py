@@ -57,7 +57,7 @@ PRECOMPUTE_QK = True
 # than the walk at B=1 H=16 (0.161 vs 0.399 ms), because its per-chunk chain is two dots, not five. Prediction
 # (benchmarks/bench_forward_paths.py, not yet run): split forward at B=1 T=4096 H=16 ≈ 0.13 + 0.16 + 0.05 ≈ 0.35
 # ms (walk 0.541), B=8 ≈ 1.0 + 0.61 + 0.3 ≈ 1.9 (2.55), B=1 T=32768 ≈ 2.5 (4.28); it writes h (64 KB per chunk
-# and value head in fp32), and has no sequence-parallel split yet.
+# and value head in fp32) and splits long sequences into segments like the walk (common/split_fwd.py).
 FORWARD_PATHS = ("walk", "split")
 FORWARD_PATH = "walk"
 
