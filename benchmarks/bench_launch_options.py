@@ -13,8 +13,9 @@ program per SM); num_stages = 1 takes it to 64 / 80 KB. Prediction: a cap that d
 parallel kernels 1.3–1.8× faster where spills stay under ~2 KB; nothing for the sequential kernels at B=1 (one
 program per SM either way).
 
-Per shape (bf16, B=1 and B=8 at T=4096 H=16): each kernel alone (do_bench median ms) at Triton's defaults and at
-every option set of :data:`VARIANTS`, with the largest relative difference of its outputs from the defaults (the
+Per shape (bf16, B=1 and B=8 at T=4096 H=16): each kernel alone (do_bench median ms; the sequential kernels only
+where their grid exceeds one wave) at Triton's defaults and at the option sets of :data:`VARIANTS` (num_stages only
+for kernels with tile loops), with the largest relative difference of its outputs from the defaults (the
 options change the schedule, not the math: ~0 expected). Prints the table last; writes bench_launch_options.json.
 """
 from __future__ import annotations
@@ -45,6 +46,10 @@ SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16)]
 D = 128
 VARIANTS = {"maxnreg 168": dict(maxnreg=168), "maxnreg 128": dict(maxnreg=128), "num_stages 1": dict(num_stages=1),
             "num_stages 1, maxnreg 168": dict(num_stages=1, maxnreg=168)}
+# num_stages only changes kernels with plain for loops over tiles; the sequential kernels pipeline their chunk loop
+# with their own NUM_STAGES and, at B=1, run one program per SM whatever their registers (nothing to gain there)
+LOOPED = {"local_bwd_dqk", "local_bwd_dv", "local_bwd_wy", "output_fwd", "wy", "kkt_solve", "fused_prepass"}
+SEQUENTIAL = {"fused_fwd", "state_pass_fwd", "state_pass_bwd"}
 
 
 def kernels(B, T, H, HV):
@@ -83,10 +88,15 @@ def tensors(out):
 def sweep(shape):
     rows = []
     for name, call in kernels(*shape).items():
+        if name in SEQUENTIAL and shape[0] * shape[3] * 2 <= 132:  # one wave: one program per SM at any width
+            continue
         common.LAUNCH_OPTIONS.clear()
         ref = tensors(call())
         row = dict(kernel=name, shape=shape, default_ms=triton.testing.do_bench(call))
         for label, opts in VARIANTS.items():
+            if "num_stages" in opts and name not in LOOPED:
+                row[label] = dict(error="n/a (no tile loops)")
+                continue
             common.LAUNCH_OPTIONS[name] = opts
             try:
                 out = tensors(call())
