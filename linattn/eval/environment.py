@@ -66,6 +66,7 @@ ENV_VARS = ("TRITON_CACHE_AUTOTUNING", "TRITON_CACHE_DIR", "TRITON_INTERPRET", "
 
 def collect(device: torch.device) -> dict:
     from .. import __version__
+    from ..ops.settings import triton_settings
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "linattn": __version__, "commit": _git_commit(), "python": platform.python_version(),
@@ -74,6 +75,8 @@ def collect(device: torch.device) -> dict:
         "device": str(device), "gpu": None, "driver": None, "load_avg_start": load_average(),
         # settings that change what a JIT implementation pays on its first calls (docs/eval.md, split runs)
         "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        # the Triton path's module settings (forward path, loop stages, widths, precisions): what produced the numbers
+        "linattn_settings": triton_settings(),
     }
     try:
         import triton

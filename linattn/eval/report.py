@@ -128,6 +128,8 @@ def _env_blocks(r: dict) -> list:
             ["CPU", f"{env.get('cpu')} ({env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads)"],
             ["load average (start, end)", f"{fmt(env.get('load_avg_start'))}, {fmt(env.get('load_avg_end'))}"],
             ["environment variables", ", ".join(f"{k}={v}" for k, v in (env.get("env") or {}).items()) or "–"],
+            ["linattn Triton settings", ", ".join(f"{k}={v}" for k, v in (env.get("linattn_settings") or {}).items())
+             or "–"],
             ["profile", r["meta"]["profile"]], ["wall time", f"{r['meta']['wall_s']:.0f} s"]]
     runs = env.get("runs") or []
     if runs:

@@ -132,6 +132,19 @@ def test_busy_machine_warning():
     assert busy_warning({"load_avg_start": None, "load_avg_end": None, "cpu_count": 2}) is None
 
 
+def test_environment_records_the_triton_settings(monkeypatch):
+    """The report's environment carries the Triton path's module settings as they are at collection time."""
+    from linattn.eval.environment import collect
+    from linattn.ops import common
+    from linattn.ops.gated_delta import triton_chunk
+    assert collect(CPU)["linattn_settings"]["FORWARD_PATH"] == "walk"
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+    monkeypatch.setitem(common.LAUNCH_OPTIONS, "wy", {"maxnreg": 168})
+    settings = collect(CPU)["linattn_settings"]
+    assert settings["FORWARD_PATH"] == "split" and settings["LAUNCH_OPTIONS"] == {"wy": {"maxnreg": 168}}
+    assert set(settings["BWD_WARPS"]) == {"dv", "state_pass", "dqk", "wy"}
+
+
 def test_share_splits_the_remaining_time():
     import time
     ctx = _ctx()

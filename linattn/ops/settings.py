@@ -1,0 +1,32 @@
+"""The Triton path's tunable settings in one dict, for reports: ``linattn eval`` records them beside the
+environment so a report says which forward path, loop stages, launch widths and precisions produced its numbers
+(they are module settings the benchmarks flip, docs/performance.md)."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def triton_settings() -> Optional[dict]:
+    """The chunked op's Triton settings as plain values, or None where Triton is not importable."""
+    try:
+        from .common import (
+            FP32_DOT_PRECISION,
+            LAUNCH_OPTIONS,
+            fused_fwd,
+            fused_prepass,
+            local_bwd_wy,
+            state_pass,
+            state_pass_bwd,
+        )
+        from .common.local_bwd_utils import BWD_WARPS
+        from .gated_delta import triton_chunk
+    except ImportError:
+        return None
+    return {
+        "FORWARD_PATH": triton_chunk.FORWARD_PATH, "PRECOMPUTE_QK": triton_chunk.PRECOMPUTE_QK,
+        "WALK_STAGES": fused_fwd.WALK_STAGES, "STATE_PASS_STAGES": state_pass.STATE_PASS_STAGES,
+        "BWD_STAGES": state_pass_bwd.BWD_STAGES, "STATE_PASS_WARPS": state_pass.STATE_PASS_WARPS,
+        "PREPASS_WARPS": fused_prepass.PREPASS_WARPS, "BWD_WARPS": dict(BWD_WARPS),
+        "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC, "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
+        "LAUNCH_OPTIONS": {k: dict(v) for k, v in LAUNCH_OPTIONS.items()},
+    }
