@@ -15,12 +15,11 @@ Prints the tables last; writes bench_bwd_precision.json under --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 
 import torch
 import triton
+from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
 from gpu_check_core import CASES, NAMES, check  # noqa: E402  (this folder is on sys.path)
 from gpu_check_fwd import make
 
@@ -80,15 +79,10 @@ def speed(B, T, H, HV):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="the anchor case and the first two shapes only")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    a = ap.parse_args()
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    a = bench_args("the anchor case and the first two shapes only")
     acc = accuracy(ACCURACY_CASES[:1] if a.quick else ACCURACY_CASES)
     rows = [speed(*s) for s in (SHAPES[:2] if a.quick else SHAPES)]
-    with open(os.path.join(a.out, "bench_bwd_precision.json"), "w") as fh:
-        json.dump(dict(accuracy=acc, speed=rows), fh, indent=1)
+    write_json(a.out, "bench_bwd_precision.json", dict(accuracy=acc, speed=rows))
 
     print("\nrelative L2 vs float64, kernel / baseline ratio per gradient (pass: ≤ 2)")
     print("%-22s %-9s %-7s " % ("case", "dtype", "prec") + " ".join("%-7s" % n for n in NAMES))

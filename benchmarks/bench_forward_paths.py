@@ -17,13 +17,12 @@ Prints the table last; writes bench_forward_paths.json under --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import time
 
 import torch
 import triton
+from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
 from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
@@ -122,15 +121,10 @@ def timed_rows(shapes):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="the first two shapes only")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    a = ap.parse_args()
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    a = bench_args("the first two shapes only")
     acc = accuracy()
     rows = timed_rows(SHAPES[:2] if a.quick else SHAPES)
-    with open(os.path.join(a.out, "bench_forward_paths.json"), "w") as fh:
-        json.dump(dict(accuracy=acc, rows=rows), fh, indent=1)
+    write_json(a.out, "bench_forward_paths.json", dict(accuracy=acc, rows=rows))
 
     print("\nanchor (bf16 B=2 T=300 H=4 vs float64): " + "; ".join(
         f"{r['path']}: o {r['o']:.3e}, state {r['state']:.3e}, first call {r['first_call_s']:.1f} s" for r in acc))

@@ -20,12 +20,11 @@ options change the schedule, not the math: ~0 expected). Prints the table last; 
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 
 import torch
 import triton
+from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
 from gpu_check_fwd import make, rel  # noqa: E402  (this folder is on sys.path)
 
 from linattn.ops import common
@@ -110,14 +109,9 @@ def sweep(shape):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="B=8 only")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    a = ap.parse_args()
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    a = bench_args("B=8 only")
     rows = [r for s in (SHAPES[1:] if a.quick else SHAPES) for r in sweep(s)]
-    with open(os.path.join(a.out, "bench_launch_options.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+    write_json(a.out, "bench_launch_options.json", rows)
     print("\n| kernel | B, T, H, HV | defaults ms | " + " | ".join(f"{v} ms (diff)" for v in VARIANTS) + " |")
     print("|---|---|---|" + "---|" * len(VARIANTS))
     for r in rows:

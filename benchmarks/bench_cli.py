@@ -1,0 +1,24 @@
+"""The command line the GPU benchmarks share: ``--quick`` and ``--out DIR`` (default $OUT, else the working
+directory), read after printing the device line every result log starts with; and the JSON a script leaves there."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+
+def bench_args(quick_help: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    return a
+
+
+def write_json(out_dir: str, name: str, payload) -> None:
+    with open(os.path.join(out_dir, name), "w") as fh:
+        json.dump(payload, fh, indent=1)
