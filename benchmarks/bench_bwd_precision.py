@@ -20,16 +20,11 @@ import json
 import torch
 import triton
 from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
+from bench_launch_options import stage_inputs  # noqa: E402
 from gpu_check_core import CASES, NAMES, check  # noqa: E402  (this folder is on sys.path)
-from gpu_check_fwd import make
 
 from linattn import chunk_gated_delta_rule
-from linattn.ops.common import CHUNK
 from linattn.ops.common import local_bwd_wy as WY
-from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
-from linattn.ops.common.local_bwd_dv import local_bwd_dv
-from linattn.ops.common.state_pass_bwd import state_pass_bwd
-from linattn.ops.gated_delta.triton_bwd import recompute_forward
 
 PRECS = ("ieee", "tf32x3")
 ACCURACY_CASES = ("anchor_B2_T300_K128", "K64_V64_T4096", "T32768_K128")
@@ -53,19 +48,10 @@ def accuracy(names):
 
 
 def speed(B, T, H, HV):
-    x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
-    names = ("q", "k", "v", "g", "beta")
-    ins = [x[n].requires_grad_(True) for n in names]
-    q, k, v, g, beta = (t.detach() for t in ins)
-    scale = D ** -0.5
-    # the WY kernel's real inputs: the backward's own stages up to it
-    gc, A_inv, w, v_new, h = recompute_forward(k, v, g, beta, None, None, None, None, triton.cdiv(T, CHUNK))
-    do = torch.randn_like(v)
-    dht = torch.zeros(B, HV, D, D, device=q.device)
-    dv_local = local_bwd_dv(q, k, gc, do, scale, None, None)
-    dh, dv_new, _ = state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale)
-    dq, dk, dbeta_p, dg_p, dA_inv_p = local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale, None,
-                                                    None)
+    st = stage_inputs(B, T, H, HV)  # the WY kernel's real inputs: the backward's own stages up to it
+    ins = [st[n].requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+    k, v, beta, gc, A_inv, dv_new, dk, do = (st[n] for n in ("k", "v", "beta", "gc", "A_inv", "dv_new", "dk", "do"))
+    dA_inv_p, dbeta_p, dg_p, scale = st["dA_inv_p"], st["dbeta_p"], st["dg_p"], st["scale"]
     f = lambda: chunk_gated_delta_rule(*ins, scale=scale, output_final_state=True)
     row = dict(shape=(B, T, H, HV))
     for prec in PRECS:

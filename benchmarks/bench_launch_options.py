@@ -51,20 +51,31 @@ LOOPED = {"local_bwd_dqk", "local_bwd_dv", "local_bwd_wy", "output_fwd", "wy", "
 SEQUENTIAL = {"fused_fwd", "state_pass_fwd", "state_pass_bwd"}
 
 
+def stage_inputs(B, T, H, HV):
+    """Every stage's real inputs at one shape (bf16, K = V = D): the forward pre-pass and state pass, the inverse,
+    and the backward's own stages up to WY (its dq/dk partials). Also used by bench_bwd_precision.py."""
+    x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
+    s = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+    q, k, v, g, beta = s["q"], s["k"], s["v"], s["g"], s["beta"]
+    s["scale"] = scale = D ** -0.5
+    s["gc"], s["w"], s["u"], s["p"] = gc, w, u, _ = fwd_prepass(q, k, v, g, beta)
+    s["A_inv"] = A_inv = kkt_solve(k, beta, gc, HV)
+    s["h"], s["v_new"], _ = h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
+    s["do"] = do = torch.randn_like(v)
+    s["dht"] = dht = torch.zeros(B, HV, D, D, device=q.device)
+    s["dv_local"] = dv_local = local_bwd_dv(q, k, gc, do, scale, None, None)
+    s["dh"], s["dv_new"], _ = dh, dv_new, _ = state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale)
+    _, s["dk"], s["dbeta_p"], s["dg_p"], s["dA_inv_p"] = local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh,
+                                                                       dv_new, scale, None, None)
+    return s
+
+
 def kernels(B, T, H, HV):
     """{LAUNCH_OPTIONS key: a call of that kernel alone on real inputs} for one shape."""
-    x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
-    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
-    scale = D ** -0.5
-    gc, w, u, p = fwd_prepass(q, k, v, g, beta)
-    A_inv = kkt_solve(k, beta, gc, HV)
-    h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
-    do = torch.randn_like(v)
-    dht = torch.zeros(B, HV, D, D, device=q.device)
-    dv_local = local_bwd_dv(q, k, gc, do, scale, None, None)
-    dh, dv_new, _ = state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale)
-    dq, dk, dbeta_p, dg_p, dA_inv_p = local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale, None,
-                                                    None)
+    s = stage_inputs(B, T, H, HV)
+    q, k, v, g, beta, gc, w, u, p = (s[n] for n in ("q", "k", "v", "g", "beta", "gc", "w", "u", "p"))
+    scale, A_inv, h, v_new, do, dht = (s[n] for n in ("scale", "A_inv", "h", "v_new", "do", "dht"))
+    dv_local, dh, dv_new = s["dv_local"], s["dh"], s["dv_new"]
     return {
         "fused_prepass": lambda: fused_prepass(g, k, v, beta, q=q),
         "fused_fwd": lambda: fused_fwd(q, k, w, u, gc, scale, None, torch.bfloat16, p=p),
@@ -75,8 +86,8 @@ def kernels(B, T, H, HV):
         "local_bwd_dv": lambda: local_bwd_dv(q, k, gc, do, scale, None, None),
         "state_pass_bwd": lambda: state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale),
         "local_bwd_dqk": lambda: local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale, None, None),
-        "local_bwd_wy": lambda: local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk.clone(),
-                                             None, None),
+        "local_bwd_wy": lambda: local_bwd_wy(k, v, beta, gc, A_inv, dv_new, s["dA_inv_p"], s["dbeta_p"], s["dg_p"],
+                                             s["dk"].clone(), None, None),
     }
 
 
