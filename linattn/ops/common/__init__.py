@@ -80,10 +80,14 @@ def block_size(d: int, cap: int) -> int:
     return b
 
 
-def loop_stages(num_stages, default: int) -> int:
-    """NUM_STAGES of a sequential kernel's chunk loop (fused_fwd, state_pass, state_pass_bwd): ``num_stages``, or
-    the launcher's module default when None. 0 is the unpipelined while loop; n >= 1 a tl.range loop."""
-    stages = default if num_stages is None else num_stages
+def loop_stages(num_stages, setting: int, programs: int, sms: int) -> int:
+    """NUM_STAGES of a sequential kernel's chunk loop (fused_fwd, state_pass, state_pass_bwd): ``num_stages`` when
+    given (benchmarks), else the launcher's module ``setting`` when its grid of ``programs`` fits one wave of one
+    program per SM, else 0. 0 is the unpipelined while loop; n >= 1 a tl.range loop. Measured on the H200 (run
+    11): pipelining pays when each SM runs one latency-bound walk (walk −26%, forward state pass −40% at B=1
+    T=4096 H=16), and costs when the extra shared memory leaves fewer programs resident per SM (walk +6% … +42%
+    at B=8)."""
+    stages = (setting if programs <= sms else 0) if num_stages is None else num_stages
     if not isinstance(stages, int) or stages < 0:
         raise ValueError(f"num_stages must be an int >= 0 (0: the unpipelined while loop), got {stages!r}")
     return stages
@@ -107,14 +111,6 @@ def fill_tile_v(NHV: int, V: int, cap: int, sms: int) -> int:
             BV = bv
             break
     return BV
-
-
-def one_wave_stages(stages: int, programs: int, sms: int) -> int:
-    """The default NUM_STAGES of a sequential kernel's chunk loop: ``stages`` (the module setting) when its grid
-    fits one wave of one program per SM, else 0 (the while loop). Measured on the H200 (run 11): pipelining pays
-    when each SM runs one latency-bound walk (walk −26%, forward state pass −40% at B=1 T=4096 H=16), and costs
-    when the extra shared memory leaves fewer programs resident per SM (walk +6% … +42% at B=8)."""
-    return stages if programs <= sms else 0
 
 
 def state_tile_v(block_v, default: int) -> int:

@@ -61,12 +61,11 @@ from . import (
     launch_options,
     loop_stages,
     num_sms,
-    one_wave_stages,
     triton_interpret,
 )
 from .dot import DOT_PRECISIONS, dot
 
-# Stages of the walk's chunk loop when its grid is one wave (common.one_wave_stages; 0 otherwise): n >= 1 is a
+# Stages of the walk's chunk loop when its grid is one wave (common.loop_stages; 0 otherwise): n >= 1 is a
 # tl.range loop with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py): at B=1 T=4096 H=16
 # BV=16 the walk takes 0.536 / 0.553 / 0.399 / 0.408 ms at 0 / 1 / 2 / 3 (prediction was ~0.3), T=32768 4.23 →
 # 3.13 ms; at B=8 (BV=64, two programs per SM) 1.44 / 1.38 / 2.05 ms: the extra shared memory costs residency.
@@ -260,7 +259,7 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
     grid = (triton.cdiv(K + V if affine else V, BV), num_segments * HV)
-    stages = loop_stages(num_stages, one_wave_stages(WALK_STAGES, grid[0] * grid[1], num_sms(q.device)))
+    stages = loop_stages(num_stages, WALK_STAGES, grid[0] * grid[1], num_sms(q.device))
     load_p = p is not None and not affine
     if load_p and (p.shape != (B, T, HV, chunk_size) or p.dtype != torch.float32):
         raise ValueError(f"p must be [B, T, HV, chunk_size] = {[B, T, HV, chunk_size]} fp32 (fused_prepass with q), "

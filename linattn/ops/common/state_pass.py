@@ -29,12 +29,11 @@ from . import (
     launch_options,
     loop_stages,
     num_sms,
-    one_wave_stages,
     state_tile_v,
     triton_interpret,
 )
 
-# Stages of the chunk loop when the grid is one wave (common.one_wave_stages; 0 otherwise): n >= 1 is tl.range
+# Stages of the chunk loop when the grid is one wave (common.loop_stages; 0 otherwise): n >= 1 is tl.range
 # with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py), BV=16: B=1 T=4096 H=16 0.282 /
 # 0.319 / 0.175 / 0.161 ms at 0 / 1 / 2 / 3; T=32768 2.21 / 2.51 / 1.35 / 1.22; at B=8 (BV=64) all within 8%.
 STATE_PASS_STAGES = 3
@@ -165,7 +164,7 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     sms = num_sms(k.device)
     BV = state_tile_v(block_v, fill_tile_v(N * HV, V, 64 if BK <= 128 else 32, sms))
     grid = (triton.cdiv(V, BV), N * HV)
-    stages = loop_stages(num_stages, one_wave_stages(STATE_PASS_STAGES, grid[0] * grid[1], sms))
+    stages = loop_stages(num_stages, STATE_PASS_STAGES, grid[0] * grid[1], sms)
     state_pass_fwd_kernel[grid](
         k, w, u, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fill_tile_v, launch_options, loop_stages, num_sms, one_wave_stages, state_tile_v, triton_interpret
+from . import fill_tile_v, launch_options, loop_stages, num_sms, state_tile_v, triton_interpret
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 
 BT = 64
@@ -133,7 +133,7 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     sms = num_sms(q.device)
     BV = state_tile_v(block_v, fill_tile_v(N * HV, V, max(16, 8192 // BK), sms))
     grid = (triton.cdiv(V, BV), N * HV)
-    stages = loop_stages(num_stages, one_wave_stages(BWD_STAGES, grid[0] * grid[1], sms))
+    stages = loop_stages(num_stages, BWD_STAGES, grid[0] * grid[1], sms)
     state_pass_bwd_kernel[grid](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
