@@ -29,6 +29,7 @@ import torch
 
 import linattn
 from linattn.eval.decode import copy_gbs, graph_ms
+from linattn.ops import common
 from linattn.ops.gated_delta import recurrent_kernels as rk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.utils import gate_from_raw, l2norm
@@ -159,8 +160,13 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None):
         tc = {n: x.contiguous() for n, x in t.items()}
         fn = lambda: rk.fused_recurrent_fwd(tc["q"], tc["k"], tc["v"], tc["g"], tc["beta"], K ** -0.5, pool, pool,
                                             None, None, slots, gate["A_log"], gate["dt_bias"], True, True,
-                                            BV=BV, num_warps=num_warps, maxnreg=maxnreg)
-    return graph_time_us(fn), t, pool, slots, gate
+                                            BV=BV, num_warps=num_warps)
+    if maxnreg is not None:
+        common.LAUNCH_OPTIONS["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
+    try:
+        return graph_time_us(fn), t, pool, slots, gate
+    finally:
+        common.LAUNCH_OPTIONS.pop("fused_recurrent_fwd", None)
 
 
 def time_fla(B, Tq):

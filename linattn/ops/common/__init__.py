@@ -51,7 +51,8 @@ FP32_DOT_PRECISION = "ieee"
 # kernel's for loops) are allowed. Why they exist: every kernel of the chunked op compiles to ~255 registers, so an
 # SM holds 8 warps of it whatever the width (sm_90 ptxas, benchmarks/compile_all.py), and local_bwd_dqk's default
 # 3-stage pipelining takes 176–192 KB of shared memory (one program per SM). A cap or fewer stages trade spills
-# for residency, which only the GPU can price: benchmarks/bench_launch_options.py sweeps them.
+# for residency, which only the GPU can price: benchmarks/bench_launch_options.py sweeps them (bench_decode.py does
+# for the decode step's kernel, "fused_recurrent_fwd").
 LAUNCH_OPTION_KEYS = ("maxnreg", "num_stages")
 LAUNCH_OPTIONS: dict[str, dict] = {}
 

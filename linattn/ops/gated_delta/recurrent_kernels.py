@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import launch_options
 from ..utils import cdiv, next_power_of_2
 
 # Gate: g = −exp(A_log) · softplus(g_raw + dt_bias); softplus(x) = x above this threshold (torch's default).
@@ -262,16 +263,15 @@ def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device,
 
 
 def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, intermediate_states, cu_seqlens,
-                        state_indices, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid, BV=None, num_warps=None,
-                        maxnreg=None):
+                        state_indices, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid, BV=None, num_warps=None):
     """Launch the forward kernel; returns o ``[B, T, HV, V]`` in v's dtype.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]`` (all contiguous). initial_state /
     final_state: ``[*, HV, K, V]`` or None (they may be the same tensor: the decode pool, updated in place);
     sequence n reads and writes row ``state_indices[n]`` (or n), skipped when negative. intermediate_states:
-    ``[B, T, HV, K, V]`` or None. BV / num_warps override the tile heuristic and maxnreg caps the registers per
-    thread (Triton's launch option; benchmarks: a bf16 BV=64 tile takes 255 registers, two programs per SM, and
-    compiles to 168 with 748 spill bytes, three per SM)."""
+    ``[B, T, HV, K, V]`` or None. BV / num_warps override the tile heuristic (benchmarks); a register cap comes
+    from ``common.LAUNCH_OPTIONS["fused_recurrent_fwd"]`` (a bf16 BV=64 tile takes 255 registers, two programs per
+    SM, and compiles to 168 with 748 spill bytes at maxnreg 168, three per SM)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -287,7 +287,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
         STORE_INTERMEDIATE=intermediate_states is not None, IS_VARLEN=cu_seqlens is not None,
         USE_STATE_INDICES=state_indices is not None, USE_QK_L2NORM=use_qk_l2norm,
         USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid, num_warps=num_warps,
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+        **launch_options("fused_recurrent_fwd"))
     return o
 
 
