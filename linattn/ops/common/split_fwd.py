@@ -46,12 +46,14 @@ def segment_offsets(offsets: list[int], L: int, chunk_size: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _offset_tensors(offsets: tuple, L: int, chunk_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets, segment offsets) as int64 tensors on ``device``: one host-to-device copy per batch layout and
-    split (a training step's repeated shapes hit the cache). Callers must not write into them."""
+def _segment_layout(offsets: tuple, L: int, chunk_size: int, device: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(offsets, segment offsets) as int64 tensors on ``device`` and the segments' first global chunks
+    (``chunk_tables``' chunk_offsets of the pseudo-sequences): built once per batch layout and split (a training
+    step's repeated shapes hit the cache). Callers must not write into them."""
     seg = segment_offsets(list(offsets), L, chunk_size)
     both = torch.tensor(list(offsets) + seg, dtype=torch.int64).to(device)
-    return both[:len(offsets)], both[len(offsets):]
+    return both[:len(offsets)], both[len(offsets):], chunk_tables(seg, chunk_size, device)[1]
 
 
 def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, scale: float,
@@ -76,8 +78,9 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     N, NT_total = len(chunks), sum(chunks)
     if segment_chunks is not None and segment_chunks < 1:
         raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
-    _, BV, num_warps = fused_fwd_config(K, V, N * HV, num_sms(q.device))
-    L = segment_chunks or plan_segments(chunks, HV, K, V, BV, num_sms(q.device), affine_cost=AFFINE_COST)
+    sms = num_sms(q.device)
+    _, BV, num_warps = fused_fwd_config(K, V, N * HV, sms)
+    L = segment_chunks or plan_segments(chunks, HV, K, V, BV, sms, affine_cost=AFFINE_COST)
     if L is None or L >= max(chunks, default=0):
         h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets,
                                                NT_total if cu_seqlens is not None else None)
@@ -92,7 +95,7 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
         q1, k1, w1, u1, gc1 = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, u, gc))
     else:
         q1, k1, w1, u1, gc1 = q, k, w, u, gc
-    cu_flat, seg_cu = _offset_tensors(tuple(flat), L, chunk_size, str(q.device))
+    cu_flat, seg_cu, seg_chunk_offsets = _segment_layout(tuple(flat), L, chunk_size, str(q.device))
     cu_flat = cu_seqlens if cu_seqlens is not None else cu_flat
     mn = torch.empty(NS, HV, K, K + V, dtype=torch.float32, device=q.device)
     launch_walk(q1, k1, w1, u1, gc1, None, None, mn, scale, cu_flat, BV=BV, num_warps=num_warps, dot_prec=None,
@@ -101,7 +104,6 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     h_in = affine_scan(mn, initial_state, V, N, segment_first, 1, BV=BV)
 
     # phase C: the state pass over the segments as pseudo-sequences (chunk-aligned: same chunks, same order)
-    _, seg_chunk_offsets = chunk_tables(segment_offsets(flat, L, chunk_size), chunk_size, q.device)
     h, v_new, seg_final = state_pass_fwd(k1, w1, u1, gc1, h_in, seg_cu, seg_chunk_offsets, NT_total)
     final_state = seg_final[(segment_first[1:] - 1).long()]
     if cu_seqlens is None:
