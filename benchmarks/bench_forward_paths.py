@@ -2,10 +2,10 @@
 
     python benchmarks/bench_forward_paths.py [--quick] [--out DIR]
 
-"walk" (the default): pre-pass (gc, W, U, P) → one sequential kernel per (sequence, value head, V slice) that
-keeps the state on chip and writes o (split into segments by the sequence-parallel planner when the programs
-cannot fill the SMs). "split": pre-pass (gc, W, U) → the forward state pass (h of every chunk and V_new to HBM;
-its chain per chunk is two dots, where the walk's is five) → the output, parallel over chunks.
+"walk": pre-pass (gc, W, U, P) → one sequential kernel per (sequence, value head, V slice) that keeps the state
+on chip and writes o (split into segments by the sequence-parallel planner when the programs cannot fill the SMs).
+"split" (the default since run 12): pre-pass (gc, W, U) → the forward state pass (h of every chunk and V_new to
+HBM; its chain per chunk is two dots, where the walk's is five) → the output, parallel over chunks.
 
 Per shape (bf16, issue 4's table, then K = V = 64 and K = 128 V = 256): the public op's forward and forward +
 backward on each path (do_bench median ms; the backward is the same code), the split path stage by stage, its
@@ -97,8 +97,6 @@ def timings(B, T, H, HV, K, V):
         h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
         row["prepass_ms"] = triton.testing.do_bench(lambda: fused_prepass(g, k, v, beta))
         row["state_pass_ms"] = triton.testing.do_bench(lambda: state_pass_fwd(k, w, u, gc, None))
-        # at 8 warps: ptxas spills 1908 → 236 bytes per thread at BV=64, 268 → 0 at BV=16 (compile_all.py)
-        row["state_pass_8warps_ms"] = triton.testing.do_bench(lambda: state_pass_fwd(k, w, u, gc, None, num_warps=8))
         row["output_ms"] = triton.testing.do_bench(lambda: output_fwd(q, k, v_new, h, gc, scale, v.dtype))
         row["h_MB"] = h.numel() * 4 / 2 ** 20
         # the pre-pass's work as the three separate stage kernels the backward's recompute runs: which part of
@@ -129,14 +127,14 @@ def main():
     print("\nanchor (bf16 B=2 T=300 H=4 vs float64): " + "; ".join(
         f"{r['path']}: o {r['o']:.3e}, state {r['state']:.3e}, first call {r['first_call_s']:.1f} s" for r in acc))
     print("\n| B, T, H, HV, K, V | walk fwd | split fwd | split: pre-pass + state pass + output | h MB "
-          "| walk fwd+bwd | split fwd+bwd | stages: cumsum + kkt_solve + wy | state pass at 8 warps "
-          "| split segments (chunks each): fwd unsegmented |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| walk fwd+bwd | split fwd+bwd | stages: cumsum + kkt_solve + wy "
+          "| split segments (chunks each): fwd unsegmented |\n|---|---|---|---|---|---|---|---|---|")
     cell = lambda r, key: f"{r[key]:.3f}" if key in r else r.get(key.rsplit("_", 2)[0] + "_error", "–")[:40]
     for r in rows:
         print(f"| {', '.join(map(str, r['shape']))} | {cell(r, 'walk_fwd_ms')} | {cell(r, 'split_fwd_ms')} | "
               f"{r['prepass_ms']:.3f} + {r['state_pass_ms']:.3f} + {r['output_ms']:.3f} | {r['h_MB']:.0f} | "
               f"{cell(r, 'walk_fwdbwd_ms')} | {cell(r, 'split_fwdbwd_ms')} | "
-              f"{r['cumsum_ms']:.3f} + {r['kkt_solve_ms']:.3f} + {r['wy_ms']:.3f} | {r['state_pass_8warps_ms']:.3f} | "
+              f"{r['cumsum_ms']:.3f} + {r['kkt_solve_ms']:.3f} + {r['wy_ms']:.3f} | "
               + (f"{r['split_segment_chunks']}: {r['split_unsegmented_fwd_ms']:.3f} |"
                  if r["split_segment_chunks"] else "none |"))
 

@@ -96,7 +96,17 @@ def tensors(out):
 
 
 def sweep(shape):
-    rows = []
+    """Each kernel at Triton's own launch options ("defaults") and at each variant; the module's LAUNCH_OPTIONS
+    (the op's chosen options) are restored after."""
+    saved, rows = dict(common.LAUNCH_OPTIONS), []
+    try:
+        return _sweep(shape, rows)
+    finally:
+        common.LAUNCH_OPTIONS.clear()
+        common.LAUNCH_OPTIONS.update(saved)
+
+
+def _sweep(shape, rows):
     for name, call in kernels(*shape).items():
         if name in SEQUENTIAL and shape[0] * shape[3] * 2 <= 132:  # one wave: one program per SM at any width
             continue

@@ -9,9 +9,9 @@ from typing import Optional
 def triton_settings() -> Optional[dict]:
     """The chunked op's Triton settings as plain values, or None where Triton is not importable."""
     try:
+        from . import common
         from .common import (
             FP32_DOT_PRECISION,
-            LAUNCH_OPTIONS,
             fused_fwd,
             fused_prepass,
             local_bwd_wy,
@@ -28,5 +28,5 @@ def triton_settings() -> Optional[dict]:
         "BWD_STAGES": state_pass_bwd.BWD_STAGES, "STATE_PASS_WARPS": state_pass.STATE_PASS_WARPS,
         "PREPASS_WARPS": fused_prepass.PREPASS_WARPS, "BWD_WARPS": dict(BWD_WARPS),
         "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC, "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
-        "LAUNCH_OPTIONS": {k: dict(v) for k, v in LAUNCH_OPTIONS.items()},
+        "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

@@ -137,11 +137,11 @@ def test_environment_records_the_triton_settings(monkeypatch):
     from linattn.eval.environment import collect
     from linattn.ops import common
     from linattn.ops.gated_delta import triton_chunk
-    assert collect(CPU)["linattn_settings"]["FORWARD_PATH"] == "walk"
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
-    monkeypatch.setitem(common.LAUNCH_OPTIONS, "wy", {"maxnreg": 168})
+    assert collect(CPU)["linattn_settings"]["FORWARD_PATH"] == "split"
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
+    monkeypatch.setattr(common, "LAUNCH_OPTIONS", {"wy": {"maxnreg": 168}})
     settings = collect(CPU)["linattn_settings"]
-    assert settings["FORWARD_PATH"] == "split" and settings["LAUNCH_OPTIONS"] == {"wy": {"maxnreg": 168}}
+    assert settings["FORWARD_PATH"] == "walk" and settings["LAUNCH_OPTIONS"] == {"wy": {"maxnreg": 168}}
     assert set(settings["BWD_WARPS"]) == {"dv", "state_pass", "dqk", "wy"}
 
 

@@ -22,9 +22,16 @@ from linattn.ops.common import CHUNK
 from linattn.ops.common.fused_fwd import fused_fwd
 from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.varlen import chunk_tables
+from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages, chunk_gated_delta_rule_fwd_triton
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms, twin
+
+
+@pytest.fixture(autouse=True)
+def walk_forward(monkeypatch):
+    """This file tests the walk forward (triton_chunk.FORWARD_PATH = "walk"); the default is the split path."""
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
 
 pytestmark = pytest.mark.interpreter
 

@@ -98,7 +98,7 @@ def test_compile_all_records_every_kernel_of_the_op():
     assert widths["fused_fwd_kernel"] == 4
 
 
-def test_launch_options_reach_the_launches_and_are_checked():
+def test_launch_options_reach_the_launches_and_are_checked(monkeypatch):
     """common.LAUNCH_OPTIONS: compile_all's record step sees a kernel's options (so its sm_90 compile uses them),
     the interpreter runs the op to the same result with them, and an option other than maxnreg / num_stages is
     refused with the allowed ones named."""
@@ -121,11 +121,9 @@ def test_launch_options_reach_the_launches_and_are_checked():
     args = (q, k, torch.randn(1, 70, 2, 32), torch.nn.functional.logsigmoid(torch.randn(1, 70, 2)),
             torch.rand(1, 70, 2))
     plain = linattn.chunk_gated_delta_rule(*args, backend="triton")[0]
-    try:
-        common.LAUNCH_OPTIONS.update(opts)
-        assert torch.equal(linattn.chunk_gated_delta_rule(*args, backend="triton")[0], plain)
-        common.LAUNCH_OPTIONS["fused_prepass"] = {"num_warps": 8}
-        with pytest.raises(ValueError, match="maxnreg"):
-            linattn.chunk_gated_delta_rule(*args, backend="triton")
-    finally:
-        common.LAUNCH_OPTIONS.clear()
+    monkeypatch.setattr(common, "LAUNCH_OPTIONS", dict(common.LAUNCH_OPTIONS))  # the defaults come back after
+    common.LAUNCH_OPTIONS.update(opts)
+    assert torch.equal(linattn.chunk_gated_delta_rule(*args, backend="triton")[0], plain)
+    common.LAUNCH_OPTIONS["fused_prepass"] = {"num_warps": 8}
+    with pytest.raises(ValueError, match="maxnreg"):
+        linattn.chunk_gated_delta_rule(*args, backend="triton")

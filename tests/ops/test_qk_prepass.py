@@ -31,6 +31,12 @@ from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from tests.ops.sm90_compile import compile_for_h200
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms, twin
 
+
+@pytest.fixture(autouse=True)
+def walk_forward(monkeypatch):
+    """This file tests the walk forward (triton_chunk.FORWARD_PATH = "walk"); the default is the split path."""
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
+
 pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 TOLERANCES = {

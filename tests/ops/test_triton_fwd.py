@@ -255,22 +255,24 @@ def test_float64_inputs_are_refused():
         linattn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="triton")
 
 
-# the "split" forward (pre-pass → state pass → output kernel) through the public op: same checks as the walk's
-SPLIT_CASES = [FWD_CASES[i] for i in (0, 2, 4, 5, 7)]
+# the other forward path, the walk (pre-pass → one sequential kernel writing o), through the public op: the same
+# checks as the default split path's (test_forward_matches_reference_and_torch above runs the default)
+WALK_CASES = [FWD_CASES[i] for i in (0, 2, 4, 5, 7)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
-def test_split_forward_matches_reference_and_torch(case, dtype, monkeypatch):
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+@pytest.mark.parametrize("case", WALK_CASES, ids=[c.id for c in WALK_CASES])
+def test_walk_forward_matches_reference_and_torch(case, dtype, monkeypatch):
+    assert triton_chunk.FORWARD_PATH == "split"
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
     test_forward_matches_reference_and_torch(case, dtype)
-    # and against the walk on the same inputs (both fp32 state; o differs by the output dtype's rounding at most)
+    # and against the split path on the same inputs (both fp32 state; o differs by the output dtype's rounding)
     x, _ = make_inputs(case, dtype)
     kw = dict(output_final_state=True, cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"], backend="triton")
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    o_s, h_s = linattn.chunk_gated_delta_rule(*args, **kw)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
     o_w, h_w = linattn.chunk_gated_delta_rule(*args, **kw)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+    o_s, h_s = linattn.chunk_gated_delta_rule(*args, **kw)
     assert rel_rms(h_s, h_w) <= TOLERANCES["forward_fp32"]
     assert rel_rms(o_s, o_w) <= (TOLERANCES["forward_fp32"] if dtype == torch.float32 else 2.0 ** -10)
 

@@ -31,8 +31,11 @@ from .state_pass import state_pass_fwd
 from .varlen import chunk_tables
 
 # phase A's chunk (two dots over the K + V columns of [M | N]) against a chunk of the state pass (the same two
-# dots over V columns), per column slice: about equal work per program. A first estimate, like seq_parallel's.
-AFFINE_COST = 1.0
+# dots over V columns), per column slice. First estimate 1.0 (about equal work per program); run 12 measured the
+# planned segments slower than none at both shapes it chose them for (1×32768 H=2 HV=8: 2.33 vs 2.20 ms forward;
+# K = V = 64 H=16: 2.02 vs 1.91), which the model matches from ≈ 1.7 up, so 2.0: it splits only when far fewer
+# programs than SMs walk very long sequences (e.g. HV = 1).
+AFFINE_COST = 2.0
 
 
 def segment_offsets(offsets: list[int], L: int, chunk_size: int) -> list[int]:

@@ -37,8 +37,9 @@ from . import (
 # with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py), BV=16: B=1 T=4096 H=16 0.282 /
 # 0.319 / 0.175 / 0.161 ms at 0 / 1 / 2 / 3; T=32768 2.21 / 2.51 / 1.35 / 1.22; at B=8 (BV=64) all within 8%.
 STATE_PASS_STAGES = 3
-# num_warps of the launch. At 4, ptxas spills 1908 bytes per thread at BV=64 (B ≥ 8 at H=16) and 268 at BV=16; at 8,
-# 236 and 0 (benchmarks/compile_all.py). Only 4 has been timed (run 11); bench_forward_paths.py times both.
+# num_warps of the launch: 4. At 8, ptxas spills less (236 instead of 1908 bytes per thread at BV=64, 0 instead of
+# 268 at BV=16, benchmarks/compile_all.py), but run 12 timed it 7–58% slower at all eight shapes of
+# bench_forward_paths.py and hit an illegal memory access at K=128 V=256 (not investigated), so 8 is not offered.
 STATE_PASS_WARPS = 4
 
 
@@ -133,8 +134,8 @@ def state_pass_fwd_kernel(k, w, u, gc, h, v_new, h0, ht, cu_seqlens, chunk_offse
 def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, gc: Optional[torch.Tensor],
                    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
                    chunk_offsets: Optional[torch.Tensor] = None, num_chunks: Optional[int] = None,
-                   chunk_size: int = CHUNK, num_stages: Optional[int] = None, block_v: Optional[int] = None,
-                   num_warps: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                   chunk_size: int = CHUNK, num_stages: Optional[int] = None, block_v: Optional[int] = None
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Walk the chunks of every sequence in order.
 
     Args:
@@ -147,7 +148,6 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
             chunk_offsets and NT_total; or None.
         num_stages, block_v: the loop's pipelining (None: :data:`STATE_PASS_STAGES` when the grid is one wave, else
             0) and the V tile (None: ``common.fill_tile_v``, at most 64, 32 beyond K = 128), for benchmarks.
-        num_warps: the launch width (None: :data:`STATE_PASS_WARPS`).
     Returns:
         h ``[B, NT, HV, K, V]`` fp32 (the state entering each chunk; varlen: B = 1, NT = NT_total),
         v_new ``[B, T, HV, V]`` fp32 (None without ``w``), final state ``[N, HV, K, V]`` fp32.
@@ -169,6 +169,6 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
         k, w, u, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
         USE_DELTA=w is not None, USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=is_varlen,
-        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=num_warps or STATE_PASS_WARPS,
+        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=STATE_PASS_WARPS,
         **launch_options("state_pass_fwd"))
     return h, v_new, ht

@@ -246,19 +246,26 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device,
-               state_bytes: int = 4) -> tuple[int, int, int]:
+               state_bytes: int = 4, multi_token: bool = False) -> tuple[int, int, int]:
     """(BK, BV, num_warps). BK covers all of K (the reductions run over K inside a program). BV: rows of 128 bytes
     of state (whole cache lines: 32 fp32 or 64 bf16 values, ``state_bytes`` per value) when there are enough
     (sequence, head) pairs to fill the machine, narrower tiles (more programs, more loads in flight) when there
     are few, e.g. decode at batch 1. One warp per 4 KB of state slice (32 registers per thread, 4 warps for a
     128 × 32 fp32 or 128 × 64 bf16 slice). Measured on the H200 (HV=32, K=V=128, CUDA graphs): fp32 B=64 BV=32
-    4 warps 76.9 µs vs 8 warps 89.2; bf16 B=64 BV=64 4 warps 55.3 vs 8 warps 70.6 (B=256: 201.0 vs 261.7). Cached: a launch plan per shape, so a decode step pays one dict lookup instead of the arithmetic (the
-    key has no T: kernels never specialise on T)."""
+    4 warps 76.9 µs vs 8 warps 89.2; bf16 B=64 BV=64 4 warps 55.3 vs 8 warps 70.6 (B=256: 201.0 vs 261.7). ``multi_token`` (T > 1): one-warp tiles
+    of 16 columns (see below). Cached: a launch plan per shape, so a decode step pays one dict lookup instead of the
+    arithmetic (the key has only whether T > 1: kernels never specialise on T)."""
     BK = next_power_of_2(K)
     BV = min(next_power_of_2(V), 128 // state_bytes)
     while BV > 8 and num_programs_nh * cdiv(V, BV) < 4 * _num_sms(device):
         BV //= 2
     num_warps = max(1, min(8, BK * BV * state_bytes // 4096))
+    if multi_token:
+        # several tokens per sequence: the step is a chain of dependent reductions over K per token, so latency,
+        # not bytes, sets the time; one-warp programs (reductions by shuffles, no cross-warp barrier) of 16
+        # columns, many per SM, hide it best. H200, run 12, B=64 Tq=4: fp32 133.9 µs vs 200.8 at BV=32 / 4 warps,
+        # bf16 98.9 vs 147.4 at BV=64 / 4 warps (one token: the byte-sized tiles above stay fastest)
+        BV, num_warps = min(BV, 16), 1
     return BK, BV, num_warps
 
 
@@ -276,7 +283,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = final_state if final_state is not None else initial_state
-    BK, BV_, nw = pick_tiles(N * HV, K, V, q.device, state.element_size() if state is not None else 4)
+    BK, BV_, nw = pick_tiles(N * HV, K, V, q.device, state.element_size() if state is not None else 4, T > 1)
     BV, num_warps = BV or BV_, num_warps or nw
     o = torch.empty_like(v)
     grid = (cdiv(V, BV), N * HV)

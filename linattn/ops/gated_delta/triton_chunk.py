@@ -55,11 +55,15 @@ PRECOMPUTE_QK = True
 # keeps only the state update sequential — pre-pass (gc, W, U), the forward state pass (h of every chunk and
 # V_new to HBM), then the output as a kernel parallel over chunks. Run 11 made the state pass alone 2.5× faster
 # than the walk at B=1 H=16 (0.161 vs 0.399 ms), because its per-chunk chain is two dots, not five. Prediction
-# (benchmarks/bench_forward_paths.py, not yet run): split forward at B=1 T=4096 H=16 ≈ 0.13 + 0.16 + 0.05 ≈ 0.35
-# ms (walk 0.541), B=8 ≈ 1.0 + 0.61 + 0.3 ≈ 1.9 (2.55), B=1 T=32768 ≈ 2.5 (4.28); it writes h (64 KB per chunk
-# and value head in fp32) and splits long sequences into segments like the walk (common/split_fwd.py).
+# (written before any run): split forward at B=1 T=4096 H=16 ≈ 0.13 + 0.16 + 0.05 ≈ 0.35 ms (walk 0.541), B=8 ≈
+# 1.0 + 0.61 + 0.3 ≈ 1.9 (2.55), B=1 T=32768 ≈ 2.5 (4.28). Measured (run 12, bench_forward_paths.py, before the
+# output kernel's launch options): 0.419 (pre-pass 0.135 + state pass 0.164 + output 0.143: the output kernel was
+# 3× its estimate), 2.56, 3.20; faster than or equal to the walk at every K = 128 shape of issue 4 (T=131072
+# 12.75 vs 17.26, 2×16384 H=32 5.56 vs 6.37, 1×32768 2/8 2.33 vs 2.94), 6% slower at K = V = 64 (2.02 vs 1.91).
+# So it is the default. It writes h (64 KB per chunk and value head in fp32) and can split long sequences into
+# segments like the walk (common/split_fwd.py).
 FORWARD_PATHS = ("walk", "split")
-FORWARD_PATH = "walk"
+FORWARD_PATH = "split"
 
 
 class FwdStages(NamedTuple):
@@ -133,11 +137,13 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     """Forward of the triton backend: o ``[B, T, HV, V]`` in v.dtype and the final state ``[N, HV, K, V]`` fp32.
     Arguments as :func:`chunk_gated_delta_rule_fwd_stages`.
 
-    The fused path (docs/architecture.md, "Fused forward"): one parallel pre-pass writes gc, W, U; one sequential
-    kernel per (sequence, value head, V slice) keeps the state on chip and writes only o and the final state;
-    when those programs cannot fill the SMs, long sequences are split into segments stitched exactly through their
-    affine state maps (``common/seq_parallel.py``). With :data:`PRECOMPUTE_QK` the pre-pass also writes P and the
-    walk reads it. :data:`FORWARD_PATH` = "split" runs pre-pass, state pass and output kernel instead.
+    :data:`FORWARD_PATH` = "split" (the default; docs/architecture.md, "The split forward"): one parallel
+    pre-pass writes gc, W, U; the state pass walks the chunks (only the state update on the sequential chain) and
+    writes h and V_new; the output kernel runs parallel over chunks. "walk" (docs/architecture.md, "Fused
+    forward"): the pre-pass, then one sequential kernel per (sequence, value head, V slice) that keeps the state on
+    chip and writes only o and the final state; with :data:`PRECOMPUTE_QK` the pre-pass also writes P and the walk
+    reads it. Both split long sequences into segments stitched exactly through their affine state maps when their
+    programs cannot fill the SMs (``common/seq_parallel.py``, ``common/split_fwd.py``).
     """
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
