@@ -23,7 +23,8 @@ def triton_settings() -> Optional[dict]:
     except ImportError:
         return None
     return {
-        "FORWARD_PATH": triton_chunk.FORWARD_PATH, "PRECOMPUTE_QK": triton_chunk.PRECOMPUTE_QK,
+        "FORWARD_PATH": triton_chunk.FORWARD_PATH, "WALK_MIN_PAIRS": triton_chunk.WALK_MIN_PAIRS,
+        "PRECOMPUTE_QK": triton_chunk.PRECOMPUTE_QK,
         "WALK_STAGES": fused_fwd.WALK_STAGES, "STATE_PASS_STAGES": state_pass.STATE_PASS_STAGES,
         "BWD_STAGES": state_pass_bwd.BWD_STAGES, "STATE_PASS_WARPS": state_pass.STATE_PASS_WARPS,
         "PREPASS_WARPS": fused_prepass.PREPASS_WARPS, "BWD_WARPS": dict(BWD_WARPS),

@@ -137,7 +137,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     from linattn.eval.environment import collect
     from linattn.ops import common
     from linattn.ops.gated_delta import triton_chunk
-    assert collect(CPU)["linattn_settings"]["FORWARD_PATH"] == "split"
+    assert collect(CPU)["linattn_settings"]["FORWARD_PATH"] == "auto"
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
     monkeypatch.setattr(common, "LAUNCH_OPTIONS", {"wy": {"maxnreg": 168}})
     settings = collect(CPU)["linattn_settings"]

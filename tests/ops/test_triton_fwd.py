@@ -263,7 +263,7 @@ WALK_CASES = [FWD_CASES[i] for i in (0, 2, 4, 5, 7)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", WALK_CASES, ids=[c.id for c in WALK_CASES])
 def test_walk_forward_matches_reference_and_torch(case, dtype, monkeypatch):
-    assert triton_chunk.FORWARD_PATH == "split"
+    assert triton_chunk.forward_path(case.B, case.HV) == "split"  # so the test above ran the split path
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
     test_forward_matches_reference_and_torch(case, dtype)
     # and against the split path on the same inputs (both fp32 state; o differs by the output dtype's rounding)
@@ -275,6 +275,36 @@ def test_walk_forward_matches_reference_and_torch(case, dtype, monkeypatch):
     o_s, h_s = linattn.chunk_gated_delta_rule(*args, **kw)
     assert rel_rms(h_s, h_w) <= TOLERANCES["forward_fp32"]
     assert rel_rms(o_s, o_w) <= (TOLERANCES["forward_fp32"] if dtype == torch.float32 else 2.0 ** -10)
+
+
+@pytest.mark.parametrize("setting,N,HV,expected", [
+    ("auto", 1, 16, "split"), ("auto", 2, 32, "split"), ("auto", 8, 16, "walk"), ("auto", 4, 32, "walk"),
+    ("auto", 127, 1, "split"), ("walk", 1, 1, "walk"), ("split", 64, 64, "split")])
+def test_forward_path_rule(setting, N, HV, expected, monkeypatch):
+    """"auto": the walk once N·HV ≥ WALK_MIN_PAIRS (128; run 12's crossover), else the split; others as set."""
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", setting)
+    assert triton_chunk.WALK_MIN_PAIRS == 128 and triton_chunk.forward_path(N, HV) == expected
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_auto_forward_path_reaches_both_paths(varlen, monkeypatch):
+    """Through the public op, "auto" runs the split path below WALK_MIN_PAIRS pairs and the walk at or above it
+    (pairs counted per sequence: varlen counts cu_seqlens' sequences, not B = 1), with the same results."""
+    x, _ = make_inputs(Case("auto", B=1 if varlen else 2, T=40, H=2, HV=2, lengths=(9, 31) if varlen else None),
+                       torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(output_final_state=True, cu_seqlens=x["cu_seqlens"], backend="triton")
+    calls = []
+    for name in ("split_fwd", "fused_fwd_seq_parallel"):
+        fn = getattr(triton_chunk, name)
+        monkeypatch.setattr(triton_chunk, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    outs = []
+    for pairs in (5, 4):  # 2 sequences × 2 value heads = 4 pairs: split below 5, walk at 4
+        monkeypatch.setattr(triton_chunk, "WALK_MIN_PAIRS", pairs)
+        outs.append(linattn.chunk_gated_delta_rule(*args, **kw))
+    assert calls == ["split_fwd", "fused_fwd_seq_parallel"]
+    assert rel_rms(outs[0][0], outs[1][0]) <= TOLERANCES["forward_fp32"]
+    assert rel_rms(outs[0][1], outs[1][1]) <= TOLERANCES["forward_fp32"]
 
 
 def test_unknown_forward_path_is_refused(monkeypatch):

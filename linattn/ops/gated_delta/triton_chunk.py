@@ -50,20 +50,33 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PRECOMPUTE_QK = True
 
 
-# Which forward the op runs: "walk" (the default) is the fused sequential kernel — pre-pass (gc, W, U, P), then one
-# program per (sequence, value head, V slice) walking the chunks with the state on chip and writing o; "split"
-# keeps only the state update sequential — pre-pass (gc, W, U), the forward state pass (h of every chunk and
-# V_new to HBM), then the output as a kernel parallel over chunks. Run 11 made the state pass alone 2.5× faster
-# than the walk at B=1 H=16 (0.161 vs 0.399 ms), because its per-chunk chain is two dots, not five. Prediction
-# (written before any run): split forward at B=1 T=4096 H=16 ≈ 0.13 + 0.16 + 0.05 ≈ 0.35 ms (walk 0.541), B=8 ≈
-# 1.0 + 0.61 + 0.3 ≈ 1.9 (2.55), B=1 T=32768 ≈ 2.5 (4.28). Measured (run 12, bench_forward_paths.py, before the
-# output kernel's launch options): 0.419 (pre-pass 0.135 + state pass 0.164 + output 0.143: the output kernel was
-# 3× its estimate), 2.56, 3.20; faster than or equal to the walk at every K = 128 shape of issue 4 (T=131072
-# 12.75 vs 17.26, 2×16384 H=32 5.56 vs 6.37, 1×32768 2/8 2.33 vs 2.94), 6% slower at K = V = 64 (2.02 vs 1.91).
-# So it is the default. It writes h (64 KB per chunk and value head in fp32) and can split long sequences into
-# segments like the walk (common/split_fwd.py).
-FORWARD_PATHS = ("walk", "split")
-FORWARD_PATH = "split"
+# Which forward the op runs. "walk" is the fused sequential kernel — pre-pass (gc, W, U, P), then one program per
+# (sequence, value head, V slice) walking the chunks with the state on chip and writing o; "split" keeps only the
+# state update sequential — pre-pass (gc, W, U), the forward state pass (h of every chunk and V_new to HBM), then
+# the output as a kernel parallel over chunks. Run 11 made the state pass alone 2.5× faster than the walk at B=1
+# H=16 (0.161 vs 0.399 ms): its per-chunk chain is two dots, not five. Prediction (written before any run): split
+# forward at B=1 T=4096 H=16 ≈ 0.13 + 0.16 + 0.05 ≈ 0.35 ms (walk 0.541), B=8 ≈ 1.9 (2.55), B=1 T=32768 ≈ 2.5
+# (4.28). Measured (run 12, bench_forward_paths.py, at the run-12 launch options), split vs walk: 0.417 vs 0.532
+# (the stages sum to 0.367: host time), 2.48 vs 2.46, 3.11 vs 4.14; T=131072 12.29 vs 16.46; 2×16384 H=32 5.36 vs
+# 5.86; 1×32768 2/8 2.13 vs 2.74; K = V = 64 1.69 vs 1.79; K=128 V=256 5.44 vs 8.26; but 4×8192 HV=32 4.89 vs
+# 4.68. The walk wins (by 1–4%) where the (sequence, value head) pairs alone fill the SMs, the split everywhere
+# else (by 6–34%), so "auto" (the default) picks by :data:`WALK_MIN_PAIRS`. The split writes h (64 KB per chunk
+# and value head in fp32); both split long sequences into segments when their programs cannot fill the SMs.
+FORWARD_PATHS = ("auto", "walk", "split")
+FORWARD_PATH = "auto"
+# "auto": the walk when N·HV (sequences × value heads) is at least this, else the split. Run 12: 128 pairs (B=8
+# H=16, B=4 HV=32) walk 2.46 / 4.68 ms vs split 2.48 / 4.89; 64 pairs (B=2 H=32) split 5.36 vs walk 5.86.
+WALK_MIN_PAIRS = 128
+
+
+def forward_path(num_sequences: int, HV: int) -> str:
+    """The forward path :func:`chunk_gated_delta_rule_fwd_triton` runs for ``num_sequences`` sequences of ``HV``
+    value heads: :data:`FORWARD_PATH`, with "auto" resolved by :data:`WALK_MIN_PAIRS`."""
+    if FORWARD_PATH not in FORWARD_PATHS:
+        raise ValueError(f"triton_chunk.FORWARD_PATH must be one of {FORWARD_PATHS}, got {FORWARD_PATH!r}")
+    if FORWARD_PATH != "auto":
+        return FORWARD_PATH
+    return "walk" if num_sequences * HV >= WALK_MIN_PAIRS else "split"
 
 
 class FwdStages(NamedTuple):
@@ -137,7 +150,8 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     """Forward of the triton backend: o ``[B, T, HV, V]`` in v.dtype and the final state ``[N, HV, K, V]`` fp32.
     Arguments as :func:`chunk_gated_delta_rule_fwd_stages`.
 
-    :data:`FORWARD_PATH` = "split" (the default; docs/architecture.md, "The split forward"): one parallel
+    :func:`forward_path` picks the path from :data:`FORWARD_PATH` and the shape. "split" (docs/architecture.md,
+    "The split forward"): one parallel
     pre-pass writes gc, W, U; the state pass walks the chunks (only the state update on the sequential chain) and
     writes h and V_new; the output kernel runs parallel over chunks. "walk" (docs/architecture.md, "Fused
     forward"): the pre-pass, then one sequential kernel per (sequence, value head, V slice) that keeps the state on
@@ -148,13 +162,12 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
-    if FORWARD_PATH not in FORWARD_PATHS:
-        raise ValueError(f"triton_chunk.FORWARD_PATH must be one of {FORWARD_PATHS}, got {FORWARD_PATH!r}")
+    path = forward_path(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, v.shape[2])
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
-    if FORWARD_PATH == "split":
+    if path == "split":
         gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
         # the output dots at the walk's precision (tf32x3 for bf16), so both paths meet the same accuracy
         return split_fwd(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
