@@ -27,6 +27,7 @@ from linattn import chunk_gated_delta_rule
 from linattn.ops.common import local_bwd_wy as WY
 
 PRECS = ("ieee", "tf32x3")
+DEFAULT_PREC = WY.INVERSE_DOT_PREC  # restored after each sweep
 ACCURACY_CASES = ("anchor_B2_T300_K128", "K64_V64_T4096", "T32768_K128")
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (4, 8192, 16, 32)]
 D = 128
@@ -43,7 +44,7 @@ def accuracy(names):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
-    WY.INVERSE_DOT_PREC = "ieee"
+    WY.INVERSE_DOT_PREC = DEFAULT_PREC
     return rows
 
 
@@ -59,7 +60,7 @@ def speed(B, T, H, HV):
         row[f"wy_{prec}_ms"] = triton.testing.do_bench(
             lambda: WY.local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk.clone(), None, None))
         row[f"fwdbwd_{prec}_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
-    WY.INVERSE_DOT_PREC = "ieee"
+    WY.INVERSE_DOT_PREC = DEFAULT_PREC
     print(json.dumps(row), flush=True)
     return row
 

@@ -44,6 +44,8 @@ SHAPES = [  # B, T, H, HV, K, V
     (1, 32768, 2, 8, 128, 128), (1, 32768, 16, 16, 64, 64), (1, 32768, 16, 16, 128, 256),
 ]
 NAMES = ("q", "k", "v", "g", "beta")
+PATHS = ("walk", "split")                   # "auto" (the default) picks one of them by the shape
+DEFAULT_PATH = triton_chunk.FORWARD_PATH
 
 
 def accuracy():
@@ -52,13 +54,14 @@ def accuracy():
     args = [x[n] for n in NAMES]
     ro, rS = gated_delta_rule_reference(*args, 128 ** -0.5, None, None)
     rows = []
-    for path in triton_chunk.FORWARD_PATHS:
+    for path in PATHS:
         triton_chunk.FORWARD_PATH = path
         t0 = time.time()
         o, S = chunk_gated_delta_rule(*args, scale=128 ** -0.5, output_final_state=True)
         torch.cuda.synchronize()
         rows.append(dict(path=path, first_call_s=time.time() - t0, o=rel(o, ro), state=rel(S, rS)))
         print(json.dumps(rows[-1]), flush=True)
+    triton_chunk.FORWARD_PATH = DEFAULT_PATH
     return rows
 
 
@@ -69,7 +72,7 @@ def timings(B, T, H, HV, K, V):
     f = lambda: chunk_gated_delta_rule(*ins, scale=scale, output_final_state=True)
     do = torch.randn_like(x["v"])
     row = dict(shape=(B, T, H, HV, K, V))
-    for path in triton_chunk.FORWARD_PATHS:
+    for path in PATHS:
         triton_chunk.FORWARD_PATH = path
         try:
             with torch.no_grad():
@@ -89,7 +92,7 @@ def timings(B, T, H, HV, K, V):
                 row["split_unsegmented_fwd_ms"] = triton.testing.do_bench(f)
         finally:
             SF.plan_segments = planner
-    triton_chunk.FORWARD_PATH = "walk"
+    triton_chunk.FORWARD_PATH = DEFAULT_PATH
     # the split path stage by stage
     with torch.no_grad():
         q, k, v, g, beta = (t.detach() for t in ins)
