@@ -14,7 +14,9 @@ def triton_settings() -> Optional[dict]:
             FP32_DOT_PRECISION,
             fused_fwd,
             fused_prepass,
+            kkt_solve,
             local_bwd_wy,
+            split_fwd,
             state_pass,
             state_pass_bwd,
         )
@@ -28,6 +30,7 @@ def triton_settings() -> Optional[dict]:
         "WALK_STAGES": fused_fwd.WALK_STAGES, "STATE_PASS_STAGES": state_pass.STATE_PASS_STAGES,
         "BWD_STAGES": state_pass_bwd.BWD_STAGES, "STATE_PASS_WARPS": state_pass.STATE_PASS_WARPS,
         "PREPASS_WARPS": fused_prepass.PREPASS_WARPS, "BWD_WARPS": dict(BWD_WARPS),
-        "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC, "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
+        "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC,
+        "MERGE_PREC": kkt_solve.MERGE_PREC, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16, "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

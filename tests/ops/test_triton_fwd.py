@@ -168,6 +168,38 @@ def test_stage_kkt_solve(stage_case):
     assert rel_rms(A_inv, ref["A_inv"]) <= TOLERANCES["stage"][dtype]
 
 
+# The cheaper precisions of the fp32 products (kkt_solve's block merges, the split's output dots): "bf16x3" carries
+# 16 significand bits per operand on the GPU and 14 under the interpreter (it truncates to bf16), so its bound is
+# tests/ops/test_dot.py's 1e-4 per product; "tf32x3" runs as fp32 under the interpreter (plumbing only here; its
+# accuracy on the H200 is benchmarks/bench_split_precision.py's).
+PREC_TOL = {"tf32x3": 1e-5, "bf16x3": 1e-4}
+
+
+@pytest.mark.parametrize("prec", sorted(PREC_TOL))
+def test_stage_kkt_solve_merge_precisions(stage_case, prec):
+    x, _, (ci, _), _, ref, dtype = stage_case
+    if dtype == torch.float32:
+        pytest.skip("fp32 inputs always merge at 'ieee' (kkt_solve.merge_precision)")
+    A_inv = kkt_solve(x["k"], x["beta"], f32(ref["gc"]), x["v"].shape[2], x["cu_seqlens"], ci, merge_prec=prec)
+    assert torch.isfinite(A_inv).all() and rel_rms(A_inv, ref["A_inv"]) <= PREC_TOL[prec]
+
+
+def test_merge_and_output_precision_settings(monkeypatch):
+    from linattn.ops.common import kkt_solve as KS
+    from linattn.ops.common import split_fwd as SF
+    assert KS.merge_precision(torch.float32, "bf16x3") == "ieee"
+    assert KS.merge_precision(torch.bfloat16) == KS.MERGE_PREC
+    monkeypatch.setattr(KS, "MERGE_PREC", "tf64")
+    with pytest.raises(ValueError, match="merge precision"):
+        KS.merge_precision(torch.float16)
+    monkeypatch.setattr(SF, "OUTPUT_PREC_BF16", "bf16x3")
+    assert SF.output_precision(torch.bfloat16) == "bf16x3" and SF.output_precision(torch.float16) == "tf32x3"
+    x, _ = make_inputs(Case("p", T=8), torch.float32)
+    with pytest.raises(ValueError, match="dot_prec"):
+        output_fwd(x["q"], x["k"], x["v"].float(), torch.zeros(2, 1, 2, 32, 32), None, 1.0, torch.float32,
+                   dot_prec="fp8")
+
+
 def test_stage_wy(stage_case):
     x, _, (ci, _), _, ref, dtype = stage_case
     w, u = wy_fwd(x["k"], x["v"], x["beta"], f32(ref["gc"]), f32(ref["A_inv"]), x["cu_seqlens"], ci)
@@ -191,6 +223,14 @@ def test_stage_output(stage_case):
     o = output_fwd(x["q"], x["k"], f32(ref["v_new"]), f32(ref["h"]), f32(ref["gc"]), scale, torch.float32,
                    x["cu_seqlens"], ci)
     assert rel_rms(o, ref["o"]) <= TOLERANCES["stage"][dtype]
+
+
+@pytest.mark.parametrize("prec", sorted(PREC_TOL))
+def test_stage_output_precisions(stage_case, prec):
+    x, _, (ci, _), scale, ref, dtype = stage_case
+    o = output_fwd(x["q"], x["k"], f32(ref["v_new"]), f32(ref["h"]), f32(ref["gc"]), scale, torch.float32,
+                   x["cu_seqlens"], ci, dot_prec=prec)
+    assert rel_rms(o, ref["o"]) <= PREC_TOL[prec]
 
 
 def test_stages_chained_match_twin(stage_case):

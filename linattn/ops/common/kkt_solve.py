@@ -8,7 +8,8 @@ Method (exact, no iteration to convergence). Split the chunk into four 16-row bl
      (products of inputs are exact in fp32 accumulation); the gate difference is masked *before* exp, so padded
      rows and the upper triangle never overflow, and e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
   2. forward substitution on each diagonal block: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in registers;
-  3. block merges, Ainv_ij = −Ainv_ii Σ_{j ≤ m < i} A_im Ainv_mj: six levels of 16×16 fp32 dots ("ieee").
+  3. block merges, Ainv_ij = −Ainv_ii Σ_{j ≤ m < i} A_im Ainv_mj: six levels of 16×16 fp32 dots at
+     :data:`MERGE_PREC` for 16-bit inputs ("ieee" for fp32 inputs).
 Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
 (entries of A³² reach C(63, 31) ≈ 1e18 while the inverse stays O(1)); substitution does not.
 Per chunk it reads BT·K keys, 2·BT gates/betas and writes BT·BT fp32; the ~2·BT²·K FLOPs are ~5% of the forward.
@@ -21,8 +22,25 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, launch_options
+from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
+from .dot import DOT_PRECISIONS, dot
 from .varlen import chunk_bounds
+
+# Precision of the block merges' fp32 products (step 3) for 16-bit inputs. "ieee" runs them on FMA units: 552
+# FFMA of kkt_solve's ~3800 SASS instructions (bf16, sm_90), and the solve is the pre-pass's largest part (0.52 of
+# 0.90 ms at B=8 T=4096 H=16, run 12). Candidates: "tf32x3" (three tf32 MMAs, ≈ 2^-22 per product, as the WY
+# backward's inverse products since run 12) and "bf16x3" (common/dot.py, ≈ 2^-16); benchmarks/
+# bench_split_precision.py measures them (gradients included: the backward recomputes A_inv) before a switch.
+MERGE_PREC = "ieee"
+
+
+def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
+    """The block merges' precision for inputs of ``dtype``: fp32 inputs always "ieee"; else ``override`` or
+    :data:`MERGE_PREC`, checked."""
+    prec = "ieee" if dtype == torch.float32 else (override or MERGE_PREC)
+    if prec not in DOT_PRECISIONS:
+        raise ValueError(f"kkt_solve merge precision must be one of {DOT_PRECISIONS}, got {prec!r}")
+    return prec
 
 
 @triton.jit
@@ -58,7 +76,7 @@ def _invert_diag_block(b_A, o_r):
 @triton.jit
 def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-                       USE_DECAY: tl.constexpr):
+                       USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Steps 1–3 for chunk i_c of the sequence at bos: the ten lower 16×16 blocks of (I + A)⁻¹, fp32, as
     (T00, T10, T11, T20, T21, T22, T30, T31, T32, T33). Shared by :func:`kkt_solve_kernel` and the fused
     pre-pass (``fused_prepass.py``), which keeps them in registers instead of writing A_inv."""
@@ -113,24 +131,24 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     b_T22 = _invert_diag_block(b_A22, o_r)
     b_T33 = _invert_diag_block(b_A33, o_r)
 
-    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj
-    b_T10 = -tl.dot(b_T11, tl.dot(b_A10, b_T00, input_precision="ieee"), input_precision="ieee")
-    b_T21 = -tl.dot(b_T22, tl.dot(b_A21, b_T11, input_precision="ieee"), input_precision="ieee")
-    b_T32 = -tl.dot(b_T33, tl.dot(b_A32, b_T22, input_precision="ieee"), input_precision="ieee")
-    b_T20 = -tl.dot(b_T22, tl.dot(b_A20, b_T00, input_precision="ieee")
-                    + tl.dot(b_A21, b_T10, input_precision="ieee"), input_precision="ieee")
-    b_T31 = -tl.dot(b_T33, tl.dot(b_A31, b_T11, input_precision="ieee")
-                    + tl.dot(b_A32, b_T21, input_precision="ieee"), input_precision="ieee")
-    b_T30 = -tl.dot(b_T33, tl.dot(b_A30, b_T00, input_precision="ieee")
-                    + tl.dot(b_A31, b_T10, input_precision="ieee")
-                    + tl.dot(b_A32, b_T20, input_precision="ieee"), input_precision="ieee")
+    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32, MERGE_PREC)
+    b_T10 = -dot(b_T11, dot(b_A10, b_T00, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
+    b_T21 = -dot(b_T22, dot(b_A21, b_T11, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
+    b_T32 = -dot(b_T33, dot(b_A32, b_T22, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
+    b_T20 = -dot(b_T22, dot(b_A20, b_T00, MERGE_PREC, INTERPRET) + dot(b_A21, b_T10, MERGE_PREC, INTERPRET),
+                 MERGE_PREC, INTERPRET)
+    b_T31 = -dot(b_T33, dot(b_A31, b_T11, MERGE_PREC, INTERPRET) + dot(b_A32, b_T21, MERGE_PREC, INTERPRET),
+                 MERGE_PREC, INTERPRET)
+    b_T30 = -dot(b_T33, dot(b_A30, b_T00, MERGE_PREC, INTERPRET) + dot(b_A31, b_T10, MERGE_PREC, INTERPRET)
+                 + dot(b_A32, b_T20, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
     return b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33
 
 
 @triton.jit(do_not_specialize=["T"])
 def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-                     USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr):
+                     USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, MERGE_PREC: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -138,7 +156,7 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
     _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
     T_seq = eos - bos
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
-        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY)
+        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC, INTERPRET)
 
     # write all sixteen blocks (the upper ones as zeros) of the chunk's rows; rows past eos are not written
     p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (16, 16),
@@ -164,13 +182,14 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], HV: int,
               cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
-              chunk_size: int = CHUNK) -> torch.Tensor:
+              chunk_size: int = CHUNK, merge_prec: Optional[str] = None) -> torch.Tensor:
     """A_inv = (I + strict_lower(diag(β) K Kᵀ ⊙ D))⁻¹ per chunk.
 
     Args:
         k: keys ``[B, T, H, K]``; value head i reads key head ``i // (HV // H)``.
         beta: ``[B, T, HV]``. gc: chunk-local cumulative log decay ``[B, T, HV]`` fp32, or None for no decay.
         cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
+        merge_prec: the block merges' precision (None: :func:`merge_precision`; benchmarks and tests).
     Returns:
         A_inv ``[B, T, HV, BT]`` fp32 (row t = row of t's chunk inverse, zero past the chunk's length).
     """
@@ -180,5 +199,5 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
     kkt_solve_kernel[(NT, B * HV)](
         k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
         DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None,
-        **launch_options("kkt_solve"))
+        MERGE_PREC=merge_precision(k.dtype, merge_prec), INTERPRET=triton_interpret(), **launch_options("kkt_solve"))
     return A_inv

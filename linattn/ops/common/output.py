@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, launch_options
+from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
+from .dot import DOT_PRECISIONS, dot
 from .varlen import chunk_bounds
 
 
@@ -26,7 +27,7 @@ from .varlen import chunk_bounds
 def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr,
                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, DOT_PREC: tl.constexpr, OUT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
+                      IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (cdiv(V, BV), NT, B·HV)
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -50,7 +51,7 @@ def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T
         b_q = tl.load(p_q, boundary_check=(0, 1))
         b_kt = tl.load(p_k, boundary_check=(0, 1))
         b_h = tl.load(p_h, boundary_check=(0, 1))
-        b_o += tl.dot(b_q.to(tl.float32), b_h, input_precision=OUT_PREC)
+        b_o += dot(b_q, b_h, OUT_PREC, INTERPRET)  # "bf16x3" keeps a bf16 Q whole: two MMAs, not three
         b_P += tl.dot(b_q, b_kt, input_precision=DOT_PREC)
 
     m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
@@ -64,7 +65,7 @@ def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T
     p_v = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
     b_v = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32)
-    b_o = (b_o + tl.dot(b_P, b_v, input_precision=OUT_PREC)) * scale
+    b_o = (b_o + dot(b_P, b_v, OUT_PREC, INTERPRET)) * scale
     p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
@@ -79,12 +80,14 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     Args:
         q, k: ``[B, T, H, K]``; v_new: ``[B, T, HV, V]`` (fp32 from the state pass; plain GLA: the values);
         h: ``[B, NT, HV, K, V]`` fp32 states entering each chunk; gc: ``[B, T, HV]`` fp32 or None.
-        dot_prec: precision of the two dots on fp32 operands (Q S, P V_new); None: ``dot_precision`` of the
-            inputs. The split forward passes the walk's output precision (tf32x3 for bf16, which keeps o's error
-            at 1.74e-3 against 2.0e-3 with tf32 at the anchor case: ``fused_fwd.fused_dot_precisions``).
+        dot_prec: precision of the two dots on fp32 operands (Q S, P V_new), one of ``dot.DOT_PRECISIONS``;
+            None: ``dot_precision`` of the inputs. The split forward passes ``split_fwd.output_precision`` (tf32x3
+            for bf16, which keeps o's error at 1.73e-3 against 2.0e-3 with tf32 at the anchor case).
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``.
     """
+    if dot_prec is not None and dot_prec not in DOT_PRECISIONS:
+        raise ValueError(f"output_fwd dot_prec must be one of {DOT_PRECISIONS}, got {dot_prec!r}")
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
@@ -93,5 +96,6 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     output_fwd_kernel[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=BV, DOT_PREC=dot_precision(q.dtype), OUT_PREC=dot_prec or dot_precision(q.dtype),
-        USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None, **launch_options("output_fwd"))
+        USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None, INTERPRET=triton_interpret(),
+        **launch_options("output_fwd"))
     return o

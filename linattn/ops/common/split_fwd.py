@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import triton
 
-from . import CHUNK, num_sms
+from . import CHUNK, dot_precision, num_sms
 from .fused_fwd import fused_fwd_config, launch_walk
 from .output import output_fwd
 from .seq_parallel import affine_scan, plan_segments, segment_tables
@@ -36,6 +36,18 @@ from .varlen import chunk_tables
 # K = V = 64 H=16: 2.02 vs 1.91), which the model matches from ≈ 1.7 up, so 2.0: it splits only when far fewer
 # programs than SMs walk very long sequences (e.g. HV = 1).
 AFFINE_COST = 2.0
+
+# The output kernel's two fp32 products (Q S, P V_new) for bf16 inputs. "tf32x3" (the walk's output precision)
+# keeps o at 1.73e-3 against float64 at the anchor case (tf32: 2.0e-3, at the bf16 goal's edge), but in the op
+# the output kernel then costs ≈ 0.4 ms more than at tf32 at B=8 T=4096 H=16 (run 12). "bf16x3" (common/dot.py:
+# Q stays bf16, so Q S is two bf16 MMAs and P V_new three — about half of tf32x3's tensor-core time, ≈ 2^-16 per
+# product) is the candidate; benchmarks/bench_split_precision.py measures it. Other dtypes: ``dot_precision``.
+OUTPUT_PREC_BF16 = "tf32x3"
+
+
+def output_precision(dtype: torch.dtype) -> str:
+    """The split forward's output-kernel precision for inputs of ``dtype``."""
+    return OUTPUT_PREC_BF16 if dtype == torch.bfloat16 else dot_precision(dtype)
 
 
 def segment_offsets(offsets: list[int], L: int, chunk_size: int) -> list[int]:

@@ -29,11 +29,11 @@ import triton
 
 from ..common import CHUNK
 from ..common.cumsum import chunk_local_cumsum
-from ..common.fused_fwd import fused_dot_precisions
 from ..common.fused_prepass import fused_prepass
 from ..common.kkt_solve import kkt_solve
 from ..common.output import output_fwd
 from ..common.seq_parallel import fused_fwd_seq_parallel
+from ..common.split_fwd import output_precision as split_output_precision
 from ..common.split_fwd import split_fwd
 from ..common.state_pass import state_pass_fwd
 from ..common.varlen import chunk_tables
@@ -169,8 +169,8 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
     if path == "split":
         gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
-        # the output dots at the walk's precision (tf32x3 for bf16), so both paths meet the same accuracy
+        # the output dots at split_fwd.output_precision (tf32x3 for bf16: the walk's output precision)
         return split_fwd(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
-                         chunk_offsets, out_prec=fused_dot_precisions(v.dtype)[0])
+                         chunk_offsets, out_prec=split_output_precision(v.dtype))
     gc, w, u, p = fwd_prepass(q, k, v, g, beta, cu_seqlens, chunk_indices)
     return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)
