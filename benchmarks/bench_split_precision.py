@@ -96,7 +96,7 @@ def speed(B, T, H, HV, variants):
                     row["fwd_ms"] = triton.testing.do_bench(f)
                 row["fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
                 row["output_ms"] = triton.testing.do_bench(
-                    lambda: output_fwd(q, k, v_new, h, gc, D ** -0.5, v.dtype, dot_prec=out_prec))
+                    lambda p=out_prec: output_fwd(q, k, v_new, h, gc, D ** -0.5, v.dtype, dot_prec=p))
                 row["kkt_solve_ms"] = triton.testing.do_bench(lambda: KS.kkt_solve(k, beta, gc, HV))
                 row["prepass_ms"] = triton.testing.do_bench(lambda: fused_prepass(g, k, v, beta))
             except Exception as e:
