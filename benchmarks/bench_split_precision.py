@@ -8,7 +8,10 @@ Why (run 12): at B=8 T=4096 H=16 the split forward's stages sum to 2.05 ms timed
 op runs the output kernel at tf32x3 (o 1.73e-3 at the anchor case, tf32 2.0e-3), the stage timing used tf32. And
 the solve (kkt_solve alone 0.52 ms of the pre-pass's 0.90) runs its six levels of 16×16 merges at "ieee": 552 FFMA
 of its ~3800 SASS instructions. "bf16x3" (common/dot.py) keeps a bf16 Q whole: Q S is two bf16 MMAs, P V_new
-three, ≈ 2^-16 per product — about half of tf32x3's tensor-core time. Prediction written before any run: output
+three, ≈ 2^-16 per product — about half of tf32x3's tensor-core time. Static sm_90 SASS (compile_all.py --set,
+bf16, B=1 H=16): output kernel tf32x3 4248 instructions / 52 HGMMA / 2664 spill bytes per thread, bf16x3 3328 / 24
+/ 1568, tf32 3112 / 20 / 1796; kkt_solve merges ieee 3800 instructions / 552 FFMA, tf32x3 5280 / 272 HMMA / 352
+SHFL (layout shuffles), bf16x3 4056 / 176 HMMA / 208 SHFL. Prediction written before any run: output
 kernel at bf16x3 ≈ 0.6 of its tf32x3 time (split forward 2.48 → ≈ 2.2 ms at B=8); merges on tensor cores take
 kkt_solve 0.52 → ≈ 0.4 ms and the pre-pass 0.90 → ≈ 0.8; every error within 2× of the rounded-PyTorch baseline.
 

@@ -13,7 +13,8 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
     python benchmarks/compile_all.py [--dtype bf16|fp32|fp16] [--B 1 --H 16 --HV 16 --D 128] [--gate]
     python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
     python benchmarks/compile_all.py --warps 8        # the pre-pass and the backward kernels at 8 warps
-    python benchmarks/compile_all.py --forward split  # the split forward (pre-pass, state pass, output kernel)
+    python benchmarks/compile_all.py --forward split  # force a forward path (default "auto": the op's own pick)
+    python benchmarks/compile_all.py --set common.kkt_solve.MERGE_PREC=tf32x3   # a string setting of linattn.ops
     python benchmarks/compile_all.py --launch-options '{"local_bwd_dqk": {"num_stages": 1}}'   # common.LAUNCH_OPTIONS
 
 Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
@@ -28,8 +29,8 @@ import subprocess
 import sys
 
 # the constexprs a table row shows: tiles, precisions and the mode flags that change a kernel's resources
-SHOWN = ("BT", "BK", "BV", "BHV", "DOT_PREC", "STATE_PREC", "OUT_PREC", "INV_PREC", "NUM_STAGES", "LOAD_P",
-         "STORE_P", "SEGMENTED", "AFFINE", "USE_STATE_INDICES")
+SHOWN = ("BT", "BK", "BV", "BHV", "DOT_PREC", "STATE_PREC", "OUT_PREC", "INV_PREC", "MERGE_PREC", "NUM_STAGES",
+         "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE", "USE_STATE_INDICES")
 TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32", "torch.int32": "*i32",
          "torch.int64": "*i64"}
 
@@ -74,6 +75,13 @@ def record(a) -> list:
     from linattn.ops import common
     from linattn.ops.gated_delta import triton_chunk
     triton_chunk.FORWARD_PATH = a.forward
+    for assignment in a.set:  # "common.kkt_solve.MERGE_PREC=tf32x3": a string setting of a linattn.ops module
+        target, value = assignment.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module("linattn.ops." + module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set: linattn.ops.{module} has no setting {name}")
+        setattr(mod, name, type(getattr(mod, name))(value))
     common.LAUNCH_OPTIONS.update(json.loads(a.launch_options))
     if a.warps:
         # the launch widths the op reads at call time (fused_prepass.PREPASS_WARPS, local_bwd_utils.BWD_WARPS)
@@ -134,8 +142,10 @@ def main():
     ap.add_argument("--decode", choices=("fp32", "bf16"), help="instead: one decode step over a pool of this dtype")
     ap.add_argument("--warps", type=int, help="launch width of the pre-pass and the backward kernels (default: the "
                                               "op's own, PREPASS_WARPS and BWD_WARPS)")
-    ap.add_argument("--forward", choices=("walk", "split"), default="walk",
+    ap.add_argument("--forward", choices=("auto", "walk", "split"), default="auto",
                     help="the op's forward path (triton_chunk.FORWARD_PATH)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a module setting under linattn.ops, e.g. common.split_fwd.OUTPUT_PREC_BF16=bf16x3")
     ap.add_argument("--launch-options", default="{}",
                     help='common.LAUNCH_OPTIONS as JSON, e.g. \'{"local_bwd_dqk": {"num_stages": 1, "maxnreg": 168}}\'')
     ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)

@@ -87,7 +87,8 @@ def test_compile_all_records_every_kernel_of_the_op():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "compile_all.py", "--record-only", "--H", "2", "--HV", "4", "--D", "32",
-                           "--warps", "8"], cwd=root / "benchmarks", env=env, capture_output=True, text=True)
+                           "--warps", "8", "--forward", "walk"], cwd=root / "benchmarks", env=env, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     widths = {x["name"]: x["num_warps"] for x in json.loads(done.stdout.strip().splitlines()[-1])}
     widened = {"fused_prepass_kernel", "local_bwd_dv_kernel", "state_pass_bwd_kernel", "local_bwd_dqk_kernel",
@@ -96,6 +97,26 @@ def test_compile_all_records_every_kernel_of_the_op():
                                      "wy_kernel", "state_pass_fwd_kernel"}
     assert {n: w for n, w in widths.items() if n in widened} == dict.fromkeys(widened, 8)
     assert widths["fused_fwd_kernel"] == 4
+
+
+def test_compile_all_settings_reach_the_recorded_launches():
+    """compile_all.py --set MODULE.NAME=VALUE changes a module setting before the record step (here the solve's
+    merge precision and the split's output precision, on the split path "auto" picks at B=1 HV=4); an unknown
+    setting is refused."""
+    import json
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = lambda *extra: subprocess.run([sys.executable, "compile_all.py", "--record-only", "--H", "2", "--HV", "4",
+                                         "--D", "32", *extra], cwd=root / "benchmarks", env=env, capture_output=True,
+                                        text=True)
+    done = run("--set", "common.kkt_solve.MERGE_PREC=bf16x3", "--set", "common.split_fwd.OUTPUT_PREC_BF16=tf32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    consts = {x["name"]: x["consts"] for x in json.loads(done.stdout.strip().splitlines()[-1])}
+    assert consts["kkt_solve_kernel"]["MERGE_PREC"] == "bf16x3"
+    assert consts["fused_prepass_kernel"]["MERGE_PREC"] == "bf16x3"
+    assert consts["output_fwd_kernel"]["OUT_PREC"] == "tf32"
+    bad = run("--set", "common.kkt_solve.NO_SUCH=1")
+    assert bad.returncode != 0 and "no setting NO_SUCH" in bad.stderr + bad.stdout
 
 
 def test_launch_options_reach_the_launches_and_are_checked(monkeypatch):
