@@ -151,12 +151,11 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     Arguments as :func:`chunk_gated_delta_rule_fwd_stages`.
 
     :func:`forward_path` picks the path from :data:`FORWARD_PATH` and the shape. "split" (docs/architecture.md,
-    "The split forward"): one parallel
-    pre-pass writes gc, W, U; the state pass walks the chunks (only the state update on the sequential chain) and
-    writes h and V_new; the output kernel runs parallel over chunks. "walk" (docs/architecture.md, "Fused
-    forward"): the pre-pass, then one sequential kernel per (sequence, value head, V slice) that keeps the state on
-    chip and writes only o and the final state; with :data:`PRECOMPUTE_QK` the pre-pass also writes P and the walk
-    reads it. Both split long sequences into segments stitched exactly through their affine state maps when their
+    "The split forward"): one parallel pre-pass writes gc, W, U; the state pass walks the chunks (only the state
+    update on the sequential chain) and writes h and V_new; the output kernel runs parallel over chunks. "walk"
+    (docs/architecture.md, "Fused forward"): the pre-pass, then one sequential kernel per (sequence, value head,
+    V slice) that keeps the state on chip and writes only o and the final state; with :data:`PRECOMPUTE_QK` the
+    pre-pass also writes P and the walk reads it. Both split long sequences into segments stitched exactly through their affine state maps when their
     programs cannot fill the SMs (``common/seq_parallel.py``, ``common/split_fwd.py``).
     """
     if v.dtype not in TRITON_DTYPES:
