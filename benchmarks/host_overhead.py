@@ -57,10 +57,11 @@ def no_launches():
     for mod, name in ((rk, "fused_recurrent_fwd_kernel"), (ff_mod, "fused_fwd_kernel"),
                       (fp_mod, "fused_prepass_kernel")):
         setattr(mod, name, _NoLaunch())
-    try:  # the sequence-parallel forward's scan (present since the fused forward split long sequences)
-        importlib.import_module("linattn.ops.common.seq_parallel").affine_scan_kernel = _NoLaunch()
-    except (ImportError, AttributeError):
-        pass
+    # the split forward's state pass and output kernel (the default path below 128 (sequence, head) pairs) and
+    # the sequence-parallel scan
+    for module, name in (("state_pass", "state_pass_fwd_kernel"), ("output", "output_fwd_kernel"),
+                         ("seq_parallel", "affine_scan_kernel")):
+        setattr(importlib.import_module("linattn.ops.common." + module), name, _NoLaunch())
 
 
 def sync():
@@ -153,6 +154,19 @@ def decode_case():
     return calls, steps
 
 
+def on_path(path: str, fn):
+    """``fn`` with the chunked op's forward path forced to ``path`` (triton_chunk.FORWARD_PATH) for the call."""
+    from linattn.ops.gated_delta import triton_chunk
+
+    def call():
+        previous, triton_chunk.FORWARD_PATH = triton_chunk.FORWARD_PATH, path
+        try:
+            return fn()
+        finally:
+            triton_chunk.FORWARD_PATH = previous
+    return call
+
+
 def chunk_case(T: int):
     q, k, v = rand(1, T, H, K), rand(1, T, H, K), rand(1, T, H, V)
     g = torch.nn.functional.logsigmoid(rand(1, T, H, dtype=torch.float32))
@@ -173,7 +187,8 @@ def chunk_case(T: int):
         "prep: gate_from_raw": lambda: gate_from_raw(g, A_log, dt_bias),
         "prep: beta.sigmoid()": lambda: beta.sigmoid(),
         "fused_prepass launcher": lambda: fp_mod.fused_prepass(g, k, v, beta),
-        "launchers (prepass + fused_fwd)": lambda: chunk_mod._fwd_impl(*op_args),
+        "launchers, split path (pre-pass, state pass, output)": on_path("split", lambda: chunk_mod._fwd_impl(*op_args)),
+        "launchers, walk path (prepass + fused_fwd)": on_path("walk", lambda: chunk_mod._fwd_impl(*op_args)),
         "custom op (dispatch + launchers)": lambda: chunk_mod._fwd_op(*op_args),
     }
     return calls, steps
