@@ -57,10 +57,10 @@ def no_launches():
     for mod, name in ((rk, "fused_recurrent_fwd_kernel"), (ff_mod, "fused_fwd_kernel"),
                       (fp_mod, "fused_prepass_kernel")):
         setattr(mod, name, _NoLaunch())
-    # the split forward's state pass and output kernel (the default path below 128 (sequence, head) pairs) and
-    # the sequence-parallel scan
+    # the split forward's state pass and output kernel (the default path below 128 (sequence, head) pairs), the
+    # sequence-parallel scan and the in-op pre-processing
     for module, name in (("state_pass", "state_pass_fwd_kernel"), ("output", "output_fwd_kernel"),
-                         ("seq_parallel", "affine_scan_kernel")):
+                         ("seq_parallel", "affine_scan_kernel"), ("preprocess", "preprocess_fwd_kernel")):
         setattr(importlib.import_module("linattn.ops.common." + module), name, _NoLaunch())
 
 
