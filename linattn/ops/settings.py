@@ -25,7 +25,7 @@ def triton_settings() -> Optional[dict]:
     except ImportError:
         return None
     return {
-        "FORWARD_PATH": triton_chunk.FORWARD_PATH, "WALK_MIN_PAIRS": triton_chunk.WALK_MIN_PAIRS,
+        "FORWARD_PATH": triton_chunk.FORWARD_PATH, "WALK_MIN_PAIRS": {str(d).removeprefix("torch."): n for d, n in triton_chunk.WALK_MIN_PAIRS.items()},
         "PRECOMPUTE_QK": triton_chunk.PRECOMPUTE_QK,
         "WALK_STAGES": fused_fwd.WALK_STAGES, "STATE_PASS_STAGES": state_pass.STATE_PASS_STAGES,
         "BWD_STAGES": state_pass_bwd.BWD_STAGES, "STATE_PASS_WARPS": state_pass.STATE_PASS_WARPS,

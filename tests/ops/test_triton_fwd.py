@@ -303,7 +303,7 @@ WALK_CASES = [FWD_CASES[i] for i in (0, 2, 4, 5, 7)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", WALK_CASES, ids=[c.id for c in WALK_CASES])
 def test_walk_forward_matches_reference_and_torch(case, dtype, monkeypatch):
-    assert triton_chunk.forward_path(case.B, case.HV) == "split"  # so the test above ran the split path
+    assert triton_chunk.forward_path(case.B, case.HV, dtype) == "split"  # so the test above ran the split path
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
     test_forward_matches_reference_and_torch(case, dtype)
     # and against the split path on the same inputs (both fp32 state; o differs by the output dtype's rounding)
@@ -317,13 +317,19 @@ def test_walk_forward_matches_reference_and_torch(case, dtype, monkeypatch):
     assert rel_rms(o_s, o_w) <= (TOLERANCES["forward_fp32"] if dtype == torch.float32 else 2.0 ** -10)
 
 
-@pytest.mark.parametrize("setting,N,HV,expected", [
-    ("auto", 1, 16, "split"), ("auto", 2, 32, "split"), ("auto", 8, 16, "walk"), ("auto", 4, 32, "walk"),
-    ("auto", 127, 1, "split"), ("walk", 1, 1, "walk"), ("split", 64, 64, "split")])
-def test_forward_path_rule(setting, N, HV, expected, monkeypatch):
-    """"auto": the walk once N·HV ≥ WALK_MIN_PAIRS (128; run 12's crossover), else the split; others as set."""
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("setting,N,HV,dtype,expected", [
+    ("auto", 1, 16, FP16, "split"), ("auto", 2, 32, FP32, "split"), ("auto", 8, 16, FP16, "walk"),
+    ("auto", 4, 32, FP32, "walk"), ("auto", 127, 1, FP16, "split"), ("auto", 8, 16, BF16, "split"),
+    ("auto", 64, 64, BF16, "split"), ("walk", 1, 1, BF16, "walk"), ("split", 64, 64, FP16, "split")])
+def test_forward_path_rule(setting, N, HV, dtype, expected, monkeypatch):
+    """"auto": bf16 always the split (its bf16x3 output kernel, run 12); fp16 / fp32 the walk once N·HV ≥ 128
+    (run 12's crossover with the tf32x3 output), else the split; "walk" / "split" as set."""
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", setting)
-    assert triton_chunk.WALK_MIN_PAIRS == 128 and triton_chunk.forward_path(N, HV) == expected
+    assert triton_chunk.WALK_MIN_PAIRS == {BF16: None, FP16: 128, FP32: 128}
+    assert triton_chunk.forward_path(N, HV, dtype) == expected
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -340,7 +346,7 @@ def test_auto_forward_path_reaches_both_paths(varlen, monkeypatch):
         monkeypatch.setattr(triton_chunk, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
     outs = []
     for pairs in (5, 4):  # 2 sequences × 2 value heads = 4 pairs: split below 5, walk at 4
-        monkeypatch.setattr(triton_chunk, "WALK_MIN_PAIRS", pairs)
+        monkeypatch.setitem(triton_chunk.WALK_MIN_PAIRS, torch.float32, pairs)
         outs.append(linattn.chunk_gated_delta_rule(*args, **kw))
     assert calls == ["split_fwd", "fused_fwd_seq_parallel"]
     assert rel_rms(outs[0][0], outs[1][0]) <= TOLERANCES["forward_fp32"]

@@ -37,12 +37,13 @@ from .varlen import chunk_tables
 # programs than SMs walk very long sequences (e.g. HV = 1).
 AFFINE_COST = 2.0
 
-# The output kernel's two fp32 products (Q S, P V_new) for bf16 inputs. "tf32x3" (the walk's output precision)
-# keeps o at 1.73e-3 against float64 at the anchor case (tf32: 2.0e-3, at the bf16 goal's edge), but in the op
-# the output kernel then costs ≈ 0.4 ms more than at tf32 at B=8 T=4096 H=16 (run 12). "bf16x3" (common/dot.py:
-# Q stays bf16, so Q S is two bf16 MMAs and P V_new three — about half of tf32x3's tensor-core time, ≈ 2^-16 per
-# product) is the candidate; benchmarks/bench_split_precision.py measures it. Other dtypes: ``dot_precision``.
-OUTPUT_PREC_BF16 = "tf32x3"
+# The output kernel's two fp32 products (Q S, P V_new) for bf16 inputs: "bf16x3" (common/dot.py: Q stays bf16,
+# so Q S is two bf16 MMAs and P V_new three, ≈ 2^-16 per product). Run 12 (bench_split_precision.py, H200):
+# anchor o 1.731e-3 against float64 as at "tf32x3" (the walk's output precision; "tf32": 1.994e-3, at the bf16
+# goal's edge), every gradient unchanged; output kernel 0.981 → 0.397 ms at B=8 T=4096 H=16 (0.141 → 0.063 at
+# B=1), split forward 2.508 → 1.916 (0.421 → 0.339); gpu_check_core's K=60 V=100, K=128 V=256 and varlen cases
+# in bf16 within 2× of the baseline at it. Other dtypes: ``dot_precision``.
+OUTPUT_PREC_BF16 = "bf16x3"
 
 
 def output_precision(dtype: torch.dtype) -> str:

@@ -56,27 +56,33 @@ PRECOMPUTE_QK = True
 # the output as a kernel parallel over chunks. Run 11 made the state pass alone 2.5× faster than the walk at B=1
 # H=16 (0.161 vs 0.399 ms): its per-chunk chain is two dots, not five. Prediction (written before any run): split
 # forward at B=1 T=4096 H=16 ≈ 0.13 + 0.16 + 0.05 ≈ 0.35 ms (walk 0.541), B=8 ≈ 1.9 (2.55), B=1 T=32768 ≈ 2.5
-# (4.28). Measured (run 12, bench_forward_paths.py, at the run-12 launch options), split vs walk: 0.417 vs 0.532
+# (4.28). Measured (run 12, bench_forward_paths.py, the output kernel at tf32x3), split vs walk: 0.417 vs 0.532
 # (the stages sum to 0.367: host time), 2.48 vs 2.46, 3.11 vs 4.14; T=131072 12.29 vs 16.46; 2×16384 H=32 5.36 vs
 # 5.86; 1×32768 2/8 2.13 vs 2.74; K = V = 64 1.69 vs 1.79; K=128 V=256 5.44 vs 8.26; but 4×8192 HV=32 4.89 vs
-# 4.68. The walk wins (by 1–4%) where the (sequence, value head) pairs alone fill the SMs, the split everywhere
-# else (by 6–34%), so "auto" (the default) picks by :data:`WALK_MIN_PAIRS`. The split writes h (64 KB per chunk
-# and value head in fp32); both split long sequences into segments when their programs cannot fill the SMs.
+# 4.68: the walk won (by 1–4%) where the (sequence, value head) pairs alone fill the SMs. Then the output kernel
+# at bf16x3 for bf16 inputs (split_fwd.OUTPUT_PREC_BF16) made the split 0.339 ms at B=1 and 1.916 at B=8 (walk
+# 2.456): 22% ahead at 128 pairs, the most measured. So "auto" (the default) runs the split for bf16 at every
+# shape, and for fp16 / fp32 (output dots at tf32x3 / ieee) the walk from WALK_MIN_PAIRS pairs. The split writes
+# h (64 KB per chunk and value head in fp32); both split long sequences into segments when their programs cannot
+# fill the SMs.
 FORWARD_PATHS = ("auto", "walk", "split")
 FORWARD_PATH = "auto"
-# "auto": the walk when N·HV (sequences × value heads) is at least this, else the split. Run 12: 128 pairs (B=8
-# H=16, B=4 HV=32) walk 2.46 / 4.68 ms vs split 2.48 / 4.89; 64 pairs (B=2 H=32) split 5.36 vs walk 5.86.
-WALK_MIN_PAIRS = 128
+# "auto": the walk when N·HV (sequences × value heads) is at least this for the inputs' dtype, else the split;
+# None: the split at every shape. bf16: see above; fp16 and fp32 keep run 12's bf16 crossover with the tf32x3
+# output (128 pairs: walk 2.46 / 4.68 ms vs split 2.48 / 4.89; 64 pairs: split 5.36 vs walk 5.86), not measured in
+# their own dtypes.
+WALK_MIN_PAIRS = {torch.bfloat16: None, torch.float16: 128, torch.float32: 128}
 
 
-def forward_path(num_sequences: int, HV: int) -> str:
+def forward_path(num_sequences: int, HV: int, dtype: torch.dtype) -> str:
     """The forward path :func:`chunk_gated_delta_rule_fwd_triton` runs for ``num_sequences`` sequences of ``HV``
-    value heads: :data:`FORWARD_PATH`, with "auto" resolved by :data:`WALK_MIN_PAIRS`."""
+    value heads with inputs of ``dtype``: :data:`FORWARD_PATH`, with "auto" resolved by :data:`WALK_MIN_PAIRS`."""
     if FORWARD_PATH not in FORWARD_PATHS:
         raise ValueError(f"triton_chunk.FORWARD_PATH must be one of {FORWARD_PATHS}, got {FORWARD_PATH!r}")
     if FORWARD_PATH != "auto":
         return FORWARD_PATH
-    return "walk" if num_sequences * HV >= WALK_MIN_PAIRS else "split"
+    pairs = WALK_MIN_PAIRS.get(dtype)
+    return "walk" if pairs is not None and num_sequences * HV >= pairs else "split"
 
 
 class FwdStages(NamedTuple):
@@ -161,7 +167,7 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
-    path = forward_path(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, v.shape[2])
+    path = forward_path(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, v.shape[2], v.dtype)
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
