@@ -2,8 +2,8 @@
 
 Twin: ``torch_chunk.output_fwd_ref``. One program per (BV slice, chunk, value head). Per program:
     K tiles (BK = 64):  read BT×BK queries + BT×BK keys + BK×BV fp32 state,
-                        O_inter += Q S (fp32 operands, DOT_PREC),  P += Q Kᵀ (input dtype: exact products)
-    then                read BT gates + BT×BV fp32 V_new, O = scale·(Γ ⊙ O_inter + (P ⊙ D) V_new),
+                        O_inter += Q S (fp32 state, OUT_PREC),  P += Q Kᵀ (input dtype: exact products)
+    then                read BT gates + BT×BV fp32 V_new, O = scale·(Γ ⊙ O_inter + (P ⊙ D) V_new) (OUT_PREC),
                         write BT×BV in the output dtype.
 BV = 64 keeps the two fp32 accumulators ([BT, BV] and [BT, BT]) at 8192 values; Q Kᵀ is recomputed for every V
 slice, which costs 2·BT²·K FLOPs per slice (cheap next to re-reading h). D_ij = e^{G_i − G_j} is formed from the
