@@ -82,6 +82,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return FP32_DOT_PRECISION if dtype == torch.float32 else "tf32"
 
 
+def product_precision(dtype: torch.dtype, setting: str, override, allowed: tuple, name: str) -> str:
+    """Precision of a kernel's products of fp32 intermediates that a module setting picks for 16-bit inputs
+    (kkt_solve.MERGE_PREC, local_bwd_wy.INVERSE_DOT_PREC): "ieee" for fp32 inputs (fp32 accuracy), else
+    ``override`` (benchmarks, tests) or ``setting``; a value outside ``allowed`` is refused, naming ``name``."""
+    prec = "ieee" if dtype == torch.float32 else (override or setting)
+    if prec not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {prec!r}")
+    return prec
+
+
 def block_size(d: int, cap: int) -> int:
     """Power-of-two tile covering ``d`` (tails are masked), at least 16 (``tl.dot``'s minimum) and at most cap."""
     b = 16

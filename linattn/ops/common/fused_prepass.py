@@ -141,5 +141,6 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
         INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(), num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
+        MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(), num_warps=PREPASS_WARPS,
+        **launch_options("fused_prepass"))
     return (gc, w, u) if q is None else (gc, w, u, p)

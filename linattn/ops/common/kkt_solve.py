@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
+from . import CHUNK, block_size, dot_precision, launch_options, product_precision, triton_interpret
 from .dot import DOT_PRECISIONS, dot
 from .varlen import chunk_bounds
 
@@ -37,10 +37,7 @@ MERGE_PREC = "ieee"
 def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
     """The block merges' precision for inputs of ``dtype``: fp32 inputs always "ieee"; else ``override`` or
     :data:`MERGE_PREC`, checked."""
-    prec = "ieee" if dtype == torch.float32 else (override or MERGE_PREC)
-    if prec not in DOT_PRECISIONS:
-        raise ValueError(f"kkt_solve merge precision must be one of {DOT_PRECISIONS}, got {prec!r}")
-    return prec
+    return product_precision(dtype, MERGE_PREC, override, DOT_PRECISIONS, "kkt_solve merge precision")
 
 
 @triton.jit

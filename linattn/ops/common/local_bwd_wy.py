@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_options
+from . import launch_options, product_precision
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
@@ -124,9 +124,8 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    inv_prec = "ieee" if k.dtype == torch.float32 else (inverse_prec or INVERSE_DOT_PREC)
-    if inv_prec not in ("ieee", "tf32x3"):
-        raise ValueError(f"inverse_prec must be 'ieee' or 'tf32x3' (fp32 accuracy for the BT³ products), got {inv_prec!r}")
+    # only precisions with fp32's accuracy: T's entries carry the whole chunk
+    inv_prec = product_precision(k.dtype, INVERSE_DOT_PREC, inverse_prec, ("ieee", "tf32x3"), "inverse_prec")
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     dg = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
