@@ -79,9 +79,9 @@ def record(a) -> list:
         target, value = assignment.split("=", 1)
         module, name = target.rsplit(".", 1)
         mod = importlib.import_module("linattn.ops." + module)
-        if not hasattr(mod, name):
-            raise SystemExit(f"--set: linattn.ops.{module} has no setting {name}")
-        setattr(mod, name, type(getattr(mod, name))(value))
+        if not isinstance(getattr(mod, name, None), str):
+            raise SystemExit(f"--set: linattn.ops.{module} has no string setting {name}")
+        setattr(mod, name, value)
     common.LAUNCH_OPTIONS.update(json.loads(a.launch_options))
     if a.warps:
         # the launch widths the op reads at call time (fused_prepass.PREPASS_WARPS, local_bwd_utils.BWD_WARPS)

@@ -116,7 +116,7 @@ def test_compile_all_settings_reach_the_recorded_launches():
     assert consts["fused_prepass_kernel"]["MERGE_PREC"] == "bf16x3"
     assert consts["output_fwd_kernel"]["OUT_PREC"] == "tf32"
     bad = run("--set", "common.kkt_solve.NO_SUCH=1")
-    assert bad.returncode != 0 and "no setting NO_SUCH" in bad.stderr + bad.stdout
+    assert bad.returncode != 0 and "no string setting NO_SUCH" in bad.stderr + bad.stdout
 
 
 def test_launch_options_reach_the_launches_and_are_checked(monkeypatch):
