@@ -26,12 +26,12 @@ from . import CHUNK, block_size, dot_precision, launch_options, product_precisio
 from .dot import DOT_PRECISIONS, dot
 from .varlen import chunk_bounds
 
-# Precision of the block merges' fp32 products (step 3) for 16-bit inputs. "ieee" runs them on FMA units: 552
-# FFMA of kkt_solve's ~3800 SASS instructions (bf16, sm_90), and the solve is the pre-pass's largest part (0.52 of
-# 0.90 ms at B=8 T=4096 H=16, run 12). Candidates: "tf32x3" (three tf32 MMAs, ≈ 2^-22 per product, as the WY
-# backward's inverse products since run 12) and "bf16x3" (common/dot.py, ≈ 2^-16); benchmarks/
-# bench_split_precision.py measures them (gradients included: the backward recomputes A_inv) before a switch.
-MERGE_PREC = "ieee"
+# Precision of the block merges' fp32 products (step 3) for 16-bit inputs: "bf16x3" (common/dot.py: each fp32
+# factor split into two bf16 parts, three bf16 MMAs, ≈ 2^-16 per product). Run 13 (B=8 T=4096 H=16, bf16): solve
+# 0.522 → 0.493 ms, pre-pass 0.902 → 0.842, fwd+bwd 8.65 → 8.54 (the backward recomputes A_inv), every output and
+# gradient's error vs float64 unchanged to two digits in bf16 and fp16; "ieee" (FMA units, 552 FFMA of ~3800 SASS
+# instructions) was the default before, "tf32x3" is slower than both (0.60 ms: 352 extra shuffles).
+MERGE_PREC = "bf16x3"
 
 
 def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
