@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="earlier runs on this machine (report.json files or their directories) whose compiled "
                         "kernels the disk caches hold: the budget charges their signatures a cache load, not a "
                         "compile (same GPU, torch and Triton; fla only with TRITON_CACHE_AUTOTUNING=1 in both)")
+    p.add_argument("--resume", nargs="+", metavar="REPORT_JSON", default=None,
+                   help="earlier runs of this profile, device and --impl (report.json files or their directories): "
+                        "their measured units of correctness, robustness, performance, decode and mixed precision "
+                        "go into this report unchanged and are not run again; the budget goes to the rest")
+    p.add_argument("--resume-impls", default=None, metavar="IMPLS",
+                   help="--resume: carry only these implementations' records (comma-separated, e.g. "
+                        "fla,flashqla,sdpa after a change to linattn); default: all")
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), default=None,
                    help="print what got better or worse from report A to report B, and exit")
     p.add_argument("--threshold", type=float, default=0.05,
@@ -238,6 +245,14 @@ class Evaluation:
             from .warm import load_cached
             self.ctx.cached, self.warm_from = load_cached(args.warm_from, self.device,
                                                           [i.name for i in self.impls if i.available])
+        self.resumed_from = None  # meta.resumed_from: what --resume offered, and (at the end) what was carried
+        if args.resume:
+            from .resume import load_earlier
+            carry = [s.strip() for s in args.resume_impls.split(",") if s.strip()] if args.resume_impls else None
+            self.ctx.earlier, self.resumed_from = load_earlier(args.resume, self.prof.name, self.device, args.seed,
+                                                               [i.name for i in self.impls], carry)
+        elif args.resume_impls:
+            raise ValueError("--resume-impls needs --resume")
         self.results: dict = {}
         self.done: list = []
         self.running = None
@@ -299,6 +314,7 @@ class Evaluation:
                               "incremental": e.incremental, "cached": e.cached} for e in c.compiles]
                          for k, c in self.ctx.costs.items()},
             "warm_from": self.warm_from,
+            "resumed_from": self.resumed_from and {**self.resumed_from, "carried": dict(self.ctx.carried)},
             "impls": [{"name": i.name, "kind": i.kind, "available": i.available, "reason": i.reason,
                        "version": i.version} for i in self.impls]}
         return out
@@ -352,6 +368,9 @@ class Evaluation:
             if self.warm_from:
                 from .warm import describe
                 self.log(f"warm from {describe(self.warm_from)}")
+            if self.resumed_from:
+                from .resume import describe as resumed
+                self.log(f"resume from {resumed(self.resumed_from)}")
             self.checkpoint()
             with _Progress(self.bar_enabled, len(chosen)) as bar:
                 ctx.progress = bar.step
@@ -440,6 +459,8 @@ def _merge(args) -> int:
         raise ValueError("--merge and --compare cannot be used together")
     if args.warm_from:
         raise ValueError("--warm-from applies to a run, not to --merge (each merged run's is in meta.merged_from)")
+    if args.resume or args.resume_impls:
+        raise ValueError("--resume applies to a run, not to --merge (each merged run's is in meta.merged_from)")
     results, paths = merge.run(args.merge, args.out, prefer_last=args.prefer_last, allow_partial=args.allow_partial)
     for src in results["meta"]["merged_from"]:
         print(f"{src['path']}: {', '.join(src['taken']) or 'no section taken'}", file=sys.stderr)

@@ -39,6 +39,7 @@ and ``run_with_timeout`` (robustness and mixed precision must survive a call tha
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import threading
@@ -164,6 +165,8 @@ class Context:
     partial: dict = field(default_factory=dict)  # the running section's results so far, kept if it is interrupted
     costs: dict = field(default_factory=dict)  # impl name -> ImplCost, across the run
     cached: dict = field(default_factory=dict)  # impl name -> {Sig} earlier runs compiled (--warm-from: warm.py)
+    earlier: dict = field(default_factory=dict)  # section -> {unit key: record} earlier runs measured (--resume)
+    carried: dict = field(default_factory=dict)  # section -> units this run took from ``earlier``
     section: str = ""
     section_stats: dict = field(default_factory=dict)  # impl name -> units, seconds, first calls, skips (section)
     _unit: Optional[dict] = None
@@ -336,6 +339,17 @@ class Context:
             self.emit(f"{self.section} {uid}: unsupported ({reason})")
         return reason is not None
 
+    def carry(self, key: str, out: list) -> bool:
+        """Whether an earlier run (``--resume``: resume.py) measured the running section's unit ``key`` (a record
+        id, or resume.py's key for a record without one); if so its record goes to ``out`` and the unit is neither
+        budgeted nor run. Asked before :meth:`fits`."""
+        rec = self.earlier.get(self.section, {}).get(key)
+        if rec is None:
+            return False
+        out.append(copy.deepcopy(rec))
+        self.carried[self.section] = self.carried.get(self.section, 0) + 1
+        return True
+
     def step(self, desc: str, impl: Optional[str] = None, classes: tuple = ()) -> None:
         """A unit of work starts (the previous one, if not closed with :meth:`done`, is closed as "done")."""
         if self._unit is not None:
@@ -396,10 +410,13 @@ class Context:
 
     def end_section(self) -> dict:
         """Close the section's last unit; return its budget record (per implementation: units, seconds, new shape
-        classes, largest first call, units run on borrowed time, units skipped for time)."""
+        classes, largest first call, units run on borrowed time, units skipped for time; units carried, --resume)."""
         if self._unit is not None:
             self.done("done")
-        return {"impls": self.section_stats, "skip_lines_not_logged": max(0, self._skip_lines - SKIP_LOG_LINES)}
+        if self.carried.get(self.section):
+            self.emit(f"{self.section}: {self.carried[self.section]} unit(s) carried from earlier runs (--resume)")
+        return {"impls": self.section_stats, "carried": self.carried.get(self.section, 0),
+                "skip_lines_not_logged": max(0, self._skip_lines - SKIP_LOG_LINES)}
 
     def emit(self, line: str) -> None:
         if self.log is not None:

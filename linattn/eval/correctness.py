@@ -162,6 +162,8 @@ def _case_unit(ctx: Context, impl, case, dtype: str, records: list, skipped: lis
     if impl.supports_shape(case.shape, varlen=case.seqlens is not None, initial_state=case.initial_state):
         records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))  # its "unsupported" record, nothing run
         return
+    if ctx.carry(f"{impl.name}/{case.id}/{dtype}", records):  # check_case's record id
+        return
     classes = case_classes(impl, case, dtype)
     desc = f"correctness {impl.name} {dtype} case {case.id}"
     if not ctx.fits(impl.name, classes, desc):
@@ -206,6 +208,8 @@ def run(ctx: Context) -> dict:
         dtype = tiers[impl.name][0][0][0]
         classes = case_classes(impl, cases[0], dtype)
         desc = f"correctness {impl.name} {dtype} reproducibility"
+        if ctx.carry(f"reproducibility/{impl.name}", repro):
+            continue
         if ctx.fits(impl.name, classes, desc):
             ctx.step(desc, impl.name, classes)
             try:

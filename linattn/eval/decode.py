@@ -260,12 +260,16 @@ def copy_gbs(device: torch.device, nbytes: int, calls: int = 20, replays: int = 
     return best
 
 
+def record_id(path: DecodePath, shape: Shape, B: int, Tq: int, pool: str) -> str:
+    """A latency record's id: path, batch, tokens per step, head and state dimensions, pool dtype."""
+    return f"{path.name}/B{B}-Tq{Tq}-H{shape.H}x{shape.HV}-K{shape.K}V{shape.V}/{pool}"
+
+
 def measure(ctx: Context, path: DecodePath, B: int, Tq: int, pool: str, budget_s: float, copy_cache: dict) -> dict:
     """One latency record of ``path`` at (B, Tq, pool dtype); ``error`` set if it failed."""
     p = ctx.profile
     shape = p.dec_shape
-    dims = f"H{shape.H}x{shape.HV}-K{shape.K}V{shape.V}"
-    rec = {"id": f"{path.name}/B{B}-Tq{Tq}-{dims}/{pool}", "impl": path.impl, "path": path.path, "B": B, "Tq": Tq,
+    rec = {"id": record_id(path, shape, B, Tq, pool), "impl": path.impl, "path": path.path, "B": B, "Tq": Tq,
            "pool": pool, "io_dtype": p.dec_dtype, "shape": {"H": shape.H, "HV": shape.HV, "K": shape.K, "V": shape.V}}
     rec.update(step_bytes(shape, B, Tq, p.dec_dtype, pool))
     try:
@@ -396,6 +400,8 @@ def run(ctx: Context) -> dict:
                                          gate=True, beta_sigmoid=True)
                            + step_classes(impl, path, p.dec_shape, 1, pool, p.dec_dtype))
                 desc = f"decode drift {path.name} {pool}"
+                if ctx.carry(f"drift/{path.name}/{pool}", drifts):  # drift()'s record id
+                    continue
                 if not ctx.fits(path.impl, classes, desc):
                     skipped.append(f"drift {path.name}/{pool}")
                     continue
@@ -409,14 +415,18 @@ def run(ctx: Context) -> dict:
         rows = [(path, B, Tq, pool) for B in p.dec_batch for Tq in p.dec_Tq for pool in p.dec_pools
                 for path in paths if pool in path.pools]
         copy_cache: dict = {}
+        earlier = ctx.earlier.get(ctx.section, {})
+        todo = [record_id(path, p.dec_shape, B, Tq, pool) not in earlier for path, B, Tq, pool in rows]
         for i, (path, B, Tq, pool) in enumerate(rows):
+            if ctx.carry(record_id(path, p.dec_shape, B, Tq, pool), records):
+                continue
             classes = step_classes(_impl(ctx, path), path, p.dec_shape, Tq, pool, p.dec_dtype)
             desc = f"decode {path.name} B={B} Tq={Tq} {pool}"
             if not ctx.fits(path.impl, classes, desc):
                 skipped.append(f"{path.name}/B{B}-Tq{Tq}/{pool}")
                 continue
             ctx.step(desc, path.impl, classes)
-            rec = measure(ctx, path, B, Tq, pool, ctx.remaining() / (len(rows) - i), copy_cache)
+            rec = measure(ctx, path, B, Tq, pool, ctx.remaining() / sum(todo[i:]), copy_cache)
             records.append(rec)
             ctx.done(f"error {rec['error']['type']}: {rec['error']['message'][:80]}" if "error" in rec else
                      f"P50 {rec['p50_ms'] * 1e3:.3g} us, P99 {rec['p99_ms'] * 1e3:.3g} us, n={rec['n']}"

@@ -203,6 +203,7 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
                     "wall_s": r["meta"].get("wall_s"), "time_budget_s": r["meta"].get("time_budget_s"),
                     "date_utc": r["environment"].get("date_utc"), "argv": r["meta"].get("argv"),
                     "seed": r["meta"].get("seed"), "warm_from": r["meta"].get("warm_from"),
+                    "resumed_from": r["meta"].get("resumed_from"),
                     **({"merged_from": r["meta"]["merged_from"]} if r["meta"].get("merged_from") else {})}
                    for i, (p, r) in enumerate(runs)]
     out["partial"] = partial
@@ -214,6 +215,7 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
                    "sections": selected, "argv": None, "partial": partial, "interrupted": None,
                    "first_call_max_s": first_call, "compiles": compiles, "missing_sections": missing,
                    "warm_from": None,  # per run, in merged_from: the first run's would speak for all
+                   "resumed_from": None,
                    "merged_from": merged_from, "prefer_last": prefer_last, "allow_partial": allow_partial}
     return out
 

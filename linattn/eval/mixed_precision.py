@@ -120,7 +120,7 @@ def run(ctx: Context) -> dict:
     records = []
     ctx.partial.update(records=records)
     for impl in ctx.available("gdn"):
-        if ctx.unsupported(impl, s, impl.name, records):
+        if ctx.unsupported(impl, s, impl.name, records) or ctx.carry(impl.name, records):
             continue
         rec = {"id": impl.name, "impl": impl.name, "steps": p.amp_steps}
         records.append(rec)

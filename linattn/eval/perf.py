@@ -263,9 +263,11 @@ def run(ctx: Context) -> dict:
     # dtype-major: when the budget is short, every shape is timed in the first dtype before any in the second
     rows = [(impl, shape, dtype, direction) for dtype in p.perf_dtypes for shape in p.perf_shapes
             for direction in p.perf_directions for impl in ctx.available()]
-    for i, (impl, shape, dtype, direction) in enumerate(rows):
-        uid = f"{impl.name}/{shape.id}/{dtype}/{direction}"
-        if ctx.unsupported(impl, shape, uid, unsupported):
+    uids = [f"{impl.name}/{shape.id}/{dtype}/{direction}" for impl, shape, dtype, direction in rows]
+    earlier = ctx.earlier.get(ctx.section, {})
+    todo = [uid not in earlier for uid in uids]  # the rows this run may time (the others are carried, --resume)
+    for i, ((impl, shape, dtype, direction), uid) in enumerate(zip(rows, uids)):
+        if ctx.unsupported(impl, shape, uid, unsupported) or ctx.carry(uid, records):
             continue
         classes = shape_classes(impl, shape, dtype, direction)
         desc = f"perf {impl.name} {shape.id} {dtype} {direction}"
@@ -274,7 +276,7 @@ def run(ctx: Context) -> dict:
             continue
         ctx.step(desc, impl.name, classes)
         # each row may time for its fair share of what is left (a first call that compiles is not bounded)
-        budget = min(p.point_budget_s, ctx.remaining() / (len(rows) - i))
+        budget = min(p.point_budget_s, ctx.remaining() / sum(todo[i:]))
         records.append(measure(ctx, impl, shape, dtype, direction, warmup=p.warmup, reps=p.reps, budget_s=budget,
                                seed=ctx.seed))
         ctx.done(result_line(records[-1]), compile_time(records[-1]))

@@ -15,9 +15,11 @@ import html
 import json
 import math
 import os
+from typing import Optional
 
 from . import SECTIONS
 from .decode import best_step
+from .resume import describe as describe_resume
 from .warm import describe
 
 
@@ -100,6 +102,12 @@ def _why(r: dict) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # blocks
 # --------------------------------------------------------------------------------------------------------------
+def _who(x: dict, name: Optional[str] = None) -> str:
+    """A table row's implementation (or ``name``), marked ⁺ when the record was carried from an earlier run
+    (``--resume``: its ``carried_from`` names that run)."""
+    return (name or x["impl"]) + (" ⁺" if "carried_from" in x else "")
+
+
 def _h(level, text):
     return ("h", level, text)
 
@@ -139,6 +147,10 @@ def _env_blocks(r: dict) -> list:
     warm = [("warm from", r["meta"].get("warm_from"))] + [
         (f"run {i + 1} warm from", m.get("warm_from")) for i, m in enumerate(r["meta"].get("merged_from") or [])]
     rows += [[label, describe(w)] for label, w in warm if w]
+    # --resume: the units taken from earlier runs (each such record names its run in ``carried_from``)
+    resumed = [("resumed from", r["meta"].get("resumed_from"))] + [
+        (f"run {i + 1} resumed from", m.get("resumed_from")) for i, m in enumerate(r["meta"].get("merged_from") or [])]
+    rows += [[label, describe_resume(w) + " (their rows are marked ⁺)"] for label, w in resumed if w]
     for impl in r["meta"]["impls"]:
         rows.append([f"impl {impl['name']}", impl["version"] if impl["available"] else f"skipped: {impl['reason']}"])
     out = [_h(2, "Environment"), _t(["item", "value"], rows)]
@@ -179,13 +191,13 @@ def _corr_blocks(r: dict) -> list:
                      ", ".join(f"{d}: {fmt(v)}" for d, v in s["worst_rel_l2_bwd"].items()),
                      ", ".join(s["failed"]) or "–"])
     out.append(_t(["impl", "passed", "worst rel L2 fwd", "worst rel L2 bwd", "failed"], rows))
-    rows = [[x["impl"], x["case"], x["dtype"], _status(x), fmt(x.get("max_rel_l2_fwd")),
+    rows = [[_who(x), x["case"], x["dtype"], _status(x), fmt(x.get("max_rel_l2_fwd")),
              fmt(x.get("max_rel_l2_bwd")), fmt(x.get("nonfinite")),
              (x.get("error") or {}).get("message", x.get("reason", ""))] for x in c["records"]]
     out.append(_t(["impl", "case", "dtype", "status", "rel L2 fwd", "rel L2 bwd", "NaN/Inf", "note"], rows))
     if c["reproducibility"]:
         out.append(_t(["impl", "case", "dtype", "bitwise identical", "max |diff|"],
-                      [[x["impl"], x.get("case"), x.get("dtype"), fmt(x.get("bitwise")), fmt(x.get("max_abs_diff"))]
+                      [[_who(x), x.get("case"), x.get("dtype"), fmt(x.get("bitwise")), fmt(x.get("max_abs_diff"))]
                        for x in c["reproducibility"]]))
     for x in c["not_checked"]:
         out.append(_p(f"{x['impl']}: not checked ({x['reason']})."))
@@ -202,10 +214,10 @@ def _perf_blocks(r: dict) -> list:
     rows = []
     for x in p["records"]:
         if "error" in x:
-            rows.append([x["impl"], x["shape_id"], x["dtype"], x["direction"], "error: " + x["error"]["type"]]
+            rows.append([_who(x), x["shape_id"], x["dtype"], x["direction"], "error: " + x["error"]["type"]]
                         + [""] * 9)
             continue
-        rows.append([x["impl"], x["shape_id"], x["dtype"], x["direction"], fmt(x["p50_ms"]), fmt(x["p95_ms"]),
+        rows.append([_who(x), x["shape_id"], x["dtype"], x["direction"], fmt(x["p50_ms"]), fmt(x["p95_ms"]),
                      fmt(x["p99_ms"]), fmt(x["max_ms"]), fmt(x["tokens_per_s"] / 1e6), fmt(x["tflops"]),
                      fmt(x["gbs"]), fmt(x["roofline_fraction"]), fmt(x["first_call_s"]), str(x["n"])])
     out.append(_t(["impl", "shape", "dtype", "dir", "P50 ms", "P95 ms", "P99 ms", "max ms", "Mtok/s", "TFLOP/s",
@@ -240,7 +252,7 @@ def _decode_blocks(r: dict) -> list:
                                                                                                  "first call s"]
     rows = []
     for x in d["records"]:
-        head = [f"{x['impl']}/{x['path']}", str(x["B"]), str(x["Tq"]), x["pool"]]
+        head = [_who(x, f"{x['impl']}/{x['path']}"), str(x["B"]), str(x["Tq"]), x["pool"]]
         if "error" in x:
             rows.append(head + ["error: " + x["error"]["type"] + ": " + x["error"]["message"][:80]]
                         + [""] * (len(hdr) - 5))
@@ -256,10 +268,10 @@ def _decode_blocks(r: dict) -> list:
     rows = []
     for x in d["drift"]:
         if "error" in x:
-            rows.append([f"{x['impl']}/{x['path']}", x["pool"], "", "ERROR", x["error"]["message"][:100]]
+            rows.append([_who(x, f"{x['impl']}/{x['path']}"), x["pool"], "", "ERROR", x["error"]["message"][:100]]
                         + [""] * 5)
             continue
-        rows.append([f"{x['impl']}/{x['path']}", x["pool"], f"{x['prompt_T']} + {x['steps']}",
+        rows.append([_who(x, f"{x['impl']}/{x['path']}"), x["pool"], f"{x['prompt_T']} + {x['steps']}",
                      "PASS" if x["passed"] else "FAIL", fmt(x["rel_l2_o"], 2),
                      fmt(x["rel_l2_o_windows"][-1], 2) if x["rel_l2_o_windows"] else "–", fmt(x["rel_l2_state"], 2),
                      fmt(x["max_abs_o"], 2), fmt(x["others_untouched"]), fmt(x["tolerance"])])
@@ -338,7 +350,7 @@ def _robust_blocks(r: dict) -> list:
             detail = f"rel L2 {fmt(x['rel_l2'])}, NaN {x['o_nan']}, Inf {x['o_inf']}"
         else:
             detail = (x.get("error") or {}).get("message", x.get("reason", ""))
-        rows.append([x["impl"], x["case"], x["dtype"], _status(x), detail])
+        rows.append([_who(x), x["case"], x["dtype"], _status(x), detail])
     out = [_h(2, "Robustness (abnormal inputs)"), _p(
         f"Each call in a worker thread with a {s['timeout_s']} s timeout. Summary: " + "; ".join(
             f"{n}: {v['passed']}/{v['cases']} pass, {v['errors']} errors, {v['hangs']} hangs, {v['nan_leaks']} NaN "
@@ -373,10 +385,10 @@ def _amp_blocks(r: dict) -> list:
     rows = []
     for x in s["records"]:
         if "overflow_steps" not in x:  # the fp16 run did not finish: say why
-            rows.append([x["impl"], _status(x) + ": " + _why(x)] + [""] * 5)
+            rows.append([_who(x), _status(x) + ": " + _why(x)] + [""] * 5)
             continue
         ref = x.get("fp32_reference")
-        rows.append([x["impl"], _status(x), f"{x['overflow_steps']}/{x['steps']}", fmt(x["final_scale"]),
+        rows.append([_who(x), _status(x), f"{x['overflow_steps']}/{x['steps']}", fmt(x["final_scale"]),
                      fmt(x["final_loss_fp16"]), fmt(x["final_loss_fp32"]) if not ref else
                      f"{_status(ref)}: {_why(ref)}", fmt(x["final_loss_rel_gap"])])
     return [_h(2, "Mixed precision"), _p(f"fp16 autocast + {s['scaler']} on {s['device']}, shape {s['shape']}; "

@@ -202,6 +202,8 @@ def run(ctx: Context) -> dict:
                     if impl.supports_shape(case_shape(name, p.rob_shape), varlen=name == "nan-varlen-v"):
                         records.append(check(impl, name, dtype, ctx))  # its "unsupported" record, nothing run
                         continue
+                    if ctx.carry(f"{impl.name}/{name}/{dtype}", records):  # check()'s record id
+                        continue
                     if hung:
                         # the hung call still runs in its abandoned thread and may hold the GPU: every later call
                         # would queue behind it and time out too, spending the budget to report nothing

@@ -1,0 +1,114 @@
+"""``linattn eval --resume A [B ...]``: a run that carries over the units earlier runs already measured, and runs
+only the rest.
+
+The full profile side by side with fla and FlashQLA does not fit one device session: their compiles (40-120 s per
+shape class and direction) take most of a call's budget, and every fresh machine pays them again. A run with
+``--resume`` puts each earlier record of the sections it runs into its own report unchanged (with
+``carried_from``: the report, its date and commit), skips those units, and spends its budget on the units no
+earlier run finished; repeated over sessions, the grid fills up. A record *has a result*, and is carried, unless
+it says it was skipped (for time, or because an earlier call of its implementation hung): a pass, a failure, an
+error, an out-of-memory and a hang are results (running a hang again would only hang again).
+
+Carried at the granularity of one record: correctness (its cases, and each implementation's reproducibility
+check), robustness, performance, decode (drift and step latency) and mixed precision. Scaling, memory, stability
+and soak are sweeps or timed runs measured whole: a resumed run measures them again if selected (or take them
+from the earlier report with ``--merge``).
+
+``--resume-impls`` limits what is carried to some implementations, e.g. ``fla,flashqla,sdpa`` after a change to
+linattn: its records are measured again, the third parties' compiles are not paid again.
+
+Refused, with a :class:`ValueError` naming the file: a report of another profile, device type, GPU model or seed
+(its units are other measurements), or one whose implementation list differs.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional
+
+import torch
+
+from .merge import load
+
+RESUMABLE = ("correctness", "robustness", "performance", "decode", "mixed_precision")
+
+
+def has_result(rec: dict) -> bool:
+    """Whether an earlier record measured something (else the unit runs again)."""
+    return rec.get("status") != "skipped" and "skipped" not in rec
+
+
+def _keyed(section: str, results: dict) -> dict:
+    """{unit key: record} of one section of a report, as :meth:`Context.carry` asks for them."""
+    if not isinstance(results, dict) or "records" not in results:  # not selected, or not run
+        return {}
+    out = {r["id"]: r for r in results.get("records", []) if "id" in r}
+    if section == "correctness":
+        out.update({f"reproducibility/{r['impl']}": r for r in results.get("reproducibility", [])
+                    if "error" not in r})
+    elif section == "decode":
+        out.update({f"drift/{r['id']}": r for r in results.get("drift", []) if "id" in r})
+    return out
+
+
+def _origin(path: str, r: dict) -> dict:
+    env = r["environment"]
+    runs = env.get("runs") or [env]  # a merged report: its first run stands for its date, each record its commit
+    commit = (runs[0].get("commit") or {}).get("sha")
+    return {"report": path, "date_utc": runs[0].get("date_utc"), "commit": commit[:12] if commit else None}
+
+
+def _check_same_config(path: str, r: dict, profile: str, device: torch.device, seed: int, impls: list) -> None:
+    meta = r["meta"]
+    gpu_here = torch.cuda.get_device_properties(device).name if device.type == "cuda" else None
+    gpu_there = (r["environment"].get("gpu") or {}).get("name")
+    differ = []
+    if meta["profile"] != profile:
+        differ.append(f"profile {meta['profile']!r} there, {profile!r} here")
+    if torch.device(meta["device"]).type != device.type or gpu_there != gpu_here:
+        differ.append(f"device {meta['device']} ({gpu_there or 'no GPU'}) there, {device} ({gpu_here or 'no GPU'})"
+                      " here")
+    if meta.get("seed") != seed:
+        differ.append(f"seed {meta.get('seed')} there, {seed} here")
+    there = sorted(i["name"] for i in meta["impls"])
+    if there != sorted(impls):
+        differ.append(f"--impl {','.join(there)} there, {','.join(sorted(impls))} here")
+    if differ:
+        raise ValueError(f"--resume {path}: another configuration ({'; '.join(differ)}): its units are not this "
+                         "run's")
+
+
+def load_earlier(paths: list, profile: str, device: torch.device, seed: int, impls: list,
+                 carry_impls: Optional[list] = None) -> tuple[dict, dict]:
+    """({section: {unit key: record}} to carry, the report's ``meta.resumed_from``) from the reports at ``paths``
+    (report.json files or their directories; a later one's record wins over an earlier one's for the same unit).
+    ``impls``: this run's --impl names; ``carry_impls``: the implementations whose records are carried (all)."""
+    unknown = sorted(set(carry_impls or ()) - set(impls))
+    if unknown:
+        raise ValueError(f"--resume-impls {','.join(unknown)}: not in this run's --impl ({','.join(impls)})")
+    earlier: dict = {s: {} for s in RESUMABLE}
+    files = []
+    for p in paths:
+        path = os.path.join(str(p), "report.json") if os.path.isdir(str(p)) else str(p)
+        r = load(path)
+        _check_same_config(path, r, profile, device, seed, impls)
+        origin = _origin(path, r)
+        for section in RESUMABLE:
+            for key, rec in _keyed(section, r.get(section)).items():
+                if not has_result(rec) or (carry_impls is not None and rec.get("impl") not in carry_impls):
+                    continue
+                rec = copy.deepcopy(rec)
+                rec.setdefault("carried_from", origin)  # carried twice: it keeps the run that measured it
+                earlier[section][key] = rec
+        files.append(path)
+    meta = {"paths": files, "impls": list(carry_impls) if carry_impls is not None else None,
+            "records": {s: len(v) for s, v in earlier.items() if v}, "carried": {}}
+    return earlier, meta
+
+
+def describe(meta: dict) -> str:
+    """One line for the log and report.md: which reports, what was available to carry, what this run carried."""
+    avail = ", ".join(f"{s} {n}" for s, n in meta["records"].items()) or "none"
+    done = ", ".join(f"{s} {n}" for s, n in meta.get("carried", {}).items() if n) or "none"
+    which = f" (only {','.join(meta['impls'])})" if meta.get("impls") is not None else ""
+    return f"{', '.join(meta['paths'])}{which}: records with a result: {avail}; carried into this run: {done}"
