@@ -339,6 +339,14 @@ class Context:
             self.emit(f"{self.section} {uid}: unsupported ({reason})")
         return reason is not None
 
+    def unit_budget(self, units_left: int) -> float:
+        """Seconds the running unit of a time-sized loop (performance rows, decode rows), one of ``units_left``
+        (itself included), may spend timing: its part of what is left of the share or, for a unit that borrows
+        (:meth:`fits` let it start on spare time), of the spare time. Without the second a borrowing row (the share
+        spent, e.g. by a slow third-party compile) timed with a budget of 0 s: its minimum of 3 calls (run 13)."""
+        borrowed = self._unit is not None and self._unit["borrowed"]
+        return max(0.0, self.spare() if borrowed else self.remaining()) / max(1, units_left)
+
     def carry(self, key: str, out: list) -> bool:
         """Whether an earlier run (``--resume``: resume.py) measured the running section's unit ``key`` (a record
         id, or resume.py's key for a record without one); if so its record goes to ``out`` and the unit is neither

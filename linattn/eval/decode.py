@@ -426,7 +426,7 @@ def run(ctx: Context) -> dict:
                 skipped.append(f"{path.name}/B{B}-Tq{Tq}/{pool}")
                 continue
             ctx.step(desc, path.impl, classes)
-            rec = measure(ctx, path, B, Tq, pool, ctx.remaining() / sum(todo[i:]), copy_cache)
+            rec = measure(ctx, path, B, Tq, pool, ctx.unit_budget(sum(todo[i:])), copy_cache)
             records.append(rec)
             ctx.done(f"error {rec['error']['type']}: {rec['error']['message'][:80]}" if "error" in rec else
                      f"P50 {rec['p50_ms'] * 1e3:.3g} us, P99 {rec['p99_ms'] * 1e3:.3g} us, n={rec['n']}"

@@ -276,7 +276,7 @@ def run(ctx: Context) -> dict:
             continue
         ctx.step(desc, impl.name, classes)
         # each row may time for its fair share of what is left (a first call that compiles is not bounded)
-        budget = min(p.point_budget_s, ctx.remaining() / sum(todo[i:]))
+        budget = min(p.point_budget_s, ctx.unit_budget(sum(todo[i:])))
         records.append(measure(ctx, impl, shape, dtype, direction, warmup=p.warmup, reps=p.reps, budget_s=budget,
                                seed=ctx.seed))
         ctx.done(result_line(records[-1]), compile_time(records[-1]))

@@ -174,6 +174,16 @@ def test_a_unit_over_its_share_borrows_the_runs_spare_time():
     ctx.step("bf16 unit", "linattn", _sigs(lin, "bf16"))
     ctx.done("ok", first_call_s=0.0)
     assert ctx.section_stats["linattn"]["borrowed"] == 1
+    # a row of a time-sized loop: its part of the share, or of the spare time when it borrows
+    ctx.step("steady unit", "linattn", _sigs(lin))
+    assert ctx.unit_budget(5) == pytest.approx(ctx.remaining() / 5, abs=0.01) and ctx.unit_budget(5) > 0
+    ctx.deadline = time.monotonic() - 1  # the share is spent: a unit still inside it would get nothing
+    assert ctx.unit_budget(5) == 0.0
+    assert ctx.fits("linattn", _sigs(lin), "borrowing unit")  # borrows
+    ctx.step("borrowing unit", "linattn", _sigs(lin))
+    assert ctx.unit_budget(4) == pytest.approx(ctx.spare() / 4, abs=0.01) and ctx.unit_budget(4) > 20
+    ctx.done("ok")
+    ctx.deadline = time.monotonic() + 5
     ctx.later_reserve_s = 50.0  # the later sections' minimal work is not lent
     assert not ctx.fits("linattn", _sigs(lin, V=32), "new V")
     assert ctx.section_stats["linattn"]["skipped_for_time"] == 1
