@@ -14,7 +14,7 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
     python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
     python benchmarks/compile_all.py --warps 8        # the pre-pass and the backward kernels at 8 warps
     python benchmarks/compile_all.py --forward split  # force a forward path (default "auto": the op's own pick)
-    python benchmarks/compile_all.py --set common.kkt_solve.MERGE_PREC=tf32x3   # a string setting of linattn.ops
+    python benchmarks/compile_all.py --set common.kkt_solve.MERGE_PREC_BF16=tf32x3   # a string setting of linattn.ops
     python benchmarks/compile_all.py --launch-options '{"local_bwd_dqk": {"num_stages": 1}}'   # common.LAUNCH_OPTIONS
 
 Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
@@ -75,7 +75,7 @@ def record(a) -> list:
     from linattn.ops import common
     from linattn.ops.gated_delta import triton_chunk
     triton_chunk.FORWARD_PATH = a.forward
-    for assignment in a.set:  # "common.kkt_solve.MERGE_PREC=tf32x3": a string setting of a linattn.ops module
+    for assignment in a.set:  # "common.kkt_solve.MERGE_PREC_BF16=tf32x3": a string setting of a linattn.ops module
         target, value = assignment.split("=", 1)
         module, name = target.rsplit(".", 1)
         mod = importlib.import_module("linattn.ops." + module)

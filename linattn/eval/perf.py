@@ -265,7 +265,8 @@ def run(ctx: Context) -> dict:
             for direction in p.perf_directions for impl in ctx.available()]
     uids = [f"{impl.name}/{shape.id}/{dtype}/{direction}" for impl, shape, dtype, direction in rows]
     earlier = ctx.earlier.get(ctx.section, {})
-    todo = [uid not in earlier for uid in uids]  # the rows this run may time (the others are carried, --resume)
+    # the rows this run may time: not carried from an earlier run (--resume), and supported
+    todo = [uid not in earlier and not impl.supports_shape(shape) for (impl, shape, _, _), uid in zip(rows, uids)]
     for i, ((impl, shape, dtype, direction), uid) in enumerate(zip(rows, uids)):
         if ctx.unsupported(impl, shape, uid, unsupported) or ctx.carry(uid, records):
             continue

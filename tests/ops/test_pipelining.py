@@ -109,11 +109,11 @@ def test_compile_all_settings_reach_the_recorded_launches():
     run = lambda *extra: subprocess.run([sys.executable, "compile_all.py", "--record-only", "--H", "2", "--HV", "4",
                                          "--D", "32", *extra], cwd=root / "benchmarks", env=env, capture_output=True,
                                         text=True)
-    done = run("--set", "common.kkt_solve.MERGE_PREC=bf16x3", "--set", "common.split_fwd.OUTPUT_PREC_BF16=tf32")
+    done = run("--set", "common.kkt_solve.MERGE_PREC_BF16=tf32x3", "--set", "common.split_fwd.OUTPUT_PREC_BF16=tf32")
     assert done.returncode == 0, done.stderr[-3000:]
     consts = {x["name"]: x["consts"] for x in json.loads(done.stdout.strip().splitlines()[-1])}
-    assert consts["kkt_solve_kernel"]["MERGE_PREC"] == "bf16x3"
-    assert consts["fused_prepass_kernel"]["MERGE_PREC"] == "bf16x3"
+    assert consts["kkt_solve_kernel"]["MERGE_PREC"] == "tf32x3"
+    assert consts["fused_prepass_kernel"]["MERGE_PREC"] == "tf32x3"
     assert consts["output_fwd_kernel"]["OUT_PREC"] == "tf32"
     bad = run("--set", "common.kkt_solve.NO_SUCH=1")
     assert bad.returncode != 0 and "no string setting NO_SUCH" in bad.stderr + bad.stdout

@@ -188,10 +188,11 @@ def test_merge_and_output_precision_settings(monkeypatch):
     from linattn.ops.common import kkt_solve as KS
     from linattn.ops.common import split_fwd as SF
     assert KS.merge_precision(torch.float32, "bf16x3") == "ieee"
-    assert KS.merge_precision(torch.bfloat16) == KS.MERGE_PREC
-    monkeypatch.setattr(KS, "MERGE_PREC", "tf64")
+    assert KS.merge_precision(torch.bfloat16) == KS.MERGE_PREC_BF16
+    assert KS.merge_precision(torch.float16) == "ieee" and KS.merge_precision(torch.float16, "bf16x3") == "bf16x3"
+    monkeypatch.setattr(KS, "MERGE_PREC_BF16", "tf64")
     with pytest.raises(ValueError, match="merge precision"):
-        KS.merge_precision(torch.float16)
+        KS.merge_precision(torch.bfloat16)
     monkeypatch.setattr(SF, "OUTPUT_PREC_BF16", "bf16x3")
     assert SF.output_precision(torch.bfloat16) == "bf16x3" and SF.output_precision(torch.float16) == "tf32x3"
     x, _ = make_inputs(Case("p", T=8), torch.float32)

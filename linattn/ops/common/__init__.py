@@ -84,7 +84,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def product_precision(dtype: torch.dtype, setting: str, override, allowed: tuple, name: str) -> str:
     """Precision of a kernel's products of fp32 intermediates that a module setting picks for 16-bit inputs
-    (kkt_solve.MERGE_PREC, local_bwd_wy.INVERSE_DOT_PREC): "ieee" for fp32 inputs (fp32 accuracy), else
+    (kkt_solve.MERGE_PREC_BF16, local_bwd_wy.INVERSE_DOT_PREC): "ieee" for fp32 inputs (fp32 accuracy), else
     ``override`` (benchmarks, tests) or ``setting``; a value outside ``allowed`` is refused, naming ``name``."""
     prec = "ieee" if dtype == torch.float32 else (override or setting)
     if prec not in allowed:

@@ -9,7 +9,7 @@ Method (exact, no iteration to convergence). Split the chunk into four 16-row bl
      rows and the upper triangle never overflow, and e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
   2. forward substitution on each diagonal block: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in registers;
   3. block merges, Ainv_ij = −Ainv_ii Σ_{j ≤ m < i} A_im Ainv_mj: six levels of 16×16 fp32 dots at
-     :data:`MERGE_PREC` for 16-bit inputs ("ieee" for fp32 inputs).
+     :data:`MERGE_PREC_BF16` for bf16 inputs ("ieee" for fp16 and fp32 inputs).
 Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
 (entries of A³² reach C(63, 31) ≈ 1e18 while the inverse stays O(1)); substitution does not.
 Per chunk it reads BT·K keys, 2·BT gates/betas and writes BT·BT fp32; the ~2·BT²·K FLOPs are ~5% of the forward.
@@ -26,18 +26,21 @@ from . import CHUNK, block_size, dot_precision, launch_options, product_precisio
 from .dot import DOT_PRECISIONS, dot
 from .varlen import chunk_bounds
 
-# Precision of the block merges' fp32 products (step 3) for 16-bit inputs: "bf16x3" (common/dot.py: each fp32
+# Precision of the block merges' fp32 products (step 3) for bf16 inputs: "bf16x3" (common/dot.py: each fp32
 # factor split into two bf16 parts, three bf16 MMAs, ≈ 2^-16 per product). Run 13 (B=8 T=4096 H=16, bf16): solve
 # 0.522 → 0.493 ms, pre-pass 0.902 → 0.842, fwd+bwd 8.65 → 8.54 (the backward recomputes A_inv), every output and
-# gradient's error vs float64 unchanged to two digits in bf16 and fp16; "ieee" (FMA units, 552 FFMA of ~3800 SASS
-# instructions) was the default before, "tf32x3" is slower than both (0.60 ms: 352 extra shuffles).
-MERGE_PREC = "bf16x3"
+# gradient's error vs float64 unchanged to two digits; "ieee" (FMA units, 552 FFMA of ~3800 SASS instructions) was
+# the default before, "tf32x3" is slower than both (0.60 ms: 352 extra shuffles). fp16 and fp32 inputs merge at
+# "ieee": at bf16x3 an fp16 case without decay (g = 0) carried a 1.0e-5 final-state error where the fp32-product
+# path has 2.5e-7 (tests/ops/test_triton_fwd.py) — invisible under bf16's own rounding, not under fp16's.
+MERGE_PREC_BF16 = "bf16x3"
 
 
 def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
-    """The block merges' precision for inputs of ``dtype``: fp32 inputs always "ieee"; else ``override`` or
-    :data:`MERGE_PREC`, checked."""
-    return product_precision(dtype, MERGE_PREC, override, DOT_PRECISIONS, "kkt_solve merge precision")
+    """The block merges' precision for inputs of ``dtype``: ``override`` (benchmarks, tests; not for fp32) or
+    :data:`MERGE_PREC_BF16` for bf16, "ieee" otherwise; checked."""
+    setting = MERGE_PREC_BF16 if dtype == torch.bfloat16 else "ieee"
+    return product_precision(dtype, setting, override, DOT_PRECISIONS, "kkt_solve merge precision")
 
 
 @triton.jit
@@ -128,7 +131,7 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     b_T22 = _invert_diag_block(b_A22, o_r)
     b_T33 = _invert_diag_block(b_A33, o_r)
 
-    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32, MERGE_PREC)
+    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32, merge_precision)
     b_T10 = -dot(b_T11, dot(b_A10, b_T00, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
     b_T21 = -dot(b_T22, dot(b_A21, b_T11, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
     b_T32 = -dot(b_T33, dot(b_A32, b_T22, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
