@@ -1,27 +1,26 @@
-"""GPU check and timing of cheaper precisions for two groups of fp32 products of the forward (16-bit inputs):
-the split forward's output dots (``split_fwd.OUTPUT_PREC_BF16``, bf16 inputs) and the in-chunk solve's block
-merges (``kkt_solve.MERGE_PREC_BF16``, shared by the pre-pass and the backward's recompute).
+"""GPU check and timing of the pre-pass's and the split forward's cheaper variants (bf16 and fp16 inputs): the split
+forward's output dots (``split_fwd.OUTPUT_PREC_BF16``), the in-chunk solve's block merges
+(``kkt_solve.MERGE_PREC_BF16``) and how the solve inverts its four diagonal 16×16 blocks (``kkt_solve.DIAG_INVERSE``:
+one substitution per block, or one for the four stacked) — the solve is shared by the pre-pass and the backward's
+recompute.
 
     python benchmarks/bench_split_precision.py [--quick] [--out DIR]
 
-Why (run 12): at B=8 T=4096 H=16 the split forward's stages sum to 2.05 ms timed alone but the op takes 2.48; the
-op runs the output kernel at tf32x3 (o 1.73e-3 at the anchor case, tf32 2.0e-3), the stage timing used tf32. And
-the solve (kkt_solve alone 0.52 ms of the pre-pass's 0.90) runs its six levels of 16×16 merges at "ieee": 552 FFMA
-of its ~3800 SASS instructions. "bf16x3" (common/dot.py) keeps a bf16 Q whole: Q S is two bf16 MMAs, P V_new
-three, ≈ 2^-16 per product — about half of tf32x3's tensor-core time. Static sm_90 SASS (compile_all.py --set,
-bf16, B=1 H=16): output kernel tf32x3 4248 instructions / 52 HGMMA / 2664 spill bytes per thread, bf16x3 3328 / 24
-/ 1568, tf32 3112 / 20 / 1796; kkt_solve merges ieee 3800 instructions / 552 FFMA, tf32x3 5280 / 272 HMMA / 352
-SHFL (layout shuffles), bf16x3 4056 / 176 HMMA / 208 SHFL. Prediction written before any run: output
-kernel at bf16x3 ≈ 0.6 of its tf32x3 time (split forward 2.48 → ≈ 2.2 ms at B=8); merges on tensor cores take
-kkt_solve 0.52 → ≈ 0.4 ms and the pre-pass 0.90 → ≈ 0.8; every error within 2× of the rounded-PyTorch baseline.
-Measured (run 12, --quick: output variants only): output kernel 0.981 → 0.397 ms at bf16x3, split forward 2.508 →
-1.916 at B=8, o error unchanged (1.731e-3) — now the default. Run 13 (full run): bf16x3 merges kkt_solve 0.522 →
-0.493 ms at B=8, errors unchanged — the default for bf16 (fp16 keeps "ieee" merges: kkt_solve.py says why).
+Run 12 (--quick: output variants): output kernel 0.981 → 0.397 ms at bf16x3, split forward 2.508 → 1.916 at B=8
+T=4096 H=16, o error unchanged (1.731e-3) — the default since. Run 13 (the merge variants): bf16x3 merges kkt_solve
+0.522 → 0.493 ms at B=8, errors unchanged — the default for bf16 since (tf32x3 merges 0.60 ms).
+
+Now (prepared in the sixth session, not yet run): the stacked diagonal blocks (``kkt_solve.DIAG_INVERSE =
+"batched"``; kkt_solve.py says how). Static sm_90 SASS (bf16, 4 warps, maxnreg 168): per block the substitution is
+4 loops of 15 trips × 95 instructions that every warp runs for every block; batched one loop of 15 trips × 95 per
+warp for its own block, the K loop 605 → 850 instructions (2 trips); ≈ 38% fewer instructions per warp. Prediction
+written before any run: kkt_solve 0.49 → ≈ 0.30 ms at B=8, pre-pass 0.84 → ≈ 0.65, split forward 1.84 → ≈ 1.65,
+fwd+bwd 7.94 → ≈ 7.6 (the backward recomputes the solve); every error unchanged (same arithmetic per block).
 
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
-   case and T=32768 K=128, bf16 (fp16 too for the merges: they apply to every 16-bit input), per variant;
+   case and T=32768 K=128, in bf16 and, for the diagonal inverse (which every 16-bit input runs), fp16;
 2. speed per variant: the op's forward on the split path and forward + backward (do_bench median ms), the output
-   kernel and kkt_solve alone, at B=1 T=4096, B=8 T=4096, B=1 T=32768 (H=16, K=V=128).
+   kernel, kkt_solve and the fused pre-pass alone, at B=1 T=4096, B=8 T=4096, B=1 T=32768 (H=16, K=V=128).
 Prints the tables last; writes bench_split_precision.json under --out.
 """
 from __future__ import annotations
@@ -42,9 +41,8 @@ from linattn.ops.common.output import output_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.gated_delta import triton_chunk
 
-VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16); the first was the default until run 12, the second until 13
-    ("tf32x3", "ieee"), ("bf16x3", "ieee"), ("tf32", "ieee"), ("tf32x3", "tf32x3"), ("tf32x3", "bf16x3"),
-    ("bf16x3", "tf32x3"),
+VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, DIAG_INVERSE): today's defaults first
+    ("bf16x3", "bf16x3", "per_block"), ("bf16x3", "bf16x3", "batched"), ("bf16x3", "ieee", "batched"),
 ]
 ACCURACY_CASES = ("anchor_B2_T300_K128", "T32768_K128")
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16)]
@@ -52,33 +50,33 @@ D = 128
 
 
 class variant:
-    """Set the two module settings (and the split path) for a with-block; restore them after."""
+    """Set the three module settings (and the split path) for a with-block; restore them after."""
 
-    def __init__(self, out_prec, merge_prec):
-        self.new = (out_prec, merge_prec)
+    def __init__(self, out_prec, merge_prec, diag):
+        self.new = (out_prec, merge_prec, diag)
 
     def __enter__(self):
-        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, triton_chunk.FORWARD_PATH)
-        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16 = self.new
+        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE, triton_chunk.FORWARD_PATH)
+        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE = self.new
         triton_chunk.FORWARD_PATH = "split"
 
     def __exit__(self, *exc):
-        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, triton_chunk.FORWARD_PATH = self.old
+        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE, triton_chunk.FORWARD_PATH = self.old
 
 
 def accuracy(names, variants):
     rows = []
     for case in (c for c in CASES if c[0] in names):
-        for out_prec, merge_prec in variants:
-            # fp16 reads neither setting since run 13 (its merges are "ieee", its output dots tf32x3)
-            dtypes = (torch.bfloat16,)
+        for out_prec, merge_prec, diag in variants:
+            # fp16 reads only the diagonal inverse (its merges are "ieee", its output dots tf32x3)
+            dtypes = (torch.bfloat16, torch.float16) if diag != "per_block" else (torch.bfloat16,)
             for dt in dtypes:
-                with variant(out_prec, merge_prec):
+                with variant(out_prec, merge_prec, diag):
                     try:
                         row = check(case, dt, use_token_ref=case[2] <= 1000)
                     except Exception as e:  # a variant that fails is a row, not the end
                         row = dict(case=case[0], dtype=str(dt).split(".")[-1], error=f"{type(e).__name__}: {e}"[:300])
-                row.update(out_prec=out_prec, merge_prec=merge_prec)
+                row.update(out_prec=out_prec, merge_prec=merge_prec, diag=diag)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
@@ -94,9 +92,9 @@ def speed(B, T, H, HV, variants):
     gc, w, u = fused_prepass(g, k, v, beta)
     h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
     rows = []
-    for out_prec, merge_prec in variants:
-        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec)
-        with variant(out_prec, merge_prec):
+    for out_prec, merge_prec, diag in variants:
+        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, diag=diag)
+        with variant(out_prec, merge_prec, diag):
             try:
                 with torch.no_grad():
                     row["fwd_ms"] = triton.testing.do_bench(f)
@@ -113,28 +111,29 @@ def speed(B, T, H, HV, variants):
 
 
 def main():
-    a = bench_args("the anchor case, three variants and the first two shapes only")
-    variants = VARIANTS[:3] if a.quick else VARIANTS
+    a = bench_args("the anchor case, the first two variants and the first two shapes only")
+    variants = VARIANTS[:2] if a.quick else VARIANTS
     acc = accuracy(ACCURACY_CASES[:1] if a.quick else ACCURACY_CASES, variants)
     rows = [r for s in (SHAPES[:2] if a.quick else SHAPES) for r in speed(*s, variants)]
     write_json(a.out, "bench_split_precision.json", dict(accuracy=acc, speed=rows))
 
     print("\nrelative L2 vs float64, kernel / baseline ratio (pass: ≤ 2); o error in brackets")
-    print("%-20s %-9s %-7s %-7s " % ("case", "dtype", "output", "merges") + " ".join("%-7s" % n for n in NAMES))
+    print("%-20s %-9s %-7s %-7s %-9s " % ("case", "dtype", "output", "merges", "diagonal")
+          + " ".join("%-7s" % n for n in NAMES))
     for r in acc:
         if "error" in r:
-            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["error"])
+            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["diag"], r["error"])
             continue
         base = r.get("base")
         cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
-        print("%-20s %-9s %-7s %-7s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"]) +
+        print("%-20s %-9s %-7s %-7s %-9s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"], r["diag"]) +
               " ".join("%-7s" % c for c in cells) + f"  [{r['err']['o']:.3e}]")
-    print("\n| B, T, H, HV | output / merges | split fwd ms | fwd+bwd ms | output kernel ms | kkt_solve ms | "
-          "pre-pass ms |\n|---|---|---|---|---|---|---|")
+    print("\n| B, T, H, HV | output / merges / diagonal | split fwd ms | fwd+bwd ms | output kernel ms "
+          "| kkt_solve ms | pre-pass ms |\n|---|---|---|---|---|---|---|")
     for r in rows:
         cells = " | ".join(f"{r[k]:.3f}" if k in r else r.get("error", "–")[:30]
                            for k in ("fwd_ms", "fwdbwd_ms", "output_ms", "kkt_solve_ms", "prepass_ms"))
-        print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} | {cells} |")
+        print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} / {r['diag']} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,27 @@ from .varlen import chunk_bounds
 # path has 2.5e-7 (tests/ops/test_triton_fwd.py) — invisible under bf16's own rounding, not under fp16's.
 MERGE_PREC_BF16 = "bf16x3"
 
+# How steps 1–2 build and invert the four diagonal 16×16 blocks. "per_block": four 2-D dots, then the 15-step
+# forward substitution once per block; on sm_90 every warp of the program holds each whole block (Triton gives the
+# dot results a warp-replicated layout there), so all four warps run all 60 steps (95 SASS instructions each, 28 of
+# them shuffles). "batched": one 3-D dot over the [4, 16, BK] key stack, whose MMA layout puts one block on each
+# warp (warpsPerCTA [4, 1, 1]), then the substitution on the [4, 16, 16] stack: each warp runs 15 steps of the same
+# 95 instructions for its own block — about 38% fewer instructions per warp in kkt_solve (the K loop grows from
+# 605 to 850 for the stack's layout conversion), the same arithmetic per block. The solve is latency-bound (0.49 ms
+# at B=8 T=4096 H=16 for ≈ 10 GFLOP, run 13). Prediction, not yet timed: kkt_solve 0.49 → ≈ 0.30 ms at B=8,
+# pre-pass 0.84 → ≈ 0.65, split forward 1.84 → ≈ 1.65; "per_block" stays the default until
+# benchmarks/bench_split_precision.py measures it.
+DIAG_INVERSE = "per_block"
+DIAG_INVERSES = ("per_block", "batched")
+
+
+def diag_batched(override: Optional[str] = None) -> bool:
+    """Whether the diagonal blocks are inverted as one stack (:data:`DIAG_INVERSE`, or ``override``; checked)."""
+    mode = override or DIAG_INVERSE
+    if mode not in DIAG_INVERSES:
+        raise ValueError(f"kkt_solve diagonal inverse must be one of {DIAG_INVERSES}, got {mode!r}")
+    return mode == "batched"
+
 
 def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
     """The block merges' precision for inputs of ``dtype``: ``override`` (benchmarks, tests; not for fp32) or
@@ -74,9 +95,43 @@ def _invert_diag_block(b_A, o_r):
 
 
 @triton.jit
+def _gate_diag_stack(b_A, gc, beta, bos, T_seq, i_c, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+    """:func:`_gate_block` of the four diagonal blocks stacked as [4, 16, 16] (block b: the chunk's rows and
+    columns 16b … 16b + 15): b_A ← β_i · b_A ⊙ e^{G_i − G_j}, 0 on and above the diagonal and where masked."""
+    o_r = tl.arange(0, 16)
+    o_t = i_c * 64 + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]  # [4, 16]: the token of (block, row)
+    m_t = o_t < T_seq
+    m_A = m_t[:, :, None] & m_t[:, None, :] & (o_r[:, None] > o_r[None, :])[None, :, :]
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+    if USE_DECAY:
+        b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+        b_A = b_A * tl.exp(tl.where(m_A, b_g[:, :, None] - b_g[:, None, :], float("-inf")))
+    return tl.where(m_A, b_A * b_beta[:, :, None], 0.)
+
+
+@triton.jit
+def _invert_diag_stack(b_A, o_r):
+    """:func:`_invert_diag_block` of the four stacked diagonal blocks at once: the same row steps on [4, 16, 16],
+    so the four substitutions share one chain of 15 steps; returns the four inverses as [16, 16] blocks."""
+    b_N = -b_A
+    for r in range(1, 16):
+        m_r = (o_r == r)[None, :, None]
+        b_a = tl.sum(tl.where(m_r, b_N, 0.), 1)  # [4, 16]: row r of each block, N_r (still −A_r)
+        b_a = b_a + tl.sum(b_a[:, :, None] * b_N, 1)
+        b_N = tl.where(m_r, b_a[:, None, :], b_N)
+    b_N = b_N + (o_r[:, None] == o_r[None, :]).to(tl.float32)[None, :, :]
+    b_y = tl.permute(tl.reshape(b_N, (2, 2, 16, 16)), (2, 3, 1, 0))  # [16, 16, 2 (within a pair), 2 (pair)]
+    b_p0, b_p1 = tl.split(b_y)
+    b_T00, b_T11 = tl.split(b_p0)
+    b_T22, b_T33 = tl.split(b_p1)
+    return b_T00, b_T11, b_T22, b_T33
+
+
+@triton.jit
 def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-                       USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+                       USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, DIAG_BATCHED: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     """Steps 1–3 for chunk i_c of the sequence at bos: the ten lower 16×16 blocks of (I + A)⁻¹, fp32, as
     (T00, T10, T11, T20, T21, T22, T30, T31, T32, T33). Shared by :func:`kkt_solve_kernel` and the fused
     pre-pass (``fused_prepass.py``), which keeps them in registers instead of writing A_inv."""
@@ -96,6 +151,7 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     b_A31 = tl.zeros([16, 16], dtype=tl.float32)
     b_A32 = tl.zeros([16, 16], dtype=tl.float32)
     b_A33 = tl.zeros([16, 16], dtype=tl.float32)
+    b_Ad = tl.zeros([4, 16, 16], dtype=tl.float32)  # DIAG_BATCHED: the diagonal blocks, stacked
     p_k0 = k + (bos * H + i_h) * K
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (16, BK), (1, 0))
@@ -103,33 +159,42 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
         b_k1 = tl.load(tl.advance(p_k, (16, 0)), boundary_check=(0, 1))
         b_k2 = tl.load(tl.advance(p_k, (32, 0)), boundary_check=(0, 1))
         b_k3 = tl.load(tl.advance(p_k, (48, 0)), boundary_check=(0, 1))
-        b_A00 += tl.dot(b_k0, tl.trans(b_k0), input_precision=DOT_PREC)
         b_A10 += tl.dot(b_k1, tl.trans(b_k0), input_precision=DOT_PREC)
-        b_A11 += tl.dot(b_k1, tl.trans(b_k1), input_precision=DOT_PREC)
         b_A20 += tl.dot(b_k2, tl.trans(b_k0), input_precision=DOT_PREC)
         b_A21 += tl.dot(b_k2, tl.trans(b_k1), input_precision=DOT_PREC)
-        b_A22 += tl.dot(b_k2, tl.trans(b_k2), input_precision=DOT_PREC)
         b_A30 += tl.dot(b_k3, tl.trans(b_k0), input_precision=DOT_PREC)
         b_A31 += tl.dot(b_k3, tl.trans(b_k1), input_precision=DOT_PREC)
         b_A32 += tl.dot(b_k3, tl.trans(b_k2), input_precision=DOT_PREC)
-        b_A33 += tl.dot(b_k3, tl.trans(b_k3), input_precision=DOT_PREC)
+        if DIAG_BATCHED:  # the four diagonal blocks as one batched dot of the [4, 16, BK] key stack
+            b_k = tl.reshape(tl.load(tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
+                                                       (1, 0)), boundary_check=(0, 1)), (4, 16, BK))
+            b_Ad += tl.dot(b_k, tl.permute(b_k, (0, 2, 1)), input_precision=DOT_PREC)
+        else:
+            b_A00 += tl.dot(b_k0, tl.trans(b_k0), input_precision=DOT_PREC)
+            b_A11 += tl.dot(b_k1, tl.trans(b_k1), input_precision=DOT_PREC)
+            b_A22 += tl.dot(b_k2, tl.trans(b_k2), input_precision=DOT_PREC)
+            b_A33 += tl.dot(b_k3, tl.trans(b_k3), input_precision=DOT_PREC)
     # β_i and the decay e^{G_i − G_j}, masked before exp
-    b_A00 = _gate_block(b_A00, gc, beta, bos, T_seq, o_0, o_0, i_hv, HV, USE_DECAY, True)
     b_A10 = _gate_block(b_A10, gc, beta, bos, T_seq, o_1, o_0, i_hv, HV, USE_DECAY, False)
-    b_A11 = _gate_block(b_A11, gc, beta, bos, T_seq, o_1, o_1, i_hv, HV, USE_DECAY, True)
     b_A20 = _gate_block(b_A20, gc, beta, bos, T_seq, o_2, o_0, i_hv, HV, USE_DECAY, False)
     b_A21 = _gate_block(b_A21, gc, beta, bos, T_seq, o_2, o_1, i_hv, HV, USE_DECAY, False)
-    b_A22 = _gate_block(b_A22, gc, beta, bos, T_seq, o_2, o_2, i_hv, HV, USE_DECAY, True)
     b_A30 = _gate_block(b_A30, gc, beta, bos, T_seq, o_3, o_0, i_hv, HV, USE_DECAY, False)
     b_A31 = _gate_block(b_A31, gc, beta, bos, T_seq, o_3, o_1, i_hv, HV, USE_DECAY, False)
     b_A32 = _gate_block(b_A32, gc, beta, bos, T_seq, o_3, o_2, i_hv, HV, USE_DECAY, False)
-    b_A33 = _gate_block(b_A33, gc, beta, bos, T_seq, o_3, o_3, i_hv, HV, USE_DECAY, True)
 
     # 2. diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
-    b_T00 = _invert_diag_block(b_A00, o_r)
-    b_T11 = _invert_diag_block(b_A11, o_r)
-    b_T22 = _invert_diag_block(b_A22, o_r)
-    b_T33 = _invert_diag_block(b_A33, o_r)
+    if DIAG_BATCHED:
+        b_Ad = _gate_diag_stack(b_Ad, gc, beta, bos, T_seq, i_c, i_hv, HV, USE_DECAY)
+        b_T00, b_T11, b_T22, b_T33 = _invert_diag_stack(b_Ad, o_r)
+    else:
+        b_T00 = _invert_diag_block(
+            _gate_block(b_A00, gc, beta, bos, T_seq, o_0, o_0, i_hv, HV, USE_DECAY, True), o_r)
+        b_T11 = _invert_diag_block(
+            _gate_block(b_A11, gc, beta, bos, T_seq, o_1, o_1, i_hv, HV, USE_DECAY, True), o_r)
+        b_T22 = _invert_diag_block(
+            _gate_block(b_A22, gc, beta, bos, T_seq, o_2, o_2, i_hv, HV, USE_DECAY, True), o_r)
+        b_T33 = _invert_diag_block(
+            _gate_block(b_A33, gc, beta, bos, T_seq, o_3, o_3, i_hv, HV, USE_DECAY, True), o_r)
 
     # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32, merge_precision)
     b_T10 = -dot(b_T11, dot(b_A10, b_T00, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
@@ -148,7 +213,7 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
 def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                      USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, MERGE_PREC: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     DIAG_BATCHED: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -156,7 +221,8 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
     _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
     T_seq = eos - bos
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
-        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC, INTERPRET)
+        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC, DIAG_BATCHED,
+        INTERPRET)
 
     # write all sixteen blocks (the upper ones as zeros) of the chunk's rows; rows past eos are not written
     p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (16, 16),
@@ -182,7 +248,8 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], HV: int,
               cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
-              chunk_size: int = CHUNK, merge_prec: Optional[str] = None) -> torch.Tensor:
+              chunk_size: int = CHUNK, merge_prec: Optional[str] = None, diag_inverse: Optional[str] = None
+              ) -> torch.Tensor:
     """A_inv = (I + strict_lower(diag(β) K Kᵀ ⊙ D))⁻¹ per chunk.
 
     Args:
@@ -190,6 +257,7 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
         beta: ``[B, T, HV]``. gc: chunk-local cumulative log decay ``[B, T, HV]`` fp32, or None for no decay.
         cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
         merge_prec: the block merges' precision (None: :func:`merge_precision`; benchmarks and tests).
+        diag_inverse: "per_block" or "batched" (None: :data:`DIAG_INVERSE`; benchmarks and tests).
     Returns:
         A_inv ``[B, T, HV, BT]`` fp32 (row t = row of t's chunk inverse, zero past the chunk's length).
     """
@@ -199,5 +267,6 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
     kkt_solve_kernel[(NT, B * HV)](
         k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
         DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None,
-        MERGE_PREC=merge_precision(k.dtype, merge_prec), INTERPRET=triton_interpret(), **launch_options("kkt_solve"))
+        MERGE_PREC=merge_precision(k.dtype, merge_prec), DIAG_BATCHED=diag_batched(diag_inverse),
+        INTERPRET=triton_interpret(), **launch_options("kkt_solve"))
     return A_inv
