@@ -16,6 +16,9 @@ Now (prepared in the sixth session, not yet run): the stacked diagonal blocks (`
 warp for its own block, the K loop 605 → 850 instructions (2 trips); ≈ 38% fewer instructions per warp. Prediction
 written before any run: kkt_solve 0.49 → ≈ 0.30 ms at B=8, pre-pass 0.84 → ≈ 0.65, split forward 1.84 → ≈ 1.65,
 fwd+bwd 7.94 → ≈ 7.6 (the backward recomputes the solve); every error unchanged (same arithmetic per block).
+Also the fused pre-pass at 2 warps (``fused_prepass.PREPASS_WARPS``; 4 since run 11, 8 was slower): half the
+replicated solve work per program, but ptxas spills 2.2–3.0 KB per thread (uncapped; 0.1–0.3 KB at 4 warps) —
+expected slower, measured because nothing else says so.
 
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
    case and T=32768 K=128, in bf16 and, for the diagonal inverse (which every 16-bit input runs), fp16;
@@ -34,6 +37,7 @@ from gpu_check_core import CASES, NAMES, check  # noqa: E402  (this folder is on
 from gpu_check_fwd import make  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
+from linattn.ops.common import fused_prepass as FP
 from linattn.ops.common import kkt_solve as KS
 from linattn.ops.common import split_fwd as SF
 from linattn.ops.common.fused_prepass import fused_prepass
@@ -41,8 +45,9 @@ from linattn.ops.common.output import output_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.gated_delta import triton_chunk
 
-VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, DIAG_INVERSE): today's defaults first
-    ("bf16x3", "bf16x3", "per_block"), ("bf16x3", "bf16x3", "batched"), ("bf16x3", "ieee", "batched"),
+VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, DIAG_INVERSE, PREPASS_WARPS): today's defaults first
+    ("bf16x3", "bf16x3", "per_block", 4), ("bf16x3", "bf16x3", "batched", 4), ("bf16x3", "bf16x3", "per_block", 2),
+    ("bf16x3", "bf16x3", "batched", 2), ("bf16x3", "ieee", "batched", 4),
 ]
 ACCURACY_CASES = ("anchor_B2_T300_K128", "T32768_K128")
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16)]
@@ -50,33 +55,35 @@ D = 128
 
 
 class variant:
-    """Set the three module settings (and the split path) for a with-block; restore them after."""
+    """Set the four module settings (and the split path) for a with-block; restore them after."""
 
-    def __init__(self, out_prec, merge_prec, diag):
-        self.new = (out_prec, merge_prec, diag)
+    def __init__(self, out_prec, merge_prec, diag, warps):
+        self.new = (out_prec, merge_prec, diag, warps)
 
     def __enter__(self):
-        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE, triton_chunk.FORWARD_PATH)
-        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE = self.new
+        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE, FP.PREPASS_WARPS,
+                    triton_chunk.FORWARD_PATH)
+        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE, FP.PREPASS_WARPS = self.new
         triton_chunk.FORWARD_PATH = "split"
 
     def __exit__(self, *exc):
-        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE, triton_chunk.FORWARD_PATH = self.old
+        (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, KS.DIAG_INVERSE, FP.PREPASS_WARPS,
+         triton_chunk.FORWARD_PATH) = self.old
 
 
 def accuracy(names, variants):
     rows = []
     for case in (c for c in CASES if c[0] in names):
-        for out_prec, merge_prec, diag in variants:
-            # fp16 reads only the diagonal inverse (its merges are "ieee", its output dots tf32x3)
-            dtypes = (torch.bfloat16, torch.float16) if diag != "per_block" else (torch.bfloat16,)
+        for out_prec, merge_prec, diag, warps in variants:
+            # fp16 reads only the diagonal inverse and the warps (its merges are "ieee", its output dots tf32x3)
+            dtypes = (torch.bfloat16, torch.float16) if (diag, warps) != ("per_block", 4) else (torch.bfloat16,)
             for dt in dtypes:
-                with variant(out_prec, merge_prec, diag):
+                with variant(out_prec, merge_prec, diag, warps):
                     try:
                         row = check(case, dt, use_token_ref=case[2] <= 1000)
                     except Exception as e:  # a variant that fails is a row, not the end
                         row = dict(case=case[0], dtype=str(dt).split(".")[-1], error=f"{type(e).__name__}: {e}"[:300])
-                row.update(out_prec=out_prec, merge_prec=merge_prec, diag=diag)
+                row.update(out_prec=out_prec, merge_prec=merge_prec, diag=diag, warps=warps)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
@@ -92,9 +99,9 @@ def speed(B, T, H, HV, variants):
     gc, w, u = fused_prepass(g, k, v, beta)
     h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
     rows = []
-    for out_prec, merge_prec, diag in variants:
-        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, diag=diag)
-        with variant(out_prec, merge_prec, diag):
+    for out_prec, merge_prec, diag, warps in variants:
+        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, diag=diag, warps=warps)
+        with variant(out_prec, merge_prec, diag, warps):
             try:
                 with torch.no_grad():
                     row["fwd_ms"] = triton.testing.do_bench(f)
@@ -118,22 +125,24 @@ def main():
     write_json(a.out, "bench_split_precision.json", dict(accuracy=acc, speed=rows))
 
     print("\nrelative L2 vs float64, kernel / baseline ratio (pass: ≤ 2); o error in brackets")
-    print("%-20s %-9s %-7s %-7s %-9s " % ("case", "dtype", "output", "merges", "diagonal")
+    print("%-20s %-9s %-7s %-7s %-9s %-5s " % ("case", "dtype", "output", "merges", "diagonal", "warps")
           + " ".join("%-7s" % n for n in NAMES))
     for r in acc:
         if "error" in r:
-            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["diag"], r["error"])
+            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["diag"], r["warps"], r["error"])
             continue
         base = r.get("base")
         cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
-        print("%-20s %-9s %-7s %-7s %-9s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"], r["diag"]) +
+        print("%-20s %-9s %-7s %-7s %-9s %-5s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"],
+                                                  r["diag"], r["warps"]) +
               " ".join("%-7s" % c for c in cells) + f"  [{r['err']['o']:.3e}]")
-    print("\n| B, T, H, HV | output / merges / diagonal | split fwd ms | fwd+bwd ms | output kernel ms "
-          "| kkt_solve ms | pre-pass ms |\n|---|---|---|---|---|---|---|")
+    print("\n| B, T, H, HV | output / merges / diagonal / pre-pass warps | split fwd ms | fwd+bwd ms "
+          "| output kernel ms | kkt_solve ms | pre-pass ms |\n|---|---|---|---|---|---|---|")
     for r in rows:
         cells = " | ".join(f"{r[k]:.3f}" if k in r else r.get("error", "–")[:30]
                            for k in ("fwd_ms", "fwdbwd_ms", "output_ms", "kkt_solve_ms", "prepass_ms"))
-        print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} / {r['diag']} | {cells} |")
+        print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} / {r['diag']} / "
+              f"{r['warps']} | {cells} |")
 
 
 if __name__ == "__main__":
