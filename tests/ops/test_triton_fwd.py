@@ -308,6 +308,13 @@ def test_forward_matches_reference_and_torch(case, dtype):
         assert err_h <= max(f * rel_rms(tht, rht), floor), f"final state: {err_h:.2e} vs torch {rel_rms(tht, rht):.2e}"
 
 
+def triton_op(x: dict):
+    """(o, final state) of the public op on the Triton backend for make_inputs' tensors."""
+    return linattn.chunk_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
+                                          cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"],
+                                          backend="triton")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", [FWD_CASES[5], FWD_CASES[8], FWD_CASES[10]], ids=lambda c: c.id)
 def test_forward_with_batched_diagonal_inverse(case, dtype, monkeypatch):
@@ -315,11 +322,9 @@ def test_forward_with_batched_diagonal_inverse(case, dtype, monkeypatch):
     state as the per-block default, up to summation order."""
     from linattn.ops.common import kkt_solve as KS
     x, _ = make_inputs(case, dtype)
-    kw = dict(output_final_state=True, cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"], backend="triton")
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    o, ht = linattn.chunk_gated_delta_rule(*args, **kw)
+    o, ht = triton_op(x)
     monkeypatch.setattr(KS, "DIAG_INVERSE", "batched")
-    ob, htb = linattn.chunk_gated_delta_rule(*args, **kw)
+    ob, htb = triton_op(x)
     assert rel_rms(ob, o) <= (1e-6 if dtype == torch.float32 else 1e-3) and rel_rms(htb, ht) <= 1e-6
 
 
@@ -342,11 +347,9 @@ def test_walk_forward_matches_reference_and_torch(case, dtype, monkeypatch):
     test_forward_matches_reference_and_torch(case, dtype)
     # and against the split path on the same inputs (both fp32 state; o differs by the output dtype's rounding)
     x, _ = make_inputs(case, dtype)
-    kw = dict(output_final_state=True, cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"], backend="triton")
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    o_w, h_w = linattn.chunk_gated_delta_rule(*args, **kw)
+    o_w, h_w = triton_op(x)
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
-    o_s, h_s = linattn.chunk_gated_delta_rule(*args, **kw)
+    o_s, h_s = triton_op(x)
     assert rel_rms(h_s, h_w) <= TOLERANCES["forward_fp32"]
     assert rel_rms(o_s, o_w) <= (TOLERANCES["forward_fp32"] if dtype == torch.float32 else 2.0 ** -10)
 
