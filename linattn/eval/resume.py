@@ -22,7 +22,6 @@ Refused, with a :class:`ValueError` naming the file: a report of another profile
 """
 from __future__ import annotations
 
-import copy
 import os
 from typing import Optional
 
@@ -97,8 +96,9 @@ def load_earlier(paths: list, profile: str, device: torch.device, seed: int, imp
             for key, rec in _keyed(section, r.get(section)).items():
                 if not has_result(rec) or (carry_impls is not None and rec.get("impl") not in carry_impls):
                     continue
-                rec = copy.deepcopy(rec)
-                rec.setdefault("carried_from", origin)  # carried twice: it keeps the run that measured it
+                # the report was loaded here and is not kept: mark its records in place (Context.carry copies
+                # each one it hands to a section); carried twice, a record keeps the run that measured it
+                rec.setdefault("carried_from", origin)
                 earlier[section][key] = rec
         files.append(path)
     meta = {"paths": files, "impls": list(carry_impls) if carry_impls is not None else None,

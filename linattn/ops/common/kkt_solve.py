@@ -165,7 +165,9 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
         b_A30 += tl.dot(b_k3, tl.trans(b_k0), input_precision=DOT_PREC)
         b_A31 += tl.dot(b_k3, tl.trans(b_k1), input_precision=DOT_PREC)
         b_A32 += tl.dot(b_k3, tl.trans(b_k2), input_precision=DOT_PREC)
-        if DIAG_BATCHED:  # the four diagonal blocks as one batched dot of the [4, 16, BK] key stack
+        if DIAG_BATCHED:  # the four diagonal blocks as one batched dot of the [4, 16, BK] key stack (the keys
+            # loaded again as one [BT, BK] tile, from L1: splitting it into the 16-row tiles above would cost
+            # layout conversions instead)
             b_k = tl.reshape(tl.load(tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
                                                        (1, 0)), boundary_check=(0, 1)), (4, 16, BK))
             b_Ad += tl.dot(b_k, tl.permute(b_k, (0, 2, 1)), input_precision=DOT_PREC)
