@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 # the constexprs a table row shows: tiles, precisions and the mode flags that change a kernel's resources
-SHOWN = ("BT", "BK", "BV", "BHV", "DOT_PREC", "STATE_PREC", "OUT_PREC", "INV_PREC", "MERGE_PREC", "DIAG_BATCHED",
+SHOWN = ("BT", "BK", "BV", "BHV", "DOT_PREC", "STATE_PREC", "OUT_PREC", "INV_PREC", "MERGE_PREC",
          "NUM_STAGES", "LOAD_P", "STORE_P", "SEGMENTED", "AFFINE", "USE_STATE_INDICES")
 TYPES = {"torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32", "torch.int32": "*i32",
          "torch.int64": "*i64"}

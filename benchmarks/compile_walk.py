@@ -18,7 +18,7 @@ from sm90 import compile_sm90  # noqa: E402  (this folder is on sys.path)
 from linattn.ops.common import block_size, dot_precision
 from linattn.ops.common.fused_fwd import fused_dot_precisions, fused_fwd_kernel
 from linattn.ops.common.fused_prepass import fused_prepass_kernel
-from linattn.ops.common.kkt_solve import diag_batched, merge_precision
+from linattn.ops.common.kkt_solve import merge_precision
 
 INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
 INT_ARGS = {"T", "NT", "NSEG", "L"}
@@ -52,7 +52,7 @@ def prepass_consts(d: int, store_p: bool) -> dict:
     ip = dot_precision(torch.bfloat16)
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64), DOT_PREC=ip,
                 INPUT_PREC=ip, IS_VARLEN=False, STORE_P=store_p, MERGE_PREC=merge_precision(torch.bfloat16),
-                DIAG_BATCHED=diag_batched(), INTERPRET=False)
+                INTERPRET=False)
 
 
 def main():

@@ -6,8 +6,10 @@ report.json files into one results dict, which :func:`run` writes with the usual
 with plots/, a self-contained report.html: the plots are drawn again from the merged data):
 
 * every section is taken from the run that selected it (``meta.sections``); two runs that selected the same section
-  are refused unless ``prefer_last``, which takes it from the last of them (in argument order). The scorecard is
-  not taken from any run: it is computed again from the merged sections (:func:`scorecard.run`).
+  are refused unless ``prefer_last``, which takes it from the last of them (in argument order) and, in the
+  sections kept per record (``resume.RESUMABLE``), adds each unit an earlier of them measured and the last did not
+  (absent or skipped for time), with ``carried_from`` (:func:`resume.fill_in`; counted in ``meta.filled_in``).
+  The scorecard is not taken from any run: it is computed again from the merged sections (:func:`scorecard.run`).
 * the environment section is the first run's, with every run's own environment (date, commit, GPU, versions,
   wall time, sections) under ``environment.runs``; the NVML summary per section comes from the run that ran it.
 * runs of different profiles, device types or GPU names, or implementation lists (or an implementation available
@@ -165,7 +167,7 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
     _check_complete(runs, allow_partial)
     source = _pick_sources(runs, prefer_last)
 
-    out, done, missing = {}, ["environment"], []
+    out, done, missing, filled = {}, ["environment"], [], {}
     for name in MERGED:
         if name not in source:
             out[name] = {"skipped": "not selected in any of the merged runs"}
@@ -173,6 +175,10 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
             continue
         r = runs[source[name]][1]
         out[name] = copy.deepcopy(r[name])
+        if prefer_last:  # the units earlier runs of this section measured and the chosen one did not
+            from .resume import fill_in  # (resume imports this module)
+            filled[name] = fill_in(name, out[name], [(p, x) for p, x in runs[:source[name]]
+                                                     if name in x["meta"]["sections"]])
         if name in r.get("sections_done", []):
             done.append(name)
         else:
@@ -216,7 +222,8 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
                    "first_call_max_s": first_call, "compiles": compiles, "missing_sections": missing,
                    "warm_from": None,  # per run, in merged_from: the first run's would speak for all
                    "resumed_from": None,
-                   "merged_from": merged_from, "prefer_last": prefer_last, "allow_partial": allow_partial}
+                   "merged_from": merged_from, "prefer_last": prefer_last, "allow_partial": allow_partial,
+                   "filled_in": {k: n for k, n in filled.items() if n}}
     return out
 
 

@@ -22,6 +22,7 @@ Refused, with a :class:`ValueError` naming the file: a report of another profile
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Optional
 
@@ -104,6 +105,49 @@ def load_earlier(paths: list, profile: str, device: torch.device, seed: int, imp
     meta = {"paths": files, "impls": list(carry_impls) if carry_impls is not None else None,
             "records": {s: len(v) for s, v in earlier.items() if v}, "carried": {}}
     return earlier, meta
+
+
+def _skip_labels(section: str, rec: dict) -> set:
+    """How a section's ``skipped_for_time`` names the unit of ``rec`` (the record id, or decode's short forms)."""
+    labels = {rec["id"], f"drift {rec['id']}"}
+    if section == "decode" and "Tq" in rec:
+        labels.add(f"{rec['impl']}/{rec['path']}/B{rec['B']}-Tq{rec['Tq']}/{rec['pool']}")
+    return labels
+
+
+def fill_in(section: str, results: dict, earlier: list) -> int:
+    """``--merge --prefer-last``: put into ``results`` (one section, taken from the last run that selected it)
+    every unit an earlier run measured and this one did not (absent, or skipped for time), with ``carried_from``;
+    a later run's record wins over an earlier one's. ``earlier``: [(path, report)] in argument order. Edits
+    ``results`` (the merge's own copy); returns the number of records put in. Without this, a resumed run that did
+    not get to a unit (``--resume-impls`` left it to be measured again) would drop the earlier measurement."""
+    if section not in RESUMABLE or not isinstance(results, dict) or "records" not in results:
+        return 0
+    have = _keyed(section, results)
+    lists = {"reproducibility": results.setdefault("reproducibility", []) if section == "correctness" else None,
+             "drift": results.setdefault("drift", []) if section == "decode" else None,
+             "records": results["records"]}
+    added = 0
+    for path, r in reversed(earlier):  # the latest earlier run first: its records win
+        origin = _origin(path, r)
+        for key, rec in _keyed(section, r.get(section)).items():
+            mine = have.get(key)
+            if not has_result(rec) or (mine is not None and has_result(mine)):
+                continue
+            rec = copy.deepcopy(rec)
+            rec.setdefault("carried_from", origin)
+            target = lists[key.split("/", 1)[0]] if key.split("/", 1)[0] in ("reproducibility", "drift") \
+                else lists["records"]
+            if mine is not None and any(x is mine for x in target):
+                target[next(i for i, x in enumerate(target) if x is mine)] = rec
+            else:
+                target.append(rec)
+            have[key] = rec
+            if "id" in rec and isinstance(results.get("skipped_for_time"), list):
+                labels = _skip_labels(section, rec)
+                results["skipped_for_time"] = [x for x in results["skipped_for_time"] if x not in labels]
+            added += 1
+    return added
 
 
 def describe(meta: dict) -> str:

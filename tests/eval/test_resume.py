@@ -105,6 +105,36 @@ def test_resumed_runs_merge(first_run, tmp_path):
     assert "| run 2 resumed from |" in (tmp_path / "merged" / "report.md").read_text()
 
 
+def test_merge_prefer_last_keeps_what_only_an_earlier_run_measured(first_run, tmp_path):
+    """A later run that skipped units (e.g. resumed with --resume-impls, so it measured them again and ran out of
+    time) must not drop the earlier run's measurement of them in a --prefer-last merge; where both measured a
+    unit, the later record wins."""
+    a = _load(first_run)
+    b = json.loads(json.dumps(a))
+    gone = b["performance"]["records"].pop(0)
+    b["performance"]["skipped_for_time"].append(gone["id"])
+    newer = b["performance"]["records"][0]
+    newer["p50_ms"] = -1.0  # marks the later run's record
+    drift = b["decode"]["drift"].pop(0)
+    b["decode"]["skipped_for_time"].append(f"drift {drift['id']}")
+    step = b["decode"]["records"].pop(0)
+    b["decode"]["skipped_for_time"].append(f"{step['impl']}/{step['path']}/B{step['B']}-Tq{step['Tq']}/{step['pool']}")
+    mp = b["mixed_precision"]["records"][0]
+    mp.update(status="skipped", skipped="time budget")
+    later = tmp_path / "later"
+    later.mkdir()
+    (later / "report.json").write_text(json.dumps(b))
+    m = merge.merge([str(first_run), str(later)], prefer_last=True)
+    perf = {x["id"]: x for x in m["performance"]["records"]}
+    assert perf[gone["id"]]["carried_from"]["report"] == str(first_run / "report.json")
+    assert perf[newer["id"]]["p50_ms"] == -1.0 and "carried_from" not in perf[newer["id"]]
+    assert len(perf) == len(a["performance"]["records"]) and m["performance"]["skipped_for_time"] == []
+    assert {d["id"] for d in m["decode"]["drift"]} == {d["id"] for d in a["decode"]["drift"]}
+    assert step["id"] in {x["id"] for x in m["decode"]["records"]} and m["decode"]["skipped_for_time"] == []
+    assert m["mixed_precision"]["records"][0]["status"] == a["mixed_precision"]["records"][0]["status"] != "skipped"
+    assert m["meta"]["filled_in"] == {"performance": 1, "decode": 2, "mixed_precision": 1}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--profile", "quick"], "profile 'tiny' there, 'quick' here"),
     (["--seed", "3"], "seed 0 there, 3 here"),

@@ -89,22 +89,12 @@ def test_prepass_matches_twin(case):
         assert rel_rms(t, ref[name]) <= tol, f"{name}: {rel_rms(t, ref[name]):.2e}"
 
 
-def test_prepass_batched_diagonal_inverse_matches_twin(case, monkeypatch):
-    """kkt_solve.DIAG_INVERSE = "batched" in the fused pre-pass (which shares the solve's blocks)."""
-    from linattn.ops.common import kkt_solve as KS
-    monkeypatch.setattr(KS, "DIAG_INVERSE", "batched")
-    _, x, _, ci, _, ref, dtype = case
-    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci)
-    for name, t in (("gc", gc), ("w", w), ("u", u)):
-        assert rel_rms(t, ref[name]) <= TOLERANCES["kernel"][dtype], f"{name}: {rel_rms(t, ref[name]):.2e}"
-
-
-def test_prepass_batched_diagonal_inverse_compiles_for_h200():
-    """The stacked [4, 16, 16] substitution (join / permute / reshape / split) through the GPU backend's layouts,
-    which the interpreter skips: the fused pre-pass with DIAG_BATCHED compiles for sm_90 (bf16, K = V = 128)."""
+def test_prepass_compiles_for_h200():
+    """The solve's stacked [4, 16, 16] diagonal substitution (3-D dot, permute / reshape / split) through the GPU
+    backend's layouts, which the interpreter skips: the fused pre-pass without p (the split path's) compiles for
+    sm_90 (bf16, K = V = 128)."""
     regs, _, _, _ = compile_for_h200(
-        "import compile_walk as c",
-        "tuple(c.compile_kernel(c.fused_prepass_kernel, dict(c.prepass_consts(128, False), DIAG_BATCHED=True)))[:4]")
+        "import compile_walk as c", "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, False)))[:4]")
     assert 0 < regs <= 255
 
 

@@ -168,24 +168,6 @@ def test_stage_kkt_solve(stage_case):
     assert rel_rms(A_inv, ref["A_inv"]) <= TOLERANCES["stage"][dtype]
 
 
-def test_stage_kkt_solve_batched_diagonal_inverse(stage_case):
-    """The four diagonal blocks inverted as one [4, 16, 16] stack: the twin's A_inv, and the per-block result up to
-    summation order (the same arithmetic per block)."""
-    x, _, (ci, _), _, ref, dtype = stage_case
-    args = (x["k"], x["beta"], f32(ref["gc"]), x["v"].shape[2], x["cu_seqlens"], ci)
-    batched = kkt_solve(*args, diag_inverse="batched")
-    assert torch.isfinite(batched).all() and rel_rms(batched, ref["A_inv"]) <= TOLERANCES["stage"][dtype]
-    assert rel_rms(batched, kkt_solve(*args, diag_inverse="per_block")) <= 1e-6
-
-
-def test_diag_inverse_setting(monkeypatch):
-    from linattn.ops.common import kkt_solve as KS
-    assert KS.diag_batched("batched") and not KS.diag_batched("per_block")
-    monkeypatch.setattr(KS, "DIAG_INVERSE", "stacked")
-    with pytest.raises(ValueError, match="diagonal inverse must be one of"):
-        KS.diag_batched()
-
-
 # The cheaper precisions of the fp32 products (kkt_solve's block merges, the split's output dots): "bf16x3" carries
 # 16 significand bits per operand on the GPU and 14 under the interpreter (it truncates to bf16), so its bound is
 # tests/ops/test_dot.py's 1e-4 per product; "tf32x3" runs as fp32 under the interpreter (plumbing only here; its
@@ -313,19 +295,6 @@ def triton_op(x: dict):
     return linattn.chunk_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
                                           cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"],
                                           backend="triton")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("case", [FWD_CASES[5], FWD_CASES[8], FWD_CASES[10]], ids=lambda c: c.id)
-def test_forward_with_batched_diagonal_inverse(case, dtype, monkeypatch):
-    """kkt_solve.DIAG_INVERSE = "batched" through the public op (varlen, no decay, β = 1): the same o and final
-    state as the per-block default, up to summation order."""
-    from linattn.ops.common import kkt_solve as KS
-    x, _ = make_inputs(case, dtype)
-    o, ht = triton_op(x)
-    monkeypatch.setattr(KS, "DIAG_INVERSE", "batched")
-    ob, htb = triton_op(x)
-    assert rel_rms(ob, o) <= (1e-6 if dtype == torch.float32 else 1e-3) and rel_rms(htb, ht) <= 1e-6
 
 
 def test_float64_inputs_are_refused():

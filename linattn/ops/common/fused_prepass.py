@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
 from .dot import dot
-from .kkt_solve import diag_batched, kkt_inverse_blocks, merge_precision
+from .kkt_solve import kkt_inverse_blocks, merge_precision
 from .varlen import chunk_bounds
 from .wy import wy_tiles
 
@@ -60,7 +60,7 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indice
                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
                          IS_VARLEN: tl.constexpr, STORE_P: tl.constexpr, MERGE_PREC: tl.constexpr,
-                         DIAG_BATCHED: tl.constexpr, INTERPRET: tl.constexpr):
+                         INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -99,8 +99,7 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indice
     # 3. (I + A)⁻¹ in ten 16×16 blocks (reads BT×K keys, BT gates and betas), assembled to [BT, BT] in registers;
     #    K Kᵀ runs on the inputs (INPUT_PREC), W and U on the fp32 inverse (DOT_PREC)
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
-        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True, MERGE_PREC, DIAG_BATCHED,
-        INTERPRET)
+        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True, MERGE_PREC, INTERPRET)
     b_0 = tl.zeros([16, 16], dtype=tl.float32)
     b_A = _cat_rows(_cat_rows(_cat_cols(_cat_cols(b_T00, b_0), _cat_cols(b_0, b_0)),
                               _cat_cols(_cat_cols(b_T10, b_T11), _cat_cols(b_0, b_0))),
@@ -142,6 +141,6 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
         INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        MERGE_PREC=merge_precision(k.dtype), DIAG_BATCHED=diag_batched(), INTERPRET=triton_interpret(),
+        MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
         num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
     return (gc, w, u) if q is None else (gc, w, u, p)

@@ -4,10 +4,10 @@ Twin: ``torch_chunk.kkt_solve_ref``. Output ``A_inv [B, T, HV, BT]`` fp32: row t
 its chunk's inverse; columns past the chunk's length are 0 (the inverse is lower triangular).
 
 Method (exact, no iteration to convergence). Split the chunk into four 16-row blocks, A_ij (i ≥ j):
-  1. the ten blocks A_ij = β_i (K_i K_jᵀ) ⊙ e^{G_i − G_j}: ten 16×16 dots per K tile, in the input dtype
-     (products of inputs are exact in fp32 accumulation); the gate difference is masked *before* exp, so padded
+  1. the ten blocks A_ij = β_i (K_i K_jᵀ) ⊙ e^{G_i − G_j}: six 16×16 dots and one 4×16×16 (the diagonal blocks)
+     per K tile, in the input dtype (products of inputs are exact in fp32 accumulation); the gate difference is masked *before* exp, so padded
      rows and the upper triangle never overflow, and e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
-  2. forward substitution on each diagonal block: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in registers;
+  2. forward substitution on the four diagonal blocks at once: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in registers;
   3. block merges, Ainv_ij = −Ainv_ii Σ_{j ≤ m < i} A_im Ainv_mj: six levels of 16×16 fp32 dots at
      :data:`MERGE_PREC_BF16` for bf16 inputs ("ieee" for fp16 and fp32 inputs).
 Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
@@ -35,27 +35,6 @@ from .varlen import chunk_bounds
 # path has 2.5e-7 (tests/ops/test_triton_fwd.py) — invisible under bf16's own rounding, not under fp16's.
 MERGE_PREC_BF16 = "bf16x3"
 
-# How steps 1–2 build and invert the four diagonal 16×16 blocks. "per_block": four 2-D dots, then the 15-step
-# forward substitution once per block; on sm_90 every warp of the program holds each whole block (Triton gives the
-# dot results a warp-replicated layout there), so all four warps run all 60 steps (95 SASS instructions each, 28 of
-# them shuffles). "batched": one 3-D dot over the [4, 16, BK] key stack, whose MMA layout puts one block on each
-# warp (warpsPerCTA [4, 1, 1]), then the substitution on the [4, 16, 16] stack: each warp runs 15 steps of the same
-# 95 instructions for its own block — about 38% fewer instructions per warp in kkt_solve (the K loop grows from
-# 605 to 850 for the stack's layout conversion), the same arithmetic per block. The solve is latency-bound (0.49 ms
-# at B=8 T=4096 H=16 for ≈ 10 GFLOP, run 13). Prediction, not yet timed: kkt_solve 0.49 → ≈ 0.30 ms at B=8,
-# pre-pass 0.84 → ≈ 0.65, split forward 1.84 → ≈ 1.65; "per_block" stays the default until
-# benchmarks/bench_split_precision.py measures it.
-DIAG_INVERSE = "per_block"
-DIAG_INVERSES = ("per_block", "batched")
-
-
-def diag_batched(override: Optional[str] = None) -> bool:
-    """Whether the diagonal blocks are inverted as one stack (:data:`DIAG_INVERSE`, or ``override``; checked)."""
-    mode = override or DIAG_INVERSE
-    if mode not in DIAG_INVERSES:
-        raise ValueError(f"kkt_solve diagonal inverse must be one of {DIAG_INVERSES}, got {mode!r}")
-    return mode == "batched"
-
 
 def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
     """The block merges' precision for inputs of ``dtype``: ``override`` (benchmarks, tests; not for fp32) or
@@ -65,14 +44,12 @@ def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
 
 
 @triton.jit
-def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr,
-                DIAG: tl.constexpr):
-    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} on the rows o_i / columns o_j of the chunk, 0 where masked."""
+def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} on the rows o_i / columns o_j of the chunk (an off-diagonal block), 0 where
+    masked."""
     m_i = o_i < T_seq
     m_j = o_j < T_seq
     m_A = m_i[:, None] & m_j[None, :]
-    if DIAG:
-        m_A = m_A & (o_i[:, None] > o_j[None, :])
     b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
     if USE_DECAY:
         b_gi = tl.load(gc + (bos + o_i) * HV + i_hv, mask=m_i, other=0)
@@ -81,22 +58,16 @@ def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE
     return tl.where(m_A, b_A * b_beta[:, None], 0.)
 
 
+# How steps 1–2 build and invert the four diagonal 16×16 blocks: one 3-D dot over the [4, 16, BK] key stack, whose
+# MMA layout on sm_90 puts one block on each warp (warpsPerCTA [4, 1, 1]), then the 15-step forward substitution
+# on the [4, 16, 16] stack, each warp for its own block. Four 2-D dots (the way before run 14) give every 16×16
+# result a warp-replicated layout, so all four warps ran all four blocks' substitutions (4 × 15 steps of 95 SASS
+# instructions, 28 of them shuffles); the stack cuts ≈ 38% of the instructions per warp. Run 14 (B=8 T=4096 H=16,
+# bf16): kkt_solve 0.501 → 0.265 ms (predicted ≈ 0.30), pre-pass 0.859 → 0.619, split forward 1.855 → 1.623,
+# fwd+bwd 7.98 → 7.50; every error vs float64 unchanged (same arithmetic per block).
 @triton.jit
-def _invert_diag_block(b_A, o_r):
-    """(I + A)⁻¹ of a strictly lower 16×16 block by forward substitution: with N = (I + A)⁻¹ − I, row r is
-    N_r = −A_r + Σ_{m<r} (−A_rm) N_m; rows m < r of b_N already hold N_m, rows ≥ r still hold −A (unused)."""
-    b_N = -b_A
-    for r in range(1, 16):
-        m_r = (o_r == r)[:, None]
-        b_a = tl.sum(tl.where(m_r, b_N, 0.), 0)
-        b_a = b_a + tl.sum(b_a[:, None] * b_N, 0)
-        b_N = tl.where(m_r, b_a[None, :], b_N)
-    return b_N + (o_r[:, None] == o_r[None, :]).to(tl.float32)
-
-
-@triton.jit
-def _gate_diag_stack(b_A, gc, beta, bos, T_seq, i_c, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
-    """:func:`_gate_block` of the four diagonal blocks stacked as [4, 16, 16] (block b: the chunk's rows and
+def _gate_diag_blocks(b_A, gc, beta, bos, T_seq, i_c, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+    """:func:`_gate_block` for the four diagonal blocks stacked as [4, 16, 16] (block b: the chunk's rows and
     columns 16b … 16b + 15): b_A ← β_i · b_A ⊙ e^{G_i − G_j}, 0 on and above the diagonal and where masked."""
     o_r = tl.arange(0, 16)
     o_t = i_c * 64 + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]  # [4, 16]: the token of (block, row)
@@ -110,9 +81,10 @@ def _gate_diag_stack(b_A, gc, beta, bos, T_seq, i_c, i_hv, HV: tl.constexpr, USE
 
 
 @triton.jit
-def _invert_diag_stack(b_A, o_r):
-    """:func:`_invert_diag_block` of the four stacked diagonal blocks at once: the same row steps on [4, 16, 16],
-    so the four substitutions share one chain of 15 steps; returns the four inverses as [16, 16] blocks."""
+def _invert_diag_blocks(b_A, o_r):
+    """(I + A)⁻¹ of the four stacked strictly lower 16×16 diagonal blocks [4, 16, 16] by forward substitution,
+    one chain of 15 row steps for all four: with N = (I + A)⁻¹ − I, row r is N_r = −A_r + Σ_{m<r} (−A_rm) N_m;
+    rows m < r of b_N already hold N_m, rows ≥ r still hold −A (unused). Returns the four inverses as [16, 16]."""
     b_N = -b_A
     for r in range(1, 16):
         m_r = (o_r == r)[None, :, None]
@@ -130,8 +102,7 @@ def _invert_diag_stack(b_A, o_r):
 @triton.jit
 def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-                       USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, DIAG_BATCHED: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Steps 1–3 for chunk i_c of the sequence at bos: the ten lower 16×16 blocks of (I + A)⁻¹, fp32, as
     (T00, T10, T11, T20, T21, T22, T30, T31, T32, T33). Shared by :func:`kkt_solve_kernel` and the fused
     pre-pass (``fused_prepass.py``), which keeps them in registers instead of writing A_inv."""
@@ -141,17 +112,13 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     o_1, o_2, o_3 = o_0 + 16, o_0 + 32, o_0 + 48
 
     # 1. K Kᵀ in ten 16×16 blocks, accumulated over K tiles (read BT×K keys once)
-    b_A00 = tl.zeros([16, 16], dtype=tl.float32)
     b_A10 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A11 = tl.zeros([16, 16], dtype=tl.float32)
     b_A20 = tl.zeros([16, 16], dtype=tl.float32)
     b_A21 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A22 = tl.zeros([16, 16], dtype=tl.float32)
     b_A30 = tl.zeros([16, 16], dtype=tl.float32)
     b_A31 = tl.zeros([16, 16], dtype=tl.float32)
     b_A32 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A33 = tl.zeros([16, 16], dtype=tl.float32)
-    b_Ad = tl.zeros([4, 16, 16], dtype=tl.float32)  # DIAG_BATCHED: the diagonal blocks, stacked
+    b_Ad = tl.zeros([4, 16, 16], dtype=tl.float32)  # the four diagonal blocks, stacked
     p_k0 = k + (bos * H + i_h) * K
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (16, BK), (1, 0))
@@ -165,38 +132,22 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
         b_A30 += tl.dot(b_k3, tl.trans(b_k0), input_precision=DOT_PREC)
         b_A31 += tl.dot(b_k3, tl.trans(b_k1), input_precision=DOT_PREC)
         b_A32 += tl.dot(b_k3, tl.trans(b_k2), input_precision=DOT_PREC)
-        if DIAG_BATCHED:  # the four diagonal blocks as one batched dot of the [4, 16, BK] key stack (the keys
-            # loaded again as one [BT, BK] tile, from L1: splitting it into the 16-row tiles above would cost
-            # layout conversions instead)
-            b_k = tl.reshape(tl.load(tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
-                                                       (1, 0)), boundary_check=(0, 1)), (4, 16, BK))
-            b_Ad += tl.dot(b_k, tl.permute(b_k, (0, 2, 1)), input_precision=DOT_PREC)
-        else:
-            b_A00 += tl.dot(b_k0, tl.trans(b_k0), input_precision=DOT_PREC)
-            b_A11 += tl.dot(b_k1, tl.trans(b_k1), input_precision=DOT_PREC)
-            b_A22 += tl.dot(b_k2, tl.trans(b_k2), input_precision=DOT_PREC)
-            b_A33 += tl.dot(b_k3, tl.trans(b_k3), input_precision=DOT_PREC)
+        # the four diagonal blocks as one batched dot of the [4, 16, BK] key stack (the keys loaded again as one
+        # [BT, BK] tile, from L1: splitting it into the 16-row tiles above would cost layout conversions instead)
+        b_k = tl.reshape(tl.load(tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
+                                                   (1, 0)), boundary_check=(0, 1)), (4, 16, BK))
+        b_Ad += tl.dot(b_k, tl.permute(b_k, (0, 2, 1)), input_precision=DOT_PREC)
     # β_i and the decay e^{G_i − G_j}, masked before exp
-    b_A10 = _gate_block(b_A10, gc, beta, bos, T_seq, o_1, o_0, i_hv, HV, USE_DECAY, False)
-    b_A20 = _gate_block(b_A20, gc, beta, bos, T_seq, o_2, o_0, i_hv, HV, USE_DECAY, False)
-    b_A21 = _gate_block(b_A21, gc, beta, bos, T_seq, o_2, o_1, i_hv, HV, USE_DECAY, False)
-    b_A30 = _gate_block(b_A30, gc, beta, bos, T_seq, o_3, o_0, i_hv, HV, USE_DECAY, False)
-    b_A31 = _gate_block(b_A31, gc, beta, bos, T_seq, o_3, o_1, i_hv, HV, USE_DECAY, False)
-    b_A32 = _gate_block(b_A32, gc, beta, bos, T_seq, o_3, o_2, i_hv, HV, USE_DECAY, False)
+    b_A10 = _gate_block(b_A10, gc, beta, bos, T_seq, o_1, o_0, i_hv, HV, USE_DECAY)
+    b_A20 = _gate_block(b_A20, gc, beta, bos, T_seq, o_2, o_0, i_hv, HV, USE_DECAY)
+    b_A21 = _gate_block(b_A21, gc, beta, bos, T_seq, o_2, o_1, i_hv, HV, USE_DECAY)
+    b_A30 = _gate_block(b_A30, gc, beta, bos, T_seq, o_3, o_0, i_hv, HV, USE_DECAY)
+    b_A31 = _gate_block(b_A31, gc, beta, bos, T_seq, o_3, o_1, i_hv, HV, USE_DECAY)
+    b_A32 = _gate_block(b_A32, gc, beta, bos, T_seq, o_3, o_2, i_hv, HV, USE_DECAY)
 
     # 2. diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
-    if DIAG_BATCHED:
-        b_Ad = _gate_diag_stack(b_Ad, gc, beta, bos, T_seq, i_c, i_hv, HV, USE_DECAY)
-        b_T00, b_T11, b_T22, b_T33 = _invert_diag_stack(b_Ad, o_r)
-    else:
-        b_T00 = _invert_diag_block(
-            _gate_block(b_A00, gc, beta, bos, T_seq, o_0, o_0, i_hv, HV, USE_DECAY, True), o_r)
-        b_T11 = _invert_diag_block(
-            _gate_block(b_A11, gc, beta, bos, T_seq, o_1, o_1, i_hv, HV, USE_DECAY, True), o_r)
-        b_T22 = _invert_diag_block(
-            _gate_block(b_A22, gc, beta, bos, T_seq, o_2, o_2, i_hv, HV, USE_DECAY, True), o_r)
-        b_T33 = _invert_diag_block(
-            _gate_block(b_A33, gc, beta, bos, T_seq, o_3, o_3, i_hv, HV, USE_DECAY, True), o_r)
+    b_Ad = _gate_diag_blocks(b_Ad, gc, beta, bos, T_seq, i_c, i_hv, HV, USE_DECAY)
+    b_T00, b_T11, b_T22, b_T33 = _invert_diag_blocks(b_Ad, o_r)
 
     # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32, merge_precision)
     b_T10 = -dot(b_T11, dot(b_A10, b_T00, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
@@ -215,7 +166,7 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
 def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                      USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, MERGE_PREC: tl.constexpr,
-                     DIAG_BATCHED: tl.constexpr, INTERPRET: tl.constexpr):
+                     INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -223,8 +174,7 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
     _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
     T_seq = eos - bos
     b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
-        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC, DIAG_BATCHED,
-        INTERPRET)
+        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC, INTERPRET)
 
     # write all sixteen blocks (the upper ones as zeros) of the chunk's rows; rows past eos are not written
     p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (16, 16),
@@ -250,8 +200,7 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], HV: int,
               cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
-              chunk_size: int = CHUNK, merge_prec: Optional[str] = None, diag_inverse: Optional[str] = None
-              ) -> torch.Tensor:
+              chunk_size: int = CHUNK, merge_prec: Optional[str] = None) -> torch.Tensor:
     """A_inv = (I + strict_lower(diag(β) K Kᵀ ⊙ D))⁻¹ per chunk.
 
     Args:
@@ -259,7 +208,6 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
         beta: ``[B, T, HV]``. gc: chunk-local cumulative log decay ``[B, T, HV]`` fp32, or None for no decay.
         cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
         merge_prec: the block merges' precision (None: :func:`merge_precision`; benchmarks and tests).
-        diag_inverse: "per_block" or "batched" (None: :data:`DIAG_INVERSE`; benchmarks and tests).
     Returns:
         A_inv ``[B, T, HV, BT]`` fp32 (row t = row of t's chunk inverse, zero past the chunk's length).
     """
@@ -269,6 +217,5 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
     kkt_solve_kernel[(NT, B * HV)](
         k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
         DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None,
-        MERGE_PREC=merge_precision(k.dtype, merge_prec), DIAG_BATCHED=diag_batched(diag_inverse),
-        INTERPRET=triton_interpret(), **launch_options("kkt_solve"))
+        MERGE_PREC=merge_precision(k.dtype, merge_prec), INTERPRET=triton_interpret(), **launch_options("kkt_solve"))
     return A_inv
