@@ -25,6 +25,12 @@ steady time plus, for each signature it has not run yet:
   Such first calls are recorded as ``cached`` compiles and kept out of the rules above: a 0.1 s cache load says
   nothing about what a real compile costs.
 
+Slow units last: correctness and performance ask :meth:`Context.defers` of each unit first and put the ones
+expected to take over :data:`SLOW_UNIT_S` (on a GPU: a third party's new compile) in a second pass, in their
+order, after every cheaper unit of the section. On 2026-11-29 (docs/performance.md run 14) FlashQLA's and fla's
+compiles of 67-134 s each, run in turn with the others' units, used a whole call's budget while 28 of linattn's
+correctness units and 42 of its performance rows (seconds each) were skipped for time.
+
 A unit starts when its estimate fits what is left of its share (the section's, or inside it the implementation's
 or sweep's, :meth:`Context.share`) or, failing that, the run's *spare* time (:meth:`Context.spare`): what is left
 of the whole run less a reserve for the minimal work of each later section (:data:`RESERVE_FRACTION` of the
@@ -74,6 +80,9 @@ KERNEL_WEIGHT = {"bwd": 2.0}  # compile weight of a kernel set relative to a for
 COMPILED_THIRD_PARTY = ("fla", "flashqla")  # autotune per signature: the largest incremental compile, not the mean
 RESERVE_FRACTION = 0.10  # kept for each later section: this x the usable budget, at most its nominal share
 SKIP_LOG_LINES = 5  # skipped units logged one by one per section; the rest are counted in the section's last line
+# correctness and performance run the units expected to take longer than this (a new compile of fla or FlashQLA:
+# 40-130 s on a fresh H200) in a second pass, after every cheaper unit (Context.defers)
+SLOW_UNIT_S = 30.0
 
 
 class Sig(NamedTuple):
@@ -327,6 +336,13 @@ class Context:
             self.emit(f"skip {desc}: time budget (needs ~{est:.0f} s ({rule}), {max(share, spare, 0):.0f} s left "
                       "with the run's spare time)")
         return False
+
+    def defers(self, impl: Optional[str], classes: tuple = ()) -> bool:
+        """Whether a unit of ``impl`` on ``classes`` waits for its section's second pass: on a GPU, when its
+        estimate is over :data:`SLOW_UNIT_S` (a new compile of a slow compiler). The units of one compile class
+        share the estimate, so they wait together, and in the second pass the first compiles for the rest. On a
+        CPU nothing waits (no compiler: the run order stays the profile's)."""
+        return self.gpu and impl is not None and self.estimate(impl, classes)[0] > SLOW_UNIT_S
 
     def unsupported(self, impl: Impl, shape, uid: str, out: list, **options) -> bool:
         """Whether ``impl`` cannot run ``shape`` with ``options`` (:meth:`Impl.supports_shape`); if so, the record

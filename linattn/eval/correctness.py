@@ -22,11 +22,13 @@ spend the section before the others start. When the time is short the budget cut
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import chunk_gated_delta_rule
 from .cases import DTYPES, correctness_cases, make_inputs
-from .context import COMPILED_THIRD_PARTY, Context, error_record, shape_classes
+from .context import COMPILED_THIRD_PARTY, SLOW_UNIT_S, Context, error_record, shape_classes
 
 # relative L2 error bounds: forward tensors (o, final state), backward tensors (gradients)
 # (fp32 admits TF32 tensor-core products, which Triton uses for fp32 tl.dot by default; the torch backend on a CPU
@@ -158,13 +160,19 @@ def unit_tiers(impl, cases: list, dtypes, gpu: bool) -> tuple[list, str]:
     return tiers, f"dtypes {', '.join(order)}, cases grouped by compile class"
 
 
-def _case_unit(ctx: Context, impl, case, dtype: str, records: list, skipped: list) -> None:
+def _case_unit(ctx: Context, impl, case, dtype: str, records: list, skipped: list,
+               slow: Optional[list] = None) -> None:
+    """One case: recorded as unsupported, carried (--resume), put in ``slow`` (the second pass, if given and the
+    unit is slow: :meth:`Context.defers`), skipped for time, or run."""
     if impl.supports_shape(case.shape, varlen=case.seqlens is not None, initial_state=case.initial_state):
         records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))  # its "unsupported" record, nothing run
         return
     if ctx.carry(f"{impl.name}/{case.id}/{dtype}", records):  # check_case's record id
         return
     classes = case_classes(impl, case, dtype)
+    if slow is not None and ctx.defers(impl.name, classes):
+        slow.append((impl, case, dtype))
+        return
     desc = f"correctness {impl.name} {dtype} case {case.id}"
     if not ctx.fits(impl.name, classes, desc):
         skipped.append(f"{impl.name}/{case.id}/{dtype}")
@@ -196,12 +204,15 @@ def run(ctx: Context) -> dict:
     # round r runs every implementation's tier r: each runs its base-shape cases in its first dtype before any runs a
     # second compile class or dtype, so a slow compiler cannot spend the others' turn; in a round, each has a fair
     # share of what is left (the later ones' shares are not lent to it)
+    slow: list = []  # the second pass: units expected to compile for longer than SLOW_UNIT_S, in run order
     for r in range(max(map(len, tiers.values()), default=0)):
         turn = [impl for impl in impls if r < len(tiers[impl.name])]
         for i, impl in enumerate(turn):
             with ctx.share(len(turn) - i):
                 for dtype, case in tiers[impl.name][r]:
-                    _case_unit(ctx, impl, case, dtype, records, skipped)
+                    _case_unit(ctx, impl, case, dtype, records, skipped, slow)
+    for impl, case, dtype in slow:
+        _case_unit(ctx, impl, case, dtype, records, skipped)
     for impl in impls:  # prefill in the implementation's first dtype: tier 0's signature, compiled already
         if impl.supports_shape(cases[0].shape):  # its records say why
             continue
@@ -235,6 +246,7 @@ def run(ctx: Context) -> dict:
     not_checked = [{"impl": i.name, "reason": "softmax baseline: a different function, timed only"}
                    for i in ctx.available("softmax")]
     return {"reference": "float64 token-by-token (linattn.ops.gated_delta.reference)", "tolerances": TOLERANCES,
-            "order": "round-robin over the implementations, one tier (dtype and compile class) each per round",
+            "order": "round-robin over the implementations, one tier (dtype and compile class) each per round; "
+                     f"units expected to take over {SLOW_UNIT_S:g} s (new compiles) after all the others",
             "cases": [c.id for c in cases], "dtypes": list(p.corr_dtypes), "records": records, "summary": summary,
             "reproducibility": repro, "not_checked": not_checked, "skipped_for_time": skipped}

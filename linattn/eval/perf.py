@@ -267,20 +267,33 @@ def run(ctx: Context) -> dict:
     earlier = ctx.earlier.get(ctx.section, {})
     # the rows this run may time: not carried from an earlier run (--resume), and supported
     todo = [uid not in earlier and not impl.supports_shape(shape) for (impl, shape, _, _), uid in zip(rows, uids)]
-    for i, ((impl, shape, dtype, direction), uid) in enumerate(zip(rows, uids)):
-        if ctx.unsupported(impl, shape, uid, unsupported) or ctx.carry(uid, records):
-            continue
+
+    def time_row(i: int, units_left: int) -> None:
+        (impl, shape, dtype, direction), uid = rows[i], uids[i]
         classes = shape_classes(impl, shape, dtype, direction)
         desc = f"perf {impl.name} {shape.id} {dtype} {direction}"
         if not ctx.fits(impl.name, classes, desc):
             skipped.append(uid)
-            continue
+            return
         ctx.step(desc, impl.name, classes)
         # each row may time for its fair share of what is left (a first call that compiles is not bounded)
-        budget = min(p.point_budget_s, ctx.unit_budget(sum(todo[i:])))
+        budget = min(p.point_budget_s, ctx.unit_budget(units_left))
         records.append(measure(ctx, impl, shape, dtype, direction, warmup=p.warmup, reps=p.reps, budget_s=budget,
                                seed=ctx.seed))
         ctx.done(result_line(records[-1]), compile_time(records[-1]))
+
+    slow = []  # the second pass: rows expected to take over SLOW_UNIT_S (new compiles), in row order
+    for i, ((impl, shape, dtype, direction), uid) in enumerate(zip(rows, uids)):
+        if ctx.unsupported(impl, shape, uid, unsupported) or ctx.carry(uid, records):
+            continue
+        if ctx.defers(impl.name, shape_classes(impl, shape, dtype, direction)):
+            slow.append(i)
+            continue
+        time_row(i, sum(todo[i:]) + len(slow))
+    for j, i in enumerate(slow):
+        time_row(i, len(slow) - j)
+    position = {uid: i for i, uid in enumerate(uids)}
+    records.sort(key=lambda r: position.get(r["id"], len(uids)))  # the grid's order, as the tables show it
     peaks = {d: dict(zip(("tflops", "gbs", "source"), device_peaks(ctx, d))) for d in p.perf_dtypes}
     return {"timer": "cuda_events" if ctx.gpu else "perf_counter", "warmup": p.warmup, "max_reps": p.reps,
             "chunk": CHUNK, "peaks": peaks, "records": records, "skipped_for_time": skipped,

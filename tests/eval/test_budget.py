@@ -323,3 +323,46 @@ def test_short_budget_keeps_a_compiling_impl_to_the_classes_it_has():
     s = r["summary"]["fla"]
     assert s["passed"] == 5 and len(s["skipped_for_time"]) == len(CASES) - 5 and "grouped" in s["order"]
     assert r["reproducibility"] and ctx.section_stats["fla"]["skipped_for_time"] == len(CASES) - 5
+
+
+def _defer_new_fla_classes(self, impl, classes):
+    """Context.defers as on a fresh H200: fla's units on a class it has not compiled are slow."""
+    return impl == "fla" and not set(classes) <= self.costs.get("fla", ImplCost()).classes
+
+
+def test_slow_units_run_after_every_cheap_one(monkeypatch):
+    """Correctness and performance time the units Context.defers marks slow (a third party's new compile) after
+    all the others: on the H200 (run 14) FlashQLA's and fla's compiles, taken in turn, used the budget while 28 of
+    linattn's correctness units and 42 of its performance rows (seconds each) were skipped."""
+    from linattn.eval import perf
+    lin = build("linattn", CPU)
+    fla = Impl("fla", "gdn", lin.fn, native={"l2norm", "varlen", "h0"})  # linattn's op under fla's name
+    monkeypatch.setattr(Context, "defers", _defer_new_fla_classes)
+    ctx = Context(CPU, profile("tiny", CPU), [lin, fla], deadline=time.monotonic() + 300)
+    ctx.begin_section("correctness")
+    impl_order = [x["impl"] for x in correctness.run(ctx)["records"] if x["status"] != "unsupported"]
+    n_lin = impl_order.count("linattn")
+    # without the second pass fla's base case would run in round 0, right after linattn's first tier
+    assert n_lin > 5 and impl_order[:n_lin] == ["linattn"] * n_lin and "fla" in impl_order[n_lin:], impl_order
+    ctx.end_section()
+    ctx.begin_section("performance")
+    ctx.costs.pop("fla", None)  # a new process for fla's perf classes: every one of them slow again
+    order, measure = [], perf.measure
+    monkeypatch.setattr(perf, "measure", lambda ctx, impl, *a, **kw: order.append(impl.name) or measure(ctx, impl, *a,
+                                                                                                     **kw))
+    r = perf.run(ctx)
+    assert "fla" in order and all(i == "fla" for i in order[order.index("fla"):]), order
+    assert order.count("linattn") > 1
+    ids = [x["id"] for x in r["records"]]  # reported in the grid's order (implementations within a shape)
+    assert ids.index("fla/" + ids[0].split("/", 1)[1]) == 1, ids
+
+
+def test_defers_only_slow_units_on_a_gpu(monkeypatch):
+    from linattn.eval.context import SLOW_UNIT_S
+    ctx = Context(CPU, profile("tiny", CPU), [build("linattn", CPU)], deadline=time.monotonic() + 10)
+    monkeypatch.setattr(Context, "estimate", lambda self, impl, classes=(): (SLOW_UNIT_S + 1, "prior"))
+    assert not ctx.defers("fla")  # a CPU has no compiler to wait for: the profile's order stays
+    monkeypatch.setattr(Context, "gpu", property(lambda self: True))
+    assert ctx.defers("fla") and not ctx.defers(None)
+    monkeypatch.setattr(Context, "estimate", lambda self, impl, classes=(): (SLOW_UNIT_S - 1, "new flags"))
+    assert not ctx.defers("fla")
