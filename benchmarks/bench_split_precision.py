@@ -1,7 +1,8 @@
 """GPU check and timing of the pre-pass's and the split forward's cheaper variants (bf16 and fp16 inputs): the split
 forward's output dots (``split_fwd.OUTPUT_PREC_BF16``), the in-chunk solve's block merges
-(``kkt_solve.MERGE_PREC_BF16``) and the fused pre-pass's warps (``fused_prepass.PREPASS_WARPS``) — the solve is
-shared by the pre-pass and the backward's recompute.
+(``kkt_solve.MERGE_PREC_BF16``), the fused pre-pass's warps (``fused_prepass.PREPASS_WARPS``) and the dtype the
+split stores h and V_new in (``split_fwd.STORE_BF16``) — the solve is shared by the pre-pass and the backward's
+recompute.
 
     python benchmarks/bench_split_precision.py [--quick] [--out DIR]
 
@@ -14,10 +15,16 @@ fwd+bwd 7.98 → 7.50, every error unchanged — the only way since (the per-blo
 2 warps: per block it was faster (0.717 ms), with the stack slower than 4 (0.670 vs 0.619 at B=8; fwd+bwd at B=1
 1.48 vs 1.61, the only row it wins), so 4 stays.
 
+Now (prepared in the seventh session, not yet run): h and V_new stored in bf16 (``split_fwd.STORE_BF16 = "bf16"``;
+split_fwd.py has the byte count). Prediction: state pass 0.62 → ≈ 0.50 ms and output kernel 0.40 → ≈ 0.28 at B=8,
+split forward 1.62 → ≈ 1.39, fwd+bwd down by the same ≈ 0.23 (the backward recomputes h in fp32: unchanged); o's
+error 1.74e-3 → ≈ 2.0e-3, the final state and every gradient unchanged.
+
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
    case and T=32768 K=128, in bf16 and, for a variant of the warps (which every 16-bit input runs), fp16;
 2. speed per variant: the op's forward on the split path and forward + backward (do_bench median ms), the output
-   kernel, kkt_solve and the fused pre-pass alone, at B=1 T=4096, B=8 T=4096, B=1 T=32768 (H=16, K=V=128).
+   kernel, the state pass, kkt_solve and the fused pre-pass alone, at B=1 T=4096, B=8 T=4096, B=1 T=32768
+   (H=16, K=V=128).
 Prints the tables last; writes bench_split_precision.json under --out.
 """
 from __future__ import annotations
@@ -39,8 +46,8 @@ from linattn.ops.common.output import output_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.gated_delta import triton_chunk
 
-VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, PREPASS_WARPS): today's defaults first
-    ("bf16x3", "bf16x3", 4), ("bf16x3", "bf16x3", 2), ("bf16x3", "ieee", 4),
+VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, PREPASS_WARPS, STORE_BF16): today's defaults first
+    ("bf16x3", "bf16x3", 4, "fp32"), ("bf16x3", "bf16x3", 4, "bf16"),
 ]
 ACCURACY_CASES = ("anchor_B2_T300_K128", "T32768_K128")
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16)]
@@ -48,33 +55,35 @@ D = 128
 
 
 class variant:
-    """Set the three module settings (and the split path) for a with-block; restore them after."""
+    """Set the four module settings (and the split path) for a with-block; restore them after."""
 
-    def __init__(self, out_prec, merge_prec, warps):
-        self.new = (out_prec, merge_prec, warps)
+    def __init__(self, out_prec, merge_prec, warps, store):
+        self.new = (out_prec, merge_prec, warps, store)
 
     def __enter__(self):
-        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, triton_chunk.FORWARD_PATH)
-        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS = self.new
+        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16,
+                    triton_chunk.FORWARD_PATH)
+        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16 = self.new
         triton_chunk.FORWARD_PATH = "split"
 
     def __exit__(self, *exc):
-        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, triton_chunk.FORWARD_PATH = self.old
+        (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16,
+         triton_chunk.FORWARD_PATH) = self.old
 
 
 def accuracy(names, variants):
     rows = []
     for case in (c for c in CASES if c[0] in names):
-        for out_prec, merge_prec, warps in variants:
-            # fp16 reads only the warps (its merges are "ieee", its output dots tf32x3)
+        for out_prec, merge_prec, warps, store in variants:
+            # fp16 reads only the warps (its merges are "ieee", its output dots tf32x3, its store fp32)
             dtypes = (torch.bfloat16, torch.float16) if warps != FP.PREPASS_WARPS else (torch.bfloat16,)
             for dt in dtypes:
-                with variant(out_prec, merge_prec, warps):
+                with variant(out_prec, merge_prec, warps, store):
                     try:
                         row = check(case, dt, use_token_ref=case[2] <= 1000)
                     except Exception as e:  # a variant that fails is a row, not the end
                         row = dict(case=case[0], dtype=str(dt).split(".")[-1], error=f"{type(e).__name__}: {e}"[:300])
-                row.update(out_prec=out_prec, merge_prec=merge_prec, warps=warps)
+                row.update(out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
@@ -88,17 +97,20 @@ def speed(B, T, H, HV, variants):
     f = lambda: chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
     do = torch.randn_like(x["v"])
     gc, w, u = fused_prepass(g, k, v, beta)
-    h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
     rows = []
-    for out_prec, merge_prec, warps in variants:
-        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, warps=warps)
-        with variant(out_prec, merge_prec, warps):
+    for out_prec, merge_prec, warps, store in variants:
+        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store)
+        h, v_new, _ = state_pass_fwd(k, w, u, gc, None, store_dtype=SF.store_dtype(k.dtype, store))
+        with variant(out_prec, merge_prec, warps, store):
             try:
                 with torch.no_grad():
                     row["fwd_ms"] = triton.testing.do_bench(f)
                 row["fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
                 row["output_ms"] = triton.testing.do_bench(
-                    lambda p=out_prec: output_fwd(q, k, v_new, h, gc, D ** -0.5, v.dtype, dot_prec=p))
+                    lambda p=out_prec, h=h, v_new=v_new: output_fwd(q, k, v_new, h, gc, D ** -0.5, v.dtype,
+                                                                    dot_prec=p))
+                row["state_pass_ms"] = triton.testing.do_bench(
+                    lambda s=store: state_pass_fwd(k, w, u, gc, None, store_dtype=SF.store_dtype(k.dtype, s)))
                 row["kkt_solve_ms"] = triton.testing.do_bench(lambda: KS.kkt_solve(k, beta, gc, HV))
                 row["prepass_ms"] = triton.testing.do_bench(lambda: fused_prepass(g, k, v, beta))
             except Exception as e:
@@ -116,23 +128,24 @@ def main():
     write_json(a.out, "bench_split_precision.json", dict(accuracy=acc, speed=rows))
 
     print("\nrelative L2 vs float64, kernel / baseline ratio (pass: ≤ 2); o error in brackets")
-    print("%-20s %-9s %-7s %-7s %-5s " % ("case", "dtype", "output", "merges", "warps")
+    print("%-20s %-9s %-7s %-7s %-5s %-5s " % ("case", "dtype", "output", "merges", "warps", "store")
           + " ".join("%-7s" % n for n in NAMES))
     for r in acc:
         if "error" in r:
-            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["error"])
+            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["store"], r["error"])
             continue
         base = r.get("base")
         cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
-        print("%-20s %-9s %-7s %-7s %-5s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"]) +
+        print("%-20s %-9s %-7s %-7s %-5s %-5s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"],
+                                                  r["warps"], r["store"]) +
               " ".join("%-7s" % c for c in cells) + f"  [{r['err']['o']:.3e}]")
-    print("\n| B, T, H, HV | output / merges / pre-pass warps | split fwd ms | fwd+bwd ms "
-          "| output kernel ms | kkt_solve ms | pre-pass ms |\n|---|---|---|---|---|---|---|")
+    print("\n| B, T, H, HV | output / merges / pre-pass warps / h store | split fwd ms | fwd+bwd ms "
+          "| output kernel ms | state pass ms | kkt_solve ms | pre-pass ms |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = " | ".join(f"{r[k]:.3f}" if k in r else r.get("error", "–")[:30]
-                           for k in ("fwd_ms", "fwdbwd_ms", "output_ms", "kkt_solve_ms", "prepass_ms"))
-        print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} / {r['warps']} | "
-              f"{cells} |")
+                           for k in ("fwd_ms", "fwdbwd_ms", "output_ms", "state_pass_ms", "kkt_solve_ms", "prepass_ms"))
+        print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} / {r['warps']} / "
+              f"{r['store']} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,18 @@ from linattn.ops.common import block_size, dot_precision
 from linattn.ops.common.fused_fwd import fused_dot_precisions, fused_fwd_kernel
 from linattn.ops.common.fused_prepass import fused_prepass_kernel
 from linattn.ops.common.kkt_solve import merge_precision
+from linattn.ops.common.output import output_fwd_kernel  # noqa: F401  (compiled by tests through this module)
+from linattn.ops.common.split_fwd import output_precision
+from linattn.ops.common.state_pass import STATE_PASS_STAGES, state_pass_fwd_kernel  # noqa: F401  (likewise)
 
 INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
 INT_ARGS = {"T", "NT", "NSEG", "L"}
 INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments"}
 
 
-def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4):
-    """Compile ``kernel`` for sm_90 with the given constexprs; return sm90.Resources."""
+def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4, bf16_args: tuple = ()):
+    """Compile ``kernel`` for sm_90 with the given constexprs; return sm90.Resources. ``bf16_args``: pointer
+    arguments stored in bf16 instead of fp32 (the split forward's h and v_new with ``split_fwd.STORE_BF16``)."""
     def arg_type(name: str) -> str:
         if name in INT_ARGS:
             return "i32"
@@ -34,6 +38,8 @@ def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4
             return "fp32"
         if name in INDEX_ARGS:
             return "*i32"
+        if name in bf16_args:
+            return "*bf16"
         return f"*{dtype}" if name in INPUT_ARGS else "*fp32"
 
     return compile_sm90(kernel, consts, arg_type, num_warps)
@@ -53,6 +59,20 @@ def prepass_consts(d: int, store_p: bool) -> dict:
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64), DOT_PREC=ip,
                 INPUT_PREC=ip, IS_VARLEN=False, STORE_P=store_p, MERGE_PREC=merge_precision(torch.bfloat16),
                 INTERPRET=False)
+
+
+def output_consts(d: int) -> dict:
+    """Constexprs of the output kernel at K = V = d for bf16 inputs, the split forward's precision."""
+    return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64),
+                DOT_PREC=dot_precision(torch.bfloat16), OUT_PREC=output_precision(torch.bfloat16), USE_DECAY=True,
+                IS_VARLEN=False, INTERPRET=False)
+
+
+def state_pass_consts(d: int, BV: int) -> dict:
+    """Constexprs of the forward state pass at K = V = d for bf16 inputs (pipelined loop, as at one wave)."""
+    return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV, DOT_PREC=dot_precision(torch.bfloat16),
+                USE_DECAY=True, USE_DELTA=True, USE_INITIAL_STATE=False, IS_VARLEN=False, INTERPRET=False,
+                NUM_STAGES=STATE_PASS_STAGES)
 
 
 def main():

@@ -32,14 +32,14 @@ CASES = [
 ]
 
 
-def run(x, offsets, L):
+def run(x, offsets, L, store=None):
     scale = x["q"].shape[-1] ** -0.5
     ci = co = None
     if offsets:
         ci, co = chunk_tables(offsets, CHUNK, "cpu")
     gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci)
     return split_fwd(x["q"], x["k"], w, u, gc, scale, x["initial_state"], torch.float32, x["cu_seqlens"], offsets,
-                     ci, co, segment_chunks=L)
+                     ci, co, segment_chunks=L, store=store)
 
 
 @pytest.mark.parametrize("case, L", CASES, ids=[f"{c.id}-L{L}" for c, L in CASES])
@@ -68,3 +68,56 @@ def test_bad_segment_length_is_refused():
     x, offsets = make_inputs(Case("x", T=70, B=1), torch.float32)
     with pytest.raises(ValueError, match="segment_chunks"):
         run(x, offsets, 0)
+
+
+# h and V_new stored in bf16 (split_fwd.STORE_BF16 = "bf16" for bf16 inputs; here forced with ``store`` on fp32
+# inputs, whose bf16 dots the interpreter cannot run): the state pass rounds only what it writes, so the final
+# state is bitwise the fp32 store's, and o carries one bf16 rounding of h and V_new (the interpreter rounds toward
+# zero: ≤ 2^-8 per element).
+@pytest.mark.parametrize("case, L", [CASES[0], CASES[1], (CASES[3][0], None)],
+                         ids=["T130_B2_h0-L1", "T130_B2_GVA_h0-L2", "varlen_70_0_200_1_h0-unsegmented"])
+def test_bf16_store_rounds_only_what_the_output_reads(case, L):
+    torch.manual_seed(0)
+    x, offsets = make_inputs(case, torch.float32)
+    o, ht = run(x, offsets, L)
+    ob, htb = run(x, offsets, L, store=torch.bfloat16)
+    assert torch.equal(htb, ht)
+    err, ref_err = rel_rms(ob, o), 2.0 ** -8
+    assert 1e-5 < err <= ref_err, f"o with bf16 h / V_new vs fp32: {err:.2e}"  # rounded, and only by the store
+
+
+def test_state_pass_stores_h_and_v_new_in_the_dtype_asked():
+    from linattn.ops.common.state_pass import state_pass_fwd
+    torch.manual_seed(0)
+    x, _ = make_inputs(Case("T130_B2_h0", T=130, B=2, h0=True), torch.float32)
+    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"])
+    h, v_new, ht = state_pass_fwd(x["k"], w, u, gc, x["initial_state"])
+    hb, vb, htb = state_pass_fwd(x["k"], w, u, gc, x["initial_state"], store_dtype=torch.bfloat16)
+    assert hb.dtype == vb.dtype == torch.bfloat16 and htb.dtype == torch.float32 and torch.equal(htb, ht)
+    for got, want in ((hb, h), (vb, v_new)):
+        assert (got.float() - want).abs().max() <= 2.0 ** -7 * want.abs().max()  # one rounding to bf16
+        assert not torch.equal(got.float(), want)
+    with pytest.raises(ValueError, match="store_dtype must be"):
+        state_pass_fwd(x["k"], w, u, gc, None, store_dtype=torch.float16)
+
+
+def test_store_setting():
+    from linattn.ops.common import split_fwd as SF
+    assert SF.store_dtype(torch.bfloat16, "bf16") == torch.bfloat16
+    assert SF.store_dtype(torch.float16, "bf16") == SF.store_dtype(torch.float32, "bf16") == torch.float32
+    assert SF.store_dtype(torch.bfloat16, "fp32") == torch.float32
+    with pytest.raises(ValueError, match="store must be one of"):
+        SF.store_dtype(torch.bfloat16, "fp16")
+
+
+def test_bf16_store_compiles_for_h200():
+    """The GPU side the interpreter skips: the output kernel with bf16 q, k, h and V_new (Q S one bf16 MMA, P V_new
+    a split P against bf16 V_new) and the state pass storing bf16, compiled for sm_90 (K = V = 128)."""
+    from tests.ops.sm90_compile import compile_for_h200
+    res = compile_for_h200(
+        "import compile_walk as c",
+        "[tuple(c.compile_kernel(c.output_fwd_kernel, c.output_consts(128), bf16_args=('h', 'v_new')))[:4], "
+        "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64), bf16_args=('h', 'v_new')))"
+        "[:4]]")
+    for regs, _, _, _ in res:
+        assert 0 < regs <= 255, res

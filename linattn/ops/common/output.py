@@ -1,10 +1,12 @@
 """Stage 5: the output O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new], parallel over chunks.
 
 Twin: ``torch_chunk.output_fwd_ref``. One program per (BV slice, chunk, value head). Per program:
-    K tiles (BK = 64):  read BT×BK queries + BT×BK keys + BK×BV fp32 state,
-                        O_inter += Q S (fp32 state, OUT_PREC),  P += Q Kᵀ (input dtype: exact products)
-    then                read BT gates + BT×BV fp32 V_new, O = scale·(Γ ⊙ O_inter + (P ⊙ D) V_new) (OUT_PREC),
-                        write BT×BV in the output dtype.
+    K tiles (BK = 64):  read BT×BK queries + BT×BK keys + BK×BV state (fp32, or bf16 from a bf16 split),
+                        O_inter += Q S (OUT_PREC),  P += Q Kᵀ (input dtype: exact products)
+    then                read BT gates + BT×BV V_new (as the state), O = scale·(Γ ⊙ O_inter + (P ⊙ D) V_new)
+                        (OUT_PREC), write BT×BV in the output dtype.
+With bf16 inputs, a bf16 state and V_new and OUT_PREC "bf16x3", Q S is one bf16 MMA and P V_new two (common/dot.py
+skips the split of a bf16 operand).
 BV = 64 keeps the two fp32 accumulators ([BT, BV] and [BT, BT]) at 8192 values; Q Kᵀ is recomputed for every V
 slice, which costs 2·BT²·K FLOPs per slice (cheap next to re-reading h). D_ij = e^{G_i − G_j} is formed from the
 masked difference (upper triangle and padded rows → −inf → 0). The same kernel serves plain gated linear attention
@@ -64,7 +66,7 @@ def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T
 
     p_v = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
-    b_v = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32)
+    b_v = tl.load(p_v, boundary_check=(0, 1))  # fp32, or bf16 (kept: dot() skips the split of a bf16 operand)
     b_o = (b_o + dot(b_P, b_v, OUT_PREC, INTERPRET)) * scale
     p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
@@ -78,8 +80,9 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     """O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new] per chunk.
 
     Args:
-        q, k: ``[B, T, H, K]``; v_new: ``[B, T, HV, V]`` (fp32 from the state pass; plain GLA: the values);
-        h: ``[B, NT, HV, K, V]`` fp32 states entering each chunk; gc: ``[B, T, HV]`` fp32 or None.
+        q, k: ``[B, T, H, K]``; v_new: ``[B, T, HV, V]`` (from the state pass: fp32, or bf16 with bf16 inputs;
+        plain GLA: the values); h: ``[B, NT, HV, K, V]`` states entering each chunk, fp32 (or bf16 as v_new);
+        gc: ``[B, T, HV]`` fp32 or None.
         dot_prec: precision of the two dots on fp32 operands (Q S, P V_new), one of ``dot.DOT_PRECISIONS``;
             None: ``dot_precision`` of the inputs. The split forward passes ``split_fwd.output_precision`` (bf16x3
             for bf16: o's error 1.73e-3 at the anchor case as at tf32x3, against 2.0e-3 at tf32).

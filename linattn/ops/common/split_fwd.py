@@ -46,6 +46,27 @@ AFFINE_COST = 2.0
 OUTPUT_PREC_BF16 = "bf16x3"
 
 
+# The dtype the split forward stores h and V_new in for bf16 inputs: "fp32" (as measured so far) or "bf16". They
+# are the two largest intermediates (h: K·V per chunk and value head) and are only read by the output kernel: the
+# state pass keeps the state it carries in fp32 registers, so bf16 storage rounds what o reads (≈ 2^-9 relative,
+# once, not compounding over chunks) and leaves the final state unchanged. Count at B=8 T=4096 H=16 K=V=128: the
+# state pass writes h 537 MB + V_new 268 MB in fp32 of its ≈ 1.5 GB, the output kernel reads them of its ≈ 1.2 GB.
+# Prediction (not yet measured): state pass 0.62 → ≈ 0.50 ms, output kernel 0.40 → ≈ 0.28 (Q S becomes one bf16
+# MMA, P V_new two), split forward 1.62 → ≈ 1.39; o's error 1.74e-3 → ≈ 2.0e-3 against float64 (fla: 3.8e-3); the
+# split path's extra memory halves (h). benchmarks/bench_split_precision.py measures it. Other input dtypes: fp32.
+STORE_BF16 = "fp32"
+STORES = ("fp32", "bf16")
+
+
+def store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.dtype:
+    """The dtype the split forward stores h and V_new in for inputs of ``dtype`` (:data:`STORE_BF16`, or
+    ``override``; checked)."""
+    mode = override or STORE_BF16
+    if mode not in STORES:
+        raise ValueError(f"split_fwd store must be one of {STORES}, got {mode!r}")
+    return torch.bfloat16 if mode == "bf16" and dtype == torch.bfloat16 else torch.float32
+
+
 def output_precision(dtype: torch.dtype) -> str:
     """The split forward's output-kernel precision for inputs of ``dtype``."""
     return OUTPUT_PREC_BF16 if dtype == torch.bfloat16 else dot_precision(dtype)
@@ -76,14 +97,15 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
               initial_state: Optional[torch.Tensor], out_dtype: torch.dtype, cu_seqlens: Optional[torch.Tensor],
               offsets: Optional[list[int]], chunk_indices: Optional[torch.Tensor],
               chunk_offsets: Optional[torch.Tensor], out_prec: Optional[str] = None,
-              segment_chunks: Optional[int] = None, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+              segment_chunks: Optional[int] = None, chunk_size: int = CHUNK,
+              store: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` in ``out_dtype`` and the final state ``[N, HV, K, V]`` fp32.
 
     Args: q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``, u ``[B, T, HV, V]``, gc ``[B, T, HV]`` fp32 (the pre-pass);
         initial_state ``[N, HV, K, V]`` or None; cu_seqlens / offsets (device and host) with chunk_indices /
         chunk_offsets from ``varlen.chunk_tables``, or all None; out_prec: the output kernel's precision for its
         fp32 dots (``output_fwd``'s dot_prec); segment_chunks: force segments of this many chunks (≥ 1, tests and
-        benchmarks), None: planned.
+        benchmarks), None: planned; store: the dtype of h and V_new (None: :func:`store_dtype` of the inputs).
     """
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
@@ -97,9 +119,10 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     sms = num_sms(q.device)
     _, BV, num_warps = fused_fwd_config(K, V, N * HV, sms)
     L = segment_chunks or plan_segments(chunks, HV, K, V, BV, sms, affine_cost=AFFINE_COST)
+    store = store or store_dtype(q.dtype)
     if L is None or L >= max(chunks, default=0):
         h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets,
-                                               NT_total if cu_seqlens is not None else None)
+                                               NT_total if cu_seqlens is not None else None, store_dtype=store)
         o = output_fwd(q, k, v_new, h, gc, scale, out_dtype, cu_seqlens, chunk_indices, dot_prec=out_prec)
         return o, final_state
 
@@ -120,7 +143,8 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
     h_in = affine_scan(mn, initial_state, V, N, segment_first, 1, BV=BV)
 
     # phase C: the state pass over the segments as pseudo-sequences (chunk-aligned: same chunks, same order)
-    h, v_new, seg_final = state_pass_fwd(k1, w1, u1, gc1, h_in, seg_cu, seg_chunk_offsets, NT_total)
+    h, v_new, seg_final = state_pass_fwd(k1, w1, u1, gc1, h_in, seg_cu, seg_chunk_offsets, NT_total,
+                                         store_dtype=store)
     final_state = seg_final[(segment_first[1:] - 1).long()]
     if cu_seqlens is None:
         h = h.view(B, triton.cdiv(T, chunk_size), HV, K, V)

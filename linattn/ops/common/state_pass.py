@@ -2,8 +2,8 @@
 
 Twin: ``torch_chunk.state_pass_fwd_ref``. Per chunk, with S the state entering it (fp32, in registers):
 
-    h[chunk]  = S                                        write BK×BV fp32
-    V_new     = U − W S                                  read BT×K (W) + BT×BV (U) fp32, write BT×BV fp32
+    h[chunk]  = S                                        write BK×BV (fp32, or bf16: ``store_dtype``)
+    V_new     = U − W S                                  read BT×K (W) + BT×BV (U) fp32, write BT×BV (as h)
     S        ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new      read BT×K keys + BT gates
 
 One program owns one (sequence, value head, BV-wide slice of V) and holds the whole K extent of the state
@@ -12,6 +12,8 @@ One program owns one (sequence, value head, BV-wide slice of V) and holds the wh
 are independent programs, which also multiplies the parallelism of this sequential stage.
 The decay of the last token, e^{G_C − G_t}, is formed from the masked difference (padded rows → −inf → 0).
 With ``STORE_V_NEW``/``USE_DELTA`` off the same walk serves plain gated linear attention (V_new = U = V).
+The stored h and V_new are only read by later kernels: storing them in bf16 (``store_dtype``) rounds what the
+output reads, never the state the walk carries in registers, so the final state is the same either way.
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ def _chunk_step(k, w, u, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
-    # the state entering chunk i_c
-    tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_h, mask=m_kv)
+    # the state entering chunk i_c (rounded to h's dtype on the way out; the walk keeps b_h in fp32)
+    p_h = h + ((boh + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_kv)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
 
@@ -134,7 +137,8 @@ def state_pass_fwd_kernel(k, w, u, gc, h, v_new, h0, ht, cu_seqlens, chunk_offse
 def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, gc: Optional[torch.Tensor],
                    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None,
                    chunk_offsets: Optional[torch.Tensor] = None, num_chunks: Optional[int] = None,
-                   chunk_size: int = CHUNK, num_stages: Optional[int] = None, block_v: Optional[int] = None
+                   chunk_size: int = CHUNK, num_stages: Optional[int] = None, block_v: Optional[int] = None,
+                   store_dtype: torch.dtype = torch.float32
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Walk the chunks of every sequence in order.
 
@@ -148,17 +152,21 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
             chunk_offsets and NT_total; or None.
         num_stages, block_v: the loop's pipelining (None: :data:`STATE_PASS_STAGES` when the grid is one wave, else
             0) and the V tile (None: ``common.fill_tile_v``, at most 64, 32 beyond K = 128), for benchmarks.
+        store_dtype: the dtype h and v_new are written in, fp32 or bf16 (``split_fwd.store_dtype``: half the
+            bytes of the two largest intermediates; the final state is fp32 and unchanged by it).
     Returns:
-        h ``[B, NT, HV, K, V]`` fp32 (the state entering each chunk; varlen: B = 1, NT = NT_total),
-        v_new ``[B, T, HV, V]`` fp32 (None without ``w``), final state ``[N, HV, K, V]`` fp32.
+        h ``[B, NT, HV, K, V]`` (the state entering each chunk; varlen: B = 1, NT = NT_total),
+        v_new ``[B, T, HV, V]`` (None without ``w``), both ``store_dtype``; final state ``[N, HV, K, V]`` fp32.
     """
+    if store_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_pass_fwd store_dtype must be torch.float32 or torch.bfloat16, got {store_dtype}")
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     is_varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if is_varlen else B
     NT = num_chunks if is_varlen else triton.cdiv(T, chunk_size)
-    h = torch.empty(B, NT, HV, K, V, dtype=torch.float32, device=k.device)
-    v_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device) if w is not None else None
+    h = torch.empty(B, NT, HV, K, V, dtype=store_dtype, device=k.device)
+    v_new = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if w is not None else None
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = block_size(K, 256)
     sms = num_sms(k.device)
