@@ -56,5 +56,8 @@ mkdir -p "out/eval-full-$part"
 cp "out/eval-full-$part.log" "out/eval-full-$part/run.log"
 [ -n "${OUT:-}" ] && cp -r "out/eval-full-$part" "$OUT/"
 tail -40 "out/eval-full-$part.log"
+# the compile caches this machine holds now: whether carrying them to the next session's fresh machine would fit
+# the device tool's 64 MiB (with the 53 MB anchors tarball) and spare fla's and FlashQLA's 40-134 s compiles
+du -sh "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" "${TILELANG_CACHE_DIR:-$HOME/.tilelang}" 2>/dev/null || true
 echo "eval part $part ($sections, budget $budget s): exit $rc, warm from: ${warm[*]:-none}, resume: ${resume[*]:-none}"
 exit $rc

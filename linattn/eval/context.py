@@ -126,13 +126,15 @@ def shape_classes(impl, shape, dtype: str, direction: str, step: Optional[tuple]
     16; for the chunked op not when the implementation's ``length_specialised`` is False: linattn's chunked
     kernels take T unspecialised, its decode kernels do specialise on T == 1),
     and the options that switch kernels (varlen, initial state, and the pre-processing the implementation does
-    natively; pre-processing done in PyTorch for it compiles nothing). B and T otherwise do not matter.
+    natively; pre-processing done in PyTorch for it compiles nothing), and the kernel sets the implementation picks
+    from the shape (``impl.modes``: FlashQLA's intra-card sequence parallelism). B and T otherwise do not matter.
     """
     native = getattr(impl, "native", set()) or set()
     opts = tuple(sorted(k for k, v in options.items() if v and (k in ("varlen", "h0") or k in native)))
     specialised = step is not None or getattr(impl, "length_specialised", True)
     length = (shape.T == 1, shape.T % 16 == 0) if specialised else ()
-    flags = (shape.H, shape.HV) + length + opts
+    modes = getattr(impl, "modes", None)
+    flags = (shape.H, shape.HV) + length + opts + (tuple(modes(shape)) if modes is not None and step is None else ())
     dims = (shape.K, shape.V)
     if step is not None:
         return (Sig("step", tuple(step), dtype, dims, flags),)

@@ -36,6 +36,9 @@ class Impl:
     # whether its chunked op's JIT kernels compile a variant for T == 1 and T % 16 == 0 (Triton's default for int
     # arguments); linattn's do not (tests/ops/test_no_length_specialisation.py). Decode kernels are assumed to.
     length_specialised: bool = True
+    # kernel sets it picks from the shape beyond the flags of context.shape_classes: shape -> extra flags (each a
+    # separate compile); FlashQLA's intra-card sequence parallelism (:func:`_flashqla_modes`)
+    modes: Optional[Callable] = None
 
     def __call__(self, inputs: dict):
         return self.fn(_adapt(inputs, self.native))
@@ -126,6 +129,15 @@ def _flashqla() -> Callable:
     return call
 
 
+def _flashqla_modes(shape) -> tuple:
+    """FlashQLA 0.1.3 runs a batch of one sequence (its ``k.shape[0] == 1``) long enough to split with its own
+    intra-card sequence parallelism, a kernel set of its own (warm-up chunks, initial-state correction) compiled on
+    first use: run 14 saw B=1 T=32768 compile for 67 s (forward) after T=4096 had compiled, and T=131072 then hit
+    the cache. Its choice comes from a calibrated model; the proxy here is its fallback heuristic's 128-chunk
+    threshold, which matches those three shapes."""
+    return ("intra_cp",) if shape.B == 1 and -(-shape.T // 64) >= 128 else ()
+
+
 def _flashqla_limits(x: dict) -> Optional[str]:
     """FlashQLA's Hopper kernels take head dim 128 only: what we observed, flash-qla 0.1.3 raised AssertionError for
     K = V = 64 (the full GPU profile's stability shape) on an H200."""
@@ -177,7 +189,8 @@ def build(name: str, device: torch.device) -> Impl:
             return Impl(name, "gdn", available=False, reason=f"not importable ({type(e).__name__}: {e})"[:300])
         if name == "fla":
             return Impl(name, "gdn", fn, native={"l2norm", "varlen", "h0"}, version=_version("fla"))
-        return Impl(name, "gdn", fn, native={"h0", "varlen"}, version=_version("flash_qla"), limits=_flashqla_limits)
+        return Impl(name, "gdn", fn, native={"h0", "varlen"}, version=_version("flash_qla"), limits=_flashqla_limits,
+                    modes=_flashqla_modes)
     if name == "sdpa":
         return Impl(name, "softmax", _sdpa, version=torch.__version__)
     raise ValueError(f"unknown implementation {name!r}; known: {', '.join(KNOWN_IMPLS)}")

@@ -366,3 +366,16 @@ def test_defers_only_slow_units_on_a_gpu(monkeypatch):
     assert ctx.defers("fla") and not ctx.defers(None)
     monkeypatch.setattr(Context, "estimate", lambda self, impl, classes=(): (SLOW_UNIT_S - 1, "new flags"))
     assert not ctx.defers("fla")
+
+
+def test_flashqla_intra_card_parallel_shapes_are_a_compile_class_of_their_own():
+    """Run 14: FlashQLA compiled for 67 s at B=1 T=32768 after T=4096 (its intra-card sequence-parallel kernels);
+    the estimator took it for a known class. B=1 from 128 chunks is now its own class; batches are not."""
+    from linattn.eval.impls import _flashqla_modes
+    fq = Impl("flashqla", "gdn", None, native={"h0", "varlen"}, modes=_flashqla_modes)
+    sig = lambda B, T: shape_classes(fq, Shape(B, T, 16, 16, 128, 128), "bf16", "fwd")  # noqa: E731
+    assert sig(1, 4096) == sig(1, 8000) != sig(1, 32768) == sig(1, 131072)
+    assert sig(4, 32768) == sig(1, 4096) and sig(1, 8192)[0].flags[-1] == "intra_cp"  # 128 chunks
+    lin = build("linattn", CPU)  # no modes: linattn's classes ignore B and T
+    assert shape_classes(lin, Shape(1, 32768, 16, 16, 128, 128), "bf16", "fwd") == \
+        shape_classes(lin, Shape(1, 4096, 16, 16, 128, 128), "bf16", "fwd")
