@@ -1,8 +1,8 @@
 """GPU check and timing of the pre-pass's and the split forward's cheaper variants (bf16 and fp16 inputs): the split
 forward's output dots (``split_fwd.OUTPUT_PREC_BF16``), the in-chunk solve's block merges
-(``kkt_solve.MERGE_PREC_BF16``), the fused pre-pass's warps (``fused_prepass.PREPASS_WARPS``) and the dtype the
-split stores h and V_new in (``split_fwd.STORE_BF16``) — the solve is shared by the pre-pass and the backward's
-recompute.
+(``kkt_solve.MERGE_PREC_BF16``), the fused pre-pass's warps (``fused_prepass.PREPASS_WARPS``) and the dtypes the
+split stores h, V_new (``split_fwd.STORE_BF16``) and W, U (``split_fwd.WU_STORE_BF16``) in — the solve is
+shared by the pre-pass and the backward's recompute.
 
     python benchmarks/bench_split_precision.py [--quick] [--out DIR]
 
@@ -18,7 +18,9 @@ fwd+bwd 7.98 → 7.50, every error unchanged — the only way since (the per-blo
 Now (prepared in the seventh session, not yet run): h and V_new stored in bf16 (``split_fwd.STORE_BF16 = "bf16"``;
 split_fwd.py has the byte count). Prediction: state pass 0.62 → ≈ 0.50 ms and output kernel 0.40 → ≈ 0.28 at B=8,
 split forward 1.62 → ≈ 1.39, fwd+bwd down by the same ≈ 0.23 (the backward recomputes h in fp32: unchanged); o's
-error 1.74e-3 → ≈ 2.0e-3, the final state and every gradient unchanged.
+error 1.74e-3 → ≈ 2.0e-3, the final state and every gradient unchanged. With W and U in bf16 too
+(``split_fwd.WU_STORE_BF16``, what fla does): pre-pass 0.61 → ≈ 0.53, state pass a further −0.08, final state
+error 1.1e-3 → ≈ 2e-3 (W enters the recurrence).
 
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
    case and T=32768 K=128, in bf16 and, for a variant of the warps (which every 16-bit input runs), fp16;
@@ -46,8 +48,9 @@ from linattn.ops.common.output import output_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.gated_delta import triton_chunk
 
-VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, PREPASS_WARPS, STORE_BF16): today's defaults first
-    ("bf16x3", "bf16x3", 4, "fp32"), ("bf16x3", "bf16x3", 4, "bf16"),
+VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, PREPASS_WARPS, STORE_BF16, WU_STORE_BF16): defaults first
+    ("bf16x3", "bf16x3", 4, "fp32", "fp32"), ("bf16x3", "bf16x3", 4, "bf16", "fp32"),
+    ("bf16x3", "bf16x3", 4, "bf16", "bf16"),
 ]
 ACCURACY_CASES = ("anchor_B2_T300_K128", "T32768_K128")
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16)]
@@ -55,35 +58,35 @@ D = 128
 
 
 class variant:
-    """Set the four module settings (and the split path) for a with-block; restore them after."""
+    """Set the five module settings (and the split path) for a with-block; restore them after."""
 
-    def __init__(self, out_prec, merge_prec, warps, store):
-        self.new = (out_prec, merge_prec, warps, store)
+    def __init__(self, out_prec, merge_prec, warps, store, wu_store):
+        self.new = (out_prec, merge_prec, warps, store, wu_store)
 
     def __enter__(self):
-        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16,
+        self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16, SF.WU_STORE_BF16,
                     triton_chunk.FORWARD_PATH)
-        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16 = self.new
+        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16, SF.WU_STORE_BF16 = self.new
         triton_chunk.FORWARD_PATH = "split"
 
     def __exit__(self, *exc):
-        (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16,
+        (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16, SF.WU_STORE_BF16,
          triton_chunk.FORWARD_PATH) = self.old
 
 
 def accuracy(names, variants):
     rows = []
     for case in (c for c in CASES if c[0] in names):
-        for out_prec, merge_prec, warps, store in variants:
+        for out_prec, merge_prec, warps, store, wu_store in variants:
             # fp16 reads only the warps (its merges are "ieee", its output dots tf32x3, its store fp32)
             dtypes = (torch.bfloat16, torch.float16) if warps != FP.PREPASS_WARPS else (torch.bfloat16,)
             for dt in dtypes:
-                with variant(out_prec, merge_prec, warps, store):
+                with variant(out_prec, merge_prec, warps, store, wu_store):
                     try:
                         row = check(case, dt, use_token_ref=case[2] <= 1000)
                     except Exception as e:  # a variant that fails is a row, not the end
                         row = dict(case=case[0], dtype=str(dt).split(".")[-1], error=f"{type(e).__name__}: {e}"[:300])
-                row.update(out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store)
+                row.update(out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store, wu_store=wu_store)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
@@ -96,23 +99,27 @@ def speed(B, T, H, HV, variants):
     q, k, v, g, beta = (t.detach() for t in ins)
     f = lambda: chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
     do = torch.randn_like(x["v"])
-    gc, w, u = fused_prepass(g, k, v, beta)
     rows = []
-    for out_prec, merge_prec, warps, store in variants:
-        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store)
+    for out_prec, merge_prec, warps, store, wu_store in variants:
+        row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store,
+                   wu_store=wu_store)
+        wu_dtype = SF.wu_store_dtype(k.dtype, wu_store)
+        gc, w, u = fused_prepass(g, k, v, beta, store_dtype=wu_dtype)
         h, v_new, _ = state_pass_fwd(k, w, u, gc, None, store_dtype=SF.store_dtype(k.dtype, store))
-        with variant(out_prec, merge_prec, warps, store):
+        with variant(out_prec, merge_prec, warps, store, wu_store):
             try:
                 with torch.no_grad():
                     row["fwd_ms"] = triton.testing.do_bench(f)
                 row["fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
                 row["output_ms"] = triton.testing.do_bench(
-                    lambda p=out_prec, h=h, v_new=v_new: output_fwd(q, k, v_new, h, gc, D ** -0.5, v.dtype,
-                                                                    dot_prec=p))
+                    lambda p=out_prec, h=h, v_new=v_new, gc=gc: output_fwd(q, k, v_new, h, gc, D ** -0.5, v.dtype,
+                                                                           dot_prec=p))
                 row["state_pass_ms"] = triton.testing.do_bench(
-                    lambda s=store: state_pass_fwd(k, w, u, gc, None, store_dtype=SF.store_dtype(k.dtype, s)))
-                row["kkt_solve_ms"] = triton.testing.do_bench(lambda: KS.kkt_solve(k, beta, gc, HV))
-                row["prepass_ms"] = triton.testing.do_bench(lambda: fused_prepass(g, k, v, beta))
+                    lambda s=store, w=w, u=u, gc=gc: state_pass_fwd(k, w, u, gc, None,
+                                                                   store_dtype=SF.store_dtype(k.dtype, s)))
+                row["kkt_solve_ms"] = triton.testing.do_bench(lambda gc=gc: KS.kkt_solve(k, beta, gc, HV))
+                row["prepass_ms"] = triton.testing.do_bench(lambda d=wu_dtype: fused_prepass(g, k, v, beta,
+                                                                                             store_dtype=d))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
@@ -128,24 +135,25 @@ def main():
     write_json(a.out, "bench_split_precision.json", dict(accuracy=acc, speed=rows))
 
     print("\nrelative L2 vs float64, kernel / baseline ratio (pass: ≤ 2); o error in brackets")
-    print("%-20s %-9s %-7s %-7s %-5s %-5s " % ("case", "dtype", "output", "merges", "warps", "store")
+    print("%-20s %-9s %-7s %-7s %-5s %-5s %-5s " % ("case", "dtype", "output", "merges", "warps", "h", "W/U")
           + " ".join("%-7s" % n for n in NAMES))
     for r in acc:
         if "error" in r:
-            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["store"], r["error"])
+            print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["store"], r["wu_store"],
+                  r["error"])
             continue
         base = r.get("base")
         cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
-        print("%-20s %-9s %-7s %-7s %-5s %-5s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"],
-                                                  r["warps"], r["store"]) +
+        print("%-20s %-9s %-7s %-7s %-5s %-5s %-5s " % (r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"],
+                                                        r["warps"], r["store"], r["wu_store"]) +
               " ".join("%-7s" % c for c in cells) + f"  [{r['err']['o']:.3e}]")
-    print("\n| B, T, H, HV | output / merges / pre-pass warps / h store | split fwd ms | fwd+bwd ms "
+    print("\n| B, T, H, HV | output / merges / pre-pass warps / h store / W,U store | split fwd ms | fwd+bwd ms "
           "| output kernel ms | state pass ms | kkt_solve ms | pre-pass ms |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = " | ".join(f"{r[k]:.3f}" if k in r else r.get("error", "–")[:30]
                            for k in ("fwd_ms", "fwdbwd_ms", "output_ms", "state_pass_ms", "kkt_solve_ms", "prepass_ms"))
         print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} / {r['warps']} / "
-              f"{r['store']} | {cells} |")
+              f"{r['store']} / {r['wu_store']} | {cells} |")
 
 
 if __name__ == "__main__":

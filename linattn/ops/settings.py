@@ -31,6 +31,6 @@ def triton_settings() -> Optional[dict]:
         "BWD_STAGES": state_pass_bwd.BWD_STAGES, "STATE_PASS_WARPS": state_pass.STATE_PASS_WARPS,
         "PREPASS_WARPS": fused_prepass.PREPASS_WARPS, "BWD_WARPS": dict(BWD_WARPS),
         "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC,
-        "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16, "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
+        "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16, "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "SPLIT_WU_STORE_BF16": split_fwd.WU_STORE_BF16, "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

@@ -32,12 +32,12 @@ CASES = [
 ]
 
 
-def run(x, offsets, L, store=None):
+def run(x, offsets, L, store=None, wu_store=torch.float32):
     scale = x["q"].shape[-1] ** -0.5
     ci = co = None
     if offsets:
         ci, co = chunk_tables(offsets, CHUNK, "cpu")
-    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci)
+    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, store_dtype=wu_store)
     return split_fwd(x["q"], x["k"], w, u, gc, scale, x["initial_state"], torch.float32, x["cu_seqlens"], offsets,
                      ci, co, segment_chunks=L, store=store)
 
@@ -101,23 +101,45 @@ def test_state_pass_stores_h_and_v_new_in_the_dtype_asked():
         state_pass_fwd(x["k"], w, u, gc, None, store_dtype=torch.float16)
 
 
-def test_store_setting():
+def test_store_settings():
     from linattn.ops.common import split_fwd as SF
-    assert SF.store_dtype(torch.bfloat16, "bf16") == torch.bfloat16
-    assert SF.store_dtype(torch.float16, "bf16") == SF.store_dtype(torch.float32, "bf16") == torch.float32
-    assert SF.store_dtype(torch.bfloat16, "fp32") == torch.float32
+    for fn in (SF.store_dtype, SF.wu_store_dtype):
+        assert fn(torch.bfloat16, "bf16") == torch.bfloat16
+        assert fn(torch.float16, "bf16") == fn(torch.float32, "bf16") == torch.float32
+        assert fn(torch.bfloat16, "fp32") == torch.float32
     with pytest.raises(ValueError, match="store must be one of"):
         SF.store_dtype(torch.bfloat16, "fp16")
+    with pytest.raises(ValueError, match="W/U store must be one of"):
+        SF.wu_store_dtype(torch.bfloat16, "fp16")
 
 
-def test_bf16_store_compiles_for_h200():
-    """The GPU side the interpreter skips: the output kernel with bf16 q, k, h and V_new (Q S one bf16 MMA, P V_new
-    a split P against bf16 V_new) and the state pass storing bf16, compiled for sm_90 (K = V = 128)."""
+# W and U written in bf16 (split_fwd.WU_STORE_BF16 = "bf16"; forced here on fp32 inputs): unlike h, W enters the
+# state recurrence, so the final state moves too; both stay within one bf16 rounding (toward zero under the
+# interpreter: measured 3.0e-3 on o and on the state over these 3-chunk sequences) of the fp32 store's.
+@pytest.mark.parametrize("case, L", [CASES[1], (CASES[3][0], None)], ids=["T130_B2_GVA_h0-L2", "varlen-unsegmented"])
+def test_bf16_w_u_store(case, L):
+    torch.manual_seed(0)
+    x, offsets = make_inputs(case, torch.float32)
+    o, ht = run(x, offsets, L)
+    ob, htb = run(x, offsets, L, wu_store=torch.bfloat16)
+    assert 1e-5 < rel_rms(ob, o) <= 2.0 ** -8 and rel_rms(htb, ht) <= 2.0 ** -8
+    with pytest.raises(ValueError, match="store_dtype must be"):
+        fused_prepass(x["g"], x["k"], x["v"], x["beta"], store_dtype=torch.float16)
+
+
+def test_bf16_stores_compile_for_h200():
+    """The GPU side the interpreter skips, compiled for sm_90 (K = V = 128): the output kernel with bf16 q, k, h and
+    V_new (Q S one bf16 MMA, P V_new a split P against bf16 V_new); the state pass storing h and V_new in bf16 and
+    reading bf16 W and U; the pre-pass writing bf16 W and U; the segmented split's phase A (the walk's affine
+    mode) on bf16 W and U."""
     from tests.ops.sm90_compile import compile_for_h200
     res = compile_for_h200(
         "import compile_walk as c",
         "[tuple(c.compile_kernel(c.output_fwd_kernel, c.output_consts(128), bf16_args=('h', 'v_new')))[:4], "
-        "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64), bf16_args=('h', 'v_new')))"
-        "[:4]]")
+        "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64), "
+        "bf16_args=('h', 'v_new', 'w', 'u')))[:4], "
+        "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, False), bf16_args=('w', 'u')))[:4], "
+        "tuple(c.compile_kernel(c.fused_fwd_kernel, dict(c.walk_consts(128, 16, False), AFFINE=True, "
+        "SEGMENTED=True), bf16_args=('w', 'u')))[:4]]")
     for regs, _, _, _ in res:
         assert 0 < regs <= 255, res

@@ -114,8 +114,8 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indice
 
 def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                   cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
-                  dot_prec: Optional[str] = None, chunk_size: int = CHUNK, q: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, ...]:
+                  dot_prec: Optional[str] = None, chunk_size: int = CHUNK, q: Optional[torch.Tensor] = None,
+                  store_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """gc, W and U of every chunk (and P, with ``q``), in one launch.
 
     Args:
@@ -124,17 +124,20 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
         dot_prec: override ``dot_precision(k.dtype)`` for the W/U dots (benchmarks).
         q: queries ``[B, T, H, K]`` (k's dtype) or None: given, P is computed too.
+        store_dtype: the dtype w and u are written in, fp32 or bf16 (``split_fwd.wu_store_dtype``).
     Returns:
-        gc ``[B, T, HV]``, w ``[B, T, HV, K]``, u ``[B, T, HV, V]``, all fp32 — the same values (up to rounding
-        order) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd`` — and, with ``q``, p ``[B, T, HV, BT]``
+        gc ``[B, T, HV]`` fp32, w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (``store_dtype``) — the same values (up
+        to rounding order and the store's rounding) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd`` — and, with ``q``, p ``[B, T, HV, BT]``
         fp32: row t holds row t − c·BT of its chunk c's P = Q Kᵀ ⊙ D ⊙ causal (unscaled; columns at positions
         past the sequence end are 0), the layout of ``A_inv``; the input of ``fused_fwd``'s ``p``.
     """
+    if store_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fused_prepass store_dtype must be torch.float32 or torch.bfloat16, got {store_dtype}")
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     gc = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
-    w = torch.empty(B, T, HV, K, dtype=torch.float32, device=k.device)
-    u = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
+    w = torch.empty(B, T, HV, K, dtype=store_dtype, device=k.device)
+    u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device)
     p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
     fused_prepass_kernel[(NT, B * HV)](

@@ -55,16 +55,30 @@ OUTPUT_PREC_BF16 = "bf16x3"
 # MMA, P V_new two), split forward 1.62 → ≈ 1.39; o's error 1.74e-3 → ≈ 2.0e-3 against float64 (fla: 3.8e-3); the
 # split path's extra memory halves (h). benchmarks/bench_split_precision.py measures it. Other input dtypes: fp32.
 STORE_BF16 = "fp32"
+# The dtype the split path's pre-pass writes W and U in for bf16 inputs, "fp32" or "bf16" (what fla does). Unlike
+# h, W enters the state recurrence (V_new = U − W S), so its rounding reaches the final state and carries across
+# chunks. Bytes at B=8 T=4096 H=16: 537 MB written by the pre-pass, read by the state pass. Prediction (not yet
+# measured): pre-pass 0.61 → ≈ 0.53 ms, state pass −0.08 on top of STORE_BF16's, final state error 1.1e-3 → ≈ 2e-3.
+WU_STORE_BF16 = "fp32"
 STORES = ("fp32", "bf16")
+
+
+def _stored(dtype: torch.dtype, mode: str, name: str) -> torch.dtype:
+    if mode not in STORES:
+        raise ValueError(f"split_fwd {name} must be one of {STORES}, got {mode!r}")
+    return torch.bfloat16 if mode == "bf16" and dtype == torch.bfloat16 else torch.float32
 
 
 def store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.dtype:
     """The dtype the split forward stores h and V_new in for inputs of ``dtype`` (:data:`STORE_BF16`, or
     ``override``; checked)."""
-    mode = override or STORE_BF16
-    if mode not in STORES:
-        raise ValueError(f"split_fwd store must be one of {STORES}, got {mode!r}")
-    return torch.bfloat16 if mode == "bf16" and dtype == torch.bfloat16 else torch.float32
+    return _stored(dtype, override or STORE_BF16, "store")
+
+
+def wu_store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.dtype:
+    """The dtype the split path's pre-pass writes W and U in for inputs of ``dtype`` (:data:`WU_STORE_BF16`, or
+    ``override``; checked)."""
+    return _stored(dtype, override or WU_STORE_BF16, "W/U store")
 
 
 def output_precision(dtype: torch.dtype) -> str:

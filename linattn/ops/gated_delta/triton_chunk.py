@@ -34,7 +34,7 @@ from ..common.kkt_solve import kkt_solve
 from ..common.output import output_fwd
 from ..common.seq_parallel import fused_fwd_seq_parallel
 from ..common.split_fwd import output_precision as split_output_precision
-from ..common.split_fwd import split_fwd
+from ..common.split_fwd import split_fwd, wu_store_dtype
 from ..common.state_pass import state_pass_fwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
@@ -173,7 +173,7 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
     if path == "split":
-        gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices)
+        gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, store_dtype=wu_store_dtype(v.dtype))
         # the output dots at split_fwd.output_precision (tf32x3 for bf16: the walk's output precision)
         return split_fwd(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
                          chunk_offsets, out_prec=split_output_precision(v.dtype))
