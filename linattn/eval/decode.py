@@ -265,6 +265,11 @@ def record_id(path: DecodePath, shape: Shape, B: int, Tq: int, pool: str) -> str
     return f"{path.name}/B{B}-Tq{Tq}-H{shape.H}x{shape.HV}-K{shape.K}V{shape.V}/{pool}"
 
 
+def skip_label(path_name: str, B: int, Tq: int, pool: str) -> str:
+    """How ``skipped_for_time`` names a latency row that did not fit (``DecodePath.name``, batch, tokens, pool)."""
+    return f"{path_name}/B{B}-Tq{Tq}/{pool}"
+
+
 def measure(ctx: Context, path: DecodePath, B: int, Tq: int, pool: str, budget_s: float, copy_cache: dict) -> dict:
     """One latency record of ``path`` at (B, Tq, pool dtype); ``error`` set if it failed."""
     p = ctx.profile
@@ -423,7 +428,7 @@ def run(ctx: Context) -> dict:
             classes = step_classes(_impl(ctx, path), path, p.dec_shape, Tq, pool, p.dec_dtype)
             desc = f"decode {path.name} B={B} Tq={Tq} {pool}"
             if not ctx.fits(path.impl, classes, desc):
-                skipped.append(f"{path.name}/B{B}-Tq{Tq}/{pool}")
+                skipped.append(skip_label(path.name, B, Tq, pool))
                 continue
             ctx.step(desc, path.impl, classes)
             rec = measure(ctx, path, B, Tq, pool, ctx.unit_budget(sum(todo[i:])), copy_cache)

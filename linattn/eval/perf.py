@@ -268,9 +268,8 @@ def run(ctx: Context) -> dict:
     # the rows this run may time: not carried from an earlier run (--resume), and supported
     todo = [uid not in earlier and not impl.supports_shape(shape) for (impl, shape, _, _), uid in zip(rows, uids)]
 
-    def time_row(i: int, units_left: int) -> None:
+    def time_row(i: int, classes: tuple, units_left: int) -> None:
         (impl, shape, dtype, direction), uid = rows[i], uids[i]
-        classes = shape_classes(impl, shape, dtype, direction)
         desc = f"perf {impl.name} {shape.id} {dtype} {direction}"
         if not ctx.fits(impl.name, classes, desc):
             skipped.append(uid)
@@ -286,12 +285,13 @@ def run(ctx: Context) -> dict:
     for i, ((impl, shape, dtype, direction), uid) in enumerate(zip(rows, uids)):
         if ctx.unsupported(impl, shape, uid, unsupported) or ctx.carry(uid, records):
             continue
-        if ctx.defers(impl.name, shape_classes(impl, shape, dtype, direction)):
-            slow.append(i)
+        classes = shape_classes(impl, shape, dtype, direction)
+        if ctx.defers(impl.name, classes):
+            slow.append((i, classes))
             continue
-        time_row(i, sum(todo[i:]) + len(slow))
-    for j, i in enumerate(slow):
-        time_row(i, len(slow) - j)
+        time_row(i, classes, sum(todo[i:]) + len(slow))
+    for j, (i, classes) in enumerate(slow):
+        time_row(i, classes, len(slow) - j)
     position = {uid: i for i, uid in enumerate(uids)}
     records.sort(key=lambda r: position.get(r["id"], len(uids)))  # the grid's order, as the tables show it
     peaks = {d: dict(zip(("tflops", "gbs", "source"), device_peaks(ctx, d))) for d in p.perf_dtypes}

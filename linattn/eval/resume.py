@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .decode import DecodePath, skip_label
 from .merge import load
 
 RESUMABLE = ("correctness", "robustness", "performance", "decode", "mixed_precision")
@@ -111,7 +112,7 @@ def _skip_labels(section: str, rec: dict) -> set:
     """How a section's ``skipped_for_time`` names the unit of ``rec`` (the record id, or decode's short forms)."""
     labels = {rec["id"], f"drift {rec['id']}"}
     if section == "decode" and "Tq" in rec:
-        labels.add(f"{rec['impl']}/{rec['path']}/B{rec['B']}-Tq{rec['Tq']}/{rec['pool']}")
+        labels.add(skip_label(DecodePath(rec["impl"], rec["path"], ()).name, rec["B"], rec["Tq"], rec["pool"]))
     return labels
 
 
@@ -124,9 +125,6 @@ def fill_in(section: str, results: dict, earlier: list) -> int:
     if section not in RESUMABLE or not isinstance(results, dict) or "records" not in results:
         return 0
     have = _keyed(section, results)
-    lists = {"reproducibility": results.setdefault("reproducibility", []) if section == "correctness" else None,
-             "drift": results.setdefault("drift", []) if section == "decode" else None,
-             "records": results["records"]}
     added = 0
     for path, r in reversed(earlier):  # the latest earlier run first: its records win
         origin = _origin(path, r)
@@ -136,12 +134,13 @@ def fill_in(section: str, results: dict, earlier: list) -> int:
                 continue
             rec = copy.deepcopy(rec)
             rec.setdefault("carried_from", origin)
-            target = lists[key.split("/", 1)[0]] if key.split("/", 1)[0] in ("reproducibility", "drift") \
-                else lists["records"]
-            if mine is not None and any(x is mine for x in target):
-                target[next(i for i, x in enumerate(target) if x is mine)] = rec
-            else:
+            kind = key.split("/", 1)[0]  # _keyed's keys: reproducibility/..., drift/... or a record id
+            target = results.setdefault(kind, []) if kind in ("reproducibility", "drift") else results["records"]
+            at = next((i for i, x in enumerate(target) if x is mine), None) if mine is not None else None
+            if at is None:
                 target.append(rec)
+            else:
+                target[at] = rec
             have[key] = rec
             if "id" in rec and isinstance(results.get("skipped_for_time"), list):
                 labels = _skip_labels(section, rec)

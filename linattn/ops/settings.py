@@ -25,12 +25,15 @@ def triton_settings() -> Optional[dict]:
     except ImportError:
         return None
     return {
-        "FORWARD_PATH": triton_chunk.FORWARD_PATH, "WALK_MIN_PAIRS": {str(d).removeprefix("torch."): n for d, n in triton_chunk.WALK_MIN_PAIRS.items()},
+        "FORWARD_PATH": triton_chunk.FORWARD_PATH,
+        "WALK_MIN_PAIRS": {str(d).removeprefix("torch."): n for d, n in triton_chunk.WALK_MIN_PAIRS.items()},
         "PRECOMPUTE_QK": triton_chunk.PRECOMPUTE_QK,
         "WALK_STAGES": fused_fwd.WALK_STAGES, "STATE_PASS_STAGES": state_pass.STATE_PASS_STAGES,
         "BWD_STAGES": state_pass_bwd.BWD_STAGES, "STATE_PASS_WARPS": state_pass.STATE_PASS_WARPS,
         "PREPASS_WARPS": fused_prepass.PREPASS_WARPS, "BWD_WARPS": dict(BWD_WARPS),
         "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC,
-        "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16, "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "SPLIT_WU_STORE_BF16": split_fwd.WU_STORE_BF16, "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
+        "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16,
+        "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "SPLIT_WU_STORE_BF16": split_fwd.WU_STORE_BF16,
+        "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

@@ -92,6 +92,13 @@ def product_precision(dtype: torch.dtype, setting: str, override, allowed: tuple
     return prec
 
 
+def check_store_dtype(who: str, dtype: torch.dtype) -> None:
+    """Refuse a dtype for stored fp32 intermediates other than fp32 or bf16 (``state_pass_fwd``'s h and V_new, the
+    pre-pass's W and U: ``split_fwd.STORE_BF16`` / ``WU_STORE_BF16``)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{who} store_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+
+
 def block_size(d: int, cap: int) -> int:
     """Power-of-two tile covering ``d`` (tails are masked), at least 16 (``tl.dot``'s minimum) and at most cap."""
     b = 16

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
+from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
 from .dot import dot
 from .kkt_solve import kkt_inverse_blocks, merge_precision
 from .varlen import chunk_bounds
@@ -127,12 +127,11 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         store_dtype: the dtype w and u are written in, fp32 or bf16 (``split_fwd.wu_store_dtype``).
     Returns:
         gc ``[B, T, HV]`` fp32, w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (``store_dtype``) — the same values (up
-        to rounding order and the store's rounding) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd`` — and, with ``q``, p ``[B, T, HV, BT]``
-        fp32: row t holds row t − c·BT of its chunk c's P = Q Kᵀ ⊙ D ⊙ causal (unscaled; columns at positions
+        to rounding order and the store's rounding) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd`` — and,
+        with ``q``, p ``[B, T, HV, BT]`` fp32: row t holds row t − c·BT of its chunk c's P = Q Kᵀ ⊙ D ⊙ causal (unscaled; columns at positions
         past the sequence end are 0), the layout of ``A_inv``; the input of ``fused_fwd``'s ``p``.
     """
-    if store_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"fused_prepass store_dtype must be torch.float32 or torch.bfloat16, got {store_dtype}")
+    check_store_dtype("fused_prepass", store_dtype)
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     gc = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)

@@ -4,10 +4,12 @@ Twin: ``torch_chunk.kkt_solve_ref``. Output ``A_inv [B, T, HV, BT]`` fp32: row t
 its chunk's inverse; columns past the chunk's length are 0 (the inverse is lower triangular).
 
 Method (exact, no iteration to convergence). Split the chunk into four 16-row blocks, A_ij (i ≥ j):
-  1. the ten blocks A_ij = β_i (K_i K_jᵀ) ⊙ e^{G_i − G_j}: six 16×16 dots and one 4×16×16 (the diagonal blocks)
-     per K tile, in the input dtype (products of inputs are exact in fp32 accumulation); the gate difference is masked *before* exp, so padded
-     rows and the upper triangle never overflow, and e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
-  2. forward substitution on the four diagonal blocks at once: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in registers;
+  1. the ten blocks A_ij = β_i (K_i K_jᵀ) ⊙ e^{G_i − G_j}: six 16×16 dots and one 4×16×16 (the diagonal
+     blocks) per K tile, in the input dtype (products of inputs are exact in fp32 accumulation); the gate
+     difference is masked *before* exp, so padded rows and the upper triangle never overflow, and
+     e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
+  2. forward substitution on the four diagonal blocks at once: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in
+     registers;
   3. block merges, Ainv_ij = −Ainv_ii Σ_{j ≤ m < i} A_im Ainv_mj: six levels of 16×16 fp32 dots at
      :data:`MERGE_PREC_BF16` for bf16 inputs ("ieee" for fp16 and fp32 inputs).
 Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
@@ -149,7 +151,8 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     b_Ad = _gate_diag_blocks(b_Ad, gc, beta, bos, T_seq, i_c, i_hv, HV, USE_DECAY)
     b_T00, b_T11, b_T22, b_T33 = _invert_diag_blocks(b_Ad, o_r)
 
-    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32, merge_precision)
+    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32,
+    #    merge_precision)
     b_T10 = -dot(b_T11, dot(b_A10, b_T00, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
     b_T21 = -dot(b_T22, dot(b_A21, b_T11, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
     b_T32 = -dot(b_T33, dot(b_A32, b_T22, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)

@@ -26,6 +26,7 @@ import triton.language as tl
 from . import (
     CHUNK,
     block_size,
+    check_store_dtype,
     dot_precision,
     fill_tile_v,
     launch_options,
@@ -158,8 +159,7 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
         h ``[B, NT, HV, K, V]`` (the state entering each chunk; varlen: B = 1, NT = NT_total),
         v_new ``[B, T, HV, V]`` (None without ``w``), both ``store_dtype``; final state ``[N, HV, K, V]`` fp32.
     """
-    if store_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"state_pass_fwd store_dtype must be torch.float32 or torch.bfloat16, got {store_dtype}")
+    check_store_dtype("state_pass_fwd", store_dtype)
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     is_varlen = cu_seqlens is not None
