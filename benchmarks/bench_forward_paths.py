@@ -93,15 +93,19 @@ def timings(B, T, H, HV, K, V):
         finally:
             SF.plan_segments = planner
     triton_chunk.FORWARD_PATH = DEFAULT_PATH
-    # the split path stage by stage
+    # the split path stage by stage, each with the stores and precision the op's default path gives them (up to
+    # run 15 the output kernel ran here at dot_precision's default, not OUTPUT_PREC_BF16: 0.545 ms against 0.398
+    # in the op at B=8, and h and V_new were stored in fp32 whatever STORE_BF16 said)
     with torch.no_grad():
         q, k, v, g, beta = (t.detach() for t in ins)
-        gc, w, u = fused_prepass(g, k, v, beta)
-        h, v_new, _ = state_pass_fwd(k, w, u, gc, None)
-        row["prepass_ms"] = triton.testing.do_bench(lambda: fused_prepass(g, k, v, beta))
-        row["state_pass_ms"] = triton.testing.do_bench(lambda: state_pass_fwd(k, w, u, gc, None))
-        row["output_ms"] = triton.testing.do_bench(lambda: output_fwd(q, k, v_new, h, gc, scale, v.dtype))
-        row["h_MB"] = h.numel() * 4 / 2 ** 20
+        wu_store, store, out_prec = SF.wu_store_dtype(q.dtype), SF.store_dtype(q.dtype), SF.output_precision(q.dtype)
+        gc, w, u = fused_prepass(g, k, v, beta, store_dtype=wu_store)
+        h, v_new, _ = state_pass_fwd(k, w, u, gc, None, store_dtype=store)
+        row["prepass_ms"] = triton.testing.do_bench(lambda: fused_prepass(g, k, v, beta, store_dtype=wu_store))
+        row["state_pass_ms"] = triton.testing.do_bench(lambda: state_pass_fwd(k, w, u, gc, None, store_dtype=store))
+        row["output_ms"] = triton.testing.do_bench(
+            lambda: output_fwd(q, k, v_new, h, gc, scale, v.dtype, dot_prec=out_prec))
+        row["h_MB"] = h.numel() * h.element_size() / 2 ** 20
         # the pre-pass's work as the three separate stage kernels the backward's recompute runs: which part of
         # the pre-pass's time (1.13 ms at B=8 T=4096 H=16, ≈ 36 µs per program, run 11) is the solve, which W/U
         A_inv = kkt_solve(k, beta, gc, HV)

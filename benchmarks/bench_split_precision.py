@@ -15,12 +15,12 @@ fwd+bwd 7.98 → 7.50, every error unchanged — the only way since (the per-blo
 2 warps: per block it was faster (0.717 ms), with the stack slower than 4 (0.670 vs 0.619 at B=8; fwd+bwd at B=1
 1.48 vs 1.61, the only row it wins), so 4 stays.
 
-Now (prepared in the seventh session, not yet run): h and V_new stored in bf16 (``split_fwd.STORE_BF16 = "bf16"``;
-split_fwd.py has the byte count). Prediction: state pass 0.62 → ≈ 0.50 ms and output kernel 0.40 → ≈ 0.28 at B=8,
-split forward 1.62 → ≈ 1.39, fwd+bwd down by the same ≈ 0.23 (the backward recomputes h in fp32: unchanged); o's
-error 1.74e-3 → ≈ 2.0e-3, the final state and every gradient unchanged. With W and U in bf16 too
-(``split_fwd.WU_STORE_BF16``, what fla does): pre-pass 0.61 → ≈ 0.53, state pass a further −0.08, final state
-error 1.1e-3 → ≈ 2e-3 (W enters the recurrence).
+Run 15 (the stores; prediction in brackets): h and V_new in bf16 (``split_fwd.STORE_BF16 = "bf16"``): state pass
+0.615 → 0.499 ms (≈ 0.50), output kernel 0.398 → 0.288 (≈ 0.28), split forward 1.623 → 1.394 (≈ 1.39) at B=8,
+fwd+bwd 7.53 → 7.29; o's error 1.73e-3 → 2.43e-3 (≈ 2.0e-3), the final state and every gradient unchanged — the
+default for bf16 since. W and U in bf16 on top (``split_fwd.WU_STORE_BF16``): pre-pass 0.615 → 0.562, split
+forward 1.394 → 1.322 at B=8, but 2.045 → 2.194 at B=1 T=32768 (state pass 1.125 → 1.330) and the final state's
+error 1.05e-3 → 1.98e-3 — rejected.
 
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
    case and T=32768 K=128, in bf16 and, for a variant of the warps (which every 16-bit input runs), fp16;
@@ -49,7 +49,7 @@ from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.gated_delta import triton_chunk
 
 VARIANTS = [  # (OUTPUT_PREC_BF16, MERGE_PREC_BF16, PREPASS_WARPS, STORE_BF16, WU_STORE_BF16): defaults first
-    ("bf16x3", "bf16x3", 4, "fp32", "fp32"), ("bf16x3", "bf16x3", 4, "bf16", "fp32"),
+    ("bf16x3", "bf16x3", 4, "bf16", "fp32"), ("bf16x3", "bf16x3", 4, "fp32", "fp32"),
     ("bf16x3", "bf16x3", 4, "bf16", "bf16"),
 ]
 ACCURACY_CASES = ("anchor_B2_T300_K128", "T32768_K128")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import platform
 import sys
 
@@ -58,5 +59,23 @@ def main(argv=None) -> int:
     return importlib.import_module(SUBCOMMANDS[args.cmd][0]).run(args)
 
 
+def entry() -> None:
+    """The console script: :func:`main`, then exit with its status. A call ``linattn eval`` abandoned in a worker
+    thread (a hang, or a unit the time budget cut) may still be running inside CUDA or a JIT compiler, and Python's
+    normal exit tears such a thread down mid-call: on the H200 that aborted a run after its reports were written
+    (``terminate called after throwing …``, ``FATAL: exception not rethrown``, exit 134; docs/performance.md run 15).
+    So while one is alive the process leaves with ``os._exit`` after flushing its output, with main's status."""
+    rc = main()
+    context = sys.modules.get("linattn.eval.context")
+    alive = context.abandoned_threads() if context is not None else []
+    if alive:
+        print(f"linattn: {len(alive)} abandoned call(s) still running in worker threads; exiting without waiting "
+              "for them", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -579,6 +579,16 @@ def indexed(device: torch.device) -> torch.device:
     return device
 
 
+# Worker threads whose call did not return in time (run_with_timeout): still running, perhaps inside CUDA or a JIT
+# compiler. The `linattn` command checks them before it exits (:func:`linattn.cli.entry`).
+_ABANDONED: list = []
+
+
+def abandoned_threads() -> list:
+    """The worker threads :func:`run_with_timeout` gave up on that are still running."""
+    return [th for th in _ABANDONED if th.is_alive()]
+
+
 def run_with_timeout(fn: Callable[[], object], timeout_s: float,
                      device: Optional[torch.device] = None) -> tuple[str, object]:
     """Run ``fn`` in a worker thread; return ``("ok", result)``, ``("error", exception)`` or ``("hang", None)``.
@@ -611,6 +621,7 @@ def run_with_timeout(fn: Callable[[], object], timeout_s: float,
     th.start()
     th.join(timeout_s)
     if th.is_alive():
+        _ABANDONED.append(th)
         return "hang", None
     if "setup" in box:
         raise RuntimeError(f"run_with_timeout: the worker thread could not select {device} "

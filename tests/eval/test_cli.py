@@ -2,6 +2,8 @@
 import copy
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -123,3 +125,21 @@ def test_section_subset_still_writes_every_section(tmp_path):
     assert set(SECTIONS) <= set(r)
     assert r["robustness"]["skipped"].startswith("not selected")
     assert r["performance"]["records"] and r["correctness"]["skipped"]
+
+
+def test_command_exits_past_an_abandoned_worker_thread():
+    """A call the eval abandoned (still running in its worker thread) must not be torn down by Python's exit (exit
+    134 on the H200): the console script's ``entry`` says so and leaves with ``os._exit`` and main's status."""
+    code = ("import sys, threading\n"
+            "from linattn.eval.context import abandoned_threads, run_with_timeout\n"
+            "gate = threading.Event()\n"
+            "assert run_with_timeout(lambda: gate.wait(60), 0.05)[0] == 'hang'\n"
+            "assert len(abandoned_threads()) == 1\n"
+            "sys.argv = ['linattn', 'info']\n"
+            "from linattn.cli import entry\n"
+            "entry()\n"
+            "print('not reached')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "1 abandoned call(s) still running" in p.stderr
+    assert "default_backend" in p.stdout and "not reached" not in p.stdout

@@ -46,19 +46,24 @@ AFFINE_COST = 2.0
 OUTPUT_PREC_BF16 = "bf16x3"
 
 
-# The dtype the split forward stores h and V_new in for bf16 inputs: "fp32" (as measured so far) or "bf16". They
-# are the two largest intermediates (h: K·V per chunk and value head) and are only read by the output kernel: the
-# state pass keeps the state it carries in fp32 registers, so bf16 storage rounds what o reads (≈ 2^-9 relative,
-# once, not compounding over chunks) and leaves the final state unchanged. Count at B=8 T=4096 H=16 K=V=128: the
-# state pass writes h 537 MB + V_new 268 MB in fp32 of its ≈ 1.5 GB, the output kernel reads them of its ≈ 1.2 GB.
-# Prediction (not yet measured): state pass 0.62 → ≈ 0.50 ms, output kernel 0.40 → ≈ 0.28 (Q S becomes one bf16
-# MMA, P V_new two), split forward 1.62 → ≈ 1.39; o's error 1.74e-3 → ≈ 2.0e-3 against float64 (fla: 3.8e-3); the
-# split path's extra memory halves (h). benchmarks/bench_split_precision.py measures it. Other input dtypes: fp32.
-STORE_BF16 = "fp32"
+# The dtype the split forward stores h and V_new in for bf16 inputs: "bf16" (since run 15) or "fp32". They are the
+# two largest intermediates (h: K·V per chunk and value head) and are only read by the output kernel: the state
+# pass keeps the state it carries in fp32 registers, so bf16 storage rounds what o reads (≈ 2^-9 relative, once,
+# not compounding over chunks) and leaves the final state unchanged. Count at B=8 T=4096 H=16 K=V=128: the state
+# pass writes h 537 MB + V_new 268 MB in fp32 of its ≈ 1.5 GB, the output kernel reads them of its ≈ 1.2 GB.
+# Run 15 (bench_split_precision.py, H200; prediction in brackets): state pass 0.615 → 0.499 ms (≈ 0.50), output
+# kernel 0.398 → 0.288 (≈ 0.28), split forward 1.623 → 1.394 (≈ 1.39) at B=8 T=4096 H=16; 2.253 → 2.045 at
+# B=1 T=32768, 0.309 → 0.284 at B=1 T=4096; fwd+bwd 7.53 → 7.29. o's error 1.73e-3 → 2.43e-3 against float64
+# (≈ 2.0e-3 predicted; the rounded-PyTorch baseline: 2.86e-3), the final state and every gradient bitwise as
+# before. The split path's extra memory halves (h). Other input dtypes: fp32.
+STORE_BF16 = "bf16"
 # The dtype the split path's pre-pass writes W and U in for bf16 inputs, "fp32" or "bf16" (what fla does). Unlike
 # h, W enters the state recurrence (V_new = U − W S), so its rounding reaches the final state and carries across
-# chunks. Bytes at B=8 T=4096 H=16: 537 MB written by the pre-pass, read by the state pass. Prediction (not yet
-# measured): pre-pass 0.61 → ≈ 0.53 ms, state pass −0.08 on top of STORE_BF16's, final state error 1.1e-3 → ≈ 2e-3.
+# chunks. Bytes at B=8 T=4096 H=16: 537 MB written by the pre-pass, read by the state pass. Run 15, on top of
+# STORE_BF16 (prediction: pre-pass 0.61 → ≈ 0.53 ms, state pass −0.08): pre-pass 0.615 → 0.562, state pass 0.499
+# → 0.478, split forward 1.394 → 1.322 at B=8 — but the state pass is *slower* where it is latency-bound (B=1
+# T=32768: 1.125 → 1.330 ms, split forward 2.045 → 2.194; B=1 T=4096: 0.154 → 0.175), and the final state's error
+# nearly doubles (1.05e-3 → 1.98e-3, o 2.43e-3 → 2.97e-3). Mixed speed for a doubled state error: stays "fp32".
 WU_STORE_BF16 = "fp32"
 STORES = ("fp32", "bf16")
 
