@@ -18,9 +18,20 @@ as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 comp
 3. the public op, forward and forward + backward, at the defaults and the variants of ``OP_CONFIGS`` (the
    reverse walk at 8 warps; run 10's loops and widths), with the output against the float64 reference (B=2 T=300
    H=4 anchor) for each;
-4. fp32 inputs with their dots at "ieee" (today) and "tf32x3" (``common.FP32_DOT_PRECISION``): output, final
-   state and every gradient against float64 at the anchor, first-call (compile) time and speed. ieee compiles the
-   walks to 32 registers and tens of KB of spills (compile_sequential.py --dtype fp32).
+4. fp32 inputs with their dots at "ieee" (today) and "tf32x3" (``common.FP32_DOT_PRECISION``), each on both
+   forward paths (``triton_chunk.FORWARD_PATH`` "walk" / "split"), and with ``--dtypes fp32,fp16`` fp16 inputs on
+   both paths: output, final state and every gradient against float64 at the anchor, first-call (compile) time,
+   forward and forward + backward at the first two shapes. ieee compiles the walks to 32 registers and tens of KB
+   of spills (compile_sequential.py --dtype fp32).
+
+Table 4's prediction (written before its first run, from the eval's fp32 rows in docs/performance.md run 15: the
+forward 3.56 ms at B=1 T=4096 H=16 on the split, 86.2 ms at B=8 on the walk, 27.8 at B=1 T=32768 on the split;
+fwd+bwd 26.8 / 367 / 214): at B=8, ieee on the split ≈ 28 ms forward (the same tokens × heads as T=32768), a
+third of the walk's 86; tf32x3 puts the fp32 dots on the tensor cores (three tf32 MMAs per product, the bf16
+split's 1.40 ms runs one tf32 MMA for the same products), so ≈ 3–4 ms forward on the split and fwd+bwd ≈ 15–25
+(from 367), with o ≈ 1e-6 and every gradient ≤ 5e-6 against float64 (ieee: 2.6e-7 / 3.2e-6 in the eval; fla,
+plain tf32: 7.8e-4). The rule for a switch: tf32x3 if every error stays ≤ 1e-5 and it is ≥ 3× faster; the split
+for fp32 (and fp16) at every pair count (``WALK_MIN_PAIRS``) if it beats the walk at B=8 at the chosen precision.
 
 Run 11 (docs/performance.md) measured tables 1–3 and set the defaults from them. Prediction written before that
 run (sm_90 compile, benchmarks/compile_sequential.py: the while loops issue no
@@ -50,6 +61,7 @@ from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
 from linattn.ops.common.local_bwd_dv import local_bwd_dv
 from linattn.ops.common.local_bwd_utils import BWD_WARPS
 from linattn.ops.common.local_bwd_wy import local_bwd_wy
+from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_bwd import recompute_forward
 from linattn.ops.gated_delta.triton_chunk import fwd_prepass
@@ -189,36 +201,50 @@ def whole_op(shapes):
     return rows
 
 
-def fp32_precisions(shapes):
-    """Table 4: fp32 inputs at FP32_DOT_PRECISION "ieee" and "tf32x3"."""
+# Table 4's grid: (dtype, FP32_DOT_PRECISION, forward path). The precision only changes fp32 inputs' dots (fp16's are
+# tf32x3 whatever it says), so fp16 runs once per path.
+WIDE_CONFIGS = {
+    "fp32": [(torch.float32, prec, path) for prec in ("ieee", "tf32x3") for path in ("walk", "split")],
+    "fp16": [(torch.float16, "n/a", path) for path in ("walk", "split")],
+}
+
+
+def wide_dtypes(shapes, dtypes=("fp32",)):
+    """Table 4: fp32 (and fp16) inputs at each FP32_DOT_PRECISION and forward path: o, final state and every
+    gradient against float64 at the anchor (B=2 T=300 H=4), first call, forward and forward + backward."""
     rows = []
-    xa, _, _ = make(2, 300, 4, 4, D, D, None, torch.float32)
     names = ("q", "k", "v", "g", "beta")
-    ref_in = [xa[n].double().requires_grad_(True) for n in names]
-    ro, rS = chunk_gated_delta_rule(*ref_in, scale=D ** -0.5, output_final_state=True, backend="torch")
-    dO = torch.randn_like(ro)
-    ref_grads = torch.autograd.grad((ro * dO).sum(), ref_in)
-    for prec in ("ieee", "tf32x3"):
-        common.FP32_DOT_PRECISION = prec
-        ins = [xa[n].clone().requires_grad_(True) for n in names]
-        t0 = time.time()
-        o, S = chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
-        grads = torch.autograd.grad((o * dO.float()).sum(), ins)
-        torch.cuda.synchronize()
-        row = dict(prec=prec, first_call_s=time.time() - t0, o=rel(o, ro), state=rel(S, rS),
-                   **{f"d{n}": rel(gr, rg) for n, gr, rg in zip(names, grads, ref_grads)})
-        for (B, T, H, HV) in shapes[:2]:
-            x, _, _ = make(B, T, H, HV, D, D, None, torch.float32)
-            xs = [x[n].requires_grad_(True) for n in names]
-            f = lambda xs=xs: chunk_gated_delta_rule(*xs, scale=D ** -0.5, output_final_state=True)
-            with torch.no_grad():
-                row[f"fwd_ms {B},{T},{H},{HV}"] = triton.testing.do_bench(f)
-            do = torch.randn_like(x["v"])
-            row[f"fwdbwd_ms {B},{T},{H},{HV}"] = triton.testing.do_bench(
-                lambda f=f, xs=xs, do=do: torch.autograd.grad(f()[0], xs, do))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    common.FP32_DOT_PRECISION = "ieee"
+    saved_prec, saved_path = common.FP32_DOT_PRECISION, triton_chunk.FORWARD_PATH
+    try:
+        for dtype_name in dtypes:
+            xa, _, _ = make(2, 300, 4, 4, D, D, None, WIDE_CONFIGS[dtype_name][0][0])
+            ref_in = [xa[n].double().requires_grad_(True) for n in names]
+            ro, rS = chunk_gated_delta_rule(*ref_in, scale=D ** -0.5, output_final_state=True, backend="torch")
+            dO = torch.randn_like(ro)
+            ref_grads = torch.autograd.grad((ro * dO).sum(), ref_in)
+            for dtype, prec, path in WIDE_CONFIGS[dtype_name]:
+                common.FP32_DOT_PRECISION = prec if dtype == torch.float32 else saved_prec
+                triton_chunk.FORWARD_PATH = path
+                ins = [xa[n].clone().requires_grad_(True) for n in names]
+                t0 = time.time()
+                o, S = chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
+                grads = torch.autograd.grad((o * dO.to(o.dtype)).sum(), ins)
+                torch.cuda.synchronize()
+                row = dict(dtype=dtype_name, prec=prec, path=path, first_call_s=time.time() - t0, o=rel(o, ro),
+                           state=rel(S, rS), **{f"d{n}": rel(gr, rg) for n, gr, rg in zip(names, grads, ref_grads)})
+                for (B, T, H, HV) in shapes[:2]:
+                    x, _, _ = make(B, T, H, HV, D, D, None, dtype)
+                    xs = [x[n].requires_grad_(True) for n in names]
+                    f = lambda xs=xs: chunk_gated_delta_rule(*xs, scale=D ** -0.5, output_final_state=True)
+                    with torch.no_grad():
+                        row[f"fwd_ms {B},{T},{H},{HV}"] = triton.testing.do_bench(f)
+                    do = torch.randn_like(x["v"])
+                    row[f"fwdbwd_ms {B},{T},{H},{HV}"] = triton.testing.do_bench(
+                        lambda f=f, xs=xs, do=do: torch.autograd.grad(f()[0], xs, do))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        common.FP32_DOT_PRECISION, triton_chunk.FORWARD_PATH = saved_prec, saved_path
     return rows
 
 
@@ -227,6 +253,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="the first two shapes only")
     ap.add_argument("--parts", default="1,2,3,4", help="which tables to run (1 kernels alone, 2 backward stages, "
                                                           "3 whole op, 4 fp32 precisions)")
+    ap.add_argument("--dtypes", default="fp32", help="table 4's input dtypes: fp32 and/or fp16 (comma-separated)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     shapes = SHAPES[:2] if a.quick else SHAPES
@@ -235,7 +262,7 @@ def main():
     alone = [r for s in shapes for r in kernels_alone(*s)] if 1 in parts else []
     bwd = [r for s in shapes for r in backward_stages(*s)] if 2 in parts else []
     op = whole_op(shapes) if 3 in parts else []
-    fp32 = fp32_precisions(shapes) if 4 in parts else []
+    fp32 = wide_dtypes(shapes, a.dtypes.split(",")) if 4 in parts else []
     with open(os.path.join(a.out, "bench_pipelining.json"), "w") as f:
         json.dump(dict(alone=alone, backward=bwd, op=op, fp32=fp32), f, indent=1)
 
@@ -259,9 +286,17 @@ def main():
     for r in op:
         print(f"| {r['config']} | {', '.join(map(str, r['shape']))} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
               f"{r['anchor_o']:.3e} |")
-    print("\nfp32 inputs, FP32_DOT_PRECISION (anchor B=2 T=300 H=4 vs float64; times in ms)")
-    for r in fp32:
-        print("  " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+    if fp32:
+        print("\nfp32 / fp16 inputs: relative L2 vs float64 at the anchor (B=2 T=300 H=4); ms at B, T, H, HV")
+        times = [k for k in fp32[0] if k.endswith("ms") or "_ms " in k]
+        errs = ("o", "state", "dq", "dk", "dv", "dg", "dbeta")
+        print("| dtype | FP32_DOT_PRECISION | path | first call s | " + " | ".join(errs) + " | "
+              + " | ".join(times) + " |")
+        print("|---|---|---|---|" + "---|" * (len(errs) + len(times)))
+        for r in fp32:
+            print(f"| {r['dtype']} | {r['prec']} | {r['path']} | {r['first_call_s']:.1f} | "
+                  + " | ".join(f"{r[e]:.2e}" for e in errs) + " | " + " | ".join(f"{r[t]:.3f}" for t in times)
+                  + " |")
 
 
 if __name__ == "__main__":

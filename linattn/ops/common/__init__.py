@@ -41,8 +41,10 @@ from ..utils import triton_interpret  # noqa: F401  (re-exported for launchers: 
 CHUNK = 64
 
 # dot_precision's answer for fp32 inputs. "ieee" runs those dots on FMA units; on sm_90 it compiles the walks to
-# 32 registers and tens of KB of spills per thread (docs/performance.md run 10). "tf32x3" (tensor cores, about
-# fp32's accuracy) is the candidate: benchmarks/bench_pipelining.py measures both against float64 before a switch.
+# 32 registers and tens of KB of spills per thread (docs/performance.md run 10), and it makes fp32 slow: the eval's
+# fp32 forward is 86 ms at B=8 T=4096 H=16 (bf16 1.4; SDPA in fp32 12), fwd+bwd 367 ms (run 15). "tf32x3" (tensor
+# cores, about fp32's accuracy) is the candidate: bench_pipelining.py's table 4 measures both on both forward paths
+# against float64 before a switch (its docstring has the prediction).
 FP32_DOT_PRECISION = "ieee"
 
 

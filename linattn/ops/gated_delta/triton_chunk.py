@@ -70,7 +70,9 @@ FORWARD_PATH = "auto"
 # "auto": the walk when N·HV (sequences × value heads) is at least this for the inputs' dtype, else the split;
 # None: the split at every shape. bf16: see above; fp16 and fp32 keep run 12's bf16 crossover with the tf32x3
 # output (128 pairs: walk 2.46 / 4.68 ms vs split 2.48 / 4.89; 64 pairs: split 5.36 vs walk 5.86), not measured in
-# their own dtypes.
+# their own dtypes. The eval's fp32 rows (run 15) doubt it for fp32: 86.2 ms forward at B=8 T=4096 H=16 (128
+# pairs: the walk) against 27.8 at B=1 T=32768 (16 pairs: the split, same tokens × heads). bench_pipelining.py's
+# table 4 times both paths in fp32 and fp16.
 WALK_MIN_PAIRS = {torch.bfloat16: None, torch.float16: 128, torch.float32: 128}
 
 
