@@ -1,16 +1,24 @@
-"""GPU check and timing of the WY backward's inverse products at "ieee" against "tf32x3"
-(``local_bwd_wy.INVERSE_DOT_PREC``, 16-bit inputs).
+"""GPU check and timing of the backward's cheaper variants for bf16 inputs: the dtype its largest intermediates are
+stored in — h and V_new from the recompute's state pass (``triton_bwd.RECOMPUTE_STORE_BF16``) and dh from the
+reverse walk (``triton_bwd.DH_STORE_BF16``).
 
     python benchmarks/bench_bwd_precision.py [--quick] [--out DIR]
 
-dA = Tᵀ dT Tᵀ (two 64×64×64 products per chunk and value head) runs on FMA units at "ieee": 2108 FFMA instructions
-of the kernel's ~5600 in its sm_90 SASS (bf16, 8 warps) and 1016 spill bytes per thread; at "tf32x3" 60 FFMA, 128
-HGMMA, no spills (ptxas, no GPU). Prediction written before any run: WY 1.96 → ~1.0 ms at B=8 T=4096 H=16 (run
-11), forward + backward 9.49 → ~8.5 ms; gradients within 2× of the rounded-PyTorch baseline as at "ieee".
+History: run 12 measured the WY backward's inverse products here, "ieee" against "tf32x3"
+(``local_bwd_wy.INVERSE_DOT_PREC``): WY 2.107 → 1.499 ms at B=8 T=4096 H=16, fwd+bwd 9.61 → 9.00, every gradient
+the same to two digits — "tf32x3" since (docs/performance.md run 12; the ieee/tf32x3 sweep is in git history).
 
-1. accuracy: gpu_check_core's cases (anchor, K=V=64 T=4096, T=32768 K=128) in bf16 and fp16 at both settings:
-   every gradient's relative L2 against float64, next to the baseline (kernel ≤ 2 × baseline passes);
-2. speed: the WY kernel alone and the public op's forward + backward at both settings (do_bench median ms).
+Now (prepared in the eighth session, not yet run): h, V_new and dh in bf16. triton_bwd.py has the byte count and the
+prediction: the recompute's state pass 0.615 → ≈ 0.50 ms, the reverse walk −0.05, dq/dk 1.69 → ≈ 1.3 (three of its
+V-loop dots become bf16 MMAs; ptxas: its pipelined tiles 192 → 96.5 KB of shared memory, so two programs fit an
+SM), fwd+bwd 7.29 → ≈ 6.8 at B=8; dq, dk, dg and dβ errors up by ≈ 30%, dv and dh0 unchanged. The rule: take a
+variant if every gradient stays within 2× of the rounded-PyTorch baseline and fwd+bwd gains at all three shapes.
+
+1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
+   case, K=V=64 T=4096 and T=32768 K=128, bf16 (the stores change nothing for fp16 and fp32 inputs);
+2. speed per variant: the public op's forward + backward (do_bench median ms) and the three stages the stores touch
+   alone — the recompute (cumsum, solve, WY, state pass), the reverse walk, dq/dk — at B=1 T=4096, B=8 T=4096,
+   B=1 T=32768 (H=16, K=V=128).
 Prints the tables last; writes bench_bwd_precision.json under --out.
 """
 from __future__ import annotations
@@ -24,67 +32,94 @@ from bench_launch_options import stage_inputs  # noqa: E402
 from gpu_check_core import CASES, NAMES, check  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
-from linattn.ops.common import local_bwd_wy as WY
+from linattn.ops.common import CHUNK
+from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
+from linattn.ops.common.state_pass_bwd import state_pass_bwd
+from linattn.ops.gated_delta import triton_bwd as TB
 
-PRECS = ("ieee", "tf32x3")
-DEFAULT_PREC = WY.INVERSE_DOT_PREC  # restored after each sweep
+# (RECOMPUTE_STORE_BF16, DH_STORE_BF16), the default first
+VARIANTS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")]
 ACCURACY_CASES = ("anchor_B2_T300_K128", "K64_V64_T4096", "T32768_K128")
-SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (4, 8192, 16, 32)]
-D = 128
+SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class variant:
+    """Set the two stores for a with-block; restore them after."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __enter__(self):
+        self.old = (TB.RECOMPUTE_STORE_BF16, TB.DH_STORE_BF16)
+        TB.RECOMPUTE_STORE_BF16, TB.DH_STORE_BF16 = self.v
+
+    def __exit__(self, *exc):
+        TB.RECOMPUTE_STORE_BF16, TB.DH_STORE_BF16 = self.old
 
 
 def accuracy(names):
     rows = []
     for case in (c for c in CASES if c[0] in names):
-        for dt in (torch.bfloat16, torch.float16):
-            for prec in PRECS:
-                WY.INVERSE_DOT_PREC = prec
-                row = check(case, dt, use_token_ref=case[2] <= 1000)
-                row["inverse_prec"] = prec
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                torch.cuda.empty_cache()
-    WY.INVERSE_DOT_PREC = DEFAULT_PREC
+        for v in VARIANTS:
+            with variant(v):
+                row = check(case, torch.bfloat16, use_token_ref=case[2] <= 1000)
+            row["h_store"], row["dh_store"] = v
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
     return rows
 
 
+def stage_times(st: dict, hs: str, dhs: str) -> dict:
+    """The three stages the stores touch, alone, with h / V_new stored as ``hs`` and dh as ``dhs``."""
+    q, k, v, g, beta, gc, A_inv, w, do = (st[n] for n in ("q", "k", "v", "g", "beta", "gc", "A_inv", "w", "do"))
+    scale, dht, dv_local, dv_new = st["scale"], st["dht"], st["dv_local"], st["dv_new"]
+    h, v_new, dh = st["h"].to(DTYPES[hs]), st["v_new"].to(DTYPES[hs]), st["dh"].to(DTYPES[dhs])
+    NT = triton.cdiv(q.shape[1], CHUNK)
+    return dict(
+        recompute_ms=triton.testing.do_bench(
+            lambda: TB.recompute_forward(k, v, g, beta, None, None, None, None, NT, store=hs)),
+        reverse_walk_ms=triton.testing.do_bench(
+            lambda: state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale, dh_dtype=DTYPES[dhs])),
+        dqk_ms=triton.testing.do_bench(
+            lambda: local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale, None, None)))
+
+
 def speed(B, T, H, HV):
-    st = stage_inputs(B, T, H, HV)  # the WY kernel's real inputs: the backward's own stages up to it
+    st = stage_inputs(B, T, H, HV)  # every stage's real inputs (fp32 stores), cast per variant
     ins = [st[n].requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
-    k, v, beta, gc, A_inv, dv_new, dk, do = (st[n] for n in ("k", "v", "beta", "gc", "A_inv", "dv_new", "dk", "do"))
-    dA_inv_p, dbeta_p, dg_p, scale = st["dA_inv_p"], st["dbeta_p"], st["dg_p"], st["scale"]
-    f = lambda: chunk_gated_delta_rule(*ins, scale=scale, output_final_state=True)
-    row = dict(shape=(B, T, H, HV))
-    for prec in PRECS:
-        WY.INVERSE_DOT_PREC = prec
-        row[f"wy_{prec}_ms"] = triton.testing.do_bench(
-            lambda: WY.local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk.clone(), None, None))
-        row[f"fwdbwd_{prec}_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, do))
-    WY.INVERSE_DOT_PREC = DEFAULT_PREC
-    print(json.dumps(row), flush=True)
-    return row
+    f = lambda: chunk_gated_delta_rule(*ins, scale=st["scale"], output_final_state=True)
+    rows = []
+    for hs, dhs in VARIANTS:
+        row = dict(shape=(B, T, H, HV), h_store=hs, dh_store=dhs, **stage_times(st, hs, dhs))
+        with variant((hs, dhs)):
+            row["fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, st["do"]))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def main():
     a = bench_args("the anchor case and the first two shapes only")
     acc = accuracy(ACCURACY_CASES[:1] if a.quick else ACCURACY_CASES)
-    rows = [speed(*s) for s in (SHAPES[:2] if a.quick else SHAPES)]
+    rows = [r for s in (SHAPES[:2] if a.quick else SHAPES) for r in speed(*s)]
     write_json(a.out, "bench_bwd_precision.json", dict(accuracy=acc, speed=rows))
 
-    print("\nrelative L2 vs float64, kernel / baseline ratio per gradient (pass: ≤ 2)")
-    print("%-22s %-9s %-7s " % ("case", "dtype", "prec") + " ".join("%-7s" % n for n in NAMES))
+    print("\nrelative L2 vs float64 (bf16), kernel / baseline ratio per gradient (pass: ≤ 2)")
+    print("%-22s %-5s %-5s " % ("case", "h", "dh") + " ".join("%-7s" % n for n in NAMES))
     for r in acc:
         if "error" in r:
-            print(r["case"], r["dtype"], r["inverse_prec"], r["error"])
+            print(r["case"], r["h_store"], r["dh_store"], r["error"])
             continue
         base = r.get("base")
         cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
-        print("%-22s %-9s %-7s " % (r["case"][:22], r["dtype"], r["inverse_prec"]) +
-              " ".join("%-7s" % c for c in cells))
-    print("\n| B, T, H, HV | WY ieee ms | WY tf32x3 ms | fwd+bwd ieee ms | fwd+bwd tf32x3 ms |\n|---|---|---|---|---|")
+        print("%-22s %-5s %-5s " % (r["case"][:22], r["h_store"], r["dh_store"]) + " ".join("%-7s" % c for c in cells))
+    print("\n| B, T, H, HV | h, V_new / dh stored | fwd+bwd ms | recompute ms | reverse walk ms | dq/dk ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {', '.join(map(str, r['shape']))} | {r['wy_ieee_ms']:.3f} | {r['wy_tf32x3_ms']:.3f} | "
-              f"{r['fwdbwd_ieee_ms']:.3f} | {r['fwdbwd_tf32x3_ms']:.3f} |")
+        print(f"| {', '.join(map(str, r['shape']))} | {r['h_store']} / {r['dh_store']} | {r['fwdbwd_ms']:.3f} | "
+              f"{r['recompute_ms']:.3f} | {r['reverse_walk_ms']:.3f} | {r['dqk_ms']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -19,18 +19,22 @@ from linattn.ops.common import block_size, dot_precision
 from linattn.ops.common.fused_fwd import fused_dot_precisions, fused_fwd_kernel
 from linattn.ops.common.fused_prepass import fused_prepass_kernel
 from linattn.ops.common.kkt_solve import merge_precision
+from linattn.ops.common.local_bwd_dqk import local_bwd_dqk_kernel  # noqa: F401  (compiled by tests through this module)
+from linattn.ops.common.local_bwd_utils import bwd_dot_precision
 from linattn.ops.common.output import output_fwd_kernel  # noqa: F401  (compiled by tests through this module)
 from linattn.ops.common.split_fwd import output_precision
 from linattn.ops.common.state_pass import STATE_PASS_STAGES, state_pass_fwd_kernel  # noqa: F401  (likewise)
+from linattn.ops.common.state_pass_bwd import BWD_STAGES, state_pass_bwd_kernel  # noqa: F401  (likewise)
 
 INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
-INT_ARGS = {"T", "NT", "NSEG", "L"}
+INT_ARGS = {"T", "NT", "NTB", "NSEG", "L"}
 INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments"}
 
 
 def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4, bf16_args: tuple = ()):
     """Compile ``kernel`` for sm_90 with the given constexprs; return sm90.Resources. ``bf16_args``: pointer
-    arguments stored in bf16 instead of fp32 (the split forward's h and v_new with ``split_fwd.STORE_BF16``)."""
+    arguments stored in bf16 instead of fp32 (the split forward's h and v_new with ``split_fwd.STORE_BF16``, the
+    backward's with ``triton_bwd.RECOMPUTE_STORE_BF16`` / ``DH_STORE_BF16``)."""
     def arg_type(name: str) -> str:
         if name in INT_ARGS:
             return "i32"
@@ -73,6 +77,18 @@ def state_pass_consts(d: int, BV: int) -> dict:
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV, DOT_PREC=dot_precision(torch.bfloat16),
                 USE_DECAY=True, USE_DELTA=True, USE_INITIAL_STATE=False, IS_VARLEN=False, INTERPRET=False,
                 NUM_STAGES=STATE_PASS_STAGES)
+
+
+def state_pass_bwd_consts(d: int, BV: int) -> dict:
+    """Constexprs of the backward's reverse walk at K = V = d for bf16 inputs (its launch: 4 warps)."""
+    return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV,
+                DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False, INTERPRET=False, NUM_STAGES=BWD_STAGES)
+
+
+def dqk_consts(d: int) -> dict:
+    """Constexprs of the backward's dq/dk stage at K = V = d for bf16 inputs (its launch: BWD_WARPS["dqk"])."""
+    return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64),
+                DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False)
 
 
 def main():

@@ -21,7 +21,7 @@ def triton_settings() -> Optional[dict]:
             state_pass_bwd,
         )
         from .common.local_bwd_utils import BWD_WARPS
-        from .gated_delta import triton_chunk
+        from .gated_delta import triton_bwd, triton_chunk
     except ImportError:
         return None
     return {
@@ -34,6 +34,7 @@ def triton_settings() -> Optional[dict]:
         "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC,
         "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16,
         "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "SPLIT_WU_STORE_BF16": split_fwd.WU_STORE_BF16,
+        "BWD_RECOMPUTE_STORE_BF16": triton_bwd.RECOMPUTE_STORE_BF16, "BWD_DH_STORE_BF16": triton_bwd.DH_STORE_BF16,
         "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

@@ -223,6 +223,52 @@ def test_local_bwd_wy_vs_twin(case, dtype, dot_prec):
     _check(dict(dk=dk, dv=dv, dbeta=dbeta, dg=dg), ref, TOL["kernel"][dtype])
 
 
+# The backward's bf16 stores (triton_bwd.RECOMPUTE_STORE_BF16: h and V_new; DH_STORE_BF16: dh; bf16 inputs only,
+# forced here on fp32 inputs, whose dots the interpreter runs right): the reverse walk rounds only what it writes
+# to dh, so dV_new and dh0 are bitwise the fp32 store's, and local_bwd_dqk fed bf16 h, V_new and dh stays within
+# one bf16 rounding (toward zero under the interpreter: ≤ 2^-8 per element) of its fp32-fed result.
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_ids(KERNEL_CASES))
+def test_bf16_backward_stores_round_only_what_dqk_reads(case):
+    from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
+    from linattn.ops.common.state_pass_bwd import state_pass_bwd
+    x = make_inputs(case, torch.float32)
+    ref = twin_pipeline(x, torch.float32)
+    cu, chunk_indices, chunk_offsets = _varlen(x)
+    f = {n: ref[n].float() for n in ("gc", "A_inv", "h", "w", "dv_local", "v_new")}
+    walk = (x["q"], x["k"], f["w"], f["gc"], x["do"], f["dv_local"], x["dht"], SCALE, cu, chunk_offsets,
+            ref["h"].shape[1])
+    dh, dv_new, dh0 = state_pass_bwd(*walk)
+    dhb, dv_newb, dh0b = state_pass_bwd(*walk, dh_dtype=torch.bfloat16)
+    assert dhb.dtype == torch.bfloat16 and torch.equal(dv_newb, dv_new) and torch.equal(dh0b, dh0)
+    assert 0 < (dhb.float() - dh).abs().max() <= 2.0 ** -7 * dh.abs().max()
+    head = (x["q"], x["k"], x["beta"], f["gc"], f["A_inv"])
+    want = local_bwd_dqk(*head, f["h"], f["v_new"], x["do"], dh, dv_new, SCALE, cu, chunk_indices)
+    got = local_bwd_dqk(*head, f["h"].bfloat16(), f["v_new"].bfloat16(), x["do"], dhb, dv_new, SCALE, cu,
+                        chunk_indices)
+    for name, g, w in zip(("dq", "dk", "dbeta", "dg", "dA_inv"), got, want):
+        err = rel_rms(g, w)
+        assert 1e-6 < err <= 2.0 ** -8, f"{name} with bf16 h / V_new / dh vs fp32: {err:.2e}"
+    with pytest.raises(ValueError, match="dh_dtype must be"):
+        state_pass_bwd(*walk, dh_dtype=torch.float16)
+
+
+def test_bf16_backward_stores_compile_for_h200():
+    """The GPU side the interpreter skips, compiled for sm_90 (bf16 inputs, K = V = 128, the launches' warps): the
+    reverse walk storing dh in bf16, and dq/dk reading bf16 h, V_new and dh (three of its V-loop dots become bf16
+    MMAs; its pipelined tiles halve: 192 KB of shared memory → 96.5 KB, ptxas on this machine)."""
+    from tests.ops.sm90_compile import compile_for_h200
+    res = compile_for_h200(
+        "import compile_walk as c; from linattn.ops.common.local_bwd_utils import BWD_WARPS as W",
+        "[tuple(c.compile_kernel(c.state_pass_bwd_kernel, c.state_pass_bwd_consts(128, 64), "
+        "num_warps=W['state_pass'], bf16_args=('dh',)))[:4], "
+        "tuple(c.compile_kernel(c.local_bwd_dqk_kernel, c.dqk_consts(128), num_warps=W['dqk'], "
+        "bf16_args=('h', 'v_new', 'dh')))[:4], "
+        "tuple(c.compile_kernel(c.local_bwd_dqk_kernel, c.dqk_consts(128), num_warps=W['dqk']))[:4]]")
+    (walk_regs, _, _, _), (regs, _, shared, _), (_, _, shared_fp32, _) = res
+    assert 0 < walk_regs <= 255 and 0 < regs <= 255, res
+    assert shared < shared_fp32, res  # the bf16 tiles take less shared memory
+
+
 def test_local_bwd_wy_refuses_an_unknown_inverse_precision():
     from linattn.ops.common.local_bwd_wy import local_bwd_wy
     x = make_inputs(KERNEL_CASES[0], torch.float16)

@@ -94,11 +94,12 @@ def product_precision(dtype: torch.dtype, setting: str, override, allowed: tuple
     return prec
 
 
-def check_store_dtype(who: str, dtype: torch.dtype) -> None:
+def check_store_dtype(who: str, dtype: torch.dtype, name: str = "store_dtype") -> None:
     """Refuse a dtype for stored fp32 intermediates other than fp32 or bf16 (``state_pass_fwd``'s h and V_new, the
-    pre-pass's W and U: ``split_fwd.STORE_BF16`` / ``WU_STORE_BF16``)."""
+    pre-pass's W and U: ``split_fwd.STORE_BF16`` / ``WU_STORE_BF16``; the reverse walk's dh:
+    ``triton_bwd.DH_STORE_BF16``), naming ``who``'s argument ``name``."""
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{who} store_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        raise ValueError(f"{who} {name} must be torch.float32 or torch.bfloat16, got {dtype}")
 
 
 def block_size(d: int, cap: int) -> int:

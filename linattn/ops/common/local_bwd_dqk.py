@@ -15,8 +15,9 @@ and subtracted, so dg keeps its relative accuracy where it is tiny (strong decay
 
 The row/column sums of dP ⊙ Q Kᵀ are q·(dP K) and k·(dPᵀ Q), sums over K, so each K tile adds its share and Q Kᵀ
 is never formed. dP needs all of V and is recomputed by every K tile (a BT×BV×BT dot per V tile, small next to the
-BT×BV×BK dots for dq/dk/dW). Per program: reads q, k (BT×BK), h and dh (BK×V, fp32), V_new, dO, dV_new (BT×V),
-A_inv (BT×BT) and the gates; writes dq, dk (BT×BK, fp32) and its share of dβ, dg (BT) and dA_inv (BT×BT, fp32).
+BT×BV×BK dots for dq/dk/dW). Per program: reads q, k (BT×BK), h and dh (BK×V), V_new, dO, dV_new (BT×V), A_inv
+(BT×BT) and the gates; writes dq, dk (BT×BK, fp32) and its share of dβ, dg (BT) and dA_inv (BT×BT, fp32). h, dh and
+V_new are fp32, or bf16 for bf16 inputs (triton_bwd.RECOMPUTE_STORE_BF16, DH_STORE_BF16).
 """
 from __future__ import annotations
 
@@ -71,12 +72,14 @@ def local_bwd_dqk_kernel(
         p_vn = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        # h, dh and V_new arrive as stored: fp32, or bf16 (triton_bwd's RECOMPUTE_STORE_BF16 / DH_STORE_BF16); a
+        # bf16 tile meets bf16 dO in a bf16 MMA (mdot: both operands in the input dtype, exact products)
         b_h = tl.load(p_h, boundary_check=(0, 1), padding_option="zero")           # hᵀ tile [BV, BK]
         b_dh = tl.load(p_dh, boundary_check=(0, 1), padding_option="zero")
         b_vn = tl.load(p_vn, boundary_check=(0, 1), padding_option="zero")
         b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
         b_dvn = tl.load(p_dvn, boundary_check=(0, 1), padding_option="zero")
-        b_hdh += tl.sum(b_h * b_dh, 0)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
         b_dP += mdot(b_do, tl.trans(b_vn), DT, DOT_PREC)
         b_dqd += mdot(b_do, b_h, DT, DOT_PREC)
         b_dkd += mdot(b_vn, b_dh, DT, DOT_PREC)
@@ -142,7 +145,7 @@ def local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float,
                   cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                   dot_prec: str | None = None):
     """q, k ``[B, T, H, K]``; beta ``[B, T, HV]``; gc ``[B, T, HV]`` fp32; A_inv ``[B, T, HV, 64]`` fp32; h, dh
-    ``[B, NT, HV, K, V]`` fp32; v_new, do, dv_new ``[B, T, HV, V]``.
+    ``[B, NT, HV, K, V]`` fp32 or bf16; v_new (fp32 or bf16), do, dv_new ``[B, T, HV, V]``.
 
     Returns dq, dk ``[B, T, HV, K]`` fp32 (per value head; dk still lacks the K Kᵀ term), and the per-K-tile
     partials dbeta, dg ``[NK, B, T, HV]`` and dA_inv ``[NK, B, T, HV, 64]`` (fp32), summed in local_bwd_wy.py."""

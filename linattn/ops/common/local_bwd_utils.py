@@ -40,9 +40,13 @@ def bwd_dot_precision(dtype: torch.dtype, dot_prec: Optional[str] = None) -> str
 
 @triton.jit
 def mdot(a, b, DT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """a @ b accumulated in fp32; operands in DT (the input dtype) if DOT_PREC is "input", else fp32 operands at
-    input_precision DOT_PREC."""
+    """a @ b accumulated in fp32; operands in DT (the input dtype) if DOT_PREC is "input" or both already are
+    (a bf16 input against a bf16-stored intermediate: the products are exact either way, and one 16-bit MMA is the
+    cheapest), else fp32 operands at input_precision DOT_PREC. (The interpreter multiplies bf16 tl.dot operands as
+    raw bits, so bf16 inputs are tested on the GPU, as everywhere in the backward.)"""
     if DOT_PREC == "input":
         return tl.dot(a.to(DT), b.to(DT))
+    elif DT != tl.float32 and a.dtype == DT and b.dtype == DT:
+        return tl.dot(a, b)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)

@@ -9,8 +9,10 @@ dS is the gradient of the state *leaving* the current chunk. Walking the chunks 
 
 One program per (V tile, sequence, value head) holds a K × BV tile of dS in fp32 registers for the whole walk;
 the V tiles are independent because every update is column-wise in V. Per chunk it reads q, k, w (BT×K), dO and
-dv_local (BT×BV) and the gates, and writes dh (K×BV, fp32) and dV_new (BT×BV, fp32). K is one tile (≤ 256), so
-BV shrinks as K grows to bound the registers the carried state takes.
+dv_local (BT×BV) and the gates, and writes dh (K×BV, fp32, or bf16: ``dh_dtype``) and dV_new (BT×BV, fp32). K is
+one tile (≤ 256), so BV shrinks as K grows to bound the registers the carried state takes. dh is only read by
+local_bwd_dqk: storing it in bf16 rounds what that stage reads, never the dS the walk carries, so dV_new and dh0
+are the same either way.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fill_tile_v, launch_options, loop_stages, num_sms, state_tile_v, triton_interpret
+from . import check_store_dtype, fill_tile_v, launch_options, loop_stages, num_sms, state_tile_v, triton_interpret
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 
 BT = 64
@@ -36,7 +38,7 @@ def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh
     """Chunk i_t of the reverse walk: store dS leaving it to dh, write its dV_new, return dS entering it."""
     DT = k.dtype.element_ty
     p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-    tl.store(p_dh, b_dh, boundary_check=(0, 1))
+    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))  # rounded on the way out (dh_dtype)
 
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -114,17 +116,20 @@ def state_pass_bwd_kernel(
 def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.Tensor, do: torch.Tensor,
                    dv_local: torch.Tensor, dht: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
                    chunk_offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                   dot_prec: str | None = None, num_stages: int | None = None, block_v: int | None = None):
+                   dot_prec: str | None = None, num_stages: int | None = None, block_v: int | None = None,
+                   dh_dtype: torch.dtype = torch.float32):
     """Reverse pass. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``; gc ``[B, T, HV]`` fp32; do, dv_local
     ``[B, T, HV, V]``; dht ``[N, HV, K, V]``. With cu_seqlens (B == 1), chunk_offsets ``[N + 1]`` gives each
-    sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk),
-    dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``, all fp32. ``num_stages`` (None: :data:`BWD_STAGES`) and
-    ``block_v`` (None: the rule below) exist for benchmarks/bench_pipelining.py."""
+    sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk, in
+    ``dh_dtype``: fp32 or bf16, ``triton_bwd.DH_STORE_BF16``), dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``
+    (fp32). ``num_stages`` (None: :data:`BWD_STAGES`) and ``block_v`` (None: the rule below) exist for
+    benchmarks/bench_pipelining.py."""
+    check_store_dtype("state_pass_bwd", dh_dtype, "dh_dtype")
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     NT = num_chunks if cu_seqlens is not None else triton.cdiv(T, BT)
-    dh = torch.empty(B, NT, HV, K, V, dtype=torch.float32, device=q.device)
+    dh = torch.empty(B, NT, HV, K, V, dtype=dh_dtype, device=q.device)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     BK = max(16, triton.next_power_of_2(K))

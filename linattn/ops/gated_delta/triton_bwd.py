@@ -22,20 +22,39 @@ from ..common.kkt_solve import kkt_solve
 from ..common.local_bwd_dqk import local_bwd_dqk
 from ..common.local_bwd_dv import local_bwd_dv
 from ..common.local_bwd_wy import local_bwd_wy
+from ..common.split_fwd import store_dtype
 from ..common.state_pass import state_pass_fwd
 from ..common.state_pass_bwd import state_pass_bwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
 
+# The dtypes the backward stores its largest intermediates in for bf16 inputs, "fp32" or "bf16" (what
+# split_fwd.STORE_BF16 does for the forward): RECOMPUTE_STORE_BF16 for h and V_new from the recompute's state pass,
+# DH_STORE_BF16 for dh from the reverse walk. Both walks carry their state in fp32 registers and only local_bwd_dqk
+# reads these, so the store rounds what that stage reads (once, ≈ 2^-9), never a carried state: dv and dh0 are
+# unchanged (dv comes from dV_new, which the reverse walk computes from its fp32 dS). In local_bwd_dqk a bf16 h,
+# dh or V_new meets bf16 dO or V_new in a bf16 MMA (local_bwd_utils.mdot: exact products) where the fp32 ones run
+# at tf32. Count at B=8 T=4096 H=16 K=V=128: h 537 MB + V_new 268 MB (recompute writes, dq/dk reads) and dh 537
+# MB (reverse walk writes, dq/dk reads), 2.7 GB of traffic in fp32, half in bf16.
+# Prediction (not yet measured; benchmarks/bench_bwd_precision.py): the recompute's state pass 0.615 → ≈ 0.50 ms
+# (the forward's went so, run 15), the reverse walk −0.05, dq/dk 1.69 → ≈ 1.3 (three of its four V-loop dots
+# become bf16 MMAs, its h/dh/V_new reads halve), fwd+bwd 7.29 → ≈ 6.8 at B=8; the errors of dq, dk, dg and dβ up
+# by ≈ 30% (o's went 1.73e-3 → 2.43e-3 from the same rounding of h and V_new), dv and dh0 unchanged.
+RECOMPUTE_STORE_BF16 = "fp32"
+DH_STORE_BF16 = "fp32"
 
-def recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, num_chunks):
+
+def recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, num_chunks,
+                      store: Optional[str] = None):
     """The forward's stages up to the state pass (the output stage is not needed): gc ``[B, T, HV]``, A_inv
-    ``[B, T, HV, 64]``, w ``[B, T, HV, K]``, v_new ``[B, T, HV, V]`` and h ``[B, NT, HV, K, V]``, all fp32, in
-    the layout contract of triton_chunk.py (its ``chunk_gated_delta_rule_fwd_stages`` minus ``output_fwd``)."""
+    ``[B, T, HV, 64]``, w ``[B, T, HV, K]`` (fp32), v_new ``[B, T, HV, V]`` and h ``[B, NT, HV, K, V]`` (fp32,
+    or bf16 for bf16 inputs: ``store``, None for :data:`RECOMPUTE_STORE_BF16`), in the layout contract of
+    triton_chunk.py (its ``chunk_gated_delta_rule_fwd_stages`` minus ``output_fwd``)."""
     gc = chunk_local_cumsum(g, cu_seqlens, chunk_indices)
     A_inv = kkt_solve(k, beta, gc, v.shape[2], cu_seqlens, chunk_indices)
     w, u = wy_fwd(k, v, beta, gc, A_inv, cu_seqlens, chunk_indices)
-    h, v_new, _ = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets, num_chunks)
+    h, v_new, _ = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets, num_chunks,
+                                 store_dtype=store_dtype(k.dtype, store or RECOMPUTE_STORE_BF16))
     return gc, A_inv, w, v_new, h
 
 
@@ -43,14 +62,15 @@ def chunk_gated_delta_rule_bwd_from_intermediates(q, k, v, beta, scale: float, g
                                                   cu_seqlens: Optional[torch.Tensor] = None,
                                                   chunk_indices: Optional[torch.Tensor] = None,
                                                   chunk_offsets: Optional[torch.Tensor] = None,
-                                                  dot_prec: Optional[str] = None):
+                                                  dot_prec: Optional[str] = None, dh_store: Optional[str] = None):
     """The four backward kernels, given the forward intermediates. Returns dq, dk ``[B, T, HV, K]`` (per value
     head, fp32), dv ``[B, T, HV, V]`` (v's dtype), dg, dbeta ``[B, T, HV]`` (fp32) and dh0 ``[N, HV, K, V]``
-    (fp32). dot_prec: the precision of the dots on fp32 intermediates (common/local_bwd_utils.py)."""
+    (fp32). dot_prec: the precision of the dots on fp32 intermediates (common/local_bwd_utils.py); dh_store: the
+    dtype dh is stored in ("fp32" / "bf16", for bf16 inputs; None: :data:`DH_STORE_BF16`)."""
     NT = h.shape[1]
     dv_local = local_bwd_dv(q, k, gc, do, scale, cu_seqlens, chunk_indices, dot_prec)
     dh, dv_new, dh0 = state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale, cu_seqlens, chunk_offsets, NT,
-                                     dot_prec)
+                                     dot_prec, dh_dtype=store_dtype(q.dtype, dh_store or DH_STORE_BF16))
     dq, dk, dbeta_p, dg_p, dA_inv_p = local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale,
                                                     cu_seqlens, chunk_indices, dot_prec)
     dk, dv, dbeta, dg = local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
