@@ -9,11 +9,12 @@ times, at HV = 32, H = 16, K = V = 128, q/k/v bf16, fused gate / β sigmoid / q-
   bandwidth of the same number of bytes (torch ``copy_`` in this script, same run);
 * eager call latency at B = 1 (with and without the host-side slot check);
 * a BV / num_warps (/ register cap) sweep of the kernel's tiles at B = 64 and 256, and at B = 64 with 4 tokens
-  (to tune ``pick_tiles``), one- and two-warp tiles included;
+  (to tune ``pick_tiles``), one- and two-warp tiles included, and at one token the ONE_STEP path
+  (``recurrent_kernels.DECODE_ONE_STEP``) at the tiles it frees registers for (``--sweep-only``: this alone);
 * fla's ``fused_recurrent_gated_delta_rule`` on the same inputs if fla is importable (fp32 state, gate and β
   precomputed since its call takes them so; it reads initial_state and writes a new final state: same bytes).
 
-    python benchmarks/bench_decode.py [--out DIR] [--quick]
+    python benchmarks/bench_decode.py [--out DIR] [--quick | --sweep-only]
 
 Prints one table last and writes bench_decode.json under --out.
 """
@@ -148,7 +149,7 @@ def copy_bandwidth(nbytes):
     return gbs, 2 * nbytes / gbs / 1e3
 
 
-def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None):
+def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None):
     gate = gate_params()
     t = make_step(B, Tq)
     P = 2 * B + 1
@@ -163,10 +164,14 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None):
                                             BV=BV, num_warps=num_warps)
     if maxnreg is not None:
         common.LAUNCH_OPTIONS["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
+    saved = rk.DECODE_ONE_STEP
+    if one_step is not None:
+        rk.DECODE_ONE_STEP = one_step
     try:
         return graph_time_us(fn), t, pool, slots, gate
     finally:
         common.LAUNCH_OPTIONS.pop("fused_recurrent_fwd", None)
+        rk.DECODE_ONE_STEP = saved
 
 
 def time_fla(B, Tq):
@@ -199,6 +204,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="fewer drift steps, no tile sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="the tile sweep alone (no checks, timings, eager)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     try:
@@ -210,16 +216,16 @@ def main():
                 commit=commit, torch=torch.__version__, triton=__import__("triton").__version__)
     print(json.dumps(meta), flush=True)
 
-    checks = []
-    check_decode(checks)
-    check_recurrent_training(checks)
-    check_drift(checks, 512 if a.quick else 4096)
+    checks, timings, sweep, eager = [], [], [], {}
+    if not a.sweep_only:
+        check_decode(checks)
+        check_recurrent_training(checks)
+        check_drift(checks, 512 if a.quick else 4096)
     for r in checks:
         print(json.dumps(r), flush=True)
 
-    timings, sweep = [], []
     copy = {}
-    for B in (1, 64, 256):
+    for B in (1, 64, 256) if not a.sweep_only else ():
         for pool_dtype in (torch.float32, torch.bfloat16):
             state_bytes = B * HV * K * V * pool_dtype.itemsize * 2          # read + write once per step
             if (B, pool_dtype) not in copy:
@@ -248,8 +254,7 @@ def main():
     t1 = make_step(1, 1)
     pool1 = torch.randn(4, HV, K, V, device=DEV) * 0.05
     slot1 = torch.tensor([2], device=DEV)
-    eager = {}
-    for checked in (True, False):
+    for checked in (True, False) if not a.sweep_only else ():
         eager[checked] = eager_latency_us(lambda c=checked: linattn.gated_delta_rule_decode(
             **t1, state_pool=pool1, state_indices=slot1, check_indices=c, **gate_small, **FUSED))
 
@@ -261,16 +266,25 @@ def main():
         # flight per SM against 48 KB for today's BV=32 at 4 warps). Tq = 4 too: multi-token steps are bound by
         # those reductions' latency (B=64: 49.7 µs per token against 77 for one token, run 11)
         narrow = [(8, 1, None), (16, 1, None), (16, 2, None), (32, 2, None)]
+        # and at one token the ONE_STEP path (rk.DECODE_ONE_STEP) at the tiles sm_90 ptxas fits more programs per
+        # SM with it: bf16 BV=32 / 4 warps 127 registers (four per SM; the loop: 146, three), BV=64 / 8 warps 136
+        # (loop 182), caps 128 / 168 with the spills in docs/performance.md after run 15; fp32 BV=32 / 4 warps 127
+        # (four per SM: 64 KB of state in flight against the loop's 154 registers, three, 48 KB)
+        one_step = {torch.float32: [(32, 4, None), (64, 4, 168), (32, 2, 168), (64, 8, 128)],
+                    torch.bfloat16: [(64, 4, None), (32, 4, None), (64, 8, None), (64, 8, 128), (64, 4, 168),
+                                     (32, 2, 168)]}
         for pool_dtype, tiles in ((torch.float32, [(bv, nw, None) for bv in (16, 32, 64) for nw in (4, 8)]
                                    + [(64, 4, 168)] + narrow),
                                   (torch.bfloat16, [(bv, nw, None) for bv in (32, 64, 128) for nw in (4, 8)]
                                    + [(64, 4, 168), (128, 8, 128)] + narrow)):
             for B, Tq in ((64, 1), (256, 1), (64, 4)):
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
-                for BV, nw, maxnreg in tiles:
-                    rec = dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV, num_warps=nw, maxnreg=maxnreg)
+                runs = [(t, False) for t in tiles] + ([(t, True) for t in one_step[pool_dtype]] if Tq == 1 else [])
+                for (BV, nw, maxnreg), one in runs:
+                    rec = dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV, num_warps=nw, maxnreg=maxnreg,
+                               one_step=one)
                     try:
-                        us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg)[0]
+                        us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg, one_step=one)[0]
                         rec.update(us=us, state_GBps=state_bytes / us / 1e3)
                     except Exception as e:
                         rec.update(error=str(e)[:80])
@@ -284,16 +298,18 @@ def main():
     print("\ncorrectness (relative L2 error against float64)")
     for r in checks:
         print("  " + "  ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    print("\nB=1 eager call latency, µs (P50 / P95 / P99): "
-          f"with slot check {eager[True][0]:.1f} / {eager[True][1]:.1f} / {eager[True][2]:.1f}, "
-          f"without {eager[False][0]:.1f} / {eager[False][1]:.1f} / {eager[False][2]:.1f}")
+    if eager:
+        print("\nB=1 eager call latency, µs (P50 / P95 / P99): "
+              f"with slot check {eager[True][0]:.1f} / {eager[True][1]:.1f} / {eager[True][2]:.1f}, "
+              f"without {eager[False][0]:.1f} / {eager[False][1]:.1f} / {eager[False][2]:.1f}")
     if sweep:
         print("\ntile sweep, fastest first per (pool, B, Tq); GB/s counts the state read and written once")
         for pool in ("float32", "bfloat16"):
             for B, Tq in ((64, 1), (256, 1), (64, 4)):
                 ok = [s for s in sweep if (s["pool"], s["B"], s["Tq"]) == (pool, B, Tq) and "us" in s]
                 for s in sorted(ok, key=lambda s: s["us"]):
-                    cap = f" maxnreg={s['maxnreg']}" if s.get("maxnreg") else ""
+                    cap = (f" maxnreg={s['maxnreg']}" if s.get("maxnreg") else "") + (
+                        " ONE_STEP" if s.get("one_step") else "")
                     print(f"  {pool:9s} B={B:3d} Tq={Tq} BV={s['BV']:3d} warps={s['num_warps']}{cap}  "
                           f"{s['us']:8.1f} µs  {s['state_GBps']:6.0f} GB/s")
     print("\nCUDA-graph replay, HV=32 K=V=128, per step")

@@ -25,10 +25,11 @@ from linattn.ops.common.output import output_fwd_kernel  # noqa: F401  (compiled
 from linattn.ops.common.split_fwd import output_precision
 from linattn.ops.common.state_pass import STATE_PASS_STAGES, state_pass_fwd_kernel  # noqa: F401  (likewise)
 from linattn.ops.common.state_pass_bwd import BWD_STAGES, state_pass_bwd_kernel  # noqa: F401  (likewise)
+from linattn.ops.gated_delta.recurrent_kernels import fused_recurrent_fwd_kernel  # noqa: F401  (likewise)
 
 INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
 INT_ARGS = {"T", "NT", "NTB", "NSEG", "L"}
-INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments"}
+INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments", "state_indices"}
 
 
 def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4, bf16_args: tuple = ()):
@@ -89,6 +90,14 @@ def dqk_consts(d: int) -> dict:
     """Constexprs of the backward's dq/dk stage at K = V = d for bf16 inputs (its launch: BWD_WARPS["dqk"])."""
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64),
                 DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False)
+
+
+def decode_consts(BV: int, one_step: bool) -> dict:
+    """Constexprs of one decode step (HV=32 K=V=128, pool slots, gates and norms fused) on the token loop or the
+    ONE_STEP path; the pool's dtype is the h0 / ht arguments' (``bf16_args``)."""
+    return dict(H=16, HV=32, K=128, V=128, BK=128, BV=BV, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
+                STORE_INTERMEDIATE=False, IS_VARLEN=False, USE_STATE_INDICES=True, USE_QK_L2NORM=True,
+                USE_GATE_IN_KERNEL=True, USE_BETA_SIGMOID=True, ONE_STEP=one_step)
 
 
 def main():

@@ -21,7 +21,7 @@ def triton_settings() -> Optional[dict]:
             state_pass_bwd,
         )
         from .common.local_bwd_utils import BWD_WARPS
-        from .gated_delta import triton_bwd, triton_chunk
+        from .gated_delta import recurrent_kernels, triton_bwd, triton_chunk
     except ImportError:
         return None
     return {
@@ -35,6 +35,6 @@ def triton_settings() -> Optional[dict]:
         "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16,
         "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "SPLIT_WU_STORE_BF16": split_fwd.WU_STORE_BF16,
         "BWD_RECOMPUTE_STORE_BF16": triton_bwd.RECOMPUTE_STORE_BF16, "BWD_DH_STORE_BF16": triton_bwd.DH_STORE_BF16,
-        "FP32_DOT_PRECISION": FP32_DOT_PRECISION,
+        "FP32_DOT_PRECISION": FP32_DOT_PRECISION, "DECODE_ONE_STEP": recurrent_kernels.DECODE_ONE_STEP,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

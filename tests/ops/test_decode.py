@@ -241,3 +241,43 @@ def test_decode_tiles_by_token_count(nh, state_bytes, one_token):
     cpu = torch.device("cpu")
     assert pick_tiles(nh, 128, 128, cpu, state_bytes) == one_token
     assert pick_tiles(nh, 128, 128, cpu, state_bytes, True) == (128, min(one_token[1], 16), 1)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-gate-norm"])
+def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused):
+    """recurrent_kernels.DECODE_ONE_STEP (one token, no intermediates: the state tile kept in the pool's dtype, o
+    from the entering state) against the reference and the token loop it replaces; a negative slot included."""
+    from linattn.ops.gated_delta import recurrent_kernels as rk
+    pool0 = torch.randn(5, HV, K, V).to(pool_dtype)
+    slots = torch.tensor([4, -1, 0])
+    t = make_tokens(3, 1, gate_in_op=fused, l2norm_qk=fused)
+    gate = dict(A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV)) if fused else {}
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True) if fused else {}
+    got = {}
+    for one_step in (False, True):
+        monkeypatch.setattr(rk, "DECODE_ONE_STEP", one_step)
+        assert rk.one_step_path(1, None, None) == one_step
+        pool = pool0.clone()
+        o, _ = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots, backend="triton",
+                                               **gate, **flags)
+        got[one_step] = (o, pool)
+    h0 = torch.stack([pool0[4].float(), torch.zeros(HV, K, V), pool0[0].float()])
+    ro, rht = reference(t, h0, (gate["A_log"], gate["dt_bias"]) if fused else None, l2norm_qk=fused)
+    (o1, pool1), (o0, pool0_loop) = got[True], got[False]
+    assert rel_rms(o1, ro) <= TOLERANCES[torch.float32] and rel_rms(o1, o0) <= 1e-6
+    assert rel_rms(pool1[[4, 0]], rht[[0, 2]]) <= TOLERANCES[pool_dtype]
+    assert rel_rms(pool1, pool0_loop) <= (1e-6 if pool_dtype == torch.float32 else 2.0 ** -8)
+    assert torch.equal(pool1[1:4], pool0[1:4])                     # rows of no slot (and the negative one) untouched
+
+
+def test_one_step_path_compiles_for_h200_with_fewer_registers():
+    """sm_90 (ptxas, no GPU): the ONE_STEP path of a bf16-pool decode step compiles, and at BV=32 / 4 warps takes
+    fewer registers than the token loop (127 against 146 with triton 3.6: four programs per SM instead of three)."""
+    from tests.ops.sm90_compile import compile_for_h200
+    (one_regs, one_spill, _, _), (loop_regs, _, _, _) = compile_for_h200(
+        "import compile_walk as c",
+        "[tuple(c.compile_kernel(c.fused_recurrent_fwd_kernel, c.decode_consts(32, one), "
+        "bf16_args=('h0', 'ht')))[:4] for one in (True, False)]")
+    assert 0 < one_regs < loop_regs and one_spill == 0, (one_regs, loop_regs)

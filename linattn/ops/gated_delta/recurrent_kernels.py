@@ -32,6 +32,19 @@ from ..utils import cdiv, next_power_of_2
 # Gate: g = −exp(A_log) · softplus(g_raw + dt_bias); softplus(x) = x above this threshold (torch's default).
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
+# A decode step (one token per sequence, no intermediate states) on the ONE_STEP path: the kernel keeps the state
+# tile in the pool's dtype and widens it element by element, instead of the token loop's fp32 copy of the tile.
+# Why: the step is one load and one store of the state per program, so its speed is the state bytes in flight per
+# SM, and registers cap the programs per SM: a bf16 BV=64 tile compiles to 255 registers on the loop (two programs,
+# 32 KB in flight) where the fp32 pool's BV=32 tile takes 154 (three, 48 KB) — about the bf16 pool's 72% of the fp32
+# time instead of 50% (docs/performance.md runs 11 and 14). Not yet measured on the GPU: off until
+# benchmarks/bench_decode.py has timed it (the prediction is in docs/performance.md after run 15).
+DECODE_ONE_STEP = False
+
+
+def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
+    """Whether a forward launch takes the kernel's ONE_STEP path (:data:`DECODE_ONE_STEP`)."""
+    return DECODE_ONE_STEP and T == 1 and cu_seqlens is None and intermediate_states is None
 
 
 @triton.jit
@@ -57,6 +70,36 @@ def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
 
 
 @triton.jit
+def _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v, m_h, o_h,
+              scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+              USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+    """The ONE_STEP path of :func:`fused_recurrent_fwd_kernel`: reads the K × BV slice of S (pool dtype), one
+    token's q, k (K), v (BV), g, β; writes o (BV) and S' (pool dtype)."""
+    b_q, b_k, b_g, b_beta = _prepare_token(q + (bos * H + i_h) * K + o_k, k + (bos * H + i_h) * K + o_k,
+                                           g + bos * HV + i_hv, beta + bos * HV + i_hv, b_A, b_dt, m_k, scale,
+                                           USE_QK_L2NORM, USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
+    b_v = tl.load(v + (bos * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+    b_decay = tl.exp(b_g)
+    if USE_INITIAL_STATE:
+        b_s = tl.load(h0 + (i_s * HV + i_hv) * K * V + o_h, mask=m_h & has_slot, other=0.)
+        b_sk = tl.sum(b_s.to(tl.float32) * b_k[:, None], 0)
+        b_sq = tl.sum(b_s.to(tl.float32) * b_q[:, None], 0)
+        b_u = b_beta * (b_v - b_decay * b_sk)
+        b_o = b_decay * b_sq + tl.sum(b_q * b_k) * b_u
+    else:
+        b_u = b_beta * b_v
+        b_o = tl.sum(b_q * b_k) * b_u
+    tl.store(o + (bos * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if STORE_FINAL_STATE:
+        b_new = b_k[:, None] * b_u[None, :]
+        if USE_INITIAL_STATE:
+            b_new += b_decay * b_s.to(tl.float32)
+        p_ht = ht + (i_s * HV + i_hv) * K * V + o_h
+        tl.store(p_ht, b_new.to(p_ht.dtype.element_ty), mask=m_h & has_slot)
+
+
+@triton.jit
 def fused_recurrent_fwd_kernel(
     q, k, v, g, beta, o,
     h0,                     # initial states [*, HV, K, V], read at row i_s (None without USE_INITIAL_STATE)
@@ -69,6 +112,7 @@ def fused_recurrent_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_STATE_INDICES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    ONE_STEP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -98,6 +142,16 @@ def fused_recurrent_fwd_kernel(
     if USE_GATE_IN_KERNEL:
         b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    if ONE_STEP:
+        # one token, no intermediate states (a decode step): the state tile stays in the pool's dtype and is widened
+        # element by element, where the loop below holds an fp32 copy; o comes from the state entering the step,
+        #     o = scale·S'ᵀq = e^g (Sᵀq') + (q'·k) u,   u = β (v − e^g Sᵀk),   S' = e^g S + k uᵀ   (q' = scale·q)
+        # so both reductions read S as it arrives and S' is only formed for the store
+        _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v, m_h,
+                  o_h, scale, H, HV, K, V, BK, BV, USE_INITIAL_STATE, STORE_FINAL_STATE, USE_QK_L2NORM,
+                  USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
+        return
 
     # read the state once: K × BV elements
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
@@ -293,7 +347,8 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
         STORE_INTERMEDIATE=intermediate_states is not None, IS_VARLEN=cu_seqlens is not None,
         USE_STATE_INDICES=state_indices is not None, USE_QK_L2NORM=use_qk_l2norm,
-        USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid, num_warps=num_warps,
+        USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid,
+        ONE_STEP=one_step_path(T, cu_seqlens, intermediate_states), num_warps=num_warps,
         **launch_options("fused_recurrent_fwd"))
     return o
 
