@@ -164,7 +164,8 @@ def _case_unit(ctx: Context, impl, case, dtype: str, records: list, skipped: lis
                slow: Optional[list] = None) -> None:
     """One case: recorded as unsupported, carried (--resume), put in ``slow`` (the second pass, if given and the
     unit is slow: :meth:`Context.defers`), skipped for time, or run."""
-    if impl.supports_shape(case.shape, varlen=case.seqlens is not None, initial_state=case.initial_state):
+    if impl.supports_shape(case.shape, dtype=dtype, varlen=case.seqlens is not None,
+                           initial_state=case.initial_state):
         records.append(check_case(impl, case, dtype, ctx.device, ctx.seed))  # its "unsupported" record, nothing run
         return
     if ctx.carry(f"{impl.name}/{case.id}/{dtype}", records):  # check_case's record id
@@ -214,9 +215,9 @@ def run(ctx: Context) -> dict:
     for impl, case, dtype in slow:
         _case_unit(ctx, impl, case, dtype, records, skipped)
     for impl in impls:  # prefill in the implementation's first dtype: tier 0's signature, compiled already
-        if impl.supports_shape(cases[0].shape):  # its records say why
-            continue
         dtype = tiers[impl.name][0][0][0]
+        if impl.supports_shape(cases[0].shape, dtype=dtype):  # its records say why
+            continue
         classes = case_classes(impl, cases[0], dtype)
         desc = f"correctness {impl.name} {dtype} reproducibility"
         if ctx.carry(f"reproducibility/{impl.name}", repro):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.utils import gate_from_raw, l2norm, triton_available, triton_interpret
+from .cases import DTYPES
 
 DEFAULT_IMPLS = ("linattn", "fla", "flashqla", "sdpa")
 KNOWN_IMPLS = ("linattn", "linattn-torch", "linattn-triton", "fla", "flashqla", "sdpa")
@@ -51,12 +52,13 @@ class Impl:
             return f"{self.name} takes no initial state"
         return self.limits(inputs) if self.limits is not None else None
 
-    def supports_shape(self, shape, *, varlen: bool = False, initial_state: bool = False) -> Optional[str]:
+    def supports_shape(self, shape, *, dtype: str = "bf16", varlen: bool = False,
+                       initial_state: bool = False) -> Optional[str]:
         """:meth:`supports` for a call on ``shape`` (``q, k: [B, T, H, K]``, ``v: [B, T, HV, V]``) with those
         options, asked before any input exists (placeholders on the meta device: nothing is allocated), so a section
         records an unsupported unit as such instead of budgeting, running or timing it."""
         B, T = shape.B, shape.T
-        meta = {"device": "meta"}
+        meta = {"device": "meta", "dtype": DTYPES[dtype]}
         qk = torch.empty(B, T, shape.H, shape.K, **meta)
         return self.supports({"q": qk, "k": qk, "v": torch.empty(B, T, shape.HV, shape.V, **meta),
                               "cu_seqlens": torch.empty(2, **meta) if varlen else None,
@@ -140,11 +142,15 @@ def _flashqla_modes(shape) -> tuple:
 
 def _flashqla_limits(x: dict) -> Optional[str]:
     """FlashQLA's Hopper kernels take head dim 128 only: what we observed, flash-qla 0.1.3 raised AssertionError for
-    K = V = 64 (the full GPU profile's stability shape) on an H200."""
+    K = V = 64 (the full GPU profile's stability shape) on an H200. And bf16 or fp16 inputs only: its entry point
+    asserts so ("FlashQLA only supports bfloat16 and float16.", flash-qla 0.1.3), which the eval used to learn only
+    after budgeting a compile for every fp32 unit and skipping them "for time" (runs 13–15)."""
     K, V = x["q"].shape[-1], x["v"].shape[-1]
-    if K == V == 128:
-        return None
-    return f"flashqla needs K = V = 128, got K = {K}, V = {V} (AssertionError for K = V = 64 on flash-qla 0.1.3)"
+    if K != 128 or V != 128:
+        return f"flashqla needs K = V = 128, got K = {K}, V = {V} (AssertionError for K = V = 64 on flash-qla 0.1.3)"
+    if x["q"].dtype not in (torch.bfloat16, torch.float16):
+        return f"flashqla takes bf16 or fp16 inputs, got {str(x['q'].dtype).removeprefix('torch.')} (flash-qla 0.1.3)"
+    return None
 
 
 def _sdpa(x):

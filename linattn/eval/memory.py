@@ -71,7 +71,8 @@ def run(ctx: Context) -> dict:
     ctx.partial.update(sweeps=sweeps, unsupported=unsupported)
     # asked once per implementation: the sweep's points differ from the base shape only in T
     impls = [i for i in ctx.available()
-             if not ctx.unsupported(i, p.scale_base, f"{i.name}/{p.scale_base.id}/{p.scale_dtype}", unsupported)]
+             if not ctx.unsupported(i, p.scale_base, f"{i.name}/{p.scale_base.id}/{p.scale_dtype}", unsupported,
+                                    dtype=p.scale_dtype)]
     jobs = [(impl, d) for impl in impls for d in ("fwd", "fwdbwd")]
     for i, (impl, direction) in enumerate(jobs):
         with ctx.share(len(jobs) - i):

@@ -266,7 +266,8 @@ def run(ctx: Context) -> dict:
     uids = [f"{impl.name}/{shape.id}/{dtype}/{direction}" for impl, shape, dtype, direction in rows]
     earlier = ctx.earlier.get(ctx.section, {})
     # the rows this run may time: not carried from an earlier run (--resume), and supported
-    todo = [uid not in earlier and not impl.supports_shape(shape) for (impl, shape, _, _), uid in zip(rows, uids)]
+    todo = [uid not in earlier and not impl.supports_shape(shape, dtype=dtype)
+            for (impl, shape, dtype, _), uid in zip(rows, uids)]
 
     def time_row(i: int, classes: tuple, units_left: int) -> None:
         (impl, shape, dtype, direction), uid = rows[i], uids[i]
@@ -283,7 +284,7 @@ def run(ctx: Context) -> dict:
 
     slow = []  # the second pass: rows expected to take over SLOW_UNIT_S (new compiles), in row order
     for i, ((impl, shape, dtype, direction), uid) in enumerate(zip(rows, uids)):
-        if ctx.unsupported(impl, shape, uid, unsupported) or ctx.carry(uid, records):
+        if ctx.unsupported(impl, shape, uid, unsupported, dtype=dtype) or ctx.carry(uid, records):
             continue
         classes = shape_classes(impl, shape, dtype, direction)
         if ctx.defers(impl.name, classes):

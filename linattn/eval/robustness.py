@@ -199,7 +199,8 @@ def run(ctx: Context) -> dict:
             cut, hung = False, None
             for dtype in preferred_dtypes(impl, p.corr_dtypes, ctx.gpu):
                 for name in FINITE_CASES + NAN_CASES:
-                    if impl.supports_shape(case_shape(name, p.rob_shape), varlen=name == "nan-varlen-v"):
+                    if impl.supports_shape(case_shape(name, p.rob_shape), dtype=dtype,
+                                           varlen=name == "nan-varlen-v"):
                         records.append(check(impl, name, dtype, ctx))  # its "unsupported" record, nothing run
                         continue
                     if ctx.carry(f"{impl.name}/{name}/{dtype}", records):  # check()'s record id

@@ -138,7 +138,8 @@ def run(ctx: Context) -> dict:
     ctx.partial.update(T_sweep=t_sweeps, batch_sweep=batch, equal_tokens=equal, unsupported=unsupported)
     # asked once per implementation: the sweeps' points differ from the base shape only in B and T
     impls = [i for i in ctx.available()
-             if not ctx.unsupported(i, p.scale_base, f"{i.name}/{p.scale_base.id}/{dtype}", unsupported)]
+             if not ctx.unsupported(i, p.scale_base, f"{i.name}/{p.scale_base.id}/{dtype}", unsupported,
+                                    dtype=dtype)]
     jobs = [(t_sweeps, _t_sweep, (impl, dtype, d)) for impl in impls for d in directions]
     jobs += [(batch, _batch_sweep, (impl, dtype)) for impl in impls]
     jobs += [(equal, _equal_tokens, (impl, dtype)) for impl in impls]

@@ -107,7 +107,7 @@ def run(ctx: Context, scaling: dict = None) -> dict:
         part = max(ctx.remaining(), ctx.spare()) / (len(impls) - i)  # its share, or the run's spare time
         seconds = min(p.soak_s, part * 0.5)  # leave room for the sections after this one
         T = _soak_T(ctx, impl, scaling)
-        if ctx.unsupported(impl, p.scale_base.with_(T=T), impl.name, records):
+        if ctx.unsupported(impl, p.scale_base.with_(T=T), impl.name, records, dtype=p.scale_dtype):
             continue
         classes = shape_classes(impl, p.scale_base.with_(T=T), p.scale_dtype, "fwdbwd")
         desc = f"soak {impl.name} T={T} for {max(seconds, 0):.1f} s"

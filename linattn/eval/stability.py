@@ -91,7 +91,8 @@ def run(ctx: Context) -> dict:
     # asked once per implementation: the points differ only in T
     shape = Shape(1, p.stab_T[0], p.stab_H, p.stab_H, p.stab_D, p.stab_D)
     impls = [i for i in ctx.available("gdn") if not ctx.unsupported(i, shape, f"{i.name}/D{p.stab_D}", unsupported)]
-    jobs = [(dtype, impl) for dtype in p.stab_dtypes for impl in impls]
+    jobs = [(dtype, impl) for dtype in p.stab_dtypes for impl in impls
+            if not ctx.unsupported(impl, shape, f"{impl.name}/D{p.stab_D}/{dtype}", unsupported, dtype=dtype)]
     for i, (dtype, impl) in enumerate(jobs):
         with ctx.share(len(jobs) - i):
             series.append(_series(ctx, impl, dtype, refs, common, skipped))

@@ -288,7 +288,10 @@ def test_every_section_records_flashqlas_head_dim_as_unsupported(monkeypatch):
     monkeypatch.setattr(impls, "_flashqla", lambda: hopper_kernel)
     qla = impls.build("flashqla", torch.device("cuda"))  # the Impl only; its calls run on the CPU here
     assert qla.supports_shape(Shape(1, 64, 2, 2, 128, 128)) is None
+    assert qla.supports_shape(Shape(1, 64, 2, 2, 128, 128), dtype="fp16") is None
     assert "K = V = 128" in qla.supports_shape(Shape(1, 64, 2, 2, 64, 64))
+    # and bf16 / fp16 inputs only (its entry point asserts so): fp32 units are unsupported, not "skipped for time"
+    assert "bf16 or fp16" in qla.supports_shape(Shape(1, 64, 2, 2, 128, 128), dtype="fp32")
     sections = {"correctness": correctness.run, "performance": perf.run, "scaling": scaling.run,
                 "memory": memory.run, "stability": stability.run, "robustness": robustness.run,
                 "soak": soak.run, "mixed_precision": mixed_precision.run}
