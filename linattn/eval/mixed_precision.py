@@ -120,7 +120,7 @@ def run(ctx: Context) -> dict:
     records = []
     ctx.partial.update(records=records)
     for impl in ctx.available("gdn"):
-        if ctx.unsupported(impl, s, impl.name, records) or ctx.carry(impl.name, records):
+        if ctx.unsupported(impl, s, impl.name, records, dtype="fp16") or ctx.carry(impl.name, records):
             continue
         rec = {"id": impl.name, "impl": impl.name, "steps": p.amp_steps}
         records.append(rec)
@@ -131,7 +131,12 @@ def run(ctx: Context) -> dict:
         if fp16 is None:
             rec.update(why)
             continue
-        fp32, why = _unit(ctx, impl, "fp32", functools.partial(_train, copy.deepcopy(base), ctx, False, d_model))
+        no_fp32 = impl.supports_shape(s, dtype="fp32")  # FlashQLA: bf16 / fp16 only, no fp32 reference run
+        if no_fp32:
+            fp32, why = None, {"status": "unsupported", "reason": no_fp32}
+        else:
+            fp32, why = _unit(ctx, impl, "fp32",
+                              functools.partial(_train, copy.deepcopy(base), ctx, False, d_model))
         rec.update(_verdict(fp16, fp32, p.amp_steps))
         if why:
             rec["fp32_reference"] = why

@@ -258,6 +258,21 @@ def test_mixed_precision_survives_a_call_that_never_returns():
     assert lin["status"] == "pass" and lin["final_loss_rel_gap"] is not None and "fp32_reference" not in lin
 
 
+def test_mixed_precision_skips_the_fp32_reference_an_implementation_cannot_run():
+    """FlashQLA takes bf16 / fp16 only: its fp16 run is trained and judged, its fp32 reference is not attempted
+    (no compile budgeted, no error recorded) and the record says why."""
+    from linattn.eval import mixed_precision
+    lin = build("linattn", CPU)
+    half_only = Impl("half-only", "gdn", lin.fn, native=lin.native,
+                     limits=lambda x: "half only" if x["q"].dtype == torch.float32 else None)
+    ctx = Context(CPU, profile("tiny", CPU), [half_only], deadline=math.inf)
+    ctx.begin_section("mixed_precision")
+    rec = mixed_precision.run(ctx)["records"][0]
+    assert rec["status"] == "pass" and rec["loss_fp32"] is None and rec["final_loss_rel_gap"] is None
+    assert rec["fp32_reference"] == {"status": "unsupported", "reason": "half only"}
+    assert ctx.section_stats["half-only"]["units"] == 1  # the fp16 run only
+
+
 def test_mixed_precision_call_cut_by_the_budget_is_skipped_not_a_hang():
     import threading
     import time
