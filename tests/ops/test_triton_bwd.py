@@ -252,6 +252,17 @@ def test_bf16_backward_stores_round_only_what_dqk_reads(case):
         state_pass_bwd(*walk, dh_dtype=torch.float16)
 
 
+@pytest.mark.parametrize("setting", ["RECOMPUTE_STORE_BF16", "DH_STORE_BF16"])
+def test_backward_store_settings_are_checked(monkeypatch, setting):
+    from linattn.ops.gated_delta import triton_bwd
+    from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
+    x = make_inputs(KERNEL_CASES[0], torch.float32)
+    monkeypatch.setattr(triton_bwd, setting, "fp16")
+    with pytest.raises(ValueError, match=f"triton_bwd.{setting} must be one of"):
+        chunk_gated_delta_rule_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, x["h0"],
+                                          x["cu_seqlens"], x["offsets"], x["do"], x["dht"])
+
+
 def test_bf16_backward_stores_compile_for_h200():
     """The GPU side the interpreter skips, compiled for sm_90 (bf16 inputs, K = V = 128, the launches' warps): the
     reverse walk storing dh in bf16, and dq/dk reading bf16 h, V_new and dh (three of its V-loop dots become bf16

@@ -68,22 +68,24 @@ WU_STORE_BF16 = "fp32"
 STORES = ("fp32", "bf16")
 
 
-def _stored(dtype: torch.dtype, mode: str, name: str) -> torch.dtype:
+def stored_dtype(dtype: torch.dtype, mode: str, name: str) -> torch.dtype:
+    """The dtype an intermediate is stored in for inputs of ``dtype`` under a store setting ``mode`` (one of
+    :data:`STORES`: "bf16" applies to bf16 inputs only), refusing any other value with the setting's ``name``."""
     if mode not in STORES:
-        raise ValueError(f"split_fwd {name} must be one of {STORES}, got {mode!r}")
+        raise ValueError(f"{name} must be one of {STORES}, got {mode!r}")
     return torch.bfloat16 if mode == "bf16" and dtype == torch.bfloat16 else torch.float32
 
 
 def store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.dtype:
     """The dtype the split forward stores h and V_new in for inputs of ``dtype`` (:data:`STORE_BF16`, or
     ``override``; checked)."""
-    return _stored(dtype, override or STORE_BF16, "store")
+    return stored_dtype(dtype, override or STORE_BF16, "split_fwd store")
 
 
 def wu_store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.dtype:
     """The dtype the split path's pre-pass writes W and U in for inputs of ``dtype`` (:data:`WU_STORE_BF16`, or
     ``override``; checked)."""
-    return _stored(dtype, override or WU_STORE_BF16, "W/U store")
+    return stored_dtype(dtype, override or WU_STORE_BF16, "split_fwd W/U store")
 
 
 def output_precision(dtype: torch.dtype) -> str:

@@ -22,7 +22,7 @@ from ..common.kkt_solve import kkt_solve
 from ..common.local_bwd_dqk import local_bwd_dqk
 from ..common.local_bwd_dv import local_bwd_dv
 from ..common.local_bwd_wy import local_bwd_wy
-from ..common.split_fwd import store_dtype
+from ..common.split_fwd import stored_dtype
 from ..common.state_pass import state_pass_fwd
 from ..common.state_pass_bwd import state_pass_bwd
 from ..common.varlen import chunk_tables
@@ -54,7 +54,8 @@ def recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, c
     A_inv = kkt_solve(k, beta, gc, v.shape[2], cu_seqlens, chunk_indices)
     w, u = wy_fwd(k, v, beta, gc, A_inv, cu_seqlens, chunk_indices)
     h, v_new, _ = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets, num_chunks,
-                                 store_dtype=store_dtype(k.dtype, store or RECOMPUTE_STORE_BF16))
+                                 store_dtype=stored_dtype(k.dtype, store or RECOMPUTE_STORE_BF16,
+                                                          "triton_bwd.RECOMPUTE_STORE_BF16"))
     return gc, A_inv, w, v_new, h
 
 
@@ -70,7 +71,8 @@ def chunk_gated_delta_rule_bwd_from_intermediates(q, k, v, beta, scale: float, g
     NT = h.shape[1]
     dv_local = local_bwd_dv(q, k, gc, do, scale, cu_seqlens, chunk_indices, dot_prec)
     dh, dv_new, dh0 = state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale, cu_seqlens, chunk_offsets, NT,
-                                     dot_prec, dh_dtype=store_dtype(q.dtype, dh_store or DH_STORE_BF16))
+                                     dot_prec, dh_dtype=stored_dtype(q.dtype, dh_store or DH_STORE_BF16,
+                                                                     "triton_bwd.DH_STORE_BF16"))
     dq, dk, dbeta_p, dg_p, dA_inv_p = local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale,
                                                     cu_seqlens, chunk_indices, dot_prec)
     dk, dv, dbeta, dg = local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
