@@ -267,7 +267,7 @@ def main():
         # those reductions' latency (B=64: 49.7 µs per token against 77 for one token, run 11)
         narrow = [(8, 1, None), (16, 1, None), (16, 2, None), (32, 2, None)]
         # and at one token the ONE_STEP path (rk.DECODE_ONE_STEP) at the tiles sm_90 ptxas fits more programs per
-        # SM with it: bf16 BV=32 / 4 warps 127 registers (four per SM; the loop: 146, three), BV=64 / 8 warps 136
+        # SM with it: bf16 BV=32 / 4 warps 128 registers (four per SM; the loop: 146, three), BV=64 / 8 warps 136
         # (loop 182), caps 128 / 168 with the spills in docs/performance.md after run 15; fp32 BV=32 / 4 warps 127
         # (four per SM: 64 KB of state in flight against the loop's 154 registers, three, 48 KB)
         one_step = {torch.float32: [(32, 4, None), (64, 4, 168), (32, 2, 168), (64, 8, 128)],
