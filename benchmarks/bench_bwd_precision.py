@@ -24,6 +24,7 @@ Prints the tables last; writes bench_bwd_precision.json under --out.
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import torch
 import triton
@@ -44,18 +45,9 @@ SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class variant:
-    """Set the two stores for a with-block; restore them after."""
-
-    def __init__(self, v):
-        self.v = v
-
-    def __enter__(self):
-        self.old = (TB.RECOMPUTE_STORE_BF16, TB.DH_STORE_BF16)
-        TB.RECOMPUTE_STORE_BF16, TB.DH_STORE_BF16 = self.v
-
-    def __exit__(self, *exc):
-        TB.RECOMPUTE_STORE_BF16, TB.DH_STORE_BF16 = self.old
+def variant(v: tuple):
+    """The two store settings ``v`` = (RECOMPUTE_STORE_BF16, DH_STORE_BF16) for a with-block, restored after."""
+    return mock.patch.multiple(TB, RECOMPUTE_STORE_BF16=v[0], DH_STORE_BF16=v[1])
 
 
 def accuracy(names):

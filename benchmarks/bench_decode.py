@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import time
+from unittest import mock
 
 import torch
 
@@ -164,14 +165,11 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_st
                                             BV=BV, num_warps=num_warps)
     if maxnreg is not None:
         common.LAUNCH_OPTIONS["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
-    saved = rk.DECODE_ONE_STEP
-    if one_step is not None:
-        rk.DECODE_ONE_STEP = one_step
     try:
-        return graph_time_us(fn), t, pool, slots, gate
+        with mock.patch.object(rk, "DECODE_ONE_STEP", rk.DECODE_ONE_STEP if one_step is None else one_step):
+            return graph_time_us(fn), t, pool, slots, gate
     finally:
         common.LAUNCH_OPTIONS.pop("fused_recurrent_fwd", None)
-        rk.DECODE_ONE_STEP = saved
 
 
 def time_fla(B, Tq):
