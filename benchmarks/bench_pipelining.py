@@ -18,8 +18,8 @@ as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 comp
 3. the public op, forward and forward + backward, at the defaults and the variants of ``OP_CONFIGS`` (the
    reverse walk at 8 warps; run 10's loops and widths), with the output against the float64 reference (B=2 T=300
    H=4 anchor) for each;
-4. fp32 inputs with their dots at "ieee" (today) and "tf32x3" (``common.FP32_DOT_PRECISION``), each on both
-   forward paths (``triton_chunk.FORWARD_PATH`` "walk" / "split"), and with ``--dtypes fp32,fp16`` fp16 inputs on
+4. fp32 inputs with their dots at "ieee" and "tf32x3" (``common.FP32_DOT_PRECISION``; tf32x3 since run 16), each on
+   both forward paths (``triton_chunk.FORWARD_PATH`` "walk" / "split"), and with ``--dtypes fp32,fp16`` fp16 inputs on
    both paths: output, final state and every gradient against float64 at the anchor, first-call (compile) time,
    forward and forward + backward at the first two shapes. ieee compiles the walks to 32 registers and tens of KB
    of spills (compile_sequential.py --dtype fp32).
@@ -32,6 +32,8 @@ split's 1.40 ms runs one tf32 MMA for the same products), so ≈ 3–4 ms forwar
 (from 367), with o ≈ 1e-6 and every gradient ≤ 5e-6 against float64 (ieee: 2.6e-7 / 3.2e-6 in the eval; fla,
 plain tf32: 7.8e-4). The rule for a switch: tf32x3 if every error stays ≤ 1e-5 and it is ≥ 3× faster; the split
 for fp32 (and fp16) at every pair count (``WALK_MIN_PAIRS``) if it beats the walk at B=8 at the chosen precision.
+Measured (run 16): tf32x3 15× faster at B=8 (forward 86.2 → 5.62 ms on the split, fwd+bwd 367 → 23.6), every
+error ≤ 5.0e-7; the split ahead of the walk in fp32 at B=1 and B=8 — both switched. fp16's walk stayed ahead.
 
 Run 11 (docs/performance.md) measured tables 1–3 and set the defaults from them. Prediction written before that
 run (sm_90 compile, benchmarks/compile_sequential.py: the while loops issue no

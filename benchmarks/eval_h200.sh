@@ -19,6 +19,8 @@
 #                       that report first and --prefer-last
 #   RESUME_IMPLS=a,b    --resume-impls: carry only these implementations' records (e.g. fla,flashqla,sdpa after a
 #                       change to linattn)
+#   RESUME_REDO=p,q     --resume-redo: measure again the records whose id matches a pattern (e.g.
+#                       'linattn/*/fp32,linattn/*/fp32/*' after a change to linattn's fp32 path)
 set -euo pipefail
 part=${1:?usage: eval_h200.sh PART (1-4, or any with EVAL_SECTIONS)}
 case $part in
@@ -46,6 +48,7 @@ if [ -n "${RESUME:-}" ]; then
   if [[ $RESUME == *.gz ]]; then earlier=out/resume-from.json; mkdir -p out; gunzip -c "$RESUME" > "$earlier"; fi
   resume=(--resume "$earlier" ${warm[@]+"${warm[@]}"})
   [ -n "${RESUME_IMPLS:-}" ] && resume+=(--resume-impls "$RESUME_IMPLS")
+  [ -n "${RESUME_REDO:-}" ] && resume+=(--resume-redo "$RESUME_REDO")
 fi
 mkdir -p out
 rc=0

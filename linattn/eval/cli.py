@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume-impls", default=None, metavar="IMPLS",
                    help="--resume: carry only these implementations' records (comma-separated, e.g. "
                         "fla,flashqla,sdpa after a change to linattn); default: all")
+    p.add_argument("--resume-redo", default=None, metavar="PATTERNS",
+                   help="--resume: measure again the records whose id matches one of these shell-style patterns "
+                        "(comma-separated, e.g. 'linattn/*/fp32,linattn/*/fp32/*' after a change to linattn's fp32 "
+                        "path); default: none")
     p.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), default=None,
                    help="print what got better or worse from report A to report B, and exit")
     p.add_argument("--threshold", type=float, default=0.05,
@@ -249,10 +253,11 @@ class Evaluation:
         if args.resume:
             from .resume import load_earlier
             carry = [s.strip() for s in args.resume_impls.split(",") if s.strip()] if args.resume_impls else None
+            redo = [s.strip() for s in args.resume_redo.split(",") if s.strip()] if args.resume_redo else None
             self.ctx.earlier, self.resumed_from = load_earlier(args.resume, self.prof.name, self.device, args.seed,
-                                                               [i.name for i in self.impls], carry)
-        elif args.resume_impls:
-            raise ValueError("--resume-impls needs --resume")
+                                                               [i.name for i in self.impls], carry, redo)
+        elif args.resume_impls or args.resume_redo:
+            raise ValueError(f"{'--resume-impls' if args.resume_impls else '--resume-redo'} needs --resume")
         self.results: dict = {}
         self.done: list = []
         self.running = None
@@ -459,7 +464,7 @@ def _merge(args) -> int:
         raise ValueError("--merge and --compare cannot be used together")
     if args.warm_from:
         raise ValueError("--warm-from applies to a run, not to --merge (each merged run's is in meta.merged_from)")
-    if args.resume or args.resume_impls:
+    if args.resume or args.resume_impls or args.resume_redo:
         raise ValueError("--resume applies to a run, not to --merge (each merged run's is in meta.merged_from)")
     results, paths = merge.run(args.merge, args.out, prefer_last=args.prefer_last, allow_partial=args.allow_partial)
     for src in results["meta"]["merged_from"]:

@@ -15,7 +15,9 @@ and soak are sweeps or timed runs measured whole: a resumed run measures them ag
 from the earlier report with ``--merge``).
 
 ``--resume-impls`` limits what is carried to some implementations, e.g. ``fla,flashqla,sdpa`` after a change to
-linattn: its records are measured again, the third parties' compiles are not paid again.
+linattn: its records are measured again, the third parties' compiles are not paid again. ``--resume-redo`` names
+records to measure again by shell-style patterns on their ids, e.g. ``linattn/*/fp32,linattn/*/fp32/*`` after a
+change to linattn's fp32 path only (a pattern's ``*`` also matches ``/``).
 
 Refused, with a :class:`ValueError` naming the file: a report of another profile, device type, GPU model or seed
 (its units are other measurements), or one whose implementation list differs.
@@ -23,6 +25,7 @@ Refused, with a :class:`ValueError` naming the file: a report of another profile
 from __future__ import annotations
 
 import copy
+import fnmatch
 import os
 from typing import Optional
 
@@ -80,10 +83,11 @@ def _check_same_config(path: str, r: dict, profile: str, device: torch.device, s
 
 
 def load_earlier(paths: list, profile: str, device: torch.device, seed: int, impls: list,
-                 carry_impls: Optional[list] = None) -> tuple[dict, dict]:
+                 carry_impls: Optional[list] = None, redo: Optional[list] = None) -> tuple[dict, dict]:
     """({section: {unit key: record}} to carry, the report's ``meta.resumed_from``) from the reports at ``paths``
     (report.json files or their directories; a later one's record wins over an earlier one's for the same unit).
-    ``impls``: this run's --impl names; ``carry_impls``: the implementations whose records are carried (all)."""
+    ``impls``: this run's --impl names; ``carry_impls``: the implementations whose records are carried (all);
+    ``redo``: shell-style patterns of unit keys (record ids) not carried, so measured again (none)."""
     unknown = sorted(set(carry_impls or ()) - set(impls))
     if unknown:
         raise ValueError(f"--resume-impls {','.join(unknown)}: not in this run's --impl ({','.join(impls)})")
@@ -98,12 +102,14 @@ def load_earlier(paths: list, profile: str, device: torch.device, seed: int, imp
             for key, rec in _keyed(section, r.get(section)).items():
                 if not has_result(rec) or (carry_impls is not None and rec.get("impl") not in carry_impls):
                     continue
+                if any(fnmatch.fnmatchcase(key, pat) for pat in redo or ()):
+                    continue
                 # the report was loaded here and is not kept: mark its records in place (Context.carry copies
                 # each one it hands to a section); carried twice, a record keeps the run that measured it
                 rec.setdefault("carried_from", origin)
                 earlier[section][key] = rec
         files.append(path)
-    meta = {"paths": files, "impls": list(carry_impls) if carry_impls is not None else None,
+    meta = {"paths": files, "impls": list(carry_impls) if carry_impls is not None else None, "redo": list(redo or ()),
             "records": {s: len(v) for s, v in earlier.items() if v}, "carried": {}}
     return earlier, meta
 
@@ -154,4 +160,5 @@ def describe(meta: dict) -> str:
     avail = ", ".join(f"{s} {n}" for s, n in meta["records"].items()) or "none"
     done = ", ".join(f"{s} {n}" for s, n in meta.get("carried", {}).items() if n) or "none"
     which = f" (only {','.join(meta['impls'])})" if meta.get("impls") is not None else ""
+    which += f" (measured again: {','.join(meta['redo'])})" if meta.get("redo") else ""
     return f"{', '.join(meta['paths'])}{which}: records with a result: {avail}; carried into this run: {done}"

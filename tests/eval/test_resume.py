@@ -93,6 +93,14 @@ def test_skipped_units_run_and_resume_impls_limits_the_carry(first_run, tmp_path
     assert {x["impl"] for x in recs if "carried_from" in x} == {"sdpa"}
     assert {x["impl"] for x in recs if "carried_from" not in x} == {"linattn"}
     assert _load(out2)["meta"]["resumed_from"]["impls"] == ["sdpa"]
+    # --resume-redo: linattn's fp32 records measured again, every other carried
+    out3 = tmp_path / "redo"
+    assert main(COMMON + ["--sections", "performance,scorecard", "--out", str(out3), "--resume", str(first_run),
+                          "--resume-redo", "linattn/*/fp32/*"]) == 0
+    recs, before = _load(out3)["performance"]["records"], _load(first_run)["performance"]["records"]
+    fresh = {x["id"] for x in recs if "carried_from" not in x}
+    assert fresh and fresh == {x["id"] for x in before if x["impl"] == "linattn" and x["dtype"] == "fp32"}
+    assert len(recs) == len(before) and _load(out3)["meta"]["resumed_from"]["redo"] == ["linattn/*/fp32/*"]
 
 
 def test_resumed_runs_merge(first_run, tmp_path):
@@ -150,6 +158,8 @@ def test_another_configuration_is_refused(first_run, tmp_path, capsys, argv, mes
 def test_resume_option_errors(first_run, tmp_path, capsys):
     assert main(COMMON + ["--out", str(tmp_path / "a"), "--resume-impls", "sdpa"]) == 2
     assert "--resume-impls needs --resume" in capsys.readouterr().err
+    assert main(COMMON + ["--out", str(tmp_path / "a2"), "--resume-redo", "linattn/*"]) == 2
+    assert "--resume-redo needs --resume" in capsys.readouterr().err
     assert main(COMMON + ["--out", str(tmp_path / "b"), "--resume", str(first_run), "--resume-impls", "fla"]) == 2
     assert "--resume-impls fla: not in this run's --impl (linattn,sdpa)" in capsys.readouterr().err
     assert main(COMMON + ["--out", str(tmp_path / "c"), "--resume", str(tmp_path / "nowhere")]) == 2

@@ -23,9 +23,9 @@ The backward (twins in ``torch_chunk.py`` and ``torch_chunk_bwd_parts.py``): ``l
 Precision policy (one place, :func:`dot_precision`): every ``tl.dot`` accumulates in fp32. A dot whose operands
 are both *inputs* (Q Kᵀ, K Kᵀ) runs in the input dtype, so 16-bit inputs feed the tensor cores directly and the
 products are exact. A dot that touches an fp32 *intermediate* (A_inv, W, U, V_new, the state) runs on fp32
-operands at ``dot_precision(input dtype)``: ``"ieee"`` for fp32 inputs (the accuracy path), ``"tf32"`` for
-bf16 inputs (11-bit operands: 8× finer than bf16, which keeps the bf16 output error near 2e-3) and ``"tf32x3"``
-for fp16 inputs (fp16 already has tf32's mantissa; plain tf32 made fp16 errors 3–5× the rounded-PyTorch baseline).
+operands at ``dot_precision(input dtype)``: ``"tf32x3"`` for fp32 inputs (:data:`FP32_DOT_PRECISION`;
+errors ≈ 4e-7 against float64, run 16), ``"tf32"`` for bf16 inputs (11-bit operands: 8× finer than bf16, which
+keeps the bf16 output error near 2e-3) and ``"tf32x3"`` for fp16 inputs (fp16 already has tf32's mantissa; plain tf32 made fp16 errors 3–5× the rounded-PyTorch baseline).
 The small 16×16 block merges of the triangular solve always run in ``"ieee"`` (they cost ~1% of the FLOPs).
 The sequential walk (``fused_fwd.py``) picks its own pair with ``fused_dot_precisions`` and may also run
 ``"bf16x3"`` (``dot.py``: fp32 operands split into bf16 halves, three bf16 MMAs, ≈ 2^-16 per product).
@@ -40,12 +40,15 @@ from ..utils import triton_interpret  # noqa: F401  (re-exported for launchers: 
 
 CHUNK = 64
 
-# dot_precision's answer for fp32 inputs. "ieee" runs those dots on FMA units; on sm_90 it compiles the walks to
-# 32 registers and tens of KB of spills per thread (docs/performance.md run 10), and it makes fp32 slow: the eval's
-# fp32 forward is 86 ms at B=8 T=4096 H=16 (bf16 1.4; SDPA in fp32 12), fwd+bwd 367 ms (run 15). "tf32x3" (tensor
-# cores, about fp32's accuracy) is the candidate: bench_pipelining.py's table 4 measures both on both forward paths
-# against float64 before a switch (its docstring has the prediction).
-FP32_DOT_PRECISION = "ieee"
+# dot_precision's answer for fp32 inputs. "ieee" ran those dots on FMA units; on sm_90 it compiled the walks to 32
+# registers and tens of KB of spills per thread (docs/performance.md run 10) and made fp32 slow: 86 ms forward at
+# B=8 T=4096 H=16 (bf16 1.4; SDPA in fp32 12), fwd+bwd 367 ms (run 15). "tf32x3" (three tf32 MMAs per product on the
+# tensor cores, ≈ 2^-22 per product) measured in run 16 (bench_pipelining.py table 4), ieee → tf32x3: forward 86.2 →
+# 6.4 ms on the walk and 54.3 → 5.6 on the split at B=8, 2.86 → 0.93 at B=1; fwd+bwd 367 → 23.6 at B=8, 26.3 → 3.7
+# at B=1; every error against float64 at the anchor 1.4–4.2e-7 → 2.1–5.0e-7 (o 2.5e-7 → 3.6e-7, final state
+# 1.37e-7 → 2.1e-7), two orders below any 16-bit input's. The switch rule written before the run (every error
+# ≤ 1e-5 and ≥ 3× faster) holds, so tf32x3 is the default; "ieee" stays selectable for bit-level studies.
+FP32_DOT_PRECISION = "tf32x3"
 
 
 # Extra Triton launch options per kernel (key: the kernel's name without "_kernel"), read at every launch; empty means

@@ -37,9 +37,13 @@ L2NORM_EPS = 1e-6
 # Why: the step is one load and one store of the state per program, so its speed is the state bytes in flight per
 # SM, and registers cap the programs per SM: a bf16 BV=64 tile compiles to 255 registers on the loop (two programs,
 # 32 KB in flight) where the fp32 pool's BV=32 tile takes 154 (three, 48 KB) — about the bf16 pool's 72% of the fp32
-# time instead of 50% (docs/performance.md runs 11 and 14). Not yet measured on the GPU: off until
-# benchmarks/bench_decode.py has timed it (the prediction is in docs/performance.md after run 15).
-DECODE_ONE_STEP = False
+# time instead of 50% (docs/performance.md runs 11 and 14). Predicted bf16 B=64 55.4 → ≈ 45 µs, fp32 76.4 → ≈ 70.
+# Measured (run 16, bench_decode.py's sweep, HV=32 K=V=128, CUDA graphs, the tiles pick_tiles chooses), loop →
+# ONE_STEP: bf16 B=64 54.0 → 52.9 µs, B=256 201.8 → 193.7; fp32 B=64 77.2 → 76.5, B=256 293.4 → 294.5. A 2–4% gain
+# for bf16 pools, none for fp32: the prediction missed — registers per program were not what held the bf16 pool at
+# 2.5 TB/s (the fp32 pool reaches 3.5). On, since no row got slower beyond noise; other tiles did not do better
+# (bf16 B=64 best 52.9 at the default tile; B=256 188.9 at BV=32 / 2 warps / maxnreg 168).
+DECODE_ONE_STEP = True
 
 
 def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:

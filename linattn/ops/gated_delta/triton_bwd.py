@@ -36,10 +36,17 @@ from ..common.wy import wy_fwd
 # dh or V_new meets bf16 dO or V_new in a bf16 MMA (local_bwd_utils.mdot: exact products) where the fp32 ones run
 # at tf32. Count at B=8 T=4096 H=16 K=V=128: h 537 MB + V_new 268 MB (recompute writes, dq/dk reads) and dh 537
 # MB (reverse walk writes, dq/dk reads), 2.7 GB of traffic in fp32, half in bf16.
-# Prediction (not yet measured; benchmarks/bench_bwd_precision.py): the recompute's state pass 0.615 → ≈ 0.50 ms
-# (the forward's went so, run 15), the reverse walk −0.05, dq/dk 1.69 → ≈ 1.3 (three of its four V-loop dots
-# become bf16 MMAs, its h/dh/V_new reads halve), fwd+bwd 7.29 → ≈ 6.8 at B=8; the errors of dq, dk, dg and dβ up
-# by ≈ 30% (o's went 1.73e-3 → 2.43e-3 from the same rounding of h and V_new), dv and dh0 unchanged.
+# Prediction (written before run 16): the recompute's state pass 0.615 → ≈ 0.50 ms, the reverse walk −0.05, dq/dk
+# 1.69 → ≈ 1.3, fwd+bwd 7.29 → ≈ 6.8 at B=8; dq, dk, dg, dβ errors up ≈ 30%, dv and dh0 unchanged. Measured (run
+# 16, bench_bwd_precision.py; B=8 T=4096 H=16, fp32/fp32 → bf16/fp32 → bf16/bf16): recompute 1.211 → 1.103 → 1.104
+# ms (the state pass's −0.11 as predicted), reverse walk 1.222 → 1.224 → 1.129, dq/dk 1.682 → 1.712 → 1.586 (not
+# 1.3: halved reads and two programs per SM were not what bounds it), fwd+bwd 7.258 → 7.209 → 7.000; B=1 T=32768
+# 10.741 → 10.697 → 10.592; B=1 T=4096 a tie (1.41–1.52 ms for all three). Errors / rounded-PyTorch baseline at
+# the anchor, K=V=64 and T=32768: ≤ 1.21. But gpu_check_core's T=1 case (B=1, HV=2, an initial state) then had dg
+# 3.1e-3 against a baseline of 8.7e-5 (2.6e-5 with fp32 stores, run 15): with one token, h is the initial state
+# itself, and its bf16 rounding (≈ 2^-9) is all of dg's error, which the baseline (the initial state unrounded)
+# does not make. The rule (every gradient within 2× the baseline) fails there, for 1–3% of fwd+bwd: both stay
+# "fp32". Storing the first chunk's h in fp32 would keep that case and the gain — not done.
 RECOMPUTE_STORE_BF16 = "fp32"
 DH_STORE_BF16 = "fp32"
 

@@ -61,19 +61,19 @@ PRECOMPUTE_QK = True
 # 5.86; 1×32768 2/8 2.13 vs 2.74; K = V = 64 1.69 vs 1.79; K=128 V=256 5.44 vs 8.26; but 4×8192 HV=32 4.89 vs
 # 4.68: the walk won (by 1–4%) where the (sequence, value head) pairs alone fill the SMs. Then the output kernel
 # at bf16x3 for bf16 inputs (split_fwd.OUTPUT_PREC_BF16) made the split 0.339 ms at B=1 and 1.916 at B=8 (walk
-# 2.456): 22% ahead at 128 pairs, the most measured. So "auto" (the default) runs the split for bf16 at every
-# shape, and for fp16 / fp32 (output dots at tf32x3 / ieee) the walk from WALK_MIN_PAIRS pairs. The split writes
-# h (64 KB per chunk and value head in fp32); both split long sequences into segments when their programs cannot
-# fill the SMs.
+# 2.456): 22% ahead at 128 pairs, the most measured. So "auto" (the default) runs the split for bf16 and fp32 at
+# every shape, and for fp16 (output dots at tf32x3) the walk from WALK_MIN_PAIRS pairs. The split writes h (64 KB
+# per chunk and value head in fp32); both split long sequences into segments when their programs cannot fill the
+# SMs.
 FORWARD_PATHS = ("auto", "walk", "split")
 FORWARD_PATH = "auto"
 # "auto": the walk when N·HV (sequences × value heads) is at least this for the inputs' dtype, else the split;
-# None: the split at every shape. bf16: see above; fp16 and fp32 keep run 12's bf16 crossover with the tf32x3
-# output (128 pairs: walk 2.46 / 4.68 ms vs split 2.48 / 4.89; 64 pairs: split 5.36 vs walk 5.86), not measured in
-# their own dtypes. The eval's fp32 rows (run 15) doubt it for fp32: 86.2 ms forward at B=8 T=4096 H=16 (128
-# pairs: the walk) against 27.8 at B=1 T=32768 (16 pairs: the split, same tokens × heads). bench_pipelining.py's
-# table 4 times both paths in fp32 and fp16.
-WALK_MIN_PAIRS = {torch.bfloat16: None, torch.float16: 128, torch.float32: 128}
+# None: the split at every shape. bf16: see above. fp32 and fp16 in their own dtypes (run 16, bench_pipelining.py
+# table 4, T=4096 H=16, forward ms walk / split): fp32 (dots at tf32x3) 0.942 / 0.927 at B=1, 6.40 / 5.62 at B=8, so
+# the split everywhere (it was the walk from 128 pairs, 86 ms at B=8 at "ieee"); fp16 0.599 / 0.674 at B=1, 3.10 /
+# 3.20 at B=8: the walk won at both, so fp16 keeps the walk from 128 pairs (16 pairs at T=4096 favour the walk too,
+# but long sequences, where the bf16 split is 25% ahead, are not measured in fp16 — left as is).
+WALK_MIN_PAIRS = {torch.bfloat16: None, torch.float16: 128, torch.float32: None}
 
 
 def forward_path(num_sequences: int, HV: int, dtype: torch.dtype) -> str:
