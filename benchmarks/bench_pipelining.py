@@ -18,22 +18,22 @@ as ``while`` loops, which Triton never software-pipelines. NUM_STAGES ≥ 1 comp
 3. the public op, forward and forward + backward, at the defaults and the variants of ``OP_CONFIGS`` (the
    reverse walk at 8 warps; run 10's loops and widths), with the output against the float64 reference (B=2 T=300
    H=4 anchor) for each;
-4. fp32 inputs with their dots at "ieee" and "tf32x3" (``common.FP32_DOT_PRECISION``; tf32x3 since run 16), each on
-   both forward paths (``triton_chunk.FORWARD_PATH`` "walk" / "split"), and with ``--dtypes fp32,fp16`` fp16 inputs on
-   both paths: output, final state and every gradient against float64 at the anchor, first-call (compile) time,
-   forward and forward + backward at the first two shapes. ieee compiles the walks to 32 registers and tens of KB
-   of spills (compile_sequential.py --dtype fp32).
+4. fp32 inputs at the fp32 precisions of ``common`` (WIDE_CONFIGS), and with ``--dtypes fp32,fp16`` fp16 inputs on
+   both forward paths: output, final state and every gradient against float64 at the anchor, first-call (compile)
+   time, forward and forward + backward at the first two shapes.
 
-Table 4's prediction (written before its first run, from the eval's fp32 rows in docs/performance.md run 15: the
-forward 3.56 ms at B=1 T=4096 H=16 on the split, 86.2 ms at B=8 on the walk, 27.8 at B=1 T=32768 on the split;
-fwd+bwd 26.8 / 367 / 214): at B=8, ieee on the split ≈ 28 ms forward (the same tokens × heads as T=32768), a
-third of the walk's 86; tf32x3 puts the fp32 dots on the tensor cores (three tf32 MMAs per product, the bf16
-split's 1.40 ms runs one tf32 MMA for the same products), so ≈ 3–4 ms forward on the split and fwd+bwd ≈ 15–25
-(from 367), with o ≈ 1e-6 and every gradient ≤ 5e-6 against float64 (ieee: 2.6e-7 / 3.2e-6 in the eval; fla,
-plain tf32: 7.8e-4). The rule for a switch: tf32x3 if every error stays ≤ 1e-5 and it is ≥ 3× faster; the split
-for fp32 (and fp16) at every pair count (``WALK_MIN_PAIRS``) if it beats the walk at B=8 at the chosen precision.
-Measured (run 16): tf32x3 15× faster at B=8 (forward 86.2 → 5.62 ms on the split, fwd+bwd 367 → 23.6), every
-error ≤ 5.0e-7; the split ahead of the walk in fp32 at B=1 and B=8 — both switched. fp16's walk stayed ahead.
+Run 16 ran table 4 over ``FP32_DOT_PRECISION`` "ieee" / "tf32x3" × walk / split against its written prediction
+(tf32x3 split ≈ 3–4 ms forward at B=8, fwd+bwd 15–25, errors ≤ 5e-6; switch if every error ≤ 1e-5 and ≥ 3× faster):
+tf32x3 15× faster at B=8 (forward 86.2 → 5.62 ms on the split, fwd+bwd 367 → 23.6), every error ≤ 5.0e-7, the
+split ahead of the walk in fp32 at B=1 and B=8 — both switched; fp16's walk stayed ahead at both sizes.
+
+Now table 4 times ``FP32_PRODUCT_PRECISION`` "ieee" (default) against "tf32x3" on the split: the solve's block
+merges and the WY backward's inverse products, the last fp32 products on the FMA units. sm_90 ptxas (compile_all.py
+--dtype fp32 --B 8 [--set common.FP32_PRODUCT_PRECISION=tf32x3]): WY backward FFMA 2156 → 138, HGMMA 160 → 256,
+spills 3.4 → 4.1 KB, SASS 9520 → 8640 instructions; kkt_solve FFMA 522 → 10 but shuffles 28 → 268 and SASS 5776 →
+7384 (the 16×16 dots' layout conversions). Prediction: the WY backward's −0.6 ms of run 12's bf16 measurement
+(2.11 → 1.50) again, the solve ±0.05, so fwd+bwd ≈ 23.3 → 22.7 ms at B=8 (−3%), forward unchanged within 2%;
+errors ≤ 6e-7. Rule: "tf32x3" if fwd+bwd gains ≥ 2% at B=8 and every error stays ≤ 1e-6.
 
 Run 11 (docs/performance.md) measured tables 1–3 and set the defaults from them. Prediction written before that
 run (sm_90 compile, benchmarks/compile_sequential.py: the while loops issue no
@@ -203,20 +203,22 @@ def whole_op(shapes):
     return rows
 
 
-# Table 4's grid: (dtype, FP32_DOT_PRECISION, forward path). The precision only changes fp32 inputs' dots (fp16's are
-# tf32x3 whatever it says), so fp16 runs once per path.
+# Table 4's grid: (dtype, FP32_DOT_PRECISION, FP32_PRODUCT_PRECISION, forward path). The precisions only change
+# fp32 inputs' dots (fp16's are tf32x3 whatever they say), so fp16 runs once per path. Run 16 measured ieee against
+# tf32x3 dots on both paths (docs/performance.md; the grid is in git history): tf32x3 on the split is the default.
+# Next: the solve's merges and the WY backward's inverse products at tf32x3 too (FP32_PRODUCT_PRECISION).
 WIDE_CONFIGS = {
-    "fp32": [(torch.float32, prec, path) for prec in ("ieee", "tf32x3") for path in ("walk", "split")],
-    "fp16": [(torch.float16, "n/a", path) for path in ("walk", "split")],
+    "fp32": [(torch.float32, "tf32x3", prod, "split") for prod in ("ieee", "tf32x3")],
+    "fp16": [(torch.float16, "n/a", "n/a", path) for path in ("walk", "split")],
 }
 
 
 def wide_dtypes(shapes, dtypes=("fp32",)):
-    """Table 4: fp32 (and fp16) inputs at each FP32_DOT_PRECISION and forward path: o, final state and every
-    gradient against float64 at the anchor (B=2 T=300 H=4), first call, forward and forward + backward."""
+    """Table 4: fp32 (and fp16) inputs at each configuration of WIDE_CONFIGS: o, final state and every gradient
+    against float64 at the anchor (B=2 T=300 H=4), first call, forward and forward + backward."""
     rows = []
     names = ("q", "k", "v", "g", "beta")
-    saved_prec, saved_path = common.FP32_DOT_PRECISION, triton_chunk.FORWARD_PATH
+    saved = common.FP32_DOT_PRECISION, common.FP32_PRODUCT_PRECISION, triton_chunk.FORWARD_PATH
     try:
         for dtype_name in dtypes:
             xa, _, _ = make(2, 300, 4, 4, D, D, None, WIDE_CONFIGS[dtype_name][0][0])
@@ -224,16 +226,18 @@ def wide_dtypes(shapes, dtypes=("fp32",)):
             ro, rS = chunk_gated_delta_rule(*ref_in, scale=D ** -0.5, output_final_state=True, backend="torch")
             dO = torch.randn_like(ro)
             ref_grads = torch.autograd.grad((ro * dO).sum(), ref_in)
-            for dtype, prec, path in WIDE_CONFIGS[dtype_name]:
-                common.FP32_DOT_PRECISION = prec if dtype == torch.float32 else saved_prec
+            for dtype, prec, prod, path in WIDE_CONFIGS[dtype_name]:
+                if dtype == torch.float32:
+                    common.FP32_DOT_PRECISION, common.FP32_PRODUCT_PRECISION = prec, prod
                 triton_chunk.FORWARD_PATH = path
                 ins = [xa[n].clone().requires_grad_(True) for n in names]
                 t0 = time.time()
                 o, S = chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
                 grads = torch.autograd.grad((o * dO.to(o.dtype)).sum(), ins)
                 torch.cuda.synchronize()
-                row = dict(dtype=dtype_name, prec=prec, path=path, first_call_s=time.time() - t0, o=rel(o, ro),
-                           state=rel(S, rS), **{f"d{n}": rel(gr, rg) for n, gr, rg in zip(names, grads, ref_grads)})
+                row = dict(dtype=dtype_name, prec=prec, products=prod, path=path, first_call_s=time.time() - t0,
+                           o=rel(o, ro), state=rel(S, rS),
+                           **{f"d{n}": rel(gr, rg) for n, gr, rg in zip(names, grads, ref_grads)})
                 for (B, T, H, HV) in shapes[:2]:
                     x, _, _ = make(B, T, H, HV, D, D, None, dtype)
                     xs = [x[n].requires_grad_(True) for n in names]
@@ -246,7 +250,7 @@ def wide_dtypes(shapes, dtypes=("fp32",)):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        common.FP32_DOT_PRECISION, triton_chunk.FORWARD_PATH = saved_prec, saved_path
+        common.FP32_DOT_PRECISION, common.FP32_PRODUCT_PRECISION, triton_chunk.FORWARD_PATH = saved
     return rows
 
 
@@ -292,11 +296,11 @@ def main():
         print("\nfp32 / fp16 inputs: relative L2 vs float64 at the anchor (B=2 T=300 H=4); ms at B, T, H, HV")
         times = [k for k in fp32[0] if k.endswith("ms") or "_ms " in k]
         errs = ("o", "state", "dq", "dk", "dv", "dg", "dbeta")
-        print("| dtype | FP32_DOT_PRECISION | path | first call s | " + " | ".join(errs) + " | "
-              + " | ".join(times) + " |")
-        print("|---|---|---|---|" + "---|" * (len(errs) + len(times)))
+        print("| dtype | FP32_DOT_PRECISION | FP32_PRODUCT_PRECISION | path | first call s | " + " | ".join(errs)
+              + " | " + " | ".join(times) + " |")
+        print("|---|---|---|---|---|" + "---|" * (len(errs) + len(times)))
         for r in fp32:
-            print(f"| {r['dtype']} | {r['prec']} | {r['path']} | {r['first_call_s']:.1f} | "
+            print(f"| {r['dtype']} | {r['prec']} | {r['products']} | {r['path']} | {r['first_call_s']:.1f} | "
                   + " | ".join(f"{r[e]:.2e}" for e in errs) + " | " + " | ".join(f"{r[t]:.3f}" for t in times)
                   + " |")
 

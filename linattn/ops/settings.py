@@ -11,7 +11,6 @@ def triton_settings() -> Optional[dict]:
     try:
         from . import common
         from .common import (
-            FP32_DOT_PRECISION,
             fused_fwd,
             fused_prepass,
             kkt_solve,
@@ -35,6 +34,7 @@ def triton_settings() -> Optional[dict]:
         "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16,
         "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "SPLIT_WU_STORE_BF16": split_fwd.WU_STORE_BF16,
         "BWD_RECOMPUTE_STORE_BF16": triton_bwd.RECOMPUTE_STORE_BF16, "BWD_DH_STORE_BF16": triton_bwd.DH_STORE_BF16,
-        "FP32_DOT_PRECISION": FP32_DOT_PRECISION, "DECODE_ONE_STEP": recurrent_kernels.DECODE_ONE_STEP,
+        "FP32_DOT_PRECISION": common.FP32_DOT_PRECISION, "FP32_PRODUCT_PRECISION": common.FP32_PRODUCT_PRECISION,
+        "DECODE_ONE_STEP": recurrent_kernels.DECODE_ONE_STEP,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

@@ -49,6 +49,13 @@ CHUNK = 64
 # 1.37e-7 → 2.1e-7), two orders below any 16-bit input's. The switch rule written before the run (every error
 # ≤ 1e-5 and ≥ 3× faster) holds, so tf32x3 is the default; "ieee" stays selectable for bit-level studies.
 FP32_DOT_PRECISION = "tf32x3"
+# The precision product_precision gives fp32 inputs: the triangular solve's 16×16 block merges
+# (kkt_solve.merge_precision) and the WY backward's two inverse products dA = Tᵀ dT Tᵀ (local_bwd_wy). Still "ieee"
+# after run 16 switched the other dots: on sm_90 (benchmarks/compile_all.py --dtype fp32 --B 8) the WY backward then
+# compiles to 2156 FFMA and 3.4 KB of spills per thread, kkt_solve to 522 FFMA. For 16-bit inputs run 12 measured
+# the same products at tf32x3 (WY backward 2.11 → 1.50 ms at B=8 T=4096 H=16, gradients unchanged to two digits).
+# Candidate "tf32x3", not yet measured for fp32: bench_pipelining.py's table 4 times both (prediction there).
+FP32_PRODUCT_PRECISION = "ieee"
 
 
 # Extra Triton launch options per kernel (key: the kernel's name without "_kernel"), read at every launch; empty means
@@ -89,9 +96,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def product_precision(dtype: torch.dtype, setting: str, override, allowed: tuple, name: str) -> str:
     """Precision of a kernel's products of fp32 intermediates that a module setting picks for 16-bit inputs
-    (kkt_solve.MERGE_PREC_BF16, local_bwd_wy.INVERSE_DOT_PREC): "ieee" for fp32 inputs (fp32 accuracy), else
-    ``override`` (benchmarks, tests) or ``setting``; a value outside ``allowed`` is refused, naming ``name``."""
-    prec = "ieee" if dtype == torch.float32 else (override or setting)
+    (kkt_solve.MERGE_PREC_BF16, local_bwd_wy.INVERSE_DOT_PREC): :data:`FP32_PRODUCT_PRECISION` for fp32 inputs,
+    else ``override`` (benchmarks, tests) or ``setting``; a value outside ``allowed`` is refused, naming ``name``."""
+    prec = FP32_PRODUCT_PRECISION if dtype == torch.float32 else (override or setting)
     if prec not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {prec!r}")
     return prec

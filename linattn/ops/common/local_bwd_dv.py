@@ -48,7 +48,9 @@ def local_bwd_dv_kernel(
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
         b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-        b_Pt += tl.dot(b_k, tl.trans(b_q), input_precision="ieee")      # inputs only: exact products
+        # inputs only: one 16-bit MMA (exact products) for 16-bit inputs; fp32 inputs at DOT_PREC like every other
+        # dot of theirs (tf32x3 since run 16: at "ieee" this dot alone compiled to 2080 FFMA on sm_90)
+        b_Pt += mdot(b_k, tl.trans(b_q), k.dtype.element_ty, DOT_PREC)
     b_Pt = b_Pt * b_decay * scale
 
     for i_v in range(tl.cdiv(V, BV)):
