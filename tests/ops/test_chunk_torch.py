@@ -135,9 +135,13 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7)
 
 
-def test_gradcheck_float64_many_chunks(monkeypatch):
-    """A chunk of 4 tokens so that 11 tokens cross two chunk boundaries inside gradcheck."""
+@pytest.mark.parametrize("one_chunk_blocks", [False, True], ids=["whole", "blocks-of-one-chunk"])
+def test_gradcheck_float64_many_chunks(monkeypatch, one_chunk_blocks):
+    """A chunk of 4 tokens so that 11 tokens cross two chunk boundaries inside gradcheck; and with the backend's
+    blocks one chunk each, so the state and dS cross block boundaries too."""
     from linattn.ops.gated_delta import torch_chunk
+    if one_chunk_blocks:
+        monkeypatch.setattr(torch_chunk, "BLOCK_BYTES", 1)
     fwd, bwd = torch_chunk.chunk_gated_delta_rule_fwd_torch, torch_chunk.chunk_gated_delta_rule_bwd_torch
     from linattn.ops.gated_delta import chunk as chunk_mod
     monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_fwd_torch",
@@ -151,6 +155,30 @@ def test_gradcheck_float64_many_chunks(monkeypatch):
     assert torch.autograd.gradcheck(
         lambda *xs: linattn.chunk_gated_delta_rule(**dict(zip(names, xs)), **kw, backend="torch"),
         inputs, eps=1e-6, atol=1e-7)
+
+
+def test_blocked_backend_equals_whole_sequence(monkeypatch):
+    """The backend's blocks of chunks (torch_chunk.block_chunks; 1, 2 and 3 chunks here, 3 not dividing the 5
+    chunks) give what the stages give on the whole sequence at once: outputs, final state, every gradient."""
+    from linattn.ops.gated_delta import torch_chunk
+    tensors, kw = make_inputs(Case("blocks", T=300, H=2, HV=4, K=16, V=24, B=2, h0=True))
+    results = {}
+    for per_chunk in (None, 1, 2, 3):  # None: one block (BLOCK_BYTES far above the sequence's h)
+        h_bytes = 4 * 16 * 24 * 4   # h of one chunk (HV·K·V fp32 values; the backend runs one sequence at a time)
+        monkeypatch.setattr(torch_chunk, "BLOCK_BYTES", 1 << 40 if per_chunk is None else per_chunk * h_bytes)
+        xs, o, ht = run(tensors, kw, "torch")
+        grads = torch.autograd.grad((o * o.detach()).sum() + (ht * ht.detach()).sum(), list(xs.values()))
+        results[per_chunk] = [o, ht, *grads]
+    for per_chunk in (1, 2, 3):
+        for name, got, want in zip(["o", "ht", *xs], results[per_chunk], results[None]):
+            assert rel_rms(got, want) <= 1e-6, f"{name} with blocks of {per_chunk} chunks"
+
+
+def test_block_chunks_rule():
+    from linattn.ops.gated_delta.torch_chunk import BLOCK_BYTES, block_chunks
+    k, v = torch.empty(1, 16, 64, 64, 128), torch.empty(1, 16, 64, 64, 128)   # h per chunk: 1 MiB in fp32
+    assert BLOCK_BYTES == 4 << 20 and block_chunks(k, v) == 4 and block_chunks(k.double(), v) == 2
+    assert block_chunks(k[:, :, :3], v) == 3 and block_chunks(torch.empty(1, 64, 8, 64, 256), v) == 1
 
 
 def test_inputs_are_not_modified():

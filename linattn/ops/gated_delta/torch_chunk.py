@@ -12,6 +12,14 @@ is tested against it. Tensors live in a *chunked layout*: ``[B, HV, NT, C, d]`` 
 
 The backward is written out by hand (not autograd), stage by stage, so it is the twin of the Triton backward:
 a reverse pass over chunks carries dS, everything else is parallel over chunks.
+
+The backend runs the stages on blocks of a few chunks at a time (:func:`block_chunks`), carrying the state
+between blocks: the same numbers bit for bit, because every stage is independent per chunk apart from the carried
+state. Why: on a CPU, whole-sequence temporaries (32 MB for one [HV=16, T=4096, 128] fp32 tensor) are fresh
+mmap'd memory at every allocation, and the page faults cost more than the arithmetic (a 32 MB bmm 16.5 ms into a
+new tensor, 6.1 ms into an existing one). Blocks of ≤ 4 MB are recycled by the allocator and stay in cache:
+B=1 T=4096 H=16 K=V=128 fp32 on two cores, the public op's forward 324 → 242 ms and forward + backward 1968 → 996
+(docs/performance.md, after run 16).
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ import torch
 from ..utils import compute_dtype
 
 CHUNK = 64
+# the largest per-block tensor the backend allows itself (h of one block: B·HV·chunks·K·V values): see above
+BLOCK_BYTES = 4 << 20
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -112,14 +122,36 @@ def output_fwd_ref(q, k, v_new, h, gc, scale: float):
     return scale * (o_inter + qk_decay_ref(q, k, gc) @ v_new)
 
 
-def chunk_fwd_ref(q, k, v, g, beta, scale: float, h0: torch.Tensor):
-    """All forward stages in the chunked layout; returns (o, final state, saved tensors for the backward)."""
-    gc = chunk_local_cumsum_ref(g)
-    A_inv = kkt_solve_ref(k, beta, gc)
-    w, u = wy_ref(A_inv, k, v, beta, gc)
-    h, v_new, ht = state_pass_fwd_ref(w, u, k, gc, h0)
-    o = output_fwd_ref(q, k, v_new, h, gc, scale)
-    return o, ht, (gc, A_inv, w, h, v_new)
+def block_chunks(k: torch.Tensor, v: torch.Tensor) -> int:
+    """Chunks per block for the backend: as many as keep one block's h (``B·HV·n·K·V`` values) ≤ BLOCK_BYTES."""
+    B, HV, NT, _, K = k.shape
+    return max(1, min(NT, BLOCK_BYTES // (B * HV * K * v.shape[-1] * k.element_size())))
+
+
+def forward_blocks(k, v, g, beta, h0: torch.Tensor, block: int):
+    """The forward's stages up to the state pass, ``block`` chunks at a time in order, the state carried from block
+    to block. Yields (chunk slice, gc, A_inv, w, h, v_new, the state leaving the block) per block."""
+    S = h0
+    for a in range(0, k.shape[2], block):
+        s = slice(a, a + block)
+        kb, bb = k[:, :, s], beta[:, :, s]
+        gc = chunk_local_cumsum_ref(g[:, :, s])
+        A_inv = kkt_solve_ref(kb, bb, gc)
+        w, u = wy_ref(A_inv, kb, v[:, :, s], bb, gc)
+        h, v_new, S = state_pass_fwd_ref(w, u, kb, gc, S)
+        yield s, gc, A_inv, w, h, v_new, S
+
+
+def chunk_fwd_ref(q, k, v, g, beta, scale: float, h0: torch.Tensor, block: Optional[int] = None):
+    """All forward stages in the chunked layout; returns (o, final state, saved tensors for the backward).
+    ``block``: chunks per step (None: all at once, and the saved tensors (gc, A_inv, w, h, v_new) are returned;
+    with blocks, None is)."""
+    o = torch.empty_like(v)
+    ht, saved = h0, None
+    for s, gc, A_inv, w, h, v_new, S in forward_blocks(k, v, g, beta, h0, block or k.shape[2]):
+        o[:, :, s] = output_fwd_ref(q[:, :, s], k[:, :, s], v_new, h, gc, scale)
+        ht, saved = S, ((gc, A_inv, w, h, v_new) if block is None else None)
+    return o, ht, saved
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -210,12 +242,19 @@ def chunk_local_cumsum_bwd_ref(dgc: torch.Tensor) -> torch.Tensor:
     return dgc.flip(-1).cumsum(-1).flip(-1)
 
 
-def chunk_bwd_ref(q, k, v, g, beta, scale, h0, do, dht):
-    """Recompute the forward stages, then run the backward stages. Returns dq, dk, dv, dg, dbeta, dh0."""
-    _, _, (gc, A_inv, w, h, v_new) = chunk_fwd_ref(q, k, v, g, beta, scale, h0)
-    dh, dv_new, dh0 = state_pass_bwd_ref(q, k, w, gc, do, dht, scale)
-    dq, dk, dv, dbeta, dgc = local_bwd_ref(q, k, v, beta, gc, A_inv, w, h, v_new, do, dh, dv_new, scale)
-    return dq, dk, dv, chunk_local_cumsum_bwd_ref(dgc), dbeta, dh0
+def chunk_bwd_ref(q, k, v, g, beta, scale, h0, do, dht, block: Optional[int] = None):
+    """Recompute the forward stages, then run the backward stages, ``block`` chunks at a time (None: all at once):
+    the reverse pass carries dS from block to block. Returns dq, dk, dv, dg, dbeta, dh0."""
+    blocks = list(forward_blocks(k, v, g, beta, h0, block or k.shape[2]))
+    dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
+    dS = dht
+    for s, gc, A_inv, w, h, v_new, _ in reversed(blocks):
+        qb, kb, vb, bb, dob = (t[:, :, s] for t in (q, k, v, beta, do))
+        dh, dv_new, dS = state_pass_bwd_ref(qb, kb, w, gc, dob, dS, scale)
+        dq[:, :, s], dk[:, :, s], dv[:, :, s], dbeta[:, :, s], dgc = local_bwd_ref(
+            qb, kb, vb, bb, gc, A_inv, w, h, v_new, dob, dh, dv_new, scale)
+        dg[:, :, s] = chunk_local_cumsum_bwd_ref(dgc)
+    return dq, dk, dv, dg, dbeta, dS
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,8 +284,8 @@ def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, off
             continue
         x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta)]
         x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
-        qc, kc, vc, gch, bc = (to_chunks(t, chunk_size) for t in x)
-        oc, ht, _ = chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None])
+        qc, kc, vc, gch, bc = (to_chunks(t, chunk_size).contiguous() for t in x)
+        oc, ht, _ = chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None], block=block_chunks(kc, vc))
         o[b:b + 1, bos:eos] = from_chunks(oc, eos - bos).to(v.dtype)
         finals.append(ht[0])
     return o, torch.stack(finals)
@@ -275,8 +314,8 @@ def chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, off
         L = eos - bos
         x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta, do)]
         x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
-        qc, kc, vc, gch, bc, doc = (to_chunks(t, chunk_size) for t in x)
-        grads = chunk_bwd_ref(qc, kc, vc, gch, bc, scale, h0[None], doc, dht_n[None])
+        qc, kc, vc, gch, bc, doc = (to_chunks(t, chunk_size).contiguous() for t in x)
+        grads = chunk_bwd_ref(qc, kc, vc, gch, bc, scale, h0[None], doc, dht_n[None], block=block_chunks(kc, vc))
         for dst, src in zip((dq, dk, dv, dg, dbeta), grads[:5]):
             dst[b:b + 1, bos:eos] = from_chunks(src, L)
         dh0s.append(grads[5][0])
