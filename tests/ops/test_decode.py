@@ -272,6 +272,27 @@ def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused):
     assert torch.equal(pool1[1:4], pool0[1:4])                     # rows of no slot (and the negative one) untouched
 
 
+def test_one_step_ref_is_one_token_of_the_recurrence():
+    """recurrent.one_step_ref (the torch backend's decode step and the ONE_STEP path's twin: o from the entering
+    state, the state updated in place) against fused_recurrent_fwd_ref on one token, float64, grouped heads and a
+    strong gate included; the inputs other than the state are not modified."""
+    from linattn.ops.gated_delta.recurrent import fused_recurrent_fwd_ref, one_step_ref
+    N, HV, K, V = 3, 4, 16, 24
+    q = torch.randn(N, 1, HV, K, dtype=torch.float64)
+    k = F.normalize(torch.randn(N, 1, HV, K, dtype=torch.float64), dim=-1)
+    v = torch.randn(N, 1, HV, V, dtype=torch.float64)
+    g = torch.tensor([-0.1, -20.0, 0.0], dtype=torch.float64)[:, None, None].expand(N, 1, HV).clone()
+    beta = torch.rand(N, 1, HV, dtype=torch.float64)
+    S0 = torch.randn(N, HV, K, V, dtype=torch.float64)
+    want_o, want_S, _ = fused_recurrent_fwd_ref(q, k, v, g, beta, 0.3, S0)
+    inputs = [t.clone() for t in (q, k, v, g, beta)]
+    S = S0.clone()
+    o = one_step_ref(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], 0.3, S)
+    assert torch.allclose(o, want_o[:, 0], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(S, want_S, rtol=1e-12, atol=1e-12) and not torch.equal(S, S0)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v, g, beta)))
+
+
 def test_one_step_path_compiles_for_h200_with_fewer_registers():
     """sm_90 (ptxas, no GPU): the ONE_STEP path of a bf16-pool decode step compiles, and at BV=32 / 4 warps takes
     fewer registers than the token loop (128 against 146 with triton 3.6: four programs per SM instead of three)."""

@@ -24,7 +24,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from ..utils import check_gated_delta_inputs, eager_call, select_backend
-from .recurrent import fused_recurrent_fwd_ref, load_recurrent_kernels, prepare_ref
+from .recurrent import fused_recurrent_fwd_ref, load_recurrent_kernels, one_step_ref, prepare_ref
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -108,7 +108,8 @@ def _(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bias, use_qk
 def decode_ref(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bias, use_qk_l2norm,
                use_beta_sigmoid, output_intermediate_states):
     """The torch backend and the twin of the decode launch: gather the slots' states (zero for negative slots),
-    run :func:`fused_recurrent_fwd_ref` in fp32, scatter the final states back in the pool's dtype."""
+    run :func:`one_step_ref` (one token, no intermediate states: the state updated in place) or
+    :func:`fused_recurrent_fwd_ref` in fp32, scatter the final states back in the pool's dtype."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     qp, kp, gp, bp = prepare_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid)
@@ -116,10 +117,20 @@ def decode_ref(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bia
     slots = (state_indices.long() if state_indices is not None
              else torch.arange(B, device=q.device))
     live = slots >= 0
-    h0 = torch.where(live[:, None, None, None], state_pool[slots.clamp(min=0)].to(qp.dtype), 0.)
-    o, ht, hs = fused_recurrent_fwd_ref(qp, kp, v.to(qp.dtype), gp, bp, scale, h0, output_intermediate_states)
+    # the gather copies (the pool is written back only where live); a negative slot starts from zero. index_select
+    # and index_copy_ rather than pool[idx]: on a CPU advanced indexing moved the state at ≈ 3 GB/s (0.7 ms of a
+    # 1.4 ms step at B=1 HV=32 K=V=128)
+    h0 = state_pool.index_select(0, slots.clamp(min=0)).to(qp.dtype)
     rows = live.nonzero().squeeze(1)
-    state_pool[slots[rows]] = ht[rows].to(state_pool.dtype)
+    if rows.numel() < B:
+        h0.masked_fill_(~live[:, None, None, None], 0.)
+    if T == 1 and not output_intermediate_states:
+        ht, hs = h0, None
+        o = one_step_ref(qp[:, 0], kp[:, 0], v[:, 0].to(qp.dtype), gp[:, 0], bp[:, 0], scale, ht)[:, None]
+    else:
+        o, ht, hs = fused_recurrent_fwd_ref(qp, kp, v.to(qp.dtype), gp, bp, scale, h0, output_intermediate_states)
+    src = ht if rows.numel() == B else ht.index_select(0, rows)
+    state_pool.index_copy_(0, slots[rows], src.to(state_pool.dtype))
     hs = hs.to(state_pool.dtype) if output_intermediate_states else state_pool.new_empty(0)
     return o.to(v.dtype), hs
 

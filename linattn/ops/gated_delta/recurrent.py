@@ -108,6 +108,28 @@ def fused_recurrent_fwd_ref(q, k, v, g, beta, scale: float, h0: Optional[torch.T
     return o, S, (torch.stack(hs, 1) if store_intermediate else None)
 
 
+def one_step_ref(q, k, v, g, beta, scale: float, S: torch.Tensor) -> torch.Tensor:
+    """One token per sequence, ``S`` ``[N, HV, K, V]`` updated in place: twin of the kernel's ONE_STEP path
+    (``recurrent_kernels.DECODE_ONE_STEP``) and the torch backend's decode step. q, k ``[N, HV, K]``, v
+    ``[N, HV, V]``, g, beta ``[N, HV]`` (prepared, grouped heads expanded, S's dtype). Returns o ``[N, HV, V]``.
+
+    Both reductions over K read the entering state S, so it is read once and written once:
+
+        u = β (v − e^g Sᵀk),    o = scale·(e^g Sᵀq + (q·k) u),    S ← e^g S + k uᵀ
+
+    (o = scale·S_newᵀq expanded). On a CPU this is 3 passes over the state (one bmm reading it, the in-place scale
+    and rank-1 update) instead of the token loop's ≈ 8 with four fresh state-sized temporaries (docs/performance.md,
+    after run 16)."""
+    N, HV, K, V = S.shape
+    S3 = S.view(N * HV, K, V)
+    qS, kS = (torch.stack((q, k), 2).view(N * HV, 2, K) @ S3).view(N, HV, 2, V).unbind(2)
+    eg = g.exp()[..., None]
+    u = beta[..., None] * (v - eg * kS)
+    o = scale * (eg * qS + (q * k).sum(-1, keepdim=True) * u)
+    S3.mul_(eg.reshape(N * HV, 1, 1)).baddbmm_(k.reshape(N * HV, K, 1), u.reshape(N * HV, 1, V))
+    return o
+
+
 def fused_recurrent_bwd_ref(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor], do, dht):
     """Twin of ``fused_recurrent_bwd_kernel``: the reverse walk, on the inputs of :func:`fused_recurrent_fwd_ref`.
     Returns dq, dk ``[N, T, HV, K]``, dv ``[N, T, HV, V]``, dg, dbeta ``[N, T, HV]`` and dh0 (see the kernel's
