@@ -29,9 +29,15 @@ def _inputs(B, T, H, HV, K, V, dtype, n_state):
                 beta=torch.rand(B, T, HV, dtype=dtype), initial_state=torch.randn(n_state, HV, K, V, dtype=dtype))
 
 
+@pytest.mark.parametrize("one_chunk_blocks", [False, True], ids=["whole", "blocks-of-one-chunk"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("case", OP_CASES.values(), ids=OP_CASES.keys())
-def test_op_forward_backward_match_reference(case, dtype):
+def test_op_forward_backward_match_reference(case, dtype, one_chunk_blocks, monkeypatch):
+    """The torch backend against the float64 reference; with its blocks one chunk each (torch_chunk.BLOCK_BYTES),
+    the state and dS also cross block boundaries."""
+    if one_chunk_blocks:
+        from linattn.ops.gated_delta import torch_chunk
+        monkeypatch.setattr(torch_chunk, "BLOCK_BYTES", 1)
     B, T, H, HV, K, V, offs = case
     cu = None if offs is None else torch.tensor(offs, dtype=torch.int32)
     x = _inputs(B, T, H, HV, K, V, dtype, B if offs is None else len(offs) - 1)

@@ -3,16 +3,20 @@
 Gated linear attention is the gated delta rule with W = 0 and U = diag(η) V (no delta correction, so no
 triangular solve), so it shares the GDN stages of ``linattn.ops.gated_delta.torch_chunk``: the in-chunk cumsum,
 the decay matrix, the state pass (forward and reverse) and the output stage. Only the local backward differs
-(no W, no T = (I + A)⁻¹ to differentiate). Chunked layout ``[B, HV, NT, C, d]`` as there:
+(no W, no T = (I + A)⁻¹ to differentiate). Chunked layout ``[B, HV, NT, C, d]`` as there, and the backend runs
+on blocks of a few chunks as there (``block_chunks``; the state and dS carried between blocks):
 
     O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) U],     S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ U,     U = diag(η) V
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..gated_delta.torch_chunk import (
     CHUNK,
+    block_chunks,
     chunk_local_cumsum_bwd_ref,
     chunk_local_cumsum_ref,
     decay_matrix,
@@ -26,13 +30,29 @@ from ..gated_delta.torch_chunk import (
 from ..utils import compute_dtype
 
 
-def gla_chunk_fwd_ref(q, k, v, g, beta, scale: float, h0: torch.Tensor):
-    """All forward stages; returns (o, final state, (gc, u, h) saved for the backward)."""
-    gc = chunk_local_cumsum_ref(g)
-    u = v * beta[..., None]
-    # W = 0: the shared state pass then leaves V_new = U (the zero matmul is the price of sharing the stage)
-    h, _, ht = state_pass_fwd_ref(torch.zeros_like(k), u, k, gc, h0)
-    return output_fwd_ref(q, k, u, h, gc, scale), ht, (gc, u, h)
+def gla_forward_blocks(k, v, g, beta, h0: torch.Tensor, block: int):
+    """The forward's stages up to the state pass, ``block`` chunks at a time, the state carried. Yields (chunk
+    slice, gc, u, h, the state leaving the block) per block."""
+    S = h0
+    for a in range(0, k.shape[2], block):
+        s = slice(a, a + block)
+        kb = k[:, :, s]
+        gc = chunk_local_cumsum_ref(g[:, :, s])
+        u = v[:, :, s] * beta[:, :, s][..., None]
+        # W = 0: the shared state pass then leaves V_new = U (the zero matmul is the price of sharing the stage)
+        h, _, S = state_pass_fwd_ref(torch.zeros_like(kb), u, kb, gc, S)
+        yield s, gc, u, h, S
+
+
+def gla_chunk_fwd_ref(q, k, v, g, beta, scale: float, h0: torch.Tensor, block: Optional[int] = None):
+    """All forward stages; returns (o, final state, (gc, u, h) saved for the backward). ``block``: chunks per
+    step (None: all at once, and the saved tensors are returned; with blocks, None is)."""
+    o = torch.empty_like(v)
+    ht, saved = h0, None
+    for s, gc, u, h, S in gla_forward_blocks(k, v, g, beta, h0, block or k.shape[2]):
+        o[:, :, s] = output_fwd_ref(q[:, :, s], k[:, :, s], u, h, gc, scale)
+        ht, saved = S, ((gc, u, h) if block is None else None)
+    return o, ht, saved
 
 
 def gla_local_bwd_ref(q, k, v, beta, gc, u, h, do, dh, du, scale: float):
@@ -62,12 +82,19 @@ def gla_local_bwd_ref(q, k, v, beta, gc, u, h, do, dh, du, scale: float):
     return dq, dk, beta[..., None] * du, (v * du).sum(-1), dgc
 
 
-def gla_chunk_bwd_ref(q, k, v, g, beta, scale, h0, do, dht):
-    """Recompute the forward, run the shared reverse state pass and the local backward: dq, dk, dv, dg, dbeta, dh0."""
-    _, _, (gc, u, h) = gla_chunk_fwd_ref(q, k, v, g, beta, scale, h0)
-    dh, du, dh0 = state_pass_bwd_ref(q, k, torch.zeros_like(k), gc, do, dht, scale)
-    dq, dk, dv, dbeta, dgc = gla_local_bwd_ref(q, k, v, beta, gc, u, h, do, dh, du, scale)
-    return dq, dk, dv, chunk_local_cumsum_bwd_ref(dgc), dbeta, dh0
+def gla_chunk_bwd_ref(q, k, v, g, beta, scale, h0, do, dht, block: Optional[int] = None):
+    """Recompute the forward, run the shared reverse state pass and the local backward, ``block`` chunks at a time
+    (None: all at once), dS carried from block to block: dq, dk, dv, dg, dbeta, dh0."""
+    blocks = list(gla_forward_blocks(k, v, g, beta, h0, block or k.shape[2]))
+    dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
+    dS = dht
+    for s, gc, u, h, _ in reversed(blocks):
+        qb, kb, vb, bb, dob = (t[:, :, s] for t in (q, k, v, beta, do))
+        dh, du, dS = state_pass_bwd_ref(qb, kb, torch.zeros_like(kb), gc, dob, dS, scale)
+        dq[:, :, s], dk[:, :, s], dv[:, :, s], dbeta[:, :, s], dgc = gla_local_bwd_ref(
+            qb, kb, vb, bb, gc, u, h, dob, dh, du, scale)
+        dg[:, :, s] = chunk_local_cumsum_bwd_ref(dgc)
+    return dq, dk, dv, dg, dbeta, dS
 
 
 def gla_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets, chunk_size=CHUNK):
@@ -84,7 +111,8 @@ def gla_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets, chunk_size=CH
             continue
         x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta)]
         x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
-        oc, ht, _ = gla_chunk_fwd_ref(*(to_chunks(t, chunk_size) for t in x), scale, h0[None])
+        qc, kc, vc, gch, bc = (to_chunks(t, chunk_size).contiguous() for t in x)
+        oc, ht, _ = gla_chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None], block=block_chunks(kc, vc))
         o[b:b + 1, bos:eos] = from_chunks(oc, eos - bos).to(v.dtype)
         finals.append(ht[0])
     return o, torch.stack(finals).to(cd)
@@ -106,8 +134,8 @@ def gla_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht, chun
             continue
         x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta, do)]
         x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
-        qc, kc, vc, gch, bc, doc = (to_chunks(t, chunk_size) for t in x)
-        res = gla_chunk_bwd_ref(qc, kc, vc, gch, bc, scale, h0[None], doc, dht_n[None])
+        qc, kc, vc, gch, bc, doc = (to_chunks(t, chunk_size).contiguous() for t in x)
+        res = gla_chunk_bwd_ref(qc, kc, vc, gch, bc, scale, h0[None], doc, dht_n[None], block=block_chunks(kc, vc))
         for dst, src in zip(grads, (res[0], res[1], res[2], res[3], res[4])):
             dst[b:b + 1, bos:eos] = from_chunks(src, eos - bos)
         dh0s.append(res[5][0])
