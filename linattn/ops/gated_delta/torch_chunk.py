@@ -19,7 +19,7 @@ state. Why: on a CPU, whole-sequence temporaries (32 MB for one [HV=16, T=4096, 
 mmap'd memory at every allocation, and the page faults cost more than the arithmetic (a 32 MB bmm 16.5 ms into a
 new tensor, 6.1 ms into an existing one). Blocks of ≤ 4 MB are recycled by the allocator and stay in cache:
 B=1 T=4096 H=16 K=V=128 fp32 on two cores, the public op's forward 324 → 242 ms and forward + backward 1968 → 996
-(docs/performance.md, after run 16).
+(docs/performance.md, after run 16; measured in a VM whose page faults are slow, so less on bare metal).
 """
 from __future__ import annotations
 
