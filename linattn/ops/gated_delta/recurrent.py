@@ -86,26 +86,33 @@ def prepare_bwd_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm: bool, use_beta
     return dq, dk, dg, dbeta, dA_log, ddt_bias
 
 
+def _recurrence(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor], keep_states: bool):
+    """o ``[N, T, HV, V]``, the final state and (if ``keep_states``) the list of the states after each token: the
+    recurrence is :func:`one_step_ref` token by token, on a copy of h0 updated in place."""
+    N, T, HV, K = q.shape
+    V = v.shape[-1]
+    S = (h0.to(q.dtype, memory_format=torch.contiguous_format, copy=True) if h0 is not None
+         else q.new_zeros(N, HV, K, V))
+    o = q.new_empty(N, T, HV, V)
+    states = []
+    for t in range(T):
+        o[:, t] = one_step_ref(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], scale, S)
+        if keep_states:
+            states.append(S.clone())
+    return o, S, states
+
+
 def fused_recurrent_fwd_ref(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor],
                             store_intermediate: bool = False):
     """Twin of ``fused_recurrent_fwd_kernel`` on prepared inputs of equal-length sequences.
 
     q, k ``[N, T, HV, K]`` (grouped heads expanded); v ``[N, T, HV, V]``; g, beta ``[N, T, HV]``, all in the
-    compute dtype; h0 ``[N, HV, K, V]`` or None. Returns o ``[N, T, HV, V]``, the final state and, if asked,
-    the state after every token ``[N, T, HV, K, V]``."""
-    N, T, HV, K = q.shape
-    V = v.shape[-1]
-    S = h0.to(q.dtype) if h0 is not None else q.new_zeros(N, HV, K, V)
-    o = q.new_zeros(N, T, HV, V)
-    hs = [] if store_intermediate else None
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None, None]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S))
-        S = S + k[:, t, :, :, None] * u[:, :, None, :]
-        o[:, t] = scale * torch.einsum("nhk,nhkv->nhv", q[:, t], S)
-        if store_intermediate:
-            hs.append(S)
-    return o, S, (torch.stack(hs, 1) if store_intermediate else None)
+    compute dtype; h0 ``[N, HV, K, V]`` or None (not modified). Returns o ``[N, T, HV, V]``, the final state and, if
+    asked, the state after every token ``[N, T, HV, K, V]``. Per token (:func:`one_step_ref`):
+
+        S' = e^g S,   u = β (v − S'ᵀk),   S ← S' + k uᵀ,   o = scale·Sᵀq"""
+    o, S, states = _recurrence(q, k, v, g, beta, scale, h0, store_intermediate)
+    return o, S, (torch.stack(states, 1) if store_intermediate else None)
 
 
 def one_step_ref(q, k, v, g, beta, scale: float, S: torch.Tensor) -> torch.Tensor:
@@ -133,32 +140,38 @@ def one_step_ref(q, k, v, g, beta, scale: float, S: torch.Tensor) -> torch.Tenso
 def fused_recurrent_bwd_ref(q, k, v, g, beta, scale: float, h0: Optional[torch.Tensor], do, dht):
     """Twin of ``fused_recurrent_bwd_kernel``: the reverse walk, on the inputs of :func:`fused_recurrent_fwd_ref`.
     Returns dq, dk ``[N, T, HV, K]``, dv ``[N, T, HV, V]``, dg, dbeta ``[N, T, HV]`` and dh0 (see the kernel's
-    docstring for the per-token formulas)."""
+    docstring for the per-token formulas). The (sequence, head) pairs are one batch of NH = N·HV matrices, and dS is
+    updated in place (rank-1 ``baddbmm_``, in-place scale): no state-sized temporary per token but S'."""
     N, T, HV, K = q.shape
     V = v.shape[-1]
-    _, _, hs = fused_recurrent_fwd_ref(q, k, v, g, beta, scale, h0, store_intermediate=True)
+    NH = N * HV
+    _, _, states = _recurrence(q, k, v, g, beta, scale, h0, keep_states=True)
     h_first = h0.to(q.dtype) if h0 is not None else q.new_zeros(N, HV, K, V)
-    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
-    dv = torch.zeros_like(v)
-    dg, dbeta = torch.zeros_like(g), torch.zeros_like(beta)
-    dS = dht.to(q.dtype) if dht is not None else q.new_zeros(N, HV, K, V)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+    dS = (dht.to(q.dtype, memory_format=torch.contiguous_format, copy=True).view(NH, K, V) if dht is not None
+          else q.new_zeros(NH, K, V))
+    Sp = q.new_empty(NH, K, V)                                                   # S' = e^g S_{t-1}, reused
+    do = do.to(q.dtype)
     for t in reversed(range(T)):
-        kt, qt, dot, bt, eg = k[:, t], q[:, t] * scale, do[:, t].to(q.dtype), beta[:, t], g[:, t].exp()
-        Sp = (hs[:, t - 1] if t > 0 else h_first) * eg[..., None, None]          # S'
-        u = v[:, t] - torch.einsum("nhk,nhkv->nhv", kt, Sp)
-        bu = bt[..., None] * u
-        St = Sp + kt[..., None] * bu[..., None, :]
-        dq[:, t] = scale * torch.einsum("nhkv,nhv->nhk", St, dot)
-        dS = dS + qt[..., None] * dot[..., None, :]
-        dbu = torch.einsum("nhkv,nhk->nhv", dS, kt)
-        du = bt[..., None] * dbu
-        dk[:, t] = torch.einsum("nhkv,nhv->nhk", dS, bu) - torch.einsum("nhkv,nhv->nhk", Sp, du)
-        dbeta[:, t] = (u * dbu).sum(-1)
-        dv[:, t] = du
-        dS = dS - kt[..., None] * du[..., None, :]                                 # dS'
-        dg[:, t] = (dS * Sp).sum((-1, -2))
-        dS = dS * eg[..., None, None]
-    return dq, dk, dv, dg, dbeta, dS
+        kt, qt, dot = k[:, t].reshape(NH, K), q[:, t].reshape(NH, K) * scale, do[:, t].reshape(NH, V)
+        bt, eg = beta[:, t].reshape(NH, 1), g[:, t].exp().reshape(NH, 1)
+        torch.mul((states[t - 1] if t > 0 else h_first).reshape(NH, K, V), eg[..., None], out=Sp)
+        u = v[:, t].reshape(NH, V) - (kt[:, None] @ Sp)[:, 0]
+        bu = bt * u
+        dq[:, t] = scale * (states[t].view(NH, K, V) @ dot[..., None]).view(N, HV, K)     # S_t dO
+        dS.baddbmm_(qt[..., None], dot[:, None])                                  # + scale·q dOᵀ
+        dbu = (kt[:, None] @ dS)[:, 0]
+        du = bt * dbu
+        dk[:, t] = (dS @ bu[..., None] - Sp @ du[..., None]).view(N, HV, K)
+        dbeta[:, t] = (u * dbu).sum(-1).view(N, HV)
+        dv[:, t] = du.view(N, HV, V)
+        dS.baddbmm_(kt[..., None], du[:, None], alpha=-1)                         # dS' = dS − k duᵀ
+        # ⟨dS', S'⟩ (vecdot: a [1, K·V] @ [K·V, 1] bmm took 2 ms here, 9× vecdot, on a CPU)
+        dg[:, t] = torch.linalg.vecdot(dS.view(NH, K * V), Sp.view(NH, K * V)).view(N, HV)
+        dS.mul_(eg[..., None])
+    return dq, dk, dv, dg, dbeta, dS.view(N, HV, K, V)
 
 
 # ----------------------------------------------------------------------------------------------------------------
