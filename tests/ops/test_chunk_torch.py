@@ -179,6 +179,7 @@ def test_block_chunks_rule():
     k, v = torch.empty(1, 16, 64, 64, 128), torch.empty(1, 16, 64, 64, 128)   # h per chunk: 1 MiB in fp32
     assert BLOCK_BYTES == 4 << 20 and block_chunks(k, v) == 4 and block_chunks(k.double(), v) == 2
     assert block_chunks(k[:, :, :3], v) == 3 and block_chunks(torch.empty(1, 64, 8, 64, 256), v) == 1
+    assert block_chunks(torch.empty(1, 16, 64, 64, 128, device="meta"), v) == 64   # not a CPU: one block
 
 
 def test_inputs_are_not_modified():
