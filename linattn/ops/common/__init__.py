@@ -25,8 +25,9 @@ are both *inputs* (Q Kᵀ, K Kᵀ) runs in the input dtype, so 16-bit inputs fee
 products are exact. A dot that touches an fp32 *intermediate* (A_inv, W, U, V_new, the state) runs on fp32
 operands at ``dot_precision(input dtype)``: ``"tf32x3"`` for fp32 inputs (:data:`FP32_DOT_PRECISION`;
 errors ≈ 4e-7 against float64, run 16), ``"tf32"`` for bf16 inputs (11-bit operands: 8× finer than bf16, which
-keeps the bf16 output error near 2e-3) and ``"tf32x3"`` for fp16 inputs (fp16 already has tf32's mantissa; plain tf32 made fp16 errors 3–5× the rounded-PyTorch baseline).
-The small 16×16 block merges of the triangular solve always run in ``"ieee"`` (they cost ~1% of the FLOPs).
+keeps the bf16 output error near 2e-3) and ``"tf32x3"`` for fp16 inputs (fp16 already has tf32's mantissa; plain
+tf32 made fp16 errors 3–5× the rounded-PyTorch baseline). The small 16×16 block merges of the triangular solve
+(~1% of the FLOPs) and the WY backward's inverse products follow :func:`product_precision` instead.
 The sequential walk (``fused_fwd.py``) picks its own pair with ``fused_dot_precisions`` and may also run
 ``"bf16x3"`` (``dot.py``: fp32 operands split into bf16 halves, three bf16 MMAs, ≈ 2^-16 per product).
 The Triton interpreter ignores the precision and multiplies in fp32, and multiplies bf16 ``tl.dot`` operands as raw

@@ -39,8 +39,8 @@ MERGE_PREC_BF16 = "bf16x3"
 
 
 def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
-    """The block merges' precision for inputs of ``dtype``: ``override`` (benchmarks, tests; not for fp32) or
-    :data:`MERGE_PREC_BF16` for bf16, "ieee" otherwise; checked."""
+    """The block merges' precision for inputs of ``dtype``: ``common.FP32_PRODUCT_PRECISION`` for fp32, else
+    ``override`` (benchmarks, tests) or :data:`MERGE_PREC_BF16` for bf16 and "ieee" for fp16; checked."""
     setting = MERGE_PREC_BF16 if dtype == torch.bfloat16 else "ieee"
     return product_precision(dtype, setting, override, DOT_PRECISIONS, "kkt_solve merge precision")
 
