@@ -59,20 +59,20 @@ def dot(a, b, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     ``tl.dot``'s input_precision). Operands of different dtypes are widened to fp32 for Triton's precisions
     (``tl.dot`` takes one operand dtype); bf16 ones are widened under the interpreter."""
     if PREC == "bf16x3":
-        acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
-        # small terms first, the large hi·hi last, so the fp32 accumulator rounds once at the largest magnitude
+        # small terms first, the large hi·hi last, so the fp32 accumulator rounds once at the largest magnitude; the
+        # first term starts the accumulator (acc None: any rank, batched [S, M, N] dots included)
         if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
-            return _dot_bf16(a, b, acc, INTERPRET)
+            return _dot_bf16(a, b, None, INTERPRET)
         elif a.dtype == tl.bfloat16:
             b_hi, b_lo = _split_bf16(b)
-            return _dot_bf16(a, b_hi, _dot_bf16(a, b_lo, acc, INTERPRET), INTERPRET)
+            return _dot_bf16(a, b_hi, _dot_bf16(a, b_lo, None, INTERPRET), INTERPRET)
         elif b.dtype == tl.bfloat16:
             a_hi, a_lo = _split_bf16(a)
-            return _dot_bf16(a_hi, b, _dot_bf16(a_lo, b, acc, INTERPRET), INTERPRET)
+            return _dot_bf16(a_hi, b, _dot_bf16(a_lo, b, None, INTERPRET), INTERPRET)
         else:
             a_hi, a_lo = _split_bf16(a)
             b_hi, b_lo = _split_bf16(b)
-            acc = _dot_bf16(a_lo, b_hi, acc, INTERPRET)
+            acc = _dot_bf16(a_lo, b_hi, None, INTERPRET)
             acc = _dot_bf16(a_hi, b_lo, acc, INTERPRET)
             return _dot_bf16(a_hi, b_hi, acc, INTERPRET)
     elif (INTERPRET and (a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16)) or a.dtype != b.dtype:

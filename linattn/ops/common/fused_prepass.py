@@ -17,10 +17,10 @@ of the Q Kᵀ sum. Without queries the flag is off and the kernel compiles to wh
 Against the unfused stages (cumsum → kkt_solve → wy) this drops the A_inv round trip (BT² fp32 written and read
 back: 32 KB per chunk and head), two launches, and the re-reads of gc and β.
 
-The solve (``kkt_solve.kkt_inverse_blocks``) reads the cumulative gates back from ``gc`` in 16-row slices; the
+The solve (``kkt_solve.kkt_inverse``) reads the cumulative gates back from ``gc`` in 16- and 32-row slices; the
 program writes them first and then passes a CTA barrier, which makes its own global stores visible to all its
-threads (the values come from L1/L2, not HBM). The ten inverse blocks are then assembled into one [BT, BT]
-register tile with ``tl.join`` (no data leaves the SM) so that W and U are [64, 64]-sized dots, shared with
+threads (the values come from L1/L2, not HBM). The solve hands back the inverse as one [BT, BT] register tile
+(assembled with ``tl.join``, no data leaves the SM) so that W and U are [64, 64]-sized dots, shared with
 ``wy.wy_tiles``.
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
+from . import CHUNK, block_size, check_store_dtype, dot_precision, kkt_solve, launch_options, triton_interpret
 from .dot import dot
-from .kkt_solve import kkt_inverse_blocks, merge_precision
+from .kkt_solve import kkt_inverse, merge_precision
 from .varlen import chunk_bounds
 from .wy import wy_tiles
 
@@ -43,24 +43,12 @@ from .wy import wy_tiles
 PREPASS_WARPS = 4
 
 
-@triton.jit
-def _cat_cols(a, b):
-    """[M, N] ++ [M, N] → [M, 2N] along columns (register shuffle only)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
-
-
-@triton.jit
-def _cat_rows(a, b):
-    """[M, N] ++ [M, N] → [2M, N] along rows (register shuffle only)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * a.shape[0], a.shape[1]))
-
-
 @triton.jit(do_not_specialize=["T"])
 def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
                          IS_VARLEN: tl.constexpr, STORE_P: tl.constexpr, MERGE_PREC: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         HALVES: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -96,15 +84,10 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indice
                                 (1, 0))
         tl.store(p_p, b_P, boundary_check=(0,))
 
-    # 3. (I + A)⁻¹ in ten 16×16 blocks (reads BT×K keys, BT gates and betas), assembled to [BT, BT] in registers;
-    #    K Kᵀ runs on the inputs (INPUT_PREC), W and U on the fp32 inverse (DOT_PREC)
-    b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
-        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True, MERGE_PREC, INTERPRET)
-    b_0 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A = _cat_rows(_cat_rows(_cat_cols(_cat_cols(b_T00, b_0), _cat_cols(b_0, b_0)),
-                              _cat_cols(_cat_cols(b_T10, b_T11), _cat_cols(b_0, b_0))),
-                    _cat_rows(_cat_cols(_cat_cols(b_T20, b_T21), _cat_cols(b_T22, b_0)),
-                              _cat_cols(_cat_cols(b_T30, b_T31), _cat_cols(b_T32, b_T33))))
+    # 3. (I + A)⁻¹ as one [BT, BT] register tile (reads BT×K keys, BT gates and betas); K Kᵀ runs on the inputs
+    #    (INPUT_PREC), W and U on the fp32 inverse (DOT_PREC)
+    b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True, MERGE_PREC,
+                      HALVES, INTERPRET)
 
     # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
     b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
@@ -143,6 +126,6 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
         INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
+        MERGE_PREC=merge_precision(k.dtype), HALVES=kkt_solve.MERGE_BY_HALVES, INTERPRET=triton_interpret(),
         num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
     return (gc, w, u) if q is None else (gc, w, u, p)

@@ -3,15 +3,16 @@
 Twin: ``torch_chunk.kkt_solve_ref``. Output ``A_inv [B, T, HV, BT]`` fp32: row t holds row (t − chunk start) of
 its chunk's inverse; columns past the chunk's length are 0 (the inverse is lower triangular).
 
-Method (exact, no iteration to convergence). Split the chunk into four 16-row blocks, A_ij (i ≥ j):
-  1. the ten blocks A_ij = β_i (K_i K_jᵀ) ⊙ e^{G_i − G_j}: six 16×16 dots and one 4×16×16 (the diagonal
-     blocks) per K tile, in the input dtype (products of inputs are exact in fp32 accumulation); the gate
-     difference is masked *before* exp, so padded rows and the upper triangle never overflow, and
-     e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
-  2. forward substitution on the four diagonal blocks at once: Ainv_ii = (I + A_ii)⁻¹, 15 row steps in
-     registers;
-  3. block merges, Ainv_ij = −Ainv_ii Σ_{j ≤ m < i} A_im Ainv_mj: six levels of 16×16 fp32 dots at
-     :data:`MERGE_PREC_BF16` for bf16 inputs ("ieee" for fp16 and fp32 inputs).
+Method (exact, no iteration to convergence). Split the chunk into four 16-row blocks, A_ij (i ≥ j), and two
+32-row halves (lo, hi):
+  1. A's blocks = β_i (K_i K_jᵀ) ⊙ e^{G_i − G_j}, per K tile one [4, 16, 16] dot (the diagonal blocks), one
+     [2, 16, 16] dot (A10, A32) and one 32×32 dot (the lower-left quadrant A_hl), in the input dtype (products of
+     inputs are exact in fp32 accumulation); the gate difference is masked *before* exp, so padded rows and the
+     upper triangle never overflow, and e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
+  2. forward substitution on the four diagonal blocks at once: T_ii = (I + A_ii)⁻¹, 15 row steps in registers;
+  3. merges, by halves (:data:`MERGE_BY_HALVES`): (T10, T32) = −(T11, T33) (A10, A32) (T00, T22) in one
+     [2, 16, 16] pair of dots, then the quadrant X = −T_hi A_hl T_lo in two 32×32 dots, fp32 × fp32 at
+     :data:`MERGE_PREC_BF16` for bf16 inputs ("ieee" for fp16, ``FP32_PRODUCT_PRECISION`` for fp32 inputs).
 Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
 (entries of A³² reach C(63, 31) ≈ 1e18 while the inverse stays O(1)); substitution does not.
 Per chunk it reads BT·K keys, 2·BT gates/betas and writes BT·BT fp32; the ~2·BT²·K FLOPs are ~5% of the forward.
@@ -47,8 +48,8 @@ def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
 
 @triton.jit
 def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
-    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} on the rows o_i / columns o_j of the chunk (an off-diagonal block), 0 where
-    masked."""
+    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} on the rows o_i / columns o_j of the chunk (a block below the diagonal),
+    0 where masked."""
     m_i = o_i < T_seq
     m_j = o_j < T_seq
     m_A = m_i[:, None] & m_j[None, :]
@@ -60,33 +61,46 @@ def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE
     return tl.where(m_A, b_A * b_beta[:, None], 0.)
 
 
-# How steps 1–2 build and invert the four diagonal 16×16 blocks: one 3-D dot over the [4, 16, BK] key stack, whose
-# MMA layout on sm_90 puts one block on each warp (warpsPerCTA [4, 1, 1]), then the 15-step forward substitution
-# on the [4, 16, 16] stack, each warp for its own block. Four 2-D dots (the way before run 14) give every 16×16
-# result a warp-replicated layout, so all four warps ran all four blocks' substitutions (4 × 15 steps of 95 SASS
-# instructions, 28 of them shuffles); the stack cuts ≈ 38% of the instructions per warp. Run 14 (B=8 T=4096 H=16,
-# bf16): kkt_solve 0.501 → 0.265 ms (predicted ≈ 0.30), pre-pass 0.859 → 0.619, split forward 1.855 → 1.623,
-# fwd+bwd 7.98 → 7.50; every error vs float64 unchanged (same arithmetic per block).
 @triton.jit
-def _gate_diag_blocks(b_A, gc, beta, bos, T_seq, i_c, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
-    """:func:`_gate_block` for the four diagonal blocks stacked as [4, 16, 16] (block b: the chunk's rows and
-    columns 16b … 16b + 15): b_A ← β_i · b_A ⊙ e^{G_i − G_j}, 0 on and above the diagonal and where masked."""
-    o_r = tl.arange(0, 16)
-    o_t = i_c * 64 + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]  # [4, 16]: the token of (block, row)
-    m_t = o_t < T_seq
-    m_A = m_t[:, :, None] & m_t[:, None, :] & (o_r[:, None] > o_r[None, :])[None, :, :]
-    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+def _gate_stack(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+    """:func:`_gate_block` for a stack of 16×16 blocks [S, 16, 16], block s on the chunk's rows o_i[s] and columns
+    o_j[s] ([S, 16] each): b_A ← β_i · b_A ⊙ e^{G_i − G_j} where row > column, 0 elsewhere and where masked (a
+    diagonal block keeps its strict lower triangle, a block below the diagonal all of itself)."""
+    m_i = o_i < T_seq
+    m_j = o_j < T_seq
+    m_A = m_i[:, :, None] & m_j[:, None, :] & (o_i[:, :, None] > o_j[:, None, :])
+    b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
     if USE_DECAY:
-        b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-        b_A = b_A * tl.exp(tl.where(m_A, b_g[:, :, None] - b_g[:, None, :], float("-inf")))
+        b_gi = tl.load(gc + (bos + o_i) * HV + i_hv, mask=m_i, other=0)
+        b_gj = tl.load(gc + (bos + o_j) * HV + i_hv, mask=m_j, other=0)
+        b_A = b_A * tl.exp(tl.where(m_A, b_gi[:, :, None] - b_gj[:, None, :], float("-inf")))
     return tl.where(m_A, b_A * b_beta[:, :, None], 0.)
+
+
+@triton.jit
+def cat_cols(a, b):
+    """[M, N] ++ [M, N] → [M, 2N] along columns (register shuffle only)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def cat_rows(a, b):
+    """[M, N] ++ [M, N] → [2M, N] along rows (register shuffle only)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * a.shape[0], a.shape[1]))
+
+
+@triton.jit
+def _unstack2(x):
+    """[2, M, N] → its two [M, N] slices."""
+    return tl.split(tl.permute(x, (1, 2, 0)))
 
 
 @triton.jit
 def _invert_diag_blocks(b_A, o_r):
     """(I + A)⁻¹ of the four stacked strictly lower 16×16 diagonal blocks [4, 16, 16] by forward substitution,
     one chain of 15 row steps for all four: with N = (I + A)⁻¹ − I, row r is N_r = −A_r + Σ_{m<r} (−A_rm) N_m;
-    rows m < r of b_N already hold N_m, rows ≥ r still hold −A (unused). Returns the four inverses as [16, 16]."""
+    rows m < r of b_N already hold N_m, rows ≥ r still hold −A (unused). Returns the inverses as two stacks
+    [2, 16, 16]: (T00, T22) and (T11, T33), the first and the second block of each half of the chunk."""
     b_N = -b_A
     for r in range(1, 16):
         m_r = (o_r == r)[None, :, None]
@@ -94,21 +108,83 @@ def _invert_diag_blocks(b_A, o_r):
         b_a = b_a + tl.sum(b_a[:, :, None] * b_N, 1)
         b_N = tl.where(m_r, b_a[:, None, :], b_N)
     b_N = b_N + (o_r[:, None] == o_r[None, :]).to(tl.float32)[None, :, :]
-    b_y = tl.permute(tl.reshape(b_N, (2, 2, 16, 16)), (2, 3, 1, 0))  # [16, 16, 2 (within a pair), 2 (pair)]
-    b_p0, b_p1 = tl.split(b_y)
-    b_T00, b_T11 = tl.split(b_p0)
-    b_T22, b_T33 = tl.split(b_p1)
-    return b_T00, b_T11, b_T22, b_T33
+    # block 2p + i is the i-th block of half p: [2 (p), 2 (i), 16, 16] → [2 (p), 16, 16, 2 (i)] → split on i
+    return tl.split(tl.permute(tl.reshape(b_N, (2, 2, 16, 16)), (0, 2, 3, 1)))
+
+
+# How step 3 merges the inverted diagonal blocks. By halves (since run 17): first both halves of the chunk at once,
+# T_{2p+1,2p} = −T_{2p+1,2p+1} A_{2p+1,2p} T_{2p,2p} for p = 0, 1 as two dots of [2, 16, 16] stacks, then the
+# lower-left 32×32 quadrant X = −T_hi A_hl T_lo as two 32×32 dots (T_lo, T_hi: the inverted halves), with A's
+# quadrant A_hl and the two blocks A10, A32 built in step 1 as one 32×32 and one [2, 16, 16] dot. On 4 warps every
+# one of these dots spreads its result over the warps, where the six merge levels of 16×16 dots before it (and the
+# six 16×16 dots of step 1) gave every warp the whole 16×16 result: 16 replicated merge dots (48 bf16 MMAs per
+# warp at bf16x3, each with its operand conversions) become 4 spread ones. Same products, associated differently
+# (T30 = −(T32 Y + T33 Z) instead of −T33 (Z + A32 T20), Y, Z the sums of the old T20 and T30). False: the
+# sixteen-block merges (measured against it in run 17, then to be deleted).
+MERGE_BY_HALVES = True
 
 
 @triton.jit
-def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                        USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
-    """Steps 1–3 for chunk i_c of the sequence at bos: the ten lower 16×16 blocks of (I + A)⁻¹, fp32, as
-    (T00, T10, T11, T20, T21, T22, T30, T31, T32, T33). Shared by :func:`kkt_solve_kernel` and the fused
-    pre-pass (``fused_prepass.py``), which keeps them in registers instead of writing A_inv."""
-    tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
+    """Steps 1–3 by halves (:data:`MERGE_BY_HALVES`): (T_lo, X, T_hi), the 32×32 quadrants of (I + A)⁻¹."""
+    o_r = tl.arange(0, 16)
+    o_32 = tl.arange(0, 32)
+    o_h = tl.arange(0, 2)[:, None] * 32 + o_r[None, :]  # [2, 16]: rows of block 0 of each half (chunk-local)
+    o_k = tl.arange(0, BK)
+
+    # 1. per K tile: the four diagonal blocks ([4, 16, BK] stack of the chunk's keys), (A10, A32) ([2, 16, BK]
+    #    stacks of blocks 1, 3 and 0, 2) and the lower-left quadrant (keys 32..63 by keys 0..31); read BT×K keys
+    #    once from HBM, the slices again from L1
+    b_Ad = tl.zeros([4, 16, 16], dtype=tl.float32)
+    b_As = tl.zeros([2, 16, 16], dtype=tl.float32)
+    b_Ahl = tl.zeros([32, 32], dtype=tl.float32)
+    p_k0 = k + (bos * H + i_h) * K
+    p_kc = p_k0 + (i_c * BT).to(tl.int64) * (H * K)  # the chunk's first key row
+    m_lo = (i_c * BT + o_h < T_seq)[:, :, None]
+    m_hi = (i_c * BT + o_h + 16 < T_seq)[:, :, None]
+    for i_k in range(tl.cdiv(K, BK)):
+        b_k = tl.load(tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK), (1, 0)),
+                      boundary_check=(0, 1))
+        b_k = tl.reshape(b_k, (4, 16, BK))
+        b_Ad += tl.dot(b_k, tl.permute(b_k, (0, 2, 1)), input_precision=DOT_PREC)
+        m_k = (i_k * BK + o_k < K)[None, None, :]
+        p_s = p_kc + o_h[:, :, None] * (H * K) + i_k * BK + o_k[None, None, :]
+        b_ks0 = tl.load(p_s, mask=m_lo & m_k, other=0)  # blocks 0, 2
+        b_ks1 = tl.load(p_s + 16 * H * K, mask=m_hi & m_k, other=0)  # blocks 1, 3
+        b_As += tl.dot(b_ks1, tl.permute(b_ks0, (0, 2, 1)), input_precision=DOT_PREC)
+        p_q = tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (32, BK), (1, 0))
+        b_klo = tl.load(p_q, boundary_check=(0, 1))
+        b_khi = tl.load(tl.advance(p_q, (32, 0)), boundary_check=(0, 1))
+        b_Ahl += tl.dot(b_khi, tl.trans(b_klo), input_precision=DOT_PREC)
+    # β_i and the decay e^{G_i − G_j}, masked before exp
+    o_d = i_c * BT + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]
+    b_Ad = _gate_stack(b_Ad, gc, beta, bos, T_seq, o_d, o_d, i_hv, HV, USE_DECAY)
+    b_As = _gate_stack(b_As, gc, beta, bos, T_seq, i_c * BT + o_h + 16, i_c * BT + o_h, i_hv, HV, USE_DECAY)
+    b_Ahl = _gate_block(b_Ahl, gc, beta, bos, T_seq, i_c * BT + 32 + o_32, i_c * BT + o_32, i_hv, HV, USE_DECAY)
+
+    # 2. the diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
+    b_Tf, b_Ts = _invert_diag_blocks(b_Ad, o_r)  # (T00, T22), (T11, T33)
+
+    # 3. both halves' off-diagonal blocks at once, (T10, T32) = −(T11, T33) (A10, A32) (T00, T22), then the
+    #    quadrant X = −T_hi A_hl T_lo (fp32 × fp32, merge_precision)
+    b_Tm = -dot(b_Ts, dot(b_As, b_Tf, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
+    b_T00, b_T22 = _unstack2(b_Tf)
+    b_T11, b_T33 = _unstack2(b_Ts)
+    b_T10, b_T32 = _unstack2(b_Tm)
+    b_0 = tl.zeros([16, 16], dtype=tl.float32)
+    b_Tlo = cat_rows(cat_cols(b_T00, b_0), cat_cols(b_T10, b_T11))
+    b_Thi = cat_rows(cat_cols(b_T22, b_0), cat_cols(b_T32, b_T33))
+    b_X = -dot(b_Thi, dot(b_Ahl, b_Tlo, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
+    return b_Tlo, b_X, b_Thi
+
+
+@triton.jit
+def _inverse_by_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+                       USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """Steps 1–3 in sixteen 16×16 blocks (until run 17): (T_lo, X, T_hi) as :func:`_inverse_by_halves`."""
     o_r = tl.arange(0, 16)
     o_0 = i_c * BT + o_r
     o_1, o_2, o_3 = o_0 + 16, o_0 + 32, o_0 + 48
@@ -148,8 +224,10 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     b_A32 = _gate_block(b_A32, gc, beta, bos, T_seq, o_3, o_2, i_hv, HV, USE_DECAY)
 
     # 2. diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
-    b_Ad = _gate_diag_blocks(b_Ad, gc, beta, bos, T_seq, i_c, i_hv, HV, USE_DECAY)
-    b_T00, b_T11, b_T22, b_T33 = _invert_diag_blocks(b_Ad, o_r)
+    o_d = i_c * BT + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]
+    b_Tf, b_Ts = _invert_diag_blocks(_gate_stack(b_Ad, gc, beta, bos, T_seq, o_d, o_d, i_hv, HV, USE_DECAY), o_r)
+    b_T00, b_T22 = _unstack2(b_Tf)
+    b_T11, b_T33 = _unstack2(b_Ts)
 
     # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32,
     #    merge_precision)
@@ -162,43 +240,46 @@ def kkt_inverse_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
                  MERGE_PREC, INTERPRET)
     b_T30 = -dot(b_T33, dot(b_A30, b_T00, MERGE_PREC, INTERPRET) + dot(b_A31, b_T10, MERGE_PREC, INTERPRET)
                  + dot(b_A32, b_T20, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
-    return b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33
+    b_0 = tl.zeros([16, 16], dtype=tl.float32)
+    return (cat_rows(cat_cols(b_T00, b_0), cat_cols(b_T10, b_T11)),
+            cat_rows(cat_cols(b_T20, b_T21), cat_cols(b_T30, b_T31)),
+            cat_rows(cat_cols(b_T22, b_0), cat_cols(b_T32, b_T33)))
+
+
+@triton.jit
+def kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
+                MERGE_PREC: tl.constexpr, HALVES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Steps 1–3 for chunk i_c of the sequence at bos: (I + A)⁻¹ as one [BT, BT] fp32 register tile (zero above
+    the diagonal). Shared by :func:`kkt_solve_kernel` and the fused pre-pass (``fused_prepass.py``), which keeps it
+    in registers instead of writing A_inv. HALVES: :data:`MERGE_BY_HALVES`."""
+    tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
+    if HALVES:
+        b_Tlo, b_X, b_Thi = _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC,
+                                               USE_DECAY, MERGE_PREC, INTERPRET)
+    else:
+        b_Tlo, b_X, b_Thi = _inverse_by_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC,
+                                               USE_DECAY, MERGE_PREC, INTERPRET)
+    return cat_rows(cat_cols(b_Tlo, tl.zeros([32, 32], dtype=tl.float32)), cat_cols(b_X, b_Thi))
 
 
 @triton.jit(do_not_specialize=["T"])
 def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                      USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, MERGE_PREC: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     HALVES: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
     T_seq = eos - bos
-    b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33 = kkt_inverse_blocks(
-        k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC, INTERPRET)
-
-    # write all sixteen blocks (the upper ones as zeros) of the chunk's rows; rows past eos are not written
-    p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (16, 16),
+    b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC,
+                      HALVES, INTERPRET)
+    # the chunk's rows (rows past eos are not written), zeros above the diagonal included
+    p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
                             (1, 0))
-    b_zero = tl.zeros([16, 16], dtype=tl.float32)
-    tl.store(p_T, b_T00, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (0, 16)), b_zero, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (0, 32)), b_zero, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (0, 48)), b_zero, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (16, 0)), b_T10, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (16, 16)), b_T11, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (16, 32)), b_zero, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (16, 48)), b_zero, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (32, 0)), b_T20, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (32, 16)), b_T21, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (32, 32)), b_T22, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (32, 48)), b_zero, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (48, 0)), b_T30, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (48, 16)), b_T31, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (48, 32)), b_T32, boundary_check=(0, 1))
-    tl.store(tl.advance(p_T, (48, 48)), b_T33, boundary_check=(0, 1))
+    tl.store(p_T, b_A, boundary_check=(0, 1))
 
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], HV: int,
@@ -220,5 +301,6 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
     kkt_solve_kernel[(NT, B * HV)](
         k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
         DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None,
-        MERGE_PREC=merge_precision(k.dtype, merge_prec), INTERPRET=triton_interpret(), **launch_options("kkt_solve"))
+        MERGE_PREC=merge_precision(k.dtype, merge_prec), HALVES=MERGE_BY_HALVES, INTERPRET=triton_interpret(),
+        **launch_options("kkt_solve"))
     return A_inv
