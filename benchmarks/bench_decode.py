@@ -267,10 +267,12 @@ def main():
         # and at one token the ONE_STEP path (rk.DECODE_ONE_STEP) at the tiles sm_90 ptxas fits more programs per
         # SM with it: bf16 BV=32 / 4 warps 128 registers (four per SM; the loop: 146, three), BV=64 / 8 warps 136
         # (loop 182), caps 128 / 168 with the spills in docs/performance.md after run 15; fp32 BV=32 / 4 warps 127
-        # (four per SM: 64 KB of state in flight against the loop's 154 registers, three, 48 KB)
-        one_step = {torch.float32: [(32, 4, None), (64, 4, 168), (32, 2, 168), (64, 8, 128)],
-                    torch.bfloat16: [(64, 4, None), (32, 4, None), (64, 8, None), (64, 8, 128), (64, 4, 168),
-                                     (32, 2, 168)]}
+        # (four per SM: 64 KB of state in flight against the loop's 154 registers, three, 48 KB); run 17's one- and
+        # two-warp tiles (pick_tiles' ONE_STEP rule: one warp per 4096 values) and the 4-warp tiles before it
+        one_step = {torch.float32: [(64, 2, None), (32, 1, None), (32, 4, None), (128, 4, None), (64, 4, 168),
+                                    (64, 8, 128)],
+                    torch.bfloat16: [(32, 1, None), (64, 2, None), (16, 1, None), (64, 4, None), (32, 4, None),
+                                     (64, 8, None), (64, 4, 168), (32, 2, 168)]}
         for pool_dtype, tiles in ((torch.float32, [(bv, nw, None) for bv in (16, 32, 64) for nw in (4, 8)]
                                    + [(64, 4, 168)] + narrow),
                                   (torch.bfloat16, [(bv, nw, None) for bv in (32, 64, 128) for nw in (4, 8)]

@@ -27,7 +27,9 @@ Run 16 ran table 4 over ``FP32_DOT_PRECISION`` "ieee" / "tf32x3" × walk / split
 tf32x3 15× faster at B=8 (forward 86.2 → 5.62 ms on the split, fwd+bwd 367 → 23.6), every error ≤ 5.0e-7, the
 split ahead of the walk in fp32 at B=1 and B=8 — both switched; fp16's walk stayed ahead at both sizes.
 
-Now table 4 times ``FP32_PRODUCT_PRECISION`` "ieee" (default) against "tf32x3" on the split: the solve's block
+Run 17 timed ``FP32_PRODUCT_PRECISION`` "ieee" (default) against "tf32x3" on the split (the written prediction
+and rule below): tf32x3 slower, forward 5.49 → 6.71 ms at B=8, fwd+bwd 22.87 → 23.85, errors the same — "ieee"
+stays. That run's table 4 was the prediction's: the solve's block
 merges and the WY backward's inverse products, the last fp32 products on the FMA units. sm_90 ptxas (compile_all.py
 --dtype fp32 --B 8 [--set common.FP32_PRODUCT_PRECISION=tf32x3]): WY backward FFMA 2156 → 138, HGMMA 160 → 256,
 spills 3.4 → 4.1 KB, SASS 9520 → 8640 instructions; kkt_solve FFMA 522 → 10 but shuffles 28 → 268 and SASS 5776 →

@@ -22,6 +22,10 @@ default for bf16 since. W and U in bf16 on top (``split_fwd.WU_STORE_BF16``): pr
 forward 1.394 → 1.322 at B=8, but 2.045 → 2.194 at B=1 T=32768 (state pass 1.125 → 1.330) and the final state's
 error 1.05e-3 → 1.98e-3 — rejected.
 
+Run 17: the solve's merges by halves against the sixteen 16×16 block merges before (kkt_solve.py has the numbers:
+kkt_solve −5%, pre-pass −2%, the forward unchanged, errors identical; the block code is deleted), and the solve's
+register cap: uncapped, the pre-pass 0.589 → 0.652 ms at B=8 — 168 stays.
+
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
    case and T=32768 K=128, in bf16 and, for a variant of the warps (which every 16-bit input runs), fp16;
 2. speed per variant: the op's forward on the split path and forward + backward (do_bench median ms), the output
@@ -49,12 +53,11 @@ from linattn.ops.common.output import output_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.gated_delta import triton_chunk
 
-# (OUTPUT_PREC_BF16, MERGE_PREC_BF16, PREPASS_WARPS, STORE_BF16, WU_STORE_BF16, MERGE_BY_HALVES, solve maxnreg):
-# defaults first; the last two: the solve's merges by halves or in sixteen blocks (kkt_solve.MERGE_BY_HALVES) and
-# the register cap of kkt_solve and the pre-pass (common.LAUNCH_OPTIONS, None: no cap)
+# (OUTPUT_PREC_BF16, MERGE_PREC_BF16, PREPASS_WARPS, STORE_BF16, WU_STORE_BF16, solve maxnreg): defaults first; the
+# last: the register cap of kkt_solve and the pre-pass (common.LAUNCH_OPTIONS, None: no cap)
 VARIANTS = [
-    ("bf16x3", "bf16x3", 4, "bf16", "fp32", True, 168), ("bf16x3", "bf16x3", 4, "bf16", "fp32", False, 168),
-    ("bf16x3", "bf16x3", 4, "bf16", "fp32", True, None),
+    ("bf16x3", "bf16x3", 4, "bf16", "fp32", 168), ("bf16x3", "bf16x3", 4, "bf16", "fp32", None),
+    ("bf16x3", "bf16x3", 4, "bf16", "bf16", 168),
 ]
 ACCURACY_CASES = ("anchor_B2_T300_K128", "T32768_K128")
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16)]
@@ -62,25 +65,24 @@ D = 128
 
 
 class variant:
-    """Set the seven settings (and the split path) for a with-block; restore them after."""
+    """Set the six settings (and the split path) for a with-block; restore them after."""
 
-    def __init__(self, out_prec, merge_prec, warps, store, wu_store, halves, cap):
-        self.new = (out_prec, merge_prec, warps, store, wu_store, halves)
+    def __init__(self, out_prec, merge_prec, warps, store, wu_store, cap):
+        self.new = (out_prec, merge_prec, warps, store, wu_store)
         self.cap = cap
 
     def __enter__(self):
         self.old = (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16, SF.WU_STORE_BF16,
-                    KS.MERGE_BY_HALVES, triton_chunk.FORWARD_PATH)
+                    triton_chunk.FORWARD_PATH)
         self.old_options = {n: dict(common.LAUNCH_OPTIONS.get(n, {})) for n in SOLVE_KERNELS}
-        (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16, SF.WU_STORE_BF16,
-         KS.MERGE_BY_HALVES) = self.new
+        SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16, SF.WU_STORE_BF16 = self.new
         for n in SOLVE_KERNELS:
             common.LAUNCH_OPTIONS[n] = {"maxnreg": self.cap} if self.cap else {}
         triton_chunk.FORWARD_PATH = "split"
 
     def __exit__(self, *exc):
         (SF.OUTPUT_PREC_BF16, KS.MERGE_PREC_BF16, FP.PREPASS_WARPS, SF.STORE_BF16, SF.WU_STORE_BF16,
-         KS.MERGE_BY_HALVES, triton_chunk.FORWARD_PATH) = self.old
+         triton_chunk.FORWARD_PATH) = self.old
         common.LAUNCH_OPTIONS.update(self.old_options)
 
 
@@ -90,18 +92,17 @@ SOLVE_KERNELS = ("kkt_solve", "fused_prepass")
 def accuracy(names, variants):
     rows = []
     for case in (c for c in CASES if c[0] in names):
-        for out_prec, merge_prec, warps, store, wu_store, halves, cap in variants:
-            # fp16 reads only the warps and the merge order (its merges are "ieee", its output dots tf32x3, its
-            # store fp32)
-            fp16_too = warps != FP.PREPASS_WARPS or halves != KS.MERGE_BY_HALVES
-            for dt in (torch.bfloat16, torch.float16) if fp16_too else (torch.bfloat16,):
-                with variant(out_prec, merge_prec, warps, store, wu_store, halves, cap):
+        for out_prec, merge_prec, warps, store, wu_store, cap in variants:
+            # fp16 reads only the warps (its merges are "ieee", its output dots tf32x3, its store fp32)
+            dtypes = (torch.bfloat16, torch.float16) if warps != FP.PREPASS_WARPS else (torch.bfloat16,)
+            for dt in dtypes:
+                with variant(out_prec, merge_prec, warps, store, wu_store, cap):
                     try:
                         row = check(case, dt, use_token_ref=case[2] <= 1000)
                     except Exception as e:  # a variant that fails is a row, not the end
                         row = dict(case=case[0], dtype=str(dt).split(".")[-1], error=f"{type(e).__name__}: {e}"[:300])
                 row.update(out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store, wu_store=wu_store,
-                           halves=halves, cap=cap)
+                           cap=cap)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
@@ -115,13 +116,13 @@ def speed(B, T, H, HV, variants):
     f = lambda: chunk_gated_delta_rule(*ins, scale=D ** -0.5, output_final_state=True)
     do = torch.randn_like(x["v"])
     rows = []
-    for out_prec, merge_prec, warps, store, wu_store, halves, cap in variants:
+    for out_prec, merge_prec, warps, store, wu_store, cap in variants:
         row = dict(shape=(B, T, H, HV), out_prec=out_prec, merge_prec=merge_prec, warps=warps, store=store,
-                   wu_store=wu_store, halves=halves, cap=cap)
+                   wu_store=wu_store, cap=cap)
         wu_dtype = SF.wu_store_dtype(k.dtype, wu_store)
         gc, w, u = fused_prepass(g, k, v, beta, store_dtype=wu_dtype)
         h, v_new, _ = state_pass_fwd(k, w, u, gc, None, store_dtype=SF.store_dtype(k.dtype, store))
-        with variant(out_prec, merge_prec, warps, store, wu_store, halves, cap):
+        with variant(out_prec, merge_prec, warps, store, wu_store, cap):
             try:
                 with torch.no_grad():
                     row["fwd_ms"] = triton.testing.do_bench(f)
@@ -150,28 +151,28 @@ def main():
     write_json(a.out, "bench_split_precision.json", dict(accuracy=acc, speed=rows))
 
     print("\nrelative L2 vs float64, kernel / baseline ratio (pass: ≤ 2); o error in brackets")
-    print("%-20s %-9s %-7s %-7s %-5s %-5s %-5s %-6s %-5s " % ("case", "dtype", "output", "merges", "warps", "h",
-                                                           "W/U", "halves", "cap")
+    print("%-20s %-9s %-7s %-7s %-5s %-5s %-5s %-5s " % ("case", "dtype", "output", "merges", "warps", "h", "W/U",
+                                                      "cap")
           + " ".join("%-7s" % n for n in NAMES))
     for r in acc:
         if "error" in r:
             print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["store"], r["wu_store"],
-                  r["halves"], r["cap"], r["error"])
+                  r["cap"], r["error"])
             continue
         base = r.get("base")
         cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
-        print("%-20s %-9s %-7s %-7s %-5s %-5s %-5s %-6s %-5s " % (
+        print("%-20s %-9s %-7s %-7s %-5s %-5s %-5s %-5s " % (
             r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["store"], r["wu_store"],
-            r["halves"], r["cap"]) +
+            r["cap"]) +
               " ".join("%-7s" % c for c in cells) + f"  [{r['err']['o']:.3e}]")
-    print("\n| B, T, H, HV | output / merges / pre-pass warps / h store / W,U store / halves / solve cap "
+    print("\n| B, T, H, HV | output / merges / pre-pass warps / h store / W,U store / solve cap "
           "| split fwd ms | fwd+bwd ms "
           "| output kernel ms | state pass ms | kkt_solve ms | pre-pass ms |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = " | ".join(f"{r[k]:.3f}" if k in r else r.get("error", "–")[:30]
                            for k in ("fwd_ms", "fwdbwd_ms", "output_ms", "state_pass_ms", "kkt_solve_ms", "prepass_ms"))
         print(f"| {', '.join(map(str, r['shape']))} | {r['out_prec']} / {r['merge_prec']} / {r['warps']} / "
-              f"{r['store']} / {r['wu_store']} / {r['halves']} / {r['cap']} | {cells} |")
+              f"{r['store']} / {r['wu_store']} / {r['cap']} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -232,14 +232,18 @@ def test_torch_compile_fullgraph_mutates_pool():
     torch.testing.assert_close(pool, pool_eager)
 
 
-@pytest.mark.parametrize("nh,state_bytes,one_token", [(64 * 32, 4, (128, 32, 4)), (64 * 32, 2, (128, 64, 4)),
-                                                       (256 * 32, 4, (128, 32, 4)), (32, 4, (128, 8, 1))])
-def test_decode_tiles_by_token_count(nh, state_bytes, one_token):
-    """pick_tiles (HV = 32, K = V = 128, the 132-SM plan): one token keeps the byte-sized tiles run 11 measured
-    fastest; several tokens per sequence take one-warp tiles of at most 16 columns (run 12: 33% faster at B=64)."""
+@pytest.mark.parametrize("nh,state_bytes,one_token,one_step", [
+    (64 * 32, 4, (128, 32, 4), (128, 64, 2)), (64 * 32, 2, (128, 64, 4), (128, 32, 1)),
+    (256 * 32, 4, (128, 32, 4), (128, 64, 2)), (32, 4, (128, 8, 1), (128, 8, 1)), (32, 2, (128, 8, 1), (128, 8, 1))])
+def test_decode_tiles_by_token_count(nh, state_bytes, one_token, one_step):
+    """pick_tiles (HV = 32, K = V = 128, the 132-SM plan): one token on the token loop keeps the byte-sized tiles
+    run 11 measured fastest; on the ONE_STEP path one warp per 4096 values, 64 fp32 or 32 bf16 columns (run 17: 5–12%
+    faster at B=64 and 256), narrowed like the others where the pairs are few (B=1); several tokens per sequence
+    take one-warp tiles of at most 16 columns (run 12: 33% faster at B=64)."""
     from linattn.ops.gated_delta.recurrent_kernels import pick_tiles
     cpu = torch.device("cpu")
     assert pick_tiles(nh, 128, 128, cpu, state_bytes) == one_token
+    assert pick_tiles(nh, 128, 128, cpu, state_bytes, False, True) == one_step
     assert pick_tiles(nh, 128, 128, cpu, state_bytes, True) == (128, min(one_token[1], 16), 1)
 
 

@@ -184,21 +184,6 @@ def test_stage_kkt_solve_merge_precisions(stage_case, prec):
     assert torch.isfinite(A_inv).all() and rel_rms(A_inv, ref["A_inv"]) <= PREC_TOL[prec]
 
 
-@pytest.mark.parametrize("halves", [True, False])
-@pytest.mark.parametrize("prec", ["ieee", "bf16x3"])
-def test_stage_kkt_solve_merge_orders(stage_case, halves, prec, monkeypatch):
-    """Both merge orders (kkt_solve.MERGE_BY_HALVES: the quadrant dots and the [2, 16, 16] stacks, or sixteen
-    16×16 blocks) give the twin's inverse, at fp32 products and at bf16x3 (whose split runs on the stacked dots)."""
-    from linattn.ops.common import kkt_solve as KS
-    x, _, (ci, _), _, ref, dtype = stage_case
-    if dtype == torch.float32:
-        pytest.skip("fp32 inputs merge at common.FP32_PRODUCT_PRECISION, not merge_prec (kkt_solve.merge_precision)")
-    monkeypatch.setattr(KS, "MERGE_BY_HALVES", halves)
-    A_inv = kkt_solve(x["k"], x["beta"], f32(ref["gc"]), x["v"].shape[2], x["cu_seqlens"], ci, merge_prec=prec)
-    tol = PREC_TOL.get(prec, TOLERANCES["stage"][dtype])
-    assert torch.isfinite(A_inv).all() and rel_rms(A_inv, ref["A_inv"]) <= tol
-
-
 def test_merge_and_output_precision_settings(monkeypatch):
     from linattn.ops.common import kkt_solve as KS
     from linattn.ops.common import split_fwd as SF

@@ -55,7 +55,10 @@ FP32_DOT_PRECISION = "tf32x3"
 # after run 16 switched the other dots: on sm_90 (benchmarks/compile_all.py --dtype fp32 --B 8) the WY backward then
 # compiles to 2156 FFMA and 3.4 KB of spills per thread, kkt_solve to 522 FFMA. For 16-bit inputs run 12 measured
 # the same products at tf32x3 (WY backward 2.11 → 1.50 ms at B=8 T=4096 H=16, gradients unchanged to two digits).
-# Candidate "tf32x3", not yet measured for fp32: bench_pipelining.py's table 4 times both (prediction there).
+# Run 17 timed "tf32x3" for fp32 (bench_pipelining.py table 4; prediction fwd+bwd 23.3 → ≈ 22.7 ms at B=8, forward
+# unchanged): forward 5.49 → 6.71 ms at B=8 and 0.927 → 1.064 at B=1, fwd+bwd 22.87 → 23.85 — slower, errors the
+# same (≤ 5.7e-7). The solve's merges, not the WY backward, decide it (forward only runs the solve; ptxas: 268
+# shuffles at tf32x3 against 28 for the sixteen 16×16 merge dots of that time): stays "ieee".
 FP32_PRODUCT_PRECISION = "ieee"
 
 

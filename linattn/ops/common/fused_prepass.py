@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import CHUNK, block_size, check_store_dtype, dot_precision, kkt_solve, launch_options, triton_interpret
+from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
 from .dot import dot
 from .kkt_solve import kkt_inverse, merge_precision
 from .varlen import chunk_bounds
@@ -48,7 +48,7 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indice
                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
                          IS_VARLEN: tl.constexpr, STORE_P: tl.constexpr, MERGE_PREC: tl.constexpr,
-                         HALVES: tl.constexpr, INTERPRET: tl.constexpr):
+                         INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -87,7 +87,7 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indice
     # 3. (I + A)⁻¹ as one [BT, BT] register tile (reads BT×K keys, BT gates and betas); K Kᵀ runs on the inputs
     #    (INPUT_PREC), W and U on the fp32 inverse (DOT_PREC)
     b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True, MERGE_PREC,
-                      HALVES, INTERPRET)
+                      INTERPRET)
 
     # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
     b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
@@ -126,6 +126,6 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
         INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        MERGE_PREC=merge_precision(k.dtype), HALVES=kkt_solve.MERGE_BY_HALVES, INTERPRET=triton_interpret(),
+        MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
         num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
     return (gc, w, u) if q is None else (gc, w, u, p)

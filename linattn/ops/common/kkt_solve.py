@@ -10,7 +10,7 @@ Method (exact, no iteration to convergence). Split the chunk into four 16-row bl
      inputs are exact in fp32 accumulation); the gate difference is masked *before* exp, so padded rows and the
      upper triangle never overflow, and e^{G_i}·e^{−G_j} is never formed (G may reach −6400);
   2. forward substitution on the four diagonal blocks at once: T_ii = (I + A_ii)⁻¹, 15 row steps in registers;
-  3. merges, by halves (:data:`MERGE_BY_HALVES`): (T10, T32) = −(T11, T33) (A10, A32) (T00, T22) in one
+  3. merges, by halves: (T10, T32) = −(T11, T33) (A10, A32) (T00, T22) in one
      [2, 16, 16] pair of dots, then the quadrant X = −T_hi A_hl T_lo in two 32×32 dots, fp32 × fp32 at
      :data:`MERGE_PREC_BF16` for bf16 inputs ("ieee" for fp16, ``FP32_PRODUCT_PRECISION`` for fp32 inputs).
 Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
@@ -112,23 +112,24 @@ def _invert_diag_blocks(b_A, o_r):
     return tl.split(tl.permute(tl.reshape(b_N, (2, 2, 16, 16)), (0, 2, 3, 1)))
 
 
-# How step 3 merges the inverted diagonal blocks. By halves (since run 17): first both halves of the chunk at once,
+# How step 3 merges the inverted diagonal blocks, by halves (since run 17): first both halves of the chunk at once,
 # T_{2p+1,2p} = −T_{2p+1,2p+1} A_{2p+1,2p} T_{2p,2p} for p = 0, 1 as two dots of [2, 16, 16] stacks, then the
 # lower-left 32×32 quadrant X = −T_hi A_hl T_lo as two 32×32 dots (T_lo, T_hi: the inverted halves), with A's
-# quadrant A_hl and the two blocks A10, A32 built in step 1 as one 32×32 and one [2, 16, 16] dot. On 4 warps every
-# one of these dots spreads its result over the warps, where the six merge levels of 16×16 dots before it (and the
-# six 16×16 dots of step 1) gave every warp the whole 16×16 result: 16 replicated merge dots (48 bf16 MMAs per
-# warp at bf16x3, each with its operand conversions) become 4 spread ones. Same products, associated differently
-# (T30 = −(T32 Y + T33 Z) instead of −T33 (Z + A32 T20), Y, Z the sums of the old T20 and T30). False: the
-# sixteen-block merges (measured against it in run 17, then to be deleted).
-MERGE_BY_HALVES = True
-
-
+# quadrant A_hl and the two blocks A10, A32 built in step 1 as one 32×32 and one [2, 16, 16] dot. On 4 warps each of
+# these dots spreads its result over the warps; the sixteen 16×16 merge dots before it (and the six 16×16 dots of
+# step 1) gave every warp the whole 16×16 result. Same products, associated differently (T30 = −(T32 Y + T33 Z)
+# instead of −T33 (Z + A32 T20), Y and Z the sums inside T20 and T30). sm_90 ptxas (bf16, 168-register cap):
+# kkt_solve HMMA 152 → 84, shuffles 100 → 36, SASS 4072 → 4032, spills 1024 → 1568 bytes. My prediction before the
+# compile was the solve 0.265 → ≈ 0.18 ms at B=8 T=4096 H=16; after it, −5%. Run 17 (bench_split_precision.py):
+# kkt_solve 0.283 → 0.268 ms at B=8, 0.046 → 0.041 at B=1, 0.284 → 0.269 at T=32768; the pre-pass 0.601 → 0.589,
+# 0.087 → 0.084, 0.609 → 0.601; the split forward unchanged within 0.3% (1.385 / 1.385); every error ratio against
+# the rounded-PyTorch baseline identical to two digits (bf16), fp16 within 2× of its baseline. Uncapped registers
+# (255, 832 spill bytes) were slower: pre-pass 0.652 at B=8.
 @triton.jit
 def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                        USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
-    """Steps 1–3 by halves (:data:`MERGE_BY_HALVES`): (T_lo, X, T_hi), the 32×32 quadrants of (I + A)⁻¹."""
+    """Steps 1–3 (the module docstring): (T_lo, X, T_hi), the 32×32 quadrants of (I + A)⁻¹ below the diagonal."""
     o_r = tl.arange(0, 16)
     o_32 = tl.arange(0, 32)
     o_h = tl.arange(0, 2)[:, None] * 32 + o_r[None, :]  # [2, 16]: rows of block 0 of each half (chunk-local)
@@ -181,85 +182,15 @@ def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
 
 
 @triton.jit
-def _inverse_by_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
-                       K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-                       USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
-    """Steps 1–3 in sixteen 16×16 blocks (until run 17): (T_lo, X, T_hi) as :func:`_inverse_by_halves`."""
-    o_r = tl.arange(0, 16)
-    o_0 = i_c * BT + o_r
-    o_1, o_2, o_3 = o_0 + 16, o_0 + 32, o_0 + 48
-
-    # 1. K Kᵀ in ten 16×16 blocks, accumulated over K tiles (read BT×K keys once)
-    b_A10 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A20 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A21 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A30 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A31 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A32 = tl.zeros([16, 16], dtype=tl.float32)
-    b_Ad = tl.zeros([4, 16, 16], dtype=tl.float32)  # the four diagonal blocks, stacked
-    p_k0 = k + (bos * H + i_h) * K
-    for i_k in range(tl.cdiv(K, BK)):
-        p_k = tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (16, BK), (1, 0))
-        b_k0 = tl.load(p_k, boundary_check=(0, 1))
-        b_k1 = tl.load(tl.advance(p_k, (16, 0)), boundary_check=(0, 1))
-        b_k2 = tl.load(tl.advance(p_k, (32, 0)), boundary_check=(0, 1))
-        b_k3 = tl.load(tl.advance(p_k, (48, 0)), boundary_check=(0, 1))
-        b_A10 += tl.dot(b_k1, tl.trans(b_k0), input_precision=DOT_PREC)
-        b_A20 += tl.dot(b_k2, tl.trans(b_k0), input_precision=DOT_PREC)
-        b_A21 += tl.dot(b_k2, tl.trans(b_k1), input_precision=DOT_PREC)
-        b_A30 += tl.dot(b_k3, tl.trans(b_k0), input_precision=DOT_PREC)
-        b_A31 += tl.dot(b_k3, tl.trans(b_k1), input_precision=DOT_PREC)
-        b_A32 += tl.dot(b_k3, tl.trans(b_k2), input_precision=DOT_PREC)
-        # the four diagonal blocks as one batched dot of the [4, 16, BK] key stack (the keys loaded again as one
-        # [BT, BK] tile, from L1: splitting it into the 16-row tiles above would cost layout conversions instead)
-        b_k = tl.reshape(tl.load(tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
-                                                   (1, 0)), boundary_check=(0, 1)), (4, 16, BK))
-        b_Ad += tl.dot(b_k, tl.permute(b_k, (0, 2, 1)), input_precision=DOT_PREC)
-    # β_i and the decay e^{G_i − G_j}, masked before exp
-    b_A10 = _gate_block(b_A10, gc, beta, bos, T_seq, o_1, o_0, i_hv, HV, USE_DECAY)
-    b_A20 = _gate_block(b_A20, gc, beta, bos, T_seq, o_2, o_0, i_hv, HV, USE_DECAY)
-    b_A21 = _gate_block(b_A21, gc, beta, bos, T_seq, o_2, o_1, i_hv, HV, USE_DECAY)
-    b_A30 = _gate_block(b_A30, gc, beta, bos, T_seq, o_3, o_0, i_hv, HV, USE_DECAY)
-    b_A31 = _gate_block(b_A31, gc, beta, bos, T_seq, o_3, o_1, i_hv, HV, USE_DECAY)
-    b_A32 = _gate_block(b_A32, gc, beta, bos, T_seq, o_3, o_2, i_hv, HV, USE_DECAY)
-
-    # 2. diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
-    o_d = i_c * BT + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]
-    b_Tf, b_Ts = _invert_diag_blocks(_gate_stack(b_Ad, gc, beta, bos, T_seq, o_d, o_d, i_hv, HV, USE_DECAY), o_r)
-    b_T00, b_T22 = _unstack2(b_Tf)
-    b_T11, b_T33 = _unstack2(b_Ts)
-
-    # 3. block merges, one sub-diagonal at a time: T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj (fp32 × fp32,
-    #    merge_precision)
-    b_T10 = -dot(b_T11, dot(b_A10, b_T00, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
-    b_T21 = -dot(b_T22, dot(b_A21, b_T11, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
-    b_T32 = -dot(b_T33, dot(b_A32, b_T22, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
-    b_T20 = -dot(b_T22, dot(b_A20, b_T00, MERGE_PREC, INTERPRET) + dot(b_A21, b_T10, MERGE_PREC, INTERPRET),
-                 MERGE_PREC, INTERPRET)
-    b_T31 = -dot(b_T33, dot(b_A31, b_T11, MERGE_PREC, INTERPRET) + dot(b_A32, b_T21, MERGE_PREC, INTERPRET),
-                 MERGE_PREC, INTERPRET)
-    b_T30 = -dot(b_T33, dot(b_A30, b_T00, MERGE_PREC, INTERPRET) + dot(b_A31, b_T10, MERGE_PREC, INTERPRET)
-                 + dot(b_A32, b_T20, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
-    b_0 = tl.zeros([16, 16], dtype=tl.float32)
-    return (cat_rows(cat_cols(b_T00, b_0), cat_cols(b_T10, b_T11)),
-            cat_rows(cat_cols(b_T20, b_T21), cat_cols(b_T30, b_T31)),
-            cat_rows(cat_cols(b_T22, b_0), cat_cols(b_T32, b_T33)))
-
-
-@triton.jit
 def kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
-                MERGE_PREC: tl.constexpr, HALVES: tl.constexpr, INTERPRET: tl.constexpr):
+                MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Steps 1–3 for chunk i_c of the sequence at bos: (I + A)⁻¹ as one [BT, BT] fp32 register tile (zero above
     the diagonal). Shared by :func:`kkt_solve_kernel` and the fused pre-pass (``fused_prepass.py``), which keeps it
-    in registers instead of writing A_inv. HALVES: :data:`MERGE_BY_HALVES`."""
+    in registers instead of writing A_inv."""
     tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
-    if HALVES:
-        b_Tlo, b_X, b_Thi = _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC,
-                                               USE_DECAY, MERGE_PREC, INTERPRET)
-    else:
-        b_Tlo, b_X, b_Thi = _inverse_by_blocks(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC,
-                                               USE_DECAY, MERGE_PREC, INTERPRET)
+    b_Tlo, b_X, b_Thi = _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC,
+                                           USE_DECAY, MERGE_PREC, INTERPRET)
     return cat_rows(cat_cols(b_Tlo, tl.zeros([32, 32], dtype=tl.float32)), cat_cols(b_X, b_Thi))
 
 
@@ -267,7 +198,7 @@ def kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl
 def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                      USE_DECAY: tl.constexpr, IS_VARLEN: tl.constexpr, MERGE_PREC: tl.constexpr,
-                     HALVES: tl.constexpr, INTERPRET: tl.constexpr):
+                     INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -275,7 +206,7 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
     _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
     T_seq = eos - bos
     b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC,
-                      HALVES, INTERPRET)
+                      INTERPRET)
     # the chunk's rows (rows past eos are not written), zeros above the diagonal included
     p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
                             (1, 0))
@@ -301,6 +232,5 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
     kkt_solve_kernel[(NT, B * HV)](
         k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
         DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None,
-        MERGE_PREC=merge_precision(k.dtype, merge_prec), HALVES=MERGE_BY_HALVES, INTERPRET=triton_interpret(),
-        **launch_options("kkt_solve"))
+        MERGE_PREC=merge_precision(k.dtype, merge_prec), INTERPRET=triton_interpret(), **launch_options("kkt_solve"))
     return A_inv

@@ -42,7 +42,9 @@ L2NORM_EPS = 1e-6
 # ONE_STEP: bf16 B=64 54.0 → 52.9 µs, B=256 201.8 → 193.7; fp32 B=64 77.2 → 76.5, B=256 293.4 → 294.5. A 2–4% gain
 # for bf16 pools, none for fp32: the prediction missed — registers per program were not what held the bf16 pool at
 # 2.5 TB/s (the fp32 pool reaches 3.5). On, since no row got slower beyond noise; other tiles did not do better
-# (bf16 B=64 best 52.9 at the default tile; B=256 188.9 at BV=32 / 2 warps / maxnreg 168).
+# (bf16 B=64 best 52.9 at the default tile; B=256 188.9 at BV=32 / 2 warps / maxnreg 168). Run 17 found what did
+# hold it (Nsight Compute, pick_tiles below): the cross-warp reductions' shared-memory traffic; its own tiles for
+# this path (one warp per 4096 values) then gave bf16 B=64 46.9 µs, B=256 178.4, fp32 72.5 / 275.2 (90–93% of copy).
 DECODE_ONE_STEP = True
 
 
@@ -304,20 +306,26 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device,
-               state_bytes: int = 4, multi_token: bool = False) -> tuple[int, int, int]:
+               state_bytes: int = 4, multi_token: bool = False, one_step: bool = False) -> tuple[int, int, int]:
     """(BK, BV, num_warps). BK covers all of K (the reductions run over K inside a program). BV: rows of 128 bytes
     of state (whole cache lines: 32 fp32 or 64 bf16 values, ``state_bytes`` per value) when there are enough
     (sequence, head) pairs to fill the machine, narrower tiles (more programs, more loads in flight) when there
     are few, e.g. decode at batch 1. One warp per 4 KB of state slice (32 registers per thread, 4 warps for a
     128 × 32 fp32 or 128 × 64 bf16 slice). Measured on the H200 (HV=32, K=V=128, CUDA graphs): fp32 B=64 BV=32
     4 warps 76.9 µs vs 8 warps 89.2; bf16 B=64 BV=64 4 warps 55.3 vs 8 warps 70.6 (B=256: 201.0 vs 261.7). ``multi_token`` (T > 1): one-warp tiles
-    of 16 columns (see below). Cached: a launch plan per shape, so a decode step pays one dict lookup instead of the
+    of 16 columns (see below); ``one_step`` (the ONE_STEP path): one warp per 4096 state values (see below). Cached: a launch plan per shape, so a decode step pays one dict lookup instead of the
     arithmetic (the key has only whether T > 1: kernels never specialise on T)."""
     BK = next_power_of_2(K)
-    BV = min(next_power_of_2(V), 128 // state_bytes)
+    # ONE_STEP: bf16 slices of 32 columns, fp32 of 64, one warp per 4096 values. Nsight Compute on the H200 (run 17,
+    # B=64, the 128-byte tiles below) found the bf16 step bound by the shared-memory traffic of the cross-warp
+    # reductions over K (LSU wavefronts 61% of peak, shared 50%; DRAM 37%), which scale with values, not bytes:
+    # fewer warps per program, fewer cross-warp rounds. Sweep (µs, B=64 / 256, HV=32 K=V=128, CUDA graphs): bf16
+    # 53.5 / 195.8 at BV=64 / 4 warps → 47.1 / 178.0 at BV=32 / 1 warp (64 / 2: 49.9 / 185.8); fp32 77.4 / 295.7 at
+    # BV=32 / 4 warps → 73.4 / 275.7 at BV=64 / 2 warps (32 / 1: 75.6 / 294.0)
+    BV = min(next_power_of_2(V), (64 if state_bytes == 4 else 32) if one_step else 128 // state_bytes)
     while BV > 8 and num_programs_nh * cdiv(V, BV) < 4 * _num_sms(device):
         BV //= 2
-    num_warps = max(1, min(8, BK * BV * state_bytes // 4096))
+    num_warps = max(1, min(8, BK * BV // 4096 if one_step else BK * BV * state_bytes // 4096))
     if multi_token:
         # several tokens per sequence: the step is a chain of dependent reductions over K per token, so latency,
         # not bytes, sets the time; one-warp programs (reductions by shuffles, no cross-warp barrier) of 16
@@ -341,7 +349,9 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = final_state if final_state is not None else initial_state
-    BK, BV_, nw = pick_tiles(N * HV, K, V, q.device, state.element_size() if state is not None else 4, T > 1)
+    one_step = one_step_path(T, cu_seqlens, intermediate_states)
+    BK, BV_, nw = pick_tiles(N * HV, K, V, q.device, state.element_size() if state is not None else 4, T > 1,
+                             one_step)
     BV, num_warps = BV or BV_, num_warps or nw
     o = torch.empty_like(v)
     grid = (cdiv(V, BV), N * HV)
@@ -352,7 +362,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
         STORE_INTERMEDIATE=intermediate_states is not None, IS_VARLEN=cu_seqlens is not None,
         USE_STATE_INDICES=state_indices is not None, USE_QK_L2NORM=use_qk_l2norm,
         USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid,
-        ONE_STEP=one_step_path(T, cu_seqlens, intermediate_states), num_warps=num_warps,
+        ONE_STEP=one_step, num_warps=num_warps,
         **launch_options("fused_recurrent_fwd"))
     return o
 
