@@ -8,7 +8,9 @@ with plots/, a self-contained report.html: the plots are drawn again from the me
 * every section is taken from the run that selected it (``meta.sections``); two runs that selected the same section
   are refused unless ``prefer_last``, which takes it from the last of them (in argument order) and, in the
   sections kept per record (``resume.RESUMABLE``), adds each unit an earlier of them measured and the last did not
-  (absent or skipped for time), with ``carried_from`` (:func:`resume.fill_in`; counted in ``meta.filled_in``).
+  (absent or skipped for time), with ``carried_from`` (:func:`resume.fill_in`; counted in ``meta.filled_in``);
+  every record a run measured itself gets ``measured_in`` (that run's report, date and commit), which a later
+  ``--resume`` or merge of the merged report copies into ``carried_from`` instead of the merge's first run.
   The scorecard is not taken from any run: it is computed again from the merged sections (:func:`scorecard.run`).
 * the environment section is the first run's, with every run's own environment (date, commit, GPU, versions,
   wall time, sections) under ``environment.runs``; the NVML summary per section comes from the run that ran it.
@@ -173,10 +175,11 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
             out[name] = {"skipped": "not selected in any of the merged runs"}
             missing.append(name)
             continue
-        r = runs[source[name]][1]
+        from .resume import fill_in, stamp_measured_in  # (resume imports this module)
+        path, r = runs[source[name]]
         out[name] = copy.deepcopy(r[name])
+        stamp_measured_in(name, out[name], path, r)  # so that a later --resume names the run that measured each
         if prefer_last:  # the units earlier runs of this section measured and the chosen one did not
-            from .resume import fill_in  # (resume imports this module)
             filled[name] = fill_in(name, out[name], [(p, x) for p, x in runs[:source[name]]
                                                      if name in x["meta"]["sections"]])
         if name in r.get("sections_done", []):

@@ -56,10 +56,29 @@ def _keyed(section: str, results: dict) -> dict:
 
 
 def _origin(path: str, r: dict) -> dict:
+    """Where the records of the report at ``path`` were measured: the report, its date and commit (a merged report:
+    its first run's; its records name their own run in ``measured_in``, which :func:`origin_of` prefers)."""
     env = r["environment"]
-    runs = env.get("runs") or [env]  # a merged report: its first run stands for its date, each record its commit
+    runs = env.get("runs") or [env]
     commit = (runs[0].get("commit") or {}).get("sha")
     return {"report": path, "date_utc": runs[0].get("date_utc"), "commit": commit[:12] if commit else None}
+
+
+def origin_of(rec: dict, origin: dict) -> dict:
+    """The ``carried_from`` of a record carried out of a report whose origin is ``origin``: the run the merge
+    stamped on it (``measured_in``, :func:`stamp_measured_in`) if any — a merged report's records come from
+    several runs, and its first run stands for none of the others."""
+    return rec.get("measured_in") or origin
+
+
+def stamp_measured_in(section: str, results: dict, path: str, r: dict) -> None:
+    """``--merge``: give every record of one section taken from the report ``r`` at ``path`` that this report
+    measured itself (no ``carried_from``, no ``measured_in`` from an earlier merge) ``measured_in``: that run's
+    report, date and commit. Edits ``results`` (the merge's own copy)."""
+    origin = _origin(path, r)
+    for rec in _keyed(section, results).values():
+        if "carried_from" not in rec:
+            rec.setdefault("measured_in", origin)
 
 
 def _check_same_config(path: str, r: dict, profile: str, device: torch.device, seed: int, impls: list) -> None:
@@ -106,7 +125,7 @@ def load_earlier(paths: list, profile: str, device: torch.device, seed: int, imp
                     continue
                 # the report was loaded here and is not kept: mark its records in place (Context.carry copies
                 # each one it hands to a section); carried twice, a record keeps the run that measured it
-                rec.setdefault("carried_from", origin)
+                rec.setdefault("carried_from", origin_of(rec, origin))
                 earlier[section][key] = rec
         files.append(path)
     meta = {"paths": files, "impls": list(carry_impls) if carry_impls is not None else None, "redo": list(redo or ()),
@@ -139,7 +158,7 @@ def fill_in(section: str, results: dict, earlier: list) -> int:
             if not has_result(rec) or (mine is not None and has_result(mine)):
                 continue
             rec = copy.deepcopy(rec)
-            rec.setdefault("carried_from", origin)
+            rec.setdefault("carried_from", origin_of(rec, origin))
             kind = key.split("/", 1)[0]  # _keyed's keys: reproducibility/..., drift/... or a record id
             target = results.setdefault(kind, []) if kind in ("reproducibility", "drift") else results["records"]
             at = next((i for i, x in enumerate(target) if x is mine), None) if mine is not None else None

@@ -41,10 +41,12 @@ def test_merge_two_section_runs(two_runs, tmp_path, capsys):
     r = _load(out / "report.json")
     ra, rb = _load(a), _load(b / "report.json")
     assert set(SECTIONS) <= set(r)
-    for name in PART_A:
-        assert r[name] == ra[name] and "skipped" not in r[name]
-    for name in PART_B:
-        assert r[name] == rb[name] and "skipped" not in r[name]
+    for name, run, path in [(n, ra, str(a)) for n in PART_A] + [(n, rb, str(b / "report.json")) for n in PART_B]:
+        # as the run wrote it, but for each record's measured_in: the run that measured it (resume.stamp_measured_in)
+        stamps = [x.pop("measured_in") for k in ("records", "drift", "reproducibility")
+                  for x in (r[name].get(k) or []) if isinstance(x, dict) and "measured_in" in x]
+        assert r[name] == run[name] and "skipped" not in r[name]
+        assert {x["report"] for x in stamps} <= {path} and (stamps or not run[name].get("records"))
     assert r["correctness"]["summary"]["linattn"]["passed"] > 0 and r["performance"]["records"]
     for name in ("scaling", "memory", "robustness", "soak", "mixed_precision"):
         assert "skipped" in r[name]

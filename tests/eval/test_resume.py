@@ -167,3 +167,22 @@ def test_resume_option_errors(first_run, tmp_path, capsys):
     assert main(["eval", "--merge", str(first_run), str(first_run), "--out", str(tmp_path / "m"),
                  "--resume", str(first_run)]) == 2
     assert "--resume applies to a run" in capsys.readouterr().err
+
+
+def test_a_merged_reports_records_name_the_run_that_measured_them(first_run, tmp_path):
+    """Resumed from a merged report, a carried record names the run of the merge that measured it (the merge stamps
+    ``measured_in``), not the merge's first run."""
+    second = tmp_path / "second"
+    assert main(COMMON + ["--sections", "performance,scorecard", "--out", str(second), "--resume", str(first_run),
+                          "--resume-redo", "linattn/*/fp32/*"]) == 0
+    merged = tmp_path / "merged"
+    m, _ = merge.run([str(first_run), str(second)], str(merged), prefer_last=True)
+    recs = m["performance"]["records"]
+    fresh = {x["id"] for x in recs if "measured_in" in x}
+    assert fresh and all(x["measured_in"]["report"] == str(second / "report.json") for x in recs if "measured_in" in x)
+    assert all("carried_from" in x for x in recs if "measured_in" not in x)
+    third = tmp_path / "third"
+    assert main(COMMON + ["--sections", "performance,scorecard", "--out", str(third), "--resume", str(merged)]) == 0
+    origin = {x["id"]: x["carried_from"]["report"] for x in _load(third)["performance"]["records"]}
+    assert {i for i, o in origin.items() if o == str(second / "report.json")} == fresh
+    assert {o for i, o in origin.items() if i not in fresh} == {str(first_run / "report.json")}
