@@ -38,8 +38,8 @@ def run(x, offsets, L, store=None, wu_store=torch.float32):
     if offsets:
         ci, co = chunk_tables(offsets, CHUNK, "cpu")
     gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, store_dtype=wu_store)
-    return split_fwd(x["q"], x["k"], w, u, gc, scale, x["initial_state"], torch.float32, x["cu_seqlens"], offsets,
-                     ci, co, segment_chunks=L, store=store)
+    return split_fwd(x["q"], x["k"], [w, u], gc, scale, x["initial_state"], torch.float32, x["cu_seqlens"],
+                     offsets, ci, co, segment_chunks=L, store=store)
 
 
 @pytest.mark.parametrize("case, L", CASES, ids=[f"{c.id}-L{L}" for c, L in CASES])
@@ -143,3 +143,32 @@ def test_bf16_stores_compile_for_h200():
         "SEGMENTED=True), bf16_args=('w', 'u')))[:4]]")
     for regs, _, _, _ in res:
         assert 0 < regs <= 255, res
+
+
+def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch):
+    """Peak memory: the op hands W and U to split_fwd in a list that it empties, so nothing references them once the
+    state pass has read them (the output kernel, h and V_new alive, no longer holds their 2·T·HV·(K+V) fp32 values)."""
+    import weakref
+
+    from linattn.ops.common import split_fwd as SF
+    from linattn.ops.gated_delta import triton_chunk
+    refs = []
+    prepass, output = triton_chunk.fused_prepass, SF.output_fwd
+
+    def watched_prepass(*a, **kw):
+        out = prepass(*a, **kw)
+        refs.extend(weakref.ref(t) for t in out[1:])
+        return out
+
+    def watched_output(*a, **kw):
+        assert len(refs) == 2 and all(r() is None for r in refs), "W or U still referenced at the output kernel"
+        return output(*a, **kw)
+
+    monkeypatch.setattr(triton_chunk, "fused_prepass", watched_prepass)
+    monkeypatch.setattr(SF, "output_fwd", watched_output)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+    x, offsets = make_inputs(CASES[0][0], torch.float32)
+    o, ht = triton_chunk.chunk_gated_delta_rule_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                           x["q"].shape[-1] ** -0.5, x["initial_state"],
+                                                           x["cu_seqlens"], offsets)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()

@@ -393,3 +393,32 @@ def test_public_api_gradients(case):
         return [t.grad for t in leaves] + [h0.grad if h0 is not None else None]
 
     _check(_as_dict(grads("triton")), _as_dict(reference_grads(x).values()), TOL["e2e"][torch.float32])
+
+
+def test_backward_drops_each_intermediate_after_its_last_reader(monkeypatch):
+    """Peak memory: W and the local dV are gone when local_bwd_dqk starts (the backward's peak), h, dh and V_new when
+    local_bwd_wy starts (triton_bwd.chunk_gated_delta_rule_bwd_triton deletes them after their last reader)."""
+    import weakref
+
+    from linattn.ops.gated_delta import triton_bwd
+    alive = {}
+
+    def watch(name, fn, picks):
+        def wrapped(*a, **kw):
+            for dead in {"local_bwd_dqk": ("w", "dv_local"), "local_bwd_wy": ("h", "v_new", "dh")}.get(name, ()):
+                assert alive[dead]() is None, f"{dead} still referenced when {name} starts"
+            out = fn(*a, **kw)
+            for key, i in picks:
+                alive[key] = weakref.ref(out[i] if i is not None else out)
+            return out
+        monkeypatch.setattr(triton_bwd, name, wrapped)
+
+    watch("recompute_forward", triton_bwd.recompute_forward, [("w", 2), ("v_new", 3), ("h", 4)])
+    watch("local_bwd_dv", triton_bwd.local_bwd_dv, [("dv_local", None)])
+    watch("state_pass_bwd", triton_bwd.state_pass_bwd, [("dh", 0)])
+    watch("local_bwd_dqk", triton_bwd.local_bwd_dqk, [])
+    watch("local_bwd_wy", triton_bwd.local_bwd_wy, [])
+    x = make_inputs(KERNEL_CASES[0], torch.float32)
+    got = triton_bwd.chunk_gated_delta_rule_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], SCALE, x["h0"],
+                                                       x["cu_seqlens"], x["offsets"], x["do"], x["dht"])
+    assert len(alive) == 5 and all(torch.isfinite(t).all() for t in got if t is not None)

@@ -175,10 +175,10 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
     if path == "split":
-        gc, w, u = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, store_dtype=wu_store_dtype(v.dtype))
         # W and U stored at split_fwd.wu_store_dtype, the output dots at split_fwd.output_precision (bf16x3 for
-        # bf16)
-        return split_fwd(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
+        # bf16); W and U handed over in a list that split_fwd empties, so they are freed after the state pass
+        gc, *wu = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, store_dtype=wu_store_dtype(v.dtype))
+        return split_fwd(q, k, wu, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
                          chunk_offsets, out_prec=split_output_precision(v.dtype))
     gc, w, u, p = fwd_prepass(q, k, v, g, beta, cu_seqlens, chunk_indices)
     return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)
