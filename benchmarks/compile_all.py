@@ -112,23 +112,30 @@ def record(a) -> list:
     return launches
 
 
-def compile_all(launches: list) -> None:
-    """Step 2: compile every recorded launch for sm_90 and print one table."""
+def compile_all(launches: list, top_ops: int = 0) -> None:
+    """Step 2: compile every recorded launch for sm_90 and print one table (and, with ``top_ops``, each kernel's most
+    frequent SASS opcodes after it)."""
     from sm90 import SASS_FAMILIES, compile_sm90  # noqa: E402  (this folder is on sys.path)
     shown_sass = ("total", "HGMMA", "HMMA", "FFMA", "LDL", "STL", "SHFL", "BAR")
     print("| kernel | key constexprs (launch options) | warps | registers | spill bytes | shared bytes | SASS "
           + " / ".join(shown_sass) + " |")
     print("|---|---|---|---|---|---|---|")
     assert set(shown_sass) - {"total"} <= set(SASS_FAMILIES)
+    most = []
     for launch in launches:
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
         consts, types = launch["consts"], launch["types"]
         r = compile_sm90(kernel, consts, lambda name, types=types: types.get(name, "i32"), launch["num_warps"],
                          **launch.get("options", {}))
+        most.append(r.sass["ops"])
         shown = {k: v for k, v in consts.items() if k in SHOWN} | launch.get("options", {})
         print(f"| {launch['name']} | {', '.join(f'{k}={v}' for k, v in shown.items())} | {launch['num_warps']} | "
               f"{r.registers} | {r.spill_bytes} | {r.shared_bytes} | "
               + " / ".join(str(r.sass[k]) for k in shown_sass) + " |", flush=True)
+    if top_ops:
+        print()
+        for launch, ops in zip(launches, most):
+            print(f"{launch['name']}: " + ", ".join(f"{op} {n}" for op, n in list(ops.items())[:top_ops]))
 
 
 def main():
@@ -148,6 +155,8 @@ def main():
                     help="a module setting under linattn.ops, e.g. common.split_fwd.OUTPUT_PREC_BF16=bf16x3")
     ap.add_argument("--launch-options", default="{}",
                     help='common.LAUNCH_OPTIONS as JSON, e.g. \'{"local_bwd_dqk": {"num_stages": 1, "maxnreg": 168}}\'')
+    ap.add_argument("--ops", type=int, default=0, metavar="N", help="also print each kernel's N most frequent SASS "
+                                                                    "opcodes (static counts)")
     ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.record_only:
@@ -162,7 +171,7 @@ def main():
         raise SystemExit("unset TRITON_INTERPRET: the compile step needs the real kernels")
     what = f"decode step, {a.decode} pool" if a.decode else ("+ in-op pre-processing" if a.gate else "")
     print(f"{a.dtype}, B={a.B} H={a.H} HV={a.HV} K=V={a.D} {what}")
-    compile_all(json.loads(done.stdout.strip().splitlines()[-1]))
+    compile_all(json.loads(done.stdout.strip().splitlines()[-1]), a.ops)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ class Resources(NamedTuple):
 
 
 def sass_counts(cubin: bytes) -> dict:
-    """Static instruction counts of a cubin's SASS (cuobjdump), per opcode family of :data:`SASS_FAMILIES`."""
+    """Static instruction counts of a cubin's SASS (cuobjdump), per opcode family of :data:`SASS_FAMILIES`, and
+    under "ops" every opcode's, most frequent first."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -43,7 +44,7 @@ def sass_counts(cubin: bytes) -> dict:
         os.unlink(f.name)
     ops = collections.Counter(m.group(1) for m in re.finditer(
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", sass, re.MULTILINE))
-    return {"total": sum(ops.values()), **{k: ops[k] for k in SASS_FAMILIES}}
+    return {"total": sum(ops.values()), **{k: ops[k] for k in SASS_FAMILIES}, "ops": dict(ops.most_common())}
 
 
 def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | None = None,

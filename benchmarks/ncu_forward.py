@@ -1,0 +1,42 @@
+"""The chunked op's kernels under Nsight Compute (issue 4): what bounds each stage of the split forward (and, with
+--backward, of the backward) — DRAM against L1/shared traffic, issue slots, stalls, occupancy. The static SASS
+(benchmarks/compile_all.py --ops 12) is dominated by integer address arithmetic in every kernel and the state pass
+stores h and V_new with 2-byte `st.global.b16` (the MMA accumulator layout, not converted for the store): this
+profile says whether that, the loads, or the dots set the time.
+
+    ncu --kernel-name regex:"fused_prepass|state_pass_fwd|output_fwd" --launch-skip 3 --launch-count 3 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
+        --section LaunchStats --section InstructionStats --print-details all \\
+        python benchmarks/ncu_forward.py [--B 8] [--backward]
+
+(--backward: the regex "local_bwd|state_pass_bwd|kkt_solve|wy_kernel|state_pass_fwd" and --launch-skip 8.)
+Runs the op (bf16, T=4096, H=HV=16, K=V=128, the split path, today's defaults) a few times; times nothing itself.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import linattn
+from linattn.ops.gated_delta import triton_chunk
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--B", type=int, default=8)
+ap.add_argument("--T", type=int, default=4096)
+ap.add_argument("--backward", action="store_true")
+ap.add_argument("--calls", type=int, default=3)
+a = ap.parse_args()
+triton_chunk.FORWARD_PATH = "split"
+gen = torch.Generator(device="cuda").manual_seed(0)
+r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+B, T, H, D = a.B, a.T, 16, 128
+q, k = (torch.nn.functional.normalize(r(B, T, H, D), dim=-1).bfloat16().requires_grad_(a.backward) for _ in range(2))
+v = r(B, T, H, D).bfloat16().requires_grad_(a.backward)
+g = (-torch.rand(B, T, H, device="cuda", generator=gen) * 0.1).requires_grad_(a.backward)
+beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16().requires_grad_(a.backward)
+for _ in range(a.calls):
+    o, _ = linattn.chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True)
+    if a.backward:
+        torch.autograd.grad(o, (q, k, v, g, beta), torch.ones_like(o))
+torch.cuda.synchronize()
