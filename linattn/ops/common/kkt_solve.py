@@ -47,26 +47,34 @@ def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
 
 
 @triton.jit
-def _gate(b_A, g_i, g_j, beta_i, m_A, USE_DECAY: tl.constexpr):
-    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} where m_A, 0 elsewhere, for a [R, C] block or an [S, R, C] stack of them:
-    g_i, beta_i hold its rows' cumulative gates and betas (shape [R] or [S, R]), g_j its columns' ([C] or
-    [S, C]); the difference is masked before exp, so no overflow."""
+def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} on the rows o_i / columns o_j of the chunk (a block below the diagonal),
+    0 where masked."""
+    m_i = o_i < T_seq
+    m_j = o_j < T_seq
+    m_A = m_i[:, None] & m_j[None, :]
+    b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
     if USE_DECAY:
-        b_A = b_A * tl.exp(tl.where(m_A, tl.expand_dims(g_i, -1) - tl.expand_dims(g_j, -2), float("-inf")))
-    return tl.where(m_A, b_A * tl.expand_dims(beta_i, -1), 0.)
+        b_gi = tl.load(gc + (bos + o_i) * HV + i_hv, mask=m_i, other=0)
+        b_gj = tl.load(gc + (bos + o_j) * HV + i_hv, mask=m_j, other=0)
+        b_A = b_A * tl.exp(tl.where(m_A, b_gi[:, None] - b_gj[None, :], float("-inf")))
+    return tl.where(m_A, b_A * b_beta[:, None], 0.)
 
 
 @triton.jit
-def _halves(x):
-    """A chunk's [64] vector → its two [32] halves (register shuffles)."""
-    return tl.split(tl.permute(tl.reshape(x, (2, 32)), (1, 0)))
-
-
-@triton.jit
-def _halves_blocks(x):
-    """A chunk's [64] vector → ([2, 16] its blocks 0 and 2, [2, 16] its blocks 1 and 3): the first and the second
-    16-row block of each half (register shuffles)."""
-    return tl.split(tl.permute(tl.reshape(x, (2, 2, 16)), (0, 2, 1)))
+def _gate_stack(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+    """:func:`_gate_block` for a stack of 16×16 blocks [S, 16, 16], block s on the chunk's rows o_i[s] and columns
+    o_j[s] ([S, 16] each): b_A ← β_i · b_A ⊙ e^{G_i − G_j} where row > column, 0 elsewhere and where masked (a
+    diagonal block keeps its strict lower triangle, a block below the diagonal all of itself)."""
+    m_i = o_i < T_seq
+    m_j = o_j < T_seq
+    m_A = m_i[:, :, None] & m_j[:, None, :] & (o_i[:, :, None] > o_j[:, None, :])
+    b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
+    if USE_DECAY:
+        b_gi = tl.load(gc + (bos + o_i) * HV + i_hv, mask=m_i, other=0)
+        b_gj = tl.load(gc + (bos + o_j) * HV + i_hv, mask=m_j, other=0)
+        b_A = b_A * tl.exp(tl.where(m_A, b_gi[:, :, None] - b_gj[:, None, :], float("-inf")))
+    return tl.where(m_A, b_A * b_beta[:, :, None], 0.)
 
 
 @triton.jit
@@ -123,51 +131,39 @@ def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
                        USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Steps 1–3 (the module docstring): (T_lo, X, T_hi), the 32×32 quadrants of (I + A)⁻¹ below the diagonal."""
     o_r = tl.arange(0, 16)
+    o_32 = tl.arange(0, 32)
+    o_h = tl.arange(0, 2)[:, None] * 32 + o_r[None, :]  # [2, 16]: rows of block 0 of each half (chunk-local)
+    o_k = tl.arange(0, BK)
 
     # 1. per K tile: the four diagonal blocks ([4, 16, BK] stack of the chunk's keys), (A10, A32) ([2, 16, BK]
-    #    stacks of blocks 1, 3 and 0, 2) and the lower-left quadrant (keys 32..63 by keys 0..31). The keys are
-    #    loaded once, as four 16-row tiles, and every stack is assembled from them in registers (tl.join). Loading
-    #    each operand by itself (the [BT, BK] tile, the stacks by pointer arithmetic, the halves) compiled to 4032
-    #    SASS instructions and 1568 spill bytes per thread on sm_90 (bf16; ≈ 2000 of them address arithmetic),
-    #    this to 3000 and 168 (fp16 4056 → 2952, fp32 6464 → 5280; benchmarks/compile_all.py, not yet timed)
+    #    stacks of blocks 1, 3 and 0, 2) and the lower-left quadrant (keys 32..63 by keys 0..31); read BT×K keys
+    #    once from HBM, the slices again from L1
     b_Ad = tl.zeros([4, 16, 16], dtype=tl.float32)
     b_As = tl.zeros([2, 16, 16], dtype=tl.float32)
     b_Ahl = tl.zeros([32, 32], dtype=tl.float32)
     p_k0 = k + (bos * H + i_h) * K
+    p_kc = p_k0 + (i_c * BT).to(tl.int64) * (H * K)  # the chunk's first key row
+    m_lo = (i_c * BT + o_h < T_seq)[:, :, None]
+    m_hi = (i_c * BT + o_h + 16 < T_seq)[:, :, None]
     for i_k in range(tl.cdiv(K, BK)):
-        p_b = tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (16, BK), (1, 0))
-        b_k0 = tl.load(p_b, boundary_check=(0, 1))
-        b_k1 = tl.load(tl.advance(p_b, (16, 0)), boundary_check=(0, 1))
-        b_k2 = tl.load(tl.advance(p_b, (32, 0)), boundary_check=(0, 1))
-        b_k3 = tl.load(tl.advance(p_b, (48, 0)), boundary_check=(0, 1))
-        # [16, BK, 2 (i), 2 (p)] → [4, 16, BK], block 2p + i
-        b_k = tl.join(tl.join(b_k0, b_k1), tl.join(b_k2, b_k3))
-        b_k = tl.reshape(tl.permute(b_k, (3, 2, 0, 1)), (4, 16, BK))
+        b_k = tl.load(tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK), (1, 0)),
+                      boundary_check=(0, 1))
+        b_k = tl.reshape(b_k, (4, 16, BK))
         b_Ad += tl.dot(b_k, tl.permute(b_k, (0, 2, 1)), input_precision=DOT_PREC)
-        b_ks0 = tl.permute(tl.join(b_k0, b_k2), (2, 0, 1))  # [2, 16, BK]: blocks 0, 2
-        b_ks1 = tl.permute(tl.join(b_k1, b_k3), (2, 0, 1))  # blocks 1, 3
+        m_k = (i_k * BK + o_k < K)[None, None, :]
+        p_s = p_kc + o_h[:, :, None] * (H * K) + i_k * BK + o_k[None, None, :]
+        b_ks0 = tl.load(p_s, mask=m_lo & m_k, other=0)  # blocks 0, 2
+        b_ks1 = tl.load(p_s + 16 * H * K, mask=m_hi & m_k, other=0)  # blocks 1, 3
         b_As += tl.dot(b_ks1, tl.permute(b_ks0, (0, 2, 1)), input_precision=DOT_PREC)
-        b_Ahl += tl.dot(cat_rows(b_k2, b_k3), tl.trans(cat_rows(b_k0, b_k1)), input_precision=DOT_PREC)
-    # β_i and the decay e^{G_i − G_j}, masked before exp: the chunk's 64 gates and betas loaded once, then cut into
-    # the blocks' row and column vectors by register reshapes
-    o_t = i_c * BT + tl.arange(0, BT)
-    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=o_t < T_seq, other=0).to(tl.float32)
-    b_g = tl.zeros([BT], dtype=tl.float32)
-    if USE_DECAY:
-        b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=o_t < T_seq, other=0)
-    # the four diagonal blocks: rows and columns 16s … 16s + 15 of block s, strictly lower
-    o_d, g_d = tl.reshape(o_t, (4, 16)), tl.reshape(b_g, (4, 16))
-    m_Ad = (o_d < T_seq)[:, :, None] & (o_d < T_seq)[:, None, :] & (o_r[:, None] > o_r[None, :])[None, :, :]
-    b_Ad = _gate(b_Ad, g_d, g_d, tl.reshape(b_b, (4, 16)), m_Ad, USE_DECAY)
-    # (A10, A32): rows of blocks 1 and 3, columns of blocks 0 and 2 (block 2p + i is the i-th block of half p)
-    o_c, o_s = _halves_blocks(o_t)
-    g_c, g_s = _halves_blocks(b_g)
-    b_As = _gate(b_As, g_s, g_c, _halves_blocks(b_b)[1], (o_s < T_seq)[:, :, None] & (o_c < T_seq)[:, None, :],
-                 USE_DECAY)
-    # the lower-left quadrant: rows 32 … 63, columns 0 … 31
-    o_lo, o_hi = _halves(o_t)
-    g_lo, g_hi = _halves(b_g)
-    b_Ahl = _gate(b_Ahl, g_hi, g_lo, _halves(b_b)[1], (o_hi < T_seq)[:, None] & (o_lo < T_seq)[None, :], USE_DECAY)
+        p_q = tl.make_block_ptr(p_k0, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (32, BK), (1, 0))
+        b_klo = tl.load(p_q, boundary_check=(0, 1))
+        b_khi = tl.load(tl.advance(p_q, (32, 0)), boundary_check=(0, 1))
+        b_Ahl += tl.dot(b_khi, tl.trans(b_klo), input_precision=DOT_PREC)
+    # β_i and the decay e^{G_i − G_j}, masked before exp
+    o_d = i_c * BT + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]
+    b_Ad = _gate_stack(b_Ad, gc, beta, bos, T_seq, o_d, o_d, i_hv, HV, USE_DECAY)
+    b_As = _gate_stack(b_As, gc, beta, bos, T_seq, i_c * BT + o_h + 16, i_c * BT + o_h, i_hv, HV, USE_DECAY)
+    b_Ahl = _gate_block(b_Ahl, gc, beta, bos, T_seq, i_c * BT + 32 + o_32, i_c * BT + o_32, i_hv, HV, USE_DECAY)
 
     # 2. the diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
     b_Tf, b_Ts = _invert_diag_blocks(b_Ad, o_r)  # (T00, T22), (T11, T33)
