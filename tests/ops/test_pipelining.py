@@ -68,8 +68,9 @@ def test_pipelined_loops_compile_for_h200():
     for (name, stages), (regs, _, shared, cp_async) in res.items():
         assert 0 < regs <= 255, (name, stages, regs)
         assert (cp_async > 0) == (stages == 2), (name, stages, cp_async)
-        # two programs per SM need <= 114 KB each (228 KB of shared memory on an H200 SM)
-        assert shared <= 114 * 1024 or stages == 0, (name, stages, shared)
+        # a pipelined loop runs only on grids of one program per SM (common.loop_stages), so it must fit one SM's
+        # 227 KB (with pointers aligned as at a launch the three take 123–146 KB at NUM_STAGES = 2: one per SM)
+        assert shared <= 227 * 1024, (name, stages, shared)
 
 
 def test_sass_counts_show_the_walks_dots_on_tensor_cores():

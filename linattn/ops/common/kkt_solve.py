@@ -118,9 +118,11 @@ def _invert_diag_blocks(b_A, o_r):
 # quadrant A_hl and the two blocks A10, A32 built in step 1 as one 32×32 and one [2, 16, 16] dot. On 4 warps each of
 # these dots spreads its result over the warps; the sixteen 16×16 merge dots before it (and the six 16×16 dots of
 # step 1) gave every warp the whole 16×16 result. Same products, associated differently (T30 = −(T32 Y + T33 Z)
-# instead of −T33 (Z + A32 T20), Y and Z the sums inside T20 and T30). sm_90 ptxas (bf16, 168-register cap):
-# kkt_solve HMMA 152 → 84, shuffles 100 → 36, SASS 4072 → 4032, spills 1024 → 1568 bytes. My prediction before the
-# compile was the solve 0.265 → ≈ 0.18 ms at B=8 T=4096 H=16; after it, −5%. Run 17 (bench_split_precision.py):
+# instead of −T33 (Z + A32 T20), Y and Z the sums inside T20 and T30). sm_90 ptxas (bf16, 168-register cap,
+# pointers 16-byte aligned as at a real launch): kkt_solve HMMA 152 → 84, shuffles 100 → 36, SASS 2784 → 2248, no
+# spills either way; the fused pre-pass 4000 → 3184 instructions, spills 180 → 56 bytes. My prediction before the
+# compile was the solve 0.265 → ≈ 0.18 ms at B=8 T=4096 H=16; after a compile without the alignment (which showed
+# 4072 → 4032 instructions), −5%. Run 17 (bench_split_precision.py):
 # kkt_solve 0.283 → 0.268 ms at B=8, 0.046 → 0.041 at B=1, 0.284 → 0.269 at T=32768; the pre-pass 0.601 → 0.589,
 # 0.087 → 0.084, 0.609 → 0.601; the split forward unchanged within 0.3% (1.385 / 1.385); every error ratio against
 # the rounded-PyTorch baseline identical to two digits (bf16), fp16 within 2× of its baseline. Uncapped registers
