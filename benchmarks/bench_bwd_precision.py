@@ -15,6 +15,10 @@ but rounds the initial state (at T=1 the stored h is the initial state): T=1's d
 one of the variants. The rule: take a variant if every gradient stays within 2× of the rounded-PyTorch baseline and
 fwd+bwd gains at all three shapes.
 
+Run 17: dh alone in bf16 failed T=1 too (dg 8.4× its baseline). Since then local_bwd_dqk reads the first chunk's h
+and the last chunk's dh exactly (from the initial state and dh_T) when they are stored in bf16: the next run of this
+script decides the stores by the rule above (triton_bwd.py has the prediction).
+
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
    case, T=1, K=V=64 T=4096 and T=32768 K=128, bf16 (the stores change nothing for fp16 and fp32 inputs);
 2. speed per variant: the public op's forward + backward (do_bench median ms) and the three stages the stores touch

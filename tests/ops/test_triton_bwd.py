@@ -252,6 +252,42 @@ def test_bf16_backward_stores_round_only_what_dqk_reads(case):
         state_pass_bwd(*walk, dh_dtype=torch.float16)
 
 
+# Given the initial state and dh_T, local_bwd_dqk fed bf16 h and dh reads the first chunk's h and the last chunk's dh
+# exactly (h[first] is the initial state and dh[last] is dh_T: checked on the fp32 walk), so sequences of one chunk
+# come out as with fp32 stores (V_new fp32 here) — the T = 1 case the bf16 stores failed on the H200 (run 16: dg
+# 36× its baseline) — and longer ones change only in those two chunks' terms.
+@pytest.mark.parametrize("case", [dict(id="one-chunk-B2-T40-HV2", B=2, T=40, H=1, HV=2, K=32, V=16),
+                                  dict(id="varlen-1-64-0-135-HV2", B=1, T=200, H=1, HV=2, K=20, V=40,
+                                       offsets=[0, 1, 65, 65, 200])], ids=lambda c: c["id"])
+def test_bf16_backward_stores_read_the_exact_ends(case):
+    from linattn.ops.common.local_bwd_dqk import local_bwd_dqk
+    from linattn.ops.common.state_pass_bwd import state_pass_bwd
+    from linattn.ops.common.varlen import chunk_tables
+    x = make_inputs(case, torch.float32)
+    ref = twin_pipeline(x, torch.float32)
+    cu, chunk_indices, chunk_offsets = _varlen(x)
+    f = {n: ref[n].float() for n in ("gc", "A_inv", "h", "w", "dv_local", "v_new")}
+    dh, dv_new, _ = state_pass_bwd(x["q"], x["k"], f["w"], f["gc"], x["do"], f["dv_local"], x["dht"], SCALE, cu,
+                                   chunk_offsets, ref["h"].shape[1])
+    # where each sequence's first and last chunks sit in the [B, NT] (or [1, total chunks]) layout of h and dh
+    spans = ([(b, 0, -(-case["T"] // 64)) for b in range(case["B"])] if cu is None else
+             [(0, c0, c0 + n) for c0, n in zip(chunk_tables(x["offsets"], 64, DEVICE)[1].tolist(),
+                                               [-(-(e - s) // 64) for s, e in zip(x["offsets"], x["offsets"][1:])])])
+    for n, (b, first, end) in enumerate(spans):
+        if end > first:
+            assert torch.equal(f["h"][b, first], x["h0"][n]) and torch.equal(dh[b, end - 1], x["dht"][n])
+    head = (x["q"], x["k"], x["beta"], f["gc"], f["A_inv"])
+    want = local_bwd_dqk(*head, f["h"], f["v_new"], x["do"], dh, dv_new, SCALE, cu, chunk_indices)
+    rounded = (*head, f["h"].bfloat16(), f["v_new"], x["do"], dh.bfloat16(), dv_new, SCALE, cu, chunk_indices)
+    plain = local_bwd_dqk(*rounded)
+    exact = local_bwd_dqk(*rounded, h0=x["h0"], dht=x["dht"])
+    for name, w, p, e in zip(("dq", "dk", "dbeta", "dg", "dA_inv"), want, plain, exact):
+        if cu is None:  # one chunk per sequence: every stored h and dh is an end, so the result is fp32's
+            assert rel_rms(e, w) <= 1e-5 < rel_rms(p, w), (name, rel_rms(e, w), rel_rms(p, w))
+        else:  # the middle chunk of the last sequence keeps its rounding: closer, not equal
+            assert rel_rms(e, w) < rel_rms(p, w) <= 2.0 ** -8, (name, rel_rms(e, w), rel_rms(p, w))
+
+
 @pytest.mark.parametrize("setting", ["RECOMPUTE_STORE_BF16", "DH_STORE_BF16"])
 def test_backward_store_settings_are_checked(monkeypatch, setting):
     from linattn.ops.gated_delta import triton_bwd

@@ -48,7 +48,12 @@ from ..common.wy import wy_fwd
 # does not make. The rule (every gradient within 2× the baseline) fails there, for 1–3% of fwd+bwd: both stay
 # "fp32". Run 17 (the T=1 case and dh alone in bf16 added): T=1's dg over the baseline 0.30 (fp32 / fp32), 35.8
 # (bf16 / fp32), 8.4 (fp32 / bf16), 44.0 (bf16 / bf16) — dh alone fails too (at T=1, dh of the only chunk is dht's
-# own rounding). Storing the first chunk's h and the last chunk's dh in fp32 would keep T=1 and the gain — not done.
+# own rounding). Prepared after run 17 (CPU-tested, not timed): local_bwd_dqk reads the first chunk's h from the
+# initial state and the last chunk's dh from dh_T in fp32 when they are stored in bf16 (adds back the rounding, in
+# branches those chunks alone take), so one-chunk sequences are as exact as with fp32 stores. Prediction for
+# bench_bwd_precision.py: T=1's dg within 2× of its baseline with both stores bf16, every other ratio as run 16–17
+# (≤ 1.55), fwd+bwd as run 17's bf16 / bf16 row (B=8 6.97 ms against 7.32, T=32768 10.55 against 10.70). Rule:
+# both "bf16" if every gradient is within 2× at all four cases and fwd+bwd is faster at all three shapes.
 RECOMPUTE_STORE_BF16 = "fp32"
 DH_STORE_BF16 = "fp32"
 
@@ -109,8 +114,12 @@ def chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale: float, initial_st
                                      h.shape[1], dot_prec, dh_dtype=stored_dtype(q.dtype, DH_STORE_BF16,
                                                                                  "triton_bwd.DH_STORE_BF16"))
     del w, dv_local
+    # with h / dh stored in bf16, the first chunk reads the initial state and the last one dh_T as given (T = 1 is
+    # then exact, run 16's failure of the bf16 stores)
     dq, dk, dbeta_p, dg_p, dA_inv_p = local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale,
-                                                    cu_seqlens, chunk_indices, dot_prec)
+                                                    cu_seqlens, chunk_indices, dot_prec,
+                                                    h0=initial_state.contiguous() if initial_state is not None
+                                                    else None, dht=dht)
     del h, v_new, dh
     dk, dv, dbeta, dg = local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
                                      cu_seqlens, chunk_indices, dot_prec)
