@@ -21,9 +21,9 @@ script decides the stores by the rule above (triton_bwd.py has the prediction).
 
 1. accuracy: gpu_check_core's check (o, final state, every gradient vs float64 next to the baseline) at the anchor
    case, T=1, K=V=64 T=4096 and T=32768 K=128, bf16 (the stores change nothing for fp16 and fp32 inputs);
-2. speed per variant: the public op's forward + backward (do_bench median ms) and the three stages the stores touch
-   alone — the recompute (cumsum, solve, WY, state pass), the reverse walk, dq/dk — at B=1 T=4096, B=8 T=4096,
-   B=1 T=32768 (H=16, K=V=128).
+2. speed per variant: the public op's forward + backward (do_bench median ms, and its peak extra memory) and the
+   three stages the stores touch alone — the recompute (cumsum, solve, WY, state pass), the reverse walk, dq/dk —
+   at B=1 T=4096, B=8 T=4096, B=1 T=32768 (H=16, K=V=128).
 Prints the tables last; writes bench_bwd_precision.json under --out.
 """
 from __future__ import annotations
@@ -92,6 +92,14 @@ def speed(B, T, H, HV):
         row = dict(shape=(B, T, H, HV), h_store=hs, dh_store=dhs, **stage_times(st, hs, dhs))
         with variant((hs, dhs)):
             row["fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, st["do"]))
+            # the op's own peak over one forward + backward, as .anchors/bench_anchors.py's peak_extra_MB (run 17's
+            # frees predict ≈ 2700 MB at B=8 T=4096 H=16 with fp32 stores, from 3230)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            torch.autograd.grad(f()[0], ins, st["do"])
+            torch.cuda.synchronize()
+            row["peak_extra_MB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -112,11 +120,13 @@ def main():
         base = r.get("base")
         cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
         print("%-22s %-5s %-5s " % (r["case"][:22], r["h_store"], r["dh_store"]) + " ".join("%-7s" % c for c in cells))
-    print("\n| B, T, H, HV | h, V_new / dh stored | fwd+bwd ms | recompute ms | reverse walk ms | dq/dk ms |")
-    print("|---|---|---|---|---|---|")
+    print("\n| B, T, H, HV | h, V_new / dh stored | fwd+bwd ms | recompute ms | reverse walk ms | dq/dk ms | "
+          "fwd+bwd peak extra MB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {', '.join(map(str, r['shape']))} | {r['h_store']} / {r['dh_store']} | {r['fwdbwd_ms']:.3f} | "
-              f"{r['recompute_ms']:.3f} | {r['reverse_walk_ms']:.3f} | {r['dqk_ms']:.3f} |")
+              f"{r['recompute_ms']:.3f} | {r['reverse_walk_ms']:.3f} | {r['dqk_ms']:.3f} | "
+              f"{r['peak_extra_MB']:.0f} |")
 
 
 if __name__ == "__main__":
