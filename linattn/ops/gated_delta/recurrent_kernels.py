@@ -312,9 +312,10 @@ def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device,
     (sequence, head) pairs to fill the machine, narrower tiles (more programs, more loads in flight) when there
     are few, e.g. decode at batch 1. One warp per 4 KB of state slice (32 registers per thread, 4 warps for a
     128 × 32 fp32 or 128 × 64 bf16 slice). Measured on the H200 (HV=32, K=V=128, CUDA graphs): fp32 B=64 BV=32
-    4 warps 76.9 µs vs 8 warps 89.2; bf16 B=64 BV=64 4 warps 55.3 vs 8 warps 70.6 (B=256: 201.0 vs 261.7). ``multi_token`` (T > 1): one-warp tiles
-    of 16 columns (see below); ``one_step`` (the ONE_STEP path): one warp per 4096 state values (see below). Cached: a launch plan per shape, so a decode step pays one dict lookup instead of the
-    arithmetic (the key has only whether T > 1: kernels never specialise on T)."""
+    4 warps 76.9 µs vs 8 warps 89.2; bf16 B=64 BV=64 4 warps 55.3 vs 8 warps 70.6 (B=256: 201.0 vs 261.7).
+    ``multi_token`` (T > 1): one-warp tiles of 16 columns (see below); ``one_step`` (the ONE_STEP path): one warp per
+    4096 state values (see below). Cached: a launch plan per shape, so a decode step pays one dict lookup instead of
+    the arithmetic (the key has only whether T > 1: kernels never specialise on T)."""
     BK = next_power_of_2(K)
     # ONE_STEP: bf16 slices of 32 columns, fp32 of 64, one warp per 4096 values. Nsight Compute on the H200 (run 17,
     # B=64, the 128-byte tiles below) found the bf16 step bound by the shared-memory traffic of the cross-warp
