@@ -169,13 +169,13 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
     _check_complete(runs, allow_partial)
     source = _pick_sources(runs, prefer_last)
 
+    from .resume import fill_in, stamp_measured_in  # (resume imports this module)
     out, done, missing, filled = {}, ["environment"], [], {}
     for name in MERGED:
         if name not in source:
             out[name] = {"skipped": "not selected in any of the merged runs"}
             missing.append(name)
             continue
-        from .resume import fill_in, stamp_measured_in  # (resume imports this module)
         path, r = runs[source[name]]
         out[name] = copy.deepcopy(r[name])
         stamp_measured_in(name, out[name], path, r)  # so that a later --resume names the run that measured each

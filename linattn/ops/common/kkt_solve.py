@@ -47,34 +47,20 @@ def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
 
 
 @triton.jit
-def _gate_block(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
-    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} on the rows o_i / columns o_j of the chunk (a block below the diagonal),
-    0 where masked."""
+def _gate(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+    """b_A ← β_i · b_A ⊙ e^{G_i − G_j} where row > column, 0 elsewhere and where masked, for one block [R, C] of the
+    chunk on rows o_i [R] and columns o_j [C], or a stack of them [S, R, C] (o_i [S, R], o_j [S, C]): a diagonal
+    block keeps its strict lower triangle, a block below the diagonal all of itself. The gate difference is masked
+    before exp, so no overflow."""
+    o_r, o_c = tl.expand_dims(o_i, -1), tl.expand_dims(o_j, -2)
     m_i = o_i < T_seq
-    m_j = o_j < T_seq
-    m_A = m_i[:, None] & m_j[None, :]
+    m_A = tl.expand_dims(m_i, -1) & (o_c < T_seq) & (o_r > o_c)
     b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
     if USE_DECAY:
         b_gi = tl.load(gc + (bos + o_i) * HV + i_hv, mask=m_i, other=0)
-        b_gj = tl.load(gc + (bos + o_j) * HV + i_hv, mask=m_j, other=0)
-        b_A = b_A * tl.exp(tl.where(m_A, b_gi[:, None] - b_gj[None, :], float("-inf")))
-    return tl.where(m_A, b_A * b_beta[:, None], 0.)
-
-
-@triton.jit
-def _gate_stack(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
-    """:func:`_gate_block` for a stack of 16×16 blocks [S, 16, 16], block s on the chunk's rows o_i[s] and columns
-    o_j[s] ([S, 16] each): b_A ← β_i · b_A ⊙ e^{G_i − G_j} where row > column, 0 elsewhere and where masked (a
-    diagonal block keeps its strict lower triangle, a block below the diagonal all of itself)."""
-    m_i = o_i < T_seq
-    m_j = o_j < T_seq
-    m_A = m_i[:, :, None] & m_j[:, None, :] & (o_i[:, :, None] > o_j[:, None, :])
-    b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
-    if USE_DECAY:
-        b_gi = tl.load(gc + (bos + o_i) * HV + i_hv, mask=m_i, other=0)
-        b_gj = tl.load(gc + (bos + o_j) * HV + i_hv, mask=m_j, other=0)
-        b_A = b_A * tl.exp(tl.where(m_A, b_gi[:, :, None] - b_gj[:, None, :], float("-inf")))
-    return tl.where(m_A, b_A * b_beta[:, :, None], 0.)
+        b_gj = tl.load(gc + (bos + o_j) * HV + i_hv, mask=o_j < T_seq, other=0)
+        b_A = b_A * tl.exp(tl.where(m_A, tl.expand_dims(b_gi, -1) - tl.expand_dims(b_gj, -2), float("-inf")))
+    return tl.where(m_A, b_A * tl.expand_dims(b_beta, -1), 0.)
 
 
 @triton.jit
@@ -120,7 +106,8 @@ def _invert_diag_blocks(b_A, o_r):
 # step 1) gave every warp the whole 16×16 result. Same products, associated differently (T30 = −(T32 Y + T33 Z)
 # instead of −T33 (Z + A32 T20), Y and Z the sums inside T20 and T30). sm_90 ptxas (bf16, 168-register cap,
 # pointers 16-byte aligned as at a real launch): kkt_solve HMMA 152 → 84, shuffles 100 → 36, SASS 2784 → 2248, no
-# spills either way; the fused pre-pass 4000 → 3184 instructions, spills 180 → 56 bytes. My prediction before the
+# spills either way; the fused pre-pass 4000 → 3184 instructions, spills 180 → 56 bytes (with the two gate helpers
+# since merged into :func:`_gate`: kkt_solve 2256, the pre-pass 3168 / 16). My prediction before the
 # compile was the solve 0.265 → ≈ 0.18 ms at B=8 T=4096 H=16; after a compile without the alignment (which showed
 # 4072 → 4032 instructions), −5%. Run 17 (bench_split_precision.py):
 # kkt_solve 0.283 → 0.268 ms at B=8, 0.046 → 0.041 at B=1, 0.284 → 0.269 at T=32768; the pre-pass 0.601 → 0.589,
@@ -163,9 +150,9 @@ def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
         b_Ahl += tl.dot(b_khi, tl.trans(b_klo), input_precision=DOT_PREC)
     # β_i and the decay e^{G_i − G_j}, masked before exp
     o_d = i_c * BT + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]
-    b_Ad = _gate_stack(b_Ad, gc, beta, bos, T_seq, o_d, o_d, i_hv, HV, USE_DECAY)
-    b_As = _gate_stack(b_As, gc, beta, bos, T_seq, i_c * BT + o_h + 16, i_c * BT + o_h, i_hv, HV, USE_DECAY)
-    b_Ahl = _gate_block(b_Ahl, gc, beta, bos, T_seq, i_c * BT + 32 + o_32, i_c * BT + o_32, i_hv, HV, USE_DECAY)
+    b_Ad = _gate(b_Ad, gc, beta, bos, T_seq, o_d, o_d, i_hv, HV, USE_DECAY)
+    b_As = _gate(b_As, gc, beta, bos, T_seq, i_c * BT + o_h + 16, i_c * BT + o_h, i_hv, HV, USE_DECAY)
+    b_Ahl = _gate(b_Ahl, gc, beta, bos, T_seq, i_c * BT + 32 + o_32, i_c * BT + o_32, i_hv, HV, USE_DECAY)
 
     # 2. the diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
     b_Tf, b_Ts = _invert_diag_blocks(b_Ad, o_r)  # (T00, T22), (T11, T33)
