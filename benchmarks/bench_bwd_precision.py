@@ -92,8 +92,8 @@ def speed(B, T, H, HV):
         row = dict(shape=(B, T, H, HV), h_store=hs, dh_store=dhs, **stage_times(st, hs, dhs))
         with variant((hs, dhs)):
             row["fwdbwd_ms"] = triton.testing.do_bench(lambda: torch.autograd.grad(f()[0], ins, st["do"]))
-            # the op's own peak over one forward + backward, as .anchors/bench_anchors.py's peak_extra_MB (run 17's
-            # frees predict ≈ 2700 MB at B=8 T=4096 H=16 with fp32 stores, from 3230)
+            # the op's own peak over one forward + backward, as .anchors/bench_anchors.py's peak_extra_MB (run 18:
+            # 2586 MB at B=8 T=4096 H=16 with fp32 stores, ≈ 2700 predicted from run 17's 3230 and the frees)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

@@ -50,11 +50,17 @@ from ..common.wy import wy_fwd
 # (bf16 / fp32), 8.4 (fp32 / bf16), 44.0 (bf16 / bf16) — dh alone fails too (at T=1, dh of the only chunk is dht's
 # own rounding). Prepared after run 17 (CPU-tested, not timed): local_bwd_dqk reads the first chunk's h from the
 # initial state and the last chunk's dh from dh_T in fp32 when they are stored in bf16 (adds back the rounding, in
-# branches those chunks alone take), so one-chunk sequences are as exact as with fp32 stores. Prediction for
-# bench_bwd_precision.py: T=1's dg within 2× of its baseline with both stores bf16, every other ratio as run 16–17
-# (≤ 1.55), fwd+bwd as run 17's bf16 / bf16 row (B=8 6.97 ms against 7.32, T=32768 10.55 against 10.70). Rule:
-# both "bf16" if every gradient is within 2× at all four cases and fwd+bwd is faster at all three shapes.
-RECOMPUTE_STORE_BF16 = "fp32"
+# branches those chunks alone take), so one-chunk sequences are as exact as with fp32 stores. Prediction: T=1's dg
+# within 2× of its baseline with both stores bf16, fwd+bwd B=8 6.97 ms against 7.32. Rule: a store goes "bf16" if
+# every gradient is within 2× at all four cases and fwd+bwd is faster at all three shapes. Run 18
+# (bench_bwd_precision.py, 2026-11-30; fp32/fp32 → bf16/fp32 → fp32/bf16 → bf16/bf16): every ratio ≤ 1.47 at all
+# four cases for all three (T=1's dg 0.30 / 0.18 / 0.30 / 0.18: the exact ends work); fwd+bwd B=8 7.281 → 7.182 →
+# 7.458 → 7.183 ms, B=1 T=32768 10.665 → 10.645 → 10.993 → 10.740, B=1 T=4096 1.933 → 1.596 → 1.493 → 1.649
+# (host-bound, noisy); peak extra at B=8 2586 → 2202 → 2330 → 1946 MB. h / V_new in bf16 passes the rule (faster
+# at all three shapes, by 1.4% and 0.2% where the GPU bounds it, −384 MB at B=8): "bf16". dh in bf16 does not
+# (slower at T=32768 alone and with h; its reverse walk is 8% faster but dq/dk not): stays "fp32" (the prediction
+# of 6.97 ms missed: dq/dk did not speed up with halved reads, as in run 16).
+RECOMPUTE_STORE_BF16 = "bf16"
 DH_STORE_BF16 = "fp32"
 
 
@@ -107,8 +113,9 @@ def chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale: float, initial_st
     # Each intermediate is dropped after its last reader, so that the largest ones are not all alive at the peak
     # (local_bwd_dqk). Bytes at B=8 T=4096 H=16 K=V=128: h, dh 537 MB each (fp32), w, dv_local, v_new, dv_new,
     # dq, dk and the dA_inv shares 268 MB each, A_inv 134 MB; with w and dv_local gone before local_bwd_dqk, its
-    # peak is ≈ 2.55 GB instead of ≈ 3.08 (not yet measured on the GPU: the eval's and bench_anchors' peak
-    # memory show it).
+    # peak is ≈ 2.55 GB instead of ≈ 3.08. Run 18 (bench_bwd_precision.py, the op's peak above its inputs over one
+    # forward + backward, as bench_anchors measures it): 2586 MB with fp32 stores (run 17, before the deletions:
+    # 3230), 2202 with h / V_new in bf16 (the default since).
     dv_local = local_bwd_dv(q, k, gc, do, scale, cu_seqlens, chunk_indices, dot_prec)
     dh, dv_new, dh0 = state_pass_bwd(q, k, w, gc, do, dv_local, dht, scale, cu_seqlens, chunk_offsets,
                                      h.shape[1], dot_prec, dh_dtype=stored_dtype(q.dtype, DH_STORE_BF16,
