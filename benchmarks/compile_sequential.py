@@ -34,7 +34,8 @@ def kernels(d: int, BV: int, stages: int, dtype: torch.dtype = torch.bfloat16) -
     walk.update(NUM_STAGES=stages, DOT_PREC=dp, STATE_PREC=sp, INPUT_PREC=dot_precision(dtype))
     bk = block_size(d, 256)
     fwd = dict(H=16, HV=16, K=d, V=d, BT=64, BK=bk, BV=BV, DOT_PREC=dot_precision(dtype), USE_DECAY=True,
-               USE_DELTA=True, USE_INITIAL_STATE=False, IS_VARLEN=False, INTERPRET=False, NUM_STAGES=stages)
+               USE_DELTA=True, FROM_A_INV=False, USE_INITIAL_STATE=False, IS_VARLEN=False, INTERPRET=False,
+               NUM_STAGES=stages)
     bwd = dict(H=16, HV=16, K=d, V=d, BT=64, BK=bk, BV=BV, DOT_PREC=bwd_dot_precision(dtype, None),
                IS_VARLEN=False, INTERPRET=False, NUM_STAGES=stages)
     return {"walk": (fused_fwd_kernel, walk), "state_pass_fwd": (state_pass_fwd_kernel, fwd),

@@ -62,8 +62,8 @@ def prepass_consts(d: int, store_p: bool) -> dict:
     """Constexprs of the pre-pass at K = V = d for bf16 inputs."""
     ip = dot_precision(torch.bfloat16)
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64), DOT_PREC=ip,
-                INPUT_PREC=ip, IS_VARLEN=False, STORE_P=store_p, MERGE_PREC=merge_precision(torch.bfloat16),
-                INTERPRET=False)
+                INPUT_PREC=ip, IS_VARLEN=False, STORE_P=store_p, STORE_A_INV=False,
+                MERGE_PREC=merge_precision(torch.bfloat16), INTERPRET=False)
 
 
 def output_consts(d: int) -> dict:
@@ -73,11 +73,12 @@ def output_consts(d: int) -> dict:
                 IS_VARLEN=False, INTERPRET=False)
 
 
-def state_pass_consts(d: int, BV: int) -> dict:
-    """Constexprs of the forward state pass at K = V = d for bf16 inputs (pipelined loop, as at one wave)."""
+def state_pass_consts(d: int, BV: int, from_a_inv: bool = False) -> dict:
+    """Constexprs of the forward state pass at K = V = d for bf16 inputs (pipelined loop, as at one wave); with
+    ``from_a_inv`` it reads A_inv and the values (then pass bf16_args=("u",) to compile_kernel)."""
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV, DOT_PREC=dot_precision(torch.bfloat16),
-                USE_DECAY=True, USE_DELTA=True, USE_INITIAL_STATE=False, IS_VARLEN=False, INTERPRET=False,
-                NUM_STAGES=STATE_PASS_STAGES)
+                USE_DECAY=True, USE_DELTA=True, FROM_A_INV=from_a_inv, USE_INITIAL_STATE=False, IS_VARLEN=False,
+                INTERPRET=False, NUM_STAGES=STATE_PASS_STAGES)
 
 
 def state_pass_bwd_consts(d: int, BV: int) -> dict:

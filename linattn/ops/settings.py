@@ -33,6 +33,7 @@ def triton_settings() -> Optional[dict]:
         "INVERSE_DOT_PREC": local_bwd_wy.INVERSE_DOT_PREC,
         "MERGE_PREC_BF16": kkt_solve.MERGE_PREC_BF16, "SPLIT_OUTPUT_PREC_BF16": split_fwd.OUTPUT_PREC_BF16,
         "SPLIT_STORE_BF16": split_fwd.STORE_BF16, "SPLIT_WU_STORE_BF16": split_fwd.WU_STORE_BF16,
+        "SPLIT_WY_FORM": split_fwd.WY_FORM,
         "BWD_RECOMPUTE_STORE_BF16": triton_bwd.RECOMPUTE_STORE_BF16, "BWD_DH_STORE_BF16": triton_bwd.DH_STORE_BF16,
         "FP32_DOT_PRECISION": common.FP32_DOT_PRECISION, "FP32_PRODUCT_PRECISION": common.FP32_PRODUCT_PRECISION,
         "DECODE_ONE_STEP": recurrent_kernels.DECODE_ONE_STEP,

@@ -89,13 +89,30 @@ def test_prepass_matches_twin(case):
         assert rel_rms(t, ref[name]) <= tol, f"{name}: {rel_rms(t, ref[name]):.2e}"
 
 
+def test_prepass_writes_a_inv_instead_of_w_and_u(case):
+    """write_wy=False (the split path's pre-pass under split_fwd.WY_FORM = "state_pass"): gc and the chunks'
+    inverses in kkt_solve's layout, nothing else."""
+    _, x, _, ci, _, ref, dtype = case
+    out = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, write_wy=False)
+    assert len(out) == 2
+    tol = TOLERANCES["kernel"][dtype]
+    for name, t in zip(("gc", "A_inv"), out):
+        assert t.dtype == torch.float32 and t.shape == ref[name].shape, name
+        assert rel_rms(t, ref[name]) <= tol, f"{name}: {rel_rms(t, ref[name]):.2e}"
+    with pytest.raises(ValueError, match="only with W and U"):
+        fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, q=x["q"], write_wy=False)
+
+
 def test_prepass_compiles_for_h200():
     """The solve's stacked [4, 16, 16] diagonal substitution (3-D dot, permute / reshape / split) through the GPU
     backend's layouts, which the interpreter skips: the fused pre-pass without p (the split path's) compiles for
     sm_90 (bf16, K = V = 128)."""
-    regs, _, _, _ = compile_for_h200(
-        "import compile_walk as c", "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, False)))[:4]")
-    assert 0 < regs <= 255
+    res = compile_for_h200(
+        "import compile_walk as c",
+        "[tuple(c.compile_kernel(c.fused_prepass_kernel, dict(c.prepass_consts(128, False), STORE_A_INV=a)))[:4] "
+        "for a in (False, True)]")
+    for regs, _, _, _ in res:
+        assert 0 < regs <= 255, res
 
 
 def test_sequential_kernel_matches_twin(case):

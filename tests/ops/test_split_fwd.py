@@ -32,28 +32,35 @@ CASES = [
 ]
 
 
-def run(x, offsets, L, store=None, wu_store=torch.float32):
+def run(x, offsets, L, store=None, wu_store=torch.float32, form="prepass"):
+    """split_fwd after the pre-pass: W and U written by the pre-pass (form "prepass") or A_inv for the state pass
+    ("state_pass", split_fwd.WY_FORM)."""
     scale = x["q"].shape[-1] ** -0.5
     ci = co = None
     if offsets:
         ci, co = chunk_tables(offsets, CHUNK, "cpu")
-    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, store_dtype=wu_store)
-    return split_fwd(x["q"], x["k"], [w, u], gc, scale, x["initial_state"], torch.float32, x["cu_seqlens"],
+    if form == "state_pass":
+        gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, write_wy=False)
+        wy = [a_inv, x["beta"], x["v"]]
+    else:
+        gc, *wy = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, store_dtype=wu_store)
+    return split_fwd(x["q"], x["k"], wy, gc, scale, x["initial_state"], torch.float32, x["cu_seqlens"],
                      offsets, ci, co, segment_chunks=L, store=store)
 
 
+@pytest.mark.parametrize("form", ["prepass", "state_pass"])
 @pytest.mark.parametrize("case, L", CASES, ids=[f"{c.id}-L{L}" for c, L in CASES])
-def test_segmented_split_forward_matches_reference(case, L):
+def test_segmented_split_forward_matches_reference(case, L, form):
     torch.manual_seed(0)
     x, offsets = make_inputs(case, torch.float32)
     before = {n: t.clone() for n, t in x.items() if t is not None}
-    o, ht = run(x, offsets, L)
+    o, ht = run(x, offsets, L, form=form)
     assert all(torch.equal(x[n], t) for n, t in before.items()), "an input was modified"
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     ro, rht = gated_delta_rule_reference(*args, case.K ** -0.5, x["initial_state"], offsets)
     assert rel_rms(o, ro) <= TOL, f"o: {rel_rms(o, ro):.2e}"
     assert rel_rms(ht, rht) <= TOL, f"final state: {rel_rms(ht, rht):.2e}"
-    o1, ht1 = run(x, offsets, None)   # unsegmented (the planner does not split these lengths)
+    o1, ht1 = run(x, offsets, None, form=form)   # unsegmented (the planner does not split these lengths)
     assert rel_rms(o, o1) <= TOL and rel_rms(ht, ht1) <= TOL
 
 
@@ -68,6 +75,21 @@ def test_bad_segment_length_is_refused():
     x, offsets = make_inputs(Case("x", T=70, B=1), torch.float32)
     with pytest.raises(ValueError, match="segment_chunks"):
         run(x, offsets, 0)
+
+
+def test_bad_wy_form_and_list_are_refused(monkeypatch):
+    from linattn.ops.common import split_fwd as SF
+    x, offsets = make_inputs(Case("x", T=70, B=1), torch.float32)
+    gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"])
+    with pytest.raises(ValueError, match=r"\[w, u\] or \[a_inv, beta, v\]"):
+        split_fwd(x["q"], x["k"], [w], gc, 1.0, None, torch.float32, None, None, None, None)
+    assert SF.wy_in_state_pass(torch.bfloat16) == (SF.WY_FORM == "state_pass")
+    monkeypatch.setattr(SF, "WU_STORE_BF16", "bf16")   # bf16 W and U exist only in the pre-pass form
+    assert not SF.wy_in_state_pass(torch.bfloat16)
+    assert SF.wy_in_state_pass(torch.float32) == (SF.WY_FORM == "state_pass")
+    monkeypatch.setattr(SF, "WY_FORM", "both")
+    with pytest.raises(ValueError, match="split_fwd.WY_FORM must be one of"):
+        SF.wy_in_state_pass(torch.float32)
 
 
 # h and V_new stored in bf16 (split_fwd.STORE_BF16 = "bf16" for bf16 inputs; here forced with ``store`` on fp32
@@ -138,6 +160,8 @@ def test_bf16_stores_compile_for_h200():
         "[tuple(c.compile_kernel(c.output_fwd_kernel, c.output_consts(128), bf16_args=('h', 'v_new')))[:4], "
         "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64), "
         "bf16_args=('h', 'v_new', 'w', 'u')))[:4], "
+        "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64, from_a_inv=True), "
+        "bf16_args=('h', 'v_new', 'u')))[:4], "
         "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, False), bf16_args=('w', 'u')))[:4], "
         "tuple(c.compile_kernel(c.fused_fwd_kernel, dict(c.walk_consts(128, 16, False), AFFINE=True, "
         "SEGMENTED=True), bf16_args=('w', 'u')))[:4]]")
@@ -145,9 +169,11 @@ def test_bf16_stores_compile_for_h200():
         assert 0 < regs <= 255, res
 
 
-def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch):
-    """Peak memory: the op hands W and U to split_fwd in a list that it empties, so nothing references them once the
-    state pass has read them (the output kernel, h and V_new alive, no longer holds their 2·T·HV·(K+V) fp32 values)."""
+@pytest.mark.parametrize("form, n", [("prepass", 2), ("state_pass", 1)])
+def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch, form, n):
+    """Peak memory: the op hands W and U (or A_inv) to split_fwd in a list that it empties, so nothing references
+    them once the state pass has read them (the output kernel, h and V_new alive, no longer holds their
+    2·T·HV·(K+V) fp32 values)."""
     import weakref
 
     from linattn.ops.common import split_fwd as SF
@@ -161,12 +187,13 @@ def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch):
         return out
 
     def watched_output(*a, **kw):
-        assert len(refs) == 2 and all(r() is None for r in refs), "W or U still referenced at the output kernel"
+        assert len(refs) == n and all(r() is None for r in refs), "W, U or A_inv still referenced at the output"
         return output(*a, **kw)
 
     monkeypatch.setattr(triton_chunk, "fused_prepass", watched_prepass)
     monkeypatch.setattr(SF, "output_fwd", watched_output)
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+    monkeypatch.setattr(SF, "WY_FORM", form)
     x, offsets = make_inputs(CASES[0][0], torch.float32)
     o, ht = triton_chunk.chunk_gated_delta_rule_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                            x["q"].shape[-1] ** -0.5, x["initial_state"],

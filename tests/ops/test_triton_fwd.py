@@ -227,6 +227,23 @@ def test_stage_state_pass(stage_case):
     assert rel_rms(ht, ref["ht"]) <= tol
 
 
+def test_stage_state_pass_from_a_inv(stage_case):
+    """The state pass forming V_new = A_inv (β ⊙ V − βΓ ⊙ (K S)) per chunk (FROM_A_INV) against the twin chain
+    wy_ref → state_pass_fwd_ref: the same h, V_new and final state, without W or U."""
+    x, _, (ci, co), _, ref, dtype = stage_case
+    nt = ci.shape[0] if ci is not None else None
+    h, v_new, ht = state_pass_fwd(x["k"], None, x["v"], f32(ref["gc"]), x["initial_state"], x["cu_seqlens"], co,
+                                  nt, a_inv=f32(ref["A_inv"]), beta=x["beta"])
+    tol = TOLERANCES["stage"][dtype]
+    assert h.shape == ref["h"].shape and rel_rms(h, ref["h"]) <= tol
+    assert rel_rms(v_new, ref["v_new"]) <= tol and rel_rms(ht, ref["ht"]) <= tol
+    with pytest.raises(ValueError, match="a_inv and beta together"):
+        state_pass_fwd(x["k"], None, x["v"], f32(ref["gc"]), None, x["cu_seqlens"], co, nt, a_inv=f32(ref["A_inv"]))
+    with pytest.raises(ValueError, match="a_inv and beta together"):
+        state_pass_fwd(x["k"], f32(ref["w"]), x["v"], f32(ref["gc"]), None, x["cu_seqlens"], co, nt,
+                       a_inv=f32(ref["A_inv"]), beta=x["beta"])
+
+
 def test_stage_output(stage_case):
     x, _, (ci, _), scale, ref, dtype = stage_case
     o = output_fwd(x["q"], x["k"], f32(ref["v_new"]), f32(ref["h"]), f32(ref["gc"]), scale, torch.float32,

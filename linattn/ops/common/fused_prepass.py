@@ -7,6 +7,9 @@ fuses). One program per (chunk, value head), grid (NT, B·HV), like the stages i
             BT×V values
     writes  gc [BT] fp32, W [BT, K] fp32, U [BT, V] fp32        — and nothing else: A_inv stays in registers.
 
+or, with STORE_A_INV, gc and A_inv [BT, BT] fp32 instead of W and U (no V read, no W/U dots): the split forward's
+state pass then forms W S and U per chunk from A_inv (``state_pass.py``, FROM_A_INV).
+
 With queries given (STORE_P) it also reads BT×K queries and the keys once more (from L2) and writes the chunk's
 P = Q Kᵀ ⊙ D ⊙ causal [BT, BT] fp32 (+25% writes at K = V = 128), so that the sequential walk (``fused_fwd.py``,
 LOAD_P) loads P instead of recomputing it for every V slice. Twin: ``torch_chunk.qk_decay_ref``. The query scale
@@ -44,11 +47,11 @@ PREPASS_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["T"])
-def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, DOT_PREC: tl.constexpr, INPUT_PREC: tl.constexpr,
-                         IS_VARLEN: tl.constexpr, STORE_P: tl.constexpr, MERGE_PREC: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         IS_VARLEN: tl.constexpr, STORE_P: tl.constexpr, STORE_A_INV: tl.constexpr,
+                         MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
     # grid (NT, B·HV): one program per (chunk, value head); value head i_hv reads key head i_hv // (HV // H)
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -89,17 +92,24 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indice
     b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True, MERGE_PREC,
                       INTERPRET)
 
-    # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
-    b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
-    b_bg = b_beta * tl.exp(b_gc)
-    wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
+    if STORE_A_INV:
+        # 4'. write A_inv [BT, BT] fp32 (the chunk's rows; zeros above the diagonal included): the state pass forms
+        #     W S and U from it per chunk (state_pass.py, FROM_A_INV)
+        p_a = tl.make_block_ptr(a_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
+                                (1, 0))
+        tl.store(p_a, b_A, boundary_check=(0, 1))
+    else:
+        # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
+        b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
+        b_bg = b_beta * tl.exp(b_gc)
+        wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
 
 
 def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                   cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
                   dot_prec: Optional[str] = None, chunk_size: int = CHUNK, q: Optional[torch.Tensor] = None,
-                  store_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    """gc, W and U of every chunk (and P, with ``q``), in one launch.
+                  store_dtype: torch.dtype = torch.float32, write_wy: bool = True) -> tuple[torch.Tensor, ...]:
+    """gc, W and U of every chunk (and P, with ``q``), in one launch; or gc and A_inv (``write_wy=False``).
 
     Args:
         g: log decays ``[B, T, HV]``; k: keys ``[B, T, H, K]`` (value head i reads key head ``i // (HV // H)``);
@@ -108,24 +118,32 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         dot_prec: override ``dot_precision(k.dtype)`` for the W/U dots (benchmarks).
         q: queries ``[B, T, H, K]`` (k's dtype) or None: given, P is computed too.
         store_dtype: the dtype w and u are written in, fp32 or bf16 (``split_fwd.wu_store_dtype``).
+        write_wy: False writes the chunks' inverses instead of W and U (for ``state_pass_fwd``'s ``a_inv``); not
+            with ``q``.
     Returns:
         gc ``[B, T, HV]`` fp32, w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (``store_dtype``) — the same values (up
         to rounding order and the store's rounding) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd`` — and,
         with ``q``, p ``[B, T, HV, BT]`` fp32: row t holds row t − c·BT of its chunk c's P = Q Kᵀ ⊙ D ⊙ causal (unscaled; columns at positions
-        past the sequence end are 0), the layout of ``A_inv``; the input of ``fused_fwd``'s ``p``.
+        past the sequence end are 0), the layout of ``A_inv``; the input of ``fused_fwd``'s ``p``. With
+        ``write_wy=False``: gc and A_inv ``[B, T, HV, BT]`` fp32 (``kkt_solve``'s layout and values).
     """
     check_store_dtype("fused_prepass", store_dtype)
+    if not write_wy and q is not None:
+        raise ValueError("fused_prepass writes P (q given) only with W and U (write_wy=True)")
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     gc = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
-    w = torch.empty(B, T, HV, K, dtype=store_dtype, device=k.device)
-    u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device)
+    a_inv = None if write_wy else torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device)
+    w = torch.empty(B, T, HV, K, dtype=store_dtype, device=k.device) if write_wy else None
+    u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if write_wy else None
     p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None
     NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
     fused_prepass_kernel[(NT, B * HV)](
-        g, k, v, beta, q, gc, w, u, p, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
         INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
+        STORE_A_INV=not write_wy, MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
         num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
+    if not write_wy:
+        return gc, a_inv
     return (gc, w, u) if q is None else (gc, w, u, p)

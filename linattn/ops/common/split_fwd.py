@@ -29,6 +29,7 @@ from .output import output_fwd
 from .seq_parallel import affine_scan, plan_segments, segment_tables
 from .state_pass import state_pass_fwd
 from .varlen import chunk_tables
+from .wy import wy_fwd
 
 # phase A's chunk (two dots over the K + V columns of [M | N]) against a chunk of the state pass (the same two
 # dots over V columns), per column slice. First estimate 1.0 (about equal work per program); run 12 measured the
@@ -66,6 +67,17 @@ STORE_BF16 = "bf16"
 # nearly doubles (1.05e-3 → 1.98e-3, o 2.43e-3 → 2.97e-3). Mixed speed for a doubled state error: stays "fp32".
 WU_STORE_BF16 = "fp32"
 STORES = ("fp32", "bf16")
+# Where the split path forms the WY products: "state_pass" — the pre-pass writes each chunk's inverse A_inv and
+# the state pass computes V_new = A_inv (β ⊙ V − βΓ ⊙ (K S)) from it and the values (state_pass.py, FROM_A_INV) —
+# or "prepass" (W and U written by the pre-pass, read by the state pass; the only form until run 18). Count at B=8
+# T=4096 H=16 K=V=128 bf16: the pre-pass writes 134 MB (A_inv) instead of 805 (W, U fp32) and skips two
+# [64, 64] × [64, 128] dots per chunk; the state pass reads A_inv 134 MB and V 134 MB instead of 805 MB and runs
+# one more dot on its chain ([64, 64] × [64, BV]). ncu (run 18) had the pre-pass bound by L1 / shared-memory
+# wavefronts (80%, DRAM 22%) and the state pass by load latency (long scoreboard, DRAM 39%). Prediction (written
+# before timing it): pre-pass 0.589 → ≈ 0.28 ms (kkt_solve alone: 0.268), state pass 0.505 → ≈ 0.40, split forward
+# 1.385 → ≈ 0.97 at B=8; at B=1 T=32768 (latency-bound state pass) pre-pass −0.3, state pass +≈ 0.2.
+WY_FORM = "state_pass"
+WY_FORMS = ("state_pass", "prepass")
 
 
 def stored_dtype(dtype: torch.dtype, mode: str, name: str) -> torch.dtype:
@@ -86,6 +98,14 @@ def wu_store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.
     """The dtype the split path's pre-pass writes W and U in for inputs of ``dtype`` (:data:`WU_STORE_BF16`, or
     ``override``; checked)."""
     return stored_dtype(dtype, override or WU_STORE_BF16, "split_fwd W/U store")
+
+
+def wy_in_state_pass(dtype: torch.dtype) -> bool:
+    """Whether the split path's pre-pass writes A_inv for the state pass (:data:`WY_FORM`, checked) instead of W and
+    U; W and U stored in bf16 (:data:`WU_STORE_BF16`) keep the pre-pass form."""
+    if WY_FORM not in WY_FORMS:
+        raise ValueError(f"split_fwd.WY_FORM must be one of {WY_FORMS}, got {WY_FORM!r}")
+    return WY_FORM == "state_pass" and wu_store_dtype(dtype) == torch.float32
 
 
 def output_precision(dtype: torch.dtype) -> str:
@@ -114,7 +134,7 @@ def _segment_layout(offsets: tuple, L: int, chunk_size: int, device: str
     return both[:len(offsets)], both[len(offsets):], chunk_tables(seg, chunk_size, device)[1]
 
 
-def split_fwd(q: torch.Tensor, k: torch.Tensor, wu: list, gc: torch.Tensor, scale: float,
+def split_fwd(q: torch.Tensor, k: torch.Tensor, wy: list, gc: torch.Tensor, scale: float,
               initial_state: Optional[torch.Tensor], out_dtype: torch.dtype, cu_seqlens: Optional[torch.Tensor],
               offsets: Optional[list[int]], chunk_indices: Optional[torch.Tensor],
               chunk_offsets: Optional[torch.Tensor], out_prec: Optional[str] = None,
@@ -122,17 +142,23 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, wu: list, gc: torch.Tensor, scal
               store: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` in ``out_dtype`` and the final state ``[N, HV, K, V]`` fp32.
 
-    Args: q, k ``[B, T, H, K]``; wu: the list [w ``[B, T, HV, K]``, u ``[B, T, HV, V]``] from the pre-pass, which
-        this function empties once the state pass has read them: when the caller keeps no other reference (the op
-        does not), their memory is free before the output kernel runs (at B=8 T=4096 H=16 K=V=128, 537 MB of the
-        forward's 1.07 GB peak of intermediates); gc ``[B, T, HV]`` fp32 (the pre-pass);
+    Args: q, k ``[B, T, H, K]``; wy: the chunks' WY form from the pre-pass, either the list [w ``[B, T, HV, K]``,
+        u ``[B, T, HV, V]``] or [A_inv ``[B, T, HV, 64]`` fp32, beta ``[B, T, HV]``, v ``[B, T, HV, V]``] (the state
+        pass then forms W S and U per chunk: state_pass.py, FROM_A_INV; segments, which phase A walks with W and
+        U, get them from ``wy_fwd`` first). This function empties the list once the state pass has read it: when
+        the caller keeps no other reference (the op does not), W and U (or A_inv) are free before the output
+        kernel runs (at B=8 T=4096 H=16 K=V=128, W and U are 537 MB of the forward's 1.07 GB peak of
+        intermediates); gc ``[B, T, HV]`` fp32 (the pre-pass);
         initial_state ``[N, HV, K, V]`` or None; cu_seqlens / offsets (device and host) with chunk_indices /
         chunk_offsets from ``varlen.chunk_tables``, or all None; out_prec: the output kernel's precision for its
         fp32 dots (``output_fwd``'s dot_prec); segment_chunks: force segments of this many chunks (≥ 1, tests and
         benchmarks), None: planned; store: the dtype of h and V_new (None: :func:`store_dtype` of the inputs).
     """
-    w, u = wu
-    wu.clear()
+    if len(wy) not in (2, 3):
+        raise ValueError(f"split_fwd takes [w, u] or [a_inv, beta, v], got a list of {len(wy)}")
+    from_a_inv = len(wy) == 3
+    w, u, a_inv, beta = (None, wy[2], wy[0], wy[1]) if from_a_inv else (*wy, None, None)
+    wy.clear()
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
     if cu_seqlens is not None and offsets is None:
@@ -148,11 +174,16 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, wu: list, gc: torch.Tensor, scal
     store = store or store_dtype(q.dtype)
     if L is None or L >= max(chunks, default=0):
         h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets,
-                                               NT_total if cu_seqlens is not None else None, store_dtype=store)
-        del w, u  # their last reader
+                                               NT_total if cu_seqlens is not None else None, store_dtype=store,
+                                               a_inv=a_inv, beta=beta)
+        del w, u, a_inv  # their last reader
         o = output_fwd(q, k, v_new, h, gc, scale, out_dtype, cu_seqlens, chunk_indices, dot_prec=out_prec)
         return o, final_state
 
+    if from_a_inv:
+        # phase A walks the segments with W and U (seq_parallel.py): form them (rare: few, very long sequences)
+        w, u = wy_fwd(k, u, beta, gc, a_inv, cu_seqlens, chunk_indices)
+        del a_inv
     # phases A and B (seq_parallel.py): every segment's entering state
     segments, segment_first = segment_tables(flat, L, chunk_size, q.device)
     NS = segments.shape[0]

@@ -34,7 +34,7 @@ from ..common.kkt_solve import kkt_solve
 from ..common.output import output_fwd
 from ..common.seq_parallel import fused_fwd_seq_parallel
 from ..common.split_fwd import output_precision as split_output_precision
-from ..common.split_fwd import split_fwd, wu_store_dtype
+from ..common.split_fwd import split_fwd, wu_store_dtype, wy_in_state_pass
 from ..common.state_pass import state_pass_fwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
@@ -175,10 +175,16 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
     if path == "split":
-        # W and U stored at split_fwd.wu_store_dtype, the output dots at split_fwd.output_precision (bf16x3 for
-        # bf16); W and U handed over in a list that split_fwd empties, so they are freed after the state pass
-        gc, *wu = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, store_dtype=wu_store_dtype(v.dtype))
-        return split_fwd(q, k, wu, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
+        # the pre-pass writes A_inv for the state pass, or W and U (split_fwd.WY_FORM; W and U stored at
+        # split_fwd.wu_store_dtype); the output dots at split_fwd.output_precision (bf16x3 for bf16). Handed over
+        # in a list that split_fwd empties, so they are freed after the state pass
+        if wy_in_state_pass(v.dtype):
+            gc, a_inv = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, write_wy=False)
+            wy = [a_inv, beta, v]
+            del a_inv
+        else:
+            gc, *wy = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, store_dtype=wu_store_dtype(v.dtype))
+        return split_fwd(q, k, wy, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, chunk_indices,
                          chunk_offsets, out_prec=split_output_precision(v.dtype))
     gc, w, u, p = fwd_prepass(q, k, v, g, beta, cu_seqlens, chunk_indices)
     return fused_fwd_seq_parallel(q, k, w, u, gc, scale, initial_state, v.dtype, cu_seqlens, offsets, p=p)
