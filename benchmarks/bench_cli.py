@@ -10,9 +10,12 @@ import torch
 import triton
 
 
-def bench_args(quick_help: str) -> argparse.Namespace:
+def bench_args(quick_help: str, **switches: str) -> argparse.Namespace:
+    """--quick, --out and any further on/off ``switches`` (name → help; ``bv_sweep`` is ``--bv-sweep``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help=quick_help)
+    for name, text in switches.items():
+        ap.add_argument("--" + name.replace("_", "-"), action="store_true", help=text)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)

@@ -3,7 +3,7 @@
 writes each chunk's inverse A_inv, the state pass forms V_new = A_inv (β ⊙ V − βΓ ⊙ (K S)) from it and the values
 (state_pass.py, FROM_A_INV). split_fwd.py has the byte count and the prediction.
 
-    python benchmarks/bench_wy_form.py [--quick] [--out DIR]
+    python benchmarks/bench_wy_form.py [--quick] [--bv-sweep] [--out DIR]
 
 1. accuracy: gpu_check_core's check (o, final state and every gradient vs float64, next to the rounded-PyTorch
    baseline; the bound is kernel ≤ 2 × baseline) for both forms, bf16, at five cases (--quick: two);
@@ -95,8 +95,31 @@ def speed(B, T, H, HV, dt):
     return rows
 
 
+def bv_sweep():
+    """The A_inv-form state pass alone at V tiles 16 / 32 / 64 where the form runs (≥ 64 pairs): run 18 measured it
+    at the launcher's 64 with 255 registers and 0.94 M spill requests (ncu) at B=8 T=4096 H=16."""
+    rows = []
+    for B, T, H, HV in ((8, 4096, 16, 16), (4, 8192, 16, 32), (2, 16384, 32, 32)):
+        x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
+        k, v, g, beta = (x[n] for n in ("k", "v", "g", "beta"))
+        gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False)
+        row = dict(shape=(B, T, H, HV))
+        for bv in (16, 32, 64):
+            row[f"bv{bv}_ms"] = triton.testing.do_bench(
+                lambda bv=bv: state_pass_fwd(k, None, v, gc, None, store_dtype=torch.bfloat16, a_inv=a_inv,
+                                             beta=beta, block_v=bv))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del x, k, v, g, beta, gc, a_inv
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
-    a = bench_args("two accuracy cases and three shapes")
+    a = bench_args("two accuracy cases and three shapes", bv_sweep="only the A_inv state pass at V tiles 16/32/64")
+    if a.bv_sweep:
+        write_json(a.out, "bench_wy_form_bv.json", bv_sweep())
+        return
     acc = accuracy(ACCURACY_CASES[:2] if a.quick else ACCURACY_CASES)
     rows = [r for s in (SHAPES[:3] if a.quick else SHAPES) for r in speed(*s)]
     write_json(a.out, "bench_wy_form.json", dict(accuracy=acc, speed=rows))

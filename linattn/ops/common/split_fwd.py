@@ -69,15 +69,24 @@ WU_STORE_BF16 = "fp32"
 STORES = ("fp32", "bf16")
 # Where the split path forms the WY products: "state_pass" — the pre-pass writes each chunk's inverse A_inv and
 # the state pass computes V_new = A_inv (β ⊙ V − βΓ ⊙ (K S)) from it and the values (state_pass.py, FROM_A_INV) —
-# or "prepass" (W and U written by the pre-pass, read by the state pass; the only form until run 18). Count at B=8
+# or "prepass" (W and U written by the pre-pass, read by the state pass; the only form until run 18); "auto" (the
+# default): "state_pass" from WY_IN_STATE_PASS_MIN_PAIRS (sequences × value heads) on, else "prepass". Count at B=8
 # T=4096 H=16 K=V=128 bf16: the pre-pass writes 134 MB (A_inv) instead of 805 (W, U fp32) and skips two
 # [64, 64] × [64, 128] dots per chunk; the state pass reads A_inv 134 MB and V 134 MB instead of 805 MB and runs
 # one more dot on its chain ([64, 64] × [64, BV]). ncu (run 18) had the pre-pass bound by L1 / shared-memory
 # wavefronts (80%, DRAM 22%) and the state pass by load latency (long scoreboard, DRAM 39%). Prediction (written
 # before timing it): pre-pass 0.589 → ≈ 0.28 ms (kkt_solve alone: 0.268), state pass 0.505 → ≈ 0.40, split forward
 # 1.385 → ≈ 0.97 at B=8; at B=1 T=32768 (latency-bound state pass) pre-pass −0.3, state pass +≈ 0.2.
-WY_FORM = "state_pass"
-WY_FORMS = ("state_pass", "prepass")
+# Measured (run 18, benchmarks/bench_wy_form.py, H200, split forward ms prepass → state_pass form; pre-pass, state
+# pass): B=8 T=4096 H=16 1.365 → 1.042 (0.586 → 0.277, 0.499 → 0.485: the state pass missed its prediction —
+# 255 registers, spill requests 0.28 → 0.94 M under ncu), 4×8192 HV=32 2.638 → 2.032, 2×16384 H=HV=32 3.137 →
+# 2.608, fp32 B=8 5.139 → 4.233; but where few (sequence, head) pairs walk long sequences the third dot on the
+# chain costs more than the pre-pass saves: B=1 T=4096 H=16 0.276 → 0.278, T=32768 2.028 → 2.182 (state pass
+# 1.133 → 1.604), T=131072 8.01 → 8.67, 1×32768 HV=8 1.582 → 1.911. Every error against float64 the same to two
+# digits (five cases, bf16). Wins from 64 pairs, loses at 16 and below: the threshold is 64 (32 not measured).
+WY_FORM = "auto"
+WY_FORMS = ("auto", "state_pass", "prepass")
+WY_IN_STATE_PASS_MIN_PAIRS = 64
 
 
 def stored_dtype(dtype: torch.dtype, mode: str, name: str) -> torch.dtype:
@@ -100,12 +109,15 @@ def wu_store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.
     return stored_dtype(dtype, override or WU_STORE_BF16, "split_fwd W/U store")
 
 
-def wy_in_state_pass(dtype: torch.dtype) -> bool:
-    """Whether the split path's pre-pass writes A_inv for the state pass (:data:`WY_FORM`, checked) instead of W and
-    U; W and U stored in bf16 (:data:`WU_STORE_BF16`) keep the pre-pass form."""
+def wy_in_state_pass(num_sequences: int, HV: int, dtype: torch.dtype) -> bool:
+    """Whether the split path's pre-pass writes A_inv for the state pass instead of W and U, for ``num_sequences``
+    sequences of ``HV`` value heads (:data:`WY_FORM`, checked; "auto": from :data:`WY_IN_STATE_PASS_MIN_PAIRS`
+    pairs); W and U stored in bf16 (:data:`WU_STORE_BF16`) keep the pre-pass form."""
     if WY_FORM not in WY_FORMS:
         raise ValueError(f"split_fwd.WY_FORM must be one of {WY_FORMS}, got {WY_FORM!r}")
-    return WY_FORM == "state_pass" and wu_store_dtype(dtype) == torch.float32
+    if wu_store_dtype(dtype) != torch.float32 or WY_FORM == "prepass":
+        return False
+    return WY_FORM == "state_pass" or num_sequences * HV >= WY_IN_STATE_PASS_MIN_PAIRS
 
 
 def output_precision(dtype: torch.dtype) -> str:

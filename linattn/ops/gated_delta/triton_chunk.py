@@ -169,7 +169,8 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
-    path = forward_path(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, v.shape[2], v.dtype)
+    num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    path = forward_path(num_sequences, v.shape[2], v.dtype)
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
@@ -178,7 +179,7 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         # the pre-pass writes A_inv for the state pass, or W and U (split_fwd.WY_FORM; W and U stored at
         # split_fwd.wu_store_dtype); the output dots at split_fwd.output_precision (bf16x3 for bf16). Handed over
         # in a list that split_fwd empties, so they are freed after the state pass
-        if wy_in_state_pass(v.dtype):
+        if wy_in_state_pass(num_sequences, v.shape[2], v.dtype):
             gc, a_inv = fused_prepass(g, k, v, beta, cu_seqlens, chunk_indices, write_wy=False)
             wy = [a_inv, beta, v]
             del a_inv
