@@ -95,22 +95,26 @@ def speed(B, T, H, HV, dt):
     return rows
 
 
+def bv_row(B, T, H, HV):
+    """The A_inv-form state pass alone at V tiles 16 / 32 / 64 at one shape (bf16)."""
+    x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
+    k, v, g, beta = (x[n] for n in ("k", "v", "g", "beta"))
+    gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False)
+    row = dict(shape=(B, T, H, HV))
+    for bv in (16, 32, 64):
+        row[f"bv{bv}_ms"] = triton.testing.do_bench(
+            lambda bv=bv: state_pass_fwd(k, None, v, gc, None, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta,
+                                         block_v=bv))
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def bv_sweep():
-    """The A_inv-form state pass alone at V tiles 16 / 32 / 64 where the form runs (≥ 64 pairs): run 18 measured it
-    at the launcher's 64 with 255 registers and 0.94 M spill requests (ncu) at B=8 T=4096 H=16."""
+    """bv_row where the form runs (≥ 64 pairs): run 18 measured the state pass at the launcher's 64 with 255
+    registers and 0.94 M spill requests (ncu) at B=8 T=4096 H=16."""
     rows = []
-    for B, T, H, HV in ((8, 4096, 16, 16), (4, 8192, 16, 32), (2, 16384, 32, 32)):
-        x, _, _ = make(B, T, H, HV, D, D, None, torch.bfloat16)
-        k, v, g, beta = (x[n] for n in ("k", "v", "g", "beta"))
-        gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False)
-        row = dict(shape=(B, T, H, HV))
-        for bv in (16, 32, 64):
-            row[f"bv{bv}_ms"] = triton.testing.do_bench(
-                lambda bv=bv: state_pass_fwd(k, None, v, gc, None, store_dtype=torch.bfloat16, a_inv=a_inv,
-                                             beta=beta, block_v=bv))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del x, k, v, g, beta, gc, a_inv
+    for shape in ((8, 4096, 16, 16), (4, 8192, 16, 32), (2, 16384, 32, 32)):
+        rows.append(bv_row(*shape))
         torch.cuda.empty_cache()
     return rows
 
