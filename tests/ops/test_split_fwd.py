@@ -208,3 +208,13 @@ def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch, form,
     ro, rht = gated_delta_rule_reference(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["q"].shape[-1] ** -0.5,
                                          x["initial_state"], offsets)
     assert rel_rms(o, ro) <= TOL and rel_rms(ht, rht) <= TOL
+
+
+def test_v_tile_fill_rule():
+    """common.fill_tile_v: the widest V tile whose programs fill the SMs; the A_inv state pass counts 90% as full
+    (state_pass.A_INV_MIN_FILL: 2×16384 H=32 on 132 SMs runs 128 programs of 64 columns, not 256 of 32)."""
+    from linattn.ops.common import fill_tile_v
+    from linattn.ops.common.state_pass import A_INV_MIN_FILL
+    assert fill_tile_v(64, 128, 64, 132) == 32 and fill_tile_v(64, 128, 64, 132, A_INV_MIN_FILL) == 64
+    assert fill_tile_v(128, 128, 64, 132) == 64 and fill_tile_v(16, 128, 64, 132, A_INV_MIN_FILL) == 16
+    assert fill_tile_v(64, 128, 32, 132, A_INV_MIN_FILL) == 32   # the cap holds

@@ -142,16 +142,17 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def fill_tile_v(NHV: int, V: int, cap: int, sms: int) -> int:
+def fill_tile_v(NHV: int, V: int, cap: int, sms: int, min_fill: float = 1.0) -> int:
     """V tile of a sequential kernel (one program per (sequence, value head, V tile), each walking its chunks in
     order) for NHV (sequence, value head) pairs on ``sms`` SMs: the widest of 64, 32, 16 (at most ``cap``, and
-    at most V's power-of-two cover) whose NHV·cdiv(V, BV) programs fill the SMs, else 16. The walk is sequential,
-    so narrower tiles are the one way to put more SMs on a few long sequences; wider tiles do less redundant
-    work per column once the SMs are full (H200, bench_pipelining.py, docs/performance.md run 11)."""
+    at most V's power-of-two cover) whose NHV·cdiv(V, BV) programs fill the SMs (at least ``min_fill`` · sms of
+    them), else 16. The walk is sequential, so narrower tiles are the one way to put more SMs on a few long
+    sequences; wider tiles do less redundant work per column once the SMs are full (H200, bench_pipelining.py,
+    docs/performance.md run 11)."""
     widest = min(cap, 64, max(16, 1 << (max(V, 1) - 1).bit_length()))
     BV = 16
     for bv in (64, 32):
-        if bv <= widest and NHV * -(-V // bv) >= sms:
+        if bv <= widest and NHV * -(-V // bv) >= min_fill * sms:
             BV = bv
             break
     return BV

@@ -54,6 +54,11 @@ STATE_PASS_STAGES = 3
 # 268 at BV=16, benchmarks/compile_all.py), but run 12 timed it 7–58% slower at all eight shapes of
 # bench_forward_paths.py and hit an illegal memory access at K=128 V=256 (not investigated), so 8 is not offered.
 STATE_PASS_WARPS = 4
+# The V tile's fill rule with A_inv (FROM_A_INV; common.fill_tile_v's min_fill): wider tiles once this fraction of
+# the SMs has a program. Run 18 (bench_wy_form.py --bv-sweep, bf16, K=V=128, state pass ms at BV 16 / 32 / 64):
+# 2×16384 H=HV=32 (128 programs at 64 on 132 SMs) 2.49 / 1.48 / 1.26; B=8 T=4096 H=16 1.22 / 0.73 / 0.49; 4×8192
+# HV=32 2.43 / 1.47 / 0.97. With the full rule 2×16384 took 32: 0.9 takes 64 there (not measured for the W/U form).
+A_INV_MIN_FILL = 0.9
 
 
 @triton.jit
@@ -203,7 +208,8 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = block_size(K, 256)
     sms = num_sms(k.device)
-    BV = state_tile_v(block_v, fill_tile_v(N * HV, V, 64 if BK <= 128 else 32, sms))
+    BV = state_tile_v(block_v, fill_tile_v(N * HV, V, 64 if BK <= 128 else 32, sms,
+                                           A_INV_MIN_FILL if a_inv is not None else 1.0))
     grid = (triton.cdiv(V, BV), N * HV)
     stages = loop_stages(num_stages, STATE_PASS_STAGES, grid[0] * grid[1], sms)
     state_pass_fwd_kernel[grid](
