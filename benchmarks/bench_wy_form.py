@@ -3,7 +3,7 @@
 writes each chunk's inverse A_inv, the state pass forms V_new = A_inv (β ⊙ V − βΓ ⊙ (K S)) from it and the values
 (state_pass.py, FROM_A_INV). split_fwd.py has the byte count and the prediction.
 
-    python benchmarks/bench_wy_form.py [--quick] [--bv-sweep] [--state-dots] [--out DIR]
+    python benchmarks/bench_wy_form.py [--quick] [--bv-sweep] [--out DIR]
 
 1. accuracy: gpu_check_core's check (o, final state and every gradient vs float64, next to the rounded-PyTorch
    baseline; the bound is kernel ≤ 2 × baseline) for both forms, bf16, at five cases (--quick: two);
@@ -119,58 +119,10 @@ def bv_sweep():
     return rows
 
 
-def dots_row(B, T, prec):
-    """The state pass alone in both forms and the split forward at one shape (bf16, H = HV = 16)."""
-    x, _, _ = make(B, T, 16, 16, D, D, None, torch.bfloat16)
-    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
-    gc, w, u = fused_prepass(g, k, v, beta)
-    _, a_inv = fused_prepass(g, k, v, beta, write_wy=False)
-    row = dict(shape=(B, T, 16, 16), state_prec=prec)
-    row["wu_state_pass_ms"] = triton.testing.do_bench(
-        lambda: state_pass_fwd(k, w, u, gc, None, store_dtype=torch.bfloat16))
-    row["ainv_state_pass_ms"] = triton.testing.do_bench(
-        lambda: state_pass_fwd(k, None, v, gc, None, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta))
-    with torch.no_grad():
-        row["fwd_ms"] = triton.testing.do_bench(
-            lambda: chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True))
-    print(json.dumps(row), flush=True)
-    return row
-
-
-def state_dots():
-    """state_pass.STATE_DOT_BF16 "tf32" against "bf16x3" (the key dots as split-bf16 products, K a bf16 operand), in
-    both WY forms: accuracy at the anchor and T=1 (WY form forced), the state pass alone and the split forward at
-    B=8 T=4096 H=16 and B=1 T=32768 H=16."""
-    from linattn.ops.common import state_pass as SP
-    acc, rows = [], []
-    for prec in ("tf32", "bf16x3"):
-        SP.STATE_DOT_BF16 = prec
-        for case in (c for c in CASES if c[0] in ("anchor_B2_T300_K128", "T1")):
-            for f in FORMS:
-                with form(f):
-                    row = check(case, torch.bfloat16, use_token_ref=True)
-                row.update(form=f, state_prec=prec)
-                acc.append(row)
-                print(json.dumps(row), flush=True)
-        rows += [dots_row(B, T, prec) for B, T in ((8, 4096), (1, 32768))]
-    SP.STATE_DOT_BF16 = "tf32"
-    print("\ncase / form / key dots: o, final state, dq, dk, dv, dg, dbeta, dh0 over the baseline")
-    for r in acc:
-        print(r["case"], r["form"], r["state_prec"], " ".join(f"{r['err'][n] / r['base'][n]:.2f}" for n in NAMES),
-              f"[o {r['err']['o']:.3e}, ht {r['err']['ht']:.3e}]")
-    for r in rows:
-        print(r)
-    return dict(accuracy=acc, speed=rows)
-
-
 def main():
-    a = bench_args("two accuracy cases and three shapes", bv_sweep="only the A_inv state pass at V tiles 16/32/64",
-                   state_dots="only the key dots' precision (state_pass.STATE_DOT_BF16)")
+    a = bench_args("two accuracy cases and three shapes", bv_sweep="only the A_inv state pass at V tiles 16/32/64")
     if a.bv_sweep:
         write_json(a.out, "bench_wy_form_bv.json", bv_sweep())
-        return
-    if a.state_dots:
-        write_json(a.out, "bench_wy_form_dots.json", state_dots())
         return
     acc = accuracy(ACCURACY_CASES[:2] if a.quick else ACCURACY_CASES)
     rows = [r for s in (SHAPES[:3] if a.quick else SHAPES) for r in speed(*s)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 import torch
 from sm90 import compile_sm90  # noqa: E402  (this folder is on sys.path)
@@ -24,7 +23,7 @@ from linattn.ops.common.local_bwd_dqk import local_bwd_dqk_kernel  # noqa: F401 
 from linattn.ops.common.local_bwd_utils import bwd_dot_precision
 from linattn.ops.common.output import output_fwd_kernel  # noqa: F401  (compiled by tests through this module)
 from linattn.ops.common.split_fwd import output_precision
-from linattn.ops.common.state_pass import STATE_PASS_STAGES, state_pass_fwd_kernel, state_precision  # noqa: F401,E501
+from linattn.ops.common.state_pass import STATE_PASS_STAGES, state_pass_fwd_kernel  # noqa: F401  (likewise)
 from linattn.ops.common.state_pass_bwd import BWD_STAGES, state_pass_bwd_kernel  # noqa: F401  (likewise)
 from linattn.ops.gated_delta.recurrent_kernels import fused_recurrent_fwd_kernel  # noqa: F401  (likewise)
 
@@ -74,14 +73,12 @@ def output_consts(d: int) -> dict:
                 IS_VARLEN=False, INTERPRET=False)
 
 
-def state_pass_consts(d: int, BV: int, from_a_inv: bool = False, state_prec: Optional[str] = None) -> dict:
+def state_pass_consts(d: int, BV: int, from_a_inv: bool = False) -> dict:
     """Constexprs of the forward state pass at K = V = d for bf16 inputs (pipelined loop, as at one wave); with
-    ``from_a_inv`` it reads A_inv and the values (then pass bf16_args=("u",) to compile_kernel); ``state_prec``:
-    its key dots' precision (None: state_pass.state_precision's)."""
+    ``from_a_inv`` it reads A_inv and the values (then pass bf16_args=("u",) to compile_kernel)."""
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV, DOT_PREC=dot_precision(torch.bfloat16),
-                STATE_PREC=state_prec or state_precision(torch.bfloat16), USE_DECAY=True, USE_DELTA=True,
-                FROM_A_INV=from_a_inv, USE_INITIAL_STATE=False, IS_VARLEN=False, INTERPRET=False,
-                NUM_STAGES=STATE_PASS_STAGES)
+                USE_DECAY=True, USE_DELTA=True, FROM_A_INV=from_a_inv, USE_INITIAL_STATE=False, IS_VARLEN=False,
+                INTERPRET=False, NUM_STAGES=STATE_PASS_STAGES)
 
 
 def state_pass_bwd_consts(d: int, BV: int) -> dict:

@@ -60,27 +60,13 @@ STATE_PASS_WARPS = 4
 # 2×16384 H=HV=32 (128 programs at 64 on 132 SMs) 2.49 / 1.48 / 1.26; B=8 T=4096 H=16 1.22 / 0.73 / 0.49; 4×8192
 # HV=32 2.43 / 1.47 / 0.97. With the full rule 2×16384 took 32: 0.9 takes 64 there (not measured for the W/U form).
 A_INV_MIN_FILL = 0.9
-# The precision of the two dots of the state with keys, K S (FROM_A_INV) and Kᵀ (decay ⊙ V_new), for bf16 inputs:
-# "tf32" (dot_precision's, K widened to fp32) or "bf16x3" (common/dot.py: K stays a bf16 operand, the fp32 side is
-# split into bf16 halves, two bf16 MMAs per product, ≈ 2^-16 relative instead of tf32's 2^-11). Why it may help:
-# under ncu (run 18) the state pass sat at 255 registers with spills, and an fp32 copy of the [64, 128] key tile
-# is 64 registers per thread at 4 warps, the bf16 tile 32. Prediction (not measured): A_inv state pass at B=8
-# T=4096 H=16 0.485 → ≈ 0.42 ms, the final state's error ≤ tf32's. Other dtypes: dot_precision.
-STATE_DOT_BF16 = "tf32"
-
-
-def state_precision(dtype: torch.dtype) -> str:
-    """The precision of the state pass's key dots for inputs of ``dtype`` (:data:`STATE_DOT_BF16`, checked)."""
-    if STATE_DOT_BF16 not in ("tf32", "bf16x3"):
-        raise ValueError(f"state_pass.STATE_DOT_BF16 must be 'tf32' or 'bf16x3', got {STATE_DOT_BF16!r}")
-    return STATE_DOT_BF16 if dtype == torch.bfloat16 else dot_precision(dtype)
 
 
 @triton.jit
 def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
-                USE_DELTA: tl.constexpr, FROM_A_INV: tl.constexpr, INTERPRET: tl.constexpr):
+                BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr, USE_DELTA: tl.constexpr,
+                FROM_A_INV: tl.constexpr, INTERPRET: tl.constexpr):
     """One chunk of the walk: write h[chunk] = S and V_new, return the state leaving the chunk."""
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -104,7 +90,7 @@ def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i
                 b_bg = b_beta * tl.exp(tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0))
             p_kr = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK),
                                      (1, 0))
-            b_ks = dot(tl.load(p_kr, boundary_check=(0, 1)), b_h, STATE_PREC, INTERPRET)
+            b_ks = dot(tl.load(p_kr, boundary_check=(0, 1)), b_h, DOT_PREC, INTERPRET)
             p_a = tl.make_block_ptr(a_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0),
                                     (BT, BT), (1, 0))
             b_a = tl.load(p_a, boundary_check=(0, 1))
@@ -119,8 +105,11 @@ def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i
                                  (BT, BV), (1, 0))
         tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
 
-    # S ← e^{G_C} S + Kᵀ (e^{G_C − G} ⊙ V_new): the decay scales V_new's rows, so K stays in the input dtype (a
-    # bf16 operand of STATE_PREC = "bf16x3" as given; widened to fp32 for Triton's precisions)
+    # S ← e^{G_C} S + Kᵀ (e^{G_C − G} ⊙ V_new): the decay scales V_new's rows ([BT, BV]) instead of K's columns
+    # ([BK, BT]), so K is loaded in the input dtype and widened only as the dot's operand (``dot``). Run 18: the
+    # state pass 0.499 → 0.449 ms at B=8 T=4096 H=16 (W/U form), 1.133 → 0.792 at B=1 T=32768 (sm_90 spills
+    # 92 → 0 bytes); split-bf16 ("bf16x3") key dots here, K a bf16 operand, faulted on the H200 (illegal memory
+    # access at B=8, as in the walk: fused_fwd.py) and are not offered
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (0, i_c * BT), (BK, BT), (0, 1))
     b_kt = tl.load(p_k, boundary_check=(0, 1))
     if USE_DECAY:
@@ -129,16 +118,15 @@ def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i
         b_gc = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
         b_v = b_v * tl.exp(tl.where(m_t, b_g_last - b_gc, float("-inf")))[:, None]
         b_h *= tl.exp(b_g_last)
-    b_h += dot(b_kt, b_v, STATE_PREC, INTERPRET)
+    b_h += dot(b_kt, b_v, DOT_PREC, INTERPRET)
     return b_h
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
 def state_pass_fwd_kernel(k, w, u, a_inv, beta, gc, h, v_new, h0, ht, cu_seqlens, chunk_offsets, T, NT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, STATE_PREC: tl.constexpr,
-                          USE_DECAY: tl.constexpr, USE_DELTA: tl.constexpr, FROM_A_INV: tl.constexpr,
-                          USE_INITIAL_STATE: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
+                          USE_DELTA: tl.constexpr, FROM_A_INV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
                           IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr):
     # grid (cdiv(V, BV), N·HV)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -171,14 +159,14 @@ def state_pass_fwd_kernel(k, w, u, a_inv, beta, gc, h, v_new, h0, ht, cu_seqlens
         i_c = 0
         while i_c < NT_seq:
             b_h = _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV,
-                              K, V, BT, BK, BV, DOT_PREC, STATE_PREC, USE_DECAY, USE_DELTA, FROM_A_INV, INTERPRET)
+                              K, V, BT, BK, BV, DOT_PREC, USE_DECAY, USE_DELTA, FROM_A_INV, INTERPRET)
             i_c += 1
     else:
         # a for loop Triton can software-pipeline: the next chunks' W, U, K and gates arrive (cp.async) while this
         # chunk's dots run (fused_fwd.WALK_STAGES); int32 bound: block-pointer offsets must be 32-bit
         for i_c in tl.range(0, NT_seq.to(tl.int32), num_stages=NUM_STAGES):
             b_h = _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV,
-                              K, V, BT, BK, BV, DOT_PREC, STATE_PREC, USE_DECAY, USE_DELTA, FROM_A_INV, INTERPRET)
+                              K, V, BT, BK, BV, DOT_PREC, USE_DECAY, USE_DELTA, FROM_A_INV, INTERPRET)
 
     tl.store(ht + o_s + o_kv, b_h, mask=m_kv)
 
@@ -188,7 +176,7 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
                    chunk_offsets: Optional[torch.Tensor] = None, num_chunks: Optional[int] = None,
                    chunk_size: int = CHUNK, num_stages: Optional[int] = None, block_v: Optional[int] = None,
                    store_dtype: torch.dtype = torch.float32, a_inv: Optional[torch.Tensor] = None,
-                   beta: Optional[torch.Tensor] = None, state_prec: Optional[str] = None
+                   beta: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Walk the chunks of every sequence in order.
 
@@ -199,7 +187,6 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
         a_inv, beta: the delta rule from the chunks' inverses instead of W and U (FROM_A_INV, above): a_inv
             ``[B, T, HV, 64]`` fp32 (``kkt_solve``'s layout) and beta ``[B, T, HV]``, with ``w`` None and the
             values in ``u``; or both None.
-        state_prec: the key dots' precision (None: :func:`state_precision`; tests and benchmarks).
         gc: ``[B, T, HV]`` fp32 chunk-local cumulative log decay, or None (no decay).
         initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         cu_seqlens, chunk_offsets, num_chunks: varlen offsets ``[N + 1]``, :func:`varlen.chunk_tables`
@@ -232,8 +219,7 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     stages = loop_stages(num_stages, STATE_PASS_STAGES, grid[0] * grid[1], sms)
     state_pass_fwd_kernel[grid](
         k, w, u, a_inv, beta, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K,
-        V=V, BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), STATE_PREC=state_prec or state_precision(k.dtype),
-        USE_DECAY=gc is not None,
+        V=V, BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
         USE_DELTA=delta, FROM_A_INV=a_inv is not None, USE_INITIAL_STATE=initial_state is not None,
         IS_VARLEN=is_varlen,
         INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=STATE_PASS_WARPS,
