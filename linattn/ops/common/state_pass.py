@@ -21,7 +21,7 @@ One program owns one (sequence, value head, BV-wide slice of V) and holds the wh
 [BK, BV] fp32 bounded: 64 columns up to K = 128, 32 beyond (≤ 8192 fp32 per program); the V slices of one head
 are independent programs, which also multiplies the parallelism of this sequential stage.
 The decay of the last token, e^{G_C − G_t}, is formed from the masked difference (padded rows → −inf → 0).
-With ``STORE_V_NEW``/``USE_DELTA`` off the same walk serves plain gated linear attention (V_new = U = V).
+With ``USE_DELTA`` off (no ``w`` or ``a_inv``) the same walk serves plain gated linear attention (V_new = U = V).
 The stored h and V_new are only read by later kernels: storing them in bf16 (``store_dtype``) rounds what the
 output reads, never the state the walk carries in registers, so the final state is the same either way.
 """
