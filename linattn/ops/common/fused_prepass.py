@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
 from .dot import dot
-from .kkt_solve import kkt_inverse, merge_precision
+from .kkt_solve import a_inv_tile, kkt_inverse, merge_precision
 from .varlen import chunk_bounds
 from .wy import wy_tiles
 
@@ -95,9 +95,7 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk
     if STORE_A_INV:
         # 4'. write A_inv [BT, BT] fp32 (the chunk's rows; zeros above the diagonal included): the state pass forms
         #     W S and U from it per chunk (state_pass.py, FROM_A_INV)
-        p_a = tl.make_block_ptr(a_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
-                                (1, 0))
-        tl.store(p_a, b_A, boundary_check=(0, 1))
+        tl.store(a_inv_tile(a_inv, bos, i_c, i_hv, T_seq, HV, BT), b_A, boundary_check=(0, 1))
     else:
         # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
         b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)

@@ -171,6 +171,16 @@ def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
 
 
 @triton.jit
+def a_inv_tile(a_inv, bos, i_c, i_hv, T_seq, HV: tl.constexpr, BT: tl.constexpr):
+    """Block pointer to chunk i_c's [BT, BT] rows of A_inv ``[B, T, HV, BT]`` (row t: the row of t's chunk
+    inverse) for the sequence starting at token bos: the one place that layout is spelled out, for every kernel that
+    writes or reads A_inv. Rows past T_seq lie outside the block (boundary_check=(0, 1): stores skip them, loads give
+    0)."""
+    return tl.make_block_ptr(a_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
+                             (1, 0))
+
+
+@triton.jit
 def kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, USE_DECAY: tl.constexpr,
                 MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
@@ -197,9 +207,7 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
     b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC,
                       INTERPRET)
     # the chunk's rows (rows past eos are not written), zeros above the diagonal included
-    p_T = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
-                            (1, 0))
-    tl.store(p_T, b_A, boundary_check=(0, 1))
+    tl.store(a_inv_tile(A_inv, bos, i_c, i_hv, T_seq, HV, BT), b_A, boundary_check=(0, 1))
 
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], HV: int,

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import launch_options
+from .kkt_solve import a_inv_tile
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
@@ -115,10 +116,9 @@ def local_bwd_dqk_kernel(
 
     p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
-    p_A = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T, BT), (HV * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
     b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
     b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-    b_A = tl.load(p_A, boundary_check=(0, 1), padding_option="zero")
+    b_A = tl.load(a_inv_tile(A_inv, bos, i_t, i_hv, T, HV, BT), boundary_check=(0, 1), padding_option="zero")
     o_i = tl.arange(0, BT)
     m_incl = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_A = tl.where(m_incl, b_A, 0.)                   # T is unit lower: read only its triangle

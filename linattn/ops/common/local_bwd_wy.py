@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import launch_options, product_precision
+from .kkt_solve import a_inv_tile
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
@@ -55,8 +56,8 @@ def local_bwd_wy_kernel(
     m_strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_g = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0.)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
-    p_A = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T, BT), (HV * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
-    b_A = tl.where(m_incl, tl.load(p_A, boundary_check=(0, 1), padding_option="zero"), 0.)
+    b_A = tl.where(m_incl, tl.load(a_inv_tile(A_inv, bos, i_t, i_hv, T, HV, BT), boundary_check=(0, 1),
+                                   padding_option="zero"), 0.)
 
     # sum the K-tile partials of local_bwd_dqk (a fixed order: deterministic)
     b_dAi = tl.zeros([BT, BT], dtype=tl.float32)

@@ -46,6 +46,7 @@ from . import (
     triton_interpret,
 )
 from .dot import dot
+from .kkt_solve import a_inv_tile
 
 # Stages of the chunk loop when the grid is one wave (common.loop_stages; 0 otherwise): n >= 1 is tl.range
 # with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py), BV=16: B=1 T=4096 H=16 0.282 /
@@ -91,9 +92,7 @@ def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i
             p_kr = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK),
                                      (1, 0))
             b_ks = dot(tl.load(p_kr, boundary_check=(0, 1)), b_h, DOT_PREC, INTERPRET)
-            p_a = tl.make_block_ptr(a_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0),
-                                    (BT, BT), (1, 0))
-            b_a = tl.load(p_a, boundary_check=(0, 1))
+            b_a = tl.load(a_inv_tile(a_inv, bos, i_c, i_hv, T_seq, HV, BT), boundary_check=(0, 1))
             b_v = tl.dot(b_a, b_v * b_beta[:, None] - b_ks * b_bg[:, None], input_precision=DOT_PREC)
         else:
             # V_new = U − W S (padded rows of W and U load as 0, so their V_new is 0)

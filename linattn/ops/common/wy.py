@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from . import CHUNK, block_size, dot_precision, launch_options
+from .kkt_solve import a_inv_tile
 from .varlen import chunk_bounds
 
 
@@ -32,9 +33,7 @@ def wy_kernel(k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.c
     m_t = o_t < T_seq
 
     # read A_inv [BT, BT] fp32 and the row scales β, βΓ (0 on padded rows)
-    p_A = tl.make_block_ptr(A_inv + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
-                            (1, 0))
-    b_A = tl.load(p_A, boundary_check=(0, 1))
+    b_A = tl.load(a_inv_tile(A_inv, bos, i_c, i_hv, T_seq, HV, BT), boundary_check=(0, 1))
     b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
     if USE_DECAY:
         b_bg = b_beta * tl.exp(tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0))
