@@ -35,7 +35,7 @@ import torch
 import triton
 from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
 from bench_launch_options import stage_inputs  # noqa: E402
-from gpu_check_core import CASES, NAMES, check  # noqa: E402  (this folder is on sys.path)
+from gpu_check_core import CASES, NAMES, check, ratio_cells  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import CHUNK
@@ -117,8 +117,7 @@ def main():
         if "error" in r:
             print(r["case"], r["h_store"], r["dh_store"], r["error"])
             continue
-        base = r.get("base")
-        cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
+        cells = ratio_cells(r)
         print("%-22s %-5s %-5s " % (r["case"][:22], r["h_store"], r["dh_store"]) + " ".join("%-7s" % c for c in cells))
     print("\n| B, T, H, HV | h, V_new / dh stored | fwd+bwd ms | recompute ms | reverse walk ms | dq/dk ms | "
           "fwd+bwd peak extra MB |")

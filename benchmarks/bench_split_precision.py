@@ -40,7 +40,7 @@ import json
 import torch
 import triton
 from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
-from gpu_check_core import CASES, NAMES, check  # noqa: E402  (this folder is on sys.path)
+from gpu_check_core import CASES, NAMES, check, ratio_cells  # noqa: E402  (this folder is on sys.path)
 from gpu_check_fwd import make  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
@@ -159,8 +159,7 @@ def main():
             print(r["case"], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["store"], r["wu_store"],
                   r["cap"], r["error"])
             continue
-        base = r.get("base")
-        cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
+        cells = ratio_cells(r)
         print("%-20s %-9s %-7s %-7s %-5s %-5s %-5s %-5s " % (
             r["case"][:20], r["dtype"], r["out_prec"], r["merge_prec"], r["warps"], r["store"], r["wu_store"],
             r["cap"]) +

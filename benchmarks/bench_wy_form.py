@@ -18,7 +18,7 @@ import json
 import torch
 import triton
 from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
-from gpu_check_core import CASES, NAMES, check  # noqa: E402  (this folder is on sys.path)
+from gpu_check_core import CASES, NAMES, check, ratio_cells  # noqa: E402  (this folder is on sys.path)
 from gpu_check_fwd import make  # noqa: E402  (this folder is on sys.path)
 
 from linattn import chunk_gated_delta_rule
@@ -134,8 +134,7 @@ def main():
         if "error" in r:
             print(r["case"], r["form"], r["error"])
             continue
-        base = r.get("base")
-        cells = [f"{r['err'][n] / base[n]:.2f}" if base else f"{r['err'][n]:.1e}" for n in NAMES]
+        cells = ratio_cells(r)
         print("%-20s %-11s " % (r["case"][:20], r["form"]) + " ".join("%-7s" % c for c in cells)
               + f"  [{r['err']['o']:.3e}]")
     print("\n| B, T, H, HV | dtype | WY form | split fwd ms | pre-pass ms | state pass ms |\n|---|---|---|---|---|---|")

@@ -119,6 +119,13 @@ def check(case, dt, use_token_ref):
     return row
 
 
+def ratio_cells(row) -> list[str]:
+    """One cell per gradient (NAMES) of a ``check`` row for a printed table: kernel error over the baseline's, or the
+    kernel error itself where there is no baseline (varlen cases)."""
+    base = row.get("base")
+    return [f"{row['err'][n] / base[n]:.2f}" if base else f"{row['err'][n]:.1e}" for n in NAMES]
+
+
 CASES = [  # name, B, T, H, HV, K, V, varlen lengths
     ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128, None),
     ("T1", 1, 1, 2, 2, 128, 128, None),
