@@ -14,7 +14,7 @@ times, at HV = 32, H = 16, K = V = 128, q/k/v bf16, fused gate / β sigmoid / q-
 * fla's ``fused_recurrent_gated_delta_rule`` on the same inputs if fla is importable (fp32 state, gate and β
   precomputed since its call takes them so; it reads initial_state and writes a new final state: same bytes).
 
-    python benchmarks/bench_decode.py [--out DIR] [--quick | --sweep-only [--one-step-sweep]]
+    python benchmarks/bench_decode.py [--out DIR] [--quick | --sweep-only]
 
 Prints one table last and writes bench_decode.json under --out.
 """
@@ -150,7 +150,7 @@ def copy_bandwidth(nbytes):
     return gbs, 2 * nbytes / gbs / 1e3
 
 
-def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None, reload=None):
+def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None):
     gate = gate_params()
     t = make_step(B, Tq)
     P = 2 * B + 1
@@ -166,8 +166,7 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_st
     if maxnreg is not None:
         common.LAUNCH_OPTIONS["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
     try:
-        with mock.patch.object(rk, "DECODE_ONE_STEP", rk.DECODE_ONE_STEP if one_step is None else one_step), \
-                mock.patch.object(rk, "DECODE_RELOAD_STATE", rk.DECODE_RELOAD_STATE if reload is None else reload):
+        with mock.patch.object(rk, "DECODE_ONE_STEP", rk.DECODE_ONE_STEP if one_step is None else one_step):
             return graph_time_us(fn), t, pool, slots, gate
     finally:
         common.LAUNCH_OPTIONS.pop("fused_recurrent_fwd", None)
@@ -204,8 +203,6 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="fewer drift steps, no tile sweep")
     ap.add_argument("--sweep-only", action="store_true", help="the tile sweep alone (no checks, timings, eager)")
-    ap.add_argument("--one-step-sweep", action="store_true",
-                    help="with --sweep-only: the ONE_STEP tiles alone, each with the state read once and twice")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     try:
@@ -276,27 +273,18 @@ def main():
                                     (64, 8, 128)],
                     torch.bfloat16: [(32, 1, None), (64, 2, None), (16, 1, None), (64, 4, None), (32, 4, None),
                                      (64, 8, None), (64, 4, 168), (32, 2, 168)]}
-        # --one-step-sweep: ONE_STEP alone, the state tile held across the reductions ("never") or read twice
-        # ("always", rk.DECODE_RELOAD_STATE), at the tiles the freed registers could make faster
-        reloads = ("never", "always") if a.one_step_sweep else (None,)
-        if a.one_step_sweep:
-            one_step = {torch.float32: [(64, 2, None), (32, 1, None), (64, 4, None), (128, 4, None)],
-                        torch.bfloat16: [(32, 1, None), (64, 2, None), (32, 2, None), (64, 1, None),
-                                         (64, 4, None), (128, 4, None), (16, 1, None)]}
         for pool_dtype, tiles in ((torch.float32, [(bv, nw, None) for bv in (16, 32, 64) for nw in (4, 8)]
                                    + [(64, 4, 168)] + narrow),
                                   (torch.bfloat16, [(bv, nw, None) for bv in (32, 64, 128) for nw in (4, 8)]
                                    + [(64, 4, 168), (128, 8, 128)] + narrow)):
             for B, Tq in ((64, 1), (256, 1), (64, 4)):
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
-                runs = [] if a.one_step_sweep else [(t, False, None) for t in tiles]
-                runs += [(t, True, r) for t in one_step[pool_dtype] for r in reloads] if Tq == 1 else []
-                for (BV, nw, maxnreg), one, reload in runs:
+                runs = [(t, False) for t in tiles] + ([(t, True) for t in one_step[pool_dtype]] if Tq == 1 else [])
+                for (BV, nw, maxnreg), one in runs:
                     rec = dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV, num_warps=nw, maxnreg=maxnreg,
-                               one_step=one, reload=reload)
+                               one_step=one)
                     try:
-                        us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg, one_step=one,
-                                         reload=reload)[0]
+                        us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg, one_step=one)[0]
                         rec.update(us=us, state_GBps=state_bytes / us / 1e3)
                     except Exception as e:
                         rec.update(error=str(e)[:80])
@@ -321,8 +309,7 @@ def main():
                 ok = [s for s in sweep if (s["pool"], s["B"], s["Tq"]) == (pool, B, Tq) and "us" in s]
                 for s in sorted(ok, key=lambda s: s["us"]):
                     cap = (f" maxnreg={s['maxnreg']}" if s.get("maxnreg") else "") + (
-                        " ONE_STEP" if s.get("one_step") else "") + (f" reload={s['reload']}" if s.get("reload")
-                                                                     else "")
+                        " ONE_STEP" if s.get("one_step") else "")
                     print(f"  {pool:9s} B={B:3d} Tq={Tq} BV={s['BV']:3d} warps={s['num_warps']}{cap}  "
                           f"{s['us']:8.1f} µs  {s['state_GBps']:6.0f} GB/s")
     print("\nCUDA-graph replay, HV=32 K=V=128, per step")

@@ -93,13 +93,12 @@ def dqk_consts(d: int) -> dict:
                 DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False)
 
 
-def decode_consts(BV: int, one_step: bool, reload: bool = False) -> dict:
+def decode_consts(BV: int, one_step: bool) -> dict:
     """Constexprs of one decode step (HV=32 K=V=128, pool slots, gates and norms fused) on the token loop or the
-    ONE_STEP path (``reload``: its state tile read twice, ``recurrent_kernels.DECODE_RELOAD_STATE``); the pool's
-    dtype is the h0 / ht arguments' (``bf16_args``)."""
+    ONE_STEP path; the pool's dtype is the h0 / ht arguments' (``bf16_args``)."""
     return dict(H=16, HV=32, K=128, V=128, BK=128, BV=BV, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
                 STORE_INTERMEDIATE=False, IS_VARLEN=False, USE_STATE_INDICES=True, USE_QK_L2NORM=True,
-                USE_GATE_IN_KERNEL=True, USE_BETA_SIGMOID=True, ONE_STEP=one_step, RELOAD_STATE=one_step and reload)
+                USE_GATE_IN_KERNEL=True, USE_BETA_SIGMOID=True, ONE_STEP=one_step)
 
 
 def main():

@@ -250,13 +250,10 @@ def test_decode_tiles_by_token_count(nh, state_bytes, one_token, one_step):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-gate-norm"])
-@pytest.mark.parametrize("reload", ["never", "always"])
-def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused, reload):
+def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused):
     """recurrent_kernels.DECODE_ONE_STEP (one token, no intermediates: the state tile kept in the pool's dtype, o
-    from the entering state) against the reference and the token loop it replaces; a negative slot included. Both
-    ways of reading the tile (DECODE_RELOAD_STATE: held across the reductions, or read again for the update)."""
+    from the entering state) against the reference and the token loop it replaces; a negative slot included."""
     from linattn.ops.gated_delta import recurrent_kernels as rk
-    monkeypatch.setattr(rk, "DECODE_RELOAD_STATE", reload)
     pool0 = torch.randn(5, HV, K, V).to(pool_dtype)
     slots = torch.tensor([4, -1, 0])
     t = make_tokens(3, 1, gate_in_op=fused, l2norm_qk=fused)
@@ -309,19 +306,3 @@ def test_one_step_path_compiles_for_h200_with_fewer_registers():
         "[tuple(c.compile_kernel(c.fused_recurrent_fwd_kernel, c.decode_consts(32, one), "
         "bf16_args=('h0', 'ht')))[:4] for one in (True, False)]")
     assert 0 < one_regs < loop_regs and one_spill == 0, (one_regs, loop_regs)
-
-
-def test_one_step_reload_frees_registers_for_a_bf16_pool():
-    """sm_90 (ptxas, no GPU): reading a bf16 pool's state tile twice (DECODE_RELOAD_STATE) compiles the one-warp
-    ONE_STEP tile (BV=32, the pick_tiles choice at B=64) to fewer registers than holding it across the reductions
-    (168 against 255 with triton 3.6), without spills; and "narrow" takes it for 2-byte pools only."""
-    from linattn.ops.gated_delta import recurrent_kernels as rk
-    from tests.ops.sm90_compile import compile_for_h200
-    (held, _, _, _), (reread, reread_spill, _, _) = compile_for_h200(
-        "import compile_walk as c",
-        "[tuple(c.compile_kernel(c.fused_recurrent_fwd_kernel, c.decode_consts(32, True, reload), num_warps=1, "
-        "bf16_args=('h0', 'ht')))[:4] for reload in (False, True)]")
-    assert 0 < reread < held and reread_spill == 0, (reread, held)
-    assert rk.DECODE_RELOAD_STATE == "narrow"
-    assert rk.reload_state(torch.zeros(1, dtype=torch.bfloat16)) and not rk.reload_state(torch.zeros(1))
-    assert not rk.reload_state(None)

@@ -48,23 +48,6 @@ L2NORM_EPS = 1e-6
 DECODE_ONE_STEP = True
 
 
-# ONE_STEP's state tile, read twice: once for the two reductions over K (Sᵀk, Sᵀq), once more (a cache hit) for
-# the update S' = e^g S + k uᵀ, so the tile is not held in registers across the reductions. For a 2-byte pool this
-# cuts the one-warp bf16 tile (128 × 32) from 255 registers to 168 (sm_90 compile): 12 warps per SM instead of 8,
-# half again as many state bytes in flight, which is what bounds the bf16 step (run 17: DRAM 51%, long-scoreboard
-# stalls). An fp32 tile spills with it (252 → 255 registers, 344 bytes), so "narrow" takes it for 2-byte pools
-# only. One of "never", "narrow", "always".
-DECODE_RELOAD_STATE = "narrow"
-
-
-def reload_state(state) -> bool:
-    """Whether the ONE_STEP path reads its state tile twice (:data:`DECODE_RELOAD_STATE`) for this pool."""
-    if DECODE_RELOAD_STATE not in ("never", "narrow", "always"):
-        raise ValueError(f"DECODE_RELOAD_STATE must be 'never', 'narrow' or 'always', got {DECODE_RELOAD_STATE!r}")
-    return state is not None and (DECODE_RELOAD_STATE == "always"
-                                  or (DECODE_RELOAD_STATE == "narrow" and state.element_size() < 4))
-
-
 def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
     """Whether a forward launch takes the kernel's ONE_STEP path (:data:`DECODE_ONE_STEP`)."""
     return DECODE_ONE_STEP and T == 1 and cu_seqlens is None and intermediate_states is None
@@ -96,11 +79,9 @@ def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
 def _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v, m_h, o_h,
               scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-              USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-              RELOAD_STATE: tl.constexpr):
+              USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
     """The ONE_STEP path of :func:`fused_recurrent_fwd_kernel`: reads the K × BV slice of S (pool dtype), one
-    token's q, k (K), v (BV), g, β; writes o (BV) and S' (pool dtype). RELOAD_STATE (:data:`DECODE_RELOAD_STATE`):
-    read the slice a second time (from cache) for the update instead of holding it across the reductions."""
+    token's q, k (K), v (BV), g, β; writes o (BV) and S' (pool dtype)."""
     b_q, b_k, b_g, b_beta = _prepare_token(q + (bos * H + i_h) * K + o_k, k + (bos * H + i_h) * K + o_k,
                                            g + bos * HV + i_hv, beta + bos * HV + i_hv, b_A, b_dt, m_k, scale,
                                            USE_QK_L2NORM, USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
@@ -119,9 +100,6 @@ def _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i
     if STORE_FINAL_STATE:
         b_new = b_k[:, None] * b_u[None, :]
         if USE_INITIAL_STATE:
-            if RELOAD_STATE:
-                # after o's store, which may alias the state as far as the compiler knows: a real second load
-                b_s = tl.load(h0 + (i_s * HV + i_hv) * K * V + o_h, mask=m_h & has_slot, other=0.)
             b_new += b_decay * b_s.to(tl.float32)
         p_ht = ht + (i_s * HV + i_hv) * K * V + o_h
         tl.store(p_ht, b_new.to(p_ht.dtype.element_ty), mask=m_h & has_slot)
@@ -140,7 +118,7 @@ def fused_recurrent_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_STATE_INDICES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    ONE_STEP: tl.constexpr, RELOAD_STATE: tl.constexpr,
+    ONE_STEP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -178,7 +156,7 @@ def fused_recurrent_fwd_kernel(
         # so both reductions read S as it arrives and S' is only formed for the store
         _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v, m_h,
                   o_h, scale, H, HV, K, V, BK, BV, USE_INITIAL_STATE, STORE_FINAL_STATE, USE_QK_L2NORM,
-                  USE_GATE_IN_KERNEL, USE_BETA_SIGMOID, RELOAD_STATE)
+                  USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
         return
 
     # read the state once: K × BV elements
@@ -385,7 +363,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
         STORE_INTERMEDIATE=intermediate_states is not None, IS_VARLEN=cu_seqlens is not None,
         USE_STATE_INDICES=state_indices is not None, USE_QK_L2NORM=use_qk_l2norm,
         USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid,
-        ONE_STEP=one_step, RELOAD_STATE=one_step and reload_state(state), num_warps=num_warps,
+        ONE_STEP=one_step, num_warps=num_warps,
         **launch_options("fused_recurrent_fwd"))
     return o
 
