@@ -17,6 +17,7 @@ from linattn.eval.cases import Shape, correctness_cases, profile
 from linattn.eval.cli import RUNNERS
 from linattn.eval.context import (
     FIRST_CALL_PRIOR_S,
+    HANG_COMPILE_ALLOWANCE,
     INCREMENTAL_FRACTION,
     Compile,
     Context,
@@ -155,10 +156,32 @@ def test_compile_estimates_per_signature_family_and_flags():
     assert g.estimate("fla", step) == (15.0, "prior")  # fla's chunked compile says nothing about its decode
     g.costs["fla"].compiles += [Compile(_sigs(fla, T=1)[0], 2.0, True), Compile(_sigs(fla, h0=True)[0], 8.0, True)]
     assert g.estimate("fla", _sigs(fla, varlen=True, direction="fwd"))[0] == 8.0  # third party: the largest
-    # robustness's hard timeout: the hang limit plus the compile estimate, cut by what the budget lets it use
-    assert g.hard_timeout("fla", _sigs(fla, V=32), 30.0) == (60.0, False)
+    # robustness's hard timeout: the hang limit plus HANG_COMPILE_ALLOWANCE x the compile estimate (30 s), cut by
+    # what the budget lets it use
+    assert g.first_call_compile_s("fla", _sigs(fla, V=32)) == 30.0
+    assert g.hard_timeout("fla", _sigs(fla, V=32), 30.0) == (30.0 + HANG_COMPILE_ALLOWANCE * 30.0, False)
     g.deadline = g.run_deadline = time.monotonic() + 1
     assert g.hard_timeout("fla", _sigs(fla, V=32), 30.0, grace_s=1.0)[1] is True
+
+
+def test_a_first_call_stopped_by_the_hang_limit_is_no_hang(monkeypatch):
+    """A call that compiles first and outlasts its limit (hang limit + the compile allowance) is recorded as a
+    first-call timeout (a slow compile and a hang look the same); a call with nothing to compile as a hang."""
+    ctx = Context(CPU, profile("tiny", CPU), [], deadline=time.monotonic() + 1000)
+    ctx.begin_section("robustness")
+    monkeypatch.setattr(ctx, "hard_timeout", lambda impl, classes, limit_s: (0.05, False))
+    gate = threading.Event()
+    try:
+        for compile_s, want in ((40.0, "first-call timeout"), (0.0, None)):
+            monkeypatch.setattr(ctx, "first_call_compile_s", lambda impl, classes, s=compile_s: s)
+            status, result, stopped = ctx.call_with_timeout(lambda: gate.wait(60), "fla", (), 30.0)
+            if want:
+                assert (status, stopped["status"], stopped["skipped"]) == ("skipped", "skipped", want)
+                assert stopped["passed"] is None and "40.0 s" in stopped["reason"]
+            else:
+                assert (status, stopped["status"], stopped["passed"]) == ("hang", "hang", False)
+    finally:
+        gate.set()
 
 
 def test_a_unit_over_its_share_borrows_the_runs_spare_time():
