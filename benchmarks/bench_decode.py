@@ -14,7 +14,7 @@ times, at HV = 32, H = 16, K = V = 128, q/k/v bf16, fused gate / β sigmoid / q-
 * fla's ``fused_recurrent_gated_delta_rule`` on the same inputs if fla is importable (fp32 state, gate and β
   precomputed since its call takes them so; it reads initial_state and writes a new final state: same bytes).
 
-    python benchmarks/bench_decode.py [--out DIR] [--quick | --sweep-only]
+    python benchmarks/bench_decode.py [--out DIR] [--quick | --sweep-only [--layout-sweep]]
 
 Prints one table last and writes bench_decode.json under --out.
 """
@@ -72,22 +72,26 @@ def reference(t, h0, gate):
 # ----------------------------------------------------------------------------------------------------------------
 def check_decode(rows):
     gate = gate_params()
-    for pool_dtype in (torch.float32, torch.bfloat16):
-        for Tq in (1, 4):
-            P, slots = 9, [7, 2, -1, 4]
-            pool = (torch.randn(P, HV, K, V, device=DEV) * 0.05).to(pool_dtype)
-            before = pool.clone()
-            t = make_step(len(slots), Tq, seed=Tq)
-            h0 = torch.stack([before[s].float() if s >= 0 else torch.zeros(HV, K, V, device=DEV) for s in slots])
-            o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=torch.tensor(
-                slots, device=DEV), output_intermediate_states=True, **gate, **FUSED)
-            ro, rht = reference(t, h0, gate)
-            live = [i for i, s in enumerate(slots) if s >= 0]
-            others = [s for s in range(P) if s not in slots]
-            rows.append(dict(check=f"decode pool={str(pool_dtype)[6:]} Tq={Tq}", o_err=rel(o, ro),
-                             state_err=rel(pool[[slots[i] for i in live]], rht[live]),
-                             inter_last_err=rel(inter[:, -1], rht),
-                             untouched=bool(torch.equal(pool[others], before[others]))))
+    for layout in ("kv", "vk"):
+        kv = (lambda x: x.transpose(-1, -2)) if layout == "vk" else (lambda x: x)   # the pool seen K-major
+        for pool_dtype in (torch.float32, torch.bfloat16):
+            for Tq in (1, 4):
+                P, slots = 9, [7, 2, -1, 4]
+                pool = (torch.randn(P, HV, K, V, device=DEV) * 0.05).to(pool_dtype)
+                before = pool.clone()
+                pool = kv(pool).contiguous()                  # stored in the layout, the same values
+                t = make_step(len(slots), Tq, seed=Tq)
+                h0 = torch.stack([before[s].float() if s >= 0 else torch.zeros(HV, K, V, device=DEV)
+                                  for s in slots])
+                o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=torch.tensor(
+                    slots, device=DEV), output_intermediate_states=True, **gate, **FUSED, state_layout=layout)
+                ro, rht = reference(t, h0, gate)
+                live = [i for i, s in enumerate(slots) if s >= 0]
+                others = [s for s in range(P) if s not in slots]
+                rows.append(dict(check=f"decode {layout} pool={str(pool_dtype)[6:]} Tq={Tq}", o_err=rel(o, ro),
+                                 state_err=rel(kv(pool)[[slots[i] for i in live]], rht[live]),
+                                 inter_last_err=rel(kv(inter[:, -1]), rht),
+                                 untouched=bool(torch.equal(kv(pool)[others], before[others]))))
     for name, slots in (("repeated slots", [1, 1]), ("slot >= P", [0, 9])):
         try:
             linattn.gated_delta_rule_decode(**make_step(2, 1), state_pool=torch.zeros(9, HV, K, V, device=DEV),
@@ -150,19 +154,24 @@ def copy_bandwidth(nbytes):
     return gbs, 2 * nbytes / gbs / 1e3
 
 
-def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None):
+def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None, layout="kv"):
+    """µs per step of ``gated_delta_rule_decode`` (or, with BV, the kernel at that tile) over a pool in ``layout``
+    ("kv" K-major, "vk" V-major)."""
     gate = gate_params()
     t = make_step(B, Tq)
     P = 2 * B + 1
     pool = (torch.randn(P, HV, K, V, device=DEV) * 0.05).to(pool_dtype)
+    if layout == "vk":
+        pool = pool.transpose(-1, -2).contiguous()
     slots = torch.randperm(P, device=DEV)[:B]                 # pool rows with gaps, in no order
     if BV is None:
-        fn = lambda: linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots, **gate, **FUSED)
+        fn = lambda: linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots, **gate, **FUSED,
+                                                     state_layout=layout)
     else:
         tc = {n: x.contiguous() for n, x in t.items()}
         fn = lambda: rk.fused_recurrent_fwd(tc["q"], tc["k"], tc["v"], tc["g"], tc["beta"], K ** -0.5, pool, pool,
                                             None, None, slots, gate["A_log"], gate["dt_bias"], True, True,
-                                            BV=BV, num_warps=num_warps)
+                                            BV=BV, num_warps=num_warps, state_vk=layout == "vk")
     if maxnreg is not None:
         common.LAUNCH_OPTIONS["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
     try:
@@ -203,6 +212,9 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="fewer drift steps, no tile sweep")
     ap.add_argument("--sweep-only", action="store_true", help="the tile sweep alone (no checks, timings, eager)")
+    ap.add_argument("--layout-sweep", action="store_true",
+                    help="with --sweep-only: instead of the tile sweep, the tiles of one token (ONE_STEP) and of 4 "
+                         "tokens over K-major and V-major pools side by side")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     try:
@@ -229,12 +241,14 @@ def main():
             if (B, pool_dtype) not in copy:
                 copy[(B, pool_dtype)] = copy_bandwidth(max(state_bytes // 2, 1 << 20))[0]
             for Tq in (1, 4, 8):
-                us = time_decode(B, Tq, pool_dtype)[0]
-                rec = dict(impl="linattn", B=B, pool=str(pool_dtype)[6:], Tq=Tq, us=us, us_per_token=us / Tq,
-                           state_GBps=state_bytes / us / 1e3, copy_GBps=copy[(B, pool_dtype)])
-                rec["pct_of_copy"] = 100 * rec["state_GBps"] / rec["copy_GBps"]
-                timings.append(rec)
-                print(json.dumps(rec), flush=True)
+                for layout in ("kv", "vk"):
+                    us = time_decode(B, Tq, pool_dtype, layout=layout)[0]
+                    rec = dict(impl="linattn" if layout == "kv" else "linattn-vk", B=B, pool=str(pool_dtype)[6:],
+                               Tq=Tq, us=us, us_per_token=us / Tq, state_GBps=state_bytes / us / 1e3,
+                               copy_GBps=copy[(B, pool_dtype)])
+                    rec["pct_of_copy"] = 100 * rec["state_GBps"] / rec["copy_GBps"]
+                    timings.append(rec)
+                    print(json.dumps(rec), flush=True)
                 # fla at Tq = 1 only: its fused_recurrent at B = 64, Tq = 4 (graph capture, same inputs) hit an
                 # illegal memory access on the H200 (2026-11-29), which poisons the CUDA context for the rest
                 if pool_dtype == torch.float32 and Tq == 1:
@@ -256,7 +270,27 @@ def main():
         eager[checked] = eager_latency_us(lambda c=checked: linattn.gated_delta_rule_decode(
             **t1, state_pool=pool1, state_indices=slot1, check_indices=c, **gate_small, **FUSED))
 
-    if not a.quick:
+    if a.layout_sweep:
+        # the same tiles over a K-major and a V-major pool: a K-major bf16 tile of 32 columns reads 64-byte pieces
+        # of rows (half a 128-byte line), a V-major one whole 256-byte rows (the 8 KB slice is one contiguous block)
+        tiles = {(torch.bfloat16, 1): [(32, 1), (64, 2), (16, 1), (32, 2), (64, 4), (128, 4), (8, 1)],
+                 (torch.float32, 1): [(64, 2), (32, 1), (64, 4), (128, 4), (16, 1), (32, 2)],
+                 (torch.bfloat16, 4): [(16, 1), (8, 1), (32, 1), (32, 2)],
+                 (torch.float32, 4): [(16, 1), (8, 1), (32, 1), (32, 2)]}
+        for (pool_dtype, Tq), tl_ in tiles.items():
+            for B in ((64, 256) if Tq == 1 else (64,)):
+                state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
+                for (BV, nw) in tl_:
+                    for layout in ("kv", "vk"):
+                        rec = dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV, num_warps=nw, maxnreg=None,
+                                   one_step=Tq == 1, layout=layout)
+                        try:
+                            us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, layout=layout)[0]
+                            rec.update(us=us, state_GBps=state_bytes / us / 1e3)
+                        except Exception as e:
+                            rec.update(error=str(e)[:80])
+                        sweep.append(rec)
+    elif not a.quick:
         # (BV, warps, maxnreg): the tiles; register caps that fit three programs per SM where the tile alone takes
         # 255 registers (sm_90 ptxas: bf16 BV=64 → 168 registers + 748 spill bytes; fp32 BV=64 → 700); and one- or
         # two-warp tiles, whose reductions over K stay inside a warp (2 barriers per step instead of 16) and whose
@@ -309,17 +343,17 @@ def main():
                 ok = [s for s in sweep if (s["pool"], s["B"], s["Tq"]) == (pool, B, Tq) and "us" in s]
                 for s in sorted(ok, key=lambda s: s["us"]):
                     cap = (f" maxnreg={s['maxnreg']}" if s.get("maxnreg") else "") + (
-                        " ONE_STEP" if s.get("one_step") else "")
+                        " ONE_STEP" if s.get("one_step") else "") + (f" {s['layout']}" if s.get("layout") else "")
                     print(f"  {pool:9s} B={B:3d} Tq={Tq} BV={s['BV']:3d} warps={s['num_warps']}{cap}  "
                           f"{s['us']:8.1f} µs  {s['state_GBps']:6.0f} GB/s")
     print("\nCUDA-graph replay, HV=32 K=V=128, per step")
-    print(f"{'impl':8s} {'B':>4s} {'pool':>9s} {'Tq':>3s} {'µs':>9s} {'µs/tok':>8s} {'GB/s':>7s} {'copy':>7s} "
+    print(f"{'impl':10s} {'B':>4s} {'pool':>9s} {'Tq':>3s} {'µs':>9s} {'µs/tok':>8s} {'GB/s':>7s} {'copy':>7s} "
           f"{'%copy':>6s}")
     for r in timings:
         if "error" in r:
-            print(f"{r['impl']:8s} {r['B']:4d} {r['pool']:>9s} {r['Tq']:3d}  {r['error']}")
+            print(f"{r['impl']:10s} {r['B']:4d} {r['pool']:>9s} {r['Tq']:3d}  {r['error']}")
             continue
-        print(f"{r['impl']:8s} {r['B']:4d} {r['pool']:>9s} {r['Tq']:3d} {r['us']:9.1f} {r['us_per_token']:8.1f} "
+        print(f"{r['impl']:10s} {r['B']:4d} {r['pool']:>9s} {r['Tq']:3d} {r['us']:9.1f} {r['us_per_token']:8.1f} "
               f"{r['state_GBps']:7.0f} {r['copy_GBps']:7.0f} {r['pct_of_copy']:6.1f}")
 
 

@@ -151,6 +151,61 @@ def test_no_state_indices_uses_row_b():
     assert rel_rms(o, ro) <= TOLERANCES[torch.float32] and rel_rms(pool[:2], rht) <= TOLERANCES[torch.float32]
 
 
+def in_layout(pool_kv: torch.Tensor, layout: str) -> torch.Tensor:
+    """A K-major pool's data in ``layout`` (contiguous, as the op requires)."""
+    return pool_kv.transpose(-1, -2).contiguous() if layout == "vk" else pool_kv.clone()
+
+
+def as_kv(pool: torch.Tensor, layout: str) -> torch.Tensor:
+    """A pool (or intermediate states) of ``layout`` seen K-major."""
+    return pool.transpose(-1, -2) if layout == "vk" else pool
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("Tq", [1, 3])
+def test_v_major_pool_equals_k_major(backend, pool_dtype, Tq):
+    """state_layout="vk" ([P, HV, V, K]) gives the outputs, pool rows and intermediate states of the K-major call,
+    each in its own layout, with slots that have gaps and a negative slot; rows without a sequence untouched."""
+    pool_kv = torch.randn(6, HV, K, V).to(pool_dtype)
+    slots = torch.tensor([5, -1, 2])
+    t = make_tokens(3, Tq, gate_in_op=True, l2norm_qk=True)
+    kw = dict(A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV), use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, output_intermediate_states=True, backend=backend)
+    got = {}
+    for layout in ("kv", "vk"):
+        pool = in_layout(pool_kv, layout)
+        o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots, state_layout=layout,
+                                                   **kw)
+        assert inter.shape == (3, Tq) + pool.shape[1:] and inter.dtype == pool_dtype
+        got[layout] = (o, as_kv(pool, layout), as_kv(inter, layout))
+    h0 = torch.stack([pool_kv[5].float(), torch.zeros(HV, K, V), pool_kv[2].float()])
+    ro, rht = reference(t, h0, gate=(kw["A_log"], kw["dt_bias"]), l2norm_qk=True)
+    (o_kv, pool_kv_after, inter_kv), (o_vk, pool_vk_after, inter_vk) = got["kv"], got["vk"]
+    assert rel_rms(o_vk, ro) <= TOLERANCES[torch.float32]
+    assert rel_rms(pool_vk_after[[5, 2]], rht[[0, 2]]) <= TOLERANCES[pool_dtype]
+    assert rel_rms(inter_vk[:, -1], rht) <= TOLERANCES[pool_dtype]
+    # the same arithmetic in the other layout: equal up to the order of the fp32 reductions
+    assert rel_rms(o_vk, o_kv) <= 1e-6
+    assert rel_rms(pool_vk_after, pool_kv_after) <= (1e-6 if pool_dtype == torch.float32 else 2.0 ** -8)
+    assert rel_rms(inter_vk, inter_kv) <= (1e-6 if pool_dtype == torch.float32 else 2.0 ** -8)
+    assert torch.equal(pool_vk_after[[0, 1, 3, 4]], pool_kv[[0, 1, 3, 4]])
+
+
+def test_v_major_pool_of_prefill_final_states():
+    """A prefill's final state (K-major) enters a V-major pool as final_state.transpose(-1, -2); decoding from it
+    continues the sequence exactly as from the K-major pool."""
+    t = make_tokens(2, 9)
+    _, ht = linattn.chunk_gated_delta_rule(**slice_tokens(t, 0, 8), output_final_state=True, backend="torch")
+    pools = {"kv": ht.clone(), "vk": ht.transpose(-1, -2).contiguous()}
+    outs = {layout: linattn.gated_delta_rule_decode(**slice_tokens(t, 8, 9), state_pool=pool, state_layout=layout)[0]
+            for layout, pool in pools.items()}
+    o_whole, _ = linattn.chunk_gated_delta_rule(**t, backend="torch")
+    for layout in pools:
+        assert rel_rms(outs[layout], o_whole[:, 8:]) <= TOLERANCES[torch.float32], layout
+    torch.testing.assert_close(pools["vk"].transpose(-1, -2), pools["kv"])
+
+
 BAD_CALLS = [
     ("repeated_slot", dict(state_indices=torch.tensor([1, 1])), ValueError, "repeat"),
     ("slot_out_of_range", dict(state_indices=torch.tensor([0, 4])), ValueError, "< P"),
@@ -160,6 +215,8 @@ BAD_CALLS = [
     ("pool_fp64", dict(state_pool=torch.randn(4, HV, K, V, dtype=torch.float64)), TypeError, "dtype"),
     ("pool_not_contiguous", dict(state_pool=torch.randn(4, HV, V, K).transpose(-1, -2)), ValueError, "contiguous"),
     ("pool_too_small", dict(state_pool=torch.randn(1, HV, K, V), state_indices=None), ValueError, "P >= B"),
+    ("unknown_layout", dict(state_layout="kv-major"), ValueError, "state_layout must be one of"),
+    ("v_major_pool_k_major_shape", dict(state_layout="vk"), ValueError, r"P, HV, V, K"),
 ]
 
 

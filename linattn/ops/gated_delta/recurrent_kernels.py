@@ -118,7 +118,7 @@ def fused_recurrent_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_STATE_INDICES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    ONE_STEP: tl.constexpr,
+    ONE_STEP: tl.constexpr, STATE_VK: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -141,7 +141,13 @@ def fused_recurrent_fwd_kernel(
     m_k = o_k < K
     m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
-    o_h = o_k[:, None] * V + o_v[None, :]         # offsets of this program's K × BV slice inside one state
+    # offsets of this program's K × BV slice inside one state: K-major [K, V] (row k holds V values), or V-major
+    # [V, K] (STATE_VK: row j holds the K values of column j). The tile is [BK, BV] either way; only the addresses
+    # differ, and the compiler orders the tile's registers along whichever axis is contiguous in memory
+    if STATE_VK:
+        o_h = o_k[:, None] + o_v[None, :] * K
+    else:
+        o_h = o_k[:, None] * V + o_v[None, :]
 
     b_A = 0.
     b_dt = 0.
@@ -337,13 +343,16 @@ def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device,
 
 
 def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, intermediate_states, cu_seqlens,
-                        state_indices, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid, BV=None, num_warps=None):
+                        state_indices, A_log, dt_bias, use_qk_l2norm, use_beta_sigmoid, BV=None, num_warps=None,
+                        state_vk=False):
     """Launch the forward kernel; returns o ``[B, T, HV, V]`` in v's dtype.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]`` (all contiguous). initial_state /
     final_state: ``[*, HV, K, V]`` or None (they may be the same tensor: the decode pool, updated in place);
     sequence n reads and writes row ``state_indices[n]`` (or n), skipped when negative. intermediate_states:
-    ``[B, T, HV, K, V]`` or None. BV / num_warps override the tile heuristic (benchmarks); a register cap comes
+    ``[B, T, HV, K, V]`` or None. ``state_vk``: the states (all three) are V-major, ``[*, HV, V, K]`` (the decode
+    pool's ``state_layout="vk"``); the tiles are the same as for K-major (pick_tiles measured K-major pools only).
+    BV / num_warps override the tile heuristic (benchmarks); a register cap comes
     from ``common.LAUNCH_OPTIONS["fused_recurrent_fwd"]`` (a bf16 BV=64 tile takes 255 registers, two programs per
     SM, and compiles to 168 with 748 spill bytes at maxnreg 168, three per SM)."""
     B, T, H, K = q.shape
@@ -363,7 +372,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
         STORE_INTERMEDIATE=intermediate_states is not None, IS_VARLEN=cu_seqlens is not None,
         USE_STATE_INDICES=state_indices is not None, USE_QK_L2NORM=use_qk_l2norm,
         USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid,
-        ONE_STEP=one_step, num_warps=num_warps,
+        ONE_STEP=one_step, STATE_VK=state_vk, num_warps=num_warps,
         **launch_options("fused_recurrent_fwd"))
     return o
 
