@@ -1,0 +1,176 @@
+"""GPU check and timing of the experimental Hopper forward (``linattn/ops/hopper/chunk_fwd.py``, TileLang, issue 4):
+the Triton pre-pass (``fused_prepass(write_wy=False)``: gc and each chunk's A_inv) followed by one fused kernel that
+walks the chunks with the state on chip and writes only o and the final state.
+
+    tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz        # TileLang 0.1.15 (the anchors' site packages)
+    PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/hopper_fwd_check.py [--quick] [--out DIR]
+
+1. accuracy (bf16): o and the final state against float64 (the token reference for short cases, the float64 torch
+   backend for long ones), beside the Triton forward's errors and the rounded-PyTorch baseline (gpu_check_core's
+   ``rounded_twin``: every stage's output rounded to bf16); the bound is kernel ≤ 2 × baseline. Also the distance to
+   the kernel's PyTorch twin (``chunk_fwd_hopper_ref``, the same bf16 rounding points; only A_inv X's tf32 and
+   the order of sums differ): a translation error shows there first. Every launch
+   variant at the anchor case, the default one at every case.
+2. speed: do_bench median ms (no grad) at the seven shapes of issue 4's table (--quick: rows 1, 2, 3): the public
+   op's forward (Triton), the pre-pass alone, the fused kernel alone and pre-pass + kernel, per launch variant
+   (all at row 2, the first two elsewhere).
+Prints the tables last; writes hopper_fwd_check.json under --out. A variant that fails to compile or run is a row
+with its error, not the end of the run (but an illegal memory access poisons the CUDA context: the rows after it
+then fail too, and say so).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from bench_cli import bench_args, write_json  # noqa: E402  (this folder is on sys.path)
+from gpu_check_core import rel, rounded_twin  # noqa: E402  (this folder is on sys.path)
+
+from linattn import chunk_gated_delta_rule
+from linattn.ops.common.fused_prepass import fused_prepass
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.hopper import chunk_fwd as hopper
+
+# (BV, threads, num_stages): the V tile, the consumer threads (TileLang adds a producer warpgroup for the TMA
+# loads) and the depth of the chunk loop's load pipeline
+# loads. BV=128 with two stages may not fit the 227 KB of shared memory (≈ 232 KB before TileLang merges buffers
+# whose lives do not overlap): then that row says so, and (128, 128, 1) is the single-stage fallback
+VARIANTS = [(64, 128, 2), (128, 128, 2), (128, 128, 1), (128, 256, 2), (64, 128, 1)]
+CASES = [  # name, B, T, H, HV, K, V
+    ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128),
+    ("T1", 1, 1, 2, 2, 128, 128),
+    ("T64", 1, 64, 2, 2, 128, 128),
+    ("GVA_4x_T1000", 1, 1000, 2, 8, 128, 128),
+    ("K64_V64_T4096", 2, 4096, 4, 4, 64, 64),
+    ("T32768_K128", 1, 32768, 2, 2, 128, 128),
+]
+SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (1, 131072, 16, 16), (4, 8192, 16, 32),
+          (2, 16384, 32, 32), (1, 32768, 2, 8)]
+
+
+def make(B, T, H, HV, K, V, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.float64)
+    return dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, HV, V),
+                g=F.logsigmoid(r(B, T, HV)) / 16, beta=torch.rand(B, T, HV, device="cuda", generator=gen,
+                                                                 dtype=torch.float64),
+                initial_state=r(B, HV, K, V) * 0.1)
+
+
+def low_precision(x):
+    """bf16 q, k, v, β; fp32 g and initial state (what the op is given)."""
+    return {n: t.to(torch.bfloat16) if n in ("q", "k", "v", "beta") else t.float() for n, t in x.items()}
+
+
+def hopper_forward(x, scale, variant):
+    """The pre-pass, then the fused kernel: (o, final state)."""
+    BV, threads, stages = variant
+    gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False)
+    return hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], a_inv, scale, x["initial_state"],
+                                   BV=BV, threads=threads, num_stages=stages)
+
+
+def accuracy(cases, variants):
+    rows = []
+    for name, B, T, H, HV, K, V in cases:
+        x = make(B, T, H, HV, K, V, seed=len(name))
+        low = low_precision(x)
+        exact = {n: t.double() for n, t in low.items()}
+        scale = K ** -0.5
+        if T <= 1000:
+            ref = gated_delta_rule_reference(exact["q"], exact["k"], exact["v"], exact["g"], exact["beta"], scale,
+                                             exact["initial_state"])
+        else:
+            ref = chunk_gated_delta_rule(**exact, scale=scale, output_final_state=True, backend="torch")
+        tri = chunk_gated_delta_rule(**low, scale=scale, output_final_state=True, backend="triton")
+        zeros_do = torch.zeros(B, T, HV, V, device="cuda", dtype=torch.float64)
+        zeros_dht = torch.zeros(B, HV, K, V, device="cuda", dtype=torch.float64)
+        base = rounded_twin(low, torch.bfloat16, scale, zeros_do, zeros_dht)[:2]
+        twin = hopper.chunk_fwd_hopper_ref(**low, scale=scale)   # the kernel's own rounding points
+        for variant in variants:
+            row = dict(case=name, variant=variant, triton=[rel(tri[0], ref[0]), rel(tri[1], ref[1])],
+                       baseline=[rel(base[0], ref[0]), rel(base[1], ref[1])])
+            try:
+                torch.cuda.synchronize()
+                t0 = time.time()
+                o, ht = hopper_forward(low, scale, variant)
+                torch.cuda.synchronize()
+                row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
+                           vs_twin=[rel(o, twin[0]), rel(ht, twin[1])],
+                           nonfinite=int((~torch.isfinite(o)).sum() + (~torch.isfinite(ht)).sum()))
+            except Exception as e:  # a variant that fails is a row, not the end
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_shape(B, T, H, HV, variants):
+    """One row of the speed table: the public op's forward, the pre-pass, and each variant alone and after it."""
+    x = low_precision(make(B, T, H, HV, 128, 128))
+    x["initial_state"] = None
+    scale = 128 ** -0.5
+    row = dict(shape=(B, T, H, HV))
+    with torch.no_grad():
+        row["triton_fwd"] = bench(lambda: chunk_gated_delta_rule(**x, scale=scale, output_final_state=True))
+        row["prepass"] = bench(lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False))
+        gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False)
+        for BV, threads, stages in variants:
+            key = f"BV{BV}_t{threads}_s{stages}"
+            try:
+                def fused(BV=BV, threads=threads, stages=stages):
+                    return hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], a_inv, scale, None,
+                                                   BV=BV, threads=threads, num_stages=stages)
+                fused()
+                row[key] = bench(fused)
+                row[key + "+prepass"] = bench(lambda v=(BV, threads, stages): hopper_forward(x, scale, v))
+            except Exception as e:
+                row[key] = f"{type(e).__name__}: {e}"[:160]
+    return row
+
+
+def speed(shapes, variants):
+    """Every variant at B=8 T=4096 H=16 (the second shape), the first two elsewhere (each new head configuration
+    compiles every variant again, ≈ 7 s each)."""
+    rows = []
+    for i, shape in enumerate(shapes):
+        rows.append(time_shape(*shape, variants if i == 1 else variants[:2]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main():
+    a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table")
+    if not hopper.tilelang_available():
+        raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
+    variants = VARIANTS
+    acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
+    spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
+    write_json(a.out, "hopper_fwd_check.json", dict(accuracy=acc, speed=spd))
+
+    print("\naccuracy (bf16, relative L2 vs float64): o / final state — hopper | triton | rounded baseline; "
+          "! marks hopper > 2 × baseline")
+    for r in acc:
+        if "error" in r:
+            print(f"  {r['case']:22s} {r['variant']}  ERROR {r['error']}")
+            continue
+        flag = "!" if any(h > 2 * b for h, b in zip(r["hopper"], r["baseline"])) else " "
+        print(f"{flag} {r['case']:22s} {r['variant']}  {r['hopper'][0]:.2e} / {r['hopper'][1]:.2e} | "
+              f"{r['triton'][0]:.2e} / {r['triton'][1]:.2e} | {r['baseline'][0]:.2e} / {r['baseline'][1]:.2e}  "
+              f"vs twin {r['vs_twin'][0]:.1e} / {r['vs_twin'][1]:.1e}  nonfinite {r['nonfinite']}  "
+              f"first call {r['first_call_s']:.1f} s")
+    print("\nspeed (ms, do_bench median, bf16, K = V = 128, no grad)")
+    for r in spd:
+        cells = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                          if k != "shape")
+        print(f"  {r['shape']}  {cells}")
+
+
+if __name__ == "__main__":
+    main()

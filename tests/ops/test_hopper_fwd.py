@@ -1,0 +1,74 @@
+"""The experimental Hopper forward (linattn/ops/hopper/chunk_fwd.py): its PyTorch twin against the float64
+reference (the algebra the TileLang kernel implements: V_new from each chunk's inverse, the decay on V_new's rows,
+the inclusive causal mask), the twin's bf16 rounding points, and the kernel's compile for sm_90a where TileLang is
+installed (it is an optional dependency; the kernel itself runs only on the GPU: benchmarks/hopper_fwd_check.py)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.hopper import chunk_fwd as hopper
+
+
+def inputs(B, T, H, HV, K, V, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    x = dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, HV, V),
+             g=F.logsigmoid(r(B, T, HV)) / 4, beta=torch.rand(B, T, HV, generator=gen, dtype=torch.float64),
+             initial_state=r(B, HV, K, V) * 0.1)
+    return {n: t.to(dtype) if n in ("q", "k", "v") else t for n, t in x.items()}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V", [(2, 150, 2, 2, 32, 48), (1, 64, 1, 2, 16, 16), (1, 1, 2, 4, 16, 24),
+                                          (1, 200, 1, 1, 16, 16)])
+def test_twin_without_rounding_is_the_recurrence(B, T, H, HV, K, V):
+    """Partial last chunks (150, 200, 1), one full chunk, grouped value heads: exact in float64."""
+    x = inputs(B, T, H, HV, K, V)
+    o, ht = hopper.chunk_fwd_hopper_ref(**x, scale=K ** -0.5, operand_dtype=torch.float64)
+    ro, rht = gated_delta_rule_reference(**x, scale=K ** -0.5)
+    assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
+
+
+def test_twin_with_strong_decay_stays_finite():
+    x = inputs(1, 130, 1, 1, 16, 16)
+    x["g"] = torch.full_like(x["g"], -100.0)
+    o, ht = hopper.chunk_fwd_hopper_ref(**x, scale=0.25, operand_dtype=torch.float64)
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
+
+
+def test_twin_bf16_rounding_points():
+    """With the kernel's bf16 operands (bf16 q/k/v, fp32 work): errors of bf16 size against float64, and the rounding
+    is really applied (the bf16 twin differs from the unrounded one)."""
+    x = inputs(2, 300, 2, 2, 64, 64, dtype=torch.bfloat16)
+    exact = {n: t.double() for n, t in x.items()}
+    ro, rht = gated_delta_rule_reference(**exact, scale=0.125)
+    o, ht = hopper.chunk_fwd_hopper_ref(**x, scale=0.125)
+    o32, ht32 = hopper.chunk_fwd_hopper_ref(**x, scale=0.125, operand_dtype=torch.float32)
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    assert rel(o, ro) < 8e-3 and rel(ht, rht) < 8e-3
+    assert rel(ht32, rht) < 1e-5 and rel(ht, ht32) > 1e-4
+
+
+def test_kernel_takes_bf16_only():
+    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
+    gc = torch.zeros(1, 64, 1)
+    with pytest.raises(TypeError, match="bf16"):
+        hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], torch.zeros(1, 64, 1, 64), 0.125, None)
+
+
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
+def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
+    kernel = hopper.compiled_kernel(16, 16, 128, 128, 64, 128 ** -0.5, target="sm_90a")
+    src = kernel.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
