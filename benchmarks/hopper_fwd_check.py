@@ -33,11 +33,12 @@ from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 
-# (BV, threads, num_stages): the V tile, the consumer threads (TileLang adds a producer warpgroup for the TMA
-# loads) and the depth of the chunk loop's load pipeline
-# loads. BV=128 with two stages may not fit the 227 KB of shared memory (≈ 232 KB before TileLang merges buffers
-# whose lives do not overlap): then that row says so, and (128, 128, 1) is the single-stage fallback
-VARIANTS = [(64, 128, 2), (128, 128, 2), (128, 128, 1), (128, 256, 2), (64, 128, 1)]
+# (BV, threads, num_stages, split_state): the V tile, the consumer threads (TileLang adds a producer warpgroup for
+# the TMA loads), the depth of the chunk loop's load pipeline, and the state's dots on bf16 hi + lo halves. BV=128
+# with two stages may not fit the 227 KB of shared memory (≈ 232 KB before TileLang merges buffers whose lives do
+# not overlap): then that row says so, and (128, 128, 1) is the single-stage fallback
+VARIANTS = [(64, 128, 2, False), (64, 128, 2, True), (128, 128, 2, False), (128, 128, 1, False),
+            (128, 256, 2, False), (64, 128, 1, False)]
 CASES = [  # name, B, T, H, HV, K, V
     ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128),
     ("T1", 1, 1, 2, 2, 128, 128),
@@ -46,15 +47,16 @@ CASES = [  # name, B, T, H, HV, K, V
     ("K64_V64_T4096", 2, 4096, 4, 4, 64, 64),
     ("T32768_K128", 1, 32768, 2, 2, 128, 128),
 ]
+DEVICE = "cuda"
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (1, 131072, 16, 16), (4, 8192, 16, 32),
           (2, 16384, 32, 32), (1, 32768, 2, 8)]
 
 
 def make(B, T, H, HV, K, V, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.float64)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen, dtype=torch.float64)
     return dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, HV, V),
-                g=F.logsigmoid(r(B, T, HV)) / 16, beta=torch.rand(B, T, HV, device="cuda", generator=gen,
+                g=F.logsigmoid(r(B, T, HV)) / 16, beta=torch.rand(B, T, HV, device=DEVICE, generator=gen,
                                                                  dtype=torch.float64),
                 initial_state=r(B, HV, K, V) * 0.1)
 
@@ -66,10 +68,10 @@ def low_precision(x):
 
 def hopper_forward(x, scale, variant):
     """The pre-pass, then the fused kernel: (o, final state)."""
-    BV, threads, stages = variant
+    BV, threads, stages, split = variant
     gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False)
     return hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], a_inv, scale, x["initial_state"],
-                                   BV=BV, threads=threads, num_stages=stages)
+                                   BV=BV, threads=threads, num_stages=stages, split_state=split)
 
 
 def accuracy(cases, variants):
@@ -85,10 +87,11 @@ def accuracy(cases, variants):
         else:
             ref = chunk_gated_delta_rule(**exact, scale=scale, output_final_state=True, backend="torch")
         tri = chunk_gated_delta_rule(**low, scale=scale, output_final_state=True, backend="triton")
-        zeros_do = torch.zeros(B, T, HV, V, device="cuda", dtype=torch.float64)
-        zeros_dht = torch.zeros(B, HV, K, V, device="cuda", dtype=torch.float64)
+        zeros_do = torch.zeros(B, T, HV, V, device=DEVICE, dtype=torch.float64)
+        zeros_dht = torch.zeros(B, HV, K, V, device=DEVICE, dtype=torch.float64)
         base = rounded_twin(low, torch.bfloat16, scale, zeros_do, zeros_dht)[:2]
-        twin = hopper.chunk_fwd_hopper_ref(**low, scale=scale)   # the kernel's own rounding points
+        twins = {split: hopper.chunk_fwd_hopper_ref(**low, scale=scale, split_state=split)  # the kernel's own
+                 for split in (False, True)}                                                  # rounding points
         for variant in variants:
             row = dict(case=name, variant=variant, triton=[rel(tri[0], ref[0]), rel(tri[1], ref[1])],
                        baseline=[rel(base[0], ref[0]), rel(base[1], ref[1])])
@@ -98,7 +101,7 @@ def accuracy(cases, variants):
                 o, ht = hopper_forward(low, scale, variant)
                 torch.cuda.synchronize()
                 row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
-                           vs_twin=[rel(o, twin[0]), rel(ht, twin[1])],
+                           vs_twin=[rel(o, twins[variant[3]][0]), rel(ht, twins[variant[3]][1])],
                            nonfinite=int((~torch.isfinite(o)).sum() + (~torch.isfinite(ht)).sum()))
             except Exception as e:  # a variant that fails is a row, not the end
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -121,15 +124,16 @@ def time_shape(B, T, H, HV, variants):
         row["triton_fwd"] = bench(lambda: chunk_gated_delta_rule(**x, scale=scale, output_final_state=True))
         row["prepass"] = bench(lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False))
         gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False)
-        for BV, threads, stages in variants:
-            key = f"BV{BV}_t{threads}_s{stages}"
+        for variant in variants:
+            BV, threads, stages, split = variant
+            key = f"BV{BV}_t{threads}_s{stages}" + ("_split" if split else "")
             try:
-                def fused(BV=BV, threads=threads, stages=stages):
+                def fused(BV=BV, threads=threads, stages=stages, split=split):
                     return hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], a_inv, scale, None,
-                                                   BV=BV, threads=threads, num_stages=stages)
+                                                   BV=BV, threads=threads, num_stages=stages, split_state=split)
                 fused()
                 row[key] = bench(fused)
-                row[key + "+prepass"] = bench(lambda v=(BV, threads, stages): hopper_forward(x, scale, v))
+                row[key + "+prepass"] = bench(lambda v=variant: hopper_forward(x, scale, v))
             except Exception as e:
                 row[key] = f"{type(e).__name__}: {e}"[:160]
     return row

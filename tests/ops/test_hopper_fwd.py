@@ -59,6 +59,18 @@ def test_twin_bf16_rounding_points():
     assert rel(ht32, rht) < 1e-5 and rel(ht, ht32) > 1e-4
 
 
+def test_twin_split_state_keeps_the_state_accurate():
+    """split_state (the state and the update's V_new as bf16 hi + lo pairs) brings the final state's error down to
+    what bf16 inputs alone cost (the fp32 twin's), where one bf16 rounding per chunk leaves it several times larger."""
+    x = inputs(2, 300, 2, 2, 64, 64, dtype=torch.bfloat16)
+    exact = {n: t.double() for n, t in x.items()}
+    _, rht = gated_delta_rule_reference(**exact, scale=0.125)
+    _, ht = hopper.chunk_fwd_hopper_ref(**x, scale=0.125)
+    _, ht_split = hopper.chunk_fwd_hopper_ref(**x, scale=0.125, split_state=True)
+    _, ht32 = hopper.chunk_fwd_hopper_ref(**x, scale=0.125, operand_dtype=torch.float32)
+    assert rel(ht_split, rht) < 3 * max(rel(ht32, rht), 1e-5) < rel(ht, rht)
+
+
 def test_kernel_takes_bf16_only():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
     gc = torch.zeros(1, 64, 1)
@@ -69,6 +81,8 @@ def test_kernel_takes_bf16_only():
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
                     reason="TileLang (optional) and nvcc compile the Hopper kernel")
 def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
-    kernel = hopper.compiled_kernel(16, 16, 128, 128, 64, 128 ** -0.5, target="sm_90a")
-    src = kernel.get_kernel_source()
-    assert "wgmma" in src and "tma_load" in src
+    srcs = [hopper.compiled_kernel(16, 16, 128, 128, 64, 128 ** -0.5, target="sm_90a", split_state=split)
+            .get_kernel_source() for split in (False, True)]
+    assert all("wgmma" in src and "tma_load" in src for src in srcs)
+    # five bf16 wgmma dots per chunk, three more with the state split (K S, Q S and the update on the low halves)
+    assert [src.count("wgmma_ss<") for src in srcs] == [5, 8]

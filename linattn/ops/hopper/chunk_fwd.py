@@ -39,8 +39,10 @@ def tilelang_available() -> bool:
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
-                 threads: int = 128, num_stages: int = 2):
-    """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic)."""
+                 threads: int = 128, num_stages: int = 2, split_state: bool = False):
+    """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). ``split_state``: the
+    state and the decayed V_new of the state update enter their dots as bf16 hi + lo pairs (two MMAs each, ≈ 2^-16
+    relative instead of 2^-9: the Triton state pass's accuracy) instead of one bf16 rounding."""
     import tilelang.language as T
 
     acc = "float32"
@@ -65,6 +67,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             gcs = T.alloc_shared((BT,), acc)
             bs = T.alloc_shared((BT,), acc)
             Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
+            Sl = T.alloc_shared((K, BV), dtype)        # split_state: its low half, S − bf16(S)
+            Vdl = T.alloc_shared((BT, BV), dtype)      # split_state: the low half of the decayed V_new
             Xt = T.alloc_shared((BV, BT), acc)         # Xᵀ: a K-major B operand for the tf32 A_inv X
             Ps = T.alloc_shared((BT, BT), dtype)
             Vns = T.alloc_shared((BT, BV), dtype)
@@ -83,9 +87,17 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As)
                 T.copy(gc[ib, c * BT:(c + 1) * BT, ihv], gcs)
                 T.copy(beta[ib, c * BT:(c + 1) * BT, ihv], bs)
-                T.copy(S, Ss)
+                if split_state:
+                    for i, j in T.Parallel(K, BV):
+                        Ss[i, j] = T.cast(S[i, j], dtype)
+                        Sl[i, j] = T.cast(S[i, j] - T.cast(T.cast(S[i, j], dtype), acc), dtype)
+                else:
+                    T.copy(S, Ss)
                 T.gemm(Ks, Ss, KS, clear_accum=True)
                 T.gemm(Qs, Ss, Of, clear_accum=True)
+                if split_state:
+                    T.gemm(Ks, Sl, KS)
+                    T.gemm(Qs, Sl, Of)
                 T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     Xt[j, i] = bs[i] * (Vs[i, j] - T.exp(gcs[i]) * KS[i, j])
@@ -93,9 +105,16 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 g_last = gcs[T.min(BT, Tn - c * BT) - 1]
                 for i, j in T.Parallel(BT, BT):
                     Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
-                for i, j in T.Parallel(BT, BV):
-                    Vns[i, j] = Vn[i, j]
-                    Vds[i, j] = Vn[i, j] * T.exp(g_last - gcs[i])
+                if split_state:
+                    for i, j in T.Parallel(BT, BV):
+                        Vns[i, j] = Vn[i, j]
+                        Vds[i, j] = T.cast(Vn[i, j] * T.exp(g_last - gcs[i]), dtype)
+                        Vdl[i, j] = T.cast(Vn[i, j] * T.exp(g_last - gcs[i])
+                                           - T.cast(T.cast(Vn[i, j] * T.exp(g_last - gcs[i]), dtype), acc), dtype)
+                else:
+                    for i, j in T.Parallel(BT, BV):
+                        Vns[i, j] = Vn[i, j]
+                        Vds[i, j] = Vn[i, j] * T.exp(g_last - gcs[i])
                 for i, j in T.Parallel(BT, BV):
                     Of[i, j] = Of[i, j] * T.exp(gcs[i])
                 T.gemm(Ps, Vns, Of)
@@ -105,6 +124,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
                 T.gemm(Ks, Vds, S, transpose_A=True)
+                if split_state:
+                    T.gemm(Ks, Vdl, S, transpose_A=True)
             T.copy(S, ht[ib, ihv, 0:K, iv * BV:(iv + 1) * BV])
 
     return gdn_chunk_fwd
@@ -112,29 +133,32 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
-                    threads: int = 128, num_stages: int = 2, target: Optional[str] = None):
+                    threads: int = 128, num_stages: int = 2, target: Optional[str] = None, split_state: bool = False):
     """The compiled kernel (cached per static configuration). ``target``: None for the current GPU, or an arch
     such as "sm_90a" to compile without one (the CPU compile check)."""
     import tilelang
-    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages)
+    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, split_state)
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
     return tilelang.compile(func, target=tgt)
 
 
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, initial_state: Optional[torch.Tensor],
-                         operand_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+                         operand_dtype: torch.dtype = torch.bfloat16,
+                         split_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's PyTorch twin, chunk by chunk in fp32 (float64 for float64 inputs), rounding to
     ``operand_dtype`` exactly where the kernel does: the state as the operand of K S and Q S, P, V_new as P V_new's
     operand, and the decayed V_new of the state update (A_inv X stays in the working precision; the kernel runs it
-    at tf32). With ``operand_dtype`` the working dtype nothing is rounded: the algebra alone, equal to the
-    token-by-token reference. g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``.
-    Returns o ``[B, T, HV, V]`` in v's dtype and the final state ``[B, HV, K, V]`` in the working dtype."""
+    at tf32); with ``split_state`` the state and the decayed V_new as hi + lo pairs. With ``operand_dtype`` the
+    working dtype nothing is rounded: the algebra alone, equal to the token-by-token reference. g: the log decays
+    (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o ``[B, T, HV, V]`` in v's dtype and
+    the final state ``[B, HV, K, V]`` in the working dtype."""
     from ..gated_delta import torch_chunk as tc
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))
+    rnd_state = (lambda t: rnd(t) + rnd(t - rnd(t))) if split_state else rnd
     qc, kc = (tc.to_chunks(x.to(work).repeat_interleave(HV // H, 2), BT) for x in (q, k))
     vc, bc = tc.to_chunks(v.to(work), BT), tc.to_chunks(beta.to(work), BT)
     gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
@@ -144,27 +168,28 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     outs = []
     for c in range(qc.shape[2]):
         Qc, Kc, Vc, bt, Gc = qc[:, :, c], kc[:, :, c], vc[:, :, c], bc[:, :, c], gc[:, :, c]
-        Sb = rnd(S)
+        Sb = rnd_state(S)
         X = bt[..., None] * (Vc - Gc.exp()[..., None] * (Kc @ Sb))
         Vn = a_inv[:, :, c] @ X
         P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
         outs.append(scale * (Gc.exp()[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
         g_last = Gc[..., -1]
-        S = g_last.exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd((g_last[..., None] - Gc).exp()[..., None]
-                                                                            * Vn)
+        S = g_last.exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd_state(
+            (g_last[..., None] - Gc).exp()[..., None] * Vn)
     return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), S
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
                      a_inv: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
-                     BV: int = 64, threads: int = 128, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                     BV: int = 64, threads: int = 128, num_stages: int = 2,
+                     split_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` (v's dtype) and the final state ``[B, HV, K, V]`` fp32 from the pre-pass outputs gc
     ``[B, T, HV]`` and a_inv ``[B, T, HV, 64]`` (``fused_prepass(write_wy=False)``). bf16 q/k/v, no varlen."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
-    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages)
+    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, split_state)
     h0 = (initial_state.float().contiguous() if initial_state is not None
           else torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device))
     o = torch.empty_like(v)
