@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import linattn
+from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 
@@ -69,6 +71,26 @@ def test_twin_split_state_keeps_the_state_accurate():
     _, ht_split = hopper.chunk_fwd_hopper_ref(**x, scale=0.125, split_state=True)
     _, ht32 = hopper.chunk_fwd_hopper_ref(**x, scale=0.125, operand_dtype=torch.float32)
     assert rel(ht_split, rht) < 3 * max(rel(ht32, rht), 1e-5) < rel(ht, rht)
+
+
+def test_unsupported_inputs_say_why():
+    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
+    assert "bf16" in hopper.unsupported_reason(x["q"], x["v"], None)
+    xb = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
+    assert "sm_90" in hopper.unsupported_reason(xb["q"], xb["v"], None)   # a CPU tensor
+
+
+@pytest.mark.interpreter
+def test_hopper_forward_path_falls_back_where_the_kernel_cannot_run(monkeypatch):
+    """triton_chunk.FORWARD_PATH = "hopper" on inputs the kernel does not take (here: CPU tensors under the
+    interpreter) runs the "auto" path: the same output and final state."""
+    x = inputs(2, 70, 1, 2, 16, 16, dtype=torch.float32)
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=x["initial_state"].float(), output_final_state=True, backend="triton")
+    o_auto, ht_auto = linattn.chunk_gated_delta_rule(*args, **kw)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "hopper")
+    o_h, ht_h = linattn.chunk_gated_delta_rule(*args, **kw)
+    assert torch.equal(o_h, o_auto) and torch.equal(ht_h, ht_auto)
 
 
 def test_kernel_takes_bf16_only():

@@ -355,11 +355,11 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
     ("auto", 1, 16, FP16, "split"), ("auto", 2, 32, FP32, "split"), ("auto", 8, 16, FP16, "walk"),
     ("auto", 4, 32, FP32, "split"), ("auto", 128, 64, FP32, "split"), ("auto", 127, 1, FP16, "split"),
     ("auto", 8, 16, BF16, "split"), ("auto", 64, 64, BF16, "split"), ("walk", 1, 1, BF16, "walk"),
-    ("split", 64, 64, FP16, "split")])
+    ("split", 64, 64, FP16, "split"), ("hopper", 8, 16, FP16, "walk"), ("hopper", 8, 16, BF16, "split")])
 def test_forward_path_rule(setting, N, HV, dtype, expected, monkeypatch):
     """"auto": bf16 always the split (its bf16x3 output kernel, run 12) and so fp32 (tf32x3 dots, run 16); fp16
     the walk once N·HV ≥ 128 (run 12's crossover with the tf32x3 output), else the split; "walk" / "split" as
-    set."""
+    set; "hopper" resolves as "auto" (what runs where the Hopper kernel does not take the inputs)."""
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", setting)
     assert triton_chunk.WALK_MIN_PAIRS == {BF16: None, FP16: 128, FP32: None}
     assert triton_chunk.forward_path(N, HV, dtype) == expected

@@ -65,7 +65,11 @@ PRECOMPUTE_QK = True
 # every shape, and for fp16 (output dots at tf32x3) the walk from WALK_MIN_PAIRS pairs. The split writes h (64 KB
 # per chunk and value head in fp32); both split long sequences into segments when their programs cannot fill the
 # SMs.
-FORWARD_PATHS = ("auto", "walk", "split")
+# "hopper" (opt-in, experimental: ops/hopper/chunk_fwd.py, TileLang): the Triton pre-pass writes A_inv, then one
+# fused kernel walks the chunks with the state on chip and writes only o (docs/architecture.md, "The Hopper
+# forward"); inputs it does not take (hopper.chunk_fwd.unsupported_reason: not bf16, not sm_90, varlen, ...) run
+# the "auto" path. Not the default: it has not run on a GPU yet.
+FORWARD_PATHS = ("auto", "walk", "split", "hopper")
 FORWARD_PATH = "auto"
 # "auto": the walk when N·HV (sequences × value heads) is at least this for the inputs' dtype, else the split;
 # None: the split at every shape. bf16: see above. fp32 and fp16 in their own dtypes (run 16, bench_pipelining.py
@@ -81,7 +85,7 @@ def forward_path(num_sequences: int, HV: int, dtype: torch.dtype) -> str:
     value heads with inputs of ``dtype``: :data:`FORWARD_PATH`, with "auto" resolved by :data:`WALK_MIN_PAIRS`."""
     if FORWARD_PATH not in FORWARD_PATHS:
         raise ValueError(f"triton_chunk.FORWARD_PATH must be one of {FORWARD_PATHS}, got {FORWARD_PATH!r}")
-    if FORWARD_PATH != "auto":
+    if FORWARD_PATH not in ("auto", "hopper"):
         return FORWARD_PATH
     pairs = WALK_MIN_PAIRS.get(dtype)
     return "walk" if pairs is not None and num_sequences * HV >= pairs else "split"
@@ -170,6 +174,11 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
     num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if FORWARD_PATH == "hopper":
+        from ..hopper import chunk_fwd as hopper
+        if hopper.unsupported_reason(q, v, cu_seqlens) is None:
+            gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False)
+            return hopper.chunk_fwd_hopper(q, k, v, gc, beta, a_inv, scale, initial_state)
     path = forward_path(num_sequences, v.shape[2], v.dtype)
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:

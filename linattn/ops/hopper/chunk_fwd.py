@@ -142,6 +142,23 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
     return tilelang.compile(func, target=tgt)
 
 
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Optional[str]:
+    """Why the Hopper forward cannot take these inputs (None: it can): bf16 on an sm_90 GPU with TileLang
+    installed, K and V multiples of 64 up to 256 and 128 (the TMA boxes), equal-length sequences."""
+    if q.dtype != torch.bfloat16:
+        return f"takes bf16 inputs, got {q.dtype}"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "needs an sm_90 (Hopper) GPU"
+    if cu_seqlens is not None:
+        return "no varlen (cu_seqlens) yet"
+    K, V = q.shape[-1], v.shape[-1]
+    if K % 64 or V % 64 or K > 128 or V > 256:
+        return f"K and V must be multiples of 64 (K <= 128, V <= 256), got K={K}, V={V}"
+    if not tilelang_available():
+        return "TileLang is not installed"
+    return None
+
+
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, initial_state: Optional[torch.Tensor],
                          operand_dtype: torch.dtype = torch.bfloat16,
@@ -189,6 +206,8 @@ def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torc
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
+    if V % BV:
+        raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, split_state)
     h0 = (initial_state.float().contiguous() if initial_state is not None
           else torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device))
