@@ -1,7 +1,8 @@
 """Experimental Hopper forward (TileLang): the state walk and the output fused in one kernel, on wgmma and TMA.
 
-Not dispatched by ``chunk_gated_delta_rule`` yet: compiled for sm_90a on a CPU (TileLang + nvcc), not yet run on
-a GPU (benchmarks/hopper_fwd_check.py does that: errors against float64 and times beside the Triton forward).
+Not the default: ``chunk_gated_delta_rule`` runs it only when ``triton_chunk.FORWARD_PATH = "hopper"`` (opt-in) and
+the inputs suit it (:func:`unsupported_reason`). Compiled for sm_90a on a CPU (TileLang + nvcc); not yet run on a
+GPU (benchmarks/hopper_fwd_check.py does that: errors against float64 and times beside the Triton forward).
 
 Why (issue 4, docs/architecture.md): the Triton split forward writes every chunk's state h (32 KB per chunk and
 head in bf16, twice the size of the chunk's queries) and V_new to HBM and reads them back in a second kernel, and
@@ -39,10 +40,13 @@ def tilelang_available() -> bool:
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
-                 threads: int = 128, num_stages: int = 2, split_state: bool = False):
+                 threads: int = 128, num_stages: int = 2, split_state: bool = False, use_initial_state: bool = True,
+                 beta_dtype: str = "float32"):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). ``split_state``: the
     state and the decayed V_new of the state update enter their dots as bf16 hi + lo pairs (two MMAs each, ≈ 2^-16
-    relative instead of 2^-9: the Triton state pass's accuracy) instead of one bf16 rounding."""
+    relative instead of 2^-9: the Triton state pass's accuracy) instead of one bf16 rounding. Without
+    ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
+    widened on load)."""
     import tilelang.language as T
 
     acc = "float32"
@@ -53,7 +57,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     @T.prim_func
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
                       v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, Tn, HV), acc),
-                      beta: T.Tensor((B, Tn, HV), acc), a_inv: T.Tensor((B, Tn, HV, BT), acc),
+                      beta: T.Tensor((B, Tn, HV), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), acc),
                       h0: T.Tensor((B, HV, K, V), acc), o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((B, HV, K, V), acc)):
         with T.Kernel(T.ceildiv(V, BV), B * HV, threads=threads) as (iv, bh):
@@ -79,7 +83,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Vn = T.alloc_fragment((BT, BV), acc)
             Of = T.alloc_fragment((BT, BV), acc)
 
-            T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
+            if use_initial_state:
+                T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
+            else:
+                T.clear(S)
             for c in T.Pipelined(T.ceildiv(Tn, BT), num_stages=num_stages):
                 T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
                 T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs)
@@ -133,11 +140,13 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
-                    threads: int = 128, num_stages: int = 2, target: Optional[str] = None, split_state: bool = False):
+                    threads: int = 128, num_stages: int = 2, target: Optional[str] = None, split_state: bool = False,
+                    use_initial_state: bool = True, beta_dtype: str = "float32"):
     """The compiled kernel (cached per static configuration). ``target``: None for the current GPU, or an arch
     such as "sm_90a" to compile without one (the CPU compile check)."""
     import tilelang
-    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, split_state)
+    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, split_state, use_initial_state,
+                        beta_dtype)
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
     return tilelang.compile(func, target=tgt)
 
@@ -208,11 +217,16 @@ def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torc
         raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
     if V % BV:
         raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
-    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, split_state)
+    if beta.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"beta must be fp32 or bf16, got {beta.dtype}")
+    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, split_state,
+                             initial_state is not None, str(beta.dtype).removeprefix("torch."))
+    # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
+    # shapes and strides) costs an allocation, not a memset
     h0 = (initial_state.float().contiguous() if initial_state is not None
-          else torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device))
+          else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
     o = torch.empty_like(v)
     ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc.contiguous(), beta.float().contiguous(),
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc.contiguous(), beta.contiguous(),
            a_inv.contiguous(), h0, o, ht)
     return o, ht
