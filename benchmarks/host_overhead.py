@@ -135,7 +135,7 @@ def decode_case():
     slots = torch.tensor([3], dtype=torch.int32, device=DEV)
     kw = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               backend="triton")
-    op_args = (q, k, v, g, beta, K ** -0.5, pool, slots, A_log, dt_bias, True, True, False, "triton")
+    op_args = (q, k, v, g, beta, K ** -0.5, pool, slots, A_log, dt_bias, True, True, False, "triton", False)
     calls = {
         "decode B=1 Tq=1 (slot check)": lambda: linattn.gated_delta_rule_decode(q, k, v, g, beta, pool, slots, **kw),
         "decode B=1 Tq=1 (no check)": lambda: linattn.gated_delta_rule_decode(q, k, v, g, beta, pool, slots,

@@ -35,6 +35,8 @@ bits: kernels that must run bf16 on the CPU pass ``INTERPRET=triton_interpret()`
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..utils import triton_interpret  # noqa: F401  (re-exported for launchers: the INTERPRET constexpr of dot.py)
@@ -138,8 +140,16 @@ def loop_stages(num_stages, setting: int, programs: int, sms: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """SM count of a CUDA device; 132 (an H200) elsewhere, so CPU tests plan as the GPU would."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    """SM count of a CUDA device; 132 (an H200) elsewhere, so CPU tests plan as the GPU would. Cached per device
+    index: every launcher of the forward asks, and the property lookup is host time on each call."""
+    if device.type != "cuda":
+        return 132
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def fill_tile_v(NHV: int, V: int, cap: int, sms: int, min_fill: float = 1.0) -> int:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import CHUNK
 from .varlen import chunk_bounds
 
@@ -40,7 +41,7 @@ def chunk_local_cumsum(g: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = Non
     """
     B, T, HV = g.shape
     gc = torch.empty(B, T, HV, dtype=torch.float32, device=g.device)
-    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
     chunk_local_cumsum_kernel[(NT, B * HV)](g, gc, cu_seqlens, chunk_indices, T, HV=HV, BT=chunk_size,
                                             IS_VARLEN=cu_seqlens is not None)
     return gc

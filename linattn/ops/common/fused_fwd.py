@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import (
     CHUNK,
     block_size,
@@ -258,7 +259,7 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
             # helper passed tests/ops/test_dot.py there at M=32 (mma.sync, not wgmma); refuse it until understood
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
-    grid = (triton.cdiv(K + V if affine else V, BV), num_segments * HV)
+    grid = (cdiv(K + V if affine else V, BV), num_segments * HV)
     stages = loop_stages(num_stages, WALK_STAGES, grid[0] * grid[1], num_sms(q.device))
     load_p = p is not None and not affine
     if load_p and (p.shape != (B, T, HV, chunk_size) or p.dtype != torch.float32):

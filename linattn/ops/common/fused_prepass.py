@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
 from .dot import dot
 from .kkt_solve import a_inv_tile, kkt_inverse, merge_precision
@@ -135,7 +136,7 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     w = torch.empty(B, T, HV, K, dtype=store_dtype, device=k.device) if write_wy else None
     u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if write_wy else None
     p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None
-    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
     fused_prepass_kernel[(NT, B * HV)](
         g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options, product_precision, triton_interpret
 from .dot import DOT_PRECISIONS, dot
 from .varlen import chunk_bounds
@@ -225,7 +226,7 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, gc: Optional[torch.Tensor], H
     """
     B, T, H, K = k.shape
     A_inv = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device)
-    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
     kkt_solve_kernel[(NT, B * HV)](
         k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BT=chunk_size, BK=block_size(K, 64),
         DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None,

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import launch_options
 from .kkt_solve import a_inv_tile
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
@@ -181,17 +182,17 @@ def local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float,
     partials dbeta, dg ``[NK, B, T, HV]`` and dA_inv ``[NK, B, T, HV, 64]`` (fp32), summed in local_bwd_wy.py."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
-    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, BT)
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    NK = triton.cdiv(K, BK)
+    NK = cdiv(K, BK)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq, dk = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
     dbeta, dg = torch.empty(NK, B, T, HV, **f32), torch.empty(NK, B, T, HV, **f32)
     dA_inv = torch.empty(NK, B, T, HV, BT, **f32)
     local_bwd_dqk_kernel[(NK, NT, B * HV)](
         q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, dq, dk, dbeta, dg, dA_inv, cu_seqlens, chunk_indices,
-        scale, h0, dht, T, triton.cdiv(T, BT), B * T,
+        scale, h0, dht, T, cdiv(T, BT), B * T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
         EXACT_H0=h0 is not None and h.dtype != torch.float32, EXACT_DHT=dht is not None and dh.dtype != torch.float32,
         num_warps=BWD_WARPS["dqk"],

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import launch_options
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 from .varlen import chunk_bounds
@@ -70,7 +71,7 @@ def local_bwd_dv(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, do: torch.T
     dot_prec: see local_bwd_utils.py (None: the default policy)."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
-    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, BT)
     dv = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import launch_options, product_precision
 from .kkt_solve import a_inv_tile
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
@@ -122,7 +123,7 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
     Returns dk (the same tensor), dv ``[B, T, HV, V]`` in v's dtype, dbeta and dg ``[B, T, HV]`` fp32."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, BT)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, BT)
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     # only precisions with fp32's accuracy: T's entries carry the whole chunk

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..gated_delta import torch_chunk as tc
+from ..utils import cdiv
 from . import CHUNK, block_size
 from .fused_fwd import fused_fwd, fused_fwd_config, launch_walk, num_sms
 
@@ -74,8 +75,8 @@ def _plan_segments(chunks: tuple, HV: int, K: int, V: int, BV: int, sms: int, oc
     """
     nt_max = max(chunks, default=0)
     slots = occupancy * sms
-    per_seq = HV * triton.cdiv(V, BV)
-    widen = triton.cdiv(K + V, BV) / triton.cdiv(V, BV)
+    per_seq = HV * cdiv(V, BV)
+    widen = cdiv(K + V, BV) / cdiv(V, BV)
     waves = lambda p: -(-p // slots)
     unsplit = nt_max * waves(per_seq * len(chunks))
     best_cost, best = SPLIT_MARGIN * unsplit, None
@@ -168,7 +169,7 @@ def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int,
     NS, HV, K = mn.shape[:3]
     h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
     BK = block_size(K, 256)
-    affine_scan_kernel[(triton.cdiv(V, BV), num_seqs * HV)](
+    affine_scan_kernel[(cdiv(V, BV), num_seqs * HV)](
         mn, initial_state, h_in, segment_first, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV, BR=min(BK, 32),
         USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=segment_first is not None, num_warps=4)
     return h_in
@@ -202,7 +203,7 @@ def fused_fwd_seq_parallel(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
     chunks = ([-(-(e - b) // chunk_size) for b, e in zip(offsets[:-1], offsets[1:])] if cu_seqlens is not None
-              else [triton.cdiv(T, chunk_size)] * B)
+              else [cdiv(T, chunk_size)] * B)
     N = len(chunks)
     _, BV_default, warps_default = fused_fwd_config(K, V, N * HV, num_sms(q.device))
     BV, num_warps = BV or BV_default, num_warps or warps_default

@@ -21,8 +21,8 @@ import functools
 from typing import Optional
 
 import torch
-import triton
 
+from ..utils import cdiv
 from . import CHUNK, dot_precision, num_sms
 from .fused_fwd import fused_fwd_config, launch_walk
 from .output import output_fwd
@@ -218,7 +218,7 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, wy: list, gc: torch.Tensor, scal
     del w, u, w1, u1  # their last reader
     final_state = seg_final[(segment_first[1:] - 1).long()]
     if cu_seqlens is None:
-        h = h.view(B, triton.cdiv(T, chunk_size), HV, K, V)
+        h = h.view(B, cdiv(T, chunk_size), HV, K, V)
         v_new = v_new.view(B, T, HV, V)
     o = output_fwd(q, k, v_new, h, gc, scale, out_dtype, cu_seqlens, chunk_indices, dot_prec=out_prec)
     return o, final_state

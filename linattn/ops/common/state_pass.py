@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import (
     CHUNK,
     block_size,
@@ -206,7 +207,7 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     delta = w is not None or a_inv is not None
     is_varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if is_varlen else B
-    NT = num_chunks if is_varlen else triton.cdiv(T, chunk_size)
+    NT = num_chunks if is_varlen else cdiv(T, chunk_size)
     h = torch.empty(B, NT, HV, K, V, dtype=store_dtype, device=k.device)
     v_new = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if delta else None
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
@@ -214,7 +215,7 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     sms = num_sms(k.device)
     BV = state_tile_v(block_v, fill_tile_v(N * HV, V, 64 if BK <= 128 else 32, sms,
                                            A_INV_MIN_FILL if a_inv is not None else 1.0))
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV), N * HV)
     stages = loop_stages(num_stages, STATE_PASS_STAGES, grid[0] * grid[1], sms)
     state_pass_fwd_kernel[grid](
         k, w, u, a_inv, beta, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K,

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import check_store_dtype, fill_tile_v, launch_options, loop_stages, num_sms, state_tile_v, triton_interpret
 from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
 
@@ -128,7 +129,7 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    NT = num_chunks if cu_seqlens is not None else triton.cdiv(T, BT)
+    NT = num_chunks if cu_seqlens is not None else cdiv(T, BT)
     dh = torch.empty(B, NT, HV, K, V, dtype=dh_dtype, device=q.device)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
@@ -137,7 +138,7 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     # that, as narrow as it takes to fill the SMs (B=1 T=4096 H=16: 0.625 ms at BV=64, 0.417 at 16; run 11)
     sms = num_sms(q.device)
     BV = state_tile_v(block_v, fill_tile_v(N * HV, V, max(16, 8192 // BK), sms))
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (cdiv(V, BV), N * HV)
     stages = loop_stages(num_stages, BWD_STAGES, grid[0] * grid[1], sms)
     state_pass_bwd_kernel[grid](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,

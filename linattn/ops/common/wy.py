@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options
 from .kkt_solve import a_inv_tile
 from .varlen import chunk_bounds
@@ -85,7 +86,7 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gc: Optional[to
     HV, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, HV, K, dtype=torch.float32, device=k.device)
     u = torch.empty(B, T, HV, V, dtype=torch.float32, device=k.device)
-    NT = chunk_indices.shape[0] if cu_seqlens is not None else triton.cdiv(T, chunk_size)
+    NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
     wy_kernel[(NT, B * HV)](
         k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
         BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from ..common import CHUNK
 from ..common.cumsum import chunk_local_cumsum
@@ -27,6 +26,7 @@ from ..common.state_pass import state_pass_fwd
 from ..common.state_pass_bwd import state_pass_bwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
+from ..utils import cdiv
 
 # The dtypes the backward stores its largest intermediates in for bf16 inputs, "fp32" or "bf16" (what
 # split_fwd.STORE_BF16 does for the forward): RECOMPUTE_STORE_BF16 for h and V_new from the recompute's state pass,
@@ -107,7 +107,7 @@ def chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale: float, initial_st
         num_chunks = chunk_indices.shape[0]
     else:
         chunk_indices = chunk_offsets = None
-        num_chunks = triton.cdiv(T, CHUNK)
+        num_chunks = cdiv(T, CHUNK)
     gc, A_inv, w, v_new, h = recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices,
                                                chunk_offsets, num_chunks)
     # Each intermediate is dropped after its last reader, so that the largest ones are not all alive at the peak

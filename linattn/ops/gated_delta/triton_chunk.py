@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 
 from ..common import CHUNK
 from ..common.cumsum import chunk_local_cumsum
@@ -38,6 +37,7 @@ from ..common.split_fwd import split_fwd, wu_store_dtype, wy_in_state_pass
 from ..common.state_pass import state_pass_fwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
+from ..utils import cdiv
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -134,7 +134,7 @@ def chunk_gated_delta_rule_fwd_stages(q: torch.Tensor, k: torch.Tensor, v: torch
         num_chunks = chunk_indices.shape[0]
     else:
         chunk_indices = chunk_offsets = None
-        num_chunks = triton.cdiv(T, CHUNK)
+        num_chunks = cdiv(T, CHUNK)
     HV = v.shape[2]
 
     gc = chunk_local_cumsum(g, cu_seqlens, chunk_indices)
