@@ -73,6 +73,16 @@ def test_twin_split_state_keeps_the_state_accurate():
     assert rel(ht_split, rht) < 3 * max(rel(ht32, rht), 1e-5) < rel(ht, rht)
 
 
+@pytest.mark.parametrize("T", [1, 65, 300, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_major_rows_are_tma_copyable(T, dtype):
+    """gc and β go to the kernel as [B, HV, Tp]: the values, then zeros, rows a multiple of 16 bytes, contiguous."""
+    x = torch.randn(2, T, 3).to(dtype)
+    y = hopper.head_major(x)
+    assert y.is_contiguous() and (y.shape[-1] * y.element_size()) % 16 == 0 and y.shape[-1] - T < 16
+    assert torch.equal(y[:, :, :T], x.transpose(1, 2)) and not y[:, :, T:].any()
+
+
 def test_unsupported_inputs_say_why():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
     assert "bf16" in hopper.unsupported_reason(x["q"], x["v"], None)

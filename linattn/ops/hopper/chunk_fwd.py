@@ -20,8 +20,10 @@ entering it (K × BV slice, fp32 registers), Γ = e^{gc} per row and γ = e^{gc 
     O     = scale · [Γ ⊙ (Q S_b) + (Q Kᵀ ⊙ D ⊙ causal) bf16(V_new)]
     S     = γ S + Kᵀ bf16((γ / Γ) ⊙ V_new)
 
-Reads per chunk and program: Q, K (BT × K), V (BT × BV), A_inv (BT × BT fp32), gc, β; writes O (BT × BV). Shapes
-are compiled per (H, HV, K, V, BV, scale); B and T are symbolic (a new T costs no compile).
+Reads per chunk and program, every one by TMA from the producer warpgroup: Q, K (BT × K), V (BT × BV), A_inv
+(BT × BT fp32), gc and β (passed head-major, :func:`head_major`, so that a chunk's 64 values are one contiguous
+copy); writes O (BT × BV). Shapes are compiled per (H, HV, K, V, BV, scale); B and T are symbolic (a new T costs no
+compile).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 from typing import Optional
@@ -52,12 +54,13 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     acc = "float32"
     B = T.symbolic("B")
     Tn = T.symbolic("T")
+    Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see chunk_fwd_hopper)
     G = HV // H
 
     @T.prim_func
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
-                      v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, Tn, HV), acc),
-                      beta: T.Tensor((B, Tn, HV), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), acc),
+                      v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, HV, Tp), acc),
+                      beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), acc),
                       h0: T.Tensor((B, HV, K, V), acc), o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((B, HV, K, V), acc)):
         with T.Kernel(T.ceildiv(V, BV), B * HV, threads=threads) as (iv, bh):
@@ -69,7 +72,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Vs = T.alloc_shared((BT, BV), dtype)
             As = T.alloc_shared((BT, BT), acc)
             gcs = T.alloc_shared((BT,), acc)
-            bs = T.alloc_shared((BT,), acc)
+            bs = T.alloc_shared((BT,), beta_dtype)     # β as given: a TMA copy, widened where it is read
             Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
             Sl = T.alloc_shared((K, BV), dtype)        # split_state: its low half, S − bf16(S)
             Vdl = T.alloc_shared((BT, BV), dtype)      # split_state: the low half of the decayed V_new
@@ -92,8 +95,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs)
                 T.copy(v[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV], Vs)
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As)
-                T.copy(gc[ib, c * BT:(c + 1) * BT, ihv], gcs)
-                T.copy(beta[ib, c * BT:(c + 1) * BT, ihv], bs)
+                T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], gcs)
+                T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
                 if split_state:
                     for i, j in T.Parallel(K, BV):
                         Ss[i, j] = T.cast(S[i, j], dtype)
@@ -107,7 +110,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.gemm(Qs, Sl, Of)
                 T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
-                    Xt[j, i] = bs[i] * (Vs[i, j] - T.exp(gcs[i]) * KS[i, j])
+                    Xt[j, i] = T.cast(bs[i], acc) * (Vs[i, j] - T.exp(gcs[i]) * KS[i, j])
                 T.gemm(As, Xt, Vn, transpose_B=True, clear_accum=True)
                 g_last = gcs[T.min(BT, Tn - c * BT) - 1]
                 for i, j in T.Parallel(BT, BT):
@@ -205,6 +208,16 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), S
 
 
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, HV]`` → ``[B, HV, Tp]`` contiguous, T zero-padded to Tp so that a row is a multiple of 16 bytes:
+    the kernel loads a chunk's 64 gates (or β) with one TMA copy, which needs contiguous rows and 16-byte strides.
+    One copy of B·T·HV values (a few MB), against a global load on every chunk's critical path otherwise."""
+    B, T, HV = x.shape
+    Tp = -(-T // (16 // x.element_size())) * (16 // x.element_size())
+    xt = x.transpose(1, 2)
+    return xt.contiguous() if Tp == T else torch.nn.functional.pad(xt, (0, Tp - T))
+
+
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
                      a_inv: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
                      BV: int = 64, threads: int = 128, num_stages: int = 2,
@@ -227,6 +240,6 @@ def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torc
           else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
     o = torch.empty_like(v)
     ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc.contiguous(), beta.contiguous(),
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), head_major(gc), head_major(beta),
            a_inv.contiguous(), h0, o, ht)
     return o, ht
