@@ -164,9 +164,11 @@ def as_kv(pool: torch.Tensor, layout: str) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("Tq", [1, 3])
-def test_v_major_pool_equals_k_major(backend, pool_dtype, Tq):
+def test_v_major_pool_equals_k_major(backend, pool_dtype, Tq, monkeypatch):
     """state_layout="vk" ([P, HV, V, K]) gives the outputs, pool rows and intermediate states of the K-major call,
     each in its own layout, with slots that have gaps and a negative slot; rows without a sequence untouched."""
+    from linattn.ops.gated_delta import recurrent_kernels as rk
+    monkeypatch.setattr(rk, "DECODE_STREAM_BLOCK", 8 if Tq == 1 else None)   # the streamed one-step in V-major too
     pool_kv = torch.randn(6, HV, K, V).to(pool_dtype)
     slots = torch.tensor([5, -1, 2])
     t = make_tokens(3, Tq, gate_in_op=True, l2norm_qk=True)
@@ -307,10 +309,13 @@ def test_decode_tiles_by_token_count(nh, state_bytes, one_token, one_step):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-gate-norm"])
-def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused):
+@pytest.mark.parametrize("stream", [None, 8], ids=["held", "streamed"])
+def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused, stream):
     """recurrent_kernels.DECODE_ONE_STEP (one token, no intermediates: the state tile kept in the pool's dtype, o
-    from the entering state) against the reference and the token loop it replaces; a negative slot included."""
+    from the entering state) against the reference and the token loop it replaces; a negative slot included. Held
+    in registers, or streamed in blocks of 8 rows (DECODE_STREAM_BLOCK: K = 20 is three blocks and a masked one)."""
     from linattn.ops.gated_delta import recurrent_kernels as rk
+    monkeypatch.setattr(rk, "DECODE_STREAM_BLOCK", stream)
     pool0 = torch.randn(5, HV, K, V).to(pool_dtype)
     slots = torch.tensor([4, -1, 0])
     t = make_tokens(3, 1, gate_in_op=fused, l2norm_qk=fused)
@@ -352,6 +357,20 @@ def test_one_step_ref_is_one_token_of_the_recurrence():
     assert torch.allclose(o, want_o[:, 0], rtol=1e-12, atol=1e-12)
     assert torch.allclose(S, want_S, rtol=1e-12, atol=1e-12) and not torch.equal(S, S0)
     assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v, g, beta)))
+
+
+def test_streamed_one_step_pipelines_the_state_blocks_on_h200():
+    """sm_90 (ptxas, no GPU): the streamed one-step (DECODE_STREAM_BLOCK) of a bf16 pool at the one-warp 32-column
+    tile, in 16-row blocks 4 stages deep, loads its state blocks by cp.async (the software pipeliner took them:
+    LDGSTS in the SASS) and needs far fewer registers than the held tile (72 against 255 with triton 3.6), without
+    spills."""
+    from tests.ops.sm90_compile import compile_for_h200
+    held, streamed = compile_for_h200(
+        "import compile_walk as c",
+        "[(r.registers, r.spill_bytes, r.shared_bytes, r.sass['LDGSTS']) for r in [c.compile_kernel("
+        "c.fused_recurrent_fwd_kernel, c.decode_consts(32, True, stream=bks, stages=4), num_warps=1, "
+        "bf16_args=('h0', 'ht')) for bks in (0, 16)]]")
+    assert streamed[0] < held[0] // 2 and streamed[1] == 0 and streamed[3] > 0 and held[3] == 0, (held, streamed)
 
 
 def test_one_step_path_compiles_for_h200_with_fewer_registers():

@@ -48,6 +48,28 @@ L2NORM_EPS = 1e-6
 DECODE_ONE_STEP = True
 
 
+# The ONE_STEP path in two streamed passes over K (experimental, off until measured): None, or the rows per block
+# BKS of a state tile read in blocks of BKS × BV by a software-pipelined loop (DECODE_STREAM_STAGES deep: cp.async
+# into shared memory), once for the reductions Sᵀk, Sᵀq and once more (a cache hit) for the update and the store.
+# Why: the held tile costs 255 registers (8 one-warp programs per SM, 8 KB of state in flight each: the bf16 pool
+# runs at ≈ 70% of a copy, run 17's profile: long-scoreboard stalls); streamed, a bf16 32-column one-warp program
+# compiles to 72 registers and 16 LDGSTS in 16-row blocks 4 deep (121 and 24 in 32-row blocks 3 deep; sm_90), so up
+# to three times the programs per SM keep their next blocks in flight in shared memory instead of registers. Reading the tile twice without pipelining was slower
+# (run 19, DECODE_RELOAD_STATE, reverted): bench_decode.py --sweep-only --layout-sweep times this against it.
+DECODE_STREAM_BLOCK = None
+DECODE_STREAM_STAGES = 3
+
+
+def stream_block(one_step: bool, BK: int) -> int:
+    """STREAM_BKS of a launch: :data:`DECODE_STREAM_BLOCK` rows (at most BK) on the ONE_STEP path, else 0 (off)."""
+    if not one_step or DECODE_STREAM_BLOCK is None:
+        return 0
+    if DECODE_STREAM_BLOCK not in (8, 16, 32, 64, 128):
+        raise ValueError(f"DECODE_STREAM_BLOCK must be None or a power of two from 8 to 128, got "
+                         f"{DECODE_STREAM_BLOCK!r}")
+    return min(DECODE_STREAM_BLOCK, BK)
+
+
 def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
     """Whether a forward launch takes the kernel's ONE_STEP path (:data:`DECODE_ONE_STEP`)."""
     return DECODE_ONE_STEP and T == 1 and cu_seqlens is None and intermediate_states is None
@@ -106,6 +128,68 @@ def _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i
 
 
 @triton.jit
+def _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_v, m_v, scale,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, BKS: tl.constexpr, STAGES: tl.constexpr, STATE_VK: tl.constexpr,
+                       USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                       USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr,
+                       USE_BETA_SIGMOID: tl.constexpr):
+    """The ONE_STEP path (:func:`_one_step`'s arithmetic) with the K × BV state slice streamed in BKS-row blocks
+    (:data:`DECODE_STREAM_BLOCK`): pass 1 reads each block for Sᵀk and Sᵀq; then u and o; pass 2 reads each block
+    again and writes S' = e^g S + k uᵀ. q and k are read whole once (norms, q·k) and again per block (L1)."""
+    p_q = q + (bos * H + i_h) * K
+    p_k = k + (bos * H + i_h) * K
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    # whole-vector factors: the L2 norms (and the query scale) as multipliers of the raw per-block loads
+    b_q, b_k, b_g, b_beta = _prepare_token(p_q + o_k, p_k + o_k, g + bos * HV + i_hv, beta + bos * HV + i_hv, b_A,
+                                           b_dt, m_k, scale, USE_QK_L2NORM, USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
+    q_mul = scale
+    k_mul = 1.
+    if USE_QK_L2NORM:
+        b_qr = tl.load(p_q + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_kr = tl.load(p_k + o_k, mask=m_k, other=0.).to(tl.float32)
+        q_mul = scale * tl.rsqrt(tl.sum(b_qr * b_qr) + 1e-6)
+        k_mul = tl.rsqrt(tl.sum(b_kr * b_kr) + 1e-6)
+    b_v = tl.load(v + (bos * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+    b_decay = tl.exp(b_g)
+    state = (i_s * HV + i_hv) * K * V
+    b_sk = tl.zeros([BV], dtype=tl.float32)
+    b_sq = tl.zeros([BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        for kb in tl.range(0, BK, BKS, num_stages=STAGES):
+            o_kb = kb + tl.arange(0, BKS)
+            m_kb = o_kb < K
+            if STATE_VK:
+                o_hb = o_kb[:, None] + o_v[None, :] * K
+            else:
+                o_hb = o_kb[:, None] * V + o_v[None, :]
+            b_s = tl.load(h0 + state + o_hb, mask=m_kb[:, None] & m_v[None, :] & has_slot, other=0.).to(tl.float32)
+            b_kb = tl.load(p_k + o_kb, mask=m_kb, other=0.).to(tl.float32) * k_mul
+            b_qb = tl.load(p_q + o_kb, mask=m_kb, other=0.).to(tl.float32) * q_mul
+            b_sk += tl.sum(b_s * b_kb[:, None], 0)
+            b_sq += tl.sum(b_s * b_qb[:, None], 0)
+    b_u = b_beta * (b_v - b_decay * b_sk)
+    b_o = b_decay * b_sq + tl.sum(b_q * b_k) * b_u
+    tl.store(o + (bos * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if STORE_FINAL_STATE:
+        for kb in tl.range(0, BK, BKS, num_stages=STAGES):
+            o_kb = kb + tl.arange(0, BKS)
+            m_kb = o_kb < K
+            if STATE_VK:
+                o_hb = o_kb[:, None] + o_v[None, :] * K
+            else:
+                o_hb = o_kb[:, None] * V + o_v[None, :]
+            m_hb = m_kb[:, None] & m_v[None, :] & has_slot
+            b_kb = tl.load(p_k + o_kb, mask=m_kb, other=0.).to(tl.float32) * k_mul
+            b_new = b_kb[:, None] * b_u[None, :]
+            if USE_INITIAL_STATE:
+                b_new += b_decay * tl.load(h0 + state + o_hb, mask=m_hb, other=0.).to(tl.float32)
+            p_ht = ht + state + o_hb
+            tl.store(p_ht, b_new.to(p_ht.dtype.element_ty), mask=m_hb)
+
+
+@triton.jit
 def fused_recurrent_fwd_kernel(
     q, k, v, g, beta, o,
     h0,                     # initial states [*, HV, K, V], read at row i_s (None without USE_INITIAL_STATE)
@@ -118,7 +202,7 @@ def fused_recurrent_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_STATE_INDICES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    ONE_STEP: tl.constexpr, STATE_VK: tl.constexpr,
+    ONE_STEP: tl.constexpr, STATE_VK: tl.constexpr, STREAM_BKS: tl.constexpr, STREAM_STAGES: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -160,9 +244,14 @@ def fused_recurrent_fwd_kernel(
         # element by element, where the loop below holds an fp32 copy; o comes from the state entering the step,
         #     o = scale·S'ᵀq = e^g (Sᵀq') + (q'·k) u,   u = β (v − e^g Sᵀk),   S' = e^g S + k uᵀ   (q' = scale·q)
         # so both reductions read S as it arrives and S' is only formed for the store
-        _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v, m_h,
-                  o_h, scale, H, HV, K, V, BK, BV, USE_INITIAL_STATE, STORE_FINAL_STATE, USE_QK_L2NORM,
-                  USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
+        if STREAM_BKS > 0:
+            _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_v, m_v,
+                               scale, H, HV, K, V, BK, BV, STREAM_BKS, STREAM_STAGES, STATE_VK, USE_INITIAL_STATE,
+                               STORE_FINAL_STATE, USE_QK_L2NORM, USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
+        else:
+            _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v,
+                      m_h, o_h, scale, H, HV, K, V, BK, BV, USE_INITIAL_STATE, STORE_FINAL_STATE, USE_QK_L2NORM,
+                      USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
         return
 
     # read the state once: K × BV elements
@@ -372,7 +461,8 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
         STORE_INTERMEDIATE=intermediate_states is not None, IS_VARLEN=cu_seqlens is not None,
         USE_STATE_INDICES=state_indices is not None, USE_QK_L2NORM=use_qk_l2norm,
         USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid,
-        ONE_STEP=one_step, STATE_VK=state_vk, num_warps=num_warps,
+        ONE_STEP=one_step, STATE_VK=state_vk, STREAM_BKS=stream_block(one_step, BK),
+        STREAM_STAGES=DECODE_STREAM_STAGES, num_warps=num_warps,
         **launch_options("fused_recurrent_fwd"))
     return o
 
