@@ -76,10 +76,12 @@ def test_twin_split_state_keeps_the_state_accurate():
 @pytest.mark.parametrize("T", [1, 65, 300, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_major_rows_are_tma_copyable(T, dtype):
-    """gc and β go to the kernel as [B, HV, Tp]: the values, then zeros, rows a multiple of 16 bytes, contiguous."""
+    """gc and β go to the kernel as [B, HV, Tp]: the values, then zeros, rows a multiple of 16 bytes, contiguous,
+    one Tp for both dtypes (the kernel binds both to one symbol)."""
     x = torch.randn(2, T, 3).to(dtype)
     y = hopper.head_major(x)
-    assert y.is_contiguous() and (y.shape[-1] * y.element_size()) % 16 == 0 and y.shape[-1] - T < 16
+    assert y.is_contiguous() and y.shape[-1] == hopper.padded_length(T) and y.shape[-1] % 8 == 0
+    assert (y.shape[-1] * y.element_size()) % 16 == 0 and 0 <= y.shape[-1] - T < 8
     assert torch.equal(y[:, :, :T], x.transpose(1, 2)) and not y[:, :, T:].any()
 
 
@@ -108,6 +110,25 @@ def test_kernel_takes_bf16_only():
     gc = torch.zeros(1, 64, 1)
     with pytest.raises(TypeError, match="bf16"):
         hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], torch.zeros(1, 64, 1, 64), 0.125, None)
+
+
+def test_unknown_prepass_is_refused():
+    from linattn.ops.hopper.forward import forward_hopper
+    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="prepass must be one of"):
+        forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.125, None, prepass="cuda")
+
+
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper kernels")
+def test_prepass_compiles_for_sm90a():
+    """The TileLang pre-pass: one bf16 wgmma (K Kᵀ), TMA stores of A_inv and the head-major gc and β, and a full
+    barrier between A and the solve (which half the threads run)."""
+    from linattn.ops.hopper import prepass
+    src = prepass.compiled_kernel(16, 16, 128, target="sm_90a").get_kernel_source()
+    assert src.count("wgmma_ss<") == 1 and "tma_store" in src
+    solve = src.rindex("threadIdx.x) < 64")   # the guard of the solve, the last one
+    assert "__syncthreads" in src[src.rindex("expf", 0, solve):solve]
 
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,

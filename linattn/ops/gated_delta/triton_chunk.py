@@ -177,8 +177,8 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if FORWARD_PATH == "hopper":
         from ..hopper import chunk_fwd as hopper
         if hopper.unsupported_reason(q, v, cu_seqlens) is None:
-            gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False)
-            return hopper.chunk_fwd_hopper(q, k, v, gc, beta, a_inv, scale, initial_state)
+            from ..hopper.forward import forward_hopper
+            return forward_hopper(q, k, v, g, beta, scale, initial_state)
     path = forward_path(num_sequences, v.shape[2], v.dtype)
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:

@@ -208,12 +208,18 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), S
 
 
+def padded_length(T: int) -> int:
+    """Tp: T rounded up to a multiple of 8, so that a head-major row of fp32 or bf16 values is a multiple of 16 bytes
+    (TMA's stride rule); one Tp for gc and β, which the kernel binds to one symbol."""
+    return -(-T // 8) * 8
+
+
 def head_major(x: torch.Tensor) -> torch.Tensor:
-    """``[B, T, HV]`` → ``[B, HV, Tp]`` contiguous, T zero-padded to Tp so that a row is a multiple of 16 bytes:
-    the kernel loads a chunk's 64 gates (or β) with one TMA copy, which needs contiguous rows and 16-byte strides.
-    One copy of B·T·HV values (a few MB), against a global load on every chunk's critical path otherwise."""
+    """``[B, T, HV]`` → ``[B, HV, Tp]`` contiguous (:func:`padded_length`), zero-padded: the kernel loads a chunk's 64
+    gates (or β) with one TMA copy, which needs contiguous rows and 16-byte strides. One copy of B·T·HV values (a
+    few MB), against a global load on every chunk's critical path otherwise."""
     B, T, HV = x.shape
-    Tp = -(-T // (16 // x.element_size())) * (16 // x.element_size())
+    Tp = padded_length(T)
     xt = x.transpose(1, 2)
     return xt.contiguous() if Tp == T else torch.nn.functional.pad(xt, (0, Tp - T))
 
@@ -222,24 +228,39 @@ def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torc
                      a_inv: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
                      BV: int = 64, threads: int = 128, num_stages: int = 2,
                      split_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """o ``[B, T, HV, V]`` (v's dtype) and the final state ``[B, HV, K, V]`` fp32 from the pre-pass outputs gc
-    ``[B, T, HV]`` and a_inv ``[B, T, HV, 64]`` (``fused_prepass(write_wy=False)``). bf16 q/k/v, no varlen."""
+    """o ``[B, T, HV, V]`` (v's dtype) and the final state ``[B, HV, K, V]`` fp32 from the Triton pre-pass's
+    outputs gc ``[B, T, HV]`` and a_inv ``[B, T, HV, 64]`` (``fused_prepass(write_wy=False)``) and β ``[B, T, HV]``.
+    bf16 q/k/v, no varlen."""
+    return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, BV, threads,
+                               num_stages, split_state)
+
+
+def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
+                        beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
+                        initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
+                        num_stages: int = 2, split_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`, or the
+    TileLang pre-pass ``prepass.prepass_hopper``, which writes them so)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
     if V % BV:
         raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
-    if beta.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"beta must be fp32 or bf16, got {beta.dtype}")
+    if beta_hm.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
+    Tp = padded_length(T)
+    if gc_hm.shape != (B, HV, Tp) or beta_hm.shape != (B, HV, Tp):
+        raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
+                         f"{list(beta_hm.shape)}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, split_state,
-                             initial_state is not None, str(beta.dtype).removeprefix("torch."))
+                             initial_state is not None, str(beta_hm.dtype).removeprefix("torch."))
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset
     h0 = (initial_state.float().contiguous() if initial_state is not None
           else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
     o = torch.empty_like(v)
     ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), head_major(gc), head_major(beta),
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
            a_inv.contiguous(), h0, o, ht)
     return o, ht
