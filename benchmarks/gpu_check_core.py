@@ -6,7 +6,7 @@ autograd to 1e-15 — for long ones), next to a *baseline*: the error PyTorch ma
 computation from the same low-precision inputs with every stage's output rounded to that precision (the error a
 kernel that stores intermediates in bf16/fp16 cannot avoid). The bound is kernel error ≤ 2 × baseline.
 
-    python benchmarks/gpu_check_core.py [--quick] [--cases NAME,...] [--out DIR]
+    python benchmarks/gpu_check_core.py [--quick] [--cases NAME,...] [--forward-path PATH] [--out DIR]
 
 Prints one table last; writes core_check.json (and core_check.jsonl, line by line) under --out.
 """
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import linattn
 from linattn.ops.gated_delta import torch_chunk as tc
+from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -144,7 +145,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="the first three cases")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all, or --quick's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--forward-path", default=None, choices=triton_chunk.FORWARD_PATHS,
+                    help="triton_chunk.FORWARD_PATH for the run (e.g. hopper: the experimental TileLang forward "
+                         "where it takes the inputs; the backward is the Triton one on every path)")
     a = ap.parse_args()
+    if a.forward_path:
+        triton_chunk.FORWARD_PATH = a.forward_path
     cases = CASES[:3] if a.quick else CASES
     if a.cases:
         names = a.cases.split(",")
