@@ -187,6 +187,17 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_st
         common.LAUNCH_OPTIONS.pop("fused_recurrent_fwd", None)
 
 
+def sweep_point(state_bytes, rec, *args, **kwargs):
+    """One point of a tile sweep: ``rec`` with the µs of ``time_decode(*args, **kwargs)`` and the state GB/s, or
+    the error (a tile that does not compile is a row, not the end of the sweep)."""
+    try:
+        us = time_decode(*args, **kwargs)[0]
+        rec.update(us=us, state_GBps=state_bytes / us / 1e3)
+    except Exception as e:
+        rec.update(error=str(e)[:80])
+    return rec
+
+
 def time_fla(B, Tq):
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr
     gate = gate_params()
@@ -290,14 +301,10 @@ def main():
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
                 streams = ("held", (16, 4)) if Tq == 1 else (None,)
                 for (BV, nw), layout, stream in ((t, lay, st) for t in tl_ for lay in ("kv", "vk") for st in streams):
-                    rec = dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV, num_warps=nw, maxnreg=None,
-                               one_step=Tq == 1, layout=layout, stream=stream)
-                    try:
-                        us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, layout=layout, stream=stream)[0]
-                        rec.update(us=us, state_GBps=state_bytes / us / 1e3)
-                    except Exception as e:
-                        rec.update(error=str(e)[:80])
-                    sweep.append(rec)
+                    sweep.append(sweep_point(state_bytes, dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV,
+                                                               num_warps=nw, maxnreg=None, one_step=Tq == 1,
+                                                               layout=layout, stream=stream),
+                                             B, Tq, pool_dtype, BV=BV, num_warps=nw, layout=layout, stream=stream))
     elif not a.quick:
         # (BV, warps, maxnreg): the tiles; register caps that fit three programs per SM where the tile alone takes
         # 255 registers (sm_90 ptxas: bf16 BV=64 → 168 registers + 748 spill bytes; fp32 BV=64 → 700); and one- or
@@ -323,14 +330,9 @@ def main():
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
                 runs = [(t, False) for t in tiles] + ([(t, True) for t in one_step[pool_dtype]] if Tq == 1 else [])
                 for (BV, nw, maxnreg), one in runs:
-                    rec = dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV, num_warps=nw, maxnreg=maxnreg,
-                               one_step=one)
-                    try:
-                        us = time_decode(B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg, one_step=one)[0]
-                        rec.update(us=us, state_GBps=state_bytes / us / 1e3)
-                    except Exception as e:
-                        rec.update(error=str(e)[:80])
-                    sweep.append(rec)
+                    sweep.append(sweep_point(state_bytes, dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV,
+                                                               num_warps=nw, maxnreg=maxnreg, one_step=one),
+                                             B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg, one_step=one))
 
     with open(os.path.join(a.out, "bench_decode.json"), "w") as fh:
         json.dump(dict(meta=meta, checks=checks, timings=timings, eager=eager, sweep=sweep), fh, indent=1)

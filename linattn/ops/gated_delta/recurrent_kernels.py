@@ -128,6 +128,17 @@ def _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i
 
 
 @triton.jit
+def _state_block(kb, o_v, BKS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.constexpr):
+    """Rows kb … kb + BKS of a K × BV state slice: (row indices, their mask, element offsets in either layout)."""
+    o_kb = kb + tl.arange(0, BKS)
+    if STATE_VK:
+        o_hb = o_kb[:, None] + o_v[None, :] * K
+    else:
+        o_hb = o_kb[:, None] * V + o_v[None, :]
+    return o_kb, o_kb < K, o_hb
+
+
+@triton.jit
 def _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_v, m_v, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, BKS: tl.constexpr, STAGES: tl.constexpr, STATE_VK: tl.constexpr,
@@ -158,12 +169,7 @@ def _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slo
     b_sq = tl.zeros([BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         for kb in tl.range(0, BK, BKS, num_stages=STAGES):
-            o_kb = kb + tl.arange(0, BKS)
-            m_kb = o_kb < K
-            if STATE_VK:
-                o_hb = o_kb[:, None] + o_v[None, :] * K
-            else:
-                o_hb = o_kb[:, None] * V + o_v[None, :]
+            o_kb, m_kb, o_hb = _state_block(kb, o_v, BKS, K, V, STATE_VK)
             b_s = tl.load(h0 + state + o_hb, mask=m_kb[:, None] & m_v[None, :] & has_slot, other=0.).to(tl.float32)
             b_kb = tl.load(p_k + o_kb, mask=m_kb, other=0.).to(tl.float32) * k_mul
             b_qb = tl.load(p_q + o_kb, mask=m_kb, other=0.).to(tl.float32) * q_mul
@@ -174,12 +180,7 @@ def _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slo
     tl.store(o + (bos * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_FINAL_STATE:
         for kb in tl.range(0, BK, BKS, num_stages=STAGES):
-            o_kb = kb + tl.arange(0, BKS)
-            m_kb = o_kb < K
-            if STATE_VK:
-                o_hb = o_kb[:, None] + o_v[None, :] * K
-            else:
-                o_hb = o_kb[:, None] * V + o_v[None, :]
+            o_kb, m_kb, o_hb = _state_block(kb, o_v, BKS, K, V, STATE_VK)
             m_hb = m_kb[:, None] & m_v[None, :] & has_slot
             b_kb = tl.load(p_k + o_kb, mask=m_kb, other=0.).to(tl.float32) * k_mul
             b_new = b_kb[:, None] * b_u[None, :]
