@@ -10,8 +10,8 @@ Triton 3.6 cannot warp-specialise the sequential walk that would keep them on ch
 one (sequence, value head, V tile) with the state in registers and writes only o and the final state; TileLang
 pipelines the next chunk's loads (TMA) under this chunk's dots.
 
-Inputs as the split forward's after its pre-pass (``fused_prepass(write_wy=False)``): gc (chunk-local cumulative
-log decays, fp32) and A_inv (each chunk's (I + strictly-lower(β K Kᵀ ⊙ D))⁻¹, fp32). Per chunk c, with S the state
+Inputs as the split forward's after its pre-pass (``fused_prepass(write_wy=False)``, or the TileLang one in
+``prepass.py``; ``forward.py`` chains them): gc (chunk-local cumulative log decays, fp32) and A_inv (each chunk's (I + strictly-lower(β K Kᵀ ⊙ D))⁻¹, fp32). Per chunk c, with S the state
 entering it (K × BV slice, fp32 registers), Γ = e^{gc} per row and γ = e^{gc of the chunk's last token}:
 
     S_b   = bf16(S)                                     the state as a dot operand (fla's precision for h)
@@ -33,10 +33,13 @@ import torch
 BT = 64
 
 
+@functools.cache
 def tilelang_available() -> bool:
+    """Whether TileLang (an optional dependency) imports. Any failure counts as absent: a broken install must send
+    the op to its Triton path, not raise from it."""
     try:
         import tilelang  # noqa: F401
-    except ImportError:
+    except Exception:
         return False
     return True
 
@@ -54,7 +57,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     acc = "float32"
     B = T.symbolic("B")
     Tn = T.symbolic("T")
-    Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see chunk_fwd_hopper)
+    Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
     G = HV // H
 
     @T.prim_func
