@@ -291,7 +291,7 @@ def main():
         # the same tiles over a K-major and a V-major pool: a K-major bf16 tile of 32 columns reads 64-byte pieces
         # of rows (half a 128-byte line), a V-major one whole 256-byte rows (the 8 KB slice is one contiguous block);
         # one token also with the tile streamed in blocks (rows, stages): rk.DECODE_STREAM_BLOCK, whose low register
-        # count (72-121 at the 32-column one-warp tile) makes the wider one-warp tiles possible too
+        # count (72-119 at the 32-column one-warp tile) makes the wider one-warp tiles possible too
         tiles = {(torch.bfloat16, 1): [(32, 1), (64, 2), (16, 1), (32, 2), (64, 1), (128, 2)],
                  (torch.float32, 1): [(64, 2), (32, 1), (128, 4), (64, 1)],
                  (torch.bfloat16, 4): [(16, 1), (8, 1), (32, 1), (32, 2)],

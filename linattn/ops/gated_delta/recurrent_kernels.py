@@ -53,9 +53,10 @@ DECODE_ONE_STEP = True
 # into shared memory), once for the reductions Sᵀk, Sᵀq and once more (a cache hit) for the update and the store.
 # Why: the held tile costs 255 registers (8 one-warp programs per SM, 8 KB of state in flight each: the bf16 pool
 # runs at ≈ 70% of a copy, run 17's profile: long-scoreboard stalls); streamed, a bf16 32-column one-warp program
-# compiles to 72 registers and 16 LDGSTS in 16-row blocks 4 deep (121 and 24 in 32-row blocks 3 deep; sm_90), so up
-# to three times the programs per SM keep their next blocks in flight in shared memory instead of registers. Reading the tile twice without pipelining was slower
-# (run 19, DECODE_RELOAD_STATE, reverted): bench_decode.py --sweep-only --layout-sweep times this against it.
+# compiles to 72 registers and 16 LDGSTS in 16-row blocks 4 deep (119 and 24 in 32-row blocks 3 deep; sm_90), so up
+# to three times the programs per SM keep their next blocks in flight in shared memory instead of registers.
+# Reading the tile twice without pipelining was slower (run 19, DECODE_RELOAD_STATE, reverted):
+# bench_decode.py --sweep-only --layout-sweep times this against it.
 DECODE_STREAM_BLOCK = None
 DECODE_STREAM_STAGES = 3
 
@@ -76,16 +77,18 @@ def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
 
 
 @triton.jit
-def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
-                   USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
-    """Load one token's q, k (length K), g, β and apply the fused pre-processing, all in fp32.
-    Returns (q·scale, k, g, β): exactly what the recurrence consumes."""
+def _load_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k,
+                USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+    """Load one token's q, k (length K), g, β in fp32 and apply the fused pre-processing, the L2 norms as factors:
+    returns (q, k, q's norm factor, k's norm factor (1 without USE_QK_L2NORM), g, β)."""
     b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
     b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+    r_q = 1.
+    r_k = 1.
     if USE_QK_L2NORM:
         # the whole K row is in this program, so the norm needs no communication
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        r_q = tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        r_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     b_g = tl.load(p_g).to(tl.float32)
     if USE_GATE_IN_KERNEL:
         b_x = b_g + b_dt
@@ -94,7 +97,17 @@ def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
     b_beta = tl.load(p_beta).to(tl.float32)
     if USE_BETA_SIGMOID:
         b_beta = tl.sigmoid(b_beta)
-    return b_q * scale, b_k, b_g, b_beta
+    return b_q, b_k, r_q, r_k, b_g, b_beta
+
+
+@triton.jit
+def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
+                   USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+    """Load one token's q, k (length K), g, β and apply the fused pre-processing, all in fp32.
+    Returns (q·scale, k, g, β): exactly what the recurrence consumes."""
+    b_q, b_k, r_q, r_k, b_g, b_beta = _load_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, USE_QK_L2NORM,
+                                                  USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
+    return b_q * r_q * scale, b_k * r_k, b_g, b_beta
 
 
 @triton.jit
@@ -152,16 +165,12 @@ def _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slo
     p_k = k + (bos * H + i_h) * K
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    # whole-vector factors: the L2 norms (and the query scale) as multipliers of the raw per-block loads
-    b_q, b_k, b_g, b_beta = _prepare_token(p_q + o_k, p_k + o_k, g + bos * HV + i_hv, beta + bos * HV + i_hv, b_A,
-                                           b_dt, m_k, scale, USE_QK_L2NORM, USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
-    q_mul = scale
-    k_mul = 1.
-    if USE_QK_L2NORM:
-        b_qr = tl.load(p_q + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_kr = tl.load(p_k + o_k, mask=m_k, other=0.).to(tl.float32)
-        q_mul = scale * tl.rsqrt(tl.sum(b_qr * b_qr) + 1e-6)
-        k_mul = tl.rsqrt(tl.sum(b_kr * b_kr) + 1e-6)
+    # whole vectors once: q·k and the L2 norm factors, which then scale the raw per-block loads below
+    b_q, b_k, r_q, r_k, b_g, b_beta = _load_token(p_q + o_k, p_k + o_k, g + bos * HV + i_hv, beta + bos * HV + i_hv,
+                                                  b_A, b_dt, m_k, USE_QK_L2NORM, USE_GATE_IN_KERNEL,
+                                                  USE_BETA_SIGMOID)
+    q_mul = r_q * scale
+    k_mul = r_k
     b_v = tl.load(v + (bos * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
     b_decay = tl.exp(b_g)
     state = (i_s * HV + i_hv) * K * V
@@ -176,7 +185,7 @@ def _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slo
             b_sk += tl.sum(b_s * b_kb[:, None], 0)
             b_sq += tl.sum(b_s * b_qb[:, None], 0)
     b_u = b_beta * (b_v - b_decay * b_sk)
-    b_o = b_decay * b_sq + tl.sum(b_q * b_k) * b_u
+    b_o = b_decay * b_sq + tl.sum(b_q * q_mul * (b_k * k_mul)) * b_u
     tl.store(o + (bos * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_FINAL_STATE:
         for kb in tl.range(0, BK, BKS, num_stages=STAGES):

@@ -11,8 +11,9 @@ one (sequence, value head, V tile) with the state in registers and writes only o
 pipelines the next chunk's loads (TMA) under this chunk's dots.
 
 Inputs as the split forward's after its pre-pass (``fused_prepass(write_wy=False)``, or the TileLang one in
-``prepass.py``; ``forward.py`` chains them): gc (chunk-local cumulative log decays, fp32) and A_inv (each chunk's (I + strictly-lower(β K Kᵀ ⊙ D))⁻¹, fp32). Per chunk c, with S the state
-entering it (K × BV slice, fp32 registers), Γ = e^{gc} per row and γ = e^{gc of the chunk's last token}:
+``prepass.py``; ``forward.py`` chains them): gc (chunk-local cumulative log decays, fp32) and A_inv (each chunk's
+(I + strictly-lower(β K Kᵀ ⊙ D))⁻¹, fp32). Per chunk c, with S the state entering it (K × BV slice, fp32
+registers), Γ = e^{gc} per row and γ = e^{gc of the chunk's last token}:
 
     S_b   = bf16(S)                                     the state as a dot operand (fla's precision for h)
     X     = β ⊙ V − (β Γ) ⊙ (K S_b)                     [BT, BV]

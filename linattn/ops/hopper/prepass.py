@@ -8,9 +8,9 @@ One program per (chunk, sequence, value head), 128 threads:
     gc    = cumsum(g) over the chunk                          fp32, shared memory
     KKᵀ   = K Kᵀ                                              one bf16 wgmma, fp32 accumulators (exact products)
     A     = strictly_lower(β_i (K Kᵀ)_ij e^{gc_i − gc_j})     fp32, shared memory
-    A_inv = (I + A)⁻¹                                         forward substitution in fp32 ("ieee" FMAs): thread c
-                                                              solves column c, x_i = δ_ic − Σ_{j<i} A_ij x_j, its x in
-                                                              a shared-memory column (conflict-free: banks by c)
+    A_inv = (I + A)⁻¹                                         forward substitution in fp32 ("ieee" FMAs): thread
+                                                              c solves column c, x_i = δ_ic − Σ_{j<i} A_ij x_j,
+                                                              its x in a shared-memory column (banks by c)
 
 Writes A_inv ``[B, T, HV, 64]`` fp32 (``kkt_solve``'s layout, what ``chunk_fwd`` reads) and gc and β head-major
 ``[B, HV, Tp]`` (``chunk_fwd.head_major``'s layout, so the fused kernel needs no transposes). The solve is 2016
