@@ -37,12 +37,13 @@ from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper.forward import forward_hopper
 from linattn.ops.hopper.prepass import prepass_hopper
 
-# (BV, threads, num_stages, split_state): the V tile, the consumer threads (TileLang adds a producer warpgroup for
-# the TMA loads), the depth of the chunk loop's load pipeline, and the state's dots on bf16 hi + lo halves. BV=128
-# with two stages may not fit the 227 KB of shared memory (≈ 232 KB before TileLang merges buffers whose lives do
-# not overlap): then that row says so, and (128, 128, 1) is the single-stage fallback
-VARIANTS = [(64, 128, 2, False), (64, 128, 2, True), (128, 128, 2, False), (128, 128, 1, False),
-            (128, 256, 2, False), (64, 128, 1, False)]
+# (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
+# warpgroup for the TMA loads), the depth of the chunk loop's load pipeline, A_inv as the pre-pass writes it (fp32:
+# A_inv X at tf32 on mma.sync; bf16: one wgmma, X rounded to bf16), and K S, Q S, Q Kᵀ issued back to back.
+# Run 20 (the first version, one warpgroup, sync dots, exact expf): 0.92 ms alone at B=8 T=4096 H=16
+F32, BF16 = torch.float32, torch.bfloat16
+VARIANTS = [(64, 128, 2, F32, False), (64, 128, 2, F32, True), (64, 128, 2, BF16, True), (64, 256, 2, F32, False),
+            (64, 256, 2, F32, True), (64, 256, 2, BF16, True), (128, 256, 2, BF16, True)]
 CASES = [  # name, B, T, H, HV, K, V
     ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128),
     ("T1", 1, 1, 2, 2, 128, 128),
@@ -72,9 +73,15 @@ def low_precision(x):
 
 def hopper_forward(x, scale, variant, prepass="triton"):
     """A pre-pass ("triton" or "tilelang"), then the fused kernel: (o, final state)."""
-    BV, threads, stages, split = variant
+    BV, threads, stages, a_dtype, async_dots = variant
     return forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], prepass=prepass,
-                          BV=BV, threads=threads, num_stages=stages, split_state=split)
+                          a_inv_dtype=a_dtype if prepass == "triton" else torch.float32, BV=BV, threads=threads,
+                          num_stages=stages, async_dots=async_dots)
+
+
+def variant_name(variant):
+    BV, threads, stages, a_dtype, async_dots = variant
+    return f"BV{BV}_t{threads}_s{stages}_A{str(a_dtype)[-2:]}" + ("_async" if async_dots else "")
 
 
 def prepass_agreement(cases):
@@ -113,11 +120,13 @@ def accuracy(cases, variants):
         zeros_do = torch.zeros(B, T, HV, V, device=DEVICE, dtype=torch.float64)
         zeros_dht = torch.zeros(B, HV, K, V, device=DEVICE, dtype=torch.float64)
         base = rounded_twin(low, torch.bfloat16, scale, zeros_do, zeros_dht)[:2]
-        twins = {split: hopper.chunk_fwd_hopper_ref(**low, scale=scale, split_state=split)  # the kernel's own
-                 for split in (False, True)}                                                  # rounding points
+        twins = {a: hopper.chunk_fwd_hopper_ref(**low, scale=scale, round_a_inv=a == BF16)  # the kernel's own
+                 for a in (F32, BF16)}                                                        # rounding points
         runs = [(v, "triton") for v in variants] + [(variants[0], "tilelang")]
         for variant, prepass in runs:
-            row = dict(case=name, variant=variant, prepass=prepass, triton=[rel(tri[0], ref[0]), rel(tri[1], ref[1])],
+            twin = twins[variant[3] if prepass == "triton" else F32]
+            row = dict(case=name, variant=variant_name(variant), prepass=prepass,
+                       triton=[rel(tri[0], ref[0]), rel(tri[1], ref[1])],
                        baseline=[rel(base[0], ref[0]), rel(base[1], ref[1])])
             try:
                 torch.cuda.synchronize()
@@ -125,7 +134,7 @@ def accuracy(cases, variants):
                 o, ht = hopper_forward(low, scale, variant, prepass)
                 torch.cuda.synchronize()
                 row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
-                           vs_twin=[rel(o, twins[variant[3]][0]), rel(ht, twins[variant[3]][1])],
+                           vs_twin=[rel(o, twin[0]), rel(ht, twin[1])],
                            nonfinite=int((~torch.isfinite(o)).sum() + (~torch.isfinite(ht)).sum()))
             except Exception as e:  # a variant that fails is a row, not the end
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -153,15 +162,17 @@ def time_shape(B, T, H, HV, variants):
             row["fwd_tilelang_prepass"] = bench(lambda: hopper_forward(x, scale, variants[0], "tilelang"))
         except Exception as e:
             row["prepass_tilelang"] = f"{type(e).__name__}: {e}"[:160]
-        gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False)
-        gc_hm, beta_hm = hopper.head_major(gc), hopper.head_major(x["beta"])   # outside the kernel's timing
+        a_invs = {a: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=a)
+                  for a in (F32, BF16)}
+        gc_hm, beta_hm = hopper.head_major(a_invs[F32][0]), hopper.head_major(x["beta"])  # outside the timing
         for variant in variants:
-            BV, threads, stages, split = variant
-            key = f"BV{BV}_t{threads}_s{stages}" + ("_split" if split else "")
+            BV, threads, stages, a_dtype, async_dots = variant
+            key = variant_name(variant)
             try:
-                def fused(BV=BV, threads=threads, stages=stages, split=split):
+                def fused(BV=BV, threads=threads, stages=stages, a_inv=a_invs[a_dtype][1], async_dots=async_dots):
                     return hopper.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], gc_hm, beta_hm, a_inv, scale, None,
-                                                      BV=BV, threads=threads, num_stages=stages, split_state=split)
+                                                      BV=BV, threads=threads, num_stages=stages,
+                                                      async_dots=async_dots)
                 fused()
                 row[key] = bench(fused)
                 row[key + "+prepass"] = bench(lambda v=variant: hopper_forward(x, scale, v))
@@ -171,21 +182,22 @@ def time_shape(B, T, H, HV, variants):
 
 
 def speed(shapes, variants):
-    """Every variant at B=8 T=4096 H=16 (the second shape), the first two elsewhere (each new head configuration
-    compiles every variant again, ≈ 7 s each)."""
+    """Every variant at the shapes with B=8 T=4096 H=16's heads (the second shape; B and T are symbolic, so no
+    compile), the first two elsewhere (each new head configuration compiles every variant again, ≈ 8 s each)."""
     rows = []
-    for i, shape in enumerate(shapes):
-        rows.append(time_shape(*shape, variants if i == 1 else variants[:2]))
+    for shape in shapes:
+        same_heads = shape[2:] == shapes[1][2:]     # compiled already: B and T are symbolic
+        rows.append(time_shape(*shape, variants if same_heads else variants[:2]))
         print(rows[-1], flush=True)
     return rows
 
 
 def main():
-    a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table")
+    a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table, no pre-pass agreement (run 20 had it)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
-    agree = prepass_agreement(CASES[:2] + [("B8_T4096_H16", 8, 4096, 16, 16, 128, 128)])
+    agree = [] if a.quick else prepass_agreement(CASES[:2] + [("B8_T4096_H16", 8, 4096, 16, 16, 128, 128)])
     acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
     spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
     write_json(a.out, "hopper_fwd_check.json", dict(prepass=agree, accuracy=acc, speed=spd))
@@ -200,10 +212,11 @@ def main():
           "! marks hopper > 2 × baseline")
     for r in acc:
         if "error" in r:
-            print(f"  {r['case']:22s} {r['variant']} {r['prepass']:8s}  ERROR {r['error']}")
+            print(f"  {r['case']:22s} {r['variant']:24s} {r['prepass']:8s}  ERROR {r['error']}")
             continue
         flag = "!" if any(h > 2 * b for h, b in zip(r["hopper"], r["baseline"])) else " "
-        print(f"{flag} {r['case']:22s} {r['variant']} {r['prepass']:8s}  {r['hopper'][0]:.2e} / {r['hopper'][1]:.2e} | "
+        print(f"{flag} {r['case']:22s} {r['variant']:24s} {r['prepass']:8s}  "
+              f"{r['hopper'][0]:.2e} / {r['hopper'][1]:.2e} | "
               f"{r['triton'][0]:.2e} / {r['triton'][1]:.2e} | {r['baseline'][0]:.2e} / {r['baseline'][1]:.2e}  "
               f"vs twin {r['vs_twin'][0]:.1e} / {r['vs_twin'][1]:.1e}  nonfinite {r['nonfinite']}  "
               f"first call {r['first_call_s']:.1f} s")

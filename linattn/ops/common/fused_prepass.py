@@ -96,7 +96,8 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk
     if STORE_A_INV:
         # 4'. write A_inv [BT, BT] fp32 (the chunk's rows; zeros above the diagonal included): the state pass forms
         #     W S and U from it per chunk (state_pass.py, FROM_A_INV)
-        tl.store(a_inv_tile(a_inv, bos, i_c, i_hv, T_seq, HV, BT), b_A, boundary_check=(0, 1))
+        tl.store(a_inv_tile(a_inv, bos, i_c, i_hv, T_seq, HV, BT), b_A.to(a_inv.dtype.element_ty),
+                 boundary_check=(0, 1))
     else:
         # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
         b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
@@ -116,7 +117,7 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         cu_seqlens, chunk_indices: varlen offsets ``[N + 1]`` and :func:`varlen.chunk_tables` indices, or None.
         dot_prec: override ``dot_precision(k.dtype)`` for the W/U dots (benchmarks).
         q: queries ``[B, T, H, K]`` (k's dtype) or None: given, P is computed too.
-        store_dtype: the dtype w and u are written in, fp32 or bf16 (``split_fwd.wu_store_dtype``).
+        store_dtype: the dtype w and u (or A_inv) are written in, fp32 or bf16 (``split_fwd.wu_store_dtype``).
         write_wy: False writes the chunks' inverses instead of W and U (for ``state_pass_fwd``'s ``a_inv``); not
             with ``q``.
     Returns:
@@ -124,7 +125,8 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
         to rounding order and the store's rounding) as ``chunk_local_cumsum`` → ``kkt_solve`` → ``wy_fwd`` — and,
         with ``q``, p ``[B, T, HV, BT]`` fp32: row t holds row t − c·BT of its chunk c's P = Q Kᵀ ⊙ D ⊙ causal (unscaled; columns at positions
         past the sequence end are 0), the layout of ``A_inv``; the input of ``fused_fwd``'s ``p``. With
-        ``write_wy=False``: gc and A_inv ``[B, T, HV, BT]`` fp32 (``kkt_solve``'s layout and values).
+        ``write_wy=False``: gc and A_inv ``[B, T, HV, BT]`` (``kkt_solve``'s layout and values; ``store_dtype``: the
+        Hopper forward can take it in bf16).
     """
     check_store_dtype("fused_prepass", store_dtype)
     if not write_wy and q is not None:
@@ -132,7 +134,7 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     gc = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
-    a_inv = None if write_wy else torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device)
+    a_inv = None if write_wy else torch.empty(B, T, HV, chunk_size, dtype=store_dtype, device=k.device)
     w = torch.empty(B, T, HV, K, dtype=store_dtype, device=k.device) if write_wy else None
     u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if write_wy else None
     p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None

@@ -46,13 +46,13 @@ def tilelang_available() -> bool:
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
-                 threads: int = 128, num_stages: int = 2, split_state: bool = False, use_initial_state: bool = True,
-                 beta_dtype: str = "float32"):
-    """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). ``split_state``: the
-    state and the decayed V_new of the state update enter their dots as bf16 hi + lo pairs (two MMAs each, ≈ 2^-16
-    relative instead of 2^-9: the Triton state pass's accuracy) instead of one bf16 rounding. Without
+                 threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
+                 beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False):
+    """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
-    widened on load)."""
+    widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
+    rounded to bf16, one wgmma: FlashQLA's choice). ``async_dots``: K S, Q S and Q Kᵀ are issued back to back and
+    waited for as needed (else each dot waits for itself)."""
     import tilelang.language as T
 
     acc = "float32"
@@ -60,11 +60,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
     G = HV // H
+    x_dtype = acc if a_dtype == acc else dtype      # X, the right operand of A_inv X
 
     @T.prim_func
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
                       v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, HV, Tp), acc),
-                      beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), acc),
+                      beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), a_dtype),
                       h0: T.Tensor((B, HV, K, V), acc), o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((B, HV, K, V), acc)):
         with T.Kernel(T.ceildiv(V, BV), B * HV, threads=threads) as (iv, bh):
@@ -74,13 +75,13 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Qs = T.alloc_shared((BT, K), dtype)
             Ks = T.alloc_shared((BT, K), dtype)
             Vs = T.alloc_shared((BT, BV), dtype)
-            As = T.alloc_shared((BT, BT), acc)
+            As = T.alloc_shared((BT, BT), a_dtype)
             gcs = T.alloc_shared((BT,), acc)
             bs = T.alloc_shared((BT,), beta_dtype)     # β as given: a TMA copy, widened where it is read
+            Gam = T.alloc_shared((BT,), acc)           # Γ_i = e^{gc_i}, once per row instead of once per element
+            Rho = T.alloc_shared((BT,), acc)           # ρ_i = e^{gc_last − gc_i}, the decay to the chunk's end
             Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
-            Sl = T.alloc_shared((K, BV), dtype)        # split_state: its low half, S − bf16(S)
-            Vdl = T.alloc_shared((BT, BV), dtype)      # split_state: the low half of the decayed V_new
-            Xt = T.alloc_shared((BV, BT), acc)         # Xᵀ: a K-major B operand for the tf32 A_inv X
+            Xt = T.alloc_shared((BV, BT), x_dtype)     # Xᵀ: a K-major B operand of A_inv X (tf32 needs K-major)
             Ps = T.alloc_shared((BT, BT), dtype)
             Vns = T.alloc_shared((BT, BV), dtype)
             Vds = T.alloc_shared((BT, BV), dtype)
@@ -101,36 +102,35 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As)
                 T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], gcs)
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
-                if split_state:
-                    for i, j in T.Parallel(K, BV):
-                        Ss[i, j] = T.cast(S[i, j], dtype)
-                        Sl[i, j] = T.cast(S[i, j] - T.cast(T.cast(S[i, j], dtype), acc), dtype)
+                T.copy(S, Ss)
+                # the three dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators)
+                if async_dots:
+                    T.wgmma_gemm(Ks, Ss, KS, clear_accum=True)
+                    T.wgmma_gemm(Qs, Ss, Of, clear_accum=True)
+                    T.wgmma_gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
                 else:
-                    T.copy(S, Ss)
-                T.gemm(Ks, Ss, KS, clear_accum=True)
-                T.gemm(Qs, Ss, Of, clear_accum=True)
-                if split_state:
-                    T.gemm(Ks, Sl, KS)
-                    T.gemm(Qs, Sl, Of)
-                T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BV):
-                    Xt[j, i] = T.cast(bs[i], acc) * (Vs[i, j] - T.exp(gcs[i]) * KS[i, j])
-                T.gemm(As, Xt, Vn, transpose_B=True, clear_accum=True)
+                    T.gemm(Ks, Ss, KS, clear_accum=True)
+                    T.gemm(Qs, Ss, Of, clear_accum=True)
+                    T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
+                # per-row decays while the dots run: 2 exps per row instead of per element
                 g_last = gcs[T.min(BT, Tn - c * BT) - 1]
+                for i in T.Parallel(BT):
+                    Gam[i] = T.exp(gcs[i])
+                    Rho[i] = T.exp(g_last - gcs[i])
+                if async_dots:
+                    T.wait_wgmma(2)
+                for i, j in T.Parallel(BT, BV):
+                    Xt[j, i] = T.cast(bs[i], acc) * (Vs[i, j] - Gam[i] * KS[i, j])
+                T.gemm(As, Xt, Vn, transpose_B=True, clear_accum=True)
+                if async_dots:
+                    T.wait_wgmma(0)
                 for i, j in T.Parallel(BT, BT):
                     Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
-                if split_state:
-                    for i, j in T.Parallel(BT, BV):
-                        Vns[i, j] = Vn[i, j]
-                        Vds[i, j] = T.cast(Vn[i, j] * T.exp(g_last - gcs[i]), dtype)
-                        Vdl[i, j] = T.cast(Vn[i, j] * T.exp(g_last - gcs[i])
-                                           - T.cast(T.cast(Vn[i, j] * T.exp(g_last - gcs[i]), dtype), acc), dtype)
-                else:
-                    for i, j in T.Parallel(BT, BV):
-                        Vns[i, j] = Vn[i, j]
-                        Vds[i, j] = Vn[i, j] * T.exp(g_last - gcs[i])
                 for i, j in T.Parallel(BT, BV):
-                    Of[i, j] = Of[i, j] * T.exp(gcs[i])
+                    Vns[i, j] = Vn[i, j]
+                    Vds[i, j] = Vn[i, j] * Rho[i]
+                for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
+                    Of[i, j] = Of[i, j] * Gam[i]
                 T.gemm(Ps, Vns, Of)
                 for i, j in T.Parallel(BT, BV):
                     Of[i, j] = Of[i, j] * scale
@@ -138,8 +138,6 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
                 T.gemm(Ks, Vds, S, transpose_A=True)
-                if split_state:
-                    T.gemm(Ks, Vdl, S, transpose_A=True)
             T.copy(S, ht[ib, ihv, 0:K, iv * BV:(iv + 1) * BV])
 
     return gdn_chunk_fwd
@@ -147,15 +145,17 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
-                    threads: int = 128, num_stages: int = 2, target: Optional[str] = None, split_state: bool = False,
-                    use_initial_state: bool = True, beta_dtype: str = "float32"):
+                    threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
+                    use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
+                    async_dots: bool = False):
     """The compiled kernel (cached per static configuration). ``target``: None for the current GPU, or an arch
-    such as "sm_90a" to compile without one (the CPU compile check)."""
+    such as "sm_90a" to compile without one (the CPU compile check). Fast math: e^x as ex2.approx (relative error
+    ≈ 2⁻²², far below the bf16 rounding of every operand it scales)."""
     import tilelang
-    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, split_state, use_initial_state,
-                        beta_dtype)
+    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
+                        async_dots)
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
-    return tilelang.compile(func, target=tgt)
+    return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Optional[str]:
@@ -178,11 +178,11 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[to
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, initial_state: Optional[torch.Tensor],
                          operand_dtype: torch.dtype = torch.bfloat16,
-                         split_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         round_a_inv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's PyTorch twin, chunk by chunk in fp32 (float64 for float64 inputs), rounding to
     ``operand_dtype`` exactly where the kernel does: the state as the operand of K S and Q S, P, V_new as P V_new's
-    operand, and the decayed V_new of the state update (A_inv X stays in the working precision; the kernel runs it
-    at tf32); with ``split_state`` the state and the decayed V_new as hi + lo pairs. With ``operand_dtype`` the
+    operand, and the decayed V_new of the state update (A_inv X stays in the working precision, which the kernel
+    runs at tf32; with ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With ``operand_dtype`` the
     working dtype nothing is rounded: the algebra alone, equal to the token-by-token reference. g: the log decays
     (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o ``[B, T, HV, V]`` in v's dtype and
     the final state ``[B, HV, K, V]`` in the working dtype."""
@@ -191,23 +191,23 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     HV, V = v.shape[2], v.shape[3]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))
-    rnd_state = (lambda t: rnd(t) + rnd(t - rnd(t))) if split_state else rnd
+    rnd_a = rnd if round_a_inv else (lambda t: t)
     qc, kc = (tc.to_chunks(x.to(work).repeat_interleave(HV // H, 2), BT) for x in (q, k))
     vc, bc = tc.to_chunks(v.to(work), BT), tc.to_chunks(beta.to(work), BT)
     gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
-    a_inv = tc.kkt_solve_ref(kc, bc, gc)
+    a_inv = rnd_a(tc.kkt_solve_ref(kc, bc, gc))
     S = (initial_state.to(work) if initial_state is not None
          else torch.zeros(B, HV, K, V, dtype=work, device=q.device))
     outs = []
     for c in range(qc.shape[2]):
         Qc, Kc, Vc, bt, Gc = qc[:, :, c], kc[:, :, c], vc[:, :, c], bc[:, :, c], gc[:, :, c]
-        Sb = rnd_state(S)
+        Sb = rnd(S)
         X = bt[..., None] * (Vc - Gc.exp()[..., None] * (Kc @ Sb))
-        Vn = a_inv[:, :, c] @ X
+        Vn = a_inv[:, :, c] @ rnd_a(X)
         P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
         outs.append(scale * (Gc.exp()[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
         g_last = Gc[..., -1]
-        S = g_last.exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd_state(
+        S = g_last.exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd(
             (g_last[..., None] - Gc).exp()[..., None] * Vn)
     return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), S
 
@@ -230,21 +230,22 @@ def head_major(x: torch.Tensor) -> torch.Tensor:
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
                      a_inv: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
-                     BV: int = 64, threads: int = 128, num_stages: int = 2,
-                     split_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` (v's dtype) and the final state ``[B, HV, K, V]`` fp32 from the Triton pre-pass's
-    outputs gc ``[B, T, HV]`` and a_inv ``[B, T, HV, 64]`` (``fused_prepass(write_wy=False)``) and β ``[B, T, HV]``.
-    bf16 q/k/v, no varlen."""
-    return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, BV, threads,
-                               num_stages, split_state)
+    outputs gc ``[B, T, HV]`` and a_inv ``[B, T, HV, 64]`` fp32 or bf16 (``fused_prepass(write_wy=False)``) and β
+    ``[B, T, HV]``. bf16 q/k/v, no varlen. ``launch``: :func:`chunk_fwd_hopper_hm`'s."""
+    return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
 
 
 def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
-                        num_stages: int = 2, split_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_stages: int = 2, async_dots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`, or the
-    TileLang pre-pass ``prepass.prepass_hopper``, which writes them so)."""
+    TileLang pre-pass ``prepass.prepass_hopper``, which writes them so). BV: the V tile of one program; threads:
+    its consumer threads (TileLang adds a producer warpgroup for the TMA loads); num_stages: the depth of the chunk
+    loop's load pipeline; async_dots: see :func:`build_kernel`. A_inv's dtype (fp32 or bf16) picks the A_inv X
+    dot."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -253,12 +254,15 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
     if beta_hm.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
+    if a_inv.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
     Tp = padded_length(T)
     if gc_hm.shape != (B, HV, Tp) or beta_hm.shape != (B, HV, Tp):
         raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
                          f"{list(beta_hm.shape)}")
-    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, split_state,
-                             initial_state is not None, str(beta_hm.dtype).removeprefix("torch."))
+    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
+                             initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
+                             str(a_inv.dtype).removeprefix("torch."), async_dots)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset
     h0 = (initial_state.float().contiguous() if initial_state is not None

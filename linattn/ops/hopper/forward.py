@@ -21,16 +21,17 @@ PREPASS = "triton"
 
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], prepass: Optional[str] = None,
-                   **launch) -> tuple[torch.Tensor, torch.Tensor]:
+                   a_inv_dtype: torch.dtype = torch.float32, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``prepass``: one of :data:`PREPASSES` (None:
-    :data:`PREPASS`); ``launch``: the fused kernel's BV, threads, num_stages, split_state."""
+    :data:`PREPASS`); ``a_inv_dtype``: the Triton pre-pass writes A_inv in it (fp32 or bf16; the TileLang one in fp32);
+    ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``)."""
     which = prepass or PREPASS
     if which == "tilelang":
         from .prepass import prepass_hopper
         gc_hm, beta_hm, a_inv = prepass_hopper(k, g, beta)
     elif which == "triton":
-        gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False)
+        gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype)
         gc_hm, beta_hm = head_major(gc), head_major(beta)
     else:
         raise ValueError(f"prepass must be one of {PREPASSES}, got {which!r}")
