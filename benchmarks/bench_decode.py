@@ -154,11 +154,9 @@ def copy_bandwidth(nbytes):
     return gbs, 2 * nbytes / gbs / 1e3
 
 
-def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None, layout="kv",
-                stream=None):
+def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None, layout="kv"):
     """µs per step of ``gated_delta_rule_decode`` (or, with BV, the kernel at that tile) over a pool in ``layout``
-    ("kv" K-major, "vk" V-major); ``stream``: (rows, stages) of the streamed one-step
-    (``rk.DECODE_STREAM_BLOCK`` / ``DECODE_STREAM_STAGES``), "held" for the held tile, None for the default."""
+    ("kv" K-major, "vk" V-major)."""
     gate = gate_params()
     t = make_step(B, Tq)
     P = 2 * B + 1
@@ -177,11 +175,7 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_st
     if maxnreg is not None:
         common.LAUNCH_OPTIONS["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
     try:
-        block, stages = ((None, rk.DECODE_STREAM_STAGES) if stream == "held" else
-                         (rk.DECODE_STREAM_BLOCK, rk.DECODE_STREAM_STAGES) if stream is None else stream)
-        with mock.patch.object(rk, "DECODE_ONE_STEP", rk.DECODE_ONE_STEP if one_step is None else one_step), \
-                mock.patch.object(rk, "DECODE_STREAM_BLOCK", block), \
-                mock.patch.object(rk, "DECODE_STREAM_STAGES", stages):
+        with mock.patch.object(rk, "DECODE_ONE_STEP", rk.DECODE_ONE_STEP if one_step is None else one_step):
             return graph_time_us(fn), t, pool, slots, gate
     finally:
         common.LAUNCH_OPTIONS.pop("fused_recurrent_fwd", None)
@@ -230,8 +224,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer drift steps, no tile sweep")
     ap.add_argument("--sweep-only", action="store_true", help="the tile sweep alone (no checks, timings, eager)")
     ap.add_argument("--layout-sweep", action="store_true",
-                    help="with --sweep-only: instead of the tile sweep, the tiles of one token (ONE_STEP: the tile "
-                         "held or streamed) and of 4 tokens over K-major and V-major pools side by side")
+                    help="with --sweep-only: instead of the tile sweep, the tiles of one token (ONE_STEP) and of 4 "
+                         "tokens over K-major and V-major pools side by side")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     try:
@@ -289,22 +283,21 @@ def main():
 
     if a.layout_sweep:
         # the same tiles over a K-major and a V-major pool: a K-major bf16 tile of 32 columns reads 64-byte pieces
-        # of rows (half a 128-byte line), a V-major one whole 256-byte rows (the 8 KB slice is one contiguous block);
-        # one token also with the tile streamed in blocks (rows, stages): rk.DECODE_STREAM_BLOCK, whose low register
-        # count (72-119 at the 32-column one-warp tile) makes the wider one-warp tiles possible too
-        tiles = {(torch.bfloat16, 1): [(32, 1), (64, 2), (16, 1), (32, 2), (64, 1), (128, 2)],
-                 (torch.float32, 1): [(64, 2), (32, 1), (128, 4), (64, 1)],
+        # of rows (half a 128-byte line), a V-major one whole 256-byte rows (the 8 KB slice is one contiguous block).
+        # Run 20 (H200): V-major bf16 one token fastest at BV=16 / 1 warp, fp32 at 32 / 1; 4 tokens fp32 at 8 / 1
+        # (pick_tiles' state_vk rules)
+        tiles = {(torch.bfloat16, 1): [(32, 1), (64, 2), (16, 1), (32, 2), (64, 4), (128, 4), (8, 1)],
+                 (torch.float32, 1): [(64, 2), (32, 1), (64, 4), (128, 4), (16, 1), (32, 2)],
                  (torch.bfloat16, 4): [(16, 1), (8, 1), (32, 1), (32, 2)],
                  (torch.float32, 4): [(16, 1), (8, 1), (32, 1), (32, 2)]}
         for (pool_dtype, Tq), tl_ in tiles.items():
             for B in ((64, 256) if Tq == 1 else (64,)):
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
-                streams = ("held", (16, 4)) if Tq == 1 else (None,)
-                for (BV, nw), layout, stream in ((t, lay, st) for t in tl_ for lay in ("kv", "vk") for st in streams):
+                for (BV, nw), layout in ((t, lay) for t in tl_ for lay in ("kv", "vk")):
                     sweep.append(sweep_point(state_bytes, dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV,
                                                                num_warps=nw, maxnreg=None, one_step=Tq == 1,
-                                                               layout=layout, stream=stream),
-                                             B, Tq, pool_dtype, BV=BV, num_warps=nw, layout=layout, stream=stream))
+                                                               layout=layout),
+                                             B, Tq, pool_dtype, BV=BV, num_warps=nw, layout=layout))
     elif not a.quick:
         # (BV, warps, maxnreg): the tiles; register caps that fit three programs per SM where the tile alone takes
         # 255 registers (sm_90 ptxas: bf16 BV=64 → 168 registers + 748 spill bytes; fp32 BV=64 → 700); and one- or
@@ -353,8 +346,7 @@ def main():
                 ok = [s for s in sweep if (s["pool"], s["B"], s["Tq"]) == (pool, B, Tq) and "us" in s]
                 for s in sorted(ok, key=lambda s: s["us"]):
                     cap = (f" maxnreg={s['maxnreg']}" if s.get("maxnreg") else "") + (
-                        " ONE_STEP" if s.get("one_step") else "") + (f" {s['layout']}" if s.get("layout") else "") + (
-                        f" stream={s['stream']}" if s.get("stream") else "")
+                        " ONE_STEP" if s.get("one_step") else "") + (f" {s['layout']}" if s.get("layout") else "")
                     print(f"  {pool:9s} B={B:3d} Tq={Tq} BV={s['BV']:3d} warps={s['num_warps']}{cap}  "
                           f"{s['us']:8.1f} µs  {s['state_GBps']:6.0f} GB/s")
     print("\nCUDA-graph replay, HV=32 K=V=128, per step")

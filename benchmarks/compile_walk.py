@@ -93,15 +93,13 @@ def dqk_consts(d: int) -> dict:
                 DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False)
 
 
-def decode_consts(BV: int, one_step: bool, state_vk: bool = False, stream: int = 0, stages: int = 3) -> dict:
+def decode_consts(BV: int, one_step: bool, state_vk: bool = False) -> dict:
     """Constexprs of one decode step (HV=32 K=V=128, pool slots, gates and norms fused) on the token loop or the
-    ONE_STEP path, over a K-major pool or (``state_vk``) a V-major one, the one-step tile held or streamed in blocks
-    of ``stream`` rows (``recurrent_kernels.DECODE_STREAM_BLOCK``, ``stages`` deep); the pool's dtype is the h0 / ht
-    arguments' (``bf16_args``)."""
+    ONE_STEP path, over a K-major pool or (``state_vk``) a V-major one; the pool's dtype is the h0 / ht arguments'
+    (``bf16_args``)."""
     return dict(H=16, HV=32, K=128, V=128, BK=128, BV=BV, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
                 STORE_INTERMEDIATE=False, IS_VARLEN=False, USE_STATE_INDICES=True, USE_QK_L2NORM=True,
-                USE_GATE_IN_KERNEL=True, USE_BETA_SIGMOID=True, ONE_STEP=one_step, STATE_VK=state_vk,
-                STREAM_BKS=stream if one_step else 0, STREAM_STAGES=stages)
+                USE_GATE_IN_KERNEL=True, USE_BETA_SIGMOID=True, ONE_STEP=one_step, STATE_VK=state_vk)
 
 
 def main():

@@ -38,6 +38,5 @@ def triton_settings() -> Optional[dict]:
         "BWD_RECOMPUTE_STORE_BF16": triton_bwd.RECOMPUTE_STORE_BF16, "BWD_DH_STORE_BF16": triton_bwd.DH_STORE_BF16,
         "FP32_DOT_PRECISION": common.FP32_DOT_PRECISION, "FP32_PRODUCT_PRECISION": common.FP32_PRODUCT_PRECISION,
         "DECODE_ONE_STEP": recurrent_kernels.DECODE_ONE_STEP,
-        "DECODE_STREAM": (recurrent_kernels.DECODE_STREAM_BLOCK, recurrent_kernels.DECODE_STREAM_STAGES),
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
     }

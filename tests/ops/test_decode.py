@@ -161,36 +161,67 @@ def as_kv(pool: torch.Tensor, layout: str) -> torch.Tensor:
     return pool.transpose(-1, -2) if layout == "vk" else pool
 
 
+@pytest.fixture
+def large_batch_tiles(monkeypatch):
+    """pick_tiles as at large batch: a one-SM plan, so the test's few (sequence, head) pairs are not narrowed to
+    8 columns and the kernel runs each layout's own tiles (V-major one token: 32 fp32 / 16 bf16 columns)."""
+    from linattn.ops.gated_delta import recurrent_kernels as rk
+    rk.pick_tiles.cache_clear()
+    monkeypatch.setattr(rk, "_num_sms", lambda device: 1)
+    yield rk
+    monkeypatch.undo()
+    rk.pick_tiles.cache_clear()
+
+
+# (Tq, intermediate states, large-batch tiles): the token loop with intermediate states (1 and 3 tokens); one token
+# without them, the ONE_STEP path; at the tiles of a large batch, where each layout has its own (pick_tiles'
+# state_vk, run 20: V-major one token 32 fp32 / 16 bf16 columns, several tokens 8 fp32 / 16 bf16)
+V_MAJOR_CASES = [(1, True, False), (3, True, False), (1, False, False), (1, False, True), (3, True, True)]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("Tq", [1, 3])
-def test_v_major_pool_equals_k_major(backend, pool_dtype, Tq, monkeypatch):
+@pytest.mark.parametrize("Tq,inter_out,wide", V_MAJOR_CASES,
+                         ids=["loop-Tq1", "loop-Tq3", "one-step", "one-step-large-batch-tiles",
+                              "loop-Tq3-large-batch-tiles"])
+def test_v_major_pool_equals_k_major(backend, pool_dtype, Tq, inter_out, wide, request):
     """state_layout="vk" ([P, HV, V, K]) gives the outputs, pool rows and intermediate states of the K-major call,
-    each in its own layout, with slots that have gaps and a negative slot; rows without a sequence untouched."""
-    from linattn.ops.gated_delta import recurrent_kernels as rk
-    monkeypatch.setattr(rk, "DECODE_STREAM_BLOCK", 8 if Tq == 1 else None)   # the streamed one-step in V-major too
+    each in its own layout, with slots that have gaps and a negative slot; rows without a sequence untouched. Also
+    at the tiles of a large batch (V = 36: a masked tail in the last tile)."""
+    if wide:
+        if backend == "torch":
+            pytest.skip("tiles are the Triton kernel's")
+        rk = request.getfixturevalue("large_batch_tiles")
+        one_step = rk.one_step_path(Tq, None, True if inter_out else None)   # as the launch decides it
+        BV_vk = rk.pick_tiles(3 * HV, K, V, torch.device("cpu"), pool_dtype.itemsize, Tq > 1, one_step, True)[1]
+        assert BV_vk == {(1, 4): 32, (1, 2): 16, (3, 4): 8, (3, 2): 16}[Tq, pool_dtype.itemsize], BV_vk
     pool_kv = torch.randn(6, HV, K, V).to(pool_dtype)
     slots = torch.tensor([5, -1, 2])
     t = make_tokens(3, Tq, gate_in_op=True, l2norm_qk=True)
     kw = dict(A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV), use_qk_l2norm_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, output_intermediate_states=True, backend=backend)
+              use_beta_sigmoid_in_kernel=True, output_intermediate_states=inter_out, backend=backend)
     got = {}
     for layout in ("kv", "vk"):
         pool = in_layout(pool_kv, layout)
         o, inter = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots, state_layout=layout,
                                                    **kw)
-        assert inter.shape == (3, Tq) + pool.shape[1:] and inter.dtype == pool_dtype
-        got[layout] = (o, as_kv(pool, layout), as_kv(inter, layout))
+        if inter_out:
+            assert inter.shape == (3, Tq) + pool.shape[1:] and inter.dtype == pool_dtype
+            inter = as_kv(inter, layout)
+        else:
+            assert inter is None
+        got[layout] = (o, as_kv(pool, layout), inter)
     h0 = torch.stack([pool_kv[5].float(), torch.zeros(HV, K, V), pool_kv[2].float()])
     ro, rht = reference(t, h0, gate=(kw["A_log"], kw["dt_bias"]), l2norm_qk=True)
     (o_kv, pool_kv_after, inter_kv), (o_vk, pool_vk_after, inter_vk) = got["kv"], got["vk"]
     assert rel_rms(o_vk, ro) <= TOLERANCES[torch.float32]
     assert rel_rms(pool_vk_after[[5, 2]], rht[[0, 2]]) <= TOLERANCES[pool_dtype]
-    assert rel_rms(inter_vk[:, -1], rht) <= TOLERANCES[pool_dtype]
     # the same arithmetic in the other layout: equal up to the order of the fp32 reductions
     assert rel_rms(o_vk, o_kv) <= 1e-6
     assert rel_rms(pool_vk_after, pool_kv_after) <= (1e-6 if pool_dtype == torch.float32 else 2.0 ** -8)
-    assert rel_rms(inter_vk, inter_kv) <= (1e-6 if pool_dtype == torch.float32 else 2.0 ** -8)
+    if inter_out:
+        assert rel_rms(inter_vk[:, -1], rht) <= TOLERANCES[pool_dtype]
+        assert rel_rms(inter_vk, inter_kv) <= (1e-6 if pool_dtype == torch.float32 else 2.0 ** -8)
     assert torch.equal(pool_vk_after[[0, 1, 3, 4]], pool_kv[[0, 1, 3, 4]])
 
 
@@ -291,31 +322,47 @@ def test_torch_compile_fullgraph_mutates_pool():
     torch.testing.assert_close(pool, pool_eager)
 
 
-@pytest.mark.parametrize("nh,state_bytes,one_token,one_step", [
-    (64 * 32, 4, (128, 32, 4), (128, 64, 2)), (64 * 32, 2, (128, 64, 4), (128, 32, 1)),
-    (256 * 32, 4, (128, 32, 4), (128, 64, 2)), (32, 4, (128, 8, 1), (128, 8, 1)), (32, 2, (128, 8, 1), (128, 8, 1))])
-def test_decode_tiles_by_token_count(nh, state_bytes, one_token, one_step):
-    """pick_tiles (HV = 32, K = V = 128, the 132-SM plan): one token on the token loop keeps the byte-sized tiles
-    run 11 measured fastest; on the ONE_STEP path one warp per 4096 values, 64 fp32 or 32 bf16 columns (run 17: 5–12%
-    faster at B=64 and 256), narrowed like the others where the pairs are few (B=1); several tokens per sequence
-    take one-warp tiles of at most 16 columns (run 12: 33% faster at B=64)."""
+# pick_tiles at HV = 32, K = V = 128 on the 132-SM plan: (B·HV, state bytes) → the (BK, BV, num_warps) of one
+# token on the token loop, one token on the ONE_STEP path and several tokens, K-major and V-major
+TILE_PLANS = [
+    # B=64 and 256, fp32 pool: K-major multi-token 32 columns (run 20: 121.2 µs against 134.6 at 16), V-major
+    # one-step 32 columns on one warp, V-major multi-token 8 columns
+    (64 * 32, 4, (128, 32, 4), (128, 64, 2), (128, 32, 1), (128, 32, 1), (128, 8, 1)),
+    (256 * 32, 4, (128, 32, 4), (128, 64, 2), (128, 32, 1), (128, 32, 1), (128, 8, 1)),
+    # bf16 pool: V-major one-step 16 columns on one warp (run 20: 38.9 µs at B=64, K-major's best 47.0)
+    (64 * 32, 2, (128, 64, 4), (128, 32, 1), (128, 16, 1), (128, 16, 1), (128, 16, 1)),
+    (256 * 32, 2, (128, 64, 4), (128, 32, 1), (128, 16, 1), (128, 16, 1), (128, 16, 1)),
+    # B=1: too few programs to fill the SMs, every tile narrowed to 8 columns
+    (32, 4, (128, 8, 1), (128, 8, 1), (128, 8, 1), (128, 8, 1), (128, 8, 1)),
+    (32, 2, (128, 8, 1), (128, 8, 1), (128, 8, 1), (128, 8, 1), (128, 8, 1)),
+]
+
+
+@pytest.mark.parametrize("nh,state_bytes,one_token,one_step,multi,one_step_vk,multi_vk", TILE_PLANS)
+def test_decode_tiles_by_token_count_and_layout(nh, state_bytes, one_token, one_step, multi, one_step_vk,
+                                                multi_vk):
+    """pick_tiles: one token on the token loop keeps the byte-sized tiles run 11 measured fastest (either layout);
+    on the ONE_STEP path K-major takes one warp per 4096 values, 64 fp32 or 32 bf16 columns (run 17: 5–12% faster at
+    B=64 and 256), V-major one warp of 32 fp32 or 16 bf16 columns (run 20); several tokens per sequence take
+    one-warp tiles, K-major 32 fp32 or 16 bf16 columns, V-major 8 fp32 or 16 bf16 (run 20); all narrowed where the
+    pairs are few (B=1)."""
     from linattn.ops.gated_delta.recurrent_kernels import pick_tiles
     cpu = torch.device("cpu")
-    assert pick_tiles(nh, 128, 128, cpu, state_bytes) == one_token
+    for state_vk in (False, True):
+        assert pick_tiles(nh, 128, 128, cpu, state_bytes, state_vk=state_vk) == one_token
     assert pick_tiles(nh, 128, 128, cpu, state_bytes, False, True) == one_step
-    assert pick_tiles(nh, 128, 128, cpu, state_bytes, True) == (128, min(one_token[1], 16), 1)
+    assert pick_tiles(nh, 128, 128, cpu, state_bytes, True) == multi
+    assert pick_tiles(nh, 128, 128, cpu, state_bytes, one_step=True, state_vk=True) == one_step_vk
+    assert pick_tiles(nh, 128, 128, cpu, state_bytes, multi_token=True, state_vk=True) == multi_vk
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-gate-norm"])
-@pytest.mark.parametrize("stream", [None, 8], ids=["held", "streamed"])
-def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused, stream):
+def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused):
     """recurrent_kernels.DECODE_ONE_STEP (one token, no intermediates: the state tile kept in the pool's dtype, o
-    from the entering state) against the reference and the token loop it replaces; a negative slot included. Held
-    in registers, or streamed in blocks of 8 rows (DECODE_STREAM_BLOCK: K = 20 is three blocks and a masked one)."""
+    from the entering state) against the reference and the token loop it replaces; a negative slot included."""
     from linattn.ops.gated_delta import recurrent_kernels as rk
-    monkeypatch.setattr(rk, "DECODE_STREAM_BLOCK", stream)
     pool0 = torch.randn(5, HV, K, V).to(pool_dtype)
     slots = torch.tensor([4, -1, 0])
     t = make_tokens(3, 1, gate_in_op=fused, l2norm_qk=fused)
@@ -357,20 +404,6 @@ def test_one_step_ref_is_one_token_of_the_recurrence():
     assert torch.allclose(o, want_o[:, 0], rtol=1e-12, atol=1e-12)
     assert torch.allclose(S, want_S, rtol=1e-12, atol=1e-12) and not torch.equal(S, S0)
     assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v, g, beta)))
-
-
-def test_streamed_one_step_pipelines_the_state_blocks_on_h200():
-    """sm_90 (ptxas, no GPU): the streamed one-step (DECODE_STREAM_BLOCK) of a bf16 pool at the one-warp 32-column
-    tile, in 16-row blocks 4 stages deep, loads its state blocks by cp.async (the software pipeliner took them:
-    LDGSTS in the SASS) and needs far fewer registers than the held tile (72 against 255 with triton 3.6), without
-    spills."""
-    from tests.ops.sm90_compile import compile_for_h200
-    held, streamed = compile_for_h200(
-        "import compile_walk as c",
-        "[(r.registers, r.spill_bytes, r.shared_bytes, r.sass['LDGSTS']) for r in [c.compile_kernel("
-        "c.fused_recurrent_fwd_kernel, c.decode_consts(32, True, stream=bks, stages=4), num_warps=1, "
-        "bf16_args=('h0', 'ht')) for bks in (0, 16)]]")
-    assert streamed[0] < held[0] // 2 and streamed[1] == 0 and streamed[3] > 0 and held[3] == 0, (held, streamed)
 
 
 def test_one_step_path_compiles_for_h200_with_fewer_registers():

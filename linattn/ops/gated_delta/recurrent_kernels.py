@@ -48,27 +48,14 @@ L2NORM_EPS = 1e-6
 DECODE_ONE_STEP = True
 
 
-# The ONE_STEP path in two streamed passes over K (experimental, off until measured): None, or the rows per block
-# BKS of a state tile read in blocks of BKS × BV by a software-pipelined loop (DECODE_STREAM_STAGES deep: cp.async
-# into shared memory), once for the reductions Sᵀk, Sᵀq and once more (a cache hit) for the update and the store.
-# Why: the held tile costs 255 registers (8 one-warp programs per SM, 8 KB of state in flight each: the bf16 pool
-# runs at ≈ 70% of a copy, run 17's profile: long-scoreboard stalls); streamed, a bf16 32-column one-warp program
-# compiles to 72 registers and 16 LDGSTS in 16-row blocks 4 deep (119 and 24 in 32-row blocks 3 deep; sm_90), so up
-# to three times the programs per SM keep their next blocks in flight in shared memory instead of registers.
-# Reading the tile twice without pipelining was slower (run 19, DECODE_RELOAD_STATE, reverted):
-# bench_decode.py --sweep-only --layout-sweep times this against it.
-DECODE_STREAM_BLOCK = None
-DECODE_STREAM_STAGES = 3
-
-
-def stream_block(one_step: bool, BK: int) -> int:
-    """STREAM_BKS of a launch: :data:`DECODE_STREAM_BLOCK` rows (at most BK) on the ONE_STEP path, else 0 (off)."""
-    if not one_step or DECODE_STREAM_BLOCK is None:
-        return 0
-    if DECODE_STREAM_BLOCK not in (8, 16, 32, 64, 128):
-        raise ValueError(f"DECODE_STREAM_BLOCK must be None or a power of two from 8 to 128, got "
-                         f"{DECODE_STREAM_BLOCK!r}")
-    return min(DECODE_STREAM_BLOCK, BK)
+# The ONE_STEP path holds its K × BV tile in registers from the load to the store. Streaming it instead (removed
+# after run 20: DECODE_STREAM_BLOCK, the tile read in row blocks by a cp.async-pipelined loop for the reductions,
+# then again for the update and the store) compiled to 72 registers instead of 255 (bf16 one-warp 32-column tile,
+# 16-row blocks, 4 stages, sm_90) but measured slower than the held tile at every tile, layout and pool dtype (H200,
+# run 20, bench_decode.py --sweep-only --layout-sweep, HV=32 K=V=128, CUDA graphs, µs, best tile each, held →
+# streamed): bf16 pool K-major B=64 47.0 → 50.3, B=256 180.0 → 193.1; fp32 pool K-major B=64 72.4 → 101.0, B=256
+# 274.2 → 380.1; V-major streamed slower still (bf16 B=64 65.9 against 38.9 held). The lower register count did
+# not buy bandwidth, as neither did the register caps of runs 11 and 16 nor the state reload of run 19.
 
 
 def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
@@ -141,65 +128,6 @@ def _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i
 
 
 @triton.jit
-def _state_block(kb, o_v, BKS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.constexpr):
-    """Rows kb … kb + BKS of a K × BV state slice: (row indices, their mask, element offsets in either layout)."""
-    o_kb = kb + tl.arange(0, BKS)
-    if STATE_VK:
-        o_hb = o_kb[:, None] + o_v[None, :] * K
-    else:
-        o_hb = o_kb[:, None] * V + o_v[None, :]
-    return o_kb, o_kb < K, o_hb
-
-
-@triton.jit
-def _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_v, m_v, scale,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, BKS: tl.constexpr, STAGES: tl.constexpr, STATE_VK: tl.constexpr,
-                       USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                       USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr,
-                       USE_BETA_SIGMOID: tl.constexpr):
-    """The ONE_STEP path (:func:`_one_step`'s arithmetic) with the K × BV state slice streamed in BKS-row blocks
-    (:data:`DECODE_STREAM_BLOCK`): pass 1 reads each block for Sᵀk and Sᵀq; then u and o; pass 2 reads each block
-    again and writes S' = e^g S + k uᵀ. q and k are read whole once (norms, q·k) and again per block (L1)."""
-    p_q = q + (bos * H + i_h) * K
-    p_k = k + (bos * H + i_h) * K
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    # whole vectors once: q·k and the L2 norm factors, which then scale the raw per-block loads below
-    b_q, b_k, r_q, r_k, b_g, b_beta = _load_token(p_q + o_k, p_k + o_k, g + bos * HV + i_hv, beta + bos * HV + i_hv,
-                                                  b_A, b_dt, m_k, USE_QK_L2NORM, USE_GATE_IN_KERNEL,
-                                                  USE_BETA_SIGMOID)
-    q_mul = r_q * scale
-    k_mul = r_k
-    b_v = tl.load(v + (bos * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
-    b_decay = tl.exp(b_g)
-    state = (i_s * HV + i_hv) * K * V
-    b_sk = tl.zeros([BV], dtype=tl.float32)
-    b_sq = tl.zeros([BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        for kb in tl.range(0, BK, BKS, num_stages=STAGES):
-            o_kb, m_kb, o_hb = _state_block(kb, o_v, BKS, K, V, STATE_VK)
-            b_s = tl.load(h0 + state + o_hb, mask=m_kb[:, None] & m_v[None, :] & has_slot, other=0.).to(tl.float32)
-            b_kb = tl.load(p_k + o_kb, mask=m_kb, other=0.).to(tl.float32) * k_mul
-            b_qb = tl.load(p_q + o_kb, mask=m_kb, other=0.).to(tl.float32) * q_mul
-            b_sk += tl.sum(b_s * b_kb[:, None], 0)
-            b_sq += tl.sum(b_s * b_qb[:, None], 0)
-    b_u = b_beta * (b_v - b_decay * b_sk)
-    b_o = b_decay * b_sq + tl.sum(b_q * q_mul * (b_k * k_mul)) * b_u
-    tl.store(o + (bos * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    if STORE_FINAL_STATE:
-        for kb in tl.range(0, BK, BKS, num_stages=STAGES):
-            o_kb, m_kb, o_hb = _state_block(kb, o_v, BKS, K, V, STATE_VK)
-            m_hb = m_kb[:, None] & m_v[None, :] & has_slot
-            b_kb = tl.load(p_k + o_kb, mask=m_kb, other=0.).to(tl.float32) * k_mul
-            b_new = b_kb[:, None] * b_u[None, :]
-            if USE_INITIAL_STATE:
-                b_new += b_decay * tl.load(h0 + state + o_hb, mask=m_hb, other=0.).to(tl.float32)
-            p_ht = ht + state + o_hb
-            tl.store(p_ht, b_new.to(p_ht.dtype.element_ty), mask=m_hb)
-
-
-@triton.jit
 def fused_recurrent_fwd_kernel(
     q, k, v, g, beta, o,
     h0,                     # initial states [*, HV, K, V], read at row i_s (None without USE_INITIAL_STATE)
@@ -212,7 +140,7 @@ def fused_recurrent_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_STATE_INDICES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    ONE_STEP: tl.constexpr, STATE_VK: tl.constexpr, STREAM_BKS: tl.constexpr, STREAM_STAGES: tl.constexpr,
+    ONE_STEP: tl.constexpr, STATE_VK: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -254,14 +182,9 @@ def fused_recurrent_fwd_kernel(
         # element by element, where the loop below holds an fp32 copy; o comes from the state entering the step,
         #     o = scale·S'ᵀq = e^g (Sᵀq') + (q'·k) u,   u = β (v − e^g Sᵀk),   S' = e^g S + k uᵀ   (q' = scale·q)
         # so both reductions read S as it arrives and S' is only formed for the store
-        if STREAM_BKS > 0:
-            _one_step_streamed(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_v, m_v,
-                               scale, H, HV, K, V, BK, BV, STREAM_BKS, STREAM_STAGES, STATE_VK, USE_INITIAL_STATE,
-                               STORE_FINAL_STATE, USE_QK_L2NORM, USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
-        else:
-            _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v,
-                      m_h, o_h, scale, H, HV, K, V, BK, BV, USE_INITIAL_STATE, STORE_FINAL_STATE, USE_QK_L2NORM,
-                      USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
+        _one_step(q, k, v, g, beta, o, h0, ht, b_A, b_dt, bos, i_s, has_slot, i_h, i_hv, o_k, o_v, m_k, m_v, m_h,
+                  o_h, scale, H, HV, K, V, BK, BV, USE_INITIAL_STATE, STORE_FINAL_STATE, USE_QK_L2NORM,
+                  USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
         return
 
     # read the state once: K × BV elements
@@ -410,34 +333,51 @@ def _num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device,
-               state_bytes: int = 4, multi_token: bool = False, one_step: bool = False) -> tuple[int, int, int]:
+def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device, state_bytes: int = 4,
+               multi_token: bool = False, one_step: bool = False, state_vk: bool = False) -> tuple[int, int, int]:
     """(BK, BV, num_warps). BK covers all of K (the reductions run over K inside a program). BV: rows of 128 bytes
     of state (whole cache lines: 32 fp32 or 64 bf16 values, ``state_bytes`` per value) when there are enough
     (sequence, head) pairs to fill the machine, narrower tiles (more programs, more loads in flight) when there
     are few, e.g. decode at batch 1. One warp per 4 KB of state slice (32 registers per thread, 4 warps for a
     128 × 32 fp32 or 128 × 64 bf16 slice). Measured on the H200 (HV=32, K=V=128, CUDA graphs): fp32 B=64 BV=32
     4 warps 76.9 µs vs 8 warps 89.2; bf16 B=64 BV=64 4 warps 55.3 vs 8 warps 70.6 (B=256: 201.0 vs 261.7).
-    ``multi_token`` (T > 1): one-warp tiles of 16 columns (see below); ``one_step`` (the ONE_STEP path): one warp per
-    4096 state values (see below). Cached: a launch plan per shape, so a decode step pays one dict lookup instead of
-    the arithmetic (the key has only whether T > 1: kernels never specialise on T)."""
+    ``multi_token`` (T > 1): one-warp tiles of 8 to 32 columns by pool dtype and layout (see below); ``one_step``
+    (the ONE_STEP path): one warp per 4096 state values, the columns by pool dtype and layout (see below);
+    ``state_vk``: the states are V-major (``[*, HV, V, K]``), which has tiles of its own (run 20, below). Cached: a
+    launch plan per shape, so a decode step pays one dict lookup instead of the arithmetic (the key has only whether
+    T > 1: kernels never specialise on T)."""
     BK = next_power_of_2(K)
-    # ONE_STEP: bf16 slices of 32 columns, fp32 of 64, one warp per 4096 values. Nsight Compute on the H200 (run 17,
-    # B=64, the 128-byte tiles below) found the bf16 step bound by the shared-memory traffic of the cross-warp
-    # reductions over K (LSU wavefronts 61% of peak, shared 50%; DRAM 37%), which scale with values, not bytes:
-    # fewer warps per program, fewer cross-warp rounds. Sweep (µs, B=64 / 256, HV=32 K=V=128, CUDA graphs): bf16
-    # 53.5 / 195.8 at BV=64 / 4 warps → 47.1 / 178.0 at BV=32 / 1 warp (64 / 2: 49.9 / 185.8); fp32 77.4 / 295.7 at
-    # BV=32 / 4 warps → 73.4 / 275.7 at BV=64 / 2 warps (32 / 1: 75.6 / 294.0)
-    BV = min(next_power_of_2(V), (64 if state_bytes == 4 else 32) if one_step else 128 // state_bytes)
+    fp32 = state_bytes == 4
+    if one_step:
+        # ONE_STEP, K-major: bf16 slices of 32 columns, fp32 of 64, one warp per 4096 values. Nsight Compute on the
+        # H200 (run 17, B=64, the 128-byte tiles below) found the bf16 step bound by the shared-memory traffic of the
+        # cross-warp reductions over K (LSU wavefronts 61% of peak, shared 50%; DRAM 37%), which scale with values,
+        # not bytes: fewer warps per program, fewer cross-warp rounds. Sweep (µs, B=64 / 256, HV=32 K=V=128, CUDA
+        # graphs): bf16 53.5 / 195.8 at BV=64 / 4 warps → 47.1 / 178.0 at BV=32 / 1 warp (64 / 2: 49.9 / 185.8);
+        # fp32 77.4 / 295.7 at BV=32 / 4 warps → 73.4 / 275.7 at BV=64 / 2 warps (32 / 1: 75.6 / 294.0).
+        # V-major (a program's slice is BV whole rows of K values, one contiguous block): narrower one-warp tiles.
+        # NVIDIA H200, run 20 (2026-11-30, bench_decode.py --sweep-only --layout-sweep, µs, B=64 / 256): bf16
+        # BV=16 / 1 warp 38.9 / 146.6 (BV=32 / 1 warp 41.8 / 157.9; the best K-major tile, BV=32 / 1 warp, 47.0 /
+        # 180.0): the fastest decode measured, 54% of the fp32 K-major time; fp32 BV=32 / 1 warp 74.6 / 283.7 (BV=64
+        # / 2 warps 77.4 / 294.0; K-major BV=64 / 2 warps 72.4 / 274.2, still the fastest fp32 pool)
+        BV = (32 if fp32 else 16) if state_vk else (64 if fp32 else 32)
+    elif multi_token:
+        # several tokens per sequence: the step is a chain of dependent reductions over K per token, so latency,
+        # not bytes, sets the time; one-warp programs (reductions by shuffles, no cross-warp barrier), many per SM,
+        # hide it best. H200, run 12, B=64 Tq=4: fp32 BV=16 133.9 µs vs 200.8 at BV=32 / 4 warps, bf16 BV=16 98.9
+        # vs 147.4 at BV=64 / 4 warps. Run 20 (2026-11-30, B=64 Tq=4, all one warp): K-major fp32 BV=32 121.2 vs
+        # 134.6 at BV=16; K-major bf16 BV=16 97.3 (BV=32 99.0); V-major fp32 BV=8 115.7 (BV=16 132.7); V-major bf16
+        # BV=16 78.5 (BV=8 90.7, BV=32 90.6)
+        BV = (8 if fp32 else 16) if state_vk else (32 if fp32 else 16)
+    else:
+        BV = 128 // state_bytes
+    BV = min(next_power_of_2(V), BV)
     while BV > 8 and num_programs_nh * cdiv(V, BV) < 4 * _num_sms(device):
         BV //= 2
-    num_warps = max(1, min(8, BK * BV // 4096 if one_step else BK * BV * state_bytes // 4096))
     if multi_token:
-        # several tokens per sequence: the step is a chain of dependent reductions over K per token, so latency,
-        # not bytes, sets the time; one-warp programs (reductions by shuffles, no cross-warp barrier) of 16
-        # columns, many per SM, hide it best. H200, run 12, B=64 Tq=4: fp32 133.9 µs vs 200.8 at BV=32 / 4 warps,
-        # bf16 98.9 vs 147.4 at BV=64 / 4 warps (one token: the byte-sized tiles above stay fastest)
-        BV, num_warps = min(BV, 16), 1
+        num_warps = 1
+    else:
+        num_warps = max(1, min(8, BK * BV // 4096 if one_step else BK * BV * state_bytes // 4096))
     return BK, BV, num_warps
 
 
@@ -450,17 +390,18 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
     final_state: ``[*, HV, K, V]`` or None (they may be the same tensor: the decode pool, updated in place);
     sequence n reads and writes row ``state_indices[n]`` (or n), skipped when negative. intermediate_states:
     ``[B, T, HV, K, V]`` or None. ``state_vk``: the states (all three) are V-major, ``[*, HV, V, K]`` (the decode
-    pool's ``state_layout="vk"``); the tiles are the same as for K-major (pick_tiles measured K-major pools only).
-    BV / num_warps override the tile heuristic (benchmarks); a register cap comes
-    from ``common.LAUNCH_OPTIONS["fused_recurrent_fwd"]`` (a bf16 BV=64 tile takes 255 registers, two programs per
-    SM, and compiles to 168 with 748 spill bytes at maxnreg 168, three per SM)."""
+    pool's ``state_layout="vk"``), with tiles of their own (pick_tiles, measured in run 20: a bf16 V-major pool is
+    the fastest decode, 16 columns on one warp for one token). BV / num_warps override the tile heuristic
+    (benchmarks); a register cap comes from ``common.LAUNCH_OPTIONS["fused_recurrent_fwd"]`` (a bf16 BV=64 tile
+    takes 255 registers, two programs per SM, and compiles to 168 with 748 spill bytes at maxnreg 168, three per
+    SM)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = final_state if final_state is not None else initial_state
     one_step = one_step_path(T, cu_seqlens, intermediate_states)
     BK, BV_, nw = pick_tiles(N * HV, K, V, q.device, state.element_size() if state is not None else 4, T > 1,
-                             one_step)
+                             one_step, state_vk)
     BV, num_warps = BV or BV_, num_warps or nw
     o = torch.empty_like(v)
     grid = (cdiv(V, BV), N * HV)
@@ -471,8 +412,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
         STORE_INTERMEDIATE=intermediate_states is not None, IS_VARLEN=cu_seqlens is not None,
         USE_STATE_INDICES=state_indices is not None, USE_QK_L2NORM=use_qk_l2norm,
         USE_GATE_IN_KERNEL=A_log is not None, USE_BETA_SIGMOID=use_beta_sigmoid,
-        ONE_STEP=one_step, STATE_VK=state_vk, STREAM_BKS=stream_block(one_step, BK),
-        STREAM_STAGES=DECODE_STREAM_STAGES, num_warps=num_warps,
+        ONE_STEP=one_step, STATE_VK=state_vk, num_warps=num_warps,
         **launch_options("fused_recurrent_fwd"))
     return o
 
