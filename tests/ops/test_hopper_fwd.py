@@ -106,6 +106,28 @@ def test_hopper_forward_path_falls_back_where_the_kernel_cannot_run(monkeypatch)
     assert torch.equal(o_h, o_auto) and torch.equal(ht_h, ht_auto)
 
 
+def test_hopper_launch_needs_programs_that_fill_the_card():
+    """The "auto" path takes the Hopper forward only where its programs fill the SMs: BV=128 first, then 64 (more
+    programs), else None (the Triton paths, which split long sequences). Issue 4's rows on 132 SMs."""
+    from linattn.ops.hopper.forward import LAUNCH, hopper_launch
+    assert hopper_launch(8, 16, 128, 132) == LAUNCH                  # B=8 T=4096 H=16: 128 programs
+    assert hopper_launch(4, 32, 128, 132) == LAUNCH                  # 4×8192 HV=32
+    assert hopper_launch(2, 32, 128, 132) == dict(LAUNCH, BV=64)     # 2×16384 H=32: 64 at BV=128, 128 at 64
+    assert hopper_launch(1, 16, 128, 132) is None                    # B=1 H=16: 32 programs at most
+    assert hopper_launch(1, 8, 128, 132) is None
+    assert hopper_launch(16, 16, 64, 132) == dict(LAUNCH, BV=64)     # K = V = 64: BV=128 does not divide V
+    assert hopper_launch(4, 16, 256, 132) == LAUNCH                  # V = 256: two tiles per head
+
+
+def test_hopper_plan_decides_cpu_and_fp32_without_the_hopper_modules(monkeypatch):
+    """hopper_plan answers None for CPU, fp16 and fp32 inputs before importing anything of ops/hopper."""
+    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
+    for path in ("auto", "hopper"):
+        monkeypatch.setattr(triton_chunk, "FORWARD_PATH", path)
+        assert triton_chunk.hopper_plan(x["q"], x["v"], None, 1) is None
+        assert triton_chunk.hopper_plan(x["q"].float(), x["v"].float(), None, 1) is None
+
+
 def test_kernel_takes_bf16_only():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
     gc = torch.zeros(1, 64, 1)

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..common import CHUNK
+from ..common import CHUNK, num_sms
 from ..common.cumsum import chunk_local_cumsum
 from ..common.fused_prepass import fused_prepass
 from ..common.kkt_solve import kkt_solve
@@ -65,10 +65,13 @@ PRECOMPUTE_QK = True
 # every shape, and for fp16 (output dots at tf32x3) the walk from WALK_MIN_PAIRS pairs. The split writes h (64 KB
 # per chunk and value head in fp32); both split long sequences into segments when their programs cannot fill the
 # SMs.
-# "hopper" (opt-in, experimental: ops/hopper/chunk_fwd.py, TileLang): the Triton pre-pass writes A_inv, then one
+# The Hopper forward (ops/hopper/, TileLang, an optional dependency): the Triton pre-pass writes A_inv, then one
 # fused kernel walks the chunks with the state on chip and writes only o (docs/architecture.md, "The Hopper
-# forward"); inputs it does not take (hopper.chunk_fwd.unsupported_reason: not bf16, not sm_90, varlen, ...) run
-# the "auto" path. Not the default: it has not run on a GPU yet.
+# forward"). "auto" takes it for bf16 on sm_90 with TileLang installed, equal-length sequences, where its programs
+# fill the card (hopper_plan; run 20, B=8 T=4096 H=16: 0.653 ms against the split's 1.005); "hopper" forces it
+# wherever the kernel takes the inputs; inputs it does not take (hopper.chunk_fwd.unsupported_reason) run the
+# Triton paths. Its bf16 error is FlashQLA's (o 3.4e-3, final state 2.4e-3 at the anchor case, against the split's
+# 2.4e-3 / 7.3e-4 and the rounded baseline's 2.9e-3 / 1.7e-3): "split" keeps the more accurate path.
 FORWARD_PATHS = ("auto", "walk", "split", "hopper")
 FORWARD_PATH = "auto"
 # "auto": the walk when N·HV (sequences × value heads) is at least this for the inputs' dtype, else the split;
@@ -89,6 +92,25 @@ def forward_path(num_sequences: int, HV: int, dtype: torch.dtype) -> str:
         return FORWARD_PATH
     pairs = WALK_MIN_PAIRS.get(dtype)
     return "walk" if pairs is not None and num_sequences * HV >= pairs else "split"
+
+
+def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                num_sequences: int) -> Optional[dict]:
+    """The Hopper forward's launch for these inputs, or None to run the Triton paths: None where the kernel cannot
+    take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, varlen, ...); under
+    "auto" also where its programs would not fill the card (``hopper.forward.hopper_launch``); under "hopper" the
+    planned launch or else :data:`hopper.forward.LAUNCH` (BV = 64 where 128 does not divide V)."""
+    if q.device.type != "cuda" or q.dtype != torch.bfloat16:
+        return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
+    from ..hopper import chunk_fwd as hopper
+    if hopper.unsupported_reason(q, v, cu_seqlens) is not None:
+        return None
+    from ..hopper import forward as hopper_fwd
+    V = v.shape[-1]
+    launch = hopper_fwd.hopper_launch(num_sequences, v.shape[2], V, num_sms(q.device))
+    if launch is None and FORWARD_PATH == "hopper":
+        launch = dict(hopper_fwd.LAUNCH, BV=hopper_fwd.LAUNCH["BV"] if V % hopper_fwd.LAUNCH["BV"] == 0 else 64)
+    return launch
 
 
 class FwdStages(NamedTuple):
@@ -174,11 +196,11 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
     num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if FORWARD_PATH == "hopper":
-        from ..hopper import chunk_fwd as hopper
-        if hopper.unsupported_reason(q, v, cu_seqlens) is None:
+    if FORWARD_PATH in ("auto", "hopper"):
+        launch = hopper_plan(q, v, cu_seqlens, num_sequences)
+        if launch is not None:
             from ..hopper.forward import forward_hopper
-            return forward_hopper(q, k, v, g, beta, scale, initial_state)
+            return forward_hopper(q, k, v, g, beta, scale, initial_state, **launch)
     path = forward_path(num_sequences, v.shape[2], v.dtype)
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:

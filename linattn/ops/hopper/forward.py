@@ -1,10 +1,11 @@
-"""The experimental Hopper forward end to end: a pre-pass (gc, β head-major and each chunk's A_inv), then the fused
-chunk kernel (``chunk_fwd.py``). What ``triton_chunk.FORWARD_PATH = "hopper"`` runs where the inputs suit it.
+"""The Hopper forward end to end: a pre-pass (gc, β head-major and each chunk's A_inv), then the fused chunk kernel
+(``chunk_fwd.py``). What ``triton_chunk``'s "auto" path runs on sm_90 where :func:`hopper_launch` says the kernel's
+programs fill the card, and what ``FORWARD_PATH = "hopper"`` forces wherever the inputs suit it.
 
-Two pre-passes, neither yet run on a GPU with the fused kernel: "triton" (``fused_prepass(write_wy=False)``, the
-split forward's, measured at 0.277 ms at B=8 T=4096 H=16 in run 18, plus two small head-major copies) and "tilelang"
-(``prepass.py``: gc, A_inv by an fp32 forward substitution, gc and β written head-major). :data:`PREPASS` picks;
-benchmarks/hopper_fwd_check.py times both.
+Two pre-passes: "triton" (``fused_prepass(write_wy=False)``, the split forward's: 0.275 ms at B=8 T=4096 H=16 in
+run 20, plus two small head-major copies) and "tilelang" (``prepass.py``: gc, A_inv by an fp32 forward
+substitution, gc and β written head-major: 0.76 ms there, and its fp32 A_inv does not fit :data:`LAUNCH`'s shared
+memory at BV=128). :data:`PREPASS` picks; benchmarks/hopper_fwd_check.py times both.
 """
 from __future__ import annotations
 
@@ -23,6 +24,21 @@ PREPASS = "triton"
 # BV is capped at V (K = V = 64)
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True)
 A_INV_DTYPE = torch.bfloat16
+# The "auto" path takes the Hopper forward only where its (sequence, value head, V tile) programs fill the card:
+# one program walks all the chunks of its sequence (no sequence parallelism yet), so with fewer programs than SMs
+# the card idles. Run 20: B=8 T=4096 H=16 (128 programs at BV=128 on 132 SMs) 0.653 ms with the pre-pass against
+# the split's 1.005; B=1 (16 programs) 0.451 (BV=64, 32 programs: 0.330) against 0.261, and B=1 T=32768 2.42 against
+# 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs, else BV=64 where those do, else None
+FILL_FRACTION = 0.9
+
+
+def hopper_launch(num_sequences: int, HV: int, V: int, sms: int) -> Optional[dict]:
+    """The fused kernel's launch for ``num_sequences`` sequences of ``HV`` value heads of width ``V`` on ``sms``
+    SMs, or None where no V tile gives enough programs to fill the card (:data:`FILL_FRACTION`)."""
+    for BV in (LAUNCH["BV"], 64):
+        if V % BV == 0 and num_sequences * HV * (V // BV) >= FILL_FRACTION * sms:
+            return dict(LAUNCH, BV=BV)
+    return None
 
 
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
