@@ -1,21 +1,19 @@
-"""GPU check and timing of the experimental Hopper forward (``linattn/ops/hopper/chunk_fwd.py``, TileLang, issue 4):
+"""GPU check and timing of the Hopper forward's launch variants (``linattn/ops/hopper/chunk_fwd.py``, issue 4):
 the Triton pre-pass (``fused_prepass(write_wy=False)``: gc and each chunk's A_inv) followed by one fused kernel that
 walks the chunks with the state on chip and writes only o and the final state.
 
     tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz        # TileLang 0.1.15 (the anchors' site packages)
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/hopper_fwd_check.py [--quick] [--out DIR]
 
-0. the TileLang pre-pass (``prepass.py``) against the Triton one: A_inv, gc and β on the same inputs;
 1. accuracy (bf16): o and the final state against float64 (the token reference for short cases, the float64 torch
    backend for long ones), beside the Triton forward's errors and the rounded-PyTorch baseline (gpu_check_core's
    ``rounded_twin``: every stage's output rounded to bf16); the bound is kernel ≤ 2 × baseline. Also the distance to
-   the kernel's PyTorch twin (``chunk_fwd_hopper_ref``, the same bf16 rounding points; only A_inv X's tf32 and
-   the order of sums differ): a translation error shows there first. The first variant also after the TileLang
-   pre-pass. Every launch
-   variant at the anchor case, the default one at every case.
+   the kernel's PyTorch twin (``chunk_fwd_hopper_ref``, the same bf16 rounding points; with an fp32 A_inv, A_inv
+   X's tf32 and the order of sums differ too): a translation error shows there first. Every launch variant at the
+   anchor case, the first one at every case.
 2. speed: do_bench median ms (no grad) at the seven shapes of issue 4's table (--quick: rows 1, 2, 3): the public
-   op's forward (Triton), the pre-pass alone, the fused kernel alone and pre-pass + kernel, per launch variant
-   (all at row 2, the first two elsewhere).
+   op's forward, the pre-pass alone, the fused kernel alone and pre-pass + kernel, per launch variant (all where
+   the heads are row 2's, the first two elsewhere).
 Prints the tables last; writes hopper_fwd_check.json under --out. A variant that fails to compile or run is a row
 with its error, not the end of the run (but an illegal memory access poisons the CUDA context: the rows after it
 then fail too, and say so).
@@ -35,7 +33,6 @@ from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper.forward import forward_hopper
-from linattn.ops.hopper.prepass import prepass_hopper
 
 # (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
 # warpgroup for the TMA loads), the depth of the chunk loop's load pipeline, A_inv as the pre-pass writes it (fp32:
@@ -73,12 +70,11 @@ def low_precision(x):
     return {n: t.to(torch.bfloat16) if n in ("q", "k", "v", "beta") else t.float() for n, t in x.items()}
 
 
-def hopper_forward(x, scale, variant, prepass="triton"):
-    """A pre-pass ("triton" or "tilelang"), then the fused kernel: (o, final state)."""
+def hopper_forward(x, scale, variant):
+    """The pre-pass, then the fused kernel: (o, final state)."""
     BV, threads, stages, a_dtype, async_dots = variant
-    return forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], prepass=prepass,
-                          a_inv_dtype=a_dtype if prepass == "triton" else torch.float32, BV=BV, threads=threads,
-                          num_stages=stages, async_dots=async_dots)
+    return forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], a_inv_dtype=a_dtype,
+                          BV=BV, threads=threads, num_stages=stages, async_dots=async_dots)
 
 
 def variant_name(variant):
@@ -86,27 +82,8 @@ def variant_name(variant):
     return f"BV{BV}_t{threads}_s{stages}_A{str(a_dtype)[-2:]}" + ("_async" if async_dots else "")
 
 
-def prepass_agreement(cases):
-    """The TileLang pre-pass against the Triton one on the same inputs: A_inv, gc and β (head-major)."""
-    rows = []
-    for name, B, T, H, HV, K, V in cases:
-        x = low_precision(make(B, T, H, HV, K, V, seed=len(name)))
-        row = dict(case=name)
-        try:
-            gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False)
-            gc_hm, beta_hm, a_inv_tl = prepass_hopper(x["k"], x["g"], x["beta"])
-            row.update(a_inv=rel(a_inv_tl, a_inv), gc=rel(gc_hm[..., :T], gc.transpose(1, 2)),
-                       beta_equal=bool(torch.equal(beta_hm[..., :T], x["beta"].transpose(1, 2))),
-                       nonfinite=int((~torch.isfinite(a_inv_tl)).sum()))
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        rows.append(row)
-        print(row, flush=True)
-    return rows
-
-
 def accuracy(cases, variants):
-    """Rows per (case, variant, pre-pass): every variant after the Triton pre-pass, the first also after TileLang's."""
+    """Rows per (case, variant)."""
     rows = []
     for name, B, T, H, HV, K, V in cases:
         x = make(B, T, H, HV, K, V, seed=len(name))
@@ -124,16 +101,15 @@ def accuracy(cases, variants):
         base = rounded_twin(low, torch.bfloat16, scale, zeros_do, zeros_dht)[:2]
         twins = {a: hopper.chunk_fwd_hopper_ref(**low, scale=scale, round_a_inv=a == BF16)  # the kernel's own
                  for a in (F32, BF16)}                                                        # rounding points
-        runs = [(v, "triton") for v in variants] + [(variants[0], "tilelang")]
-        for variant, prepass in runs:
-            twin = twins[variant[3] if prepass == "triton" else F32]
-            row = dict(case=name, variant=variant_name(variant), prepass=prepass,
+        for variant in variants:
+            twin = twins[variant[3]]
+            row = dict(case=name, variant=variant_name(variant),
                        triton=[rel(tri[0], ref[0]), rel(tri[1], ref[1])],
                        baseline=[rel(base[0], ref[0]), rel(base[1], ref[1])])
             try:
                 torch.cuda.synchronize()
                 t0 = time.time()
-                o, ht = hopper_forward(low, scale, variant, prepass)
+                o, ht = hopper_forward(low, scale, variant)
                 torch.cuda.synchronize()
                 row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
                            vs_twin=[rel(o, twin[0]), rel(ht, twin[1])],
@@ -159,11 +135,6 @@ def time_shape(B, T, H, HV, variants):
     with torch.no_grad():
         row["triton_fwd"] = bench(lambda: chunk_gated_delta_rule(**x, scale=scale, output_final_state=True))
         row["prepass"] = bench(lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False))
-        try:
-            row["prepass_tilelang"] = bench(lambda: prepass_hopper(x["k"], x["g"], x["beta"]))
-            row["fwd_tilelang_prepass"] = bench(lambda: hopper_forward(x, scale, variants[0], "tilelang"))
-        except Exception as e:
-            row["prepass_tilelang"] = f"{type(e).__name__}: {e}"[:160]
         a_invs = {a: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=a)
                   for a in (F32, BF16)}
         gc_hm, beta_hm = hopper.head_major(a_invs[F32][0]), hopper.head_major(x["beta"])  # outside the timing
@@ -195,29 +166,22 @@ def speed(shapes, variants):
 
 
 def main():
-    a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table, no pre-pass agreement (run 20 had it)")
+    a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
-    agree = [] if a.quick else prepass_agreement(CASES[:2] + [("B8_T4096_H16", 8, 4096, 16, 16, 128, 128)])
     acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
     spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
-    write_json(a.out, "hopper_fwd_check.json", dict(prepass=agree, accuracy=acc, speed=spd))
-
-    print("\nTileLang pre-pass against the Triton one (relative L2): A_inv, gc; β copied exactly")
-    for r in agree:
-        print(f"  {r['case']:22s} " + (f"ERROR {r['error']}" if "error" in r else
-                                        f"A_inv {r['a_inv']:.1e}  gc {r['gc']:.1e}  β equal {r['beta_equal']}  "
-                                        f"nonfinite {r['nonfinite']}"))
+    write_json(a.out, "hopper_fwd_check.json", dict(accuracy=acc, speed=spd))
 
     print("\naccuracy (bf16, relative L2 vs float64): o / final state — hopper | triton | rounded baseline; "
           "! marks hopper > 2 × baseline")
     for r in acc:
         if "error" in r:
-            print(f"  {r['case']:22s} {r['variant']:24s} {r['prepass']:8s}  ERROR {r['error']}")
+            print(f"  {r['case']:22s} {r['variant']:24s}  ERROR {r['error']}")
             continue
         flag = "!" if any(h > 2 * b for h, b in zip(r["hopper"], r["baseline"])) else " "
-        print(f"{flag} {r['case']:22s} {r['variant']:24s} {r['prepass']:8s}  "
+        print(f"{flag} {r['case']:22s} {r['variant']:24s}  "
               f"{r['hopper'][0]:.2e} / {r['hopper'][1]:.2e} | "
               f"{r['triton'][0]:.2e} / {r['triton'][1]:.2e} | {r['baseline'][0]:.2e} / {r['baseline'][1]:.2e}  "
               f"vs twin {r['vs_twin'][0]:.1e} / {r['vs_twin'][1]:.1e}  nonfinite {r['nonfinite']}  "

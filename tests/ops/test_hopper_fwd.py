@@ -135,25 +135,6 @@ def test_kernel_takes_bf16_only():
         hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], torch.zeros(1, 64, 1, 64), 0.125, None)
 
 
-def test_unknown_prepass_is_refused():
-    from linattn.ops.hopper.forward import forward_hopper
-    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="prepass must be one of"):
-        forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.125, None, prepass="cuda")
-
-
-@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
-                    reason="TileLang (optional) and nvcc compile the Hopper kernels")
-def test_prepass_compiles_for_sm90a():
-    """The TileLang pre-pass: one bf16 wgmma (K Kᵀ), TMA stores of A_inv and the head-major gc and β, and a full
-    barrier between A and the solve (which half the threads run)."""
-    from linattn.ops.hopper import prepass
-    src = prepass.compiled_kernel(16, 16, 128, target="sm_90a").get_kernel_source()
-    assert src.count("wgmma_ss<") == 1 and "tma_store" in src
-    solve = src.rindex("threadIdx.x) < 64")   # the guard of the solve, the last one
-    assert "__syncthreads" in src[src.rindex("expf", 0, solve):solve]
-
-
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
                     reason="TileLang (optional) and nvcc compile the Hopper kernel")
 def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():

@@ -1,8 +1,10 @@
-"""Experimental Hopper forward (TileLang): the state walk and the output fused in one kernel, on wgmma and TMA.
+"""Hopper forward (TileLang): the state walk and the output fused in one kernel, on wgmma and TMA.
 
-Not the default: ``chunk_gated_delta_rule`` runs it only when ``triton_chunk.FORWARD_PATH = "hopper"`` (opt-in) and
-the inputs suit it (:func:`unsupported_reason`). Compiled for sm_90a on a CPU (TileLang + nvcc); not yet run on a
-GPU (benchmarks/hopper_fwd_check.py does that: errors against float64 and times beside the Triton forward).
+``chunk_gated_delta_rule``'s "auto" path runs it on sm_90 for bf16 inputs it takes (:func:`unsupported_reason`)
+where its programs fill the card (``forward.hopper_launch``), ``triton_chunk.FORWARD_PATH = "hopper"`` wherever it
+takes them. On the H200 (run 20): B=8 T=4096 H=16 0.387 ms alone, 0.656 with the pre-pass (the split: 1.007);
+every case of gpu_check_core within 2× the rounded baseline (o 3.4e-3, final state 2.4e-3 at the anchor case).
+benchmarks/hopper_fwd_check.py checks and times its launch variants.
 
 Why (issue 4, docs/architecture.md): the Triton split forward writes every chunk's state h (32 KB per chunk and
 head in bf16, twice the size of the chunk's queries) and V_new to HBM and reads them back in a second kernel, and
@@ -10,19 +12,22 @@ Triton 3.6 cannot warp-specialise the sequential walk that would keep them on ch
 one (sequence, value head, V tile) with the state in registers and writes only o and the final state; TileLang
 pipelines the next chunk's loads (TMA) under this chunk's dots.
 
-Inputs as the split forward's after its pre-pass (``fused_prepass(write_wy=False)``, or the TileLang one in
-``prepass.py``; ``forward.py`` chains them): gc (chunk-local cumulative log decays, fp32) and A_inv (each chunk's
-(I + strictly-lower(β K Kᵀ ⊙ D))⁻¹, fp32). Per chunk c, with S the state entering it (K × BV slice, fp32
-registers), Γ = e^{gc} per row and γ = e^{gc of the chunk's last token}:
+Inputs as the split forward's after its pre-pass (``fused_prepass(write_wy=False)``; ``forward.py`` chains them):
+gc (chunk-local cumulative log decays, fp32) and A_inv (each chunk's (I + strictly-lower(β K Kᵀ ⊙ D))⁻¹, bf16 by
+default or fp32). Per chunk c, with S the state entering it (K × BV slice, fp32 registers), Γ = e^{gc} per row,
+ρ = e^{gc_last − gc} per row and γ = e^{gc of the chunk's last token}:
 
     S_b   = bf16(S)                                     the state as a dot operand (fla's precision for h)
     X     = β ⊙ V − (β Γ) ⊙ (K S_b)                     [BT, BV]
-    V_new = A_inv X                                     tf32 (A_inv stays fp32)
+    V_new = A_inv X                                     bf16 A_inv: X rounded to bf16, one wgmma (FlashQLA's
+                                                        choice); fp32 A_inv: tf32 on mma.sync
     O     = scale · [Γ ⊙ (Q S_b) + (Q Kᵀ ⊙ D ⊙ causal) bf16(V_new)]
-    S     = γ S + Kᵀ bf16((γ / Γ) ⊙ V_new)
+    S     = γ S + Kᵀ bf16(ρ ⊙ V_new)
 
-Reads per chunk and program, every one by TMA from the producer warpgroup: Q, K (BT × K), V (BT × BV), A_inv
-(BT × BT fp32), gc and β (passed head-major, :func:`head_major`, so that a chunk's 64 values are one contiguous
+Γ and ρ are computed once per row (64 exps each) into shared memory, e^x as ex2.approx (fast math). With
+``async_dots`` K S, Q S and Q Kᵀ are issued back to back and K S is waited for first (X needs only it). Reads per
+chunk and program, every one by TMA from the producer warpgroup: Q, K (BT × K), V (BT × BV), A_inv
+(BT × BT), gc and β (passed head-major, :func:`head_major`, so that a chunk's 64 values are one contiguous
 copy); writes O (BT × BV). Shapes are compiled per (H, HV, K, V, BV, scale); B and T are symbolic (a new T costs no
 compile).
 """
@@ -241,8 +246,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
                         num_stages: int = 2, async_dots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`, or the
-    TileLang pre-pass ``prepass.prepass_hopper``, which writes them so). BV: the V tile of one program; threads:
+    """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V tile of one program; threads:
     its consumer threads (TileLang adds a producer warpgroup for the TMA loads); num_stages: the depth of the chunk
     loop's load pipeline; async_dots: see :func:`build_kernel`. A_inv's dtype (fp32 or bf16) picks the A_inv X
     dot."""
