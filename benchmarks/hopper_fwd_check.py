@@ -32,7 +32,7 @@ from linattn import chunk_gated_delta_rule
 from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
-from linattn.ops.hopper.forward import forward_hopper
+from linattn.ops.hopper.forward import forward_hopper, hopper_launch, segment_count
 
 # (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
 # warpgroup for the TMA loads), the depth of the chunk loop's load pipeline, A_inv as the pre-pass writes it (fp32:
@@ -154,6 +154,41 @@ def time_shape(B, T, H, HV, variants):
     return row
 
 
+def segmented(shapes):
+    """The segmented Hopper forward (``forward_hopper(segments=S)``, S from ``segment_count``) at the shapes whose
+    unsegmented programs do not fill the card: errors of o and the final state against the float64 torch backend,
+    beside the unsegmented kernel's (same launch) and the split's; then ms of the three (no grad)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for B, T, H, HV in shapes:
+        S = segment_count(B, HV, 128, T, sms)
+        if S is not None:
+            rows.append(segmented_row(B, T, H, HV, S, hopper_launch(B * S, HV, 128, sms)))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def segmented_row(B, T, H, HV, S, launch):
+    x = low_precision(make(B, T, H, HV, 128, 128))
+    scale = 128 ** -0.5
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [scale, x["initial_state"]]
+    runs = {"segmented": lambda: forward_hopper(*args, segments=S, **launch),
+            "unsegmented": lambda: forward_hopper(*args, **launch),
+            "split": lambda: chunk_gated_delta_rule(**x, scale=scale, output_final_state=True)}
+    row = dict(shape=(B, T, H, HV), segments=S)
+    try:
+        with torch.no_grad():
+            ref = chunk_gated_delta_rule(**{n: t.double() for n, t in x.items()}, scale=scale,
+                                         output_final_state=True, backend="torch")
+            for name, fn in runs.items():
+                o, ht = fn()
+                row[name] = [rel(o, ref[0]), rel(ht, ref[1])]
+                row[name + "_ms"] = bench(fn)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
 def speed(shapes, variants):
     """Every variant at the shapes with B=8 T=4096 H=16's heads (the second shape; B and T are symbolic, so no
     compile), the first two elsewhere (each new head configuration compiles every variant again, ≈ 8 s each)."""
@@ -166,10 +201,18 @@ def speed(shapes, variants):
 
 
 def main():
-    a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table")
+    a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table",
+                   segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
+    if a.segmented:
+        rows = segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES)
+        write_json(a.out, "hopper_segmented.json", dict(segmented=rows))
+        print("\nsegmented Hopper forward (bf16, K = V = 128; errors o / final state vs float64; ms no grad)")
+        for r in rows:
+            print(f"  {r}")
+        return
     acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
     spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
     write_json(a.out, "hopper_fwd_check.json", dict(accuracy=acc, speed=spd))

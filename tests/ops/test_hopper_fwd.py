@@ -128,6 +128,42 @@ def test_hopper_plan_decides_cpu_and_fp32_without_the_hopper_modules(monkeypatch
         assert triton_chunk.hopper_plan(x["q"].float(), x["v"].float(), None, 1) is None
 
 
+def test_segment_count_fills_the_card_with_views():
+    """The segmented Hopper forward (FORWARD_PATH = "hopper" where the plain kernel cannot fill the SMs): the fewest
+    power-of-two segments per sequence that fill the card, dividing T's chunks, ≥ MIN_SEGMENT_CHUNKS each."""
+    from linattn.ops.hopper.forward import segment_count
+    assert segment_count(1, 16, 128, 32768, 132) == 8          # 16 → 128 programs of BV=128
+    assert segment_count(1, 8, 128, 32768, 132) == 16          # 2/8 heads
+    assert segment_count(1, 16, 128, 131072, 132) == 8
+    assert segment_count(1, 16, 128, 4096, 132) == 4           # 64 chunks: 4 segments of 16 chunks
+    assert segment_count(1, 16, 128, 4096 + 64, 132) is None   # 65 chunks: no equal segments
+    assert segment_count(1, 16, 128, 1000, 132) is None        # T not a multiple of 64
+    assert segment_count(1, 1, 128, 2048, 132) is None         # 32 chunks: 2 segments of 16 cannot fill 132 SMs
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
+def test_segmented_forward_equals_the_recurrence(monkeypatch, with_h0):
+    """Phases A → B → C of forward_hopper(segments=S) around the kernel's twin (chunk_fwd_hopper_hm_ref: the
+    kernel's contract, affine walk included; the real kernel runs only on an sm_90 GPU), the Triton pre-pass and
+    affine scan under the interpreter, fp32 inputs: o and the final state equal the float64 recurrence, and the
+    unsegmented forward."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
+    x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
+    h0 = x["initial_state"].float() if with_h0 else None
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
+    exact = {n: t.double() for n, t in x.items()}
+    ro, rht = gated_delta_rule_reference(**dict(exact, initial_state=exact["initial_state"] if with_h0 else None),
+                                         scale=0.25)
+    o4, ht4 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
+    o1, ht1 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, BV=16)
+    assert rel(o4, ro) < 1e-5 and rel(ht4, rht) < 1e-5
+    assert rel(o4, o1) < 1e-5 and rel(ht4, ht1) < 1e-5
+    with pytest.raises(ValueError, match="multiple of"):
+        hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=8, BV=16)
+
+
 def test_kernel_takes_bf16_only():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
     gc = torch.zeros(1, 64, 1)
@@ -147,3 +183,8 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     assert srcs["float32", False].count("wgmma_ss<") == 5 and "kTensorFloat32" in srcs["float32", False]
     assert srcs["bfloat16", True].count("wgmma_ss<") == 6 and "wait_wgmma<2>" in srcs["bfloat16", True]
     assert "wait_wgmma" not in srcs["float32", False]
+    affine = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                    use_initial_state=False, a_dtype="bfloat16", async_dots=True,
+                                    affine=True).get_kernel_source()
+    # phase A: the state's three dots (K S, A_inv X, the update), no query loads, no output
+    assert affine.count("wgmma_ss<") == 3 and "q_desc" not in affine and "o_desc" not in affine

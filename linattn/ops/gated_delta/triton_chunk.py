@@ -99,7 +99,8 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
     """The Hopper forward's launch for these inputs, or None to run the Triton paths: None where the kernel cannot
     take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, varlen, ...); under
     "auto" also where its programs would not fill the card (``hopper.forward.hopper_launch``); under "hopper" the
-    planned launch or else :data:`hopper.forward.LAUNCH` (BV = 64 where 128 does not divide V)."""
+    planned launch, else the segmented forward where segments fill the card (``hopper.forward.segment_count``; the
+    plan's "segments"), else :data:`hopper.forward.LAUNCH` (BV = 64 where 128 does not divide V)."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
     from ..hopper import chunk_fwd as hopper
@@ -107,8 +108,13 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
         return None
     from ..hopper import forward as hopper_fwd
     V = v.shape[-1]
-    launch = hopper_fwd.hopper_launch(num_sequences, v.shape[2], V, num_sms(q.device))
+    HV, sms = v.shape[2], num_sms(q.device)
+    launch = hopper_fwd.hopper_launch(num_sequences, HV, V, sms)
     if launch is None and FORWARD_PATH == "hopper":
+        # forced: sequence parallelism where segments fill the card (not measured yet, so not under "auto")
+        segments = hopper_fwd.segment_count(num_sequences, HV, V, q.shape[1], sms)
+        if segments is not None:
+            return dict(hopper_fwd.hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
         launch = dict(hopper_fwd.LAUNCH, BV=hopper_fwd.LAUNCH["BV"] if V % hopper_fwd.LAUNCH["BV"] == 0 else 64)
     return launch
 

@@ -52,12 +52,17 @@ def tilelang_available() -> bool:
 
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
-                 beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False):
+                 beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
+                 affine: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
     rounded to bf16, one wgmma: FlashQLA's choice). ``async_dots``: K S, Q S and Q Kᵀ are issued back to back and
-    waited for as needed (else each dot waits for itself)."""
+    waited for as needed (else each dot waits for itself). ``affine``: phase A of the segmented forward
+    (``forward.py``): each sequence's affine state map [M | N] (S_out = M S_in + N), the walk of the K × (K + V)
+    state [I | 0] with values [0 | V], written to ht ``[B, HV, K, K + V]``; the grid covers K + V columns (a
+    program's tile lies in M or in N: BV divides K), V's columns are read shifted by K (an M tile reads a valid tile
+    and zeroes it), and only the state's three dots run (q not read, o not written)."""
     import tilelang.language as T
 
     acc = "float32"
@@ -66,14 +71,18 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
     G = HV // H
     x_dtype = acc if a_dtype == acc else dtype      # X, the right operand of A_inv X
+    store_output = not affine
+    W = K + V if affine else V                      # the state's columns: [M | N] in phase A
+    if affine and K % BV:
+        raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
 
     @T.prim_func
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
                       v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, HV, Tp), acc),
                       beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), a_dtype),
                       h0: T.Tensor((B, HV, K, V), acc), o: T.Tensor((B, Tn, HV, V), dtype),
-                      ht: T.Tensor((B, HV, K, V), acc)):
-        with T.Kernel(T.ceildiv(V, BV), B * HV, threads=threads) as (iv, bh):
+                      ht: T.Tensor((B, HV, K, W), acc)):
+        with T.Kernel(T.ceildiv(W, BV), B * HV, threads=threads) as (iv, bh):
             ib = bh // HV
             ihv = bh % HV
             ih = ihv // G
@@ -96,54 +105,67 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Vn = T.alloc_fragment((BT, BV), acc)
             Of = T.alloc_fragment((BT, BV), acc)
 
-            if use_initial_state:
+            if affine:
+                for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
+                    S[i, j] = T.if_then_else(iv * BV + j == i, 1.0, 0.0)
+            elif use_initial_state:
                 T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
             else:
                 T.clear(S)
+            # V's first column for this tile: N's tiles read V shifted by K; M's read V's first tile and zero it
+            v0 = T.max(iv * BV - K, 0) if affine else iv * BV
+            v_on = T.if_then_else(iv * BV >= K, 1.0, 0.0)
             for c in T.Pipelined(T.ceildiv(Tn, BT), num_stages=num_stages):
                 T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
-                T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs)
-                T.copy(v[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV], Vs)
+                if store_output:
+                    T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs)
+                T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], Vs)
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As)
                 T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], gcs)
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
                 T.copy(S, Ss)
-                # the three dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators)
+                # the dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators)
                 if async_dots:
                     T.wgmma_gemm(Ks, Ss, KS, clear_accum=True)
-                    T.wgmma_gemm(Qs, Ss, Of, clear_accum=True)
-                    T.wgmma_gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
+                    if store_output:
+                        T.wgmma_gemm(Qs, Ss, Of, clear_accum=True)
+                        T.wgmma_gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
                 else:
                     T.gemm(Ks, Ss, KS, clear_accum=True)
-                    T.gemm(Qs, Ss, Of, clear_accum=True)
-                    T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
+                    if store_output:
+                        T.gemm(Qs, Ss, Of, clear_accum=True)
+                        T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
                 # per-row decays while the dots run: 2 exps per row instead of per element
                 g_last = gcs[T.min(BT, Tn - c * BT) - 1]
                 for i in T.Parallel(BT):
                     Gam[i] = T.exp(gcs[i])
                     Rho[i] = T.exp(g_last - gcs[i])
                 if async_dots:
-                    T.wait_wgmma(2)
+                    T.wait_wgmma(2 if store_output else 0)     # K S done (X needs only it)
                 for i, j in T.Parallel(BT, BV):
-                    Xt[j, i] = T.cast(bs[i], acc) * (Vs[i, j] - Gam[i] * KS[i, j])
+                    vij = Vs[i, j] * v_on if affine else Vs[i, j]
+                    Xt[j, i] = T.cast(bs[i], acc) * (vij - Gam[i] * KS[i, j])
                 T.gemm(As, Xt, Vn, transpose_B=True, clear_accum=True)
                 if async_dots:
                     T.wait_wgmma(0)
-                for i, j in T.Parallel(BT, BT):
-                    Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
+                if store_output:
+                    for i, j in T.Parallel(BT, BT):
+                        Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
+                    for i, j in T.Parallel(BT, BV):
+                        Vns[i, j] = Vn[i, j]
                 for i, j in T.Parallel(BT, BV):
-                    Vns[i, j] = Vn[i, j]
                     Vds[i, j] = Vn[i, j] * Rho[i]
-                for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
-                    Of[i, j] = Of[i, j] * Gam[i]
-                T.gemm(Ps, Vns, Of)
-                for i, j in T.Parallel(BT, BV):
-                    Of[i, j] = Of[i, j] * scale
-                T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                if store_output:
+                    for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
+                        Of[i, j] = Of[i, j] * Gam[i]
+                    T.gemm(Ps, Vns, Of)
+                    for i, j in T.Parallel(BT, BV):
+                        Of[i, j] = Of[i, j] * scale
+                    T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
                 T.gemm(Ks, Vds, S, transpose_A=True)
-            T.copy(S, ht[ib, ihv, 0:K, iv * BV:(iv + 1) * BV])
+            T.copy(S, ht[ib, ihv, 0:K, iv * BV:(iv + 1) * BV])   # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
 
@@ -152,13 +174,13 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
-                    async_dots: bool = False):
+                    async_dots: bool = False, affine: bool = False):
     """The compiled kernel (cached per static configuration). ``target``: None for the current GPU, or an arch
     such as "sm_90a" to compile without one (the CPU compile check). Fast math: e^x as ex2.approx (relative error
     ≈ 2⁻²², far below the bf16 rounding of every operand it scales)."""
     import tilelang
     func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
-                        async_dots)
+                        async_dots, affine)
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
     return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 
@@ -192,15 +214,52 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o ``[B, T, HV, V]`` in v's dtype and
     the final state ``[B, HV, K, V]`` in the working dtype."""
     from ..gated_delta import torch_chunk as tc
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))
-    rnd_a = rnd if round_a_inv else (lambda t: t)
+    HV = v.shape[2]
+    kc = tc.to_chunks(k.to(work).repeat_interleave(HV // q.shape[2], 2), BT)
+    gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
+    a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gc)
+    return _walk_ref(q, k, v, gc, beta, a_inv if not round_a_inv else rnd(a_inv), scale, initial_state, work, rnd,
+                     rnd if round_a_inv else (lambda t: t))
+
+
+def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
+                            beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
+                            initial_state: Optional[torch.Tensor], affine: bool = False,
+                            **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results, launch options ignored), from the
+    pre-pass's gc, β (head-major) and A_inv instead of its own: for tests of what runs around the kernel (the
+    segmented forward) on a machine without the GPU. Rounds where the kernel does for bf16 inputs (X too when A_inv
+    is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None."""
+    from ..gated_delta import torch_chunk as tc
+    B, T, H, K = q.shape
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
+    gc = gc_hm[..., :T].transpose(1, 2).to(work)
+    g = gc.clone()               # back to per-token decays, so that padding the last chunk repeats its last gc
+    g[:, 1:] -= gc[:, :-1]
+    g[:, ::BT] = gc[:, ::BT]
+    gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g, BT))
+    S0 = initial_state
+    if affine:
+        v = torch.cat([torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=v.device), v], -1)
+        S0 = torch.cat([torch.eye(K, dtype=work, device=q.device).expand(B, v.shape[2], K, K),
+                        torch.zeros(B, v.shape[2], K, v.shape[3] - K, dtype=work, device=q.device)], -1)
+    rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
+    o, S = _walk_ref(q, k, v, gcc, beta_hm[..., :T].transpose(1, 2), tc.to_chunks(a_inv.to(work), BT), scale, S0,
+                     work, rnd, rnd_x)
+    return (None if affine else o), S
+
+
+def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x):
+    """The kernel's chunk loop in PyTorch: gc ``[B, HV, NT, BT]`` chunk-local cumulative decays, a_inv
+    ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X."""
+    from ..gated_delta import torch_chunk as tc
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
     qc, kc = (tc.to_chunks(x.to(work).repeat_interleave(HV // H, 2), BT) for x in (q, k))
     vc, bc = tc.to_chunks(v.to(work), BT), tc.to_chunks(beta.to(work), BT)
-    gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
-    a_inv = rnd_a(tc.kkt_solve_ref(kc, bc, gc))
     S = (initial_state.to(work) if initial_state is not None
          else torch.zeros(B, HV, K, V, dtype=work, device=q.device))
     outs = []
@@ -208,7 +267,7 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         Qc, Kc, Vc, bt, Gc = qc[:, :, c], kc[:, :, c], vc[:, :, c], bc[:, :, c], gc[:, :, c]
         Sb = rnd(S)
         X = bt[..., None] * (Vc - Gc.exp()[..., None] * (Kc @ Sb))
-        Vn = a_inv[:, :, c] @ rnd_a(X)
+        Vn = a_inv[:, :, c] @ rnd_x(X)
         P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
         outs.append(scale * (Gc.exp()[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
         g_last = Gc[..., -1]
@@ -245,17 +304,21 @@ def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torc
 def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
-                        num_stages: int = 2, async_dots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V tile of one program; threads:
-    its consumer threads (TileLang adds a producer warpgroup for the TMA loads); num_stages: the depth of the chunk
-    loop's load pipeline; async_dots: see :func:`build_kernel`. A_inv's dtype (fp32 or bf16) picks the A_inv X
-    dot."""
+                        num_stages: int = 2, async_dots: bool = False,
+                        affine: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
+    tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
+    num_stages: the depth of the chunk loop's load pipeline; async_dots: see :func:`build_kernel`. A_inv's dtype
+    (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
+    ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
-    if V % BV:
-        raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
+    if V % BV or (affine and K % BV):
+        raise ValueError(f"V = {V}" + (f" and K = {K}" if affine else "") + f" must be multiples of BV = {BV}")
+    if affine and initial_state is not None:
+        raise ValueError("the affine walk starts from [I | 0]: no initial state")
     if beta_hm.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
     if a_inv.dtype not in (torch.float32, torch.bfloat16):
@@ -266,13 +329,14 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                          f"{list(beta_hm.shape)}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                              initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
-                             str(a_inv.dtype).removeprefix("torch."), async_dots)
+                             str(a_inv.dtype).removeprefix("torch."), async_dots, affine)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
-    # shapes and strides) costs an allocation, not a memset
+    # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
           else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
-    o = torch.empty_like(v)
-    ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
-           a_inv.contiguous(), h0, o, ht)
-    return o, ht
+    v = v.contiguous()
+    o = v if affine else torch.empty_like(v)
+    ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
+    kernel(q.contiguous(), k.contiguous(), v, gc_hm.contiguous(), beta_hm.contiguous(), a_inv.contiguous(), h0, o,
+           ht)
+    return (None if affine else o), ht

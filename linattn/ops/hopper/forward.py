@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from ..common.fused_prepass import fused_prepass
-from .chunk_fwd import chunk_fwd_hopper_hm, head_major
+from ..common.seq_parallel import affine_scan
+from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
 
 # The fused kernel's launch when the caller names none (the public op's "hopper" path): run 20 (H200, B=8 T=4096
 # H=16, the kernel alone, ms) measured one warpgroup at BV=64 0.70 (tf32 A_inv X) / 0.66 (bf16 A_inv, async first
@@ -22,8 +23,8 @@ from .chunk_fwd import chunk_fwd_hopper_hm, head_major
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True)
 A_INV_DTYPE = torch.bfloat16
 # The "auto" path takes the Hopper forward only where its (sequence, value head, V tile) programs fill the card:
-# one program walks all the chunks of its sequence (no sequence parallelism yet), so with fewer programs than SMs
-# the card idles. Run 20: B=8 T=4096 H=16 (128 programs at BV=128 on 132 SMs) 0.653 ms with the pre-pass against
+# one program walks all the chunks of its sequence, so with fewer programs than SMs the card idles (the segmented
+# forward below is not measured yet, so "auto" does not use it). Run 20: B=8 T=4096 H=16 (128 programs at BV=128 on 132 SMs) 0.653 ms with the pre-pass against
 # the split's 1.005; B=1 (16 programs) 0.451 (BV=64, 32 programs: 0.330) against 0.261, and B=1 T=32768 2.42 against
 # 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs, else BV=64 where those do, else None
 FILL_FRACTION = 0.9
@@ -38,14 +39,67 @@ def hopper_launch(num_sequences: int, HV: int, V: int, sms: int) -> Optional[dic
     return None
 
 
+# The segmented forward (sequence parallelism, FORWARD_PATH = "hopper" only until measured): segments of at least
+# this many chunks
+MIN_SEGMENT_CHUNKS = 16
+
+
+def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Optional[int]:
+    """Segments per sequence for :func:`forward_hopper` where the unsegmented kernel's programs do not fill the
+    card: the fewest S in 2, 4, …, 64 that divides T's chunks (T a multiple of 64: the segments are views), leaves
+    segments of at least :data:`MIN_SEGMENT_CHUNKS` chunks and gives phase C programs that fill the card
+    (:data:`FILL_FRACTION`) at BV=128, else at BV=64 (run 20: a 128-wide program walks a chunk in ≈ 6 µs, a 64-wide
+    one in ≈ 4, so the wider tile with twice the segments does the same work in ⅔ of the time); None where none
+    does."""
+    if T % BT:
+        return None
+    chunks = T // BT
+    candidates = [S for S in (2, 4, 8, 16, 32, 64) if chunks % S == 0 and chunks // S >= MIN_SEGMENT_CHUNKS]
+    for BV in (LAUNCH["BV"], 64):
+        for S in candidates:
+            if V % BV == 0 and num_sequences * S * HV * (V // BV) >= FILL_FRACTION * sms:
+                return S
+    return None
+
+
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
-                   **launch) -> tuple[torch.Tensor, torch.Tensor]:
+                   segments: Optional[int] = None, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``a_inv_dtype``: the pre-pass writes A_inv in it
     (fp32 or bf16; None: :data:`A_INV_DTYPE`); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
-    :data:`LAUNCH`, BV capped at V)."""
+    :data:`LAUNCH`, BV capped at V).
+
+    ``segments`` = S > 1 (T a multiple of 64·S): sequence parallelism, exact. Each sequence is cut into S segments
+    of L = T/S tokens, which the kernels take as B·S sequences of their own (views: the pre-pass's gc is
+    chunk-local and its A_inv per chunk, so they hold for the segments as they are):
+
+        A  [M_s | N_s] = affine walk of every segment       chunk_fwd_hopper_hm(affine=True): from [I | 0] with
+                                                            values [0 | V], the state's three dots, no output
+        B  h_in(s+1) = M_s h_in(s) + N_s                    seq_parallel.affine_scan, fp32, from S_0 (or 0)
+        C  o and the final states from the true h_in        chunk_fwd_hopper_hm, B·S programs' worth of rows
+
+    Phase A walks K + V columns (twice phase C's state work for K = V) without the output's three dots. It also
+    walks each sequence's last segment, whose map phase B does not use (1/S of it wasted: the segments of B > 1
+    sequences are not one contiguous prefix)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
     if not launch:
-        launch = dict(LAUNCH, BV=min(LAUNCH["BV"], v.shape[-1]))
+        launch = dict(LAUNCH, BV=min(LAUNCH["BV"], V))
     gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype or A_INV_DTYPE)
-    return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
+    if not segments or segments == 1:
+        return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
+    if T % (BT * segments):
+        raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
+    def seg(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] → [B·S, T/S, ...], a view (the op passes contiguous tensors)."""
+        return x.reshape(B * segments, T // segments, *x.shape[2:])
+
+    qs, ks, vs, a_s = seg(q), seg(k), seg(v), seg(a_inv)
+    gc_hm, beta_hm = head_major(seg(gc)), head_major(seg(beta))
+    affine_launch = dict(launch, BV=launch["BV"] if K % launch["BV"] == 0 else 64)
+    _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, **affine_launch)
+    h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
+                       nseg=segments)
+    o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
+    return o.reshape(B, T, HV, V), ht.view(B, segments, HV, K, V)[:, -1].contiguous()
