@@ -195,9 +195,10 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     update on the sequential chain) and writes h and V_new; the output kernel runs parallel over chunks. "walk"
     (docs/architecture.md, "Fused forward"): the pre-pass, then one sequential kernel per (sequence, value head,
     V slice) that keeps the state on chip and writes only o and the final state; with :data:`PRECOMPUTE_QK` the
-    pre-pass also writes P and the walk reads it. Both split long sequences into segments stitched exactly through their affine state maps when their
-    programs cannot fill the SMs (``common/seq_parallel.py``, ``common/split_fwd.py``).
-    """
+    pre-pass also writes P and the walk reads it. Both split long sequences into segments stitched exactly through
+    their affine state maps when their programs cannot fill the SMs (``common/seq_parallel.py``,
+    ``common/split_fwd.py``). Before either, :func:`hopper_plan` may send bf16 inputs on sm_90 to the Hopper
+    forward (``ops/hopper/``, TileLang)."""
     if v.dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")

@@ -24,9 +24,10 @@ LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True)
 A_INV_DTYPE = torch.bfloat16
 # The "auto" path takes the Hopper forward only where its (sequence, value head, V tile) programs fill the card:
 # one program walks all the chunks of its sequence, so with fewer programs than SMs the card idles (the segmented
-# forward below is not measured yet, so "auto" does not use it). Run 20: B=8 T=4096 H=16 (128 programs at BV=128 on 132 SMs) 0.653 ms with the pre-pass against
-# the split's 1.005; B=1 (16 programs) 0.451 (BV=64, 32 programs: 0.330) against 0.261, and B=1 T=32768 2.42 against
-# 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs, else BV=64 where those do, else None
+# forward below is not measured yet, so "auto" does not use it). Run 20: B=8 T=4096 H=16 (128 programs at BV=128
+# on 132 SMs) 0.653 ms with the pre-pass against the split's 1.005; B=1 (16 programs) 0.451 (BV=64, 32 programs:
+# 0.330) against 0.261, and B=1 T=32768 2.42 against 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs,
+# else BV=64 where those do, else None
 FILL_FRACTION = 0.9
 
 
@@ -91,6 +92,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
     if T % (BT * segments):
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
+
     def seg(x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] → [B·S, T/S, ...], a view (the op passes contiguous tensors)."""
         return x.reshape(B * segments, T // segments, *x.shape[2:])
