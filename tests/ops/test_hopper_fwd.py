@@ -164,6 +164,33 @@ def test_segmented_forward_equals_the_recurrence(monkeypatch, with_h0):
         hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=8, BV=16)
 
 
+@pytest.mark.interpreter
+def test_a_kernel_that_does_not_compile_sends_the_op_to_triton_once(monkeypatch):
+    """Where TileLang imports but cannot build the kernel (no CUDA toolkit, ...), the op warns once, returns the
+    Triton forward's result, and turns the Hopper path away from then on (unsupported_reason says why)."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper, "COMPILE_FAILED", None)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise hopper.HopperCompileError("nvcc: not found")
+
+    x = inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=x["initial_state"].float(), output_final_state=True, backend="triton")
+    o_ref, ht_ref = linattn.chunk_gated_delta_rule(*args, **kw)
+    monkeypatch.setattr(triton_chunk, "hopper_plan",
+                        lambda *a: None if hopper.COMPILE_FAILED else dict(hopper_fwd.LAUNCH))
+    monkeypatch.setattr(hopper_fwd, "forward_hopper", failing)
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        o, ht = linattn.chunk_gated_delta_rule(*args, **kw)
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    assert "nvcc" in hopper.COMPILE_FAILED and len(calls) == 1
+    o2, _ = linattn.chunk_gated_delta_rule(*args, **kw)            # no second attempt, no second warning
+    assert torch.equal(o2, o_ref) and len(calls) == 1
+
+
 def test_kernel_takes_bf16_only():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
     gc = torch.zeros(1, 64, 1)

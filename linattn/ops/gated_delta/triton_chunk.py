@@ -22,6 +22,7 @@ fla design; fla measures 3.7e-3). benchmarks/gpu_check_fwd.py measures it on the
 """
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -206,8 +207,14 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if FORWARD_PATH in ("auto", "hopper"):
         launch = hopper_plan(q, v, cu_seqlens, num_sequences)
         if launch is not None:
+            from ..hopper import chunk_fwd as hopper
             from ..hopper.forward import forward_hopper
-            return forward_hopper(q, k, v, g, beta, scale, initial_state, **launch)
+            try:
+                return forward_hopper(q, k, v, g, beta, scale, initial_state, **launch)
+            except hopper.HopperCompileError as e:    # once per process: the Triton paths from here on
+                hopper.COMPILE_FAILED = str(e)
+                warnings.warn(f"linattn: the Hopper forward (TileLang) did not compile here, so the Triton forward "
+                              f"runs instead: {e}", RuntimeWarning, stacklevel=2)
     path = forward_path(num_sequences, v.shape[2], v.dtype)
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:

@@ -170,6 +170,16 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     return gdn_chunk_fwd
 
 
+class HopperCompileError(RuntimeError):
+    """TileLang could not build the kernel on this machine (a CUDA toolkit it needs missing, an incompatible
+    TileLang, ...): the op then runs its Triton forward (``triton_chunk``), see :data:`COMPILE_FAILED`."""
+
+
+# Set to the first compile error of this process: from then on :func:`unsupported_reason` turns every input away,
+# so the op warns once and keeps to its Triton paths instead of failing (or trying again) on every call
+COMPILE_FAILED: Optional[str] = None
+
+
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
@@ -182,7 +192,10 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
     func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
                         async_dots, affine)
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
-    return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+    try:
+        return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+    except Exception as e:
+        raise HopperCompileError(f"{type(e).__name__}: {e}"[:500]) from e
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Optional[str]:
@@ -199,6 +212,8 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[to
         return f"K and V must be multiples of 64 (K <= 128, V <= 256), got K={K}, V={V}"
     if not tilelang_available():
         return "TileLang is not installed"
+    if COMPILE_FAILED is not None:
+        return f"its compile failed earlier in this process ({COMPILE_FAILED})"
     return None
 
 
