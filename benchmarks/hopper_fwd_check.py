@@ -20,6 +20,7 @@ then fail too, and say so).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -163,19 +164,37 @@ def segmented(shapes):
     for B, T, H, HV in shapes:
         S = segment_count(B, HV, 128, T, sms)
         if S is not None:
-            rows.append(segmented_row(B, T, H, HV, S, hopper_launch(B * S, HV, 128, sms)))
+            launch = hopper_launch(B * S, HV, 128, sms)
+            rows.append(compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(segments=S, **launch),
+                                                                unsegmented=launch), segments=S))
             print(rows[-1], flush=True)
     return rows
 
 
-def segmented_row(B, T, H, HV, S, launch):
-    x = low_precision(make(B, T, H, HV, 128, 128))
-    scale = 128 ** -0.5
+DIMS = [(8, 4096, 16, 16, 64, 64), (4, 4096, 16, 16, 128, 256)]   # issue 4: "K = V = 64 and K = 128, V = 256"
+
+
+def other_dims():
+    """K = V = 64 and K = 128, V = 256 at shapes whose programs fill the card: the Hopper forward (the launch
+    "auto" takes) against the split, errors and ms."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for B, T, H, HV, K, V in DIMS:
+        launch = hopper_launch(B, HV, V, sms)
+        rows.append(compare_row(B, T, H, HV, K, V, {"hopper": launch} if launch else {}))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def compare_row(B, T, H, HV, K, V, hopper_runs, **info):
+    """Errors of o and the final state against the float64 torch backend and ms (no grad) of each Hopper forward
+    in ``hopper_runs`` (name → forward_hopper keywords) and of the split."""
+    x = low_precision(make(B, T, H, HV, K, V))
+    scale = K ** -0.5
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [scale, x["initial_state"]]
-    runs = {"segmented": lambda: forward_hopper(*args, segments=S, **launch),
-            "unsegmented": lambda: forward_hopper(*args, **launch),
-            "split": lambda: chunk_gated_delta_rule(**x, scale=scale, output_final_state=True)}
-    row = dict(shape=(B, T, H, HV), segments=S)
+    runs = {name: functools.partial(forward_hopper, *args, **kw) for name, kw in hopper_runs.items()}
+    runs["split"] = functools.partial(chunk_gated_delta_rule, **x, scale=scale, output_final_state=True)
+    row = dict(shape=(B, T, H, HV, K, V), **info)
     try:
         with torch.no_grad():
             ref = chunk_gated_delta_rule(**{n: t.double() for n, t in x.items()}, scale=scale,
@@ -202,10 +221,18 @@ def speed(shapes, variants):
 
 def main():
     a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table",
-                   segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)")
+                   segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)",
+                   dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
+    if a.dims:
+        rows = other_dims()
+        write_json(a.out, "hopper_dims.json", dict(dims=rows))
+        print("\nHopper forward at other head sizes (bf16; errors o / final state vs float64; ms no grad)")
+        for r in rows:
+            print(f"  {r}")
+        return
     if a.segmented:
         rows = segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES)
         write_json(a.out, "hopper_segmented.json", dict(segmented=rows))
