@@ -64,18 +64,16 @@ def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
 
 
 @triton.jit
-def _load_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k,
-                USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
-    """Load one token's q, k (length K), g, β in fp32 and apply the fused pre-processing, the L2 norms as factors:
-    returns (q, k, q's norm factor, k's norm factor (1 without USE_QK_L2NORM), g, β)."""
+def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
+                   USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
+    """Load one token's q, k (length K), g, β and apply the fused pre-processing, all in fp32.
+    Returns (q·scale, k, g, β): exactly what the recurrence consumes."""
     b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
     b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-    r_q = 1.
-    r_k = 1.
     if USE_QK_L2NORM:
         # the whole K row is in this program, so the norm needs no communication
-        r_q = tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-        r_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     b_g = tl.load(p_g).to(tl.float32)
     if USE_GATE_IN_KERNEL:
         b_x = b_g + b_dt
@@ -84,17 +82,7 @@ def _load_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k,
     b_beta = tl.load(p_beta).to(tl.float32)
     if USE_BETA_SIGMOID:
         b_beta = tl.sigmoid(b_beta)
-    return b_q, b_k, r_q, r_k, b_g, b_beta
-
-
-@triton.jit
-def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
-                   USE_QK_L2NORM: tl.constexpr, USE_GATE_IN_KERNEL: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):
-    """Load one token's q, k (length K), g, β and apply the fused pre-processing, all in fp32.
-    Returns (q·scale, k, g, β): exactly what the recurrence consumes."""
-    b_q, b_k, r_q, r_k, b_g, b_beta = _load_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, USE_QK_L2NORM,
-                                                  USE_GATE_IN_KERNEL, USE_BETA_SIGMOID)
-    return b_q * r_q * scale, b_k * r_k, b_g, b_beta
+    return b_q * scale, b_k, b_g, b_beta
 
 
 @triton.jit
