@@ -101,7 +101,7 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
     take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, varlen, ...); under
     "auto" also where its programs would not fill the card (``hopper.forward.hopper_launch``); under "hopper" the
     planned launch, else the segmented forward where segments fill the card (``hopper.forward.segment_count``; the
-    plan's "segments"), else :data:`hopper.forward.LAUNCH` (BV = 64 where 128 does not divide V)."""
+    plan's "segments"), else ``hopper.forward.fitted_launch``."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
     from ..hopper import chunk_fwd as hopper
@@ -116,7 +116,7 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
         segments = hopper_fwd.segment_count(num_sequences, HV, V, q.shape[1], sms)
         if segments is not None:
             return dict(hopper_fwd.hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
-        launch = dict(hopper_fwd.LAUNCH, BV=hopper_fwd.LAUNCH["BV"] if V % hopper_fwd.LAUNCH["BV"] == 0 else 64)
+        launch = hopper_fwd.fitted_launch(V)
     return launch
 
 

@@ -112,9 +112,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
             else:
                 T.clear(S)
-            # V's first column for this tile: N's tiles read V shifted by K; M's read V's first tile and zero it
-            v0 = T.max(iv * BV - K, 0) if affine else iv * BV
-            v_on = T.if_then_else(iv * BV >= K, 1.0, 0.0)
+            v0 = iv * BV                              # V's first column for this tile
+            if affine:
+                # N's tiles read V shifted by K; M's read V's first tile and zero it (v_on)
+                v0 = T.max(iv * BV - K, 0)
+                v_on = T.if_then_else(iv * BV >= K, 1.0, 0.0)
             for c in T.Pipelined(T.ceildiv(Tn, BT), num_stages=num_stages):
                 T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
                 if store_output:

@@ -19,7 +19,7 @@ from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
 # The fused kernel's launch when the caller names none (the public op's "hopper" path): run 20 (H200, B=8 T=4096
 # H=16, the kernel alone, ms) measured one warpgroup at BV=64 0.70 (tf32 A_inv X) / 0.66 (bf16 A_inv, async first
 # dots), two warpgroups 0.60 / 0.55, and two warpgroups at BV=128 with bf16 A_inv 0.385: the fastest, taken here.
-# BV is capped at V (K = V = 64)
+# BV=64 where 128 does not divide V (fitted_launch)
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True)
 A_INV_DTYPE = torch.bfloat16
 # The "auto" path takes the Hopper forward only where its (sequence, value head, V tile) programs fill the card:
@@ -31,11 +31,23 @@ A_INV_DTYPE = torch.bfloat16
 FILL_FRACTION = 0.9
 
 
+def fitted_launch(width: int, launch: Optional[dict] = None) -> dict:
+    """``launch`` (None: :data:`LAUNCH`) with BV = 64 where its BV does not divide ``width`` (a multiple of 64:
+    V, or K for the affine walk, whose tiles must not straddle M and N)."""
+    launch = launch or LAUNCH
+    return launch if width % launch["BV"] == 0 else dict(launch, BV=64)
+
+
+def fills_card(programs: int, sms: int) -> bool:
+    """Whether ``programs`` walking programs fill :data:`FILL_FRACTION` of the card's ``sms`` SMs."""
+    return programs >= FILL_FRACTION * sms
+
+
 def hopper_launch(num_sequences: int, HV: int, V: int, sms: int) -> Optional[dict]:
     """The fused kernel's launch for ``num_sequences`` sequences of ``HV`` value heads of width ``V`` on ``sms``
-    SMs, or None where no V tile gives enough programs to fill the card (:data:`FILL_FRACTION`)."""
+    SMs, or None where no V tile gives enough programs to fill the card (:func:`fills_card`)."""
     for BV in (LAUNCH["BV"], 64):
-        if V % BV == 0 and num_sequences * HV * (V // BV) >= FILL_FRACTION * sms:
+        if V % BV == 0 and fills_card(num_sequences * HV * (V // BV), sms):
             return dict(LAUNCH, BV=BV)
     return None
 
@@ -58,7 +70,7 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
     candidates = [S for S in (2, 4, 8, 16, 32, 64) if chunks % S == 0 and chunks // S >= MIN_SEGMENT_CHUNKS]
     for BV in (LAUNCH["BV"], 64):
         for S in candidates:
-            if V % BV == 0 and num_sequences * S * HV * (V // BV) >= FILL_FRACTION * sms:
+            if V % BV == 0 and fills_card(num_sequences * S * HV * (V // BV), sms):
                 return S
     return None
 
@@ -69,7 +81,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``a_inv_dtype``: the pre-pass writes A_inv in it
     (fp32 or bf16; None: :data:`A_INV_DTYPE`); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
-    :data:`LAUNCH`, BV capped at V).
+    :func:`fitted_launch`).
 
     ``segments`` = S > 1 (T a multiple of 64·S): sequence parallelism, exact. Each sequence is cut into S segments
     of L = T/S tokens, which the kernels take as B·S sequences of their own (views: the pre-pass's gc is
@@ -85,8 +97,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     sequences are not one contiguous prefix)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if not launch:
-        launch = dict(LAUNCH, BV=min(LAUNCH["BV"], V))
+    launch = launch or fitted_launch(V)
     gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype or A_INV_DTYPE)
     if not segments or segments == 1:
         return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
@@ -99,8 +110,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     qs, ks, vs, a_s = seg(q), seg(k), seg(v), seg(a_inv)
     gc_hm, beta_hm = head_major(seg(gc)), head_major(seg(beta))
-    affine_launch = dict(launch, BV=launch["BV"] if K % launch["BV"] == 0 else 64)
-    _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, **affine_launch)
+    _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True,
+                                **fitted_launch(K, launch))
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
                        nseg=segments)
     o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
