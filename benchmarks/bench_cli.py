@@ -23,5 +23,6 @@ def bench_args(quick_help: str, **switches: str) -> argparse.Namespace:
 
 
 def write_json(out_dir: str, name: str, payload) -> None:
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, name), "w") as fh:
         json.dump(payload, fh, indent=1)

@@ -141,6 +141,20 @@ def test_segment_count_fills_the_card_with_views():
     assert segment_count(1, 1, 128, 2048, 132) is None         # 32 chunks: 2 segments of 16 cannot fill 132 SMs
 
 
+def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card():
+    """hopper.forward.plan (what hopper_plan runs on sm_90): the unsegmented kernel where it fills the SMs, else the
+    segmented forward, else None under "auto" and the unsegmented kernel at its fitted launch when forced."""
+    from linattn.ops.hopper.forward import LAUNCH, plan
+    for forced in (False, True):
+        assert plan(8, 16, 128, 4096, 132, forced) == LAUNCH                               # fills: no segments
+        assert plan(1, 16, 128, 32768, 132, forced) == dict(LAUNCH, segments=8)            # 8 × 16 programs
+        assert plan(1, 16, 128, 4096, 132, forced) == dict(LAUNCH, BV=64, segments=4)      # 4 × 16 × 2
+        assert plan(1, 8, 128, 32768, 132, forced) == dict(LAUNCH, segments=16)
+    assert plan(1, 16, 128, 1000, 132, False) is None                                      # T: no equal segments
+    assert plan(1, 16, 128, 1000, 132, True) == LAUNCH
+    assert plan(1, 16, 192, 1000, 132, True) == dict(LAUNCH, BV=64)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
 def test_segmented_forward_equals_the_recurrence(monkeypatch, with_h0):

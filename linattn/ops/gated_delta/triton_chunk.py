@@ -69,7 +69,8 @@ PRECOMPUTE_QK = True
 # The Hopper forward (ops/hopper/, TileLang, an optional dependency): the Triton pre-pass writes A_inv, then one
 # fused kernel walks the chunks with the state on chip and writes only o (docs/architecture.md, "The Hopper
 # forward"). "auto" takes it for bf16 on sm_90 with TileLang installed, equal-length sequences, where its programs
-# fill the card (hopper_plan; run 20, B=8 T=4096 H=16: 0.653 ms against the split's 1.005); "hopper" forces it
+# fill the card (hopper_plan; run 20, B=8 T=4096 H=16: 0.653 ms against the split's 1.005), or where it cut into
+# segments fills the card (run 21, B=1 T=32768 H=16: 1.222 ms against 1.679; hopper.forward.plan); "hopper" forces it
 # wherever the kernel takes the inputs; inputs it does not take (hopper.chunk_fwd.unsupported_reason) run the
 # Triton paths. Its bf16 error is FlashQLA's (o 3.4e-3, final state 2.4e-3 at the anchor case, against the split's
 # 2.4e-3 / 7.3e-4 and the rounded baseline's 2.9e-3 / 1.7e-3): "split" keeps the more accurate path.
@@ -99,25 +100,15 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
                 num_sequences: int) -> Optional[dict]:
     """The Hopper forward's launch for these inputs, or None to run the Triton paths: None where the kernel cannot
     take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, varlen, ...); under
-    "auto" also where its programs would not fill the card (``hopper.forward.hopper_launch``); under "hopper" the
-    planned launch, else the segmented forward where segments fill the card (``hopper.forward.segment_count``; the
-    plan's "segments"), else ``hopper.forward.fitted_launch``."""
+    "auto" also where neither the kernel's programs nor the segmented forward's fill the card
+    (``hopper.forward.plan``); "hopper" then runs the unsegmented kernel."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
     from ..hopper import chunk_fwd as hopper
     if hopper.unsupported_reason(q, v, cu_seqlens) is not None:
         return None
-    from ..hopper import forward as hopper_fwd
-    V = v.shape[-1]
-    HV, sms = v.shape[2], num_sms(q.device)
-    launch = hopper_fwd.hopper_launch(num_sequences, HV, V, sms)
-    if launch is None and FORWARD_PATH == "hopper":
-        # forced: sequence parallelism where segments fill the card (not measured yet, so not under "auto")
-        segments = hopper_fwd.segment_count(num_sequences, HV, V, q.shape[1], sms)
-        if segments is not None:
-            return dict(hopper_fwd.hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
-        launch = hopper_fwd.fitted_launch(V)
-    return launch
+    from ..hopper.forward import plan
+    return plan(num_sequences, v.shape[2], v.shape[-1], q.shape[1], num_sms(q.device), FORWARD_PATH == "hopper")
 
 
 class FwdStages(NamedTuple):

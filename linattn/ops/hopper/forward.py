@@ -22,9 +22,8 @@ from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
 # BV=64 where 128 does not divide V (fitted_launch)
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True)
 A_INV_DTYPE = torch.bfloat16
-# The "auto" path takes the Hopper forward only where its (sequence, value head, V tile) programs fill the card:
-# one program walks all the chunks of its sequence, so with fewer programs than SMs the card idles (the segmented
-# forward below is not measured yet, so "auto" does not use it). Run 20: B=8 T=4096 H=16 (128 programs at BV=128
+# The unsegmented kernel only where its (sequence, value head, V tile) programs fill the card: one program walks
+# all the chunks of its sequence, so with fewer programs than SMs the card idles (then the segmented forward, plan). Run 20: B=8 T=4096 H=16 (128 programs at BV=128
 # on 132 SMs) 0.653 ms with the pre-pass against the split's 1.005; B=1 (16 programs) 0.451 (BV=64, 32 programs:
 # 0.330) against 0.261, and B=1 T=32768 2.42 against 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs,
 # else BV=64 where those do, else None
@@ -52,8 +51,8 @@ def hopper_launch(num_sequences: int, HV: int, V: int, sms: int) -> Optional[dic
     return None
 
 
-# The segmented forward (sequence parallelism, FORWARD_PATH = "hopper" only until measured): segments of at least
-# this many chunks
+# The segmented forward (sequence parallelism, where the unsegmented kernel's programs do not fill the card):
+# segments of at least this many chunks
 MIN_SEGMENT_CHUNKS = 16
 
 
@@ -73,6 +72,26 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
             if V % BV == 0 and fills_card(num_sequences * S * HV * (V // BV), sms):
                 return S
     return None
+
+
+def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) -> Optional[dict]:
+    """:func:`forward_hopper`'s keywords for ``num_sequences`` equal-length sequences of ``T`` tokens and ``HV``
+    value heads of width ``V`` on ``sms`` SMs, or None for the Triton paths: the unsegmented kernel where its
+    programs fill the card (:func:`hopper_launch`), else the segmented forward where segments do
+    (:func:`segment_count`; the plan's "segments"), else None — or, ``forced`` (``FORWARD_PATH = "hopper"``), the
+    unsegmented kernel at :func:`fitted_launch`.
+
+    Run 21 (H200, bf16, K = V = 128, ms with the pre-pass against the Triton split, no grad): segmented B=1 T=4096
+    H=16 (4 segments) 0.242 vs 0.319, T=32768 (8) 1.222 vs 1.679, T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads
+    (16) 0.769 vs 1.231; the unsegmented kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented
+    kernel fills the card, 2 segments were slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns."""
+    launch = hopper_launch(num_sequences, HV, V, sms)
+    if launch is not None:
+        return launch
+    segments = segment_count(num_sequences, HV, V, T, sms)
+    if segments is not None:
+        return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
+    return fitted_launch(V) if forced else None
 
 
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
