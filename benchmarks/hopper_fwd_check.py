@@ -218,6 +218,73 @@ def compare_row(B, T, H, HV, K, V, hopper_runs, **info):
     return row
 
 
+def host_us(fn, calls=200):
+    """µs of host time per call: ``calls`` calls issued back to back, one sync (the rate the CPU can feed the GPU;
+    above the GPU time, the call is host-bound)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def profile(shapes):
+    """Where the Hopper forward's time goes, per shape (:func:`profile_shape`)."""
+    rows = []
+    for shape in shapes:
+        rows.append(profile_shape(*shape))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def profile_shape(B, T, H, HV):
+    """GPU ms of every stage of the forward "auto" plans alone (the pre-pass, the two head-major copies, phase A
+    and the affine scan where segmented, the fused kernel), of forward_hopper and of the public op (inputs with and
+    without requires_grad, no grad), and the host µs per call of the last three."""
+    x = low_precision(make(B, T, H, HV, 128, 128))
+    x["initial_state"] = None
+    scale = 128 ** -0.5
+    launch = triton_chunk.hopper_plan(x["q"], x["v"], None, B)
+    row = dict(shape=(B, T, H, HV), plan=dict(launch))
+    S = launch.pop("segments", 1)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [scale, None]
+    xg = {n: t.detach().clone().requires_grad_() if t is not None else None for n, t in x.items()}
+
+    def seg(t):
+        return t.reshape(B * S, T // S, *t.shape[2:])
+
+    def prepass():
+        return fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=BF16)
+
+    with torch.no_grad():
+        gc, a_inv = prepass()
+        gc_hm, beta_hm = hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))
+        walk = functools.partial(hopper.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm, beta_hm,
+                                 seg(a_inv), scale, None)
+        stages = dict(prepass=prepass,
+                      head_major_x2=lambda: (hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))),
+                      walk=functools.partial(walk, **launch))
+        if S > 1:
+            from linattn.ops.common.seq_parallel import affine_scan
+            from linattn.ops.hopper.forward import fitted_launch
+            stages["phase_a"] = functools.partial(walk, affine=True, **fitted_launch(128, launch))
+            mn = stages["phase_a"]()[1]
+            stages["affine_scan"] = functools.partial(affine_scan, mn, None, 128, B, nseg=S)
+        calls = dict(forward_hopper=functools.partial(forward_hopper, *args, segments=S, **launch),
+                     op=functools.partial(chunk_gated_delta_rule, **x, scale=scale, output_final_state=True),
+                     op_requires_grad=functools.partial(chunk_gated_delta_rule, **xg, scale=scale,
+                                                        output_final_state=True))
+        for name, fn in stages.items():
+            row[name + "_ms"] = bench(fn)
+        for name, fn in calls.items():
+            row[name + "_ms"] = bench(fn)
+            row[name + "_host_us"] = host_us(fn)
+    return row
+
+
 def speed(shapes, variants):
     """Every variant at the shapes with B=8 T=4096 H=16's heads (the second shape; B and T are symbolic, so no
     compile), the first two elsewhere (each new head configuration compiles every variant again, ≈ 8 s each)."""
@@ -232,7 +299,8 @@ def speed(shapes, variants):
 def main():
     a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table",
                    segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)",
-                   dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)")
+                   dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)",
+                   profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
@@ -240,6 +308,13 @@ def main():
         rows = other_dims()
         write_json(a.out, "hopper_dims.json", dict(dims=rows))
         print("\nHopper forward at other head sizes (bf16; errors o / final state vs float64; ms no grad)")
+        for r in rows:
+            print(f"  {r}")
+        return
+    if a.profile:
+        rows = profile([SHAPES[0], SHAPES[2], SHAPES[6], SHAPES[1]])
+        write_json(a.out, "hopper_profile.json", dict(profile=rows))
+        print("\nHopper forward stage by stage (GPU ms each alone; host µs per call)")
         for r in rows:
             print(f"  {r}")
         return
