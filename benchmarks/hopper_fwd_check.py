@@ -285,6 +285,46 @@ def profile_shape(B, T, H, HV):
     return row
 
 
+def host_profile(B=1, T=4096, H=16, HV=16, calls=300):
+    """cProfile of ``calls`` back-to-back calls of the public op where "auto" plans the segmented Hopper forward
+    (row 1): the Python functions by their own time, to find the host cost per call."""
+    import cProfile
+    import io
+    import pstats
+    x = low_precision(make(B, T, H, HV, 128, 128))
+    x["initial_state"] = None
+    fn = functools.partial(chunk_gated_delta_rule, **x, scale=128 ** -0.5, output_final_state=True)
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    return out.getvalue()
+
+
+def scan_widths(shapes, widths=(8, 16, 32, 64)):
+    """ms of the affine scan (phase B) per V slice width at the segmented shapes: its programs are (V slice,
+    sequence × head) and walk the segments one after another."""
+    from linattn.ops.common.seq_parallel import affine_scan
+    rows = []
+    for B, T, H, HV in shapes:
+        S = triton_chunk.hopper_plan(*(torch.empty(B, T, h, 128, device=DEVICE, dtype=BF16) for h in (H, HV)), None,
+                                     B).get("segments", 1)
+        mn = torch.randn(B * S, HV, 128, 256, device=DEVICE) * 0.05
+        row = dict(shape=(B, T, H, HV), segments=S)
+        for BV in widths:
+            row[f"BV{BV}_ms"] = bench(functools.partial(affine_scan, mn, None, 128, B, nseg=S, BV=BV))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def speed(shapes, variants):
     """Every variant at the shapes with B=8 T=4096 H=16's heads (the second shape; B and T are symbolic, so no
     compile), the first two elsewhere (each new head configuration compiles every variant again, ≈ 8 s each)."""
@@ -300,7 +340,8 @@ def main():
     a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table",
                    segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)",
                    dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)",
-                   profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)")
+                   profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)",
+                   host_profile="cProfile of the public op at row 1, and the affine scan's V slice widths")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
@@ -315,6 +356,14 @@ def main():
         rows = profile([SHAPES[0], SHAPES[2], SHAPES[6], SHAPES[1]])
         write_json(a.out, "hopper_profile.json", dict(profile=rows))
         print("\nHopper forward stage by stage (GPU ms each alone; host µs per call)")
+        for r in rows:
+            print(f"  {r}")
+        return
+    if a.host_profile:
+        rows = scan_widths([SHAPES[0], SHAPES[2], SHAPES[6]])
+        text = host_profile()
+        write_json(a.out, "hopper_host_profile.json", dict(scan_widths=rows, cprofile=text))
+        print(text)
         for r in rows:
             print(f"  {r}")
         return
