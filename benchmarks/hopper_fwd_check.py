@@ -308,7 +308,7 @@ def host_profile(B=1, T=4096, H=16, HV=16, calls=300):
     return out.getvalue()
 
 
-def scan_widths(shapes, widths=(8, 16, 32, 64)):
+def scan_widths(shapes, widths=(16, 32, 64)):
     """ms of the affine scan (phase B) per V slice width at the segmented shapes: its programs are (V slice,
     sequence × head) and walk the segments one after another."""
     from linattn.ops.common.seq_parallel import affine_scan
