@@ -79,6 +79,14 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
     return None
 
 
+# "auto" segments only from this many (sequence × token × value head) rows: below it the call is host-bound (the
+# segmented forward issues two TileLang launches, two Triton ones and four small copies; ≈ 0.35 ms of host time per
+# call in run 21 against ≈ 0.22 of GPU time at B=1 T=4096 H=16, 2¹⁶ rows), and run 21 measured it both ahead of the
+# split and behind it there (0.242 vs 0.319 ms in one call, 0.336 vs 0.230 in another, on other machines). From
+# 2¹⁸ rows (T=32768 at 8 or 16 heads) it won in every call; between, nothing was measured and the split stays
+MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
+
+
 def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) -> Optional[dict]:
     """:func:`forward_hopper`'s keywords for ``num_sequences`` equal-length sequences of ``T`` tokens and ``HV``
     value heads of width ``V`` on ``sms`` SMs, or None for the Triton paths: the unsegmented kernel where its
@@ -89,12 +97,13 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
     Run 21 (H200, bf16, K = V = 128, ms with the pre-pass against the Triton split, no grad): segmented B=1 T=4096
     H=16 (4 segments) 0.242 vs 0.319, T=32768 (8) 1.222 vs 1.679, T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads
     (16) 0.769 vs 1.231; the unsegmented kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented
-    kernel fills the card, 2 segments were slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns."""
+    kernel fills the card, 2 segments were slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under
+    "auto" the segmented forward also needs :data:`MIN_SEGMENTED_HEAD_TOKENS`."""
     launch = hopper_launch(num_sequences, HV, V, sms)
     if launch is not None:
         return launch
     segments = segment_count(num_sequences, HV, V, T, sms)
-    if segments is not None:
+    if segments is not None and (forced or num_sequences * T * HV >= MIN_SEGMENTED_HEAD_TOKENS):
         return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
     return fitted_launch(V) if forced else None
 
