@@ -141,10 +141,16 @@ def test_segment_count_fills_the_card_with_views():
     assert segment_count(1, 1, 128, 2048, 132) is None         # 32 chunks: 2 segments of 16 cannot fill 132 SMs
 
 
-def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card():
+def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeypatch):
     """hopper.forward.plan (what hopper_plan runs on sm_90): the unsegmented kernel where it fills the SMs, else the
-    segmented forward, else None under "auto" and the unsegmented kernel at its fitted launch when forced."""
+    segmented forward (under "auto" only with SEGMENTED_AUTO, and from MIN_SEGMENTED_HEAD_TOKENS rows), else None
+    under "auto" and the unsegmented kernel at its fitted launch when forced."""
+    from linattn.ops.hopper import forward as hopper_fwd
     from linattn.ops.hopper.forward import LAUNCH, plan
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", False)
+    assert plan(1, 16, 128, 32768, 132, False) is None                                     # "auto": no segments
+    assert plan(1, 16, 128, 32768, 132, True) == dict(LAUNCH, segments=8)                  # forced: segments
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", True)
     for forced in (False, True):
         assert plan(8, 16, 128, 4096, 132, forced) == LAUNCH                               # fills: no segments
         assert plan(1, 16, 128, 32768, 132, forced) == dict(LAUNCH, segments=8)            # 8 × 16 programs
