@@ -30,13 +30,13 @@ torch.backends.cuda.matmul.allow_tf32 = False
 NAMES = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
-def make(B, T, H, HV, K, V, N, seed):
+def make(B, T, H, HV, K, V, N, seed, decay=1 / 16):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.float64)
     q = F.normalize(r(B, T, H, K), dim=-1)
     k = F.normalize(r(B, T, H, K), dim=-1)
     v = r(B, T, HV, V)
-    g = F.logsigmoid(r(B, T, HV)) / 16          # the anchors' gate distribution
+    g = F.logsigmoid(r(B, T, HV)) * decay       # 1/16: the anchors' gate distribution
     beta = torch.rand(B, T, HV, device="cuda", generator=gen, dtype=torch.float64)
     h0 = r(N, HV, K, V) * 0.1
     return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
@@ -85,7 +85,7 @@ def check(case, dt, use_token_ref):
     name, B, T, H, HV, K, V, lengths = case
     N = len(lengths) if lengths else B
     # zlib.crc32, not hash(): str hashes change with every process (PYTHONHASHSEED), and with them the inputs
-    x = make(B, T, H, HV, K, V, N, seed=zlib.crc32(name.encode()) % 1000)
+    x = make(B, T, H, HV, K, V, N, seed=zlib.crc32(name.encode()) % 1000, decay=DECAY.get(name, 1 / 16))
     cu = None
     if lengths:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
@@ -127,6 +127,10 @@ def ratio_cells(row) -> list[str]:
     return [f"{row['err'][n] / base[n]:.2f}" if base else f"{row['err'][n]:.1e}" for n in NAMES]
 
 
+# g = decay · logsigmoid(N(0, 1)), 1/16 unless listed: the anchors' gates (mean −0.05 per token) forget a state
+# within a few chunks, so a state carried wrongly across a sequence's segments (sequence parallelism) hides there;
+# 1/65536 (mean −1.2e-5) keeps it across the whole sequence
+DECAY = {"T32768_slow_decay": 1 / 65536}
 CASES = [  # name, B, T, H, HV, K, V, varlen lengths
     ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128, None),
     ("T1", 1, 1, 2, 2, 128, 128, None),
@@ -137,6 +141,7 @@ CASES = [  # name, B, T, H, HV, K, V, varlen lengths
     ("varlen_K128", 1, 1 + 64 + 500 + 3000 + 77, 2, 4, 128, 128, (1, 64, 500, 3000, 77)),
     ("T32768_K128", 1, 32768, 2, 2, 128, 128, None),
     ("T32768_K64", 1, 32768, 2, 4, 64, 64, None),
+    ("T32768_slow_decay", 1, 32768, 2, 2, 128, 128, None),
 ]
 
 
