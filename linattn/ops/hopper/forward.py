@@ -1,6 +1,7 @@
 """The Hopper forward end to end: a pre-pass (gc, β head-major and each chunk's A_inv), then the fused chunk kernel
-(``chunk_fwd.py``). What ``triton_chunk``'s "auto" path runs on sm_90 where :func:`hopper_launch` says the kernel's
-programs fill the card, and what ``FORWARD_PATH = "hopper"`` forces wherever the inputs suit it.
+(``chunk_fwd.py``), unsegmented or cut into segments (sequence parallelism). :func:`plan` decides for
+``triton_chunk``'s "auto" path on sm_90 and for ``FORWARD_PATH = "hopper"``, which forces it wherever the inputs
+suit it.
 
 The pre-pass is the split forward's (``fused_prepass(write_wy=False)``: 0.275 ms at B=8 T=4096 H=16 in run 20,
 plus two small head-major copies). A TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an fp32 forward substitution,
@@ -23,9 +24,9 @@ from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True)
 A_INV_DTYPE = torch.bfloat16
 # The unsegmented kernel only where its (sequence, value head, V tile) programs fill the card: one program walks
-# all the chunks of its sequence, so with fewer programs than SMs the card idles (then the segmented forward, plan). Run 20: B=8 T=4096 H=16 (128 programs at BV=128
-# on 132 SMs) 0.653 ms with the pre-pass against the split's 1.005; B=1 (16 programs) 0.451 (BV=64, 32 programs:
-# 0.330) against 0.261, and B=1 T=32768 2.42 against 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs,
+# all the chunks of its sequence, so with fewer programs than SMs the card idles (then the segmented forward, plan).
+# Run 20: B=8 T=4096 H=16 (128 programs at BV=128 on 132 SMs) 0.653 ms with the pre-pass against the split's 1.005;
+# B=1 (16 programs) 0.451 (BV=64, 32 programs: 0.330) against 0.261, and B=1 T=32768 2.42 against 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs,
 # else BV=64 where those do, else None
 FILL_FRACTION = 0.9
 
@@ -97,12 +98,11 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
     value heads of width ``V`` on ``sms`` SMs, or None for the Triton paths: the unsegmented kernel where its
     programs fill the card (:func:`hopper_launch`), else the segmented forward where segments do
     (:func:`segment_count`; the plan's "segments"; under "auto" only with :data:`SEGMENTED_AUTO`), else None — or,
-    ``forced`` (``FORWARD_PATH = "hopper"``), the
-    unsegmented kernel at :func:`fitted_launch`.
+    ``forced`` (``FORWARD_PATH = "hopper"``), the unsegmented kernel at :func:`fitted_launch`.
 
     Run 21 (H200, bf16, K = V = 128, ms with the pre-pass against the Triton split, no grad): segmented B=1 T=4096
-    H=16 (4 segments) 0.242 vs 0.319, T=32768 (8) 1.222 vs 1.679, T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads
-    (16) 0.769 vs 1.231; the unsegmented kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented
+    H=16 (4 segments) 0.242 vs 0.319 (and 0.336 vs 0.230 on another machine), T=32768 (8) 1.222 vs 1.679 (1.196
+    with the 16-column scan), T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads (16) 0.769 vs 1.231; the unsegmented kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented
     kernel fills the card, 2 segments were slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under
     "auto" the segmented forward also needs :data:`MIN_SEGMENTED_HEAD_TOKENS`."""
     launch = hopper_launch(num_sequences, HV, V, sms)
