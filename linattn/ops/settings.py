@@ -1,8 +1,9 @@
-"""The Triton path's tunable settings in one dict, for reports: ``linattn eval`` records them beside the
+"""The Triton path's (and the Hopper forward's) tunable settings in one dict, for reports: ``linattn eval`` records them beside the
 environment so a report says which forward path, loop stages, launch widths and precisions produced its numbers
 (they are module settings the benchmarks flip, docs/performance.md)."""
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 
@@ -21,6 +22,8 @@ def triton_settings() -> Optional[dict]:
         )
         from .common.local_bwd_utils import BWD_WARPS
         from .gated_delta import recurrent_kernels, triton_bwd, triton_chunk
+        from .hopper import chunk_fwd as hopper_kernel
+        from .hopper import forward as hopper
     except ImportError:
         return None
     return {
@@ -39,4 +42,13 @@ def triton_settings() -> Optional[dict]:
         "FP32_DOT_PRECISION": common.FP32_DOT_PRECISION, "FP32_PRODUCT_PRECISION": common.FP32_PRODUCT_PRECISION,
         "DECODE_ONE_STEP": recurrent_kernels.DECODE_ONE_STEP,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
+        # the Hopper forward (TileLang, optional): whether it can run here at all, and what "auto" would make of it
+        "HOPPER": {
+            "tilelang_installed": importlib.util.find_spec("tilelang") is not None,   # found, not imported
+            "compile_failed": hopper_kernel.COMPILE_FAILED,
+            "LAUNCH": dict(hopper.LAUNCH), "A_INV_DTYPE": str(hopper.A_INV_DTYPE).removeprefix("torch."),
+            "FILL_FRACTION": hopper.FILL_FRACTION, "SEGMENTED_AUTO": hopper.SEGMENTED_AUTO,
+            "MIN_SEGMENTED_HEAD_TOKENS": hopper.MIN_SEGMENTED_HEAD_TOKENS,
+            "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV,
+        },
     }

@@ -1,4 +1,5 @@
 """Unit checks of the sections' logic on tiny inputs: the accuracy metric, NaN cone, scorecard, time budget."""
+import json
 import math
 
 import pytest
@@ -143,6 +144,12 @@ def test_environment_records_the_triton_settings(monkeypatch):
     settings = collect(CPU)["linattn_settings"]
     assert settings["FORWARD_PATH"] == "walk" and settings["LAUNCH_OPTIONS"] == {"wy": {"maxnreg": 168}}
     assert set(settings["BWD_WARPS"]) == {"dv", "state_pass", "dqk", "wy"}
+    from linattn.ops.hopper import forward as hopper
+    monkeypatch.setattr(hopper, "SEGMENTED_AUTO", True)
+    recorded = collect(CPU)["linattn_settings"]["HOPPER"]
+    assert recorded["SEGMENTED_AUTO"] is True and recorded["LAUNCH"] == hopper.LAUNCH
+    assert isinstance(recorded["tilelang_installed"], bool)
+    json.dumps(recorded)                                    # the report writes it as JSON
 
 
 def test_share_splits_the_remaining_time():
