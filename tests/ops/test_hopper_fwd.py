@@ -162,27 +162,46 @@ def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeyp
     assert plan(1, 16, 192, 1000, 132, True) == dict(LAUNCH, BV=64)
 
 
+def _twin_with_m_scaled(factor):
+    """The kernel's twin, with the affine walk's M (the first K columns of [M | N]) scaled by ``factor``: a wrong
+    state map for the negative controls below."""
+    def twin(*args, affine=False, **kwargs):
+        o, S = hopper.chunk_fwd_hopper_hm_ref(*args, affine=affine, **kwargs)
+        if affine:
+            S = S.clone()
+            S[..., :args[0].shape[-1]] *= factor
+        return o, S
+    return twin
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
 def test_segmented_forward_equals_the_recurrence(monkeypatch, with_h0):
     """Phases A → B → C of forward_hopper(segments=S) around the kernel's twin (chunk_fwd_hopper_hm_ref: the
     kernel's contract, affine walk included; the real kernel runs only on an sm_90 GPU), the Triton pre-pass and
     affine scan under the interpreter, fp32 inputs: o and the final state equal the float64 recurrence, and the
-    unsegmented forward."""
+    unsegmented forward. The gates are weak (1/64 of logsigmoid: about e^-0.8 over a 64-token segment) so that the
+    entering state and with it M matter: with the default gates (1/4) M is ≈ e^-13 and a zero M passed this test
+    too. The negative controls (M zeroed, M off by 5%: o off by ≈ 4e-2 and ≈ 2e-3) show it."""
     from linattn.ops.hopper import forward as hopper_fwd
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
     x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
+    x["g"] = x["g"] / 16
     h0 = x["initial_state"].float() if with_h0 else None
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
     exact = {n: t.double() for n, t in x.items()}
     ro, rht = gated_delta_rule_reference(**dict(exact, initial_state=exact["initial_state"] if with_h0 else None),
                                          scale=0.25)
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
     o4, ht4 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
     o1, ht1 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, BV=16)
     assert rel(o4, ro) < 1e-5 and rel(ht4, rht) < 1e-5
     assert rel(o4, o1) < 1e-5 and rel(ht4, ht1) < 1e-5
     with pytest.raises(ValueError, match="multiple of"):
         hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=8, BV=16)
+    for factor in (0.0, 0.95):
+        monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", _twin_with_m_scaled(factor))
+        o_bad, ht_bad = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
+        assert rel(o_bad, ro) > 1e-4 and rel(ht_bad, rht) > 1e-4, factor
 
 
 @pytest.mark.interpreter
