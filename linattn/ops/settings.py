@@ -1,6 +1,6 @@
-"""The Triton path's (and the Hopper forward's) tunable settings in one dict, for reports: ``linattn eval`` records them beside the
-environment so a report says which forward path, loop stages, launch widths and precisions produced its numbers
-(they are module settings the benchmarks flip, docs/performance.md)."""
+"""The Triton path's (and the Hopper forward's) tunable settings in one dict, for reports: ``linattn eval`` records
+them beside the environment so a report says which forward path, loop stages, launch widths and precisions produced
+its numbers (they are module settings the benchmarks flip, docs/performance.md)."""
 from __future__ import annotations
 
 import importlib.util

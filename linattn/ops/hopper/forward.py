@@ -26,8 +26,8 @@ A_INV_DTYPE = torch.bfloat16
 # The unsegmented kernel only where its (sequence, value head, V tile) programs fill the card: one program walks
 # all the chunks of its sequence, so with fewer programs than SMs the card idles (then the segmented forward, plan).
 # Run 20: B=8 T=4096 H=16 (128 programs at BV=128 on 132 SMs) 0.653 ms with the pre-pass against the split's 1.005;
-# B=1 (16 programs) 0.451 (BV=64, 32 programs: 0.330) against 0.261, and B=1 T=32768 2.42 against 1.68. BV=128 where its programs fill FILL_FRACTION of the SMs,
-# else BV=64 where those do, else None
+# B=1 (16 programs) 0.451 (BV=64, 32 programs: 0.330) against 0.261, and B=1 T=32768 2.42 against 1.68. BV=128
+# where its programs fill FILL_FRACTION of the SMs, else BV=64 where those do, else None
 FILL_FRACTION = 0.9
 
 
@@ -102,14 +102,16 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
 
     Run 21 (H200, bf16, K = V = 128, ms with the pre-pass against the Triton split, no grad): segmented B=1 T=4096
     H=16 (4 segments) 0.242 vs 0.319 (and 0.336 vs 0.230 on another machine), T=32768 (8) 1.222 vs 1.679 (1.196
-    with the 16-column scan), T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads (16) 0.769 vs 1.231; the unsegmented kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented
-    kernel fills the card, 2 segments were slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under
-    "auto" the segmented forward also needs :data:`MIN_SEGMENTED_HEAD_TOKENS`."""
+    with the 16-column scan), T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads (16) 0.769 vs 1.231; the unsegmented
+    kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented kernel fills the card, 2 segments were
+    slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under "auto" the segmented forward also needs
+    :data:`MIN_SEGMENTED_HEAD_TOKENS`."""
     launch = hopper_launch(num_sequences, HV, V, sms)
     if launch is not None:
         return launch
     segments = segment_count(num_sequences, HV, V, T, sms)
-    if segments is not None and (forced or (SEGMENTED_AUTO and num_sequences * T * HV >= MIN_SEGMENTED_HEAD_TOKENS)):
+    auto_segments = SEGMENTED_AUTO and num_sequences * T * HV >= MIN_SEGMENTED_HEAD_TOKENS
+    if segments is not None and (forced or auto_segments):
         return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
     return fitted_launch(V) if forced else None
 
