@@ -34,7 +34,7 @@ from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
-from linattn.ops.hopper.forward import forward_hopper, hopper_launch, segment_count
+from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan
 
 # (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
 # warpgroup for the TMA loads), the depth of the chunk loop's load pipeline, A_inv as the pre-pass writes it (fp32:
@@ -166,15 +166,15 @@ DECAYS = (1 / 16, 1 / 65536)
 
 
 def segmented(shapes):
-    """The segmented Hopper forward (``forward_hopper(segments=S)``, S from ``segment_count``) at the shapes whose
-    unsegmented programs do not fill the card: errors of o and the final state against the float64 torch backend,
+    """The segmented Hopper forward (``forward_hopper(segments=S)``, as ``forward.plan`` makes it) at the shapes
+    whose unsegmented programs do not fill the card: errors of o and the final state against the float64 torch backend,
     beside the unsegmented kernel's (same launch) and the split's; then ms of the three (no grad)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for B, T, H, HV in shapes:
-        S = segment_count(B, HV, 128, T, sms)
+        launch = plan(B, HV, 128, T, sms, forced=True)      # what FORWARD_PATH = "hopper" runs
+        S = launch.pop("segments", None)
         if S is not None:
-            launch = hopper_launch(B * S, HV, 128, sms)
             for decay in DECAYS:
                 rows.append(compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(segments=S, **launch),
                                                                     unsegmented=launch), segments=S, decay=decay))
@@ -352,6 +352,14 @@ def speed(shapes, variants):
     return rows
 
 
+def report(out, key, rows, title, **extra):
+    """Writes ``rows`` (and ``extra``) to hopper_<key>.json under ``out`` and prints them under ``title``."""
+    write_json(out, f"hopper_{key}.json", {key: rows, **extra})
+    print("\n" + title)
+    for r in rows:
+        print(f"  {r}")
+
+
 def main():
     a = bench_args("anchor and T=1 accuracy, rows 1-3 of the speed table",
                    segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)",
@@ -362,34 +370,17 @@ def main():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
     if a.dims:
-        rows = other_dims()
-        write_json(a.out, "hopper_dims.json", dict(dims=rows))
-        print("\nHopper forward at other head sizes (bf16; errors o / final state vs float64; ms no grad)")
-        for r in rows:
-            print(f"  {r}")
-        return
+        return report(a.out, "dims", other_dims(),
+                      "Hopper forward at other head sizes (bf16; errors o / final state vs float64; ms no grad)")
     if a.profile:
-        rows = profile([SHAPES[0], SHAPES[2], SHAPES[6], SHAPES[1]])
-        write_json(a.out, "hopper_profile.json", dict(profile=rows))
-        print("\nHopper forward stage by stage (GPU ms each alone; host µs per call)")
-        for r in rows:
-            print(f"  {r}")
-        return
+        return report(a.out, "profile", profile([SHAPES[0], SHAPES[2], SHAPES[6], SHAPES[1]]),
+                      "Hopper forward stage by stage (GPU ms each alone; host µs per call)")
     if a.host_profile:
-        rows = scan_widths([SHAPES[0], SHAPES[2], SHAPES[6]])
-        text = host_profile()
-        write_json(a.out, "hopper_host_profile.json", dict(scan_widths=rows, cprofile=text))
-        print(text)
-        for r in rows:
-            print(f"  {r}")
-        return
+        rows, text = scan_widths([SHAPES[0], SHAPES[2], SHAPES[6]]), host_profile()
+        return report(a.out, "host_profile", rows, text + "\naffine scan ms per V slice width", cprofile=text)
     if a.segmented:
-        rows = segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES)
-        write_json(a.out, "hopper_segmented.json", dict(segmented=rows))
-        print("\nsegmented Hopper forward (bf16, K = V = 128; errors o / final state vs float64; ms no grad)")
-        for r in rows:
-            print(f"  {r}")
-        return
+        return report(a.out, "segmented", segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES),
+                      "segmented Hopper forward (bf16, K = V = 128; errors o / final state vs float64; ms no grad)")
     acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
     spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
     write_json(a.out, "hopper_fwd_check.json", dict(accuracy=acc, speed=spd))
