@@ -126,7 +126,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], gcs)
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
                 T.copy(S, Ss)
-                # the dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators)
+                # the dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators).
+                # Async dots and the load pipeline: TileLang releases a staged buffer to the producer right after
+                # its last use in program order — for Qs that is the *issue* of Q Kᵀ below, before it completes.
+                # That is safe only because the producer loads each chunk's K first and Ks is released last, after
+                # the synchronous state update: the producer cannot refill Qs for chunk c + 2 before chunk c is done.
+                # Keep it so (K first, the update synchronous) when reordering the dots
                 if async_dots:
                     T.wgmma_gemm(Ks, Ss, KS, clear_accum=True)
                     if store_output:
