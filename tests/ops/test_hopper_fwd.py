@@ -255,3 +255,24 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
                                     affine=True).get_kernel_source()
     # phase A: the state's three dots (K S, A_inv X, the update), no query loads, no output
     assert affine.count("wgmma_ss<") == 3 and "q_desc" not in affine and "o_desc" not in affine
+
+
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
+def test_async_dots_cannot_race_the_load_pipeline():
+    """The invariant written at the kernel's dots, on the generated CUDA of the default launch: TileLang hands a
+    staged buffer back to the producer after its last use in program order (for Q, the *issue* of the async Q Kᵀ),
+    so every buffer's refill for chunk c + 2 must wait behind the one released last in chunk c — the producer's
+    first wait — and that release must come after the body's last wgmma wait (the synchronous state update)."""
+    import re
+    src = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                 a_dtype="bfloat16", beta_dtype="bfloat16", async_dots=True).get_kernel_source()
+    producer, consumer = re.split(r"for \(int c_1 = 0;", src, maxsplit=1)
+    producer = producer[producer.index("for (int c = 0;"):]
+    first_wait = re.search(r"mbarrier\[\(\(c & 1\) \+ (\d+)\)\]\.wait", producer).group(1)
+    body = consumer[:consumer.index("mbarrier[((c_1 & 1) + %s)].arrive()" % first_wait) + 1]
+    releases = re.findall(r"mbarrier\[\(\(c_1 & 1\) \+ (\d+)\)\]\.arrive\(\)", consumer)
+    assert releases and releases[-1] == first_wait                  # the producer waits first on the last release
+    last_wait = max(body.rfind("warpgroup_wait<0>"), body.rfind("wait_wgmma<0>"))
+    last_issue = body.rfind("wgmma_ss<")
+    assert 0 <= last_issue < last_wait                              # every dot of the chunk done before it
