@@ -151,8 +151,9 @@ def main():
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all, or --quick's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--forward-path", default=None, choices=triton_chunk.FORWARD_PATHS,
-                    help="triton_chunk.FORWARD_PATH for the run (e.g. hopper: the experimental TileLang forward "
-                         "where it takes the inputs; the backward is the Triton one on every path)")
+                    help="triton_chunk.FORWARD_PATH for the run (e.g. hopper: the TileLang forward wherever it "
+                         "takes the inputs, segmented where its programs alone cannot fill the card; the backward "
+                         "is the Triton one on every path)")
     a = ap.parse_args()
     if a.forward_path:
         triton_chunk.FORWARD_PATH = a.forward_path

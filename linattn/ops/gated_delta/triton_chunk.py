@@ -71,10 +71,10 @@ PRECOMPUTE_QK = True
 # forward"). "auto" takes it for bf16 on sm_90 with TileLang installed, equal-length sequences, where its programs
 # fill the card (hopper_plan; run 20, B=8 T=4096 H=16: 0.653 ms against the split's 1.005); cut into segments where
 # they fill the card, once hopper.forward.SEGMENTED_AUTO is on (run 21, B=1 T=32768 H=16: 1.196 ms against 1.687;
-# hopper.forward.plan); "hopper" forces it
-# wherever the kernel takes the inputs; inputs it does not take (hopper.chunk_fwd.unsupported_reason) run the
-# Triton paths. Its bf16 error is FlashQLA's (o 3.4e-3, final state 2.4e-3 at the anchor case, against the split's
-# 2.4e-3 / 7.3e-4 and the rounded baseline's 2.9e-3 / 1.7e-3): "split" keeps the more accurate path.
+# hopper.forward.plan); "hopper" forces it wherever the kernel takes the inputs; inputs it does not take
+# (hopper.chunk_fwd.unsupported_reason) run the Triton paths. Its bf16 error is FlashQLA's (o 3.4e-3, final state
+# 2.4e-3 at the anchor case, against the split's 2.4e-3 / 7.3e-4 and the rounded baseline's 2.9e-3 / 1.7e-3):
+# "split" keeps the more accurate path.
 FORWARD_PATHS = ("auto", "walk", "split", "hopper")
 FORWARD_PATH = "auto"
 # "auto": the walk when N·HV (sequences × value heads) is at least this for the inputs' dtype, else the split;

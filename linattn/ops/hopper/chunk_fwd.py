@@ -233,9 +233,8 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     operand, and the decayed V_new of the state update (A_inv X stays in the working precision, which the kernel
     runs at tf32; with ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With
     ``operand_dtype`` the working dtype nothing is rounded: the algebra alone, equal to the token-by-token
-    reference. g: the log decays
-    (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o ``[B, T, HV, V]`` in v's dtype and
-    the final state ``[B, HV, K, V]`` in the working dtype."""
+    reference. g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o
+    ``[B, T, HV, V]`` in v's dtype and the final state ``[B, HV, K, V]`` in the working dtype."""
     from ..gated_delta import torch_chunk as tc
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))

@@ -139,11 +139,12 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
-    gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype or A_INV_DTYPE)
-    if not segments or segments == 1:
-        return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
-    if T % (BT * segments):
+    segmented = bool(segments) and segments > 1
+    if segmented and T % (BT * segments):
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
+    gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype or A_INV_DTYPE)
+    if not segmented:
+        return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
 
     def seg(x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] → [B·S, T/S, ...], a view (the op passes contiguous tensors)."""
