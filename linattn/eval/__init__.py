@@ -6,3 +6,9 @@ the writers (report: json / md / self-contained html) and the regression diff (c
 """
 SECTIONS = ("environment", "correctness", "performance", "decode", "scaling", "memory", "stability", "robustness",
             "soak", "mixed_precision", "scorecard")
+
+
+def stopped_during(stop: dict) -> str:
+    """Where an interrupted run stopped, from ``meta.interrupted``: the section, the gap after one, or the setup
+    (reports written before the ``during`` field existed have only ``section``)."""
+    return stop.get("during") or stop.get("section") or "setup"

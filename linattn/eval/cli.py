@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from . import SECTIONS
+from . import SECTIONS, stopped_during
 from .impls import DEFAULT_IMPLS, KNOWN_IMPLS
 
 PROFILES = ("quick", "full", "tiny")  # "tiny": a seconds-long run for tests, not advertised in --help
@@ -406,9 +406,13 @@ class Evaluation:
         except KeyboardInterrupt as e:
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
             unit = (ctx._unit or {}).get("desc") if self.running else None
+            # A signal can land between two sections (while a checkpoint is written): then no section was
+            # running, and the report says which one had just finished instead of blaming the setup.
+            during = (self.running or (f"the gap after {self.done[-1]}" if self.done else "setup"))
             self.interrupted = {"signal": signal.Signals(signum).name, "signum": int(signum),
-                                "at_s": time.monotonic() - self.t0, "section": self.running, "unit": unit}
-            self.log(f"interrupted by {self.interrupted['signal']} during {unit or self.running or 'setup'}: "
+                                "at_s": time.monotonic() - self.t0, "section": self.running, "unit": unit,
+                                "during": during}
+            self.log(f"interrupted by {self.interrupted['signal']} during {unit or during}: "
                      "writing the partial report")
         self.guard.hold()  # from here on a signal waits for the reports
         out = self.assemble(final=True)
@@ -454,7 +458,7 @@ def _summary(results: dict, paths: dict) -> None:
     stop = results["meta"].get("interrupted")
     if stop:
         console.print(f"[yellow]partial report: interrupted by {stop['signal']} at {stop['at_s']:.0f} s during "
-                      f"{stop['section'] or 'setup'}; sections done: {', '.join(results['sections_done'])}")
+                      f"{stopped_during(stop)}; sections done: {', '.join(results['sections_done'])}")
     console.print("reports: " + ", ".join(paths.values()))
 
 

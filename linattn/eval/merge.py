@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from . import SECTIONS, scorecard
+from . import SECTIONS, scorecard, stopped_during
 
 MERGED = tuple(s for s in SECTIONS if s not in ("environment", "scorecard"))  # taken whole from one run
 # the environment fields compared across runs (a difference is reported, not refused)
@@ -92,7 +92,7 @@ def _check_complete(runs: list, allow_partial: bool) -> None:
     for p, r in runs:
         if r.get("partial") or r["meta"].get("partial"):
             stop = r["meta"].get("interrupted")
-            why = (f"interrupted by {stop.get('signal')} during {stop.get('section') or 'setup'}" if stop
+            why = (f"interrupted by {stop.get('signal')} during {stopped_during(stop)}" if stop
                    else "written while its run was still going, or its run was killed")
             raise ValueError(f"{p} is a partial report ({why}; sections done: "
                              f"{', '.join(r.get('sections_done', [])) or 'none'}); pass --allow-partial to merge it "

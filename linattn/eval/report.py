@@ -17,7 +17,7 @@ import math
 import os
 from typing import Optional
 
-from . import SECTIONS
+from . import SECTIONS, stopped_during
 from .decode import best_step
 from .resume import describe as describe_resume
 from .warm import describe
@@ -453,7 +453,7 @@ def blocks(r: dict) -> list:
                          "the records it had in report.json."))
     elif r.get("partial"):
         stop = r["meta"].get("interrupted")
-        why = (f"interrupted ({stop['signal']}) at {stop['at_s']:.0f} s during {stop['section'] or 'setup'}"
+        why = (f"interrupted ({stop['signal']}) at {stop['at_s']:.0f} s during {stopped_during(stop)}"
                if stop else "written while the run is still going")
         out.insert(2, _p(f"**Partial report:** {why}; sections done: {', '.join(r.get('sections_done', [])) or 'none'}"
                          ". A section marked interrupted keeps the records it had in report.json."))
