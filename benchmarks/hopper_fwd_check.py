@@ -35,6 +35,7 @@ from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan
+from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 
 # (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
 # warpgroup for the TMA loads), the depth of the chunk loop's load pipeline, A_inv as the pre-pass writes it (fp32:
@@ -234,6 +235,54 @@ def compare_row(B, T, H, HV, K, V, hopper_runs, decay=1 / 16, **info):
     return row
 
 
+# The pre-pass check's shapes: issue 4's rows 1, 2, 3 (segmented where the forward would be) and 7, and a short
+# sequence whose last chunk is partial (T = 1000: rows past T, gc and β padded to Tp)
+PREPASS_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[6], (2, 1000, 4, 4)]
+
+
+def prepasses(shapes):
+    """The TileLang pre-pass (``prepass.py``) against the Triton one at each shape (:func:`prepass_row`)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for shape in shapes:
+        rows.append(prepass_row(*shape, sms))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def prepass_row(B, T, H, HV, sms):
+    """Both pre-passes with the segments the forward would use here (``plan``, forced): gc and β as the fused
+    kernel reads them (max abs difference; β must be equal), A_inv against the float64 inverse of the same bf16
+    inputs (relative L2: both bf16), each pre-pass alone (ms, the Triton one with its two head-major copies), then
+    the forward on each (``compare_row``)."""
+    launch = plan(B, HV, 128, T, sms, forced=True)
+    S = launch.get("segments", 1)
+    x = low_precision(make(B, T, H, HV, 128, 128))
+    row = dict(segments=S)   # compare_row adds the shape
+
+    def seg(t):
+        return t.reshape(B * S, T // S, *t.shape[2:])
+
+    def triton_prepass():
+        gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=BF16)
+        return hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"])), a_inv
+
+    tilelang_prepass = functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S)
+    try:
+        with torch.no_grad():
+            (gc_t, beta_t, a_t), (gc_l, beta_l, a_l) = triton_prepass(), tilelang_prepass()
+            a64 = prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64)[2]
+            row.update(gc_max_abs=(gc_l - gc_t).abs().max().item(), beta_equal=torch.equal(beta_l, beta_t),
+                       a_inv_triton=rel(a_t, a64), a_inv_tilelang=rel(a_l, a64), a_inv_vs=rel(a_l, a_t),
+                       nonfinite=int((~torch.isfinite(a_l.float())).sum()),
+                       triton_ms=bench(triton_prepass), tilelang_ms=bench(tilelang_prepass))
+            del a64
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    return compare_row(B, T, H, HV, 128, 128,
+                       dict(triton_prepass=launch, tilelang_prepass=dict(launch, prepass="tilelang")), **row)
+
+
 def host_us(fn, calls=200):
     """µs of host time per call: ``calls`` calls issued back to back, one sync (the rate the CPU can feed the GPU;
     above the GPU time, the call is host-bound)."""
@@ -365,7 +414,8 @@ def main():
                    segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)",
                    dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)",
                    profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)",
-                   host_profile="cProfile of the public op at row 1, and the affine scan's V slice widths")
+                   host_profile="cProfile of the public op at row 1, and the affine scan's V slice widths",
+                   prepass="the TileLang pre-pass against the Triton one: outputs, ms, the forward on each")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
@@ -378,6 +428,10 @@ def main():
     if a.host_profile:
         rows, text = scan_widths([SHAPES[0], SHAPES[2], SHAPES[6]]), host_profile()
         return report(a.out, "host_profile", rows, text + "\naffine scan ms per V slice width", cprofile=text)
+    if a.prepass:
+        return report(a.out, "prepass", prepasses(PREPASS_SHAPES[:3] if a.quick else PREPASS_SHAPES),
+                      "pre-passes (gc max abs, A_inv rel L2 vs float64, ms alone; the forward on each: errors o / "
+                      "final state vs float64, ms no grad)")
     if a.segmented:
         return report(a.out, "segmented", segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES),
                       "segmented Hopper forward (bf16, K = V = 128; errors o / final state vs float64; ms no grad)")

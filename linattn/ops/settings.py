@@ -49,6 +49,6 @@ def triton_settings() -> Optional[dict]:
             "LAUNCH": dict(hopper.LAUNCH), "A_INV_DTYPE": str(hopper.A_INV_DTYPE).removeprefix("torch."),
             "FILL_FRACTION": hopper.FILL_FRACTION, "SEGMENTED_AUTO": hopper.SEGMENTED_AUTO,
             "MIN_SEGMENTED_HEAD_TOKENS": hopper.MIN_SEGMENTED_HEAD_TOKENS,
-            "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV,
+            "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV, "PREPASS": hopper.PREPASS,
         },
     }

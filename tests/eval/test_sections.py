@@ -146,8 +146,10 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert set(settings["BWD_WARPS"]) == {"dv", "state_pass", "dqk", "wy"}
     from linattn.ops.hopper import forward as hopper
     monkeypatch.setattr(hopper, "SEGMENTED_AUTO", True)
+    monkeypatch.setattr(hopper, "PREPASS", "tilelang")
     recorded = collect(CPU)["linattn_settings"]["HOPPER"]
     assert recorded["SEGMENTED_AUTO"] is True and recorded["LAUNCH"] == hopper.LAUNCH
+    assert recorded["PREPASS"] == "tilelang"
     assert isinstance(recorded["tilelang_installed"], bool)
     json.dumps(recorded)                                    # the report writes it as JSON
 

@@ -3,9 +3,10 @@
 ``triton_chunk``'s "auto" path on sm_90 and for ``FORWARD_PATH = "hopper"``, which forces it wherever the inputs
 suit it.
 
-The pre-pass is the split forward's (``fused_prepass(write_wy=False)``: 0.275 ms at B=8 T=4096 H=16 in run 20,
-plus two small head-major copies). A TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an fp32 forward substitution,
-gc and β written head-major) measured 0.76 ms there (run 20) and was removed.
+The pre-pass (:data:`PREPASS`) is the split forward's (``fused_prepass(write_wy=False)``: 0.275 ms at B=8 T=4096
+H=16 in run 20, plus two small head-major copies) or, not yet measured, ``prepass.py``'s TileLang kernel with a
+blocked solve. A first TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an fp32 forward substitution of whole 64-row
+columns, gc and β written head-major) measured 0.76 ms there (run 20) and was removed.
 """
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ import torch
 from ..common.fused_prepass import fused_prepass
 from ..common.seq_parallel import affine_scan
 from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
+from .prepass import prepass_hopper
+
+# The pre-pass: "triton" (``fused_prepass(write_wy=False)`` and two head-major copies: 0.261 + 0.025 ms at B=8
+# T=4096 H=16 and at B=1 T=32768 H=16, run 21) or "tilelang" (``prepass.py``: the same outputs from one kernel whose
+# solve has no cross-lane reductions; A_inv bf16 only). "triton" until the TileLang one is checked and timed on the
+# GPU (benchmarks/hopper_fwd_check.py --prepass); prediction: ≈ 0.1 ms there (FlashQLA's forward, its blocked solve
+# included, takes 0.337 ms at B=8, and its walk ≈ 64 chunks × 3.7 µs ≈ 0.24 of that)
+PREPASS = "triton"
+PREPASSES = ("triton", "tilelang")
 
 # The fused kernel's launch when the caller names none (the public op's "hopper" path): run 20 (H200, B=8 T=4096
 # H=16, the kernel alone, ms) measured one warpgroup at BV=64 0.70 (tf32 A_inv X) / 0.66 (bf16 A_inv, async first
@@ -118,10 +128,12 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
 
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
-                   segments: Optional[int] = None, **launch) -> tuple[torch.Tensor, torch.Tensor]:
+                   segments: Optional[int] = None, prepass: Optional[str] = None,
+                   **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``a_inv_dtype``: the pre-pass writes A_inv in it
-    (fp32 or bf16; None: :data:`A_INV_DTYPE`); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
+    (fp32 or bf16; None: :data:`A_INV_DTYPE`); ``prepass``: "triton" or "tilelang" (None: :data:`PREPASS`; the
+    TileLang one writes bf16 only); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
     :func:`fitted_launch`).
 
     ``segments`` = S > 1 (T a multiple of 64·S): sequence parallelism, exact. Each sequence is cut into S segments
@@ -139,19 +151,30 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
+    prepass = prepass or PREPASS
+    a_inv_dtype = a_inv_dtype or A_INV_DTYPE
+    if prepass not in PREPASSES:
+        raise ValueError(f"prepass must be one of {PREPASSES}, got {prepass!r}")
+    if prepass == "tilelang" and a_inv_dtype != torch.bfloat16:
+        raise ValueError(f"the TileLang pre-pass writes a bf16 A_inv, got a_inv_dtype={a_inv_dtype}")
     segmented = bool(segments) and segments > 1
-    if segmented and T % (BT * segments):
+    S = segments if segmented else 1
+    if segmented and T % (BT * S):
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
-    gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype or A_INV_DTYPE)
-    if not segmented:
-        return chunk_fwd_hopper_hm(q, k, v, head_major(gc), head_major(beta), a_inv, scale, initial_state, **launch)
 
     def seg(x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] → [B·S, T/S, ...], a view (the op passes contiguous tensors)."""
-        return x.reshape(B * segments, T // segments, *x.shape[2:])
+        return x.reshape(B * S, T // S, *x.shape[2:])
+
+    if prepass == "tilelang":
+        gc_hm, beta_hm, a_inv = prepass_hopper(k, g, beta, S)
+    else:
+        gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype)
+        gc_hm, beta_hm = head_major(seg(gc)), head_major(seg(beta))
+    if not segmented:
+        return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 
     qs, ks, vs, a_s = seg(q), seg(k), seg(v), seg(a_inv)
-    gc_hm, beta_hm = head_major(seg(gc)), head_major(seg(beta))
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True,
                                 **fitted_launch(K, launch))
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,

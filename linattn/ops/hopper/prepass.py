@@ -1,0 +1,251 @@
+"""The Hopper forward's pre-pass in TileLang: gc, β and each chunk's A_inv in one kernel, the inverse blocked.
+
+Experimental: ``forward.PREPASS`` picks it or the Triton pre-pass (``fused_prepass(write_wy=False)``, 0.261 ms of
+row 3's 1.20 and of row 2's 0.656 in run 21, about 4× its memory floor). Compiled for sm_90a on a CPU; not yet run
+on a GPU (benchmarks/hopper_fwd_check.py --prepass checks and times it against the Triton one).
+
+Why a second pre-pass: the Triton solve is bound by its 15-step substitution chain on a [4, 16, 16] register tile,
+whose every step is two cross-lane reductions (95 SASS instructions per step, 24 of them shuffles; 40% of the
+kernel's ≈ 3700 executed instructions per thread, benchmarks' sm90 SASS). Here each of 64 threads solves one column
+of one diagonal 16 × 16 block in registers, reading A's row from shared memory (a broadcast): 120 FMAs, no
+shuffles. A TileLang pre-pass that solved whole 64-row columns that way (2016 dependent FMAs per column) took 0.76
+ms in run 20; the blocks cut the chain 17-fold and the merges run on tensor cores. FlashQLA's kkt_solve (read, not
+copied) blocks the same way.
+
+One program per (chunk, sequence, value head), 128 threads:
+
+    gc    = cumsum(g) over the chunk                         fp32, shared memory
+    K Kᵀ                                                     one bf16 wgmma, fp32 accumulators (exact products)
+    A     = strictly_lower(β_i (K Kᵀ)_ij e^{gc_i − gc_j})     fp32; the exponent is masked before the exp
+            kept as its four diagonal 16-blocks A_dd, the two blocks below them A_10 and A_32, and the lower-left
+            32 × 32 quadrant A_hl (the blocks of ``kkt_solve``'s method, ``common/kkt_solve.py``)
+    T_dd  = (I + A_dd)⁻¹                                     thread (d, c) solves column c of block d: fp32 FMAs
+    T_10  = −T_11 A_10 T_00, T_32 = −T_33 A_32 T_22          fp32 FMAs (both halves at once)
+    X     = −T_hi A_hl T_lo                                  two 32 × 32 dots on tensor cores, fp32 operands: tf32
+                                                             (2⁻¹¹ per operand, a quarter of A_inv's bf16 rounding)
+
+Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the Hopper kernel's operand),
+and gc and β straight into the layout the fused kernel loads (``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per
+segment when the forward is cut into S segments, which both kernels take as B·S sequences): no head-major copies.
+Twin: :func:`prepass_hopper_ref`.
+"""
+import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
+from typing import Optional
+
+import torch
+
+from .chunk_fwd import BT, HopperCompileError, padded_length
+
+D = 16            # the diagonal blocks' size: four per chunk
+
+
+def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128):
+    """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
+    passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
+    in its own dtype)."""
+    import tilelang
+    import tilelang.language as T
+
+    acc, dtype = "float32", "bfloat16"
+    B = T.symbolic("B")
+    Tn = T.symbolic("T")
+    Tp = T.symbolic("Tp")   # T padded to a multiple of 8 (chunk_fwd.padded_length)
+    G = HV // H
+
+    @T.prim_func
+    def gdn_prepass(k: T.Tensor((B, Tn, H, K), dtype), g: T.Tensor((B, Tn, HV), acc),
+                    beta: T.Tensor((B, Tn, HV), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), dtype),
+                    gc_hm: T.Tensor((B, HV, Tp), acc), beta_hm: T.Tensor((B, HV, Tp), beta_dtype)):
+        with T.Kernel(T.ceildiv(Tn, BT), B * HV, threads=threads) as (c, bh):
+            ib = bh // HV
+            ihv = bh % HV
+            ih = ihv // G
+            Ks = T.alloc_shared((BT, K), dtype)
+            gs = T.alloc_shared((BT,), acc)
+            gcs = T.alloc_shared((BT,), acc)
+            bs = T.alloc_shared((BT,), acc)
+            # A's blocks. A diagonal block's rows are read by 16 threads at once (one per column): the padded block
+            # stride (17 rows) puts the two blocks a warp reads in different banks
+            Ad = T.alloc_shared((4, D + 1, D), acc)
+            Ao = T.alloc_shared((2, D, D), acc)      # A_10, A_32
+            Ahl = T.alloc_shared((2 * D, 2 * D), acc)
+            Tq = T.alloc_shared((2, 2 * D, 2 * D), acc)   # T_lo, T_hi: the inverted halves
+            Y1 = T.alloc_shared((2, D, D), acc)      # A_10 T_00, A_32 T_22
+            Y2 = T.alloc_shared((2 * D, 2 * D), acc)  # A_hl T_lo
+            Out = T.alloc_shared((BT, BT), dtype)
+            KK = T.alloc_fragment((BT, BT), acc)
+            Z1 = T.alloc_fragment((2, D, D), acc)
+            Z2 = T.alloc_fragment((2 * D, 2 * D), acc)
+            x = T.alloc_local((D,), acc)
+            T.annotate_layout({Ad: tilelang.layout.make_linear_layout(Ad)})
+
+            # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
+            T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
+            for i in T.Parallel(BT):
+                gs[i] = T.if_then_else(c * BT + i < Tn, g[ib, c * BT + i, ihv], 0.0)
+                bs[i] = T.if_then_else(c * BT + i < Tn, T.cast(beta[ib, c * BT + i, ihv], acc), 0.0)
+            T.cumsum(gs, gcs, dim=0)
+            # gc and β in the fused kernel's layout; rows from T to Tp (the padding of the last chunk) are zero
+            for i in T.Parallel(BT):
+                if c * BT + i < Tp:
+                    gc_hm[ib, ihv, c * BT + i] = T.if_then_else(c * BT + i < Tn, gcs[i], 0.0)
+                    beta_hm[ib, ihv, c * BT + i] = T.if_then_else(c * BT + i < Tn, beta[ib, c * BT + i, ihv],
+                                                                  T.cast(0.0, beta_dtype))
+
+            # 2. A = strictly_lower(β_i (K Kᵀ)_ij e^{gc_i − gc_j}), into its blocks (exponent masked before exp:
+            #    above the diagonal gc_i − gc_j can be large and positive)
+            T.gemm(Ks, Ks, KK, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(BT, BT):
+                a = T.if_then_else(i > j, bs[i] * KK[i, j] * T.exp(T.if_then_else(i > j, gcs[i] - gcs[j], 0.0)),
+                                   0.0)
+                if i // D == j // D:
+                    Ad[i // D, i % D, j % D] = a
+                elif i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
+                    Ao[i // (2 * D), i % D, j % D] = a
+                elif i >= 2 * D and j < 2 * D:
+                    Ahl[i - 2 * D, j] = a
+            for h, i, j in T.Parallel(2, 2 * D, 2 * D):
+                Tq[h, i, j] = 0.0                    # the quadrants above the blocks stay zero
+            # every thread's A before the column solves, which only 64 threads run
+            T.sync_threads()
+
+            # 3. T_dd = (I + A_dd)⁻¹: thread (d, col) solves (I + A_dd) x = e_col by forward substitution,
+            #    x_i = δ_i,col − Σ_{j<i} A_ij x_j (zero above col, so one formula for every row), x in registers
+            tx = T.get_thread_binding()
+            if tx < 4 * D:
+                d = tx // D
+                col = tx % D
+                for i in T.unroll(D):
+                    x[i] = T.if_then_else(i == col, 1.0, 0.0)
+                for i in T.unroll(1, D):
+                    for j in T.unroll(i):
+                        x[i] = x[i] - Ad[d, i, j] * x[j]
+                for i in T.unroll(D):
+                    Tq[d // 2, (d % 2) * D + i, (d % 2) * D + col] = x[i]
+            T.sync_threads()
+
+            # 4. the blocks below the diagonal blocks, both halves at once: Y1 = A_10 T_00, then T_10 = −T_11 Y1
+            T.clear(Z1)
+            for m in T.serial(D):
+                for h, i, j in T.Parallel(2, D, D):
+                    Z1[h, i, j] += Ao[h, i, m] * Tq[h, m, j]
+            T.copy(Z1, Y1)
+            T.clear(Z1)
+            for m in T.serial(D):
+                for h, i, j in T.Parallel(2, D, D):
+                    Z1[h, i, j] -= Tq[h, D + i, D + m] * Y1[h, m, j]
+            for h, i, j in T.Parallel(2, D, D):
+                Tq[h, D + i, j] = Z1[h, i, j]
+
+            # 5. the lower-left quadrant X = −T_hi (A_hl T_lo) on tensor cores
+            T.gemm(Ahl, Tq[0, :, :], Z2, clear_accum=True)
+            T.copy(Z2, Y2)
+            T.gemm(Tq[1, :, :], Y2, Z2, clear_accum=True)
+
+            # 6. A_inv = [[T_lo, 0], [X, T_hi]] in bf16, rows past the sequence's end not written
+            for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
+                Out[i, j] = Tq[0, i, j]
+                Out[i, 2 * D + j] = 0.0
+                Out[2 * D + i, j] = -Z2[i, j]
+                Out[2 * D + i, 2 * D + j] = Tq[1, i, j]
+            T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
+
+    return gdn_prepass
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
+                    target: Optional[str] = None):
+    """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compiled_kernel``'s."""
+    import tilelang
+    func = build_kernel(H, HV, K, beta_dtype, threads)
+    tgt = {"kind": "cuda", "arch": target} if target else "auto"
+    try:
+        return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+    except Exception as e:
+        raise HopperCompileError(f"{type(e).__name__}: {e}"[:500]) from e
+
+
+def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
+    """The shapes and the segment count (the kernel's dtypes are checked by :func:`prepass_hopper`)."""
+    B, T = k.shape[:2]
+    if g.shape != beta.shape or g.shape[:2] != (B, T):
+        raise ValueError(f"g and beta must be [B, T, HV] with B, T = {B}, {T}; got {list(g.shape)} and "
+                         f"{list(beta.shape)}")
+    if segments < 1 or (segments > 1 and T % (BT * segments)):
+        raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
+
+
+def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv ``[B, T, HV, 64]`` bf16) for the fused
+    kernel (``chunk_fwd.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``.
+    ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
+    kernel takes as B·S sequences: gc and β come per segment (gc is chunk-local, so it holds for them as it is), and
+    A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T."""
+    _check(k, g, beta, segments)
+    if k.dtype != torch.bfloat16:
+        raise TypeError(f"the Hopper pre-pass takes bf16 keys, got {k.dtype}")
+    if beta.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"beta must be bf16 or fp32, got {beta.dtype}")
+    B, T, H, K = k.shape
+    HV = g.shape[2]
+    kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."))
+    BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
+    Lp = padded_length(L)
+    # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets
+    a_inv = torch.empty(B, T, HV, BT, dtype=torch.bfloat16, device=k.device)
+    gc_hm = torch.empty(BS, HV, Lp, dtype=torch.float32, device=k.device)
+    beta_hm = torch.empty(BS, HV, Lp, dtype=beta.dtype, device=k.device)
+    kernel(k.contiguous().view(BS, L, H, K), g.float().contiguous().view(BS, L, HV),
+           beta.contiguous().view(BS, L, HV), a_inv.view(BS, L, HV, BT), gc_hm, beta_hm)
+    return gc_hm, beta_hm, a_inv
+
+
+def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
+                       a_inv_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The twin of :func:`prepass_hopper` (same arguments and results) from the PyTorch stages: the chunk-local
+    cumsum, ``kkt_solve_ref`` (a dense solve) and ``chunk_fwd.head_major`` on each segment, A_inv rounded to
+    ``a_inv_dtype`` once (the kernel's bf16; fp32 for tests of the layout alone). For the layout and the segments on
+    a machine without the GPU (any float keys: the kernel's bf16 check is :func:`prepass_hopper`'s);
+    :func:`blocked_inverse_ref` is the twin of the kernel's solve."""
+    from ..gated_delta import torch_chunk as tc
+    from .chunk_fwd import head_major
+    _check(k, g, beta, segments)
+    B, T, H, K = k.shape
+    HV = g.shape[2]
+    work = torch.float64 if a_inv_dtype == torch.float64 else torch.float32   # float64: a reference A_inv
+    kc = tc.to_chunks(k.to(work).repeat_interleave(HV // H, 2), BT)
+    gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
+    a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gcc)          # [B, HV, NT, BT, BT]
+    a_inv = tc.from_chunks(a_inv, T).to(a_inv_dtype)                            # [B, T, HV, BT]
+    gc = tc.from_chunks(gcc, T).float()                                          # [B, T, HV]
+
+    def per_segment(x: torch.Tensor) -> torch.Tensor:
+        return head_major(x.reshape(B * segments, T // segments, HV))
+
+    return per_segment(gc), per_segment(beta), a_inv
+
+
+def blocked_inverse_ref(a: torch.Tensor) -> torch.Tensor:
+    """(I + A)⁻¹ of strictly lower ``a [..., 64, 64]`` by the kernel's steps 3–5, in a's dtype: the four diagonal
+    16-blocks by column forward substitution, the blocks below them, then the lower-left quadrant. The twin of
+    :func:`build_kernel`'s solve (without its tf32 rounding), tested against a dense solve."""
+    eye = torch.eye(D, dtype=a.dtype, device=a.device)
+    blk = [a[..., i * D:(i + 1) * D, i * D:(i + 1) * D] for i in range(4)]
+    tdd = []
+    for ad in blk:                              # step 3: x_i = δ_i,col − Σ_{j<i} A_ij x_j, all columns at once
+        x = eye.expand_as(ad).clone()
+        for i in range(1, D):
+            x[..., i, :] = eye[i] - (ad[..., i, :i, None] * x[..., :i, :]).sum(-2)
+        tdd.append(x)
+    halves = []
+    for h in range(2):                          # step 4: T_10 = −T_11 (A_10 T_00), per half
+        r = 2 * h * D
+        a_off = a[..., r + D:r + 2 * D, r:r + D]
+        t_off = -(tdd[2 * h + 1] @ (a_off @ tdd[2 * h]))
+        zero = torch.zeros_like(t_off)
+        halves.append(torch.cat([torch.cat([tdd[2 * h], zero], -1), torch.cat([t_off, tdd[2 * h + 1]], -1)], -2))
+    t_lo, t_hi = halves
+    x = -(t_hi @ (a[..., 2 * D:, :2 * D] @ t_lo))  # step 5
+    return torch.cat([torch.cat([t_lo, torch.zeros_like(t_lo)], -1), torch.cat([x, t_hi], -1)], -2)

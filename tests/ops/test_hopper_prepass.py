@@ -1,0 +1,120 @@
+"""The TileLang pre-pass of the Hopper forward (linattn/ops/hopper/prepass.py): its blocked solve's twin against a
+dense solve, its twin's outputs (gc and β head-major per segment, A_inv) against the Triton pre-pass's, the forward
+around both twins against the float64 recurrence, its input checks, and its compile for sm_90a where TileLang and
+nvcc are installed (the kernel runs only on the GPU: benchmarks/hopper_fwd_check.py --prepass)."""
+from __future__ import annotations
+
+import functools
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.ops.common.fused_prepass import fused_prepass
+from linattn.ops.gated_delta import torch_chunk as tc
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import forward as hopper_fwd
+from linattn.ops.hopper import prepass
+
+
+def inputs(B, T, H, HV, K, V, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    return dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, HV, V),
+                g=F.logsigmoid(r(B, T, HV)) / 64, beta=torch.rand(B, T, HV, generator=gen, dtype=torch.float64),
+                initial_state=r(B, HV, K, V) * 0.1)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def strictly_lower(B, K, seed, decay=True):
+    """A = strictly_lower(β K Kᵀ ⊙ D) of ``B`` random 64-token chunks (unit keys, β in [0, 1)), float64."""
+    x = inputs(1, 64 * B, 1, 1, K, 1, seed=seed)
+    kc = tc.to_chunks(x["k"], 64)
+    gc = tc.chunk_local_cumsum_ref(tc.to_chunks(x["g"] * (32 if decay else 0), 64))
+    return (tc.to_chunks(x["beta"], 64)[..., None] * (kc @ kc.transpose(-1, -2))
+            * tc.decay_matrix(gc, strict=True))
+
+
+@pytest.mark.parametrize("case", ["gated", "no_decay", "ones"])
+def test_blocked_inverse_is_the_dense_inverse(case):
+    """The kernel's solve (diagonal 16-blocks by column substitution, the blocks below them, the lower-left
+    quadrant) in float64 equals the dense triangular solve; "ones" (every A_ij = 0.999 below the diagonal: powers of
+    A reach 1e17, the inverse stays O(1)) is where a series would cancel."""
+    a = {"gated": lambda: strictly_lower(4, 32, seed=1),
+         "no_decay": lambda: strictly_lower(4, 32, seed=2, decay=False),
+         "ones": lambda: torch.full((64, 64), 0.999, dtype=torch.float64).tril(-1)}[case]()
+    eye = torch.eye(64, dtype=torch.float64)
+    dense = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
+    blocked = prepass.blocked_inverse_ref(a)
+    assert rel(blocked, dense) < 1e-12
+    assert torch.equal(blocked.triu(1), torch.zeros_like(blocked))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,S", [(200, 1), (256, 4)])
+def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
+    """What the fused kernel reads: gc and β head-major per segment (Tp-padded with zeros) and A_inv — the twin of
+    the TileLang pre-pass against the Triton pre-pass (interpreter, fp32 inputs) reshaped the way forward_hopper
+    did before (head_major of each segment's view)."""
+    x = {n: t.float() for n, t in inputs(2, T, 1, 2, 16, 16).items()}
+    gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=torch.float32)
+    gc_hm, beta_hm, a_inv_tl = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float32)
+    seg = lambda t: t.reshape(2 * S, T // S, *t.shape[2:])
+    assert gc_hm.shape == (2 * S, 2, hopper.padded_length(T // S)) and beta_hm.dtype == x["beta"].dtype
+    assert torch.allclose(gc_hm, hopper.head_major(seg(gc)), atol=1e-6, rtol=0)
+    assert torch.equal(beta_hm, hopper.head_major(seg(x["beta"])))
+    assert a_inv_tl.shape == a_inv.shape and rel(a_inv_tl, a_inv) < 1e-5
+    assert prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S)[2].dtype == torch.bfloat16   # the kernel's
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,segments", [(200, None), (256, 4)])
+def test_forward_on_the_tilelang_prepass_twin_equals_the_triton_prepass(monkeypatch, T, segments):
+    """forward_hopper(prepass="tilelang") around the twins of both kernels (fp32 inputs, the pre-pass twin's A_inv
+    left in fp32 so that only the layout is tested; weak gates so that the segments' entering states matter): o and
+    the final state equal the float64 recurrence and the forward on the Triton pre-pass."""
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
+    monkeypatch.setattr(hopper_fwd, "prepass_hopper",
+                        functools.partial(prepass.prepass_hopper_ref, a_inv_dtype=torch.float32))
+    x = inputs(2, T, 1, 2, 16, 16)
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.bfloat16, segments=segments, BV=16,
+                                      prepass="tilelang")
+    o_tr, ht_tr = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=segments, BV=16,
+                                            prepass="triton")
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    assert rel(o, o_tr) < 1e-5 and rel(ht, ht_tr) < 1e-5
+
+
+def test_inputs_the_prepass_does_not_take_say_why():
+    x = {n: t.float() for n, t in inputs(1, 128, 1, 2, 16, 16).items()}
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [0.25, None]
+    with pytest.raises(ValueError, match="bf16 A_inv"):
+        hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, prepass="tilelang")
+    with pytest.raises(ValueError, match="prepass must be one of"):
+        hopper_fwd.forward_hopper(*args, prepass="cuda")
+    with pytest.raises(TypeError, match="bf16 keys"):
+        prepass.prepass_hopper(x["k"], x["g"], x["beta"])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        prepass.prepass_hopper(x["k"].bfloat16(), x["g"], x["beta"], segments=4)
+    with pytest.raises(ValueError, match=r"\[B, T, HV\]"):
+        prepass.prepass_hopper_ref(x["k"], x["g"][:, :64], x["beta"])
+
+
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper pre-pass")
+def test_prepass_compiles_for_sm90a():
+    """K Kᵀ as one bf16 wgmma, the quadrant's two dots at tf32 on mma.sync, A_inv written by TMA, and the column
+    solve as straight-line FMAs on shared memory (no shuffles in it)."""
+    src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a").get_kernel_source()
+    assert src.count("wgmma_ss<") == 1 and "tma_store" in src
+    assert src.count("mma_sync<tl::DataType::kTensorFloat32") == 4
+    solve = src[src.index("if (((int)threadIdx.x) < 64) {\n    #pragma unroll"):]
+    solve = solve[:solve.index("__syncthreads()")]
+    assert "shfl" not in solve and "x[i_4] = (x[i_4] - " in solve
