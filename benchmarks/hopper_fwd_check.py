@@ -250,6 +250,20 @@ def prepasses(shapes):
     return rows
 
 
+def a_inv_blocks(a_inv, ref):
+    """Relative L2 error of A_inv ``[B, T, HV, 64]`` per region of the TileLang solve (``prepass.py``: the diagonal
+    16-blocks, the two blocks below them, the lower-left quadrant X, the zero upper triangle as its max abs), over
+    the full chunks: a wrong step of the kernel shows in its own region."""
+    n = a_inv.shape[1] // 64 * 64
+    a, r = (t[:, :n].unflatten(1, (-1, 64)).transpose(2, 3).double() for t in (a_inv, ref))  # [B, NT, HV, 64, 64]
+    i = torch.arange(64, device=a.device)
+    bi, bj = i[:, None] // 16, i[None, :] // 16
+    regions = dict(diagonal=bi == bj, below=(bi == bj + 1) & (bi % 2 == 1), quadrant=(bi >= 2) & (bj < 2))
+    out = {name: ((a - r)[..., m].norm() / r[..., m].norm()).item() for name, m in regions.items()}
+    out["upper_max_abs"] = a[..., i[:, None] < i[None, :]].abs().max().item()
+    return out
+
+
 def prepass_row(B, T, H, HV, sms):
     """Both pre-passes with the segments the forward would use here (``plan``, forced): gc and β as the fused
     kernel reads them (max abs difference; β must be equal), A_inv against the float64 inverse of the same bf16
@@ -274,7 +288,7 @@ def prepass_row(B, T, H, HV, sms):
             a64 = prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64)[2]
             row.update(gc_max_abs=(gc_l - gc_t).abs().max().item(), beta_equal=torch.equal(beta_l, beta_t),
                        a_inv_triton=rel(a_t, a64), a_inv_tilelang=rel(a_l, a64), a_inv_vs=rel(a_l, a_t),
-                       nonfinite=int((~torch.isfinite(a_l.float())).sum()),
+                       a_inv_by_block=a_inv_blocks(a_l, a64), nonfinite=int((~torch.isfinite(a_l.float())).sum()),
                        triton_ms=bench(triton_prepass), tilelang_ms=bench(tilelang_prepass))
             del a64
     except Exception as e:
@@ -429,7 +443,8 @@ def main():
         rows, text = scan_widths([SHAPES[0], SHAPES[2], SHAPES[6]]), host_profile()
         return report(a.out, "host_profile", rows, text + "\naffine scan ms per V slice width", cprofile=text)
     if a.prepass:
-        return report(a.out, "prepass", prepasses(PREPASS_SHAPES[:3] if a.quick else PREPASS_SHAPES),
+        return report(a.out, "prepass", prepasses(PREPASS_SHAPES[:3] + PREPASS_SHAPES[-1:] if a.quick
+                                                  else PREPASS_SHAPES),
                       "pre-passes (gc max abs, A_inv rel L2 vs float64, ms alone; the forward on each: errors o / "
                       "final state vs float64, ms no grad)")
     if a.segmented:
