@@ -34,6 +34,7 @@ from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import forward as hopper_forward_module
 from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan
 from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 
@@ -320,14 +321,15 @@ def profile(shapes):
 
 
 def profile_shape(B, T, H, HV):
-    """GPU ms of every stage of the forward "auto" plans alone (the pre-pass, the two head-major copies, phase A
-    and the affine scan where segmented, the fused kernel), of forward_hopper and of the public op (inputs with and
-    without requires_grad, no grad), and the host µs per call of the last three."""
+    """GPU ms of every stage of the forward "auto" plans alone (the pre-pass ``forward.PREPASS`` picks, and after
+    the Triton one its two head-major copies; phase A and the affine scan where segmented; the fused kernel), of
+    forward_hopper and of the public op (inputs with and without requires_grad, no grad), and the host µs per call
+    of the last three."""
     x = low_precision(make(B, T, H, HV, 128, 128))
     x["initial_state"] = None
     scale = 128 ** -0.5
     launch = triton_chunk.hopper_plan(x["q"], x["v"], None, B)
-    row = dict(shape=(B, T, H, HV), plan=dict(launch))
+    row = dict(shape=(B, T, H, HV), plan=dict(launch), prepass=hopper_forward_module.PREPASS)
     S = launch.pop("segments", 1)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [scale, None]
     xg = {n: t.detach().clone().requires_grad_() if t is not None else None for n, t in x.items()}
@@ -339,13 +341,17 @@ def profile_shape(B, T, H, HV):
         return fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=BF16)
 
     with torch.no_grad():
-        gc, a_inv = prepass()
-        gc_hm, beta_hm = hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))
+        if hopper_forward_module.PREPASS == "tilelang":
+            stages = dict(prepass=functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S))
+            gc_hm, beta_hm, a_inv = stages["prepass"]()
+        else:
+            gc, a_inv = prepass()
+            gc_hm, beta_hm = hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))
+            stages = dict(prepass=prepass,
+                          head_major_x2=lambda: (hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))))
         walk = functools.partial(hopper.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm, beta_hm,
                                  seg(a_inv), scale, None)
-        stages = dict(prepass=prepass,
-                      head_major_x2=lambda: (hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))),
-                      walk=functools.partial(walk, **launch))
+        stages["walk"] = functools.partial(walk, **launch)
         if S > 1:
             from linattn.ops.common.seq_parallel import affine_scan
             from linattn.ops.hopper.forward import fitted_launch
