@@ -47,6 +47,9 @@ from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 F32, BF16 = torch.float32, torch.bfloat16
 VARIANTS = [(128, 256, 2, BF16, True), (128, 256, 1, F32, True), (128, 512, 2, BF16, True), (64, 512, 2, BF16, True),
             (64, 256, 2, BF16, True)]
+# the role-split kernel (chunk_fwd_roles.py, experimental): a sixth field, roles; 512 threads (three consumer
+# warpgroups and a producer), its own two-stage pipeline, bf16 A_inv
+ROLES = (128, 512, 2, BF16, False, True)
 CASES = [  # name, B, T, H, HV, K, V
     ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128),
     ("T1", 1, 1, 2, 2, 128, 128),
@@ -76,16 +79,23 @@ def low_precision(x):
     return {n: t.to(torch.bfloat16) if n in ("q", "k", "v", "beta") else t.float() for n, t in x.items()}
 
 
+def launch_of(variant):
+    """(A_inv dtype, the fused kernel's keywords) of a variant (5 fields, or 6 with roles)."""
+    BV, threads, stages, a_dtype, async_dots, *roles = variant
+    return a_dtype, dict(BV=BV, threads=threads, num_stages=stages, async_dots=async_dots, roles=any(roles))
+
+
 def hopper_forward(x, scale, variant):
     """The pre-pass, then the fused kernel: (o, final state)."""
-    BV, threads, stages, a_dtype, async_dots = variant
+    a_dtype, launch = launch_of(variant)
     return forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], a_inv_dtype=a_dtype,
-                          BV=BV, threads=threads, num_stages=stages, async_dots=async_dots)
+                          **launch)
 
 
 def variant_name(variant):
-    BV, threads, stages, a_dtype, async_dots = variant
-    return f"BV{BV}_t{threads}_s{stages}_A{str(a_dtype)[-2:]}" + ("_async" if async_dots else "")
+    a_dtype, launch = launch_of(variant)
+    return (f"BV{launch['BV']}_t{launch['threads']}_s{launch['num_stages']}_A{str(a_dtype)[-2:]}"
+            + ("_async" if launch["async_dots"] else "") + ("_roles" if launch["roles"] else ""))
 
 
 def accuracy(cases, variants):
@@ -145,13 +155,12 @@ def time_shape(B, T, H, HV, variants):
                   for a in (F32, BF16)}
         gc_hm, beta_hm = hopper.head_major(a_invs[F32][0]), hopper.head_major(x["beta"])  # outside the timing
         for variant in variants:
-            BV, threads, stages, a_dtype, async_dots = variant
+            a_dtype, launch = launch_of(variant)
             key = variant_name(variant)
             try:
-                def fused(BV=BV, threads=threads, stages=stages, a_inv=a_invs[a_dtype][1], async_dots=async_dots):
+                def fused(a_inv=a_invs[a_dtype][1], launch=launch):
                     return hopper.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], gc_hm, beta_hm, a_inv, scale, None,
-                                                      BV=BV, threads=threads, num_stages=stages,
-                                                      async_dots=async_dots)
+                                                      **launch)
                 fused()
                 row[key] = bench(fused)
                 row[key + "+prepass"] = bench(lambda v=variant: hopper_forward(x, scale, v))
@@ -435,7 +444,8 @@ def main():
                    dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)",
                    profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)",
                    host_profile="cProfile of the public op at row 1, and the affine scan's V slice widths",
-                   prepass="the TileLang pre-pass against the Triton one: outputs, ms, the forward on each")
+                   prepass="the TileLang pre-pass against the Triton one: outputs, ms, the forward on each",
+                   roles="the role-split kernel against the default launch (run under timeout: a hang is possible)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
@@ -456,10 +466,40 @@ def main():
     if a.segmented:
         return report(a.out, "segmented", segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES),
                       "segmented Hopper forward (bf16, K = V = 128; errors o / final state vs float64; ms no grad)")
+    if a.roles:
+        acc, spd, seg = roles_check(a.quick)
+        write_json(a.out, "hopper_roles.json", dict(accuracy=acc, speed=spd, segmented=seg))
+        print_tables(acc, spd)
+        print(f"\nsegmented, phase C on each kernel (slow decay): {seg}")
+        return
     acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
     spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
     write_json(a.out, "hopper_fwd_check.json", dict(accuracy=acc, speed=spd))
+    print_tables(acc, spd)
 
+
+def roles_check(quick):
+    """The role-split kernel (``chunk_fwd_roles.py``) beside the default launch: accuracy at the cases (the first
+    three with ``quick``), the kernel alone and after the pre-pass where it fills the card (rows 2, 5, 6; ``quick``:
+    row 2), and the segmented forward with phase C on each at row 3, slow decay (phase A stays on the default
+    kernel). Run it under ``timeout``: a wrong barrier hangs."""
+    variants = [VARIANTS[0], ROLES]
+    acc = accuracy(CASES[:3] if quick else CASES, variants)
+    spd = [time_shape(*shape, variants) for shape in ([SHAPES[1]] if quick else [SHAPES[1], SHAPES[4], SHAPES[5]])]
+    for r in spd:
+        print(r, flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, T, H, HV = SHAPES[2]
+    launch = plan(B, HV, 128, T, sms, forced=True)
+    S = launch.pop("segments")
+    seg = compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S),
+                                                 segmented_roles=dict(launch, segments=S, roles=True)),
+                      decay=1 / 65536, segments=S)
+    return acc, spd, seg
+
+
+def print_tables(acc, spd):
+    """The accuracy and speed tables of the default mode (and of --roles)."""
     print("\naccuracy (bf16, relative L2 vs float64): o / final state — hopper | triton | rounded baseline; "
           "! marks hopper > 2 × baseline")
     for r in acc:

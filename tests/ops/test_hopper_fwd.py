@@ -276,3 +276,28 @@ def test_async_dots_cannot_race_the_load_pipeline():
     last_wait = max(body.rfind("warpgroup_wait<0>"), body.rfind("wait_wgmma<0>"))
     last_issue = body.rfind("wgmma_ss<")
     assert 0 <= last_issue < last_wait                              # every dot of the chunk done before it
+
+
+def test_role_split_kernel_takes_a_bf16_a_inv_only():
+    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
+    hm = torch.zeros(1, 1, 64)
+    with pytest.raises(TypeError, match="role-split kernel takes a bf16 a_inv"):
+        hopper.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], hm, hm, torch.zeros(1, 64, 1, 64), 0.125, None,
+                                   roles=True)
+
+
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
+def test_role_split_kernel_compiles_with_its_roles_apart():
+    """The role-split kernel (chunk_fwd_roles.py) for sm_90a: six wgmma dots (state: the update; delta: K S and
+    A_inv X; output: Q Kᵀ, Q S, P V_new), six TMA loads per stage from the producer, the roles' register budgets,
+    and no block-wide barrier once the roles have split (a __syncthreads() inside one role's branch would wait for
+    threads that never reach it: a hang; within a role, TileLang syncs its 128 threads by named barriers)."""
+    from linattn.ops.hopper import chunk_fwd_roles
+    src = chunk_fwd_roles.compiled_kernel_roles(16, 16, 128, 128, 128, 128 ** -0.5, False, "bfloat16",
+                                                target="sm_90a").get_kernel_source()
+    roles = src[src.index("if (((int)threadIdx.x) < 128) {"):]
+    assert src.count("wgmma_ss<") == 6 and src.count("tl::tma_load(") == 6
+    assert f"warpgroup_reg_alloc<{chunk_fwd_roles.STATE_REGS}>" in roles
+    assert f"warpgroup_reg_dealloc<{chunk_fwd_roles.PRODUCER_REGS}>" in roles
+    assert "__syncthreads()" not in roles and "__sync_thread_partial" in roles

@@ -326,13 +326,15 @@ def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torc
 def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
-                        num_stages: int = 2, async_dots: bool = False,
-                        affine: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        num_stages: int = 2, async_dots: bool = False, affine: bool = False,
+                        roles: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots: see :func:`build_kernel`. A_inv's dtype
     (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
-    ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`)."""
+    ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
+    (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
+    ``threads``, ``num_stages`` and ``async_dots`` do not apply); the affine walk keeps this one."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -349,9 +351,16 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     if gc_hm.shape != (B, HV, Tp) or beta_hm.shape != (B, HV, Tp):
         raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
                          f"{list(beta_hm.shape)}")
-    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
-                             initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
-                             str(a_inv.dtype).removeprefix("torch."), async_dots, affine)
+    beta_dtype = str(beta_hm.dtype).removeprefix("torch.")
+    if roles and not affine:
+        if a_inv.dtype != torch.bfloat16:
+            raise TypeError(f"the role-split kernel takes a bf16 a_inv, got {a_inv.dtype}")
+        from .chunk_fwd_roles import compiled_kernel_roles
+        kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None, beta_dtype)
+    else:
+        kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
+                                 initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
+                                 async_dots, affine)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
