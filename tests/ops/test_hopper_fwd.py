@@ -291,8 +291,9 @@ def test_role_split_kernel_takes_a_bf16_a_inv_only():
 def test_role_split_kernel_compiles_with_its_roles_apart():
     """The role-split kernel (chunk_fwd_roles.py) for sm_90a: six wgmma dots (state: the update; delta: K S and
     A_inv X; output: Q Kᵀ, Q S, P V_new), six TMA loads per stage from the producer, the roles' register budgets,
-    and no block-wide barrier once the roles have split (a __syncthreads() inside one role's branch would wait for
-    threads that never reach it: a hang; within a role, TileLang syncs its 128 threads by named barriers)."""
+    its affine walk (phase A) without the output role, and no block-wide barrier once the roles have split (a
+    __syncthreads() inside one role's branch would wait for threads that never reach it: a hang; within a role,
+    TileLang syncs its 128 threads by named barriers)."""
     from linattn.ops.hopper import chunk_fwd_roles
     src = chunk_fwd_roles.compiled_kernel_roles(16, 16, 128, 128, 128, 128 ** -0.5, False, "bfloat16",
                                                 target="sm_90a").get_kernel_source()
@@ -301,3 +302,8 @@ def test_role_split_kernel_compiles_with_its_roles_apart():
     assert f"warpgroup_reg_alloc<{chunk_fwd_roles.STATE_REGS}>" in roles
     assert f"warpgroup_reg_dealloc<{chunk_fwd_roles.PRODUCER_REGS}>" in roles
     assert "__syncthreads()" not in roles and "__sync_thread_partial" in roles
+    affine = chunk_fwd_roles.compiled_kernel_roles(16, 16, 128, 128, 128, 128 ** -0.5, False, "bfloat16", True,
+                                                   target="sm_90a").get_kernel_source()
+    # phase A: the state's three dots on the state and delta roles, no query loads, no output, the same rule
+    assert affine.count("wgmma_ss<") == 3 and affine.count("tl::tma_load(") == 5 and "q_desc" not in affine
+    assert "__syncthreads()" not in affine[affine.index("if (((int)threadIdx.x) < 128) {"):]

@@ -334,7 +334,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
     ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
-    ``threads``, ``num_stages`` and ``async_dots`` do not apply); the affine walk keeps this one."""
+    ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -352,11 +352,11 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
                          f"{list(beta_hm.shape)}")
     beta_dtype = str(beta_hm.dtype).removeprefix("torch.")
-    if roles and not affine:
+    if roles:
         if a_inv.dtype != torch.bfloat16:
             raise TypeError(f"the role-split kernel takes a bf16 a_inv, got {a_inv.dtype}")
         from .chunk_fwd_roles import compiled_kernel_roles
-        kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None, beta_dtype)
+        kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None, beta_dtype, affine)
     else:
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),

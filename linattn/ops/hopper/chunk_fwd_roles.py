@@ -2,9 +2,10 @@
 consumer warpgroups that run at the same time, handing tiles to each other through shared memory behind explicit
 mbarriers, and one producer warp that loads every chunk by TMA two chunks ahead.
 
-Compiled for sm_90a on a CPU; not yet run on a GPU. ``chunk_fwd_hopper_hm(roles=True)`` selects it (bf16 A_inv,
-not the affine walk); benchmarks/hopper_fwd_check.py --roles checks it against the kernel and its twin and times
-both. Run it under ``timeout``: a wrong barrier hangs the GPU call.
+Compiled for sm_90a on a CPU; not yet run on a GPU. ``chunk_fwd_hopper_hm(roles=True)`` selects it (bf16 A_inv;
+the affine walk of the segmented forward's phase A too, on the state and delta roles alone);
+benchmarks/hopper_fwd_check.py --roles checks it against the kernel and its twin and times both. Run it under
+``timeout``: a wrong barrier hangs the GPU call.
 
 Why: ``chunk_fwd.py``'s two consumer warpgroups split every tile between them and run every step in turn, so the
 output's work (Q Kᵀ, its masked decays, Q S, P V_new, the store of o) sits on the state's chain: ≈ 6 µs per chunk
@@ -42,10 +43,12 @@ STATE_REGS, DELTA_REGS, OUTPUT_REGS, PRODUCER_REGS = 168, 136, 136, 40
 
 
 def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, use_initial_state: bool = True,
-                       beta_dtype: str = "float32"):
+                       beta_dtype: str = "float32", affine: bool = False):
     """The TileLang prim_func of the role-split walk for these static sizes (B and T symbolic), bf16 q/k/v and
     A_inv, gc and β head-major (``chunk_fwd.head_major``). Without ``use_initial_state`` the state starts at zero
-    and h0 is not read."""
+    and h0 is not read. ``affine``: phase A of the segmented forward as in ``chunk_fwd.build_kernel`` (the walk of
+    [I | 0] with values [0 | V] over K + V columns into ht ``[B, HV, K, K + V]``; BV divides K): the state and
+    delta roles only — no queries loaded, no output, the output warpgroup idle and out of every hand-off."""
     import tilelang.language as T
 
     acc, dtype = "float32", "bfloat16"
@@ -54,14 +57,18 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
     Tp = T.symbolic("Tp")
     G = HV // H
     assert (STATE_REGS + DELTA_REGS + OUTPUT_REGS + PRODUCER_REGS) * 128 <= 65536
+    W = K + V if affine else V                       # the state's columns: [M | N] in phase A
+    if affine and K % BV:
+        raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
+    readers = 1 if affine else 2                     # the roles that read S_b and V_new: delta and output, or one
 
     @T.prim_func
     def gdn_chunk_fwd_roles(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
                             v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, HV, Tp), acc),
                             beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), dtype),
                             h0: T.Tensor((B, HV, K, V), acc), o: T.Tensor((B, Tn, HV, V), dtype),
-                            ht: T.Tensor((B, HV, K, V), acc)):
-        with T.Kernel(T.ceildiv(V, BV), B * HV, threads=512) as (iv, bh):
+                            ht: T.Tensor((B, HV, K, W), acc)):
+        with T.Kernel(T.ceildiv(W, BV), B * HV, threads=512) as (iv, bh):
             ib = bh // HV
             ihv = bh % HV
             ih = ihv // G
@@ -88,17 +95,25 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
             QK = T.alloc_fragment((BT, BT), acc)         # output
             Of = T.alloc_fragment((BT, BV), acc)         # output
             full = T.alloc_barrier([32] * STAGES)        # the producer warp's 32 threads
-            empty = T.alloc_barrier([384] * STAGES)      # the three consumer warpgroups
+            empty = T.alloc_barrier([128 * (1 + readers)] * STAGES)   # the consumer warpgroups at work
             sb_ready = T.alloc_barrier(128)
-            sb_free = T.alloc_barrier(256)
+            sb_free = T.alloc_barrier(128 * readers)
             vn_ready = T.alloc_barrier(128)
-            vn_free = T.alloc_barrier(256)
+            vn_free = T.alloc_barrier(128 * readers)
             tx = T.get_thread_binding()
+            v0 = iv * BV                                 # V's first column for this tile
+            if affine:
+                # N's tiles read V shifted by K; M's read V's first tile and zero it (v_on)
+                v0 = T.max(iv * BV - K, 0)
+                v_on = T.if_then_else(iv * BV >= K, 1.0, 0.0)
 
             if tx < 128:
                 # state: S in registers; per chunk, publish S_b, then take delta's V_d into the update
                 T.set_max_nreg(STATE_REGS, 1)
-                if use_initial_state:
+                if affine:
+                    for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
+                        S[i, j] = T.if_then_else(iv * BV + j == i, 1.0, 0.0)
+                elif use_initial_state:
                     T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
                 else:
                     T.clear(S)
@@ -132,7 +147,8 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
                     T.gemm(Ks[s, :, :], Sb, KS, clear_accum=True)
                     T.barrier_arrive(sb_free)
                     for i, j in T.Parallel(BT, BV):
-                        Xt[j, i] = T.cast(bs[s, i], acc) * (Vs[s, i, j] - Gd[i] * KS[i, j])
+                        vij = Vs[s, i, j] * v_on if affine else Vs[s, i, j]
+                        Xt[j, i] = T.cast(bs[s, i], acc) * (vij - Gd[i] * KS[i, j])
                     T.gemm(As[s, :, :], Xt, Vn, transpose_B=True, clear_accum=True)
                     T.barrier_wait(vn_free, (c + 1) % 2)            # state and output have read chunk c − 1's
                     T.copy(Vn, Vns)
@@ -144,9 +160,9 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
                     T.barrier_arrive(empty[s])
 
             elif tx < 384:
-                # output: P and Q S_b beside the chain, then P V_new once delta has it
+                # output: P and Q S_b beside the chain, then P V_new once delta has it (idle in phase A)
                 T.set_max_nreg(OUTPUT_REGS, 1)
-                for c in T.serial(chunks):
+                for c in T.serial(0 if affine else chunks):
                     s = c % STAGES
                     T.barrier_wait(full[s], (c // STAGES) % 2)
                     T.gemm(Qs[s, :, :], Ks[s, :, :], QK, transpose_B=True, clear_accum=True)
@@ -176,9 +192,9 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
                         s = c % STAGES
                         T.barrier_wait(empty[s], (c // STAGES + 1) % 2)
                         T.tma_copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks[s, :, :], barrier=full[s])
-                        T.tma_copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs[s, :, :], barrier=full[s])
-                        T.tma_copy(v[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV], Vs[s, :, :],
-                                   barrier=full[s])
+                        if not affine:
+                            T.tma_copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs[s, :, :], barrier=full[s])
+                        T.tma_copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], Vs[s, :, :], barrier=full[s])
                         T.tma_copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As[s, :, :], barrier=full[s])
                         T.tma_copy(gc[ib, ihv, c * BT:(c + 1) * BT], gcs[s, :], barrier=full[s])
                         T.tma_copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs[s, :], barrier=full[s])
@@ -189,11 +205,11 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, use_initial_state: bool = True,
-                          beta_dtype: str = "float32", target: Optional[str] = None):
+                          beta_dtype: str = "float32", affine: bool = False, target: Optional[str] = None):
     """The compiled role-split kernel (cached per static configuration); ``target`` as
     ``chunk_fwd.compiled_kernel``'s. Fast math as there."""
     import tilelang
-    func = build_kernel_roles(H, HV, K, V, BV, scale, use_initial_state, beta_dtype)
+    func = build_kernel_roles(H, HV, K, V, BV, scale, use_initial_state, beta_dtype, affine)
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
     try:
         return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
