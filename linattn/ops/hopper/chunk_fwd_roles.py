@@ -30,6 +30,11 @@ once on a fresh barrier):
     sb_ready   state → delta, output     S_b(c) written           sb_free   delta, output → state   S_b(c) read
     vn_ready   delta → state, output     V_new(c), V_d(c) written  vn_free   state, output → delta   both read
     full[s]    producer → all            stage s loaded           empty[s]  all three roles → producer
+
+tests/ops/test_hopper_roles_protocol.py model-checks this protocol on the CPU (the roles' waits, arrivals and tile
+uses in this file's order, random interleavings, TMA landing late): no tile is read stale or overwritten before its
+last read, and no schedule hangs; four broken variants are caught. A change to the waits or arrivals below must be
+made there too.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 from typing import Optional
