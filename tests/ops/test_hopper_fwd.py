@@ -307,3 +307,64 @@ def test_role_split_kernel_compiles_with_its_roles_apart():
     # phase A: the state's three dots on the state and delta roles, no query loads, no output, the same rule
     assert affine.count("wgmma_ss<") == 3 and affine.count("tl::tma_load(") == 5 and "q_desc" not in affine
     assert "__syncthreads()" not in affine[affine.index("if (((int)threadIdx.x) < 128) {"):]
+
+
+def test_the_map_norm_bound_holds_for_the_exact_map():
+    """forward.map_norm_log2_bound against the exact state maps (the twin's affine walk in float64, no rounding):
+    ‖M‖₂ ≤ 2^bound for every segment and head, with normalised keys and β < 1, and with keys of norm ≈ 1.4 and
+    β up to 2 (where |1 − β‖k‖²| > 1 and the bound grows, loosely: products of the projections shrink more than
+    their norms say); with unit keys it is within 2⁸ of ‖M‖₂, tight enough to matter."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    for key_scale, beta_scale in ((1.0, 1.0), (1.4, 2.0)):
+        x = inputs(2, 256, 1, 2, 16, 16)
+        k, beta = x["k"] * key_scale, x["beta"] * beta_scale
+        _, mn = hopper.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4),
+                                               hopper.head_major(_seg(_gc(x["g"]), 4)),
+                                               hopper.head_major(_seg(beta, 4)), _seg(_a_inv(k, x["g"], beta), 4),
+                                               0.25, None, affine=True)
+        norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]
+        bound = hopper_fwd.map_norm_log2_bound(k, x["g"], beta, 4).double()
+        assert (norms.log2() <= bound + 1e-6).all(), (norms.log2() - bound).max()
+        if key_scale == 1.0:   # unit keys, β < 1: the decay is the bound, and nearly the norm
+            assert (norms.log2() > bound - 8).all(), (bound - norms.log2()).max()
+
+
+def _seg(x, S):
+    return x.reshape(x.shape[0] * S, x.shape[1] // S, *x.shape[2:])
+
+
+def _gc(g):
+    from linattn.ops.gated_delta import torch_chunk as tc
+    return tc.from_chunks(tc.chunk_local_cumsum_ref(tc.to_chunks(g, 64)), g.shape[1])
+
+
+def _a_inv(k, g, beta):
+    """A_inv [B, T, HV, 64] (float64, dense solve) for the twin's affine walk."""
+    from linattn.ops.gated_delta import torch_chunk as tc
+    HV = g.shape[2]
+    kc = tc.to_chunks(k.repeat_interleave(HV // k.shape[2], 2), 64)
+    gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g, 64))
+    return tc.from_chunks(tc.kkt_solve_ref(kc, tc.to_chunks(beta, 64), gcc), g.shape[1])
+
+
+@pytest.mark.interpreter
+def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkeypatch):
+    """forward_hopper(segments=4, roles=True) around the kernel's twin: one value head decays fast (its 64-token
+    segments' maps are below 2⁻³⁰: M skipped), the other slowly (M walked); o and the final state equal the float64
+    recurrence as without the skip. A twin that drops every M (a skip where the map matters) fails."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
+    x["g"] = x["g"].clone()
+    x["g"][..., 0] = x["g"][..., 0] * 16                    # fast head: ≈ −3 nats per token... −190 per segment
+    x["g"][..., 1] = x["g"][..., 1] / 16                    # slow head: ≈ −0.8 per segment
+    skip = hopper_fwd.negligible_maps(x["k"], x["g"], x["beta"], 4)
+    assert skip[:, 0].all() and not skip[:, 1].any()
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
+    exact = {n: t.double() for n, t in x.items()}
+    ro, rht = gated_delta_rule_reference(**exact, scale=0.25)
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
+    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=4, BV=16, roles=True)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    monkeypatch.setattr(hopper_fwd, "negligible_maps", lambda k, g, beta, S: torch.ones(2 * S, 2, dtype=torch.bool))
+    o_bad, _ = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=4, BV=16, roles=True)
+    assert rel(o_bad, ro) > 1e-4

@@ -249,11 +249,13 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
                             beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                             initial_state: Optional[torch.Tensor], affine: bool = False,
+                            skip_m: Optional[torch.Tensor] = None,
                             **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results, launch options ignored), from the
     pre-pass's gc, β (head-major) and A_inv instead of its own: for tests of what runs around the kernel (the
     segmented forward) on a machine without the GPU. Rounds where the kernel does for bf16 inputs (X too when A_inv
-    is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None."""
+    is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None;
+    ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the role-split kernel's negligible maps)."""
     from ..gated_delta import torch_chunk as tc
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -271,6 +273,9 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
     o, S = _walk_ref(q, k, v, gcc, beta_hm[..., :T].transpose(1, 2), tc.to_chunks(a_inv.to(work), BT), scale, S0,
                      work, rnd, rnd_x)
+    if affine and skip_m is not None:
+        S = S.clone()
+        S[skip_m.bool(), :, :K] = 0
     return (None if affine else o), S
 
 
@@ -327,14 +332,17 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
                         num_stages: int = 2, async_dots: bool = False, affine: bool = False,
-                        roles: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        roles: bool = False,
+                        skip_m: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots: see :func:`build_kernel`. A_inv's dtype
     (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
     ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
-    ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too."""
+    ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too; there ``skip_m``
+    ``[B, HV]`` (bool or int, optional) marks the maps whose M is negligible (``forward.negligible_maps``): their
+    M is written as zeros without a walk (the role-split kernel only)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -352,6 +360,10 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
                          f"{list(beta_hm.shape)}")
     beta_dtype = str(beta_hm.dtype).removeprefix("torch.")
+    if skip_m is not None and not (roles and affine):
+        raise ValueError("skip_m applies to the role-split kernel's affine walk (roles=True, affine=True)")
+    if skip_m is not None and skip_m.shape != (B, HV):
+        raise ValueError(f"skip_m must be [B, HV] = {[B, HV]}, got {list(skip_m.shape)}")
     if roles:
         if a_inv.dtype != torch.bfloat16:
             raise TypeError(f"the role-split kernel takes a bf16 a_inv, got {a_inv.dtype}")
@@ -368,6 +380,10 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     v = v.contiguous()
     o = v if affine else torch.empty_like(v)
     ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
-    kernel(q.contiguous(), k.contiguous(), v, gc_hm.contiguous(), beta_hm.contiguous(), a_inv.contiguous(), h0, o,
-           ht)
+    args = [q.contiguous(), k.contiguous(), v, gc_hm.contiguous(), beta_hm.contiguous(), a_inv.contiguous(), h0]
+    if roles:   # skip_m: read only by the affine walk (zeros there: every M walked); a placeholder elsewhere
+        args.append(skip_m.to(torch.int32).contiguous() if skip_m is not None else
+                    torch.zeros(B, HV, dtype=torch.int32, device=q.device) if affine else
+                    torch.empty(B, HV, dtype=torch.int32, device=q.device))
+    kernel(*args, o, ht)
     return (None if affine else o), ht

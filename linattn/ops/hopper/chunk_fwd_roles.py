@@ -53,7 +53,9 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
     A_inv, gc and β head-major (``chunk_fwd.head_major``). Without ``use_initial_state`` the state starts at zero
     and h0 is not read. ``affine``: phase A of the segmented forward as in ``chunk_fwd.build_kernel`` (the walk of
     [I | 0] with values [0 | V] over K + V columns into ht ``[B, HV, K, K + V]``; BV divides K): the state and
-    delta roles only — no queries loaded, no output, the output warpgroup idle and out of every hand-off."""
+    delta roles only — no queries loaded, no output, the output warpgroup idle and out of every hand-off. There
+    ``skip_m [B, HV]`` (int32, read in the affine walk only) marks the maps whose M is negligible
+    (``forward.negligible_maps``): their M tiles walk no chunk and write M = 0."""
     import tilelang.language as T
 
     acc, dtype = "float32", "bfloat16"
@@ -71,13 +73,16 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
     def gdn_chunk_fwd_roles(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
                             v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, HV, Tp), acc),
                             beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), dtype),
-                            h0: T.Tensor((B, HV, K, V), acc), o: T.Tensor((B, Tn, HV, V), dtype),
-                            ht: T.Tensor((B, HV, K, W), acc)):
+                            h0: T.Tensor((B, HV, K, V), acc), skip_m: T.Tensor((B, HV), "int32"),
+                            o: T.Tensor((B, Tn, HV, V), dtype), ht: T.Tensor((B, HV, K, W), acc)):
         with T.Kernel(T.ceildiv(W, BV), B * HV, threads=512) as (iv, bh):
             ib = bh // HV
             ihv = bh % HV
             ih = ihv // G
             chunks = T.ceildiv(Tn, BT)
+            if affine:
+                # an M tile of a negligible map walks no chunk (every role reads the same flag: one loop count)
+                chunks = T.if_then_else((iv * BV < K) & (skip_m[ib, ihv] != 0), 0, T.ceildiv(Tn, BT))
             # the stages: chunk c's inputs in stage c % STAGES
             Qs = T.alloc_shared((STAGES, BT, K), dtype)
             Ks = T.alloc_shared((STAGES, BT, K), dtype)
@@ -117,7 +122,7 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
                 T.set_max_nreg(STATE_REGS, 1)
                 if affine:
                     for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
-                        S[i, j] = T.if_then_else(iv * BV + j == i, 1.0, 0.0)
+                        S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
                 elif use_initial_state:
                     T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
                 else:

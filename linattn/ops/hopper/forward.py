@@ -126,6 +126,33 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
     return fitted_launch(V) if forced else None
 
 
+# A segment's map M is dropped (the role-split kernel's phase A writes M = 0 without walking those K columns) where
+# the bound ‖M‖₂ ≤ Π_t γ_t · max(1, |1 − β_t ‖k_t‖²|) over the segment's tokens is below 2^NEGLIGIBLE_M_LOG2: the
+# entering state then moves the next segment's by less than 2⁻³⁰ of its own norm (fp32 keeps 2⁻²⁴). Each token's
+# transition is γ_t (I − β_t k_t k_tᵀ), whose 2-norm is γ_t max(1, |1 − β_t ‖k_t‖²|). With the anchors' gates
+# (mean −0.05 per token) a 4096-token segment's bound is ≈ 2⁻²⁹⁵, so every M tile ends at once (phase A: one wave
+# of N tiles instead of two waves); heads that decay slowly keep theirs
+NEGLIGIBLE_M_LOG2 = -30.0
+
+
+def map_norm_log2_bound(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
+    """``[B·S, HV]`` fp32: log2 of Π_t γ_t · max(1, |1 − β_t ‖k_t‖²|) over each segment's tokens, a bound on the
+    2-norm of its exact state map M, from keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]`` (T a multiple
+    of S)."""
+    B, T, H, _ = k.shape
+    HV = g.shape[2]
+    norms = k.float().square().sum(-1).repeat_interleave(HV // H, dim=2)               # ‖k_t‖² [B, T, HV]
+    growth = torch.log2(torch.clamp((1 - beta.float() * norms).abs(), min=1.0))      # log2 max(1, |1 − β‖k‖²|)
+    return (g.float() * 1.4426950408889634 + growth).reshape(B * segments, T // segments, HV).sum(1)
+
+
+def negligible_maps(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
+    """``[B·S, HV]`` bool: the segments whose state map M is negligible (:func:`map_norm_log2_bound` below
+    :data:`NEGLIGIBLE_M_LOG2`). The bound holds for the exact map; the kernel's M, on bf16 state operands, is as
+    small up to its own relative rounding."""
+    return map_norm_log2_bound(k, g, beta, segments) < NEGLIGIBLE_M_LOG2
+
+
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
                    segments: Optional[int] = None, prepass: Optional[str] = None,
@@ -147,7 +174,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     Phase A walks K + V columns (twice phase C's state work for K = V) without the output's three dots. It also
     walks each sequence's last segment, whose map phase B does not use (1/S of it wasted: the segments of B > 1
-    sequences are not one contiguous prefix)."""
+    sequences are not one contiguous prefix). With ``roles`` in the launch (the role-split kernel) it skips the M
+    tiles of the maps :func:`negligible_maps` marks (M = 0 there)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
@@ -175,7 +203,9 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 
     qs, ks, vs, a_s = seg(q), seg(k), seg(v), seg(a_inv)
-    _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True,
+    # the role-split kernel's phase A skips the negligible maps' M tiles (the other kernel walks them all)
+    skip_m = negligible_maps(k, g, beta, S) if launch.get("roles") else None
+    _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 **fitted_launch(K, launch))
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
                        nseg=segments, BV=SCAN_BV)
