@@ -470,7 +470,9 @@ def main():
         acc, spd, seg = roles_check(a.quick)
         write_json(a.out, "hopper_roles.json", dict(accuracy=acc, speed=spd, segmented=seg))
         print_tables(acc, spd)
-        print(f"\nsegmented, phases A and C on each kernel (slow decay): {seg}")
+        print("\nsegmented, phases A and C on each kernel (the anchors' gates, then a slow decay):")
+        for r in seg:
+            print(f"  {r}")
         return
     acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
     spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
@@ -481,8 +483,9 @@ def main():
 def roles_check(quick):
     """The role-split kernel (``chunk_fwd_roles.py``) beside the default launch: accuracy at the cases (the first
     three with ``quick``), the kernel alone and after the pre-pass where it fills the card (rows 2, 5, 6; ``quick``:
-    row 2), and the segmented forward with phases A and C on each at row 3, slow decay. Run it under ``timeout``: a
-    wrong barrier hangs."""
+    row 2), and the segmented forward with phases A and C on each at row 3, at the anchors' gates (the role-split
+    phase A skips every negligible map's M tiles there) and at a slow decay (it walks them all). Run it under
+    ``timeout``: a wrong barrier hangs."""
     variants = [VARIANTS[0], ROLES]
     acc = accuracy(CASES[:3] if quick else CASES, variants)
     spd = [time_shape(*shape, variants) for shape in ([SHAPES[1]] if quick else [SHAPES[1], SHAPES[4], SHAPES[5]])]
@@ -492,9 +495,11 @@ def roles_check(quick):
     B, T, H, HV = SHAPES[2]
     launch = plan(B, HV, 128, T, sms, forced=True)
     S = launch.pop("segments")
-    seg = compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S),
-                                                 segmented_roles=dict(launch, segments=S, roles=True)),
-                      decay=1 / 65536, segments=S)
+    seg = [compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S),
+                                                  segmented_roles=dict(launch, segments=S, roles=True)),
+                       decay=decay, segments=S) for decay in DECAYS]
+    for r in seg:
+        print(r, flush=True)
     return acc, spd, seg
 
 
