@@ -22,7 +22,7 @@ One program per (chunk, sequence, value head), 128 threads:
     T_dd  = (I + A_dd)⁻¹                                     thread (d, c) solves column c of block d: fp32 FMAs
     T_10  = −T_11 A_10 T_00, T_32 = −T_33 A_32 T_22          fp32 FMAs (both halves at once)
     X     = −T_hi A_hl T_lo                                  two 32 × 32 dots on tensor cores, fp32 operands: tf32
-                                                             (2⁻¹¹ per operand, a quarter of A_inv's bf16 rounding)
+                                                             (2⁻¹¹–2⁻¹⁰ per operand, under A_inv's bf16 rounding)
 
 Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the Hopper kernel's operand),
 and gc and β straight into the layout the fused kernel loads (``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per
