@@ -192,12 +192,17 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False):
-    """The compiled kernel (cached per static configuration). ``target``: None for the current GPU, or an arch
-    such as "sm_90a" to compile without one (the CPU compile check). Fast math: e^x as ex2.approx (relative error
-    ≈ 2⁻²², far below the bf16 rounding of every operand it scales)."""
+    """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
+    return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
+                                          beta_dtype, a_dtype, async_dots, affine), target)
+
+
+def compile_prim_func(func, target: Optional[str] = None):
+    """Compile a TileLang prim_func of the Hopper forward (this kernel, ``chunk_fwd_roles``, ``prepass``).
+    ``target``: None for the current GPU, or an arch such as "sm_90a" to compile without one (the CPU compile
+    checks). Fast math: e^x as ex2.approx (relative error ≈ 2⁻²², far below the bf16 rounding of every operand it
+    scales). Any failure is a :class:`HopperCompileError` (the op then keeps to its Triton paths)."""
     import tilelang
-    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
-                        async_dots, affine)
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
     try:
         return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})

@@ -39,7 +39,7 @@ made there too.
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 from typing import Optional
 
-from .chunk_fwd import BT, HopperCompileError
+from .chunk_fwd import BT, compile_prim_func
 
 STAGES = 2
 # registers per thread of each role (setmaxnreg; the launch gives 128 to each of the 512 threads): the state's
@@ -217,11 +217,6 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
 def compiled_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, use_initial_state: bool = True,
                           beta_dtype: str = "float32", affine: bool = False, target: Optional[str] = None):
     """The compiled role-split kernel (cached per static configuration); ``target`` as
-    ``chunk_fwd.compiled_kernel``'s. Fast math as there."""
-    import tilelang
-    func = build_kernel_roles(H, HV, K, V, BV, scale, use_initial_state, beta_dtype, affine)
-    tgt = {"kind": "cuda", "arch": target} if target else "auto"
-    try:
-        return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
-    except Exception as e:
-        raise HopperCompileError(f"{type(e).__name__}: {e}"[:500]) from e
+    ``chunk_fwd.compile_prim_func``'s."""
+    return compile_prim_func(build_kernel_roles(H, HV, K, V, BV, scale, use_initial_state, beta_dtype, affine),
+                             target)

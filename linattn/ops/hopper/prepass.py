@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .chunk_fwd import BT, HopperCompileError, padded_length
+from .chunk_fwd import BT, compile_prim_func, padded_length
 
 D = 16            # the diagonal blocks' size: four per chunk
 
@@ -156,14 +156,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None):
-    """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compiled_kernel``'s."""
-    import tilelang
-    func = build_kernel(H, HV, K, beta_dtype, threads)
-    tgt = {"kind": "cuda", "arch": target} if target else "auto"
-    try:
-        return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
-    except Exception as e:
-        raise HopperCompileError(f"{type(e).__name__}: {e}"[:500]) from e
+    """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
+    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
