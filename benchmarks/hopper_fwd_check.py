@@ -35,7 +35,7 @@ from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import forward as hopper_forward_module
-from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan
+from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan, run_prepass
 from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 
 # (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
@@ -283,15 +283,8 @@ def prepass_row(B, T, H, HV, sms):
     S = launch.get("segments", 1)
     x = low_precision(make(B, T, H, HV, 128, 128))
     row = dict(segments=S)   # compare_row adds the shape
-
-    def seg(t):
-        return t.reshape(B * S, T // S, *t.shape[2:])
-
-    def triton_prepass():
-        gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=BF16)
-        return hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"])), a_inv
-
-    tilelang_prepass = functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S)
+    triton_prepass, tilelang_prepass = (functools.partial(run_prepass, x["k"], x["v"], x["g"], x["beta"], S, p, BF16)
+                                        for p in ("triton", "tilelang"))
     try:
         with torch.no_grad():
             (gc_t, beta_t, a_t), (gc_l, beta_l, a_l) = triton_prepass(), tilelang_prepass()

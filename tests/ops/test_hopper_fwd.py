@@ -315,13 +315,13 @@ def test_the_map_norm_bound_holds_for_the_exact_map():
     β up to 2 (where |1 − β‖k‖²| > 1 and the bound grows, loosely: products of the projections shrink more than
     their norms say); with unit keys it is within 2⁸ of ‖M‖₂, tight enough to matter."""
     from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
     for key_scale, beta_scale in ((1.0, 1.0), (1.4, 2.0)):
         x = inputs(2, 256, 1, 2, 16, 16)
         k, beta = x["k"] * key_scale, x["beta"] * beta_scale
-        _, mn = hopper.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4),
-                                               hopper.head_major(_seg(_gc(x["g"]), 4)),
-                                               hopper.head_major(_seg(beta, 4)), _seg(_a_inv(k, x["g"], beta), 4),
-                                               0.25, None, affine=True)
+        gc_hm, beta_hm, a_inv = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64)
+        _, mn = hopper.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
+                                               _seg(a_inv, 4), 0.25, None, affine=True)
         norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]
         bound = hopper_fwd.map_norm_log2_bound(k, x["g"], beta, 4).double()
         assert (norms.log2() <= bound + 1e-6).all(), (norms.log2() - bound).max()
@@ -331,20 +331,6 @@ def test_the_map_norm_bound_holds_for_the_exact_map():
 
 def _seg(x, S):
     return x.reshape(x.shape[0] * S, x.shape[1] // S, *x.shape[2:])
-
-
-def _gc(g):
-    from linattn.ops.gated_delta import torch_chunk as tc
-    return tc.from_chunks(tc.chunk_local_cumsum_ref(tc.to_chunks(g, 64)), g.shape[1])
-
-
-def _a_inv(k, g, beta):
-    """A_inv [B, T, HV, 64] (float64, dense solve) for the twin's affine walk."""
-    from linattn.ops.gated_delta import torch_chunk as tc
-    HV = g.shape[2]
-    kc = tc.to_chunks(k.repeat_interleave(HV // k.shape[2], 2), 64)
-    gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g, 64))
-    return tc.from_chunks(tc.kkt_solve_ref(kc, tc.to_chunks(beta, 64), gcc), g.shape[1])
 
 
 @pytest.mark.interpreter

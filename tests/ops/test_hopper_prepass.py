@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.gated_delta import torch_chunk as tc
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
@@ -59,15 +58,13 @@ def test_blocked_inverse_is_the_dense_inverse(case):
 @pytest.mark.parametrize("T,S", [(200, 1), (256, 4)])
 def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
     """What the fused kernel reads: gc and β head-major per segment (Tp-padded with zeros) and A_inv — the twin of
-    the TileLang pre-pass against the Triton pre-pass (interpreter, fp32 inputs) reshaped the way forward_hopper
-    did before (head_major of each segment's view)."""
+    the TileLang pre-pass against forward.run_prepass on the Triton pre-pass (interpreter, fp32 inputs)."""
     x = {n: t.float() for n, t in inputs(2, T, 1, 2, 16, 16).items()}
-    gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=torch.float32)
+    gc_tr, beta_tr, a_inv = hopper_fwd.run_prepass(x["k"], x["v"], x["g"], x["beta"], S, "triton", torch.float32)
     gc_hm, beta_hm, a_inv_tl = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float32)
-    seg = lambda t: t.reshape(2 * S, T // S, *t.shape[2:])
     assert gc_hm.shape == (2 * S, 2, hopper.padded_length(T // S)) and beta_hm.dtype == x["beta"].dtype
-    assert torch.allclose(gc_hm, hopper.head_major(seg(gc)), atol=1e-6, rtol=0)
-    assert torch.equal(beta_hm, hopper.head_major(seg(x["beta"])))
+    assert torch.allclose(gc_hm, gc_tr, atol=1e-6, rtol=0)
+    assert torch.equal(beta_hm, beta_tr)
     assert a_inv_tl.shape == a_inv.shape and rel(a_inv_tl, a_inv) < 1e-5
     assert prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S)[2].dtype == torch.bfloat16   # the kernel's
 

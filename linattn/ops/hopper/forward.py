@@ -10,6 +10,7 @@ columns, gc and β written head-major) measured 0.76 ms there (run 20) and was r
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -145,7 +146,7 @@ def map_norm_log2_bound(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, se
     acc = torch.promote_types(k.dtype, torch.float32)
     norms = torch.linalg.vector_norm(k, dim=-1, dtype=acc).float().square().repeat_interleave(HV // H, dim=2)
     growth = torch.log2(torch.clamp((1 - beta.float() * norms).abs(), min=1.0))      # log2 max(1, |1 − β‖k‖²|)
-    return (g.float() * 1.4426950408889634 + growth).reshape(B * segments, T // segments, HV).sum(1)
+    return (g.float() * math.log2(math.e) + growth).reshape(B * segments, T // segments, HV).sum(1)
 
 
 def negligible_maps(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
@@ -155,14 +156,34 @@ def negligible_maps(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segmen
     return map_norm_log2_bound(k, g, beta, segments) < NEGLIGIBLE_M_LOG2
 
 
+def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
+                prepass: Optional[str] = None, a_inv_dtype: Optional[torch.dtype] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the fused kernel reads, from the pre-pass ``prepass`` names (None: :data:`PREPASS`): gc and β
+    head-major per segment ``[B·S, HV, Lp]`` and A_inv ``[B, T, HV, 64]`` in ``a_inv_dtype`` (None:
+    :data:`A_INV_DTYPE`; the TileLang pre-pass writes bf16 only). ``segments`` = S divides T into the kernels'
+    B·S sequences (T a multiple of 64·S when S > 1)."""
+    prepass = prepass or PREPASS
+    a_inv_dtype = a_inv_dtype or A_INV_DTYPE
+    if prepass not in PREPASSES:
+        raise ValueError(f"prepass must be one of {PREPASSES}, got {prepass!r}")
+    if prepass == "tilelang":
+        if a_inv_dtype != torch.bfloat16:
+            raise ValueError(f"the TileLang pre-pass writes a bf16 A_inv, got a_inv_dtype={a_inv_dtype}")
+        return prepass_hopper(k, g, beta, segments)
+    B, T = k.shape[:2]
+    gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype)
+    gc_hm, beta_hm = (head_major(x.reshape(B * segments, T // segments, x.shape[2])) for x in (gc, beta))
+    return gc_hm, beta_hm, a_inv
+
+
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
                    segments: Optional[int] = None, prepass: Optional[str] = None,
                    **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
-    ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``a_inv_dtype``: the pre-pass writes A_inv in it
-    (fp32 or bf16; None: :data:`A_INV_DTYPE`); ``prepass``: "triton" or "tilelang" (None: :data:`PREPASS`; the
-    TileLang one writes bf16 only); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
+    ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``prepass``, ``a_inv_dtype``: the pre-pass and the
+    dtype it writes A_inv in (:func:`run_prepass`); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
     :func:`fitted_launch`).
 
     ``segments`` = S > 1 (T a multiple of 64·S): sequence parallelism, exact. Each sequence is cut into S segments
@@ -181,28 +202,17 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
-    prepass = prepass or PREPASS
-    a_inv_dtype = a_inv_dtype or A_INV_DTYPE
-    if prepass not in PREPASSES:
-        raise ValueError(f"prepass must be one of {PREPASSES}, got {prepass!r}")
-    if prepass == "tilelang" and a_inv_dtype != torch.bfloat16:
-        raise ValueError(f"the TileLang pre-pass writes a bf16 A_inv, got a_inv_dtype={a_inv_dtype}")
     segmented = bool(segments) and segments > 1
     S = segments if segmented else 1
     if segmented and T % (BT * S):
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
+    gc_hm, beta_hm, a_inv = run_prepass(k, v, g, beta, S, prepass, a_inv_dtype)
+    if not segmented:
+        return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 
     def seg(x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] → [B·S, T/S, ...], a view (the op passes contiguous tensors)."""
         return x.reshape(B * S, T // S, *x.shape[2:])
-
-    if prepass == "tilelang":
-        gc_hm, beta_hm, a_inv = prepass_hopper(k, g, beta, S)
-    else:
-        gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype)
-        gc_hm, beta_hm = head_major(seg(gc)), head_major(seg(beta))
-    if not segmented:
-        return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 
     qs, ks, vs, a_s = seg(q), seg(k), seg(v), seg(a_inv)
     # the role-split kernel's phase A skips the negligible maps' M tiles (the other kernel walks them all)

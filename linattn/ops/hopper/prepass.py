@@ -200,7 +200,8 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
                        a_inv_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The twin of :func:`prepass_hopper` (same arguments and results) from the PyTorch stages: the chunk-local
     cumsum, ``kkt_solve_ref`` (a dense solve) and ``chunk_fwd.head_major`` on each segment, A_inv rounded to
-    ``a_inv_dtype`` once (the kernel's bf16; fp32 for tests of the layout alone). For the layout and the segments on
+    ``a_inv_dtype`` once (the kernel's bf16; fp32 for tests of the layout alone; float64, with gc in float64 too, for
+    a reference). For the layout and the segments on
     a machine without the GPU (any float keys: the kernel's bf16 check is :func:`prepass_hopper`'s);
     :func:`blocked_inverse_ref` is the twin of the kernel's solve."""
     from ..gated_delta import torch_chunk as tc
@@ -213,7 +214,7 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
     gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
     a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gcc)          # [B, HV, NT, BT, BT]
     a_inv = tc.from_chunks(a_inv, T).to(a_inv_dtype)                            # [B, T, HV, BT]
-    gc = tc.from_chunks(gcc, T).float()                                          # [B, T, HV]
+    gc = tc.from_chunks(gcc, T)                                                  # [B, T, HV]
 
     def per_segment(x: torch.Tensor) -> torch.Tensor:
         return head_major(x.reshape(B * segments, T // segments, HV))
