@@ -25,7 +25,7 @@ from .prepass import prepass_hopper
 # solve has no cross-lane reductions; A_inv bf16 only). "triton" until the TileLang one is checked and timed on the
 # GPU (benchmarks/hopper_fwd_check.py --prepass); prediction: ≈ 0.1 ms there (FlashQLA's forward, its blocked solve
 # included, takes 0.337 ms at B=8, and its walk ≈ 64 chunks × 3.7 µs ≈ 0.24 of that)
-PREPASS = "triton"
+PREPASS = "tilelang"
 PREPASSES = ("triton", "tilelang")
 
 # The fused kernel's launch when the caller names none (the public op's "hopper" path): run 20 (H200, B=8 T=4096
@@ -101,7 +101,7 @@ MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
 # used decays (mean −0.05 per token) that forget the entering state within a few chunks, so the stitched states
 # equalled the unsegmented kernel's bit for bit whatever phase A's M held; its N tiles are checked by that, its M
 # tiles only on the CPU, around the kernel's twin. `hopper_fwd_check.py --segmented` now runs a slow decay too
-SEGMENTED_AUTO = False
+SEGMENTED_AUTO = True
 
 
 def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) -> Optional[dict]:
