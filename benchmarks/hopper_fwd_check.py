@@ -45,11 +45,12 @@ from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 # math and per-row decays 0.70, async 0.67, bf16 A_inv 0.66; two warpgroups 0.62 / 0.60 / 0.55; BV=128 two
 # warpgroups bf16 A_inv async 0.385 (the default, forward.LAUNCH). Now: around that one
 F32, BF16 = torch.float32, torch.bfloat16
-VARIANTS = [(128, 256, 2, BF16, True), (128, 256, 1, F32, True), (128, 512, 2, BF16, True), (64, 512, 2, BF16, True),
-            (64, 256, 2, BF16, True)]
-# the role-split kernel (chunk_fwd_roles.py, experimental): a sixth field, roles; 512 threads (three consumer
-# warpgroups and a producer), its own two-stage pipeline, bf16 A_inv
-ROLES = (128, 512, 2, BF16, False, True)
+# A sixth field, optional: further launch keywords (a dict), such as tma_o (o stored through shared memory by TMA)
+VARIANTS = [(128, 256, 2, BF16, True), (128, 256, 2, BF16, True, dict(tma_o=True)), (128, 256, 1, F32, True),
+            (128, 512, 2, BF16, True), (64, 256, 2, BF16, True)]
+# the role-split kernel (chunk_fwd_roles.py, experimental): 512 threads (three consumer warpgroups and a producer),
+# its own two-stage pipeline, bf16 A_inv
+ROLES = (128, 512, 2, BF16, False, dict(roles=True))
 CASES = [  # name, B, T, H, HV, K, V
     ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128),
     ("T1", 1, 1, 2, 2, 128, 128),
@@ -80,9 +81,9 @@ def low_precision(x):
 
 
 def launch_of(variant):
-    """(A_inv dtype, the fused kernel's keywords) of a variant (5 fields, or 6 with roles)."""
-    BV, threads, stages, a_dtype, async_dots, *roles = variant
-    return a_dtype, dict(BV=BV, threads=threads, num_stages=stages, async_dots=async_dots, roles=any(roles))
+    """(A_inv dtype, the fused kernel's keywords) of a variant (5 fields, or 6 with further keywords)."""
+    BV, threads, stages, a_dtype, async_dots, *extra = variant
+    return a_dtype, dict(BV=BV, threads=threads, num_stages=stages, async_dots=async_dots, **(extra or [{}])[0])
 
 
 def hopper_forward(x, scale, variant):
@@ -95,7 +96,9 @@ def hopper_forward(x, scale, variant):
 def variant_name(variant):
     a_dtype, launch = launch_of(variant)
     return (f"BV{launch['BV']}_t{launch['threads']}_s{launch['num_stages']}_A{str(a_dtype)[-2:]}"
-            + ("_async" if launch["async_dots"] else "") + ("_roles" if launch["roles"] else ""))
+            + ("_async" if launch["async_dots"] else "") + "".join(f"_{k}" for k, on in launch.items()
+                                                                   if k not in ("BV", "threads", "num_stages",
+                                                                                "async_dots") and on))
 
 
 def accuracy(cases, variants):

@@ -8,7 +8,8 @@ the pre-pass (0.589 ms), the state pass (0.505) and the output kernel (0.288) ea
         --section LaunchStats --section InstructionStats --print-details all \\
         python benchmarks/ncu_forward.py [--B 8] [--backward]
 
-(--backward: the regex "local_bwd|state_pass_bwd|kkt_solve|wy_kernel|state_pass_fwd" and --launch-skip 8.)
+(--backward: the regex "local_bwd|state_pass_bwd|kkt_solve|wy_kernel|state_pass_fwd" and --launch-skip 8; --path auto
+[--roles]: the Hopper forward, regex "gdn_" for its pre-pass and fused kernel, TileLang on the path.)
 Runs the op (bf16, T=4096, H=HV=16, K=V=128, the split path, today's defaults) a few times; times nothing itself.
 """
 from __future__ import annotations
@@ -25,8 +26,14 @@ ap.add_argument("--B", type=int, default=8)
 ap.add_argument("--T", type=int, default=4096)
 ap.add_argument("--backward", action="store_true")
 ap.add_argument("--calls", type=int, default=3)
+ap.add_argument("--path", default="split", choices=triton_chunk.FORWARD_PATHS,
+                help="the forward path (auto: the Hopper forward on sm_90 where its programs fill the card)")
+ap.add_argument("--roles", action="store_true", help="the Hopper forward's role-split kernel")
 a = ap.parse_args()
-triton_chunk.FORWARD_PATH = "split"
+triton_chunk.FORWARD_PATH = a.path
+if a.roles:
+    from linattn.ops.hopper import forward as hopper_forward
+    hopper_forward.LAUNCH = dict(hopper_forward.LAUNCH, roles=True)
 gen = torch.Generator(device="cuda").manual_seed(0)
 r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
 B, T, H, D = a.B, a.T, 16, 128

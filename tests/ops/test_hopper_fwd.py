@@ -250,6 +250,10 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     assert srcs["float32", False].count("wgmma_ss<") == 5 and "kTensorFloat32" in srcs["float32", False]
     assert srcs["bfloat16", True].count("wgmma_ss<") == 6 and "wait_wgmma<2>" in srcs["bfloat16", True]
     assert "wait_wgmma" not in srcs["float32", False]
+    # tma_o: o's tile leaves through shared memory by TMA instead of per-thread global stores
+    tma_o = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                   a_dtype="bfloat16", async_dots=True, tma_o=True).get_kernel_source()
+    assert "tma_store(o_desc" in tma_o and "tma_store" not in srcs["bfloat16", True]
     affine = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
                                     use_initial_state=False, a_dtype="bfloat16", async_dots=True,
                                     affine=True).get_kernel_source()

@@ -53,7 +53,7 @@ def tilelang_available() -> bool:
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
-                 affine: bool = False):
+                 affine: bool = False, tma_o: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -62,7 +62,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     (``forward.py``): each sequence's affine state map [M | N] (S_out = M S_in + N), the walk of the K × (K + V)
     state [I | 0] with values [0 | V], written to ht ``[B, HV, K, K + V]``; the grid covers K + V columns (a
     program's tile lies in M or in N: BV divides K), V's columns are read shifted by K (an M tile reads a valid tile
-    and zeroes it), and only the state's three dots run (q not read, o not written)."""
+    and zeroes it), and only the state's three dots run (q not read, o not written). ``tma_o``: o's tile goes to shared memory
+    (stmatrix) and out by TMA, rows past T clipped by it (else each thread stores its accumulator pairs)."""
     import tilelang.language as T
 
     acc = "float32"
@@ -71,6 +72,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
     G = HV // H
     x_dtype = acc if a_dtype == acc else dtype      # X, the right operand of A_inv X
+    # bf16 X is stored as the tile it is, [BT, BV] (an N-major B operand: each thread writes its accumulator pairs
+    # as 4-byte words, and reads V's pairs likewise); tf32 needs Xᵀ, K-major, written element by element (run 22's
+    # profile at B=8 T=4096 H=16: the shared-memory pipe 68% busy, the issue slots 25%)
+    x_rows = x_dtype != acc
     store_output = not affine
     W = K + V if affine else V                      # the state's columns: [M | N] in phase A
     if affine and K % BV:
@@ -92,13 +97,17 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             As = T.alloc_shared((BT, BT), a_dtype)
             gcs = T.alloc_shared((BT,), acc)
             bs = T.alloc_shared((BT,), beta_dtype)     # β as given: a TMA copy, widened where it is read
-            Gam = T.alloc_shared((BT,), acc)           # Γ_i = e^{gc_i}, once per row instead of once per element
-            Rho = T.alloc_shared((BT,), acc)           # ρ_i = e^{gc_last − gc_i}, the decay to the chunk's end
+            # per-row factors in registers (each thread holds its accumulator rows' values: no shared-memory load
+            # per element): Γ_i = e^{gc_i}, ρ_i = e^{gc_last − gc_i} (the decay to the chunk's end), β_i
+            Gam = T.alloc_fragment((BT,), acc)
+            Rho = T.alloc_fragment((BT,), acc)
+            Beta = T.alloc_fragment((BT,), acc)
             Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
-            Xt = T.alloc_shared((BV, BT), x_dtype)     # Xᵀ: a K-major B operand of A_inv X (tf32 needs K-major)
+            Xs = T.alloc_shared((BT, BV) if x_rows else (BV, BT), x_dtype)   # X, or Xᵀ for tf32 (x_rows)
             Ps = T.alloc_shared((BT, BT), dtype)
             Vns = T.alloc_shared((BT, BV), dtype)
             Vds = T.alloc_shared((BT, BV), dtype)
+            Os = T.alloc_shared((BT, BV), dtype)       # o's tile for its TMA store (tma_o)
             S = T.alloc_fragment((K, BV), acc)
             KS = T.alloc_fragment((BT, BV), acc)
             QK = T.alloc_fragment((BT, BT), acc)
@@ -146,13 +155,18 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 g_last = gcs[T.min(BT, Tn - c * BT) - 1]
                 for i in T.Parallel(BT):
                     Gam[i] = T.exp(gcs[i])
+                    Beta[i] = T.cast(bs[i], acc)
+                for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout (mma.sync's for tf32)
                     Rho[i] = T.exp(g_last - gcs[i])
                 if async_dots:
                     T.wait_wgmma(2 if store_output else 0)     # K S done (X needs only it)
                 for i, j in T.Parallel(BT, BV):
                     vij = Vs[i, j] * v_on if affine else Vs[i, j]
-                    Xt[j, i] = T.cast(bs[i], acc) * (vij - Gam[i] * KS[i, j])
-                T.gemm(As, Xt, Vn, transpose_B=True, clear_accum=True)
+                    if x_rows:
+                        Xs[i, j] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                    else:
+                        Xs[j, i] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                T.gemm(As, Xs, Vn, transpose_B=not x_rows, clear_accum=True)
                 if async_dots:
                     T.wait_wgmma(0)
                 if store_output:
@@ -168,7 +182,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.gemm(Ps, Vns, Of)
                     for i, j in T.Parallel(BT, BV):
                         Of[i, j] = Of[i, j] * scale
-                    T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                    if tma_o:
+                        T.copy(Of, Os)
+                        T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                    else:
+                        T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
                 T.gemm(Ks, Vds, S, transpose_A=True)
@@ -191,10 +209,10 @@ COMPILE_FAILED: Optional[str] = None
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
-                    async_dots: bool = False, affine: bool = False):
+                    async_dots: bool = False, affine: bool = False, tma_o: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
-                                          beta_dtype, a_dtype, async_dots, affine), target)
+                                          beta_dtype, a_dtype, async_dots, affine, tma_o), target)
 
 
 def compile_prim_func(func, target: Optional[str] = None):
@@ -337,11 +355,11 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
                         num_stages: int = 2, async_dots: bool = False, affine: bool = False,
-                        roles: bool = False,
+                        roles: bool = False, tma_o: bool = False,
                         skip_m: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
-    num_stages: the depth of the chunk loop's load pipeline; async_dots: see :func:`build_kernel`. A_inv's dtype
+    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o: see :func:`build_kernel`. A_inv's dtype
     (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
     ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
@@ -377,7 +395,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     else:
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
-                                 async_dots, affine)
+                                 async_dots, affine, tma_o and not affine)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
