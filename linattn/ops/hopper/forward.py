@@ -32,7 +32,7 @@ PREPASSES = ("triton", "tilelang")
 # H=16, the kernel alone, ms) measured one warpgroup at BV=64 0.70 (tf32 A_inv X) / 0.66 (bf16 A_inv, async first
 # dots), two warpgroups 0.60 / 0.55, and two warpgroups at BV=128 with bf16 A_inv 0.385: the fastest, taken here.
 # BV=64 where 128 does not divide V (fitted_launch)
-LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True)
+LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True, tma_o=True)
 A_INV_DTYPE = torch.bfloat16
 # The unsegmented kernel only where its (sequence, value head, V tile) programs fill the card: one program walks
 # all the chunks of its sequence, so with fewer programs than SMs the card idles (then the segmented forward, plan).
