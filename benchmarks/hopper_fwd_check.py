@@ -1,5 +1,5 @@
 """GPU check and timing of the Hopper forward's launch variants (``linattn/ops/hopper/chunk_fwd.py``, issue 4):
-the Triton pre-pass (``fused_prepass(write_wy=False)``: gc and each chunk's A_inv) followed by one fused kernel that
+the pre-pass (``forward.run_prepass``: gc, β and each chunk's A_inv) followed by one fused kernel that
 walks the chunks with the state on chip and writes only o and the final state.
 
     tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz        # TileLang 0.1.15 (the anchors' site packages)
@@ -8,8 +8,9 @@ walks the chunks with the state on chip and writes only o and the final state.
 1. accuracy (bf16): o and the final state against float64 (the token reference for short cases, the float64 torch
    backend for long ones), beside the Triton forward's errors and the rounded-PyTorch baseline (gpu_check_core's
    ``rounded_twin``: every stage's output rounded to bf16); the bound is kernel ≤ 2 × baseline. Also the distance to
-   the kernel's PyTorch twin (``chunk_fwd_hopper_ref``, the same bf16 rounding points; with an fp32 A_inv, A_inv
-   X's tf32 and the order of sums differ too): a translation error shows there first. Every launch variant at the
+   the kernel's PyTorch twin on the same pre-pass outputs (``chunk_fwd_hopper_hm_ref``, the same bf16 rounding
+   points; with an fp32 A_inv, A_inv X's tf32 and the order of sums differ too): a translation error shows there
+   first. Every launch variant at the
    anchor case, the first one at every case.
 2. speed: do_bench median ms (no grad) at the seven shapes of issue 4's table (--quick: rows 1, 2, 3): the public
    op's forward, the pre-pass alone, the fused kernel alone and pre-pass + kernel, per launch variant (all where
@@ -118,10 +119,7 @@ def accuracy(cases, variants):
         zeros_do = torch.zeros(B, T, HV, V, device=DEVICE, dtype=torch.float64)
         zeros_dht = torch.zeros(B, HV, K, V, device=DEVICE, dtype=torch.float64)
         base = rounded_twin(low, torch.bfloat16, scale, zeros_do, zeros_dht)[:2]
-        twins = {a: hopper.chunk_fwd_hopper_ref(**low, scale=scale, round_a_inv=a == BF16)  # the kernel's own
-                 for a in (F32, BF16)}                                                        # rounding points
         for variant in variants:
-            twin = twins[variant[3]]
             row = dict(case=name, variant=variant_name(variant),
                        triton=[rel(tri[0], ref[0]), rel(tri[1], ref[1])],
                        baseline=[rel(base[0], ref[0]), rel(base[1], ref[1])])
@@ -130,6 +128,11 @@ def accuracy(cases, variants):
                 t0 = time.time()
                 o, ht = hopper_forward(low, scale, variant)
                 torch.cuda.synchronize()
+                # the kernel against its twin on the same pre-pass outputs (the kernel's own rounding points)
+                a_dtype, launch = launch_of(variant)
+                prepassed = run_prepass(low["k"], low["v"], low["g"], low["beta"], 1, None, a_dtype)
+                twin = hopper.chunk_fwd_hopper_hm_ref(low["q"], low["k"], low["v"], *prepassed, scale,
+                                                      low["initial_state"], **launch)
                 row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
                            vs_twin=[rel(o, twin[0]), rel(ht, twin[1])],
                            nonfinite=int((~torch.isfinite(o)).sum() + (~torch.isfinite(ht)).sum()))
