@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The Hopper forward's pieces built and tested on a CPU but not yet run on a GPU (docs/performance.md, "Next GPU
-# session"): the TileLang pre-pass, the role-split kernel, the segmented forward at a slow decay. Each mode runs
+# The Hopper forward's GPU checks that run 22 switched pieces on by (docs/performance.md): the TileLang pre-pass,
+# the segmented forward at a slow decay, the role-split kernel (correct there, not faster: off). Each mode runs
 # `hopper_fwd_check.py --<mode> --quick` in its own process under a time limit (a wrong mbarrier hangs the
 # role-split kernel), so one failure does not stop the others; JSON results under $OUT, the tables on stdout. Needs
 # .anchors/ (TileLang 0.1.15 in the anchors' site packages; fla is left out of the copy: not needed here).
 #
-#     bash benchmarks/hopper_pending_checks.sh prepass segmented     # ≈ 4–5 min with the compiles
-#     bash benchmarks/hopper_pending_checks.sh roles                 # ≈ 4–5 min: a call of its own (600 s limit)
+#     bash benchmarks/hopper_pending_checks.sh prepass segmented     # ≈ 2 min with the compiles (run 22)
+#     bash benchmarks/hopper_pending_checks.sh roles                 # ≈ 1.5 min (run 22)
 set -u
 OUT=${OUT:-.}
 modes=${*:-prepass segmented roles}

@@ -3,9 +3,9 @@
 ``triton_chunk``'s "auto" path on sm_90 and for ``FORWARD_PATH = "hopper"``, which forces it wherever the inputs
 suit it.
 
-The pre-pass (:data:`PREPASS`) is the split forward's (``fused_prepass(write_wy=False)``: 0.275 ms at B=8 T=4096
-H=16 in run 20, plus two small head-major copies) or, not yet measured, ``prepass.py``'s TileLang kernel with a
-blocked solve. A first TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an fp32 forward substitution of whole 64-row
+The pre-pass (:data:`PREPASS`) is ``prepass.py``'s TileLang kernel with a blocked solve (0.131 ms at B=8 T=4096
+H=16 in run 22) or the split forward's (``fused_prepass(write_wy=False)``: 0.268 ms there, plus two small
+head-major copies). A first TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an fp32 forward substitution of whole 64-row
 columns, gc and β written head-major) measured 0.76 ms there (run 20) and was removed.
 """
 from __future__ import annotations
@@ -20,18 +20,18 @@ from ..common.seq_parallel import affine_scan
 from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
 from .prepass import prepass_hopper
 
-# The pre-pass: "triton" (``fused_prepass(write_wy=False)`` and two head-major copies: 0.261 + 0.025 ms at B=8
-# T=4096 H=16 and at B=1 T=32768 H=16, run 21) or "tilelang" (``prepass.py``: the same outputs from one kernel whose
-# solve has no cross-lane reductions; A_inv bf16 only). "triton" until the TileLang one is checked and timed on the
-# GPU (benchmarks/hopper_fwd_check.py --prepass); prediction: ≈ 0.1 ms there (FlashQLA's forward, its blocked solve
-# included, takes 0.337 ms at B=8, and its walk ≈ 64 chunks × 3.7 µs ≈ 0.24 of that)
+# The pre-pass: "tilelang" (``prepass.py``: gc, β per segment head-major and A_inv bf16 from one kernel whose solve
+# has no cross-lane reductions) or "triton" (``fused_prepass(write_wy=False)`` and two head-major copies). Run 22
+# (H200, B=8 T=4096 H=16): 0.131 against 0.268 ms alone; the forward on it 0.530 against 0.665, errors against
+# float64 equal (o 3.37e-3, state 2.40e-3). An fp32 A_inv (the tf32 A_inv X) always takes the Triton one
 PREPASS = "tilelang"
 PREPASSES = ("triton", "tilelang")
 
 # The fused kernel's launch when the caller names none (the public op's "hopper" path): run 20 (H200, B=8 T=4096
 # H=16, the kernel alone, ms) measured one warpgroup at BV=64 0.70 (tf32 A_inv X) / 0.66 (bf16 A_inv, async first
 # dots), two warpgroups 0.60 / 0.55, and two warpgroups at BV=128 with bf16 A_inv 0.385: the fastest, taken here.
-# BV=64 where 128 does not divide V (fitted_launch)
+# Run 22: X stored as its tile and the per-row factors in registers 0.314, o stored by TMA (tma_o) 0.263; the
+# role-split kernel (roles=True) 0.373, so not taken. BV=64 where 128 does not divide V (fitted_launch)
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True, tma_o=True)
 A_INV_DTYPE = torch.bfloat16
 # The unsegmented kernel only where its (sequence, value head, V tile) programs fill the card: one program walks
@@ -97,10 +97,9 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
 # split and behind it there (0.242 vs 0.319 ms in one call, 0.336 vs 0.230 in another, on other machines). From
 # 2¹⁸ rows (T=32768 at 8 or 16 heads) it won in every call; between, nothing was measured and the split stays
 MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
-# Whether "auto" takes the segmented forward at all. Off until a GPU check with slow decays passes: run 21's checks
-# used decays (mean −0.05 per token) that forget the entering state within a few chunks, so the stitched states
-# equalled the unsegmented kernel's bit for bit whatever phase A's M held; its N tiles are checked by that, its M
-# tiles only on the CPU, around the kernel's twin. `hopper_fwd_check.py --segmented` now runs a slow decay too
+# Whether "auto" takes the segmented forward at all. Run 22 checked it at a slow decay (1/65536 of the anchors'
+# gates, so the entering state survives the whole segment and every map M counts): o / state errors against
+# float64 4.03e-3 / 3.29e-3 segmented, 4.03e-3 / 3.27e-3 unsegmented (B=1 T=32768 H=16, 8 segments)
 SEGMENTED_AUTO = True
 
 
