@@ -184,8 +184,9 @@ DECAYS = (1 / 16, 1 / 65536)
 
 def segmented(shapes):
     """The segmented Hopper forward (``forward_hopper(segments=S)``, as ``forward.plan`` makes it) at the shapes
-    whose unsegmented programs do not fill the card: errors of o and the final state against the float64 torch backend,
-    beside the unsegmented kernel's (same launch) and the split's; then ms of the three (no grad)."""
+    whose unsegmented programs do not fill the card, with and without the negligible maps' skip in phase A
+    (``skip_maps``): errors of o and the final state against the float64 torch backend, beside the unsegmented
+    kernel's (same launch) and the split's; then ms of each (no grad)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for B, T, H, HV in shapes:
@@ -482,8 +483,8 @@ def main():
 def roles_check(quick):
     """The role-split kernel (``chunk_fwd_roles.py``) beside the default launch: accuracy at the cases (the first
     three with ``quick``), the kernel alone and after the pre-pass where it fills the card (rows 2, 5, 6; ``quick``:
-    row 2), and the segmented forward with phases A and C on each at row 3, at the anchors' gates (the role-split
-    phase A skips every negligible map's M tiles there) and at a slow decay (it walks them all). Run it under
+    row 2), and the segmented forward with phases A and C on each at row 3, at the anchors' gates (the
+    phase A of each skips every negligible map's M tiles there) and at a slow decay (they walk them all). Run it under
     ``timeout``: a wrong barrier hangs."""
     variants = [VARIANTS[0], ROLES]
     acc = accuracy(CASES[:3] if quick else CASES, variants)
@@ -494,8 +495,9 @@ def roles_check(quick):
     B, T, H, HV = SHAPES[2]
     launch = plan(B, HV, 128, T, sms, forced=True)
     S = launch.pop("segments")
-    seg = [compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S),
-                                                  segmented_roles=dict(launch, segments=S, roles=True)),
+    seg = [compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S, skip_maps=True),
+                                                  segmented_roles=dict(launch, segments=S, roles=True,
+                                                                       skip_maps=True)),
                        decay=decay, segments=S) for decay in DECAYS]
     for r in seg:
         print(r, flush=True)

@@ -259,6 +259,9 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
                                     affine=True).get_kernel_source()
     # phase A: the state's three dots (K S, A_inv X, the update), no query loads, no output
     assert affine.count("wgmma_ss<") == 3 and "q_desc" not in affine and "o_desc" not in affine
+    # the negligible maps' skip: producer and consumers both take their loop count from skip_m (one read each);
+    # the output walk never reads it
+    assert affine.count("skip_m[") == 2 and all("skip_m[" not in src for src in srcs.values())
 
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
@@ -338,10 +341,12 @@ def _seg(x, S):
 
 
 @pytest.mark.interpreter
-def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkeypatch):
-    """forward_hopper(segments=4, roles=True) around the kernel's twin: one value head decays fast (its 64-token
-    segments' maps are below 2⁻³⁰: M skipped), the other slowly (M walked); o and the final state equal the float64
-    recurrence as without the skip. A twin that drops every M (a skip where the map matters) fails."""
+@pytest.mark.parametrize("roles", [False, True])
+def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkeypatch, roles):
+    """forward_hopper(segments=4, skip_maps=True) around the kernel's twin (either kernel): one value head decays
+    fast (its 64-token segments' maps are below 2⁻³⁰: M skipped), the other slowly (M walked); o and the final state
+    equal the float64 recurrence as without the skip. A twin that drops every M (a skip where the map matters)
+    fails."""
     from linattn.ops.hopper import forward as hopper_fwd
     x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
     x["g"] = x["g"].clone()
@@ -352,9 +357,16 @@ def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkey
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
     exact = {n: t.double() for n, t in x.items()}
     ro, rht = gated_delta_rule_reference(**exact, scale=0.25)
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
-    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=4, BV=16, roles=True)
+    seen = []
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm",
+                        lambda *a, **kw: seen.append(kw.get("skip_m")) or hopper.chunk_fwd_hopper_hm_ref(*a, **kw))
+    kw = dict(a_inv_dtype=torch.float32, segments=4, BV=16, roles=roles, skip_maps=True)
+    o, ht = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    assert torch.equal(seen[0], skip)                       # phase A got the flags
     monkeypatch.setattr(hopper_fwd, "negligible_maps", lambda k, g, beta, S: torch.ones(2 * S, 2, dtype=torch.bool))
-    o_bad, _ = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=4, BV=16, roles=True)
+    o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o_bad, ro) > 1e-4
+    seen.clear()
+    hopper_fwd.forward_hopper(*args, **dict(kw, skip_maps=False))
+    assert seen[0] is None                                  # skip_maps=False: every M walked

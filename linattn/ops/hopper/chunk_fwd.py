@@ -62,8 +62,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     (``forward.py``): each sequence's affine state map [M | N] (S_out = M S_in + N), the walk of the K × (K + V)
     state [I | 0] with values [0 | V], written to ht ``[B, HV, K, K + V]``; the grid covers K + V columns (a
     program's tile lies in M or in N: BV divides K), V's columns are read shifted by K (an M tile reads a valid tile
-    and zeroes it), and only the state's three dots run (q not read, o not written). ``tma_o``: o's tile goes to shared memory
-    (stmatrix) and out by TMA, rows past T clipped by it (else each thread stores its accumulator pairs)."""
+    and zeroes it), and only the state's three dots run (q not read, o not written); an M tile whose ``skip_m [B,
+    HV]`` (int32) flag is set walks no chunk and writes M = 0 (``forward.negligible_maps``; read by the affine walk
+    only). ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each
+    thread stores its accumulator pairs)."""
     import tilelang.language as T
 
     acc = "float32"
@@ -85,7 +87,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
                       v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, HV, Tp), acc),
                       beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), a_dtype),
-                      h0: T.Tensor((B, HV, K, V), acc), o: T.Tensor((B, Tn, HV, V), dtype),
+                      h0: T.Tensor((B, HV, K, V), acc), skip_m: T.Tensor((B, HV), "int32"),
+                      o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((B, HV, K, W), acc)):
         with T.Kernel(T.ceildiv(W, BV), B * HV, threads=threads) as (iv, bh):
             ib = bh // HV
@@ -114,9 +117,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Vn = T.alloc_fragment((BT, BV), acc)
             Of = T.alloc_fragment((BT, BV), acc)
 
+            chunks = T.ceildiv(Tn, BT)
             if affine:
+                # an M tile of a negligible map (skip_m) walks no chunk and leaves zeros: M = 0
+                chunks = T.if_then_else((iv * BV < K) & (skip_m[ib, ihv] != 0), 0, T.ceildiv(Tn, BT))
                 for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
-                    S[i, j] = T.if_then_else(iv * BV + j == i, 1.0, 0.0)
+                    S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
             elif use_initial_state:
                 T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
             else:
@@ -126,7 +132,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 # N's tiles read V shifted by K; M's read V's first tile and zero it (v_on)
                 v0 = T.max(iv * BV - K, 0)
                 v_on = T.if_then_else(iv * BV >= K, 1.0, 0.0)
-            for c in T.Pipelined(T.ceildiv(Tn, BT), num_stages=num_stages):
+            for c in T.Pipelined(chunks, num_stages=num_stages):
                 T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
                 if store_output:
                     T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs)
@@ -278,7 +284,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     pre-pass's gc, β (head-major) and A_inv instead of its own: for tests of what runs around the kernel (the
     segmented forward) on a machine without the GPU. Rounds where the kernel does for bf16 inputs (X too when A_inv
     is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None;
-    ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the role-split kernel's negligible maps)."""
+    ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the affine walk's negligible maps)."""
     from ..gated_delta import torch_chunk as tc
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -363,9 +369,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
     ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
-    ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too; there ``skip_m``
-    ``[B, HV]`` (bool or int, optional) marks the maps whose M is negligible (``forward.negligible_maps``): their
-    M is written as zeros without a walk (the role-split kernel only)."""
+    ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk
+    ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the maps whose M is negligible
+    (``forward.negligible_maps``): their M is written as zeros without a walk."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -383,8 +389,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
                          f"{list(beta_hm.shape)}")
     beta_dtype = str(beta_hm.dtype).removeprefix("torch.")
-    if skip_m is not None and not (roles and affine):
-        raise ValueError("skip_m applies to the role-split kernel's affine walk (roles=True, affine=True)")
+    if skip_m is not None and not affine:
+        raise ValueError("skip_m applies to the affine walk (affine=True)")
     if skip_m is not None and skip_m.shape != (B, HV):
         raise ValueError(f"skip_m must be [B, HV] = {[B, HV]}, got {list(skip_m.shape)}")
     if roles:
@@ -404,9 +410,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     o = v if affine else torch.empty_like(v)
     ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
     args = [q.contiguous(), k.contiguous(), v, gc_hm.contiguous(), beta_hm.contiguous(), a_inv.contiguous(), h0]
-    if roles:   # skip_m: read only by the affine walk (zeros there: every M walked); a placeholder elsewhere
-        args.append(skip_m.to(torch.int32).contiguous() if skip_m is not None else
-                    torch.zeros(B, HV, dtype=torch.int32, device=q.device) if affine else
-                    torch.empty(B, HV, dtype=torch.int32, device=q.device))
+    # skip_m: read only by the affine walk (zeros there: every M walked); a placeholder elsewhere
+    args.append(skip_m.to(torch.int32).contiguous() if skip_m is not None else
+                torch.zeros(B, HV, dtype=torch.int32, device=q.device) if affine else
+                torch.empty(B, HV, dtype=torch.int32, device=q.device))
     kernel(*args, o, ht)
     return (None if affine else o), ht

@@ -126,13 +126,19 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
     return fitted_launch(V) if forced else None
 
 
-# A segment's map M is dropped (the role-split kernel's phase A writes M = 0 without walking those K columns) where
+# A segment's map M is dropped (phase A writes M = 0 without walking those K columns; SKIP_NEGLIGIBLE_MAPS) where
 # the bound ‖M‖₂ ≤ Π_t γ_t · max(1, |1 − β_t ‖k_t‖²|) over the segment's tokens is below 2^NEGLIGIBLE_M_LOG2: the
 # entering state then moves the next segment's by less than 2⁻³⁰ of its own norm (fp32 keeps 2⁻²⁴). Each token's
 # transition is γ_t (I − β_t k_t k_tᵀ), whose 2-norm is γ_t max(1, |1 − β_t ‖k_t‖²|). With the anchors' gates
 # (mean −0.05 per token) a 4096-token segment's bound is ≈ 2⁻²⁹⁵, so every M tile ends at once (phase A: one wave
 # of N tiles instead of two waves); heads that decay slowly keep theirs
 NEGLIGIBLE_M_LOG2 = -30.0
+# Whether phase A skips the negligible maps' M tiles (half of its programs where every map is negligible, as at the
+# anchors' gates). Off until a GPU check: run 22 measured the skip in the role-split kernel only (its phase A 0.31
+# ms faster at B=1 T=32768 H=16 with the skip than at a slow decay without it); the default kernel's skip (the
+# same loop count of zero, identity tiles zeroed) is compiled and tested around its twin on the CPU only.
+# `hopper_fwd_check.py --segmented` times and checks both settings at both decays
+SKIP_NEGLIGIBLE_MAPS = False
 
 
 def map_norm_log2_bound(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
@@ -181,7 +187,7 @@ def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
                    segments: Optional[int] = None, prepass: Optional[str] = None,
-                   **launch) -> tuple[torch.Tensor, torch.Tensor]:
+                   skip_maps: Optional[bool] = None, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``prepass``, ``a_inv_dtype``: the pre-pass and the
     dtype it writes A_inv in (:func:`run_prepass`); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
@@ -198,8 +204,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     Phase A walks K + V columns (twice phase C's state work for K = V) without the output's three dots. It also
     walks each sequence's last segment, whose map phase B does not use (1/S of it wasted: the segments of B > 1
-    sequences are not one contiguous prefix). With ``roles`` in the launch (the role-split kernel) it skips the M
-    tiles of the maps :func:`negligible_maps` marks (M = 0 there)."""
+    sequences are not one contiguous prefix). With ``skip_maps`` (None: :data:`SKIP_NEGLIGIBLE_MAPS`) it skips the
+    M tiles of the maps :func:`negligible_maps` marks (M = 0 there)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
@@ -216,8 +222,9 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         return x.reshape(B * S, T // S, *x.shape[2:])
 
     qs, ks, vs, a_s = seg(q), seg(k), seg(v), seg(a_inv)
-    # the role-split kernel's phase A skips the negligible maps' M tiles (the other kernel walks them all)
-    skip_m = negligible_maps(k, g, beta, S) if launch.get("roles") else None
+    # phase A skips the negligible maps' M tiles
+    skip = SKIP_NEGLIGIBLE_MAPS if skip_maps is None else skip_maps
+    skip_m = negligible_maps(k, g, beta, S) if skip else None
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 **fitted_launch(K, launch))
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
