@@ -50,5 +50,6 @@ def triton_settings() -> Optional[dict]:
             "FILL_FRACTION": hopper.FILL_FRACTION, "SEGMENTED_AUTO": hopper.SEGMENTED_AUTO,
             "MIN_SEGMENTED_HEAD_TOKENS": hopper.MIN_SEGMENTED_HEAD_TOKENS,
             "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV, "PREPASS": hopper.PREPASS,
+            "SKIP_NEGLIGIBLE_MAPS": hopper.SKIP_NEGLIGIBLE_MAPS,
         },
     }

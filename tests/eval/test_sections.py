@@ -145,11 +145,14 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert settings["FORWARD_PATH"] == "walk" and settings["LAUNCH_OPTIONS"] == {"wy": {"maxnreg": 168}}
     assert set(settings["BWD_WARPS"]) == {"dv", "state_pass", "dqk", "wy"}
     from linattn.ops.hopper import forward as hopper
-    monkeypatch.setattr(hopper, "SEGMENTED_AUTO", True)
-    monkeypatch.setattr(hopper, "PREPASS", "tilelang")
+    # the opposites of today's defaults, so that a recorded value cannot be a hard-coded default
+    monkeypatch.setattr(hopper, "SEGMENTED_AUTO", not hopper.SEGMENTED_AUTO)
+    monkeypatch.setattr(hopper, "PREPASS", "triton" if hopper.PREPASS == "tilelang" else "tilelang")
+    monkeypatch.setattr(hopper, "SKIP_NEGLIGIBLE_MAPS", not hopper.SKIP_NEGLIGIBLE_MAPS)
     recorded = collect(CPU)["linattn_settings"]["HOPPER"]
-    assert recorded["SEGMENTED_AUTO"] is True and recorded["LAUNCH"] == hopper.LAUNCH
-    assert recorded["PREPASS"] == "tilelang"
+    assert recorded["SEGMENTED_AUTO"] is hopper.SEGMENTED_AUTO and recorded["LAUNCH"] == hopper.LAUNCH
+    assert recorded["PREPASS"] == hopper.PREPASS
+    assert recorded["SKIP_NEGLIGIBLE_MAPS"] is hopper.SKIP_NEGLIGIBLE_MAPS
     assert isinstance(recorded["tilelang_installed"], bool)
     json.dumps(recorded)                                    # the report writes it as JSON
 
