@@ -259,9 +259,14 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
                                     affine=True).get_kernel_source()
     # phase A: the state's three dots (K S, A_inv X, the update), no query loads, no output
     assert affine.count("wgmma_ss<") == 3 and "q_desc" not in affine and "o_desc" not in affine
-    # the negligible maps' skip: producer and consumers both take their loop count from skip_m (one read each);
-    # the output walk never reads it
-    assert affine.count("skip_m[") == 2 and all("skip_m[" not in src for src in srcs.values())
+    # the maps' skip (skip_m, the kernel's ctl: 1 the M tiles, 2 every tile): producer and consumers both take
+    # their loop count from it; the output walk never reads it
+    assert affine.count("ctl[") == 4 and "== 2)" in affine and all("ctl[" not in src for src in srcs.values())
+    # the warm walk (phase C with warm-ups): its loop count and first chunk from ctl, o stored by TMA under a
+    # condition (the warm-up's chunks write nothing), gc / β rows per segment (symbolic L)
+    warm = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                  a_dtype="bfloat16", async_dots=True, warm=True).get_kernel_source()
+    assert "int chunks = ((L >> 6) + ctl[" in warm and "tma_store(o_desc" in warm and "int L," in warm
 
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,

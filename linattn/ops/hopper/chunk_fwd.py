@@ -53,7 +53,7 @@ def tilelang_available() -> bool:
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
-                 affine: bool = False, tma_o: bool = False):
+                 affine: bool = False, tma_o: bool = False, warm: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -62,16 +62,25 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     (``forward.py``): each sequence's affine state map [M | N] (S_out = M S_in + N), the walk of the K × (K + V)
     state [I | 0] with values [0 | V], written to ht ``[B, HV, K, K + V]``; the grid covers K + V columns (a
     program's tile lies in M or in N: BV divides K), V's columns are read shifted by K (an M tile reads a valid tile
-    and zeroes it), and only the state's three dots run (q not read, o not written); an M tile whose ``skip_m [B,
-    HV]`` (int32) flag is set walks no chunk and writes M = 0 (``forward.negligible_maps``; read by the affine walk
-    only). ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each
-    thread stores its accumulator pairs)."""
+    and zeroes it), and only the state's three dots run (q not read, o not written); where ``skip_m [B, HV]``
+    (int32, read by the affine walk only) is 1 the M tiles walk no chunk and write M = 0
+    (``forward.negligible_maps``), where it is 2 every tile does ([M | N] = 0: a map the warm walk does without). ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each
+    thread stores its accumulator pairs).
+
+    ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
+    sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
+    multiple of 64: the segments' count S = T / L is symbolic too). The program of segment s starts ``ctl [B·S,
+    HV]`` = w chunks before it, from h0 (the scan's entering state, or zero for a warm-up), and writes o only from
+    its own first chunk on: it walks w + L/64 chunks."""
     import tilelang.language as T
 
     acc = "float32"
     B = T.symbolic("B")
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
+    # the programs' sequences and the rows of gc / β: the sequences and Tp, or (warm) the segments and their length
+    NB = T.symbolic("BS") if warm else B
+    Lg = T.symbolic("L") if warm else Tp
     G = HV // H
     x_dtype = acc if a_dtype == acc else dtype      # X, the right operand of A_inv X
     # bf16 X is stored as the tile it is, [BT, BV] (an N-major B operand: each thread writes its accumulator pairs
@@ -82,18 +91,30 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     W = K + V if affine else V                      # the state's columns: [M | N] in phase A
     if affine and K % BV:
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
+    if affine and warm:
+        raise ValueError("warm is phase C's walk (affine is phase A's)")
 
     @T.prim_func
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
-                      v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((B, HV, Tp), acc),
-                      beta: T.Tensor((B, HV, Tp), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), a_dtype),
-                      h0: T.Tensor((B, HV, K, V), acc), skip_m: T.Tensor((B, HV), "int32"),
+                      v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((NB, HV, Lg), acc),
+                      beta: T.Tensor((NB, HV, Lg), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), a_dtype),
+                      h0: T.Tensor((NB, HV, K, V), acc), ctl: T.Tensor((NB, HV), "int32"),
                       o: T.Tensor((B, Tn, HV, V), dtype),
-                      ht: T.Tensor((B, HV, K, W), acc)):
-        with T.Kernel(T.ceildiv(W, BV), B * HV, threads=threads) as (iv, bh):
-            ib = bh // HV
+                      ht: T.Tensor((NB, HV, K, W), acc)):
+        # ctl: per (program sequence, value head), the affine walk's skip flag (skip_m) or the warm walk's w
+        with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
+            ibn = bh // HV                            # the program's sequence: a segment when warm
             ihv = bh % HV
             ih = ihv // G
+            ib = ibn                                  # its batch row in q, k, v, A_inv, o
+            c0 = 0                                    # the first chunk it walks
+            chunks = T.ceildiv(Tn, BT)
+            if warm:
+                Lc = Lg // BT                         # chunks per segment
+                nseg = Tn // Lg
+                ib = ibn // nseg
+                c0 = (ibn % nseg) * Lc - ctl[ibn, ihv]
+                chunks = Lc + ctl[ibn, ihv]
             Qs = T.alloc_shared((BT, K), dtype)
             Ks = T.alloc_shared((BT, K), dtype)
             Vs = T.alloc_shared((BT, BV), dtype)
@@ -117,14 +138,15 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Vn = T.alloc_fragment((BT, BV), acc)
             Of = T.alloc_fragment((BT, BV), acc)
 
-            chunks = T.ceildiv(Tn, BT)
             if affine:
-                # an M tile of a negligible map (skip_m) walks no chunk and leaves zeros: M = 0
-                chunks = T.if_then_else((iv * BV < K) & (skip_m[ib, ihv] != 0), 0, T.ceildiv(Tn, BT))
+                # skip_m 1: an M tile (a negligible map) walks no chunk and leaves zeros, M = 0; 2: every tile does
+                # (a map the warm walk does without)
+                chunks = T.if_then_else(((iv * BV < K) & (ctl[ib, ihv] != 0)) | (ctl[ib, ihv] == 2), 0,
+                                        T.ceildiv(Tn, BT))
                 for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
                     S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
             elif use_initial_state:
-                T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
+                T.copy(h0[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
             else:
                 T.clear(S)
             v0 = iv * BV                              # V's first column for this tile
@@ -132,14 +154,18 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 # N's tiles read V shifted by K; M's read V's first tile and zero it (v_on)
                 v0 = T.max(iv * BV - K, 0)
                 v_on = T.if_then_else(iv * BV >= K, 1.0, 0.0)
-            for c in T.Pipelined(chunks, num_stages=num_stages):
+            for cr in T.Pipelined(chunks, num_stages=num_stages):
+                c = c0 + cr                           # the chunk, in the whole sequence
+                # gc and β per program sequence: a warm walk's chunk lies in its segment or an earlier one
+                gr = ib * nseg + c // Lc if warm else ib
+                gcol = (c % Lc) * BT if warm else c * BT
                 T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
                 if store_output:
                     T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs)
                 T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], Vs)
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As)
-                T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], gcs)
-                T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
+                T.copy(gc[gr, ihv, gcol:gcol + BT], gcs)
+                T.copy(beta[gr, ihv, gcol:gcol + BT], bs)
                 T.copy(S, Ss)
                 # the dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators).
                 # Async dots and the load pipeline: TileLang releases a staged buffer to the producer right after
@@ -188,7 +214,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.gemm(Ps, Vns, Of)
                     for i, j in T.Parallel(BT, BV):
                         Of[i, j] = Of[i, j] * scale
-                    if tma_o:
+                    if warm:
+                        if cr >= chunks - Lc:           # the warm-up's chunks write nothing
+                            T.copy(Of, Os)
+                            T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                    elif tma_o:
                         T.copy(Of, Os)
                         T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
                     else:
@@ -196,7 +226,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
                 T.gemm(Ks, Vds, S, transpose_A=True)
-            T.copy(S, ht[ib, ihv, 0:K, iv * BV:(iv + 1) * BV])   # N's tiles at column K + (their V column)
+            T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
 
@@ -215,10 +245,10 @@ COMPILE_FAILED: Optional[str] = None
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
-                    async_dots: bool = False, affine: bool = False, tma_o: bool = False):
+                    async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
-                                          beta_dtype, a_dtype, async_dots, affine, tma_o), target)
+                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm), target)
 
 
 def compile_prim_func(func, target: Optional[str] = None):
@@ -278,14 +308,17 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
                             beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                             initial_state: Optional[torch.Tensor], affine: bool = False,
-                            skip_m: Optional[torch.Tensor] = None,
+                            skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
                             **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results, launch options ignored), from the
     pre-pass's gc, β (head-major) and A_inv instead of its own: for tests of what runs around the kernel (the
     segmented forward) on a machine without the GPU. Rounds where the kernel does for bf16 inputs (X too when A_inv
     is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None;
-    ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the affine walk's negligible maps)."""
+    ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the affine walk's negligible maps); ``warm_chunks``: the
+    warm walk (one walk per segment and value head, from warm_chunks chunks before the segment)."""
     from ..gated_delta import torch_chunk as tc
+    if warm_chunks is not None:
+        return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -304,8 +337,35 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                      work, rnd, rnd_x)
     if affine and skip_m is not None:
         S = S.clone()
-        S[skip_m.bool(), :, :K] = 0
+        S[skip_m.int() != 0, :, :K] = 0
+        S[skip_m.int() == 2] = 0
     return (None if affine else o), S
+
+
+def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks):
+    """The warm kernel's twin: for each segment s and value head, the plain walk over the rows from warm_chunks
+    chunks before the segment to its end, from initial_state, keeping o of the segment's own rows."""
+    B, T, H, _ = q.shape
+    NB, HV, L = gc_hm.shape
+    S, G = NB // B, HV // H
+    # gc and β per segment back to whole sequences [B, HV, T] (L is a multiple of 64: no padding)
+    gc_all, beta_all = (x.view(B, S, HV, L).transpose(1, 2).reshape(B, HV, T) for x in (gc_hm, beta_hm))
+    o = torch.empty_like(v)
+    hts = []
+    for ibs in range(NB):
+        b, s = divmod(ibs, S)
+        row = []
+        for hv in range(HV):
+            r0, r1 = s * L - int(warm_chunks[ibs, hv]) * BT, (s + 1) * L
+            ih = hv // G
+            sl = (slice(b, b + 1), slice(r0, r1))
+            oo, ht = chunk_fwd_hopper_hm_ref(q[sl][:, :, ih:ih + 1], k[sl][:, :, ih:ih + 1], v[sl][:, :, hv:hv + 1],
+                                             gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
+                                             a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1])
+            o[b, s * L:r1, hv] = oo[0, r1 - r0 - L:, 0]
+            row.append(ht[0, 0])
+        hts.append(torch.stack(row))
+    return o, torch.stack(hts)
 
 
 def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x):
@@ -361,8 +421,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
                         num_stages: int = 2, async_dots: bool = False, affine: bool = False,
-                        roles: bool = False, tma_o: bool = False,
-                        skip_m: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        roles: bool = False, tma_o: bool = False, skip_m: Optional[torch.Tensor] = None,
+                        warm_chunks: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o: see :func:`build_kernel`. A_inv's dtype
@@ -371,7 +431,16 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
     ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk
     ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the maps whose M is negligible
-    (``forward.negligible_maps``): their M is written as zeros without a walk."""
+    (``forward.negligible_maps``): their M is written as zeros without a walk (2: the whole map, M and N).
+
+    ``warm_chunks`` ``[B·S, HV]`` (int): the segmented forward's phase C with warm-ups (:func:`build_kernel`'s
+    ``warm``): q, k, v, a_inv whole ``[B, T, ...]``, gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of
+    64), initial_state ``[B·S, HV, K, V]`` the state each walk starts from; segment s's walk starts
+    warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read). Returns o ``[B, T, HV, V]`` and each
+    segment's final state ``[B·S, HV, K, V]``."""
+    if warm_chunks is not None:
+        return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
+                          num_stages, async_dots, roles, affine)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -416,3 +485,36 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                 torch.empty(B, HV, dtype=torch.int32, device=q.device))
     kernel(*args, o, ht)
     return (None if affine else o), ht
+
+
+def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
+               async_dots, roles, affine):
+    """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``: checks, then the warm kernel."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NB, L = gc_hm.shape[0], gc_hm.shape[2]
+    if roles or affine:
+        raise ValueError("warm_chunks is phase C's walk: not with roles or affine")
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
+    if V % BV:
+        raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
+    if L % BT or T % L or NB != B * (T // L):
+        raise ValueError(f"gc must be per segment [B·S, HV, L] with L a multiple of {BT} dividing T = {T} and "
+                         f"B·S = {B}·T/L, got {list(gc_hm.shape)}")
+    if beta_hm.shape != gc_hm.shape or gc_hm.shape[1] != HV:
+        raise ValueError(f"gc and beta must be [B·S, HV, L] = {[NB, HV, L]}, got {list(gc_hm.shape)} and "
+                         f"{list(beta_hm.shape)}")
+    if initial_state is None or initial_state.shape != (NB, HV, K, V):
+        raise ValueError(f"the warm walk needs each segment's starting state [B·S, HV, K, V] = {[NB, HV, K, V]}, "
+                         f"got {None if initial_state is None else list(initial_state.shape)}")
+    if warm_chunks.shape != (NB, HV):
+        raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
+    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
+                             str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
+                             async_dots, False, True, True)
+    o = torch.empty_like(v)
+    ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
+           a_inv.contiguous(), initial_state.float().contiguous(), warm_chunks.to(torch.int32).contiguous(), o, ht)
+    return o, ht

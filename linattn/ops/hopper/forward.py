@@ -139,6 +139,16 @@ NEGLIGIBLE_M_LOG2 = -30.0
 # same loop count of zero, identity tiles zeroed) is compiled and tested around its twin on the CPU only.
 # `hopper_fwd_check.py --segmented` times and checks both settings at both decays
 SKIP_NEGLIGIBLE_MAPS = False
+# Warm-ups instead of state maps (the segmented forward's phases A and B) for the heads that forget fast: the state
+# entering segment s equals the walk from zero started w chunks earlier up to the map of those w chunks, whose norm
+# the same bound keeps below 2^NEGLIGIBLE_M_LOG2 (relative to the state where the warm-up starts). One pass, w
+# chunks longer per segment, instead of phase A (twice phase C's state work) and the scan; a head whose some
+# segment needs more than WARM_UP_MAX_FRACTION of a segment's chunks takes the maps (phase A walks only those
+# heads; the others' programs end at once). Prediction at the anchors' gates (w ≈ 7 chunks): B=1 T=32768 H=16
+# 0.744 → ≈ 0.55 ms. Off until a GPU check (`hopper_fwd_check.py --segmented`): compiled and tested around its
+# twin on the CPU only
+WARM_UP = False
+WARM_UP_MAX_FRACTION = 0.25
 
 
 def map_norm_log2_bound(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
@@ -159,6 +169,33 @@ def negligible_maps(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segmen
     :data:`NEGLIGIBLE_M_LOG2`). The bound holds for the exact map; the kernel's M, on bf16 state operands, is as
     small up to its own relative rounding."""
     return map_norm_log2_bound(k, g, beta, segments) < NEGLIGIBLE_M_LOG2
+
+
+def warm_up_plan(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(warm_chunks ``[B·S, HV]`` int32, walk_maps ``[B·S, HV]`` bool) for the warm walk (:data:`WARM_UP`):
+    segment s ≥ 1 of a head starts w chunks early, the fewest w ≤ :data:`WARM_UP_MAX_FRACTION` of a segment's
+    chunks (at least 1) whose transitions' bound (:func:`map_norm_log2_bound` per chunk) multiplies to below
+    2^NEGLIGIBLE_M_LOG2; a head where some segment has no such w walks its maps instead (walk_maps, for every
+    segment of it; warm_chunks 0). Segment 0 starts at the sequence's start (w = 0). On the device, no sync."""
+    B, T = k.shape[:2]
+    HV, S = g.shape[2], segments
+    NC = T // BT
+    Lc = NC // S
+    per_chunk = map_norm_log2_bound(k, g, beta, NC).view(B, NC, HV).double()
+    # bound over chunks [c, p) = cs[p] − cs[c]; float64: the sums reach −10⁴ at 10⁵ tokens
+    cs = torch.cat([per_chunk.new_zeros(B, 1, HV), per_chunk.cumsum(1)], 1)
+    w_max = max(1, int(Lc * WARM_UP_MAX_FRACTION))
+    starts = torch.arange(1, S, device=k.device) * Lc                     # the segments' first chunks, s ≥ 1
+    w = torch.arange(1, w_max + 1, device=k.device)
+    bound = cs[:, starts, None, :] - cs[:, starts[:, None] - w[None, :], :]     # [B, S − 1, w_max, HV]
+    ok = bound < NEGLIGIBLE_M_LOG2
+    found = ok.any(2)                                                       # [B, S − 1, HV]
+    first = ok.int().argmax(2) + 1                                          # the fewest chunks that do
+    walk = ~found.all(1)                                                    # [B, HV]: some segment cannot warm up
+    warm = torch.where(found & ~walk[:, None], first, 0)
+    warm = torch.cat([warm.new_zeros(B, 1, HV), warm], 1)
+    return warm.reshape(B * S, HV).to(torch.int32), walk[:, None].expand(B, S, HV).reshape(B * S, HV)
 
 
 def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
@@ -187,7 +224,8 @@ def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
                    segments: Optional[int] = None, prepass: Optional[str] = None,
-                   skip_maps: Optional[bool] = None, **launch) -> tuple[torch.Tensor, torch.Tensor]:
+                   skip_maps: Optional[bool] = None, warm_up: Optional[bool] = None,
+                   **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``prepass``, ``a_inv_dtype``: the pre-pass and the
     dtype it writes A_inv in (:func:`run_prepass`); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
@@ -205,7 +243,11 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     Phase A walks K + V columns (twice phase C's state work for K = V) without the output's three dots. It also
     walks each sequence's last segment, whose map phase B does not use (1/S of it wasted: the segments of B > 1
     sequences are not one contiguous prefix). With ``skip_maps`` (None: :data:`SKIP_NEGLIGIBLE_MAPS`) it skips the
-    M tiles of the maps :func:`negligible_maps` marks (M = 0 there)."""
+    M tiles of the maps :func:`negligible_maps` marks (M = 0 there).
+
+    With ``warm_up`` (None: :data:`WARM_UP`; the default kernel only) the heads whose every segment is reached by a
+    short warm-up (:func:`warm_up_plan`) skip phases A and B: phase C starts their segment s's walk w_s chunks
+    before it from zero (from S_0 at the start), writing o from the segment on; the other heads take the maps."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
@@ -222,12 +264,22 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         return x.reshape(B * S, T // S, *x.shape[2:])
 
     qs, ks, vs, a_s = seg(q), seg(k), seg(v), seg(a_inv)
-    # phase A skips the negligible maps' M tiles
+    # phase A skips the negligible maps' M tiles (skip_m 1) and, with warm-ups, the maps of warmed heads (2)
     skip = SKIP_NEGLIGIBLE_MAPS if skip_maps is None else skip_maps
-    skip_m = negligible_maps(k, g, beta, S) if skip else None
+    warm = WARM_UP if warm_up is None else warm_up
+    if warm and launch.get("roles"):
+        raise ValueError("the warm-up walk runs on the default kernel: not with roles")
+    skip_m = negligible_maps(k, g, beta, S).to(torch.int32) if skip else None
+    if warm:
+        warm_chunks, walk_maps = warm_up_plan(k, g, beta, S)
+        skip_m = torch.where(walk_maps, skip_m if skip_m is not None else 0, 2).to(torch.int32)
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 **fitted_launch(K, launch))
+    # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (its maps are zero)
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
                        nseg=segments, BV=SCAN_BV)
-    o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
+    if warm:
+        o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=warm_chunks, **launch)
+    else:
+        o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
     return o.reshape(B, T, HV, V), ht.view(B, segments, HV, K, V)[:, -1].contiguous()

@@ -1,0 +1,106 @@
+"""The segmented Hopper forward's warm-ups (``hopper/forward.py``: ``warm_up_plan`` and ``forward_hopper(warm_up=
+True)``) around the kernel's twin on the CPU: the plan's chunk counts against a brute-force float64 bound, and the
+forward against the float64 recurrence with heads that warm up in one chunk, in two, or walk their maps."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import forward as hopper_fwd
+
+S, LC = 4, 8            # 4 segments of 8 chunks: warm-ups of up to WARM_UP_MAX_FRACTION · 8 = 2 chunks
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def three_heads(K=16, V=16, seed=0):
+    """One sequence of S·LC chunks, unit keys, β < 1 (so a token's bound is its decay alone), three value heads
+    with constant decays: −3 nats per token (one chunk of warm-up suffices), −0.25 (−23 log2 per chunk: two
+    chunks), −0.003 (no warm-up within two chunks: the head walks its maps)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    T, HV = S * LC * 64, 3
+    g = torch.tensor([-3.0, -0.25, -0.003], dtype=torch.float64).expand(1, T, HV).clone()
+    return dict(q=F.normalize(r(1, T, 1, K), dim=-1), k=F.normalize(r(1, T, 1, K), dim=-1), v=r(1, T, HV, V), g=g,
+                beta=torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * 0.9,
+                initial_state=r(1, HV, K, V) * 0.1)
+
+
+def test_plan_takes_the_fewest_chunks_whose_bound_is_negligible():
+    x = three_heads()
+    warm, walk = hopper_fwd.warm_up_plan(x["k"], x["g"], x["beta"], S)
+    assert warm.dtype == torch.int32 and warm.shape == (S, 3) and walk.shape == (S, 3)
+    assert not walk[:, 0].any() and not walk[:, 1].any() and walk[:, 2].all()
+    assert warm[0].eq(0).all()                              # segment 0 starts at the sequence's start
+    # brute force: the fewest whole chunks before each segment whose summed per-token bound is below 2⁻³⁰
+    per_token = x["g"][0] * math.log2(math.e)               # unit keys, β < 1: |1 − β‖k‖²| < 1
+    for hv, expected in ((0, 1), (1, 2)):
+        chunk_bound = per_token[:, hv].view(-1, 64).sum(1)
+        for s in range(1, S):
+            w = next(w for w in range(1, LC + 1) if chunk_bound[s * LC - w:s * LC].sum() < -30)
+            assert w == expected and warm[s, hv] == w
+    assert warm[:, 2].eq(0).all()                           # a walking head starts at its segments
+
+
+def test_plan_sends_a_head_to_its_maps_when_one_segment_cannot_warm_up():
+    """Only segment 2 of head 0 decays slowly before it: the whole head walks its maps (the scan needs them all)."""
+    x = three_heads()
+    x["g"][0, 2 * LC * 64 - 3 * 64:2 * LC * 64, 0] = -0.001   # the three chunks before segment 2
+    warm, walk = hopper_fwd.warm_up_plan(x["k"], x["g"], x["beta"], S)
+    assert walk[:, 0].all() and warm[:, 0].eq(0).all() and not walk[:, 1].any()
+
+
+@pytest.mark.parametrize("skip_maps", [False, True])
+def test_warm_forward_equals_the_recurrence(monkeypatch, skip_maps):
+    """forward_hopper(segments=4, warm_up=True) around the twin, fp32: o and the final state equal the float64
+    recurrence (the warm-ups' error is below 2⁻³⁰ of the state); phase A got skip flags 2 for the warmed heads and
+    phase C the plan's chunk counts. Negative control: the same walk without warm-ups (every warmed segment from
+    zero at its own start) is wrong."""
+    x = three_heads()
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    calls = []
+
+    def twin(*a, **kw):
+        calls.append(kw)
+        return hopper.chunk_fwd_hopper_hm_ref(*a, **kw)
+
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twin)
+    # the pre-pass's twin (tested against the Triton pre-pass in test_hopper_prepass.py): no interpreter run here
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
+    monkeypatch.setattr(hopper_fwd, "run_prepass", lambda k, v, g, beta, S_, prepass, a_dtype:
+                        prepass_hopper_ref(k, g, beta, S_, a_dtype))
+    kw = dict(a_inv_dtype=torch.float32, segments=S, BV=16, warm_up=True, skip_maps=skip_maps)
+    o, ht = hopper_fwd.forward_hopper(*args, **kw)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    warm, walk = hopper_fwd.warm_up_plan(x["k"], x["g"], x["beta"], S)
+    assert calls[0]["affine"] and calls[0]["skip_m"][:, :2].eq(2).all()
+    assert torch.equal(calls[0]["skip_m"][:, 2] != 2, walk[:, 2])
+    assert torch.equal(calls[1]["warm_chunks"], warm)
+    monkeypatch.setattr(hopper_fwd, "warm_up_plan", lambda k, g, beta, S_: (torch.zeros_like(warm), walk))
+    o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
+    assert rel(o_bad, ro) > 1e-4
+
+
+def test_warm_twin_keeps_each_segments_rows():
+    """The warm walk's twin with warm-ups of 0 chunks from the true entering states (the float64 recurrence's) is
+    the plain walk (what the kernel's o and final state per segment must equal)."""
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
+    x = three_heads()
+    q, k, v, g, beta = (x[n].float() for n in ("q", "k", "v", "g", "beta"))
+    h0 = x["initial_state"].float()
+    whole = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, 1, torch.float32), 0.25, h0)
+    L = LC * 64
+    h_in = [h0[0]] + [gated_delta_rule_reference(**{n: t[:, :s * L] for n, t in x.items() if n != "initial_state"},
+                                                 scale=0.25, initial_state=x["initial_state"])[1][0].float()
+                      for s in range(1, S)]
+    o, ht = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32), 0.25,
+                                           torch.stack(h_in), warm_chunks=torch.zeros(S, 3, dtype=torch.int32))
+    assert rel(o, whole[0]) < 1e-5 and rel(ht[-1], whole[1][0]) < 1e-5
