@@ -185,8 +185,9 @@ DECAYS = (1 / 16, 1 / 65536)
 def segmented(shapes):
     """The segmented Hopper forward (``forward_hopper(segments=S)``, as ``forward.plan`` makes it) at the shapes
     whose unsegmented programs do not fill the card, with and without the negligible maps' skip in phase A
-    (``skip_maps``): errors of o and the final state against the float64 torch backend, beside the unsegmented
-    kernel's (same launch) and the split's; then ms of each (no grad)."""
+    (``skip_maps``), and with warm-ups (``warm_up``: phase C starts early where the gates allow): errors of o and
+    the final state against the float64 torch backend, beside the unsegmented kernel's (same launch) and the
+    split's; then ms of each (no grad)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for B, T, H, HV in shapes:
@@ -194,8 +195,11 @@ def segmented(shapes):
         S = launch.pop("segments", None)
         if S is not None:
             for decay in DECAYS:
-                rows.append(compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(segments=S, **launch),
-                                                                    unsegmented=launch), segments=S, decay=decay))
+                runs = dict(segmented=dict(segments=S, skip_maps=False, warm_up=False, **launch),
+                            segmented_skip=dict(segments=S, skip_maps=True, warm_up=False, **launch),
+                            segmented_warm=dict(segments=S, skip_maps=True, warm_up=True, **launch),
+                            unsegmented=launch)
+                rows.append(compare_row(B, T, H, HV, 128, 128, runs, segments=S, decay=decay))
                 print(rows[-1], flush=True)
     return rows
 
@@ -495,9 +499,10 @@ def roles_check(quick):
     B, T, H, HV = SHAPES[2]
     launch = plan(B, HV, 128, T, sms, forced=True)
     S = launch.pop("segments")
-    seg = [compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S, skip_maps=True),
+    seg = [compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S, skip_maps=True,
+                                                                   warm_up=False),
                                                   segmented_roles=dict(launch, segments=S, roles=True,
-                                                                       skip_maps=True)),
+                                                                       skip_maps=True, warm_up=False)),
                        decay=decay, segments=S) for decay in DECAYS]
     for r in seg:
         print(r, flush=True)
