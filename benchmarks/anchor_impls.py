@@ -3,15 +3,16 @@
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python .anchors/bench_anchors.py \\
         --impl linattn:chunk_gated_delta_rule --impl anchor_impls:chunk_gated_delta_rule_split --shapes ...
 
-times the op's default forward ("auto": the walk from 128 (sequence, value head) pairs, else the split) and one
-forced path (``triton_chunk.FORWARD_PATH`` = "split", "walk" or the experimental "hopper") in the same run as fla,
-FlashQLA and SDPA. The
-path is switched only for the call and restored after it; the backward is the same code on both paths.
+times the op's default forward ("auto") and one forced path (``triton_chunk.FORWARD_PATH`` = "split", "walk" or
+"hopper"), or the default path with the segmented Hopper forward's levers that are still off
+(``chunk_gated_delta_rule_levers``: ``SKIP_NEGLIGIBLE_MAPS`` and ``WARM_UP``), in the same run as fla, FlashQLA and
+SDPA. The path or switches change only for the call and are restored after it; the backward is the same code.
 """
 from __future__ import annotations
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.hopper import forward as hopper_forward
 
 
 def _on_path(path, args, kwargs):
@@ -37,3 +38,14 @@ def chunk_gated_delta_rule_hopper(*args, **kwargs):
     """``linattn.chunk_gated_delta_rule`` with the experimental Hopper forward (``FORWARD_PATH = "hopper"``: the
     TileLang kernel where it takes the inputs, the auto path elsewhere; TileLang from the anchors' site packages)."""
     return _on_path("hopper", args, kwargs)
+
+
+def chunk_gated_delta_rule_levers(*args, **kwargs):
+    """``linattn.chunk_gated_delta_rule`` on the default path with the segmented Hopper forward's negligible-map
+    skip and warm-ups on (``hopper.forward.SKIP_NEGLIGIBLE_MAPS``, ``WARM_UP``)."""
+    previous = hopper_forward.SKIP_NEGLIGIBLE_MAPS, hopper_forward.WARM_UP
+    hopper_forward.SKIP_NEGLIGIBLE_MAPS = hopper_forward.WARM_UP = True
+    try:
+        return chunk_gated_delta_rule(*args, **kwargs)
+    finally:
+        hopper_forward.SKIP_NEGLIGIBLE_MAPS, hopper_forward.WARM_UP = previous
