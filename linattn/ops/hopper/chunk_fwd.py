@@ -64,8 +64,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     program's tile lies in M or in N: BV divides K), V's columns are read shifted by K (an M tile reads a valid tile
     and zeroes it), and only the state's three dots run (q not read, o not written); where ``skip_m [B, HV]``
     (int32, read by the affine walk only) is 1 the M tiles walk no chunk and write M = 0
-    (``forward.negligible_maps``), where it is 2 every tile does ([M | N] = 0: a map the warm walk does without). ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each
-    thread stores its accumulator pairs).
+    (``forward.negligible_maps``), where it is 2 every tile does ([M | N] = 0: a map the warm walk does without).
+    ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each thread
+    stores its accumulator pairs).
 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
@@ -425,8 +426,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         warm_chunks: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
-    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o: see :func:`build_kernel`. A_inv's dtype
-    (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
+    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o: see :func:`build_kernel`. A_inv's
+    dtype (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
     ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
     ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk

@@ -5,8 +5,8 @@ suit it.
 
 The pre-pass (:data:`PREPASS`) is ``prepass.py``'s TileLang kernel with a blocked solve (0.131 ms at B=8 T=4096
 H=16 in run 22) or the split forward's (``fused_prepass(write_wy=False)``: 0.268 ms there, plus two small
-head-major copies). A first TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an fp32 forward substitution of whole 64-row
-columns, gc and β written head-major) measured 0.76 ms there (run 20) and was removed.
+head-major copies). A first TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an fp32 forward substitution of whole
+64-row columns, gc and β written head-major) measured 0.76 ms there (run 20) and was removed.
 """
 from __future__ import annotations
 
