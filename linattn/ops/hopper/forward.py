@@ -202,9 +202,8 @@ def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
                 prepass: Optional[str] = None, a_inv_dtype: Optional[torch.dtype] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the fused kernel reads, from the pre-pass ``prepass`` names (None: :data:`PREPASS`, or "triton" for an
-    fp32 A_inv): gc and β
-    head-major per segment ``[B·S, HV, Lp]`` and A_inv ``[B, T, HV, 64]`` in ``a_inv_dtype`` (None:
-    :data:`A_INV_DTYPE`; the TileLang pre-pass writes bf16 only). ``segments`` = S divides T into the kernels'
+    fp32 A_inv): gc and β head-major per segment ``[B·S, HV, Lp]`` and A_inv ``[B, T, HV, 64]`` in ``a_inv_dtype``
+    (None: :data:`A_INV_DTYPE`; the TileLang pre-pass writes bf16 only). ``segments`` = S divides T into the kernels'
     B·S sequences (T a multiple of 64·S when S > 1)."""
     a_inv_dtype = a_inv_dtype or A_INV_DTYPE
     # the default pre-pass, unless it cannot write the A_inv asked for (the TileLang one writes bf16 only)
