@@ -13,7 +13,7 @@ from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import forward as hopper_fwd
 
-S, LC = 4, 8            # 4 segments of 8 chunks: warm-ups of up to WARM_UP_MAX_FRACTION · 8 = 2 chunks
+S, LC = 4, 8            # 4 segments of 8 chunks: warm-ups of up to WARM_UP_MAX_FRACTION · 8 chunks
 
 
 def rel(a, b):
@@ -23,7 +23,7 @@ def rel(a, b):
 def three_heads(K=16, V=16, seed=0):
     """One sequence of S·LC chunks, unit keys, β < 1 (so a token's bound is its decay alone), three value heads
     with constant decays: −3 nats per token (one chunk of warm-up suffices), −0.25 (−23 log2 per chunk: two
-    chunks), −0.003 (no warm-up within two chunks: the head walks its maps)."""
+    chunks), −0.003 (−0.28 log2 per chunk: no warm-up within a segment's 8 chunks, so the head walks its maps)."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     T, HV = S * LC * 64, 3
@@ -50,9 +50,10 @@ def test_plan_takes_the_fewest_chunks_whose_bound_is_negligible():
 
 
 def test_plan_sends_a_head_to_its_maps_when_one_segment_cannot_warm_up():
-    """Only segment 2 of head 0 decays slowly before it: the whole head walks its maps (the scan needs them all)."""
+    """Only segment 1 of head 0 decays slowly, so segment 2 cannot warm up within a segment: the whole head walks
+    its maps (the scan needs them all)."""
     x = three_heads()
-    x["g"][0, 2 * LC * 64 - 3 * 64:2 * LC * 64, 0] = -0.001   # the three chunks before segment 2
+    x["g"][0, LC * 64:2 * LC * 64, 0] = -0.001              # segment 1, the chunks before segment 2
     warm, walk = hopper_fwd.warm_up_plan(x["k"], x["g"], x["beta"], S)
     assert walk[:, 0].all() and warm[:, 0].eq(0).all() and not walk[:, 1].any()
 

@@ -144,11 +144,13 @@ SKIP_NEGLIGIBLE_MAPS = False
 # the same bound keeps below 2^NEGLIGIBLE_M_LOG2 (relative to the state where the warm-up starts). One pass, w
 # chunks longer per segment, instead of phase A (twice phase C's state work) and the scan; a head whose some
 # segment needs more than WARM_UP_MAX_FRACTION of a segment's chunks takes the maps (phase A walks only those
-# heads; the others' programs end at once). Prediction at the anchors' gates (w ≈ 7 chunks): B=1 T=32768 H=16
+# heads; the others' programs end at once). The cap is one whole segment: a warm-up of w ≤ L/64 chunks makes its
+# walk at most twice phase C's, while the maps cost phase A (about twice phase C) on top of phase C; beyond it the
+# warm-up would read more than the previous segment. Prediction at the anchors' gates (w ≈ 7 chunks): B=1 T=32768 H=16
 # 0.744 → ≈ 0.55 ms. Off until a GPU check (`hopper_fwd_check.py --segmented`): compiled and tested around its
 # twin on the CPU only
 WARM_UP = False
-WARM_UP_MAX_FRACTION = 0.25
+WARM_UP_MAX_FRACTION = 1.0
 
 
 def map_norm_log2_bound(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
