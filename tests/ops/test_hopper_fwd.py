@@ -322,12 +322,17 @@ def test_role_split_kernel_compiles_with_its_roles_apart():
 
 
 def test_the_map_norm_bound_holds_for_the_exact_map():
-    """forward.map_norm_log2_bound against the exact state maps (the twin's affine walk in float64, no rounding):
+    """The map bound (map_bound.py: the twin's chunk sums, and the Triton kernel's, summed per segment) against the
+    exact state maps (the twin's affine walk in float64, no rounding):
     ‖M‖₂ ≤ 2^bound for every segment and head, with normalised keys and β < 1, and with keys of norm ≈ 1.4 and
     β up to 2 (where |1 − β‖k‖²| > 1 and the bound grows, loosely: products of the projections shrink more than
     their norms say); with unit keys it is within 2⁸ of ‖M‖₂, tight enough to matter."""
-    from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
     from linattn.ops.hopper.prepass import prepass_hopper_ref
+
+    def per_segment(chunk_sums):                                 # [B, HV, NC] → [B·S, HV], S = 4
+        return chunk_sums.double().view(2, 2, 4, -1).sum(-1).transpose(1, 2).reshape(8, 2)
+
     for key_scale, beta_scale in ((1.0, 1.0), (1.4, 2.0)):
         x = inputs(2, 256, 1, 2, 16, 16)
         k, beta = x["k"] * key_scale, x["beta"] * beta_scale
@@ -335,8 +340,10 @@ def test_the_map_norm_bound_holds_for_the_exact_map():
         _, mn = hopper.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
                                                _seg(a_inv, 4), 0.25, None, affine=True)
         norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]
-        bound = hopper_fwd.map_norm_log2_bound(k, x["g"], beta, 4).double()
+        bound = per_segment(chunk_bounds_ref(k, x["g"], beta))
         assert (norms.log2() <= bound + 1e-6).all(), (norms.log2() - bound).max()
+        kernel_bound = per_segment(chunk_bounds(k.float(), x["g"].float(), beta.float()))
+        assert (kernel_bound - bound).abs().max() < 1e-3
         if key_scale == 1.0:   # unit keys, β < 1: the decay is the bound, and nearly the norm
             assert (norms.log2() > bound - 8).all(), (bound - norms.log2()).max()
 
@@ -357,7 +364,7 @@ def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkey
     x["g"] = x["g"].clone()
     x["g"][..., 0] = x["g"][..., 0] * 16                    # fast head: ≈ −3 nats per token... −190 per segment
     x["g"][..., 1] = x["g"][..., 1] / 16                    # slow head: ≈ −0.8 per segment
-    skip = hopper_fwd.negligible_maps(x["k"], x["g"], x["beta"], 4)
+    skip = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], 4)[0]
     assert skip[:, 0].all() and not skip[:, 1].any()
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
     exact = {n: t.double() for n, t in x.items()}
@@ -369,7 +376,9 @@ def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkey
     o, ht = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     assert torch.equal(seen[0], skip)                       # phase A got the flags
-    monkeypatch.setattr(hopper_fwd, "negligible_maps", lambda k, g, beta, S: torch.ones(2 * S, 2, dtype=torch.bool))
+    monkeypatch.setattr(hopper_fwd, "segment_flags", lambda k, g, beta, S: (
+        torch.ones(2 * S, 2, dtype=torch.bool), torch.zeros(2 * S, 2, dtype=torch.int32),
+        torch.ones(2 * S, 2, dtype=torch.bool)))
     o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o_bad, ro) > 1e-4
     seen.clear()

@@ -1,6 +1,7 @@
-"""The segmented Hopper forward's warm-ups (``hopper/forward.py``: ``warm_up_plan`` and ``forward_hopper(warm_up=
+"""The segmented Hopper forward's warm-ups (``hopper/forward.py``: ``segment_flags`` and ``forward_hopper(warm_up=
 True)``) around the kernel's twin on the CPU: the plan's chunk counts against a brute-force float64 bound, and the
-forward against the float64 recurrence with heads that warm up in one chunk, in two, or walk their maps."""
+forward against the float64 recurrence with heads that warm up in one chunk, in two, or walk their maps. The plan's
+Triton kernels against their twins: tests/ops/test_map_bound.py."""
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ def three_heads(K=16, V=16, seed=0):
 
 def test_plan_takes_the_fewest_chunks_whose_bound_is_negligible():
     x = three_heads()
-    warm, walk = hopper_fwd.warm_up_plan(x["k"], x["g"], x["beta"], S)
+    _, warm, walk = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S)
     assert warm.dtype == torch.int32 and warm.shape == (S, 3) and walk.shape == (S, 3)
     assert not walk[:, 0].any() and not walk[:, 1].any() and walk[:, 2].all()
     assert warm[0].eq(0).all()                              # segment 0 starts at the sequence's start
@@ -54,7 +55,7 @@ def test_plan_sends_a_head_to_its_maps_when_one_segment_cannot_warm_up():
     its maps (the scan needs them all)."""
     x = three_heads()
     x["g"][0, LC * 64:2 * LC * 64, 0] = -0.001              # segment 1, the chunks before segment 2
-    warm, walk = hopper_fwd.warm_up_plan(x["k"], x["g"], x["beta"], S)
+    _, warm, walk = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S)
     assert walk[:, 0].all() and warm[:, 0].eq(0).all() and not walk[:, 1].any()
 
 
@@ -81,11 +82,11 @@ def test_warm_forward_equals_the_recurrence(monkeypatch, skip_maps):
     kw = dict(a_inv_dtype=torch.float32, segments=S, BV=16, warm_up=True, skip_maps=skip_maps)
     o, ht = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    warm, walk = hopper_fwd.warm_up_plan(x["k"], x["g"], x["beta"], S)
+    negligible, warm, walk = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S)
     assert calls[0]["affine"] and calls[0]["skip_m"][:, :2].eq(2).all()
     assert torch.equal(calls[0]["skip_m"][:, 2] != 2, walk[:, 2])
     assert torch.equal(calls[1]["warm_chunks"], warm)
-    monkeypatch.setattr(hopper_fwd, "warm_up_plan", lambda k, g, beta, S_: (torch.zeros_like(warm), walk))
+    monkeypatch.setattr(hopper_fwd, "segment_flags", lambda k, g, beta, S_: (negligible, torch.zeros_like(warm), walk))
     o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o_bad, ro) > 1e-4
 

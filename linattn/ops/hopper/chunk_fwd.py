@@ -64,7 +64,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     program's tile lies in M or in N: BV divides K), V's columns are read shifted by K (an M tile reads a valid tile
     and zeroes it), and only the state's three dots run (q not read, o not written); where ``skip_m [B, HV]``
     (int32, read by the affine walk only) is 1 the M tiles walk no chunk and write M = 0
-    (``forward.negligible_maps``), where it is 2 every tile does ([M | N] = 0: a map the warm walk does without).
+    (``forward.segment_flags``), where it is 2 every tile does ([M | N] = 0: a map the warm walk does without).
     ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each thread
     stores its accumulator pairs).
 
@@ -432,7 +432,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
     ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk
     ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the maps whose M is negligible
-    (``forward.negligible_maps``): their M is written as zeros without a walk (2: the whole map, M and N).
+    (``forward.segment_flags``): their M is written as zeros without a walk (2: the whole map, M and N).
 
     ``warm_chunks`` ``[B·S, HV]`` (int): the segmented forward's phase C with warm-ups (:func:`build_kernel`'s
     ``warm``): q, k, v, a_inv whole ``[B, T, ...]``, gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of

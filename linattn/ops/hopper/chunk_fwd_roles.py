@@ -55,7 +55,7 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
     [I | 0] with values [0 | V] over K + V columns into ht ``[B, HV, K, K + V]``; BV divides K): the state and
     delta roles only — no queries loaded, no output, the output warpgroup idle and out of every hand-off. There
     ``skip_m [B, HV]`` (int32, read in the affine walk only) marks the maps whose M is negligible
-    (``forward.negligible_maps``): their M tiles walk no chunk and write M = 0."""
+    (``forward.segment_flags``): their M tiles walk no chunk and write M = 0."""
     import tilelang.language as T
 
     acc, dtype = "float32", "bfloat16"

@@ -10,7 +10,6 @@ head-major copies). A first TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from ..common.fused_prepass import fused_prepass
 from ..common.seq_parallel import affine_scan
 from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
+from .map_bound import chunk_bounds, segment_plan
 from .prepass import prepass_hopper
 
 # The pre-pass: "tilelang" (``prepass.py``: gc, β per segment head-major and A_inv bf16 from one kernel whose solve
@@ -127,11 +127,11 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
 
 
 # A segment's map M is dropped (phase A writes M = 0 without walking those K columns; SKIP_NEGLIGIBLE_MAPS) where
-# the bound ‖M‖₂ ≤ Π_t γ_t · max(1, |1 − β_t ‖k_t‖²|) over the segment's tokens is below 2^NEGLIGIBLE_M_LOG2: the
-# entering state then moves the next segment's by less than 2⁻³⁰ of its own norm (fp32 keeps 2⁻²⁴). Each token's
-# transition is γ_t (I − β_t k_t k_tᵀ), whose 2-norm is γ_t max(1, |1 − β_t ‖k_t‖²|). With the anchors' gates
-# (mean −0.05 per token) a 4096-token segment's bound is ≈ 2⁻²⁹⁵, so every M tile ends at once (phase A: one wave
-# of N tiles instead of two waves); heads that decay slowly keep theirs
+# the bound ‖M‖₂ ≤ Π_t γ_t · max(1, |1 − β_t ‖k_t‖²|) over the segment's tokens (map_bound.py) is below
+# 2^NEGLIGIBLE_M_LOG2: the entering state then moves the next segment's by less than 2⁻³⁰ of its own norm (fp32
+# keeps 2⁻²⁴). Each token's transition is γ_t (I − β_t k_t k_tᵀ), whose 2-norm is γ_t max(1, |1 − β_t ‖k_t‖²|).
+# With the anchors' gates (mean −0.05 per token) a 4096-token segment's bound is ≈ 2⁻²⁹⁵, so every M tile ends at
+# once (phase A: one wave of N tiles instead of two waves); heads that decay slowly keep theirs
 NEGLIGIBLE_M_LOG2 = -30.0
 # Whether phase A skips the negligible maps' M tiles (half of its programs where every map is negligible, as at the
 # anchors' gates). Off until a GPU check: run 22 measured the skip in the role-split kernel only (its phase A 0.31
@@ -153,51 +153,17 @@ WARM_UP = False
 WARM_UP_MAX_FRACTION = 1.0
 
 
-def map_norm_log2_bound(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
-    """``[B·S, HV]`` fp32: log2 of Π_t γ_t · max(1, |1 − β_t ‖k_t‖²|) over each segment's tokens, a bound on the
-    2-norm of its exact state map M, from keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]`` (T a multiple
-    of S)."""
-    B, T, H, _ = k.shape
-    HV = g.shape[2]
-    # ‖k_t‖² [B, T, HV], accumulated in fp32 without an fp32 copy of k (one read of the keys: ≈ 35 µs at 2¹⁹ rows)
-    acc = torch.promote_types(k.dtype, torch.float32)
-    norms = torch.linalg.vector_norm(k, dim=-1, dtype=acc).float().square().repeat_interleave(HV // H, dim=2)
-    growth = torch.log2(torch.clamp((1 - beta.float() * norms).abs(), min=1.0))      # log2 max(1, |1 − β‖k‖²|)
-    return (g.float() * math.log2(math.e) + growth).reshape(B * segments, T // segments, HV).sum(1)
-
-
-def negligible_maps(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> torch.Tensor:
-    """``[B·S, HV]`` bool: the segments whose state map M is negligible (:func:`map_norm_log2_bound` below
-    :data:`NEGLIGIBLE_M_LOG2`). The bound holds for the exact map; the kernel's M, on bf16 state operands, is as
-    small up to its own relative rounding."""
-    return map_norm_log2_bound(k, g, beta, segments) < NEGLIGIBLE_M_LOG2
-
-
-def warm_up_plan(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(warm_chunks ``[B·S, HV]`` int32, walk_maps ``[B·S, HV]`` bool) for the warm walk (:data:`WARM_UP`):
-    segment s ≥ 1 of a head starts w chunks early, the fewest w ≤ :data:`WARM_UP_MAX_FRACTION` of a segment's
-    chunks (at least 1) whose transitions' bound (:func:`map_norm_log2_bound` per chunk) multiplies to below
-    2^NEGLIGIBLE_M_LOG2; a head where some segment has no such w walks its maps instead (walk_maps, for every
-    segment of it; warm_chunks 0). Segment 0 starts at the sequence's start (w = 0). On the device, no sync."""
-    B, T = k.shape[:2]
-    HV, S = g.shape[2], segments
-    NC = T // BT
-    Lc = NC // S
-    per_chunk = map_norm_log2_bound(k, g, beta, NC).view(B, NC, HV).double()
-    # bound over chunks [c, p) = cs[p] − cs[c]; float64: the sums reach −10⁴ at 10⁵ tokens
-    cs = torch.cat([per_chunk.new_zeros(B, 1, HV), per_chunk.cumsum(1)], 1)
-    w_max = max(1, int(Lc * WARM_UP_MAX_FRACTION))
-    starts = torch.arange(1, S, device=k.device) * Lc                     # the segments' first chunks, s ≥ 1
-    w = torch.arange(1, w_max + 1, device=k.device)
-    bound = cs[:, starts, None, :] - cs[:, starts[:, None] - w[None, :], :]     # [B, S − 1, w_max, HV]
-    ok = bound < NEGLIGIBLE_M_LOG2
-    found = ok.any(2)                                                       # [B, S − 1, HV]
-    first = ok.int().argmax(2) + 1                                          # the fewest chunks that do
-    walk = ~found.all(1)                                                    # [B, HV]: some segment cannot warm up
-    warm = torch.where(found & ~walk[:, None], first, 0)
-    warm = torch.cat([warm.new_zeros(B, 1, HV), warm], 1)
-    return warm.reshape(B * S, HV).to(torch.int32), walk[:, None].expand(B, S, HV).reshape(B * S, HV)
+def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(negligible, warm_chunks, walk_maps), each ``[B·S, HV]`` (bool, int32, bool), for the segmented forward's
+    ``segments`` = S segments (T a multiple of 64·S), from keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``:
+    the segments whose own map is negligible (:data:`SKIP_NEGLIGIBLE_MAPS`), the warm-ups in chunks (:data:`WARM_UP`;
+    at most :data:`WARM_UP_MAX_FRACTION` of a segment, 0 for the first segment), and the heads that walk their
+    maps (a segment of theirs cannot warm up; their warm-ups are 0). The bound per chunk, then the plan: two launches
+    (``map_bound.py``), on the device, no host sync."""
+    chunks = k.shape[1] // BT // segments
+    return segment_plan(chunk_bounds(k, g, beta), segments, max(1, int(chunks * WARM_UP_MAX_FRACTION)),
+                        NEGLIGIBLE_M_LOG2)
 
 
 def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
@@ -244,10 +210,10 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     Phase A walks K + V columns (twice phase C's state work for K = V) without the output's three dots. It also
     walks each sequence's last segment, whose map phase B does not use (1/S of it wasted: the segments of B > 1
     sequences are not one contiguous prefix). With ``skip_maps`` (None: :data:`SKIP_NEGLIGIBLE_MAPS`) it skips the
-    M tiles of the maps :func:`negligible_maps` marks (M = 0 there).
+    M tiles of the maps :func:`segment_flags` marks negligible (M = 0 there).
 
     With ``warm_up`` (None: :data:`WARM_UP`; the default kernel only) the heads whose every segment is reached by a
-    short warm-up (:func:`warm_up_plan`) skip phases A and B: phase C starts their segment s's walk w_s chunks
+    short warm-up (:func:`segment_flags`) skip phases A and B: phase C starts their segment s's walk w_s chunks
     before it from zero (from S_0 at the start), writing o from the segment on; the other heads take the maps."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -270,9 +236,11 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     warm = WARM_UP if warm_up is None else warm_up
     if warm and launch.get("roles"):
         raise ValueError("the warm-up walk runs on the default kernel: not with roles")
-    skip_m = negligible_maps(k, g, beta, S).to(torch.int32) if skip else None
+    skip_m = None
+    if skip or warm:
+        negligible, warm_chunks, walk_maps = segment_flags(k, g, beta, S)
+        skip_m = negligible.to(torch.int32) if skip else None
     if warm:
-        warm_chunks, walk_maps = warm_up_plan(k, g, beta, S)
         skip_m = torch.where(walk_maps, skip_m if skip_m is not None else 0, 2).to(torch.int32)
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 **fitted_launch(K, launch))
