@@ -434,6 +434,17 @@ def speed(shapes, variants):
     return rows
 
 
+def lever_verdict(row, lever, tolerance=0.10):
+    """One line: whether ``lever``'s errors (o, final state) are within ``tolerance`` of the plain segmented
+    forward's in a :func:`segmented` row, and both runs' ms."""
+    if "error" in row or lever not in row:
+        return f"{row.get('shape')} decay {row.get('decay')}: {lever} missing ({row.get('error', 'no run')})"
+    ok = all(e <= (1 + tolerance) * b for e, b in zip(row[lever], row["segmented"]))
+    return (f"{row['shape'][:4]} decay {row['decay']:.3g}: {lever} {'PASS' if ok else 'FAIL'} "
+            f"o / state {row[lever][0]:.3e} / {row[lever][1]:.3e} against {row['segmented'][0]:.3e} / "
+            f"{row['segmented'][1]:.3e}; {row[lever + '_ms']:.3f} ms against {row['segmented_ms']:.3f}")
+
+
 def report(out, key, rows, title, **extra):
     """Writes ``rows`` (and ``extra``) to hopper_<key>.json under ``out`` and prints them under ``title``."""
     write_json(out, f"hopper_{key}.json", {key: rows, **extra})
@@ -468,8 +479,14 @@ def main():
                       "pre-passes (gc max abs, A_inv rel L2 vs float64, ms alone; the forward on each: errors o / "
                       "final state vs float64, ms no grad)")
     if a.segmented:
-        return report(a.out, "segmented", segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES),
-                      "segmented Hopper forward (bf16, K = V = 128; errors o / final state vs float64; ms no grad)")
+        rows = segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES)
+        report(a.out, "segmented", rows,
+               "segmented Hopper forward (bf16, K = V = 128; errors o / final state vs float64; ms no grad)")
+        print("\nlevers against the segmented forward (pass: errors within 10%):")
+        for r in rows:
+            for lever in ("segmented_skip", "segmented_warm"):
+                print("  " + lever_verdict(r, lever))
+        return
     if a.roles:
         acc, spd, seg = roles_check(a.quick)
         write_json(a.out, "hopper_roles.json", dict(accuracy=acc, speed=spd, segmented=seg))
