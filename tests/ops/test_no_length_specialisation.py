@@ -15,7 +15,7 @@ import pkgutil
 import linattn.ops
 
 # runtime int arguments that carry a length or a count derived from one
-LENGTH_ARGS = {"T", "NT", "NTB", "NTOK", "NB", "NSEG", "L", "BT_total"}
+LENGTH_ARGS = {"T", "NT", "NTB", "NTOK", "NB", "NSEG", "L", "BT_total", "NC", "LC", "W_MAX"}
 EXEMPT_MODULES = {"linattn.ops.gated_delta.recurrent_kernels"}
 
 

@@ -27,7 +27,7 @@ LOG2E = math.log2(math.e)
 BLOCK = 128          # the plan's chunks per step of its loops (a segment's sum, a warm-up's running sum)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NC"])      # lengths: a new T compiles nothing
 def chunk_bounds_kernel(k, g, beta, bound, T, NC, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                         BK: tl.constexpr, BT: tl.constexpr, LOG2E: tl.constexpr):
     # grid (NC, B·HV): one chunk of one value head. Reads its 64 rows of k (the head's qk head), g and β; writes the
@@ -71,7 +71,7 @@ def chunk_bounds_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> to
     return b_t.view(B, NC, BT, HV).sum(2).transpose(1, 2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NC", "S", "LC", "W_MAX"])
 def segment_plan_kernel(bound, negligible, warm, walk, NC, S, LC, W_MAX, THRESHOLD, HV: tl.constexpr,
                         BLOCK: tl.constexpr):
     # grid (B·HV,): one (sequence, value head). Reads its NC chunk sums; writes, per segment s (of LC chunks),
