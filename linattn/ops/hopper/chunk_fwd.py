@@ -140,10 +140,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Of = T.alloc_fragment((BT, BV), acc)
 
             if affine:
-                # skip_m 1: an M tile (a negligible map) walks no chunk and leaves zeros, M = 0; 2: every tile does
-                # (a map the warm walk does without)
-                chunks = T.if_then_else(((iv * BV < K) & (ctl[ib, ihv] != 0)) | (ctl[ib, ihv] == 2), 0,
-                                        T.ceildiv(Tn, BT))
+                chunks = affine_walk_chunks(iv * BV < K, ctl[ib, ihv], T.ceildiv(Tn, BT))
                 for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
                     S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
             elif use_initial_state:
@@ -230,6 +227,15 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
+
+
+def affine_walk_chunks(tile_in_m, skip, chunks):
+    """The affine walk's loop count for one program (a TileLang expression, this kernel's and
+    ``chunk_fwd_roles``'): 0 where the map's ``skip_m`` flag ``skip`` drops the tile — 1: the M tiles (a negligible
+    map, M = 0), 2: every tile (a map the warm walk does without, [M | N] = 0) —, else ``chunks``. A tile that walks
+    no chunk starts from zeros instead of [I | 0] and writes them."""
+    import tilelang.language as T
+    return T.if_then_else((tile_in_m & (skip != 0)) | (skip == 2), 0, chunks)
 
 
 class HopperCompileError(RuntimeError):

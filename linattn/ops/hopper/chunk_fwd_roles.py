@@ -39,7 +39,7 @@ made there too.
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 from typing import Optional
 
-from .chunk_fwd import BT, compile_prim_func
+from .chunk_fwd import BT, affine_walk_chunks, compile_prim_func
 
 STAGES = 2
 # registers per thread of each role (setmaxnreg; the launch gives 128 to each of the 512 threads): the state's
@@ -54,8 +54,8 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
     and h0 is not read. ``affine``: phase A of the segmented forward as in ``chunk_fwd.build_kernel`` (the walk of
     [I | 0] with values [0 | V] over K + V columns into ht ``[B, HV, K, K + V]``; BV divides K): the state and
     delta roles only — no queries loaded, no output, the output warpgroup idle and out of every hand-off. There
-    ``skip_m [B, HV]`` (int32, read in the affine walk only) marks the maps whose M is negligible
-    (``forward.segment_flags``): their M tiles walk no chunk and write M = 0."""
+    ``skip_m [B, HV]`` (int32, read in the affine walk only) skips tiles as ``chunk_fwd.affine_walk_chunks`` says
+    (1: the M tiles of a negligible map, 2: the whole map)."""
     import tilelang.language as T
 
     acc, dtype = "float32", "bfloat16"
@@ -81,8 +81,8 @@ def build_kernel_roles(H: int, HV: int, K: int, V: int, BV: int, scale: float, u
             ih = ihv // G
             chunks = T.ceildiv(Tn, BT)
             if affine:
-                # an M tile of a negligible map walks no chunk (every role reads the same flag: one loop count)
-                chunks = T.if_then_else((iv * BV < K) & (skip_m[ib, ihv] != 0), 0, T.ceildiv(Tn, BT))
+                # the maps' skip flags (every role reads the same flag: one loop count)
+                chunks = affine_walk_chunks(iv * BV < K, skip_m[ib, ihv], T.ceildiv(Tn, BT))
             # the stages: chunk c's inputs in stage c % STAGES
             Qs = T.alloc_shared((STAGES, BT, K), dtype)
             Ks = T.alloc_shared((STAGES, BT, K), dtype)
