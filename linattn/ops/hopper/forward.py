@@ -239,9 +239,9 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     skip_m = None
     if skip or warm:
         negligible, warm_chunks, walk_maps = segment_flags(k, g, beta, S)
-        skip_m = negligible.to(torch.int32) if skip else None
-    if warm:
-        skip_m = torch.where(walk_maps, skip_m if skip_m is not None else 0, 2).to(torch.int32)
+        skip_m = negligible.to(torch.int32) * skip             # 1: the M tiles of a negligible map
+        if warm:
+            skip_m = torch.where(walk_maps, skip_m, 2)          # 2: a warmed head's whole map
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 **fitted_launch(K, launch))
     # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (its maps are zero)
