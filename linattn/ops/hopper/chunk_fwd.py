@@ -445,21 +445,21 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     64), initial_state ``[B·S, HV, K, V]`` the state each walk starts from; segment s's walk starts
     warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read). Returns o ``[B, T, HV, V]`` and each
     segment's final state ``[B·S, HV, K, V]``."""
-    if warm_chunks is not None:
-        return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
-                          num_stages, async_dots, roles, affine)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
     if V % BV or (affine and K % BV):
         raise ValueError(f"V = {V}" + (f" and K = {K}" if affine else "") + f" must be multiples of BV = {BV}")
-    if affine and initial_state is not None:
-        raise ValueError("the affine walk starts from [I | 0]: no initial state")
     if beta_hm.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
     if a_inv.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
+    if warm_chunks is not None:
+        return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
+                          num_stages, async_dots, roles, affine)
+    if affine and initial_state is not None:
+        raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = padded_length(T)
     if gc_hm.shape != (B, HV, Tp) or beta_hm.shape != (B, HV, Tp):
         raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
@@ -496,16 +496,13 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
                async_dots, roles, affine):
-    """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``: checks, then the warm kernel."""
+    """:func:`chunk_fwd_hopper_hm` with ``warm_chunks`` (dtypes and BV checked there): the layouts, then the warm
+    kernel."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NB, L = gc_hm.shape[0], gc_hm.shape[2]
     if roles or affine:
         raise ValueError("warm_chunks is phase C's walk: not with roles or affine")
-    if q.dtype != torch.bfloat16:
-        raise TypeError(f"the Hopper forward takes bf16 q/k/v, got {q.dtype}")
-    if V % BV:
-        raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
     if L % BT or T % L or NB != B * (T // L):
         raise ValueError(f"gc must be per segment [B·S, HV, L] with L a multiple of {BT} dividing T = {T} and "
                          f"B·S = {B}·T/L, got {list(gc_hm.shape)}")
