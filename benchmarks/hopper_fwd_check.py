@@ -37,6 +37,7 @@ from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import forward as hopper_forward_module
 from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan, run_prepass
+from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
 from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 
 # (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
@@ -130,7 +131,7 @@ def accuracy(cases, variants):
                 torch.cuda.synchronize()
                 # the kernel against its twin on the same pre-pass outputs (the kernel's own rounding points)
                 a_dtype, launch = launch_of(variant)
-                prepassed = run_prepass(low["k"], low["v"], low["g"], low["beta"], 1, None, a_dtype)
+                prepassed = run_prepass(low["k"], low["v"], low["g"], low["beta"], 1, None, a_dtype)[:3]
                 twin = hopper.chunk_fwd_hopper_hm_ref(low["q"], low["k"], low["v"], *prepassed, scale,
                                                       low["initial_state"], **launch)
                 row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
@@ -298,9 +299,13 @@ def prepass_row(B, T, H, HV, sms):
                                         for p in ("triton", "tilelang"))
     try:
         with torch.no_grad():
-            (gc_t, beta_t, a_t), (gc_l, beta_l, a_l) = triton_prepass(), tilelang_prepass()
+            (gc_t, beta_t, a_t, _), (gc_l, beta_l, a_l, bound_l) = triton_prepass(), tilelang_prepass()
             a64 = prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64)[2]
+            bound64 = chunk_bounds_ref(x["k"], x["g"], x["beta"], S)
             row.update(gc_max_abs=(gc_l - gc_t).abs().max().item(), beta_equal=torch.equal(beta_l, beta_t),
+                       bound_max_abs=(bound_l.double() - bound64).abs().max().item(),
+                       bound_triton_max_abs=(chunk_bounds(x["k"], x["g"], x["beta"], S).double()
+                                             - bound64).abs().max().item(),
                        a_inv_triton=rel(a_t, a64), a_inv_tilelang=rel(a_l, a64), a_inv_vs=rel(a_l, a_t),
                        a_inv_by_block=a_inv_blocks(a_l, a64), nonfinite=int((~torch.isfinite(a_l.float())).sum()),
                        triton_ms=bench(triton_prepass), tilelang_ms=bench(tilelang_prepass))
@@ -356,8 +361,9 @@ def profile_shape(B, T, H, HV):
     with torch.no_grad():
         if hopper_forward_module.PREPASS == "tilelang":
             stages = dict(prepass=functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S))
-            gc_hm, beta_hm, a_inv = stages["prepass"]()
+            gc_hm, beta_hm, a_inv, bound = stages["prepass"]()
         else:
+            bound = None
             gc, a_inv = prepass()
             gc_hm, beta_hm = hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))
             stages = dict(prepass=prepass,
@@ -365,12 +371,27 @@ def profile_shape(B, T, H, HV):
         walk = functools.partial(hopper.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm, beta_hm,
                                  seg(a_inv), scale, None)
         stages["walk"] = functools.partial(walk, **launch)
-        if S > 1:
+        if S > 1:     # the segmented forward's stages as forward_hopper runs them with the module's switches
             from linattn.ops.common.seq_parallel import affine_scan
-            from linattn.ops.hopper.forward import fitted_launch
-            stages["phase_a"] = functools.partial(walk, affine=True, **fitted_launch(128, launch))
+            from linattn.ops.hopper.forward import SCAN_BV, fitted_launch, segment_flags
+            skip, warm = hopper_forward_module.SKIP_NEGLIGIBLE_MAPS, hopper_forward_module.WARM_UP
+            row.update(skip_maps=skip, warm_up=warm)
+            skip_m = flags = None
+            if skip or warm:
+                stages["plan"] = functools.partial(segment_flags, x["k"], x["g"], x["beta"], S, bound, skip, warm)
+                flags = stages["plan"]()
+                skip_m = flags.skip_m
+                row.update(warmed_heads=int((skip_m == 2).sum()) // S,
+                           mean_warm_chunks=flags.warm.float().mean().item())
+            stages["phase_a"] = functools.partial(walk, affine=True, skip_m=skip_m,
+                                                  **fitted_launch(128, launch))
             mn = stages["phase_a"]()[1]
-            stages["affine_scan"] = functools.partial(affine_scan, mn, None, 128, B, nseg=S)
+            stages["affine_scan"] = functools.partial(affine_scan, mn, None, 128, B, nseg=S, BV=SCAN_BV,
+                                                      skip=skip_m)
+            if warm:
+                h_in = stages["affine_scan"]()
+                stages["walk"] = functools.partial(hopper.chunk_fwd_hopper_hm, x["q"], x["k"], x["v"], gc_hm,
+                                                   beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, **launch)
         calls = dict(forward_hopper=functools.partial(forward_hopper, *args, segments=S, **launch),
                      op=functools.partial(chunk_gated_delta_rule, **x, scale=scale, output_final_state=True),
                      op_requires_grad=functools.partial(chunk_gated_delta_rule, **xg, scale=scale,

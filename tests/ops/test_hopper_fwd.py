@@ -330,19 +330,16 @@ def test_the_map_norm_bound_holds_for_the_exact_map():
     from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
     from linattn.ops.hopper.prepass import prepass_hopper_ref
 
-    def per_segment(chunk_sums):                                 # [B, HV, NC] → [B·S, HV], S = 4
-        return chunk_sums.double().view(2, 2, 4, -1).sum(-1).transpose(1, 2).reshape(8, 2)
-
     for key_scale, beta_scale in ((1.0, 1.0), (1.4, 2.0)):
         x = inputs(2, 256, 1, 2, 16, 16)
         k, beta = x["k"] * key_scale, x["beta"] * beta_scale
-        gc_hm, beta_hm, a_inv = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64)
+        gc_hm, beta_hm, a_inv, _ = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64)
         _, mn = hopper.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
                                                _seg(a_inv, 4), 0.25, None, affine=True)
         norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]
-        bound = per_segment(chunk_bounds_ref(k, x["g"], beta))
+        bound = chunk_bounds_ref(k, x["g"], beta, 4).sum(-1)                   # [B·S, HV]
         assert (norms.log2() <= bound + 1e-6).all(), (norms.log2() - bound).max()
-        kernel_bound = per_segment(chunk_bounds(k.float(), x["g"].float(), beta.float()))
+        kernel_bound = chunk_bounds(k.float(), x["g"].float(), beta.float(), 4).double().sum(-1)
         assert (kernel_bound - bound).abs().max() < 1e-3
         if key_scale == 1.0:   # unit keys, β < 1: the decay is the bound, and nearly the norm
             assert (norms.log2() > bound - 8).all(), (bound - norms.log2()).max()
@@ -360,6 +357,7 @@ def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkey
     equal the float64 recurrence as without the skip. A twin that drops every M (a skip where the map matters)
     fails."""
     from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.map_bound import SegmentPlan
     x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
     x["g"] = x["g"].clone()
     x["g"][..., 0] = x["g"][..., 0] * 16                    # fast head: ≈ −3 nats per token... −190 per segment
@@ -372,13 +370,13 @@ def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkey
     seen = []
     monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm",
                         lambda *a, **kw: seen.append(kw.get("skip_m")) or hopper.chunk_fwd_hopper_hm_ref(*a, **kw))
-    kw = dict(a_inv_dtype=torch.float32, segments=4, BV=16, roles=roles, skip_maps=True)
+    kw = dict(a_inv_dtype=torch.float32, segments=4, BV=16, roles=roles, skip_maps=True, warm_up=False)
     o, ht = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    assert torch.equal(seen[0], skip)                       # phase A got the flags
-    monkeypatch.setattr(hopper_fwd, "segment_flags", lambda k, g, beta, S: (
-        torch.ones(2 * S, 2, dtype=torch.bool), torch.zeros(2 * S, 2, dtype=torch.int32),
-        torch.ones(2 * S, 2, dtype=torch.bool)))
+    assert torch.equal(seen[0], skip.int())                 # phase A got the flags
+    everything = torch.ones(8, 2, dtype=torch.bool)
+    monkeypatch.setattr(hopper_fwd, "segment_flags", lambda *a: SegmentPlan(
+        everything, torch.zeros(8, 2, dtype=torch.int32), everything, torch.ones(8, 2, dtype=torch.int32)))
     o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o_bad, ro) > 1e-4
     seen.clear()

@@ -60,8 +60,11 @@ def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
     """What the fused kernel reads: gc and β head-major per segment (Tp-padded with zeros) and A_inv — the twin of
     the TileLang pre-pass against forward.run_prepass on the Triton pre-pass (interpreter, fp32 inputs)."""
     x = {n: t.float() for n, t in inputs(2, T, 1, 2, 16, 16).items()}
-    gc_tr, beta_tr, a_inv = hopper_fwd.run_prepass(x["k"], x["v"], x["g"], x["beta"], S, "triton", torch.float32)
-    gc_hm, beta_hm, a_inv_tl = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float32)
+    gc_tr, beta_tr, a_inv, no_bound = hopper_fwd.run_prepass(x["k"], x["v"], x["g"], x["beta"], S, "triton",
+                                                             torch.float32)
+    gc_hm, beta_hm, a_inv_tl, bound = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S,
+                                                                 a_inv_dtype=torch.float32)
+    assert no_bound is None and bound.shape == (2 * S, 2, -(-T // S // 64)) and bound.dtype == torch.float32
     assert gc_hm.shape == (2 * S, 2, hopper.padded_length(T // S)) and beta_hm.dtype == x["beta"].dtype
     assert torch.allclose(gc_hm, gc_tr, atol=1e-6, rtol=0)
     assert torch.equal(beta_hm, beta_tr)
@@ -115,3 +118,6 @@ def test_prepass_compiles_for_sm90a():
     solve = src[src.index("if (((int)threadIdx.x) < 64) {\n    #pragma unroll"):]
     solve = solve[:solve.index("__syncthreads()")]
     assert "shfl" not in solve and "x[i_4] = (x[i_4] - " in solve
+    # the map bound: one thread the solve leaves idle, from the diagonal blocks' diagonals (Ad[17 i] = ‖k_i‖²)
+    bound = solve[solve.index("if (((int)threadIdx.x) == 64) {"):]
+    assert "((float*)Ad)[(i_6 * 17)]" in bound and "bound[" in bound

@@ -36,7 +36,9 @@ def three_heads(K=16, V=16, seed=0):
 
 def test_plan_takes_the_fewest_chunks_whose_bound_is_negligible():
     x = three_heads()
-    _, warm, walk = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S)
+    flags = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S, warm_up=True)
+    warm, walk = flags.warm, flags.walk
+    assert torch.equal(flags.skip_m, torch.where(walk, 0, 2).int())       # phase A: the warmed heads' maps go
     assert warm.dtype == torch.int32 and warm.shape == (S, 3) and walk.shape == (S, 3)
     assert not walk[:, 0].any() and not walk[:, 1].any() and walk[:, 2].all()
     assert warm[0].eq(0).all()                              # segment 0 starts at the sequence's start
@@ -55,7 +57,7 @@ def test_plan_sends_a_head_to_its_maps_when_one_segment_cannot_warm_up():
     its maps (the scan needs them all)."""
     x = three_heads()
     x["g"][0, LC * 64:2 * LC * 64, 0] = -0.001              # segment 1, the chunks before segment 2
-    _, warm, walk = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S)
+    _, warm, walk, _ = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S)
     assert walk[:, 0].all() and warm[:, 0].eq(0).all() and not walk[:, 1].any()
 
 
@@ -82,11 +84,11 @@ def test_warm_forward_equals_the_recurrence(monkeypatch, skip_maps):
     kw = dict(a_inv_dtype=torch.float32, segments=S, BV=16, warm_up=True, skip_maps=skip_maps)
     o, ht = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    negligible, warm, walk = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S)
+    flags = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S, None, skip_maps, True)
     assert calls[0]["affine"] and calls[0]["skip_m"][:, :2].eq(2).all()
-    assert torch.equal(calls[0]["skip_m"][:, 2] != 2, walk[:, 2])
-    assert torch.equal(calls[1]["warm_chunks"], warm)
-    monkeypatch.setattr(hopper_fwd, "segment_flags", lambda k, g, beta, S_: (negligible, torch.zeros_like(warm), walk))
+    assert torch.equal(calls[0]["skip_m"][:, 2] != 2, flags.walk[:, 2])
+    assert torch.equal(calls[1]["warm_chunks"], flags.warm)
+    monkeypatch.setattr(hopper_fwd, "segment_flags", lambda *a: flags._replace(warm=torch.zeros_like(flags.warm)))
     o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o_bad, ro) > 1e-4
 
@@ -98,11 +100,12 @@ def test_warm_twin_keeps_each_segments_rows():
     x = three_heads()
     q, k, v, g, beta = (x[n].float() for n in ("q", "k", "v", "g", "beta"))
     h0 = x["initial_state"].float()
-    whole = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, 1, torch.float32), 0.25, h0)
+    whole = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, 1, torch.float32)[:3], 0.25,
+                                           h0)
     L = LC * 64
     h_in = [h0[0]] + [gated_delta_rule_reference(**{n: t[:, :s * L] for n, t in x.items() if n != "initial_state"},
                                                  scale=0.25, initial_state=x["initial_state"])[1][0].float()
                       for s in range(1, S)]
-    o, ht = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32), 0.25,
+    o, ht = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32)[:3], 0.25,
                                            torch.stack(h_in), warm_chunks=torch.zeros(S, 3, dtype=torch.int32))
     assert rel(o, whole[0]) < 1e-5 and rel(ht[-1], whole[1][0]) < 1e-5

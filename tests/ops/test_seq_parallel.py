@@ -203,6 +203,29 @@ def test_affine_scan_matches_twin(K, V, N, first, h0):
         assert rel_rms(h_in[a:b], want) <= TOLERANCES["kernel"], f"sequence {n}"
 
 
+def test_affine_scan_skips_the_maps_flagged_2():
+    """Where skip is 2 (a warmed head's map in the Hopper forward) the scan reads neither M_s nor N_s (NaN here)
+    and the next segment enters at zero; flags 0 and 1 read the map as it is."""
+    HV, K, V, S = 2, 32, 32, 4
+    M = torch.randn(2 * S, HV, K, K) * (0.5 / K ** 0.5)
+    Nm = torch.randn(2 * S, HV, K, V)
+    skip = torch.zeros(2 * S, HV, dtype=torch.int32)
+    skip[1, 0] = skip[S + 2, 1] = 2
+    skip[2, 0] = 1
+    mn = torch.cat([M, Nm], -1)
+    mn[skip == 2] = float("nan")
+    h0 = torch.randn(2, HV, K, V)
+    h_in = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip)
+    M[skip == 2] = 0
+    Nm[skip == 2] = 0
+    for n in range(2):
+        want, _ = sp.affine_scan_ref(M[n * S:(n + 1) * S].double(), Nm[n * S:(n + 1) * S].double(), h0[n].double())
+        assert torch.isfinite(h_in).all() and rel_rms(h_in[n * S:(n + 1) * S], want) <= TOLERANCES["kernel"]
+    assert h_in[2, 0].eq(0).all() and h_in[S + 3, 1].eq(0).all() and not h_in[3, 0].eq(0).all()
+    with pytest.raises(ValueError, match="skip must be int32"):
+        sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip.bool())
+
+
 def test_segmented_walk_matches_twin_and_unsegmented(case):
     """Phases A → B → C fed the twin's W, U, gc: o and the final state equal the float64 twin (state_pass_fwd_ref →
     output_fwd_ref) and the unsegmented walk to fp32 rounding."""

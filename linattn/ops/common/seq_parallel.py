@@ -116,11 +116,13 @@ def segment_tables(offsets: list[int], L: int, chunk_size: int, device) -> tuple
 # phase B: the scan over segments
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["NSEG"])
-def affine_scan_kernel(mn, h0, h_in, segment_first, NSEG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                       IS_VARLEN: tl.constexpr):
+                       IS_VARLEN: tl.constexpr, HAS_SKIP: tl.constexpr):
     # grid (cdiv(V, BV), N·HV): one program walks the segments of one (sequence, value head) for a BV slice of V.
-    # Per segment it reads M_s [K, K] and N_s [K, BV] (fp32, mn [NS, HV, K, K + V]) and writes h_in [K, BV].
+    # Per segment it reads M_s [K, K] and N_s [K, BV] (fp32, mn [NS, HV, K, K + V]) and writes h_in [K, BV]; where
+    # skip [NS, HV] is 2 (HAS_SKIP: a map the Hopper forward's phase A did not walk, [M_s | N_s] = 0) it reads
+    # neither and writes h_in[s+1] = 0.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -144,34 +146,48 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, NSEG, HV: tl.constexpr, K: t
     while i_s < i_s1 - 1:
         p_mn = mn + (i_s * HV + i_hv).to(tl.int64) * K * (K + V)
         p_h = h_in + ((i_s + 1) * HV + i_hv).to(tl.int64) * K * V
-        # h_in[s+1] = M_s h_in[s] + N_s, BR rows at a time (a whole [BK, BK] tile of M would not fit in registers
-        # for K > 128); each row block reads M_s[rows, :] and N_s[rows, slice] and writes h_in[s+1][rows, slice].
-        # tf32x3 (≈ fp32 products on the tensor cores): "ieee" made ptxas spill 2.7 KB per thread (sm_90, K = 128)
-        for i_r in tl.static_range(0, BK, BR):
-            m_r = (i_r + o_r) < K
-            b_m = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + o_k[None, :],
-                          mask=m_r[:, None] & (o_k[None, :] < K), other=0)
-            b_nv = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + K + o_v[None, :],
-                           mask=m_r[:, None] & (o_v[None, :] < V), other=0)
-            b_new = tl.dot(b_m, b_h, input_precision="tf32x3") + b_nv
-            tl.store(p_h + (i_r + o_r)[:, None] * V + o_v[None, :], b_new, mask=m_r[:, None] & (o_v[None, :] < V))
-        # the next segment reads back the whole state this program just wrote: a CTA barrier makes it visible
-        tl.debug_barrier()
-        b_h = tl.load(p_h + o_kv, mask=m_kv, other=0)
+        skipped = False
+        if HAS_SKIP:
+            skipped = tl.load(skip + i_s * HV + i_hv) == 2
+        if skipped:
+            b_h = tl.zeros([BK, BV], dtype=tl.float32)
+            tl.store(p_h + o_kv, b_h, mask=m_kv)
+        else:
+            # h_in[s+1] = M_s h_in[s] + N_s, BR rows at a time (a whole [BK, BK] tile of M would not fit in registers
+            # for K > 128); each row block reads M_s[rows, :] and N_s[rows, slice] and writes h_in[s+1][rows,
+            # slice]. tf32x3 (≈ fp32 products on the tensor cores): "ieee" made ptxas spill 2.7 KB per thread
+            # (sm_90, K = 128)
+            for i_r in tl.static_range(0, BK, BR):
+                m_r = (i_r + o_r) < K
+                b_m = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + o_k[None, :],
+                              mask=m_r[:, None] & (o_k[None, :] < K), other=0)
+                b_nv = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + K + o_v[None, :],
+                               mask=m_r[:, None] & (o_v[None, :] < V), other=0)
+                b_new = tl.dot(b_m, b_h, input_precision="tf32x3") + b_nv
+                tl.store(p_h + (i_r + o_r)[:, None] * V + o_v[None, :], b_new,
+                         mask=m_r[:, None] & (o_v[None, :] < V))
+            # the next segment reads back the whole state this program just wrote: a CTA barrier makes it visible
+            tl.debug_barrier()
+            b_h = tl.load(p_h + o_kv, mask=m_kv, other=0)
         i_s += 1
 
 
 def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int, num_seqs: int,
-                segment_first: Optional[torch.Tensor] = None, nseg: int = 1, BV: int = 32) -> torch.Tensor:
+                segment_first: Optional[torch.Tensor] = None, nseg: int = 1, BV: int = 32,
+                skip: Optional[torch.Tensor] = None) -> torch.Tensor:
     """State entering every segment: h_in ``[NS, HV, K, V]`` fp32 from mn ``[NS, HV, K, K + V]`` (phase A) and
     initial_state ``[N, HV, K, V]`` or None, over ``num_seqs`` sequences whose segments are listed by
-    segment_first ``[N + 1]`` (varlen) or are ``nseg`` consecutive ones each."""
+    segment_first ``[N + 1]`` (varlen) or are ``nseg`` consecutive ones each. ``skip`` ``[NS, HV]`` int32: where 2,
+    the segment's map is zero and not read (the Hopper forward's warmed heads, ``hopper/forward.py``)."""
     NS, HV, K = mn.shape[:3]
+    if skip is not None and (skip.shape != (NS, HV) or skip.dtype != torch.int32):
+        raise ValueError(f"skip must be int32 [NS, HV] = {[NS, HV]}, got {skip.dtype} {list(skip.shape)}")
     h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
     BK = block_size(K, 256)
     affine_scan_kernel[(cdiv(V, BV), num_seqs * HV)](
-        mn, initial_state, h_in, segment_first, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV, BR=min(BK, 32),
-        USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=segment_first is not None, num_warps=4)
+        mn, initial_state, h_in, segment_first, skip, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV, BR=min(BK, 32),
+        USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=segment_first is not None,
+        HAS_SKIP=skip is not None, num_warps=4)
     return h_in
 
 

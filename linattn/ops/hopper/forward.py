@@ -17,7 +17,7 @@ import torch
 from ..common.fused_prepass import fused_prepass
 from ..common.seq_parallel import affine_scan
 from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
-from .map_bound import chunk_bounds, segment_plan
+from .map_bound import SegmentPlan, chunk_bounds, segment_plan
 from .prepass import prepass_hopper
 
 # The pre-pass: "tilelang" (``prepass.py``: gc, β per segment head-major and A_inv bf16 from one kernel whose solve
@@ -134,11 +134,10 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
 # once (phase A: one wave of N tiles instead of two waves); heads that decay slowly keep theirs
 NEGLIGIBLE_M_LOG2 = -30.0
 # Whether phase A skips the negligible maps' M tiles (half of its programs where every map is negligible, as at the
-# anchors' gates). Off until a GPU check: run 22 measured the skip in the role-split kernel only (its phase A 0.31
-# ms faster at B=1 T=32768 H=16 with the skip than at a slow decay without it); the default kernel's skip (the
-# same loop count of zero, identity tiles zeroed) is compiled and tested around its twin on the CPU only.
-# `hopper_fwd_check.py --segmented` times and checks both settings at both decays
-SKIP_NEGLIGIBLE_MAPS = False
+# anchors' gates). Run 23 (H200, `hopper_fwd_check.py --segmented`, before the map bound moved into the pre-pass):
+# errors against float64 equal to the plain segmented forward's at both decays; B=1 T=32768 H=16 0.675 ms against
+# 0.758 at the anchors' gates, 0.817 against 0.749 at a slow decay (no map negligible: the plan's cost alone)
+SKIP_NEGLIGIBLE_MAPS = True
 # Warm-ups instead of state maps (the segmented forward's phases A and B) for the heads that forget fast: the state
 # entering segment s equals the walk from zero started w chunks earlier up to the map of those w chunks, whose norm
 # the same bound keeps below 2^NEGLIGIBLE_M_LOG2 (relative to the state where the warm-up starts). One pass, w
@@ -146,33 +145,39 @@ SKIP_NEGLIGIBLE_MAPS = False
 # segment needs more than WARM_UP_MAX_FRACTION of a segment's chunks takes the maps (phase A walks only those
 # heads; the others' programs end at once). The cap is one whole segment: a warm-up of w ≤ L/64 chunks makes its
 # walk at most twice phase C's, while the maps cost phase A (about twice phase C) on top of phase C; beyond it the
-# warm-up would read more than the previous segment. Prediction at the anchors' gates (w ≈ 7 chunks): B=1 T=32768 H=16
-# 0.744 → ≈ 0.55 ms. Off until a GPU check (`hopper_fwd_check.py --segmented`): compiled and tested around its
-# twin on the CPU only
-WARM_UP = False
+# warm-up would read more than the previous segment. Run 23 (H200, `hopper_fwd_check.py --segmented`, before the
+# map bound moved into the pre-pass and the scan skipped warmed heads): errors equal to the plain segmented
+# forward's (o 3.370e-3, state 2.405e-3 at the anchors' gates); B=1 T=32768 H=16 0.568 ms against 0.758 (predicted
+# 0.55), at a slow decay (no head warms up) 0.828 against 0.749
+WARM_UP = True
 WARM_UP_MAX_FRACTION = 1.0
 
 
-def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(negligible, warm_chunks, walk_maps), each ``[B·S, HV]`` (bool, int32, bool), for the segmented forward's
-    ``segments`` = S segments (T a multiple of 64·S), from keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``:
-    the segments whose own map is negligible (:data:`SKIP_NEGLIGIBLE_MAPS`), the warm-ups in chunks (:data:`WARM_UP`;
-    at most :data:`WARM_UP_MAX_FRACTION` of a segment, 0 for the first segment), and the heads that walk their
-    maps (a segment of theirs cannot warm up; their warm-ups are 0). The bound per chunk, then the plan: two launches
-    (``map_bound.py``), on the device, no host sync."""
+def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int,
+                  bound: Optional[torch.Tensor] = None, skip_maps: bool = False, warm_up: bool = False
+                  ) -> SegmentPlan:
+    """``map_bound.SegmentPlan``, each flag ``[B·S, HV]``, for the segmented forward's ``segments`` = S segments
+    (T a multiple of 64·S), from keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``: the segments whose own
+    map is negligible, the warm-ups in chunks (at most :data:`WARM_UP_MAX_FRACTION` of a segment, 0 for the first
+    segment), the heads that walk their maps (a segment of theirs cannot warm up; their warm-ups are 0), and phase
+    A's flags (``skip_maps``: 1 for the negligible maps; ``warm_up``: 2 for the maps of the heads that warm up).
+    ``bound``: the chunk sums ``[B·S, HV, T/64/S]`` where the pre-pass wrote them (the TileLang one), else computed
+    here (``map_bound.chunk_bounds``: one more launch, which reads k). On the device, no host sync."""
     chunks = k.shape[1] // BT // segments
-    return segment_plan(chunk_bounds(k, g, beta), segments, max(1, int(chunks * WARM_UP_MAX_FRACTION)),
-                        NEGLIGIBLE_M_LOG2)
+    if bound is None:
+        bound = chunk_bounds(k, g, beta, segments)
+    return segment_plan(bound, segments, max(1, int(chunks * WARM_UP_MAX_FRACTION)), NEGLIGIBLE_M_LOG2, skip_maps,
+                        warm_up)
 
 
 def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
                 prepass: Optional[str] = None, a_inv_dtype: Optional[torch.dtype] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """What the fused kernel reads, from the pre-pass ``prepass`` names (None: :data:`PREPASS`, or "triton" for an
     fp32 A_inv): gc and β head-major per segment ``[B·S, HV, Lp]`` and A_inv ``[B, T, HV, 64]`` in ``a_inv_dtype``
-    (None: :data:`A_INV_DTYPE`; the TileLang pre-pass writes bf16 only). ``segments`` = S divides T into the kernels'
-    B·S sequences (T a multiple of 64·S when S > 1)."""
+    (None: :data:`A_INV_DTYPE`; the TileLang pre-pass writes bf16 only), and the map bound's chunk sums
+    ``[B·S, HV, T/64/S]`` (the TileLang pre-pass; None from the Triton one). ``segments`` = S divides T into the
+    kernels' B·S sequences (T a multiple of 64·S when S > 1)."""
     a_inv_dtype = a_inv_dtype or A_INV_DTYPE
     # the default pre-pass, unless it cannot write the A_inv asked for (the TileLang one writes bf16 only)
     prepass = prepass or (PREPASS if a_inv_dtype == torch.bfloat16 else "triton")
@@ -185,7 +190,7 @@ def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
     B, T = k.shape[:2]
     gc, a_inv = fused_prepass(g, k, v, beta, write_wy=False, store_dtype=a_inv_dtype)
     gc_hm, beta_hm = (head_major(x.reshape(B * segments, T // segments, x.shape[2])) for x in (gc, beta))
-    return gc_hm, beta_hm, a_inv
+    return gc_hm, beta_hm, a_inv, None
 
 
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -222,7 +227,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     S = segments if segmented else 1
     if segmented and T % (BT * S):
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
-    gc_hm, beta_hm, a_inv = run_prepass(k, v, g, beta, S, prepass, a_inv_dtype)
+    gc_hm, beta_hm, a_inv, bound = run_prepass(k, v, g, beta, S, prepass, a_inv_dtype)
     if not segmented:
         return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 
@@ -236,19 +241,17 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     warm = WARM_UP if warm_up is None else warm_up
     if warm and launch.get("roles"):
         raise ValueError("the warm-up walk runs on the default kernel: not with roles")
-    skip_m = None
-    if skip or warm:
-        negligible, warm_chunks, walk_maps = segment_flags(k, g, beta, S)
-        skip_m = negligible.to(torch.int32) * skip             # 1: the M tiles of a negligible map
-        if warm:
-            skip_m = torch.where(walk_maps, skip_m, 2)          # 2: a warmed head's whole map
+    flags = segment_flags(k, g, beta, S, bound, skip, warm) if skip or warm else None
+    # phase A's skip_m: 1 the M tiles of a negligible map, 2 a warmed head's whole map
+    skip_m = flags.skip_m if flags is not None else None
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 **fitted_launch(K, launch))
-    # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (its maps are zero)
+    # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (the scan reads none of
+    # its maps, which are zero: skip_m 2)
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
-                       nseg=segments, BV=SCAN_BV)
+                       nseg=segments, BV=SCAN_BV, skip=skip_m)
     if warm:
-        o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=warm_chunks, **launch)
+        o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, **launch)
     else:
         o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
     return o.reshape(B, T, HV, V), ht.view(B, segments, HV, K, V)[:, -1].contiguous()

@@ -1,20 +1,23 @@
 """The state maps' norm bound, per chunk, and the segmented Hopper forward's two plans made from it (``forward.py``:
-the negligible maps phase A skips, and the warm-ups), in two Triton launches instead of ≈ 30 small PyTorch ops.
+the negligible maps phase A skips, and the warm-ups), in one Triton launch (two where the pre-pass is not the
+TileLang one, which writes the chunk sums itself) instead of ≈ 30 small PyTorch ops.
 
 A token's transition S ← γ_t (I − β_t k_t k_tᵀ) S has 2-norm γ_t · max(1, |1 − β_t ‖k_t‖²|), so the map over a run
 of tokens has a norm below 2 to the sum of
 
     b_t = g_t log2 e + log2 max(1, |1 − β_t ‖k_t‖²|)                  (g_t = log γ_t)
 
-over the run. :func:`chunk_bounds` sums b_t per 64-token chunk ([B, HV, NC], fp32 accumulated); :func:`segment_plan`
-turns those sums into, per segment s and value head, (1) whether the segment's own map is negligible (its sum below
-``threshold``), (2) the warm-up: the fewest w ≤ ``w_max`` chunks before s ≥ 1 whose sum is below ``threshold``, and
-(3) whether the head has a segment with no such w (it then walks its maps, and its warm-ups are 0). The twins are
+over the run. :func:`chunk_bounds` sums b_t per 64-token chunk ([B·S, HV, LC], fp32 accumulated: each sequence's
+chunks cut into the forward's S segments of LC); :func:`segment_plan` turns those sums into, per segment s and value
+head, (1) whether the segment's own map is negligible (its sum below ``threshold``), (2) the warm-up: the fewest
+w ≤ ``w_max`` chunks before s ≥ 1 whose sum is below ``threshold``, (3) whether the head has a segment with no such
+w (it then walks its maps, and its warm-ups are 0), and (4) phase A's flag made from them. The twins are
 :func:`chunk_bounds_ref` and :func:`segment_plan_ref` (PyTorch, float64 sums).
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,11 +30,12 @@ LOG2E = math.log2(math.e)
 BLOCK = 128          # the plan's chunks per step of its loops (a segment's sum, a warm-up's running sum)
 
 
-@triton.jit(do_not_specialize=["T", "NC"])      # lengths: a new T compiles nothing
-def chunk_bounds_kernel(k, g, beta, bound, T, NC, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NC", "LC"])      # lengths: a new T compiles nothing
+def chunk_bounds_kernel(k, g, beta, bound, T, NC, LC, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                         BK: tl.constexpr, BT: tl.constexpr, LOG2E: tl.constexpr):
     # grid (NC, B·HV): one chunk of one value head. Reads its 64 rows of k (the head's qk head), g and β; writes the
-    # sum of b_t over them (rows past T add nothing: g = β = 0 there) to bound [B, HV, NC]
+    # sum of b_t over them (rows past T add nothing: g = β = 0 there) to bound [B·S, HV, LC], the chunk's segment
+    # (of LC chunks) as its sequence
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -45,22 +49,28 @@ def chunk_bounds_kernel(k, g, beta, bound, T, NC, H: tl.constexpr, HV: tl.conste
     b_g = tl.load(g + rows * HV + i_hv, mask=m_t, other=0).to(tl.float32)
     b_beta = tl.load(beta + rows * HV + i_hv, mask=m_t, other=0).to(tl.float32)
     b_t = b_g * LOG2E + tl.log2(tl.maximum(tl.abs(1 - b_beta * norm2), 1.0))
-    tl.store(bound + i_bh.to(tl.int64) * NC + i_c, tl.sum(b_t, 0))
+    S = NC // LC
+    tl.store(bound + ((i_b.to(tl.int64) * S + i_c // LC) * HV + i_hv) * LC + i_c % LC, tl.sum(b_t, 0))
 
 
-def chunk_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """``[B, HV, NC]`` fp32: Σ b_t over each 64-token chunk (NC = ⌈T/64⌉) from keys ``[B, T, H, K]``, log decays g
-    and β ``[B, T, HV]``. One launch; reads k once."""
+def chunk_bounds(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1) -> torch.Tensor:
+    """``[B·S, HV, LC]`` fp32: Σ b_t over each 64-token chunk from keys ``[B, T, H, K]``, log decays g and β
+    ``[B, T, HV]``, each sequence's NC = ⌈T/64⌉ chunks cut into ``segments`` = S segments of LC = NC/S (the
+    segmented forward's sequences; T a multiple of 64·S when S > 1). One launch; reads k once. The TileLang
+    pre-pass writes the same sums (``prepass.prepass_hopper``), from the K Kᵀ it forms anyway."""
     B, T, H, K = k.shape
     HV = g.shape[2]
     NC = cdiv(T, BT)
-    bound = torch.empty(B, HV, NC, dtype=torch.float32, device=k.device)
-    chunk_bounds_kernel[(NC, B * HV)](k.contiguous(), g.contiguous(), beta.contiguous(), bound, T, NC, H=H, HV=HV,
-                                      K=K, BK=triton.next_power_of_2(K), BT=BT, LOG2E=LOG2E, num_warps=4)
+    if segments < 1 or (segments > 1 and T % (BT * segments)):
+        raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
+    bound = torch.empty(B * segments, HV, NC // segments, dtype=torch.float32, device=k.device)
+    chunk_bounds_kernel[(NC, B * HV)](k.contiguous(), g.contiguous(), beta.contiguous(), bound, T, NC,
+                                      NC // segments, H=H, HV=HV, K=K, BK=triton.next_power_of_2(K), BT=BT,
+                                      LOG2E=LOG2E, num_warps=4)
     return bound
 
 
-def chunk_bounds_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def chunk_bounds_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1) -> torch.Tensor:
     """The twin of :func:`chunk_bounds`, in float64."""
     B, T, H, _ = k.shape
     HV = g.shape[2]
@@ -68,34 +78,40 @@ def chunk_bounds_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> to
     b_t = g.double() * LOG2E + torch.log2(torch.clamp((1 - beta.double() * norm2).abs(), min=1.0))
     NC = cdiv(T, BT)
     b_t = torch.nn.functional.pad(b_t, (0, 0, 0, NC * BT - T))
-    return b_t.view(B, NC, BT, HV).sum(2).transpose(1, 2)
+    sums = b_t.view(B, NC, BT, HV).sum(2).transpose(1, 2)                     # [B, HV, NC]
+    return sums.reshape(B, HV, segments, NC // segments).transpose(1, 2).reshape(B * segments, HV, -1)
 
 
-@triton.jit(do_not_specialize=["NC", "S", "LC", "W_MAX"])
-def segment_plan_kernel(bound, negligible, warm, walk, NC, S, LC, W_MAX, THRESHOLD, HV: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    # grid (B·HV,): one (sequence, value head). Reads its NC chunk sums; writes, per segment s (of LC chunks),
-    # negligible / warm / walk [B·S, HV]: the segment's sum below THRESHOLD; the fewest w ≤ W_MAX chunks before it
-    # whose running sum (from the chunk just before it backwards) falls below THRESHOLD (0 for s = 0); and, for every
-    # segment, whether some s ≥ 1 has no such w (then every warm-up of the head is 0)
+@triton.jit(do_not_specialize=["S", "LC", "W_MAX"])
+def segment_plan_kernel(bound, negligible, warm, walk, skip_m, S, LC, W_MAX, THRESHOLD, HV: tl.constexpr,
+                        BLOCK: tl.constexpr, SKIP_MAPS: tl.constexpr, WARM_UP: tl.constexpr):
+    # grid (B·HV,): one (sequence, value head). Reads its S·LC chunk sums (bound [B·S, HV, LC]: segment s's are one
+    # row); writes, per segment s, negligible / warm / walk / skip_m [B·S, HV]: the segment's sum below THRESHOLD;
+    # the fewest w ≤ W_MAX chunks before it whose running sum (from the chunk just before it backwards) falls below
+    # THRESHOLD (0 for s = 0); for every segment, whether some s ≥ 1 has no such w (then every warm-up of the head
+    # is 0); and phase A's flag (0 walk the map, 1 skip its M: SKIP_MAPS and negligible, 2 skip it all: WARM_UP and
+    # the head does not walk)
     i_bh = tl.program_id(0)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    base = bound + i_bh.to(tl.int64) * NC
     o = tl.arange(0, BLOCK)
     NONE = 1 << 30
     # while loops throughout: the bounds are run-time values (Triton's interpreter cannot range over them)
     any_missing = tl.zeros([], dtype=tl.int32)
     s = tl.zeros([], dtype=tl.int32)
     while s < S:
+        out = (i_b * S + s) * HV + i_hv
+        row = bound + out.to(tl.int64) * LC
         # the segment's own sum
         total = tl.zeros([], dtype=tl.float32)
         c0 = tl.zeros([], dtype=tl.int32)
         while c0 < LC:
-            total += tl.sum(tl.load(base + s * LC + c0 + o, mask=c0 + o < LC, other=0), 0)
+            total += tl.sum(tl.load(row + c0 + o, mask=c0 + o < LC, other=0), 0)
             c0 += BLOCK
-        out = (i_b * S + s) * HV + i_hv
-        tl.store(negligible + out, (total < THRESHOLD).to(tl.int8))
-        # the warm-up: running sums over the chunks p − 1, p − 2, ... (p = s·LC), the first below THRESHOLD
+        is_negligible = (total < THRESHOLD).to(tl.int32)
+        tl.store(negligible + out, is_negligible.to(tl.int8))
+        tl.store(skip_m + out, is_negligible * SKIP_MAPS)
+        # the warm-up: running sums over the chunks p − 1, p − 2, ... (p = s·LC, counted in the whole sequence;
+        # W_MAX ≤ LC keeps them in segment s − 1), the first below THRESHOLD
         w = tl.zeros([], dtype=tl.int32)
         if s > 0:
             carry = tl.zeros([], dtype=tl.float32)
@@ -103,7 +119,9 @@ def segment_plan_kernel(bound, negligible, warm, walk, NC, S, LC, W_MAX, THRESHO
             w0 = tl.zeros([], dtype=tl.int32)
             while w0 < W_MAX:
                 m = w0 + o < W_MAX
-                vals = tl.load(base + s * LC - 1 - w0 - o, mask=m, other=0)
+                c = s * LC - 1 - w0 - o
+                vals = tl.load(bound + ((i_b * S + c // LC) * HV + i_hv).to(tl.int64) * LC + c % LC, mask=m,
+                               other=0)
                 running = carry + tl.cumsum(vals, 0)
                 w = tl.minimum(w, tl.min(tl.where(m & (running < THRESHOLD), w0 + o + 1, NONE), 0))
                 carry += tl.sum(vals, 0)
@@ -117,33 +135,50 @@ def segment_plan_kernel(bound, negligible, warm, walk, NC, S, LC, W_MAX, THRESHO
         tl.store(walk + out, any_missing.to(tl.int8))
         if any_missing != 0:
             tl.store(warm + out, 0)
+        else:
+            if WARM_UP:
+                tl.store(skip_m + out, 2)
         s += 1
 
 
-def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(negligible, warm, walk), each ``[B·S, HV]`` (bool, int32, bool), from chunk sums ``[B, HV, NC]``
-    (:func:`chunk_bounds`) for ``segments`` = S segments of NC/S chunks (S divides NC): see the module's docstring.
-    ``w_max`` ≤ NC/S. One launch; no host sync."""
-    B, HV, NC = bound.shape
+class SegmentPlan(NamedTuple):
+    """:func:`segment_plan`'s flags, each ``[B·S, HV]``: whether the segment's own map is negligible, its warm-up
+    in chunks, whether its head walks its maps, and phase A's flag for it (``chunk_fwd``'s skip_m: 0, 1 or 2)."""
+    negligible: torch.Tensor
+    warm: torch.Tensor
+    walk: torch.Tensor
+    skip_m: torch.Tensor
+
+
+def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: float, skip_maps: bool = False,
+                 warm_up: bool = False) -> SegmentPlan:
+    """The flags of :class:`SegmentPlan` (bool, int32, bool, int32) from chunk sums ``[B·S, HV, LC]``
+    (:func:`chunk_bounds`) of ``segments`` = S segments: see the module's docstring. phase A's skip_m is 1 for
+    the negligible maps with ``skip_maps``, 2 for every map of a head that warms up with ``warm_up``, else 0.
+    ``w_max`` ≤ LC. One launch; no host sync."""
+    BS, HV, LC = bound.shape
     S = segments
-    if NC % S or not 1 <= w_max <= NC // S:
-        raise ValueError(f"{S} segments of {NC} chunks with warm-ups of at most {w_max}: need S | NC and "
-                         f"1 ≤ w_max ≤ NC/S")
-    negligible = torch.empty(B * S, HV, dtype=torch.int8, device=bound.device)
+    if S < 1 or BS % S or not 1 <= w_max <= LC:
+        raise ValueError(f"{S} segments of {LC} chunks ({BS} rows) with warm-ups of at most {w_max}: need S | B·S "
+                         f"and 1 ≤ w_max ≤ LC")
+    negligible = torch.empty(BS, HV, dtype=torch.int8, device=bound.device)
     walk = torch.empty_like(negligible)
-    warm = torch.empty(B * S, HV, dtype=torch.int32, device=bound.device)
-    segment_plan_kernel[(B * HV,)](bound.contiguous(), negligible, warm, walk, NC, S, NC // S, w_max,
-                                   float(threshold), HV=HV, BLOCK=BLOCK, num_warps=4)
-    return negligible.bool(), warm, walk.bool()
+    warm = torch.empty(BS, HV, dtype=torch.int32, device=bound.device)
+    skip_m = torch.empty_like(warm)
+    segment_plan_kernel[(BS // S * HV,)](bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
+                                         float(threshold), HV=HV, BLOCK=BLOCK, SKIP_MAPS=int(skip_maps),
+                                         WARM_UP=bool(warm_up), num_warps=4)
+    # int8 → bool is a view (same size), not a kernel
+    return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
 
 
-def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: float, skip_maps: bool = False,
+                     warm_up: bool = False) -> SegmentPlan:
     """The twin of :func:`segment_plan` (float64 sums)."""
-    B, HV, NC = bound.shape
-    S, LC = segments, NC // segments
-    b = bound.double().transpose(1, 2)                                      # [B, NC, HV]
+    BS, HV, LC = bound.shape
+    S = segments
+    B = BS // S
+    b = bound.double().view(B, S, HV, LC).permute(0, 1, 3, 2).reshape(B, S * LC, HV)   # [B, NC, HV]
     negligible = b.view(B, S, LC, HV).sum(2) < threshold                    # [B, S, HV]
     cs = torch.cat([b.new_zeros(B, 1, HV), b.cumsum(1)], 1)                 # over chunks [c, p): cs[p] − cs[c]
     starts = torch.arange(1, S, device=b.device) * LC
@@ -153,5 +188,7 @@ def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: 
     walk = ~found.all(1)                                                    # [B, HV]
     warm = torch.where(found & ~walk[:, None], ok.int().argmax(2) + 1, 0)
     warm = torch.cat([warm.new_zeros(B, 1, HV), warm], 1)
-    return (negligible.reshape(B * S, HV), warm.reshape(B * S, HV).to(torch.int32),
-            walk[:, None].expand(B, S, HV).reshape(B * S, HV))
+    walk = walk[:, None].expand(B, S, HV)
+    skip_m = torch.where(~walk & warm_up, 2, negligible.int() * int(skip_maps))
+    return SegmentPlan(negligible.reshape(BS, HV), warm.reshape(BS, HV).to(torch.int32), walk.reshape(BS, HV),
+                       skip_m.reshape(BS, HV).to(torch.int32))

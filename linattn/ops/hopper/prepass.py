@@ -1,8 +1,8 @@
 """The Hopper forward's pre-pass in TileLang: gc, β and each chunk's A_inv in one kernel, the inverse blocked.
 
-Experimental: ``forward.PREPASS`` picks it or the Triton pre-pass (``fused_prepass(write_wy=False)``, 0.261 ms of
-row 3's 1.20 and of row 2's 0.656 in run 21, about 4× its memory floor). Compiled for sm_90a on a CPU; not yet run
-on a GPU (benchmarks/hopper_fwd_check.py --prepass checks and times it against the Triton one).
+The default (``forward.PREPASS``) since run 22: 0.131 ms at B=8 T=4096 H=16 on the H200, against 0.268 for the
+Triton pre-pass (``fused_prepass(write_wy=False)``), A_inv's error against float64 equal (2.38e-4 vs 2.33e-4);
+benchmarks/hopper_fwd_check.py --prepass checks and times both.
 
 Why a second pre-pass: the Triton solve is bound by its 15-step substitution chain on a [4, 16, 16] register tile,
 whose every step is two cross-lane reductions (95 SASS instructions per step, 24 of them shuffles; 40% of the
@@ -25,8 +25,10 @@ One program per (chunk, sequence, value head), 128 threads:
                                                              (2⁻¹¹–2⁻¹⁰ per operand, under A_inv's bf16 rounding)
 
 Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the Hopper kernel's operand),
-and gc and β straight into the layout the fused kernel loads (``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per
-segment when the forward is cut into S segments, which both kernels take as B·S sequences): no head-major copies.
+the chunk's map bound (``map_bound.py``: a thread idle in step 3 sums it from K Kᵀ's diagonal, ‖k_i‖², kept on
+the diagonal blocks' unused diagonals), and gc and β straight into the layout the fused kernel loads
+(``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per segment when the forward is cut into S segments, which both
+kernels take as B·S sequences): no head-major copies.
 Twin: :func:`prepass_hopper_ref`.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
@@ -35,6 +37,7 @@ from typing import Optional
 import torch
 
 from .chunk_fwd import BT, compile_prim_func, padded_length
+from .map_bound import LOG2E
 
 D = 16            # the diagonal blocks' size: four per chunk
 
@@ -50,12 +53,14 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     B = T.symbolic("B")
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # T padded to a multiple of 8 (chunk_fwd.padded_length)
+    NC = T.symbolic("NC")   # ⌈T/64⌉: the chunks
     G = HV // H
 
     @T.prim_func
     def gdn_prepass(k: T.Tensor((B, Tn, H, K), dtype), g: T.Tensor((B, Tn, HV), acc),
                     beta: T.Tensor((B, Tn, HV), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), dtype),
-                    gc_hm: T.Tensor((B, HV, Tp), acc), beta_hm: T.Tensor((B, HV, Tp), beta_dtype)):
+                    gc_hm: T.Tensor((B, HV, Tp), acc), beta_hm: T.Tensor((B, HV, Tp), beta_dtype),
+                    bound: T.Tensor((B, HV, NC), acc)):
         with T.Kernel(T.ceildiv(Tn, BT), B * HV, threads=threads) as (c, bh):
             ib = bh // HV
             ihv = bh % HV
@@ -64,6 +69,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             gs = T.alloc_shared((BT,), acc)
             gcs = T.alloc_shared((BT,), acc)
             bs = T.alloc_shared((BT,), acc)
+            bl = T.alloc_local((1,), acc)
             # A's blocks. A diagonal block's rows are read by 16 threads at once (one per column): the padded block
             # stride (17 rows) puts the two blocks a warp reads in different banks
             Ad = T.alloc_shared((4, D + 1, D), acc)
@@ -93,11 +99,12 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                                                                   T.cast(0.0, beta_dtype))
 
             # 2. A = strictly_lower(β_i (K Kᵀ)_ij e^{gc_i − gc_j}), into its blocks (exponent masked before exp:
-            #    above the diagonal gc_i − gc_j can be large and positive)
+            #    above the diagonal gc_i − gc_j can be large and positive). The diagonal blocks' own diagonals,
+            #    which the solve never reads, keep ‖k_i‖² = (K Kᵀ)_ii for the map bound
             T.gemm(Ks, Ks, KK, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 a = T.if_then_else(i > j, bs[i] * KK[i, j] * T.exp(T.if_then_else(i > j, gcs[i] - gcs[j], 0.0)),
-                                   0.0)
+                                   T.if_then_else(i == j, KK[i, j], 0.0))
                 if i // D == j // D:
                     Ad[i // D, i % D, j % D] = a
                 elif i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
@@ -122,6 +129,13 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                         x[i] = x[i] - Ad[d, i, j] * x[j]
                 for i in T.unroll(D):
                     Tq[d // 2, (d % 2) * D + i, (d % 2) * D + col] = x[i]
+            if tx == 4 * D:
+                # an idle thread meanwhile: the chunk's map bound (map_bound.py), Σ_i g_i log2 e +
+                # log2 max(1, |1 − β_i ‖k_i‖²|) (rows past T: g = β = 0, nothing)
+                bl[0] = gcs[BT - 1] * LOG2E
+                for i in T.serial(BT):
+                    bl[0] = bl[0] + T.log2(T.max(T.abs(1.0 - bs[i] * Ad[i // D, i % D, i % D]), 1.0))
+                bound[ib, ihv, c] = bl[0]
             T.sync_threads()
 
             # 4. the blocks below the diagonal blocks, both halves at once: Y1 = A_10 T_00, then T_10 = −T_11 Y1
@@ -171,9 +185,11 @@ def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) 
 
 
 def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv ``[B, T, HV, 64]`` bf16) for the fused
-    kernel (``chunk_fwd.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``.
+    kernel (``chunk_fwd.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
+    and the map bound's chunk sums ``[B·S, HV, L/64]`` fp32 (``map_bound.chunk_bounds``'s, for the segmented
+    forward's plan: a thread the solve leaves idle sums them from K Kᵀ's diagonal).
     ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
     kernel takes as B·S sequences: gc and β come per segment (gc is chunk-local, so it holds for them as it is), and
     A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T."""
@@ -191,13 +207,15 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     a_inv = torch.empty(B, T, HV, BT, dtype=torch.bfloat16, device=k.device)
     gc_hm = torch.empty(BS, HV, Lp, dtype=torch.float32, device=k.device)
     beta_hm = torch.empty(BS, HV, Lp, dtype=beta.dtype, device=k.device)
+    bound = torch.empty(BS, HV, -(-L // BT), dtype=torch.float32, device=k.device)
     kernel(k.contiguous().view(BS, L, H, K), g.float().contiguous().view(BS, L, HV),
-           beta.contiguous().view(BS, L, HV), a_inv.view(BS, L, HV, BT), gc_hm, beta_hm)
-    return gc_hm, beta_hm, a_inv
+           beta.contiguous().view(BS, L, HV), a_inv.view(BS, L, HV, BT), gc_hm, beta_hm, bound)
+    return gc_hm, beta_hm, a_inv, bound
 
 
 def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
-                       a_inv_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       a_inv_dtype: torch.dtype = torch.bfloat16
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The twin of :func:`prepass_hopper` (same arguments and results) from the PyTorch stages: the chunk-local
     cumsum, ``kkt_solve_ref`` (a dense solve) and ``chunk_fwd.head_major`` on each segment, A_inv rounded to
     ``a_inv_dtype`` once (the kernel's bf16; fp32 for tests of the layout alone; float64, with gc in float64 too, for
@@ -206,6 +224,7 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
     :func:`blocked_inverse_ref` is the twin of the kernel's solve."""
     from ..gated_delta import torch_chunk as tc
     from .chunk_fwd import head_major
+    from .map_bound import chunk_bounds_ref
     _check(k, g, beta, segments)
     B, T, H, K = k.shape
     HV = g.shape[2]
@@ -219,7 +238,7 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
     def per_segment(x: torch.Tensor) -> torch.Tensor:
         return head_major(x.reshape(B * segments, T // segments, HV))
 
-    return per_segment(gc), per_segment(beta), a_inv
+    return per_segment(gc), per_segment(beta), a_inv, chunk_bounds_ref(k, g, beta, segments).float()
 
 
 def blocked_inverse_ref(a: torch.Tensor) -> torch.Tensor:
