@@ -347,6 +347,8 @@ def profile_shape(B, T, H, HV):
     x["initial_state"] = None
     scale = 128 ** -0.5
     launch = triton_chunk.hopper_plan(x["q"], x["v"], None, B)
+    if launch is None:    # "auto" takes the Triton split here
+        return dict(shape=(B, T, H, HV), plan="split")
     row = dict(shape=(B, T, H, HV), plan=dict(launch), prepass=hopper_forward_module.PREPASS)
     S = launch.pop("segments", 1)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [scale, None]
