@@ -406,9 +406,9 @@ def profile_shape(B, T, H, HV):
     return row
 
 
-def host_profile(B=1, T=4096, H=16, HV=16, calls=300):
+def host_profile(B=1, T=32768, H=2, HV=8, calls=300):
     """cProfile of ``calls`` back-to-back calls of the public op where "auto" plans the segmented Hopper forward
-    (row 1): the Python functions by their own time, to find the host cost per call."""
+    (row 7, host-bound in run 23): the Python functions by their own time, to find the host cost per call."""
     import cProfile
     import io
     import pstats
@@ -426,6 +426,7 @@ def host_profile(B=1, T=4096, H=16, HV=16, calls=300):
         torch.cuda.synchronize()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
     return out.getvalue()
 
 
@@ -481,7 +482,7 @@ def main():
                    segmented="the segmented forward alone (issue 4's rows 1, 3, 4, 7; with --quick 1 and 3)",
                    dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)",
                    profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)",
-                   host_profile="cProfile of the public op at row 1, and the affine scan's V slice widths",
+                   host_profile="cProfile of the public op at row 7, and the affine scan's V slice widths",
                    prepass="the TileLang pre-pass against the Triton one: outputs, ms, the forward on each",
                    roles="the role-split kernel against the default launch (run under timeout: a hang is possible)")
     if not hopper.tilelang_available():
