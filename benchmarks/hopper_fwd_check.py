@@ -436,8 +436,11 @@ def scan_widths(shapes, widths=(16, 32, 64)):
     from linattn.ops.common.seq_parallel import affine_scan
     rows = []
     for B, T, H, HV in shapes:
-        S = triton_chunk.hopper_plan(*(torch.empty(B, T, h, 128, device=DEVICE, dtype=BF16) for h in (H, HV)), None,
-                                     B).get("segments", 1)
+        launch = triton_chunk.hopper_plan(*(torch.empty(B, T, h, 128, device=DEVICE, dtype=BF16) for h in (H, HV)),
+                                          None, B)
+        if launch is None:      # "auto" takes the Triton split here
+            continue
+        S = launch.get("segments", 1)
         mn = torch.randn(B * S, HV, 128, 256, device=DEVICE) * 0.05
         row = dict(shape=(B, T, H, HV), segments=S)
         for BV in widths:
