@@ -462,6 +462,22 @@ def speed(shapes, variants):
     return rows
 
 
+def plans():
+    """Row 6 (B=2 T=16384 H=32: "auto" walks unsegmented at BV=64, 128 programs of 256 chunks) against two segments
+    at BV=128 (128 programs of 128 chunks plus warm-ups), and row 1 (below MIN_SEGMENTED_HEAD_TOKENS: "auto" takes
+    the split) against the segmented forward; the first run of each row is what "auto" runs."""
+    from linattn.ops.hopper.forward import LAUNCH
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for (B, T, H, HV), alternatives in (((2, 16384, 32, 32), dict(segmented2=dict(LAUNCH, segments=2))),
+                                        ((1, 4096, 16, 16), dict(segmented4=plan(1, 16, 128, 4096, sms, True)))):
+        auto = plan(B, HV, 128, T, sms, forced=False)
+        runs = dict(auto=auto, **alternatives) if auto is not None else alternatives
+        rows.append(compare_row(B, T, H, HV, 128, 128, runs, auto=auto))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def lever_verdict(row, lever, tolerance=0.10):
     """One line: whether ``lever``'s errors (o, final state) are within ``tolerance`` of the plain segmented
     forward's in a :func:`segmented` row, and both runs' ms."""
@@ -488,7 +504,9 @@ def main():
                    profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)",
                    host_profile="cProfile of the public op at row 7, and the affine scan's V slice widths",
                    prepass="the TileLang pre-pass against the Triton one: outputs, ms, the forward on each",
-                   roles="the role-split kernel against the default launch (run under timeout: a hang is possible)")
+                   roles="the role-split kernel against the default launch (run under timeout: a hang is possible)",
+                   plans="plan() against the alternatives at rows 6 and 1 (two segments at BV=128 instead of "
+                         "the unsegmented BV=64 walk; the segmented forward instead of the split)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
     variants = VARIANTS
@@ -506,6 +524,9 @@ def main():
                                                   else PREPASS_SHAPES),
                       "pre-passes (gc max abs, A_inv rel L2 vs float64, ms alone; the forward on each: errors o / "
                       "final state vs float64, ms no grad)")
+    if a.plans:
+        return report(a.out, "plans", plans(),
+                      "plan alternatives (errors o / final state vs float64; ms no grad; vs_first: distance to auto)")
     if a.segmented:
         rows = segmented([SHAPES[0], SHAPES[2]] if a.quick else SHAPES)
         report(a.out, "segmented", rows,
