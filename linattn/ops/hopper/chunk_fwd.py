@@ -73,6 +73,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     multiple of 64: the segments' count S = T / L is symbolic too). The program of segment s starts ``ctl [B·S,
     HV]`` = w chunks before it, from h0 (the scan's entering state, or zero for a warm-up), and writes o only from
     its own first chunk on: it walks w + L/64 chunks."""
+    import tilelang
     import tilelang.language as T
 
     acc = "float32"
@@ -138,6 +139,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             QK = T.alloc_fragment((BT, BT), acc)
             Vn = T.alloc_fragment((BT, BV), acc)
             Of = T.alloc_fragment((BT, BV), acc)
+            # V's tile is read in the accumulators' layout (each thread its pairs of 8 rows): unswizzled, its
+            # 2·BV-byte rows put those 8 rows in the same banks (an 8-way conflict on every read; run 23's ncu: all
+            # of the kernel's 7.3 M excess shared wavefronts). Swizzled, as a dot operand's tile is, TMA writes it
+            # permuted and the reads spread over the banks
+            T.annotate_layout({Vs: tilelang.layout.make_swizzled_layout(Vs)})
 
             if affine:
                 chunks = affine_walk_chunks(iv * BV < K, ctl[ib, ihv], T.ceildiv(Tn, BT))
