@@ -277,12 +277,19 @@ def compile_prim_func(func, target: Optional[str] = None):
         raise HopperCompileError(f"{type(e).__name__}: {e}"[:500]) from e
 
 
+@functools.cache
+def _cuda_major(index: Optional[int]) -> int:
+    """The compute capability's major version of CUDA device ``index`` (None: the current one), cached: the op asks
+    on every call, and the property lookup is host time."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Optional[str]:
     """Why the Hopper forward cannot take these inputs (None: it can): bf16 on an sm_90 GPU with TileLang
     installed, K and V multiples of 64 up to 256 and 128 (the TMA boxes), equal-length sequences."""
     if q.dtype != torch.bfloat16:
         return f"takes bf16 inputs, got {q.dtype}"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type != "cuda" or _cuda_major(q.device.index) != 9:
         return "needs an sm_90 (Hopper) GPU"
     if cu_seqlens is not None:
         return "no varlen (cu_seqlens) yet"

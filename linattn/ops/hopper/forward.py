@@ -38,7 +38,10 @@ A_INV_DTYPE = torch.bfloat16
 # all the chunks of its sequence, so with fewer programs than SMs the card idles (then the segmented forward, plan).
 # Run 20: B=8 T=4096 H=16 (128 programs at BV=128 on 132 SMs) 0.653 ms with the pre-pass against the split's 1.005;
 # B=1 (16 programs) 0.451 (BV=64, 32 programs: 0.330) against 0.261, and B=1 T=32768 2.42 against 1.68. BV=128
-# where its programs fill FILL_FRACTION of the SMs, else BV=64 where those do, else None
+# where its programs fill FILL_FRACTION of the SMs, else BV=64 where those do, else None. Run 23 (B=2 T=16384 H=32,
+# BV=64's 128 programs) 1.025 ms, against 0.852 for two segments at BV=128 with warm-ups at the anchors' gates; not
+# taken: where heads decay slowly the segments walk their maps (about twice the state work, not measured there),
+# and the plan cannot see the gates without a host sync
 FILL_FRACTION = 0.9
 
 
@@ -95,7 +98,9 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
 # segmented forward issues two TileLang launches, two Triton ones and four small copies; ≈ 0.35 ms of host time per
 # call in run 21 against ≈ 0.22 of GPU time at B=1 T=4096 H=16, 2¹⁶ rows), and run 21 measured it both ahead of the
 # split and behind it there (0.242 vs 0.319 ms in one call, 0.336 vs 0.230 in another, on other machines). From
-# 2¹⁸ rows (T=32768 at 8 or 16 heads) it won in every call; between, nothing was measured and the split stays
+# 2¹⁸ rows (T=32768 at 8 or 16 heads) it won in every call; between, nothing was measured and the split stays.
+# Run 23 (warm-ups on, three TileLang and two Triton launches, ≈ 200 µs of host time): 0.284 against the split's
+# 0.229 at B=1 T=4096 H=16
 MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
 # Whether "auto" takes the segmented forward at all. Run 22 checked it at a slow decay (1/65536 of the anchors'
 # gates, so the entering state survives the whole segment and every map M counts): o / state errors against
