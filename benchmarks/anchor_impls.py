@@ -4,8 +4,9 @@
         --impl linattn:chunk_gated_delta_rule --impl anchor_impls:chunk_gated_delta_rule_split --shapes ...
 
 times the op's default forward ("auto") and one forced path (``triton_chunk.FORWARD_PATH`` = "split", "walk" or
-"hopper"), or the default path with the segmented Hopper forward's levers that are still off
-(``chunk_gated_delta_rule_levers``: ``SKIP_NEGLIGIBLE_MAPS`` and ``WARM_UP``), in the same run as fla, FlashQLA and
+"hopper"), or the default path without the segmented Hopper forward's two levers (``chunk_gated_delta_rule_maps``:
+``SKIP_NEGLIGIBLE_MAPS`` and ``WARM_UP`` off, on by default since run 23: every head walks its state maps, what a
+model whose every head keeps its state for a segment pays), in the same run as fla, FlashQLA and
 SDPA. The path or switches change only for the call and are restored after it; the backward is the same code.
 """
 from __future__ import annotations
@@ -40,11 +41,11 @@ def chunk_gated_delta_rule_hopper(*args, **kwargs):
     return _on_path("hopper", args, kwargs)
 
 
-def chunk_gated_delta_rule_levers(*args, **kwargs):
+def chunk_gated_delta_rule_maps(*args, **kwargs):
     """``linattn.chunk_gated_delta_rule`` on the default path with the segmented Hopper forward's negligible-map
-    skip and warm-ups on (``hopper.forward.SKIP_NEGLIGIBLE_MAPS``, ``WARM_UP``)."""
+    skip and warm-ups off (``hopper.forward.SKIP_NEGLIGIBLE_MAPS``, ``WARM_UP``): phases A and B for every head."""
     previous = hopper_forward.SKIP_NEGLIGIBLE_MAPS, hopper_forward.WARM_UP
-    hopper_forward.SKIP_NEGLIGIBLE_MAPS = hopper_forward.WARM_UP = True
+    hopper_forward.SKIP_NEGLIGIBLE_MAPS = hopper_forward.WARM_UP = False
     try:
         return chunk_gated_delta_rule(*args, **kwargs)
     finally:
