@@ -349,7 +349,8 @@ def profile_shape(B, T, H, HV):
     launch = triton_chunk.hopper_plan(x["q"], x["v"], None, B)
     if launch is None:    # "auto" takes the Triton split here
         return dict(shape=(B, T, H, HV), plan="split")
-    row = dict(shape=(B, T, H, HV), plan=dict(launch), prepass=hopper_forward_module.PREPASS)
+    row = dict(shape=(B, T, H, HV), plan=dict(launch), prepass=hopper_forward_module.PREPASS,
+               launcher=hopper.EXECUTION_BACKEND or "default")
     S = launch.pop("segments", 1)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [scale, None]
     xg = {n: t.detach().clone().requires_grad_() if t is not None else None for n, t in x.items()}
@@ -506,9 +507,13 @@ def main():
                    prepass="the TileLang pre-pass against the Triton one: outputs, ms, the forward on each",
                    roles="the role-split kernel against the default launch (run under timeout: a hang is possible)",
                    plans="plan() against the alternatives at rows 6 and 1 (two segments at BV=128 instead of "
-                         "the unsegmented BV=64 walk; the segmented forward instead of the split)")
+                         "the unsegmented BV=64 walk; the segmented forward instead of the split)",
+                   cython="compile the TileLang kernels for its cython launcher instead of its default (with "
+                          "--profile: the host µs per launch of each)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
+    if a.cython:
+        hopper.EXECUTION_BACKEND = "cython"
     variants = VARIANTS
     if a.dims:
         return report(a.out, "dims", other_dims(),

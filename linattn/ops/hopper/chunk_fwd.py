@@ -264,6 +264,13 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm), target)
 
 
+# TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
+# launch with its Python argument handling, run 23); "cython" is its other C launcher, not yet measured here (it
+# links against libcuda, so it builds only on a GPU machine). Set before the first call: compiled kernels are cached
+# per configuration, not per launcher
+EXECUTION_BACKEND: Optional[str] = None
+
+
 def compile_prim_func(func, target: Optional[str] = None):
     """Compile a TileLang prim_func of the Hopper forward (this kernel, ``chunk_fwd_roles``, ``prepass``).
     ``target``: None for the current GPU, or an arch such as "sm_90a" to compile without one (the CPU compile
@@ -272,7 +279,8 @@ def compile_prim_func(func, target: Optional[str] = None):
     import tilelang
     tgt = {"kind": "cuda", "arch": target} if target else "auto"
     try:
-        return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+        return tilelang.compile(func, target=tgt, execution_backend=EXECUTION_BACKEND,
+                                pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
     except Exception as e:
         raise HopperCompileError(f"{type(e).__name__}: {e}"[:500]) from e
 
