@@ -109,3 +109,35 @@ def test_warm_twin_keeps_each_segments_rows():
     o, ht = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32)[:3], 0.25,
                                            torch.stack(h_in), warm_chunks=torch.zeros(S, 3, dtype=torch.int32))
     assert rel(o, whole[0]) < 1e-5 and rel(ht[-1], whole[1][0]) < 1e-5
+
+
+def test_default_forward_plans_each_sequence_apart(monkeypatch):
+    """Two sequences through forward_hopper with the module's defaults (both levers on): head 0 warms up in
+    sequence 0, but in sequence 1 one segment of it decays slowly, so there it walks its maps; the flags are per
+    (sequence, segment, head) and o and the final states of both sequences equal the float64 recurrence. A plan that
+    read sequence 0's chunk sums for both (so sequence 1's slow map counted as negligible and was skipped) fails."""
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
+    assert hopper_fwd.WARM_UP and hopper_fwd.SKIP_NEGLIGIBLE_MAPS
+    a, b = three_heads(seed=1), three_heads(seed=2)
+    slow = slice(LC * 64, 3 * LC * 64)                      # sequence 1, head 0: segments 1 and 2 keep their state
+    b["g"][0, slow, 0] = -0.001
+    b["beta"][0, slow, 0] = 0.0                             # (no projections either: their maps ≈ 0.6 I)
+    x = {n: torch.cat([a[n], b[n]]) for n in a}
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    calls = []
+
+    def twin(*a_, **kw):
+        calls.append(kw)
+        return hopper.chunk_fwd_hopper_hm_ref(*a_, **kw)
+
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twin)
+    monkeypatch.setattr(hopper_fwd, "run_prepass", lambda k, v, g, beta, S_, prepass, a_dtype:
+                        prepass_hopper_ref(k, g, beta, S_, a_dtype))
+    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=S, BV=16)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    skip_m = calls[0]["skip_m"].view(2, S, 3)
+    assert skip_m[0, :, 0].eq(2).all() and not skip_m[1, :, 0].eq(2).any()     # head 0: warmed, then walking
+    assert skip_m[:, :, 1].eq(2).all() and not skip_m[:, :, 2].eq(2).any()
+    warm = calls[1]["warm_chunks"].view(2, S, 3)
+    assert warm[0, 1:, 0].eq(1).all() and warm[1, :, 0].eq(0).all()
