@@ -34,6 +34,23 @@ def three_heads(K=16, V=16, seed=0):
                 initial_state=r(1, HV, K, V) * 0.1)
 
 
+def twins_recording_calls(monkeypatch) -> list:
+    """forward_hopper's kernel and pre-pass replaced by their twins (the pre-pass's is tested against the Triton
+    pre-pass in test_hopper_prepass.py: no interpreter run here); returns the list the kernel's keyword arguments are
+    appended to, call by call (phase A, then phase C)."""
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
+    calls = []
+
+    def twin(*args, **kw):
+        calls.append(kw)
+        return hopper.chunk_fwd_hopper_hm_ref(*args, **kw)
+
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twin)
+    monkeypatch.setattr(hopper_fwd, "run_prepass", lambda k, v, g, beta, S_, prepass, a_dtype:
+                        prepass_hopper_ref(k, g, beta, S_, a_dtype))
+    return calls
+
+
 def test_plan_takes_the_fewest_chunks_whose_bound_is_negligible():
     x = three_heads()
     flags = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S, warm_up=True)
@@ -70,17 +87,7 @@ def test_warm_forward_equals_the_recurrence(monkeypatch, skip_maps):
     x = three_heads()
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
     ro, rht = gated_delta_rule_reference(**x, scale=0.25)
-    calls = []
-
-    def twin(*a, **kw):
-        calls.append(kw)
-        return hopper.chunk_fwd_hopper_hm_ref(*a, **kw)
-
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twin)
-    # the pre-pass's twin (tested against the Triton pre-pass in test_hopper_prepass.py): no interpreter run here
-    from linattn.ops.hopper.prepass import prepass_hopper_ref
-    monkeypatch.setattr(hopper_fwd, "run_prepass", lambda k, v, g, beta, S_, prepass, a_dtype:
-                        prepass_hopper_ref(k, g, beta, S_, a_dtype))
+    calls = twins_recording_calls(monkeypatch)
     kw = dict(a_inv_dtype=torch.float32, segments=S, BV=16, warm_up=True, skip_maps=skip_maps)
     o, ht = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
@@ -116,7 +123,6 @@ def test_default_forward_plans_each_sequence_apart(monkeypatch):
     sequence 0, but in sequence 1 one segment of it decays slowly, so there it walks its maps; the flags are per
     (sequence, segment, head) and o and the final states of both sequences equal the float64 recurrence. A plan that
     read sequence 0's chunk sums for both (so sequence 1's slow map counted as negligible and was skipped) fails."""
-    from linattn.ops.hopper.prepass import prepass_hopper_ref
     assert hopper_fwd.WARM_UP and hopper_fwd.SKIP_NEGLIGIBLE_MAPS
     a, b = three_heads(seed=1), three_heads(seed=2)
     slow = slice(LC * 64, 3 * LC * 64)                      # sequence 1, head 0: segments 1 and 2 keep their state
@@ -125,15 +131,7 @@ def test_default_forward_plans_each_sequence_apart(monkeypatch):
     x = {n: torch.cat([a[n], b[n]]) for n in a}
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
     ro, rht = gated_delta_rule_reference(**x, scale=0.25)
-    calls = []
-
-    def twin(*a_, **kw):
-        calls.append(kw)
-        return hopper.chunk_fwd_hopper_hm_ref(*a_, **kw)
-
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twin)
-    monkeypatch.setattr(hopper_fwd, "run_prepass", lambda k, v, g, beta, S_, prepass, a_dtype:
-                        prepass_hopper_ref(k, g, beta, S_, a_dtype))
+    calls = twins_recording_calls(monkeypatch)
     o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=S, BV=16)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     skip_m = calls[0]["skip_m"].view(2, S, 3)
