@@ -149,10 +149,16 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper, "SEGMENTED_AUTO", not hopper.SEGMENTED_AUTO)
     monkeypatch.setattr(hopper, "PREPASS", "triton" if hopper.PREPASS == "tilelang" else "tilelang")
     monkeypatch.setattr(hopper, "SKIP_NEGLIGIBLE_MAPS", not hopper.SKIP_NEGLIGIBLE_MAPS)
+    monkeypatch.setattr(hopper, "WARM_UP", not hopper.WARM_UP)
+    monkeypatch.setattr(hopper, "WARM_UP_MAX_FRACTION", hopper.WARM_UP_MAX_FRACTION / 2)
+    from linattn.ops.hopper import chunk_fwd as hopper_kernel
+    monkeypatch.setattr(hopper_kernel, "EXECUTION_BACKEND", "cython")
     recorded = collect(CPU)["linattn_settings"]["HOPPER"]
     assert recorded["SEGMENTED_AUTO"] is hopper.SEGMENTED_AUTO and recorded["LAUNCH"] == hopper.LAUNCH
     assert recorded["PREPASS"] == hopper.PREPASS
-    assert recorded["SKIP_NEGLIGIBLE_MAPS"] is hopper.SKIP_NEGLIGIBLE_MAPS
+    assert recorded["SKIP_NEGLIGIBLE_MAPS"] is hopper.SKIP_NEGLIGIBLE_MAPS and recorded["WARM_UP"] is hopper.WARM_UP
+    assert recorded["WARM_UP_MAX_FRACTION"] == hopper.WARM_UP_MAX_FRACTION
+    assert recorded["NEGLIGIBLE_M_LOG2"] == hopper.NEGLIGIBLE_M_LOG2 and recorded["EXECUTION_BACKEND"] == "cython"
     assert isinstance(recorded["tilelang_installed"], bool)
     json.dumps(recorded)                                    # the report writes it as JSON
 
