@@ -218,13 +218,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.gemm(Ps, Vns, Of)
                     for i, j in T.Parallel(BT, BV):
                         Of[i, j] = Of[i, j] * scale
-                    if warm:
-                        if cr >= chunks - Lc:           # the warm-up's chunks write nothing
+                    if tma_o or warm:
+                        # the warm-up's chunks write nothing (a Python True elsewhere: no run-time branch)
+                        if not warm or cr >= chunks - Lc:
                             T.copy(Of, Os)
                             T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
-                    elif tma_o:
-                        T.copy(Of, Os)
-                        T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
                     else:
                         T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
                 for i, j in T.Parallel(K, BV):
