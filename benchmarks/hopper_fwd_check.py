@@ -36,6 +36,7 @@ from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import forward as hopper_forward_module
+from linattn.ops.hopper import prepass as prepass_module
 from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan, run_prepass
 from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
 from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
@@ -48,8 +49,11 @@ from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 # warpgroups bf16 A_inv async 0.385 (the default, forward.LAUNCH). Now: around that one
 F32, BF16 = torch.float32, torch.bfloat16
 # A sixth field, optional: further launch keywords (a dict), such as tma_o (o stored through shared memory by TMA)
-VARIANTS = [(128, 256, 2, BF16, True), (128, 256, 2, BF16, True, dict(tma_o=True)), (128, 256, 1, F32, True),
-            (128, 512, 2, BF16, True), (64, 256, 2, BF16, True)]
+# The first is the default launch before session 18 (forward.LAUNCH without stsm), then with stsm, then BV=64 (rows
+# whose value heads are too few for BV=128's programs to fill the card); runs 20–22 compared fp32 A_inv, 512 threads
+# and per-thread o stores (all slower)
+VARIANTS = [(128, 256, 2, BF16, True, dict(tma_o=True)), (128, 256, 2, BF16, True, dict(tma_o=True, stsm=True)),
+            (64, 256, 2, BF16, True, dict(tma_o=True, stsm=True))]
 # the role-split kernel (chunk_fwd_roles.py, experimental): 512 threads (three consumer warpgroups and a producer),
 # its own two-stage pipeline, bf16 A_inv
 ROLES = (128, 512, 2, BF16, False, dict(roles=True))
@@ -309,6 +313,12 @@ def prepass_row(B, T, H, HV, sms):
                        a_inv_triton=rel(a_t, a64), a_inv_tilelang=rel(a_l, a64), a_inv_vs=rel(a_l, a_t),
                        a_inv_by_block=a_inv_blocks(a_l, a64), nonfinite=int((~torch.isfinite(a_l.float())).sum()),
                        triton_ms=bench(triton_prepass), tilelang_ms=bench(tilelang_prepass))
+            # the solve's step 4 the other way (prepass.OFFDIAG_DOTS: on tensor cores or as FMAs)
+            other = functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S,
+                                      offdiag_dots=not prepass_module.OFFDIAG_DOTS)
+            a_o = other()[2]
+            row.update(offdiag_dots=prepass_module.OFFDIAG_DOTS, other_a_inv=rel(a_o, a64),
+                       other_a_inv_by_block=a_inv_blocks(a_o, a64), other_ms=bench(other))
             del a64
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -549,7 +559,7 @@ def main():
         for r in seg:
             print(f"  {r}")
         return
-    acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:1])
+    acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:2])
     spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
     write_json(a.out, "hopper_fwd_check.json", dict(accuracy=acc, speed=spd))
     print_tables(acc, spd)

@@ -7,6 +7,7 @@
 #
 #     bash benchmarks/hopper_pending_checks.sh prepass segmented     # ≈ 2 min with the compiles (run 22)
 #     bash benchmarks/hopper_pending_checks.sh roles                 # ≈ 1.5 min (run 22)
+#     bash benchmarks/hopper_pending_checks.sh variants prepass segmented profile-cython   # session 18
 set -u
 OUT=${OUT:-.}
 modes=${*:-prepass segmented roles}
@@ -14,6 +15,11 @@ mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz && rm -
 export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks
 for mode in $modes; do
     limit=$([ "$mode" = roles ] && echo 420 || echo 240)
-    timeout "$limit" python benchmarks/hopper_fwd_check.py --"$mode" --quick --out "$OUT"
-    echo "hopper_fwd_check --$mode --quick: exit $? (limit $limit s)"
+    case $mode in
+        variants) flags="--quick" ;;                    # the launch variants: accuracy, then speed at rows 1-3
+        profile-cython) flags="--profile --cython" ;;   # stage ms and host µs under TileLang's cython launcher
+        *) flags="--$mode --quick" ;;
+    esac
+    timeout "$limit" python benchmarks/hopper_fwd_check.py $flags --out "$OUT"
+    echo "hopper_fwd_check $flags: exit $? (limit $limit s)"
 done

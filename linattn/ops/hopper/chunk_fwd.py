@@ -32,6 +32,7 @@ copy); writes O (BT × BV). Shapes are compiled per (H, HV, K, V, BV, scale); B 
 compile).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
+import math
 from typing import Optional
 
 import torch
@@ -53,7 +54,7 @@ def tilelang_available() -> bool:
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
-                 affine: bool = False, tma_o: bool = False, warm: bool = False):
+                 affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -72,7 +73,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
     multiple of 64: the segments' count S = T / L is symbolic too). The program of segment s starts ``ctl [B·S,
     HV]`` = w chunks before it, from h0 (the scan's entering state, or zero for a warm-up), and writes o only from
-    its own first chunk on: it walks w + L/64 chunks."""
+    its own first chunk on: it walks w + L/64 chunks.
+
+    ``stsm`` (bf16 A_inv): the element-wise steps compute in their dots' accumulator registers and go to shared
+    memory by ``T.copy`` (stmatrix: four 8 × 8 tiles of bf16 pairs per instruction and one address per lane), V
+    read likewise (ldmatrix); else each thread stores and loads its bf16 pairs one 4-byte word at a time, each with
+    its swizzled address computed (:data:`STSM`)."""
     import tilelang
     import tilelang.language as T
 
@@ -89,6 +95,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     # as 4-byte words, and reads V's pairs likewise); tf32 needs Xᵀ, K-major, written element by element (run 22's
     # profile at B=8 T=4096 H=16: the shared-memory pipe 68% busy, the issue slots 25%)
     x_rows = x_dtype != acc
+    stsm = stsm and x_rows                          # tf32's Xᵀ is written element by element
+    log_scale = math.log(scale)
     store_output = not affine
     W = K + V if affine else V                      # the state's columns: [M | N] in phase A
     if affine and K % BV:
@@ -128,6 +136,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Gam = T.alloc_fragment((BT,), acc)
             Rho = T.alloc_fragment((BT,), acc)
             Beta = T.alloc_fragment((BT,), acc)
+            Gsc = T.alloc_fragment((BT,), acc)      # gc_i + ln(scale), P's rows' exponents (stsm)
             Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
             Xs = T.alloc_shared((BT, BV) if x_rows else (BV, BT), x_dtype)   # X, or Xᵀ for tf32 (x_rows)
             Ps = T.alloc_shared((BT, BT), dtype)
@@ -139,6 +148,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             QK = T.alloc_fragment((BT, BT), acc)
             Vn = T.alloc_fragment((BT, BV), acc)
             Of = T.alloc_fragment((BT, BV), acc)
+            Vr = T.alloc_fragment((BT, BV), dtype)     # V's tile in K S's registers (stsm)
             # V's tile is read in the accumulators' layout (each thread its pairs of 8 rows): unswizzled, its
             # 2·BV-byte rows put those 8 rows in the same banks (an 8-way conflict on every read; run 23's ncu: all
             # of the kernel's 7.3 M excess shared wavefronts). Swizzled, as a dot operand's tile is, TMA writes it
@@ -194,30 +204,55 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     Beta[i] = T.cast(bs[i], acc)
                 for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout (mma.sync's for tf32)
                     Rho[i] = T.exp(g_last - gcs[i])
+                if stsm and store_output:
+                    for i in T.Parallel(BT):    # and Gsc QK's
+                        Gsc[i] = gcs[i] + log_scale
                 if async_dots:
                     T.wait_wgmma(2 if store_output else 0)     # K S done (X needs only it)
-                for i, j in T.Parallel(BT, BV):
-                    vij = Vs[i, j] * v_on if affine else Vs[i, j]
-                    if x_rows:
-                        Xs[i, j] = Beta[i] * (vij - Gam[i] * KS[i, j])
-                    else:
-                        Xs[j, i] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                if stsm:
+                    # X = β ⊙ (V − Γ ⊙ K S) in K S's registers, then to shared memory by stmatrix
+                    T.copy(Vs, Vr)
+                    for i, j in T.Parallel(BT, BV):
+                        vij = Vr[i, j] * v_on if affine else Vr[i, j]
+                        KS[i, j] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                    T.copy(KS, Xs)
+                else:
+                    for i, j in T.Parallel(BT, BV):
+                        vij = Vs[i, j] * v_on if affine else Vs[i, j]
+                        if x_rows:
+                            Xs[i, j] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                        else:
+                            Xs[j, i] = Beta[i] * (vij - Gam[i] * KS[i, j])
                 T.gemm(As, Xs, Vn, transpose_B=not x_rows, clear_accum=True)
                 if async_dots:
                     T.wait_wgmma(0)
-                if store_output:
-                    for i, j in T.Parallel(BT, BT):
-                        Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
+                if stsm:
+                    # P, V_new and ρ ⊙ V_new likewise: in place in their accumulators, then stmatrix
+                    if store_output:
+                        # the scale inside P's exponent (per row: no operation per element) and Γ's factor below,
+                        # instead of a pass over o
+                        for i, j in T.Parallel(BT, BT):
+                            QK[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(Gsc[i] - gcs[j]), 0.0)
+                        T.copy(QK, Ps)
+                        T.copy(Vn, Vns)
                     for i, j in T.Parallel(BT, BV):
-                        Vns[i, j] = Vn[i, j]
-                for i, j in T.Parallel(BT, BV):
-                    Vds[i, j] = Vn[i, j] * Rho[i]
+                        Vn[i, j] = Vn[i, j] * Rho[i]
+                    T.copy(Vn, Vds)
+                else:
+                    if store_output:
+                        for i, j in T.Parallel(BT, BT):
+                            Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
+                        for i, j in T.Parallel(BT, BV):
+                            Vns[i, j] = Vn[i, j]
+                    for i, j in T.Parallel(BT, BV):
+                        Vds[i, j] = Vn[i, j] * Rho[i]
                 if store_output:
                     for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
-                        Of[i, j] = Of[i, j] * Gam[i]
+                        Of[i, j] = Of[i, j] * (Gam[i] * scale if stsm else Gam[i])
                     T.gemm(Ps, Vns, Of)
-                    for i, j in T.Parallel(BT, BV):
-                        Of[i, j] = Of[i, j] * scale
+                    if not stsm:
+                        for i, j in T.Parallel(BT, BV):
+                            Of[i, j] = Of[i, j] * scale
                     if tma_o or warm:
                         # the warm-up's chunks write nothing (a Python True elsewhere: no run-time branch)
                         if not warm or cr >= chunks - Lc:
@@ -256,10 +291,11 @@ COMPILE_FAILED: Optional[str] = None
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
-                    async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False):
+                    async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
+                    stsm: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
-                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm), target)
+                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -448,11 +484,12 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
                         num_stages: int = 2, async_dots: bool = False, affine: bool = False,
                         roles: bool = False, tma_o: bool = False, skip_m: Optional[torch.Tensor] = None,
-                        warm_chunks: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False
+                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
-    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o: see :func:`build_kernel`. A_inv's
-    dtype (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
+    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`.
+    A_inv's dtype (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
     ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
     ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk
@@ -476,7 +513,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
     if warm_chunks is not None:
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
-                          num_stages, async_dots, roles, affine)
+                          num_stages, async_dots, roles, affine, stsm)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = padded_length(T)
@@ -496,7 +533,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     else:
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
-                                 async_dots, affine, tma_o and not affine)
+                                 async_dots, affine, tma_o and not affine, False, stsm)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
@@ -514,7 +551,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
-               async_dots, roles, affine):
+               async_dots, roles, affine, stsm):
     """:func:`chunk_fwd_hopper_hm` with ``warm_chunks`` (dtypes and BV checked there): the layouts, then the warm
     kernel."""
     B, T, H, K = q.shape
@@ -535,7 +572,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
                              str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
-                             async_dots, False, True, True)
+                             async_dots, False, True, True, stsm)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

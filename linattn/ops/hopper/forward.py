@@ -32,7 +32,9 @@ PREPASSES = ("triton", "tilelang")
 # dots), two warpgroups 0.60 / 0.55, and two warpgroups at BV=128 with bf16 A_inv 0.385: the fastest, taken here.
 # Run 22: X stored as its tile and the per-row factors in registers 0.314, o stored by TMA (tma_o) 0.263; the
 # role-split kernel (roles=True) 0.373, so not taken. BV=64 where 128 does not divide V (fitted_launch)
-LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True, tma_o=True)
+# Session 18: the element-wise steps' stores by stmatrix (stsm; 1240 → 1063 SASS instructions per chunk and consumer
+# thread), not yet measured on the GPU
+LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True, tma_o=True, stsm=True)
 A_INV_DTYPE = torch.bfloat16
 # The unsegmented kernel only where its (sequence, value head, V tile) programs fill the card: one program walks
 # all the chunks of its sequence, so with fewer programs than SMs the card idles (then the segmented forward, plan).
