@@ -36,7 +36,6 @@ from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import forward as hopper_forward_module
-from linattn.ops.hopper import prepass as prepass_module
 from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan, run_prepass
 from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
 from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
@@ -313,12 +312,6 @@ def prepass_row(B, T, H, HV, sms):
                        a_inv_triton=rel(a_t, a64), a_inv_tilelang=rel(a_l, a64), a_inv_vs=rel(a_l, a_t),
                        a_inv_by_block=a_inv_blocks(a_l, a64), nonfinite=int((~torch.isfinite(a_l.float())).sum()),
                        triton_ms=bench(triton_prepass), tilelang_ms=bench(tilelang_prepass))
-            # the solve's step 4 the other way (prepass.OFFDIAG_DOTS: on tensor cores or as FMAs)
-            other = functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S,
-                                      offdiag_dots=not prepass_module.OFFDIAG_DOTS)
-            a_o = other()[2]
-            row.update(offdiag_dots=prepass_module.OFFDIAG_DOTS, other_a_inv=rel(a_o, a64),
-                       other_a_inv_by_block=a_inv_blocks(a_o, a64), other_ms=bench(other))
             del a64
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -4,6 +4,7 @@ the inclusive causal mask), the twin's bf16 rounding points, and the kernel's co
 installed (it is an optional dependency; the kernel itself runs only on the GPU: benchmarks/hopper_fwd_check.py)."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -59,6 +60,22 @@ def test_twin_bf16_rounding_points():
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     assert rel(o, ro) < 8e-3 and rel(ht, rht) < 8e-3
     assert rel(ht32, rht) < 1e-5 and rel(ht, ht32) > 1e-4
+
+
+def test_twin_scale_in_p_is_the_same_forward():
+    """The stsm kernel's rounding points (chunk_fwd_hopper_hm_ref with stsm: the scale inside P before its bf16
+    rounding and on Γ, not on o at the end): o as accurate as the plain twin's against float64, the final state
+    untouched, and the rounding is really a different one (o differs)."""
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
+    x = inputs(2, 300, 2, 2, 64, 64, dtype=torch.bfloat16)
+    exact = {n: t.double() for n, t in x.items()}
+    ro, rht = gated_delta_rule_reference(**exact, scale=0.1)    # not a power of two: the roundings differ
+    pre = prepass_hopper_ref(x["k"], x["g"].float(), x["beta"].float())[:3]
+    args = (x["q"], x["k"], x["v"], *pre, 0.1, x["initial_state"].float())
+    o, ht = hopper.chunk_fwd_hopper_hm_ref(*args)
+    o_s, ht_s = hopper.chunk_fwd_hopper_hm_ref(*args, stsm=True)
+    assert rel(o_s, ro) < 1.1 * rel(o, ro) and torch.equal(ht_s, ht)
+    assert rel(o_s, o) > 1e-4
 
 
 def test_twin_bf16_a_inv_costs_little():
@@ -254,6 +271,19 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     tma_o = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
                                    a_dtype="bfloat16", async_dots=True, tma_o=True).get_kernel_source()
     assert "tma_store(o_desc" in tma_o and "tma_store" not in srcs["bfloat16", True]
+    # stsm (the default launch): X, P, V_new and ρ ⊙ V_new leave their accumulators by stmatrix, no per-thread
+    # stores of bf16 pairs into those tiles; the scale is in P's exponent and Γ's factor, no pass over o
+    stsm = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                  a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True).get_kernel_source()
+    for tile in ("Xs", "Ps", "Vns", "Vds"):
+        # a store of one element or one pair into the tile by its own index: "((bfloat16_t*)Ps)[i] = " or
+        # "*(uint1*)(((bfloat16_t*)Xs) + i) = "
+        per_thread = rf"(\(\(bfloat16_t\*\){tile}\)\[[^;]*\] = |\*\(uint1\*\)\(\(\(bfloat16_t\*\){tile}\) \+)"
+        assert re.search(per_thread, tma_o) and not re.search(per_thread, stsm)
+        assert f"ptx_stmatrix_m8n8_x4((&(((bfloat16_t*){tile})" in stsm
+    scaled_gamma = r"Gam\[[^\]]*\] \* 0x1\.6a09e667f3bcdp-4f"                      # Γ · 128^-0.5
+    assert re.search(scaled_gamma, stsm) and not re.search(scaled_gamma, tma_o)
+    assert "+ -0x1.3687a9f1af2b1p+1f" in stsm                                       # gc + ln(128^-0.5)
     affine = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
                                     use_initial_state=False, a_dtype="bfloat16", async_dots=True,
                                     affine=True).get_kernel_source()
@@ -276,9 +306,9 @@ def test_async_dots_cannot_race_the_load_pipeline():
     staged buffer back to the producer after its last use in program order (for Q, the *issue* of the async Q Kᵀ),
     so every buffer's refill for chunk c + 2 must wait behind the one released last in chunk c — the producer's
     first wait — and that release must come after the body's last wgmma wait (the synchronous state update)."""
-    import re
     src = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
-                                 a_dtype="bfloat16", beta_dtype="bfloat16", async_dots=True).get_kernel_source()
+                                 a_dtype="bfloat16", beta_dtype="bfloat16", async_dots=True, tma_o=True,
+                                 stsm=True).get_kernel_source()
     producer, consumer = re.split(r"for \(int c_1 = 0;", src, maxsplit=1)
     producer = producer[producer.index("for (int c = 0;"):]
     first_wait = re.search(r"mbarrier\[\(\(c & 1\) \+ (\d+)\)\]\.wait", producer).group(1)

@@ -372,15 +372,16 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             initial_state: Optional[torch.Tensor], affine: bool = False,
                             skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
                             **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results, launch options ignored), from the
-    pre-pass's gc, β (head-major) and A_inv instead of its own: for tests of what runs around the kernel (the
-    segmented forward) on a machine without the GPU. Rounds where the kernel does for bf16 inputs (X too when A_inv
-    is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None;
+    """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
+    counts: the kernel then rounds P with the scale in it), from the pre-pass's gc, β (head-major) and A_inv instead
+    of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
+    Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None;
     ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the affine walk's negligible maps); ``warm_chunks``: the
     warm walk (one walk per segment and value head, from warm_chunks chunks before the segment)."""
     from ..gated_delta import torch_chunk as tc
+    scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
     if warm_chunks is not None:
-        return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks)
+        return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -396,7 +397,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                         torch.zeros(B, v.shape[2], K, v.shape[3] - K, dtype=work, device=q.device)], -1)
     rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
     o, S = _walk_ref(q, k, v, gcc, beta_hm[..., :T].transpose(1, 2), tc.to_chunks(a_inv.to(work), BT), scale, S0,
-                     work, rnd, rnd_x)
+                     work, rnd, rnd_x, scale_in_p)
     if affine and skip_m is not None:
         S = S.clone()
         S[skip_m.int() != 0, :, :K] = 0
@@ -404,7 +405,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return (None if affine else o), S
 
 
-def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks):
+def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p):
     """The warm kernel's twin: for each segment s and value head, the plain walk over the rows from warm_chunks
     chunks before the segment to its end, from initial_state, keeping o of the segment's own rows."""
     B, T, H, _ = q.shape
@@ -423,16 +424,18 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
             sl = (slice(b, b + 1), slice(r0, r1))
             oo, ht = chunk_fwd_hopper_hm_ref(q[sl][:, :, ih:ih + 1], k[sl][:, :, ih:ih + 1], v[sl][:, :, hv:hv + 1],
                                              gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
-                                             a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1])
+                                             a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1],
+                                             stsm=scale_in_p)
             o[b, s * L:r1, hv] = oo[0, r1 - r0 - L:, 0]
             row.append(ht[0, 0])
         hts.append(torch.stack(row))
     return o, torch.stack(hts)
 
 
-def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x):
+def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, scale_in_p=False):
     """The kernel's chunk loop in PyTorch: gc ``[B, HV, NT, BT]`` chunk-local cumulative decays, a_inv
-    ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X."""
+    ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X;
+    ``scale_in_p``: the scale multiplies P before its rounding and Γ (the kernel's stsm), else o at the end."""
     from ..gated_delta import torch_chunk as tc
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -446,8 +449,12 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x):
         Sb = rnd(S)
         X = bt[..., None] * (Vc - Gc.exp()[..., None] * (Kc @ Sb))
         Vn = a_inv[:, :, c] @ rnd_x(X)
-        P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
-        outs.append(scale * (Gc.exp()[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
+        if scale_in_p:
+            P = rnd(scale * tc.qk_decay_ref(Qc, Kc, Gc))
+            outs.append((scale * Gc.exp())[..., None] * (Qc @ Sb) + P @ rnd(Vn))
+        else:
+            P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
+            outs.append(scale * (Gc.exp()[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
         g_last = Gc[..., -1]
         S = g_last.exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd(
             (g_last[..., None] - Gc).exp()[..., None] * Vn)

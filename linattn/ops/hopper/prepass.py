@@ -24,6 +24,11 @@ One program per (chunk, sequence, value head), 128 threads:
     X     = −T_hi A_hl T_lo                                  two 32 × 32 dots on tensor cores, fp32 operands: tf32
                                                              (2⁻¹¹–2⁻¹⁰ per operand, under A_inv's bf16 rounding)
 
+Step 4 on tensor cores too (two 32 × 32 tf32 dots on block-diagonal operands, diag(A_10, A_32) diag(T_00, T_22)
+and so on) measured slower in session 18 (0.150 against 0.135 ms at B=8 T=4096 H=16, error below the diagonal
+blocks 1.8e-3 against 1.7e-3): its FMAs already read one broadcast word and one 16-byte vector per four FMAs, and the
+dots add their operands' zero blocks, stores and barriers.
+
 Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the Hopper kernel's operand),
 the chunk's map bound (``map_bound.py``: a thread idle in step 3 sums it from K Kᵀ's diagonal, ‖k_i‖², kept on
 the diagonal blocks' unused diagonals), and gc and β straight into the layout the fused kernel loads
@@ -40,18 +45,12 @@ from .chunk_fwd import BT, compile_prim_func, padded_length
 from .map_bound import LOG2E
 
 D = 16            # the diagonal blocks' size: four per chunk
-# Step 4 of the solve on tensor cores (``build_kernel``'s ``offdiag_dots``) rather than as FMAs on shared memory.
-# Not yet measured on the GPU (prediction, session 18: the pre-pass 0.135 → 0.09–0.10 ms at B=8 T=4096 H=16, its
-# shared-memory loads cut to about a third)
-OFFDIAG_DOTS = True
 
 
-def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                 offdiag_dots: bool = True):
+def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
-    in its own dtype). ``offdiag_dots``: step 4 (the blocks below the diagonal blocks) as two 32 × 32 dots on
-    tensor cores over block-diagonal operands (:data:`OFFDIAG_DOTS`), else as fp32 FMAs on shared memory."""
+    in its own dtype)."""
     import tilelang
     import tilelang.language as T
 
@@ -79,11 +78,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             # A's blocks. A diagonal block's rows are read by 16 threads at once (one per column): the padded block
             # stride (17 rows) puts the two blocks a warp reads in different banks
             Ad = T.alloc_shared((4, D + 1, D), acc)
-            Ao = T.alloc_shared((2, D, D), acc)      # A_10, A_32 (offdiag_dots: Fo instead)
-            # offdiag_dots' block-diagonal operands: Fo = diag(A_10, A_32), Dd[0] = diag(T_00, T_22),
-            # Dd[1] = diag(T_11, T_33)
-            Fo = T.alloc_shared((2 * D, 2 * D), acc)
-            Dd = T.alloc_shared((2, 2 * D, 2 * D), acc)
+            Ao = T.alloc_shared((2, D, D), acc)      # A_10, A_32
             Ahl = T.alloc_shared((2 * D, 2 * D), acc)
             Tq = T.alloc_shared((2, 2 * D, 2 * D), acc)   # T_lo, T_hi: the inverted halves
             Y1 = T.alloc_shared((2, D, D), acc)      # A_10 T_00, A_32 T_22
@@ -95,15 +90,6 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             x = T.alloc_local((D,), acc)
             T.annotate_layout({Ad: tilelang.layout.make_linear_layout(Ad)})
 
-            # 0. zeros where nothing else writes: the block above each half's diagonal blocks (T_lo's and T_hi's
-            #    upper right) and the block-diagonal operands' off-diagonal blocks (first: the barrier after the
-            #    loads orders them before every read)
-            for h, i, j in T.Parallel(2, D, D):
-                Tq[h, i, D + j] = 0.0
-                if offdiag_dots:
-                    Fo[h * D + i, (1 - h) * D + j] = 0.0
-                    Dd[0, h * D + i, (1 - h) * D + j] = 0.0
-                    Dd[1, h * D + i, (1 - h) * D + j] = 0.0
             # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
             T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
             for i in T.Parallel(BT):
@@ -127,12 +113,11 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 if i // D == j // D:
                     Ad[i // D, i % D, j % D] = a
                 elif i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
-                    if offdiag_dots:
-                        Fo[(i // (2 * D)) * D + i % D, (i // (2 * D)) * D + j % D] = a
-                    else:
-                        Ao[i // (2 * D), i % D, j % D] = a
+                    Ao[i // (2 * D), i % D, j % D] = a
                 elif i >= 2 * D and j < 2 * D:
                     Ahl[i - 2 * D, j] = a
+            for h, i, j in T.Parallel(2, 2 * D, 2 * D):
+                Tq[h, i, j] = 0.0                    # the quadrants above the blocks stay zero
             # every thread's A before the column solves, which only 64 threads run
             T.sync_threads()
 
@@ -149,8 +134,6 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                         x[i] = x[i] - Ad[d, i, j] * x[j]
                 for i in T.unroll(D):
                     Tq[d // 2, (d % 2) * D + i, (d % 2) * D + col] = x[i]
-                    if offdiag_dots:
-                        Dd[d % 2, (d // 2) * D + i, (d // 2) * D + col] = x[i]
             if tx == 4 * D:
                 # an idle thread meanwhile: the chunk's map bound (map_bound.py), Σ_i g_i log2 e +
                 # log2 max(1, |1 − β_i ‖k_i‖²|) (rows past T: g = β = 0, nothing)
@@ -161,29 +144,17 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             T.sync_threads()
 
             # 4. the blocks below the diagonal blocks, both halves at once: Y1 = A_10 T_00, then T_10 = −T_11 Y1
-            if offdiag_dots:
-                # as two 32 × 32 dots (tf32, as step 5's) on block-diagonal operands, whose diagonal blocks are the
-                # two halves' products: diag(A_10, A_32) diag(T_00, T_22), then diag(T_11, T_33) times that. The
-                # FMA form below reads both operands from shared memory per FMA: 32 K loads per program, most of
-                # the pre-pass's shared-memory traffic (run 22's ncu: the L1 / shared pipe 81% busy)
-                T.gemm(Fo, Dd[0, :, :], Z2, clear_accum=True)
-                T.copy(Z2, Y2)
-                T.gemm(Dd[1, :, :], Y2, Z2, clear_accum=True)
-                for i, j in T.Parallel(2 * D, 2 * D):
-                    if i // D == j // D:
-                        Tq[i // D, D + i % D, j % D] = -Z2[i, j]
-            else:
-                T.clear(Z1)
-                for m in T.serial(D):
-                    for h, i, j in T.Parallel(2, D, D):
-                        Z1[h, i, j] += Ao[h, i, m] * Tq[h, m, j]
-                T.copy(Z1, Y1)
-                T.clear(Z1)
-                for m in T.serial(D):
-                    for h, i, j in T.Parallel(2, D, D):
-                        Z1[h, i, j] -= Tq[h, D + i, D + m] * Y1[h, m, j]
+            T.clear(Z1)
+            for m in T.serial(D):
                 for h, i, j in T.Parallel(2, D, D):
-                    Tq[h, D + i, j] = Z1[h, i, j]
+                    Z1[h, i, j] += Ao[h, i, m] * Tq[h, m, j]
+            T.copy(Z1, Y1)
+            T.clear(Z1)
+            for m in T.serial(D):
+                for h, i, j in T.Parallel(2, D, D):
+                    Z1[h, i, j] -= Tq[h, D + i, D + m] * Y1[h, m, j]
+            for h, i, j in T.Parallel(2, D, D):
+                Tq[h, D + i, j] = Z1[h, i, j]
 
             # 5. the lower-left quadrant X = −T_hi (A_hl T_lo) on tensor cores
             T.gemm(Ahl, Tq[0, :, :], Z2, clear_accum=True)
@@ -203,9 +174,9 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                    target: Optional[str] = None, offdiag_dots: bool = True):
+                    target: Optional[str] = None):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
-    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, offdiag_dots), target)
+    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -218,16 +189,15 @@ def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) 
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
 
 
-def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
-                   offdiag_dots: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv ``[B, T, HV, 64]`` bf16) for the fused
     kernel (``chunk_fwd.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
     and the map bound's chunk sums ``[B·S, HV, L/64]`` fp32 (``map_bound.chunk_bounds``'s, for the segmented
     forward's plan: a thread the solve leaves idle sums them from K Kᵀ's diagonal).
     ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
     kernel takes as B·S sequences: gc and β come per segment (gc is chunk-local, so it holds for them as it is), and
-    A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T. ``offdiag_dots``:
-    :func:`build_kernel`'s (None: :data:`OFFDIAG_DOTS`)."""
+    A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T."""
     _check(k, g, beta, segments)
     if k.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper pre-pass takes bf16 keys, got {k.dtype}")
@@ -235,8 +205,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
         raise TypeError(f"beta must be bf16 or fp32, got {beta.dtype}")
     B, T, H, K = k.shape
     HV = g.shape[2]
-    kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
-                             offdiag_dots=OFFDIAG_DOTS if offdiag_dots is None else offdiag_dots)
+    kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."))
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets
