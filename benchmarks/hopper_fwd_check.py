@@ -355,6 +355,9 @@ def profile_shape(B, T, H, HV):
     row = dict(shape=(B, T, H, HV), plan=dict(launch), prepass=hopper_forward_module.PREPASS,
                launcher=hopper.EXECUTION_BACKEND or "default")
     S = launch.pop("segments", 1)
+    # the segmented forward's levers: the plan's where it sets them (small shapes), else the module's switches
+    levers = (launch.pop("skip_maps", hopper_forward_module.SKIP_NEGLIGIBLE_MAPS),
+              launch.pop("warm_up", hopper_forward_module.WARM_UP))
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [scale, None]
     xg = {n: t.detach().clone().requires_grad_() if t is not None else None for n, t in x.items()}
 
@@ -380,7 +383,7 @@ def profile_shape(B, T, H, HV):
         if S > 1:     # the segmented forward's stages as forward_hopper runs them with the module's switches
             from linattn.ops.common.seq_parallel import affine_scan
             from linattn.ops.hopper.forward import SCAN_BV, fitted_launch, segment_flags
-            skip, warm = hopper_forward_module.SKIP_NEGLIGIBLE_MAPS, hopper_forward_module.WARM_UP
+            skip, warm = levers
             row.update(skip_maps=skip, warm_up=warm)
             skip_m = flags = None
             if skip or warm:
@@ -398,7 +401,8 @@ def profile_shape(B, T, H, HV):
                 h_in = stages["affine_scan"]()
                 stages["walk"] = functools.partial(hopper.chunk_fwd_hopper_hm, x["q"], x["k"], x["v"], gc_hm,
                                                    beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, **launch)
-        calls = dict(forward_hopper=functools.partial(forward_hopper, *args, segments=S, **launch),
+        calls = dict(forward_hopper=functools.partial(forward_hopper, *args, segments=S, skip_maps=levers[0],
+                                                      warm_up=levers[1], **launch),
                      op=functools.partial(chunk_gated_delta_rule, **x, scale=scale, output_final_state=True),
                      op_requires_grad=functools.partial(chunk_gated_delta_rule, **xg, scale=scale,
                                                         output_final_state=True))

@@ -48,7 +48,7 @@ def triton_settings() -> Optional[dict]:
             "compile_failed": hopper_kernel.COMPILE_FAILED,
             "LAUNCH": dict(hopper.LAUNCH), "A_INV_DTYPE": str(hopper.A_INV_DTYPE).removeprefix("torch."),
             "FILL_FRACTION": hopper.FILL_FRACTION, "SEGMENTED_AUTO": hopper.SEGMENTED_AUTO,
-            "MIN_SEGMENTED_HEAD_TOKENS": hopper.MIN_SEGMENTED_HEAD_TOKENS,
+            "MIN_SEGMENTED_HEAD_TOKENS": hopper.MIN_SEGMENTED_HEAD_TOKENS, "SMALL_SEGMENTED": hopper.SMALL_SEGMENTED,
             "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV, "PREPASS": hopper.PREPASS,
             "SKIP_NEGLIGIBLE_MAPS": hopper.SKIP_NEGLIGIBLE_MAPS, "WARM_UP": hopper.WARM_UP,
             "WARM_UP_MAX_FRACTION": hopper.WARM_UP_MAX_FRACTION, "NEGLIGIBLE_M_LOG2": hopper.NEGLIGIBLE_M_LOG2,

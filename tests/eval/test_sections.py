@@ -151,6 +151,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper, "SKIP_NEGLIGIBLE_MAPS", not hopper.SKIP_NEGLIGIBLE_MAPS)
     monkeypatch.setattr(hopper, "WARM_UP", not hopper.WARM_UP)
     monkeypatch.setattr(hopper, "WARM_UP_MAX_FRACTION", hopper.WARM_UP_MAX_FRACTION / 2)
+    monkeypatch.setattr(hopper, "SMALL_SEGMENTED", not hopper.SMALL_SEGMENTED)
     from linattn.ops.hopper import chunk_fwd as hopper_kernel
     monkeypatch.setattr(hopper_kernel, "EXECUTION_BACKEND", "cython")
     recorded = collect(CPU)["linattn_settings"]["HOPPER"]
@@ -158,6 +159,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["PREPASS"] == hopper.PREPASS
     assert recorded["SKIP_NEGLIGIBLE_MAPS"] is hopper.SKIP_NEGLIGIBLE_MAPS and recorded["WARM_UP"] is hopper.WARM_UP
     assert recorded["WARM_UP_MAX_FRACTION"] == hopper.WARM_UP_MAX_FRACTION
+    assert recorded["SMALL_SEGMENTED"] is hopper.SMALL_SEGMENTED
     assert recorded["NEGLIGIBLE_M_LOG2"] == hopper.NEGLIGIBLE_M_LOG2 and recorded["EXECUTION_BACKEND"] == "cython"
     assert isinstance(recorded["tilelang_installed"], bool)
     json.dumps(recorded)                                    # the report writes it as JSON

@@ -102,8 +102,12 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
 # split and behind it there (0.242 vs 0.319 ms in one call, 0.336 vs 0.230 in another, on other machines). From
 # 2¹⁸ rows (T=32768 at 8 or 16 heads) it won in every call; between, nothing was measured and the split stays.
 # Run 23 (warm-ups on, three TileLang and two Triton launches, ≈ 200 µs of host time): 0.284 against the split's
-# 0.229 at B=1 T=4096 H=16
+# 0.229 at B=1 T=4096 H=16. Below it "auto" segments without the levers (SMALL_SEGMENTED: no plan launch, four
+# launches in all): session 18 (forward_hopper, no grad) 0.144 ms plain against 0.187 with the map skip, 0.180 with
+# warm-ups and 0.231 for the split at B=1 T=4096 H=16
 MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
+# Whether "auto" takes the segmented forward without its levers below MIN_SEGMENTED_HEAD_TOKENS (else the split)
+SMALL_SEGMENTED = True
 # Whether "auto" takes the segmented forward at all. Run 22 checked it at a slow decay (1/65536 of the anchors'
 # gates, so the entering state survives the whole segment and every map M counts): o / state errors against
 # float64 4.03e-3 / 3.29e-3 segmented, 4.03e-3 / 3.27e-3 unsegmented (B=1 T=32768 H=16, 8 segments)
@@ -121,15 +125,19 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
     H=16 (4 segments) 0.242 vs 0.319 (and 0.336 vs 0.230 on another machine), T=32768 (8) 1.222 vs 1.679 (1.196
     with the 16-column scan), T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads (16) 0.769 vs 1.231; the unsegmented
     kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented kernel fills the card, 2 segments were
-    slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under "auto" the segmented forward also needs
-    :data:`MIN_SEGMENTED_HEAD_TOKENS`."""
+    slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under "auto", below
+    :data:`MIN_SEGMENTED_HEAD_TOKENS` the segments come without the levers (``skip_maps``, ``warm_up`` False:
+    :data:`SMALL_SEGMENTED`)."""
     launch = hopper_launch(num_sequences, HV, V, sms)
     if launch is not None:
         return launch
     segments = segment_count(num_sequences, HV, V, T, sms)
-    auto_segments = SEGMENTED_AUTO and num_sequences * T * HV >= MIN_SEGMENTED_HEAD_TOKENS
-    if segments is not None and (forced or auto_segments):
+    small = num_sequences * T * HV < MIN_SEGMENTED_HEAD_TOKENS
+    if segments is not None and (forced or (SEGMENTED_AUTO and not small)):
         return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
+    if segments is not None and SEGMENTED_AUTO and SMALL_SEGMENTED:      # host-bound: the fewest launches
+        return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments, skip_maps=False,
+                    warm_up=False)
     return fitted_launch(V) if forced else None
 
 
