@@ -173,11 +173,11 @@ def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeyp
         assert plan(8, 16, 128, 4096, 132, forced) == LAUNCH                               # fills: no segments
         assert plan(1, 16, 128, 32768, 132, forced) == dict(LAUNCH, segments=8)            # 8 × 16 programs
         assert plan(1, 8, 128, 32768, 132, forced) == dict(LAUNCH, segments=16)            # 2¹⁸ rows: enough work
+    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", False)
+    assert plan(1, 16, 128, 4096, 132, False) is None                                      # 2¹⁶ rows: the split
+    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", True)
     small = dict(LAUNCH, BV=64, segments=4, skip_maps=False, warm_up=False)     # 2¹⁶ rows: host-bound, 4 launches
     assert plan(1, 16, 128, 4096, 132, False) == small
-    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", False)
-    assert plan(1, 16, 128, 4096, 132, False) is None                                      # the split
-    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", True)
     assert plan(1, 16, 128, 4096, 132, True) == dict(LAUNCH, BV=64, segments=4)            # 4 × 16 × 2 programs
     assert plan(1, 16, 128, 1000, 132, False) is None                                      # T: no equal segments
     assert plan(1, 16, 128, 1000, 132, True) == LAUNCH

@@ -299,9 +299,10 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
-# launch with its Python argument handling, run 23); "cython" is its other C launcher, not yet measured here (it
-# links against libcuda, so it builds only on a GPU machine). Set before the first call: compiled kernels are cached
-# per configuration, not per launcher
+# launch with its Python argument handling, run 23); "cython" is its other C launcher (it links against libcuda, so
+# it builds only on a GPU machine): run 24 measured it slower, 110–205 µs of host time per pre-pass launch and
+# 112–134 per walk, the segmented forward 584–660 µs per call. Set before the first call: compiled kernels are
+# cached per configuration, not per launcher
 EXECUTION_BACKEND: Optional[str] = None
 
 

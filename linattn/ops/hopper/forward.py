@@ -32,8 +32,9 @@ PREPASSES = ("triton", "tilelang")
 # dots), two warpgroups 0.60 / 0.55, and two warpgroups at BV=128 with bf16 A_inv 0.385: the fastest, taken here.
 # Run 22: X stored as its tile and the per-row factors in registers 0.314, o stored by TMA (tma_o) 0.263; the
 # role-split kernel (roles=True) 0.373, so not taken. BV=64 where 128 does not divide V (fitted_launch)
-# Session 18: the element-wise steps' stores by stmatrix (stsm; 1240 → 1063 SASS instructions per chunk and consumer
-# thread), not yet measured on the GPU
+# Run 24: the element-wise steps' stores by stmatrix and the scale folded into P and Γ (stsm; 1240 → 1063 SASS
+# instructions per chunk and consumer thread): 0.256 → 0.218 ms alone at B=8 T=4096 H=16, 2.09 → 1.64 at B=1
+# T=32768 unsegmented; o's error 3.37e-3 → 3.36e-3, every case of gpu_check_core within 1.51× the baseline
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True, tma_o=True, stsm=True)
 A_INV_DTYPE = torch.bfloat16
 # The unsegmented kernel only where its (sequence, value head, V tile) programs fill the card: one program walks
@@ -103,11 +104,12 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
 # 2¹⁸ rows (T=32768 at 8 or 16 heads) it won in every call; between, nothing was measured and the split stays.
 # Run 23 (warm-ups on, three TileLang and two Triton launches, ≈ 200 µs of host time): 0.284 against the split's
 # 0.229 at B=1 T=4096 H=16. Below it "auto" segments without the levers (SMALL_SEGMENTED: no plan launch, four
-# launches in all): session 18 (forward_hopper, no grad) 0.144 ms plain against 0.187 with the map skip, 0.180 with
-# warm-ups and 0.231 for the split at B=1 T=4096 H=16
+# launches in all) where SMALL_SEGMENTED is on. Run 24 at B=1 T=4096 H=16: forward_hopper 0.144 ms plain against
+# 0.187 with the map skip, 0.180 with warm-ups and the split's 0.231 through the op (call 1), but through the op the
+# plain segmented forward measured 0.602 and 0.464 ms (calls 3 and 4: 478 µs of host time per call): off
 MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
 # Whether "auto" takes the segmented forward without its levers below MIN_SEGMENTED_HEAD_TOKENS (else the split)
-SMALL_SEGMENTED = True
+SMALL_SEGMENTED = False
 # Whether "auto" takes the segmented forward at all. Run 22 checked it at a slow decay (1/65536 of the anchors'
 # gates, so the entering state survives the whole segment and every map M counts): o / state errors against
 # float64 4.03e-3 / 3.29e-3 segmented, 4.03e-3 / 3.27e-3 unsegmented (B=1 T=32768 H=16, 8 segments)
