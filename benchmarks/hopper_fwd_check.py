@@ -136,7 +136,9 @@ def accuracy(cases, variants):
                 a_dtype, launch = launch_of(variant)
                 prepassed = run_prepass(low["k"], low["v"], low["g"], low["beta"], 1, None, a_dtype)[:3]
                 twin = hopper.chunk_fwd_hopper_hm_ref(low["q"], low["k"], low["v"], *prepassed, scale,
-                                                      low["initial_state"], **launch)
+                                                      low["initial_state"], **launch,
+                                                      beta_in_a_inv=hopper_forward_module.a_inv_has_beta(None,
+                                                                                                        a_dtype))
                 row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
                            vs_twin=[rel(o, twin[0]), rel(ht, twin[1])],
                            nonfinite=int((~torch.isfinite(o)).sum() + (~torch.isfinite(ht)).sum()))
@@ -367,6 +369,7 @@ def profile_shape(B, T, H, HV):
     def prepass():
         return fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=BF16)
 
+    folded = hopper_forward_module.a_inv_has_beta(None, BF16)    # A_inv diag(β) from the TileLang pre-pass
     with torch.no_grad():
         if hopper_forward_module.PREPASS == "tilelang":
             stages = dict(prepass=functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S))
@@ -378,7 +381,7 @@ def profile_shape(B, T, H, HV):
             stages = dict(prepass=prepass,
                           head_major_x2=lambda: (hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))))
         walk = functools.partial(hopper.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm, beta_hm,
-                                 seg(a_inv), scale, None)
+                                 seg(a_inv), scale, None, beta_in_a_inv=folded)
         stages["walk"] = functools.partial(walk, **launch)
         if S > 1:     # the segmented forward's stages as forward_hopper runs them with the module's switches
             from linattn.ops.common.seq_parallel import affine_scan
@@ -400,7 +403,8 @@ def profile_shape(B, T, H, HV):
             if warm:
                 h_in = stages["affine_scan"]()
                 stages["walk"] = functools.partial(hopper.chunk_fwd_hopper_hm, x["q"], x["k"], x["v"], gc_hm,
-                                                   beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, **launch)
+                                                   beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm,
+                                                   beta_in_a_inv=folded, **launch)
         calls = dict(forward_hopper=functools.partial(forward_hopper, *args, segments=S, skip_maps=levers[0],
                                                       warm_up=levers[1], **launch),
                      op=functools.partial(chunk_gated_delta_rule, **x, scale=scale, output_final_state=True),

@@ -24,6 +24,7 @@ def triton_settings() -> Optional[dict]:
         from .gated_delta import recurrent_kernels, triton_bwd, triton_chunk
         from .hopper import chunk_fwd as hopper_kernel
         from .hopper import forward as hopper
+        from .hopper import prepass as hopper_prepass
     except ImportError:
         return None
     return {
@@ -52,6 +53,6 @@ def triton_settings() -> Optional[dict]:
             "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV, "PREPASS": hopper.PREPASS,
             "SKIP_NEGLIGIBLE_MAPS": hopper.SKIP_NEGLIGIBLE_MAPS, "WARM_UP": hopper.WARM_UP,
             "WARM_UP_MAX_FRACTION": hopper.WARM_UP_MAX_FRACTION, "NEGLIGIBLE_M_LOG2": hopper.NEGLIGIBLE_M_LOG2,
-            "EXECUTION_BACKEND": hopper_kernel.EXECUTION_BACKEND,
+            "EXECUTION_BACKEND": hopper_kernel.EXECUTION_BACKEND, "BETA_IN_A_INV": hopper_prepass.BETA_IN_A_INV,
         },
     }

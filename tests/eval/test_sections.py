@@ -154,12 +154,15 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper, "SMALL_SEGMENTED", not hopper.SMALL_SEGMENTED)
     from linattn.ops.hopper import chunk_fwd as hopper_kernel
     monkeypatch.setattr(hopper_kernel, "EXECUTION_BACKEND", "cython")
+    from linattn.ops.hopper import prepass as hopper_prepass
+    monkeypatch.setattr(hopper_prepass, "BETA_IN_A_INV", not hopper_prepass.BETA_IN_A_INV)
     recorded = collect(CPU)["linattn_settings"]["HOPPER"]
     assert recorded["SEGMENTED_AUTO"] is hopper.SEGMENTED_AUTO and recorded["LAUNCH"] == hopper.LAUNCH
     assert recorded["PREPASS"] == hopper.PREPASS
     assert recorded["SKIP_NEGLIGIBLE_MAPS"] is hopper.SKIP_NEGLIGIBLE_MAPS and recorded["WARM_UP"] is hopper.WARM_UP
     assert recorded["WARM_UP_MAX_FRACTION"] == hopper.WARM_UP_MAX_FRACTION
     assert recorded["SMALL_SEGMENTED"] is hopper.SMALL_SEGMENTED
+    assert recorded["BETA_IN_A_INV"] is hopper_prepass.BETA_IN_A_INV
     assert recorded["NEGLIGIBLE_M_LOG2"] == hopper.NEGLIGIBLE_M_LOG2 and recorded["EXECUTION_BACKEND"] == "cython"
     assert isinstance(recorded["tilelang_installed"], bool)
     json.dumps(recorded)                                    # the report writes it as JSON

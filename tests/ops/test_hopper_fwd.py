@@ -289,6 +289,11 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     scaled_gamma = r"Gam\[[^\]]*\] \* 0x1\.6a09e667f3bcdp-4f"                      # Γ · 128^-0.5
     assert re.search(scaled_gamma, stsm) and not re.search(scaled_gamma, tma_o)
     assert "+ -0x1.3687a9f1af2b1p+1f" in stsm                                       # gc + ln(128^-0.5)
+    # beta_in_a (A_inv diag(β) from the pre-pass): β neither loaded (no TMA descriptor) nor multiplied
+    no_beta = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                     a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True,
+                                     beta_in_a=True).get_kernel_source()
+    assert "beta_desc" in stsm and "Beta[" in stsm and "beta_desc" not in no_beta and "Beta[" not in no_beta
     affine = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
                                     use_initial_state=False, a_dtype="bfloat16", async_dots=True,
                                     affine=True).get_kernel_source()

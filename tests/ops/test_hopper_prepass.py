@@ -70,14 +70,23 @@ def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
     assert torch.equal(beta_hm, beta_tr)
     assert a_inv_tl.shape == a_inv.shape and rel(a_inv_tl, a_inv) < 1e-5
     assert prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S)[2].dtype == torch.bfloat16   # the kernel's
+    # β folded into A_inv's columns: A_inv diag(β), column j of a chunk's A_inv times the chunk's β_j
+    a_beta = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float32,
+                                        beta_in_a_inv=True)[2]
+    by_chunk = tc.to_chunks(a_inv_tl, 64) * tc.to_chunks(x["beta"], 64)[..., None, :]
+    assert torch.allclose(a_beta, tc.from_chunks(by_chunk, T), rtol=1e-6, atol=0)
+    assert not torch.allclose(a_beta, a_inv_tl, rtol=1e-2, atol=0)
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("beta_in_a_inv", [False, True], ids=["a_inv", "a_inv_beta"])
 @pytest.mark.parametrize("T,segments", [(200, None), (256, 4)])
-def test_forward_on_the_tilelang_prepass_twin_equals_the_triton_prepass(monkeypatch, T, segments):
+def test_forward_on_the_tilelang_prepass_twin_equals_the_triton_prepass(monkeypatch, T, segments, beta_in_a_inv):
     """forward_hopper(prepass="tilelang") around the twins of both kernels (fp32 inputs, the pre-pass twin's A_inv
     left in fp32 so that only the layout is tested; weak gates so that the segments' entering states matter): o and
-    the final state equal the float64 recurrence and the forward on the Triton pre-pass."""
+    the final state equal the float64 recurrence and the forward on the Triton pre-pass — also with β folded into
+    A_inv (prepass.BETA_IN_A_INV: the kernel's X then has no β), which the Triton pre-pass never does."""
+    monkeypatch.setattr(prepass, "BETA_IN_A_INV", beta_in_a_inv)
     monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
     monkeypatch.setattr(hopper_fwd, "prepass_hopper",
                         functools.partial(prepass.prepass_hopper_ref, a_inv_dtype=torch.float32))
@@ -118,6 +127,9 @@ def test_prepass_compiles_for_sm90a():
     solve = src[src.index("if (((int)threadIdx.x) < 64) {\n    #pragma unroll"):]
     solve = solve[:solve.index("__syncthreads()")]
     assert "shfl" not in solve and "x[i_4] = (x[i_4] - " in solve
+    # BETA_IN_A_INV's kernel: A_inv's three written quadrants times β, read per column pair in the store loop
+    beta = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True).get_kernel_source()
+    assert beta.count("(float2*)(((float*)bs)") == 3 and "(float2*)(((float*)bs)" not in src
     # the map bound: one thread the solve leaves idle, from the diagonal blocks' diagonals (Ad[17 i] = ‖k_i‖²)
     bound = solve[solve.index("if (((int)threadIdx.x) == 64) {"):]
     assert "((float*)Ad)[(i_6 * 17)]" in bound and "bound[" in bound

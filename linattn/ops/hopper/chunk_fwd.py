@@ -54,7 +54,8 @@ def tilelang_available() -> bool:
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: str = "bfloat16",
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
-                 affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False):
+                 affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
+                 beta_in_a: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -78,7 +79,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     ``stsm`` (bf16 A_inv): the element-wise steps compute in their dots' accumulator registers and go to shared
     memory by ``T.copy`` (stmatrix: four 8 × 8 tiles of bf16 pairs per instruction and one address per lane), V
     read likewise (ldmatrix); else each thread stores and loads its bf16 pairs one 4-byte word at a time, each with
-    its swizzled address computed (:data:`STSM`)."""
+    its swizzled address computed.
+
+    ``beta_in_a``: A_inv arrives with β folded into its columns (A_inv diag(β), ``prepass.BETA_IN_A_INV``), so X is
+    V − Γ ⊙ (K S) and β is not read (its tensor is passed and ignored)."""
     import tilelang
     import tilelang.language as T
 
@@ -179,7 +183,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], Vs)
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As)
                 T.copy(gc[gr, ihv, gcol:gcol + BT], gcs)
-                T.copy(beta[gr, ihv, gcol:gcol + BT], bs)
+                if not beta_in_a:
+                    T.copy(beta[gr, ihv, gcol:gcol + BT], bs)
                 T.copy(S, Ss)
                 # the dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators).
                 # Async dots and the load pipeline: TileLang releases a staged buffer to the producer right after
@@ -201,7 +206,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 g_last = gcs[T.min(BT, Tn - c * BT) - 1]
                 for i in T.Parallel(BT):
                     Gam[i] = T.exp(gcs[i])
-                    Beta[i] = T.cast(bs[i], acc)
+                    if not beta_in_a:
+                        Beta[i] = T.cast(bs[i], acc)
                 for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout (mma.sync's for tf32)
                     Rho[i] = T.exp(g_last - gcs[i])
                 if stsm and store_output:
@@ -214,15 +220,15 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.copy(Vs, Vr)
                     for i, j in T.Parallel(BT, BV):
                         vij = Vr[i, j] * v_on if affine else Vr[i, j]
-                        KS[i, j] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                        KS[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
                     T.copy(KS, Xs)
                 else:
                     for i, j in T.Parallel(BT, BV):
                         vij = Vs[i, j] * v_on if affine else Vs[i, j]
                         if x_rows:
-                            Xs[i, j] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                            Xs[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
                         else:
-                            Xs[j, i] = Beta[i] * (vij - Gam[i] * KS[i, j])
+                            Xs[j, i] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
                 T.gemm(As, Xs, Vn, transpose_B=not x_rows, clear_accum=True)
                 if async_dots:
                     T.wait_wgmma(0)
@@ -268,6 +274,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     return gdn_chunk_fwd
 
 
+def x_value(v, gamma_ks, beta, beta_in_a: bool):
+    """X's element (a TileLang expression): β (v − Γ K S), or v − Γ K S where β is folded into A_inv."""
+    return v - gamma_ks if beta_in_a else beta * (v - gamma_ks)
+
+
 def affine_walk_chunks(tile_in_m, skip, chunks):
     """The affine walk's loop count for one program (a TileLang expression, this kernel's and
     ``chunk_fwd_roles``'): 0 where the map's ``skip_m`` flag ``skip`` drops the tile — 1: the M tiles (a negligible
@@ -292,10 +303,11 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
-                    stsm: bool = False):
+                    stsm: bool = False, beta_in_a: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
-                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm), target)
+                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a),
+                             target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -372,17 +384,19 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                             initial_state: Optional[torch.Tensor], affine: bool = False,
                             skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
-                            **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                            beta_in_a_inv: bool = False, **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
     counts: the kernel then rounds P with the scale in it), from the pre-pass's gc, β (head-major) and A_inv instead
     of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
     Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None;
     ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the affine walk's negligible maps); ``warm_chunks``: the
-    warm walk (one walk per segment and value head, from warm_chunks chunks before the segment)."""
+    warm walk (one walk per segment and value head, from warm_chunks chunks before the segment); ``beta_in_a_inv``:
+    A_inv is A_inv diag(β), and X has no β."""
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
     if warm_chunks is not None:
-        return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p)
+        return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
+                              beta_in_a_inv)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -397,8 +411,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         S0 = torch.cat([torch.eye(K, dtype=work, device=q.device).expand(B, v.shape[2], K, K),
                         torch.zeros(B, v.shape[2], K, v.shape[3] - K, dtype=work, device=q.device)], -1)
     rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
-    o, S = _walk_ref(q, k, v, gcc, beta_hm[..., :T].transpose(1, 2), tc.to_chunks(a_inv.to(work), BT), scale, S0,
-                     work, rnd, rnd_x, scale_in_p)
+    beta = torch.ones_like(gc) if beta_in_a_inv else beta_hm[..., :T].transpose(1, 2)
+    o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, scale_in_p)
     if affine and skip_m is not None:
         S = S.clone()
         S[skip_m.int() != 0, :, :K] = 0
@@ -406,7 +420,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return (None if affine else o), S
 
 
-def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p):
+def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p, beta_in_a_inv):
     """The warm kernel's twin: for each segment s and value head, the plain walk over the rows from warm_chunks
     chunks before the segment to its end, from initial_state, keeping o of the segment's own rows."""
     B, T, H, _ = q.shape
@@ -426,7 +440,7 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
             oo, ht = chunk_fwd_hopper_hm_ref(q[sl][:, :, ih:ih + 1], k[sl][:, :, ih:ih + 1], v[sl][:, :, hv:hv + 1],
                                              gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
                                              a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1],
-                                             stsm=scale_in_p)
+                                             stsm=scale_in_p, beta_in_a_inv=beta_in_a_inv)
             o[b, s * L:r1, hv] = oo[0, r1 - r0 - L:, 0]
             row.append(ht[0, 0])
         hts.append(torch.stack(row))
@@ -492,12 +506,13 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
                         num_stages: int = 2, async_dots: bool = False, affine: bool = False,
                         roles: bool = False, tma_o: bool = False, skip_m: Optional[torch.Tensor] = None,
-                        warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False
-                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
+                        beta_in_a_inv: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`.
-    A_inv's dtype (fp32 or bf16) picks the A_inv X dot. ``affine`` (no initial state): each sequence's state map [M | N]
+    A_inv's dtype (fp32 or bf16) picks the A_inv X dot; ``beta_in_a_inv``: A_inv is A_inv diag(β) (the TileLang
+    pre-pass's with ``prepass.BETA_IN_A_INV``; β is then not read). ``affine`` (no initial state): each sequence's state map [M | N]
     ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
     ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk
@@ -521,7 +536,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
     if warm_chunks is not None:
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
-                          num_stages, async_dots, roles, affine, stsm)
+                          num_stages, async_dots, roles, affine, stsm, beta_in_a_inv)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = padded_length(T)
@@ -536,12 +551,14 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     if roles:
         if a_inv.dtype != torch.bfloat16:
             raise TypeError(f"the role-split kernel takes a bf16 a_inv, got {a_inv.dtype}")
+        if beta_in_a_inv:
+            raise ValueError("the role-split kernel reads β itself: not with beta_in_a_inv")
         from .chunk_fwd_roles import compiled_kernel_roles
         kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None, beta_dtype, affine)
     else:
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
-                                 async_dots, affine, tma_o and not affine, False, stsm)
+                                 async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
@@ -559,7 +576,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
-               async_dots, roles, affine, stsm):
+               async_dots, roles, affine, stsm, beta_in_a_inv):
     """:func:`chunk_fwd_hopper_hm` with ``warm_chunks`` (dtypes and BV checked there): the layouts, then the warm
     kernel."""
     B, T, H, K = q.shape
@@ -580,7 +597,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
                              str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
-                             async_dots, False, True, True, stsm)
+                             async_dots, False, True, True, stsm, beta_in_a_inv)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

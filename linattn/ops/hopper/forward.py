@@ -16,6 +16,7 @@ import torch
 
 from ..common.fused_prepass import fused_prepass
 from ..common.seq_parallel import affine_scan
+from . import prepass as prepass_module
 from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
 from .map_bound import SegmentPlan, chunk_bounds, segment_plan
 from .prepass import prepass_hopper
@@ -187,6 +188,23 @@ def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments
                         warm_up)
 
 
+def resolve_prepass(prepass: Optional[str], a_inv_dtype: Optional[torch.dtype]) -> tuple[str, torch.dtype]:
+    """The pre-pass and A_inv dtype :func:`run_prepass` uses for these arguments: ``prepass`` (None:
+    :data:`PREPASS`, or "triton" for an fp32 A_inv, which the TileLang pre-pass cannot write) and ``a_inv_dtype``
+    (None: :data:`A_INV_DTYPE`)."""
+    a_inv_dtype = a_inv_dtype or A_INV_DTYPE
+    prepass = prepass or (PREPASS if a_inv_dtype == torch.bfloat16 else "triton")
+    if prepass not in PREPASSES:
+        raise ValueError(f"prepass must be one of {PREPASSES}, got {prepass!r}")
+    return prepass, a_inv_dtype
+
+
+def a_inv_has_beta(prepass: Optional[str], a_inv_dtype: Optional[torch.dtype]) -> bool:
+    """Whether the A_inv :func:`run_prepass` writes for these arguments is A_inv diag(β): the TileLang pre-pass's
+    with ``prepass.BETA_IN_A_INV`` (the fused kernel then reads no β)."""
+    return resolve_prepass(prepass, a_inv_dtype)[0] == "tilelang" and prepass_module.BETA_IN_A_INV
+
+
 def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
                 prepass: Optional[str] = None, a_inv_dtype: Optional[torch.dtype] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -194,12 +212,9 @@ def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
     fp32 A_inv): gc and β head-major per segment ``[B·S, HV, Lp]`` and A_inv ``[B, T, HV, 64]`` in ``a_inv_dtype``
     (None: :data:`A_INV_DTYPE`; the TileLang pre-pass writes bf16 only), and the map bound's chunk sums
     ``[B·S, HV, T/64/S]`` (the TileLang pre-pass; None from the Triton one). ``segments`` = S divides T into the
-    kernels' B·S sequences (T a multiple of 64·S when S > 1)."""
-    a_inv_dtype = a_inv_dtype or A_INV_DTYPE
-    # the default pre-pass, unless it cannot write the A_inv asked for (the TileLang one writes bf16 only)
-    prepass = prepass or (PREPASS if a_inv_dtype == torch.bfloat16 else "triton")
-    if prepass not in PREPASSES:
-        raise ValueError(f"prepass must be one of {PREPASSES}, got {prepass!r}")
+    kernels' B·S sequences (T a multiple of 64·S when S > 1). The TileLang pre-pass's A_inv is A_inv diag(β) where
+    ``prepass.BETA_IN_A_INV`` (:func:`a_inv_has_beta`)."""
+    prepass, a_inv_dtype = resolve_prepass(prepass, a_inv_dtype)
     if prepass == "tilelang":
         if a_inv_dtype != torch.bfloat16:
             raise ValueError(f"the TileLang pre-pass writes a bf16 A_inv, got a_inv_dtype={a_inv_dtype}")
@@ -245,6 +260,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     if segmented and T % (BT * S):
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
     gc_hm, beta_hm, a_inv, bound = run_prepass(k, v, g, beta, S, prepass, a_inv_dtype)
+    launch = dict(launch, beta_in_a_inv=a_inv_has_beta(prepass, a_inv_dtype))     # what A_inv holds
     if not segmented:
         return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 

@@ -45,12 +45,17 @@ from .chunk_fwd import BT, compile_prim_func, padded_length
 from .map_bound import LOG2E
 
 D = 16            # the diagonal blocks' size: four per chunk
+# A_inv written as A_inv diag(β) (each column scaled by its token's β): the fused kernel's X is then V − Γ ⊙ (K S),
+# one multiply per element and β's load per chunk fewer (``chunk_fwd.build_kernel``'s ``beta_in_a``). The same
+# rounding error (β ∈ [0, 1] scales before the bf16 rounding). Not yet measured on the GPU (session 18)
+BETA_IN_A_INV = False
 
 
-def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128):
+def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
+                 beta_in_a: bool = False):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
-    in its own dtype)."""
+    in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`)."""
     import tilelang
     import tilelang.language as T
 
@@ -161,12 +166,13 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             T.copy(Z2, Y2)
             T.gemm(Tq[1, :, :], Y2, Z2, clear_accum=True)
 
-            # 6. A_inv = [[T_lo, 0], [X, T_hi]] in bf16, rows past the sequence's end not written
+            # 6. A_inv = [[T_lo, 0], [X, T_hi]] in bf16 (beta_in_a: column j times β_j), rows past the sequence's
+            #    end not written
             for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
-                Out[i, j] = Tq[0, i, j]
+                Out[i, j] = Tq[0, i, j] * bs[j] if beta_in_a else Tq[0, i, j]
                 Out[i, 2 * D + j] = 0.0
-                Out[2 * D + i, j] = -Z2[i, j]
-                Out[2 * D + i, 2 * D + j] = Tq[1, i, j]
+                Out[2 * D + i, j] = -Z2[i, j] * bs[j] if beta_in_a else -Z2[i, j]
+                Out[2 * D + i, 2 * D + j] = Tq[1, i, j] * bs[2 * D + j] if beta_in_a else Tq[1, i, j]
             T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
 
     return gdn_prepass
@@ -174,9 +180,9 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                    target: Optional[str] = None):
+                    target: Optional[str] = None, beta_in_a: bool = False):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
-    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads), target)
+    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -189,7 +195,8 @@ def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) 
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
 
 
-def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1
+def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
+                   beta_in_a_inv: Optional[bool] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv ``[B, T, HV, 64]`` bf16) for the fused
     kernel (``chunk_fwd.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
@@ -197,7 +204,8 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     forward's plan: a thread the solve leaves idle sums them from K Kᵀ's diagonal).
     ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
     kernel takes as B·S sequences: gc and β come per segment (gc is chunk-local, so it holds for them as it is), and
-    A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T."""
+    A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T. ``beta_in_a_inv``
+    (None: :data:`BETA_IN_A_INV`): A_inv diag(β) instead of A_inv."""
     _check(k, g, beta, segments)
     if k.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper pre-pass takes bf16 keys, got {k.dtype}")
@@ -205,7 +213,8 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
         raise TypeError(f"beta must be bf16 or fp32, got {beta.dtype}")
     B, T, H, K = k.shape
     HV = g.shape[2]
-    kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."))
+    kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
+                             beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets
@@ -219,12 +228,12 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
 
 
 def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
-                       a_inv_dtype: torch.dtype = torch.bfloat16
+                       a_inv_dtype: torch.dtype = torch.bfloat16, beta_in_a_inv: Optional[bool] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The twin of :func:`prepass_hopper` (same arguments and results) from the PyTorch stages: the chunk-local
     cumsum, ``kkt_solve_ref`` (a dense solve) and ``chunk_fwd.head_major`` on each segment, A_inv rounded to
     ``a_inv_dtype`` once (the kernel's bf16; fp32 for tests of the layout alone; float64, with gc in float64 too, for
-    a reference). For the layout and the segments on
+    a reference; ``beta_in_a_inv`` as :func:`prepass_hopper`'s). For the layout and the segments on
     a machine without the GPU (any float keys: the kernel's bf16 check is :func:`prepass_hopper`'s);
     :func:`blocked_inverse_ref` is the twin of the kernel's solve."""
     from ..gated_delta import torch_chunk as tc
@@ -236,7 +245,10 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
     work = torch.float64 if a_inv_dtype == torch.float64 else torch.float32   # float64: a reference A_inv
     kc = tc.to_chunks(k.to(work).repeat_interleave(HV // H, 2), BT)
     gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
-    a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gcc)          # [B, HV, NT, BT, BT]
+    bc = tc.to_chunks(beta.to(work), BT)
+    a_inv = tc.kkt_solve_ref(kc, bc, gcc)                                         # [B, HV, NT, BT, BT]
+    if BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv:
+        a_inv = a_inv * bc[..., None, :]                                          # A_inv diag(β)
     a_inv = tc.from_chunks(a_inv, T).to(a_inv_dtype)                            # [B, T, HV, BT]
     gc = tc.from_chunks(gcc, T)                                                  # [B, T, HV]
 
