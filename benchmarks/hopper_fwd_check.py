@@ -305,16 +305,23 @@ def prepass_row(B, T, H, HV, sms):
     try:
         with torch.no_grad():
             (gc_t, beta_t, a_t, _), (gc_l, beta_l, a_l, bound_l) = triton_prepass(), tilelang_prepass()
-            a64 = prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64)[2]
+            # float64 references: A_inv (the Triton pre-pass's), and the TileLang one's (A_inv diag(β) where
+            # prepass.BETA_IN_A_INV)
+            a64_plain = prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64,
+                                           beta_in_a_inv=False)[2]
+            folded = hopper_forward_module.a_inv_has_beta("tilelang", BF16)
+            a64 = (prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64, beta_in_a_inv=True)[2]
+                   if folded else a64_plain)
             bound64 = chunk_bounds_ref(x["k"], x["g"], x["beta"], S)
             row.update(gc_max_abs=(gc_l - gc_t).abs().max().item(), beta_equal=torch.equal(beta_l, beta_t),
                        bound_max_abs=(bound_l.double() - bound64).abs().max().item(),
                        bound_triton_max_abs=(chunk_bounds(x["k"], x["g"], x["beta"], S).double()
-                                             - bound64).abs().max().item(),
-                       a_inv_triton=rel(a_t, a64), a_inv_tilelang=rel(a_l, a64), a_inv_vs=rel(a_l, a_t),
+                                             - bound64).abs().max().item(), beta_in_a_inv=folded,
+                       a_inv_triton=rel(a_t, a64_plain), a_inv_tilelang=rel(a_l, a64),
+                       a_inv_vs=None if folded else rel(a_l, a_t),
                        a_inv_by_block=a_inv_blocks(a_l, a64), nonfinite=int((~torch.isfinite(a_l.float())).sum()),
                        triton_ms=bench(triton_prepass), tilelang_ms=bench(tilelang_prepass))
-            del a64
+            del a64, a64_plain
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     return compare_row(B, T, H, HV, 128, 128,

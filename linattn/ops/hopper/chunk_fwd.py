@@ -77,9 +77,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     its own first chunk on: it walks w + L/64 chunks.
 
     ``stsm`` (bf16 A_inv): the element-wise steps compute in their dots' accumulator registers and go to shared
-    memory by ``T.copy`` (stmatrix: four 8 × 8 tiles of bf16 pairs per instruction and one address per lane), V
-    read likewise (ldmatrix); else each thread stores and loads its bf16 pairs one 4-byte word at a time, each with
-    its swizzled address computed.
+    memory by ``T.copy`` (stmatrix: four 8 × 8 tiles of bf16 pairs per instruction and one address per lane), and
+    the scale sits in P's exponent and Γ's factor instead of a pass over o; else each thread stores its bf16 pairs
+    one 4-byte word at a time, each with its swizzled address computed. V is read per thread either way (TileLang
+    0.1.15 lowers a copy from a pipelined buffer to a fragment without ldmatrix).
 
     ``beta_in_a``: A_inv arrives with β folded into its columns (A_inv diag(β), ``prepass.BETA_IN_A_INV``), so X is
     V − Γ ⊙ (K S) and β is not read (its tensor is passed and ignored)."""
@@ -388,10 +389,10 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
     counts: the kernel then rounds P with the scale in it), from the pre-pass's gc, β (head-major) and A_inv instead
     of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
-    Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones. ``affine``: the walk of [I | 0] with values [0 | V], o None;
-    ``skip_m`` ``[B, HV]``: those maps' M written as zeros (the affine walk's negligible maps); ``warm_chunks``: the
-    warm walk (one walk per segment and value head, from warm_chunks chunks before the segment); ``beta_in_a_inv``:
-    A_inv is A_inv diag(β), and X has no β."""
+    Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones.
+    ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: those maps' M written as
+    zeros (the affine walk's negligible maps); ``warm_chunks``: the warm walk (one walk per segment and value head,
+    from warm_chunks chunks before the segment); ``beta_in_a_inv``: A_inv is A_inv diag(β), and X has no β."""
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
     if warm_chunks is not None:
@@ -512,8 +513,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`.
     A_inv's dtype (fp32 or bf16) picks the A_inv X dot; ``beta_in_a_inv``: A_inv is A_inv diag(β) (the TileLang
-    pre-pass's with ``prepass.BETA_IN_A_INV``; β is then not read). ``affine`` (no initial state): each sequence's state map [M | N]
-    ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`). ``roles``
+    pre-pass's with ``prepass.BETA_IN_A_INV``; β is then not read). ``affine`` (no initial state): each sequence's
+    state map [M | N] ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`).
+    ``roles``
     (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
     ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk
     ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the maps whose M is negligible

@@ -104,8 +104,8 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
 # split and behind it there (0.242 vs 0.319 ms in one call, 0.336 vs 0.230 in another, on other machines). From
 # 2¹⁸ rows (T=32768 at 8 or 16 heads) it won in every call; between, nothing was measured and the split stays.
 # Run 23 (warm-ups on, three TileLang and two Triton launches, ≈ 200 µs of host time): 0.284 against the split's
-# 0.229 at B=1 T=4096 H=16. Below it "auto" segments without the levers (SMALL_SEGMENTED: no plan launch, four
-# launches in all) where SMALL_SEGMENTED is on. Run 24 at B=1 T=4096 H=16: forward_hopper 0.144 ms plain against
+# 0.229 at B=1 T=4096 H=16. With SMALL_SEGMENTED, "auto" segments below it without the levers (no plan launch,
+# four launches in all). Run 24 at B=1 T=4096 H=16: forward_hopper 0.144 ms plain against
 # 0.187 with the map skip, 0.180 with warm-ups and the split's 0.231 through the op (call 1), but through the op the
 # plain segmented forward measured 0.602 and 0.464 ms (calls 3 and 4: 478 µs of host time per call): off
 MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
