@@ -70,7 +70,7 @@ def test_twin_scale_in_p_is_the_same_forward():
     x = inputs(2, 300, 2, 2, 64, 64, dtype=torch.bfloat16)
     exact = {n: t.double() for n, t in x.items()}
     ro, rht = gated_delta_rule_reference(**exact, scale=0.1)    # not a power of two: the roundings differ
-    pre = prepass_hopper_ref(x["k"], x["g"].float(), x["beta"].float())[:3]
+    pre = prepass_hopper_ref(x["k"], x["g"].float(), x["beta"].float(), beta_in_a_inv=False)[:3]
     args = (x["q"], x["k"], x["v"], *pre, 0.1, x["initial_state"].float())
     o, ht = hopper.chunk_fwd_hopper_hm_ref(*args)
     o_s, ht_s = hopper.chunk_fwd_hopper_hm_ref(*args, stsm=True)
@@ -373,7 +373,8 @@ def test_the_map_norm_bound_holds_for_the_exact_map():
     for key_scale, beta_scale in ((1.0, 1.0), (1.4, 2.0)):
         x = inputs(2, 256, 1, 2, 16, 16)
         k, beta = x["k"] * key_scale, x["beta"] * beta_scale
-        gc_hm, beta_hm, a_inv, _ = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64)
+        gc_hm, beta_hm, a_inv, _ = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64,
+                                                      beta_in_a_inv=False)
         _, mn = hopper.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
                                                _seg(a_inv, 4), 0.25, None, affine=True)
         norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]

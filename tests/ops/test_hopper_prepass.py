@@ -63,7 +63,7 @@ def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
     gc_tr, beta_tr, a_inv, no_bound = hopper_fwd.run_prepass(x["k"], x["v"], x["g"], x["beta"], S, "triton",
                                                              torch.float32)
     gc_hm, beta_hm, a_inv_tl, bound = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S,
-                                                                 a_inv_dtype=torch.float32)
+                                                                 a_inv_dtype=torch.float32, beta_in_a_inv=False)
     assert no_bound is None and bound.shape == (2 * S, 2, -(-T // S // 64)) and bound.dtype == torch.float32
     assert gc_hm.shape == (2 * S, 2, hopper.padded_length(T // S)) and beta_hm.dtype == x["beta"].dtype
     assert torch.allclose(gc_hm, gc_tr, atol=1e-6, rtol=0)
