@@ -133,3 +133,7 @@ def test_prepass_compiles_for_sm90a():
     # the map bound: one thread the solve leaves idle, from the diagonal blocks' diagonals (Ad[17 i] = ‖k_i‖²)
     bound = solve[solve.index("if (((int)threadIdx.x) == 64) {"):]
     assert "((float*)Ad)[(i_6 * 17)]" in bound and "bound[" in bound
+    # MIN_BLOCKS_PER_SM: the registers fitted for that many resident programs; 1 leaves ptxas its own count
+    assert "__launch_bounds__(128, 1)" in src
+    fitted = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", min_blocks=8).get_kernel_source()
+    assert "__launch_bounds__(128, 8)" in fitted

@@ -47,15 +47,28 @@ from .map_bound import LOG2E
 D = 16            # the diagonal blocks' size: four per chunk
 # A_inv written as A_inv diag(β) (each column scaled by its token's β): the fused kernel's X is then V − Γ ⊙ (K S),
 # one multiply per element and β's load per chunk fewer (``chunk_fwd.build_kernel``'s ``beta_in_a``). The same
-# rounding error (β ∈ [0, 1] scales before the bf16 rounding). Not yet measured on the GPU (session 18)
-BETA_IN_A_INV = False
+# rounding error (β ∈ [0, 1] scales before the bf16 rounding). Run 25 (H200, benchmarks/beta_fold_check.py,
+# forward_hopper ms off / on): B=8 T=4096 H=16 0.357 / 0.355 (o 3.370e-3 / 3.378e-3 against float64); B=1 T=32768
+# H=16, 8 segments: 0.413 / 0.411 at the anchors' gates, 0.698 / 0.686 at 1/4096 of them (o 4.03e-3 / 4.04e-3).
+# Predicted −3% of the walk; measured −0.6 to −1.7% of the forward
+BETA_IN_A_INV = True
+# The programs resident per SM that ptxas compiles for (``__launch_bounds__(128, n)``; 1: no bound). Its 25 KB of
+# shared memory would allow 8 per SM; left to itself ptxas takes 92 registers per thread, which allows 5 (31%
+# occupancy); at 8, 64 registers and 8 bytes of spill (ptxas 13.0, sm_90a). Run 25 (H200,
+# benchmarks/prepass_occupancy_check.py, pre-pass ms at n = 1 / 5 / 6 / 7 / 8, outputs bitwise equal): B=8 T=4096
+# H=16 0.139 / 0.148 / 0.139 / 0.131 / 0.128; B=4 T=8192 H=16 HV=32 0.263 / 0.277 / 0.257 / 0.244 / 0.240. I
+# predicted 0.095 (latency hidden by 1.6× the programs); the miss says latency is not what bounds it. Shared memory
+# does: A kept whole (one 64 × 64 array, no per-element block selection: 20% fewer SASS instructions) took 0.172
+# with rows 64 words apart (step 4's reads 8-way bank conflicts) and 0.128 with 68 (but 34 KB: 6 programs per SM)
+MIN_BLOCKS_PER_SM = 8
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                 beta_in_a: bool = False):
+                 beta_in_a: bool = False, min_blocks: int = 1):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
-    in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`)."""
+    in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
+    programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`)."""
     import tilelang
     import tilelang.language as T
 
@@ -72,6 +85,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                     gc_hm: T.Tensor((B, HV, Tp), acc), beta_hm: T.Tensor((B, HV, Tp), beta_dtype),
                     bound: T.Tensor((B, HV, NC), acc)):
         with T.Kernel(T.ceildiv(Tn, BT), B * HV, threads=threads) as (c, bh):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             ib = bh // HV
             ihv = bh % HV
             ih = ihv // G
@@ -180,9 +195,9 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                    target: Optional[str] = None, beta_in_a: bool = False):
+                    target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
-    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a), target)
+    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -214,7 +229,8 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     B, T, H, K = k.shape
     HV = g.shape[2]
     kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
-                             beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv)
+                             beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv,
+                             min_blocks=MIN_BLOCKS_PER_SM)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets

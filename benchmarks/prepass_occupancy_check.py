@@ -1,0 +1,53 @@
+"""A/B of ``prepass.MIN_BLOCKS_PER_SM`` (the TileLang pre-pass compiled for n resident programs per SM: ptxas fits
+its registers to 65536 / (128 n); 1 leaves it its own count): for each n, the pre-pass alone and forward_hopper
+(do_bench median ms), the pre-pass's outputs against the first n's (a register bound changes no arithmetic: 0
+there), A_inv against the pre-pass's twin (fp32) and o against float64, at issue 4's rows 2, 3, 5 and 7 (the
+forward as ``forward.plan`` cuts it), from hopper_fwd_check's inputs. ≈ 3 min with the compiles for five n:
+
+    PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/prepass_occupancy_check.py [n ...]
+"""
+import functools
+import sys
+
+import torch
+from hopper_fwd_check import bench, low_precision, make, rel  # this folder is on sys.path
+
+from linattn import chunk_gated_delta_rule
+from linattn.ops.hopper import prepass
+from linattn.ops.hopper.forward import forward_hopper, plan
+
+SHAPES = [(8, 4096, 16, 16), (1, 32768, 16, 16), (4, 8192, 16, 32), (1, 32768, 2, 8)]
+BLOCKS = [int(n) for n in sys.argv[1:]] or [1, 5, 6, 7, 8]
+
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+table = []
+for B, T, H, HV in SHAPES:
+    low = low_precision(make(B, T, H, HV, 128, 128))
+    launch = plan(B, HV, 128, T, sms, forced=True)
+    S = launch.get("segments", 1)
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, low["initial_state"]]
+    with torch.no_grad():
+        ref = chunk_gated_delta_rule(**{n: t.double() for n, t in low.items()}, scale=128 ** -0.5,
+                                     output_final_state=True, backend="torch")[0]
+        first = None
+        rows = []
+        twin = prepass.prepass_hopper_ref(low["k"], low["g"], low["beta"], S, a_inv_dtype=torch.float32)[2]
+        for n in BLOCKS:
+            prepass.MIN_BLOCKS_PER_SM = n
+            pre = functools.partial(prepass.prepass_hopper, low["k"], low["g"], low["beta"], S)
+            outs = pre()
+            fwd = functools.partial(forward_hopper, *args, **launch)
+            o = fwd()[0]
+            first = first or (outs, o)
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(outs, first[0]))
+            rows.append(dict(shape=(B, T, H, HV), segments=S, min_blocks=n, prepass_ms=bench(pre),
+                             forward_ms=bench(fwd), prepass_diff=diff, o_diff=float((o - first[1]).abs().max()),
+                             a_inv=rel(outs[2].float(), twin), o=rel(o, ref)))
+            print(rows[-1], flush=True)
+        table += rows
+print("\n| B, T, H, HV | S | n | pre-pass ms | forward ms | outputs' max diff to the first | A_inv vs twin "
+      "| o rel. error |")
+print("|---|---|---|---|---|---|---|---|")
+for r in table:
+    print(f"| {r['shape']} | {r['segments']} | {r['min_blocks']} | {r['prepass_ms']:.4f} | "
+          f"{r['forward_ms']:.4f} | {r['prepass_diff']:.1e} / {r['o_diff']:.1e} | {r['a_inv']:.2e} | {r['o']:.3e} |")
