@@ -3,6 +3,9 @@ grad, do_bench median), with the host µs per call beside it (``hopper_fwd_check
 GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every device call):
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/op_time_check.py 1,32768,16,16 [1,4096,16,16 ...]
+
+``--direct-ab``: each shape with ``chunk_fwd.DIRECT_LAUNCH`` off, then on (TileLang's Python wrapper against its
+tvm_ffi executable called directly), and whether o and the final state are bitwise equal between the two.
 """
 import sys
 import time
@@ -12,12 +15,16 @@ import torch
 from hopper_fwd_check import bench, host_us  # this folder is on sys.path
 
 from linattn import chunk_gated_delta_rule
+from linattn.ops.hopper import chunk_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
 from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so the figures compare with theirs)
 
 
-def check(B, T, H, HV, K=128):
+def check(B, T, H, HV, K=128, direct=None):
+    if direct is not None:
+        chunk_fwd.DIRECT_LAUNCH = direct
+        chunk_fwd.launcher.cache_clear()
     xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
     with torch.no_grad():
         def fn():
@@ -28,8 +35,17 @@ def check(B, T, H, HV, K=128):
         first = time.time() - t0
         ms = bench(fn)
         host = host_us(fn)
-    return dict(shape=(B, T, H, HV), first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1))
+        o, ht = fn()
+    return dict(shape=(B, T, H, HV), direct=chunk_fwd.DIRECT_LAUNCH, first_call_s=round(first, 1), op_ms=round(ms, 4),
+                host_us=round(host, 1)), (o, ht)
 
 
-for arg in sys.argv[1:]:
-    print(check(*(int(x) for x in arg.split(","))), flush=True)
+ab = "--direct-ab" in sys.argv
+for arg in (a for a in sys.argv[1:] if not a.startswith("--")):
+    shape = [int(x) for x in arg.split(",")]
+    runs = [check(*shape, direct=d) for d in (False, True)] if ab else [check(*shape)]
+    for row, _ in runs:
+        print(row, flush=True)
+    if ab:
+        print(dict(shape=tuple(shape), bitwise_equal=all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))),
+              flush=True)

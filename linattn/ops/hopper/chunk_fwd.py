@@ -319,6 +319,23 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
 EXECUTION_BACKEND: Optional[str] = None
 
 
+# Launch the compiled kernels through TileLang's tvm_ffi executable itself (``launcher``), not its Python wrapper,
+# which loops over the parameters to allocate outputs that these kernels do not have (out_idx None: every output is
+# passed in). The executable checks each tensor's shape, dtype and strides and takes Torch's current stream, as the
+# wrapper's call does. False: the wrapper
+DIRECT_LAUNCH = True
+
+
+@functools.lru_cache(maxsize=256)
+def launcher(kernel):
+    """What to call to launch a compiled kernel: its tvm_ffi executable with :data:`DIRECT_LAUNCH` where TileLang
+    exposes one (0.1.15's tvm_ffi adapter), else the kernel itself."""
+    get = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
+    if DIRECT_LAUNCH and EXECUTION_BACKEND is None and callable(get) and not getattr(kernel.adapter, "result_idx", None):
+        return get()
+    return kernel
+
+
 def compile_prim_func(func, target: Optional[str] = None):
     """Compile a TileLang prim_func of the Hopper forward (this kernel, ``chunk_fwd_roles``, ``prepass``).
     ``target``: None for the current GPU, or an arch such as "sm_90a" to compile without one (the CPU compile
@@ -573,7 +590,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     args.append(skip_m.to(torch.int32).contiguous() if skip_m is not None else
                 torch.zeros(B, HV, dtype=torch.int32, device=q.device) if affine else
                 torch.empty(B, HV, dtype=torch.int32, device=q.device))
-    kernel(*args, o, ht)
+    launcher(kernel)(*args, o, ht)
     return (None if affine else o), ht
 
 
@@ -602,6 +619,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              async_dots, False, True, True, stsm, beta_in_a_inv)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
-           a_inv.contiguous(), initial_state.float().contiguous(), warm_chunks.to(torch.int32).contiguous(), o, ht)
+    launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
+                     a_inv.contiguous(), initial_state.float().contiguous(), warm_chunks.to(torch.int32).contiguous(),
+                     o, ht)
     return o, ht

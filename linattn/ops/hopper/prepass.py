@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from .chunk_fwd import BT, compile_prim_func, padded_length
+from .chunk_fwd import BT, compile_prim_func, launcher, padded_length
 from .map_bound import LOG2E
 
 D = 16            # the diagonal blocks' size: four per chunk
@@ -238,8 +238,8 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     gc_hm = torch.empty(BS, HV, Lp, dtype=torch.float32, device=k.device)
     beta_hm = torch.empty(BS, HV, Lp, dtype=beta.dtype, device=k.device)
     bound = torch.empty(BS, HV, -(-L // BT), dtype=torch.float32, device=k.device)
-    kernel(k.contiguous().view(BS, L, H, K), g.float().contiguous().view(BS, L, HV),
-           beta.contiguous().view(BS, L, HV), a_inv.view(BS, L, HV, BT), gc_hm, beta_hm, bound)
+    launcher(kernel)(k.contiguous().view(BS, L, H, K), g.float().contiguous().view(BS, L, HV),
+                     beta.contiguous().view(BS, L, HV), a_inv.view(BS, L, HV, BT), gc_hm, beta_hm, bound)
     return gc_hm, beta_hm, a_inv, bound
 
 
