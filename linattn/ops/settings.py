@@ -55,5 +55,6 @@ def triton_settings() -> Optional[dict]:
             "WARM_UP_MAX_FRACTION": hopper.WARM_UP_MAX_FRACTION, "NEGLIGIBLE_M_LOG2": hopper.NEGLIGIBLE_M_LOG2,
             "EXECUTION_BACKEND": hopper_kernel.EXECUTION_BACKEND, "BETA_IN_A_INV": hopper_prepass.BETA_IN_A_INV,
             "PREPASS_MIN_BLOCKS_PER_SM": hopper_prepass.MIN_BLOCKS_PER_SM,
+            "DIRECT_LAUNCH": hopper_kernel.DIRECT_LAUNCH,
         },
     }

@@ -253,6 +253,32 @@ def test_a_kernel_that_does_not_compile_sends_the_op_to_triton_once(monkeypatch)
     assert torch.equal(o2, o_ref) and len(calls) == 1
 
 
+def test_launcher_calls_the_executable_only_where_it_can(monkeypatch):
+    """DIRECT_LAUNCH calls the tvm_ffi executable of a kernel without outputs to allocate, under the default
+    launcher; a kernel whose wrapper allocates outputs, another launcher, or the switch off keep the kernel."""
+    class Adapter:
+        def __init__(self, result_idx):
+            self.result_idx = result_idx
+
+        def _get_executable(self):
+            return "executable"
+
+    class Kernel:
+        def __init__(self, result_idx=()):
+            self.adapter = Adapter(list(result_idx))
+
+    plain, with_outputs, bare = Kernel(), Kernel([7]), object()
+    hopper.launcher.cache_clear()
+    assert hopper.launcher(plain) == "executable"
+    assert hopper.launcher(with_outputs) is with_outputs and hopper.launcher(bare) is bare
+    for name, value in (("DIRECT_LAUNCH", False), ("EXECUTION_BACKEND", "cython")):
+        monkeypatch.setattr(hopper, name, value)
+        hopper.launcher.cache_clear()
+        assert hopper.launcher(plain) is plain
+        monkeypatch.undo()
+    hopper.launcher.cache_clear()
+
+
 def test_kernel_takes_bf16_only():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
     gc = torch.zeros(1, 64, 1)
