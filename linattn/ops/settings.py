@@ -54,7 +54,7 @@ def triton_settings() -> Optional[dict]:
             "SKIP_NEGLIGIBLE_MAPS": hopper.SKIP_NEGLIGIBLE_MAPS, "WARM_UP": hopper.WARM_UP,
             "WARM_UP_MAX_FRACTION": hopper.WARM_UP_MAX_FRACTION, "NEGLIGIBLE_M_LOG2": hopper.NEGLIGIBLE_M_LOG2,
             "EXECUTION_BACKEND": hopper_kernel.EXECUTION_BACKEND, "BETA_IN_A_INV": hopper_prepass.BETA_IN_A_INV,
-            "PREPASS_MIN_BLOCKS_PER_SM": hopper_prepass.MIN_BLOCKS_PER_SM,
+            "PREPASS_MIN_BLOCKS_PER_SM": hopper_prepass.MIN_BLOCKS_PER_SM, "PREPASS_TMA_KEYS": hopper_prepass.TMA_KEYS,
             "DIRECT_LAUNCH": hopper_kernel.DIRECT_LAUNCH,
         },
     }

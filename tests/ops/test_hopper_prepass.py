@@ -137,3 +137,7 @@ def test_prepass_compiles_for_sm90a():
     assert "__launch_bounds__(128, 1)" in src
     fitted = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", min_blocks=8).get_kernel_source()
     assert "__launch_bounds__(128, 8)" in fitted
+    # TMA_KEYS: the key tile by two TMA boxes (64 columns each) behind one mbarrier, not per-thread loads
+    assert "tma_load(k_desc" not in src
+    tma = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", tma_keys=True).get_kernel_source()
+    assert tma.count("tma_load(k_desc") == 1 and "arrive_and_expect_tx(16384)" in tma

@@ -61,15 +61,23 @@ BETA_IN_A_INV = True
 # does: A kept whole (one 64 × 64 array, no per-element block selection: 20% fewer SASS instructions) took 0.172
 # with rows 64 words apart (step 4's reads 8-way bank conflicts) and 0.128 with 68 (but 34 KB: 6 programs per SM)
 MIN_BLOCKS_PER_SM = 8
+# The key tile loaded by TMA (``prefer_instruction="tma"``: one bulk copy per 64 columns and an mbarrier wait; rows
+# past the sequence's end come back as zeros from the tensor's bounds) instead of per-thread 16-byte loads and
+# stores, which go through the L1 / shared pipe that bounds the pre-pass (16 KB loaded through the L1 and 16 KB
+# stored per chunk, more than A's blocks take: 10 KB). Built in session 19, not yet run on the GPU (benchmarks/prepass_occupancy_check.py
+# 8 8+tma is its A/B): predicted −10 to −20% of the pre-pass
+TMA_KEYS = False
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                 beta_in_a: bool = False, min_blocks: int = 1):
+                 beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
-    programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`)."""
+    programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`); ``tma_keys``: the key tile by TMA
+    (:data:`TMA_KEYS`)."""
     import tilelang
+    import tilelang.cuda.language as TC  # T.copy with CUDA lowering hints
     import tilelang.language as T
 
     acc, dtype = "float32", "bfloat16"
@@ -111,7 +119,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             T.annotate_layout({Ad: tilelang.layout.make_linear_layout(Ad)})
 
             # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
-            T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
+            TC.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks, prefer_instruction="tma" if tma_keys else None)
             for i in T.Parallel(BT):
                 gs[i] = T.if_then_else(c * BT + i < Tn, g[ib, c * BT + i, ihv], 0.0)
                 bs[i] = T.if_then_else(c * BT + i < Tn, T.cast(beta[ib, c * BT + i, ihv], acc), 0.0)
@@ -195,9 +203,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                    target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1):
+                    target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
+                    tma_keys: bool = False):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
-    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks), target)
+    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -230,7 +239,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     HV = g.shape[2]
     kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
                              beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv,
-                             min_blocks=MIN_BLOCKS_PER_SM)
+                             min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets
