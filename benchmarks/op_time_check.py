@@ -5,7 +5,9 @@ GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every dev
     PYTHONPATH=/tmp/site:$PWD python benchmarks/op_time_check.py 1,32768,16,16 [1,4096,16,16 ...]
 
 ``--direct-ab``: each shape with ``chunk_fwd.DIRECT_LAUNCH`` off, then on (TileLang's Python wrapper against its
-tvm_ffi executable called directly), and whether o and the final state are bitwise equal between the two.
+tvm_ffi executable called directly); ``--fast-launch-ab``: with ``common.launch.FAST_LAUNCH`` off, then on (Triton's
+JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); either says whether o
+and the final state are bitwise equal between the two.
 """
 import sys
 import time
@@ -15,15 +17,18 @@ import torch
 from hopper_fwd_check import bench, host_us  # this folder is on sys.path
 
 from linattn import chunk_gated_delta_rule
+from linattn.ops.common import launch
 from linattn.ops.hopper import chunk_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
 from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so the figures compare with theirs)
 
+SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (launch, "FAST_LAUNCH")}
 
-def check(B, T, H, HV, K=128, direct=None):
-    if direct is not None:
-        chunk_fwd.DIRECT_LAUNCH = direct
+
+def check(B, T, H, HV, K=128, switch=None, on=None):
+    if switch is not None:
+        setattr(*SWITCHES[switch], on)
         chunk_fwd.launcher.cache_clear()
     xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
     with torch.no_grad():
@@ -36,14 +41,14 @@ def check(B, T, H, HV, K=128, direct=None):
         ms = bench(fn)
         host = host_us(fn)
         o, ht = fn()
-    return dict(shape=(B, T, H, HV), direct=chunk_fwd.DIRECT_LAUNCH, first_call_s=round(first, 1), op_ms=round(ms, 4),
-                host_us=round(host, 1)), (o, ht)
+    return dict(shape=(B, T, H, HV), direct=chunk_fwd.DIRECT_LAUNCH, fast_launch=launch.FAST_LAUNCH,
+                first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1)), (o, ht)
 
 
-ab = "--direct-ab" in sys.argv
+ab = next((a for a in sys.argv[1:] if a in SWITCHES), None)
 for arg in (a for a in sys.argv[1:] if not a.startswith("--")):
     shape = [int(x) for x in arg.split(",")]
-    runs = [check(*shape, direct=d) for d in (False, True)] if ab else [check(*shape)]
+    runs = [check(*shape, switch=ab, on=on) for on in (False, True)] if ab else [check(*shape)]
     for row, _ in runs:
         print(row, flush=True)
     if ab:

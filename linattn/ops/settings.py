@@ -15,6 +15,7 @@ def triton_settings() -> Optional[dict]:
             fused_fwd,
             fused_prepass,
             kkt_solve,
+            launch,
             local_bwd_wy,
             split_fwd,
             state_pass,
@@ -43,6 +44,7 @@ def triton_settings() -> Optional[dict]:
         "FP32_DOT_PRECISION": common.FP32_DOT_PRECISION, "FP32_PRODUCT_PRECISION": common.FP32_PRODUCT_PRECISION,
         "DECODE_ONE_STEP": recurrent_kernels.DECODE_ONE_STEP,
         "LAUNCH_OPTIONS": {k: dict(v) for k, v in common.LAUNCH_OPTIONS.items()},
+        "FAST_LAUNCH": launch.FAST_LAUNCH,
         # the Hopper forward (TileLang, optional): whether it can run here at all, and what "auto" would make of it
         "HOPPER": {
             "tilelang_installed": importlib.util.find_spec("tilelang") is not None,   # found, not imported

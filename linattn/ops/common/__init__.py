@@ -16,6 +16,7 @@ The fused forward the public op runs (docs/architecture.md, "Fused forward"), tw
     fused_fwd.py       the sequential walk: state_pass → output per chunk, state on chip
     seq_parallel.py    segments of long sequences stitched through affine state maps (planner, scan kernel)
     dot.py             the walk's dot: Triton's precisions or split-bf16 "bf16x3", right under the interpreter
+    launch.py          a launch through the compiled kernel's runner instead of Triton's JIT launcher (host time)
 
 The backward (twins in ``torch_chunk.py`` and ``torch_chunk_bwd_parts.py``): ``local_bwd_dv.py``,
 ``state_pass_bwd.py``, ``local_bwd_dqk.py``, ``local_bwd_wy.py``, and their shared dot in ``local_bwd_utils.py``.

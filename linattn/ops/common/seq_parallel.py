@@ -33,6 +33,7 @@ from ..gated_delta import torch_chunk as tc
 from ..utils import cdiv
 from . import CHUNK, block_size
 from .fused_fwd import fused_fwd, fused_fwd_config, launch_walk, num_sms
+from .launch import launch
 
 OCCUPANCY = 2             # programs of the walk one SM holds at once: 255 registers × 128 threads each (ptxas,
                           # sm_90, K = 128, every BV), so the 64K-register file takes two
@@ -184,10 +185,10 @@ def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int,
         raise ValueError(f"skip must be int32 [NS, HV] = {[NS, HV]}, got {skip.dtype} {list(skip.shape)}")
     h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
     BK = block_size(K, 256)
-    affine_scan_kernel[(cdiv(V, BV), num_seqs * HV)](
-        mn, initial_state, h_in, segment_first, skip, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV, BR=min(BK, 32),
-        USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=segment_first is not None,
-        HAS_SKIP=skip is not None, num_warps=4)
+    launch(affine_scan_kernel, (cdiv(V, BV), num_seqs * HV),
+           mn, initial_state, h_in, segment_first, skip, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV, BR=min(BK, 32),
+           USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=segment_first is not None,
+           HAS_SKIP=skip is not None, num_warps=4)
     return h_in
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.launch import launch
 from ..utils import cdiv
 
 BT = 64
@@ -165,9 +166,8 @@ def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: floa
     walk = torch.empty_like(negligible)
     warm = torch.empty(BS, HV, dtype=torch.int32, device=bound.device)
     skip_m = torch.empty_like(warm)
-    segment_plan_kernel[(BS // S * HV,)](bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
-                                         float(threshold), HV=HV, BLOCK=BLOCK, SKIP_MAPS=int(skip_maps),
-                                         WARM_UP=bool(warm_up), num_warps=4)
+    launch(segment_plan_kernel, (BS // S * HV,), bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
+           float(threshold), HV=HV, BLOCK=BLOCK, SKIP_MAPS=int(skip_maps), WARM_UP=bool(warm_up), num_warps=4)
     # int8 → bool is a view (same size), not a kernel
     return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
 

@@ -1,0 +1,96 @@
+"""``common/launch.py``: the compiled kernel's runner stands in for Triton's JIT launcher only where it launches the
+same compiled kernel: the same key, aligned tensors, unspecialised 32-bit integers, and only with FAST_LAUNCH."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from linattn.ops.common import launch as launch_mod
+
+
+class FakeCompiled:
+    """A CompiledKernel's ``[grid](*params)`` runner, recording its launches."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *params: self.calls.append(("runner", grid, params))
+
+
+class FakeJit:
+    """A ``@triton.jit`` kernel: ``[grid](*args, **kwargs)`` records the launch and returns its compiled kernel."""
+    arg_names = ["x", "n", "m", "BLOCK", "FLAG"]
+    do_not_specialize = ["n"]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def jit(*args, **kwargs):
+            self.calls.append(("jit", grid, args, kwargs))
+            return FakeCompiled(self.calls)
+        return jit
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    monkeypatch.setattr(launch_mod, "_compiled", {})
+
+
+def test_runner_takes_the_launches_after_the_first(fast):
+    kernel, x = FakeJit(), torch.zeros(8)
+    for n in (5, 6):
+        launch_mod.launch(kernel, (3,), x, n, None, BLOCK=16, FLAG=True, num_warps=4)
+    assert [c[0] for c in kernel.calls] == ["jit", "runner"]
+    # the runner gets every parameter in the kernel's order (constexprs included) and a three-dimensional grid
+    assert kernel.calls[1][1:] == ((3, 1, 1), (x, 6, None, 16, True))
+    assert kernel.calls[0][3] == dict(BLOCK=16, FLAG=True, num_warps=4)
+
+
+def test_a_different_specialisation_goes_through_the_jit_launcher(fast):
+    kernel, x = FakeJit(), torch.zeros(8)
+    launch_mod.launch(kernel, (1,), x, 5, None, BLOCK=16, FLAG=True)
+    launch_mod.launch(kernel, (1,), x, 5, None, BLOCK=32, FLAG=True)          # another constexpr
+    launch_mod.launch(kernel, (1,), x.double(), 5, None, BLOCK=16, FLAG=True)  # another dtype
+    launch_mod.launch(kernel, (1,), x, 5, x, BLOCK=16, FLAG=True)             # a tensor where None was
+    launch_mod.launch(kernel, (1,), x, 5, None, BLOCK=16, FLAG=True, num_warps=8)
+    assert [c[0] for c in kernel.calls] == ["jit"] * 5
+
+
+def test_what_triton_would_specialise_goes_through_the_jit_launcher(fast):
+    kernel, x = FakeJit(), torch.zeros(16)
+    launch_mod.launch(kernel, (1,), x, 5, None, BLOCK=16, FLAG=True)
+    launch_mod.launch(kernel, (1,), x[1:], 5, None, BLOCK=16, FLAG=True)      # not 16-byte aligned
+    launch_mod.launch(kernel, (1,), x, 2 ** 31, None, BLOCK=16, FLAG=True)    # a 64-bit integer
+    launch_mod.launch(kernel, (1,), x, 5, 7, BLOCK=16, FLAG=True)             # m is specialised on its value
+    assert [c[0] for c in kernel.calls] == ["jit"] * 4
+    launch_mod.launch(kernel, (1,), x, 9, None, BLOCK=16, FLAG=True)
+    assert kernel.calls[-1][0] == "runner"
+
+
+def test_off_means_the_jit_launcher_every_time(monkeypatch):
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
+    monkeypatch.setattr(launch_mod, "_compiled", {})
+    kernel, x = FakeJit(), torch.zeros(8)
+    for _ in range(3):
+        launch_mod.launch(kernel, (1,), x, 5, None, BLOCK=16, FLAG=True)
+    assert [c[0] for c in kernel.calls] == ["jit"] * 3
+
+
+@triton.jit(do_not_specialize=["n"])
+def _add_one_kernel(x, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(x + o, tl.load(x + o, mask=o < n) + 1, mask=o < n)
+
+
+def test_a_real_kernel_launches_through_it(fast):
+    """Under the interpreter the JIT launcher returns no compiled kernel: every launch is a JIT one, and runs; on a
+    GPU the second and third go through the compiled kernel's runner."""
+    x = torch.zeros(8, device="cuda" if torch.cuda.is_available() else "cpu")
+    for _ in range(3):
+        launch_mod.launch(_add_one_kernel, (1,), x, 5, BLOCK=8, num_warps=1)
+    assert x.tolist() == [3.0] * 5 + [0.0] * 3
