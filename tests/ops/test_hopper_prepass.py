@@ -141,3 +141,7 @@ def test_prepass_compiles_for_sm90a():
     assert "tma_load(k_desc" not in src
     tma = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", tma_keys=True).get_kernel_source()
     assert tma.count("tma_load(k_desc") == 1 and "arrive_and_expect_tx(16384)" in tma
+    # A_ROW_PAD: the 16-blocks' rows 20 words apart (17 padded rows per diagonal block: 340), the diagonal 21 apart
+    padded = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", a_row_pad=4).get_kernel_source()
+    assert "((float*)Ad)[(i_6 * 17)]" not in padded and "* 340) + ((i_6 & 15) * 21))]" in padded
+    assert padded.count("__syncthreads()") == src.count("__syncthreads()")     # a layout only: the same barriers

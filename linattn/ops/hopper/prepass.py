@@ -67,15 +67,23 @@ MIN_BLOCKS_PER_SM = 8
 # stored per chunk, more than A's blocks take: 10 KB). Built in session 19, not yet run on the GPU (benchmarks/prepass_occupancy_check.py
 # 8 8+tma is its A/B): predicted −10 to −20% of the pre-pass
 TMA_KEYS = False
+# Words of padding after each 16-word row of A's diagonal blocks and the blocks below them (0: rows 16 words apart,
+# the committed kernel). Rows 16 apart put the 8 rows a warp touches in two banks: step 2's stores of the blocks are
+# 4-way bank conflicts and step 4's reads of A_10 / A_32 (one column, 8 rows per warp) too. Rows 20 apart spread
+# them over 8 bank offsets 4 apart: step 4's reads conflict-free, step 2's stores 2-way, step 3's two blocks per
+# warp still 20 banks apart and its 16-byte loads aligned. The same values everywhere (a layout only). Built in
+# session 19, not yet run on the GPU (benchmarks/prepass_occupancy_check.py 8 8+pad): predicted −15 to −25% of the
+# pre-pass (run 25 call 3 measured step 4's reads going from 4-way to 8-way at +35%)
+A_ROW_PAD = 0
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                 beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False):
+                 beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
     programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`); ``tma_keys``: the key tile by TMA
-    (:data:`TMA_KEYS`)."""
+    (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`)."""
     import tilelang
     import tilelang.cuda.language as TC  # T.copy with CUDA lowering hints
     import tilelang.language as T
@@ -105,8 +113,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             bl = T.alloc_local((1,), acc)
             # A's blocks. A diagonal block's rows are read by 16 threads at once (one per column): the padded block
             # stride (17 rows) puts the two blocks a warp reads in different banks
-            Ad = T.alloc_shared((4, D + 1, D), acc)
-            Ao = T.alloc_shared((2, D, D), acc)      # A_10, A_32
+            Ad = T.alloc_shared((4, D + 1, D + a_row_pad), acc)
+            Ao = T.alloc_shared((2, D, D + a_row_pad), acc)      # A_10, A_32
             Ahl = T.alloc_shared((2 * D, 2 * D), acc)
             Tq = T.alloc_shared((2, 2 * D, 2 * D), acc)   # T_lo, T_hi: the inverted halves
             Y1 = T.alloc_shared((2, D, D), acc)      # A_10 T_00, A_32 T_22
@@ -204,9 +212,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
-                    tma_keys: bool = False):
+                    tma_keys: bool = False, a_row_pad: int = 0):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
-    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys), target)
+    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys,
+                                          a_row_pad), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -239,7 +248,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     HV = g.shape[2]
     kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
                              beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv,
-                             min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS)
+                             min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets
