@@ -5,13 +5,13 @@ Triton binds the arguments, computes each one's specialisation and the cache key
 Where a call site launches the same compiled kernel every time, the returned ``CompiledKernel``'s runner
 (``compiled[grid](*all_params)``) does only the last step.
 
-:func:`launch` keys each launch by what Triton specialises on (the constexprs, num_warps, each tensor's dtype and
-device, which arguments are None), takes the first launch under a key on the JIT path and caches the compiled
-kernel it returns; later launches under that key take the runner while :data:`FAST_LAUNCH` is on. What the key
-leaves out must not vary: every other integer argument must be in the kernel's ``do_not_specialize`` and fit in 32
-bits, and every tensor must be 16-byte aligned (Triton specialises pointers on it); a launch that breaks either
-takes the JIT path. Under the interpreter (``TRITON_INTERPRET=1``) the JIT path returns no compiled kernel, so
-every launch takes it.
+:func:`launch`, while :data:`FAST_LAUNCH` is on (off: every launch is the plain JIT one), keys each launch by what
+Triton specialises on (the constexprs, num_warps, each tensor's dtype and device, which arguments are None), takes
+the first launch under a key on the JIT path and caches the compiled kernel it returns; later launches under that
+key take the runner. What the key leaves out must not vary: every other integer argument must be in the kernel's
+``do_not_specialize`` and fit in 32 bits, and every tensor must be 16-byte aligned (Triton specialises pointers on
+it); a launch that breaks either takes the JIT path. Under the interpreter (``TRITON_INTERPRET=1``) the JIT path
+returns no compiled kernel, so every launch takes it.
 
 Off until measured on the GPU (session 19 built it; ``benchmarks/op_time_check.py --fast-launch-ab`` compares the
 two paths' outputs bit for bit and their host µs).
@@ -49,8 +49,11 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, **constexprs) -> None
     """``kernel[grid](*args, num_warps=num_warps, **constexprs)``; with :data:`FAST_LAUNCH`, after the first launch
     under the same key, through the compiled kernel's runner (the module's docstring). ``args``: the kernel's
     leading non-constexpr parameters, positionally; ``constexprs``: every later parameter, by name."""
+    if not FAST_LAUNCH:
+        kernel[grid](*args, num_warps=num_warps, **constexprs)
+        return
     key = _key(kernel, args, num_warps, constexprs)
-    compiled = _compiled.get(key) if FAST_LAUNCH else None
+    compiled = _compiled.get(key)
     if compiled is not None and _fast_path_allowed(kernel, args):
         tail = [constexprs[name] for name in kernel.arg_names[len(args):]]
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)

@@ -330,8 +330,9 @@ DIRECT_LAUNCH = True
 def launcher(kernel):
     """What to call to launch a compiled kernel: its tvm_ffi executable with :data:`DIRECT_LAUNCH` where TileLang
     exposes one (0.1.15's tvm_ffi adapter), else the kernel itself."""
-    get = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
-    if DIRECT_LAUNCH and EXECUTION_BACKEND is None and callable(get) and not getattr(kernel.adapter, "result_idx", None):
+    adapter = getattr(kernel, "adapter", None)
+    get = getattr(adapter, "_get_executable", None)
+    if DIRECT_LAUNCH and EXECUTION_BACKEND is None and callable(get) and not getattr(adapter, "result_idx", None):
         return get()
     return kernel
 

@@ -48,8 +48,9 @@ D = 16            # the diagonal blocks' size: four per chunk
 # A_inv written as A_inv diag(β) (each column scaled by its token's β): the fused kernel's X is then V − Γ ⊙ (K S),
 # one multiply per element and β's load per chunk fewer (``chunk_fwd.build_kernel``'s ``beta_in_a``). The same
 # rounding error (β ∈ [0, 1] scales before the bf16 rounding). Run 25 (H200, benchmarks/beta_fold_check.py,
-# forward_hopper ms off / on): B=8 T=4096 H=16 0.357 / 0.355 (o 3.370e-3 / 3.378e-3 against float64); B=1 T=32768
-# H=16, 8 segments: 0.413 / 0.411 at the anchors' gates, 0.698 / 0.686 at 1/4096 of them (o 4.03e-3 / 4.04e-3).
+# forward_hopper ms off / on): B=8 T=4096 H=16 0.357 / 0.355 (o 3.370e-3 / 3.378e-3 against float64); B=1
+# T=32768 H=16, 8 segments: 0.413 / 0.411 at the anchors' gates, 0.698 / 0.686 at 1/4096 of them (o 4.03e-3 /
+# 4.04e-3).
 # Predicted −3% of the walk; measured −0.6 to −1.7% of the forward
 BETA_IN_A_INV = True
 # The programs resident per SM that ptxas compiles for (``__launch_bounds__(128, n)``; 1: no bound). Its 25 KB of
@@ -64,8 +65,8 @@ MIN_BLOCKS_PER_SM = 8
 # The key tile loaded by TMA (``prefer_instruction="tma"``: one bulk copy per 64 columns and an mbarrier wait; rows
 # past the sequence's end come back as zeros from the tensor's bounds) instead of per-thread 16-byte loads and
 # stores, which go through the L1 / shared pipe that bounds the pre-pass (16 KB loaded through the L1 and 16 KB
-# stored per chunk, more than A's blocks take: 10 KB). Built in session 19, not yet run on the GPU (benchmarks/prepass_occupancy_check.py
-# 8 8+tma is its A/B): predicted −10 to −20% of the pre-pass
+# stored per chunk, more than A's blocks take: 10 KB). Built in session 19, not yet run on the GPU
+# (benchmarks/prepass_occupancy_check.py 8 8+tma is its A/B): predicted −10 to −20% of the pre-pass
 TMA_KEYS = False
 # Words of padding after each 16-word row of A's diagonal blocks and the blocks below them (0: rows 16 words apart,
 # the committed kernel). Rows 16 apart put the 8 rows a warp touches in two banks: step 2's stores of the blocks are
