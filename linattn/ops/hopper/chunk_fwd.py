@@ -322,7 +322,8 @@ EXECUTION_BACKEND: Optional[str] = None
 # Launch the compiled kernels through TileLang's tvm_ffi executable itself (``launcher``), not its Python wrapper,
 # which loops over the parameters to allocate outputs that these kernels do not have (out_idx None: every output is
 # passed in). The executable checks each tensor's shape, dtype and strides and takes Torch's current stream, as the
-# wrapper's call does. False: the wrapper
+# wrapper's call does. False: the wrapper. Set before the first call, like EXECUTION_BACKEND: ``launcher`` caches
+# its answer per compiled kernel (``launcher.cache_clear()`` after a change)
 DIRECT_LAUNCH = True
 
 
