@@ -7,8 +7,12 @@ GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every dev
 ``--direct-ab``: each shape with ``chunk_fwd.DIRECT_LAUNCH`` off, then on (TileLang's Python wrapper against its
 tvm_ffi executable called directly); ``--fast-launch-ab``: with ``common.launch.FAST_LAUNCH`` off, then on (Triton's
 JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); either says whether o
-and the final state are bitwise equal between the two.
+and the final state are bitwise equal between the two. ``--profile``: each shape's host time by function (cProfile
+over 200 calls issued back to back, one sync; the 25 largest by own time, then by cumulative time), to say where a
+host-bound call's µs go.
 """
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -45,9 +49,31 @@ def check(B, T, H, HV, K=128, switch=None, on=None):
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1)), (o, ht)
 
 
+def profile(B, T, H, HV, K=128, calls=200):
+    """Print where ``calls`` calls' host time goes, by function."""
+    xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
+    with torch.no_grad():
+        def fn():
+            return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)
+        fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    print(f"--- host profile {B, T, H, HV}: {calls} calls (times are totals over the calls) ---")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof).sort_stats(key).print_stats(25)
+
+
 ab = next((a for a in sys.argv[1:] if a in SWITCHES), None)
 for arg in (a for a in sys.argv[1:] if not a.startswith("--")):
     shape = [int(x) for x in arg.split(",")]
+    if "--profile" in sys.argv:
+        profile(*shape)
+        continue
     runs = [check(*shape, switch=ab, on=on) for on in (False, True)] if ab else [check(*shape)]
     for row, _ in runs:
         print(row, flush=True)

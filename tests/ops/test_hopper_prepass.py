@@ -130,9 +130,15 @@ def test_prepass_compiles_for_sm90a():
     # BETA_IN_A_INV's kernel: A_inv's three written quadrants times β, read per column pair in the store loop
     beta = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True).get_kernel_source()
     assert beta.count("(float2*)(((float*)bs)") == 3 and "(float2*)(((float*)bs)" not in src
-    # the map bound: one thread the solve leaves idle, from the diagonal blocks' diagonals (Ad[17 i] = ‖k_i‖²)
-    bound = solve[solve.index("if (((int)threadIdx.x) == 64) {"):]
-    assert "((float*)Ad)[(i_6 * 17)]" in bound and "bound[" in bound
+    # the map bound: the two warps the solve leaves idle, one token each, from the diagonal blocks' diagonals
+    # (Ad[17 i] = β_i ‖k_i‖²), summed by warp shuffles; after the barrier one thread adds the halves and writes it
+    terms = src[src.index("} else {\n    bl[0] = tl::warp_reduce_sum("):]
+    assert "((float*)Ad)[((((int)threadIdx.x) * 17) - 1088)]" in terms.split("\n")[1]
+    written = terms[terms.index("__syncthreads();"):]
+    assert written.index("if (((int)threadIdx.x) == 64) {") < written.index("bound[") < written.index("__syncthreads", 1)
+    # A's blocks stored branch-free: each block under its own predicate, the exponent −∞ above the diagonal
+    blocks = src[src.index("float a = "):src.index("__syncthreads", src.index("float a = "))]
+    assert "exp2f(" in blocks and ": -CUDART_INF_F)" in blocks and "else" not in blocks
     # MIN_BLOCKS_PER_SM: the registers fitted for that many resident programs; 1 leaves ptxas its own count
     assert "__launch_bounds__(128, 1)" in src
     fitted = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", min_blocks=8).get_kernel_source()
@@ -143,5 +149,6 @@ def test_prepass_compiles_for_sm90a():
     assert tma.count("tma_load(k_desc") == 1 and "arrive_and_expect_tx(16384)" in tma
     # A_ROW_PAD: the 16-blocks' rows 20 words apart (17 padded rows per diagonal block: 340), the diagonal 21 apart
     padded = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", a_row_pad=4).get_kernel_source()
-    assert "((float*)Ad)[(i_6 * 17)]" not in padded and "* 340) + ((i_6 & 15) * 21))]" in padded
+    assert "(((int)threadIdx.x) * 17) - 1088)]" not in padded
+    assert "* 340) + ((((int)threadIdx.x) & 15) * 21)) - 1360)]" in padded
     assert padded.count("__syncthreads()") == src.count("__syncthreads()")     # a layout only: the same barriers

@@ -527,7 +527,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         num_stages: int = 2, async_dots: bool = False, affine: bool = False,
                         roles: bool = False, tma_o: bool = False, skip_m: Optional[torch.Tensor] = None,
                         warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
-                        beta_in_a_inv: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`.
@@ -544,7 +545,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     ``warm``): q, k, v, a_inv whole ``[B, T, ...]``, gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of
     64), initial_state ``[B·S, HV, K, V]`` the state each walk starts from; segment s's walk starts
     warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read). Returns o ``[B, T, HV, V]`` and each
-    segment's final state ``[B·S, HV, K, V]``."""
+    segment's final state ``[B·S, HV, K, V]``. ``out``: (o, final state) to write into, contiguous, of those shapes
+    (not with ``affine`` or ``warm_chunks``)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -556,6 +558,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     if a_inv.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
     if warm_chunks is not None:
+        if out is not None:
+            raise ValueError("out: not with warm_chunks")
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
                           num_stages, async_dots, roles, affine, stsm, beta_in_a_inv)
     if affine and initial_state is not None:
@@ -585,8 +589,15 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     h0 = (initial_state.float().contiguous() if initial_state is not None
           else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
     v = v.contiguous()
-    o = v if affine else torch.empty_like(v)
-    ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
+    if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
+        o, ht = out
+        if affine or o.shape != v.shape or o.dtype != v.dtype or ht.shape != (B, HV, K, V) or \
+                ht.dtype != torch.float32 or not (o.is_contiguous() and ht.is_contiguous()):
+            raise ValueError(f"out must be contiguous o {list(v.shape)} {v.dtype} and a final state "
+                             f"{[B, HV, K, V]} fp32 (not with affine)")
+    else:
+        o = v if affine else torch.empty_like(v)
+        ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
     args = [q.contiguous(), k.contiguous(), v, gc_hm.contiguous(), beta_hm.contiguous(), a_inv.contiguous(), h0]
     # skip_m: read only by the affine walk (zeros there: every M walked); a placeholder elsewhere
     args.append(skip_m.to(torch.int32).contiguous() if skip_m is not None else

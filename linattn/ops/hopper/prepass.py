@@ -30,8 +30,8 @@ blocks 1.8e-3 against 1.7e-3): its FMAs already read one broadcast word and one 
 dots add their operands' zero blocks, stores and barriers.
 
 Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the Hopper kernel's operand),
-the chunk's map bound (``map_bound.py``: a thread idle in step 3 sums it from K Kᵀ's diagonal, ‖k_i‖², kept on
-the diagonal blocks' unused diagonals), and gc and β straight into the layout the fused kernel loads
+the chunk's map bound (``map_bound.py``: the two warps idle in step 3 sum it from K Kᵀ's diagonal, ‖k_i‖², kept
+on the diagonal blocks' unused diagonals), and gc and β straight into the layout the fused kernel loads
 (``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per segment when the forward is cut into S segments, which both
 kernels take as B·S sequences): no head-major copies.
 Twin: :func:`prepass_hopper_ref`.
@@ -65,17 +65,19 @@ MIN_BLOCKS_PER_SM = 8
 # The key tile loaded by TMA (``prefer_instruction="tma"``: one bulk copy per 64 columns and an mbarrier wait; rows
 # past the sequence's end come back as zeros from the tensor's bounds) instead of per-thread 16-byte loads and
 # stores, which go through the L1 / shared pipe that bounds the pre-pass (16 KB loaded through the L1 and 16 KB
-# stored per chunk, more than A's blocks take: 10 KB). Built in session 19, not yet run on the GPU
-# (benchmarks/prepass_occupancy_check.py 8 8+tma is its A/B): predicted −10 to −20% of the pre-pass
-TMA_KEYS = False
+# stored per chunk, more than A's blocks take: 10 KB). Predicted −10 to −20% of the pre-pass; run 26 (H200,
+# benchmarks/prepass_occupancy_check.py 8 8+tma, outputs bitwise equal) measured −4 to −6%: 0.127 → 0.122 ms at
+# B=8 T=4096 H=16, 0.240 → 0.226 at B=4 T=8192 H=16 HV=32, 0.067 → 0.063 at B=1 T=32768 H=2 HV=8
+TMA_KEYS = True
 # Words of padding after each 16-word row of A's diagonal blocks and the blocks below them (0: rows 16 words apart,
 # the committed kernel). Rows 16 apart put the 8 rows a warp touches in two banks: step 2's stores of the blocks are
 # 4-way bank conflicts and step 4's reads of A_10 / A_32 (one column, 8 rows per warp) too. Rows 20 apart spread
 # them over 8 bank offsets 4 apart: step 4's reads conflict-free, step 2's stores 2-way, step 3's two blocks per
-# warp still 20 banks apart and its 16-byte loads aligned. The same values everywhere (a layout only). Built in
-# session 19, not yet run on the GPU (benchmarks/prepass_occupancy_check.py 8 8+pad): predicted −15 to −25% of the
-# pre-pass (run 25 call 3 measured step 4's reads going from 4-way to 8-way at +35%)
-A_ROW_PAD = 0
+# warp still 20 banks apart and its 16-byte loads aligned. The same values everywhere (a layout only). Predicted
+# −15 to −25% of the pre-pass (run 25 measured step 4's reads going from 4-way to 8-way at +35%); run 26 measured
+# 0 alone (0.127 → 0.127 ms at B=8 T=4096 H=16) and −1.3 to −1.7% with TMA_KEYS (0.122 → 0.120; every row of the
+# A/B the same way; outputs bitwise equal). The miss says 4-way conflicts on these reads are not what bounds it
+A_ROW_PAD = 4
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
@@ -84,7 +86,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
     programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`); ``tma_keys``: the key tile by TMA
-    (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`)."""
+    (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`). ``threads``:
+    128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for the map bound)."""
+    if threads != 2 * BT:
+        raise ValueError(f"the pre-pass runs 128 threads per program, got threads={threads}")
     import tilelang
     import tilelang.cuda.language as TC  # T.copy with CUDA lowering hints
     import tilelang.language as T
@@ -112,11 +117,12 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             gcs = T.alloc_shared((BT,), acc)
             bs = T.alloc_shared((BT,), acc)
             bl = T.alloc_local((1,), acc)
+            bparts = T.alloc_shared((2,), acc)    # the map bound's sums over the chunk's two halves
             # A's blocks. A diagonal block's rows are read by 16 threads at once (one per column): the padded block
             # stride (17 rows) puts the two blocks a warp reads in different banks
             Ad = T.alloc_shared((4, D + 1, D + a_row_pad), acc)
             Ao = T.alloc_shared((2, D, D + a_row_pad), acc)      # A_10, A_32
-            Ahl = T.alloc_shared((2 * D, 2 * D), acc)
+            Ahl = T.alloc_shared((2 * D, 2 * D + 4), acc)
             Tq = T.alloc_shared((2, 2 * D, 2 * D), acc)   # T_lo, T_hi: the inverted halves
             Y1 = T.alloc_shared((2, D, D), acc)      # A_10 T_00, A_32 T_22
             Y2 = T.alloc_shared((2 * D, 2 * D), acc)  # A_hl T_lo
@@ -125,7 +131,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             Z1 = T.alloc_fragment((2, D, D), acc)
             Z2 = T.alloc_fragment((2 * D, 2 * D), acc)
             x = T.alloc_local((D,), acc)
-            T.annotate_layout({Ad: tilelang.layout.make_linear_layout(Ad)})
+            T.annotate_layout({Ad: tilelang.layout.make_linear_layout(Ad), Ahl: tilelang.layout.make_linear_layout(Ahl)})
 
             # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
             TC.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks, prefer_instruction="tma" if tma_keys else None)
@@ -140,18 +146,19 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                     beta_hm[ib, ihv, c * BT + i] = T.if_then_else(c * BT + i < Tn, beta[ib, c * BT + i, ihv],
                                                                   T.cast(0.0, beta_dtype))
 
-            # 2. A = strictly_lower(β_i (K Kᵀ)_ij e^{gc_i − gc_j}), into its blocks (exponent masked before exp:
-            #    above the diagonal gc_i − gc_j can be large and positive). The diagonal blocks' own diagonals,
-            #    which the solve never reads, keep ‖k_i‖² = (K Kᵀ)_ii for the map bound
+            # 2. A = strictly_lower(β_i (K Kᵀ)_ij e^{gc_i − gc_j}), into its blocks. Branch-free: the exponent is
+            #    −∞ above the diagonal (where gc_i − gc_j can be large and positive), so e^… = 0 there, and 0 on it,
+            #    so the diagonal blocks' own diagonals, which the solve never reads, keep β_i ‖k_i‖² for the map
+            #    bound. Each store goes to the one block holding (i, j) under its own predicate (no else: an
+            #    if / elif chain compiled to branches around every element, 2264 → 1992 static SASS instructions)
             T.gemm(Ks, Ks, KK, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
-                a = T.if_then_else(i > j, bs[i] * KK[i, j] * T.exp(T.if_then_else(i > j, gcs[i] - gcs[j], 0.0)),
-                                   T.if_then_else(i == j, KK[i, j], 0.0))
+                a = bs[i] * KK[i, j] * T.exp2(T.Select(i >= j, (gcs[i] - gcs[j]) * LOG2E, -T.infinity(acc)))
                 if i // D == j // D:
                     Ad[i // D, i % D, j % D] = a
-                elif i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
+                if i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
                     Ao[i // (2 * D), i % D, j % D] = a
-                elif i >= 2 * D and j < 2 * D:
+                if i >= 2 * D and j < 2 * D:
                     Ahl[i - 2 * D, j] = a
             for h, i, j in T.Parallel(2, 2 * D, 2 * D):
                 Tq[h, i, j] = 0.0                    # the quadrants above the blocks stay zero
@@ -171,14 +178,17 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                         x[i] = x[i] - Ad[d, i, j] * x[j]
                 for i in T.unroll(D):
                     Tq[d // 2, (d % 2) * D + i, (d % 2) * D + col] = x[i]
-            if tx == 4 * D:
-                # an idle thread meanwhile: the chunk's map bound (map_bound.py), Σ_i g_i log2 e +
-                # log2 max(1, |1 − β_i ‖k_i‖²|) (rows past T: g = β = 0, nothing)
-                bl[0] = gcs[BT - 1] * LOG2E
-                for i in T.serial(BT):
-                    bl[0] = bl[0] + T.log2(T.max(T.abs(1.0 - bs[i] * Ad[i // D, i % D, i % D]), 1.0))
-                bound[ib, ihv, c] = bl[0]
+            else:
+                # meanwhile the two warps the solve leaves idle: the chunk's map bound (map_bound.py), Σ_i g_i log2 e
+                # + log2 max(1, |1 − β_i ‖k_i‖²|) (rows past T: g = β = 0, nothing), one token per thread, summed
+                # per warp by shuffles. One thread looping over the 64 tokens (session 19's kernel) kept its warps
+                # and their program waiting at the barrier below: ncu's stall samples of run 26, 12% on its loop
+                bl[0] = T.warp_reduce_sum(T.log2(T.max(T.abs(1.0 - Ad[(tx - 4 * D) // D, tx % D, tx % D]), 1.0)))
+                if tx % 32 == 0:
+                    bparts[(tx - 4 * D) // 32] = bl[0]
             T.sync_threads()
+            if tx == 4 * D:
+                bound[ib, ihv, c] = gcs[BT - 1] * LOG2E + bparts[0] + bparts[1]
 
             # 4. the blocks below the diagonal blocks, both halves at once: Y1 = A_10 T_00, then T_10 = −T_11 Y1
             T.clear(Z1)
@@ -194,7 +204,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 Tq[h, D + i, j] = Z1[h, i, j]
 
             # 5. the lower-left quadrant X = −T_hi (A_hl T_lo) on tensor cores
-            T.gemm(Ahl, Tq[0, :, :], Z2, clear_accum=True)
+            T.gemm(Ahl[:, 0:2 * D], Tq[0, :, :], Z2, clear_accum=True)
             T.copy(Z2, Y2)
             T.gemm(Tq[1, :, :], Y2, Z2, clear_accum=True)
 
@@ -235,7 +245,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv ``[B, T, HV, 64]`` bf16) for the fused
     kernel (``chunk_fwd.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
     and the map bound's chunk sums ``[B·S, HV, L/64]`` fp32 (``map_bound.chunk_bounds``'s, for the segmented
-    forward's plan: a thread the solve leaves idle sums them from K Kᵀ's diagonal).
+    forward's plan: the two warps the solve leaves idle sum them from K Kᵀ's diagonal).
     ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
     kernel takes as B·S sequences: gc and β come per segment (gc is chunk-local, so it holds for them as it is), and
     A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T. ``beta_in_a_inv``

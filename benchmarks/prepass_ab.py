@@ -1,0 +1,73 @@
+"""A/B of the TileLang pre-pass against an earlier version of ``linattn/ops/hopper/prepass.py`` given as a file
+(e.g. ``git show REV:linattn/ops/hopper/prepass.py > ab_old/prepass.py``, carried to the device): for each shape,
+both pre-passes alone and forward_hopper on each (do_bench median ms), gc and β bitwise against each other, A_inv
+against the pre-pass's twin (fp32) and against each other, the map bound's chunk sums against their float64 twin
+(``map_bound.chunk_bounds_ref``), and o against float64. Shapes: issue 4's rows 2, 3, 5 and 7 (the forward as
+``forward.plan`` cuts it), and two small ones with T not a multiple of 64 (the rows past the end):
+
+    PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/prepass_ab.py ab_old/prepass.py [B,T,H,HV ...]
+
+(the new version is timed first, then the old: run it twice with the order in mind where small kernels differ)
+"""
+import functools
+import importlib.util
+import sys
+
+import torch
+from hopper_fwd_check import bench, low_precision, make, rel  # this folder is on sys.path
+
+from linattn import chunk_gated_delta_rule
+from linattn.ops.hopper import forward as forward_module
+from linattn.ops.hopper import prepass
+from linattn.ops.hopper.forward import forward_hopper, plan
+from linattn.ops.hopper.map_bound import chunk_bounds_ref
+
+SHAPES = [(8, 4096, 16, 16), (1, 32768, 16, 16), (4, 8192, 16, 32), (1, 32768, 2, 8), (2, 300, 4, 4),
+          (1, 1000, 2, 8)]
+
+
+def load_old(path):
+    """The earlier pre-pass as a module of the same package (its relative imports resolve to today's)."""
+    spec = importlib.util.spec_from_file_location("linattn.ops.hopper.prepass_old", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+old = load_old(sys.argv[1])
+SHAPES = [tuple(int(x) for x in a.split(",")) for a in sys.argv[2:]] or SHAPES
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+table = []
+for B, T, H, HV in SHAPES:
+    low = low_precision(make(B, T, H, HV, 128, 128))
+    launch = plan(B, HV, 128, T, sms, forced=True)
+    S = launch.get("segments", 1)
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, low["initial_state"]]
+    with torch.no_grad():
+        ref = chunk_gated_delta_rule(**{n: t.double() for n, t in low.items()}, scale=128 ** -0.5,
+                                     output_final_state=True, backend="torch")[0]
+        twin = prepass.prepass_hopper_ref(low["k"], low["g"], low["beta"], S, a_inv_dtype=torch.float32)[2]
+        bound_twin = chunk_bounds_ref(low["k"], low["g"], low["beta"], S)
+        outs = {}
+        for name, module in (("new", prepass), ("old", old)):
+            pre = functools.partial(module.prepass_hopper, low["k"], low["g"], low["beta"], S)
+            forward_module.prepass_hopper = module.prepass_hopper      # forward_hopper's pre-pass
+            fwd = functools.partial(forward_hopper, *args, **launch)
+            gc, beta, a_inv, bound = pre()
+            o = fwd()[0]
+            outs[name] = (gc, beta, a_inv, o)
+            row = dict(shape=(B, T, H, HV), segments=S, version=name, prepass_ms=bench(pre), forward_ms=bench(fwd),
+                       a_inv=rel(a_inv.float(), twin), bound_err=float((bound.double() - bound_twin).abs().max()),
+                       o=rel(o, ref))
+            table.append(row)
+            print(row, flush=True)
+        forward_module.prepass_hopper = prepass.prepass_hopper
+        (gc0, b0, a0, o0), (gc1, b1, a1, o1) = outs["old"], outs["new"]
+        print(dict(shape=(B, T, H, HV), gc_beta_bitwise=bool(torch.equal(gc0, gc1) and torch.equal(b0, b1)),
+                   a_inv_max_diff=float((a0.float() - a1.float()).abs().max()), o_vs_old=rel(o1, o0)), flush=True)
+print("\n| B, T, H, HV | S | version | pre-pass ms | forward ms | A_inv vs twin | bound max err | o rel. error |")
+print("|---|---|---|---|---|---|---|---|")
+for r in table:
+    print(f"| {r['shape']} | {r['segments']} | {r['version']} | {r['prepass_ms']:.4f} | {r['forward_ms']:.4f} | "
+          f"{r['a_inv']:.2e} | {r['bound_err']:.1e} | {r['o']:.3e} |")
