@@ -286,6 +286,22 @@ def test_kernel_takes_bf16_only():
         hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], torch.zeros(1, 64, 1, 64), 0.125, None)
 
 
+def test_out_tensors_of_the_wrong_layout_say_why_before_any_compile():
+    """``out``: o and the final state written into the caller's tensors; a wrong shape, dtype or a strided view is a
+    ValueError (checked before the kernel is compiled: none is here)."""
+    x = inputs(2, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
+    gc = hopper.head_major(torch.zeros(2, 64, 1))
+    a_inv = torch.zeros(2, 64, 1, 64, dtype=torch.bfloat16)
+    args = (x["q"], x["k"], x["v"], gc, gc.clone(), a_inv, 0.125, None)
+    o, ht = torch.empty_like(x["v"]), torch.empty(2, 1, 64, 64)
+    strided = torch.empty(2, 64, 1, 128, dtype=torch.bfloat16)[..., :64]
+    for bad in ((o[:1], ht), (o, ht.double()), (strided, ht)):
+        with pytest.raises(ValueError, match="out must be"):
+            hopper.chunk_fwd_hopper_hm(*args, out=bad)
+    with pytest.raises(ValueError, match="not with warm_chunks"):
+        hopper.chunk_fwd_hopper_hm(*args, out=(o, ht), warm_chunks=torch.zeros(2, 1, dtype=torch.int32))
+
+
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
                     reason="TileLang (optional) and nvcc compile the Hopper kernel")
 def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():

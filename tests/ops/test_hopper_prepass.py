@@ -135,7 +135,8 @@ def test_prepass_compiles_for_sm90a():
     terms = src[src.index("} else {\n    bl[0] = tl::warp_reduce_sum("):]
     assert "((float*)Ad)[((((int)threadIdx.x) * 17) - 1088)]" in terms.split("\n")[1]
     written = terms[terms.index("__syncthreads();"):]
-    assert written.index("if (((int)threadIdx.x) == 64) {") < written.index("bound[") < written.index("__syncthreads", 1)
+    assert written.index("if (((int)threadIdx.x) == 64) {") < written.index("bound[") < \
+        written.index("__syncthreads", 1)
     # A's blocks stored branch-free: each block under its own predicate, the exponent −∞ above the diagonal
     blocks = src[src.index("float a = "):src.index("__syncthreads", src.index("float a = "))]
     assert "exp2f(" in blocks and ": -CUDART_INF_F)" in blocks and "else" not in blocks

@@ -571,6 +571,11 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     beta_dtype = str(beta_hm.dtype).removeprefix("torch.")
     if skip_m is not None and not affine:
         raise ValueError("skip_m applies to the affine walk (affine=True)")
+    if out is not None and (affine or out[0].shape != v.shape or out[0].dtype != v.dtype or
+                            out[1].shape != (B, HV, K, V) or out[1].dtype != torch.float32 or
+                            not (out[0].is_contiguous() and out[1].is_contiguous())):
+        raise ValueError(f"out must be a contiguous o {list(v.shape)} {v.dtype} and a contiguous final state "
+                         f"{[B, HV, K, V]} fp32 (not with affine)")
     if skip_m is not None and skip_m.shape != (B, HV):
         raise ValueError(f"skip_m must be [B, HV] = {[B, HV]}, got {list(skip_m.shape)}")
     if roles:
@@ -591,10 +596,6 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     v = v.contiguous()
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
         o, ht = out
-        if affine or o.shape != v.shape or o.dtype != v.dtype or ht.shape != (B, HV, K, V) or \
-                ht.dtype != torch.float32 or not (o.is_contiguous() and ht.is_contiguous()):
-            raise ValueError(f"out must be contiguous o {list(v.shape)} {v.dtype} and a final state "
-                             f"{[B, HV, K, V]} fp32 (not with affine)")
     else:
         o = v if affine else torch.empty_like(v)
         ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
