@@ -85,6 +85,21 @@ def low_precision(x):
     return {n: t.to(torch.bfloat16) if n in ("q", "k", "v", "beta") else t.float() for n, t in x.items()}
 
 
+def prepass_case(B, T, H, HV):
+    """One shape of the pre-pass A/Bs (prepass_ab.py, prepass_occupancy_check.py): the bf16 inputs, forward.plan's
+    launch at K = V = 128 (forced: the unsegmented kernel or the segments "auto" would take), its segment count,
+    forward_hopper's positional arguments, o in float64 (the torch backend) and A_inv's fp32 twin."""
+    low = low_precision(make(B, T, H, HV, 128, 128))
+    launch = plan(B, HV, 128, T, torch.cuda.get_device_properties(0).multi_processor_count, forced=True)
+    S = launch.get("segments", 1)
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, low["initial_state"]]
+    with torch.no_grad():
+        ref = chunk_gated_delta_rule(**{n: t.double() for n, t in low.items()}, scale=128 ** -0.5,
+                                     output_final_state=True, backend="torch")[0]
+        twin = prepass_hopper_ref(low["k"], low["g"], low["beta"], S, a_inv_dtype=torch.float32)[2]
+    return low, launch, S, args, ref, twin
+
+
 def launch_of(variant):
     """(A_inv dtype, the fused kernel's keywords) of a variant (5 fields, or 6 with further keywords)."""
     BV, threads, stages, a_dtype, async_dots, *extra = variant
@@ -426,15 +441,17 @@ def profile_shape(B, T, H, HV):
     return row
 
 
-def host_profile(B=1, T=32768, H=2, HV=8, calls=300):
+def host_profile(B=1, T=32768, H=2, HV=8, calls=300, fn=None):
     """cProfile of ``calls`` back-to-back calls of the public op where "auto" plans the segmented Hopper forward
-    (row 7, host-bound in run 23): the Python functions by their own time, to find the host cost per call."""
+    (row 7, host-bound in run 23), or of ``fn``: the Python functions by their own time, then by cumulative time,
+    to find the host cost per call (the times are totals over the calls)."""
     import cProfile
     import io
     import pstats
-    x = low_precision(make(B, T, H, HV, 128, 128))
-    x["initial_state"] = None
-    fn = functools.partial(chunk_gated_delta_rule, **x, scale=128 ** -0.5, output_final_state=True)
+    if fn is None:
+        x = low_precision(make(B, T, H, HV, 128, 128))
+        x["initial_state"] = None
+        fn = functools.partial(chunk_gated_delta_rule, **x, scale=128 ** -0.5, output_final_state=True)
     with torch.no_grad():
         fn()
         torch.cuda.synchronize()

@@ -8,17 +8,15 @@ GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every dev
 tvm_ffi executable called directly); ``--fast-launch-ab``: with ``common.launch.FAST_LAUNCH`` off, then on (Triton's
 JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); either says whether o
 and the final state are bitwise equal between the two. ``--profile``: each shape's host time by function (cProfile
-over 200 calls issued back to back, one sync; the 25 largest by own time, then by cumulative time), to say where a
+over 200 calls issued back to back, one sync; the largest by own time, then by cumulative time), to say where a
 host-bound call's µs go.
 """
-import cProfile
-import pstats
 import sys
 import time
 from pathlib import Path
 
 import torch
-from hopper_fwd_check import bench, host_us  # this folder is on sys.path
+from hopper_fwd_check import bench, host_profile, host_us  # this folder is on sys.path
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import launch
@@ -50,22 +48,10 @@ def check(B, T, H, HV, K=128, switch=None, on=None):
 
 
 def profile(B, T, H, HV, K=128, calls=200):
-    """Print where ``calls`` calls' host time goes, by function."""
+    """Print where ``calls`` calls' host time goes, by function (``hopper_fwd_check.host_profile``)."""
     xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
-    with torch.no_grad():
-        def fn():
-            return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)
-        fn()
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-    print(f"--- host profile {B, T, H, HV}: {calls} calls (times are totals over the calls) ---")
-    for key in ("tottime", "cumulative"):
-        pstats.Stats(prof).sort_stats(key).print_stats(25)
+    print(f"--- host profile {B, T, H, HV}: {calls} calls ---")
+    print(host_profile(calls=calls, fn=lambda: chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)))
 
 
 ab = next((a for a in sys.argv[1:] if a in SWITCHES), None)

@@ -14,12 +14,11 @@ import importlib.util
 import sys
 
 import torch
-from hopper_fwd_check import bench, low_precision, make, rel  # this folder is on sys.path
+from hopper_fwd_check import bench, prepass_case, rel  # this folder is on sys.path
 
-from linattn import chunk_gated_delta_rule
 from linattn.ops.hopper import forward as forward_module
 from linattn.ops.hopper import prepass
-from linattn.ops.hopper.forward import forward_hopper, plan
+from linattn.ops.hopper.forward import forward_hopper
 from linattn.ops.hopper.map_bound import chunk_bounds_ref
 
 SHAPES = [(8, 4096, 16, 16), (1, 32768, 16, 16), (4, 8192, 16, 32), (1, 32768, 2, 8), (2, 300, 4, 4),
@@ -37,17 +36,10 @@ def load_old(path):
 
 old = load_old(sys.argv[1])
 SHAPES = [tuple(int(x) for x in a.split(",")) for a in sys.argv[2:]] or SHAPES
-sms = torch.cuda.get_device_properties(0).multi_processor_count
 table = []
 for B, T, H, HV in SHAPES:
-    low = low_precision(make(B, T, H, HV, 128, 128))
-    launch = plan(B, HV, 128, T, sms, forced=True)
-    S = launch.get("segments", 1)
-    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, low["initial_state"]]
+    low, launch, S, args, ref, twin = prepass_case(B, T, H, HV)
     with torch.no_grad():
-        ref = chunk_gated_delta_rule(**{n: t.double() for n, t in low.items()}, scale=128 ** -0.5,
-                                     output_final_state=True, backend="torch")[0]
-        twin = prepass.prepass_hopper_ref(low["k"], low["g"], low["beta"], S, a_inv_dtype=torch.float32)[2]
         bound_twin = chunk_bounds_ref(low["k"], low["g"], low["beta"], S)
         outs = {}
         for name, module in (("new", prepass), ("old", old)):

@@ -12,29 +12,21 @@ import functools
 import sys
 
 import torch
-from hopper_fwd_check import bench, low_precision, make, rel  # this folder is on sys.path
+from hopper_fwd_check import bench, prepass_case, rel  # this folder is on sys.path
 
-from linattn import chunk_gated_delta_rule
 from linattn.ops.hopper import prepass
-from linattn.ops.hopper.forward import forward_hopper, plan
+from linattn.ops.hopper.forward import forward_hopper
 
 SHAPES = [(8, 4096, 16, 16), (1, 32768, 16, 16), (4, 8192, 16, 32), (1, 32768, 2, 8)]
 VARIANTS = [(int(a.split("+")[0]), "+tma" in a, 4 if "+pad" in a else 0) for a in sys.argv[1:]] or \
     [(n, False, 0) for n in (1, 5, 6, 7, 8)]
 
-sms = torch.cuda.get_device_properties(0).multi_processor_count
 table = []
 for B, T, H, HV in SHAPES:
-    low = low_precision(make(B, T, H, HV, 128, 128))
-    launch = plan(B, HV, 128, T, sms, forced=True)
-    S = launch.get("segments", 1)
-    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, low["initial_state"]]
+    low, launch, S, args, ref, twin = prepass_case(B, T, H, HV)
     with torch.no_grad():
-        ref = chunk_gated_delta_rule(**{n: t.double() for n, t in low.items()}, scale=128 ** -0.5,
-                                     output_final_state=True, backend="torch")[0]
         first = None
         rows = []
-        twin = prepass.prepass_hopper_ref(low["k"], low["g"], low["beta"], S, a_inv_dtype=torch.float32)[2]
         for n, tma, pad in VARIANTS:
             prepass.MIN_BLOCKS_PER_SM, prepass.TMA_KEYS, prepass.A_ROW_PAD = n, tma, pad
             pre = functools.partial(prepass.prepass_hopper, low["k"], low["g"], low["beta"], S)
