@@ -349,6 +349,16 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     warm = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
                                   a_dtype="bfloat16", async_dots=True, warm=True).get_kernel_source()
     assert "int chunks = ((L >> 6) + ctl[" in warm and "tma_store(o_desc" in warm and "int L," in warm
+    # async_o (ASYNC_O_STORE): o's store is not waited for where it is issued; the wait for its read of the tile
+    # comes before the next chunk's stmatrix into the tile, and once more after the loop
+    lazy = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                  a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True,
+                                  async_o=True).get_kernel_source()
+    issue = lazy.index("tma_store(o_desc")
+    assert "tma_store_wait" not in lazy[issue:lazy.index("}", lazy.index("tma_store_arrive()", issue))]
+    assert lazy.count("tma_store_wait<0, true>()") == 2 and stsm.count("tma_store_wait<0, true>()") == 1
+    before = lazy[lazy.index("tma_store_wait<0, true>()"):lazy.index("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Os)")]
+    assert before.count("__sync_thread_partial") == 1 and "ptx_stmatrix" not in before
 
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,

@@ -55,7 +55,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
-                 beta_in_a: bool = False):
+                 beta_in_a: bool = False, async_o: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -68,7 +68,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     (int32, read by the affine walk only) is 1 the M tiles walk no chunk and write M = 0
     (``forward.segment_flags``), where it is 2 every tile does ([M | N] = 0: a map the warm walk does without).
     ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each thread
-    stores its accumulator pairs).
+    stores its accumulator pairs). ``async_o`` (with ``tma_o`` or ``warm``): the store is issued and not waited
+    for; the wait for its read of the tile comes before the next chunk writes the tile (:data:`ASYNC_O_STORE`).
 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
@@ -263,13 +264,20 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     if tma_o or warm:
                         # the warm-up's chunks write nothing (a Python True elsewhere: no run-time branch)
                         if not warm or cr >= chunks - Lc:
+                            if async_o:
+                                T.tma_store_wait()      # the previous chunk's store has read the tile
                             T.copy(Of, Os)
-                            T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                            if async_o:
+                                T.tma_copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                            else:
+                                T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
                     else:
                         T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
                 T.gemm(Ks, Vds, S, transpose_A=True)
+            if async_o and store_output and (tma_o or warm):
+                T.tma_store_wait()      # the last store read the tile before the program ends
             T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
@@ -304,11 +312,11 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
-                    stsm: bool = False, beta_in_a: bool = False):
+                    stsm: bool = False, beta_in_a: bool = False, async_o: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
-                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a),
-                             target)
+                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
+                                          async_o), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -325,6 +333,12 @@ EXECUTION_BACKEND: Optional[str] = None
 # wrapper's call does. False: the wrapper. Set before the first call, like EXECUTION_BACKEND: ``launcher`` caches
 # its answer per compiled kernel (``launcher.cache_clear()`` after a change)
 DIRECT_LAUNCH = True
+# o's TMA store per chunk issued without waiting for it (``build_kernel``'s ``async_o``): TileLang's T.copy waits for
+# the store to have read the tile (``cp.async.bulk.wait_group.read 0``) right after issuing it, in the elected
+# thread, so its warp — and the warpgroup's next wgmma, which needs every warp — waits on the store's read of 16 KB.
+# With the flag the wait comes before the next chunk writes the tile, one chunk later. Built in session 20 (run 26's
+# source view of the walk), compile-checked only; off until measured (benchmarks/op_time_check.py --async-o-ab)
+ASYNC_O_STORE = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -588,7 +602,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     else:
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
-                                 async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv)
+                                 async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
+                                 ASYNC_O_STORE and tma_o and not affine)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
@@ -630,7 +645,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
                              str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
-                             async_dots, False, True, True, stsm, beta_in_a_inv)
+                             async_dots, False, True, True, stsm, beta_in_a_inv, ASYNC_O_STORE)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

@@ -1,0 +1,102 @@
+"""The Hopper forward's host cost without its kernels: ``forward_hopper`` and the public op's path into it with every
+TileLang kernel (pre-pass, walk, phase A) and Triton kernel (plan, scan) replaced by a no-op, so what is left is the
+Python, the checks and the allocations (issue 4: rows 1, 3 and 7 are host-bound wherever the host is slow). Runs on
+a CPU (CPU tensors: allocation there is cheaper than the CUDA caching allocator's, so these figures are a floor) or
+a GPU. Prints µs per call for the unsegmented forward and the segmented one (S = 4, the warm-up levers on), then a
+cProfile of the segmented one by own time.
+
+    python benchmarks/host_hopper.py [--calls N] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from linattn.ops.common import seq_parallel  # noqa: E402
+from linattn.ops.hopper import (  # noqa: E402
+    chunk_fwd,
+    map_bound,  # noqa: E402
+    prepass,
+)
+from linattn.ops.hopper import forward as hopper_forward  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing (and returns no compiled kernel,
+    so ``common.launch`` keeps to its JIT path)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def no_kernels():
+    """Every kernel of the Hopper forward a no-op: the TileLang ones compile nothing and launch nothing."""
+    dummy = object()
+    for module in (chunk_fwd, prepass):
+        module.compiled_kernel = lambda *args, **kwargs: dummy
+        module.launcher = lambda kernel: (lambda *args: None)
+    map_bound.segment_plan_kernel = _NoLaunch()
+    seq_parallel.affine_scan_kernel = _NoLaunch()
+
+
+def median_us(fn, calls):
+    for _ in range(20):
+        fn()
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
+def inputs(B, T, H, HV, K=128, V=128):
+    r = lambda *s, dtype=torch.bfloat16: torch.randn(*s, device=DEV).to(dtype)  # noqa: E731
+    return (r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), -torch.rand(B, T, HV, device=DEV) * 0.1,
+            torch.rand(B, T, HV, device=DEV), K ** -0.5, None)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    no_kernels()
+    torch.set_grad_enabled(False)
+    x = inputs(1, 4096, 16, 16)
+    cases = {
+        "forward_hopper unsegmented (B=1 T=4096 H=16)": lambda: hopper_forward.forward_hopper(
+            *x, **hopper_forward.LAUNCH),
+        "forward_hopper segmented S=4, warm-ups": lambda: hopper_forward.forward_hopper(
+            *x, segments=4, **hopper_forward.LAUNCH),
+        "forward_hopper segmented S=4, no levers": lambda: hopper_forward.forward_hopper(
+            *x, segments=4, skip_maps=False, warm_up=False, **hopper_forward.LAUNCH),
+    }
+    print(f"## Host µs per call, kernels replaced by no-ops ({DEV}, torch {torch.__version__}), median of "
+          f"{args.calls}")
+    print("| call | µs |\n|---|---|")
+    for name, fn in cases.items():
+        print(f"| {name} | {median_us(fn, args.calls):.1f} |")
+    if args.profile:
+        fn = cases["forward_hopper segmented S=4, warm-ups"]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fn()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
