@@ -156,6 +156,11 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper_kernel, "EXECUTION_BACKEND", "cython")
     from linattn.ops.hopper import prepass as hopper_prepass
     monkeypatch.setattr(hopper_prepass, "BETA_IN_A_INV", not hopper_prepass.BETA_IN_A_INV)
+    monkeypatch.setattr(hopper_prepass, "TMA_KEYS", not hopper_prepass.TMA_KEYS)
+    monkeypatch.setattr(hopper_prepass, "A_ROW_PAD", 4 - hopper_prepass.A_ROW_PAD)
+    monkeypatch.setattr(hopper_kernel, "ASYNC_O_STORE", not hopper_kernel.ASYNC_O_STORE)
+    from linattn.ops.common import launch
+    monkeypatch.setattr(launch, "FAST_LAUNCH", not launch.FAST_LAUNCH)
     recorded = collect(CPU)["linattn_settings"]["HOPPER"]
     assert recorded["SEGMENTED_AUTO"] is hopper.SEGMENTED_AUTO and recorded["LAUNCH"] == hopper.LAUNCH
     assert recorded["PREPASS"] == hopper.PREPASS
@@ -163,6 +168,10 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["WARM_UP_MAX_FRACTION"] == hopper.WARM_UP_MAX_FRACTION
     assert recorded["SMALL_SEGMENTED"] is hopper.SMALL_SEGMENTED
     assert recorded["BETA_IN_A_INV"] is hopper_prepass.BETA_IN_A_INV
+    assert recorded["PREPASS_TMA_KEYS"] is hopper_prepass.TMA_KEYS
+    assert recorded["PREPASS_A_ROW_PAD"] == hopper_prepass.A_ROW_PAD
+    assert recorded["ASYNC_O_STORE"] is hopper_kernel.ASYNC_O_STORE
+    assert collect(CPU)["linattn_settings"]["FAST_LAUNCH"] is launch.FAST_LAUNCH
     assert recorded["NEGLIGIBLE_M_LOG2"] == hopper.NEGLIGIBLE_M_LOG2 and recorded["EXECUTION_BACKEND"] == "cython"
     assert isinstance(recorded["tilelang_installed"], bool)
     json.dumps(recorded)                                    # the report writes it as JSON

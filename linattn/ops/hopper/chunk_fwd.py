@@ -336,9 +336,11 @@ DIRECT_LAUNCH = True
 # o's TMA store per chunk issued without waiting for it (``build_kernel``'s ``async_o``): TileLang's T.copy waits for
 # the store to have read the tile (``cp.async.bulk.wait_group.read 0``) right after issuing it, in the elected
 # thread, so its warp — and the warpgroup's next wgmma, which needs every warp — waits on the store's read of 16 KB.
-# With the flag the wait comes before the next chunk writes the tile, one chunk later. Built in session 20 (run 26's
-# source view of the walk), compile-checked only; off until measured (benchmarks/op_time_check.py --async-o-ab)
-ASYNC_O_STORE = False
+# With the flag the wait comes before the next chunk writes the tile, one chunk later. Predicted up to −7% (≈ 0.3 µs
+# of a chunk's ≈ 4.1); run 26 (H200, benchmarks/op_time_check.py --async-o-ab, the public op, o and the final state
+# bitwise equal): B=8 T=4096 H=16 0.3247 → 0.3083 ms (−5%), B=1 T=32768 H=16 (segmented: the warm walk) 0.519
+# (host-bound that time) → 0.365, against 0.384 GPU-bound in call 7
+ASYNC_O_STORE = True
 
 
 @functools.lru_cache(maxsize=256)
