@@ -55,7 +55,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
-                 beta_in_a: bool = False, async_o: bool = False):
+                 beta_in_a: bool = False, async_o: bool = False, async_update: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -70,6 +70,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each thread
     stores its accumulator pairs). ``async_o`` (with ``tma_o`` or ``warm``): the store is issued and not waited
     for; the wait for its read of the tile comes before the next chunk writes the tile (:data:`ASYNC_O_STORE`).
+    ``async_update`` (with ``async_dots``): P V_new and the state's update issued together, one wait
+    (:data:`ASYNC_UPDATE`).
 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
@@ -109,6 +111,22 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
     if affine and warm:
         raise ValueError("warm is phase C's walk (affine is phase A's)")
+
+    @T.macro
+    def store_o(Of, Os, o, ib, c, ihv, iv, write):
+        """o's tile of chunk c: by TMA through shared memory (``tma_o`` or ``warm``; with ``async_o`` the previous
+        store's wait first, the new one not waited for), else each thread's accumulator pairs."""
+        if tma_o or warm:
+            if write:
+                if async_o:
+                    T.tma_store_wait()      # the previous chunk's store has read the tile
+                T.copy(Of, Os)
+                if async_o:
+                    T.tma_copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                else:
+                    T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+        else:
+            T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
 
     @T.prim_func
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
@@ -254,28 +272,27 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                             Vns[i, j] = Vn[i, j]
                     for i, j in T.Parallel(BT, BV):
                         Vds[i, j] = Vn[i, j] * Rho[i]
+                # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
+                write_o = not warm or cr >= chunks - Lc
                 if store_output:
                     for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
                         Of[i, j] = Of[i, j] * (Gam[i] * scale if stsm else Gam[i])
-                    T.gemm(Ps, Vns, Of)
+                    if async_update:
+                        T.wgmma_gemm(Ps, Vns, Of)        # waited for with the state's update below
+                    else:
+                        T.gemm(Ps, Vns, Of)
                     if not stsm:
                         for i, j in T.Parallel(BT, BV):
                             Of[i, j] = Of[i, j] * scale
-                    if tma_o or warm:
-                        # the warm-up's chunks write nothing (a Python True elsewhere: no run-time branch)
-                        if not warm or cr >= chunks - Lc:
-                            if async_o:
-                                T.tma_store_wait()      # the previous chunk's store has read the tile
-                            T.copy(Of, Os)
-                            if async_o:
-                                T.tma_copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
-                            else:
-                                T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
-                    else:
-                        T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+                    if not async_update:
+                        store_o(Of, Os, o, ib, c, ihv, iv, write_o)
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
+                # synchronous: its wait covers P V_new too (async_update), and TileLang hands Ks back to the producer
+                # after its last use in program order, which must come after the dot reading it has completed
                 T.gemm(Ks, Vds, S, transpose_A=True)
+                if async_update and store_output:
+                    store_o(Of, Os, o, ib, c, ihv, iv, write_o)
             if async_o and store_output and (tma_o or warm):
                 T.tma_store_wait()      # the last store read the tile before the program ends
             T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
@@ -312,11 +329,12 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     threads: int = 128, num_stages: int = 2, target: Optional[str] = None,
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
-                    stsm: bool = False, beta_in_a: bool = False, async_o: bool = False):
+                    stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
+                    async_update: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o), target)
+                                          async_o, async_update), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -341,6 +359,13 @@ DIRECT_LAUNCH = True
 # bitwise equal): B=8 T=4096 H=16 0.3247 → 0.3083 ms (−5%), B=1 T=32768 H=16 (segmented: the warm walk) 0.519
 # (host-bound that time) → 0.365, against 0.384 GPU-bound in call 7
 ASYNC_O_STORE = True
+# The chunk's last two dots, P V_new into o's accumulator and the state's update Kᵀ (ρ ⊙ V_new) into S, issued back
+# to back and waited for once (``build_kernel``'s ``async_update``, with ``async_dots``), instead of each waited for
+# where it is issued: they read and write nothing of each other's, so one dot's latency (≈ 0.1–0.2 µs of a chunk's
+# ≈ 3.2) leaves the chain; o's tile is then stored after both. Built in session 20, compile-checked (the key tile
+# is released to the producer after the wait, tests/ops/test_hopper_fwd.py), not run: off until measured
+# (benchmarks/op_time_check.py --async-update-ab)
+ASYNC_UPDATE = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -605,7 +630,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
-                                 ASYNC_O_STORE and tma_o and not affine)
+                                 ASYNC_O_STORE and tma_o and not affine, ASYNC_UPDATE and async_dots)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
@@ -647,7 +672,8 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
                              str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
-                             async_dots, False, True, True, stsm, beta_in_a_inv, ASYNC_O_STORE)
+                             async_dots, False, True, True, stsm, beta_in_a_inv, ASYNC_O_STORE,
+                             ASYNC_UPDATE and async_dots)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
