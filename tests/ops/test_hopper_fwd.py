@@ -374,6 +374,19 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     assert both.index("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Os)", pv) > wait
     assert lazy.index("warpgroup_wait<0>()", lazy.index("desc_a_4, (&(((bfloat16_t*)Ps)")) < \
         lazy.index("desc_a_5, (&(((bfloat16_t*)Ks)")             # without it, P V_new waited for first
+    # async_ax (ASYNC_AX): A_inv X is left running (Q S and Q Kᵀ waited for: one group may stay in flight) while P's
+    # mask and o's factor are applied and P stored; V_new waited for before its tiles are stored
+    ax = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True, async_o=True,
+                                async_ax=True).get_kernel_source()
+    issue = ax.index("desc_a_3, (&(((bfloat16_t*)As)")
+    mask, of_scaled = ax.index("condval = (QK[", issue), ax.index("*(float2*)(Of + ", issue)
+    wait_all = ax.index("wait_wgmma<0>()", issue)
+    assert "warpgroup_wait" not in ax[issue:wait_all]
+    assert issue < ax.index("wait_wgmma<1>()", issue) < mask < ax.index("bfloat16_t*)Ps)", issue) < of_scaled
+    assert of_scaled < wait_all < ax.index("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Vns)", issue)
+    i = lazy.index("desc_a_3, (&(((bfloat16_t*)As)")
+    assert lazy.index("warpgroup_wait<0>()", i) < lazy.index("condval = (QK[", i)    # without it: waited for first
 
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,

@@ -55,7 +55,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
-                 beta_in_a: bool = False, async_o: bool = False, async_update: bool = False):
+                 beta_in_a: bool = False, async_o: bool = False, async_update: bool = False,
+                 async_ax: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -71,7 +72,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     stores its accumulator pairs). ``async_o`` (with ``tma_o`` or ``warm``): the store is issued and not waited
     for; the wait for its read of the tile comes before the next chunk writes the tile (:data:`ASYNC_O_STORE`).
     ``async_update`` (with ``async_dots``): P V_new and the state's update issued together, one wait
-    (:data:`ASYNC_UPDATE`).
+    (:data:`ASYNC_UPDATE`). ``async_ax`` (with ``async_dots`` and ``stsm``): A_inv X runs while P and o's factors
+    are formed (:data:`ASYNC_AX`).
 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
@@ -111,6 +113,14 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
     if affine and warm:
         raise ValueError("warm is phase C's walk (affine is phase A's)")
+
+    ax_async = async_ax and stsm and async_dots and store_output
+
+    @T.macro
+    def scale_o_tile(Of, Gam):
+        """o's accumulator (Q S) times Γ, and the scale with ``stsm`` (else a pass after P V_new)."""
+        for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
+            Of[i, j] = Of[i, j] * (Gam[i] * scale if stsm else Gam[i])
 
     @T.macro
     def store_o(Of, Os, o, ib, c, ihv, iv, write):
@@ -249,9 +259,16 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                             Xs[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
                         else:
                             Xs[j, i] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
-                T.gemm(As, Xs, Vn, transpose_B=not x_rows, clear_accum=True)
-                if async_dots:
-                    T.wait_wgmma(0)
+                if ax_async:
+                    # A_inv X left running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, done:
+                    # wgmma groups complete in order). A_inv's slot is handed back at this issue, safe for the reason
+                    # Q's is (the producer refills nothing of chunk c + 2 before K's slot, released last)
+                    T.wgmma_gemm(As, Xs, Vn, clear_accum=True)
+                    T.wait_wgmma(1)
+                else:
+                    T.gemm(As, Xs, Vn, transpose_B=not x_rows, clear_accum=True)
+                    if async_dots:
+                        T.wait_wgmma(0)
                 if stsm:
                     # P, V_new and ρ ⊙ V_new likewise: in place in their accumulators, then stmatrix
                     if store_output:
@@ -260,6 +277,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         for i, j in T.Parallel(BT, BT):
                             QK[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(Gsc[i] - gcs[j]), 0.0)
                         T.copy(QK, Ps)
+                        if ax_async:
+                            scale_o_tile(Of, Gam)
+                            T.wait_wgmma(0)                     # V_new
                         T.copy(Vn, Vns)
                     for i, j in T.Parallel(BT, BV):
                         Vn[i, j] = Vn[i, j] * Rho[i]
@@ -275,8 +295,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
                 write_o = not warm or cr >= chunks - Lc
                 if store_output:
-                    for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
-                        Of[i, j] = Of[i, j] * (Gam[i] * scale if stsm else Gam[i])
+                    if not ax_async:
+                        scale_o_tile(Of, Gam)
                     if async_update:
                         T.wgmma_gemm(Ps, Vns, Of)        # waited for with the state's update below
                     else:
@@ -330,11 +350,11 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
-                    async_update: bool = False):
+                    async_update: bool = False, async_ax: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o, async_update), target)
+                                          async_o, async_update, async_ax), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -366,6 +386,11 @@ ASYNC_O_STORE = True
 # is released to the producer after the wait, tests/ops/test_hopper_fwd.py), not run: off until measured
 # (benchmarks/op_time_check.py --async-update-ab)
 ASYNC_UPDATE = False
+# A_inv X (V_new) left running while P's mask and decays and o's factor Γ are applied in their accumulators and P is
+# stored (``build_kernel``'s ``async_ax``, with ``async_dots`` and ``stsm``), instead of waited for first: that
+# element-wise work (≈ 100 instructions per thread and chunk) leaves the chain. Built in session 20, compile-checked,
+# not run: off until measured (benchmarks/op_time_check.py --async-ax-ab)
+ASYNC_AX = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -630,7 +655,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
-                                 ASYNC_O_STORE and tma_o and not affine, ASYNC_UPDATE and async_dots)
+                                 ASYNC_O_STORE and tma_o and not affine, ASYNC_UPDATE and async_dots,
+                                 ASYNC_AX and async_dots and stsm and not affine)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
@@ -673,7 +699,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
                              str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
                              async_dots, False, True, True, stsm, beta_in_a_inv, ASYNC_O_STORE,
-                             ASYNC_UPDATE and async_dots)
+                             ASYNC_UPDATE and async_dots, ASYNC_AX and async_dots and stsm)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
