@@ -5,6 +5,7 @@ nvcc are installed (the kernel runs only on the GPU: benchmarks/hopper_fwd_check
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 
 import pytest
@@ -153,3 +154,9 @@ def test_prepass_compiles_for_sm90a():
     assert "(((int)threadIdx.x) * 17) - 1088)]" not in padded
     assert "* 340) + ((((int)threadIdx.x) & 15) * 21)) - 1360)]" in padded
     assert padded.count("__syncthreads()") == src.count("__syncthreads()")     # a layout only: the same barriers
+    # T_ROW_PAD: T_lo, T_hi and Y2 in linear layouts, rows 40 words apart: step 5's B operands read at k·40 + n (no
+    # swizzle), and one barrier fewer (step 4's store of T_10 next to its reads of T_11 is provably disjoint now)
+    t_pad = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", t_row_pad=8).get_kernel_source()
+    b_loads = re.findall(r"B_local(?:_1)?\[j_\d\] = \(\(float\*\)(Tq|Y2)\)\[([^;]*)\];", t_pad)
+    assert len(b_loads) == 2 and all("* 40)" in index and "& 1) * 16)" not in index for _, index in b_loads)
+    assert t_pad.count("__syncthreads()") == src.count("__syncthreads()") - 1

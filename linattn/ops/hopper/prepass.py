@@ -78,15 +78,26 @@ TMA_KEYS = True
 # 0 alone (0.127 → 0.127 ms at B=8 T=4096 H=16) and −1.3 to −1.7% with TMA_KEYS (0.122 → 0.120; every row of the
 # A/B the same way; outputs bitwise equal). The miss says 4-way conflicts on these reads are not what bounds it
 A_ROW_PAD = 4
+# Words of padding after each 32-word row of T_lo, T_hi (Tq) and Y2 = A_hl T_lo, in linear layouts (0: TileLang's
+# swizzled layouts for them). Step 5's two tf32 dots read their B operands (T_lo, Y2) one word per thread, k = lane
+# % 4 and n = lane / 4: rows 40 words apart put those 32 words in 32 banks; TileLang's swizzle left them 2-way
+# conflicts (run 26's source profile: step 5's loads 8.3% of the kernel's shared wavefronts against 5.5% ideal, Y2's
+# stores 2.8% against 1.4%). Step 4's column reads of T_11 (8 rows per warp) are 8 banks apart too. +2 KB of shared
+# memory (8 programs per SM still fit). Built in session 20, compile-checked, not run: off until measured
+# (benchmarks/prepass_ab.py against the file with 0); predicted −5 to −7% of the pre-pass
+T_ROW_PAD = 0
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
-                 beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0):
+                 beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0,
+                 t_row_pad: int = 0):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
     programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`); ``tma_keys``: the key tile by TMA
-    (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`). ``threads``:
+    (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`); ``t_row_pad``:
+    T_lo, T_hi and Y2 in linear layouts with that many words after each 32-word row (:data:`T_ROW_PAD`; 0: TileLang's
+    own swizzled layouts). ``threads``:
     128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for the map bound)."""
     if threads != 2 * BT:
         raise ValueError(f"the pre-pass runs 128 threads per program, got threads={threads}")
@@ -122,16 +133,20 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             # stride (17 rows) puts the two blocks a warp reads in different banks
             Ad = T.alloc_shared((4, D + 1, D + a_row_pad), acc)
             Ao = T.alloc_shared((2, D, D + a_row_pad), acc)      # A_10, A_32
+            # A_hl, step 5's first A operand, in a linear layout with rows 36 words apart (run 26): its stores in step
+            # 2 are a base plus a constant (a swizzle's address was recomputed per element), and its ldmatrix reads
+            # of 8 rows × 16 bytes fall in 8 distinct bank quads
             Ahl = T.alloc_shared((2 * D, 2 * D + 4), acc)
-            Tq = T.alloc_shared((2, 2 * D, 2 * D), acc)   # T_lo, T_hi: the inverted halves
+            Tq = T.alloc_shared((2, 2 * D, 2 * D + t_row_pad), acc)   # T_lo, T_hi: the inverted halves
             Y1 = T.alloc_shared((2, D, D), acc)      # A_10 T_00, A_32 T_22
-            Y2 = T.alloc_shared((2 * D, 2 * D), acc)  # A_hl T_lo
+            Y2 = T.alloc_shared((2 * D, 2 * D + t_row_pad), acc)  # A_hl T_lo
             Out = T.alloc_shared((BT, BT), dtype)
             KK = T.alloc_fragment((BT, BT), acc)
             Z1 = T.alloc_fragment((2, D, D), acc)
             Z2 = T.alloc_fragment((2 * D, 2 * D), acc)
             x = T.alloc_local((D,), acc)
-            T.annotate_layout({Ad: tilelang.layout.make_linear_layout(Ad), Ahl: tilelang.layout.make_linear_layout(Ahl)})
+            linear = [Ad, Ahl] + ([Tq, Y2] if t_row_pad else [])
+            T.annotate_layout({buf: tilelang.layout.make_linear_layout(buf) for buf in linear})
 
             # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
             TC.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks, prefer_instruction="tma" if tma_keys else None)
@@ -204,9 +219,9 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 Tq[h, D + i, j] = Z1[h, i, j]
 
             # 5. the lower-left quadrant X = −T_hi (A_hl T_lo) on tensor cores
-            T.gemm(Ahl[:, 0:2 * D], Tq[0, :, :], Z2, clear_accum=True)
-            T.copy(Z2, Y2)
-            T.gemm(Tq[1, :, :], Y2, Z2, clear_accum=True)
+            T.gemm(Ahl[:, 0:2 * D], Tq[0, :, 0:2 * D], Z2, clear_accum=True)
+            T.copy(Z2, Y2[:, 0:2 * D])
+            T.gemm(Tq[1, :, 0:2 * D], Y2[:, 0:2 * D], Z2, clear_accum=True)
 
             # 6. A_inv = [[T_lo, 0], [X, T_hi]] in bf16 (beta_in_a: column j times β_j), rows past the sequence's
             #    end not written
@@ -223,10 +238,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
-                    tma_keys: bool = False, a_row_pad: int = 0):
+                    tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
     return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys,
-                                          a_row_pad), target)
+                                          a_row_pad, t_row_pad), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -259,7 +274,8 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     HV = g.shape[2]
     kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
                              beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv,
-                             min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD)
+                             min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
+                             t_row_pad=T_ROW_PAD)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets
