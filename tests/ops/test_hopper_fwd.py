@@ -371,6 +371,10 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     # the key tile's slot: the mbarrier the producer waits on last before loading K
     k_slot = re.findall(r"mbarrier\[\(\(c & 1\) \+ (\d+)\)\]\.wait", both[:both.index("tma_load(k_desc")])[-1]
     assert pv < update < wait < both.index(f"mbarrier[((c_1 & 1) + {k_slot})].arrive()", pv)
+    # and the state's decay before the first wait of the chunk (in the shadow of K S, Q S, Q Kᵀ), not before the update
+    decay = both.index("make_float4(expf(g_last)")
+    assert decay < both.index("wait_wgmma<2>()") and "expf(g_last)" not in both[pv:update]
+    assert lazy.index("make_float4(expf(g_last)") > lazy.index("desc_a_4, (&(((bfloat16_t*)Ps)")
     assert both.index("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Os)", pv) > wait
     assert lazy.index("warpgroup_wait<0>()", lazy.index("desc_a_4, (&(((bfloat16_t*)Ps)")) < \
         lazy.index("desc_a_5, (&(((bfloat16_t*)Ks)")             # without it, P V_new waited for first

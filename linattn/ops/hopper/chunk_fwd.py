@@ -71,8 +71,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each thread
     stores its accumulator pairs). ``async_o`` (with ``tma_o`` or ``warm``): the store is issued and not waited
     for; the wait for its read of the tile comes before the next chunk writes the tile (:data:`ASYNC_O_STORE`).
-    ``async_update`` (with ``async_dots``): P V_new and the state's update issued together, one wait
-    (:data:`ASYNC_UPDATE`). ``async_ax`` (with ``async_dots`` and ``stsm``): A_inv X runs while P and o's factors
+    ``async_update`` (with ``async_dots``): P V_new and the state's update issued together, one wait, and the
+    state's decay applied while the chunk's first dots run (:data:`ASYNC_UPDATE`). ``async_ax`` (with ``async_dots`` and ``stsm``): A_inv X runs while P and o's factors
     are formed (:data:`ASYNC_AX`).
 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
@@ -243,6 +243,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 if stsm and store_output:
                     for i in T.Parallel(BT):    # and Gsc QK's
                         Gsc[i] = gcs[i] + log_scale
+                if async_update:
+                    # the state's decay while the dots run (they read its bf16 copy, not these registers)
+                    for i, j in T.Parallel(K, BV):
+                        S[i, j] = S[i, j] * T.exp(g_last)
                 if async_dots:
                     T.wait_wgmma(2 if store_output else 0)     # K S done (X needs only it)
                 if stsm:
@@ -306,8 +310,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                             Of[i, j] = Of[i, j] * scale
                     if not async_update:
                         store_o(Of, Os, o, ib, c, ihv, iv, write_o)
-                for i, j in T.Parallel(K, BV):
-                    S[i, j] = S[i, j] * T.exp(g_last)
+                if not async_update:
+                    for i, j in T.Parallel(K, BV):
+                        S[i, j] = S[i, j] * T.exp(g_last)
                 # synchronous: its wait covers P V_new too (async_update), and TileLang hands Ks back to the producer
                 # after its last use in program order, which must come after the dot reading it has completed
                 T.gemm(Ks, Vds, S, transpose_A=True)
@@ -382,8 +387,10 @@ ASYNC_O_STORE = True
 # The chunk's last two dots, P V_new into o's accumulator and the state's update Kᵀ (ρ ⊙ V_new) into S, issued back
 # to back and waited for once (``build_kernel``'s ``async_update``, with ``async_dots``), instead of each waited for
 # where it is issued: they read and write nothing of each other's, so one dot's latency (≈ 0.1–0.2 µs of a chunk's
-# ≈ 3.2) leaves the chain; o's tile is then stored after both. Built in session 20, compile-checked (the key tile
-# is released to the producer after the wait, tests/ops/test_hopper_fwd.py), not run: off until measured
+# ≈ 3.2) leaves the chain; o's tile is then stored after both. And the state's decay S ← γ S (64 multiplies per
+# thread) moves into the shadow of the chunk's first dots, which read S's bf16 copy. The walk is latency-bound
+# (issue slots ≈ 34% busy, run 24): work moved off the chain is time saved. Built in session 20, compile-checked (the
+# key tile is released to the producer after the wait, tests/ops/test_hopper_fwd.py), not run: off until measured
 # (benchmarks/op_time_check.py --async-update-ab)
 ASYNC_UPDATE = False
 # A_inv X (V_new) left running while P's mask and decays and o's factor Γ are applied in their accumulators and P is
