@@ -389,6 +389,8 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     assert "warpgroup_wait" not in ax[issue:wait_all]
     assert issue < ax.index("wait_wgmma<1>()", issue) < mask < ax.index("bfloat16_t*)Ps)", issue) < of_scaled
     assert of_scaled < wait_all < ax.index("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Vns)", issue)
+    v_read = ax.index("*(uint1*)(Vr + ")
+    assert v_read < ax.index("wait_wgmma<2>()") and lazy.index("*(uint1*)(Vr + ") > lazy.index("wait_wgmma<2>()")
     i = lazy.index("desc_a_3, (&(((bfloat16_t*)As)")
     assert lazy.index("warpgroup_wait<0>()", i) < lazy.index("condval = (QK[", i)    # without it: waited for first
 

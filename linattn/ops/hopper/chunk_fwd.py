@@ -72,8 +72,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     stores its accumulator pairs). ``async_o`` (with ``tma_o`` or ``warm``): the store is issued and not waited
     for; the wait for its read of the tile comes before the next chunk writes the tile (:data:`ASYNC_O_STORE`).
     ``async_update`` (with ``async_dots``): P V_new and the state's update issued together, one wait, and the
-    state's decay applied while the chunk's first dots run (:data:`ASYNC_UPDATE`). ``async_ax`` (with ``async_dots`` and ``stsm``): A_inv X runs while P and o's factors
-    are formed (:data:`ASYNC_AX`).
+    state's decay applied while the chunk's first dots run (:data:`ASYNC_UPDATE`). ``async_ax`` (with ``async_dots``
+    and ``stsm``): V's tile read while K S runs, and A_inv X left running while P and o's factors are formed
+    (:data:`ASYNC_AX`).
 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
@@ -114,7 +115,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     if affine and warm:
         raise ValueError("warm is phase C's walk (affine is phase A's)")
 
-    ax_async = async_ax and stsm and async_dots and store_output
+    v_early = async_ax and stsm and async_dots
+    ax_async = v_early and store_output
 
     @T.macro
     def scale_o_tile(Of, Gam):
@@ -247,11 +249,14 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     # the state's decay while the dots run (they read its bf16 copy, not these registers)
                     for i, j in T.Parallel(K, BV):
                         S[i, j] = S[i, j] * T.exp(g_last)
+                if v_early:
+                    T.copy(Vs, Vr)      # V's tile into registers while K S runs
                 if async_dots:
                     T.wait_wgmma(2 if store_output else 0)     # K S done (X needs only it)
                 if stsm:
                     # X = β ⊙ (V − Γ ⊙ K S) in K S's registers, then to shared memory by stmatrix
-                    T.copy(Vs, Vr)
+                    if not v_early:
+                        T.copy(Vs, Vr)
                     for i, j in T.Parallel(BT, BV):
                         vij = Vr[i, j] * v_on if affine else Vr[i, j]
                         KS[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
@@ -393,10 +398,11 @@ ASYNC_O_STORE = True
 # key tile is released to the producer after the wait, tests/ops/test_hopper_fwd.py), not run: off until measured
 # (benchmarks/op_time_check.py --async-update-ab)
 ASYNC_UPDATE = False
-# A_inv X (V_new) left running while P's mask and decays and o's factor Γ are applied in their accumulators and P is
-# stored (``build_kernel``'s ``async_ax``, with ``async_dots`` and ``stsm``), instead of waited for first: that
-# element-wise work (≈ 100 instructions per thread and chunk) leaves the chain. Built in session 20, compile-checked,
-# not run: off until measured (benchmarks/op_time_check.py --async-ax-ab)
+# The X step's neighbours off the chain (``build_kernel``'s ``async_ax``, with ``async_dots`` and ``stsm``): V's tile
+# read into registers while K S runs (16 shared loads per thread and their addresses, in phase A too), and A_inv X
+# (V_new) left running while P's mask and decays and o's factor Γ are applied in their accumulators and P is stored,
+# instead of waited for first (≈ 100 instructions per thread and chunk). Built in session 20, compile-checked, not
+# run: off until measured (benchmarks/op_time_check.py --async-ax-ab)
 ASYNC_AX = False
 
 
@@ -663,7 +669,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
                                  ASYNC_O_STORE and tma_o and not affine, ASYNC_UPDATE and async_dots,
-                                 ASYNC_AX and async_dots and stsm and not affine)
+                                 ASYNC_AX and async_dots and stsm)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
