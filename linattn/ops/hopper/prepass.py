@@ -30,7 +30,7 @@ blocks 1.8e-3 against 1.7e-3): its FMAs already read one broadcast word and one 
 dots add their operands' zero blocks, stores and barriers.
 
 Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the Hopper kernel's operand),
-the chunk's map bound (``map_bound.py``: the two warps idle in step 3 sum it from K Kᵀ's diagonal, ‖k_i‖², kept
+the chunk's map bound (``map_bound.py``: the two warps idle in step 3 sum it from β_i (K Kᵀ)_ii = β_i ‖k_i‖², kept
 on the diagonal blocks' unused diagonals), and gc and β straight into the layout the fused kernel loads
 (``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per segment when the forward is cut into S segments, which both
 kernels take as B·S sequences): no head-major copies.
@@ -82,8 +82,8 @@ A_ROW_PAD = 4
 # swizzled layouts for them). Step 5's two tf32 dots read their B operands (T_lo, Y2) one word per thread, k = lane
 # % 4 and n = lane / 4: rows 40 words apart put those 32 words in 32 banks; TileLang's swizzle left them 2-way
 # conflicts (run 26's source profile: step 5's loads 8.3% of the kernel's shared wavefronts against 5.5% ideal, Y2's
-# stores 2.8% against 1.4%). Step 4's column reads of T_11 (8 rows per warp) are 8 banks apart too. +2 KB of shared
-# memory (8 programs per SM still fit). Built in session 20, compile-checked, not run: off until measured
+# stores 2.8% against 1.4%). Step 4's column reads of T_11 (8 rows per warp) land 8 banks apart (2-way). +2 KB of
+# shared memory (8 programs per SM still fit). Built in session 20, compile-checked, not run: off until measured
 # (benchmarks/prepass_ab.py against the file with 0); predicted −5 to −7% of the pre-pass
 T_ROW_PAD = 0
 
@@ -97,8 +97,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`); ``tma_keys``: the key tile by TMA
     (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`); ``t_row_pad``:
     T_lo, T_hi and Y2 in linear layouts with that many words after each 32-word row (:data:`T_ROW_PAD`; 0: TileLang's
-    own swizzled layouts). ``threads``:
-    128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for the map bound)."""
+    own swizzled layouts). ``threads``: 128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for
+    the map bound)."""
     if threads != 2 * BT:
         raise ValueError(f"the pre-pass runs 128 threads per program, got threads={threads}")
     import tilelang
