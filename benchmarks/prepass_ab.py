@@ -6,6 +6,10 @@ against the pre-pass's twin (fp32) and against each other, the map bound's chunk
 ``forward.plan`` cuts it), and two small ones with T not a multiple of 64 (the rows past the end):
 
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/prepass_ab.py ab_old/prepass.py [B,T,H,HV ...]
+        [--set NAME=VALUE ...]
+
+``--set``: a module setting of today's pre-pass changed before the run (an int), e.g. a flag against the same file
+with it off: ``cp linattn/ops/hopper/prepass.py ab_old/prepass.py`` then ``--set T_ROW_PAD=8``.
 
 (the new version is timed first, then the old: run it twice with the order in mind where small kernels differ)
 """
@@ -34,8 +38,15 @@ def load_old(path):
     return module
 
 
+args = sys.argv[2:]
+for name, value in (a.split("=") for a, flag in zip(args[1:], args) if flag == "--set"):
+    if not hasattr(prepass, name):
+        raise SystemExit(f"prepass has no setting {name}")
+    setattr(prepass, name, int(value))
+    print(f"today's pre-pass with {name} = {int(value)}", flush=True)
 old = load_old(sys.argv[1])
-SHAPES = [tuple(int(x) for x in a.split(",")) for a in sys.argv[2:]] or SHAPES
+SHAPES = [tuple(int(x) for x in a.split(",")) for a, flag in zip(args, [None] + args)
+          if a[0].isdigit() and flag != "--set"] or SHAPES
 table = []
 for B, T, H, HV in SHAPES:
     low, launch, S, args, ref, twin = prepass_case(B, T, H, HV)
