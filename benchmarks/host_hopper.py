@@ -11,33 +11,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
-import statistics
-import time
 
 import torch
+from host_overhead import DEV, _NoLaunch, median_us  # this folder is on sys.path; it sets the interpreter on a CPU
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from linattn.ops.common import seq_parallel  # noqa: E402
-from linattn.ops.hopper import (  # noqa: E402
-    chunk_fwd,
-    map_bound,  # noqa: E402
-    prepass,
-)
-from linattn.ops.hopper import forward as hopper_forward  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class _NoLaunch:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing (and returns no compiled kernel,
-    so ``common.launch`` keeps to its JIT path)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+from linattn.ops.common import seq_parallel
+from linattn.ops.hopper import chunk_fwd, map_bound, prepass
+from linattn.ops.hopper import forward as hopper_forward
 
 
 def no_kernels():
@@ -48,17 +29,6 @@ def no_kernels():
         module.launcher = lambda kernel: (lambda *args: None)
     map_bound.segment_plan_kernel = _NoLaunch()
     seq_parallel.affine_scan_kernel = _NoLaunch()
-
-
-def median_us(fn, calls):
-    for _ in range(20):
-        fn()
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
 
 
 def inputs(B, T, H, HV, K=128, V=128):
