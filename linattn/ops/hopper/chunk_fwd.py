@@ -406,6 +406,13 @@ ASYNC_UPDATE = False
 ASYNC_AX = False
 
 
+def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool, bool]:
+    """``build_kernel``'s ``async_o``, ``async_update`` and ``async_ax`` from :data:`ASYNC_O_STORE`,
+    :data:`ASYNC_UPDATE` and :data:`ASYNC_AX`, each False where the launch cannot use it (o not stored by TMA, dots
+    not async, no stmatrix steps), so that a switch with no effect compiles no second copy of a kernel."""
+    return ASYNC_O_STORE and tma_store, ASYNC_UPDATE and async_dots, ASYNC_AX and async_dots and stsm
+
+
 @functools.lru_cache(maxsize=256)
 def launcher(kernel):
     """What to call to launch a compiled kernel: its tvm_ffi executable with :data:`DIRECT_LAUNCH` where TileLang
@@ -668,8 +675,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
-                                 ASYNC_O_STORE and tma_o and not affine, ASYNC_UPDATE and async_dots,
-                                 ASYNC_AX and async_dots and stsm)
+                                 *schedule_switches(async_dots, stsm, tma_o and not affine))
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
@@ -711,8 +717,8 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
                              str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
-                             async_dots, False, True, True, stsm, beta_in_a_inv, ASYNC_O_STORE,
-                             ASYNC_UPDATE and async_dots, ASYNC_AX and async_dots and stsm)
+                             async_dots, False, True, True, stsm, beta_in_a_inv,
+                             *schedule_switches(async_dots, stsm, True))
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
