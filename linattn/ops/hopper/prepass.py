@@ -260,7 +260,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv ``[B, T, HV, 64]`` bf16) for the fused
     kernel (``chunk_fwd.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
     and the map bound's chunk sums ``[B·S, HV, L/64]`` fp32 (``map_bound.chunk_bounds``'s, for the segmented
-    forward's plan: the two warps the solve leaves idle sum them from K Kᵀ's diagonal).
+    forward's plan: the two warps the solve leaves idle sum them from β_i ‖k_i‖², kept on A's diagonal blocks).
     ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
     kernel takes as B·S sequences: gc and β come per segment (gc is chunk-local, so it holds for them as it is), and
     A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T. ``beta_in_a_inv``
