@@ -10,9 +10,10 @@ JIT launcher against the compiled kernel's runner, for the segmented forward's p
 ``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chunk later); ``--async-update-ab``: with
 ``chunk_fwd.ASYNC_UPDATE`` off, then on (P V_new and the state's update under one wait); ``--async-ax-ab``: with
 ``chunk_fwd.ASYNC_AX`` off, then on (A_inv X running while P is formed); each says whether o and the final state are
-bitwise equal between the two. ``--profile``: each shape's host time by function (cProfile
-over 200 calls issued back to back, one sync; the largest by own time, then by cumulative time), to say where a
-host-bound call's µs go.
+bitwise equal between the two. Several of these switch together (``--async-update-ab --async-ax-ab``: both off, then
+both on); ``--repeat N``: the off/on pair N times in turn, so the spread between repeats shows the noise.
+``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
+largest by own time, then by cumulative time), to say where a host-bound call's µs go.
 """
 import sys
 import time
@@ -33,10 +34,10 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--async-ax-ab": (chunk_fwd, "ASYNC_AX")}
 
 
-def check(B, T, H, HV, K=128, switch=None, on=None):
-    if switch is not None:
+def check(B, T, H, HV, K=128, switches=(), on=None):
+    for switch in switches:
         setattr(*SWITCHES[switch], on)
-        chunk_fwd.launcher.cache_clear()
+    chunk_fwd.launcher.cache_clear()
     xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
     with torch.no_grad():
         def fn():
@@ -60,13 +61,15 @@ def profile(B, T, H, HV, K=128, calls=200):
     print(host_profile(calls=calls, fn=lambda: chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)))
 
 
-ab = next((a for a in sys.argv[1:] if a in SWITCHES), None)
-for arg in (a for a in sys.argv[1:] if not a.startswith("--")):
+args = sys.argv[1:]
+repeat = int(args.pop(args.index("--repeat") + 1)) if "--repeat" in args else 1
+ab = [a for a in args if a in SWITCHES]
+for arg in (a for a in args if not a.startswith("--")):
     shape = [int(x) for x in arg.split(",")]
-    if "--profile" in sys.argv:
+    if "--profile" in args:
         profile(*shape)
         continue
-    runs = [check(*shape, switch=ab, on=on) for on in (False, True)] if ab else [check(*shape)]
+    runs = [check(*shape, switches=ab, on=on) for _ in range(repeat) for on in (False, True)] if ab else [check(*shape)]
     for row, _ in runs:
         print(row, flush=True)
     if ab:
