@@ -7,10 +7,9 @@ GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every dev
 ``--direct-ab``: each shape with ``chunk_fwd.DIRECT_LAUNCH`` off, then on (TileLang's Python wrapper against its
 tvm_ffi executable called directly); ``--fast-launch-ab``: with ``common.launch.FAST_LAUNCH`` off, then on (Triton's
 JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); ``--async-o-ab``: with
-``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chunk later); ``--async-update-ab``: with
-``chunk_fwd.ASYNC_UPDATE`` off, then on (P V_new and the state's update under one wait); ``--async-ax-ab``: with
+``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chunk later); ``--async-ax-ab``: with
 ``chunk_fwd.ASYNC_AX`` off, then on (A_inv X running while P is formed); each says whether o and the final state are
-bitwise equal between the two. Several of these switch together (``--async-update-ab --async-ax-ab``: both off, then
+bitwise equal between the two. Several of these switch together (``--async-o-ab --async-ax-ab``: both off, then
 both on); ``--repeat N``: the off/on pair N times in turn, so the spread between repeats shows the noise.
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
 largest by own time, then by cumulative time), to say where a host-bound call's µs go.
@@ -30,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
 from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so the figures compare with theirs)
 
 SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (launch, "FAST_LAUNCH"),
-            "--async-o-ab": (chunk_fwd, "ASYNC_O_STORE"), "--async-update-ab": (chunk_fwd, "ASYNC_UPDATE"),
-            "--async-ax-ab": (chunk_fwd, "ASYNC_AX")}
+            "--async-o-ab": (chunk_fwd, "ASYNC_O_STORE"), "--async-ax-ab": (chunk_fwd, "ASYNC_AX")}
 
 
 def check(B, T, H, HV, K=128, switches=(), on=None):
@@ -50,7 +48,7 @@ def check(B, T, H, HV, K=128, switches=(), on=None):
         host = host_us(fn)
         o, ht = fn()
     return dict(shape=(B, T, H, HV), direct=chunk_fwd.DIRECT_LAUNCH, fast_launch=launch.FAST_LAUNCH,
-                async_o=chunk_fwd.ASYNC_O_STORE, async_update=chunk_fwd.ASYNC_UPDATE, async_ax=chunk_fwd.ASYNC_AX,
+                async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1)), (o, ht)
 
 

@@ -59,6 +59,6 @@ def triton_settings() -> Optional[dict]:
             "PREPASS_MIN_BLOCKS_PER_SM": hopper_prepass.MIN_BLOCKS_PER_SM, "PREPASS_TMA_KEYS": hopper_prepass.TMA_KEYS,
             "PREPASS_A_ROW_PAD": hopper_prepass.A_ROW_PAD, "PREPASS_T_ROW_PAD": hopper_prepass.T_ROW_PAD,
             "DIRECT_LAUNCH": hopper_kernel.DIRECT_LAUNCH, "ASYNC_O_STORE": hopper_kernel.ASYNC_O_STORE,
-            "ASYNC_UPDATE": hopper_kernel.ASYNC_UPDATE, "ASYNC_AX": hopper_kernel.ASYNC_AX,
+            "ASYNC_AX": hopper_kernel.ASYNC_AX,
         },
     }

@@ -160,7 +160,6 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper_prepass, "A_ROW_PAD", 4 - hopper_prepass.A_ROW_PAD)
     monkeypatch.setattr(hopper_prepass, "T_ROW_PAD", 8 - hopper_prepass.T_ROW_PAD)
     monkeypatch.setattr(hopper_kernel, "ASYNC_O_STORE", not hopper_kernel.ASYNC_O_STORE)
-    monkeypatch.setattr(hopper_kernel, "ASYNC_UPDATE", not hopper_kernel.ASYNC_UPDATE)
     monkeypatch.setattr(hopper_kernel, "ASYNC_AX", not hopper_kernel.ASYNC_AX)
     from linattn.ops.common import launch
     monkeypatch.setattr(launch, "FAST_LAUNCH", not launch.FAST_LAUNCH)
@@ -175,7 +174,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["PREPASS_A_ROW_PAD"] == hopper_prepass.A_ROW_PAD
     assert recorded["PREPASS_T_ROW_PAD"] == hopper_prepass.T_ROW_PAD
     assert recorded["ASYNC_O_STORE"] is hopper_kernel.ASYNC_O_STORE
-    assert recorded["ASYNC_UPDATE"] is hopper_kernel.ASYNC_UPDATE and recorded["ASYNC_AX"] is hopper_kernel.ASYNC_AX
+    assert recorded["ASYNC_AX"] is hopper_kernel.ASYNC_AX
     assert collect(CPU)["linattn_settings"]["FAST_LAUNCH"] is launch.FAST_LAUNCH
     assert recorded["NEGLIGIBLE_M_LOG2"] == hopper.NEGLIGIBLE_M_LOG2 and recorded["EXECUTION_BACKEND"] == "cython"
     assert isinstance(recorded["tilelang_installed"], bool)

@@ -55,8 +55,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
-                 beta_in_a: bool = False, async_o: bool = False, async_update: bool = False,
-                 async_ax: bool = False):
+                 beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -71,8 +70,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     ``tma_o``: o's tile goes to shared memory (stmatrix) and out by TMA, rows past T clipped by it (else each thread
     stores its accumulator pairs). ``async_o`` (with ``tma_o`` or ``warm``): the store is issued and not waited
     for; the wait for its read of the tile comes before the next chunk writes the tile (:data:`ASYNC_O_STORE`).
-    ``async_update`` (with ``async_dots``): P V_new and the state's update issued together, one wait, and the
-    state's decay applied while the chunk's first dots run (:data:`ASYNC_UPDATE`). ``async_ax`` (with ``async_dots``
+    ``async_ax`` (with ``async_dots``
     and ``stsm``): V's tile read while K S runs, and A_inv X left running while P and o's factors are formed
     (:data:`ASYNC_AX`).
 
@@ -245,10 +243,6 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 if stsm and store_output:
                     for i in T.Parallel(BT):    # and Gsc QK's
                         Gsc[i] = gcs[i] + log_scale
-                if async_update:
-                    # the state's decay while the dots run (they read its bf16 copy, not these registers)
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] * T.exp(g_last)
                 if v_early:
                     T.copy(Vs, Vr)      # V's tile into registers while K S runs
                 if async_dots:
@@ -306,23 +300,16 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 if store_output:
                     if not ax_async:
                         scale_o_tile(Of, Gam)
-                    if async_update:
-                        T.wgmma_gemm(Ps, Vns, Of)        # waited for with the state's update below
-                    else:
-                        T.gemm(Ps, Vns, Of)
+                    T.gemm(Ps, Vns, Of)
                     if not stsm:
                         for i, j in T.Parallel(BT, BV):
                             Of[i, j] = Of[i, j] * scale
-                    if not async_update:
-                        store_o(Of, Os, o, ib, c, ihv, iv, write_o)
-                if not async_update:
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] * T.exp(g_last)
-                # synchronous: its wait covers P V_new too (async_update), and TileLang hands Ks back to the producer
-                # after its last use in program order, which must come after the dot reading it has completed
-                T.gemm(Ks, Vds, S, transpose_A=True)
-                if async_update and store_output:
                     store_o(Of, Os, o, ib, c, ihv, iv, write_o)
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] * T.exp(g_last)
+                # synchronous: TileLang hands Ks back to the producer after its last use in program order, which must
+                # come after the dot reading it has completed
+                T.gemm(Ks, Vds, S, transpose_A=True)
             if async_o and store_output and (tma_o or warm):
                 T.tma_store_wait()      # the last store read the tile before the program ends
             T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
@@ -360,11 +347,11 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
-                    async_update: bool = False, async_ax: bool = False):
+                    async_ax: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o, async_update, async_ax), target)
+                                          async_o, async_ax), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -389,28 +376,23 @@ DIRECT_LAUNCH = True
 # bitwise equal): B=8 T=4096 H=16 0.3247 → 0.3083 ms (−5%), B=1 T=32768 H=16 (segmented: the warm walk) 0.519
 # (host-bound that time) → 0.365, against 0.384 GPU-bound in call 7
 ASYNC_O_STORE = True
-# The chunk's last two dots, P V_new into o's accumulator and the state's update Kᵀ (ρ ⊙ V_new) into S, issued back
-# to back and waited for once (``build_kernel``'s ``async_update``, with ``async_dots``), instead of each waited for
-# where it is issued: they read and write nothing of each other's, so one dot's latency (≈ 0.1–0.2 µs of a chunk's
-# ≈ 3.2) leaves the chain; o's tile is then stored after both. And the state's decay S ← γ S (64 multiplies per
-# thread) moves into the shadow of the chunk's first dots, which read S's bf16 copy. The walk is latency-bound
-# (issue slots ≈ 34% busy, run 24): work moved off the chain is time saved. Built in session 20, compile-checked (the
-# key tile is released to the producer after the wait, tests/ops/test_hopper_fwd.py), not run: off until measured
-# (benchmarks/op_time_check.py --async-update-ab)
-ASYNC_UPDATE = False
 # The X step's neighbours off the chain (``build_kernel``'s ``async_ax``, with ``async_dots`` and ``stsm``): V's tile
 # read into registers while K S runs (16 shared loads per thread and their addresses, in phase A too), and A_inv X
 # (V_new) left running while P's mask and decays and o's factor Γ are applied in their accumulators and P is stored,
-# instead of waited for first (≈ 100 instructions per thread and chunk). Built in session 20, compile-checked, not
-# run: off until measured (benchmarks/op_time_check.py --async-ax-ab)
-ASYNC_AX = False
+# instead of waited for first (≈ 100 instructions per thread and chunk). Predicted −3 to −5% of the walk; run 27
+# (H200, benchmarks/op_time_check.py --async-ax-ab --repeat 2, the public op, o and the final state bitwise equal):
+# B=8 T=4096 H=16 0.310 → 0.307 ms, B=1 T=32768 H=16 0.369 → 0.364, B=1 T=32768 H=2 HV=8 0.223 → 0.220 (−1 to −2%
+# of the op, ≈ −2 to −3% of the walk). Session 20's companion, P V_new and the state's update under one wait with the
+# state's decay in the first dots' shadow, measured nothing beside it (0.306 / 0.365 / 0.222 ms with both) and was
+# removed
+ASYNC_AX = True
 
 
-def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool, bool]:
-    """``build_kernel``'s ``async_o``, ``async_update`` and ``async_ax`` from :data:`ASYNC_O_STORE`,
-    :data:`ASYNC_UPDATE` and :data:`ASYNC_AX`, each False where the launch cannot use it (o not stored by TMA, dots
-    not async, no stmatrix steps), so that a switch with no effect compiles no second copy of a kernel."""
-    return ASYNC_O_STORE and tma_store, ASYNC_UPDATE and async_dots, ASYNC_AX and async_dots and stsm
+def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool]:
+    """``build_kernel``'s ``async_o`` and ``async_ax`` from :data:`ASYNC_O_STORE` and :data:`ASYNC_AX`, each False
+    where the launch cannot use it (o not stored by TMA, dots not async, no stmatrix steps), so that a switch with no
+    effect compiles no second copy of a kernel."""
+    return ASYNC_O_STORE and tma_store, ASYNC_AX and async_dots and stsm
 
 
 @functools.lru_cache(maxsize=256)

@@ -83,9 +83,11 @@ A_ROW_PAD = 4
 # % 4 and n = lane / 4: rows 40 words apart put those 32 words in 32 banks; TileLang's swizzle left them 2-way
 # conflicts (run 26's source profile: step 5's loads 8.3% of the kernel's shared wavefronts against 5.5% ideal, Y2's
 # stores 2.8% against 1.4%). Step 4's column reads of T_11 (8 rows per warp) land 8 banks apart (2-way). +2 KB of
-# shared memory (8 programs per SM still fit). Built in session 20, compile-checked, not run: off until measured
-# (benchmarks/prepass_ab.py against the file with 0); predicted −5 to −7% of the pre-pass
-T_ROW_PAD = 0
+# shared memory (8 programs per SM still fit). Predicted −5 to −7% of the pre-pass; run 27 (H200,
+# benchmarks/prepass_ab.py against the file with 0, A_inv and o bitwise equal on six shapes): 0.1164 → 0.1131 ms at
+# B=8 T=4096 H=16, 0.2237 → 0.2125 at B=4 T=8192 H=16 HV=32, 0.0604 → 0.0581 at B=1 T=32768 H=2 HV=8 (−3 to −5%);
+# 9.4 → 9.6 µs at the small shapes (timed first there)
+T_ROW_PAD = 8
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
