@@ -94,3 +94,34 @@ def test_a_real_kernel_launches_through_it(fast):
     for _ in range(3):
         launch_mod.launch(_add_one_kernel, (1,), x, 5, BLOCK=8, num_warps=1)
     assert x.tolist() == [3.0] * 5 + [0.0] * 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the runner exists only for compiled kernels (a GPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_split_forward_launches_through_it(fast, monkeypatch, dtype):
+    """The split forward's three kernels (pre-pass, state pass, output) take the runner from the second call on,
+    with o and the final state bitwise those of the JIT launcher (None arguments and launch options included)."""
+    from linattn import chunk_gated_delta_rule
+    from linattn.ops.common.fused_prepass import fused_prepass_kernel
+    from linattn.ops.common.output import output_fwd_kernel
+    from linattn.ops.common.state_pass import state_pass_fwd_kernel
+    from linattn.ops.gated_delta import triton_chunk
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, 300, 2, 64
+    q, k, v = (torch.randn(B, T, H, K, generator=gen).to("cuda", dtype) for _ in range(3))
+    k = torch.nn.functional.normalize(k.float(), dim=-1).to(dtype)
+    g = (-torch.rand(B, T, H, generator=gen)).cuda()
+    beta = torch.rand(B, T, H, generator=gen).to("cuda", dtype)
+    h0 = torch.randn(B, H, K, K, generator=gen).cuda()
+
+    def run():
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
+    want = run()
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    first, second = run(), run()
+    launched = {key[0] for key in launch_mod._compiled}
+    assert {fused_prepass_kernel, state_pass_fwd_kernel, output_fwd_kernel} <= launched
+    for got in (first, second):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -38,6 +38,7 @@ from ..utils import cdiv
 from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
 from .dot import dot
 from .kkt_solve import a_inv_tile, kkt_inverse, merge_precision
+from .launch import launch
 from .varlen import chunk_bounds
 from .wy import wy_tiles
 
@@ -139,12 +140,12 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if write_wy else None
     p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None
     NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
-    fused_prepass_kernel[(NT, B * HV)](
-        g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
-        BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
-        INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
-        STORE_A_INV=not write_wy, MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
-        num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
+    launch(fused_prepass_kernel, (NT, B * HV),
+           g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+           BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
+           INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
+           STORE_A_INV=not write_wy, MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
+           num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
     if not write_wy:
         return gc, a_inv
     return (gc, w, u) if q is None else (gc, w, u, p)

@@ -23,6 +23,7 @@ import triton.language as tl
 from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
 from .dot import DOT_PRECISIONS, dot
+from .launch import launch
 from .varlen import chunk_bounds
 
 
@@ -97,9 +98,9 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     o = torch.empty(B, T, HV, V, dtype=out_dtype, device=q.device)
     NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
     BV = block_size(V, 64)
-    output_fwd_kernel[(cdiv(V, BV), NT, B * HV)](
-        q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H=H, HV=HV, K=K, V=V, BT=chunk_size,
-        BK=block_size(K, 64), BV=BV, DOT_PREC=dot_precision(q.dtype), OUT_PREC=dot_prec or dot_precision(q.dtype),
-        USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None, INTERPRET=triton_interpret(),
-        **launch_options("output_fwd"))
+    launch(output_fwd_kernel, (cdiv(V, BV), NT, B * HV),
+           q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T, NT, H=H, HV=HV, K=K, V=V, BT=chunk_size,
+           BK=block_size(K, 64), BV=BV, DOT_PREC=dot_precision(q.dtype), OUT_PREC=dot_prec or dot_precision(q.dtype),
+           USE_DECAY=gc is not None, IS_VARLEN=cu_seqlens is not None, INTERPRET=triton_interpret(),
+           **launch_options("output_fwd"))
     return o

@@ -48,6 +48,7 @@ from . import (
 )
 from .dot import dot
 from .kkt_solve import a_inv_tile
+from .launch import launch
 
 # Stages of the chunk loop when the grid is one wave (common.loop_stages; 0 otherwise): n >= 1 is tl.range
 # with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py), BV=16: B=1 T=4096 H=16 0.282 /
@@ -217,11 +218,10 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
                                            A_INV_MIN_FILL if a_inv is not None else 1.0))
     grid = (cdiv(V, BV), N * HV)
     stages = loop_stages(num_stages, STATE_PASS_STAGES, grid[0] * grid[1], sms)
-    state_pass_fwd_kernel[grid](
-        k, w, u, a_inv, beta, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K,
-        V=V, BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
-        USE_DELTA=delta, FROM_A_INV=a_inv is not None, USE_INITIAL_STATE=initial_state is not None,
-        IS_VARLEN=is_varlen,
-        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=STATE_PASS_WARPS,
-        **launch_options("state_pass_fwd"))
+    launch(state_pass_fwd_kernel, grid,
+           k, w, u, a_inv, beta, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K,
+           V=V, BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
+           USE_DELTA=delta, FROM_A_INV=a_inv is not None, USE_INITIAL_STATE=initial_state is not None,
+           IS_VARLEN=is_varlen, INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=STATE_PASS_WARPS,
+           **launch_options("state_pass_fwd"))
     return h, v_new, ht
