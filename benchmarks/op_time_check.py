@@ -12,8 +12,14 @@ JIT launcher against the compiled kernel's runner, for the segmented forward's p
 bitwise equal between the two. Several of these switch together (``--async-o-ab --async-ax-ab``: both off, then
 both on); ``--repeat N``: the off/on pair N times in turn, so the spread between repeats shows the noise.
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
-largest by own time, then by cumulative time), to say where a host-bound call's µs go.
+largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
+question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
+(perf_counter around each). ``--graph``: beside the eager time, the call captured in a CUDA graph and replayed (the
+GPU's time alone: eager above it is host time). ``--path P``: ``triton_chunk.FORWARD_PATH`` (auto, split, walk,
+hopper); ``--min-segmented-tokens N``: ``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with
+its levers at every shape it fills the card with).
 """
+import collections
 import sys
 import time
 from pathlib import Path
@@ -22,8 +28,10 @@ import torch
 from hopper_fwd_check import bench, host_profile, host_us  # this folder is on sys.path
 
 from linattn import chunk_gated_delta_rule
-from linattn.ops.common import launch
-from linattn.ops.hopper import chunk_fwd
+from linattn.ops.common import launch, seq_parallel
+from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.hopper import chunk_fwd, map_bound, prepass
+from linattn.ops.hopper import forward as hopper_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
 from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so the figures compare with theirs)
@@ -32,7 +40,20 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--async-o-ab": (chunk_fwd, "ASYNC_O_STORE"), "--async-ax-ab": (chunk_fwd, "ASYNC_AX")}
 
 
-def check(B, T, H, HV, K=128, switches=(), on=None):
+def graph_ms(fn):
+    """do_bench median ms of ``fn`` captured in a CUDA graph (warmed up on a side stream first, as capture needs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
+def check(B, T, H, HV, K=128, switches=(), on=None, graph=False):
     for switch in switches:
         setattr(*SWITCHES[switch], on)
     chunk_fwd.launcher.cache_clear()
@@ -47,9 +68,10 @@ def check(B, T, H, HV, K=128, switches=(), on=None):
         ms = bench(fn)
         host = host_us(fn)
         o, ht = fn()
-    return dict(shape=(B, T, H, HV), direct=chunk_fwd.DIRECT_LAUNCH, fast_launch=launch.FAST_LAUNCH,
-                async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
-                first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1)), (o, ht)
+        extra = dict(graph_ms=round(graph_ms(fn), 4)) if graph else {}
+    return dict(shape=(B, T, H, HV), path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
+                fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
+                first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 
 def profile(B, T, H, HV, K=128, calls=200):
@@ -59,15 +81,64 @@ def profile(B, T, H, HV, K=128, calls=200):
     print(host_profile(calls=calls, fn=lambda: chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)))
 
 
+def host_parts(B, T, H, HV, K=128, calls=200):
+    """Print the host µs per call spent inside each layer of the Hopper forward (``forward_hopper``, the pre-pass,
+    the plan, the walk, the scan) and in its launches (TileLang's and Triton's), perf_counter around each, over
+    ``calls`` calls issued back to back; layers nest (forward_hopper holds the others)."""
+    spent = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return wrapper
+    tilelang_launcher = chunk_fwd.launcher
+    saved = [(chunk_fwd, "launcher"), (prepass, "launcher"), (map_bound, "launch"), (seq_parallel, "launch")] + \
+        [(hopper_forward, name) for name in ("forward_hopper", "prepass_hopper", "segment_plan", "chunk_fwd_hopper_hm",
+                                              "affine_scan")]
+    saved = [(module, name, getattr(module, name)) for module, name in saved]
+    try:
+        chunk_fwd.launcher = prepass.launcher = lambda kernel: timed("TileLang launches", tilelang_launcher(kernel))
+        map_bound.launch = timed("Triton launches", map_bound.launch)
+        seq_parallel.launch = timed("Triton launches", seq_parallel.launch)
+        for _, name, fn in saved[4:]:
+            setattr(hopper_forward, name, timed(name + "()", fn))
+        xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
+        with torch.no_grad():
+            def fn():
+                return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)
+            fn()
+            torch.cuda.synchronize()
+            spent.clear()
+            whole = host_us(fn, calls=calls)
+        parts = {name: round(s / (calls + 1) * 1e6, 1) for name, s in spent.items()}   # host_us calls once more
+        print(dict(shape=(B, T, H, HV), path=triton_chunk.FORWARD_PATH, host_us=round(whole, 1), **parts), flush=True)
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
 args = sys.argv[1:]
 repeat = int(args.pop(args.index("--repeat") + 1)) if "--repeat" in args else 1
+if "--path" in args:
+    triton_chunk.FORWARD_PATH = args.pop(args.index("--path") + 1)
+if "--min-segmented-tokens" in args:
+    hopper_forward.MIN_SEGMENTED_HEAD_TOKENS = int(args.pop(args.index("--min-segmented-tokens") + 1))
 ab = [a for a in args if a in SWITCHES]
 for arg in (a for a in args if not a.startswith("--")):
     shape = [int(x) for x in arg.split(",")]
     if "--profile" in args:
         profile(*shape)
         continue
-    runs = [check(*shape, switches=ab, on=on) for _ in range(repeat) for on in (False, True)] if ab else [check(*shape)]
+    if "--host-parts" in args:
+        host_parts(*shape)
+        continue
+    graph = "--graph" in args
+    runs = ([check(*shape, switches=ab, on=on, graph=graph) for _ in range(repeat) for on in (False, True)] if ab
+            else [check(*shape, graph=graph)])
     for row, _ in runs:
         print(row, flush=True)
     if ab:

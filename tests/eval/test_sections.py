@@ -152,6 +152,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper, "WARM_UP", not hopper.WARM_UP)
     monkeypatch.setattr(hopper, "WARM_UP_MAX_FRACTION", hopper.WARM_UP_MAX_FRACTION / 2)
     monkeypatch.setattr(hopper, "SMALL_SEGMENTED", not hopper.SMALL_SEGMENTED)
+    monkeypatch.setattr(hopper, "SEGMENTED_WHEN_CAPTURED", not hopper.SEGMENTED_WHEN_CAPTURED)
     from linattn.ops.hopper import chunk_fwd as hopper_kernel
     monkeypatch.setattr(hopper_kernel, "EXECUTION_BACKEND", "cython")
     from linattn.ops.hopper import prepass as hopper_prepass
@@ -169,6 +170,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["SKIP_NEGLIGIBLE_MAPS"] is hopper.SKIP_NEGLIGIBLE_MAPS and recorded["WARM_UP"] is hopper.WARM_UP
     assert recorded["WARM_UP_MAX_FRACTION"] == hopper.WARM_UP_MAX_FRACTION
     assert recorded["SMALL_SEGMENTED"] is hopper.SMALL_SEGMENTED
+    assert recorded["SEGMENTED_WHEN_CAPTURED"] is hopper.SEGMENTED_WHEN_CAPTURED
     assert recorded["BETA_IN_A_INV"] is hopper_prepass.BETA_IN_A_INV
     assert recorded["PREPASS_TMA_KEYS"] is hopper_prepass.TMA_KEYS
     assert recorded["PREPASS_A_ROW_PAD"] == hopper_prepass.A_ROW_PAD

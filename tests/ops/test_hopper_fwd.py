@@ -184,6 +184,63 @@ def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeyp
     assert plan(1, 16, 192, 1000, 132, True) == dict(LAUNCH, BV=64)
 
 
+def test_plan_under_capture_picks_by_gpu_time(monkeypatch):
+    """Under CUDA graph capture, with SEGMENTED_WHEN_CAPTURED, "auto" segments small shapes too, with the levers
+    (the host's cost is paid once); without the flag, or eagerly, the small shape keeps the split."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.forward import LAUNCH, plan
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", True)
+    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", False)
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", False)
+    assert plan(1, 16, 128, 4096, 132, False, capturing=True) is None
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
+    assert plan(1, 16, 128, 4096, 132, False, capturing=False) is None
+    assert plan(1, 16, 128, 4096, 132, False, capturing=True) == dict(LAUNCH, BV=64, segments=4)
+    assert plan(1, 16, 128, 1000, 132, False, capturing=True) is None                      # T: no equal segments
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
+                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
+    """B=1 T=4096 H=16 through the op captured in a CUDA graph, with SEGMENTED_WHEN_CAPTURED: the replay runs the
+    segmented forward with its levers, bitwise what the same plan writes eagerly, and the eager call keeps the
+    split."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
+         for n, t in inputs(1, 4096, 16, 16, 128, 128, dtype=torch.bfloat16).items()}
+    plans = []
+    real = hopper_fwd.forward_hopper
+    monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda *a, **kw: plans.append(kw) or real(*a, **kw))
+
+    def call():
+        return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+    with torch.no_grad():
+        eager = call()
+        assert plans == []                                                 # eager: the split
+        small = hopper_fwd.MIN_SEGMENTED_HEAD_TOKENS
+        monkeypatch.setattr(hopper_fwd, "MIN_SEGMENTED_HEAD_TOKENS", 0)   # the same plan eagerly (its kernels warm)
+        want = call()
+        assert plans[-1].get("segments") == 4 and "skip_maps" not in plans[-1]
+        monkeypatch.setattr(hopper_fwd, "MIN_SEGMENTED_HEAD_TOKENS", small)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()                                                         # the usual warm-up off the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert len(plans) == 2 and plans[0] == plans[1]                        # the capture took the segmented plan
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    for o, ht in (captured, eager):       # the core issue's bf16 bound (the split's error is the smaller)
+        assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
+
+
 def _twin_with_m_scaled(factor):
     """The kernel's twin, with the affine walk's M (the first K columns of [M | N]) scaled by ``factor``: a wrong
     state map for the negative controls below."""

@@ -102,14 +102,16 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
     """The Hopper forward's launch for these inputs, or None to run the Triton paths: None where the kernel cannot
     take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, varlen, ...); under
     "auto" also where neither the kernel's programs nor the segmented forward's fill the card
-    (``hopper.forward.plan``); "hopper" then runs the unsegmented kernel."""
+    (``hopper.forward.plan``, which may choose differently under CUDA graph capture: the host's cost is then paid
+    once); "hopper" then runs the unsegmented kernel."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
     from ..hopper import chunk_fwd as hopper
     if hopper.unsupported_reason(q, v, cu_seqlens) is not None:
         return None
     from ..hopper.forward import plan
-    return plan(num_sequences, v.shape[2], v.shape[-1], q.shape[1], num_sms(q.device), FORWARD_PATH == "hopper")
+    return plan(num_sequences, v.shape[2], v.shape[-1], q.shape[1], num_sms(q.device), FORWARD_PATH == "hopper",
+                torch.cuda.is_current_stream_capturing())
 
 
 class FwdStages(NamedTuple):

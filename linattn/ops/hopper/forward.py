@@ -111,13 +111,21 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
 MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
 # Whether "auto" takes the segmented forward without its levers below MIN_SEGMENTED_HEAD_TOKENS (else the split)
 SMALL_SEGMENTED = False
+# Under CUDA graph capture the host's cost is paid once, at capture, not at each replay, so "auto" may pick by GPU
+# time alone there: the segmented forward with its levers below MIN_SEGMENTED_HEAD_TOKENS too. Run 27 (H200, B=1
+# T=4096 H=16 through the op, the call captured in a graph and replayed): 0.092 ms segmented (4 segments, warm-ups)
+# against the split's 0.228; eager both ≈ 0.230 (the segmented call host-bound at ≈ 230 µs per call, the split
+# GPU-bound). Built in session 21, not run: off until a replay is checked against the eager call on the GPU
+# (tests/ops/test_hopper_fwd.py::test_a_captured_small_call_takes_the_segmented_forward)
+SEGMENTED_WHEN_CAPTURED = False
 # Whether "auto" takes the segmented forward at all. Run 22 checked it at a slow decay (1/65536 of the anchors'
 # gates, so the entering state survives the whole segment and every map M counts): o / state errors against
 # float64 4.03e-3 / 3.29e-3 segmented, 4.03e-3 / 3.27e-3 unsegmented (B=1 T=32768 H=16, 8 segments)
 SEGMENTED_AUTO = True
 
 
-def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) -> Optional[dict]:
+def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, capturing: bool = False
+         ) -> Optional[dict]:
     """:func:`forward_hopper`'s keywords for ``num_sequences`` equal-length sequences of ``T`` tokens and ``HV``
     value heads of width ``V`` on ``sms`` SMs, or None for the Triton paths: the unsegmented kernel where its
     programs fill the card (:func:`hopper_launch`), else the segmented forward where segments do
@@ -130,12 +138,12 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool) ->
     kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented kernel fills the card, 2 segments were
     slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under "auto", below
     :data:`MIN_SEGMENTED_HEAD_TOKENS` the segments come without the levers (``skip_maps``, ``warm_up`` False:
-    :data:`SMALL_SEGMENTED`)."""
+    :data:`SMALL_SEGMENTED`), or, ``capturing`` (a CUDA graph capture), with them (:data:`SEGMENTED_WHEN_CAPTURED`)."""
     launch = hopper_launch(num_sequences, HV, V, sms)
     if launch is not None:
         return launch
     segments = segment_count(num_sequences, HV, V, T, sms)
-    small = num_sequences * T * HV < MIN_SEGMENTED_HEAD_TOKENS
+    small = num_sequences * T * HV < MIN_SEGMENTED_HEAD_TOKENS and not (capturing and SEGMENTED_WHEN_CAPTURED)
     if segments is not None and (forced or (SEGMENTED_AUTO and not small)):
         return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
     if segments is not None and SEGMENTED_AUTO and SMALL_SEGMENTED:      # host-bound: the fewest launches
