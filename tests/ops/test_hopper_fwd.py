@@ -241,6 +241,38 @@ def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
         assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
+                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
+    """What a user's warm-up leaves (torch.compile's CUDA graphs too): eager calls of a small shape run the split,
+    so under SEGMENTED_WHEN_CAPTURED the segmented forward's kernels are first built, loaded and launched inside the
+    capture. The capture must succeed and replay within the bf16 bound. Meaningful only in a process where no
+    Hopper kernel of this shape ran before: run it alone first (``-k never_ran_eagerly``)."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
+         for n, t in inputs(1, 2048, 32, 32, 128, 128, dtype=torch.bfloat16, seed=1).items()}
+
+    def call():
+        return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager = call()                                                 # the split
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    for o, ht in (captured, eager):
+        assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
+    assert not torch.equal(captured[0], eager[0])                          # two paths, not one twice
+
+
 def _twin_with_m_scaled(factor):
     """The kernel's twin, with the affine walk's M (the first K columns of [M | N]) scaled by ``factor``: a wrong
     state map for the negative controls below."""
