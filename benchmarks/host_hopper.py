@@ -27,8 +27,8 @@ def no_kernels():
     for module in (chunk_fwd, prepass):
         module.compiled_kernel = lambda *args, **kwargs: dummy
         module.launcher = lambda kernel: (lambda *args: None)
-    map_bound.segment_plan_kernel = _NoLaunch()
-    seq_parallel.affine_scan_kernel = _NoLaunch()
+    map_bound.segment_plan_kernel = _NoLaunch(map_bound.segment_plan_kernel)
+    seq_parallel.affine_scan_kernel = _NoLaunch(seq_parallel.affine_scan_kernel)
 
 
 def inputs(B, T, H, HV, K=128, V=128):

@@ -46,22 +46,38 @@ H, HV, K, V = 16, 32, 128, 128
 
 
 class _NoLaunch:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing."""
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing and returns a compiled kernel whose
+    runner does nothing either, so that ``common.launch`` takes its runner path after the first launch as on a GPU.
+    ``kernel``: the one replaced (its parameter names and unspecialised integers, which that path reads)."""
+
+    def __init__(self, kernel=None):
+        self.arg_names = list(getattr(kernel, "arg_names", ()))
+        # a JITFunction's own list; the interpreter's kernels keep theirs among the jit's keywords
+        self.do_not_specialize = list(getattr(kernel, "do_not_specialize", None) or
+                                      getattr(kernel, "kwargs", {}).get("do_not_specialize", ()))
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NoRunner()
+
+
+class _NoRunner:
+    """A compiled kernel's ``[grid](*params)`` runner that does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *params: None
 
 
 def no_launches():
     import importlib
     for mod, name in ((rk, "fused_recurrent_fwd_kernel"), (ff_mod, "fused_fwd_kernel"),
                       (fp_mod, "fused_prepass_kernel")):
-        setattr(mod, name, _NoLaunch())
+        setattr(mod, name, _NoLaunch(getattr(mod, name)))
     # the split forward's state pass and output kernel (the default path below 128 (sequence, head) pairs), the
     # sequence-parallel scan and the in-op pre-processing
     for module, name in (("state_pass", "state_pass_fwd_kernel"), ("output", "output_fwd_kernel"),
                          ("seq_parallel", "affine_scan_kernel"), ("preprocess", "preprocess_fwd_kernel")):
-        setattr(importlib.import_module("linattn.ops.common." + module), name, _NoLaunch())
+        mod = importlib.import_module("linattn.ops.common." + module)
+        setattr(mod, name, _NoLaunch(getattr(mod, name)))
 
 
 def sync():

@@ -27,23 +27,25 @@ FAST_LAUNCH = True
 _compiled: dict[Hashable, Any] = {}
 
 
-def _fast_path_allowed(kernel, args: tuple) -> bool:
-    """Whether the runner would launch what the JIT path would: 16-byte aligned tensors, and every integer argument
-    unspecialised and 32-bit (Triton types an integer by its value: i32 below 2³¹)."""
+def _signature(kernel, args: tuple) -> tuple[tuple, bool]:
+    """In one pass over the leading arguments: what Triton specialises them on that the runner cannot check (each
+    tensor's dtype and device, which arguments are None), and whether the runner would launch what the JIT path
+    would: 16-byte aligned tensors, and every integer argument unspecialised and 32-bit (Triton types an integer by
+    its value: i32 below 2³¹)."""
+    kinds = []
+    same = True
+    unspecialised = getattr(kernel, "do_not_specialize", ())   # the interpreter's kernels have none (nor a runner)
     for name, arg in zip(kernel.arg_names, args):
         if isinstance(arg, torch.Tensor):
+            kinds.append((arg.dtype, arg.get_device()))
             if arg.data_ptr() % 16:
-                return False
-        elif isinstance(arg, int) and not isinstance(arg, bool):
-            if name not in kernel.do_not_specialize or not -2 ** 31 <= arg < 2 ** 31:
-                return False
-    return True
-
-
-def _key(kernel, args: tuple, num_warps: int, constexprs: dict) -> Hashable:
-    """What the compiled kernel depends on beyond what :func:`_fast_path_allowed` checks."""
-    kinds = tuple((a.dtype, a.device) if isinstance(a, torch.Tensor) else a is None for a in args)
-    return kernel, kinds, num_warps, tuple(constexprs.items())
+                same = False
+        else:
+            kinds.append(arg is None)
+            if isinstance(arg, int) and not isinstance(arg, bool) and (
+                    name not in unspecialised or not -2 ** 31 <= arg < 2 ** 31):
+                same = False
+    return tuple(kinds), same
 
 
 def launch(kernel, grid: tuple, *args, num_warps: int = 4, **constexprs) -> None:
@@ -53,14 +55,15 @@ def launch(kernel, grid: tuple, *args, num_warps: int = 4, **constexprs) -> None
     if not FAST_LAUNCH:
         kernel[grid](*args, num_warps=num_warps, **constexprs)
         return
-    key = _key(kernel, args, num_warps, constexprs)
-    compiled = _compiled.get(key)
-    if compiled is not None and _fast_path_allowed(kernel, args):
-        tail = [constexprs[name] for name in kernel.arg_names[len(args):]]
+    kinds, same = _signature(kernel, args)
+    key = (kernel, kinds, num_warps, tuple(constexprs.items()))
+    entry = _compiled.get(key)
+    if entry is not None and same:
+        compiled, tail = entry      # the constexprs in the kernel's order: part of the key, so fixed per entry
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)
         return
     result = kernel[grid](*args, num_warps=num_warps, **constexprs)
     # the JIT path returns the CompiledKernel it launched (None under the interpreter); only an aligned,
     # unspecialised launch may stand for the later ones
-    if result is not None and hasattr(result, "__getitem__") and _fast_path_allowed(kernel, args):
-        _compiled[key] = result
+    if result is not None and hasattr(result, "__getitem__") and same:
+        _compiled[key] = (result, tuple(constexprs[name] for name in kernel.arg_names[len(args):]))
