@@ -59,6 +59,7 @@ def triton_settings() -> Optional[dict]:
             "EXECUTION_BACKEND": hopper_kernel.EXECUTION_BACKEND, "BETA_IN_A_INV": hopper_prepass.BETA_IN_A_INV,
             "PREPASS_MIN_BLOCKS_PER_SM": hopper_prepass.MIN_BLOCKS_PER_SM, "PREPASS_TMA_KEYS": hopper_prepass.TMA_KEYS,
             "PREPASS_A_ROW_PAD": hopper_prepass.A_ROW_PAD, "PREPASS_T_ROW_PAD": hopper_prepass.T_ROW_PAD,
+            "PREPASS_STEP4_BLOCKED": hopper_prepass.STEP4_BLOCKED,
             "DIRECT_LAUNCH": hopper_kernel.DIRECT_LAUNCH, "ASYNC_O_STORE": hopper_kernel.ASYNC_O_STORE,
             "ASYNC_AX": hopper_kernel.ASYNC_AX,
         },

@@ -160,6 +160,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper_prepass, "TMA_KEYS", not hopper_prepass.TMA_KEYS)
     monkeypatch.setattr(hopper_prepass, "A_ROW_PAD", 4 - hopper_prepass.A_ROW_PAD)
     monkeypatch.setattr(hopper_prepass, "T_ROW_PAD", 8 - hopper_prepass.T_ROW_PAD)
+    monkeypatch.setattr(hopper_prepass, "STEP4_BLOCKED", not hopper_prepass.STEP4_BLOCKED)
     monkeypatch.setattr(hopper_kernel, "ASYNC_O_STORE", not hopper_kernel.ASYNC_O_STORE)
     monkeypatch.setattr(hopper_kernel, "ASYNC_AX", not hopper_kernel.ASYNC_AX)
     from linattn.ops.common import launch
@@ -175,6 +176,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["PREPASS_TMA_KEYS"] is hopper_prepass.TMA_KEYS
     assert recorded["PREPASS_A_ROW_PAD"] == hopper_prepass.A_ROW_PAD
     assert recorded["PREPASS_T_ROW_PAD"] == hopper_prepass.T_ROW_PAD
+    assert recorded["PREPASS_STEP4_BLOCKED"] is hopper_prepass.STEP4_BLOCKED
     assert recorded["ASYNC_O_STORE"] is hopper_kernel.ASYNC_O_STORE
     assert recorded["ASYNC_AX"] is hopper_kernel.ASYNC_AX
     assert collect(CPU)["linattn_settings"]["FAST_LAUNCH"] is launch.FAST_LAUNCH

@@ -160,3 +160,17 @@ def test_prepass_compiles_for_sm90a():
     b_loads = re.findall(r"B_local(?:_1)?\[j_\d\] = \(\(float\*\)(Tq|Y2)\)\[([^;]*)\];", t_pad)
     assert len(b_loads) == 2 and all("* 40)" in index and "& 1) * 16)" not in index for _, index in b_loads)
     assert t_pad.count("__syncthreads()") == src.count("__syncthreads()") - 1
+    # STEP4_BLOCKED: step 4 on threads 0–63 only, 2 × 4 accumulators each; per m one 8-byte read of A's column (A_10
+    # / A_32 stored transposed, T_11 / T_33 transposed into Ad[1], Ad[3] from the solving threads' registers) and
+    # one 16-byte read of T's row (of Y1 in the second product); the other two warps wait at the barrier between
+    # the products, and no barrier sits inside the branch (only 64 threads would reach it)
+    kw = dict(target="sm_90a", beta_in_a=True, min_blocks=8, tma_keys=True, a_row_pad=4, t_row_pad=8)
+    plain = prepass.compiled_kernel(16, 16, 128, "float32", **kw).get_kernel_source()
+    blocked = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, **kw).get_kernel_source()
+    step4 = blocked[blocked.index("if (((int)threadIdx.x) < 64) {", blocked.index("bound[")):]
+    first, second = step4.split("__syncthreads();", 1)
+    second = second[:second.index("}\n  }")]
+    assert "*(float2*)(((float*)Ao)" in first and "*(float4*)(((float*)Tq)" in first and "(float*)Y1)" in first
+    assert "*(float2*)(((float*)Ad)" in second and "*(float4*)(((float*)Y1)" in second and "(float*)Tq)" in second
+    assert "__syncthreads" not in second and "*(float4*)(((float*)Ad)" in first   # T_11ᵀ written before the barrier
+    assert blocked.count("__syncthreads()") == plain.count("__syncthreads()")

@@ -88,18 +88,29 @@ A_ROW_PAD = 4
 # B=8 T=4096 H=16, 0.2237 → 0.2125 at B=4 T=8192 H=16 HV=32, 0.0604 → 0.0581 at B=1 T=32768 H=2 HV=8 (−3 to −5%);
 # 9.4 → 9.6 µs at the small shapes (timed first there)
 T_ROW_PAD = 8
+# Step 4 (the two 16-blocks below the diagonal blocks) register-blocked on 64 threads: each thread two rows and four
+# columns of a block (8 accumulators), reading per step m one 8-byte vector of A's column (A_10 / A_32 stored
+# transposed in step 2, and T_11 / T_33 transposed by their solving threads after step 3, into the diagonal blocks'
+# storage, dead by then) and one 16-byte vector of T's row: per m and warp 2 shared wavefronts for 8 FMAs a thread,
+# 2 warps: 4 per m against the Parallel form's 8 (4 warps, a word of A and a 16-byte vector of T for 4 FMAs a
+# thread). The two idle warps wait. The same products in the same order: outputs bitwise equal. Run 26's source
+# profile put step 4's loops at ≈ 26% of the kernel's shared wavefronts (and the pre-pass is bound by them: 93% of
+# its L1 / shared pipe busy): predicted −8 to −12% of the pre-pass. Built in session 21, compile-checked, not run: off
+# until measured (benchmarks/prepass_ab.py against the file with False)
+STEP4_BLOCKED = False
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                  beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0,
-                 t_row_pad: int = 0):
+                 t_row_pad: int = 0, step4_blocked: bool = False):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
     programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`); ``tma_keys``: the key tile by TMA
     (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`); ``t_row_pad``:
     T_lo, T_hi and Y2 in linear layouts with that many words after each 32-word row (:data:`T_ROW_PAD`; 0: TileLang's
-    own swizzled layouts). ``threads``: 128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for
+    own swizzled layouts); ``step4_blocked``: step 4 register-blocked on 64 threads (:data:`STEP4_BLOCKED`).
+    ``threads``: 128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for
     the map bound)."""
     if threads != 2 * BT:
         raise ValueError(f"the pre-pass runs 128 threads per program, got threads={threads}")
@@ -113,6 +124,47 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     Tp = T.symbolic("Tp")   # T padded to a multiple of 8 (chunk_fwd.padded_length)
     NC = T.symbolic("NC")   # ⌈T/64⌉: the chunks
     G = HV // H
+
+    @T.macro
+    def step4_blocked_products(tx, Ao, Ad, Tq, Y1, x, z, zt, av):
+        # threads 0–63: half h = tx / 32 (A_10 T_00 and T_11 for h = 0, A_32 T_22 and T_33 for h = 1), rows 2a, 2a + 1
+        # and columns 4b … 4b + 3 of the half's 16 × 16 block; per step m an 8-byte read of A's column (Ao holds
+        # A_10 / A_32 transposed) and a 16-byte read of T's row
+        h = tx // (2 * D)
+        a = (tx % (2 * D)) // 4
+        b = tx % 4
+        if tx < 4 * D:
+            # T_11 / T_33 transposed into their diagonal blocks' storage (Ad[1], Ad[3]: read by nobody after step 3's
+            # barrier) by the threads that solved them, from their registers: row col ← their column
+            if (tx // D) % 2 == 1:
+                for i in T.vectorized(D):
+                    Ad[tx // D, tx % D, i] = x[i]
+            for r in T.unroll(2):
+                for cc in T.vectorized(4):
+                    z[r, cc] = 0.0
+            for m in T.serial(D):
+                for r in T.vectorized(2):
+                    av[r] = Ao[h, m, 2 * a + r]           # one 8-byte read: A's rows 2a, 2a + 1 at column m
+                for r in T.unroll(2):
+                    for cc in T.vectorized(4):
+                        z[r, cc] += av[r] * Tq[h, m, 4 * b + cc]
+            for r in T.unroll(2):
+                for cc in T.vectorized(4):
+                    Y1[h, 2 * a + r, 4 * b + cc] = z[r, cc]
+        T.sync_threads()
+        if tx < 4 * D:
+            for r in T.unroll(2):
+                for cc in T.vectorized(4):
+                    zt[r, cc] = 0.0
+            for m in T.serial(D):
+                for r in T.vectorized(2):
+                    av[r] = Ad[2 * h + 1, m, 2 * a + r]   # T_11's rows 2a, 2a + 1 at column m
+                for r in T.unroll(2):
+                    for cc in T.vectorized(4):
+                        zt[r, cc] -= av[r] * Y1[h, m, 4 * b + cc]
+            for r in T.unroll(2):
+                for cc in T.vectorized(4):
+                    Tq[h, D + 2 * a + r, 4 * b + cc] = zt[r, cc]
 
     @T.prim_func
     def gdn_prepass(k: T.Tensor((B, Tn, H, K), dtype), g: T.Tensor((B, Tn, HV), acc),
@@ -134,7 +186,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             # A's blocks. A diagonal block's rows are read by 16 threads at once (one per column): the padded block
             # stride (17 rows) puts the two blocks a warp reads in different banks
             Ad = T.alloc_shared((4, D + 1, D + a_row_pad), acc)
-            Ao = T.alloc_shared((2, D, D + a_row_pad), acc)      # A_10, A_32
+            Ao = T.alloc_shared((2, D, D + a_row_pad), acc)      # A_10, A_32 (step4_blocked: transposed)
             # A_hl, step 5's first A operand, in a linear layout with rows 36 words apart (run 26): its stores in step
             # 2 are a base plus a constant (a swizzle's address was recomputed per element), and its ldmatrix reads
             # of 8 rows × 16 bytes fall in 8 distinct bank quads
@@ -147,7 +199,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             Z1 = T.alloc_fragment((2, D, D), acc)
             Z2 = T.alloc_fragment((2 * D, 2 * D), acc)
             x = T.alloc_local((D,), acc)
-            linear = [Ad, Ahl] + ([Tq, Y2] if t_row_pad else [])
+            z = T.alloc_local((2, 4), acc)            # step4_blocked: a thread's 2 × 4 accumulators
+            zt = T.alloc_local((2, 4), acc)
+            av = T.alloc_local((2,), acc)             # step4_blocked: A's two values at column m
+            linear = [Ad, Ahl] + ([Tq, Y2] if t_row_pad else []) + ([Ao, Y1] if step4_blocked else [])
             T.annotate_layout({buf: tilelang.layout.make_linear_layout(buf) for buf in linear})
 
             # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
@@ -174,7 +229,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 if i // D == j // D:
                     Ad[i // D, i % D, j % D] = a
                 if i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
-                    Ao[i // (2 * D), i % D, j % D] = a
+                    if step4_blocked:
+                        Ao[i // (2 * D), j % D, i % D] = a           # column j % D of the block as a row
+                    else:
+                        Ao[i // (2 * D), i % D, j % D] = a
                 if i >= 2 * D and j < 2 * D:
                     Ahl[i - 2 * D, j] = a
             for h, i, j in T.Parallel(2, 2 * D, 2 * D):
@@ -208,17 +266,20 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 bound[ib, ihv, c] = gcs[BT - 1] * LOG2E + bparts[0] + bparts[1]
 
             # 4. the blocks below the diagonal blocks, both halves at once: Y1 = A_10 T_00, then T_10 = −T_11 Y1
-            T.clear(Z1)
-            for m in T.serial(D):
+            if step4_blocked:
+                step4_blocked_products(tx, Ao, Ad, Tq, Y1, x, z, zt, av)
+            else:
+                T.clear(Z1)
+                for m in T.serial(D):
+                    for h, i, j in T.Parallel(2, D, D):
+                        Z1[h, i, j] += Ao[h, i, m] * Tq[h, m, j]
+                T.copy(Z1, Y1)
+                T.clear(Z1)
+                for m in T.serial(D):
+                    for h, i, j in T.Parallel(2, D, D):
+                        Z1[h, i, j] -= Tq[h, D + i, D + m] * Y1[h, m, j]
                 for h, i, j in T.Parallel(2, D, D):
-                    Z1[h, i, j] += Ao[h, i, m] * Tq[h, m, j]
-            T.copy(Z1, Y1)
-            T.clear(Z1)
-            for m in T.serial(D):
-                for h, i, j in T.Parallel(2, D, D):
-                    Z1[h, i, j] -= Tq[h, D + i, D + m] * Y1[h, m, j]
-            for h, i, j in T.Parallel(2, D, D):
-                Tq[h, D + i, j] = Z1[h, i, j]
+                    Tq[h, D + i, j] = Z1[h, i, j]
 
             # 5. the lower-left quadrant X = −T_hi (A_hl T_lo) on tensor cores
             T.gemm(Ahl[:, 0:2 * D], Tq[0, :, 0:2 * D], Z2, clear_accum=True)
@@ -240,10 +301,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
-                    tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0):
+                    tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0, step4_blocked: bool = False):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
     return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys,
-                                          a_row_pad, t_row_pad), target)
+                                          a_row_pad, t_row_pad, step4_blocked), target)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -277,7 +338,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
     kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
                              beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv,
                              min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
-                             t_row_pad=T_ROW_PAD)
+                             t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets
