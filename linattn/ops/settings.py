@@ -52,7 +52,7 @@ def triton_settings() -> Optional[dict]:
             "LAUNCH": dict(hopper.LAUNCH), "A_INV_DTYPE": str(hopper.A_INV_DTYPE).removeprefix("torch."),
             "FILL_FRACTION": hopper.FILL_FRACTION, "SEGMENTED_AUTO": hopper.SEGMENTED_AUTO,
             "MIN_SEGMENTED_HEAD_TOKENS": hopper.MIN_SEGMENTED_HEAD_TOKENS, "SMALL_SEGMENTED": hopper.SMALL_SEGMENTED,
-            "SEGMENTED_WHEN_CAPTURED": hopper.SEGMENTED_WHEN_CAPTURED,
+            "SEGMENTED_WHEN_CAPTURED": hopper.SEGMENTED_WHEN_CAPTURED, "SMALL_PLAN_IN_WALK": hopper.SMALL_PLAN_IN_WALK,
             "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV, "PREPASS": hopper.PREPASS,
             "SKIP_NEGLIGIBLE_MAPS": hopper.SKIP_NEGLIGIBLE_MAPS, "WARM_UP": hopper.WARM_UP,
             "WARM_UP_MAX_FRACTION": hopper.WARM_UP_MAX_FRACTION, "NEGLIGIBLE_M_LOG2": hopper.NEGLIGIBLE_M_LOG2,

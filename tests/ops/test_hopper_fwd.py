@@ -199,6 +199,21 @@ def test_plan_under_capture_picks_by_gpu_time(monkeypatch):
     assert plan(1, 16, 128, 1000, 132, False, capturing=True) is None                      # T: no equal segments
 
 
+def test_plan_takes_the_two_launch_segmented_forward_for_small_shapes(monkeypatch):
+    """SMALL_PLAN_IN_WALK: below MIN_SEGMENTED_HEAD_TOKENS "auto" segments with the warm-ups planned in the walk
+    (before SMALL_SEGMENTED's four launches); larger shapes and the forced path keep the levers."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.forward import LAUNCH, plan
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", True)
+    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", True)
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", True)
+    assert plan(1, 16, 128, 4096, 132, False) == dict(LAUNCH, BV=64, segments=4, plan_in_walk=True)
+    assert plan(1, 16, 128, 4096, 132, True) == dict(LAUNCH, BV=64, segments=4)
+    assert plan(1, 16, 128, 32768, 132, False) == dict(LAUNCH, segments=8)
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)
+    assert plan(1, 16, 128, 4096, 132, False)["warm_up"] is False                          # SMALL_SEGMENTED's
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
                     torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
 def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
@@ -271,6 +286,30 @@ def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
     for o, ht in (captured, eager):
         assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     assert not torch.equal(captured[0], eager[0])                          # two paths, not one twice
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
+                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+@pytest.mark.parametrize("slow_heads", [False, True], ids=["forgetting", "slow_heads"])
+def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
+    """forward_hopper(segments=4, plan_in_walk=True) at B=1 T=4096 H=16 in bf16: within the bf16 bound of the float64
+    recurrence and close to the five-launch segmented forward (the same warm-ups, up to where a sum in another
+    order crosses the threshold). With slow heads (g/256: no warm-up within the sequence) their segments walk from
+    the sequence's start, and the result is still the recurrence's."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
+         for n, t in inputs(1, 4096, 16, 16, 128, 128, dtype=torch.bfloat16, seed=3).items()}
+    if slow_heads:
+        x["g"][..., ::2] /= 256
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, x["initial_state"]]
+    launch = hopper_fwd.plan(1, 16, 128, 4096, torch.cuda.get_device_properties(0).multi_processor_count, True)
+    assert launch["segments"] == 4
+    with torch.no_grad():
+        o2, ht2 = hopper_fwd.forward_hopper(*args, plan_in_walk=True, **launch)
+        o5, ht5 = hopper_fwd.forward_hopper(*args, **launch)
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    assert rel(o2, ro) < 5e-3 and rel(ht2, rht) < 5e-3
+    assert rel(o2, o5) < 1e-3 and rel(ht2, ht5) < 1e-3
 
 
 def _twin_with_m_scaled(factor):
@@ -438,6 +477,18 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     warm = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
                                   a_dtype="bfloat16", async_dots=True, warm=True).get_kernel_source()
     assert "int chunks = ((L >> 6) + ctl[" in warm and "tma_store(o_desc" in warm and "int L," in warm
+    # warm_planned (the two-launch segmented forward): every role finds w itself from the chunk bounds (ctl fp32,
+    # [B·S, HV, LC]) — the same loop in the producer and the consumers —, the register split asked for explicitly
+    # (TileLang drops it when the producer stores to a local: the consumers then stayed at 168 and spilled), the
+    # sequence's h0 read only where the walk starts at the sequence's start
+    planned = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                     a_dtype="bfloat16", async_dots=True, warm=True, stsm=True,
+                                     warm_planned=True).get_kernel_source()
+    assert "const float* __restrict__ ctl" in planned and "int LC," in planned and "int B," in planned
+    assert planned.count("while (1)") == 2 and planned.count("-0x1.ep+4f") == 2            # threshold −30
+    assert "warpgroup_reg_dealloc<24>()" in planned and "warpgroup_reg_alloc<240>()" in planned
+    assert re.search(r"if \(c0(_\d+)? == 0\) \{", planned) and "int chunks = ((L >> 6) + wv);" in planned
+    assert "warpgroup_reg_dealloc<24>()" in warm and "while (1)" not in warm
     # async_o (ASYNC_O_STORE): o's store is not waited for where it is issued; the wait for its read of the tile
     # comes before the next chunk's stmatrix into the tile, and once more after the loop
     lazy = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",

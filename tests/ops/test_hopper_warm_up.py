@@ -140,3 +140,38 @@ def test_default_forward_plans_each_sequence_apart(monkeypatch):
     assert skip_m[:, :, 1].eq(2).all() and not skip_m[:, :, 2].eq(2).any()
     warm = calls[1]["warm_chunks"].view(2, S, 3)
     assert warm[0, 1:, 0].eq(1).all() and warm[1, :, 0].eq(0).all()
+
+
+def test_planned_warm_ups_are_the_fewest_chunks_or_the_whole_prefix():
+    """map_bound.warm_from_bound_ref (what the planned warm walk computes in each program): the fewest chunks before
+    each segment whose bounds sum below 2⁻³⁰ — one for the fast head, two for the medium one — and for the head that
+    never gets there within a segment's worth of chunks the whole prefix, from the sequence's start."""
+    from linattn.ops.hopper.map_bound import chunk_bounds, warm_from_bound_ref
+    x = three_heads()
+    warm, from_start = warm_from_bound_ref(chunk_bounds(x["k"], x["g"], x["beta"], S), S,
+                                           hopper_fwd.NEGLIGIBLE_M_LOG2)
+    assert warm.dtype == torch.int32 and warm.shape == (S, 3)
+    assert warm[0].eq(0).all() and from_start[0].all()                     # segment 0: the sequence's start
+    assert warm[1:, 0].eq(1).all() and warm[1:, 1].eq(2).all() and not from_start[1:, :2].any()
+    assert torch.equal(warm[:, 2], torch.arange(S, dtype=torch.int32) * LC) and from_start[:, 2].all()
+
+
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
+def test_planned_warm_forward_equals_the_recurrence(monkeypatch, with_h0):
+    """forward_hopper(segments=4, plan_in_walk=True) around the twins, fp32: one walk (no plan, no maps, no scan)
+    given the pre-pass's chunk bounds, and o and the final state equal the float64 recurrence — the slow head too,
+    which walks every segment from the sequence's start. Negative control: a threshold that takes one chunk of
+    warm-up everywhere (the slow head's entering states then start from zero) is wrong."""
+    x = three_heads()
+    h0 = x["initial_state"] if with_h0 else None
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, None if h0 is None else h0.float()]
+    ro, rht = gated_delta_rule_reference(**dict(x, initial_state=h0), scale=0.25)
+    calls = twins_recording_calls(monkeypatch)
+    kw = dict(a_inv_dtype=torch.float32, segments=S, BV=16, plan_in_walk=True)
+    o, ht = hopper_fwd.forward_hopper(*args, **kw)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    assert len(calls) == 1 and calls[0]["warm_bound"].shape == (S, 3, LC)
+    assert calls[0]["warm_threshold"] == hopper_fwd.NEGLIGIBLE_M_LOG2 and "warm_chunks" not in calls[0]
+    monkeypatch.setattr(hopper_fwd, "NEGLIGIBLE_M_LOG2", 1e9)
+    o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
+    assert rel(o_bad, ro) > 1e-4

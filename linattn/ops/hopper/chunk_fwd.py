@@ -55,7 +55,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  threads: int = 128, num_stages: int = 2, use_initial_state: bool = True,
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
-                 beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False):
+                 beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
+                 warm_planned: bool = False, threshold: float = -30.0):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -78,7 +79,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
     multiple of 64: the segments' count S = T / L is symbolic too). The program of segment s starts ``ctl [B·S,
     HV]`` = w chunks before it, from h0 (the scan's entering state, or zero for a warm-up), and writes o only from
-    its own first chunk on: it walks w + L/64 chunks.
+    its own first chunk on: it walks w + L/64 chunks. With ``warm_planned`` each program finds w itself (no plan,
+    no maps, no scan: the segmented forward in two launches, :func:`warm_chunks_from_bound`): ``ctl`` is then the
+    pre-pass's chunk bounds ``[B·S, HV, L/64]`` fp32 (log2 units) and w the fewest chunks before the segment whose
+    bounds sum below ``threshold``, else the whole prefix (w = s·L/64, from h0 ``[B, HV, K, V]``, the sequence's
+    initial state: exact); a warm-up that ends earlier starts from zero.
 
     ``stsm`` (bf16 A_inv): the element-wise steps compute in their dots' accumulator registers and go to shared
     memory by ``T.copy`` (stmatrix: four 8 × 8 tiles of bf16 pairs per instruction and one address per lane), and
@@ -98,6 +103,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     # the programs' sequences and the rows of gc / β: the sequences and Tp, or (warm) the segments and their length
     NB = T.symbolic("BS") if warm else B
     Lg = T.symbolic("L") if warm else Tp
+    warm_planned = warm and warm_planned
+    # ctl: per (program sequence, value head) the affine walk's skip flag (skip_m) or the warm walk's w; with
+    # warm_planned the chunk bounds it finds w from
+    ctl_shape, ctl_dtype = ((NB, HV, T.symbolic("LC")), acc) if warm_planned else ((NB, HV), "int32")
     G = HV // H
     x_dtype = acc if a_dtype == acc else dtype      # X, the right operand of A_inv X
     # bf16 X is stored as the tile it is, [BT, BV] (an N-major B operand: each thread writes its accumulator pairs
@@ -142,10 +151,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
                       v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((NB, HV, Lg), acc),
                       beta: T.Tensor((NB, HV, Lg), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), a_dtype),
-                      h0: T.Tensor((NB, HV, K, V), acc), ctl: T.Tensor((NB, HV), "int32"),
+                      h0: T.Tensor((B if warm_planned else NB, HV, K, V), acc), ctl: T.Tensor(ctl_shape, ctl_dtype),
                       o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((NB, HV, K, W), acc)):
-        # ctl: per (program sequence, value head), the affine walk's skip flag (skip_m) or the warm walk's w
         with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
             ibn = bh // HV                            # the program's sequence: a segment when warm
             ihv = bh % HV
@@ -157,8 +165,30 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 Lc = Lg // BT                         # chunks per segment
                 nseg = Tn // Lg
                 ib = ibn // nseg
-                c0 = (ibn % nseg) * Lc - ctl[ibn, ihv]
-                chunks = Lc + ctl[ibn, ihv]
+                if warm_planned:
+                    # TileLang leaves the warpgroups' register split (producer 24, consumers 240) out when the
+                    # producer stores to a local: asked for explicitly, or the consumers stay at 168 and spill
+                    T.annotate_producer_reg_dealloc(24)
+                    T.annotate_consumer_reg_alloc(240)
+                    nseg = T.truncdiv(Tn, Lg)
+                    ib = T.truncdiv(ibn, nseg)
+                    # w: summing the bounds of the chunks before the segment, nearest first, until the sum falls
+                    # below the threshold (the entering state's weight < 2^threshold), else up to the sequence's
+                    # start. Every thread (producer and consumers) runs the same loads and adds: the same w
+                    # (truncating divisions: every index is ≥ 0, and TIR's floor divisions on symbolic sizes expand
+                    # to sign tests that stayed live through the chunk loop, 180 bytes of spills)
+                    first = T.truncmod(ibn, nseg) * Lc
+                    wv = T.alloc_var("int32", init=0)
+                    run = T.alloc_var(acc, init=0.0)
+                    while (wv < first) and ((wv == 0) or (run >= threshold)):
+                        cw = first - 1 - wv
+                        run = run + ctl[ib * nseg + T.truncdiv(cw, Lc), ihv, T.truncmod(cw, Lc)]
+                        wv = wv + 1
+                    c0 = first - wv
+                    chunks = Lc + wv
+                else:
+                    c0 = (ibn % nseg) * Lc - ctl[ibn, ihv]
+                    chunks = Lc + ctl[ibn, ihv]
             Qs = T.alloc_shared((BT, K), dtype)
             Ks = T.alloc_shared((BT, K), dtype)
             Vs = T.alloc_shared((BT, BV), dtype)
@@ -193,6 +223,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 chunks = affine_walk_chunks(iv * BV < K, ctl[ib, ihv], T.ceildiv(Tn, BT))
                 for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
                     S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
+            elif warm_planned and use_initial_state:
+                if c0 == 0:                          # the walk starts at the sequence's start: its initial state
+                    T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
+                else:                                # a warm-up: from zero
+                    T.clear(S)
             elif use_initial_state:
                 T.copy(h0[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
             else:
@@ -347,11 +382,11 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
-                    async_ax: bool = False):
+                    async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o, async_ax), target)
+                                          async_o, async_ax, warm_planned, threshold), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -472,16 +507,31 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                             initial_state: Optional[torch.Tensor], affine: bool = False,
                             skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
-                            beta_in_a_inv: bool = False, **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                            beta_in_a_inv: bool = False, warm_bound: Optional[torch.Tensor] = None,
+                            warm_threshold: Optional[float] = None, **launch
+                            ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
     counts: the kernel then rounds P with the scale in it), from the pre-pass's gc, β (head-major) and A_inv instead
     of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
     Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones.
     ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: those maps' M written as
     zeros (the affine walk's negligible maps); ``warm_chunks``: the warm walk (one walk per segment and value head,
-    from warm_chunks chunks before the segment); ``beta_in_a_inv``: A_inv is A_inv diag(β), and X has no β."""
+    from warm_chunks chunks before the segment); ``warm_bound``, ``warm_threshold``: the warm walk that plans its
+    warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'); ``beta_in_a_inv``: A_inv is A_inv
+    diag(β), and X has no β."""
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
+    if warm_bound is not None:
+        from .map_bound import warm_from_bound_ref
+        warm_chunks, from_start = warm_from_bound_ref(warm_bound, q.shape[1] // gc_hm.shape[2], warm_threshold)
+        NB, HV = warm_chunks.shape
+        K, V = q.shape[-1], v.shape[-1]
+        # a warm-up that reaches the sequence's start begins from its initial state, any other from zero
+        h0 = torch.zeros(NB, HV, K, V, dtype=torch.float32, device=q.device)
+        if initial_state is not None:
+            seq = initial_state.float().repeat_interleave(NB // q.shape[0], 0)
+            h0 = torch.where(from_start[..., None, None], seq, h0)
+        initial_state = h0
     if warm_chunks is not None:
         return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
                               beta_in_a_inv)
@@ -595,7 +645,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         num_stages: int = 2, async_dots: bool = False, affine: bool = False,
                         roles: bool = False, tma_o: bool = False, skip_m: Optional[torch.Tensor] = None,
                         warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
-                        beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                        beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                        warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None
                         ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
@@ -614,7 +665,13 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     64), initial_state ``[B·S, HV, K, V]`` the state each walk starts from; segment s's walk starts
     warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read). Returns o ``[B, T, HV, V]`` and each
     segment's final state ``[B·S, HV, K, V]``. ``out``: (o, final state) to write into, contiguous, of those shapes
-    (not with ``affine`` or ``warm_chunks``)."""
+    (not with ``affine`` or ``warm_chunks``).
+
+    ``warm_bound`` ``[B·S, HV, L/64]`` fp32 (the pre-pass's chunk bounds, log2) instead of ``warm_chunks``: the
+    warm walk that finds each segment's warm-up itself (:func:`build_kernel`'s ``warm_planned``; twin
+    ``map_bound.warm_from_bound_ref``): the fewest chunks before the segment whose bounds sum below
+    ``warm_threshold``, else the whole prefix from ``initial_state`` ``[B, HV, K, V]`` (the sequences' own, or
+    None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -625,11 +682,13 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
     if a_inv.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
-    if warm_chunks is not None:
+    if warm_chunks is not None or warm_bound is not None:
         if out is not None:
-            raise ValueError("out: not with warm_chunks")
+            raise ValueError("out: not with warm_chunks or warm_bound")
+        if (warm_chunks is None) == (warm_bound is None) or (warm_bound is not None) != (warm_threshold is not None):
+            raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
-                          num_stages, async_dots, roles, affine, stsm, beta_in_a_inv)
+                          num_stages, async_dots, roles, affine, stsm, beta_in_a_inv, warm_bound, warm_threshold)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = padded_length(T)
@@ -678,9 +737,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
-               async_dots, roles, affine, stsm, beta_in_a_inv):
-    """:func:`chunk_fwd_hopper_hm` with ``warm_chunks`` (dtypes and BV checked there): the layouts, then the warm
-    kernel."""
+               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None):
+    """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``, or ``bound`` and ``threshold`` (the walk that plans its
+    warm-ups; dtypes and BV checked there): the layouts, then the warm kernel."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NB, L = gc_hm.shape[0], gc_hm.shape[2]
@@ -692,18 +751,34 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
     if beta_hm.shape != gc_hm.shape or gc_hm.shape[1] != HV:
         raise ValueError(f"gc and beta must be [B·S, HV, L] = {[NB, HV, L]}, got {list(gc_hm.shape)} and "
                          f"{list(beta_hm.shape)}")
-    if initial_state is None or initial_state.shape != (NB, HV, K, V):
-        raise ValueError(f"the warm walk needs each segment's starting state [B·S, HV, K, V] = {[NB, HV, K, V]}, "
-                         f"got {None if initial_state is None else list(initial_state.shape)}")
-    if warm_chunks.shape != (NB, HV):
-        raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
-    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, True,
-                             str(beta_hm.dtype).removeprefix("torch."), str(a_inv.dtype).removeprefix("torch."),
-                             async_dots, False, True, True, stsm, beta_in_a_inv,
-                             *schedule_switches(async_dots, stsm, True))
+    planned = bound is not None
+    if planned:
+        # the walk plans its warm-ups from the chunk bounds and starts a warm-up that reaches the sequence's start
+        # from the sequence's own initial state
+        if bound.shape != (NB, HV, L // BT) or bound.dtype != torch.float32:
+            raise ValueError(f"warm_bound must be [B·S, HV, L/64] = {[NB, HV, L // BT]} fp32, got "
+                             f"{list(bound.shape)} {bound.dtype}")
+        if initial_state is not None and initial_state.shape != (B, HV, K, V):
+            raise ValueError(f"the planned warm walk takes the sequences' initial state [B, HV, K, V] = "
+                             f"{[B, HV, K, V]}, got {list(initial_state.shape)}")
+        # never read without one (the launcher checks its shape and strides): an uninitialised placeholder
+        h0 = (initial_state.float().contiguous() if initial_state is not None
+              else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
+        ctl = bound.contiguous()
+    else:
+        if initial_state is None or initial_state.shape != (NB, HV, K, V):
+            raise ValueError(f"the warm walk needs each segment's starting state [B·S, HV, K, V] = "
+                             f"{[NB, HV, K, V]}, got {None if initial_state is None else list(initial_state.shape)}")
+        if warm_chunks.shape != (NB, HV):
+            raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
+        h0, ctl = initial_state.float().contiguous(), warm_chunks.to(torch.int32).contiguous()
+    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
+                             not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
+                             str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
+                             beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
+                             float(threshold) if planned else -30.0)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
-                     a_inv.contiguous(), initial_state.float().contiguous(), warm_chunks.to(torch.int32).contiguous(),
-                     o, ht)
+                     a_inv.contiguous(), h0, ctl, o, ht)
     return o, ht

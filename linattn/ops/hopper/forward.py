@@ -111,6 +111,15 @@ def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Opti
 MIN_SEGMENTED_HEAD_TOKENS = 2 ** 18
 # Whether "auto" takes the segmented forward without its levers below MIN_SEGMENTED_HEAD_TOKENS (else the split)
 SMALL_SEGMENTED = False
+# Whether "auto" takes the two-launch segmented forward below MIN_SEGMENTED_HEAD_TOKENS (``plan_in_walk``: the
+# pre-pass, then a warm walk whose programs find their own warm-ups; before SMALL_SEGMENTED). Run 27 at B=1 T=4096
+# H=16: the five-launch segmented forward takes 0.092 ms of GPU time but ≈ 230 µs of host time per call (≈ 80 of it
+# its four launches, ≈ 60 in the plan's and the scan's Python and Triton launches), so it tied the split's 0.228
+# eagerly. Two launches: predicted ≈ 130 µs of host time and 0.07–0.08 ms of GPU time, so ≈ 0.13–0.14 ms eagerly
+# (SDPA 0.152, FlashQLA 0.148 in run 27). Its worst case, heads that never forget, walks each segment from the
+# sequence's start: at most the unsegmented kernel's 64 chunks here (≈ 0.2 ms). Built in session 21, compiled for
+# sm_90a (no spills once the register split is asked for), not run: off until measured
+SMALL_PLAN_IN_WALK = False
 # Under CUDA graph capture the host's cost is paid once, at capture, not at each replay, so "auto" may pick by GPU
 # time alone there: the segmented forward with its levers below MIN_SEGMENTED_HEAD_TOKENS too. Run 27 (H200, B=1
 # T=4096 H=16 through the op, the call captured in a graph and replayed): 0.092 ms segmented (4 segments, warm-ups)
@@ -137,8 +146,8 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, ca
     with the 16-column scan), T=131072 (8) 4.51 vs 6.62, T=32768 2/8 heads (16) 0.769 vs 1.231; the unsegmented
     kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented kernel fills the card, 2 segments were
     slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under "auto", below
-    :data:`MIN_SEGMENTED_HEAD_TOKENS` the segments come without the levers (``skip_maps``, ``warm_up`` False:
-    :data:`SMALL_SEGMENTED`), or, ``capturing`` (a CUDA graph capture), with them (:data:`SEGMENTED_WHEN_CAPTURED`)."""
+    :data:`MIN_SEGMENTED_HEAD_TOKENS` the segments come planned in the walk (``plan_in_walk``:
+    :data:`SMALL_PLAN_IN_WALK`) or without the levers (``skip_maps``, ``warm_up`` False: :data:`SMALL_SEGMENTED`), or, ``capturing`` (a CUDA graph capture), with them (:data:`SEGMENTED_WHEN_CAPTURED`)."""
     launch = hopper_launch(num_sequences, HV, V, sms)
     if launch is not None:
         return launch
@@ -146,7 +155,9 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, ca
     small = num_sequences * T * HV < MIN_SEGMENTED_HEAD_TOKENS and not (capturing and SEGMENTED_WHEN_CAPTURED)
     if segments is not None and (forced or (SEGMENTED_AUTO and not small)):
         return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
-    if segments is not None and SEGMENTED_AUTO and SMALL_SEGMENTED:      # host-bound: the fewest launches
+    if segments is not None and SEGMENTED_AUTO and SMALL_PLAN_IN_WALK:  # host-bound: two launches
+        return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments, plan_in_walk=True)
+    if segments is not None and SEGMENTED_AUTO and SMALL_SEGMENTED:      # host-bound: four launches
         return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments, skip_maps=False,
                     warm_up=False)
     return fitted_launch(V) if forced else None
@@ -236,7 +247,7 @@ def run_prepass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
 def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
                    segments: Optional[int] = None, prepass: Optional[str] = None,
-                   skip_maps: Optional[bool] = None, warm_up: Optional[bool] = None,
+                   skip_maps: Optional[bool] = None, warm_up: Optional[bool] = None, plan_in_walk: bool = False,
                    **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``prepass``, ``a_inv_dtype``: the pre-pass and the
@@ -259,7 +270,13 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     With ``warm_up`` (None: :data:`WARM_UP`; the default kernel only) the heads whose every segment is reached by a
     short warm-up (:func:`segment_flags`) skip phases A and B: phase C starts their segment s's walk w_s chunks
-    before it from zero (from S_0 at the start), writing o from the segment on; the other heads take the maps."""
+    before it from zero (from S_0 at the start), writing o from the segment on; the other heads take the maps.
+
+    With ``plan_in_walk`` the segmented forward is two launches, the pre-pass and a warm walk that finds each
+    segment's warm-up itself from the pre-pass's chunk bounds (``chunk_fwd_hopper_hm(warm_bound=)``): no plan, no
+    maps, no scan. A head that never forgets within the chunks before a segment walks from the sequence's start
+    (exact, but then that segment's program walks the whole prefix): for the small shapes where the five launches'
+    host time is the call's (:data:`SMALL_PLAN_IN_WALK`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
@@ -271,6 +288,15 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     launch = dict(launch, beta_in_a_inv=a_inv_has_beta(prepass, a_inv_dtype))     # what A_inv holds
     if not segmented:
         return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
+
+    if plan_in_walk:
+        if launch.get("roles"):
+            raise ValueError("the planned warm walk runs on the default kernel: not with roles")
+        if bound is None:               # the Triton pre-pass writes none
+            bound = chunk_bounds(k, g, beta, S)
+        o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_bound=bound,
+                                    warm_threshold=NEGLIGIBLE_M_LOG2, **launch)
+        return o.reshape(B, T, HV, V), ht.view(B, segments, HV, K, V)[:, -1].contiguous()
 
     def seg(x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] → [B·S, T/S, ...], a view (the op passes contiguous tensors)."""

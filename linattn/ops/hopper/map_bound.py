@@ -172,6 +172,32 @@ def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: floa
     return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
 
 
+def warm_from_bound_ref(bound: torch.Tensor, segments: int, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The warm-ups the planned warm walk finds for itself (``chunk_fwd``'s ``warm_planned``), from chunk sums
+    ``[B·S, HV, LC]`` of ``segments`` = S segments: for segment s ≥ 1 the fewest w ≥ 1 chunks before it whose sums,
+    added in fp32 nearest first (the kernel's order), fall below ``threshold``, else s·LC (the whole prefix); 0 for
+    s = 0. Unlike :func:`segment_plan`'s, no cap and no maps: a warm-up that finds no such w starts at the
+    sequence's start, from its initial state, which is exact. Returns w ``[B·S, HV]`` int32 and whether the walk
+    starts at the sequence's start (w = s·LC) ``[B·S, HV]`` bool."""
+    BS, HV, LC = bound.shape
+    S, B = segments, bound.shape[0] // segments
+    b = bound.float().view(B, S, HV, LC).permute(0, 2, 1, 3).reshape(B, HV, S * LC)     # [B, HV, NC]
+    warm = torch.zeros(B, HV, S, dtype=torch.int32, device=bound.device)
+    for s in range(1, S):
+        run = torch.zeros(B, HV, dtype=torch.float32, device=bound.device)
+        found = torch.zeros(B, HV, dtype=torch.bool, device=bound.device)
+        w = torch.full((B, HV), s * LC, dtype=torch.int32, device=bound.device)
+        for j in range(1, s * LC + 1):                      # chunk s·LC − j, nearest first
+            run = run + b[:, :, s * LC - j]
+            hit = ~found & (run < threshold)
+            w = w.masked_fill(hit, j)
+            found |= hit
+        warm[:, :, s] = w
+    warm = warm.permute(0, 2, 1).reshape(BS, HV)
+    starts = (torch.arange(BS, device=bound.device) % S * LC)[:, None]
+    return warm, warm == starts
+
+
 def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: float, skip_maps: bool = False,
                      warm_up: bool = False) -> SegmentPlan:
     """The twin of :func:`segment_plan` (float64 sums)."""
