@@ -2,8 +2,8 @@
 TileLang kernel (pre-pass, walk, phase A) and Triton kernel (plan, scan) replaced by a no-op, so what is left is the
 Python, the checks and the allocations (issue 4: rows 1, 3 and 7 are host-bound wherever the host is slow). Runs on
 a CPU (CPU tensors: allocation there is cheaper than the CUDA caching allocator's, so these figures are a floor) or
-a GPU. Prints µs per call for the unsegmented forward and the segmented one (S = 4, the warm-up levers on), then a
-cProfile of the segmented one by own time.
+a GPU. Prints µs per call for the unsegmented forward and the segmented one (S = 4: the warm-up levers on, off, and
+planned in the walk), then a cProfile of the segmented one by own time.
 
     python benchmarks/host_hopper.py [--calls N] [--profile]
 """
@@ -52,6 +52,8 @@ def main():
             *x, segments=4, **hopper_forward.LAUNCH),
         "forward_hopper segmented S=4, no levers": lambda: hopper_forward.forward_hopper(
             *x, segments=4, skip_maps=False, warm_up=False, **hopper_forward.LAUNCH),
+        "forward_hopper segmented S=4, warm-ups planned in the walk (two launches)": lambda:
+            hopper_forward.forward_hopper(*x, segments=4, plan_in_walk=True, **hopper_forward.LAUNCH),
     }
     print(f"## Host µs per call, kernels replaced by no-ops ({DEV}, torch {torch.__version__}), median of "
           f"{args.calls}")

@@ -16,10 +16,11 @@ off/on pair N times in turn, so the spread between repeats shows the noise.
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
-(perf_counter around each). ``--graph``: beside the eager time, the call captured in a CUDA graph and replayed (the
-GPU's time alone: eager above it is host time). ``--path P``: ``triton_chunk.FORWARD_PATH`` (auto, split, walk,
-hopper); ``--min-segmented-tokens N``: ``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with
-its levers at every shape it fills the card with).
+(perf_counter around each; with switches, off then on). ``--graph``: beside the eager time, the call captured in a
+CUDA graph and replayed (the GPU's time alone: eager above it is host time). ``--path P``:
+``triton_chunk.FORWARD_PATH`` (auto, split, walk, hopper); ``--min-segmented-tokens N``:
+``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with its levers at every shape it fills the
+card with).
 """
 import collections
 import sys
@@ -137,7 +138,11 @@ for arg in (a for a in args if not a.startswith("--")):
         profile(*shape)
         continue
     if "--host-parts" in args:
-        host_parts(*shape)
+        for on in ((False, True) if ab else (None,)):      # with switches: off, then on
+            for switch in ab:
+                setattr(*SWITCHES[switch], on)
+            chunk_fwd.launcher.cache_clear()
+            host_parts(*shape)
         continue
     graph = "--graph" in args
     runs = ([check(*shape, switches=ab, on=on, graph=graph) for _ in range(repeat) for on in (False, True)] if ab
