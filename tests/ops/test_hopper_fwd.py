@@ -184,6 +184,22 @@ def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeyp
     assert plan(1, 16, 192, 1000, 132, True) == dict(LAUNCH, BV=64)
 
 
+def warm_up_capture_replay(call):
+    """``call()`` once on a side stream (the usual warm-up before a capture), then captured in a CUDA graph and
+    replayed: (the warm-up's result, the replay's outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm = call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return warm, captured
+
+
 def test_plan_under_capture_picks_by_gpu_time(monkeypatch):
     """Under CUDA graph capture, with SEGMENTED_WHEN_CAPTURED, "auto" segments small shapes too, with the levers
     (the host's cost is paid once); without the flag, or eagerly, the small shape keeps the split."""
@@ -239,16 +255,7 @@ def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
         want = call()
         assert plans[-1].get("segments") == 4 and "skip_maps" not in plans[-1]
         monkeypatch.setattr(hopper_fwd, "MIN_SEGMENTED_HEAD_TOKENS", small)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()                                                         # the usual warm-up off the capture stream
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = call()
-        graph.replay()
-        torch.cuda.synchronize()
+        _, captured = warm_up_capture_replay(call)
     assert len(plans) == 2 and plans[0] == plans[1]                        # the capture took the segmented plan
     assert all(torch.equal(a, b) for a, b in zip(captured, want))
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
@@ -272,16 +279,7 @@ def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
     def call():
         return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager = call()                                                 # the split
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = call()
-        graph.replay()
-        torch.cuda.synchronize()
+        eager, captured = warm_up_capture_replay(call)                     # the warm-up: the split
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
     for o, ht in (captured, eager):
         assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
