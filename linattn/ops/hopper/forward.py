@@ -147,7 +147,8 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, ca
     kernel at those shapes 0.338, 3.52, 14.0, 3.35. Where the unsegmented kernel fills the card, 2 segments were
     slower (8×4096 H=16: 1.20 vs 0.666): phase A walks K + V columns. Under "auto", below
     :data:`MIN_SEGMENTED_HEAD_TOKENS` the segments come planned in the walk (``plan_in_walk``:
-    :data:`SMALL_PLAN_IN_WALK`) or without the levers (``skip_maps``, ``warm_up`` False: :data:`SMALL_SEGMENTED`), or, ``capturing`` (a CUDA graph capture), with them (:data:`SEGMENTED_WHEN_CAPTURED`)."""
+    :data:`SMALL_PLAN_IN_WALK`) or without the levers (``skip_maps``, ``warm_up`` False: :data:`SMALL_SEGMENTED`),
+    or, ``capturing`` (a CUDA graph capture), with them (:data:`SEGMENTED_WHEN_CAPTURED`)."""
     launch = hopper_launch(num_sequences, HV, V, sms)
     if launch is not None:
         return launch
