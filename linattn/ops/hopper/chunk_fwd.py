@@ -77,10 +77,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
     multiple of 64: the segments' count S = T / L is symbolic too). The program of segment s starts ``ctl [B·S,
-    HV]`` = w chunks before it, from h0 (the scan's entering state, or zero for a warm-up), and writes o only from
-    its own first chunk on: it walks w + L/64 chunks. With ``warm_planned`` each program finds w itself (no plan,
-    no maps, no scan: the segmented forward in two launches; twin ``map_bound.warm_from_bound_ref``): ``ctl`` is
-    then the pre-pass's chunk bounds ``[B·S, HV, L/64]`` fp32 (log2 units) and w the fewest chunks before the segment whose
+    HV]`` = w chunks before it, from h0 (the scan's entering state, or zero for a warm-up), and writes o only from its
+    own first chunk on: it walks w + L/64 chunks. With ``warm_planned`` each program finds w itself (no plan, no maps,
+    no scan: the segmented forward in two launches; twin ``map_bound.warm_from_bound_ref``): ``ctl`` is then the
+    pre-pass's chunk bounds ``[B·S, HV, L/64]`` fp32 (log2 units) and w the fewest chunks before the segment whose
     bounds sum below ``threshold``, else the whole prefix (w = s·L/64, from h0 ``[B, HV, K, V]``, the sequence's
     initial state: exact); a warm-up that ends earlier starts from zero.
 
