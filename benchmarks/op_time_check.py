@@ -6,13 +6,15 @@ GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every dev
 
 ``--direct-ab``: each shape with ``chunk_fwd.DIRECT_LAUNCH`` off, then on (TileLang's Python wrapper against its
 tvm_ffi executable called directly); ``--fast-launch-ab``: with ``common.launch.FAST_LAUNCH`` off, then on (Triton's
-JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); ``--async-o-ab``: with
-``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chunk later); ``--async-ax-ab``: with
+JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); ``--async-o-ab``:
+with ``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chunk later); ``--async-ax-ab``: with
 ``chunk_fwd.ASYNC_AX`` off, then on (A_inv X running while P is formed); ``--plan-in-walk-ab``: with
-``hopper.forward.SMALL_PLAN_IN_WALK`` off, then on (small shapes: the split against the two-launch segmented forward,
-not bitwise equal: two algorithms); each says whether o and the final state are bitwise equal between the two.
-Several of these switch together (``--async-o-ab --async-ax-ab``: both off, then both on); ``--repeat N``: the
-off/on pair N times in turn, so the spread between repeats shows the noise.
+``hopper.forward.SMALL_PLAN_IN_WALK`` off, then on (small shapes: the split against the two-launch segmented
+forward, not bitwise equal: two algorithms); ``--two-per-sm-ab``: ``hopper.forward.TWO_PER_SM`` off, then on (BV=64,
+two programs per SM: bitwise equal expected, not required: the same products per element, other wgmma shapes); each
+says whether o and the final state are bitwise equal between the two. Several of these switch together
+(``--async-o-ab --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the
+spread between repeats shows the noise.
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
@@ -41,7 +43,8 @@ from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so th
 
 SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (launch, "FAST_LAUNCH"),
             "--async-o-ab": (chunk_fwd, "ASYNC_O_STORE"), "--async-ax-ab": (chunk_fwd, "ASYNC_AX"),
-            "--plan-in-walk-ab": (hopper_forward, "SMALL_PLAN_IN_WALK")}
+            "--plan-in-walk-ab": (hopper_forward, "SMALL_PLAN_IN_WALK"),
+            "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM")}
 
 
 def graph_ms(fn):

@@ -154,6 +154,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper, "SMALL_SEGMENTED", not hopper.SMALL_SEGMENTED)
     monkeypatch.setattr(hopper, "SEGMENTED_WHEN_CAPTURED", not hopper.SEGMENTED_WHEN_CAPTURED)
     monkeypatch.setattr(hopper, "SMALL_PLAN_IN_WALK", not hopper.SMALL_PLAN_IN_WALK)
+    monkeypatch.setattr(hopper, "TWO_PER_SM", not hopper.TWO_PER_SM)
     from linattn.ops.hopper import chunk_fwd as hopper_kernel
     monkeypatch.setattr(hopper_kernel, "EXECUTION_BACKEND", "cython")
     from linattn.ops.hopper import prepass as hopper_prepass
@@ -173,7 +174,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["WARM_UP_MAX_FRACTION"] == hopper.WARM_UP_MAX_FRACTION
     assert recorded["SMALL_SEGMENTED"] is hopper.SMALL_SEGMENTED
     assert recorded["SEGMENTED_WHEN_CAPTURED"] is hopper.SEGMENTED_WHEN_CAPTURED
-    assert recorded["SMALL_PLAN_IN_WALK"] is hopper.SMALL_PLAN_IN_WALK
+    assert recorded["SMALL_PLAN_IN_WALK"] is hopper.SMALL_PLAN_IN_WALK and recorded["TWO_PER_SM"] is hopper.TWO_PER_SM
     assert recorded["BETA_IN_A_INV"] is hopper_prepass.BETA_IN_A_INV
     assert recorded["PREPASS_TMA_KEYS"] is hopper_prepass.TMA_KEYS
     assert recorded["PREPASS_A_ROW_PAD"] == hopper_prepass.A_ROW_PAD

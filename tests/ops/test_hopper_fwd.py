@@ -215,6 +215,20 @@ def test_plan_under_capture_picks_by_gpu_time(monkeypatch):
     assert plan(1, 16, 128, 1000, 132, False, capturing=True) is None                      # T: no equal segments
 
 
+def test_two_programs_per_sm_where_they_fill_two_per_sm(monkeypatch):
+    """TWO_PER_SM: BV=64, one load stage, two programs per SM where B·HV·V/64 programs fill two per SM (rows 2 and 5
+    of issue 4: 256 programs on 132 SMs); elsewhere the one-per-SM launches as before."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.forward import LAUNCH, hopper_launch
+    monkeypatch.setattr(hopper_fwd, "TWO_PER_SM", True)
+    two = dict(LAUNCH, BV=64, num_stages=1, min_blocks=2)
+    assert hopper_launch(8, 16, 128, 132) == two and hopper_launch(4, 32, 128, 132) == two
+    assert hopper_launch(2, 32, 128, 132) == dict(LAUNCH, BV=64)                      # 128 programs: one per SM
+    assert hopper_launch(1, 16, 128, 132) is None
+    monkeypatch.setattr(hopper_fwd, "TWO_PER_SM", False)
+    assert hopper_launch(8, 16, 128, 132) == LAUNCH
+
+
 def test_plan_takes_the_two_launch_segmented_forward_for_small_shapes(monkeypatch):
     """SMALL_PLAN_IN_WALK: below MIN_SEGMENTED_HEAD_TOKENS "auto" segments with the warm-ups planned in the walk
     (before SMALL_SEGMENTED's four launches); larger shapes and the forced path keep the levers."""
@@ -308,6 +322,23 @@ def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
     assert rel(o2, ro) < 5e-3 and rel(ht2, rht) < 5e-3
     assert rel(o2, o5) < 1e-3 and rel(ht2, ht5) < 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
+                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+def test_two_programs_per_sm_on_the_gpu():
+    """forward_hopper at TWO_PER_SM_LAUNCH (BV=64, one stage, two programs per SM) against LAUNCH, B=8 T=1024 H=16 in
+    bf16: the same products per element, so equal up to the dots' accumulation order; within the bf16 bound."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
+         for n, t in inputs(8, 1024, 16, 16, 128, 128, dtype=torch.bfloat16, seed=4).items()}
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, x["initial_state"]]
+    with torch.no_grad():
+        o2, ht2 = hopper_fwd.forward_hopper(*args, **hopper_fwd.TWO_PER_SM_LAUNCH)
+        o1, ht1 = hopper_fwd.forward_hopper(*args, **hopper_fwd.LAUNCH)
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    assert rel(o2, ro) < 5e-3 and rel(ht2, rht) < 5e-3
+    assert rel(o2, o1) < 1e-3 and rel(ht2, ht1) < 1e-3
 
 
 def _twin_with_m_scaled(factor):
@@ -487,6 +518,14 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     assert "warpgroup_reg_dealloc<24>()" in planned and "warpgroup_reg_alloc<240>()" in planned
     assert re.search(r"if \(c0(_\d+)? == 0\) \{", planned) and "int chunks = ((L >> 6) + wv);" in planned
     assert "warpgroup_reg_dealloc<24>()" in warm and "while (1)" not in warm
+    # min_blocks = 2 (forward.TWO_PER_SM_LAUNCH: BV=64, one stage): launch bounds for two programs per SM, the
+    # registers split 24 / 112 (128·24 + 256·112 ≤ 32768 per program), and the shared memory of one program (the
+    # last buffer's offset + its 8 KB) under half the SM's 228 KB
+    two = hopper.compiled_kernel(16, 16, 128, 128, 64, 128 ** -0.5, threads=256, num_stages=1, target="sm_90a",
+                                 a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True, beta_in_a=True,
+                                 async_o=True, async_ax=True, min_blocks=2).get_kernel_source()
+    assert "__launch_bounds__(384, 2)" in two and "warpgroup_reg_alloc<112>()" in two
+    assert max(int(n) for n in re.findall(r"buf_dyn_shmem \+ (\d+)\)", two)) + 8192 <= 113 * 1024
     # async_o (ASYNC_O_STORE): o's store is not waited for where it is issued; the wait for its read of the tile
     # comes before the next chunk's stmatrix into the tile, and once more after the loop
     lazy = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",

@@ -56,7 +56,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
                  beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
-                 warm_planned: bool = False, threshold: float = -30.0):
+                 warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -154,6 +154,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                       o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((NB, HV, K, W), acc)):
         with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
+            if min_blocks > 1:
+                # programs per SM: the registers split between them (producer 24, consumers the rest)
+                T.annotate_min_blocks_per_sm(min_blocks)
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc((65536 // min_blocks - 128 * 24) // threads // 8 * 8)
             ibn = bh // HV                            # the program's sequence: a segment when warm
             ihv = bh % HV
             ih = ihv // G
@@ -381,11 +386,12 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     use_initial_state: bool = True, beta_dtype: str = "float32", a_dtype: str = "float32",
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
-                    async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0):
+                    async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
+                    min_blocks: int = 1):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o, async_ax, warm_planned, threshold), target)
+                                          async_o, async_ax, warm_planned, threshold, min_blocks), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -645,11 +651,12 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         roles: bool = False, tma_o: bool = False, skip_m: Optional[torch.Tensor] = None,
                         warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
                         beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                        warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None
-                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None,
+                        min_blocks: int = 1) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
-    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`.
+    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`;
+    min_blocks: the programs per SM the registers are split for (``forward.TWO_PER_SM_LAUNCH``).
     A_inv's dtype (fp32 or bf16) picks the A_inv X dot; ``beta_in_a_inv``: A_inv is A_inv diag(β) (the TileLang
     pre-pass's with ``prepass.BETA_IN_A_INV``; β is then not read). ``affine`` (no initial state): each sequence's
     state map [M | N] ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`).
@@ -687,7 +694,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         if (warm_chunks is None) == (warm_bound is None) or (warm_bound is not None) != (warm_threshold is not None):
             raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
-                          num_stages, async_dots, roles, affine, stsm, beta_in_a_inv, warm_bound, warm_threshold)
+                          num_stages, async_dots, roles, affine, stsm, beta_in_a_inv, warm_bound, warm_threshold,
+                          min_blocks)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = padded_length(T)
@@ -707,15 +715,16 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     if roles:
         if a_inv.dtype != torch.bfloat16:
             raise TypeError(f"the role-split kernel takes a bf16 a_inv, got {a_inv.dtype}")
-        if beta_in_a_inv:
-            raise ValueError("the role-split kernel reads β itself: not with beta_in_a_inv")
+        if beta_in_a_inv or min_blocks > 1:
+            raise ValueError("the role-split kernel reads β itself and runs one program per SM: not with "
+                             "beta_in_a_inv or min_blocks")
         from .chunk_fwd_roles import compiled_kernel_roles
         kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None, beta_dtype, affine)
     else:
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
-                                 *schedule_switches(async_dots, stsm, tma_o and not affine))
+                                 *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks)
     # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
     # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
     h0 = (initial_state.float().contiguous() if initial_state is not None
@@ -736,7 +745,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
-               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None):
+               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None, min_blocks=1):
     """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``, or ``bound`` and ``threshold`` (the walk that plans its
     warm-ups; dtypes and BV checked there): the layouts, then the warm kernel."""
     B, T, H, K = q.shape
@@ -775,7 +784,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
                              str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
                              beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
-                             float(threshold) if planned else -30.0)
+                             float(threshold) if planned else -30.0, min_blocks)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

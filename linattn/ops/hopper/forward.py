@@ -47,6 +47,16 @@ A_INV_DTYPE = torch.bfloat16
 # taken: where heads decay slowly the segments walk their maps (about twice the state work, not measured there),
 # and the plan cannot see the gates without a host sync
 FILL_FRACTION = 0.9
+# Two walking programs per SM (``TWO_PER_SM_LAUNCH``), where they fill two per SM: the walk is latency-bound (issue
+# slots ≈ 34% busy at one program per SM, run 24), so a second program's chain could fill the first's waits. What
+# fits two: BV = 64 (the state's accumulator halves), one load stage (105 KB of shared memory per program against
+# 153 with two), and the registers split 24 per producer thread and 112 per consumer thread (80 at launch, 0 spills
+# with two stages, 8 bytes with one; sm_90a, ptxas 13.0). The costs: Q Kᵀ once per V tile (twice per head: ≈ +10% of
+# the tensor work) and no load pipelining within a program. Rows 2 and 5 of issue 4 (256 programs at BV=64) would
+# take it; row 6's 128 programs fill only one per SM. Built in session 21, compiled, not run: off until measured
+# (benchmarks/op_time_check.py --two-per-sm-ab)
+TWO_PER_SM = False
+TWO_PER_SM_LAUNCH = dict(LAUNCH, BV=64, num_stages=1, min_blocks=2)
 
 
 def fitted_launch(width: int, launch: Optional[dict] = None) -> dict:
@@ -63,7 +73,10 @@ def fills_card(programs: int, sms: int) -> bool:
 
 def hopper_launch(num_sequences: int, HV: int, V: int, sms: int) -> Optional[dict]:
     """The fused kernel's launch for ``num_sequences`` sequences of ``HV`` value heads of width ``V`` on ``sms``
-    SMs, or None where no V tile gives enough programs to fill the card (:func:`fills_card`)."""
+    SMs, or None where no V tile gives enough programs to fill the card (:func:`fills_card`); with
+    :data:`TWO_PER_SM`, :data:`TWO_PER_SM_LAUNCH` where its programs fill two per SM."""
+    if TWO_PER_SM and V % 64 == 0 and fills_card(num_sequences * HV * (V // 64), 2 * sms):
+        return dict(TWO_PER_SM_LAUNCH)
     for BV in (LAUNCH["BV"], 64):
         if V % BV == 0 and fills_card(num_sequences * HV * (V // BV), sms):
             return dict(LAUNCH, BV=BV)
