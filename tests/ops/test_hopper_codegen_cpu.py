@@ -1,0 +1,150 @@
+"""The scalar parts of the Hopper kernels' generated CUDA, run on the CPU: a snippet of TileLang's output (index
+arithmetic, loops, shared-memory reads and writes; no TMA, no wgmma) is cut from the kernel source, wrapped in a C++
+function with ``threadIdx`` / ``blockIdx`` as arguments and the shared buffers as arrays, compiled with the host's
+C++ compiler and called through ctypes for every thread or program, and its results compared with what the Python
+side means. What the GPU would otherwise be the first to check: that the code TileLang generated for a change
+computes what the change says (its indices, its layouts), before a device call is spent on it.
+
+Needs TileLang and nvcc (the kernels are compiled for sm_90a, as in test_hopper_fwd.py) and g++; skipped
+otherwise."""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from linattn.ops.hopper import chunk_fwd as hopper
+
+pytestmark = pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None
+                                or shutil.which("g++") is None, reason="needs TileLang, nvcc and g++")
+
+PRELUDE = """
+#include <cstdint>
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+static inline float2 make_float2(float a, float b) { return {a, b}; }
+"""
+
+
+def build(source: str, tmp_path, name: str) -> ctypes.CDLL:
+    """``source`` (after :data:`PRELUDE`) as a shared library."""
+    cpp, lib = tmp_path / f"{name}.cpp", tmp_path / f"{name}.so"
+    cpp.write_text(PRELUDE + source)
+    done = subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(lib), str(cpp)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:] + "\n" + source[:3000]
+    return ctypes.CDLL(str(lib))
+
+
+def block_from(src: str, start: str) -> str:
+    """The statement that begins at ``start``'s first occurrence, up to the end of the brace-balanced block that
+    opens at its first ``{`` (an ``if (…) { … }`` with its condition)."""
+    s = src.index(start)
+    i = src.index("{", s)
+    depth = 0
+    for j in range(i, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[j], 0)
+        if depth == 0:
+            return src[s:j + 1]
+    raise AssertionError(f"unbalanced block after {start!r}")
+
+
+def ptr(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def test_the_planned_warm_walks_prologue_finds_the_twins_warm_ups(tmp_path):
+    """The warm walk with ``warm_planned``: its consumers' prologue (the loop over the chunk bounds before the
+    segment) gives each program the first chunk and the chunk count that ``map_bound.warm_from_bound_ref`` says —
+    one chunk of warm-up, a few, or the whole prefix — for every (sequence, segment, head)."""
+    from linattn.ops.hopper.map_bound import warm_from_bound_ref
+    src = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                 a_dtype="bfloat16", async_dots=True, warm=True, stsm=True,
+                                 warm_planned=True).get_kernel_source()
+    consumer = src[src.index("tl::warpgroup_reg_alloc<240>();"):]
+    body = consumer[consumer.index("wv = 0;"):consumer.index(";", consumer.index("int chunks")) + 1]
+    body = re.sub(r"\bint (c0\w*|chunks\w*) = ", r"*\1_out = ", body)
+    body = re.sub(r"\*(c0|chunks)\w*_out", r"*\1_out", body)
+    lib = build(f"""
+extern "C" void prologue(int by, int T, int L, int LC, int BS, const float* ctl, int* c0_out, int* chunks_out) {{
+  struct {{ int y; }} blockIdx = {{by}};
+  int wv; float run;
+  {body}
+}}""", tmp_path, "prologue")
+    B, S, HV, LC = 2, 4, 16, 8
+    L = LC * 64
+    rng = np.random.default_rng(0)
+    # per head a chunk bound: strong (one chunk suffices), medium (three), weak (never: the whole prefix)
+    kind = rng.integers(0, 3, size=(B, HV))
+    base = np.choose(kind, [-40.0, -12.0, -0.2]).astype(np.float32)
+    bound = (base[:, None, :, None] * rng.uniform(0.8, 1.2, size=(B, S, HV, LC))).astype(np.float32)
+    bound = np.ascontiguousarray(bound.reshape(B * S, HV, LC))
+    warm, from_start = warm_from_bound_ref(torch.from_numpy(bound), S, -30.0)
+    c0, chunks = ctypes.c_int(), ctypes.c_int()
+    for by in range(B * S * HV):
+        lib.prologue(by, S * L, L, LC, B * S, ptr(bound), ctypes.byref(c0), ctypes.byref(chunks))
+        s, hv = (by // HV) % S, by % HV
+        w = int(warm[by // HV, hv])
+        assert (c0.value, chunks.value) == (s * LC - w, LC + w), (by, s, hv, kind[by // HV // S, hv])
+    first = torch.arange(B * S)[:, None] % S > 0          # the segments that can warm up at all
+    assert (warm == 1).any() and ((warm >= 2) & (warm <= 4) & ~from_start).any() and (from_start & first).any()
+
+
+def test_the_blocked_step_4_computes_the_blocks_below_the_diagonal(tmp_path):
+    """The pre-pass's step 4 with ``step4_blocked`` (threads 0–63, 2 × 4 accumulators each): from A_10 / A_32 stored
+    transposed, T_00 / T_22 in T_lo / T_hi and each solving thread's column of T_dd in its registers, it writes
+    Y1 = A_10 T_00 and T_10 = −T_11 Y1 (and the same for the second half) where the Parallel form does."""
+    from linattn.ops.hopper import prepass
+    D = prepass.D
+    src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True, min_blocks=8,
+                                  tma_keys=True, a_row_pad=4, t_row_pad=8, step4_blocked=True).get_kernel_source()
+    first = block_from(src, "if (((int)threadIdx.x) < 64) {\n    if (((((int)threadIdx.x) & 31) >> 4) == 1)")
+    rest = src[src.index(first) + len(first):]
+    second = block_from(rest, "if (((int)threadIdx.x) < 64)")
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src))
+    decls = "".join(f"  char* {n} = shmem + {offsets[n]};\n" for n in ("Ao", "Ad", "Tq", "Y1"))
+    lib = build(f"""
+extern "C" void phase1(int tid, char* shmem, float* x) {{
+  struct {{ int x; }} threadIdx = {{tid}};
+{decls}  float z[8]; float zt[8]; float av[2];
+  {first}
+}}
+extern "C" void phase2(int tid, char* shmem) {{
+  struct {{ int x; }} threadIdx = {{tid}};
+{decls}  float z[8]; float zt[8]; float av[2];
+  {second}
+}}""", tmp_path, "step4")
+    rng = np.random.default_rng(1)
+    shmem = np.zeros(64 * 1024, dtype=np.uint8)
+
+    def view(name, shape):
+        n = int(np.prod(shape))
+        return shmem[int(offsets[name]):int(offsets[name]) + 4 * n].view(np.float32).reshape(shape)
+    pad_a, pad_t = 4, 8
+    Ad, Ao = view("Ad", (4, D + 1, D + pad_a)), view("Ao", (2, D, D + pad_a))
+    Tq = view("Tq", (2, 2 * D, 2 * D + pad_t))
+    tri = lambda: np.tril(rng.standard_normal((D, D)), -1).astype(np.float32) + np.eye(D, dtype=np.float32)  # noqa
+    A10 = [rng.standard_normal((D, D)).astype(np.float32) for _ in range(2)]
+    Tdd = [tri() for _ in range(4)]
+    for h in range(2):
+        Ao[h, :, :D] = A10[h].T                         # step 2's transposed store: Ao[h, m, i] = A_10[i, m]
+        Tq[h, :D, :D] = Tdd[2 * h]                      # T_00 / T_22 where step 3 left them
+        Tq[h, D:, D:2 * D] = Tdd[2 * h + 1]             # T_11 / T_33
+    x = np.zeros((128, D), dtype=np.float32)
+    for tx in range(4 * D):                             # the solving threads' registers: their column of T_dd
+        x[tx] = Tdd[tx // D][:, tx % D]
+    for tx in range(128):
+        lib.phase1(tx, ptr(shmem), ptr(x[tx]))
+    for tx in range(128):
+        lib.phase2(tx, ptr(shmem))
+    for h in range(2):
+        y1 = A10[h] @ Tdd[2 * h]
+        np.testing.assert_allclose(view("Y1", (2, D, D))[h], y1, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(Tq[h, D:, :D], -Tdd[2 * h + 1] @ y1, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(Ad[2 * h + 1, :D, :D], Tdd[2 * h + 1].T)   # T_11 transposed in place
