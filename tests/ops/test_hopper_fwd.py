@@ -305,9 +305,9 @@ def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
 @pytest.mark.parametrize("slow_heads", [False, True], ids=["forgetting", "slow_heads"])
 def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
     """forward_hopper(segments=4, plan_in_walk=True) at B=1 T=4096 H=16 in bf16: within the bf16 bound of the float64
-    recurrence and close to the five-launch segmented forward (the same warm-ups, up to where a sum in another
-    order crosses the threshold). With slow heads (g/256: no warm-up within the sequence) their segments walk from
-    the sequence's start, and the result is still the recurrence's."""
+    recurrence and, where every head forgets, close to the five-launch segmented forward (the same warm-ups, up to
+    where a sum in another order crosses the threshold). With slow heads (g/256: no warm-up within the sequence)
+    their segments walk from the sequence's start, and the result is still the recurrence's."""
     from linattn.ops.hopper import forward as hopper_fwd
     x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
          for n, t in inputs(1, 4096, 16, 16, 128, 128, dtype=torch.bfloat16, seed=3).items()}
@@ -321,7 +321,10 @@ def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
         o5, ht5 = hopper_fwd.forward_hopper(*args, **launch)
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
     assert rel(o2, ro) < 5e-3 and rel(ht2, rht) < 5e-3
-    assert rel(o2, o5) < 1e-3 and rel(ht2, ht5) < 1e-3
+    if not slow_heads:      # the same warm-ups; slow heads take maps in one and the whole prefix in the other, two
+        assert rel(o2, o5) < 1e-3 and rel(ht2, ht5) < 1e-3      # bf16 roundings as far from each other as from float64
+    else:
+        assert rel(o5, ro) < 5e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
