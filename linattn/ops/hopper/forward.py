@@ -128,7 +128,7 @@ SMALL_SEGMENTED = False
 # pre-pass, then a warm walk whose programs find their own warm-ups; before SMALL_SEGMENTED). Run 27 at B=1 T=4096
 # H=16: the five-launch segmented forward takes 0.092 ms of GPU time but ≈ 230 µs of host time per call (≈ 80 of it
 # its four launches, ≈ 60 in the plan's and the scan's Python and Triton launches), so it tied the split's 0.228
-# eagerly. Two launches: predicted ≈ 130 µs of host time and 0.07–0.08 ms of GPU time, so ≈ 0.13–0.14 ms eagerly
+# eagerly. Two launches: predicted ≈ 120–130 µs of host time and 0.07–0.08 ms of GPU time, so ≈ 0.12–0.14 ms eagerly
 # (SDPA 0.152, FlashQLA 0.148 in run 27). Its worst case, heads that never forget, walks each segment from the
 # sequence's start: at most the unsegmented kernel's 64 chunks here (≈ 0.2 ms). Built in session 21, compiled for
 # sm_90a (no spills once the register split is asked for), not run: off until measured
