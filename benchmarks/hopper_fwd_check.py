@@ -35,6 +35,7 @@ from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import chunk_fwd_ref as twins
 from linattn.ops.hopper import forward as hopper_forward_module
 from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan, run_prepass
 from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
@@ -150,7 +151,7 @@ def accuracy(cases, variants):
                 # the kernel against its twin on the same pre-pass outputs (the kernel's own rounding points)
                 a_dtype, launch = launch_of(variant)
                 prepassed = run_prepass(low["k"], low["v"], low["g"], low["beta"], 1, None, a_dtype)[:3]
-                twin = hopper.chunk_fwd_hopper_hm_ref(low["q"], low["k"], low["v"], *prepassed, scale,
+                twin = twins.chunk_fwd_hopper_hm_ref(low["q"], low["k"], low["v"], *prepassed, scale,
                                                       low["initial_state"], **launch,
                                                       beta_in_a_inv=hopper_forward_module.a_inv_has_beta(None,
                                                                                                         a_dtype))

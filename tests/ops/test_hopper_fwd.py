@@ -15,6 +15,7 @@ import linattn
 from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import chunk_fwd_ref as twins
 
 
 def inputs(B, T, H, HV, K, V, dtype=torch.float64, seed=0):
@@ -35,7 +36,7 @@ def rel(a, b):
 def test_twin_without_rounding_is_the_recurrence(B, T, H, HV, K, V):
     """Partial last chunks (150, 200, 1), one full chunk, grouped value heads: exact in float64."""
     x = inputs(B, T, H, HV, K, V)
-    o, ht = hopper.chunk_fwd_hopper_ref(**x, scale=K ** -0.5, operand_dtype=torch.float64)
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=K ** -0.5, operand_dtype=torch.float64)
     ro, rht = gated_delta_rule_reference(**x, scale=K ** -0.5)
     assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
 
@@ -43,7 +44,7 @@ def test_twin_without_rounding_is_the_recurrence(B, T, H, HV, K, V):
 def test_twin_with_strong_decay_stays_finite():
     x = inputs(1, 130, 1, 1, 16, 16)
     x["g"] = torch.full_like(x["g"], -100.0)
-    o, ht = hopper.chunk_fwd_hopper_ref(**x, scale=0.25, operand_dtype=torch.float64)
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.25, operand_dtype=torch.float64)
     ro, rht = gated_delta_rule_reference(**x, scale=0.25)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
@@ -55,8 +56,8 @@ def test_twin_bf16_rounding_points():
     x = inputs(2, 300, 2, 2, 64, 64, dtype=torch.bfloat16)
     exact = {n: t.double() for n, t in x.items()}
     ro, rht = gated_delta_rule_reference(**exact, scale=0.125)
-    o, ht = hopper.chunk_fwd_hopper_ref(**x, scale=0.125)
-    o32, ht32 = hopper.chunk_fwd_hopper_ref(**x, scale=0.125, operand_dtype=torch.float32)
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.125)
+    o32, ht32 = twins.chunk_fwd_hopper_ref(**x, scale=0.125, operand_dtype=torch.float32)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     assert rel(o, ro) < 8e-3 and rel(ht, rht) < 8e-3
     assert rel(ht32, rht) < 1e-5 and rel(ht, ht32) > 1e-4
@@ -72,8 +73,8 @@ def test_twin_scale_in_p_is_the_same_forward():
     ro, rht = gated_delta_rule_reference(**exact, scale=0.1)    # not a power of two: the roundings differ
     pre = prepass_hopper_ref(x["k"], x["g"].float(), x["beta"].float(), beta_in_a_inv=False)[:3]
     args = (x["q"], x["k"], x["v"], *pre, 0.1, x["initial_state"].float())
-    o, ht = hopper.chunk_fwd_hopper_hm_ref(*args)
-    o_s, ht_s = hopper.chunk_fwd_hopper_hm_ref(*args, stsm=True)
+    o, ht = twins.chunk_fwd_hopper_hm_ref(*args)
+    o_s, ht_s = twins.chunk_fwd_hopper_hm_ref(*args, stsm=True)
     assert rel(o_s, ro) < 1.1 * rel(o, ro) and torch.equal(ht_s, ht)
     assert rel(o_s, o) > 1e-4
 
@@ -85,8 +86,8 @@ def test_twin_bf16_a_inv_costs_little():
     x = inputs(2, 300, 2, 2, 64, 64, dtype=torch.bfloat16)
     exact = {n: t.double() for n, t in x.items()}
     ro, rht = gated_delta_rule_reference(**exact, scale=0.125)
-    o, ht = hopper.chunk_fwd_hopper_ref(**x, scale=0.125)
-    o_a, ht_a = hopper.chunk_fwd_hopper_ref(**x, scale=0.125, round_a_inv=True)
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.125)
+    o_a, ht_a = twins.chunk_fwd_hopper_ref(**x, scale=0.125, round_a_inv=True)
     assert rel(o_a, ro) < 1.25 * rel(o, ro) and rel(ht_a, rht) < 1.6 * rel(ht, rht)
     assert rel(ht_a, ht) > 1e-5
 
@@ -348,7 +349,7 @@ def _twin_with_m_scaled(factor):
     """The kernel's twin, with the affine walk's M (the first K columns of [M | N]) scaled by ``factor``: a wrong
     state map for the negative controls below."""
     def twin(*args, affine=False, **kwargs):
-        o, S = hopper.chunk_fwd_hopper_hm_ref(*args, affine=affine, **kwargs)
+        o, S = twins.chunk_fwd_hopper_hm_ref(*args, affine=affine, **kwargs)
         if affine:
             S = S.clone()
             S[..., :args[0].shape[-1]] *= factor
@@ -373,7 +374,7 @@ def test_segmented_forward_equals_the_recurrence(monkeypatch, with_h0):
     exact = {n: t.double() for n, t in x.items()}
     ro, rht = gated_delta_rule_reference(**dict(exact, initial_state=exact["initial_state"] if with_h0 else None),
                                          scale=0.25)
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
     o4, ht4 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
     o1, ht1 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, BV=16)
     assert rel(o4, ro) < 1e-5 and rel(ht4, rht) < 1e-5
@@ -622,7 +623,7 @@ def test_the_map_norm_bound_holds_for_the_exact_map():
         k, beta = x["k"] * key_scale, x["beta"] * beta_scale
         gc_hm, beta_hm, a_inv, _ = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64,
                                                       beta_in_a_inv=False)
-        _, mn = hopper.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
+        _, mn = twins.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
                                                _seg(a_inv, 4), 0.25, None, affine=True)
         norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]
         bound = chunk_bounds_ref(k, x["g"], beta, 4).sum(-1)                   # [B·S, HV]
@@ -657,7 +658,7 @@ def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkey
     ro, rht = gated_delta_rule_reference(**exact, scale=0.25)
     seen = []
     monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm",
-                        lambda *a, **kw: seen.append(kw.get("skip_m")) or hopper.chunk_fwd_hopper_hm_ref(*a, **kw))
+                        lambda *a, **kw: seen.append(kw.get("skip_m")) or twins.chunk_fwd_hopper_hm_ref(*a, **kw))
     kw = dict(a_inv_dtype=torch.float32, segments=4, BV=16, roles=roles, skip_maps=True, warm_up=False)
     o, ht = hopper_fwd.forward_hopper(*args, **kw)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5

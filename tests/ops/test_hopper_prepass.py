@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from linattn.ops.gated_delta import torch_chunk as tc
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import chunk_fwd_ref as twins
 from linattn.ops.hopper import forward as hopper_fwd
 from linattn.ops.hopper import prepass
 
@@ -88,7 +89,7 @@ def test_forward_on_the_tilelang_prepass_twin_equals_the_triton_prepass(monkeypa
     the final state equal the float64 recurrence and the forward on the Triton pre-pass — also with β folded into
     A_inv (prepass.BETA_IN_A_INV: the kernel's X then has no β), which the Triton pre-pass never does."""
     monkeypatch.setattr(prepass, "BETA_IN_A_INV", beta_in_a_inv)
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", hopper.chunk_fwd_hopper_hm_ref)
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
     monkeypatch.setattr(hopper_fwd, "prepass_hopper",
                         functools.partial(prepass.prepass_hopper_ref, a_inv_dtype=torch.float32))
     x = inputs(2, T, 1, 2, 16, 16)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
-from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import chunk_fwd_ref as twins
 from linattn.ops.hopper import forward as hopper_fwd
 
 S, LC = 4, 8            # 4 segments of 8 chunks: warm-ups of up to WARM_UP_MAX_FRACTION · 8 chunks
@@ -43,7 +43,7 @@ def twins_recording_calls(monkeypatch) -> list:
 
     def twin(*args, **kw):
         calls.append(kw)
-        return hopper.chunk_fwd_hopper_hm_ref(*args, **kw)
+        return twins.chunk_fwd_hopper_hm_ref(*args, **kw)
 
     monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twin)
     # what run_prepass writes for these tests' fp32 A_inv: the Triton pre-pass's, never A_inv diag(β)
@@ -108,13 +108,13 @@ def test_warm_twin_keeps_each_segments_rows():
     x = three_heads()
     q, k, v, g, beta = (x[n].float() for n in ("q", "k", "v", "g", "beta"))
     h0 = x["initial_state"].float()
-    whole = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, 1, torch.float32, False)[:3],
+    whole = twins.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, 1, torch.float32, False)[:3],
                                            0.25, h0)
     L = LC * 64
     h_in = [h0[0]] + [gated_delta_rule_reference(**{n: t[:, :s * L] for n, t in x.items() if n != "initial_state"},
                                                  scale=0.25, initial_state=x["initial_state"])[1][0].float()
                       for s in range(1, S)]
-    o, ht = hopper.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32, False)[:3],
+    o, ht = twins.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32, False)[:3],
                                            0.25, torch.stack(h_in), warm_chunks=torch.zeros(S, 3, dtype=torch.int32))
     assert rel(o, whole[0]) < 1e-5 and rel(ht[-1], whole[1][0]) < 1e-5
 

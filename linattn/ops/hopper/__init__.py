@@ -1,1 +1,10 @@
-"""Hopper-only kernels (sm_90) outside Triton: experimental, not dispatched by the public ops yet (issue 4)."""
+"""The sm_90 (Hopper) forward in TileLang, an optional dependency; ``chunk_gated_delta_rule``'s "auto" path takes it
+on sm_90 for the bf16 inputs it supports (``triton_chunk.hopper_plan``), the Triton paths elsewhere (issue 4):
+
+    prepass.py        gc, β head-major and each chunk's inverse A_inv (bf16), and the chunks' map bounds
+    chunk_fwd.py      the fused walk: the state on chip, o and the final state written (plain, affine, warm)
+    chunk_fwd_ref.py  the walk's PyTorch twins
+    chunk_fwd_roles.py  an experimental role-split walk (off)
+    map_bound.py      the map bound's chunk sums and the segment plan (Triton)
+    forward.py        the launch plan and the (segmented) forward that chains them
+"""

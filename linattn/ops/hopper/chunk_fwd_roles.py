@@ -22,7 +22,7 @@ copied) takes ≈ 3.7 µs with its warpgroups in roles. Here, per chunk c (S: th
 
 The chain per chunk is S_b → K S_b → X → A_inv X → V_d → the update → S_b: three dots and three hand-offs; the
 output's three dots and the next chunk's Q Kᵀ run beside it. The arithmetic and every bf16 rounding point are
-``chunk_fwd.py``'s (its twin ``chunk_fwd_hopper_hm_ref`` holds for both).
+``chunk_fwd.py``'s (its twin, ``chunk_fwd_ref.chunk_fwd_hopper_hm_ref``, holds for both).
 
 Hand-offs (single-buffered; an mbarrier per direction, parity = the chunk's, waits for the previous phase pass at
 once on a fresh barrier):

@@ -1,0 +1,145 @@
+"""The Hopper forward's PyTorch twins: the fused kernel's arithmetic chunk by chunk (``chunk_fwd.py``), rounding to
+bf16 exactly where the kernel does, for tests of what runs around the kernel (the segmented forward, the warm-ups)
+on a machine without the GPU and as the reference its GPU checks compare against. With the working dtype as the
+operand dtype nothing is rounded: the algebra alone, equal to the token-by-token recurrence
+(tests/ops/test_hopper_fwd.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .chunk_fwd import BT
+
+
+def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         scale: float, initial_state: Optional[torch.Tensor],
+                         operand_dtype: torch.dtype = torch.bfloat16,
+                         round_a_inv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's PyTorch twin, chunk by chunk in fp32 (float64 for float64 inputs), rounding to
+    ``operand_dtype`` exactly where the kernel does: the state as the operand of K S and Q S, P, V_new as P V_new's
+    operand, and the decayed V_new of the state update (A_inv X stays in the working precision, which the kernel
+    runs at tf32; with ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With
+    ``operand_dtype`` the working dtype nothing is rounded: the algebra alone, equal to the token-by-token
+    reference. g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o
+    ``[B, T, HV, V]`` in v's dtype and the final state ``[B, HV, K, V]`` in the working dtype."""
+    from ..gated_delta import torch_chunk as tc
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))
+    HV = v.shape[2]
+    kc = tc.to_chunks(k.to(work).repeat_interleave(HV // q.shape[2], 2), BT)
+    gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
+    a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gc)
+    return _walk_ref(q, k, v, gc, beta, a_inv if not round_a_inv else rnd(a_inv), scale, initial_state, work, rnd,
+                     rnd if round_a_inv else (lambda t: t))
+
+
+def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
+                            beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
+                            initial_state: Optional[torch.Tensor], affine: bool = False,
+                            skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
+                            beta_in_a_inv: bool = False, warm_bound: Optional[torch.Tensor] = None,
+                            warm_threshold: Optional[float] = None, **launch
+                            ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
+    counts: the kernel then rounds P with the scale in it), from the pre-pass's gc, β (head-major) and A_inv instead
+    of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
+    Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones.
+    ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: those maps' M written as
+    zeros (the affine walk's negligible maps); ``warm_chunks``: the warm walk (one walk per segment and value head,
+    from warm_chunks chunks before the segment); ``warm_bound``, ``warm_threshold``: the warm walk that plans its
+    warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'); ``beta_in_a_inv``: A_inv is A_inv
+    diag(β), and X has no β."""
+    from ..gated_delta import torch_chunk as tc
+    scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
+    if warm_bound is not None:
+        from .map_bound import warm_from_bound_ref
+        warm_chunks, from_start = warm_from_bound_ref(warm_bound, q.shape[1] // gc_hm.shape[2], warm_threshold)
+        NB, HV = warm_chunks.shape
+        K, V = q.shape[-1], v.shape[-1]
+        # a warm-up that reaches the sequence's start begins from its initial state, any other from zero
+        h0 = torch.zeros(NB, HV, K, V, dtype=torch.float32, device=q.device)
+        if initial_state is not None:
+            seq = initial_state.float().repeat_interleave(NB // q.shape[0], 0)
+            h0 = torch.where(from_start[..., None, None], seq, h0)
+        initial_state = h0
+    if warm_chunks is not None:
+        return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
+                              beta_in_a_inv)
+    B, T, H, K = q.shape
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
+    gc = gc_hm[..., :T].transpose(1, 2).to(work)
+    g = gc.clone()               # back to per-token decays, so that padding the last chunk repeats its last gc
+    g[:, 1:] -= gc[:, :-1]
+    g[:, ::BT] = gc[:, ::BT]
+    gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g, BT))
+    S0 = initial_state
+    if affine:
+        v = torch.cat([torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=v.device), v], -1)
+        S0 = torch.cat([torch.eye(K, dtype=work, device=q.device).expand(B, v.shape[2], K, K),
+                        torch.zeros(B, v.shape[2], K, v.shape[3] - K, dtype=work, device=q.device)], -1)
+    rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
+    beta = torch.ones_like(gc) if beta_in_a_inv else beta_hm[..., :T].transpose(1, 2)
+    o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, scale_in_p)
+    if affine and skip_m is not None:
+        S = S.clone()
+        S[skip_m.int() != 0, :, :K] = 0
+        S[skip_m.int() == 2] = 0
+    return (None if affine else o), S
+
+
+def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p, beta_in_a_inv):
+    """The warm kernel's twin: for each segment s and value head, the plain walk over the rows from warm_chunks
+    chunks before the segment to its end, from initial_state, keeping o of the segment's own rows."""
+    B, T, H, _ = q.shape
+    NB, HV, L = gc_hm.shape
+    S, G = NB // B, HV // H
+    # gc and β per segment back to whole sequences [B, HV, T] (L is a multiple of 64: no padding)
+    gc_all, beta_all = (x.view(B, S, HV, L).transpose(1, 2).reshape(B, HV, T) for x in (gc_hm, beta_hm))
+    o = torch.empty_like(v)
+    hts = []
+    for ibs in range(NB):
+        b, s = divmod(ibs, S)
+        row = []
+        for hv in range(HV):
+            r0, r1 = s * L - int(warm_chunks[ibs, hv]) * BT, (s + 1) * L
+            ih = hv // G
+            sl = (slice(b, b + 1), slice(r0, r1))
+            oo, ht = chunk_fwd_hopper_hm_ref(q[sl][:, :, ih:ih + 1], k[sl][:, :, ih:ih + 1], v[sl][:, :, hv:hv + 1],
+                                             gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
+                                             a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1],
+                                             stsm=scale_in_p, beta_in_a_inv=beta_in_a_inv)
+            o[b, s * L:r1, hv] = oo[0, r1 - r0 - L:, 0]
+            row.append(ht[0, 0])
+        hts.append(torch.stack(row))
+    return o, torch.stack(hts)
+
+
+def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, scale_in_p=False):
+    """The kernel's chunk loop in PyTorch: gc ``[B, HV, NT, BT]`` chunk-local cumulative decays, a_inv
+    ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X;
+    ``scale_in_p``: the scale multiplies P before its rounding and Γ (the kernel's stsm), else o at the end."""
+    from ..gated_delta import torch_chunk as tc
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    qc, kc = (tc.to_chunks(x.to(work).repeat_interleave(HV // H, 2), BT) for x in (q, k))
+    vc, bc = tc.to_chunks(v.to(work), BT), tc.to_chunks(beta.to(work), BT)
+    S = (initial_state.to(work) if initial_state is not None
+         else torch.zeros(B, HV, K, V, dtype=work, device=q.device))
+    outs = []
+    for c in range(qc.shape[2]):
+        Qc, Kc, Vc, bt, Gc = qc[:, :, c], kc[:, :, c], vc[:, :, c], bc[:, :, c], gc[:, :, c]
+        Sb = rnd(S)
+        X = bt[..., None] * (Vc - Gc.exp()[..., None] * (Kc @ Sb))
+        Vn = a_inv[:, :, c] @ rnd_x(X)
+        if scale_in_p:
+            P = rnd(scale * tc.qk_decay_ref(Qc, Kc, Gc))
+            outs.append((scale * Gc.exp())[..., None] * (Qc @ Sb) + P @ rnd(Vn))
+        else:
+            P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
+            outs.append(scale * (Gc.exp()[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
+        g_last = Gc[..., -1]
+        S = g_last.exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd(
+            (g_last[..., None] - Gc).exp()[..., None] * Vn)
+    return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), S
