@@ -11,15 +11,17 @@ with ``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chun
 ``chunk_fwd.ASYNC_AX`` off, then on (A_inv X running while P is formed); ``--plan-in-walk-ab``: with
 ``hopper.forward.SMALL_PLAN_IN_WALK`` off, then on (small shapes: the split against the two-launch segmented
 forward, not bitwise equal: two algorithms); ``--two-per-sm-ab``: ``hopper.forward.TWO_PER_SM`` off, then on (BV=64,
-two programs per SM: bitwise equal expected, not required: the same products per element, other wgmma shapes); each
-says whether o and the final state are bitwise equal between the two. Several of these switch together
+two programs per SM: bitwise equal expected, not required: the same products per element, other wgmma shapes);
+``--when-captured-ab``: ``hopper.forward.SEGMENTED_WHEN_CAPTURED`` off, then on (with ``--graph``: the replay's
+plan); each says whether o and the final state are bitwise equal between the two. Several of these switch together
 (``--async-o-ab --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the
 spread between repeats shows the noise.
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
 (perf_counter around each; with switches, off then on). ``--graph``: beside the eager time, the call captured in a
-CUDA graph and replayed (the GPU's time alone: eager above it is host time). ``--path P``:
+CUDA graph and replayed (the GPU's time alone: eager above it is host time; with
+``forward.SEGMENTED_WHEN_CAPTURED`` on, of the plan "auto" takes under capture). ``--path P``:
 ``triton_chunk.FORWARD_PATH`` (auto, split, walk, hopper); ``--min-segmented-tokens N``:
 ``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with its levers at every shape it fills the
 card with).
@@ -44,7 +46,8 @@ from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so th
 SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (launch, "FAST_LAUNCH"),
             "--async-o-ab": (chunk_fwd, "ASYNC_O_STORE"), "--async-ax-ab": (chunk_fwd, "ASYNC_AX"),
             "--plan-in-walk-ab": (hopper_forward, "SMALL_PLAN_IN_WALK"),
-            "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM")}
+            "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM"),
+            "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED")}
 
 
 def graph_ms(fn):
