@@ -4,6 +4,8 @@ GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every dev
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/op_time_check.py 1,32768,16,16 [1,4096,16,16 ...]
 
+A shape is B,T,H,HV[,K[,V]] (K = V = 128 by default; V = K where only K is given).
+
 ``--direct-ab``: each shape with ``chunk_fwd.DIRECT_LAUNCH`` off, then on (TileLang's Python wrapper against its
 tvm_ffi executable called directly); ``--fast-launch-ab``: with ``common.launch.FAST_LAUNCH`` off, then on (Triton's
 JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); ``--async-o-ab``:
@@ -63,11 +65,11 @@ def graph_ms(fn):
     return bench(graph.replay)
 
 
-def check(B, T, H, HV, K=128, switches=(), on=None, graph=False):
+def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
     for switch in switches:
         setattr(*SWITCHES[switch], on)
     chunk_fwd.launcher.cache_clear()
-    xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
+    xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
     with torch.no_grad():
         def fn():
             return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)
@@ -79,19 +81,19 @@ def check(B, T, H, HV, K=128, switches=(), on=None, graph=False):
         host = host_us(fn)
         o, ht = fn()
         extra = dict(graph_ms=round(graph_ms(fn), 4)) if graph else {}
-    return dict(shape=(B, T, H, HV), path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
+    return dict(shape=(B, T, H, HV, K, V or K), path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 
-def profile(B, T, H, HV, K=128, calls=200):
+def profile(B, T, H, HV, K=128, V=None, calls=200):
     """Print where ``calls`` calls' host time goes, by function (``hopper_fwd_check.host_profile``)."""
-    xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
+    xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
     print(f"--- host profile {B, T, H, HV}: {calls} calls ---")
     print(host_profile(calls=calls, fn=lambda: chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)))
 
 
-def host_parts(B, T, H, HV, K=128, calls=200):
+def host_parts(B, T, H, HV, K=128, V=None, calls=200):
     """Print the host µs per call spent inside each layer of the Hopper forward (``forward_hopper``, the pre-pass,
     the plan, the walk, the scan) and in its launches (TileLang's and Triton's), perf_counter around each, over
     ``calls`` calls issued back to back; layers nest (forward_hopper holds the others)."""
@@ -116,7 +118,7 @@ def host_parts(B, T, H, HV, K=128, calls=200):
         seq_parallel.launch = timed("Triton launches", seq_parallel.launch)
         for _, name, fn in saved[4:]:
             setattr(hopper_forward, name, timed(name + "()", fn))
-        xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
+        xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
         with torch.no_grad():
             def fn():
                 return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)
