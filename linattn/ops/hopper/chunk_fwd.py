@@ -155,8 +155,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                       ht: T.Tensor((NB, HV, K, W), acc)):
         with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
             if min_blocks > 1:
-                # programs per SM: the registers split between them (producer 24, consumers the rest)
                 T.annotate_min_blocks_per_sm(min_blocks)
+            if min_blocks > 1 or warm_planned:
+                # the warpgroups' register split asked for explicitly: each program's share of the SM's 64K
+                # registers, 24 per producer thread and the rest per consumer thread (240 at one program per SM:
+                # TileLang's own split, which it leaves out when the producer stores to a local, as warm_planned's
+                # does; the consumers then stayed at 168 and spilled)
                 T.annotate_producer_reg_dealloc(24)
                 T.annotate_consumer_reg_alloc((65536 // min_blocks - 128 * 24) // threads // 8 * 8)
             ibn = bh // HV                            # the program's sequence: a segment when warm
@@ -170,10 +174,6 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 nseg = Tn // Lg
                 ib = ibn // nseg
                 if warm_planned:
-                    # TileLang leaves the warpgroups' register split (producer 24, consumers 240) out when the
-                    # producer stores to a local: asked for explicitly, or the consumers stay at 168 and spill
-                    T.annotate_producer_reg_dealloc(24)
-                    T.annotate_consumer_reg_alloc(240)
                     nseg = T.truncdiv(Tn, Lg)
                     ib = T.truncdiv(ibn, nseg)
                     # w: summing the bounds of the chunks before the segment, nearest first, until the sum falls
