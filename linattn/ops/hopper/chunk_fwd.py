@@ -592,11 +592,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
                                  *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks)
-    # without an initial state the kernel never reads h0: an uninitialised tensor of the shape (the launcher checks
-    # shapes and strides) costs an allocation, not a memset; the affine walk writes no o (v stands in for it)
-    h0 = (initial_state.float().contiguous() if initial_state is not None
-          else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
-    v = v.contiguous()
+    h0 = state_arg(initial_state, (B, HV, K, V), q.device)
+    v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
         o, ht = out
     else:
@@ -609,6 +606,14 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                 torch.empty(B, HV, dtype=torch.int32, device=q.device))
     launcher(kernel)(*args, o, ht)
     return (None if affine else o), ht
+
+
+def state_arg(initial_state: Optional[torch.Tensor], shape: tuple, device) -> torch.Tensor:
+    """The kernels' h0 argument: the initial state in fp32, contiguous; without one the kernel never reads h0, so an
+    uninitialised tensor of the shape (the launcher checks shapes and strides) costs an allocation, not a memset."""
+    if initial_state is not None:
+        return initial_state.float().contiguous()
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
@@ -636,17 +641,14 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         if initial_state is not None and initial_state.shape != (B, HV, K, V):
             raise ValueError(f"the planned warm walk takes the sequences' initial state [B, HV, K, V] = "
                              f"{[B, HV, K, V]}, got {list(initial_state.shape)}")
-        # never read without one (the launcher checks its shape and strides): an uninitialised placeholder
-        h0 = (initial_state.float().contiguous() if initial_state is not None
-              else torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
-        ctl = bound.contiguous()
+        h0, ctl = state_arg(initial_state, (B, HV, K, V), q.device), bound.contiguous()
     else:
         if initial_state is None or initial_state.shape != (NB, HV, K, V):
             raise ValueError(f"the warm walk needs each segment's starting state [B·S, HV, K, V] = "
                              f"{[NB, HV, K, V]}, got {None if initial_state is None else list(initial_state.shape)}")
         if warm_chunks.shape != (NB, HV):
             raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
-        h0, ctl = initial_state.float().contiguous(), warm_chunks.to(torch.int32).contiguous()
+        h0, ctl = state_arg(initial_state, (NB, HV, K, V), q.device), warm_chunks.to(torch.int32).contiguous()
     kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                              not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
                              str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
