@@ -166,15 +166,17 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, ca
     if launch is not None:
         return launch
     segments = segment_count(num_sequences, HV, V, T, sms)
+    if segments is None:
+        return fitted_launch(V) if forced else None
+    segmented = dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
     small = num_sequences * T * HV < MIN_SEGMENTED_HEAD_TOKENS and not (capturing and SEGMENTED_WHEN_CAPTURED)
-    if segments is not None and (forced or (SEGMENTED_AUTO and not small)):
-        return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments)
-    if segments is not None and SEGMENTED_AUTO and SMALL_PLAN_IN_WALK:  # host-bound: two launches
-        return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments, plan_in_walk=True)
-    if segments is not None and SEGMENTED_AUTO and SMALL_SEGMENTED:      # host-bound: four launches
-        return dict(hopper_launch(num_sequences * segments, HV, V, sms), segments=segments, skip_maps=False,
-                    warm_up=False)
-    return fitted_launch(V) if forced else None
+    if forced or (SEGMENTED_AUTO and not small):
+        return segmented
+    if SEGMENTED_AUTO and SMALL_PLAN_IN_WALK:                           # host-bound: two launches
+        return dict(segmented, plan_in_walk=True)
+    if SEGMENTED_AUTO and SMALL_SEGMENTED:                              # host-bound: four launches
+        return dict(segmented, skip_maps=False, warm_up=False)
+    return None
 
 
 # A segment's map M is dropped (phase A writes M = 0 without walking those K columns; SKIP_NEGLIGIBLE_MAPS) where
