@@ -357,6 +357,20 @@ def host_us(fn, calls=200):
     return (t1 - t0) / calls * 1e6
 
 
+def graph_ms(fn):
+    """do_bench median ms of ``fn`` captured in a CUDA graph and replayed (the GPU's time alone), after one call on a
+    side stream (the warm-up a capture needs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
 def profile(shapes):
     """Where the Hopper forward's time goes, per shape (:func:`profile_shape`)."""
     rows = []

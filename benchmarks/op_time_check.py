@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from hopper_fwd_check import bench, host_profile, host_us  # this folder is on sys.path
+from hopper_fwd_check import bench, graph_ms, host_profile, host_us  # this folder is on sys.path
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import launch, seq_parallel
@@ -50,19 +50,6 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--plan-in-walk-ab": (hopper_forward, "SMALL_PLAN_IN_WALK"),
             "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM"),
             "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED")}
-
-
-def graph_ms(fn):
-    """do_bench median ms of ``fn`` captured in a CUDA graph (warmed up on a side stream first, as capture needs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
 
 
 def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):

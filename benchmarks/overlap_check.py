@@ -11,7 +11,7 @@ import functools
 import sys
 
 import torch
-from hopper_fwd_check import bench, host_us, low_precision, make  # this folder is on sys.path
+from hopper_fwd_check import bench, graph_ms, host_us, low_precision, make  # this folder is on sys.path
 
 from linattn.ops.hopper.chunk_fwd import chunk_fwd_hopper_hm
 from linattn.ops.hopper.forward import LAUNCH, forward_hopper
@@ -69,12 +69,8 @@ for B, T, H, HV in shapes:
             fn = (functools.partial(forward_hopper, *args, **LAUNCH) if parts == 1 else
                   functools.partial(overlapped, *args, parts))
             o, ht = fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
             row = dict(shape=(B, T, H, HV), parts=parts, ms=bench(fn), host_us=host_us(fn),
-                       graph_ms=bench(graph.replay), bitwise=bool(torch.equal(o, base[0]) and torch.equal(ht, base[1])))
+                       graph_ms=graph_ms(fn), bitwise=bool(torch.equal(o, base[0]) and torch.equal(ht, base[1])))
             table.append(row)
             print(row, flush=True)
 print("\n| B, T, H, HV | parts | ms | host µs | graph replay ms | o, state bitwise = P 1 |")
