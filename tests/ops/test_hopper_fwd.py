@@ -27,6 +27,18 @@ def inputs(B, T, H, HV, K, V, dtype=torch.float64, seed=0):
     return {n: t.to(dtype) if n in ("q", "k", "v") else t for n, t in x.items()}
 
 
+# the GPU tests of the Hopper forward: an sm_90 card with TileLang
+ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
+                               torch.cuda.get_device_capability()[0] != 9,
+                               reason="the Hopper forward runs on sm_90 only")
+
+
+def gpu_inputs(B, T, H, HV, K, V, seed=0):
+    """:func:`inputs` on the GPU as the op takes them: q, k, v in bf16, the gates, β and the initial state fp32."""
+    return {n: (t if n in ("q", "k", "v") else t.float()).cuda()
+            for n, t in inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, seed=seed).items()}
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -245,8 +257,7 @@ def test_plan_takes_the_two_launch_segmented_forward_for_small_shapes(monkeypatc
     assert plan(1, 16, 128, 4096, 132, False)["warm_up"] is False                          # SMALL_SEGMENTED's
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
-                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+@ON_HOPPER
 def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
     """B=1 T=4096 H=16 through the op captured in a CUDA graph, with SEGMENTED_WHEN_CAPTURED: the replay runs the
     segmented forward with its levers, bitwise what the same plan writes eagerly, and the eager call keeps the
@@ -254,8 +265,7 @@ def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
     from linattn.ops.hopper import forward as hopper_fwd
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
-         for n, t in inputs(1, 4096, 16, 16, 128, 128, dtype=torch.bfloat16).items()}
+    x = gpu_inputs(1, 4096, 16, 16, 128, 128)
     plans = []
     real = hopper_fwd.forward_hopper
     monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda *a, **kw: plans.append(kw) or real(*a, **kw))
@@ -278,8 +288,7 @@ def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
         assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
-                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+@ON_HOPPER
 def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
     """What a user's warm-up leaves (torch.compile's CUDA graphs too): eager calls of a small shape run the split,
     so under SEGMENTED_WHEN_CAPTURED the segmented forward's kernels are first built, loaded and launched inside the
@@ -288,8 +297,7 @@ def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
     from linattn.ops.hopper import forward as hopper_fwd
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
-         for n, t in inputs(1, 2048, 32, 32, 128, 128, dtype=torch.bfloat16, seed=1).items()}
+    x = gpu_inputs(1, 2048, 32, 32, 128, 128, seed=1)
 
     def call():
         return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
@@ -301,8 +309,7 @@ def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
     assert not torch.equal(captured[0], eager[0])                          # two paths, not one twice
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
-                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+@ON_HOPPER
 @pytest.mark.parametrize("slow_heads", [False, True], ids=["forgetting", "slow_heads"])
 def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
     """forward_hopper(segments=4, plan_in_walk=True) at B=1 T=4096 H=16 in bf16: within the bf16 bound of the float64
@@ -310,8 +317,7 @@ def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
     where a sum in another order crosses the threshold). With slow heads (g/256: no warm-up within the sequence)
     their segments walk from the sequence's start, and the result is still the recurrence's."""
     from linattn.ops.hopper import forward as hopper_fwd
-    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
-         for n, t in inputs(1, 4096, 16, 16, 128, 128, dtype=torch.bfloat16, seed=3).items()}
+    x = gpu_inputs(1, 4096, 16, 16, 128, 128, seed=3)
     if slow_heads:
         x["g"][..., ::2] /= 256
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, x["initial_state"]]
@@ -328,14 +334,12 @@ def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
         assert rel(o5, ro) < 5e-3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
-                    torch.cuda.get_device_capability()[0] != 9, reason="the Hopper forward runs on sm_90 only")
+@ON_HOPPER
 def test_two_programs_per_sm_on_the_gpu():
     """forward_hopper at TWO_PER_SM_LAUNCH (BV=64, one stage, two programs per SM) against LAUNCH, B=8 T=1024 H=16 in
     bf16: the same products per element, so equal up to the dots' accumulation order; within the bf16 bound."""
     from linattn.ops.hopper import forward as hopper_fwd
-    x = {n: (t if n in ("q", "k", "v") else t.float()).cuda()
-         for n, t in inputs(8, 1024, 16, 16, 128, 128, dtype=torch.bfloat16, seed=4).items()}
+    x = gpu_inputs(8, 1024, 16, 16, 128, 128, seed=4)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, x["initial_state"]]
     with torch.no_grad():
         o2, ht2 = hopper_fwd.forward_hopper(*args, **hopper_fwd.TWO_PER_SM_LAUNCH)
