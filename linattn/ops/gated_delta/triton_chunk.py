@@ -109,9 +109,11 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
     from ..hopper import chunk_fwd as hopper
     if hopper.unsupported_reason(q, v, cu_seqlens) is not None:
         return None
-    from ..hopper.forward import plan
-    return plan(num_sequences, v.shape[2], v.shape[-1], q.shape[1], num_sms(q.device), FORWARD_PATH == "hopper",
-                torch.cuda.is_current_stream_capturing())
+    from ..hopper import forward as hopper_forward
+    # whether the call is being captured in a CUDA graph: asked only where the plan would use the answer
+    capturing = hopper_forward.SEGMENTED_WHEN_CAPTURED and torch.cuda.is_current_stream_capturing()
+    return hopper_forward.plan(num_sequences, v.shape[2], v.shape[-1], q.shape[1], num_sms(q.device),
+                               FORWARD_PATH == "hopper", capturing)
 
 
 class FwdStages(NamedTuple):
