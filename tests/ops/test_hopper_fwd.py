@@ -178,6 +178,7 @@ def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeyp
     forced."""
     from linattn.ops.hopper import forward as hopper_fwd
     from linattn.ops.hopper.forward import LAUNCH, plan
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)                           # its own test below
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", False)
     assert plan(1, 16, 128, 32768, 132, False) is None                                     # "auto": no segments
     assert plan(1, 16, 128, 32768, 132, True) == dict(LAUNCH, segments=8)                  # forced: segments
@@ -220,6 +221,7 @@ def test_plan_under_capture_picks_by_gpu_time(monkeypatch):
     from linattn.ops.hopper.forward import LAUNCH, plan
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", True)
     monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", False)
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", False)
     assert plan(1, 16, 128, 4096, 132, False, capturing=True) is None
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
@@ -263,6 +265,7 @@ def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
     segmented forward with its levers, bitwise what the same plan writes eagerly, and the eager call keeps the
     split."""
     from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)              # eager small calls: the split
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
     x = gpu_inputs(1, 4096, 16, 16, 128, 128)
@@ -289,12 +292,38 @@ def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
 
 
 @ON_HOPPER
+def test_a_captured_small_call_replays_the_two_launch_forward(monkeypatch):
+    """SMALL_PLAN_IN_WALK (SEGMENTED_WHEN_CAPTURED off): B=1 T=4096 H=16 through the op takes the two-launch plan
+    eagerly and under capture alike (nothing in it waits on the host), and the replay writes the eager call's
+    numbers bitwise, within the bf16 bound of the float64 recurrence."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", True)
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", False)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    x = gpu_inputs(1, 4096, 16, 16, 128, 128, seed=5)
+    plans = []
+    real = hopper_fwd.forward_hopper
+    monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda *a, **kw: plans.append(kw) or real(*a, **kw))
+
+    def call():
+        return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+    with torch.no_grad():
+        eager = call()
+        _, captured = warm_up_capture_replay(call)
+    assert len(plans) == 3 and plans[0].get("plan_in_walk") is True and plans[0] == plans[1] == plans[2]
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    assert rel(eager[0], ro) < 5e-3 and rel(eager[1], rht) < 5e-3
+
+
+@ON_HOPPER
 def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
     """What a user's warm-up leaves (torch.compile's CUDA graphs too): eager calls of a small shape run the split,
     so under SEGMENTED_WHEN_CAPTURED the segmented forward's kernels are first built, loaded and launched inside the
     capture. The capture must succeed and replay within the bf16 bound. Meaningful only in a process where no
     Hopper kernel of this shape ran before: run it alone first (``-k never_ran_eagerly``)."""
     from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)              # eager small calls: the split
     monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
     x = gpu_inputs(1, 2048, 32, 32, 128, 128, seed=1)

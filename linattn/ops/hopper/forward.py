@@ -53,8 +53,10 @@ FILL_FRACTION = 0.9
 # 153 with two), and the registers split 24 per producer thread and 112 per consumer thread (80 at launch, 0 spills
 # with two stages, 8 bytes with one; sm_90a, ptxas 13.0). The costs: Q Kᵀ once per V tile (twice per head: ≈ +10% of
 # the tensor work) and no load pipelining within a program. Rows 2 and 5 of issue 4 (256 programs at BV=64) would
-# take it; row 6's 128 programs fill only one per SM. Built in session 21, compiled, not run: off until measured
-# (benchmarks/op_time_check.py --two-per-sm-ab)
+# take it; row 6's 128 programs fill only one per SM. Built in session 21, compiled. Run 28: it never finished on the
+# H200 — tests/ops/test_hopper_fwd.py::test_two_programs_per_sm_on_the_gpu printed nothing in 60 s and took the
+# rest of a 300 s step, and `op_time_check.py --two-per-sm-ab` ran out of its 166 s — a hang (most likely the
+# one-stage pipeline's barriers; not diagnosed) or a very slow compile: off
 TWO_PER_SM = False
 TWO_PER_SM_LAUNCH = dict(LAUNCH, BV=64, num_stages=1, min_blocks=2)
 
@@ -130,15 +132,22 @@ SMALL_SEGMENTED = False
 # its four launches, ≈ 60 in the plan's and the scan's Python and Triton launches), so it tied the split's 0.228
 # eagerly. Two launches: predicted ≈ 120–130 µs of host time and 0.07–0.08 ms of GPU time, so ≈ 0.12–0.14 ms eagerly
 # (SDPA 0.152, FlashQLA 0.148 in run 27). Its worst case, heads that never forget, walks each segment from the
-# sequence's start: at most the unsegmented kernel's 64 chunks here (≈ 0.2 ms). Built in session 21, compiled for
-# sm_90a (no spills once the register split is asked for), not run: off until measured
-SMALL_PLAN_IN_WALK = False
+# sequence's start: at most the unsegmented kernel's 64 chunks here (≈ 0.2 ms). Run 28 (H200, through the op,
+# benchmarks/op_time_check.py; the GPU tests of both decays passed): off / on 0.264 / 0.162 ms and 0.231 / 0.177 (host
+# µs per call 263 / 126 and 166 / 147; CUDA graph replay 0.228 / 0.082), and 0.085 ms (host 114 µs) in a later call;
+# in bench_anchors' process 0.253 (FlashQLA 0.339 and SDPA 0.151 in the same run: that host was slow). Larger shapes
+# keep the five-launch forward: two launches measured 0.184 against its 0.371 at B=1 T=32768 H=2 HV=8 and 0.325
+# against ≈ 0.35 at H=16, but there a head that never forgets would walk up to the whole sequence per segment
+# (the unsegmented kernel: 3.35 ms at the first, run 21) where the maps keep ≈ 0.4
+SMALL_PLAN_IN_WALK = True
 # Under CUDA graph capture the host's cost is paid once, at capture, not at each replay, so "auto" may pick by GPU
 # time alone there: the segmented forward with its levers below MIN_SEGMENTED_HEAD_TOKENS too. Run 27 (H200, B=1
 # T=4096 H=16 through the op, the call captured in a graph and replayed): 0.092 ms segmented (4 segments, warm-ups)
 # against the split's 0.228; eager both ≈ 0.230 (the segmented call host-bound at ≈ 230 µs per call, the split
-# GPU-bound). Built in session 21, not run: off until a replay is checked against the eager call on the GPU
-# (tests/ops/test_hopper_fwd.py::test_a_captured_small_call_takes_the_segmented_forward)
+# GPU-bound). Run 28: its GPU tests pass (the replay bitwise the same plan's eager call; a capture whose kernels
+# never ran eagerly) and the replay took 0.0915 ms against the split's 0.2285; but with SMALL_PLAN_IN_WALK on, a
+# capture already takes the two-launch forward (replayed 0.082 ms, and the same numbers as the eager call), so it
+# stays off: it would trade 10% of replay time for the maps' bound on heads that never forget
 SEGMENTED_WHEN_CAPTURED = False
 # Whether "auto" takes the segmented forward at all. Run 22 checked it at a slow decay (1/65536 of the anchors'
 # gates, so the entering state survives the whole segment and every map M counts): o / state errors against

@@ -95,9 +95,12 @@ T_ROW_PAD = 8
 # 2 warps: 4 per m against the Parallel form's 8 (4 warps, a word of A and a 16-byte vector of T for 4 FMAs a
 # thread). The two idle warps wait. The same products in the same order: outputs bitwise equal. Run 26's source
 # profile put step 4's loops at ≈ 26% of the kernel's shared wavefronts (and the pre-pass is bound by them: 93% of
-# its L1 / shared pipe busy): predicted −8 to −12% of the pre-pass. Built in session 21, compile-checked, not run: off
-# until measured (benchmarks/prepass_ab.py against the file with False)
-STEP4_BLOCKED = False
+# its L1 / shared pipe busy): predicted −8 to −12% of the pre-pass. Run 28 (H200, benchmarks/prepass_ab.py against
+# the file with False; A_inv and o bitwise equal on six shapes): 0.1129 → 0.1070 ms at B=8 T=4096 H=16, 0.1128 →
+# 0.1062 at B=1 T=32768 H=16, 0.2126 → 0.1973 at B=4 T=8192 H=16 HV=32, 0.0581 → 0.0539 at B=1 T=32768 H=2 HV=8
+# (−5 to −7%: short of the prediction, the two idle warps' share of the step not refilled); at the small shapes,
+# timed first, 0.018 → 0.025 (B=2 T=300 H=4) and 0.0345 → 0.0364 (B=1 T=1000 H=2 HV=8)
+STEP4_BLOCKED = True
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
