@@ -1,21 +1,20 @@
 """Every switch built but not yet measured on the GPU, checked in one device call: each step a child process with its
 own time limit (a hang or a crash costs that step, not the call), its output's tail printed as it ends, and a table
-of the steps last. The steps and their order are docs/performance.md's "Where things stand" list:
+of the steps last. The steps and their order are docs/performance.md's "Where things stand" list (after run 28):
 
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz && rm -rf /tmp/site/fla
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 6–8 minutes in all on an H200 with TileLang's disk cache cold. ``--budget`` (560 s: a device call's 600 less
-the start) caps the whole run: each step gets what is left of it, and the steps it cannot start are listed as
-skipped (run them with ``--only`` in the next call). The pre-pass A/B compares today's pre-pass file with
-a copy of itself (written to ab_old/prepass.py) with the switch set on one side.
+≈ 6–8 minutes in all on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1 min).
+``--budget`` (560 s: a device call's 600 less the start) caps the whole run: each step gets what is left of it, and
+the steps it cannot start are listed as skipped (run them with ``--only`` in the next call). Carry ``.anchors``
+(the last step runs its bench_anchors.py).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,24 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TESTS = "tests/ops/test_hopper_fwd.py"
 
-# (name, command, time limit in s). The capture whose kernels never ran eagerly must come first, in a process of its
-# own: a later one would find those kernels already loaded
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 28. Row 1's spread
+# is measured in a fresh process first, then after the anchors' FlashQLA row (its compile and runs) in one process
 STEPS = [
-    ("capture, kernels cold", [PY, "-m", "pytest", "-q", "-x", TESTS, "-k", "never_ran_eagerly"], 240),
-    ("GPU tests of the switches", [PY, "-m", "pytest", "-q", TESTS, "tests/ops/test_launch.py", "-k",
-                                   "captured or two_launch or two_programs_per_sm_on_the_gpu or launches"], 300),
-    ("two launches at row 1", [PY, "benchmarks/op_time_check.py", "--plan-in-walk-ab", "--repeat", "2", "--graph",
-                               "1,4096,16,16"], 240),
-    ("two launches, host per layer", [PY, "benchmarks/op_time_check.py", "--plan-in-walk-ab", "--host-parts",
-                                      "1,4096,16,16"], 120),
-    ("capture plan at row 1", [PY, "benchmarks/op_time_check.py", "--when-captured-ab", "--graph", "1,4096,16,16"],
-     180),
-    ("two programs per SM", [PY, "benchmarks/op_time_check.py", "--two-per-sm-ab", "--repeat", "2", "8,4096,16,16",
-                             "4,8192,16,32"], 300),
-    ("pre-pass step 4 blocked", [PY, "benchmarks/prepass_ab.py", "ab_old/prepass.py", "--set", "STEP4_BLOCKED=1"],
-     240),
-    ("K = V = 64 and V = 256", [PY, "benchmarks/op_time_check.py", "8,4096,16,16,64", "1,32768,16,16,64",
-                                "8,4096,16,16,128,256"], 240),
+    ("two-launch forward, GPU tests", [PY, "-m", "pytest", "-q", TESTS, "-k",
+                                       "replays_the_two_launch or two_launch_segmented_forward_on_the_gpu"], 180),
+    ("row 1 in a fresh process", [PY, "benchmarks/op_time_check.py", "--repeat", "3", "--graph", "1,4096,16,16"],
+     150),
+    ("row 1, host per layer", [PY, "benchmarks/op_time_check.py", "--host-parts", "1,4096,16,16"], 90),
+    ("row 1 after FlashQLA", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
+                              "--no-decode", "--skip-correct", "--shapes", "1,4096,16,16;1,4096,16,16"], 240),
 ]
 
 
@@ -62,8 +53,6 @@ def main():
         for name, cmd, limit in steps:
             print(f"{name} ({limit} s): {' '.join(cmd[1:])}")
         return
-    (ROOT / "ab_old").mkdir(exist_ok=True)
-    shutil.copy(ROOT / "linattn/ops/hopper/prepass.py", ROOT / "ab_old/prepass.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT),
                                                                       str(ROOT / "benchmarks")])))
     rows = []
