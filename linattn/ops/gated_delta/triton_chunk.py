@@ -22,6 +22,7 @@ fla design; fla measures 3.7e-3). benchmarks/gpu_check_fwd.py measures it on the
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple, Optional
 
@@ -97,6 +98,15 @@ def forward_path(num_sequences: int, HV: int, dtype: torch.dtype) -> str:
     return "walk" if pairs is not None and num_sequences * HV >= pairs else "split"
 
 
+@functools.cache
+def _hopper_modules():
+    """(hopper.chunk_fwd, hopper.forward), imported on first use: an import statement in the call path costs ≈ 1–2 µs
+    of host time per call, and the CPU / fp16 / fp32 paths never need them. Their attributes are read at call time,
+    so switches and monkeypatches on those modules still apply."""
+    from ..hopper import chunk_fwd, forward
+    return chunk_fwd, forward
+
+
 def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
                 num_sequences: int) -> Optional[dict]:
     """The Hopper forward's launch for these inputs, or None to run the Triton paths: None where the kernel cannot
@@ -106,10 +116,9 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
     once); "hopper" then runs the unsegmented kernel."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
-    from ..hopper import chunk_fwd as hopper
+    hopper, hopper_forward = _hopper_modules()
     if hopper.unsupported_reason(q, v, cu_seqlens) is not None:
         return None
-    from ..hopper import forward as hopper_forward
     # whether the call is being captured in a CUDA graph: asked only where the plan would use the answer
     capturing = hopper_forward.SEGMENTED_WHEN_CAPTURED and torch.cuda.is_current_stream_capturing()
     return hopper_forward.plan(num_sequences, v.shape[2], v.shape[-1], q.shape[1], num_sms(q.device),
@@ -203,10 +212,9 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if FORWARD_PATH in ("auto", "hopper"):
         launch = hopper_plan(q, v, cu_seqlens, num_sequences)
         if launch is not None:
-            from ..hopper import chunk_fwd as hopper
-            from ..hopper.forward import forward_hopper
+            hopper, hopper_forward = _hopper_modules()
             try:
-                return forward_hopper(q, k, v, g, beta, scale, initial_state, **launch)
+                return hopper_forward.forward_hopper(q, k, v, g, beta, scale, initial_state, **launch)
             except hopper.HopperCompileError as e:    # once per process: the Triton paths from here on
                 hopper.COMPILE_FAILED = str(e)
                 warnings.warn(f"linattn: the Hopper forward (TileLang) did not compile here, so the Triton forward "
