@@ -29,6 +29,7 @@ TESTS = "tests/ops/test_hopper_fwd.py"
 STEPS = [
     ("two-launch forward, GPU tests", [PY, "-m", "pytest", "-q", TESTS, "-k",
                                        "replays_the_two_launch or two_launch_segmented_forward_on_the_gpu"], 180),
+    ("core cases, auto", [PY, "benchmarks/gpu_check_core.py"], 300),
     ("row 1 in a fresh process", [PY, "benchmarks/op_time_check.py", "--repeat", "3", "--graph", "1,4096,16,16"],
      150),
     ("row 1, host per layer", [PY, "benchmarks/op_time_check.py", "--host-parts", "1,4096,16,16"], 90),
