@@ -15,9 +15,10 @@ with ``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chun
 forward, not bitwise equal: two algorithms); ``--two-per-sm-ab``: ``hopper.forward.TWO_PER_SM`` off, then on (BV=64,
 two programs per SM: bitwise equal expected, not required: the same products per element, other wgmma shapes);
 ``--when-captured-ab``: ``hopper.forward.SEGMENTED_WHEN_CAPTURED`` off, then on (with ``--graph``: the replay's
-plan); each says whether o and the final state are bitwise equal between the two. Several of these switch together
-(``--async-o-ab --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the
-spread between repeats shows the noise.
+plan); ``--varlen-ab``: ``hopper.varlen.VARLEN_BY_PADDING`` off, then on (with ``--packed``: the Triton paths
+against the padded Hopper forward; not bitwise equal: two algorithms); each says whether o and the final state
+are bitwise equal between the two. Several of these switch together (``--async-o-ab --async-ax-ab``: both off, then
+both on); ``--repeat N``: the off/on pair N times in turn, so the spread between repeats shows the noise.
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
@@ -26,7 +27,8 @@ CUDA graph and replayed (the GPU's time alone: eager above it is host time; with
 ``forward.SEGMENTED_WHEN_CAPTURED`` on, of the plan "auto" takes under capture). ``--path P``:
 ``triton_chunk.FORWARD_PATH`` (auto, split, walk, hopper); ``--min-segmented-tokens N``:
 ``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with its levers at every shape it fills the
-card with).
+card with). ``--packed``: each shape's B sequences packed into one row with ``cu_seqlens``, of uneven lengths
+(:func:`packed_lengths`: T less 0–255 rows each, so that most end inside a chunk).
 """
 import collections
 import sys
@@ -41,6 +43,7 @@ from linattn.ops.common import launch, seq_parallel
 from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.hopper import chunk_fwd, map_bound, prepass
 from linattn.ops.hopper import forward as hopper_forward
+from linattn.ops.hopper import varlen as hopper_varlen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
 from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so the figures compare with theirs)
@@ -49,17 +52,37 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--async-o-ab": (chunk_fwd, "ASYNC_O_STORE"), "--async-ax-ab": (chunk_fwd, "ASYNC_AX"),
             "--plan-in-walk-ab": (hopper_forward, "SMALL_PLAN_IN_WALK"),
             "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM"),
-            "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED")}
+            "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED"),
+            "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING")}
+PACKED = "--packed" in sys.argv
+
+
+def packed_lengths(B, T):
+    """``--packed``'s B sequence lengths: T less (97·i mod 256) rows for sequence i (the first one T)."""
+    return [T - (97 * i) % 256 for i in range(B)]
+
+
+def op_inputs(B, T, H, HV, K, V):
+    """The op's arguments (bench_anchors' inputs): B sequences of T rows, or with ``--packed`` their uneven lengths
+    packed into one row (``cu_seqlens`` int32 among the keywords)."""
+    if not PACKED:
+        return make_inputs(B, T, H, HV, K, V, torch.bfloat16, seed=2, requires_grad=True), {}
+    lengths = packed_lengths(B, T)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    xs = make_inputs(1, offsets[-1], H, HV, K, V, torch.bfloat16, seed=2, requires_grad=True)
+    return xs, dict(cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=xs[0].device))
 
 
 def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
     for switch in switches:
         setattr(*SWITCHES[switch], on)
     chunk_fwd.launcher.cache_clear()
-    xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
+    xs, packed = op_inputs(B, T, H, HV, K, V or K)
     with torch.no_grad():
         def fn():
-            return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)
+            return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True, **packed)
         t0 = time.time()
         fn()
         torch.cuda.synchronize()
@@ -68,7 +91,8 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
         host = host_us(fn)
         o, ht = fn()
         extra = dict(graph_ms=round(graph_ms(fn), 4)) if graph else {}
-    return dict(shape=(B, T, H, HV, K, V or K), path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
+    return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, varlen_by_padding=hopper_varlen.VARLEN_BY_PADDING,
+                path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 

@@ -29,6 +29,9 @@ TESTS = "tests/ops/test_hopper_fwd.py"
 STEPS = [
     ("two-launch forward, GPU tests", [PY, "-m", "pytest", "-q", TESTS, "-k",
                                        "replays_the_two_launch or two_launch_segmented_forward_on_the_gpu"], 180),
+    ("packed sequences by padding", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_varlen.py", "-k", "gpu"], 150),
+    ("packed: split against padded", [PY, "benchmarks/op_time_check.py", "--packed", "--varlen-ab", "8,4096,16,16",
+                                      "4,8192,16,32", "2,16384,32,32"], 200),
     ("core cases, auto", [PY, "benchmarks/gpu_check_core.py"], 300),
     ("row 1 in a fresh process", [PY, "benchmarks/op_time_check.py", "--repeat", "3", "--graph", "1,4096,16,16"],
      150),

@@ -26,6 +26,7 @@ def triton_settings() -> Optional[dict]:
         from .hopper import chunk_fwd as hopper_kernel
         from .hopper import forward as hopper
         from .hopper import prepass as hopper_prepass
+        from .hopper import varlen as hopper_varlen
     except ImportError:
         return None
     return {
@@ -63,5 +64,7 @@ def triton_settings() -> Optional[dict]:
             "PREPASS_STEP4_BLOCKED": hopper_prepass.STEP4_BLOCKED,
             "DIRECT_LAUNCH": hopper_kernel.DIRECT_LAUNCH, "ASYNC_O_STORE": hopper_kernel.ASYNC_O_STORE,
             "ASYNC_AX": hopper_kernel.ASYNC_AX,
+            "VARLEN_BY_PADDING": hopper_varlen.VARLEN_BY_PADDING,
+            "VARLEN_MAX_PADDED_FRACTION": hopper_varlen.MAX_PADDED_FRACTION,
         },
     }

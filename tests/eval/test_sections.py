@@ -165,6 +165,9 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper_prepass, "STEP4_BLOCKED", not hopper_prepass.STEP4_BLOCKED)
     monkeypatch.setattr(hopper_kernel, "ASYNC_O_STORE", not hopper_kernel.ASYNC_O_STORE)
     monkeypatch.setattr(hopper_kernel, "ASYNC_AX", not hopper_kernel.ASYNC_AX)
+    from linattn.ops.hopper import varlen as hopper_varlen
+    monkeypatch.setattr(hopper_varlen, "VARLEN_BY_PADDING", not hopper_varlen.VARLEN_BY_PADDING)
+    monkeypatch.setattr(hopper_varlen, "MAX_PADDED_FRACTION", hopper_varlen.MAX_PADDED_FRACTION / 2)
     from linattn.ops.common import launch
     monkeypatch.setattr(launch, "FAST_LAUNCH", not launch.FAST_LAUNCH)
     recorded = collect(CPU)["linattn_settings"]["HOPPER"]
@@ -182,6 +185,8 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["PREPASS_STEP4_BLOCKED"] is hopper_prepass.STEP4_BLOCKED
     assert recorded["ASYNC_O_STORE"] is hopper_kernel.ASYNC_O_STORE
     assert recorded["ASYNC_AX"] is hopper_kernel.ASYNC_AX
+    assert recorded["VARLEN_BY_PADDING"] is hopper_varlen.VARLEN_BY_PADDING
+    assert recorded["VARLEN_MAX_PADDED_FRACTION"] == hopper_varlen.MAX_PADDED_FRACTION
     assert collect(CPU)["linattn_settings"]["FAST_LAUNCH"] is launch.FAST_LAUNCH
     assert recorded["NEGLIGIBLE_M_LOG2"] == hopper.NEGLIGIBLE_M_LOG2 and recorded["EXECUTION_BACKEND"] == "cython"
     assert isinstance(recorded["tilelang_installed"], bool)

@@ -100,29 +100,38 @@ def forward_path(num_sequences: int, HV: int, dtype: torch.dtype) -> str:
 
 @functools.cache
 def _hopper_modules():
-    """(hopper.chunk_fwd, hopper.forward), imported on first use: an import statement in the call path costs ≈ 1–2 µs
-    of host time per call, and the CPU / fp16 / fp32 paths never need them. Their attributes are read at call time,
-    so switches and monkeypatches on those modules still apply."""
-    from ..hopper import chunk_fwd, forward
-    return chunk_fwd, forward
+    """(hopper.chunk_fwd, hopper.forward, hopper.varlen), imported on first use: an import statement in the call
+    path costs ≈ 1–2 µs of host time per call, and the CPU / fp16 / fp32 paths never need them. Their attributes are
+    read at call time, so switches and monkeypatches on those modules still apply."""
+    from ..hopper import chunk_fwd, forward, varlen
+    return chunk_fwd, forward, varlen
 
 
 def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                num_sequences: int) -> Optional[dict]:
+                num_sequences: int, offsets: Optional[list[int]] = None) -> Optional[dict]:
     """The Hopper forward's launch for these inputs, or None to run the Triton paths: None where the kernel cannot
-    take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, varlen, ...); under
+    take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, ...; packed sequences
+    only with ``hopper.varlen.VARLEN_BY_PADDING``, planned for ``num_sequences`` rows of the padded length, and
+    under "auto" only where padding wastes little: ``hopper.varlen.worth_padding`` on the host ``offsets``); under
     "auto" also where neither the kernel's programs nor the segmented forward's fill the card
     (``hopper.forward.plan``, which may choose differently under CUDA graph capture: the host's cost is then paid
     once); "hopper" then runs the unsegmented kernel."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
-    hopper, hopper_forward = _hopper_modules()
-    if hopper.unsupported_reason(q, v, cu_seqlens) is not None:
+    hopper, hopper_forward, hopper_varlen = _hopper_modules()
+    padded = cu_seqlens is not None and hopper_varlen.VARLEN_BY_PADDING
+    if hopper.unsupported_reason(q, v, None if padded else cu_seqlens) is not None:
         return None
+    forced = FORWARD_PATH == "hopper"
+    T = q.shape[1]
+    if padded:
+        offsets = offsets if offsets is not None else cu_seqlens.tolist()
+        if not (forced or hopper_varlen.worth_padding(offsets)):
+            return None
+        T = hopper_varlen.padded_rows(offsets)
     # whether the call is being captured in a CUDA graph: asked only where the plan would use the answer
     capturing = hopper_forward.SEGMENTED_WHEN_CAPTURED and torch.cuda.is_current_stream_capturing()
-    return hopper_forward.plan(num_sequences, v.shape[2], v.shape[-1], q.shape[1], num_sms(q.device),
-                               FORWARD_PATH == "hopper", capturing)
+    return hopper_forward.plan(num_sequences, v.shape[2], v.shape[-1], T, num_sms(q.device), forced, capturing)
 
 
 class FwdStages(NamedTuple):
@@ -209,11 +218,16 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
         raise TypeError(f"backend='triton' takes fp16, bf16 or fp32 inputs, got {v.dtype}; use backend='torch' "
                         "for float64")
     num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if cu_seqlens is not None and offsets is None:
+        offsets = cu_seqlens.tolist()
     if FORWARD_PATH in ("auto", "hopper"):
-        launch = hopper_plan(q, v, cu_seqlens, num_sequences)
+        launch = hopper_plan(q, v, cu_seqlens, num_sequences, offsets)
         if launch is not None:
-            hopper, hopper_forward = _hopper_modules()
+            hopper, hopper_forward, hopper_varlen = _hopper_modules()
             try:
+                if cu_seqlens is not None:          # packed sequences, padded to one length (hopper/varlen.py)
+                    return hopper_varlen.forward_hopper_padded(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                                               offsets, **launch)
                 return hopper_forward.forward_hopper(q, k, v, g, beta, scale, initial_state, **launch)
             except hopper.HopperCompileError as e:    # once per process: the Triton paths from here on
                 hopper.COMPILE_FAILED = str(e)
@@ -222,7 +236,6 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     path = forward_path(num_sequences, v.shape[2], v.dtype)
     chunk_indices = chunk_offsets = None
     if cu_seqlens is not None:
-        offsets = offsets if offsets is not None else cu_seqlens.tolist()
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
     if path == "split":
         # the pre-pass writes A_inv for the state pass, or W and U (split_fwd.WY_FORM; W and U stored at

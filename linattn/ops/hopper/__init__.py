@@ -7,4 +7,5 @@ on sm_90 for the bf16 inputs it supports (``triton_chunk.hopper_plan``), the Tri
     chunk_fwd_roles.py  an experimental role-split walk (off)
     map_bound.py      the map bound's chunk sums and the segment plan (Triton)
     forward.py        the launch plan and the (segmented) forward that chains them
+    varlen.py         packed sequences (cu_seqlens) by padding them to one length around forward.py (off)
 """
