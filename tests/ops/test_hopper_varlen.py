@@ -29,14 +29,21 @@ def offsets_of(lengths):
 def test_rows_and_index_put_each_sequence_first_in_its_row():
     offsets = offsets_of(LENGTHS)
     assert varlen.padded_rows(offsets) == 128
-    assert varlen.padded_rows([0, 0]) == 64 and varlen.padded_rows([0, 65]) == 128
-    index = varlen.row_index(torch.tensor(offsets), offsets[-1], 128)
-    want = [n * 128 + t for n, L in enumerate(LENGTHS) for t in range(L)]
-    assert index.dtype == torch.int64 and index.tolist() == want
-    x = torch.arange(1, offsets[-1] + 1, dtype=torch.float32).view(1, -1, 1)
-    padded = varlen.pad(x, index, len(LENGTHS), 128)
+    assert varlen.padded_rows([0, 0]) == 64 and varlen.padded_rows([0, 65, 66]) == 128
+    assert varlen.padded_rows([0, 65]) == 65                            # one sequence: its own length
+    N, total = len(LENGTHS), offsets[-1]
+    index = varlen.row_index(torch.tensor(offsets), total, 128)
+    fill = varlen.padding_index(torch.tensor(offsets, dtype=torch.int32), N * 128 - total, 128)
+    assert index.tolist() == [n * 128 + t for n, L in enumerate(LENGTHS) for t in range(L)]
+    assert fill.tolist() == [n * 128 + t for n, L in enumerate(LENGTHS) for t in range(L, 128)]
+    assert index.dtype == fill.dtype == torch.int64
+    x = torch.arange(1, total + 1, dtype=torch.float32).view(1, -1, 1)
+    padded = varlen.pad(x, index, fill, N, 128)
     for n, (b, e) in enumerate(zip(offsets[:-1], offsets[1:])):
         assert torch.equal(padded[n, :e - b, 0], x[0, b:e, 0]) and not padded[n, e - b:].any()
+    # sequences of one length are a batch as they stand, whatever the length
+    assert varlen.equal_lengths([0, 100, 200, 300]) and varlen.padded_rows([0, 100, 200, 300]) == 100
+    assert not varlen.equal_lengths([0, 100, 200, 299]) and not varlen.equal_lengths([0, 0, 0])
 
 
 def test_padding_is_taken_only_where_it_wastes_little(monkeypatch):
@@ -44,9 +51,11 @@ def test_padding_is_taken_only_where_it_wastes_little(monkeypatch):
     assert varlen.worth_padding([0, 4096, 8192])                      # equal lengths: no waste
     assert varlen.worth_padding([0, 4000, 8096])                      # 2·4032 rows for 8096: 0.4% padded
     assert not varlen.worth_padding([0, 4096, 4160])                  # 2·4096 rows for 4160: half padded
-    assert not varlen.worth_padding([0, 100])                         # one sequence: 128 rows for 100 (22%)...
+    assert varlen.worth_padding([0, 100]) and varlen.worth_padding([0, 100, 200])   # one length: nothing padded
+    uneven = [0, 100, 200, 300, 400, 490]
+    assert not varlen.worth_padding(uneven)                           # 5·128 rows for 490 (23% padded)...
     monkeypatch.setattr(varlen, "MAX_PADDED_FRACTION", 0.25)
-    assert varlen.worth_padding([0, 100])                             # ...within a quarter
+    assert varlen.worth_padding(uneven)                               # ...within a quarter
 
 
 @pytest.mark.interpreter
@@ -79,6 +88,23 @@ def test_packed_sequences_by_padding_equal_the_recurrence(monkeypatch, with_h0, 
     monkeypatch.setattr(varlen, "pad", lambda t, *a: real_pad(t, *a) - (0.5 if t is args[3] else 0.0))
     o_bad, ht_bad = varlen.forward_hopper_padded(*args, 0.25, h0f, torch.tensor(offsets), offsets, **launch)
     assert rel(ht_bad, rht) > 1e-3
+
+
+@pytest.mark.interpreter
+def test_packed_sequences_of_one_length_run_as_views(monkeypatch):
+    """Three sequences of 100 rows: no padding and no copies (pad never called), the batch [3, 100] as views of
+    the packed rows, o and the final states the float64 recurrence's."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    offsets = [0, 100, 200, 300]
+    x = inputs(1, 300, 1, 2, 16, 16, dtype=torch.float32, seed=3)
+    exact = {n: t.double() for n, t in x.items() if n != "initial_state"}
+    ro, rht = gated_delta_rule_reference(**exact, scale=0.25, cu_seqlens=offsets)
+    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
+    monkeypatch.setattr(varlen, "pad", None)
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
+    o, ht = varlen.forward_hopper_padded(*args, 0.25, None, torch.tensor(offsets), offsets, BV=16,
+                                         a_inv_dtype=torch.float32)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
 
 
 def test_packed_inputs_the_padded_forward_cannot_take_say_why():
