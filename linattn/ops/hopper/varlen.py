@@ -27,8 +27,8 @@ from .chunk_fwd import BT
 VARLEN_BY_PADDING = False
 # "auto" pads only where the padded rows are at most this fraction of the batch's (N·Tp ≤ ΣT / (1 − it)): beyond
 # it the Triton split, which walks the packed rows as they are, is predicted to win. The Hopper forward is ≈ 3×
-# faster than the split where both fill the card (issue 4's row 2: 0.295 ms against ≈ 1.0), so padding a third of
-# the rows would still be ahead by the kernels alone; a fifth leaves room for the copies. Not measured
+# faster than the split where both fill the card (issue 4's row 2: 0.295 ms against ≈ 1.0); with the copies
+# (≈ 0.3 ms there) ≈ 0.6 against 1.0, and a fifth more rows to walk keeps it ahead. Not measured
 MAX_PADDED_FRACTION = 0.2
 
 
