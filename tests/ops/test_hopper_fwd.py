@@ -230,13 +230,29 @@ def test_plan_under_capture_picks_by_gpu_time(monkeypatch):
     assert plan(1, 16, 128, 1000, 132, False, capturing=True) is None                      # T: no equal segments
 
 
+@pytest.mark.parametrize("threads,min_blocks", [(256, 1), (256, 2), (128, 1), (128, 2), (128, 3), (384, 1)])
+def test_consumer_registers_fit_what_the_program_holds_at_launch(threads, min_blocks):
+    """setmaxnreg.inc takes registers from the program's own pool and waits until it holds enough, so the split
+    must fit the registers ptxas gives each thread at launch under __launch_bounds__(threads + 128, min_blocks) (64K
+    per SM over the programs, in steps of 8): the producer's 24 and the consumers' share within them, as large as it
+    can be, a multiple of 8 in setmaxnreg's [24, 256]. Run 28's two programs per SM asked 112 of a pool that held
+    ≤ 108 and hung; TileLang's own split at one program per SM is 24 / 240."""
+    at_launch = min(256, 65536 // (min_blocks * (threads + 128)) // 8 * 8)
+    c = hopper.consumer_registers(threads, min_blocks)
+    assert c % 8 == 0 and 24 <= c <= 256
+    assert 128 * 24 + threads * c <= (threads + 128) * at_launch
+    assert c == 256 or 128 * 24 + threads * (c + 8) > (threads + 128) * at_launch
+    assert hopper.consumer_registers(256, 1) == 240 and hopper.consumer_registers(256, 2) == 104
+    assert hopper.consumer_registers(128, 2) == 232
+
+
 def test_two_programs_per_sm_where_they_fill_two_per_sm(monkeypatch):
-    """TWO_PER_SM: BV=64, one load stage, two programs per SM where B·HV·V/64 programs fill two per SM (rows 2 and 5
-    of issue 4: 256 programs on 132 SMs); elsewhere the one-per-SM launches as before."""
+    """TWO_PER_SM: BV=64, one consumer warpgroup, one load stage, two programs per SM where B·HV·V/64 programs fill
+    two per SM (rows 2 and 5 of issue 4: 256 programs on 132 SMs); elsewhere the one-per-SM launches as before."""
     from linattn.ops.hopper import forward as hopper_fwd
     from linattn.ops.hopper.forward import LAUNCH, hopper_launch
     monkeypatch.setattr(hopper_fwd, "TWO_PER_SM", True)
-    two = dict(LAUNCH, BV=64, num_stages=1, min_blocks=2)
+    two = dict(LAUNCH, BV=64, threads=128, num_stages=1, min_blocks=2)
     assert hopper_launch(8, 16, 128, 132) == two and hopper_launch(4, 32, 128, 132) == two
     assert hopper_launch(2, 32, 128, 132) == dict(LAUNCH, BV=64)                      # 128 programs: one per SM
     assert hopper_launch(1, 16, 128, 132) is None
@@ -555,13 +571,14 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     assert "warpgroup_reg_dealloc<24>()" in planned and "warpgroup_reg_alloc<240>()" in planned
     assert re.search(r"if \(c0(_\d+)? == 0\) \{", planned) and "int chunks = ((L >> 6) + wv);" in planned
     assert "warpgroup_reg_dealloc<24>()" in warm and "while (1)" not in warm
-    # min_blocks = 2 (forward.TWO_PER_SM_LAUNCH: BV=64, one stage): launch bounds for two programs per SM, the
-    # registers split 24 / 112 (128·24 + 256·112 ≤ 32768 per program), and the shared memory of one program (the
-    # last buffer's offset + its 8 KB) under half the SM's 228 KB
-    two = hopper.compiled_kernel(16, 16, 128, 128, 64, 128 ** -0.5, threads=256, num_stages=1, target="sm_90a",
+    # min_blocks = 2 (forward.TWO_PER_SM_LAUNCH: BV=64, one consumer warpgroup, one stage): launch bounds for two
+    # programs per SM, the consumers' registers within what the program holds at launch (consumer_registers: 128
+    # per thread at launch, 128·24 + 128·232 ≤ 256·128), and the shared memory of one program (the last buffer's
+    # offset + its 8 KB) under half the SM's 228 KB
+    two = hopper.compiled_kernel(16, 16, 128, 128, 64, 128 ** -0.5, threads=128, num_stages=1, target="sm_90a",
                                  a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True, beta_in_a=True,
                                  async_o=True, async_ax=True, min_blocks=2).get_kernel_source()
-    assert "__launch_bounds__(384, 2)" in two and "warpgroup_reg_alloc<112>()" in two
+    assert "__launch_bounds__(256, 2)" in two and "warpgroup_reg_alloc<232>()" in two
     assert max(int(n) for n in re.findall(r"buf_dyn_shmem \+ (\d+)\)", two)) + 8192 <= 113 * 1024
     # async_o (ASYNC_O_STORE): o's store is not waited for where it is issued; the wait for its read of the tile
     # comes before the next chunk's stmatrix into the tile, and once more after the loop

@@ -157,12 +157,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             if min_blocks > 1 or warm_planned:
-                # the warpgroups' register split asked for explicitly: each program's share of the SM's 64K
-                # registers, 24 per producer thread and the rest per consumer thread (240 at one program per SM:
-                # TileLang's own split, which it leaves out when the producer stores to a local, as warm_planned's
-                # does; the consumers then stayed at 168 and spilled)
+                # the warpgroups' register split asked for explicitly (TileLang's own, 24 / 240 at one program per
+                # SM, is left out when the producer stores to a local, as warm_planned's does; the consumers then
+                # stayed at 168 and spilled): 24 per producer thread and the rest of the program's registers per
+                # consumer thread (consumer_registers)
                 T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc((65536 // min_blocks - 128 * 24) // threads // 8 * 8)
+                T.annotate_consumer_reg_alloc(consumer_registers(threads, min_blocks))
             ibn = bh // HV                            # the program's sequence: a segment when warm
             ihv = bh % HV
             ih = ihv // G
@@ -354,6 +354,19 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
+
+
+def consumer_registers(threads: int, min_blocks: int) -> int:
+    """Registers per consumer thread once the producer warpgroup (128 threads) has given all but 24 of its own back:
+    the program's registers at launch, which ptxas allots under ``__launch_bounds__(threads + 128, min_blocks)`` (64K
+    per SM shared by ``min_blocks`` programs, in steps of 8 per thread), less the producer's 24, over ``threads``.
+    setmaxnreg.inc takes registers from the program's own pool only and waits until it holds enough (PTX ISA), so
+    asking for more hangs: run 28's two programs per SM asked for 112 (the SM's half, 32K registers, less the
+    producer's, over 256) where ptxas had allotted 80 per thread at launch (30,720 for the program, 7,168 freed by
+    the producer, 8,192 asked) and never finished. One program per SM: 240, TileLang's own split; at most 256
+    (setmaxnreg's and a thread's ceiling)."""
+    at_launch = min(256, 65536 // (min_blocks * (threads + 128)) // 8 * 8)
+    return min(256, (at_launch * (threads + 128) - 128 * 24) // threads // 8 * 8)
 
 
 def x_value(v, gamma_ks, beta, beta_in_a: bool):

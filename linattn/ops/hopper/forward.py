@@ -49,16 +49,18 @@ A_INV_DTYPE = torch.bfloat16
 FILL_FRACTION = 0.9
 # Two walking programs per SM (``TWO_PER_SM_LAUNCH``), where they fill two per SM: the walk is latency-bound (issue
 # slots ≈ 34% busy at one program per SM, run 24), so a second program's chain could fill the first's waits. What
-# fits two: BV = 64 (the state's accumulator halves), one load stage (105 KB of shared memory per program against
-# 153 with two), and the registers split 24 per producer thread and 112 per consumer thread (80 at launch, 0 spills
-# with two stages, 8 bytes with one; sm_90a, ptxas 13.0). The costs: Q Kᵀ once per V tile (twice per head: ≈ +10% of
-# the tensor work) and no load pipelining within a program. Rows 2 and 5 of issue 4 (256 programs at BV=64) would
-# take it; row 6's 128 programs fill only one per SM. Built in session 21, compiled. Run 28: it never finished on the
-# H200 — tests/ops/test_hopper_fwd.py::test_two_programs_per_sm_on_the_gpu printed nothing in 60 s and took the
-# rest of a 300 s step, and `op_time_check.py --two-per-sm-ab` ran out of its 166 s — a hang (most likely the
-# one-stage pipeline's barriers; not diagnosed) or a very slow compile: off
+# fits two: BV = 64 (the state's accumulator halves) and one load stage (105 KB of shared memory per program against
+# 153 with two). The costs: Q Kᵀ once per V tile (twice per head: ≈ +10% of the tensor work) and no load pipelining
+# within a program. Rows 2 and 5 of issue 4 (256 programs at BV=64) would take it; row 6's 128 programs fill only
+# one per SM. Built in session 21 with two consumer warpgroups per program, which never finished on the H200 (run
+# 28: the GPU test and the A/B ran out of 300 s and 166 s). Session 22 found why: the consumers asked setmaxnreg for
+# 112 registers per thread, the program's pool held 80 per thread at launch (ptxas under __launch_bounds__(384, 2)),
+# so 8,192 asked against 7,168 freed by the producer, and setmaxnreg.inc waits for its own program's pool forever
+# (chunk_fwd.consumer_registers). Two warpgroups fit only 104 per thread (128 bytes of spills); one consumer
+# warpgroup per program (threads=128) gets 232 with no spills (sm_90a, ptxas 13.0): two programs per SM, each one
+# chain, the SM's two consumer warpgroups as at one program per SM. Not run since: off until measured
 TWO_PER_SM = False
-TWO_PER_SM_LAUNCH = dict(LAUNCH, BV=64, num_stages=1, min_blocks=2)
+TWO_PER_SM_LAUNCH = dict(LAUNCH, BV=64, threads=128, num_stages=1, min_blocks=2)
 
 
 def fitted_launch(width: int, launch: Optional[dict] = None) -> dict:
