@@ -275,22 +275,28 @@ def test_plan_takes_the_two_launch_segmented_forward_for_small_shapes(monkeypatc
     assert plan(1, 16, 128, 4096, 132, False)["warm_up"] is False                          # SMALL_SEGMENTED's
 
 
+def small_call_recording_plans(monkeypatch, plan_in_walk: bool, when_captured: bool, seed: int = 0):
+    """B=1 T=4096 H=16 through the op ("auto") with SMALL_PLAN_IN_WALK and SEGMENTED_WHEN_CAPTURED set: (the inputs,
+    the list that collects the keywords of every forward_hopper call, the call)."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", plan_in_walk)
+    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", when_captured)
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    x = gpu_inputs(1, 4096, 16, 16, 128, 128, seed=seed)
+    plans = []
+    real = hopper_fwd.forward_hopper
+    monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda *a, **kw: plans.append(kw) or real(*a, **kw))
+    return x, plans, lambda: linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+
+
 @ON_HOPPER
 def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
     """B=1 T=4096 H=16 through the op captured in a CUDA graph, with SEGMENTED_WHEN_CAPTURED: the replay runs the
     segmented forward with its levers, bitwise what the same plan writes eagerly, and the eager call keeps the
     split."""
     from linattn.ops.hopper import forward as hopper_fwd
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)              # eager small calls: the split
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    x = gpu_inputs(1, 4096, 16, 16, 128, 128)
-    plans = []
-    real = hopper_fwd.forward_hopper
-    monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda *a, **kw: plans.append(kw) or real(*a, **kw))
-
-    def call():
-        return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+    # eager small calls: the split
+    x, plans, call = small_call_recording_plans(monkeypatch, plan_in_walk=False, when_captured=True)
     with torch.no_grad():
         eager = call()
         assert plans == []                                                 # eager: the split
@@ -312,17 +318,7 @@ def test_a_captured_small_call_replays_the_two_launch_forward(monkeypatch):
     """SMALL_PLAN_IN_WALK (SEGMENTED_WHEN_CAPTURED off): B=1 T=4096 H=16 through the op takes the two-launch plan
     eagerly and under capture alike (nothing in it waits on the host), and the replay writes the eager call's
     numbers bitwise, within the bf16 bound of the float64 recurrence."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", True)
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", False)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    x = gpu_inputs(1, 4096, 16, 16, 128, 128, seed=5)
-    plans = []
-    real = hopper_fwd.forward_hopper
-    monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda *a, **kw: plans.append(kw) or real(*a, **kw))
-
-    def call():
-        return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+    x, plans, call = small_call_recording_plans(monkeypatch, plan_in_walk=True, when_captured=False, seed=5)
     with torch.no_grad():
         eager = call()
         _, captured = warm_up_capture_replay(call)
