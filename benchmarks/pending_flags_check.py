@@ -6,7 +6,7 @@ of the steps last. The steps and their order are docs/performance.md's "Where th
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 6–8 minutes in all on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1 min).
+≈ 20 minutes in all on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1 min): three calls.
 ``--budget`` (560 s: a device call's 600 less the start) caps the whole run: each step gets what is left of it, and
 the steps it cannot start are listed as skipped (run them with ``--only`` in the next call). Carry ``.anchors``
 (the last step runs its bench_anchors.py).
