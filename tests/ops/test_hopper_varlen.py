@@ -1,7 +1,7 @@
-"""Packed sequences on the Hopper forward by padding (linattn/ops/hopper/varlen.py): the padded batch's rows and
-index, the padding decision, the padded forward around the kernel's twin against the float64 recurrence (on the
-CPU: the Triton pre-pass under the interpreter, the twin in place of the TileLang kernel), the op's routing, and on
-an sm_90 GPU the real kernels through the op."""
+"""Packed sequences on the Hopper forward by padding (linattn/ops/hopper/varlen.py): the copies between packed rows
+and the padded batch (common/varlen.py) against their twins, the padding decision, the padded forward around the
+kernel's twin against the float64 recurrence (on the CPU: the Triton pre-pass under the interpreter, the twin in
+place of the TileLang kernel), the op's routing, and on an sm_90 GPU the real kernels through the op."""
 from __future__ import annotations
 
 import pytest
@@ -26,24 +26,35 @@ def offsets_of(lengths):
     return out
 
 
-def test_rows_and_index_put_each_sequence_first_in_its_row():
-    offsets = offsets_of(LENGTHS)
-    assert varlen.padded_rows(offsets) == 128
+def test_padded_rows_and_equal_lengths():
+    assert varlen.padded_rows(offsets_of(LENGTHS)) == 128
     assert varlen.padded_rows([0, 0]) == 64 and varlen.padded_rows([0, 65, 66]) == 128
     assert varlen.padded_rows([0, 65]) == 65                            # one sequence: its own length
-    N, total = len(LENGTHS), offsets[-1]
-    index = varlen.row_index(torch.tensor(offsets), total, 128)
-    fill = varlen.padding_index(torch.tensor(offsets, dtype=torch.int32), N * 128 - total, 128)
-    assert index.tolist() == [n * 128 + t for n, L in enumerate(LENGTHS) for t in range(L)]
-    assert fill.tolist() == [n * 128 + t for n, L in enumerate(LENGTHS) for t in range(L, 128)]
-    assert index.dtype == fill.dtype == torch.int64
-    x = torch.arange(1, total + 1, dtype=torch.float32).view(1, -1, 1)
-    padded = varlen.pad(x, index, fill, N, 128)
-    for n, (b, e) in enumerate(zip(offsets[:-1], offsets[1:])):
-        assert torch.equal(padded[n, :e - b, 0], x[0, b:e, 0]) and not padded[n, e - b:].any()
     # sequences of one length are a batch as they stand, whatever the length
     assert varlen.equal_lengths([0, 100, 200, 300]) and varlen.padded_rows([0, 100, 200, 300]) == 100
     assert not varlen.equal_lengths([0, 100, 200, 299]) and not varlen.equal_lengths([0, 0, 0])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("row", [(3, 5), (2, 64), ()], ids=["15_per_row", "128_per_row", "scalar_rows"])
+def test_pad_rows_and_back_equal_their_twins(dtype, row):
+    """common.varlen.pad_rows / unpad_rows (one Triton launch each) against their twins: each sequence's rows first
+    in its row of the batch and zeros after (a one-row, an empty and a whole-chunk sequence; rows of 15, 128 and 1
+    elements), and back; a batch row past a sequence's end that holds garbage does not leak into the packed rows."""
+    from linattn.ops.common.varlen import pad_rows, pad_rows_ref, unpad_rows, unpad_rows_ref
+    offsets = offsets_of(LENGTHS)
+    x = torch.randn(1, offsets[-1], *row).to(dtype)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    padded = pad_rows(x, cu, 128)
+    assert padded.shape == (len(LENGTHS), 128, *row) and torch.equal(padded, pad_rows_ref(x, offsets, 128))
+    garbage = padded.clone()
+    for n, length in enumerate(LENGTHS):
+        garbage[n, length:] = float("nan")
+    back = unpad_rows(garbage, cu, offsets[-1])
+    assert torch.equal(back, unpad_rows_ref(padded, offsets)) and torch.equal(back, x)
+    strided = garbage.transpose(0, 1).contiguous().transpose(0, 1)      # the same values, not contiguous
+    assert torch.equal(unpad_rows(strided, cu, offsets[-1]), x)
 
 
 def test_padding_is_taken_only_where_it_wastes_little(monkeypatch):
@@ -84,15 +95,15 @@ def test_packed_sequences_by_padding_equal_the_recurrence(monkeypatch, with_h0, 
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     if with_h0:
         assert torch.allclose(ht[2], h0f[2])                            # the empty sequence
-    real_pad = varlen.pad
-    monkeypatch.setattr(varlen, "pad", lambda t, *a: real_pad(t, *a) - (0.5 if t is args[3] else 0.0))
+    real_pad = varlen.pad_rows
+    monkeypatch.setattr(varlen, "pad_rows", lambda t, *a: real_pad(t, *a) - (0.5 if t is args[3] else 0.0))
     o_bad, ht_bad = varlen.forward_hopper_padded(*args, 0.25, h0f, torch.tensor(offsets), offsets, **launch)
     assert rel(ht_bad, rht) > 1e-3
 
 
 @pytest.mark.interpreter
 def test_packed_sequences_of_one_length_run_as_views(monkeypatch):
-    """Three sequences of 100 rows: no padding and no copies (pad never called), the batch [3, 100] as views of
+    """Three sequences of 100 rows: no padding and no copies (pad_rows never called), the batch [3, 100] as views of
     the packed rows, o and the final states the float64 recurrence's."""
     from linattn.ops.hopper import forward as hopper_fwd
     offsets = [0, 100, 200, 300]
@@ -100,7 +111,7 @@ def test_packed_sequences_of_one_length_run_as_views(monkeypatch):
     exact = {n: t.double() for n, t in x.items() if n != "initial_state"}
     ro, rht = gated_delta_rule_reference(**exact, scale=0.25, cu_seqlens=offsets)
     monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
-    monkeypatch.setattr(varlen, "pad", None)
+    monkeypatch.setattr(varlen, "pad_rows", None)
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
     o, ht = varlen.forward_hopper_padded(*args, 0.25, None, torch.tensor(offsets), offsets, BV=16,
                                          a_inv_dtype=torch.float32)

@@ -8,8 +8,8 @@ outputs and each sequence's final state are those of the walk over its own rows 
 the padding decays its state by its valid rows' gates only (the gates' cumulative sum stops growing there).
 
 What it costs: the padded rows' work, N·Tp − ΣT rows (:data:`MAX_PADDED_FRACTION` caps it), and the copies around
-the kernels: q, k, v, g and β into the batch (an index copy of the valid rows and zeros written to the padded
-ones only) and o out of it (one gather): the inputs' and o's bytes read and written once more, ≈ 1.1 GB and so
+the kernels: q, k, v, g and β into the batch and o out of it (``common.varlen.pad_rows`` / ``unpad_rows``: one
+Triton launch each, straight from cu_seqlens): the inputs' and o's bytes read and written once more, ≈ 1.1 GB and so
 ≈ 0.3 ms at 3.5 TB/s for 8 sequences of ≈ 4096 tokens at 16 heads of 128 (B=8 T=4096 H=16's forward: 0.30 ms).
 Sequences of one length need none of it: the packed rows are then the batch's, as views.
 """
@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ..common.varlen import pad_rows, unpad_rows
 from .chunk_fwd import BT
 
 # Whether "auto" (and "hopper") take packed sequences to the Hopper forward by padding (else the Triton paths).
@@ -55,41 +56,6 @@ def worth_padding(offsets: list[int]) -> bool:
     return N >= 1 and N * padded_rows(offsets) * (1 - MAX_PADDED_FRACTION) <= total
 
 
-def spread_rows(counts_cu: torch.Tensor, total: int, Tp: int, first: torch.Tensor) -> torch.Tensor:
-    """Rows of the flattened ``[N·Tp]`` batch for ``total`` rows handed out in order to the batch's N rows: row n
-    takes ``counts_cu[n + 1] − counts_cu[n]`` of them (``counts_cu`` ``[N + 1]``, int64, from 0), from column
-    ``first[n]`` on: n·Tp + first[n] + (t − counts_cu[n]) for the t-th. Built on the device (a searchsorted, no
-    per-row host work), int64."""
-    t = torch.arange(total, device=counts_cu.device)
-    n = torch.searchsorted(counts_cu[1:].contiguous(), t, right=True)   # whose row t is (empty ones skipped)
-    return t + n * Tp + first[n] - counts_cu[n]
-
-
-def row_index(cu_seqlens: torch.Tensor, total: int, Tp: int) -> torch.Tensor:
-    """For each packed row t (of ``total``), its row in the flattened ``[N·Tp]`` batch: n·Tp + (t − cu[n]) for the
-    sequence n that holds it (:func:`spread_rows` from column 0), int64."""
-    cu = cu_seqlens.to(torch.int64)
-    return spread_rows(cu, total, Tp, torch.zeros_like(cu))
-
-
-def padding_index(cu_seqlens: torch.Tensor, padded: int, Tp: int) -> torch.Tensor:
-    """The ``padded`` (= N·Tp − total, known on the host) rows of the flattened batch past the sequences' ends:
-    for sequence n, columns len_n … Tp − 1 (:func:`spread_rows` from column len_n), int64."""
-    cu = cu_seqlens.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    pads_cu = torch.cat([cu.new_zeros(1), torch.cumsum(Tp - lengths, 0)])
-    return spread_rows(pads_cu, padded, Tp, lengths)
-
-
-def pad(x: torch.Tensor, index: torch.Tensor, fill: torch.Tensor, N: int, Tp: int) -> torch.Tensor:
-    """Packed ``[1, total, ...]`` → ``[N, Tp, ...]``: each sequence's rows first in its row of the batch (to the
-    rows ``index`` names), zeros after (to the rows ``fill`` names): every row written once."""
-    out = x.new_empty(N * Tp, *x.shape[2:])
-    out.index_copy_(0, index, x[0])
-    out.index_fill_(0, fill, 0)
-    return out.view(N, Tp, *x.shape[2:])
-
-
 def forward_hopper_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           scale: float, initial_state: Optional[torch.Tensor], cu_seqlens: torch.Tensor,
                           offsets: list[int], **launch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +73,6 @@ def forward_hopper_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         o, final_state = forward_hopper(*(x.reshape(N, Tp, *x.shape[2:]) for x in (q, k, v, g, beta)), scale,
                                         initial_state, **launch)
         return o.reshape(1, total, *o.shape[2:]), final_state
-    index, fill = row_index(cu_seqlens, total, Tp), padding_index(cu_seqlens, N * Tp - total, Tp)
-    o, final_state = forward_hopper(*(pad(x, index, fill, N, Tp) for x in (q, k, v, g, beta)), scale,
+    o, final_state = forward_hopper(*(pad_rows(x, cu_seqlens, Tp) for x in (q, k, v, g, beta)), scale,
                                     initial_state, **launch)
-    return o.reshape(N * Tp, *o.shape[2:]).index_select(0, index).unsqueeze(0), final_state
+    return unpad_rows(o, cu_seqlens, total), final_state
