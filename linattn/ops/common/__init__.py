@@ -3,7 +3,8 @@
 One file per algorithm stage, each a ``<stage>_kernel`` plus a ``<stage>`` launcher, tested against the PyTorch
 ``<stage>_ref`` twin in ``linattn/ops/gated_delta/torch_chunk.py``:
 
-    varlen.py      chunk index tables for packed sequences (host → int32 device tensors) and the chunk prologue
+    varlen.py      chunk index tables for packed sequences (host → int32 device tensors), the chunk prologue, and
+                   the copies between packed rows and a padded batch (the Hopper forward's varlen)
     cumsum.py      gc = cumulative sum of the log decay inside each chunk
     kkt_solve.py   A = strict_lower(diag(β) K Kᵀ ⊙ D),  A_inv = (I + A)⁻¹
     wy.py          W = A_inv diag(βΓ) K,  U = A_inv diag(β) V
