@@ -126,9 +126,9 @@ def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Ten
     T = q.shape[1]
     if padded:
         offsets = offsets if offsets is not None else cu_seqlens.tolist()
-        if not (forced or hopper_varlen.worth_padding(offsets)):
-            return None
         T = hopper_varlen.padded_rows(offsets)
+        if not (forced or hopper_varlen.worth_padding(offsets, T)):
+            return None
     # whether the call is being captured in a CUDA graph: asked only where the plan would use the answer
     capturing = hopper_forward.SEGMENTED_WHEN_CAPTURED and torch.cuda.is_current_stream_capturing()
     return hopper_forward.plan(num_sequences, v.shape[2], v.shape[-1], T, num_sms(q.device), forced, capturing)

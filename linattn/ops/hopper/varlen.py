@@ -49,11 +49,11 @@ def padded_rows(offsets: list[int]) -> int:
     return max(1, -(-longest // BT)) * BT
 
 
-def worth_padding(offsets: list[int]) -> bool:
-    """Whether padding these sequences to :func:`padded_rows` wastes at most :data:`MAX_PADDED_FRACTION` of the
-    batch's rows."""
+def worth_padding(offsets: list[int], Tp: Optional[int] = None) -> bool:
+    """Whether padding these sequences to ``Tp`` rows (None: :func:`padded_rows`, which a caller that has it passes
+    instead of having it computed again) wastes at most :data:`MAX_PADDED_FRACTION` of the batch's rows."""
     N, total = len(offsets) - 1, offsets[-1] - offsets[0]
-    return N >= 1 and N * padded_rows(offsets) * (1 - MAX_PADDED_FRACTION) <= total
+    return N >= 1 and N * (Tp or padded_rows(offsets)) * (1 - MAX_PADDED_FRACTION) <= total
 
 
 def forward_hopper_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -69,7 +69,7 @@ def forward_hopper_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         raise ValueError(f"packed sequences need B = 1 and offsets ending at T = {q.shape[1]}, got B = {q.shape[0]} "
                          f"and offsets {offsets[:3]}...{offsets[-1:]}")
     N, Tp, total = len(offsets) - 1, padded_rows(offsets), q.shape[1]
-    if equal_lengths(offsets):          # already an [N, Tp] batch: views, no copies
+    if N * Tp == total:                 # one length (equal_lengths: Tp is it): already an [N, Tp] batch, as views
         o, final_state = forward_hopper(*(x.reshape(N, Tp, *x.shape[2:]) for x in (q, k, v, g, beta)), scale,
                                         initial_state, **launch)
         return o.reshape(1, total, *o.shape[2:]), final_state
