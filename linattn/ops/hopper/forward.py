@@ -58,7 +58,9 @@ FILL_FRACTION = 0.9
 # so 8,192 asked against 7,168 freed by the producer, and setmaxnreg.inc waits for its own program's pool forever
 # (chunk_fwd.consumer_registers). Two warpgroups fit only 104 per thread (128 bytes of spills); one consumer
 # warpgroup per program (threads=128) gets 232 with no spills (sm_90a, ptxas 13.0): two programs per SM, each one
-# chain, the SM's two consumer warpgroups as at one program per SM. Not run since: off until measured
+# chain, the SM's two consumer warpgroups as at one program per SM. Run 29: correct (its GPU test), but slower, so
+# off: 0.349 against 0.295 ms at B=8 T=4096 H=16 and 0.663 against 0.566 at B=4 T=8192 16/32 heads (+17-18%; not
+# profiled: the doubled Q Kᵀ and the single load stage are the costs named above)
 TWO_PER_SM = False
 TWO_PER_SM_LAUNCH = dict(LAUNCH, BV=64, threads=128, num_stages=1, min_blocks=2)
 

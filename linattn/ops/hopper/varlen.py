@@ -23,13 +23,14 @@ from ..common.varlen import pad_rows, unpad_rows
 from .chunk_fwd import BT
 
 # Whether "auto" (and "hopper") take packed sequences to the Hopper forward by padding (else the Triton paths).
-# Built in session 22 and tested on the CPU around the kernel's twin; not run on the GPU: off until measured
-# (benchmarks/op_time_check.py --varlen-ab)
-VARLEN_BY_PADDING = False
+# Run 29 (H200, op_time_check.py --packed --varlen-ab, B uneven sequences of T less 0-255 rows each): the split /
+# padded 1.106 / 0.662 ms at 8 x 4096 H=16, 2.189 / 1.071 at 4 x 8192 16/32 heads, 2.514 / 1.390 at 2 x 16384 H=32;
+# its GPU test within the bf16 bound
+VARLEN_BY_PADDING = True
 # "auto" pads only where the padded rows are at most this fraction of the batch's (N·Tp ≤ ΣT / (1 − it)): beyond
-# it the Triton split, which walks the packed rows as they are, is predicted to win. The Hopper forward is ≈ 3×
-# faster than the split where both fill the card (issue 4's row 2: 0.295 ms against ≈ 1.0); with the copies
-# (≈ 0.3 ms there) ≈ 0.6 against 1.0, and a fifth more rows to walk keeps it ahead. Not measured
+# it the Triton split, which walks the packed rows as they are, is predicted to win. The padded forward measured
+# 0.60× / 0.49× / 0.55× the split's time at ≈ 3% padding (run 29), so a fifth more rows to walk (≈ 1.2× its time
+# at most) keeps it ahead; the crossover itself not measured
 MAX_PADDED_FRACTION = 0.2
 
 
