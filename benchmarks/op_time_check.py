@@ -16,7 +16,9 @@ forward, not bitwise equal: two algorithms); ``--two-per-sm-ab``: ``hopper.forwa
 two programs per SM: bitwise equal expected, not required: the same products per element, other wgmma shapes);
 ``--when-captured-ab``: ``hopper.forward.SEGMENTED_WHEN_CAPTURED`` off, then on (with ``--graph``: the replay's
 plan); ``--varlen-ab``: ``hopper.varlen.VARLEN_BY_PADDING`` off, then on (with ``--packed``: the Triton paths
-against the padded Hopper forward; not bitwise equal: two algorithms); each says whether o and the final state
+against the padded Hopper forward; not bitwise equal: two algorithms); ``--deferred-decay-ab``:
+``chunk_fwd.DEFERRED_DECAY`` off, then on (the state's decay kept as a log scale: not bitwise equal, the same
+rounding points on differently scaled values); each says whether o and the final state
 are bitwise equal between the two. Several of these switch together (``--async-o-ab --async-ax-ab``: both off, then
 both on); ``--repeat N``: the off/on pair N times in turn, so the spread between repeats shows the noise.
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
@@ -53,7 +55,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--plan-in-walk-ab": (hopper_forward, "SMALL_PLAN_IN_WALK"),
             "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM"),
             "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED"),
-            "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING")}
+            "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING"),
+            "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY")}
 PACKED = "--packed" in sys.argv
 
 
@@ -94,6 +97,7 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
     return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, varlen_by_padding=hopper_varlen.VARLEN_BY_PADDING,
                 path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
+                deferred_decay=chunk_fwd.DEFERRED_DECAY,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

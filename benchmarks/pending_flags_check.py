@@ -1,12 +1,13 @@
 """Every switch built but not yet measured on the GPU, checked in one device call: each step a child process with its
 own time limit (a hang or a crash costs that step, not the call), its output's tail printed as it ends, and a table
-of the steps last. The steps and their order are docs/performance.md's "Where things stand" list (after run 28):
+of the steps last. The steps and their order are docs/performance.md's "Where things stand" list (after run 29):
 
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz && rm -rf /tmp/site/fla
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 20 minutes in all on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1 min): three calls.
+≈ 17 minutes in all on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1 min, fla autotunes for
+≈ 40 s per row: the last step needs fla in the site, so leave out the ``rm -rf /tmp/site/fla`` for it): two calls.
 ``--budget`` (560 s: a device call's 600 less the start) caps the whole run: each step gets what is left of it, and
 the steps it cannot start are listed as skipped (run them with ``--only`` in the next call). Carry ``.anchors``
 (the last step runs its bench_anchors.py).
@@ -22,25 +23,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-TESTS = "tests/ops/test_hopper_fwd.py"
 
-# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 28. Row 1's spread
-# is measured in a fresh process first, then after the anchors' FlashQLA row (its compile and runs) in one process
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 29
 STEPS = [
-    ("two-launch forward, GPU tests", [PY, "-m", "pytest", "-q", TESTS, "-k",
-                                       "replays_the_two_launch or two_launch_segmented_forward_on_the_gpu"], 180),
-    ("packed sequences by padding", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_varlen.py", "-k", "gpu"], 150),
-    ("packed: split against padded", [PY, "benchmarks/op_time_check.py", "--packed", "--varlen-ab", "8,4096,16,16",
-                                      "4,8192,16,32", "2,16384,32,32"], 200),
-    ("core cases, auto", [PY, "benchmarks/gpu_check_core.py"], 300),
-    ("two programs per SM, mended", [PY, "-m", "pytest", "-q", TESTS, "-k", "two_programs_per_sm_on_the_gpu"], 150),
-    ("two programs per SM, timed", [PY, "benchmarks/op_time_check.py", "--two-per-sm-ab", "--repeat", "2",
-                                    "8,4096,16,16", "4,8192,16,32"], 200),
-    ("row 1 in a fresh process", [PY, "benchmarks/op_time_check.py", "--repeat", "3", "--graph", "1,4096,16,16"],
-     150),
-    ("row 1, host per layer", [PY, "benchmarks/op_time_check.py", "--host-parts", "1,4096,16,16"], 90),
-    ("row 1 after FlashQLA", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
-                              "--no-decode", "--skip-correct", "--shapes", "1,4096,16,16;1,4096,16,16"], 240),
+    ("deferred decay, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_deferred_decay.py", "-k",
+                                   "gpu"], 330),
+    ("deferred decay, timed", [PY, "benchmarks/op_time_check.py", "--deferred-decay-ab", "--repeat", "2",
+                               "8,4096,16,16", "4,8192,16,32", "1,32768,16,16", "2,16384,32,32"], 300),
+    ("rows 2 and 5 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
+                                 "--no-decode", "--skip-correct", "--shapes", "8,4096,16,16;4,8192,16,32"], 400),
 ]
 
 

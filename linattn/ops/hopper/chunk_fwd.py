@@ -56,7 +56,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  beta_dtype: str = "float32", a_dtype: str = "float32", async_dots: bool = False,
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
                  beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
-                 warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1):
+                 warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1,
+                 deferred_decay: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -91,7 +92,13 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     0.1.15 lowers a copy from a pipelined buffer to a fragment without ldmatrix).
 
     ``beta_in_a``: A_inv arrives with β folded into its columns (A_inv diag(β), ``prepass.BETA_IN_A_INV``), so X is
-    V − Γ ⊙ (K S) and β is not read (its tensor is passed and ignored)."""
+    V − Γ ⊙ (K S) and β is not read (its tensor is passed and ignored).
+
+    ``deferred_decay`` (:data:`DEFERRED_DECAY`): the registers hold S' = S / a, the state over its decay since the
+    last renormalisation (a = e^la ≤ 1, one scalar per program), so that the chunk's decay γ goes into la instead of
+    a multiply per state element: Γ and ρ take a's factor per row (Γ_i a, ρ_i / (a γ)), and the state is multiplied
+    only where la + ln γ would fall below −:data:`DEFERRED_DECAY_LIMIT` (then S' ← S' a γ, la ← 0), and once before
+    it is written."""
     import tilelang
     import tilelang.language as T
 
@@ -205,6 +212,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             Rho = T.alloc_fragment((BT,), acc)
             Beta = T.alloc_fragment((BT,), acc)
             Gsc = T.alloc_fragment((BT,), acc)      # gc_i + ln(scale), P's rows' exponents (stsm)
+            # deferred_decay: ln a, the state's scale (S = a S') at the chunk's start, the same in every thread
+            la = T.alloc_var(acc, init=0.0)
             Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
             Xs = T.alloc_shared((BT, BV) if x_rows else (BV, BT), x_dtype)   # X, or Xᵀ for tf32 (x_rows)
             Ps = T.alloc_shared((BT, BT), dtype)
@@ -273,12 +282,18 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
                 # per-row decays while the dots run: 2 exps per row instead of per element
                 g_last = gcs[T.min(BT, Tn - c * BT) - 1]
+                # deferred_decay: whether this chunk renormalises S' (la + ln γ below the limit), and the exponent
+                # of ρ's factor 1 / (a γ) after it: 0 where it does (a γ goes into S'), else −(la + ln γ)
+                renorm = la + g_last < -DEFERRED_DECAY_LIMIT
                 for i in T.Parallel(BT):
-                    Gam[i] = T.exp(gcs[i])
+                    Gam[i] = T.exp(gcs[i] + la) if deferred_decay else T.exp(gcs[i])
                     if not beta_in_a:
                         Beta[i] = T.cast(bs[i], acc)
                 for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout (mma.sync's for tf32)
-                    Rho[i] = T.exp(g_last - gcs[i])
+                    if deferred_decay:
+                        Rho[i] = T.exp(T.if_then_else(renorm, g_last, -la) - gcs[i])
+                    else:
+                        Rho[i] = T.exp(g_last - gcs[i])
                 if stsm and store_output:
                     for i in T.Parallel(BT):    # and Gsc QK's
                         Gsc[i] = gcs[i] + log_scale
@@ -344,13 +359,26 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         for i, j in T.Parallel(BT, BV):
                             Of[i, j] = Of[i, j] * scale
                     store_o(Of, Os, o, ib, c, ihv, iv, write_o)
-                for i, j in T.Parallel(K, BV):
-                    S[i, j] = S[i, j] * T.exp(g_last)
+                if deferred_decay:
+                    # the state's decay in la; S' multiplied only where a γ would leave the limit (a uniform
+                    # branch: la and γ are the program's)
+                    if renorm:
+                        for i, j in T.Parallel(K, BV):
+                            S[i, j] = S[i, j] * T.exp(la + g_last)
+                        la = 0.0
+                    else:
+                        la = la + g_last
+                else:
+                    for i, j in T.Parallel(K, BV):
+                        S[i, j] = S[i, j] * T.exp(g_last)
                 # synchronous: TileLang hands Ks back to the producer after its last use in program order, which must
                 # come after the dot reading it has completed
                 T.gemm(Ks, Vds, S, transpose_A=True)
             if async_o and store_output and (tma_o or warm):
                 T.tma_store_wait()      # the last store read the tile before the program ends
+            if deferred_decay:
+                for i, j in T.Parallel(K, BV):      # S = a S'
+                    S[i, j] = S[i, j] * T.exp(la)
             T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
@@ -400,11 +428,12 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
                     async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
-                    min_blocks: int = 1):
+                    min_blocks: int = 1, deferred_decay: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o, async_ax, warm_planned, threshold, min_blocks), target)
+                                          async_o, async_ax, warm_planned, threshold, min_blocks, deferred_decay),
+                             target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -439,6 +468,18 @@ ASYNC_O_STORE = True
 # state's decay in the first dots' shadow, measured nothing beside it (0.306 / 0.365 / 0.222 ms with both) and was
 # removed
 ASYNC_AX = True
+# The state's per-chunk decay kept as one log scale per program instead of multiplied into every state element
+# (``build_kernel``'s ``deferred_decay``): 64 FMUL per consumer thread and chunk (of 1066 SASS instructions at
+# B=8 T=4096 H=16's launch) go, a few scalar operations come; S' is multiplied only where its scale would pass
+# e^-DEFERRED_DECAY_LIMIT (every ≈ 12 chunks at bench_anchors' gates, every chunk for a head that forgets within a
+# chunk: then as before). The same rounding points (ρ / (a γ) ⊙ V_new is rounded to bf16 where ρ ⊙ V_new was: the
+# relative error of a bf16 rounding does not depend on the scale), one fp32 multiply per element fewer. Predicted
+# −4 to −6% of the walk (run 24: the consumers are bound by issuing instructions, 14% fewer gave 15–21%). Built in
+# session 23; not run on the GPU: off until measured (benchmarks/op_time_check.py --deferred-decay-ab)
+DEFERRED_DECAY = False
+# How far (in e-folds) S' may run ahead of the state before it is renormalised: |S'| ≤ e^40 |S| ≈ 2.4e17 |S|, far
+# inside fp32's and bf16's range (3.4e38) for any state the op's inputs can build, and ρ's factor 1 / (a γ) ≤ e^40
+DEFERRED_DECAY_LIMIT = 40.0
 
 
 def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool]:
@@ -605,7 +646,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
-                                 *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks)
+                                 *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks,
+                                 deferred_decay=DEFERRED_DECAY)
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
@@ -667,7 +709,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
                              str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
                              beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
-                             float(threshold) if planned else -30.0, min_blocks)
+                             float(threshold) if planned else -30.0, min_blocks, DEFERRED_DECAY)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

@@ -9,19 +9,22 @@ from typing import Optional
 
 import torch
 
+from . import chunk_fwd
 from .chunk_fwd import BT
 
 
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, initial_state: Optional[torch.Tensor],
                          operand_dtype: torch.dtype = torch.bfloat16,
-                         round_a_inv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         round_a_inv: bool = False, deferred_decay: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's PyTorch twin, chunk by chunk in fp32 (float64 for float64 inputs), rounding to
     ``operand_dtype`` exactly where the kernel does: the state as the operand of K S and Q S, P, V_new as P V_new's
     operand, and the decayed V_new of the state update (A_inv X stays in the working precision, which the kernel
     runs at tf32; with ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With
     ``operand_dtype`` the working dtype nothing is rounded: the algebra alone, equal to the token-by-token
-    reference. g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o
+    reference. ``deferred_decay``: the state kept over its decay, as the kernel's ``deferred_decay`` keeps it
+    (:func:`_walk_ref`). g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o
     ``[B, T, HV, V]`` in v's dtype and the final state ``[B, HV, K, V]`` in the working dtype."""
     from ..gated_delta import torch_chunk as tc
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -31,7 +34,7 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
     a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gc)
     return _walk_ref(q, k, v, gc, beta, a_inv if not round_a_inv else rnd(a_inv), scale, initial_state, work, rnd,
-                     rnd if round_a_inv else (lambda t: t))
+                     rnd if round_a_inv else (lambda t: t), deferred_decay=deferred_decay)
 
 
 def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
@@ -42,7 +45,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             warm_threshold: Optional[float] = None, **launch
                             ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
-    counts: the kernel then rounds P with the scale in it), from the pre-pass's gc, β (head-major) and A_inv instead
+    counts: the kernel then rounds P with the scale in it; and, as the kernel does, ``chunk_fwd.DEFERRED_DECAY``,
+    or ``deferred_decay`` given among them), from the pre-pass's gc, β (head-major) and A_inv instead
     of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
     Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones.
     ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: those maps' M written as
@@ -52,6 +56,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     diag(β), and X has no β."""
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
+    deferred = launch.get("deferred_decay", chunk_fwd.DEFERRED_DECAY)
     if warm_bound is not None:
         from .map_bound import warm_from_bound_ref
         warm_chunks, from_start = warm_from_bound_ref(warm_bound, q.shape[1] // gc_hm.shape[2], warm_threshold)
@@ -65,7 +70,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         initial_state = h0
     if warm_chunks is not None:
         return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
-                              beta_in_a_inv)
+                              beta_in_a_inv, deferred)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -81,7 +86,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                         torch.zeros(B, v.shape[2], K, v.shape[3] - K, dtype=work, device=q.device)], -1)
     rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
     beta = torch.ones_like(gc) if beta_in_a_inv else beta_hm[..., :T].transpose(1, 2)
-    o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, scale_in_p)
+    o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, scale_in_p,
+                     deferred)
     if affine and skip_m is not None:
         S = S.clone()
         S[skip_m.int() != 0, :, :K] = 0
@@ -89,7 +95,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return (None if affine else o), S
 
 
-def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p, beta_in_a_inv):
+def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p, beta_in_a_inv,
+                   deferred_decay):
     """The warm kernel's twin: for each segment s and value head, the plain walk over the rows from warm_chunks
     chunks before the segment to its end, from initial_state, keeping o of the segment's own rows."""
     B, T, H, _ = q.shape
@@ -109,17 +116,22 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
             oo, ht = chunk_fwd_hopper_hm_ref(q[sl][:, :, ih:ih + 1], k[sl][:, :, ih:ih + 1], v[sl][:, :, hv:hv + 1],
                                              gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
                                              a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1],
-                                             stsm=scale_in_p, beta_in_a_inv=beta_in_a_inv)
+                                             stsm=scale_in_p, beta_in_a_inv=beta_in_a_inv,
+                                             deferred_decay=deferred_decay)
             o[b, s * L:r1, hv] = oo[0, r1 - r0 - L:, 0]
             row.append(ht[0, 0])
         hts.append(torch.stack(row))
     return o, torch.stack(hts)
 
 
-def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, scale_in_p=False):
+def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, scale_in_p=False,
+              deferred_decay=False):
     """The kernel's chunk loop in PyTorch: gc ``[B, HV, NT, BT]`` chunk-local cumulative decays, a_inv
     ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X;
-    ``scale_in_p``: the scale multiplies P before its rounding and Γ (the kernel's stsm), else o at the end."""
+    ``scale_in_p``: the scale multiplies P before its rounding and Γ (the kernel's stsm), else o at the end.
+    ``deferred_decay``: S holds the state over a = e^la (per sequence and head), Γ and ρ carry a's factor, and S is
+    multiplied only where la + ln γ falls below −``chunk_fwd.DEFERRED_DECAY_LIMIT`` (the kernel's
+    ``deferred_decay``; without rounding the same algebra)."""
     from ..gated_delta import torch_chunk as tc
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -127,19 +139,29 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
     vc, bc = tc.to_chunks(v.to(work), BT), tc.to_chunks(beta.to(work), BT)
     S = (initial_state.to(work) if initial_state is not None
          else torch.zeros(B, HV, K, V, dtype=work, device=q.device))
+    la = torch.zeros(B, HV, dtype=work, device=q.device)    # ln a: S is the state over a (deferred_decay), else 0
     outs = []
     for c in range(qc.shape[2]):
         Qc, Kc, Vc, bt, Gc = qc[:, :, c], kc[:, :, c], vc[:, :, c], bc[:, :, c], gc[:, :, c]
+        g_last = Gc[..., -1]
         Sb = rnd(S)
-        X = bt[..., None] * (Vc - Gc.exp()[..., None] * (Kc @ Sb))
+        gam = (Gc + la[..., None]).exp()
+        X = bt[..., None] * (Vc - gam[..., None] * (Kc @ Sb))
         Vn = a_inv[:, :, c] @ rnd_x(X)
         if scale_in_p:
             P = rnd(scale * tc.qk_decay_ref(Qc, Kc, Gc))
-            outs.append((scale * Gc.exp())[..., None] * (Qc @ Sb) + P @ rnd(Vn))
+            outs.append((scale * gam)[..., None] * (Qc @ Sb) + P @ rnd(Vn))
         else:
             P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
-            outs.append(scale * (Gc.exp()[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
-        g_last = Gc[..., -1]
-        S = g_last.exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd(
-            (g_last[..., None] - Gc).exp()[..., None] * Vn)
-    return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), S
+            outs.append(scale * (gam[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
+        if deferred_decay:
+            # S over a γ where that stays within the limit (ρ then carries 1 / (a γ)); else S renormalised
+            renorm = la + g_last < -chunk_fwd.DEFERRED_DECAY_LIMIT
+            rho = (torch.where(renorm, g_last, -la)[..., None] - Gc).exp()
+            S = torch.where(renorm[..., None, None], (la + g_last).exp()[..., None, None] * S, S)
+            la = torch.where(renorm, torch.zeros_like(la), la + g_last)
+        else:
+            rho = (g_last[..., None] - Gc).exp()
+            S = g_last.exp()[..., None, None] * S
+        S = S + Kc.transpose(-1, -2) @ rnd(rho[..., None] * Vn)
+    return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), la.exp()[..., None, None] * S

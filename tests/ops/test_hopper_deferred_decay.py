@@ -1,0 +1,134 @@
+"""The Hopper forward's deferred state decay (``chunk_fwd.DEFERRED_DECAY``): the state kept over its decay since the
+last renormalisation, one log scale per program, instead of multiplied by each chunk's decay element by element.
+Its twin (``chunk_fwd_ref._walk_ref(deferred_decay=True)``) is the recurrence in float64 on both of its branches,
+as accurate in bf16 as the plain walk; the kernel multiplies the state only under the renormalisation branch
+(sm_90a compile, where TileLang is installed); on the GPU the op with the switch on stays within the bf16 bound on
+each of the Hopper forward's plans."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+import linattn
+from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper import chunk_fwd_ref as twins
+
+from .test_hopper_fwd import ON_HOPPER, gpu_inputs, inputs, rel
+
+
+def mixed_gates(x):
+    """Per value head: one head that forgets within a chunk (−2 per token: a renormalisation every chunk), one that
+    barely forgets (the inputs' gates / 16: none for hundreds of rows), the others as drawn (≈ −0.2 per token: one
+    every few chunks)."""
+    g = x["g"].clone()
+    g[..., 0] = -2.0
+    g[..., 1] = g[..., 1] / 16
+    return dict(x, g=g)
+
+
+@pytest.mark.parametrize("limit", [1.0, 40.0], ids=["renorm_often", "default_limit"])
+@pytest.mark.parametrize("B,T,H,HV,K,V", [(2, 1000, 2, 4, 32, 32), (1, 130, 1, 2, 16, 24)])
+def test_deferred_twin_without_rounding_is_the_recurrence(monkeypatch, limit, B, T, H, HV, K, V):
+    """Exact in float64 whichever branch each chunk takes: at a limit of one e-fold nearly every chunk renormalises,
+    at the default only the forgetting head does; partial last chunks, grouped value heads, an initial state."""
+    monkeypatch.setattr(hopper, "DEFERRED_DECAY_LIMIT", limit)
+    x = mixed_gates(inputs(B, T, H, HV, K, V))
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.2, operand_dtype=torch.float64, deferred_decay=True)
+    ro, rht = gated_delta_rule_reference(**x, scale=0.2)
+    assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
+
+
+def test_the_limit_keeps_the_deferred_state_finite(monkeypatch):
+    """Without the renormalisation (an unreachable limit) a head forgetting at −2 per token drives 1 / a past
+    float64's range over 1000 rows: the limit is what keeps the deferred walk finite (negative control), and with
+    it the walk at the core test's strongest decay (−100 per token) is finite and exact."""
+    x = mixed_gates(inputs(1, 1000, 1, 2, 16, 16))
+    monkeypatch.setattr(hopper, "DEFERRED_DECAY_LIMIT", 1e9)
+    o, _ = twins.chunk_fwd_hopper_ref(**x, scale=0.25, operand_dtype=torch.float64, deferred_decay=True)
+    assert not torch.isfinite(o).all()
+    monkeypatch.setattr(hopper, "DEFERRED_DECAY_LIMIT", 40.0)
+    x["g"] = torch.full_like(x["g"], -100.0)
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.25, operand_dtype=torch.float64, deferred_decay=True)
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    assert torch.isfinite(o).all() and rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
+
+
+def test_deferred_twin_bf16_is_as_accurate():
+    """With the kernel's bf16 rounding points: o and the final state as close to float64 as the plain walk's
+    (here both ≈ 3.1e-3 / 1.9e-3), and the roundings really fall on other values (the two differ)."""
+    x = mixed_gates(inputs(2, 1000, 2, 4, 64, 64, dtype=torch.bfloat16))
+    ro, rht = gated_delta_rule_reference(**{n: t.double() for n, t in x.items()}, scale=0.125)
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.125)
+    o_d, ht_d = twins.chunk_fwd_hopper_ref(**x, scale=0.125, deferred_decay=True)
+    assert rel(o_d, ro) < 1.1 * rel(o, ro) and rel(ht_d, rht) < 1.1 * rel(ht, rht)
+    assert rel(o_d, o) > 1e-4
+
+
+def test_the_hm_twin_follows_the_kernels_switch(monkeypatch):
+    """``chunk_fwd_hopper_hm_ref`` (the kernel's twin for the segmented forward's tests) defers where the kernel
+    does: ``DEFERRED_DECAY``, or ``deferred_decay`` among its launch options."""
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
+    x = mixed_gates(inputs(1, 300, 1, 2, 32, 32, dtype=torch.bfloat16))
+    pre = prepass_hopper_ref(x["k"], x["g"].float(), x["beta"].float(), beta_in_a_inv=False)[:3]
+    args = (x["q"], x["k"], x["v"], *pre, 0.2, x["initial_state"].float())
+    monkeypatch.setattr(hopper, "DEFERRED_DECAY", False)
+    plain = twins.chunk_fwd_hopper_hm_ref(*args, stsm=True)
+    deferred = twins.chunk_fwd_hopper_hm_ref(*args, stsm=True, deferred_decay=True)
+    monkeypatch.setattr(hopper, "DEFERRED_DECAY", True)
+    assert all(torch.equal(a, b) for a, b in zip(twins.chunk_fwd_hopper_hm_ref(*args, stsm=True), deferred))
+    assert not torch.equal(plain[1], deferred[1])
+
+
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
+@pytest.mark.parametrize("variant", ["walk", "affine", "warm_planned"])
+def test_the_kernel_multiplies_the_state_only_to_renormalise(variant):
+    """sm_90a source of the default launch (and of phase A's and the two-launch walk's kernels): with
+    ``deferred_decay`` the per-element multiply of the state by e^{g_last} is gone from the chunk loop; the state is
+    multiplied under ``if (renorm)`` and once before it is written; the plain kernel multiplies it every chunk."""
+    options = dict(walk=dict(tma_o=True, async_o=True, async_ax=True), affine=dict(affine=True),
+                   warm_planned=dict(warm=True, warm_planned=True, async_o=True, async_ax=True))[variant]
+
+    def source(deferred):
+        return hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                      a_dtype="bfloat16", async_dots=True, stsm=True, beta_in_a=True,
+                                      deferred_decay=deferred, **options).get_kernel_source()
+    plain, deferred = source(False), source(True)
+    every_chunk = r"make_float4\(expf\(g_last\)"
+    assert re.search(every_chunk, plain) and not re.search(every_chunk, deferred)
+    branch = deferred[deferred.rindex("if (renorm) {"):]        # the last: the state's (the first picks ρ's exponent)
+    assert "expf((la + g_last))" in branch[:branch.index("} else {")] and "la = (la + g_last);" in branch
+    assert "make_float4(expf(la)" in deferred                   # S = a S' before the final state is stored
+    assert deferred.count("bool renorm = ((la + g_last) < -0x1.4p+5f") == 1        # the limit, 40 e-folds
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("gates", ["drawn", "mixed", "slow"])
+@pytest.mark.parametrize("B,T", [(8, 1024), (1, 16384), (1, 4096)], ids=["unsegmented", "segmented", "two_launch"])
+def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, B, T):
+    """bf16 H=16 K=V=128 through the op ("auto": the unsegmented kernel at 8 × 1024, the five-launch segmented
+    forward at 1 × 16384, the two-launch one at 1 × 4096) with DEFERRED_DECAY off and on: both within the bf16 bound
+    of the float64 recurrence, the deferred one as accurate (within 15%), and not the same numbers (the switch took
+    effect). Gates as drawn (≈ −0.2 per token), mixed (one head forgetting within a chunk, one barely: both branches
+    in one launch) and slow (/ 64: few renormalisations)."""
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    x = gpu_inputs(B, T, 16, 16, 128, 128, seed=6)
+    if gates == "mixed":
+        x = mixed_gates(x)
+    elif gates == "slow":
+        x["g"] = x["g"] / 64
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(hopper, "DEFERRED_DECAY", on)
+        with torch.no_grad():
+            outs[on] = linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+    errors = {on: (rel(o, ro), rel(ht, rht)) for on, (o, ht) in outs.items()}
+    assert all(e < 5e-3 for pair in errors.values() for e in pair), errors
+    assert errors[True][0] < 1.15 * errors[False][0] and errors[True][1] < 1.15 * errors[False][1], errors
+    assert not torch.equal(outs[True][1], outs[False][1])
