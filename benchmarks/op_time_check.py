@@ -18,14 +18,15 @@ two programs per SM: bitwise equal expected, not required: the same products per
 plan); ``--varlen-ab``: ``hopper.varlen.VARLEN_BY_PADDING`` off, then on (with ``--packed``: the Triton paths
 against the padded Hopper forward; not bitwise equal: two algorithms); ``--deferred-decay-ab``:
 ``chunk_fwd.DEFERRED_DECAY`` off, then on (the state's decay kept as a log scale: not bitwise equal, the same
-rounding points on differently scaled values); each says whether o and the final state
-are bitwise equal between the two. Several of these switch together (``--async-o-ab --async-ax-ab``: both off, then
-both on); ``--repeat N``: the off/on pair N times in turn, so the spread between repeats shows the noise.
-``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
-largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
-question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
-(perf_counter around each; with switches, off then on). ``--graph``: beside the eager time, the call captured in a
-CUDA graph and replayed (the GPU's time alone: eager above it is host time; with
+rounding points on differently scaled values); ``--fold-p-decay-ab``: ``chunk_fwd.FOLD_P_DECAY`` off, then on (only
+with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk against both); each says whether o
+and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
+--async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the spread between
+repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
+back, one sync; the largest by own time, then by cumulative time), to say where a host-bound call's µs go.
+``--host-parts``: the same question without cProfile's overhead: µs per call inside each layer of the Hopper forward
+and its launches (perf_counter around each; with switches, off then on). ``--graph``: beside the eager time, the
+call captured in a CUDA graph and replayed (the GPU's time alone: eager above it is host time; with
 ``forward.SEGMENTED_WHEN_CAPTURED`` on, of the plan "auto" takes under capture). ``--path P``:
 ``triton_chunk.FORWARD_PATH`` (auto, split, walk, hopper); ``--min-segmented-tokens N``:
 ``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with its levers at every shape it fills the
@@ -56,7 +57,7 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM"),
             "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED"),
             "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING"),
-            "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY")}
+            "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY")}
 PACKED = "--packed" in sys.argv
 
 
@@ -97,7 +98,7 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
     return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, varlen_by_padding=hopper_varlen.VARLEN_BY_PADDING,
                 path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
-                deferred_decay=chunk_fwd.DEFERRED_DECAY,
+                deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

@@ -6,8 +6,9 @@ of the steps last. The steps and their order are docs/performance.md's "Where th
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 17 minutes in all on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1 min, fla autotunes for
-≈ 40 s per row: the last step needs fla in the site, so leave out the ``rm -rf /tmp/site/fla`` for it): two calls.
+≈ 25 minutes in all on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1 min, fla autotunes for
+≈ 40 s per row: the last step needs fla in the site, so leave out the ``rm -rf /tmp/site/fla`` for it): three
+calls.
 ``--budget`` (560 s: a device call's 600 less the start) caps the whole run: each step gets what is left of it, and
 the steps it cannot start are listed as skipped (run them with ``--only`` in the next call). Carry ``.anchors``
 (the last step runs its bench_anchors.py).
@@ -26,10 +27,13 @@ PY = sys.executable
 
 # (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 29
 STEPS = [
-    ("deferred decay, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_deferred_decay.py", "-k",
-                                   "gpu"], 330),
+    ("deferred decay and P's fold, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_deferred_decay.py",
+                                                "-k", "gpu"], 450),
     ("deferred decay, timed", [PY, "benchmarks/op_time_check.py", "--deferred-decay-ab", "--repeat", "2",
                                "8,4096,16,16", "4,8192,16,32", "1,32768,16,16", "2,16384,32,32"], 300),
+    ("deferred decay with P's fold, timed", [PY, "benchmarks/op_time_check.py", "--deferred-decay-ab",
+                                             "--fold-p-decay-ab", "--repeat", "2", "8,4096,16,16", "4,8192,16,32",
+                                             "1,32768,16,16", "2,16384,32,32"], 300),
     ("rows 2 and 5 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
                                  "--no-decode", "--skip-correct", "--shapes", "8,4096,16,16;4,8192,16,32"], 400),
 ]

@@ -165,6 +165,9 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper_prepass, "STEP4_BLOCKED", not hopper_prepass.STEP4_BLOCKED)
     monkeypatch.setattr(hopper_kernel, "ASYNC_O_STORE", not hopper_kernel.ASYNC_O_STORE)
     monkeypatch.setattr(hopper_kernel, "ASYNC_AX", not hopper_kernel.ASYNC_AX)
+    monkeypatch.setattr(hopper_kernel, "DEFERRED_DECAY", not hopper_kernel.DEFERRED_DECAY)
+    monkeypatch.setattr(hopper_kernel, "DEFERRED_DECAY_LIMIT", hopper_kernel.DEFERRED_DECAY_LIMIT / 2)
+    monkeypatch.setattr(hopper_kernel, "FOLD_P_DECAY", not hopper_kernel.FOLD_P_DECAY)
     from linattn.ops.hopper import varlen as hopper_varlen
     monkeypatch.setattr(hopper_varlen, "VARLEN_BY_PADDING", not hopper_varlen.VARLEN_BY_PADDING)
     monkeypatch.setattr(hopper_varlen, "MAX_PADDED_FRACTION", hopper_varlen.MAX_PADDED_FRACTION / 2)
@@ -185,6 +188,9 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["PREPASS_STEP4_BLOCKED"] is hopper_prepass.STEP4_BLOCKED
     assert recorded["ASYNC_O_STORE"] is hopper_kernel.ASYNC_O_STORE
     assert recorded["ASYNC_AX"] is hopper_kernel.ASYNC_AX
+    assert recorded["DEFERRED_DECAY"] is hopper_kernel.DEFERRED_DECAY
+    assert recorded["DEFERRED_DECAY_LIMIT"] == hopper_kernel.DEFERRED_DECAY_LIMIT
+    assert recorded["FOLD_P_DECAY"] is hopper_kernel.FOLD_P_DECAY
     assert recorded["VARLEN_BY_PADDING"] is hopper_varlen.VARLEN_BY_PADDING
     assert recorded["VARLEN_MAX_PADDED_FRACTION"] == hopper_varlen.MAX_PADDED_FRACTION
     assert collect(CPU)["linattn_settings"]["FAST_LAUNCH"] is launch.FAST_LAUNCH

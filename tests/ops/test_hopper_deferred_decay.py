@@ -1,9 +1,10 @@
 """The Hopper forward's deferred state decay (``chunk_fwd.DEFERRED_DECAY``): the state kept over its decay since the
-last renormalisation, one log scale per program, instead of multiplied by each chunk's decay element by element.
-Its twin (``chunk_fwd_ref._walk_ref(deferred_decay=True)``) is the recurrence in float64 on both of its branches,
-as accurate in bf16 as the plain walk; the kernel multiplies the state only under the renormalisation branch
-(sm_90a compile, where TileLang is installed); on the GPU the op with the switch on stays within the bf16 bound on
-each of the Hopper forward's plans."""
+last renormalisation, one log scale per program, instead of multiplied by each chunk's decay element by element;
+and with it P's decays folded into o's rows and V_d (``chunk_fwd.FOLD_P_DECAY``). Their twin
+(``chunk_fwd_ref._walk_ref``) is the recurrence in float64 on both branches, as accurate in bf16 as the plain walk;
+the kernel multiplies the state only under the renormalisation branch and forms P without exps outside it (sm_90a
+compile, where TileLang is installed); on the GPU the op with the switches on stays within the bf16 bound on each
+of the Hopper forward's plans."""
 from __future__ import annotations
 
 import re
@@ -31,14 +32,17 @@ def mixed_gates(x):
     return dict(x, g=g)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["deferred", "fold_p"])
 @pytest.mark.parametrize("limit", [1.0, 40.0], ids=["renorm_often", "default_limit"])
 @pytest.mark.parametrize("B,T,H,HV,K,V", [(2, 1000, 2, 4, 32, 32), (1, 130, 1, 2, 16, 24)])
-def test_deferred_twin_without_rounding_is_the_recurrence(monkeypatch, limit, B, T, H, HV, K, V):
+def test_deferred_twin_without_rounding_is_the_recurrence(monkeypatch, limit, fold, B, T, H, HV, K, V):
     """Exact in float64 whichever branch each chunk takes: at a limit of one e-fold nearly every chunk renormalises,
-    at the default only the forgetting head does; partial last chunks, grouped value heads, an initial state."""
+    at the default only the forgetting head does; partial last chunks, grouped value heads, an initial state; with
+    P's decays folded into o and V_d too."""
     monkeypatch.setattr(hopper, "DEFERRED_DECAY_LIMIT", limit)
     x = mixed_gates(inputs(B, T, H, HV, K, V))
-    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.2, operand_dtype=torch.float64, deferred_decay=True)
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.2, operand_dtype=torch.float64, deferred_decay=True,
+                                       fold_p_decay=fold)
     ro, rht = gated_delta_rule_reference(**x, scale=0.2)
     assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
 
@@ -58,20 +62,24 @@ def test_the_limit_keeps_the_deferred_state_finite(monkeypatch):
     assert torch.isfinite(o).all() and rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
 
 
-def test_deferred_twin_bf16_is_as_accurate():
+@pytest.mark.parametrize("fold", [False, True], ids=["deferred", "fold_p"])
+def test_deferred_twin_bf16_is_as_accurate(fold):
     """With the kernel's bf16 rounding points: o and the final state as close to float64 as the plain walk's
-    (here both ≈ 3.1e-3 / 1.9e-3), and the roundings really fall on other values (the two differ)."""
+    (here ≈ 3.1e-3 / 1.9e-3 all three), and the roundings really fall on other values (the outputs differ)."""
     x = mixed_gates(inputs(2, 1000, 2, 4, 64, 64, dtype=torch.bfloat16))
     ro, rht = gated_delta_rule_reference(**{n: t.double() for n, t in x.items()}, scale=0.125)
     o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.125)
-    o_d, ht_d = twins.chunk_fwd_hopper_ref(**x, scale=0.125, deferred_decay=True)
+    o_d, ht_d = twins.chunk_fwd_hopper_ref(**x, scale=0.125, deferred_decay=True, fold_p_decay=fold)
     assert rel(o_d, ro) < 1.1 * rel(o, ro) and rel(ht_d, rht) < 1.1 * rel(ht, rht)
     assert rel(o_d, o) > 1e-4
+    if fold:            # and not the deferred walk's numbers either: P and V_d's roundings moved
+        assert rel(o_d, twins.chunk_fwd_hopper_ref(**x, scale=0.125, deferred_decay=True)[0]) > 1e-4
 
 
-def test_the_hm_twin_follows_the_kernels_switch(monkeypatch):
-    """``chunk_fwd_hopper_hm_ref`` (the kernel's twin for the segmented forward's tests) defers where the kernel
-    does: ``DEFERRED_DECAY``, or ``deferred_decay`` among its launch options."""
+def test_the_hm_twin_follows_the_kernels_switches(monkeypatch):
+    """``chunk_fwd_hopper_hm_ref`` (the kernel's twin for the segmented forward's tests) defers and folds where the
+    kernel does: ``DEFERRED_DECAY`` and ``FOLD_P_DECAY``, or the same names among its launch options; the fold only
+    with the deferred decay."""
     from linattn.ops.hopper.prepass import prepass_hopper_ref
     x = mixed_gates(inputs(1, 300, 1, 2, 32, 32, dtype=torch.bfloat16))
     pre = prepass_hopper_ref(x["k"], x["g"].float(), x["beta"].float(), beta_in_a_inv=False)[:3]
@@ -82,6 +90,12 @@ def test_the_hm_twin_follows_the_kernels_switch(monkeypatch):
     monkeypatch.setattr(hopper, "DEFERRED_DECAY", True)
     assert all(torch.equal(a, b) for a, b in zip(twins.chunk_fwd_hopper_hm_ref(*args, stsm=True), deferred))
     assert not torch.equal(plain[1], deferred[1])
+    folded = twins.chunk_fwd_hopper_hm_ref(*args, stsm=True, fold_p_decay=True)
+    monkeypatch.setattr(hopper, "FOLD_P_DECAY", True)
+    assert all(torch.equal(a, b) for a, b in zip(twins.chunk_fwd_hopper_hm_ref(*args, stsm=True), folded))
+    assert not torch.equal(folded[0], deferred[0])
+    monkeypatch.setattr(hopper, "DEFERRED_DECAY", False)          # the fold needs the deferred decay
+    assert all(torch.equal(a, b) for a, b in zip(twins.chunk_fwd_hopper_hm_ref(*args, stsm=True), plain))
 
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
@@ -107,16 +121,39 @@ def test_the_kernel_multiplies_the_state_only_to_renormalise(variant):
     assert deferred.count("bool renorm = ((la + g_last) < -0x1.4p+5f") == 1        # the limit, 40 e-folds
 
 
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
+def test_the_folded_kernel_forms_p_without_exps_beside_the_update():
+    """sm_90a source of the default launch with ``fold_p_decay``: P's exp per element only in the renormalising
+    branch (the other masks Q Kᵀ alone); P V_d there is issued after the consumers' barrier on V_d's tile and not
+    waited for before the state's update is issued; o's factor and store come after the update."""
+    src = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
+                                 a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True, beta_in_a=True,
+                                 async_o=True, async_ax=True, deferred_decay=True,
+                                 fold_p_decay=True).get_kernel_source()
+    assert src.count("expf((Gsc[") == 1 and re.search(r"condval_\d+ = QK\[i_\d+\];", src)
+    p_vd = re.search(r"initialize_wgmma_descriptor<[^>]*>\((desc_b_\d+), \(&\(\(\(bfloat16_t\*\)Vds\)", src)
+    before, after = src[:p_vd.start()], src[p_vd.end():]
+    assert "(bfloat16_t*)Ps)[0]" in before[before.rindex("GmmaDescriptor"):]          # the dot is P V_d
+    last_vd_store = before.rindex("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)Vds)")
+    assert "__sync_thread_partial(3, 256)" in before[last_vd_store:]
+    update = after.index("wgmma_ss<", after.index("warpgroup_commit_batch()"))
+    assert "warpgroup_wait" not in after[:update] and "(bfloat16_t*)Ks)" in after[:update]
+    assert after.index("tma_store(o_desc", update) > after.index("warpgroup_wait<0>()", update)
+
+
 @ON_HOPPER
+@pytest.mark.parametrize("fold", [False, True], ids=["deferred", "fold_p"])
 @pytest.mark.parametrize("gates", ["drawn", "mixed", "slow"])
 @pytest.mark.parametrize("B,T", [(8, 1024), (1, 16384), (1, 4096)], ids=["unsegmented", "segmented", "two_launch"])
-def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, B, T):
+def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, fold, B, T):
     """bf16 H=16 K=V=128 through the op ("auto": the unsegmented kernel at 8 × 1024, the five-launch segmented
-    forward at 1 × 16384, the two-launch one at 1 × 4096) with DEFERRED_DECAY off and on: both within the bf16 bound
-    of the float64 recurrence, the deferred one as accurate (within 15%), and not the same numbers (the switch took
-    effect). Gates as drawn (≈ −0.2 per token), mixed (one head forgetting within a chunk, one barely: both branches
-    in one launch) and slow (/ 64: few renormalisations)."""
+    forward at 1 × 16384, the two-launch one at 1 × 4096) with DEFERRED_DECAY off and on (and FOLD_P_DECAY with
+    it): both within the bf16 bound of the float64 recurrence, the deferred one as accurate (within 15%), and not the
+    same numbers (the switch took effect). Gates as drawn (≈ −0.2 per token), mixed (one head forgetting within a
+    chunk, one barely: both branches in one launch) and slow (/ 64: few renormalisations)."""
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    monkeypatch.setattr(hopper, "FOLD_P_DECAY", fold)
     x = gpu_inputs(B, T, 16, 16, 128, 128, seed=6)
     if gates == "mixed":
         x = mixed_gates(x)
@@ -131,4 +168,4 @@ def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, B, T):
     errors = {on: (rel(o, ro), rel(ht, rht)) for on, (o, ht) in outs.items()}
     assert all(e < 5e-3 for pair in errors.values() for e in pair), errors
     assert errors[True][0] < 1.15 * errors[False][0] and errors[True][1] < 1.15 * errors[False][1], errors
-    assert not torch.equal(outs[True][1], outs[False][1])
+    assert not torch.equal(outs[True][0], outs[False][0]) and not torch.equal(outs[True][1], outs[False][1])

@@ -57,7 +57,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
                  beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
                  warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1,
-                 deferred_decay: bool = False):
+                 deferred_decay: bool = False, fold_p_decay: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -98,7 +98,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     last renormalisation (a = e^la ≤ 1, one scalar per program), so that the chunk's decay γ goes into la instead of
     a multiply per state element: Γ and ρ take a's factor per row (Γ_i a, ρ_i / (a γ)), and the state is multiplied
     only where la + ln γ would fall below −:data:`DEFERRED_DECAY_LIMIT` (then S' ← S' a γ, la ← 0), and once before
-    it is written."""
+    it is written. ``fold_p_decay`` (with it and ``stsm``, :data:`FOLD_P_DECAY`): in a chunk that does not
+    renormalise, P's decays e^{gc_i − gc_j} split into Γ_i a (o's row factor) and ρ_j / (a γ) (V_d's), so that P is
+    Q Kᵀ under the causal mask alone (no exp per element), P V_d replaces P V_new (no V_new tile) and runs beside
+    the state's update, and o = Γ a scale ⊙ (Q S' + P V_d); a chunk that renormalises takes the plain steps."""
     import tilelang
     import tilelang.language as T
 
@@ -130,6 +133,18 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
 
     v_early = async_ax and stsm and async_dots
     ax_async = v_early and store_output
+    fold_p_decay = fold_p_decay and deferred_decay and stsm and store_output
+
+    @T.macro
+    def form_p(QK, Ps, Gsc, gcs, decayed):
+        """P into Ps (bf16, stmatrix): Q Kᵀ under the causal mask, times e^{gc_i + ln scale − gc_j} where
+        ``decayed`` (else the decays are o's and V_d's: ``fold_p_decay``)."""
+        for i, j in T.Parallel(BT, BT):
+            if decayed:
+                QK[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(Gsc[i] - gcs[j]), 0.0)
+            else:
+                QK[i, j] = T.if_then_else(i >= j, QK[i, j], 0.0)
+        T.copy(QK, Ps)
 
     @T.macro
     def scale_o_tile(Of, Gam):
@@ -328,12 +343,21 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         T.wait_wgmma(0)
                 if stsm:
                     # P, V_new and ρ ⊙ V_new likewise: in place in their accumulators, then stmatrix
-                    if store_output:
+                    if fold_p_decay:
+                        if renorm:          # the plain steps below
+                            form_p(QK, Ps, Gsc, gcs, True)
+                            if ax_async:
+                                scale_o_tile(Of, Gam)
+                                T.wait_wgmma(0)
+                            T.copy(Vn, Vns)
+                        else:               # P without its decays; no V_new tile
+                            form_p(QK, Ps, Gsc, gcs, False)
+                            if ax_async:
+                                T.wait_wgmma(0)
+                    elif store_output:
                         # the scale inside P's exponent (per row: no operation per element) and Γ's factor below,
                         # instead of a pass over o
-                        for i, j in T.Parallel(BT, BT):
-                            QK[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(Gsc[i] - gcs[j]), 0.0)
-                        T.copy(QK, Ps)
+                        form_p(QK, Ps, Gsc, gcs, True)
                         if ax_async:
                             scale_o_tile(Of, Gam)
                             T.wait_wgmma(0)                     # V_new
@@ -351,7 +375,19 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         Vds[i, j] = Vn[i, j] * Rho[i]
                 # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
                 write_o = not warm or cr >= chunks - Lc
-                if store_output:
+                if fold_p_decay:
+                    if renorm:
+                        if not ax_async:
+                            scale_o_tile(Of, Gam)
+                        T.gemm(Ps, Vns, Of)
+                        store_o(Of, Os, o, ib, c, ihv, iv, write_o)
+                    else:
+                        # P V_d issued and left running: the state's update below reads V_d too and waits for both.
+                        # The consumers' barrier first, as before every dot on a tile they have just stored (TileLang
+                        # leaves it out on this branch)
+                        T.sync_threads()
+                        T.wgmma_gemm(Ps, Vds, Of)
+                elif store_output:
                     if not ax_async:
                         scale_o_tile(Of, Gam)
                     T.gemm(Ps, Vns, Of)
@@ -374,6 +410,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 # synchronous: TileLang hands Ks back to the producer after its last use in program order, which must
                 # come after the dot reading it has completed
                 T.gemm(Ks, Vds, S, transpose_A=True)
+                if fold_p_decay:
+                    if not renorm:
+                        scale_o_tile(Of, Gam)       # o = Γ a scale ⊙ (Q S' + P V_d)
+                        store_o(Of, Os, o, ib, c, ihv, iv, write_o)
             if async_o and store_output and (tma_o or warm):
                 T.tma_store_wait()      # the last store read the tile before the program ends
             if deferred_decay:
@@ -428,12 +468,12 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
                     async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
-                    min_blocks: int = 1, deferred_decay: bool = False):
+                    min_blocks: int = 1, deferred_decay: bool = False, fold_p_decay: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
     return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
                                           beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o, async_ax, warm_planned, threshold, min_blocks, deferred_decay),
-                             target)
+                                          async_o, async_ax, warm_planned, threshold, min_blocks, deferred_decay,
+                                          fold_p_decay), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -480,6 +520,16 @@ DEFERRED_DECAY = False
 # How far (in e-folds) S' may run ahead of the state before it is renormalised: |S'| ≤ e^40 |S| ≈ 2.4e17 |S|, far
 # inside fp32's and bf16's range (3.4e38) for any state the op's inputs can build, and ρ's factor 1 / (a γ) ≤ e^40
 DEFERRED_DECAY_LIMIT = 40.0
+# With DEFERRED_DECAY (``build_kernel``'s ``fold_p_decay``): in a chunk that does not renormalise, P's decays
+# e^{gc_i − gc_j} = (Γ_i a)(ρ_j / (a γ)) are o's row factor and V_d's, which both exist already, so P is the masked
+# Q Kᵀ alone (no exp per element), P V_d replaces P V_new (no V_new tile) and is issued beside the state's update
+# (one dot fewer waited for on the chain), and o's factor Γ a scale comes after both dots. The lazy chunk's consumer
+# loop at B=8 T=4096 H=16's launch (sm_90a SASS, the renormalising branch compiled out): 1027 instructions plain,
+# 963 with DEFERRED_DECAY, 840 with both (−18%). The same rounding points on other values: P = bf16(Q Kᵀ) where it
+# was bf16(scale Q Kᵀ e^{…}), and V_d's rounding serves both dots. Predicted with DEFERRED_DECAY: −12 to −18% of
+# the walk at bench_anchors' gates (≈ 92% of chunks lazy). Built in session 23; not run on the GPU: off until
+# measured (benchmarks/op_time_check.py --deferred-decay-ab --fold-p-decay-ab)
+FOLD_P_DECAY = False
 
 
 def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool]:
@@ -647,7 +697,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
                                  *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks,
-                                 deferred_decay=DEFERRED_DECAY)
+                                 deferred_decay=DEFERRED_DECAY, fold_p_decay=FOLD_P_DECAY and DEFERRED_DECAY)
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
@@ -709,7 +759,8 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
                              str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
                              beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
-                             float(threshold) if planned else -30.0, min_blocks, DEFERRED_DECAY)
+                             float(threshold) if planned else -30.0, min_blocks, DEFERRED_DECAY,
+                             FOLD_P_DECAY and DEFERRED_DECAY)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

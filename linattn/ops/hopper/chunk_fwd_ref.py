@@ -16,15 +16,16 @@ from .chunk_fwd import BT
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, initial_state: Optional[torch.Tensor],
                          operand_dtype: torch.dtype = torch.bfloat16,
-                         round_a_inv: bool = False, deferred_decay: bool = False
+                         round_a_inv: bool = False, deferred_decay: bool = False, fold_p_decay: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's PyTorch twin, chunk by chunk in fp32 (float64 for float64 inputs), rounding to
     ``operand_dtype`` exactly where the kernel does: the state as the operand of K S and Q S, P, V_new as P V_new's
     operand, and the decayed V_new of the state update (A_inv X stays in the working precision, which the kernel
     runs at tf32; with ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With
     ``operand_dtype`` the working dtype nothing is rounded: the algebra alone, equal to the token-by-token
-    reference. ``deferred_decay``: the state kept over its decay, as the kernel's ``deferred_decay`` keeps it
-    (:func:`_walk_ref`). g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o
+    reference. ``deferred_decay``, ``fold_p_decay``: the state kept over its decay and P's decays folded into o's
+    rows and V_d, as the kernel's switches of those names do (:func:`_walk_ref`; the fold with the scale in P's
+    place, as the kernel's stsm). g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o
     ``[B, T, HV, V]`` in v's dtype and the final state ``[B, HV, K, V]`` in the working dtype."""
     from ..gated_delta import torch_chunk as tc
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -34,7 +35,8 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
     a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gc)
     return _walk_ref(q, k, v, gc, beta, a_inv if not round_a_inv else rnd(a_inv), scale, initial_state, work, rnd,
-                     rnd if round_a_inv else (lambda t: t), deferred_decay=deferred_decay)
+                     rnd if round_a_inv else (lambda t: t), scale_in_p=fold_p_decay and deferred_decay,
+                     deferred_decay=deferred_decay, fold_p_decay=fold_p_decay)
 
 
 def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
@@ -45,8 +47,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             warm_threshold: Optional[float] = None, **launch
                             ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
-    counts: the kernel then rounds P with the scale in it; and, as the kernel does, ``chunk_fwd.DEFERRED_DECAY``,
-    or ``deferred_decay`` given among them), from the pre-pass's gc, β (head-major) and A_inv instead
+    counts: the kernel then rounds P with the scale in it; and, as the kernel does, ``chunk_fwd.DEFERRED_DECAY`` and
+    ``chunk_fwd.FOLD_P_DECAY``, or ``deferred_decay`` and ``fold_p_decay`` given among them), from the pre-pass's gc, β (head-major) and A_inv instead
     of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
     Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones.
     ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: those maps' M written as
@@ -57,6 +59,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
     deferred = launch.get("deferred_decay", chunk_fwd.DEFERRED_DECAY)
+    fold = scale_in_p and deferred and launch.get("fold_p_decay", chunk_fwd.FOLD_P_DECAY)
     if warm_bound is not None:
         from .map_bound import warm_from_bound_ref
         warm_chunks, from_start = warm_from_bound_ref(warm_bound, q.shape[1] // gc_hm.shape[2], warm_threshold)
@@ -70,7 +73,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         initial_state = h0
     if warm_chunks is not None:
         return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
-                              beta_in_a_inv, deferred)
+                              beta_in_a_inv, deferred, fold)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -87,7 +90,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
     beta = torch.ones_like(gc) if beta_in_a_inv else beta_hm[..., :T].transpose(1, 2)
     o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, scale_in_p,
-                     deferred)
+                     deferred, fold and not affine)
     if affine and skip_m is not None:
         S = S.clone()
         S[skip_m.int() != 0, :, :K] = 0
@@ -96,7 +99,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
 
 def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p, beta_in_a_inv,
-                   deferred_decay):
+                   deferred_decay, fold_p_decay):
     """The warm kernel's twin: for each segment s and value head, the plain walk over the rows from warm_chunks
     chunks before the segment to its end, from initial_state, keeping o of the segment's own rows."""
     B, T, H, _ = q.shape
@@ -117,7 +120,7 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
                                              gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
                                              a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1],
                                              stsm=scale_in_p, beta_in_a_inv=beta_in_a_inv,
-                                             deferred_decay=deferred_decay)
+                                             deferred_decay=deferred_decay, fold_p_decay=fold_p_decay)
             o[b, s * L:r1, hv] = oo[0, r1 - r0 - L:, 0]
             row.append(ht[0, 0])
         hts.append(torch.stack(row))
@@ -125,16 +128,19 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
 
 
 def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, scale_in_p=False,
-              deferred_decay=False):
+              deferred_decay=False, fold_p_decay=False):
     """The kernel's chunk loop in PyTorch: gc ``[B, HV, NT, BT]`` chunk-local cumulative decays, a_inv
     ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X;
     ``scale_in_p``: the scale multiplies P before its rounding and Γ (the kernel's stsm), else o at the end.
     ``deferred_decay``: S holds the state over a = e^la (per sequence and head), Γ and ρ carry a's factor, and S is
     multiplied only where la + ln γ falls below −``chunk_fwd.DEFERRED_DECAY_LIMIT`` (the kernel's
-    ``deferred_decay``; without rounding the same algebra)."""
+    ``deferred_decay``; without rounding the same algebra). ``fold_p_decay`` (with both): in the chunks that do
+    not renormalise, o = Γ a scale ⊙ (Q S + P V_d) with P the masked Q Kᵀ alone, rounded, and V_d = ρ / (a γ) ⊙
+    V_new, rounded, the update's operand."""
     from ..gated_delta import torch_chunk as tc
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    fold_p_decay = fold_p_decay and deferred_decay and scale_in_p      # the kernel's condition
     qc, kc = (tc.to_chunks(x.to(work).repeat_interleave(HV // H, 2), BT) for x in (q, k))
     vc, bc = tc.to_chunks(v.to(work), BT), tc.to_chunks(beta.to(work), BT)
     S = (initial_state.to(work) if initial_state is not None
@@ -150,10 +156,10 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
         Vn = a_inv[:, :, c] @ rnd_x(X)
         if scale_in_p:
             P = rnd(scale * tc.qk_decay_ref(Qc, Kc, Gc))
-            outs.append((scale * gam)[..., None] * (Qc @ Sb) + P @ rnd(Vn))
+            out = (scale * gam)[..., None] * (Qc @ Sb) + P @ rnd(Vn)
         else:
             P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
-            outs.append(scale * (gam[..., None] * (Qc @ Sb) + P @ rnd(Vn)))
+            out = scale * (gam[..., None] * (Qc @ Sb) + P @ rnd(Vn))
         if deferred_decay:
             # S over a γ where that stays within the limit (ρ then carries 1 / (a γ)); else S renormalised
             renorm = la + g_last < -chunk_fwd.DEFERRED_DECAY_LIMIT
@@ -163,5 +169,11 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
         else:
             rho = (g_last[..., None] - Gc).exp()
             S = g_last.exp()[..., None, None] * S
-        S = S + Kc.transpose(-1, -2) @ rnd(rho[..., None] * Vn)
+        Vd = rnd(rho[..., None] * Vn)
+        if fold_p_decay:
+            masked = rnd((Qc @ Kc.transpose(-1, -2)).tril())
+            folded = (scale * gam)[..., None] * (Qc @ Sb + masked @ Vd)
+            out = torch.where(renorm[..., None, None], out, folded)
+        outs.append(out)
+        S = S + Kc.transpose(-1, -2) @ Vd
     return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), la.exp()[..., None, None] * S
