@@ -19,8 +19,9 @@ plan); ``--varlen-ab``: ``hopper.varlen.VARLEN_BY_PADDING`` off, then on (with `
 against the padded Hopper forward; not bitwise equal: two algorithms); ``--deferred-decay-ab``:
 ``chunk_fwd.DEFERRED_DECAY`` off, then on (the state's decay kept as a log scale: not bitwise equal, the same
 rounding points on differently scaled values); ``--fold-p-decay-ab``: ``chunk_fwd.FOLD_P_DECAY`` off, then on (only
-with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk against both); each says whether o
-and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
+with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk against both);
+``--uniform-warpgroup-ab``: ``chunk_fwd.UNIFORM_WARPGROUP`` off, then on (bitwise equal expected); each says whether
+o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
 --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the spread between
 repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
 back, one sync; the largest by own time, then by cumulative time), to say where a host-bound call's µs go.
@@ -57,7 +58,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM"),
             "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED"),
             "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING"),
-            "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY")}
+            "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY"),
+            "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP")}
 PACKED = "--packed" in sys.argv
 
 
@@ -99,6 +101,7 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
+                uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

@@ -468,12 +468,19 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     async_dots: bool = False, affine: bool = False, tma_o: bool = False, warm: bool = False,
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
                     async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
-                    min_blocks: int = 1, deferred_decay: bool = False, fold_p_decay: bool = False):
-    """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s."""
-    return compile_prim_func(build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state,
-                                          beta_dtype, a_dtype, async_dots, affine, tma_o, warm, stsm, beta_in_a,
-                                          async_o, async_ax, warm_planned, threshold, min_blocks, deferred_decay,
-                                          fold_p_decay), target)
+                    min_blocks: int = 1, deferred_decay: bool = False, fold_p_decay: bool = False,
+                    uniform_warpgroup: bool = False):
+    """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s;
+    ``uniform_warpgroup``: its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
+    (:data:`UNIFORM_WARPGROUP`, ``uniform_warpgroup.py``)."""
+    func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
+                        async_dots, affine, tma_o, warm, stsm, beta_in_a, async_o, async_ax, warm_planned, threshold,
+                        min_blocks, deferred_decay, fold_p_decay)
+    if not uniform_warpgroup:
+        return compile_prim_func(func, target)
+    from . import uniform_warpgroup as uniform
+    with uniform.rewriting():
+        return compile_prim_func(uniform.marked(func), target)
 
 
 # TileLang's launcher for the compiled kernels: None takes its default (tvm_ffi in 0.1.15, ≈ 25 µs of host time per
@@ -530,6 +537,13 @@ DEFERRED_DECAY_LIMIT = 40.0
 # the walk at bench_anchors' gates (≈ 92% of chunks lazy). Built in session 23; not run on the GPU: off until
 # measured (benchmarks/op_time_check.py --deferred-decay-ab --fold-p-decay-ab)
 FOLD_P_DECAY = False
+# The walk kernels compiled with their warpgroup index made warp-uniform in the generated CUDA (``compiled_kernel``'s
+# ``uniform_warpgroup``, ``uniform_warpgroup.py``): ptxas then computes the 40 wgmma descriptors per chunk in uniform
+# registers instead of per thread (two R2UR each). The consumer loop at B=8 T=4096 H=16's launch (sm_90a SASS):
+# 1027 → 891 instructions per chunk and thread; with DEFERRED_DECAY and FOLD_P_DECAY, the lazy chunk's 840 → 722
+# (−30% from 1027 with all three). The same arithmetic (the rewrite changes no value): outputs bitwise equal
+# expected. Built in session 23; not run on the GPU: off until measured (op_time_check.py --uniform-warpgroup-ab)
+UNIFORM_WARPGROUP = False
 
 
 def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool]:
@@ -697,7 +711,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
                                  *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks,
-                                 deferred_decay=DEFERRED_DECAY, fold_p_decay=FOLD_P_DECAY and DEFERRED_DECAY)
+                                 deferred_decay=DEFERRED_DECAY, fold_p_decay=FOLD_P_DECAY and DEFERRED_DECAY,
+                                 uniform_warpgroup=UNIFORM_WARPGROUP)
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
@@ -760,7 +775,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
                              beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
                              float(threshold) if planned else -30.0, min_blocks, DEFERRED_DECAY,
-                             FOLD_P_DECAY and DEFERRED_DECAY)
+                             FOLD_P_DECAY and DEFERRED_DECAY, UNIFORM_WARPGROUP)
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
