@@ -85,6 +85,7 @@ def test_the_hm_twin_follows_the_kernels_switches(monkeypatch):
     pre = prepass_hopper_ref(x["k"], x["g"].float(), x["beta"].float(), beta_in_a_inv=False)[:3]
     args = (x["q"], x["k"], x["v"], *pre, 0.2, x["initial_state"].float())
     monkeypatch.setattr(hopper, "DEFERRED_DECAY", False)
+    monkeypatch.setattr(hopper, "FOLD_P_DECAY", False)
     plain = twins.chunk_fwd_hopper_hm_ref(*args, stsm=True)
     deferred = twins.chunk_fwd_hopper_hm_ref(*args, stsm=True, deferred_decay=True)
     monkeypatch.setattr(hopper, "DEFERRED_DECAY", True)
