@@ -516,8 +516,8 @@ ASYNC_O_STORE = True
 # removed
 ASYNC_AX = True
 # The state's per-chunk decay kept as one log scale per program instead of multiplied into every state element
-# (``build_kernel``'s ``deferred_decay``): 64 FMUL per consumer thread and chunk (of 1066 SASS instructions at
-# B=8 T=4096 H=16's launch) go, a few scalar operations come; S' is multiplied only where its scale would pass
+# (``build_kernel``'s ``deferred_decay``): 64 FMUL per consumer thread and chunk (of 1027 SASS instructions at
+# B=8 T=4096 H=16's launch: 963 in a chunk that does not renormalise, benchmarks/walk_sass_count.py) go; S' is multiplied only where its scale would pass
 # e^-DEFERRED_DECAY_LIMIT (every ≈ 12 chunks at bench_anchors' gates, every chunk for a head that forgets within a
 # chunk: then as before). The same rounding points (ρ / (a γ) ⊙ V_new is rounded to bf16 where ρ ⊙ V_new was: the
 # relative error of a bf16 rounding does not depend on the scale), one fp32 multiply per element fewer. Predicted
