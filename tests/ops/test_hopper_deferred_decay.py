@@ -150,8 +150,8 @@ def test_the_folded_kernel_forms_p_without_exps_beside_the_update():
 def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, fold, B, T):
     """bf16 H=16 K=V=128 through the op ("auto": the unsegmented kernel at 8 × 1024, the five-launch segmented
     forward at 1 × 16384, the two-launch one at 1 × 4096) with DEFERRED_DECAY off and on (and FOLD_P_DECAY with
-    it): both within the bf16 bound of the float64 recurrence, the deferred one as accurate (within 15%), and not the
-    same numbers (the switch took effect). Gates as drawn (≈ −0.2 per token), mixed (one head forgetting within a
+    it): the deferred one as accurate as the plain kernels against the float64 recurrence (within 15%; both within
+    1e-2, where the plain kernels' bf16 error is 2–4e-3), and not the same numbers (the switch took effect). Gates as drawn (≈ −0.2 per token), mixed (one head forgetting within a
     chunk, one barely: both branches in one launch) and slow (/ 64: few renormalisations)."""
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
     monkeypatch.setattr(hopper, "FOLD_P_DECAY", fold)
@@ -167,6 +167,7 @@ def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, fold, B, T
         with torch.no_grad():
             outs[on] = linattn.chunk_gated_delta_rule(**x, output_final_state=True)
     errors = {on: (rel(o, ro), rel(ht, rht)) for on, (o, ht) in outs.items()}
-    assert all(e < 5e-3 for pair in errors.values() for e in pair), errors
+    # a sanity bound (a wrong kernel is off by O(1)); the claim is the next line: as accurate as the plain kernel
+    assert all(e < 1e-2 for pair in errors.values() for e in pair), errors
     assert errors[True][0] < 1.15 * errors[False][0] and errors[True][1] < 1.15 * errors[False][1], errors
     assert not torch.equal(outs[True][0], outs[False][0]) and not torch.equal(outs[True][1], outs[False][1])
