@@ -2,7 +2,7 @@
 (``chunk_fwd.UNIFORM_WARPGROUP``, ``DEFERRED_DECAY``, ``FOLD_P_DECAY``): no GPU needed, TileLang and a CUDA
 toolkit (nvcc, cuobjdump) are.
 
-    PATH=/usr/local/cuda/bin:$PATH python benchmarks/walk_sass_count.py [--H 16 --K 128 --V 128]
+    PATH=/usr/local/cuda/bin:$PATH python benchmarks/walk_sass_count.py [--H 16 --K 128 --V 128 --BV 128]
 
 Each variant of the default launch (``forward.LAUNCH`` with bf16 A_inv, β folded into it, async o and A_inv X) is
 compiled for sm_90a by TileLang, its generated CUDA compiled again to a cubin with nvcc (as TileLang does) and
@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=128)
+    ap.add_argument("--BV", type=int, default=128, help="the V tile (64: the launch of rows 6's shape)")
     args = ap.parse_args()
     limit = chunk_fwd.DEFERRED_DECAY_LIMIT
     rows = []
@@ -91,7 +92,7 @@ def main():
         chunk_fwd.DEFERRED_DECAY_LIMIT = float("inf") if lazy else limit
         chunk_fwd.compiled_kernel.cache_clear()
         kernel = chunk_fwd.compiled_kernel(args.H, args.H, args.K, args.V, scale=args.K ** -0.5, target="sm_90a",
-                                           **LAUNCH, **switches)
+                                           **dict(LAUNCH, BV=args.BV), **switches)
         loop = consumer_loop(sass(kernel.get_kernel_source()))
         counts = collections.Counter(map(opcode, loop))
         rows.append((name, len(loop), counts))
