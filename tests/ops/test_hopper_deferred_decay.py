@@ -151,8 +151,9 @@ def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, fold, B, T
     """bf16 H=16 K=V=128 through the op ("auto": the unsegmented kernel at 8 × 1024, the five-launch segmented
     forward at 1 × 16384, the two-launch one at 1 × 4096) with DEFERRED_DECAY off and on (and FOLD_P_DECAY with
     it): the deferred one as accurate as the plain kernels against the float64 recurrence (within 15%; both within
-    1e-2, where the plain kernels' bf16 error is 2–4e-3), and not the same numbers (the switch took effect). Gates as drawn (≈ −0.2 per token), mixed (one head forgetting within a
-    chunk, one barely: both branches in one launch) and slow (/ 64: few renormalisations)."""
+    1e-2, where the plain kernels' bf16 error is 2–4e-3), and not the same numbers (the switch took effect). Gates
+    as drawn (≈ −0.2 per token), mixed (one head forgetting within a chunk, one barely: both branches in one
+    launch) and slow (/ 64: few renormalisations)."""
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
     monkeypatch.setattr(hopper, "FOLD_P_DECAY", fold)
     x = gpu_inputs(B, T, 16, 16, 128, 128, seed=6)
