@@ -533,7 +533,7 @@ DEFERRED_DECAY_LIMIT = 40.0
 # (one dot fewer waited for on the chain), and o's factor Γ a scale comes after both dots. The lazy chunk's consumer
 # loop at B=8 T=4096 H=16's launch (sm_90a SASS, the renormalising branch compiled out): 1027 instructions plain,
 # 963 with DEFERRED_DECAY, 840 with both (−18%). The same rounding points on other values: P = bf16(Q Kᵀ) where it
-# was bf16(scale Q Kᵀ e^{…}), and V_d's rounding serves both dots. Predicted with DEFERRED_DECAY: −12 to −18% of
+# was bf16(scale Q Kᵀ e^{…}), and V_d's rounding serves both dots. Predicted with DEFERRED_DECAY: −8 to −15% of
 # the walk at bench_anchors' gates (≈ 92% of chunks lazy). Built in session 23; not run on the GPU: off until
 # measured (benchmarks/op_time_check.py --deferred-decay-ab --fold-p-decay-ab)
 FOLD_P_DECAY = False
