@@ -37,6 +37,8 @@ def test_the_rewrite_reads_a_uniform_copy_declared_at_the_kernels_entry():
     assert out.index(declaration) > body and out.index(declaration) < out.index("extern __shared__")
     assert out.replace(declaration, "").replace(uniform.UNIFORM_NAME, INDEX).replace("{\n  \n", "{\n") == SOURCE
     assert uniform.rewrite("int main() { return 0; }") == "int main() { return 0; }"
+    device_function = f"__device__ int wg() {{ return {INDEX}; }}"            # no kernel to declare it in
+    assert uniform.rewrite(device_function) == device_function
 
 
 def test_the_callback_rewrites_only_while_a_marked_kernel_compiles_and_chains(monkeypatch):

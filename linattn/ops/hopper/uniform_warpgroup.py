@@ -29,17 +29,18 @@ MARKER = "linattn.uniform_warpgroup"
 _KERNEL_BODY = re.compile(r"__global__ void (?:__launch_bounds__\([^)]*\) )?\w+\([^;{]*\)\s*\{")
 
 _state = threading.local()
-_installed = threading.Lock()
+_install_lock = threading.Lock()
 _previous = None
 
 
 def rewrite(code: str) -> str:
     """``code`` (one module's CUDA source) with the warpgroup index of each kernel read from a warp-uniform copy
     declared at the kernel's entry; unchanged where it has no kernel definition or no such index."""
-    if WARPGROUP_INDEX not in code:
+    bodies = list(_KERNEL_BODY.finditer(code))
+    if WARPGROUP_INDEX not in code or not bodies:
         return code
     out, pos = [], 0
-    for body in _KERNEL_BODY.finditer(code):
+    for body in bodies:
         out.append(code[pos:body.end()].replace(WARPGROUP_INDEX, UNIFORM_NAME))
         out.append(f"\n  const int {UNIFORM_NAME} = __shfl_sync(0xffffffffu, ((int)threadIdx.x) >> 7, 0);")
         pos = body.end()
@@ -58,7 +59,7 @@ def _postproc(code, target):
 def _install() -> None:
     """Register :func:`_postproc` once per process, keeping the callback it replaces to chain to."""
     global _previous
-    with _installed:
+    with _install_lock:
         if getattr(_install, "done", False):
             return
         import tvm_ffi
