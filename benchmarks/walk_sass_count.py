@@ -1,6 +1,6 @@
 """SASS instructions per chunk in the Hopper walk's consumer loop, for the kernel's instruction-count switches
 (``chunk_fwd.UNIFORM_WARPGROUP``, ``DEFERRED_DECAY``, ``FOLD_P_DECAY``): no GPU needed, TileLang and a CUDA
-toolkit (nvcc, cuobjdump) are.
+toolkit's nvcc are (cuobjdump: Triton's, as ``sm90.py`` finds it).
 
     PATH=/usr/local/cuda/bin:$PATH python benchmarks/walk_sass_count.py [--H 16 --K 128 --V 128 --BV 128]
 
@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sm90 import CUOBJDUMP  # this folder is on sys.path
+
 from linattn.ops.hopper import chunk_fwd
 
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True, tma_o=True, stsm=True, a_dtype="bfloat16",
@@ -35,16 +37,9 @@ VARIANTS = {                                          # name: (compiled_kernel's
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);")
 
 
-def tool(name: str) -> str:
-    """A CUDA tool from PATH, else from Triton's bundled copy (cuobjdump ships with it)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    import triton
-    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-    if bundled.exists():
-        return str(bundled)
-    sys.exit(f"{name} not found: put a CUDA toolkit's bin on PATH")
+def nvcc() -> str:
+    """nvcc from PATH (TileLang's generated CUDA needs a toolkit's compiler; cuobjdump is Triton's, ``sm90.py``)."""
+    return shutil.which("nvcc") or sys.exit("nvcc not found: put a CUDA toolkit's bin on PATH")
 
 
 def sass(source: str) -> list[tuple[int, str]]:
@@ -55,9 +50,9 @@ def sass(source: str) -> list[tuple[int, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
         cu.write_text(source)
-        subprocess.run([tool("nvcc"), "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "--use_fast_math", "-w",
+        subprocess.run([nvcc(), "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "--use_fast_math", "-w",
                         *[f"-I{p}" for p in includes], "-o", str(cubin), str(cu)], check=True)
-        text = subprocess.run([tool("cuobjdump"), "-sass", str(cubin)], check=True, capture_output=True,
+        text = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
     return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
 

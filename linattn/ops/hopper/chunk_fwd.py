@@ -553,6 +553,14 @@ def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bo
     return ASYNC_O_STORE and tma_store, ASYNC_AX and async_dots and stsm
 
 
+def instruction_switches(stsm: bool, store_output: bool) -> dict:
+    """``compiled_kernel``'s ``deferred_decay``, ``fold_p_decay`` and ``uniform_warpgroup`` from
+    :data:`DEFERRED_DECAY`, :data:`FOLD_P_DECAY` and :data:`UNIFORM_WARPGROUP`, the fold False where the launch
+    cannot use it (no deferred decay, no stmatrix steps, no o: phase A), as :func:`schedule_switches` does."""
+    return dict(deferred_decay=DEFERRED_DECAY, fold_p_decay=FOLD_P_DECAY and DEFERRED_DECAY and stsm and store_output,
+                uniform_warpgroup=UNIFORM_WARPGROUP)
+
+
 @functools.lru_cache(maxsize=256)
 def launcher(kernel):
     """What to call to launch a compiled kernel: its tvm_ffi executable with :data:`DIRECT_LAUNCH` where TileLang
@@ -711,8 +719,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
                                  *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks,
-                                 deferred_decay=DEFERRED_DECAY, fold_p_decay=FOLD_P_DECAY and DEFERRED_DECAY,
-                                 uniform_warpgroup=UNIFORM_WARPGROUP)
+                                 **instruction_switches(stsm, not affine))
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
@@ -774,8 +781,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
                              str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
                              beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
-                             float(threshold) if planned else -30.0, min_blocks, DEFERRED_DECAY,
-                             FOLD_P_DECAY and DEFERRED_DECAY, UNIFORM_WARPGROUP)
+                             float(threshold) if planned else -30.0, min_blocks, **instruction_switches(stsm, True))
     o = torch.empty_like(v)
     ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

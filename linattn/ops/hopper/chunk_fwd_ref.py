@@ -59,7 +59,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
     deferred = launch.get("deferred_decay", chunk_fwd.DEFERRED_DECAY)
-    fold = scale_in_p and deferred and launch.get("fold_p_decay", chunk_fwd.FOLD_P_DECAY)
+    fold = launch.get("fold_p_decay", chunk_fwd.FOLD_P_DECAY)       # _walk_ref applies the kernel's condition
     if warm_bound is not None:
         from .map_bound import warm_from_bound_ref
         warm_chunks, from_start = warm_from_bound_ref(warm_bound, q.shape[1] // gc_hm.shape[2], warm_threshold)
@@ -90,7 +90,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
     beta = torch.ones_like(gc) if beta_in_a_inv else beta_hm[..., :T].transpose(1, 2)
     o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, scale_in_p,
-                     deferred, fold and not affine)
+                     deferred, fold)
     if affine and skip_m is not None:
         S = S.clone()
         S[skip_m.int() != 0, :, :K] = 0
