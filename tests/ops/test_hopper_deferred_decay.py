@@ -21,6 +21,21 @@ from linattn.ops.hopper import chunk_fwd_ref as twins
 
 from .test_hopper_fwd import ON_HOPPER, gpu_inputs, inputs, rel
 
+# the walk kernels the instruction switches change (sm_90a compiles, no GPU): the default launch, phase A's, and the
+# two-launch walk's
+KERNEL_VARIANTS = dict(walk=dict(tma_o=True, async_o=True, async_ax=True), affine=dict(affine=True),
+                       warm_planned=dict(warm=True, warm_planned=True, async_o=True, async_ax=True))
+COMPILES = pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                              reason="TileLang (optional) and nvcc compile the Hopper kernel")
+
+
+def kernel_source(variant: str, BV: int = 128, **switches) -> str:
+    """The generated CUDA of a bf16 walk kernel (H = HV = 16, K = V = 128, two consumer warpgroups, bf16 A_inv with
+    β in it) of :data:`KERNEL_VARIANTS`' ``variant``, with ``compiled_kernel``'s ``switches``."""
+    return hopper.compiled_kernel(16, 16, 128, 128, BV, 128 ** -0.5, threads=256, target="sm_90a",
+                                  a_dtype="bfloat16", async_dots=True, stsm=True, beta_in_a=True,
+                                  **KERNEL_VARIANTS[variant], **switches).get_kernel_source()
+
 
 def mixed_gates(x):
     """Per value head: one head that forgets within a chunk (−2 per token: a renormalisation every chunk), one that
@@ -99,21 +114,13 @@ def test_the_hm_twin_follows_the_kernels_switches(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(twins.chunk_fwd_hopper_hm_ref(*args, stsm=True), plain))
 
 
-@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
-                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
-@pytest.mark.parametrize("variant", ["walk", "affine", "warm_planned"])
+@COMPILES
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 def test_the_kernel_multiplies_the_state_only_to_renormalise(variant):
     """sm_90a source of the default launch (and of phase A's and the two-launch walk's kernels): with
     ``deferred_decay`` the per-element multiply of the state by e^{g_last} is gone from the chunk loop; the state is
     multiplied under ``if (renorm)`` and once before it is written; the plain kernel multiplies it every chunk."""
-    options = dict(walk=dict(tma_o=True, async_o=True, async_ax=True), affine=dict(affine=True),
-                   warm_planned=dict(warm=True, warm_planned=True, async_o=True, async_ax=True))[variant]
-
-    def source(deferred):
-        return hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
-                                      a_dtype="bfloat16", async_dots=True, stsm=True, beta_in_a=True,
-                                      deferred_decay=deferred, **options).get_kernel_source()
-    plain, deferred = source(False), source(True)
+    plain, deferred = kernel_source(variant), kernel_source(variant, deferred_decay=True)
     every_chunk = r"make_float4\(expf\(g_last\)"
     assert re.search(every_chunk, plain) and not re.search(every_chunk, deferred)
     branch = deferred[deferred.rindex("if (renorm) {"):]        # the last: the state's (the first picks ρ's exponent)
@@ -122,16 +129,12 @@ def test_the_kernel_multiplies_the_state_only_to_renormalise(variant):
     assert deferred.count("bool renorm = ((la + g_last) < -0x1.4p+5f") == 1        # the limit, 40 e-folds
 
 
-@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
-                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
+@COMPILES
 def test_the_folded_kernel_forms_p_without_exps_beside_the_update():
     """sm_90a source of the default launch with ``fold_p_decay``: P's exp per element only in the renormalising
     branch (the other masks Q Kᵀ alone); P V_d there is issued after the consumers' barrier on V_d's tile and not
     waited for before the state's update is issued; o's factor and store come after the update."""
-    src = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
-                                 a_dtype="bfloat16", async_dots=True, tma_o=True, stsm=True, beta_in_a=True,
-                                 async_o=True, async_ax=True, deferred_decay=True,
-                                 fold_p_decay=True).get_kernel_source()
+    src = kernel_source("walk", deferred_decay=True, fold_p_decay=True)
     assert src.count("expf((Gsc[") == 1 and re.search(r"condval_\d+ = QK\[i_\d+\];", src)
     p_vd = re.search(r"initialize_wgmma_descriptor<[^>]*>\((desc_b_\d+), \(&\(\(\(bfloat16_t\*\)Vds\)", src)
     before, after = src[:p_vd.start()], src[p_vd.end():]

@@ -4,8 +4,6 @@ scope (only while a marked kernel compiles), the compiled sm_90a source (where T
 the op's outputs bitwise those of the plain kernels."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import uniform_warpgroup as uniform
 
+from .test_hopper_deferred_decay import COMPILES, KERNEL_VARIANTS, kernel_source
 from .test_hopper_fwd import ON_HOPPER, gpu_inputs
 
 INDEX = uniform.WARPGROUP_INDEX
@@ -51,24 +50,16 @@ def test_the_callback_rewrites_only_while_a_marked_kernel_compiles_and_chains(mo
     assert uniform._postproc(SOURCE, None) == SOURCE + "//previous" and seen[1] == uniform.rewrite(SOURCE)
 
 
-@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
-                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
-@pytest.mark.parametrize("variant", ["walk", "affine", "warm_planned"])
+@COMPILES
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 def test_the_marked_kernel_compiles_with_the_uniform_index(variant):
     """sm_90a source of the default launch (and phase A's, and the two-launch walk's): with ``uniform_warpgroup``
     every warpgroup index reads the uniform copy and the source is otherwise the plain kernel's; a plain kernel
     compiled afterwards (the callback installed) is untouched."""
-    options = dict(walk=dict(tma_o=True, async_o=True, async_ax=True), affine=dict(affine=True),
-                   warm_planned=dict(warm=True, warm_planned=True, async_o=True, async_ax=True))[variant]
-
-    def source(uniform_warpgroup, BV=128):
-        return hopper.compiled_kernel(16, 16, 128, 128, BV, 128 ** -0.5, threads=256, target="sm_90a",
-                                      a_dtype="bfloat16", async_dots=True, stsm=True, beta_in_a=True,
-                                      uniform_warpgroup=uniform_warpgroup, **options).get_kernel_source()
-    marked, plain = source(True), source(False)
+    marked, plain = kernel_source(variant, uniform_warpgroup=True), kernel_source(variant)
     assert INDEX in plain and INDEX not in marked and uniform.UNIFORM_NAME not in plain
     assert uniform.rewrite(plain) == marked
-    assert INDEX in source(False, BV=64)                       # compiled after the callback was installed
+    assert INDEX in kernel_source(variant, BV=64)              # compiled after the callback was installed
 
 
 @ON_HOPPER
