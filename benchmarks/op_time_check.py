@@ -35,8 +35,11 @@ card with). ``--packed``: each shape's B sequences packed into one row with ``cu
 (:func:`packed_lengths`: T less 0–255 rows each, so that most end inside a chunk).
 """
 import collections
+import gc
+import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -152,6 +155,49 @@ def host_parts(B, T, H, HV, K=128, V=None, calls=200):
             setattr(module, name, fn)
 
 
+def host_dist(B, T, H, HV, K=128, V=None, calls=300):
+    """Print the host µs of isolated calls (a sync before each, the call alone timed) as p10 / p50 / p90 / max, the
+    garbage collections that ran inside the timed calls (count and ms), and how many calls synchronised with the
+    device (``torch.cuda.set_sync_debug_mode("warn")``'s warnings): ``--host-dist`` (the module's docstring)."""
+    xs, packed = op_inputs(B, T, H, HV, K, V or K)
+    collections_ms = []
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            collections_ms.append((time.perf_counter() - started.pop()) * 1e3)
+
+    with torch.no_grad():
+        def fn():
+            return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True, **packed)
+        fn()
+        times, syncing = [], 0
+        gc.callbacks.append(on_gc)
+        try:
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                collections_ms.clear()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    t0 = time.perf_counter()
+                    fn()
+                    t1 = time.perf_counter()
+                    torch.cuda.set_sync_debug_mode("default")
+                syncing += any("synchroniz" in str(w.message) for w in caught)
+                times.append(((t1 - t0) * 1e6, sum(collections_ms), len(collections_ms)))
+        finally:
+            gc.callbacks.remove(on_gc)
+    us = sorted(t for t, _, _ in times)
+    q = statistics.quantiles(us, n=10)
+    print(dict(shape=(B, T, H, HV), calls=calls, host_us_p10=round(q[0], 1), p50=round(statistics.median(us), 1),
+               p90=round(q[-1], 1), max=round(us[-1], 1), gc_in_calls=sum(n for _, _, n in times),
+               gc_ms=round(sum(ms for _, ms, _ in times), 2), syncing_calls=syncing,
+               live_objects=len(gc.get_objects())), flush=True)
+
+
 args = sys.argv[1:]
 repeat = int(args.pop(args.index("--repeat") + 1)) if "--repeat" in args else 1
 if "--path" in args:
@@ -163,6 +209,9 @@ for arg in (a for a in args if not a.startswith("--")):
     shape = [int(x) for x in arg.split(",")]
     if "--profile" in args:
         profile(*shape)
+        continue
+    if "--host-dist" in args:
+        host_dist(*shape)
         continue
     if "--host-parts" in args:
         for on in ((False, True) if ab else (None,)):      # with switches: off, then on

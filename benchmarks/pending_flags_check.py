@@ -1,17 +1,16 @@
-"""Every switch built but not yet measured on the GPU, checked in one device call: each step a child process with its
-own time limit (a hang or a crash costs that step, not the call), its output's tail printed as it ends, and a table
-of the steps last. The steps and their order are docs/performance.md's "Where things stand" list (after run 29):
+"""The next GPU session's checks in one device call: each step a child process with its own time limit (a hang or a
+crash costs that step, not the call), its output's tail printed as it ends, and a table of the steps last. The
+steps and their order are docs/performance.md's "Where things stand" list (after run 30):
 
-    mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz && rm -rf /tmp/site/fla
+    mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 38 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
-min, fla autotunes for ≈ 40 s per row: the last step needs fla in the site, so leave out the ``rm -rf
-/tmp/site/fla`` for it): in priority order, the first four steps (≈ 22 minutes at their caps) first.
-``--budget`` (560 s: a device call's 600 less the start) caps the whole run: each step gets what is left of it, and
-the steps it cannot start are listed as skipped (run them with ``--only`` in the next call). Carry ``.anchors``
-(the last step runs its bench_anchors.py).
+≈ 27 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
+min, fla autotunes for ≈ 40 s per row; the bench_anchors steps need fla in the site): in priority order, the first
+three steps (≈ 10 minutes at their caps) first. ``--budget`` (560 s: a device call's 600 less the start) caps the
+whole run: each step gets what is left of it, and the steps it cannot start are listed as skipped (run them with
+``--only`` in the next call). Carry ``.anchors`` (the bench_anchors steps run its bench_anchors.py).
 """
 from __future__ import annotations
 
@@ -25,28 +24,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 29
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 30
 STEPS = [
-    ("uniform warpgroup index, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_uniform_warpgroup.py",
-                                            "-k", "gpu"], 240),
-    ("deferred decay and P's fold, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_deferred_decay.py",
-                                                "-k", "gpu"], 450),
-    # all three against none: first the head configurations the tests above compiled (H = 16), then the others
-    ("all three, timed, rows 2 3 5", [PY, "benchmarks/op_time_check.py", "--uniform-warpgroup-ab",
-                                      "--deferred-decay-ab", "--fold-p-decay-ab", "--repeat", "2", "8,4096,16,16",
-                                      "1,32768,16,16", "4,8192,16,32"], 300),
-    ("all three, timed, rows 6 1 7", [PY, "benchmarks/op_time_check.py", "--uniform-warpgroup-ab",
-                                      "--deferred-decay-ab", "--fold-p-decay-ab", "--repeat", "2", "2,16384,32,32",
-                                      "1,4096,16,16", "1,32768,2,8"], 300),
-    ("uniform warpgroup index alone, timed", [PY, "benchmarks/op_time_check.py", "--uniform-warpgroup-ab",
-                                              "--repeat", "2", "8,4096,16,16", "1,32768,16,16"], 200),
-    ("deferred decay alone, timed", [PY, "benchmarks/op_time_check.py", "--deferred-decay-ab", "--repeat", "2",
-                                     "8,4096,16,16", "1,32768,16,16"], 200),
-    ("deferred decay with P's fold, timed", [PY, "benchmarks/op_time_check.py", "--deferred-decay-ab",
-                                             "--fold-p-decay-ab", "--repeat", "2", "8,4096,16,16", "1,32768,16,16"],
-     200),
-    ("rows 2 and 5 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
-                                 "--no-decode", "--skip-correct", "--shapes", "8,4096,16,16;4,8192,16,32"], 400),
+    # row 3's host time: isolated calls first in a fresh process, then after row 6's kernels (run 30: ≈ 290 µs in
+    # one process state, ≈ 520 in another), with the collections and syncs inside them; then by layer
+    ("row 3 host time, distribution", [PY, "benchmarks/op_time_check.py", "--host-dist", "1,32768,16,16",
+                                       "2,16384,32,32", "1,32768,16,16"], 200),
+    ("row 3 host time, by layer", [PY, "benchmarks/op_time_check.py", "--host-parts", "1,32768,16,16"], 120),
+    # what bounds the walk after session 23's switches: DRAM throughput against the chain's stalls
+    ("walk and pre-pass under ncu", ["ncu", "--kernel-name", "regex:gdn_", "--launch-skip", "2", "--launch-count", "2",
+                                     "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
+                                     "MemoryWorkloadAnalysis", PY, "benchmarks/ncu_forward.py", "--path", "auto"],
+     300),
+    ("rows 1 4 7 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
+                               "--no-decode", "--skip-correct", "--shapes",
+                               "1,4096,16,16;1,131072,16,16;1,32768,2,8"], 560),
+    ("row 6 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule", "--no-decode",
+                          "--skip-correct", "--shapes", "2,16384,32,32"], 400),
 ]
 
 
@@ -64,7 +58,7 @@ def main():
     steps = [s for s in STEPS if not args.only or any(w in s[0] for w in args.only)]
     if args.list:
         for name, cmd, limit in steps:
-            print(f"{name} ({limit} s): {' '.join(cmd[1:])}")
+            print(f"{name} ({limit} s): {' '.join('python' if c == PY else c for c in cmd)}")
         return
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT),
                                                                       str(ROOT / "benchmarks")])))

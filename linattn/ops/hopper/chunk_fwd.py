@@ -516,34 +516,38 @@ ASYNC_O_STORE = True
 # removed
 ASYNC_AX = True
 # The state's per-chunk decay kept as one log scale per program instead of multiplied into every state element
-# (``build_kernel``'s ``deferred_decay``): 64 FMUL per consumer thread and chunk (of 1027 SASS instructions at
-# B=8 T=4096 H=16's launch: 963 in a chunk that does not renormalise, benchmarks/walk_sass_count.py) go; S' is multiplied only where its scale would pass
-# e^-DEFERRED_DECAY_LIMIT (every ≈ 12 chunks at bench_anchors' gates, every chunk for a head that forgets within a
-# chunk: then as before). The same rounding points (ρ / (a γ) ⊙ V_new is rounded to bf16 where ρ ⊙ V_new was: the
-# relative error of a bf16 rounding does not depend on the scale), one fp32 multiply per element fewer. Predicted
-# −4 to −6% of the walk (run 24: the consumers are bound by issuing instructions, 14% fewer gave 15–21%). Built in
-# session 23; not run on the GPU: off until measured (benchmarks/op_time_check.py --deferred-decay-ab)
-DEFERRED_DECAY = False
+# (``build_kernel``'s ``deferred_decay``): 64 FMUL per consumer thread and chunk (of 1027 SASS instructions at B=8
+# T=4096 H=16's launch: 963 in a chunk that does not renormalise, benchmarks/walk_sass_count.py) go; S' is multiplied
+# only where its scale would pass e^-DEFERRED_DECAY_LIMIT (every ≈ 12 chunks at bench_anchors' gates, every chunk for a
+# head that forgets within a chunk: then as before). The same rounding points (ρ / (a γ) ⊙ V_new is rounded to bf16
+# where ρ ⊙ V_new was: the relative error of a bf16 rounding does not depend on the scale), one fp32 multiply per
+# element fewer. Predicted −4 to −6% of the walk (run 24: the consumers are bound by issuing instructions, 14% fewer
+# gave 15–21%). Built in session 23. Run 30 (H200, op_time_check.py --repeat 2, the public op, all three switches
+# against none): B=8 T=4096 H=16 0.295 → 0.282 and 0.303 → 0.290 ms (−4%), B=4 T=8192 16/32 heads 0.568 → 0.551 and
+# 0.582 → 0.560 (−3 to −4%): the low end of the prediction (the walk −7%, not −10 to −20: it moves its bytes at ≈ 3.2
+# TB/s already); their GPU tests pass (tests/ops/test_hopper_deferred_decay.py and test_hopper_uniform_warpgroup.py -k
+# gpu), every gpu_check_core case as before: on
+DEFERRED_DECAY = True
 # How far (in e-folds) S' may run ahead of the state before it is renormalised: |S'| ≤ e^40 |S| ≈ 2.4e17 |S|, far
 # inside fp32's and bf16's range (3.4e38) for any state the op's inputs can build, and ρ's factor 1 / (a γ) ≤ e^40
 DEFERRED_DECAY_LIMIT = 40.0
-# With DEFERRED_DECAY (``build_kernel``'s ``fold_p_decay``): in a chunk that does not renormalise, P's decays
-# e^{gc_i − gc_j} = (Γ_i a)(ρ_j / (a γ)) are o's row factor and V_d's, which both exist already, so P is the masked
-# Q Kᵀ alone (no exp per element), P V_d replaces P V_new (no V_new tile) and is issued beside the state's update
-# (one dot fewer waited for on the chain), and o's factor Γ a scale comes after both dots. The lazy chunk's consumer
-# loop at B=8 T=4096 H=16's launch (sm_90a SASS, the renormalising branch compiled out): 1027 instructions plain,
-# 963 with DEFERRED_DECAY, 840 with both (−18%). The same rounding points on other values: P = bf16(Q Kᵀ) where it
-# was bf16(scale Q Kᵀ e^{…}), and V_d's rounding serves both dots. Predicted with DEFERRED_DECAY: −8 to −15% of
-# the walk at bench_anchors' gates (≈ 92% of chunks lazy). Built in session 23; not run on the GPU: off until
-# measured (benchmarks/op_time_check.py --deferred-decay-ab --fold-p-decay-ab)
-FOLD_P_DECAY = False
+# With DEFERRED_DECAY (``build_kernel``'s ``fold_p_decay``): in a chunk that does not renormalise, P's decays e^{gc_i −
+# gc_j} = (Γ_i a)(ρ_j / (a γ)) are o's row factor and V_d's, which both exist already, so P is the masked Q Kᵀ alone (no
+# exp per element), P V_d replaces P V_new (no V_new tile) and is issued beside the state's update (one dot fewer waited
+# for on the chain), and o's factor Γ a scale comes after both dots. The lazy chunk's consumer loop at B=8 T=4096 H=16's
+# launch (sm_90a SASS, the renormalising branch compiled out): 1027 instructions plain, 963 with DEFERRED_DECAY, 840
+# with both (−18%). The same rounding points on other values: P = bf16(Q Kᵀ) where it was bf16(scale Q Kᵀ e^{…}), and
+# V_d's rounding serves both dots. Predicted with DEFERRED_DECAY: −8 to −15% of the walk at bench_anchors' gates (≈ 92%
+# of chunks lazy). Built in session 23; run 30 with the other two: on (DEFERRED_DECAY's note)
+FOLD_P_DECAY = True
 # The walk kernels compiled with their warpgroup index made warp-uniform in the generated CUDA (``compiled_kernel``'s
 # ``uniform_warpgroup``, ``uniform_warpgroup.py``): ptxas then computes the 40 wgmma descriptors per chunk in uniform
 # registers instead of per thread (two R2UR each). The consumer loop at B=8 T=4096 H=16's launch (sm_90a SASS):
 # 1027 → 891 instructions per chunk and thread; with DEFERRED_DECAY and FOLD_P_DECAY, the lazy chunk's 840 → 722
 # (−30% from 1027 with all three). The same arithmetic (the rewrite changes no value): outputs bitwise equal
-# expected. Built in session 23; not run on the GPU: off until measured (op_time_check.py --uniform-warpgroup-ab)
-UNIFORM_WARPGROUP = False
+# expected, and so on the GPU (run 30: its GPU test bitwise the plain kernels on the three plans); with the other two
+# in run 30 (DEFERRED_DECAY's note): on. Each alone not timed
+UNIFORM_WARPGROUP = True
 
 
 def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool]:
