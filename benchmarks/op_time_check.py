@@ -20,7 +20,9 @@ against the padded Hopper forward; not bitwise equal: two algorithms); ``--defer
 ``chunk_fwd.DEFERRED_DECAY`` off, then on (the state's decay kept as a log scale: not bitwise equal, the same
 rounding points on differently scaled values); ``--fold-p-decay-ab``: ``chunk_fwd.FOLD_P_DECAY`` off, then on (only
 with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk against both);
-``--uniform-warpgroup-ab``: ``chunk_fwd.UNIFORM_WARPGROUP`` off, then on (bitwise equal expected); each says whether
+``--uniform-warpgroup-ab``: ``chunk_fwd.UNIFORM_WARPGROUP`` off, then on (bitwise equal expected);
+``--lean-segments-ab``: ``hopper.forward.LEAN_SEGMENTS`` off, then on (the segmented forwards without their unread
+writes: bitwise equal expected); each says whether
 o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
 --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the spread between
 repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
@@ -62,7 +64,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED"),
             "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING"),
             "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY"),
-            "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP")}
+            "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
+            "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS")}
 PACKED = "--packed" in sys.argv
 
 
@@ -104,7 +107,7 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
-                uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP,
+                uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

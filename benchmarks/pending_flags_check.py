@@ -6,9 +6,9 @@ steps and their order are docs/performance.md's "Where things stand" list (after
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 27 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
+≈ 36 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
 min, fla autotunes for ≈ 40 s per row; the bench_anchors steps need fla in the site): in priority order, the first
-three steps (≈ 10 minutes at their caps) first. ``--budget`` (560 s: a device call's 600 less the start) caps the
+two steps (≈ 9 minutes at their caps) in the first call. ``--budget`` (560 s: a device call's 600 less the start) caps the
 whole run: each step gets what is left of it, and the steps it cannot start are listed as skipped (run them with
 ``--only`` in the next call). Carry ``.anchors`` (the bench_anchors steps run its bench_anchors.py).
 """
@@ -26,6 +26,12 @@ PY = sys.executable
 
 # (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 30
 STEPS = [
+    # session 24's LEAN_SEGMENTS: its GPU test (bitwise the plain segmented forwards), then timed where it applies
+    # (the segmented rows 3, 7 and 4, the two-launch row 1), eagerly and replayed (its GPU time is what it cuts)
+    ("lean segments, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_lean_segments.py", "-k", "gpu"],
+     240),
+    ("lean segments, timed", [PY, "benchmarks/op_time_check.py", "--lean-segments-ab", "--repeat", "2", "--graph",
+                              "1,32768,16,16", "1,32768,2,8", "1,4096,16,16", "1,131072,16,16"], 300),
     # row 3's host time: isolated calls first in a fresh process, then after row 6's kernels (run 30: ≈ 290 µs in
     # one process state, ≈ 520 in another), with the collections and syncs inside them; then by layer
     ("row 3 host time, distribution", [PY, "benchmarks/op_time_check.py", "--host-dist", "1,32768,16,16",

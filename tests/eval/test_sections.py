@@ -169,6 +169,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     monkeypatch.setattr(hopper_kernel, "DEFERRED_DECAY_LIMIT", hopper_kernel.DEFERRED_DECAY_LIMIT / 2)
     monkeypatch.setattr(hopper_kernel, "FOLD_P_DECAY", not hopper_kernel.FOLD_P_DECAY)
     monkeypatch.setattr(hopper_kernel, "UNIFORM_WARPGROUP", not hopper_kernel.UNIFORM_WARPGROUP)
+    monkeypatch.setattr(hopper, "LEAN_SEGMENTS", not hopper.LEAN_SEGMENTS)
     from linattn.ops.hopper import varlen as hopper_varlen
     monkeypatch.setattr(hopper_varlen, "VARLEN_BY_PADDING", not hopper_varlen.VARLEN_BY_PADDING)
     monkeypatch.setattr(hopper_varlen, "MAX_PADDED_FRACTION", hopper_varlen.MAX_PADDED_FRACTION / 2)
@@ -193,6 +194,7 @@ def test_environment_records_the_triton_settings(monkeypatch):
     assert recorded["DEFERRED_DECAY_LIMIT"] == hopper_kernel.DEFERRED_DECAY_LIMIT
     assert recorded["FOLD_P_DECAY"] is hopper_kernel.FOLD_P_DECAY
     assert recorded["UNIFORM_WARPGROUP"] is hopper_kernel.UNIFORM_WARPGROUP
+    assert recorded["LEAN_SEGMENTS"] is hopper.LEAN_SEGMENTS
     assert recorded["VARLEN_BY_PADDING"] is hopper_varlen.VARLEN_BY_PADDING
     assert recorded["VARLEN_MAX_PADDED_FRACTION"] == hopper_varlen.MAX_PADDED_FRACTION
     assert collect(CPU)["linattn_settings"]["FAST_LAUNCH"] is launch.FAST_LAUNCH

@@ -29,12 +29,14 @@ COMPILES = pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("n
                               reason="TileLang (optional) and nvcc compile the Hopper kernel")
 
 
-def kernel_source(variant: str, BV: int = 128, **switches) -> str:
+def kernel_source(variant, BV: int = 128, **switches) -> str:
     """The generated CUDA of a bf16 walk kernel (H = HV = 16, K = V = 128, two consumer warpgroups, bf16 A_inv with
-    β in it) of :data:`KERNEL_VARIANTS`' ``variant``, with ``compiled_kernel``'s ``switches``."""
+    β in it) of :data:`KERNEL_VARIANTS`' ``variant`` (or a dict of its own options), with ``compiled_kernel``'s
+    ``switches``."""
+    options = KERNEL_VARIANTS[variant] if isinstance(variant, str) else variant
     return hopper.compiled_kernel(16, 16, 128, 128, BV, 128 ** -0.5, threads=256, target="sm_90a",
                                   a_dtype="bfloat16", async_dots=True, stsm=True, beta_in_a=True,
-                                  **KERNEL_VARIANTS[variant], **switches).get_kernel_source()
+                                  **options, **switches).get_kernel_source()
 
 
 def mixed_gates(x):

@@ -226,6 +226,24 @@ def test_affine_scan_skips_the_maps_flagged_2():
         sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip.bool())
 
 
+def test_affine_scan_with_skip_writes_leaves_the_skipped_entries_unwritten(monkeypatch):
+    """``skip_writes`` (the Hopper forward's LEAN_SEGMENTS): the entering state after a map flagged 2 is not written
+    (the buffer's NaN stays), every other entry is the plain scan's, bitwise."""
+    HV, K, V, S = 2, 32, 32, 4
+    M = torch.randn(2 * S, HV, K, K) * (0.5 / K ** 0.5)
+    skip = torch.zeros(2 * S, HV, dtype=torch.int32)
+    skip[1, 0] = skip[S + 2, 1] = 2
+    mn = torch.cat([M, torch.randn(2 * S, HV, K, V)], -1)
+    h0 = torch.randn(2, HV, K, V)
+    plain = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip)
+    empty = torch.empty
+    monkeypatch.setattr(sp.torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    lean = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip, skip_writes=True)
+    unwritten = torch.zeros(2 * S, HV, dtype=torch.bool)
+    unwritten[2, 0] = unwritten[S + 3, 1] = True
+    assert lean[unwritten].isnan().all() and torch.equal(lean[~unwritten], plain[~unwritten])
+
+
 def test_segmented_walk_matches_twin_and_unsegmented(case):
     """Phases A → B → C fed the twin's W, U, gc: o and the final state equal the float64 twin (state_pass_fwd_ref →
     output_fwd_ref) and the unsegmented walk to fp32 rounding."""

@@ -119,11 +119,11 @@ def segment_tables(offsets: list[int], L: int, chunk_size: int, device) -> tuple
 @triton.jit(do_not_specialize=["NSEG"])
 def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, HAS_SKIP: tl.constexpr):
+                       IS_VARLEN: tl.constexpr, HAS_SKIP: tl.constexpr, SKIP_WRITES: tl.constexpr):
     # grid (cdiv(V, BV), N·HV): one program walks the segments of one (sequence, value head) for a BV slice of V.
     # Per segment it reads M_s [K, K] and N_s [K, BV] (fp32, mn [NS, HV, K, K + V]) and writes h_in [K, BV]; where
     # skip [NS, HV] is 2 (HAS_SKIP: a map the Hopper forward's phase A did not walk, [M_s | N_s] = 0) it reads
-    # neither and writes h_in[s+1] = 0.
+    # neither and writes h_in[s+1] = 0, or with SKIP_WRITES nothing (the reader starts that segment from zero itself).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -152,7 +152,8 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
             skipped = tl.load(skip + i_s * HV + i_hv) == 2
         if skipped:
             b_h = tl.zeros([BK, BV], dtype=tl.float32)
-            tl.store(p_h + o_kv, b_h, mask=m_kv)
+            if not SKIP_WRITES:
+                tl.store(p_h + o_kv, b_h, mask=m_kv)
         else:
             # h_in[s+1] = M_s h_in[s] + N_s, BR rows at a time (a whole [BK, BK] tile of M would not fit in registers
             # for K > 128); each row block reads M_s[rows, :] and N_s[rows, slice] and writes h_in[s+1][rows,
@@ -175,11 +176,13 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
 
 def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int, num_seqs: int,
                 segment_first: Optional[torch.Tensor] = None, nseg: int = 1, BV: int = 32,
-                skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+                skip: Optional[torch.Tensor] = None, skip_writes: bool = False) -> torch.Tensor:
     """State entering every segment: h_in ``[NS, HV, K, V]`` fp32 from mn ``[NS, HV, K, K + V]`` (phase A) and
     initial_state ``[N, HV, K, V]`` or None, over ``num_seqs`` sequences whose segments are listed by
     segment_first ``[N + 1]`` (varlen) or are ``nseg`` consecutive ones each. ``skip`` ``[NS, HV]`` int32: where 2,
-    the segment's map is zero and not read (the Hopper forward's warmed heads, ``hopper/forward.py``)."""
+    the segment's map is zero and not read (the Hopper forward's warmed heads, ``hopper/forward.py``), and the
+    next segment's h_in is zero, or with ``skip_writes`` left unwritten (its reader, the Hopper forward's lean warm
+    walk, starts such a segment from zero itself: ``forward.LEAN_SEGMENTS``)."""
     NS, HV, K = mn.shape[:3]
     if skip is not None and (skip.shape != (NS, HV) or skip.dtype != torch.int32):
         raise ValueError(f"skip must be int32 [NS, HV] = {[NS, HV]}, got {skip.dtype} {list(skip.shape)}")
@@ -188,7 +191,7 @@ def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int,
     launch(affine_scan_kernel, (cdiv(V, BV), num_seqs * HV),
            mn, initial_state, h_in, segment_first, skip, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV, BR=min(BK, 32),
            USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=segment_first is not None,
-           HAS_SKIP=skip is not None, num_warps=4)
+           HAS_SKIP=skip is not None, SKIP_WRITES=skip is not None and skip_writes, num_warps=4)
     return h_in
 
 

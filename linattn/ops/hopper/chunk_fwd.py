@@ -57,7 +57,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
                  beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
                  warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1,
-                 deferred_decay: bool = False, fold_p_decay: bool = False):
+                 deferred_decay: bool = False, fold_p_decay: bool = False, lean: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -101,7 +101,13 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     it is written. ``fold_p_decay`` (with it and ``stsm``, :data:`FOLD_P_DECAY`): in a chunk that does not
     renormalise, P's decays e^{gc_i − gc_j} split into Γ_i a (o's row factor) and ρ_j / (a γ) (V_d's), so that P is
     Q Kᵀ under the causal mask alone (no exp per element), P V_d replaces P V_new (no V_new tile) and runs beside
-    the state's update, and o = Γ a scale ⊙ (Q S' + P V_d); a chunk that renormalises takes the plain steps."""
+    the state's update, and o = Γ a scale ⊙ (Q S' + P V_d); a chunk that renormalises takes the plain steps.
+
+    ``lean`` (``forward.LEAN_SEGMENTS``): no write that nothing reads. In the affine walk a map whose ``skip_m`` is
+    2 is not written at all (the scan reads none of it). In the warm walk (``warm``) ht is ``[B, HV, K, V]``, the
+    sequences' final states, written by each sequence's last segment alone; and without ``warm_planned`` a segment
+    whose warm-up w is above zero starts from zero instead of reading h0 (the scan leaves those entering states
+    unwritten: ``seq_parallel.affine_scan(skip_writes=True)``)."""
     import tilelang
     import tilelang.language as T
 
@@ -174,7 +180,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                       beta: T.Tensor((NB, HV, Lg), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), a_dtype),
                       h0: T.Tensor((B if warm_planned else NB, HV, K, V), acc), ctl: T.Tensor(ctl_shape, ctl_dtype),
                       o: T.Tensor((B, Tn, HV, V), dtype),
-                      ht: T.Tensor((NB, HV, K, W), acc)):
+                      ht: T.Tensor((B if warm and lean else NB, HV, K, W), acc)):
         with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -256,6 +262,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
                 else:                                # a warm-up: from zero
                     T.clear(S)
+            elif warm and lean and use_initial_state:
+                if ctl[ibn, ihv] > 0:                # a warm-up starts from zero (the scan wrote no h0 for it)
+                    T.clear(S)
+                else:
+                    T.copy(h0[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
             elif use_initial_state:
                 T.copy(h0[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
             else:
@@ -419,7 +430,17 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
             if deferred_decay:
                 for i, j in T.Parallel(K, BV):      # S = a S'
                     S[i, j] = S[i, j] * T.exp(la)
-            T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
+            if affine and lean:
+                if ctl[ib, ihv] != 2:                # a map the warm walk does without: not written at all
+                    T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
+            elif warm and lean:
+                # the sequence's last segment writes its final state (truncating divisions, as warm_planned's: every
+                # index is ≥ 0, and floor divisions on symbolic sizes expand to sign tests)
+                segs = T.truncdiv(Tn, Lg)
+                if T.truncmod(ibn, segs) == segs - 1:
+                    T.copy(S, ht[T.truncdiv(ibn, segs), ihv, 0:K, iv * BV:(iv + 1) * BV])
+            else:
+                T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
 
@@ -469,13 +490,13 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
                     async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
                     min_blocks: int = 1, deferred_decay: bool = False, fold_p_decay: bool = False,
-                    uniform_warpgroup: bool = False):
+                    uniform_warpgroup: bool = False, lean: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s;
     ``uniform_warpgroup``: its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
     (:data:`UNIFORM_WARPGROUP`, ``uniform_warpgroup.py``)."""
     func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
                         async_dots, affine, tma_o, warm, stsm, beta_in_a, async_o, async_ax, warm_planned, threshold,
-                        min_blocks, deferred_decay, fold_p_decay)
+                        min_blocks, deferred_decay, fold_p_decay, lean)
     if not uniform_warpgroup:
         return compile_prim_func(func, target)
     from . import uniform_warpgroup as uniform
@@ -515,38 +536,27 @@ ASYNC_O_STORE = True
 # state's decay in the first dots' shadow, measured nothing beside it (0.306 / 0.365 / 0.222 ms with both) and was
 # removed
 ASYNC_AX = True
-# The state's per-chunk decay kept as one log scale per program instead of multiplied into every state element
-# (``build_kernel``'s ``deferred_decay``): 64 FMUL per consumer thread and chunk (of 1027 SASS instructions at B=8
-# T=4096 H=16's launch: 963 in a chunk that does not renormalise, benchmarks/walk_sass_count.py) go; S' is multiplied
-# only where its scale would pass e^-DEFERRED_DECAY_LIMIT (every ≈ 12 chunks at bench_anchors' gates, every chunk for a
-# head that forgets within a chunk: then as before). The same rounding points (ρ / (a γ) ⊙ V_new is rounded to bf16
-# where ρ ⊙ V_new was: the relative error of a bf16 rounding does not depend on the scale), one fp32 multiply per
-# element fewer. Predicted −4 to −6% of the walk (run 24: the consumers are bound by issuing instructions, 14% fewer
-# gave 15–21%). Built in session 23. Run 30 (H200, op_time_check.py --repeat 2, the public op, all three switches
-# against none): B=8 T=4096 H=16 0.295 → 0.282 and 0.303 → 0.290 ms (−4%), B=4 T=8192 16/32 heads 0.568 → 0.551 and
-# 0.582 → 0.560 (−3 to −4%): the low end of the prediction (the walk −7%, not −10 to −20: it moves its bytes at ≈ 3.2
-# TB/s already); their GPU tests pass (tests/ops/test_hopper_deferred_decay.py and test_hopper_uniform_warpgroup.py -k
-# gpu), every gpu_check_core case as before: on
+# Session 23's three cuts of the walk's instructions per chunk (docs/architecture.md, "Fewer instructions per chunk";
+# benchmarks/walk_sass_count.py: 1027 → 722 SASS instructions per lazy chunk and consumer thread at B=8 T=4096 H=16's
+# launch, −30%). Run 30 (H200, op_time_check.py --repeat 2, the public op, all three against none): B=8 T=4096 H=16
+# 0.295 → 0.282 and 0.303 → 0.290 ms, B=4 T=8192 16/32 heads 0.568 → 0.551 and 0.582 → 0.560 (−3 to −4% of the op,
+# ≈ −7% of the walk: the low end of the prediction, −10 to −20%); their GPU tests pass and every gpu_check_core case
+# is as before: on. Each alone not timed.
+# DEFERRED_DECAY (``build_kernel``'s ``deferred_decay``): the state kept as S' = S / a with one log scale per program,
+# so the chunk's decay goes into la instead of 64 FMUL per thread; S' is multiplied only where la + ln γ would pass
+# −DEFERRED_DECAY_LIMIT (every ≈ 12 chunks at bench_anchors' gates; every chunk for a head that forgets within one)
+# and once before it is written. The same bf16 rounding points on rescaled values
 DEFERRED_DECAY = True
 # How far (in e-folds) S' may run ahead of the state before it is renormalised: |S'| ≤ e^40 |S| ≈ 2.4e17 |S|, far
 # inside fp32's and bf16's range (3.4e38) for any state the op's inputs can build, and ρ's factor 1 / (a γ) ≤ e^40
 DEFERRED_DECAY_LIMIT = 40.0
-# With DEFERRED_DECAY (``build_kernel``'s ``fold_p_decay``): in a chunk that does not renormalise, P's decays e^{gc_i −
-# gc_j} = (Γ_i a)(ρ_j / (a γ)) are o's row factor and V_d's, which both exist already, so P is the masked Q Kᵀ alone (no
-# exp per element), P V_d replaces P V_new (no V_new tile) and is issued beside the state's update (one dot fewer waited
-# for on the chain), and o's factor Γ a scale comes after both dots. The lazy chunk's consumer loop at B=8 T=4096 H=16's
-# launch (sm_90a SASS, the renormalising branch compiled out): 1027 instructions plain, 963 with DEFERRED_DECAY, 840
-# with both (−18%). The same rounding points on other values: P = bf16(Q Kᵀ) where it was bf16(scale Q Kᵀ e^{…}), and
-# V_d's rounding serves both dots. Predicted with DEFERRED_DECAY: −8 to −15% of the walk at bench_anchors' gates (≈ 92%
-# of chunks lazy). Built in session 23; run 30 with the other two: on (DEFERRED_DECAY's note)
+# FOLD_P_DECAY (with DEFERRED_DECAY and stsm; ``fold_p_decay``): in a chunk that does not renormalise, P's decays
+# e^{gc_i − gc_j} = (Γ_i a)(ρ_j / (a γ)) split into o's row factor and V_d's, so P is the masked Q Kᵀ alone (no exp
+# per element), P V_d replaces P V_new and runs beside the state's update, and o = Γ a scale ⊙ (Q S' + P V_d)
 FOLD_P_DECAY = True
-# The walk kernels compiled with their warpgroup index made warp-uniform in the generated CUDA (``compiled_kernel``'s
-# ``uniform_warpgroup``, ``uniform_warpgroup.py``): ptxas then computes the 40 wgmma descriptors per chunk in uniform
-# registers instead of per thread (two R2UR each). The consumer loop at B=8 T=4096 H=16's launch (sm_90a SASS):
-# 1027 → 891 instructions per chunk and thread; with DEFERRED_DECAY and FOLD_P_DECAY, the lazy chunk's 840 → 722
-# (−30% from 1027 with all three). The same arithmetic (the rewrite changes no value): outputs bitwise equal
-# expected, and so on the GPU (run 30: its GPU test bitwise the plain kernels on the three plans); with the other two
-# in run 30 (DEFERRED_DECAY's note): on. Each alone not timed
+# UNIFORM_WARPGROUP (``compiled_kernel``'s ``uniform_warpgroup``, ``uniform_warpgroup.py``): the warpgroup index made
+# warp-uniform in the generated CUDA, so ptxas builds the 40 wgmma descriptors per chunk in uniform registers
+# instead of per thread (no value changes: outputs bitwise equal, run 30's GPU test)
 UNIFORM_WARPGROUP = True
 
 
@@ -650,7 +660,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
                         beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                         warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None,
-                        min_blocks: int = 1) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        min_blocks: int = 1, lean: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`;
@@ -675,7 +685,12 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     warm walk that finds each segment's warm-up itself (:func:`build_kernel`'s ``warm_planned``; twin
     ``map_bound.warm_from_bound_ref``): the fewest chunks before the segment whose bounds sum below
     ``warm_threshold``, else the whole prefix from ``initial_state`` ``[B, HV, K, V]`` (the sequences' own, or
-    None)."""
+    None).
+
+    ``lean`` (:func:`build_kernel`'s; ``forward.LEAN_SEGMENTS``): with ``skip_m`` in the affine walk, the maps
+    flagged 2 are left unwritten; with ``warm_chunks`` or ``warm_bound`` the final state returned is the
+    sequences' ``[B, HV, K, V]`` (their last segments'), and with ``warm_chunks`` a segment whose warm-up is above
+    zero starts from zero, not from initial_state (whose entries for it are then never read). Elsewhere no effect."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if q.dtype != torch.bfloat16:
@@ -693,7 +708,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
             raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
                           num_stages, async_dots, roles, affine, stsm, beta_in_a_inv, warm_bound, warm_threshold,
-                          min_blocks)
+                          min_blocks, lean)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = padded_length(T)
@@ -723,7 +738,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                                  initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
                                  async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
                                  *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks,
-                                 **instruction_switches(stsm, not affine))
+                                 **instruction_switches(stsm, not affine),
+                                 lean=lean and affine and skip_m is not None)      # elsewhere the same kernel
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
@@ -749,7 +765,7 @@ def state_arg(initial_state: Optional[torch.Tensor], shape: tuple, device) -> to
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
-               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None, min_blocks=1):
+               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None, min_blocks=1, lean=False):
     """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``, or ``bound`` and ``threshold`` (the walk that plans its
     warm-ups; dtypes and BV checked there): the layouts, then the warm kernel."""
     B, T, H, K = q.shape
@@ -785,9 +801,10 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
                              str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
                              beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
-                             float(threshold) if planned else -30.0, min_blocks, **instruction_switches(stsm, True))
+                             float(threshold) if planned else -30.0, min_blocks, **instruction_switches(stsm, True),
+                             lean=lean)
     o = torch.empty_like(v)
-    ht = torch.empty(NB, HV, K, V, dtype=torch.float32, device=q.device)
+    ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),
                      a_inv.contiguous(), h0, ctl, o, ht)
     return o, ht

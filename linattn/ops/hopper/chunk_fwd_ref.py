@@ -44,7 +44,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             initial_state: Optional[torch.Tensor], affine: bool = False,
                             skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
                             beta_in_a_inv: bool = False, warm_bound: Optional[torch.Tensor] = None,
-                            warm_threshold: Optional[float] = None, **launch
+                            warm_threshold: Optional[float] = None, lean: bool = False, **launch
                             ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
     counts: the kernel then rounds P with the scale in it; and, as the kernel does, ``chunk_fwd.DEFERRED_DECAY`` and
@@ -55,7 +55,9 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     zeros (the affine walk's negligible maps); ``warm_chunks``: the warm walk (one walk per segment and value head,
     from warm_chunks chunks before the segment); ``warm_bound``, ``warm_threshold``: the warm walk that plans its
     warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'); ``beta_in_a_inv``: A_inv is A_inv
-    diag(β), and X has no β."""
+    diag(β), and X has no β. ``lean`` (the kernel's): the affine walk's maps flagged 2 come back NaN (the kernel
+    leaves them unwritten: whatever the buffer held), and the warm walks return the sequences' final states
+    ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up is above zero from zero."""
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
     deferred = launch.get("deferred_decay", chunk_fwd.DEFERRED_DECAY)
@@ -71,9 +73,12 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             seq = initial_state.float().repeat_interleave(NB // q.shape[0], 0)
             h0 = torch.where(from_start[..., None, None], seq, h0)
         initial_state = h0
+    elif warm_chunks is not None and lean:       # the lean kernel starts a warm-up from zero, whatever h0 holds
+        initial_state = torch.where(warm_chunks[..., None, None] > 0, 0.0, initial_state)
     if warm_chunks is not None:
-        return _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
-                              beta_in_a_inv, deferred, fold)
+        o, ht = _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
+                               beta_in_a_inv, deferred, fold)
+        return o, (ht.view(q.shape[0], -1, *ht.shape[1:])[:, -1] if lean else ht)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -94,7 +99,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if affine and skip_m is not None:
         S = S.clone()
         S[skip_m.int() != 0, :, :K] = 0
-        S[skip_m.int() == 2] = 0
+        S[skip_m.int() == 2] = float("nan") if lean else 0
     return (None if affine else o), S
 
 

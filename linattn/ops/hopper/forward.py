@@ -217,6 +217,18 @@ SKIP_NEGLIGIBLE_MAPS = True
 # 0.55), at a slow decay (no head warms up) 0.828 against 0.749
 WARM_UP = True
 WARM_UP_MAX_FRACTION = 1.0
+# The segmented forwards without the writes nobody reads (``chunk_fwd_hopper_hm(lean=True)``): at bench_anchors'
+# gates every head warms up, yet phase A writes each map as zeros ([B·S, HV, K, K + V] fp32: 16.8 MB at B=1 T=32768
+# H=16, 8 segments), the scan writes each entering state as zeros (8.4 MB) and phase C reads them back (8.4 MB) to
+# start its warm-ups from, and the warm walks write every segment's final state (8.4 MB) for a copy kernel to pick
+# the last ones out. Lean: phase A leaves the maps flagged 2 unwritten, the scan their entering states
+# (``affine_scan(skip_writes=True)``), phase C starts a warm-up from zero itself, and the warm walks write the
+# sequences' final states from their last segments: ≈ 42 MB and one launch fewer at B=1 T=32768 H=16. Predicted
+# −10 to −15 µs of GPU time there (0.330 ms, run 30: the goal 0.316) and at B=1 T=32768 H=2 HV=8 (0.207), ≈ −3 µs
+# and one launch's host time (≈ 6 µs) for the two-launch forward at B=1 T=4096 H=16. The same values (o and the
+# final state bitwise equal expected). Built in session 24; not run on the GPU: off until measured
+# (``op_time_check.py --lean-segments-ab``, tests/ops/test_hopper_lean_segments.py -k gpu)
+LEAN_SEGMENTS = False
 
 
 def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int,
@@ -305,7 +317,11 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     segment's warm-up itself from the pre-pass's chunk bounds (``chunk_fwd_hopper_hm(warm_bound=)``): no plan, no
     maps, no scan. A head that never forgets within the chunks before a segment walks from the sequence's start
     (exact, but then that segment's program walks the whole prefix): for the small shapes where the five launches'
-    host time is the call's (:data:`SMALL_PLAN_IN_WALK`)."""
+    host time is the call's (:data:`SMALL_PLAN_IN_WALK`).
+
+    With :data:`LEAN_SEGMENTS` both segmented forwards leave out the writes nobody reads: phase A's maps of the
+    warmed heads, the scan's entering states of their segments (phase C starts those from zero itself), and every
+    segment's final state but each sequence's last (the warm walks write ``[B, HV, K, V]``: no copy)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
@@ -324,8 +340,8 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         if bound is None:               # the Triton pre-pass writes none
             bound = chunk_bounds(k, g, beta, S)
         o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_bound=bound,
-                                    warm_threshold=NEGLIGIBLE_M_LOG2, **launch)
-        return o.reshape(B, T, HV, V), ht.view(B, segments, HV, K, V)[:, -1].contiguous()
+                                    warm_threshold=NEGLIGIBLE_M_LOG2, lean=LEAN_SEGMENTS, **launch)
+        return o.reshape(B, T, HV, V), last_segments(ht, B, segments, LEAN_SEGMENTS)
 
     def seg(x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] → [B·S, T/S, ...], a view (the op passes contiguous tensors)."""
@@ -340,14 +356,22 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     flags = segment_flags(k, g, beta, S, bound, skip, warm) if skip or warm else None
     # phase A's skip_m: 1 the M tiles of a negligible map, 2 a warmed head's whole map
     skip_m = flags.skip_m if flags is not None else None
+    lean = LEAN_SEGMENTS and warm         # without warm-ups every map and entering state is read
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
-                                **fitted_launch(K, launch))
+                                lean=lean, **fitted_launch(K, launch))
     # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (the scan reads none of
     # its maps, which are zero: skip_m 2)
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
-                       nseg=segments, BV=SCAN_BV, skip=skip_m)
+                       nseg=segments, BV=SCAN_BV, skip=skip_m, skip_writes=lean)
     if warm:
-        o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, **launch)
+        o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=lean,
+                                    **launch)
     else:
         o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
-    return o.reshape(B, T, HV, V), ht.view(B, segments, HV, K, V)[:, -1].contiguous()
+    return o.reshape(B, T, HV, V), last_segments(ht, B, segments, lean)
+
+
+def last_segments(ht: torch.Tensor, B: int, segments: int, lean: bool) -> torch.Tensor:
+    """The sequences' final states ``[B, HV, K, V]`` from a segmented walk's: its segments' ``[B·S, HV, K, V]``
+    (each sequence's last one copied out), or, ``lean``, the sequences' own already."""
+    return ht if lean else ht.view(B, segments, *ht.shape[1:])[:, -1].contiguous()
