@@ -8,9 +8,9 @@ steps and their order are docs/performance.md's "Where things stand" list (after
 
 ≈ 36 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
 min, fla autotunes for ≈ 40 s per row; the bench_anchors steps need fla in the site): in priority order, the first
-two steps (≈ 9 minutes at their caps) in the first call. ``--budget`` (560 s: a device call's 600 less the start) caps the
-whole run: each step gets what is left of it, and the steps it cannot start are listed as skipped (run them with
-``--only`` in the next call). Carry ``.anchors`` (the bench_anchors steps run its bench_anchors.py).
+two steps (≈ 9 minutes at their caps) in the first call. ``--budget`` (560 s: a device call's 600 less the start)
+caps the whole run: each step gets what is left of it, and the steps it cannot start are listed as skipped (run
+them with ``--only`` in the next call). Carry ``.anchors`` (the bench_anchors steps run its bench_anchors.py).
 """
 from __future__ import annotations
 

@@ -39,6 +39,20 @@ def gpu_inputs(B, T, H, HV, K, V, seed=0):
             for n, t in inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, seed=seed).items()}
 
 
+def op_outputs_off_and_on(monkeypatch, module, switch: str, x: dict) -> list:
+    """(o, final state) of the public op ("auto", no grad) on the GPU inputs ``x`` with ``module.switch`` off, then
+    on: for the switches that must change no value (compare them bitwise)."""
+    import linattn
+    from linattn.ops.gated_delta import triton_chunk
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(module, switch, on)
+        with torch.no_grad():
+            outs.append(linattn.chunk_gated_delta_rule(**x, output_final_state=True))
+    return outs
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import linattn
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import forward as hopper_fwd
 
 from .test_hopper_deferred_decay import COMPILES, KERNEL_VARIANTS, kernel_source, mixed_gates
-from .test_hopper_fwd import ON_HOPPER, gpu_inputs
+from .test_hopper_fwd import ON_HOPPER, gpu_inputs, op_outputs_off_and_on
 from .test_hopper_warm_up import S, rel, three_heads, twins_recording_calls
 
 
@@ -87,12 +85,6 @@ def test_lean_segments_are_bitwise_the_plain_forward_on_the_gpu(monkeypatch, B, 
     """bf16 H=16 K=V=128 through the op ("auto": the five-launch segmented forward, with every head warming up or
     some walking their maps, and the two-launch one) with LEAN_SEGMENTS off and on: o and the final state bitwise
     equal (the same arithmetic; only unread writes go)."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
     x = gpu_inputs(B, T, 16, 16, 128, 128, seed=5)
-    x = mixed_gates(x) if gates == "mixed" else x
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(hopper_fwd, "LEAN_SEGMENTS", on)
-        with torch.no_grad():
-            outs.append(linattn.chunk_gated_delta_rule(**x, output_final_state=True))
+    outs = op_outputs_off_and_on(monkeypatch, hopper_fwd, "LEAN_SEGMENTS", mixed_gates(x) if gates == "mixed" else x)
     assert all(torch.equal(a, b) for a, b in zip(*outs))

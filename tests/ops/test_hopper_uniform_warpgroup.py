@@ -7,13 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import linattn
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import uniform_warpgroup as uniform
 
 from .test_hopper_deferred_decay import COMPILES, KERNEL_VARIANTS, kernel_source
-from .test_hopper_fwd import ON_HOPPER, gpu_inputs
+from .test_hopper_fwd import ON_HOPPER, gpu_inputs, op_outputs_off_and_on
 
 INDEX = uniform.WARPGROUP_INDEX
 SOURCE = f"""extern "C" __global__ void k_kernel(const float* __restrict__ x, int T);
@@ -68,11 +66,5 @@ def test_uniform_warpgroup_is_bitwise_the_plain_kernel_on_the_gpu(monkeypatch, B
     """bf16 H=16 K=V=128 through the op ("auto": the unsegmented kernel, the five-launch and the two-launch
     segmented forwards) with UNIFORM_WARPGROUP off and on: o and the final state bitwise equal (the rewrite
     changes no value)."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    x = gpu_inputs(B, T, 16, 16, 128, 128, seed=7)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(hopper, "UNIFORM_WARPGROUP", on)
-        with torch.no_grad():
-            outs.append(linattn.chunk_gated_delta_rule(**x, output_final_state=True))
+    outs = op_outputs_off_and_on(monkeypatch, hopper, "UNIFORM_WARPGROUP", gpu_inputs(B, T, 16, 16, 128, 128, seed=7))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
