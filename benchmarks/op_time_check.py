@@ -160,8 +160,9 @@ def host_parts(B, T, H, HV, K=128, V=None, calls=200):
 
 def host_dist(B, T, H, HV, K=128, V=None, calls=300):
     """Print the host µs of isolated calls (a sync before each, the call alone timed) as p10 / p50 / p90 / max, the
-    garbage collections that ran inside the timed calls (count and ms), and how many calls synchronised with the
-    device (``torch.cuda.set_sync_debug_mode("warn")``'s warnings): ``--host-dist`` (the module's docstring)."""
+    garbage collections that ran inside the timed calls (count and ms), how many calls synchronised with the device
+    (``torch.cuda.set_sync_debug_mode("warn")``'s warnings) and how often the caching allocator went to the driver
+    (``torch.cuda.memory_stats``): ``--host-dist`` (the module's docstring)."""
     xs, packed = op_inputs(B, T, H, HV, K, V or K)
     collections_ms = []
     started = []
@@ -177,6 +178,7 @@ def host_dist(B, T, H, HV, K=128, V=None, calls=300):
             return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True, **packed)
         fn()
         times, syncing = [], 0
+        allocator = torch.cuda.memory_stats()
         gc.callbacks.append(on_gc)
         try:
             for _ in range(calls):
@@ -193,11 +195,15 @@ def host_dist(B, T, H, HV, K=128, V=None, calls=300):
                 times.append(((t1 - t0) * 1e6, sum(collections_ms), len(collections_ms)))
         finally:
             gc.callbacks.remove(on_gc)
+    after = torch.cuda.memory_stats()
+    # the caching allocator going to the driver (cudaMalloc / cudaFree can synchronise) during the timed calls
+    device_calls = {key: after.get(key, 0) - allocator.get(key, 0)
+                    for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
     us = sorted(t for t, _, _ in times)
     q = statistics.quantiles(us, n=10)
     print(dict(shape=(B, T, H, HV), calls=calls, host_us_p10=round(q[0], 1), p50=round(statistics.median(us), 1),
                p90=round(q[-1], 1), max=round(us[-1], 1), gc_in_calls=sum(n for _, _, n in times),
-               gc_ms=round(sum(ms for _, ms, _ in times), 2), syncing_calls=syncing,
+               gc_ms=round(sum(ms for _, ms, _ in times), 2), syncing_calls=syncing, **device_calls,
                live_objects=len(gc.get_objects())), flush=True)
 
 
