@@ -28,7 +28,12 @@ o and the final state are bitwise equal between the two. Several of these switch
 repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
 back, one sync; the largest by own time, then by cumulative time), to say where a host-bound call's µs go.
 ``--host-parts``: the same question without cProfile's overhead: µs per call inside each layer of the Hopper forward
-and its launches (perf_counter around each; with switches, off then on). ``--graph``: beside the eager time, the
+and its launches (perf_counter around each; with switches, off then on). ``--host-dist``: each shape's host µs per
+call as a distribution (p10 / p50 / p90 / max over isolated calls: a sync before each, then the call timed alone,
+so no queue and no GPU wait in it), with Python's garbage collections inside the calls counted and timed, the calls
+that synchronise with the device counted (``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to
+the driver during them: whether a host-bound call's time is its Python, a collection now and then, a hidden sync or
+cudaMalloc / cudaFree. ``--graph``: beside the eager time, the
 call captured in a CUDA graph and replayed (the GPU's time alone: eager above it is host time; with
 ``forward.SEGMENTED_WHEN_CAPTURED`` on, of the plan "auto" takes under capture). ``--path P``:
 ``triton_chunk.FORWARD_PATH`` (auto, split, walk, hopper); ``--min-segmented-tokens N``:
