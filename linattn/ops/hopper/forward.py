@@ -360,7 +360,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 lean=lean, **fitted_launch(K, launch))
     # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (the scan reads none of
-    # its maps, which are zero: skip_m 2)
+    # its maps, which are zero: skip_m 2), or with lean unwritten after the first (phase C starts those from zero)
     h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
                        nseg=segments, BV=SCAN_BV, skip=skip_m, skip_writes=lean)
     if warm:
