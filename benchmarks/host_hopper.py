@@ -3,21 +3,24 @@ TileLang kernel (pre-pass, walk, phase A) and Triton kernel (plan, scan) replace
 Python, the checks and the allocations (issue 4: rows 1, 3 and 7 are host-bound wherever the host is slow). Runs on
 a CPU (CPU tensors: allocation there is cheaper than the CUDA caching allocator's, so these figures are a floor) or
 a GPU. Prints µs per call for the unsegmented forward and the segmented one (S = 4: the warm-up levers on, off, and
-planned in the walk), then a cProfile of the segmented one by own time.
+planned in the walk), each with ``prepared.PREPARED`` off (the plain forward's checks and plan on every call) and on
+(a repeated signature's prepared launches), the two interleaved in rounds so that the host's drift falls on both;
+then a cProfile of the segmented one by own time.
 
-    python benchmarks/host_hopper.py [--calls N] [--profile]
+    python benchmarks/host_hopper.py [--calls N] [--rounds R] [--profile]
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import pstats
+import statistics
 
 import torch
 from host_overhead import DEV, _NoLaunch, median_us  # this folder is on sys.path; it sets the interpreter on a CPU
 
 from linattn.ops.common import seq_parallel
-from linattn.ops.hopper import chunk_fwd, map_bound, prepass
+from linattn.ops.hopper import chunk_fwd, map_bound, prepared, prepass
 from linattn.ops.hopper import forward as hopper_forward
 
 
@@ -40,6 +43,7 @@ def inputs(B, T, H, HV, K=128, V=128):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=5, help="off/on rounds per case (the median of their medians)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     no_kernels()
@@ -57,9 +61,15 @@ def main():
     }
     print(f"## Host µs per call, kernels replaced by no-ops ({DEV}, torch {torch.__version__}), median of "
           f"{args.calls}")
-    print("| call | µs |\n|---|---|")
+    print("| call | plain µs | prepared µs |\n|---|---|---|")
     for name, fn in cases.items():
-        print(f"| {name} | {median_us(fn, args.calls):.1f} |")
+        times = {False: [], True: []}
+        for _ in range(args.rounds):
+            for on in (False, True):
+                prepared.PREPARED = on
+                times[on].append(median_us(fn, args.calls))
+        print(f"| {name} | {statistics.median(times[False]):.1f} | {statistics.median(times[True]):.1f} |")
+    prepared.PREPARED = True
     if args.profile:
         fn = cases["forward_hopper segmented S=4, warm-ups"]
         prof = cProfile.Profile()

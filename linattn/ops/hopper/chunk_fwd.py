@@ -575,6 +575,36 @@ def instruction_switches(stsm: bool, store_output: bool) -> dict:
                 uniform_warpgroup=UNIFORM_WARPGROUP)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
+                use_initial_state: bool, beta_dtype: torch.dtype, a_dtype: torch.dtype, async_dots: bool,
+                affine: bool, tma_o: bool, stsm: bool, beta_in_a_inv: bool, min_blocks: int, lean: bool):
+    """The compiled kernel of :func:`chunk_fwd_hopper_hm`'s plain walk (no warm-ups, no roles), or of its affine
+    walk (phase A), for these launch options, with the module's switches applied (:func:`schedule_switches`,
+    :func:`instruction_switches`); ``lean``: phase A's lean maps (affine with skip_m only)."""
+    tma_store = tma_o and not affine                # the affine walk stores no o
+    return compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, use_initial_state,
+                           _dtype_name(beta_dtype), _dtype_name(a_dtype), async_dots, affine, tma_store, False, stsm,
+                           beta_in_a_inv, *schedule_switches(async_dots, stsm, tma_store), min_blocks=min_blocks,
+                           **instruction_switches(stsm, not affine), lean=lean)
+
+
+def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
+                use_initial_state: bool, beta_dtype: torch.dtype, a_dtype: torch.dtype, async_dots: bool,
+                stsm: bool, beta_in_a_inv: bool, threshold: Optional[float], min_blocks: int, lean: bool):
+    """The compiled kernel of the warm walk (phase C with ``warm_chunks``, or, ``threshold`` given, the walk that
+    plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied."""
+    planned = threshold is not None
+    return compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None, use_initial_state,
+                           _dtype_name(beta_dtype), _dtype_name(a_dtype), async_dots, False, True, True, stsm,
+                           beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
+                           float(threshold) if planned else -30.0, min_blocks, **instruction_switches(stsm, True),
+                           lean=lean)
+
+
 @functools.lru_cache(maxsize=256)
 def launcher(kernel):
     """What to call to launch a compiled kernel: its tvm_ffi executable with :data:`DIRECT_LAUNCH` where TileLang
@@ -715,7 +745,6 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     if gc_hm.shape != (B, HV, Tp) or beta_hm.shape != (B, HV, Tp):
         raise ValueError(f"gc and beta must be head-major [B, HV, Tp] = {[B, HV, Tp]}, got {list(gc_hm.shape)} and "
                          f"{list(beta_hm.shape)}")
-    beta_dtype = str(beta_hm.dtype).removeprefix("torch.")
     if skip_m is not None and not affine:
         raise ValueError("skip_m applies to the affine walk (affine=True)")
     if out is not None and (affine or out[0].shape != v.shape or out[0].dtype != v.dtype or
@@ -732,14 +761,12 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
             raise ValueError("the role-split kernel reads β itself and runs one program per SM: not with "
                              "beta_in_a_inv or min_blocks")
         from .chunk_fwd_roles import compiled_kernel_roles
-        kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None, beta_dtype, affine)
+        kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None,
+                                       _dtype_name(beta_hm.dtype), affine)
     else:
-        kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
-                                 initial_state is not None, beta_dtype, str(a_inv.dtype).removeprefix("torch."),
-                                 async_dots, affine, tma_o and not affine, False, stsm, beta_in_a_inv,
-                                 *schedule_switches(async_dots, stsm, tma_o and not affine), min_blocks=min_blocks,
-                                 **instruction_switches(stsm, not affine),
-                                 lean=lean and affine and skip_m is not None)      # elsewhere the same kernel
+        kernel = walk_kernel(H, HV, K, V, BV, scale, threads, num_stages, initial_state is not None, beta_hm.dtype,
+                             a_inv.dtype, async_dots, affine, tma_o, stsm, beta_in_a_inv, min_blocks,
+                             lean and affine and skip_m is not None)      # elsewhere the same kernel
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
@@ -797,12 +824,9 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         if warm_chunks.shape != (NB, HV):
             raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
         h0, ctl = state_arg(initial_state, (NB, HV, K, V), q.device), warm_chunks.to(torch.int32).contiguous()
-    kernel = compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
-                             not planned or initial_state is not None, str(beta_hm.dtype).removeprefix("torch."),
-                             str(a_inv.dtype).removeprefix("torch."), async_dots, False, True, True, stsm,
-                             beta_in_a_inv, *schedule_switches(async_dots, stsm, True), planned,
-                             float(threshold) if planned else -30.0, min_blocks, **instruction_switches(stsm, True),
-                             lean=lean)
+    kernel = warm_kernel(H, HV, K, V, BV, scale, threads, num_stages, not planned or initial_state is not None,
+                         beta_hm.dtype, a_inv.dtype, async_dots, stsm, beta_in_a_inv, threshold if planned else None,
+                         min_blocks, lean)
     o = torch.empty_like(v)
     ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(),

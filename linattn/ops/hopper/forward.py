@@ -321,7 +321,28 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     With :data:`LEAN_SEGMENTS` both segmented forwards leave out the writes nobody reads: phase A's maps of the
     warmed heads, the scan's entering states of their segments (phase C starts those from zero itself), and every
-    segment's final state but each sequence's last (the warm walks write ``[B, HV, K, V]``: no copy)."""
+    segment's final state but each sequence's last (the warm walks write ``[B, HV, K, V]``: no copy).
+
+    A signature seen before (the inputs' shapes and dtypes, these keywords, the module switches) takes its
+    prepared call (``prepared.py``: the same launches without the checks and the plan's Python)."""
+    options = (a_inv_dtype, segments, prepass, skip_maps, warm_up, plan_in_walk, tuple(launch.items()))
+    key = prepared.signature(q, k, v, g, beta, scale, initial_state, options)
+    call = prepared.prepared_call(key)
+    if call is not None:
+        return call(q, k, v, g, beta, initial_state)
+    result = _forward_hopper_plain(q, k, v, g, beta, scale, initial_state, a_inv_dtype, segments, prepass,
+                                   skip_maps, warm_up, plan_in_walk, **launch)
+    if launch:                   # the op always names the launch; others take the plain forward every time
+        prepared.remember(key, q, k, v, beta, scale, initial_state, a_inv_dtype, segments, prepass, skip_maps,
+                          warm_up, plan_in_walk, launch)
+    return result
+
+
+def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype],
+                          segments: Optional[int], prepass: Optional[str], skip_maps: Optional[bool],
+                          warm_up: Optional[bool], plan_in_walk: bool, **launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_hopper`'s checks, plan and launches, on every call."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     launch = launch or fitted_launch(V)
@@ -375,3 +396,7 @@ def last_segments(ht: torch.Tensor, B: int, segments: int, lean: bool) -> torch.
     """The sequences' final states ``[B, HV, K, V]`` from a segmented walk's: its segments' ``[B·S, HV, K, V]``
     (each sequence's last one copied out), or, ``lean``, the sequences' own already."""
     return ht if lean else ht.view(B, segments, *ht.shape[1:])[:, -1].contiguous()
+
+
+# last: prepared.py reads this module's switches and helpers (an import cycle, resolved at call time)
+from . import prepared  # noqa: E402

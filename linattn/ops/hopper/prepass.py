@@ -310,6 +310,13 @@ def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", thread
                                           a_row_pad, t_row_pad, step4_blocked), target)
 
 
+def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a: bool):
+    """The compiled pre-pass :func:`prepass_hopper` launches, with the module's switches applied."""
+    return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."), beta_in_a=beta_in_a,
+                           min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
+                           t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED)
+
+
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
     """The shapes and the segment count (the kernel's dtypes are checked by :func:`prepass_hopper`)."""
     B, T = k.shape[:2]
@@ -338,10 +345,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
         raise TypeError(f"beta must be bf16 or fp32, got {beta.dtype}")
     B, T, H, K = k.shape
     HV = g.shape[2]
-    kernel = compiled_kernel(H, HV, K, str(beta.dtype).removeprefix("torch."),
-                             beta_in_a=BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv,
-                             min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
-                             t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED)
+    kernel = prepass_kernel(H, HV, K, beta.dtype, BETA_IN_A_INV if beta_in_a_inv is None else beta_in_a_inv)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets

@@ -1,0 +1,180 @@
+"""The Hopper forward's host work done once per signature: the checks, the plan's arithmetic and the compiled
+kernels' lookups of ``forward.forward_hopper``, so that a repeated call only allocates, takes views and launches.
+
+Why: rows 1, 3 and 7 of issue 4 are host-bound on the H200's hosts (run 31: B=1 T=32768 H=16 takes 0.322 ms of GPU
+time on five launches and ≈ 240 µs of host time per call, ≈ 475 in a slow process state; B=1 T=4096 H=16 0.077 ms
+on two launches and 164–200 µs). ``benchmarks/host_hopper.py`` (the kernels replaced by no-ops) measures the Python
+around the launches on a CPU.
+
+How it stays the same computation: a signature (the inputs' shapes and dtypes, the initial state's, the scale,
+the device, the plan's keywords and every module switch the forward reads, :func:`switches`) is prepared only after
+the plain forward has run once under it and returned (so its checks passed for those shapes; none of them reads a
+value); the prepared call then issues the launches the plain forward issues, in the same order, with the same
+kernels and arguments (``tests/ops/test_hopper_prepared.py`` records both with the kernels stubbed and compares
+them, under every switch). Configurations it does not cover (the Triton pre-pass, an fp32 A_inv, the role-split
+kernel, the segmented forward without warm-ups) always take the plain forward.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Callable, Optional
+
+import torch
+
+from ..common.seq_parallel import affine_scan
+from . import chunk_fwd, map_bound, prepass
+from . import forward as fwd
+
+# Whether forward_hopper prepares repeated signatures (off: the plain forward on every call)
+PREPARED = True
+
+
+# Every module setting the Hopper forward's plain path reads (part of a signature: flipping one prepares anew), by
+# module; tests/ops/test_hopper_prepared.py checks that every other upper-case setting of these modules is one the
+# path does not read (the plan's, which shape the launch keywords instead, and constants)
+SWITCHES = {
+    "forward": ("PREPASS", "A_INV_DTYPE", "SKIP_NEGLIGIBLE_MAPS", "WARM_UP", "WARM_UP_MAX_FRACTION",
+                "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV"),
+    "prepass": ("BETA_IN_A_INV", "MIN_BLOCKS_PER_SM", "TMA_KEYS", "A_ROW_PAD", "T_ROW_PAD", "STEP4_BLOCKED"),
+    "chunk_fwd": ("ASYNC_O_STORE", "ASYNC_AX", "DEFERRED_DECAY", "DEFERRED_DECAY_LIMIT", "FOLD_P_DECAY",
+                  "UNIFORM_WARPGROUP", "DIRECT_LAUNCH", "EXECUTION_BACKEND"),
+    "map_bound": ("BLOCK",),
+}
+_MODULES = {"forward": lambda: fwd, "prepass": lambda: prepass, "chunk_fwd": lambda: chunk_fwd,
+            "map_bound": lambda: map_bound}
+_GETTERS = tuple((_MODULES[name], operator.attrgetter(*names)) for name, names in SWITCHES.items())
+
+
+def switches() -> tuple:
+    """The values of :data:`SWITCHES` now."""
+    return tuple(get(module()) for module, get in _GETTERS)
+
+
+def signature(q, k, v, g, beta, scale, initial_state, options: tuple) -> tuple:
+    """The key of a prepared call: what the plain forward's path and launches depend on (not the values)."""
+    state = None if initial_state is None else (initial_state.shape, initial_state.dtype)
+    return (q.shape, k.shape, v.shape, g.shape, beta.shape, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, state,
+            float(scale), q.device, options, switches())
+
+
+_prepared: dict[tuple, Callable] = {}
+MAX_PREPARED = 256          # signatures kept (a process that sees more starts over: each holds no tensors)
+
+
+def prepared_call(key: tuple) -> Optional[Callable]:
+    """The prepared call of ``key``, or None before the plain forward has run under it."""
+    return _prepared.get(key) if PREPARED else None
+
+
+def remember(key: tuple, q, k, v, beta, scale, initial_state, a_inv_dtype, segments, prepass_name, skip_maps,
+             warm_up, plan_in_walk, launch: dict) -> None:
+    """After the plain forward returned for these arguments: prepare ``key`` where :func:`build` covers it."""
+    if not PREPARED or key in _prepared:
+        return
+    if len(_prepared) >= MAX_PREPARED:
+        _prepared.clear()
+    # None where build covers it not: the plain forward keeps it, and build does not run again for it
+    _prepared[key] = build(q, k, v, beta.dtype, scale, initial_state is not None, a_inv_dtype, segments,
+                           prepass_name, skip_maps, warm_up, plan_in_walk, launch)
+
+
+def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_name, skip_maps, warm_up,
+          plan_in_walk, launch: dict) -> Optional[Callable]:
+    """The prepared call ``(q, k, v, g, beta, initial_state) -> (o, final state)`` for these arguments of
+    ``forward_hopper`` (after its checks passed), or None where it covers them not: the TileLang pre-pass with a
+    bf16 A_inv, the default kernel (no roles), and segmented, the planned warm walk or the five launches with
+    warm-ups. Each step below names the plain function whose allocations and launch it repeats."""
+    name, a_dtype = fwd.resolve_prepass(prepass_name, a_inv_dtype)
+    if name != "tilelang" or a_dtype != torch.bfloat16 or launch.get("roles"):
+        return None
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    S = segments if segments and segments > 1 else 1
+    warm = fwd.WARM_UP if warm_up is None else warm_up
+    if S > 1 and not plan_in_walk and not warm:
+        return None
+    opts = dict(launch)
+    BV, threads, num_stages = opts.pop("BV", 64), opts.pop("threads", 128), opts.pop("num_stages", 2)
+    async_dots, tma_o, stsm = opts.pop("async_dots", False), opts.pop("tma_o", False), opts.pop("stsm", False)
+    min_blocks = opts.pop("min_blocks", 1)
+    if opts:            # a launch option this module does not know: the plain forward keeps it
+        return None
+    BT, bf16, f32, i32 = chunk_fwd.BT, torch.bfloat16, torch.float32, torch.int32
+    BS, L = B * S, T // S
+    Lp, LC = chunk_fwd.padded_length(L), -(-L // BT)
+    beta_in_a = fwd.a_inv_has_beta(prepass_name, a_inv_dtype)
+    lean = S > 1 and fwd.LEAN_SEGMENTS and (plan_in_walk or warm)
+    # the compiled kernels (cached since the plain forward's call) and their tvm_ffi executables
+    prepass_exe = chunk_fwd.launcher(prepass.prepass_kernel(H, HV, K, beta_dtype, prepass.BETA_IN_A_INV))
+    walk = functools.partial(chunk_fwd.walk_kernel, H, HV, K, V)
+    warm_walk = functools.partial(chunk_fwd.warm_kernel, H, HV, K, V, BV, scale, threads, num_stages)
+
+    def run_prepass(k, g, beta, device):
+        """prepass.prepass_hopper: gc and β per segment, A_inv [B, T, HV, 64] and the chunk bounds."""
+        a_inv = torch.empty(B, T, HV, BT, dtype=bf16, device=device)
+        gc_hm = torch.empty(BS, HV, Lp, dtype=f32, device=device)
+        beta_hm = torch.empty(BS, HV, Lp, dtype=beta_dtype, device=device)
+        bound = torch.empty(BS, HV, LC, dtype=f32, device=device)
+        prepass_exe(k.contiguous().view(BS, L, H, K), g.float().contiguous().view(BS, L, HV),
+                    beta.contiguous().view(BS, L, HV), a_inv.view(BS, L, HV, BT), gc_hm, beta_hm, bound)
+        return gc_hm, beta_hm, a_inv, bound
+
+    if S == 1:
+        walk_exe = chunk_fwd.launcher(walk(BV, scale, threads, num_stages, has_state, beta_dtype, bf16, async_dots,
+                                           False, tma_o, stsm, beta_in_a, min_blocks, False))
+
+        def unsegmented(q, k, v, g, beta, initial_state):
+            """forward_hopper unsegmented: the pre-pass, then chunk_fwd.chunk_fwd_hopper_hm's walk."""
+            device = q.device
+            gc_hm, beta_hm, a_inv, _ = run_prepass(k, g, beta, device)
+            o = torch.empty_like(v)
+            ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
+            walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv,
+                     chunk_fwd.state_arg(initial_state, (B, HV, K, V), device),
+                     torch.empty(B, HV, dtype=i32, device=device), o, ht)
+            return o, ht
+        return unsegmented
+
+    if plan_in_walk:
+        planned_exe = chunk_fwd.launcher(warm_walk(has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a,
+                                                   fwd.NEGLIGIBLE_M_LOG2, min_blocks, lean))
+
+        def planned(q, k, v, g, beta, initial_state):
+            """forward_hopper with plan_in_walk: the pre-pass, then the walk that plans its warm-ups
+            (chunk_fwd._warm_walk with the bounds)."""
+            device = q.device
+            gc_hm, beta_hm, a_inv, bound = run_prepass(k, g, beta, device)
+            o = torch.empty_like(v)
+            ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
+            planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv,
+                        chunk_fwd.state_arg(initial_state, (B, HV, K, V), device), bound, o, ht)
+            return o, fwd.last_segments(ht, B, S, lean)
+        return planned
+
+    skip = fwd.SKIP_NEGLIGIBLE_MAPS if skip_maps is None else skip_maps
+    w_max = max(1, int(LC * fwd.WARM_UP_MAX_FRACTION))
+    affine_exe = chunk_fwd.launcher(walk(fwd.fitted_launch(K, launch)["BV"], scale, threads, num_stages, False,
+                                         beta_dtype, bf16, async_dots, True, tma_o, stsm, beta_in_a, min_blocks,
+                                         lean))
+    warm_exe = chunk_fwd.launcher(warm_walk(True, beta_dtype, bf16, async_dots, stsm, beta_in_a, None, min_blocks,
+                                            lean))
+
+    def five_launches(q, k, v, g, beta, initial_state):
+        """forward_hopper segmented with warm-ups: the pre-pass, the plan (map_bound.segment_plan), phase A
+        (chunk_fwd_hopper_hm's affine walk on the segments as sequences: views), the scan, phase C (the warm
+        walk from the entering states)."""
+        device = q.device
+        gc_hm, beta_hm, a_inv, bound = run_prepass(k, g, beta, device)
+        flags = map_bound.segment_plan(bound, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True)
+        qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
+        mn = torch.empty(BS, HV, K, K + V, dtype=f32, device=device)
+        affine_exe(qs, ks, vs, gc_hm, beta_hm, a_inv.view(BS, L, HV, BT),
+                   torch.empty(BS, HV, K, V, dtype=f32, device=device), flags.skip_m, vs, mn)
+        h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
+                           nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
+        o = torch.empty_like(v)
+        ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
+        warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv, h_in, flags.warm, o, ht)
+        return o, fwd.last_segments(ht, B, S, lean)
+    return five_launches
