@@ -45,6 +45,15 @@ def poison_fresh_allocations(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def fresh_prepared_calls(monkeypatch):
+    """Each test starts with no prepared Hopper forward (``ops/hopper/prepared.py``): one test's signatures, made
+    under its switches and stand-ins, are not another's."""
+    from linattn.ops.hopper import prepared
+    monkeypatch.setattr(prepared, "_prepared", {})
+    yield
+
+
+@pytest.fixture(autouse=True)
 def seed():
     torch.manual_seed(0)
     yield

@@ -84,7 +84,9 @@ def test_warm_forward_equals_the_recurrence(monkeypatch, skip_maps):
     """forward_hopper(segments=4, warm_up=True) around the twin, fp32: o and the final state equal the float64
     recurrence (the warm-ups' error is below 2⁻³⁰ of the state); phase A got skip flags 2 for the warmed heads and
     phase C the plan's chunk counts. Negative control: the same walk without warm-ups (every warmed segment from
-    zero at its own start) is wrong."""
+    zero at its own start) is wrong. The plain segments: with LEAN_SEGMENTS the control's segments would start
+    from the entering states the scan left unwritten (test_hopper_lean_segments.py tests the lean forward)."""
+    monkeypatch.setattr(hopper_fwd, "LEAN_SEGMENTS", False)
     x = three_heads()
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
     ro, rht = gated_delta_rule_reference(**x, scale=0.25)

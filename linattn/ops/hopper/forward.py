@@ -226,9 +226,13 @@ WARM_UP_MAX_FRACTION = 1.0
 # sequences' final states from their last segments: ≈ 42 MB and one launch fewer at B=1 T=32768 H=16. Predicted
 # −10 to −15 µs of GPU time there (0.330 ms, run 30: the goal 0.316) and at B=1 T=32768 H=2 HV=8 (0.207), ≈ −3 µs
 # and one launch's host time (≈ 6 µs) for the two-launch forward at B=1 T=4096 H=16. The same values (o and the
-# final state bitwise equal expected). Built in session 24; not run on the GPU: off until measured
-# (``op_time_check.py --lean-segments-ab``, tests/ops/test_hopper_lean_segments.py -k gpu)
-LEAN_SEGMENTS = False
+# final state bitwise equal expected). Run 31 (H200, f15445b): its GPU tests pass (o and the final state bitwise the
+# plain forwards'); ``op_time_check.py --lean-segments-ab --repeat 2 --graph``, CUDA graph replay off → on:
+# B=1 T=32768 H=16 0.3285 / 0.3328 → 0.3215 / 0.3222 ms (−7 to −11 µs), B=1 T=32768 H=2 HV=8 0.1996 / 0.1993 →
+# 0.1905 / 0.1912 (−9 µs), B=1 T=4096 H=16 0.0774 / 0.0777 → 0.0774 / 0.0769 (the same), B=1 T=131072 H=16
+# 1.192 / 1.152 → 1.239 / 1.234 replayed but 1.195 / 1.232 → 1.198 / 1.197 eagerly (GPU-bound there too: the two
+# disagree by more than the change, so not a measured loss; re-check it): on
+LEAN_SEGMENTS = True
 
 
 def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int,

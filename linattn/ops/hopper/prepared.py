@@ -70,13 +70,21 @@ def prepared_call(key: tuple) -> Optional[Callable]:
 def remember(key: tuple, q, k, v, beta, scale, initial_state, a_inv_dtype, segments, prepass_name, skip_maps,
              warm_up, plan_in_walk, launch: dict) -> None:
     """After the plain forward returned for these arguments: prepare ``key`` where :func:`build` covers it."""
-    if not PREPARED or key in _prepared:
+    if not PREPARED or key in _prepared or not plain_functions_in_place():
         return
     if len(_prepared) >= MAX_PREPARED:
         _prepared.clear()
     # None where build covers it not: the plain forward keeps it, and build does not run again for it
     _prepared[key] = build(q, k, v, beta.dtype, scale, initial_state is not None, a_inv_dtype, segments,
                            prepass_name, skip_maps, warm_up, plan_in_walk, launch)
+
+
+def plain_functions_in_place() -> bool:
+    """Whether the plain forward ran on the functions this module repeats (tests and ``op_time_check.py
+    --host-parts`` swap in twins or timed wrappers: their calls are not prepared, so they keep running through
+    them)."""
+    return (fwd.prepass_hopper is prepass.prepass_hopper and fwd.chunk_fwd_hopper_hm is chunk_fwd.chunk_fwd_hopper_hm
+            and fwd.segment_plan is map_bound.segment_plan and fwd.affine_scan is affine_scan)
 
 
 def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_name, skip_maps, warm_up,
