@@ -22,13 +22,15 @@ rounding points on differently scaled values); ``--fold-p-decay-ab``: ``chunk_fw
 with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk against both);
 ``--uniform-warpgroup-ab``: ``chunk_fwd.UNIFORM_WARPGROUP`` off, then on (bitwise equal expected);
 ``--lean-segments-ab``: ``hopper.forward.LEAN_SEGMENTS`` off, then on (the segmented forwards without their unread
-writes: bitwise equal expected); each says whether
+writes: bitwise equal expected); ``--prepared-ab``: ``hopper.prepared.PREPARED`` off, then on (a repeated
+signature's prepared launches: bitwise equal expected, less host time); each says whether
 o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
 --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the spread between
 repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
 back, one sync; the largest by own time, then by cumulative time), to say where a host-bound call's µs go.
 ``--host-parts``: the same question without cProfile's overhead: µs per call inside each layer of the Hopper forward
-and its launches (perf_counter around each; with switches, off then on). ``--host-dist``: each shape's host µs per
+and its launches (perf_counter around each; with switches, off then on; the plain forward's layers: its timed
+wrappers keep ``hopper.prepared`` from preparing the calls). ``--host-dist``: each shape's host µs per
 call as a distribution (p10 / p50 / p90 / max over isolated calls: a sync before each, then the call timed alone,
 so no queue and no GPU wait in it), with Python's garbage collections inside the calls counted and timed, the calls
 that synchronise with the device counted (``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to
@@ -55,7 +57,7 @@ from hopper_fwd_check import bench, graph_ms, host_profile, host_us  # this fold
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import launch, seq_parallel
 from linattn.ops.gated_delta import triton_chunk
-from linattn.ops.hopper import chunk_fwd, map_bound, prepass
+from linattn.ops.hopper import chunk_fwd, map_bound, prepared, prepass
 from linattn.ops.hopper import forward as hopper_forward
 from linattn.ops.hopper import varlen as hopper_varlen
 
@@ -70,7 +72,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING"),
             "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY"),
             "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
-            "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS")}
+            "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
+            "--prepared-ab": (prepared, "PREPARED")}
 PACKED = "--packed" in sys.argv
 
 

@@ -1,14 +1,14 @@
 """The next GPU session's checks in one device call: each step a child process with its own time limit (a hang or a
 crash costs that step, not the call), its output's tail printed as it ends, and a table of the steps last. The
-steps and their order are docs/performance.md's "Where things stand" list (after run 30):
+steps and their order are docs/performance.md's "Where things stand" list (after run 31):
 
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 36 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
+≈ 33 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
 min, fla autotunes for ≈ 40 s per row; the bench_anchors steps need fla in the site): in priority order, the first
-two steps (≈ 9 minutes at their caps) in the first call. ``--budget`` (560 s: a device call's 600 less the start)
+three steps (≈ 10 minutes at their caps) in the first call. ``--budget`` (560 s: a device call's 600 less the start)
 caps the whole run: each step gets what is left of it, and the steps it cannot start are listed as skipped (run
 them with ``--only`` in the next call). Carry ``.anchors`` (the bench_anchors steps run its bench_anchors.py).
 """
@@ -24,29 +24,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 30
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 31
 STEPS = [
-    # session 24's LEAN_SEGMENTS: its GPU test (bitwise the plain segmented forwards), then timed where it applies
-    # (the segmented rows 3, 7 and 4, the two-launch row 1), eagerly and replayed (its GPU time is what it cuts)
-    ("lean segments, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_lean_segments.py", "-k", "gpu"],
-     240),
-    ("lean segments, timed", [PY, "benchmarks/op_time_check.py", "--lean-segments-ab", "--repeat", "2", "--graph",
-                              "1,32768,16,16", "1,32768,2,8", "1,4096,16,16", "1,131072,16,16"], 300),
-    # row 3's host time: isolated calls first in a fresh process, then after row 6's kernels (run 30: ≈ 290 µs in
-    # one process state, ≈ 520 in another), with the collections and syncs inside them; then by layer
-    ("row 3 host time, distribution", [PY, "benchmarks/op_time_check.py", "--host-dist", "1,32768,16,16",
-                                       "2,16384,32,32", "1,32768,16,16"], 200),
-    ("row 3 host time, by layer", [PY, "benchmarks/op_time_check.py", "--host-parts", "1,32768,16,16"], 120),
+    # session 25's prepared calls (hopper/prepared.py, on): the GPU test (bitwise the plain forward at the three
+    # plans), then host time per call and the op off / on at the host-bound rows 3, 7 and 1 (and row 2)
+    ("prepared calls, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_prepared.py", "-k", "gpu"], 200),
+    ("prepared calls, timed", [PY, "benchmarks/op_time_check.py", "--prepared-ab", "--repeat", "2", "--graph",
+                               "1,32768,16,16", "1,32768,2,8", "1,4096,16,16", "8,4096,16,16"], 240),
+    # LEAN_SEGMENTS (on since run 31) at row 4, where replay and eager disagreed in run 31
+    ("lean segments at row 4", [PY, "benchmarks/op_time_check.py", "--lean-segments-ab", "--repeat", "3", "--graph",
+                                "1,131072,16,16"], 150),
     # what bounds the walk after session 23's switches: DRAM throughput against the chain's stalls
     ("walk and pre-pass under ncu", ["ncu", "--kernel-name", "regex:gdn_", "--launch-skip", "2", "--launch-count", "2",
                                      "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
                                      "MemoryWorkloadAnalysis", PY, "benchmarks/ncu_forward.py", "--path", "auto"],
-     300),
-    ("rows 1 4 7 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
+     240),
+    ("rows 1 3 7 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
                                "--no-decode", "--skip-correct", "--shapes",
-                               "1,4096,16,16;1,131072,16,16;1,32768,2,8"], 560),
-    ("row 6 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule", "--no-decode",
-                          "--skip-correct", "--shapes", "2,16384,32,32"], 400),
+                               "1,4096,16,16;1,32768,16,16;1,32768,2,8"], 560),
+    ("rows 4 6 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
+                             "--no-decode", "--skip-correct", "--shapes", "1,131072,16,16;2,16384,32,32"], 560),
 ]
 
 
