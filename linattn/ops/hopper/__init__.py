@@ -4,9 +4,10 @@ on sm_90 for the bf16 inputs it supports (``triton_chunk.hopper_plan``), the Tri
     prepass.py        gc, β head-major and each chunk's inverse A_inv (bf16), and the chunks' map bounds
     chunk_fwd.py      the fused walk: the state on chip, o and the final state written (plain, affine, warm)
     chunk_fwd_ref.py  the walk's PyTorch twins
-    uniform_warpgroup.py  the walk's generated CUDA with a warp-uniform warpgroup index (off)
+    uniform_warpgroup.py  the walk's generated CUDA with a warp-uniform warpgroup index (on)
     chunk_fwd_roles.py  an experimental role-split walk (off)
     map_bound.py      the map bound's chunk sums and the segment plan (Triton)
     forward.py        the launch plan and the (segmented) forward that chains them
+    prepared.py       a repeated signature's launches without forward.py's checks and plan (on)
     varlen.py         packed sequences (cu_seqlens) by padding them to one length around forward.py
 """
