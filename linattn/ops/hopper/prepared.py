@@ -41,14 +41,13 @@ SWITCHES = {
                   "UNIFORM_WARPGROUP", "DIRECT_LAUNCH", "EXECUTION_BACKEND"),
     "map_bound": ("BLOCK",),
 }
-_MODULES = {"forward": lambda: fwd, "prepass": lambda: prepass, "chunk_fwd": lambda: chunk_fwd,
-            "map_bound": lambda: map_bound}
-_GETTERS = tuple((_MODULES[name], operator.attrgetter(*names)) for name, names in SWITCHES.items())
+_get_forward, _get_prepass, _get_chunk_fwd, _get_map_bound = (operator.attrgetter(*names) for names in
+                                                              SWITCHES.values())
 
 
 def switches() -> tuple:
-    """The values of :data:`SWITCHES` now."""
-    return tuple(get(module()) for module, get in _GETTERS)
+    """The values of :data:`SWITCHES` now (read per call: ≈ 1 µs)."""
+    return _get_forward(fwd), _get_prepass(prepass), _get_chunk_fwd(chunk_fwd), _get_map_bound(map_bound)
 
 
 def signature(q, k, v, g, beta, scale, initial_state, options: tuple) -> tuple:
