@@ -23,7 +23,10 @@ with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk
 ``--uniform-warpgroup-ab``: ``chunk_fwd.UNIFORM_WARPGROUP`` off, then on (bitwise equal expected);
 ``--lean-segments-ab``: ``hopper.forward.LEAN_SEGMENTS`` off, then on (the segmented forwards without their unread
 writes: bitwise equal expected); ``--prepared-ab``: ``hopper.prepared.PREPARED`` off, then on (a repeated
-signature's prepared launches: bitwise equal expected, less host time); each says whether
+signature's prepared launches: bitwise equal expected, less host time); ``--wide-segments-ab``:
+``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
+narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
+the gates divided by 65536 (no head forgets: the segmented forwards' worst case); each says whether
 o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
 --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the spread between
 repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
@@ -73,8 +76,11 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY"),
             "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
             "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
-            "--prepared-ab": (prepared, "PREPARED")}
+            "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS")}
 PACKED = "--packed" in sys.argv
+# the gates divided by 65536 (a head that forgets nothing within a sequence: every segment walks its maps), the
+# segmented forwards' worst case
+SLOW_GATES = "--slow-gates" in sys.argv
 
 
 def packed_lengths(B, T):
@@ -86,7 +92,10 @@ def op_inputs(B, T, H, HV, K, V):
     """The op's arguments (bench_anchors' inputs): B sequences of T rows, or with ``--packed`` their uneven lengths
     packed into one row (``cu_seqlens`` int32 among the keywords)."""
     if not PACKED:
-        return make_inputs(B, T, H, HV, K, V, torch.bfloat16, seed=2, requires_grad=True), {}
+        xs = make_inputs(B, T, H, HV, K, V, torch.bfloat16, seed=2, requires_grad=True)
+        if SLOW_GATES:
+            xs[3] = (xs[3].detach() / 65536).requires_grad_()
+        return xs, {}
     lengths = packed_lengths(B, T)
     offsets = [0]
     for n in lengths:
@@ -116,6 +125,7 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
                 uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
+                prepared=prepared.PREPARED, wide_segments=hopper_forward.WIDE_SEGMENTS, slow_gates=SLOW_GATES,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

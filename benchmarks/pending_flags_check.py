@@ -6,7 +6,7 @@ steps and their order are docs/performance.md's "Where things stand" list (after
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 33 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
+≈ 38 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
 min, fla autotunes for ≈ 40 s per row; the bench_anchors steps need fla in the site): in priority order, the first
 three steps (≈ 10 minutes at their caps) in the first call. ``--budget`` (560 s: a device call's 600 less the start)
 caps the whole run: each step gets what is left of it, and the steps it cannot start are listed as skipped (run
@@ -31,6 +31,11 @@ STEPS = [
     ("prepared calls, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_prepared.py", "-k", "gpu"], 200),
     ("prepared calls, timed", [PY, "benchmarks/op_time_check.py", "--prepared-ab", "--repeat", "2", "--graph",
                                "1,32768,16,16", "1,32768,2,8", "1,4096,16,16", "8,4096,16,16"], 240),
+    # session 25's WIDE_SEGMENTS (off): row 6's shape at the anchors' gates and at slow gates (its worst case)
+    ("wide segments, timed", [PY, "benchmarks/op_time_check.py", "--wide-segments-ab", "--repeat", "2", "--graph",
+                              "2,16384,32,32"], 150),
+    ("wide segments, slow gates", [PY, "benchmarks/op_time_check.py", "--wide-segments-ab", "--slow-gates",
+                                   "--graph", "2,16384,32,32"], 120),
     # LEAN_SEGMENTS (on since run 31) at row 4, where replay and eager disagreed in run 31
     ("lean segments at row 4", [PY, "benchmarks/op_time_check.py", "--lean-segments-ab", "--repeat", "3", "--graph",
                                 "1,131072,16,16"], 150),

@@ -212,6 +212,50 @@ def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeyp
     assert plan(1, 16, 192, 1000, 132, True) == dict(LAUNCH, BV=64)
 
 
+def test_plan_with_wide_segments_cuts_where_only_the_narrow_tile_fills(monkeypatch):
+    """WIDE_SEGMENTS: where BV=128's programs do not fill the card but BV=64's do (and the shape has 2¹⁸ rows or
+    more), two segments at BV=128 instead of the unsegmented kernel at BV=64; elsewhere the plan as without it."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.forward import LAUNCH, plan
+    shapes = [(2, 32, 128, 16384), (8, 16, 128, 4096), (1, 16, 128, 32768), (2, 32, 64, 16384), (2, 32, 128, 1000),
+              (1, 32, 128, 4096)]
+    without = {shape: plan(*shape, 132, False) for shape in shapes}
+    assert without[(2, 32, 128, 16384)] == dict(LAUNCH, BV=64)                 # 128 programs at BV=64
+    monkeypatch.setattr(hopper_fwd, "WIDE_SEGMENTS", True)
+    assert plan(2, 32, 128, 16384, 132, False) == dict(LAUNCH, segments=2)      # 2 × 2 × 32 programs at BV=128
+    assert plan(2, 32, 128, 16384, 132, True) == dict(LAUNCH, segments=2)
+    # unchanged: BV=128 fills the card; segmented already; V=64 (no wide tile); T not a multiple of 64 · 2
+    for shape in ((8, 16, 128, 4096), (1, 16, 128, 32768), (2, 32, 64, 16384), (2, 32, 128, 1000)):
+        assert plan(*shape, 132, False) == without[shape], shape
+    assert plan(2, 32, 128, 4096, 132, False) == dict(LAUNCH, segments=2)       # 2¹⁸ rows: segments of 32 chunks
+    assert plan(1, 32, 128, 4096, 132, False) == without[(1, 32, 128, 4096)]    # 2¹⁷ rows: as without
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("gates", ["drawn", "slow"])
+def test_wide_segments_through_the_op_on_the_gpu(monkeypatch, gates):
+    """bf16 B=2 T=4096 H=HV=32 K=V=128 through the op ("auto": the unsegmented kernel at BV=64, or with
+    WIDE_SEGMENTS two segments at BV=128): as accurate as the unsegmented kernel against the float64 recurrence
+    (within 15%; both within 1e-2), at the drawn gates (every head warms up) and slow ones (/ 65536: every head walks
+    its maps); the plan with it segments this shape on this card."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    x = gpu_inputs(2, 4096, 32, 32, 128, 128, seed=7)
+    if gates == "slow":
+        x["g"] = x["g"] / 65536
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(hopper_fwd, "WIDE_SEGMENTS", on)
+        with torch.no_grad():
+            outs[on] = linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+    errors = {on: (rel(o, ro), rel(ht, rht)) for on, (o, ht) in outs.items()}
+    assert all(e < 1e-2 for pair in errors.values() for e in pair), errors
+    assert errors[True][0] < 1.15 * errors[False][0] and errors[True][1] < 1.15 * errors[False][1], errors
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert hopper_fwd.plan(2, 32, 128, 4096, sms, False).get("segments") == 2      # as monkeypatched: on
+
+
 def warm_up_capture_replay(call):
     """``call()`` once on a side stream (the usual warm-up before a capture), then captured in a CUDA graph and
     replayed: (the warm-up's result, the replay's outputs)."""

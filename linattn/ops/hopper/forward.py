@@ -99,18 +99,19 @@ SCAN_BV = 16
 MIN_SEGMENT_CHUNKS = 16
 
 
-def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int) -> Optional[int]:
+def segment_count(num_sequences: int, HV: int, V: int, T: int, sms: int, widths: Optional[tuple] = None
+                  ) -> Optional[int]:
     """Segments per sequence for :func:`forward_hopper` where the unsegmented kernel's programs do not fill the
     card: the fewest S in 2, 4, …, 64 that divides T's chunks (T a multiple of 64: the segments are views), leaves
     segments of at least :data:`MIN_SEGMENT_CHUNKS` chunks and gives phase C programs that fill the card
     (:data:`FILL_FRACTION`) at BV=128, else at BV=64 (run 20: a 128-wide program walks a chunk in ≈ 6 µs, a 64-wide
     one in ≈ 4, so the wider tile with twice the segments does the same work in ⅔ of the time); None where none
-    does."""
+    does. ``widths``: the V tiles to try, widest first (None: BV=128, then 64)."""
     if T % BT:
         return None
     chunks = T // BT
     candidates = [S for S in (2, 4, 8, 16, 32, 64) if chunks % S == 0 and chunks // S >= MIN_SEGMENT_CHUNKS]
-    for BV in (LAUNCH["BV"], 64):
+    for BV in widths or (LAUNCH["BV"], 64):
         for S in candidates:
             if V % BV == 0 and fills_card(num_sequences * S * HV * (V // BV), sms):
                 return S
@@ -159,13 +160,26 @@ SEGMENTED_WHEN_CAPTURED = False
 SEGMENTED_AUTO = True
 
 
+# Segments at BV=128 before the unsegmented kernel at BV=64, where BV=128's programs alone do not fill the card but
+# BV=64's do (B=2 T=16384 H=32, issue 4's row 6: 64 programs at BV=128, 128 at 64) and the shape is large enough for
+# the five-launch forward (MIN_SEGMENTED_HEAD_TOKENS). At BV=64 every program does the whole K side of the chunk (Q
+# Kᵀ, K S, the solve's operand) for half the columns; two segments at BV=128 do it once per head and walk half the
+# chunks each. Run 23 (H200, before stsm and session 23's switches, anchors' gates, warm-ups): 0.852 against 1.025
+# ms at row 6's shape (0.83×); row 6 is 0.712 today (run 30), its goal 0.625: 0.83× would be ≈ 0.59. The worst
+# case: heads that never forget walk their maps (phase A, about twice a segment's state work on top of phase C),
+# predicted ≈ 1.2–1.4× the unsegmented BV=64 time there. Off until measured (op_time_check.py --wide-segments-ab,
+# with --slow-gates for the worst case); session 25, CPU only
+WIDE_SEGMENTS = False
+
+
 def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, capturing: bool = False
          ) -> Optional[dict]:
     """:func:`forward_hopper`'s keywords for ``num_sequences`` equal-length sequences of ``T`` tokens and ``HV``
     value heads of width ``V`` on ``sms`` SMs, or None for the Triton paths: the unsegmented kernel where its
     programs fill the card (:func:`hopper_launch`), else the segmented forward where segments do
     (:func:`segment_count`; the plan's "segments"; under "auto" only with :data:`SEGMENTED_AUTO`), else None — or,
-    ``forced`` (``FORWARD_PATH = "hopper"``), the unsegmented kernel at :func:`fitted_launch`.
+    ``forced`` (``FORWARD_PATH = "hopper"``), the unsegmented kernel at :func:`fitted_launch`. With
+    :data:`WIDE_SEGMENTS`, segments at BV=128 before the unsegmented kernel at BV=64.
 
     Run 21 (H200, bf16, K = V = 128, ms with the pre-pass against the Triton split, no grad): segmented B=1 T=4096
     H=16 (4 segments) 0.242 vs 0.319 (and 0.336 vs 0.230 on another machine), T=32768 (8) 1.222 vs 1.679 (1.196
@@ -176,6 +190,11 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, ca
     :data:`SMALL_PLAN_IN_WALK`) or without the levers (``skip_maps``, ``warm_up`` False: :data:`SMALL_SEGMENTED`),
     or, ``capturing`` (a CUDA graph capture), with them (:data:`SEGMENTED_WHEN_CAPTURED`)."""
     launch = hopper_launch(num_sequences, HV, V, sms)
+    if launch is not None and WIDE_SEGMENTS and launch == dict(LAUNCH, BV=64) and V % LAUNCH["BV"] == 0 and \
+            num_sequences * T * HV >= MIN_SEGMENTED_HEAD_TOKENS:
+        wide = segment_count(num_sequences, HV, V, T, sms, widths=(LAUNCH["BV"],))
+        if wide is not None:                    # segments at the wide tile (WIDE_SEGMENTS)
+            return dict(LAUNCH, segments=wide)
     if launch is not None:
         return launch
     segments = segment_count(num_sequences, HV, V, T, sms)
