@@ -37,6 +37,7 @@ from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import chunk_fwd_ref as twins
 from linattn.ops.hopper import forward as hopper_forward_module
+from linattn.ops.hopper import walk_launch
 from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan, run_prepass
 from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
 from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
@@ -187,7 +188,7 @@ def time_shape(B, T, H, HV, variants):
             key = variant_name(variant)
             try:
                 def fused(a_inv=a_invs[a_dtype][1], launch=launch):
-                    return hopper.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], gc_hm, beta_hm, a_inv, scale, None,
+                    return walk_launch.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], gc_hm, beta_hm, a_inv, scale, None,
                                                       **launch)
                 fused()
                 row[key] = bench(fused)
@@ -417,7 +418,7 @@ def profile_shape(B, T, H, HV):
             gc_hm, beta_hm = hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))
             stages = dict(prepass=prepass,
                           head_major_x2=lambda: (hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))))
-        walk = functools.partial(hopper.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm, beta_hm,
+        walk = functools.partial(walk_launch.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm, beta_hm,
                                  seg(a_inv), scale, None, beta_in_a_inv=folded)
         stages["walk"] = functools.partial(walk, **launch)
         if S > 1:     # the segmented forward's stages as forward_hopper runs them with the module's switches
@@ -439,7 +440,7 @@ def profile_shape(B, T, H, HV):
                                                       skip=skip_m)
             if warm:
                 h_in = stages["affine_scan"]()
-                stages["walk"] = functools.partial(hopper.chunk_fwd_hopper_hm, x["q"], x["k"], x["v"], gc_hm,
+                stages["walk"] = functools.partial(walk_launch.chunk_fwd_hopper_hm, x["q"], x["k"], x["v"], gc_hm,
                                                    beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm,
                                                    beta_in_a_inv=folded, **launch)
         calls = dict(forward_hopper=functools.partial(forward_hopper, *args, segments=S, skip_maps=levers[0],

@@ -13,9 +13,9 @@ import sys
 import torch
 from hopper_fwd_check import bench, graph_ms, host_us, low_precision, make  # this folder is on sys.path
 
-from linattn.ops.hopper.chunk_fwd import chunk_fwd_hopper_hm
 from linattn.ops.hopper.forward import LAUNCH, forward_hopper
 from linattn.ops.hopper.prepass import BETA_IN_A_INV, prepass_hopper
+from linattn.ops.hopper.walk_launch import chunk_fwd_hopper_hm
 
 STREAMS = {}
 

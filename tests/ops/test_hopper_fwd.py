@@ -16,6 +16,7 @@ from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import chunk_fwd_ref as twins
+from linattn.ops.hopper import walk_launch
 
 
 def inputs(B, T, H, HV, K, V, dtype=torch.float64, seed=0):
@@ -547,7 +548,7 @@ def test_kernel_takes_bf16_only():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
     gc = torch.zeros(1, 64, 1)
     with pytest.raises(TypeError, match="bf16"):
-        hopper.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], torch.zeros(1, 64, 1, 64), 0.125, None)
+        walk_launch.chunk_fwd_hopper(x["q"], x["k"], x["v"], gc, x["beta"], torch.zeros(1, 64, 1, 64), 0.125, None)
 
 
 def test_out_tensors_of_the_wrong_layout_say_why_before_any_compile():
@@ -561,9 +562,9 @@ def test_out_tensors_of_the_wrong_layout_say_why_before_any_compile():
     strided = torch.empty(2, 64, 1, 128, dtype=torch.bfloat16)[..., :64]
     for bad in ((o[:1], ht), (o, ht.double()), (strided, ht)):
         with pytest.raises(ValueError, match="out must be"):
-            hopper.chunk_fwd_hopper_hm(*args, out=bad)
+            walk_launch.chunk_fwd_hopper_hm(*args, out=bad)
     with pytest.raises(ValueError, match="not with warm_chunks"):
-        hopper.chunk_fwd_hopper_hm(*args, out=(o, ht), warm_chunks=torch.zeros(2, 1, dtype=torch.int32))
+        walk_launch.chunk_fwd_hopper_hm(*args, out=(o, ht), warm_chunks=torch.zeros(2, 1, dtype=torch.int32))
 
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
@@ -686,7 +687,7 @@ def test_role_split_kernel_takes_a_bf16_a_inv_only():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
     hm = torch.zeros(1, 1, 64)
     with pytest.raises(TypeError, match="role-split kernel takes a bf16 a_inv"):
-        hopper.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], hm, hm, torch.zeros(1, 64, 1, 64), 0.125, None,
+        walk_launch.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], hm, hm, torch.zeros(1, 64, 1, 64), 0.125, None,
                                    roles=True)
 
 

@@ -23,7 +23,7 @@ MODULES = {"forward": hopper_fwd, "prepass": prepass, "chunk_fwd": chunk_fwd, "m
 NOT_READ = {
     "forward": {"BT", "FILL_FRACTION", "LAUNCH", "MIN_SEGMENTED_HEAD_TOKENS", "MIN_SEGMENT_CHUNKS", "PREPASSES",
                 "SEGMENTED_AUTO", "SEGMENTED_WHEN_CAPTURED", "SMALL_PLAN_IN_WALK", "SMALL_SEGMENTED", "TWO_PER_SM",
-                "TWO_PER_SM_LAUNCH"},
+                "TWO_PER_SM_LAUNCH", "WIDE_SEGMENTS"},
     "prepass": {"BT", "D", "LOG2E"},
     "chunk_fwd": {"BT", "COMPILE_FAILED"},
     "map_bound": {"BT", "LOG2E"},

@@ -3,6 +3,7 @@ on sm_90 for the bf16 inputs it supports (``triton_chunk.hopper_plan``), the Tri
 
     prepass.py        gc, β head-major and each chunk's inverse A_inv (bf16), and the chunks' map bounds
     chunk_fwd.py      the fused walk: the state on chip, o and the final state written (plain, affine, warm)
+    walk_launch.py    its launchers: the compiled kernel for a launch's options, tensors checked, o allocated
     chunk_fwd_ref.py  the walk's PyTorch twins
     uniform_warpgroup.py  the walk's generated CUDA with a warp-uniform warpgroup index (on)
     chunk_fwd_roles.py  an experimental role-split walk (off)

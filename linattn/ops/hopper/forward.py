@@ -17,9 +17,10 @@ import torch
 from ..common.fused_prepass import fused_prepass
 from ..common.seq_parallel import affine_scan
 from . import prepass as prepass_module
-from .chunk_fwd import BT, chunk_fwd_hopper_hm, head_major
+from .chunk_fwd import BT, head_major
 from .map_bound import SegmentPlan, chunk_bounds, segment_plan
 from .prepass import prepass_hopper
+from .walk_launch import chunk_fwd_hopper_hm
 
 # The pre-pass: "tilelang" (``prepass.py``: gc, β per segment head-major and A_inv bf16 from one kernel whose solve
 # has no cross-lane reductions) or "triton" (``fused_prepass(write_wy=False)`` and two head-major copies). Run 22

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ..common.seq_parallel import affine_scan
-from . import chunk_fwd, map_bound, prepass
+from . import chunk_fwd, map_bound, prepass, walk_launch
 from . import forward as fwd
 
 # Whether forward_hopper prepares repeated signatures (off: the plain forward on every call)
@@ -82,7 +82,7 @@ def plain_functions_in_place() -> bool:
     """Whether the plain forward ran on the functions this module repeats (tests and ``op_time_check.py
     --host-parts`` swap in twins or timed wrappers: their calls are not prepared, so they keep running through
     them)."""
-    return (fwd.prepass_hopper is prepass.prepass_hopper and fwd.chunk_fwd_hopper_hm is chunk_fwd.chunk_fwd_hopper_hm
+    return (fwd.prepass_hopper is prepass.prepass_hopper and fwd.chunk_fwd_hopper_hm is walk_launch.chunk_fwd_hopper_hm
             and fwd.segment_plan is map_bound.segment_plan and fwd.affine_scan is affine_scan)
 
 
@@ -114,8 +114,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
     lean = S > 1 and fwd.LEAN_SEGMENTS and (plan_in_walk or warm)
     # the compiled kernels (cached since the plain forward's call) and their tvm_ffi executables
     prepass_exe = chunk_fwd.launcher(prepass.prepass_kernel(H, HV, K, beta_dtype, prepass.BETA_IN_A_INV))
-    walk = functools.partial(chunk_fwd.walk_kernel, H, HV, K, V)
-    warm_walk = functools.partial(chunk_fwd.warm_kernel, H, HV, K, V, BV, scale, threads, num_stages)
+    walk = functools.partial(walk_launch.walk_kernel, H, HV, K, V)
+    warm_walk = functools.partial(walk_launch.warm_kernel, H, HV, K, V, BV, scale, threads, num_stages)
 
     def run_prepass(k, g, beta, device):
         """prepass.prepass_hopper: gc and β per segment, A_inv [B, T, HV, 64] and the chunk bounds."""
@@ -132,13 +132,13 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
                                            False, tma_o, stsm, beta_in_a, min_blocks, False))
 
         def unsegmented(q, k, v, g, beta, initial_state):
-            """forward_hopper unsegmented: the pre-pass, then chunk_fwd.chunk_fwd_hopper_hm's walk."""
+            """forward_hopper unsegmented: the pre-pass, then walk_launch.chunk_fwd_hopper_hm's walk."""
             device = q.device
             gc_hm, beta_hm, a_inv, _ = run_prepass(k, g, beta, device)
             o = torch.empty_like(v)
             ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
             walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv,
-                     chunk_fwd.state_arg(initial_state, (B, HV, K, V), device),
+                     walk_launch.state_arg(initial_state, (B, HV, K, V), device),
                      torch.empty(B, HV, dtype=i32, device=device), o, ht)
             return o, ht
         return unsegmented
@@ -149,13 +149,13 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
 
         def planned(q, k, v, g, beta, initial_state):
             """forward_hopper with plan_in_walk: the pre-pass, then the walk that plans its warm-ups
-            (chunk_fwd._warm_walk with the bounds)."""
+            (walk_launch._warm_walk with the bounds)."""
             device = q.device
             gc_hm, beta_hm, a_inv, bound = run_prepass(k, g, beta, device)
             o = torch.empty_like(v)
             ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
             planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv,
-                        chunk_fwd.state_arg(initial_state, (B, HV, K, V), device), bound, o, ht)
+                        walk_launch.state_arg(initial_state, (B, HV, K, V), device), bound, o, ht)
             return o, fwd.last_segments(ht, B, S, lean)
         return planned
 
