@@ -4,7 +4,8 @@
 where its programs fill the card (``forward.hopper_launch``), ``triton_chunk.FORWARD_PATH = "hopper"`` wherever it
 takes them. On the H200 (run 20): B=8 T=4096 H=16 0.387 ms alone, 0.656 with the pre-pass (the split: 1.007);
 every case of gpu_check_core within 2× the rounded baseline (o 3.4e-3, final state 2.4e-3 at the anchor case).
-benchmarks/hopper_fwd_check.py checks and times its launch variants.
+benchmarks/hopper_fwd_check.py checks and times its launch variants; ``walk_launch.py`` holds the calls that take
+tensors and launch it (``chunk_fwd_hopper_hm``).
 
 Why (issue 4, docs/architecture.md): the Triton split forward writes every chunk's state h (32 KB per chunk and
 head in bf16, twice the size of the chunk's queries) and V_new to HBM and reads them back in a second kernel, and
