@@ -82,8 +82,7 @@ def recorder(monkeypatch):
         monkeypatch.setattr(module, "launcher", rec.executable)
     monkeypatch.setattr(map_bound, "segment_plan_kernel", rec.triton("plan", map_bound.segment_plan_kernel))
     monkeypatch.setattr(seq_parallel, "affine_scan_kernel", rec.triton("scan", seq_parallel.affine_scan_kernel))
-    monkeypatch.setattr(prepared, "_prepared", {})
-    monkeypatch.setattr(prepared, "PREPARED", True)
+    monkeypatch.setattr(prepared, "PREPARED", True)      # an empty cache: conftest's fresh_prepared_calls
     return rec
 
 

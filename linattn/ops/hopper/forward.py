@@ -350,8 +350,10 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     A signature seen before (the inputs' shapes and dtypes, these keywords, the module switches) takes its
     prepared call (``prepared.py``: the same launches without the checks and the plan's Python)."""
-    options = (a_inv_dtype, segments, prepass, skip_maps, warm_up, plan_in_walk, tuple(launch.items()))
-    key = prepared.signature(q, k, v, g, beta, scale, initial_state, options)
+    key = None                   # with prepared.PREPARED off: no signature, and below no lookup and no build
+    if prepared.PREPARED:
+        options = (a_inv_dtype, segments, prepass, skip_maps, warm_up, plan_in_walk, tuple(launch.items()))
+        key = prepared.signature(q, k, v, g, beta, scale, initial_state, options)
     call = prepared.prepared_call(key)
     if call is not None:
         return call(q, k, v, g, beta, initial_state)

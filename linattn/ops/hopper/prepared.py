@@ -61,15 +61,16 @@ _prepared: dict[tuple, Callable] = {}
 MAX_PREPARED = 256          # signatures kept (a process that sees more starts over: each holds no tensors)
 
 
-def prepared_call(key: tuple) -> Optional[Callable]:
-    """The prepared call of ``key``, or None before the plain forward has run under it."""
-    return _prepared.get(key) if PREPARED else None
+def prepared_call(key: Optional[tuple]) -> Optional[Callable]:
+    """The prepared call of ``key`` (None: not prepared, :data:`PREPARED` off), or None before the plain forward
+    has run under it."""
+    return _prepared.get(key) if key is not None else None
 
 
 def remember(key: tuple, q, k, v, beta, scale, initial_state, a_inv_dtype, segments, prepass_name, skip_maps,
              warm_up, plan_in_walk, launch: dict) -> None:
     """After the plain forward returned for these arguments: prepare ``key`` where :func:`build` covers it."""
-    if not PREPARED or key in _prepared or not plain_functions_in_place():
+    if key is None or key in _prepared or not plain_functions_in_place():
         return
     if len(_prepared) >= MAX_PREPARED:
         _prepared.clear()
@@ -111,7 +112,7 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
     BS, L = B * S, T // S
     Lp, LC = chunk_fwd.padded_length(L), -(-L // BT)
     beta_in_a = fwd.a_inv_has_beta(prepass_name, a_inv_dtype)
-    lean = S > 1 and fwd.LEAN_SEGMENTS and (plan_in_walk or warm)
+    lean = S > 1 and fwd.LEAN_SEGMENTS      # segmented here means with warm-ups, planned or not
     # the compiled kernels (cached since the plain forward's call) and their tvm_ffi executables
     prepass_exe = chunk_fwd.launcher(prepass.prepass_kernel(H, HV, K, beta_dtype, prepass.BETA_IN_A_INV))
     walk = functools.partial(walk_launch.walk_kernel, H, HV, K, V)
