@@ -3,8 +3,9 @@ TileLang kernel (pre-pass, walk, phase A) and Triton kernel (plan, scan) replace
 Python, the checks and the allocations (issue 4: rows 1, 3 and 7 are host-bound wherever the host is slow). Runs on
 a CPU (CPU tensors: allocation there is cheaper than the CUDA caching allocator's, so these figures are a floor) or
 a GPU. Prints µs per call for the unsegmented forward and the segmented one (S = 4: the warm-up levers on, off, and
-planned in the walk), each with ``prepared.PREPARED`` off (the plain forward's checks and plan on every call) and on
-(a repeated signature's prepared launches), the two interleaved in rounds so that the host's drift falls on both;
+planned in the walk), each with ``prepared.PREPARED`` off (the plain forward's checks and plan on every call), on
+(a repeated signature's prepared launches) and on with ``prepared.REUSE_SCRATCH`` (its scratch tensors kept), the
+three interleaved in rounds so that the host's drift falls on all;
 then a cProfile of the segmented one by own time.
 
     python benchmarks/host_hopper.py [--calls N] [--rounds R] [--profile]
@@ -61,15 +62,16 @@ def main():
     }
     print(f"## Host µs per call, kernels replaced by no-ops ({DEV}, torch {torch.__version__}), median of "
           f"{args.calls}")
-    print("| call | plain µs | prepared µs |\n|---|---|---|")
+    print("| call | plain µs | prepared µs | prepared, kept scratch µs |\n|---|---|---|---|")
+    modes = ((False, False), (True, False), (True, True))        # (PREPARED, REUSE_SCRATCH)
     for name, fn in cases.items():
-        times = {False: [], True: []}
+        times = {mode: [] for mode in modes}
         for _ in range(args.rounds):
-            for on in (False, True):
-                prepared.PREPARED = on
-                times[on].append(median_us(fn, args.calls))
-        print(f"| {name} | {statistics.median(times[False]):.1f} | {statistics.median(times[True]):.1f} |")
-    prepared.PREPARED = True
+            for mode in modes:
+                prepared.PREPARED, prepared.REUSE_SCRATCH = mode
+                times[mode].append(median_us(fn, args.calls))
+        print(f"| {name} | " + " | ".join(f"{statistics.median(times[mode]):.1f}" for mode in modes) + " |")
+    prepared.PREPARED, prepared.REUSE_SCRATCH = True, False
     if args.profile:
         fn = cases["forward_hopper segmented S=4, warm-ups"]
         prof = cProfile.Profile()

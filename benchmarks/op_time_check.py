@@ -23,7 +23,9 @@ with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk
 ``--uniform-warpgroup-ab``: ``chunk_fwd.UNIFORM_WARPGROUP`` off, then on (bitwise equal expected);
 ``--lean-segments-ab``: ``hopper.forward.LEAN_SEGMENTS`` off, then on (the segmented forwards without their unread
 writes: bitwise equal expected); ``--prepared-ab``: ``hopper.prepared.PREPARED`` off, then on (a repeated
-signature's prepared launches: bitwise equal expected, less host time); ``--wide-segments-ab``:
+signature's prepared launches: bitwise equal expected, less host time); ``--kept-scratch-ab``:
+``hopper.prepared.REUSE_SCRATCH`` off, then on (the prepared calls' scratch kept from call to call: bitwise equal
+expected, less host time); ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); each says whether
@@ -76,7 +78,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY"),
             "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
             "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
-            "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS")}
+            "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
+            "--kept-scratch-ab": (prepared, "REUSE_SCRATCH")}
 PACKED = "--packed" in sys.argv
 # the gates divided by 65536 (a head that forgets nothing within a sequence: every segment walks its maps), the
 # segmented forwards' worst case
@@ -125,7 +128,8 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
                 uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
-                prepared=prepared.PREPARED, wide_segments=hopper_forward.WIDE_SEGMENTS, slow_gates=SLOW_GATES,
+                prepared=prepared.PREPARED, kept_scratch=prepared.REUSE_SCRATCH,
+                wide_segments=hopper_forward.WIDE_SEGMENTS, slow_gates=SLOW_GATES,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

@@ -1,16 +1,18 @@
 """The next GPU session's checks in one device call: each step a child process with its own time limit (a hang or a
 crash costs that step, not the call), its output's tail printed as it ends, and a table of the steps last. The
-steps and their order are docs/performance.md's "Where things stand" list (after run 31):
+steps and their order are docs/performance.md's "Where things stand" list (after run 32):
 
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
         [--budget S]
 
-≈ 38 minutes in all at every step's cap on an H200 with TileLang's disk cache cold (FlashQLA compiles for ≈ 1
-min, fla autotunes for ≈ 40 s per row; the bench_anchors steps need fla in the site): in priority order, the first
-three steps (≈ 10 minutes at their caps) in the first call. ``--budget`` (560 s: a device call's 600 less the start)
-caps the whole run: each step gets what is left of it, and the steps it cannot start are listed as skipped (run
-them with ``--only`` in the next call). Carry ``.anchors`` (the bench_anchors steps run its bench_anchors.py).
+Run 32 timed the steps. On a fresh machine, the first bench_anchors row ran past 300 s (FlashQLA's forward and
+backward compiles, fla's autotune and linattn's first Triton backward). Once those were cached on the machine, a
+row at a compiled head configuration took 35–40 s, and one at a new configuration took 110–250 s. The flag steps
+took 10–90 s each. ``--budget`` (560 s: a device call's 600 less the start) caps the whole run: each step gets what
+is left of it, and the steps it cannot start are listed as skipped (run them with ``--only`` in the next call,
+within 30 s of the last one's end so that the machine and its caches are still there). Carry ``.anchors`` (the
+bench_anchors steps run its bench_anchors.py; they need fla in the site, the others run with it moved aside).
 """
 from __future__ import annotations
 
@@ -26,30 +28,30 @@ PY = sys.executable
 
 # (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 31
 STEPS = [
-    # session 25's prepared calls (hopper/prepared.py, on): the GPU test (bitwise the plain forward at the three
-    # plans), then host time per call and the op off / on at the host-bound rows 3, 7 and 1 (and row 2)
-    ("prepared calls, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_prepared.py", "-k", "gpu"], 200),
-    ("prepared calls, timed", [PY, "benchmarks/op_time_check.py", "--prepared-ab", "--repeat", "2", "--graph",
-                               "1,32768,16,16", "1,32768,2,8", "1,4096,16,16", "8,4096,16,16"], 240),
-    # session 25's WIDE_SEGMENTS (off): row 6's shape at the anchors' gates and at slow gates (its worst case)
-    ("wide segments, timed", [PY, "benchmarks/op_time_check.py", "--wide-segments-ab", "--repeat", "2", "--graph",
-                              "2,16384,32,32"], 150),
-    ("wide segments, slow gates", [PY, "benchmarks/op_time_check.py", "--wide-segments-ab", "--slow-gates",
-                                   "--graph", "2,16384,32,32"], 120),
-    # LEAN_SEGMENTS (on since run 31) at row 4, where replay and eager disagreed in run 31
-    ("lean segments at row 4", [PY, "benchmarks/op_time_check.py", "--lean-segments-ab", "--repeat", "3", "--graph",
-                                "1,131072,16,16"], 150),
+    # session 26's kept scratch (hopper/prepared.py REUSE_SCRATCH, off): the GPU tests of the prepared calls with and
+    # without it (bitwise the plain forward, its kept tensors poisoned first), then host time at the host-bound rows
+    # 1 and 7 (predicted −15 to −25 µs per call; GPU time unchanged)
+    ("prepared calls and kept scratch, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_prepared.py",
+                                                    "-k", "gpu"], 240),
+    ("kept scratch, timed", [PY, "benchmarks/op_time_check.py", "--kept-scratch-ab", "--repeat", "2", "--graph",
+                             "1,4096,16,16", "1,32768,2,8"], 180),
+    # the Python and allocations around the launches on the H200's host (every kernel a no-op): what rows 1 and 7
+    # have left besides their launches
+    ("host floor on the GPU's host", [PY, "benchmarks/host_hopper.py", "--calls", "1000", "--rounds", "3"], 120),
     # what bounds the walk after session 23's switches: DRAM throughput against the chain's stalls
     ("walk and pre-pass under ncu", ["ncu", "--kernel-name", "regex:gdn_", "--launch-skip", "2", "--launch-count", "2",
                                      "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
                                      "MemoryWorkloadAnalysis", PY, "benchmarks/ncu_forward.py", "--path", "auto"],
      240),
-    # issue 4's table beside fla, FlashQLA and SDPA: one process per row (≈ 190 s each with fla's autotune and
-    # FlashQLA's compiles, so a cut costs one row), in the order of docs/performance.md's list
+    # issue 4's table beside fla, FlashQLA and SDPA: one process per row (a cut costs one row), the host-bound rows
+    # first, then the row run 32 did not reach
 ] + [(f"row {n} beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
-                              "--no-decode", "--skip-correct", "--shapes", shape], 300)
-     for n, shape in [(1, "1,4096,16,16"), (3, "1,32768,16,16"), (7, "1,32768,2,8"), (4, "1,131072,16,16"),
-                      (6, "2,16384,32,32"), (2, "8,4096,16,16"), (5, "4,8192,16,32")]]
+                              "--no-decode", "--skip-correct", "--shapes", shape], 420)
+     for n, shape in [(1, "1,4096,16,16"), (7, "1,32768,2,8"), (5, "4,8192,16,32"), (3, "1,32768,16,16"),
+                      (2, "8,4096,16,16"), (4, "1,131072,16,16"), (6, "2,16384,32,32")]] + [
+    # session 25's WIDE_SEGMENTS (off: 1.50× at slow gates in run 32): its accuracy at drawn and slow gates
+    ("wide segments, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k", "wide"], 200),
+]
 
 
 def text(x) -> str:

@@ -183,6 +183,68 @@ def test_uncovered_configurations_take_the_plain_forward(recorder):
     assert traced_call(recorder, x, kw) == first
 
 
+def launch_args(rec: Recorder, x, kw: dict) -> list:
+    """One forward_hopper call's launches: each launch's arguments as passed (the tensors themselves)."""
+    traced_call(rec, x, kw)
+    return [args for _, _, args in rec.trace]
+
+
+def scratch_args(launches: list, x) -> list:
+    """The tensors of ``launches`` that are neither inputs nor views of them, by position (launch, argument)."""
+    inputs_at = {t.untyped_storage().data_ptr() for t in x if isinstance(t, torch.Tensor)}
+    return [(i, j, a) for i, args in enumerate(launches) for j, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in inputs_at]
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("case", ["unsegmented", "five_launch", "two_launch"])
+def test_kept_scratch_is_the_same_launches_with_the_same_tensors(recorder, monkeypatch, case, with_state):
+    """With REUSE_SCRATCH, the prepared calls issue the plain forward's launches (equal traces), and a second
+    prepared call passes the first one's scratch tensors (the same objects) but new outputs: o, the final state,
+    and the plan's and the scan's tensors (made by those functions on every call) are new."""
+    monkeypatch.setattr(prepared, "REUSE_SCRATCH", True)
+    x = inputs(with_state)
+    plain = traced_call(recorder, x, CASES[case])
+    first, second = (launch_args(recorder, x, CASES[case]) for _ in range(2))
+    assert traced_call(recorder, x, CASES[case]) == plain
+    kept = {id(a) for _, _, a in scratch_args(first, x)} & {id(a) for _, _, a in scratch_args(second, x)}
+    # the pre-pass's four outputs and A_inv itself (the pre-pass writes it through a view), and the stand-ins: h0
+    # without a state, skip_m unsegmented, phase A's h0 and its maps
+    expected = 5 + (not with_state and case != "five_launch") + {"unsegmented": 1, "five_launch": 2}.get(case, 0)
+    assert len(kept) == expected, [(i, j) for i, j, a in scratch_args(second, x) if id(a) in kept]
+    assert all(a is not b for a, b in zip(first[-1][-2:], second[-1][-2:]))        # the last launch's o and ht
+
+
+def test_scratch_is_kept_per_thread_and_only_for_the_latest_signature(recorder, monkeypatch):
+    """Another thread gets its own scratch; another signature on the same thread replaces the kept set (one set per
+    thread and stream); release_scratch gives every set back; above SCRATCH_MAX_BYTES nothing is kept."""
+    import threading
+    monkeypatch.setattr(prepared, "REUSE_SCRATCH", True)
+    x = inputs(False)
+    kw = CASES["two_launch"]
+    traced_call(recorder, x, kw)
+    here = scratch_args(launch_args(recorder, x, kw), x)
+    there = []
+    worker = threading.Thread(target=lambda: there.append(scratch_args(launch_args(recorder, x, kw), x)))
+    worker.start()
+    worker.join()
+    assert not {id(a) for *_, a in here} & {id(a) for *_, a in there[0]}
+    assert len(prepared._scratch) == 2
+    y = inputs(False, torch.bfloat16)                  # another signature (β in bf16), on this thread
+    traced_call(recorder, y, kw)
+    launch_args(recorder, y, kw)
+    assert len(prepared._scratch) == 2 and all(a is not b for (*_, a), (*_, b) in zip(
+        scratch_args(launch_args(recorder, x, kw), x), here))      # x's set was replaced, so it is new again
+    kept = scratch_args(launch_args(recorder, x, kw), x)
+    prepared.release_scratch()                          # every set given back: the next call makes a new one
+    assert not prepared._scratch
+    assert all(a is not b for (*_, a), (*_, b) in zip(scratch_args(launch_args(recorder, x, kw), x), kept))
+    prepared.release_scratch()
+    monkeypatch.setattr(prepared, "SCRATCH_MAX_BYTES", 0)
+    a, b = (scratch_args(launch_args(recorder, x, kw), x) for _ in range(2))
+    assert all(s is not t for (*_, s), (*_, t) in zip(a, b)) and not prepared._scratch
+
+
 @ON_HOPPER
 @pytest.mark.parametrize("shape", [(8, 4096, 16, 16), (1, 32768, 16, 16), (1, 4096, 16, 16)],
                          ids=["unsegmented", "five_launch", "two_launch"])
@@ -202,3 +264,39 @@ def test_prepared_calls_are_bitwise_the_plain_forward_on_the_gpu(monkeypatch, sh
     assert len(prepared._prepared) == 1 and None not in prepared._prepared.values()
     for o, ht in outs[1:]:
         assert torch.equal(o, outs[0][0]) and torch.equal(ht, outs[0][1])
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("shape", [(8, 4096, 16, 16), (1, 32768, 16, 16), (1, 4096, 16, 16)],
+                         ids=["unsegmented", "five_launch", "two_launch"])
+def test_kept_scratch_is_bitwise_the_plain_forward_on_the_gpu(monkeypatch, shape):
+    """Through the public op on the H200 with REUSE_SCRATCH: two inputs in turn (x, y, x, y), each call after the
+    first two a prepared one on the other input's kept scratch, every (o, final state) bitwise the plain forward's
+    of its input. Each kept tensor starts poisoned (NaN where it is a float), so a read of one the call did not
+    write shows."""
+    import linattn
+    from linattn.ops.gated_delta import triton_chunk
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    xs = [gpu_inputs(*shape, 128, 128, seed=seed) for seed in (0, 1)]
+    monkeypatch.setattr(prepared, "PREPARED", False)
+    with torch.no_grad():
+        plain = [linattn.chunk_gated_delta_rule(**x, output_final_state=True) for x in xs]
+    monkeypatch.setattr(prepared, "PREPARED", True)
+    monkeypatch.setattr(prepared, "REUSE_SCRATCH", True)
+    real_scratch = prepared.scratch
+
+    def poisoned(owner, make, device, nbytes):
+        fresh = (owner, torch.cuda.current_stream(device).cuda_stream) not in poisoned.seen
+        held = real_scratch(owner, make, device, nbytes)
+        if fresh:
+            poisoned.seen.add((owner, torch.cuda.current_stream(device).cuda_stream))
+            for t in held:
+                t.view(torch.uint8).fill_(0xFF)             # NaN in every float lane, −1 in int32
+        return held
+    poisoned.seen = set()
+    monkeypatch.setattr(prepared, "scratch", poisoned)
+    with torch.no_grad():
+        for i in (0, 1, 0, 1):
+            o, ht = linattn.chunk_gated_delta_rule(**xs[i], output_final_state=True)
+            assert torch.equal(o, plain[i][0]) and torch.equal(ht, plain[i][1]), i
+    assert len(prepared._scratch) == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +29,24 @@ from . import forward as fwd
 
 # Whether forward_hopper prepares repeated signatures (off: the plain forward on every call)
 PREPARED = True
+
+# Whether a prepared call keeps its scratch tensors for the next call on the same stream and thread: the
+# pre-pass's gc, β, A_inv and chunk bounds, the kernels' unread stand-ins (h0 without an initial state, skip_m),
+# and phase A's maps and unread final states. It never keeps what it returns. Why: the host-bound rows allocate
+# 6–9 tensors per call (issue 4's row 1: five of its seven). At ≈ 3–5 µs each on the H200's hosts, that is
+# 15–35 µs of a 104–153 µs call (run 32). Predicted there: −15 to −25 µs of host time at rows 1 and 7. Session
+# 26, CPU only (benchmarks/host_hopper.py): off until its GPU test passes and the A/B is measured.
+#
+# Why it is the same computation: torch.empty's contents are whatever its block last held. So the plain forward's
+# results cannot depend on anything its kernels did not write in the same call (the lean maps, the stand-ins).
+# A kept set holds just such contents. A stream runs its calls in order, so the next call's pre-pass starts after
+# the last call's walk has read A_inv. Each thread and stream has its own set (two threads on one stream would
+# interleave their launches). A call under CUDA graph capture allocates as before, so a graph never shares memory
+# with the eager calls. Only the latest signature's set is kept per stream and thread, and only up to
+# SCRATCH_MAX_BYTES. A set that is replaced goes back to the caching allocator on its own stream, the only one
+# that used it; release_scratch() gives every kept set back (torch.cuda.empty_cache() does not reach them).
+REUSE_SCRATCH = False
+SCRATCH_MAX_BYTES = 64 << 20       # 64 MiB: row 7's five launches hold ≈ 60 MB; larger calls are GPU-bound
 
 
 # Every module setting the Hopper forward's plain path reads (part of a signature: flipping one prepares anew), by
@@ -87,6 +106,32 @@ def plain_functions_in_place() -> bool:
             and fwd.segment_plan is map_bound.segment_plan and fwd.affine_scan is affine_scan)
 
 
+_scratch: dict[tuple, tuple] = {}     # (thread, stream) → (the prepared call that made it, its tensors)
+
+
+def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) -> tuple:
+    """The scratch tensors of prepared call ``owner`` on this thread and stream: ``make(device)``'s, kept from its
+    last call there with :data:`REUSE_SCRATCH` (see its comment), else new."""
+    if not REUSE_SCRATCH or nbytes > SCRATCH_MAX_BYTES:
+        return make(device)
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return make(device)
+    where = (threading.get_ident(), torch.cuda.current_stream(device).cuda_stream if cuda else None)
+    held = _scratch.get(where)
+    if held is not None and held[0] is owner:
+        return held[1]
+    _scratch.pop(where, None)        # the stream's last set back to the allocator before the new one is made
+    tensors = make(device)
+    _scratch[where] = (owner, tensors)
+    return tensors
+
+
+def release_scratch() -> None:
+    """Give every kept scratch set back to the caching allocator (:data:`REUSE_SCRATCH`)."""
+    _scratch.clear()
+
+
 def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_name, skip_maps, warm_up,
           plan_in_walk, launch: dict) -> Optional[Callable]:
     """The prepared call ``(q, k, v, g, beta, initial_state) -> (o, final state)`` for these arguments of
@@ -118,45 +163,68 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
     walk = functools.partial(walk_launch.walk_kernel, H, HV, K, V)
     warm_walk = functools.partial(walk_launch.warm_kernel, H, HV, K, V, BV, scale, threads, num_stages)
 
-    def run_prepass(k, g, beta, device):
-        """prepass.prepass_hopper: gc and β per segment, A_inv [B, T, HV, 64] and the chunk bounds."""
+    def prepass_scratch(device, extra: tuple) -> tuple:
+        """The scratch tensors: prepass.prepass_hopper's outputs (A_inv [B, T, HV, 64] and its view as the
+        segments', gc and β [B·S, HV, Lp], the chunk bounds [B·S, HV, L/64]), then one per (shape, dtype) of
+        ``extra``."""
         a_inv = torch.empty(B, T, HV, BT, dtype=bf16, device=device)
-        gc_hm = torch.empty(BS, HV, Lp, dtype=f32, device=device)
-        beta_hm = torch.empty(BS, HV, Lp, dtype=beta_dtype, device=device)
-        bound = torch.empty(BS, HV, LC, dtype=f32, device=device)
+        return (a_inv, a_inv.view(BS, L, HV, BT), torch.empty(BS, HV, Lp, dtype=f32, device=device),
+                torch.empty(BS, HV, Lp, dtype=beta_dtype, device=device),
+                torch.empty(BS, HV, LC, dtype=f32, device=device),
+                *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in extra))
+
+    def scratch_of(extra: tuple) -> Callable:
+        """``held(owner, device)``: the owner's scratch tensors with ``extra`` (:func:`scratch`)."""
+        sizes = [((B, T, HV, BT), bf16), ((BS, HV, Lp), f32), ((BS, HV, Lp), beta_dtype), ((BS, HV, LC), f32),
+                 *extra]
+        nbytes = sum(functools.reduce(operator.mul, shape, 1) * dtype.itemsize for shape, dtype in sizes)
+        make = functools.partial(prepass_scratch, extra=extra)
+        return lambda owner, device: scratch(owner, make, device, nbytes)
+
+    def run_prepass(k, g, beta, held: tuple) -> None:
+        """prepass.prepass_hopper into the scratch: gc and β per segment, A_inv and the chunk bounds."""
         prepass_exe(k.contiguous().view(BS, L, H, K), g.float().contiguous().view(BS, L, HV),
-                    beta.contiguous().view(BS, L, HV), a_inv.view(BS, L, HV, BT), gc_hm, beta_hm, bound)
-        return gc_hm, beta_hm, a_inv, bound
+                    beta.contiguous().view(BS, L, HV), held[1], held[2], held[3], held[4])
+
+    # walk_launch.state_arg's h0 without an initial state: uninitialised, never read
+    h0_extra = () if has_state else (((B, HV, K, V), f32),)
+
+    def h0_of(initial_state, held: tuple, at: int) -> torch.Tensor:
+        """walk_launch.state_arg: the initial state in fp32, or the scratch's stand-in at ``at``."""
+        return initial_state.float().contiguous() if has_state else held[at]
 
     if S == 1:
         walk_exe = chunk_fwd.launcher(walk(BV, scale, threads, num_stages, has_state, beta_dtype, bf16, async_dots,
                                            False, tma_o, stsm, beta_in_a, min_blocks, False))
+        held_by = scratch_of(h0_extra + (((B, HV), i32),))     # and skip_m's stand-in (read by affine walks only)
 
         def unsegmented(q, k, v, g, beta, initial_state):
             """forward_hopper unsegmented: the pre-pass, then walk_launch.chunk_fwd_hopper_hm's walk."""
             device = q.device
-            gc_hm, beta_hm, a_inv, _ = run_prepass(k, g, beta, device)
+            held = held_by(unsegmented, device)
+            run_prepass(k, g, beta, held)
             o = torch.empty_like(v)
             ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
-            walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv,
-                     walk_launch.state_arg(initial_state, (B, HV, K, V), device),
-                     torch.empty(B, HV, dtype=i32, device=device), o, ht)
+            walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), held[2], held[3], held[0],
+                     h0_of(initial_state, held, 5), held[-1], o, ht)
             return o, ht
         return unsegmented
 
     if plan_in_walk:
         planned_exe = chunk_fwd.launcher(warm_walk(has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a,
                                                    fwd.NEGLIGIBLE_M_LOG2, min_blocks, lean))
+        held_by = scratch_of(h0_extra)
 
         def planned(q, k, v, g, beta, initial_state):
             """forward_hopper with plan_in_walk: the pre-pass, then the walk that plans its warm-ups
             (walk_launch._warm_walk with the bounds)."""
             device = q.device
-            gc_hm, beta_hm, a_inv, bound = run_prepass(k, g, beta, device)
+            held = held_by(planned, device)
+            run_prepass(k, g, beta, held)
             o = torch.empty_like(v)
             ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
-            planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv,
-                        walk_launch.state_arg(initial_state, (B, HV, K, V), device), bound, o, ht)
+            planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), held[2], held[3], held[0],
+                        h0_of(initial_state, held, 5), held[4], o, ht)
             return o, fwd.last_segments(ht, B, S, lean)
         return planned
 
@@ -167,22 +235,24 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
                                          lean))
     warm_exe = chunk_fwd.launcher(warm_walk(True, beta_dtype, bf16, async_dots, stsm, beta_in_a, None, min_blocks,
                                             lean))
+    # phase A's maps [M | N] and its h0 stand-in (the affine walk starts from [I | 0] and reads none)
+    held_by = scratch_of((((BS, HV, K, K + V), f32), ((BS, HV, K, V), f32)))
 
     def five_launches(q, k, v, g, beta, initial_state):
         """forward_hopper segmented with warm-ups: the pre-pass, the plan (map_bound.segment_plan), phase A
         (chunk_fwd_hopper_hm's affine walk on the segments as sequences: views), the scan, phase C (the warm
         walk from the entering states)."""
         device = q.device
-        gc_hm, beta_hm, a_inv, bound = run_prepass(k, g, beta, device)
-        flags = map_bound.segment_plan(bound, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True)
+        held = held_by(five_launches, device)
+        run_prepass(k, g, beta, held)
+        flags = map_bound.segment_plan(held[4], S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True)
         qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
-        mn = torch.empty(BS, HV, K, K + V, dtype=f32, device=device)
-        affine_exe(qs, ks, vs, gc_hm, beta_hm, a_inv.view(BS, L, HV, BT),
-                   torch.empty(BS, HV, K, V, dtype=f32, device=device), flags.skip_m, vs, mn)
+        mn = held[5]
+        affine_exe(qs, ks, vs, held[2], held[3], held[1], held[6], flags.skip_m, vs, mn)
         h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
                            nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
         o = torch.empty_like(v)
         ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
-        warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm, beta_hm, a_inv, h_in, flags.warm, o, ht)
+        warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), held[2], held[3], held[0], h_in, flags.warm, o, ht)
         return o, fwd.last_segments(ht, B, S, lean)
     return five_launches
