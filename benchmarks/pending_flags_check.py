@@ -33,6 +33,9 @@ STEPS = [
     # 1 and 7 (predicted −15 to −25 µs per call; GPU time unchanged)
     ("prepared calls and kept scratch, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_prepared.py",
                                                     "-k", "gpu"], 240),
+    # session 26: inputs that start off a 16-byte boundary take the Triton paths (hopper.chunk_fwd.misaligned)
+    ("inputs off a 16-byte boundary, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k",
+                                                 "boundary"], 120),
     ("kept scratch, timed", [PY, "benchmarks/op_time_check.py", "--kept-scratch-ab", "--repeat", "2", "--graph",
                              "1,4096,16,16", "1,32768,2,8"], 180),
     # the Python and allocations around the launches on the H200's host (every kernel a no-op): what rows 1 and 7

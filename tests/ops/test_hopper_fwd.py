@@ -138,6 +138,45 @@ def test_unsupported_inputs_say_why():
     assert "sm_90" in hopper.unsupported_reason(xb["q"], xb["v"], None)   # a CPU tensor
 
 
+def off_boundary(x: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """A contiguous copy of ``x`` whose data starts ``elements`` past a 16-byte boundary (a flat buffer cut there)."""
+    flat = torch.empty(x.numel() + 16, dtype=x.dtype, device=x.device)
+    start = (-flat.data_ptr() // x.element_size()) % (16 // x.element_size()) + elements
+    y = flat[start:start + x.numel()].view(x.shape)
+    y.copy_(x)
+    return y
+
+
+def test_inputs_off_a_16_byte_boundary_take_the_triton_paths(monkeypatch):
+    """hopper_plan: with the device and dtype gates passed (as on an sm_90 GPU with TileLang), the Hopper launch for
+    aligned inputs; None (the Triton paths) where q, v or one of the others starts off a 16-byte boundary."""
+    from linattn.ops.hopper import forward as hopper_forward
+    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(hopper, "unsupported_reason", lambda q, v, cu_seqlens: None)
+    monkeypatch.setattr(triton_chunk, "num_sms", lambda device: 132)
+    monkeypatch.setattr(hopper_forward, "plan", lambda *a, **kw: dict(hopper_forward.LAUNCH))
+
+    class OnGpu:
+        """A CPU tensor as hopper_plan sees it on the GPU: the device gate passes; shape, dtype and address its."""
+        def __init__(self, t):
+            self.t, self.shape, self.dtype, self.device = t, t.shape, t.dtype, torch.device("cuda", 0)
+
+        def data_ptr(self):
+            return self.t.data_ptr()
+    others = [x["k"], x["g"].float(), x["beta"].float(), x["initial_state"].float()]
+    assert hopper.misaligned(x["q"], x["v"], *others, None) is None
+    assert triton_chunk.hopper_plan(OnGpu(x["q"]), OnGpu(x["v"]), None, 1, others=tuple(others)) == \
+        hopper_forward.LAUNCH
+    for i in range(len(others)):
+        moved = list(others)
+        moved[i] = off_boundary(others[i])
+        assert torch.equal(moved[i], others[i]) and moved[i].is_contiguous()
+        assert hopper.misaligned(x["q"], x["v"], *moved) == 2 + i
+        assert triton_chunk.hopper_plan(OnGpu(x["q"]), OnGpu(x["v"]), None, 1, others=tuple(moved)) is None
+    assert triton_chunk.hopper_plan(OnGpu(off_boundary(x["q"])), OnGpu(x["v"]), None, 1) is None
+    assert hopper.misaligned(off_boundary(x["v"], 8)) is None          # 8 bf16 elements: 16 bytes on
+
+
 @pytest.mark.interpreter
 def test_hopper_forward_path_falls_back_where_the_kernel_cannot_run(monkeypatch):
     """triton_chunk.FORWARD_PATH = "hopper" on inputs the kernel does not take (here: CPU tensors under the
@@ -503,7 +542,7 @@ def test_a_kernel_that_does_not_compile_sends_the_op_to_triton_once(monkeypatch)
     kw = dict(initial_state=x["initial_state"].float(), output_final_state=True, backend="triton")
     o_ref, ht_ref = linattn.chunk_gated_delta_rule(*args, **kw)
     monkeypatch.setattr(triton_chunk, "hopper_plan",
-                        lambda *a: None if hopper.COMPILE_FAILED else dict(hopper_fwd.LAUNCH))
+                        lambda *a, **kw: None if hopper.COMPILE_FAILED else dict(hopper_fwd.LAUNCH))
     monkeypatch.setattr(hopper_fwd, "forward_hopper", failing)
     with pytest.warns(RuntimeWarning, match="did not compile"):
         o, ht = linattn.chunk_gated_delta_rule(*args, **kw)
@@ -771,3 +810,18 @@ def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkey
     seen.clear()
     hopper_fwd.forward_hopper(*args, **dict(kw, skip_maps=False))
     assert seen[0] is None                                  # skip_maps=False: every M walked
+
+
+@ON_HOPPER
+def test_inputs_off_a_16_byte_boundary_run_on_the_gpu():
+    """Through the public op on the H200: inputs that start off a 16-byte boundary (each a contiguous view of a flat
+    buffer cut at an odd element) take the Triton paths and give what the aligned inputs give, within the bf16
+    bound of two algorithms; and the aligned inputs are left as they were."""
+    x = gpu_inputs(1, 4096, 16, 16, 128, 128)
+    with torch.no_grad():
+        o, ht = linattn.chunk_gated_delta_rule(**x, output_final_state=True)
+        moved = {n: off_boundary(t) for n, t in x.items()}
+        assert all(hopper.misaligned(t) == 0 for t in moved.values())
+        o_m, ht_m = linattn.chunk_gated_delta_rule(**moved, output_final_state=True)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(o_m, o) < 1e-2 and rel(ht_m, ht) < 1e-2, (rel(o_m, o), rel(ht_m, ht))

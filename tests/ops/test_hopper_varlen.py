@@ -146,6 +146,7 @@ def test_the_op_plans_packed_bf16_for_the_padded_forward_only_when_switched_on(m
         device = torch.device("cuda", 0)
         dtype = torch.bfloat16
         shape = q.shape
+        data_ptr = staticmethod(q.data_ptr)
     monkeypatch.setattr(varlen, "VARLEN_BY_PADDING", False)
     assert triton_chunk.hopper_plan(OnGpu, v, cu, 2, offsets) is None
     monkeypatch.setattr(varlen, "VARLEN_BY_PADDING", True)

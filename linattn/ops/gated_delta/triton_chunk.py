@@ -108,19 +108,21 @@ def _hopper_modules():
 
 
 def hopper_plan(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                num_sequences: int, offsets: Optional[list[int]] = None) -> Optional[dict]:
+                num_sequences: int, offsets: Optional[list[int]] = None, others: tuple = ()) -> Optional[dict]:
     """The Hopper forward's launch for these inputs, or None to run the Triton paths: None where the kernel cannot
     take them (``hopper.chunk_fwd.unsupported_reason``: not bf16, not sm_90, no TileLang, ...; packed sequences
     only with ``hopper.varlen.VARLEN_BY_PADDING``, planned for ``num_sequences`` rows of the padded length, and
     under "auto" only where padding wastes little: ``hopper.varlen.worth_padding`` on the host ``offsets``); under
     "auto" also where neither the kernel's programs nor the segmented forward's fill the card
     (``hopper.forward.plan``, which may choose differently under CUDA graph capture: the host's cost is then paid
-    once); "hopper" then runs the unsegmented kernel."""
+    once); "hopper" then runs the unsegmented kernel. ``others``: the kernel's other inputs (k, g, β, the initial
+    state), which like q and v must start on a 16-byte boundary (``hopper.chunk_fwd.misaligned``)."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16:
         return None      # the common CPU / fp16 / fp32 case decided without importing the Hopper modules
     hopper, hopper_forward, hopper_varlen = _hopper_modules()
     padded = cu_seqlens is not None and hopper_varlen.VARLEN_BY_PADDING
-    if hopper.unsupported_reason(q, v, None if padded else cu_seqlens) is not None:
+    if hopper.unsupported_reason(q, v, None if padded else cu_seqlens) is not None or \
+            hopper.misaligned(q, v, *others) is not None:
         return None
     forced = FORWARD_PATH == "hopper"
     T = q.shape[1]
@@ -221,7 +223,7 @@ def chunk_gated_delta_rule_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
     if FORWARD_PATH in ("auto", "hopper"):
-        launch = hopper_plan(q, v, cu_seqlens, num_sequences, offsets)
+        launch = hopper_plan(q, v, cu_seqlens, num_sequences, offsets, others=(k, g, beta, initial_state))
         if launch is not None:
             hopper, hopper_forward, hopper_varlen = _hopper_modules()
             try:

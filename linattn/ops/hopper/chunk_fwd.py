@@ -628,6 +628,17 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[to
     return None
 
 
+def misaligned(*tensors: Optional[torch.Tensor]) -> Optional[int]:
+    """The position of the first of ``tensors`` (None skipped) whose data does not start on a 16-byte boundary, or
+    None. The kernels read their inputs by TMA, whose descriptors need a 16-byte aligned start, and by 16-byte
+    vector loads. A contiguous view can still start off that boundary: a flat buffer cut at an odd element, as a
+    memory planner may. Such inputs take the Triton paths, which specialise on alignment instead of assuming it."""
+    for i, x in enumerate(tensors):
+        if x is not None and x.data_ptr() % 16:
+            return i
+    return None
+
+
 def padded_length(T: int) -> int:
     """Tp: T rounded up to a multiple of 8, so that a head-major row of fp32 or bf16 values is a multiple of 16 bytes
     (TMA's stride rule); one Tp for gc and β, which the kernel binds to one symbol."""
