@@ -25,7 +25,8 @@ with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk
 writes: bitwise equal expected); ``--prepared-ab``: ``hopper.prepared.PREPARED`` off, then on (a repeated
 signature's prepared launches: bitwise equal expected, less host time); ``--kept-scratch-ab``:
 ``hopper.prepared.REUSE_SCRATCH`` off, then on (the prepared calls' scratch kept from call to call: bitwise equal
-expected, less host time); ``--wide-segments-ab``:
+expected, less host time); ``--routes-ab``: ``gated_delta.prepared_route.ROUTES`` off, then on (a repeated op
+call straight to its prepared Hopper forward: bitwise equal expected, less host time); ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); each says whether
@@ -61,7 +62,7 @@ from hopper_fwd_check import bench, graph_ms, host_profile, host_us  # this fold
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import launch, seq_parallel
-from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta import prepared_route, triton_chunk
 from linattn.ops.hopper import chunk_fwd, map_bound, prepared, prepass
 from linattn.ops.hopper import forward as hopper_forward
 from linattn.ops.hopper import varlen as hopper_varlen
@@ -79,7 +80,7 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
             "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
-            "--kept-scratch-ab": (prepared, "REUSE_SCRATCH")}
+            "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES")}
 PACKED = "--packed" in sys.argv
 # the gates divided by 65536 (a head that forgets nothing within a sequence: every segment walks its maps), the
 # segmented forwards' worst case
@@ -128,7 +129,7 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
                 deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
                 uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
-                prepared=prepared.PREPARED, kept_scratch=prepared.REUSE_SCRATCH,
+                prepared=prepared.PREPARED, kept_scratch=prepared.REUSE_SCRATCH, routes=prepared_route.ROUTES,
                 wide_segments=hopper_forward.WIDE_SEGMENTS, slow_gates=SLOW_GATES,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 

@@ -31,15 +31,20 @@ STEPS = [
     # session 26's kept scratch (hopper/prepared.py REUSE_SCRATCH, off): the GPU tests of the prepared calls with and
     # without it (bitwise the plain forward, its kept tensors poisoned first), then host time at the host-bound rows
     # 1 and 7 (predicted −15 to −25 µs per call; GPU time unchanged)
-    ("prepared calls and kept scratch, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_prepared.py",
-                                                    "-k", "gpu"], 240),
+    # and session 26's routes (gated_delta/prepared_route.py ROUTES, off): the op's repeated calls straight to their
+    # prepared call (predicted −25 to −40 µs per call at rows 1 and 7)
+    ("prepared calls, kept scratch and routes, GPU tests", [PY, "-m", "pytest", "-q",
+                                                            "tests/ops/test_hopper_prepared.py",
+                                                            "tests/ops/test_prepared_route.py", "-k", "gpu"], 300),
+    ("routes, timed", [PY, "benchmarks/op_time_check.py", "--routes-ab", "--repeat", "2", "--graph", "1,4096,16,16",
+                       "1,32768,2,8"], 180),
     # session 26: inputs that start off a 16-byte boundary take the Triton paths (hopper.chunk_fwd.misaligned)
     ("inputs off a 16-byte boundary, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k",
                                                  "boundary"], 120),
     ("kept scratch, timed", [PY, "benchmarks/op_time_check.py", "--kept-scratch-ab", "--repeat", "2", "--graph",
                              "1,4096,16,16", "1,32768,2,8"], 180),
-    # the Python and allocations around the launches on the H200's host (every kernel a no-op): what rows 1 and 7
-    # have left besides their launches
+    # the Python and allocations around the launches on the H200's host (every kernel a no-op), forward_hopper's
+    # and the op's (plain, prepared, routed, routed with kept scratch): what rows 1 and 7 have left besides launches
     ("host floor on the GPU's host", [PY, "benchmarks/host_hopper.py", "--calls", "1000", "--rounds", "3"], 120),
     # what bounds the walk after session 23's switches: DRAM throughput against the chain's stalls
     ("walk and pre-pass under ncu", ["ncu", "--kernel-name", "regex:gdn_", "--launch-skip", "2", "--launch-count", "2",

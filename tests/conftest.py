@@ -46,11 +46,14 @@ def poison_fresh_allocations(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def fresh_prepared_calls(monkeypatch):
-    """Each test starts with no prepared Hopper forward (``ops/hopper/prepared.py``) and no kept scratch: one test's
-    signatures, made under its switches and stand-ins, are not another's."""
+    """Each test starts with no prepared Hopper forward (``ops/hopper/prepared.py``), no kept scratch and no route of
+    the op's (``ops/gated_delta/prepared_route.py``): one test's signatures, made under its switches and stand-ins,
+    are not another's."""
+    from linattn.ops.gated_delta import prepared_route
     from linattn.ops.hopper import prepared
     monkeypatch.setattr(prepared, "_prepared", {})
     monkeypatch.setattr(prepared, "_scratch", {})
+    monkeypatch.setattr(prepared_route, "_routes", {})
     yield
 
 

@@ -1,4 +1,5 @@
-"""The gated delta rule: chunked op (chunk.py), torch twin (torch_chunk.py), reference (reference.py)."""
+"""The gated delta rule: chunked op (chunk.py), torch twin (torch_chunk.py), reference (reference.py); the op's
+repeated calls routed to a prepared Hopper forward (prepared_route.py)."""
 from .chunk import chunk_gated_delta_rule
 from .reference import gated_delta_rule_reference
 

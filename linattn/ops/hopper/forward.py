@@ -356,6 +356,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         key = prepared.signature(q, k, v, g, beta, scale, initial_state, options)
     call = prepared.prepared_call(key)
     if call is not None:
+        prepared_route.served(call)          # the public op may record its route to this call
         return call(q, k, v, g, beta, initial_state)
     result = _forward_hopper_plain(q, k, v, g, beta, scale, initial_state, a_inv_dtype, segments, prepass,
                                    skip_maps, warm_up, plan_in_walk, **launch)
@@ -426,4 +427,5 @@ def last_segments(ht: torch.Tensor, B: int, segments: int, lean: bool) -> torch.
 
 
 # last: prepared.py reads this module's switches and helpers (an import cycle, resolved at call time)
+from ..gated_delta import prepared_route  # noqa: E402
 from . import prepared  # noqa: E402
