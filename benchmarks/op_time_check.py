@@ -29,7 +29,8 @@ expected, less host time); ``--routes-ab``: ``gated_delta.prepared_route.ROUTES`
 call straight to its prepared Hopper forward: bitwise equal expected, less host time); ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
-the gates divided by 65536 (no head forgets: the segmented forwards' worst case); each says whether
+the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
+decay rates as a Mamba-style initialisation draws them (some heads forget, some not); each says whether
 o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
 --async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the spread between
 repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
@@ -51,6 +52,7 @@ card with). ``--packed``: each shape's B sequences packed into one row with ``cu
 """
 import collections
 import gc
+import math
 import statistics
 import sys
 import time
@@ -85,6 +87,19 @@ PACKED = "--packed" in sys.argv
 # the gates divided by 65536 (a head that forgets nothing within a sequence: every segment walks its maps), the
 # segmented forwards' worst case
 SLOW_GATES = "--slow-gates" in sys.argv
+# per-head decay rates drawn as a Mamba-style initialisation draws them (A from 1 to 16, dt from 0.001 to 0.1, both
+# log-uniform; the rate is A·dt), the tokens' variation kept: some heads forget within a chunk, others not within a
+# segment, so the segmented forwards mix warm-ups and maps as a real model's layer may
+MIXED_GATES = "--mixed-gates" in sys.argv
+
+
+def mixed_gates(g: torch.Tensor, seed: int = 3) -> torch.Tensor:
+    """``g`` [B, T, HV] rescaled per head to :data:`MIXED_GATES`' rates (each head's mean decay −A·dt)."""
+    gen = torch.Generator().manual_seed(seed)
+    HV = g.shape[-1]
+    A = torch.exp(torch.rand(HV, generator=gen) * math.log(16))
+    dt = torch.exp(math.log(1e-3) + torch.rand(HV, generator=gen) * math.log(100))
+    return g * ((A * dt) / -g.mean()).to(g.device)
 
 
 def packed_lengths(B, T):
@@ -99,6 +114,8 @@ def op_inputs(B, T, H, HV, K, V):
         xs = make_inputs(B, T, H, HV, K, V, torch.bfloat16, seed=2, requires_grad=True)
         if SLOW_GATES:
             xs[3] = (xs[3].detach() / 65536).requires_grad_()
+        if MIXED_GATES:
+            xs[3] = mixed_gates(xs[3].detach()).requires_grad_()
         return xs, {}
     lengths = packed_lengths(B, T)
     offsets = [0]
@@ -130,7 +147,7 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
                 uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
                 prepared=prepared.PREPARED, kept_scratch=prepared.REUSE_SCRATCH, routes=prepared_route.ROUTES,
-                wide_segments=hopper_forward.WIDE_SEGMENTS, slow_gates=SLOW_GATES,
+                wide_segments=hopper_forward.WIDE_SEGMENTS, slow_gates=SLOW_GATES, mixed_gates=MIXED_GATES,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

@@ -46,6 +46,12 @@ STEPS = [
     # the Python and allocations around the launches on the H200's host (every kernel a no-op), forward_hopper's
     # and the op's (plain, prepared, routed, routed with kept scratch): what rows 1 and 7 have left besides launches
     ("host floor on the GPU's host", [PY, "benchmarks/host_hopper.py", "--calls", "1000", "--rounds", "3"], 120),
+    # the segmented rows at gates drawn as a Mamba-style initialisation draws them (op_time_check --mixed-gates: some
+    # heads take the maps), against the anchors' gates where every head warms up; and wide segments there
+    ("mixed gates at rows 3 and 7", [PY, "benchmarks/op_time_check.py", "--mixed-gates", "--graph", "1,32768,16,16",
+                                     "1,32768,2,8"], 150),
+    ("wide segments, mixed gates", [PY, "benchmarks/op_time_check.py", "--wide-segments-ab", "--mixed-gates",
+                                    "--graph", "2,16384,32,32"], 120),
     # what bounds the walk after session 23's switches: DRAM throughput against the chain's stalls
     ("walk and pre-pass under ncu", ["ncu", "--kernel-name", "regex:gdn_", "--launch-skip", "2", "--launch-count", "2",
                                      "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
