@@ -290,7 +290,7 @@ def test_kept_scratch_is_bitwise_the_plain_forward_on_the_gpu(monkeypatch, shape
         held = real_scratch(owner, make, device, nbytes)
         if fresh:
             poisoned.seen.add((owner, torch.cuda.current_stream(device).cuda_stream))
-            for t in held:
+            for t in (*held[:-1], *held.extra):
                 t.view(torch.uint8).fill_(0xFF)             # NaN in every float lane, −1 in int32
         return held
     poisoned.seen = set()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -109,7 +109,7 @@ def plain_functions_in_place() -> bool:
 _scratch: dict[tuple, tuple] = {}     # (thread, stream) → (the prepared call that made it, its tensors)
 
 
-def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) -> tuple:
+def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) -> Scratch:
     """The scratch tensors of prepared call ``owner`` on this thread and stream: ``make(device)``'s, kept from its
     last call there with :data:`REUSE_SCRATCH` (see its comment), else new."""
     if not REUSE_SCRATCH or nbytes > SCRATCH_MAX_BYTES:
@@ -118,13 +118,24 @@ def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) 
     if cuda and torch.cuda.is_current_stream_capturing():
         return make(device)
     where = (threading.get_ident(), torch.cuda.current_stream(device).cuda_stream if cuda else None)
-    held = _scratch.get(where)
-    if held is not None and held[0] is owner:
-        return held[1]
+    kept = _scratch.get(where)
+    if kept is not None and kept[0] is owner:
+        return kept[1]
     _scratch.pop(where, None)        # the stream's last set back to the allocator before the new one is made
     tensors = make(device)
     _scratch[where] = (owner, tensors)
     return tensors
+
+
+class Scratch(NamedTuple):
+    """A prepared call's scratch tensors: prepass.prepass_hopper's outputs (A_inv [B, T, HV, 64] and its view as the
+    segments' [B·S, L, HV, 64], gc and β [B·S, HV, Lp], the chunk bounds [B·S, HV, L/64]), then the plan's own."""
+    a_inv: torch.Tensor
+    a_inv_segments: torch.Tensor
+    gc: torch.Tensor
+    beta: torch.Tensor
+    bound: torch.Tensor
+    extra: tuple
 
 
 def release_scratch() -> None:
@@ -163,35 +174,33 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
     walk = functools.partial(walk_launch.walk_kernel, H, HV, K, V)
     warm_walk = functools.partial(walk_launch.warm_kernel, H, HV, K, V, BV, scale, threads, num_stages)
 
-    def prepass_scratch(device, extra: tuple) -> tuple:
-        """The scratch tensors: prepass.prepass_hopper's outputs (A_inv [B, T, HV, 64] and its view as the
-        segments', gc and β [B·S, HV, Lp], the chunk bounds [B·S, HV, L/64]), then one per (shape, dtype) of
-        ``extra``."""
+    def prepass_scratch(device, extra: tuple) -> Scratch:
+        """New scratch tensors: the pre-pass's, then one per (shape, dtype) of ``extra``."""
         a_inv = torch.empty(B, T, HV, BT, dtype=bf16, device=device)
-        return (a_inv, a_inv.view(BS, L, HV, BT), torch.empty(BS, HV, Lp, dtype=f32, device=device),
-                torch.empty(BS, HV, Lp, dtype=beta_dtype, device=device),
-                torch.empty(BS, HV, LC, dtype=f32, device=device),
-                *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in extra))
+        return Scratch(a_inv, a_inv.view(BS, L, HV, BT), torch.empty(BS, HV, Lp, dtype=f32, device=device),
+                       torch.empty(BS, HV, Lp, dtype=beta_dtype, device=device),
+                       torch.empty(BS, HV, LC, dtype=f32, device=device),
+                       tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in extra))
 
     def scratch_of(extra: tuple) -> Callable:
-        """``held(owner, device)``: the owner's scratch tensors with ``extra`` (:func:`scratch`)."""
+        """``held(owner, device)``: the owner's :class:`Scratch` with ``extra`` (:func:`scratch`)."""
         sizes = [((B, T, HV, BT), bf16), ((BS, HV, Lp), f32), ((BS, HV, Lp), beta_dtype), ((BS, HV, LC), f32),
                  *extra]
         nbytes = sum(functools.reduce(operator.mul, shape, 1) * dtype.itemsize for shape, dtype in sizes)
         make = functools.partial(prepass_scratch, extra=extra)
         return lambda owner, device: scratch(owner, make, device, nbytes)
 
-    def run_prepass(k, g, beta, held: tuple) -> None:
+    def run_prepass(k, g, beta, held: Scratch) -> None:
         """prepass.prepass_hopper into the scratch: gc and β per segment, A_inv and the chunk bounds."""
         prepass_exe(k.contiguous().view(BS, L, H, K), g.float().contiguous().view(BS, L, HV),
-                    beta.contiguous().view(BS, L, HV), held[1], held[2], held[3], held[4])
+                    beta.contiguous().view(BS, L, HV), held.a_inv_segments, held.gc, held.beta, held.bound)
 
-    # walk_launch.state_arg's h0 without an initial state: uninitialised, never read
+    # walk_launch.state_arg's h0 without an initial state: uninitialised, never read (the first of the extras)
     h0_extra = () if has_state else (((B, HV, K, V), f32),)
 
-    def h0_of(initial_state, held: tuple, at: int) -> torch.Tensor:
-        """walk_launch.state_arg: the initial state in fp32, or the scratch's stand-in at ``at``."""
-        return initial_state.float().contiguous() if has_state else held[at]
+    def h0_of(initial_state, held: Scratch) -> torch.Tensor:
+        """walk_launch.state_arg: the initial state in fp32, or the scratch's stand-in."""
+        return initial_state.float().contiguous() if has_state else held.extra[0]
 
     if S == 1:
         walk_exe = chunk_fwd.launcher(walk(BV, scale, threads, num_stages, has_state, beta_dtype, bf16, async_dots,
@@ -205,8 +214,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
             run_prepass(k, g, beta, held)
             o = torch.empty_like(v)
             ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
-            walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), held[2], held[3], held[0],
-                     h0_of(initial_state, held, 5), held[-1], o, ht)
+            walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv,
+                     h0_of(initial_state, held), held.extra[-1], o, ht)
             return o, ht
         return unsegmented
 
@@ -223,8 +232,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
             run_prepass(k, g, beta, held)
             o = torch.empty_like(v)
             ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
-            planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), held[2], held[3], held[0],
-                        h0_of(initial_state, held, 5), held[4], o, ht)
+            planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv,
+                        h0_of(initial_state, held), held.bound, o, ht)
             return o, fwd.last_segments(ht, B, S, lean)
         return planned
 
@@ -245,14 +254,15 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         device = q.device
         held = held_by(five_launches, device)
         run_prepass(k, g, beta, held)
-        flags = map_bound.segment_plan(held[4], S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True)
+        flags = map_bound.segment_plan(held.bound, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True)
         qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
-        mn = held[5]
-        affine_exe(qs, ks, vs, held[2], held[3], held[1], held[6], flags.skip_m, vs, mn)
+        mn, h0_stand_in = held.extra
+        affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
         h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
                            nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
         o = torch.empty_like(v)
         ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
-        warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), held[2], held[3], held[0], h_in, flags.warm, o, ht)
+        warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in, flags.warm, o,
+                 ht)
         return o, fwd.last_segments(ht, B, S, lean)
     return five_launches
