@@ -52,6 +52,10 @@ STEPS = [
                                      "1,32768,2,8"], 150),
     ("wide segments, mixed gates", [PY, "benchmarks/op_time_check.py", "--wide-segments-ab", "--mixed-gates",
                                     "--graph", "2,16384,32,32"], 120),
+    # issue 4's other head sizes through the op on today's defaults (last timed in run 28, before session 23's
+    # switches): K = V = 64 at rows 2 and 3's sizes, and K = 128, V = 256
+    ("other head sizes", [PY, "benchmarks/op_time_check.py", "--graph", "8,4096,16,16,64", "1,32768,16,16,64",
+                          "8,4096,16,16,128,256"], 150),
     # what bounds the walk after session 23's switches: DRAM throughput against the chain's stalls
     ("walk and pre-pass under ncu", ["ncu", "--kernel-name", "regex:gdn_", "--launch-skip", "2", "--launch-count", "2",
                                      "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
