@@ -145,6 +145,23 @@ def test_every_setting_the_route_reads_is_in_its_key():
         assert settings == listed, (name, settings ^ listed)
 
 
+@pytest.mark.parametrize("routes", [False, True], ids=["routes_off", "routes_on"])
+def test_a_routable_call_traces_without_a_graph_break(monkeypatch, routes):
+    """torch.compile(fullgraph=True) of the op with the arguments a route could serve (the lookup, start and remember
+    run on every such call): no graph break, the eager result."""
+    monkeypatch.setattr(prepared_route, "ROUTES", routes)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 16, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(1, 64, 2, generator=gen) * 0.1, torch.rand(1, 64, 2, generator=gen)
+
+    def f(q, k, v, g, beta):
+        o, ht = linattn.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        return o.sum() + ht.sum()
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, g, beta),
+                               f(q, k, v, g, beta))
+
+
 @ON_HOPPER
 @pytest.mark.parametrize("shape", [(8, 4096, 16, 16), (1, 32768, 16, 16), (1, 4096, 16, 16)],
                          ids=["unsegmented", "five_launch", "two_launch"])
