@@ -9,6 +9,7 @@ on sm_90 for the bf16 inputs it supports (``triton_chunk.hopper_plan``), the Tri
     chunk_fwd_roles.py  an experimental role-split walk (off)
     map_bound.py      the map bound's chunk sums and the segment plan (Triton)
     forward.py        the launch plan and the (segmented) forward that chains them
-    prepared.py       a repeated signature's launches without forward.py's checks and plan (on)
+    prepared.py       a repeated signature's launches without forward.py's checks and plan (on), its scratch
+                      kept from call to call (REUSE_SCRATCH, off)
     varlen.py         packed sequences (cu_seqlens) by padding them to one length around forward.py
 """
