@@ -174,19 +174,20 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
     walk = functools.partial(walk_launch.walk_kernel, H, HV, K, V)
     warm_walk = functools.partial(walk_launch.warm_kernel, H, HV, K, V, BV, scale, threads, num_stages)
 
+    # the pre-pass's outputs (shape, dtype): A_inv, gc, β, the chunk bounds
+    prepass_outputs = (((B, T, HV, BT), bf16), ((BS, HV, Lp), f32), ((BS, HV, Lp), beta_dtype), ((BS, HV, LC), f32))
+
     def prepass_scratch(device, extra: tuple) -> Scratch:
-        """New scratch tensors: the pre-pass's, then one per (shape, dtype) of ``extra``."""
-        a_inv = torch.empty(B, T, HV, BT, dtype=bf16, device=device)
-        return Scratch(a_inv, a_inv.view(BS, L, HV, BT), torch.empty(BS, HV, Lp, dtype=f32, device=device),
-                       torch.empty(BS, HV, Lp, dtype=beta_dtype, device=device),
-                       torch.empty(BS, HV, LC, dtype=f32, device=device),
+        """New scratch tensors: the pre-pass's outputs (and A_inv's view as the segments'), then one per (shape,
+        dtype) of ``extra``."""
+        a_inv, gc, beta, bound = (torch.empty(shape, dtype=dtype, device=device) for shape, dtype in prepass_outputs)
+        return Scratch(a_inv, a_inv.view(BS, L, HV, BT), gc, beta, bound,
                        tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in extra))
 
     def scratch_of(extra: tuple) -> Callable:
         """``held(owner, device)``: the owner's :class:`Scratch` with ``extra`` (:func:`scratch`)."""
-        sizes = [((B, T, HV, BT), bf16), ((BS, HV, Lp), f32), ((BS, HV, Lp), beta_dtype), ((BS, HV, LC), f32),
-                 *extra]
-        nbytes = sum(functools.reduce(operator.mul, shape, 1) * dtype.itemsize for shape, dtype in sizes)
+        nbytes = sum(functools.reduce(operator.mul, shape, 1) * dtype.itemsize
+                     for shape, dtype in prepass_outputs + extra)
         make = functools.partial(prepass_scratch, extra=extra)
         return lambda owner, device: scratch(owner, make, device, nbytes)
 
