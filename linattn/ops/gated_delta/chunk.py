@@ -163,9 +163,10 @@ def chunk_gated_delta_rule(
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (fp64 for fp64 inputs) or None.
     """
-    # a repeated call that ends in a prepared Hopper forward goes straight to it (prepared_route.py; off by default)
-    routable = cu_seqlens is None and A_log is None and dt_bias is None and not use_qk_l2norm_in_kernel and \
-        not use_beta_sigmoid_in_kernel
+    # a repeated call that ends in a prepared Hopper forward goes straight to it (prepared_route.py; off by default:
+    # then no lookup, and nothing recorded after the plain call)
+    routable = prepared_route.ROUTES and cu_seqlens is None and A_log is None and dt_bias is None and \
+        not use_qk_l2norm_in_kernel and not use_beta_sigmoid_in_kernel
     if routable:
         arguments = (q, k, v, g, beta, scale, initial_state, backend)
         route = prepared_route.lookup(*arguments)

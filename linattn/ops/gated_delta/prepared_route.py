@@ -94,8 +94,9 @@ def servable(tensors: tuple) -> bool:
 
 
 def lookup(q, k, v, g, beta, scale, initial_state, backend) -> Optional[Callable]:
-    """The route of this call, or None (:data:`ROUTES` off, none recorded, or a call a route may not serve)."""
-    if not (ROUTES and _routes) or not servable((q, k, v, g, beta, initial_state)):
+    """The route of this call, or None (none recorded, or a call a route may not serve). The op asks only with
+    :data:`ROUTES` on."""
+    if not _routes or not servable((q, k, v, g, beta, initial_state)):
         return None
     return _routes.get(key(q, k, v, g, beta, scale, initial_state, backend))
 
@@ -108,7 +109,7 @@ def start() -> None:
 def remember(q, k, v, g, beta, scale, initial_state, backend) -> None:
     """After a plain call: record its route if a prepared Hopper forward served it."""
     call = getattr(_served, "call", None)
-    if call is None or not ROUTES or not servable((q, k, v, g, beta, initial_state)):
+    if call is None or not servable((q, k, v, g, beta, initial_state)):
         return
     _served.call = None
     if len(_routes) >= MAX_ROUTES:
