@@ -99,7 +99,7 @@ def mixed_gates(g: torch.Tensor, seed: int = 3) -> torch.Tensor:
     HV = g.shape[-1]
     A = torch.exp(torch.rand(HV, generator=gen) * math.log(16))
     dt = torch.exp(math.log(1e-3) + torch.rand(HV, generator=gen) * math.log(100))
-    return g * ((A * dt) / -g.mean()).to(g.device)
+    return g * ((A * dt).to(g.device) / -g.mean())
 
 
 def packed_lengths(B, T):

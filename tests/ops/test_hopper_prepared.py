@@ -283,6 +283,9 @@ def test_kept_scratch_is_bitwise_the_plain_forward_on_the_gpu(monkeypatch, shape
         plain = [linattn.chunk_gated_delta_rule(**x, output_final_state=True) for x in xs]
     monkeypatch.setattr(prepared, "PREPARED", True)
     monkeypatch.setattr(prepared, "REUSE_SCRATCH", True)
+    # the unsegmented and five-launch shapes hold more than SCRATCH_MAX_BYTES (A_inv alone is 64 MiB): raised so that
+    # every plan's scratch is kept here (run 33 found the cap had kept nothing there, the check below)
+    monkeypatch.setattr(prepared, "SCRATCH_MAX_BYTES", 1 << 32)
     real_scratch = prepared.scratch
 
     def poisoned(owner, make, device, nbytes):
