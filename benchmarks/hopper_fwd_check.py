@@ -22,6 +22,7 @@ then fail too, and say so).
 from __future__ import annotations
 
 import functools
+import math
 import time
 
 import torch
@@ -343,6 +344,17 @@ def prepass_row(B, T, H, HV, sms):
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     return compare_row(B, T, H, HV, 128, 128,
                        dict(triton_prepass=launch, tilelang_prepass=dict(launch, prepass="tilelang")), **row)
+
+
+def mixed_gates(g: torch.Tensor, seed: int = 3) -> torch.Tensor:
+    """``g`` [B, T, HV] rescaled per head to rates drawn as a Mamba-style initialisation draws them (A from 1 to 16,
+    dt from 0.001 to 0.1, both log-uniform; each head's mean decay −A·dt), the tokens' variation kept: some heads
+    forget within a chunk, others not within a segment (op_time_check --mixed-gates, gate_sensitivity.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    HV = g.shape[-1]
+    A = torch.exp(torch.rand(HV, generator=gen) * math.log(16))
+    dt = torch.exp(math.log(1e-3) + torch.rand(HV, generator=gen) * math.log(100))
+    return g * ((A * dt).to(g.device) / -g.mean())
 
 
 def host_us(fn, calls=200):

@@ -42,9 +42,9 @@ call as a distribution (p10 / p50 / p90 / max over isolated calls: a sync before
 so no queue and no GPU wait in it), with Python's garbage collections inside the calls counted and timed, the calls
 that synchronise with the device counted (``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to
 the driver during them: whether a host-bound call's time is its Python, a collection now and then, a hidden sync or
-cudaMalloc / cudaFree. ``--graph``: beside the eager time, the
-call captured in a CUDA graph and replayed (the GPU's time alone: eager above it is host time; with
-``forward.SEGMENTED_WHEN_CAPTURED`` on, of the plan "auto" takes under capture). ``--path P``:
+cudaMalloc / cudaFree. ``--brief``: each row as its shape, the A/B's setting and its times only. ``--graph``:
+beside the eager time, the call captured in a CUDA graph and replayed (the GPU's time alone: eager above it is host
+time; with ``forward.SEGMENTED_WHEN_CAPTURED`` on, of the plan "auto" takes under capture). ``--path P``:
 ``triton_chunk.FORWARD_PATH`` (auto, split, walk, hopper); ``--min-segmented-tokens N``:
 ``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with its levers at every shape it fills the
 card with). ``--packed``: each shape's B sequences packed into one row with ``cu_seqlens``, of uneven lengths
@@ -52,7 +52,6 @@ card with). ``--packed``: each shape's B sequences packed into one row with ``cu
 """
 import collections
 import gc
-import math
 import statistics
 import sys
 import time
@@ -60,7 +59,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from hopper_fwd_check import bench, graph_ms, host_profile, host_us  # this folder is on sys.path
+from hopper_fwd_check import bench, graph_ms, host_profile, host_us, mixed_gates  # this folder is on sys.path
 
 from linattn import chunk_gated_delta_rule
 from linattn.ops.common import launch, seq_parallel
@@ -84,6 +83,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
             "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES")}
 PACKED = "--packed" in sys.argv
+# each row as its shape, the switches' setting and its times only (the settings of every other switch left out)
+BRIEF = "--brief" in sys.argv
 # the gates divided by 65536 (a head that forgets nothing within a sequence: every segment walks its maps), the
 # segmented forwards' worst case
 SLOW_GATES = "--slow-gates" in sys.argv
@@ -91,15 +92,6 @@ SLOW_GATES = "--slow-gates" in sys.argv
 # log-uniform; the rate is A·dt), the tokens' variation kept: some heads forget within a chunk, others not within a
 # segment, so the segmented forwards mix warm-ups and maps as a real model's layer may
 MIXED_GATES = "--mixed-gates" in sys.argv
-
-
-def mixed_gates(g: torch.Tensor, seed: int = 3) -> torch.Tensor:
-    """``g`` [B, T, HV] rescaled per head to :data:`MIXED_GATES`' rates (each head's mean decay −A·dt)."""
-    gen = torch.Generator().manual_seed(seed)
-    HV = g.shape[-1]
-    A = torch.exp(torch.rand(HV, generator=gen) * math.log(16))
-    dt = torch.exp(math.log(1e-3) + torch.rand(HV, generator=gen) * math.log(100))
-    return g * ((A * dt).to(g.device) / -g.mean())
 
 
 def packed_lengths(B, T):
@@ -270,9 +262,12 @@ for arg in (a for a in args if not a.startswith("--")):
             host_parts(*shape)
         continue
     graph = "--graph" in args
-    runs = ([check(*shape, switches=ab, on=on, graph=graph) for _ in range(repeat) for on in (False, True)] if ab
-            else [check(*shape, graph=graph)])
-    for row, _ in runs:
+    ons = [on for _ in range(repeat) for on in (False, True)] if ab else [None]
+    runs = [check(*shape, switches=ab, on=on, graph=graph) for on in ons]
+    for on, (row, _) in zip(ons, runs):
+        if BRIEF:
+            row = dict(shape=row["shape"], switches=" ".join(ab) or None, on=on,
+                       **{key: row[key] for key in ("first_call_s", "op_ms", "host_us") + ("graph_ms",) * graph})
         print(row, flush=True)
     if ab:
         print(dict(shape=tuple(shape), bitwise_equal=all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))),

@@ -1,0 +1,82 @@
+"""How the forward's time depends on the gates: linattn's public op ("auto") beside FlashQLA in one process, at three
+draws of the decay g on the same q, k, v and β (bench_anchors' inputs, seed 2):
+
+    anchors  bench_anchors' own gates (logsigmoid(randn) / 16: mean ≈ −0.05, every head forgets within a segment)
+    mixed    per-head rates as a Mamba-style initialisation draws them (op_time_check.mixed_gates: some heads forget
+             within a chunk, others keep their state over a whole segment)
+    slow     the anchors' gates / 65536 (no head forgets: the segmented forwards' worst case)
+
+The segmented forward's two levers (warm-ups and skipped maps) read the gates, so its time moves with them; a
+forward that does the same work whatever the gates (FlashQLA's, the unsegmented walk) should not move. Each row: the
+op's eager do_bench median, its CUDA graph replay (GPU time alone) and FlashQLA's eager median, in ms.
+
+    PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/gate_sensitivity.py 1,32768,16,16 [B,T,H,HV ...]
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from hopper_fwd_check import bench, graph_ms, mixed_gates  # this folder is on sys.path
+
+from linattn import chunk_gated_delta_rule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
+from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so the figures compare with theirs)
+
+GATES = {
+    "anchors": lambda g: g,
+    "mixed": mixed_gates,
+    "slow": lambda g: g / 65536,
+}
+
+
+def flash_qla_forward():
+    """FlashQLA's forward as bench_anchors calls it, or None where it does not import."""
+    try:
+        import flash_qla
+    except ImportError as error:
+        print(f"FlashQLA not timed: {error}", flush=True)
+        return None
+    return lambda q, k, v, g, beta, scale: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                                                            output_final_state=True)
+
+
+def row(B, T, H, HV, gates, theirs):
+    q, k, v, g, beta = (x.detach() for x in make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, seed=2))
+    g = GATES[gates](g).contiguous()
+    scale = 128 ** -0.5
+    with torch.no_grad():
+        def ours():
+            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, output_final_state=True)
+        ours()
+        result = dict(shape=(B, T, H, HV), gates=gates, linattn_ms=round(bench(ours), 4),
+                      linattn_graph_ms=round(graph_ms(ours), 4))
+        if theirs is not None:
+            o, ht = ours()
+            o_theirs, ht_theirs = theirs(q, k, v, g, beta, scale)
+            result["flashqla_ms"] = round(bench(lambda: theirs(q, k, v, g, beta, scale)), 4)
+            # a sanity check that both computed the same thing (bf16: a few 1e-3 apart, not bitwise)
+            result["o_max_diff"] = float((o.float() - o_theirs.float()).abs().max())
+    return result
+
+
+def main(argv):
+    shapes = [tuple(int(x) for x in a.split(",")) for a in argv if not a.startswith("--")]
+    theirs = flash_qla_forward()
+    rows = []
+    for shape in shapes:
+        for gates in GATES:
+            rows.append(row(*shape, gates, theirs))
+            print(rows[-1], flush=True)
+    print("\n| B, T, H, HV | gates | linattn ms | linattn replay ms | FlashQLA ms | linattn / FlashQLA |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['linattn_ms'] / r['flashqla_ms']:.2f}×" if "flashqla_ms" in r else "-"
+        print(f"| {', '.join(map(str, r['shape']))} | {r['gates']} | {r['linattn_ms']:.3f} | "
+              f"{r['linattn_graph_ms']:.3f} | {r.get('flashqla_ms', float('nan')):.3f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
