@@ -30,8 +30,12 @@ import torch
 # Whether the op takes recorded routes. Session 26, CPU only (benchmarks/host_hopper.py, the kernels as no-ops, a
 # 2-core CPU): the op's µs per call prepared → routed 70.9 → 32.9 at row 1 (B=1 T=4096 H=16, two launches) and
 # 141.3 → 113.8 at row 7 (B=1 T=32768 H=2 HV=8, five launches). Predicted −25 to −40 µs of host time per call at
-# both rows on the H200. Off until its GPU test has run and the A/B is measured (op_time_check.py --routes-ab).
-ROUTES = False
+# both rows on the H200. Run 33 (H200, op_time_check --routes-ab, host µs per call, off/on pairs): row 1 152 → 138
+# and 164 → 116; row 7 297 → 360, 293 → 341, then 321 → 289, 315 → 322, 368 → 321, 365 → 277 (means of the last
+# four 342 → 302; that host's calls spread by ±15% between pairs). With kept scratch (both off → both on, three
+# pairs): row 1 146 → 56, 94 → 82, 96 → 53, and its op 0.144 / 0.077 / 0.079 → 0.077 / 0.078 / 0.078 ms (its GPU
+# time, 0.077); row 7 375 → 294, 391 → 262, 339 → 255. o and the state bitwise; the GPU test passes: on.
+ROUTES = True
 
 _routes: dict[tuple, Callable] = {}
 MAX_ROUTES = 256                 # keys kept (a process that sees more starts over: a route holds no tensors)

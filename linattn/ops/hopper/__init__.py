@@ -10,6 +10,6 @@ on sm_90 for the bf16 inputs it supports (``triton_chunk.hopper_plan``), the Tri
     map_bound.py      the map bound's chunk sums and the segment plan (Triton)
     forward.py        the launch plan and the (segmented) forward that chains them
     prepared.py       a repeated signature's launches without forward.py's checks and plan (on), its scratch
-                      kept from call to call (REUSE_SCRATCH, off)
+                      kept from call to call (REUSE_SCRATCH, on since run 33)
     varlen.py         packed sequences (cu_seqlens) by padding them to one length around forward.py
 """
