@@ -11,6 +11,10 @@ forward that does the same work whatever the gates (FlashQLA's, the unsegmented 
 op's eager do_bench median, its CUDA graph replay (GPU time alone) and FlashQLA's eager median, in ms.
 
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/gate_sensitivity.py 1,32768,16,16 [B,T,H,HV ...]
+
+``--phases``: instead, where the op's GPU time goes at each gate draw: every kernel's µs per call (the profiler's
+self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which launch grew (the segmented
+forward's phase A, the scan, the walk).
 """
 from __future__ import annotations
 
@@ -62,8 +66,44 @@ def row(B, T, H, HV, gates, theirs):
     return result
 
 
+PROFILED_CALLS = 20
+
+
+def phases(B, T, H, HV, gates):
+    """{kernel name: µs of GPU time per call} of the op at ``gates``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    q, k, v, g, beta = (x.detach() for x in make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, seed=2))
+    g = GATES[gates](g).contiguous()
+    with torch.no_grad():
+        def ours():
+            return chunk_gated_delta_rule(q, k, v, g, beta, scale=128 ** -0.5, output_final_state=True)
+        ours()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED_CALLS):
+                ours()
+            torch.cuda.synchronize()
+    per_kernel = {}
+    for event in prof.key_averages():
+        # self time: only a kernel has its own device time (an op's total would count its kernels again)
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = getattr(event, "self_cuda_time_total", 0)
+        if us > 0:
+            per_kernel[event.key[:90]] = per_kernel.get(event.key[:90], 0.0) + us / PROFILED_CALLS
+    return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
+
+
 def main(argv):
     shapes = [tuple(int(x) for x in a.split(",")) for a in argv if not a.startswith("--")]
+    if "--phases" in argv:
+        for shape in shapes:
+            for gates in GATES:
+                kernels = phases(*shape, gates)
+                print(f"\n{shape} {gates}: {sum(kernels.values()):.1f} µs per call")
+                for name, us in kernels.items():
+                    print(f"  {us:8.1f}  {name}")
+        return
     theirs = flash_qla_forward()
     rows = []
     for shape in shapes:

@@ -1,6 +1,8 @@
 """The next GPU session's checks in one device call: each step a child process with its own time limit (a hang or a
 crash costs that step, not the call), its output's tail printed as it ends, and a table of the steps last. The
-steps and their order are docs/performance.md's "Where things stand" list (after run 32):
+steps and their order are docs/performance.md's "Where things stand" list (after run 33). Each step's whole output
+goes to ``$OUT/steps/NN-name.log`` as it runs (bench_anchors' anchors.json into a folder of the same name), so a
+call killed at its limit still brings back what its steps printed:
 
     mkdir -p /tmp/site && tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/pending_flags_check.py [--only WORD ...] [--list]
@@ -26,55 +28,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 31
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 33
 STEPS = [
-    # session 26's kept scratch (hopper/prepared.py REUSE_SCRATCH, off): the GPU tests of the prepared calls with and
-    # without it (bitwise the plain forward, its kept tensors poisoned first), then host time at the host-bound rows
-    # 1 and 7 (predicted −15 to −25 µs per call; GPU time unchanged)
-    # and session 26's routes (gated_delta/prepared_route.py ROUTES, off): the op's repeated calls straight to their
-    # prepared call (predicted −25 to −40 µs per call at rows 1 and 7)
-    ("prepared calls, kept scratch and routes, GPU tests", [PY, "-m", "pytest", "-q",
-                                                            "tests/ops/test_hopper_prepared.py",
-                                                            "tests/ops/test_prepared_route.py", "-k", "gpu"], 300),
-    ("routes, timed", [PY, "benchmarks/op_time_check.py", "--routes-ab", "--repeat", "2", "--graph", "1,4096,16,16",
-                       "1,32768,2,8"], 180),
-    # session 26: inputs that start off a 16-byte boundary take the Triton paths (hopper.chunk_fwd.misaligned)
-    ("inputs off a 16-byte boundary, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k",
-                                                 "boundary"], 120),
-    ("kept scratch, timed", [PY, "benchmarks/op_time_check.py", "--kept-scratch-ab", "--repeat", "2", "--graph",
-                             "1,4096,16,16", "1,32768,2,8"], 180),
-    # the Python and allocations around the launches on the H200's host (every kernel a no-op), forward_hopper's
-    # and the op's (plain, prepared, routed, routed with kept scratch): what rows 1 and 7 have left besides launches
-    ("host floor on the GPU's host", [PY, "benchmarks/host_hopper.py", "--calls", "1000", "--rounds", "3"], 120),
-    # the segmented rows at gates drawn as a Mamba-style initialisation draws them (op_time_check --mixed-gates: some
-    # heads take the maps), against the anchors' gates where every head warms up; and wide segments there
-    ("mixed gates at rows 3 and 7", [PY, "benchmarks/op_time_check.py", "--mixed-gates", "--graph", "1,32768,16,16",
-                                     "1,32768,2,8"], 150),
-    ("wide segments, mixed gates", [PY, "benchmarks/op_time_check.py", "--wide-segments-ab", "--mixed-gates",
-                                    "--graph", "2,16384,32,32"], 120),
+    # issue 4's host-bound row 7 beside fla, FlashQLA and SDPA with kept scratch and routes on (run 33 lost it to
+    # the session's device time); a cold machine's first bench_anchors process took > 300 s in run 32, 547 s with
+    # row 1 in run 33
+    ("row 7 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule", "--no-decode",
+                          "--skip-correct", "--shapes", "1,32768,2,8"], 420),
+    # the forward's time at the anchors', Mamba-style and never-forgetting gates beside FlashQLA: run 33 reached rows
+    # 1 and 3 only (1.9-2.2x at mixed gates); the other segmented rows (7, 4) and an unsegmented control (row 2)
+    ("gates beside FlashQLA", [PY, "benchmarks/gate_sensitivity.py", "1,32768,2,8", "1,131072,16,16", "8,4096,16,16"],
+     300),
+    # where the segmented forward's time goes at mixed gates: each launch's GPU time from the profiler
+    ("phases at mixed gates", [PY, "benchmarks/gate_sensitivity.py", "--phases", "1,32768,16,16", "1,32768,2,8"],
+     200),
+    # the rest of issue 4's table: one process per row (a cut costs one row), the row run 32 did not reach first
+] + [(f"row {n} beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
+                              "--no-decode", "--skip-correct", "--shapes", shape], 420)
+     for n, shape in [(5, "4,8192,16,32"), (3, "1,32768,16,16"), (2, "8,4096,16,16"), (4, "1,131072,16,16"),
+                      (6, "2,16384,32,32"), (1, "1,4096,16,16")]] + [
+    # session 25's WIDE_SEGMENTS (off: 1.50x at slow gates in run 32) at mixed gates, and its accuracy test
+    ("wide segments, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--wide-segments-ab",
+                                    "--mixed-gates", "--graph", "2,16384,32,32"], 120),
+    ("wide segments, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k", "wide"], 200),
     # issue 4's other head sizes through the op on today's defaults (last timed in run 28, before session 23's
     # switches): K = V = 64 at rows 2 and 3's sizes, and K = 128, V = 256
-    ("other head sizes", [PY, "benchmarks/op_time_check.py", "--graph", "8,4096,16,16,64", "1,32768,16,16,64",
-                          "8,4096,16,16,128,256"], 150),
+    ("other head sizes", [PY, "benchmarks/op_time_check.py", "--brief", "--graph", "8,4096,16,16,64",
+                          "1,32768,16,16,64", "8,4096,16,16,128,256"], 150),
     # what bounds the walk after session 23's switches: DRAM throughput against the chain's stalls
     ("walk and pre-pass under ncu", ["ncu", "--kernel-name", "regex:gdn_", "--launch-skip", "2", "--launch-count", "2",
                                      "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
                                      "MemoryWorkloadAnalysis", PY, "benchmarks/ncu_forward.py", "--path", "auto"],
      240),
-    # issue 4's table beside fla, FlashQLA and SDPA: one process per row (a cut costs one row), the host-bound rows
-    # first, then the row run 32 did not reach
-] + [(f"row {n} beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
-                              "--no-decode", "--skip-correct", "--shapes", shape], 420)
-     for n, shape in [(1, "1,4096,16,16"), (7, "1,32768,2,8"), (5, "4,8192,16,32"), (3, "1,32768,16,16"),
-                      (2, "8,4096,16,16"), (4, "1,131072,16,16"), (6, "2,16384,32,32")]] + [
-    # session 25's WIDE_SEGMENTS (off: 1.50× at slow gates in run 32): its accuracy at drawn and slow gates
-    ("wide segments, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k", "wide"], 200),
 ]
-
-
-def text(x) -> str:
-    """A timed-out child's captured output (bytes or str, by Python version)."""
-    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
 
 def main():
@@ -90,6 +76,9 @@ def main():
         return
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT),
                                                                       str(ROOT / "benchmarks")])))
+    logs = Path(os.environ.get("OUT", "/tmp")) / "steps"
+    logs.mkdir(parents=True, exist_ok=True)
+    env["PYTHONUNBUFFERED"] = "1"
     rows = []
     start = time.time()
     for name, cmd, limit in steps:
@@ -99,11 +88,19 @@ def main():
             rows.append((name, "skipped: budget", 0.0))
             continue
         limit = min(limit, left)
-        try:
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
-            status, out = ("ok" if done.returncode == 0 else f"rc {done.returncode}"), done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
-            status, out = f"timeout ({limit:.0f} s)", text(e.stdout) + text(e.stderr)
+        # the step's whole output goes to its log as it runs (run 33 lost a call's output to a pipe's buffer when the
+        # call was killed); bench_anchors writes its anchors.json beside the log, not over the last row's
+        log = logs / f"{len(rows) + 1:02d}-{''.join(c if c.isalnum() else '-' for c in name)}.log"
+        if ".anchors/bench_anchors.py" in cmd:
+            cmd = [*cmd, "--out", str(log.with_suffix(""))]
+            log.with_suffix("").mkdir(exist_ok=True)
+        with open(log, "w") as sink:
+            try:
+                done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=limit)
+                status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
+            except subprocess.TimeoutExpired:
+                status = f"timeout ({limit:.0f} s)"
+        out = log.read_text(errors="replace")
         # TileLang's own log lines ("[TileLang:...] ... compile kernel") and warnings out; not every line that names
         # TileLang: run 28 lost op_time_check --host-parts' row with its "TileLang launches" key that way
         lines = [ln for ln in out.splitlines() if "[TileLang:" not in ln and "Warning" not in ln]
