@@ -26,7 +26,9 @@ writes: bitwise equal expected); ``--prepared-ab``: ``hopper.prepared.PREPARED``
 signature's prepared launches: bitwise equal expected, less host time); ``--kept-scratch-ab``:
 ``hopper.prepared.REUSE_SCRATCH`` off, then on (the prepared calls' scratch kept from call to call: bitwise equal
 expected, less host time); ``--routes-ab``: ``gated_delta.prepared_route.ROUTES`` off, then on (a repeated op
-call straight to its prepared Hopper forward: bitwise equal expected, less host time); ``--wide-segments-ab``:
+call straight to its prepared Hopper forward: bitwise equal expected, less host time); ``--overlap-warm-ab``:
+``hopper.forward.OVERLAP_WARM`` off, then on (phase C's warmed segments beside phase A: bitwise equal expected);
+``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
@@ -81,7 +83,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
             "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
-            "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES")}
+            "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES"),
+            "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM")}
 PACKED = "--packed" in sys.argv
 # each row as its shape, the switches' setting and its times only (the settings of every other switch left out)
 BRIEF = "--brief" in sys.argv

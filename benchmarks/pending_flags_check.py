@@ -30,6 +30,17 @@ PY = sys.executable
 
 # (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 33
 STEPS = [
+    # session 27's OVERLAP_WARM (hopper/forward.py, off): its GPU test (bitwise the lean forward, the prepared call
+    # too), then the A/B at the anchors' and at mixed gates: predicted row 3 0.62 → ≈ 0.45 ms at mixed gates, within
+    # ±2% of GPU time at the anchors' gates, +25–35 µs of host time per call
+    ("overlapped warm walks, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_overlap_warm.py", "-k",
+                                         "gpu"], 240),
+    ("overlapped warm walks, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--overlap-warm-ab",
+                                            "--mixed-gates", "--repeat", "2", "--graph", "1,32768,16,16",
+                                            "1,32768,2,8", "1,131072,16,16"], 200),
+    ("overlapped warm walks, anchors' gates", [PY, "benchmarks/op_time_check.py", "--brief", "--overlap-warm-ab",
+                                               "--repeat", "2", "--graph", "1,32768,16,16", "1,32768,2,8",
+                                               "1,131072,16,16"], 150),
     # issue 4's host-bound row 7 beside fla, FlashQLA and SDPA with kept scratch and routes on (run 33 lost it to
     # the session's device time); a cold machine's first bench_anchors process took > 300 s in run 32, 547 s with
     # row 1 in run 33

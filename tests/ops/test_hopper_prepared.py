@@ -25,7 +25,7 @@ NOT_READ = {
                 "SEGMENTED_AUTO", "SEGMENTED_WHEN_CAPTURED", "SMALL_PLAN_IN_WALK", "SMALL_SEGMENTED", "TWO_PER_SM",
                 "TWO_PER_SM_LAUNCH", "WIDE_SEGMENTS"},
     "prepass": {"BT", "D", "LOG2E"},
-    "chunk_fwd": {"BT", "COMPILE_FAILED"},
+    "chunk_fwd": {"BT", "COMPILE_FAILED", "WARM_SUBSETS"},
     "map_bound": {"BT", "LOG2E"},
 }
 B, T, H, HV, D = 1, 1024, 2, 4, 64
@@ -104,21 +104,26 @@ def traced_call(rec: Recorder, x, kw: dict) -> list:
     return [(kernel, described) for kernel, described, _ in rec.trace] + [rec.describe(o), rec.describe(ht)]
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["plain_segments", "lean_segments"])
+@pytest.mark.parametrize("lean, overlap", [(False, False), (True, False), (True, True)],
+                         ids=["plain_segments", "lean_segments", "overlapped_warm"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_prepared_call_issues_the_plain_forwards_launches(recorder, monkeypatch, case, with_state, lean):
+def test_prepared_call_issues_the_plain_forwards_launches(recorder, monkeypatch, case, with_state, lean, overlap):
     """The first call takes the plain forward and prepares the signature; the second takes the prepared call: the
     two traces are equal, and the prepared call was taken (the cache holds a call, and the plain forward is not
-    entered)."""
+    entered). With OVERLAP_WARM the five launches' phase C is two (its warmed segments and the others)."""
     monkeypatch.setattr(hopper_fwd, "LEAN_SEGMENTS", lean)
+    monkeypatch.setattr(hopper_fwd, "OVERLAP_WARM", overlap)
     x = inputs(with_state)
     plain = traced_call(recorder, x, CASES[case])
     assert len(prepared._prepared) == 1 and None not in prepared._prepared.values()
     monkeypatch.setattr(hopper_fwd, "_forward_hopper_plain", None)       # a prepared call must not need it
     again = traced_call(recorder, x, CASES[case])
     assert again == plain
-    assert len(plain) == {"unsegmented": 2, "two_launch": 2}.get(case, 5) + 2
+    assert len(plain) == {"unsegmented": 2, "two_launch": 2}.get(case, 6 if overlap else 5) + 2
+    if overlap and case.startswith("five_launch"):          # the subsets: the others' walk first, then the warmed
+        subsets = [dict(kernel[2]).get("warm_subset") for kernel, _ in plain[-4:-2]]
+        assert subsets == [2, 1]
 
 
 def test_a_new_signature_is_prepared_anew(recorder):

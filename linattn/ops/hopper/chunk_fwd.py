@@ -58,7 +58,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  affine: bool = False, tma_o: bool = False, warm: bool = False, stsm: bool = False,
                  beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
                  warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1,
-                 deferred_decay: bool = False, fold_p_decay: bool = False, lean: bool = False):
+                 deferred_decay: bool = False, fold_p_decay: bool = False, lean: bool = False,
+                 warm_subset: int = 0):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -108,7 +109,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     2 is not written at all (the scan reads none of it). In the warm walk (``warm``) ht is ``[B, HV, K, V]``, the
     sequences' final states, written by each sequence's last segment alone; and without ``warm_planned`` a segment
     whose warm-up w is above zero starts from zero instead of reading h0 (the scan leaves those entering states
-    unwritten: ``seq_parallel.affine_scan(skip_writes=True)``)."""
+    unwritten: ``seq_parallel.affine_scan(skip_writes=True)``).
+
+    ``warm_subset`` (the lean warm walk with w given, :data:`WARM_SUBSETS`): 0 every program walks; 1 only those
+    whose w is above zero (they read no h0, so they need not wait for the scan), 2 only the others. A program left
+    out walks no chunk and writes nothing (``forward.OVERLAP_WARM``: the two halves in two launches)."""
     import tilelang
     import tilelang.language as T
 
@@ -137,6 +142,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
     if affine and warm:
         raise ValueError("warm is phase C's walk (affine is phase A's)")
+    if warm_subset not in WARM_SUBSETS or (warm_subset and not (warm and lean and not warm_planned)):
+        raise ValueError(f"warm_subset must be one of {WARM_SUBSETS}, and above 0 only in the lean warm walk with "
+                         f"w given, got {warm_subset}")
 
     v_early = async_ax and stsm and async_dots
     ax_async = v_early and store_output
@@ -222,6 +230,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 else:
                     c0 = (ibn % nseg) * Lc - ctl[ibn, ihv]
                     chunks = Lc + ctl[ibn, ihv]
+                    # warm_subset: a program of the other subset walks nothing (no o written)
+                    if warm_subset == 1:
+                        chunks = T.if_then_else(ctl[ibn, ihv] > 0, chunks, 0)
+                    elif warm_subset == 2:
+                        chunks = T.if_then_else(ctl[ibn, ihv] == 0, chunks, 0)
             Qs = T.alloc_shared((BT, K), dtype)
             Ks = T.alloc_shared((BT, K), dtype)
             Vs = T.alloc_shared((BT, BV), dtype)
@@ -438,7 +451,11 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 # the sequence's last segment writes its final state (truncating divisions, as warm_planned's: every
                 # index is ≥ 0, and floor divisions on symbolic sizes expand to sign tests)
                 segs = T.truncdiv(Tn, Lg)
-                if T.truncmod(ibn, segs) == segs - 1:
+                if warm_subset:
+                    # a program of the other subset walked nothing: its launch writes this state
+                    if (T.truncmod(ibn, segs) == segs - 1) and (chunks > 0):
+                        T.copy(S, ht[T.truncdiv(ibn, segs), ihv, 0:K, iv * BV:(iv + 1) * BV])
+                elif T.truncmod(ibn, segs) == segs - 1:
                     T.copy(S, ht[T.truncdiv(ibn, segs), ihv, 0:K, iv * BV:(iv + 1) * BV])
             else:
                 T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
@@ -478,6 +495,10 @@ class HopperCompileError(RuntimeError):
     TileLang, ...): the op then runs its Triton forward (``triton_chunk``), see :data:`COMPILE_FAILED`."""
 
 
+# build_kernel's warm_subset: every program of the warm walk, those whose warm-up is above zero, the others
+WARM_SUBSETS = (0, 1, 2)
+
+
 # Set to the first compile error of this process: from then on :func:`unsupported_reason` turns every input away,
 # so the op warns once and keeps to its Triton paths instead of failing (or trying again) on every call
 COMPILE_FAILED: Optional[str] = None
@@ -491,13 +512,13 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
                     async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
                     min_blocks: int = 1, deferred_decay: bool = False, fold_p_decay: bool = False,
-                    uniform_warpgroup: bool = False, lean: bool = False):
+                    uniform_warpgroup: bool = False, lean: bool = False, warm_subset: int = 0):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s;
     ``uniform_warpgroup``: its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
     (:data:`UNIFORM_WARPGROUP`, ``uniform_warpgroup.py``)."""
     func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
                         async_dots, affine, tma_o, warm, stsm, beta_in_a, async_o, async_ax, warm_planned, threshold,
-                        min_blocks, deferred_decay, fold_p_decay, lean)
+                        min_blocks, deferred_decay, fold_p_decay, lean, warm_subset)
     if not uniform_warpgroup:
         return compile_prim_func(func, target)
     from . import uniform_warpgroup as uniform

@@ -44,7 +44,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             initial_state: Optional[torch.Tensor], affine: bool = False,
                             skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
                             beta_in_a_inv: bool = False, warm_bound: Optional[torch.Tensor] = None,
-                            warm_threshold: Optional[float] = None, lean: bool = False, **launch
+                            warm_threshold: Optional[float] = None, lean: bool = False, warm_subset: int = 0,
+                            out: Optional[tuple[torch.Tensor, torch.Tensor]] = None, **launch
                             ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
     counts: the kernel then rounds P with the scale in it; and, as the kernel does, ``chunk_fwd.DEFERRED_DECAY`` and
@@ -57,7 +58,9 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'); ``beta_in_a_inv``: A_inv is A_inv
     diag(β), and X has no β. ``lean`` (the kernel's): the affine walk's maps flagged 2 come back NaN (the kernel
     leaves them unwritten: whatever the buffer held), and the warm walks return the sequences' final states
-    ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up is above zero from zero."""
+    ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up is above zero from zero.
+    ``warm_subset`` (with warm_chunks and lean): only those programs' rows of o and final states are written, into
+    ``out`` or into new tensors full of NaN (the kernel's are uninitialised), the rest left as they were."""
     from ..gated_delta import torch_chunk as tc
     scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
     deferred = launch.get("deferred_decay", chunk_fwd.DEFERRED_DECAY)
@@ -78,7 +81,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if warm_chunks is not None:
         o, ht = _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
                                beta_in_a_inv, deferred, fold)
-        return o, (ht.view(q.shape[0], -1, *ht.shape[1:])[:, -1] if lean else ht)
+        ht = ht.view(q.shape[0], -1, *ht.shape[1:])[:, -1] if lean else ht
+        return _subset_of(o, ht, warm_chunks, warm_subset, out) if warm_subset else (o, ht)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -101,6 +105,20 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         S[skip_m.int() != 0, :, :K] = 0
         S[skip_m.int() == 2] = float("nan") if lean else 0
     return (None if affine else o), S
+
+
+def _subset_of(o, ht, warm_chunks, warm_subset, out):
+    """The lean warm walk's ``warm_subset`` written into ``out`` (or NaN-filled tensors): the rows of o of the
+    segments whose warm-up is above zero (1) or not (2), and the final states their last segments end."""
+    o_out, ht_out = out if out is not None else (torch.full_like(o, float("nan")), torch.full_like(ht, float("nan")))
+    B, T, HV, _ = o.shape
+    S = warm_chunks.shape[0] // B
+    active = (warm_chunks > 0) if warm_subset == 1 else (warm_chunks == 0)        # [B·S, HV]
+    rows = active.view(B, S, 1, HV).expand(B, S, T // S, HV).reshape(B, T, HV)
+    o_out[rows] = o[rows]
+    last = active.view(B, S, HV)[:, -1]
+    ht_out[last] = ht[last]
+    return o_out, ht_out
 
 
 def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p, beta_in_a_inv,

@@ -10,6 +10,8 @@ head-major copies). A first TileLang pre-pass (gc, K Kᵀ on wgmma, A_inv by an 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -254,6 +256,38 @@ WARM_UP_MAX_FRACTION = 1.0
 # disagree by more than the change, so not a measured loss; re-check it; phase C's chunk loop is the plain one's,
 # 1120 against 1121 SASS instructions for sm_90a): on
 LEAN_SEGMENTS = True
+# Phase C's warmed segments (warm-up above zero) beside phase A, not after the scan (with LEAN_SEGMENTS and warm-ups;
+# ``chunk_fwd.build_kernel``'s ``warm_subset``). Those walks read no entering state, so they need only the plan:
+# they run on the caller's stream, while phase A, the scan and phase C's other segments (the maps' heads, and each
+# head's first segment) run on a high-priority side stream, the chain that decides the call's end. Why: where some
+# heads keep their state over a segment (gates drawn like a Mamba-style initialisation), phase A walks only those
+# heads' maps, and the rest of the card waits; run 33 measured B=1 T=32768 H=16 at 0.623 ms there against 0.328 at
+# the anchors' gates (FlashQLA 0.680 and 0.547). Predicted at those mixed gates: ≈ 0.45 (the warmed walks fill phase
+# A's idle SMs); at the anchors' gates within ±2% of GPU time (the same programs in two launches), and +25–35 µs of
+# host time per call (a launch, the fork and the join), which the host-bound row 7 pays. Session 27, CPU only (the
+# twins): off until its GPU test has run and op_time_check.py --overlap-warm-ab is measured at both gates
+OVERLAP_WARM = False
+
+
+_critical_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def critical_fork(device: torch.device):
+    """(a context in which launches go to this device's high-priority side stream, after the caller's stream's work
+    so far; the join: the caller's stream waits for them), for :data:`OVERLAP_WARM`. The side stream is made on the
+    first eager call (one per device; a thread that forks onto it joins back before its call returns). Off CUDA (the
+    tests' twins), or under a CUDA graph capture before any eager call made it: one stream, nothing to wait for."""
+    if device.type != "cuda":
+        return contextlib.nullcontext(), lambda: None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _critical_streams.get(index)
+    if side is None:
+        if torch.cuda.is_current_stream_capturing():        # no stream made inside a capture
+            return contextlib.nullcontext(), lambda: None
+        side = _critical_streams[index] = torch.cuda.Stream(device=index, priority=-1)
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)
+    return torch.cuda.stream(side), functools.partial(main.wait_stream, side)
 
 
 def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int,
@@ -406,6 +440,8 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     # phase A's skip_m: 1 the M tiles of a negligible map, 2 a warmed head's whole map
     skip_m = flags.skip_m if flags is not None else None
     lean = LEAN_SEGMENTS and warm         # without warm-ups every map and entering state is read
+    if lean and OVERLAP_WARM:
+        return _overlapped(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, flags, launch, segments)
     _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
                                 lean=lean, **fitted_launch(K, launch))
     # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (the scan reads none of
@@ -418,6 +454,31 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     else:
         o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
     return o.reshape(B, T, HV, V), last_segments(ht, B, segments, lean)
+
+
+def _overlapped(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, flags, launch, segments):
+    """The lean segmented forward with warm-ups under :data:`OVERLAP_WARM`, after the pre-pass and the plan: phase
+    A, the scan and phase C's unwarmed segments on :func:`critical_stream`, phase C's warmed ones on the caller's
+    stream, into one o and final state (every tensor allocated on the caller's stream, which waits for the side
+    stream before returning). Off CUDA (the tests' twins) the same launches in the same order on one stream."""
+    B, T, HV, V = v.shape
+    S = segments
+    qs, ks, vs, a_s = (x.reshape(B * S, T // S, *x.shape[2:]) for x in (q, k, v, a_inv))
+    o = torch.empty_like(v)
+    ht = torch.empty(B, HV, k.shape[3], V, dtype=torch.float32, device=q.device)
+    critical, join = critical_fork(q.device)                 # after the pre-pass and the plan
+    with critical:
+        _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=flags.skip_m,
+                                    lean=True, **fitted_launch(k.shape[3], launch))
+        h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
+                           nseg=S, BV=SCAN_BV, skip=flags.skip_m, skip_writes=True)
+        chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=True,
+                            warm_subset=2, out=(o, ht), **launch)
+    # the warmed segments read no entering state (h_in only stands in for the argument)
+    chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=True,
+                        warm_subset=1, out=(o, ht), **launch)
+    join()
+    return o, ht
 
 
 def last_segments(ht: torch.Tensor, B: int, segments: int, lean: bool) -> torch.Tensor:

@@ -55,7 +55,7 @@ SCRATCH_MAX_BYTES = 64 << 20       # 64 MiB: row 7's five launches hold ≈ 60 M
 # path does not read (the plan's, which shape the launch keywords instead, and constants)
 SWITCHES = {
     "forward": ("PREPASS", "A_INV_DTYPE", "SKIP_NEGLIGIBLE_MAPS", "WARM_UP", "WARM_UP_MAX_FRACTION",
-                "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV"),
+                "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV", "OVERLAP_WARM"),
     "prepass": ("BETA_IN_A_INV", "MIN_BLOCKS_PER_SM", "TMA_KEYS", "A_ROW_PAD", "T_ROW_PAD", "STEP4_BLOCKED"),
     "chunk_fwd": ("ASYNC_O_STORE", "ASYNC_AX", "DEFERRED_DECAY", "DEFERRED_DECAY_LIMIT", "FOLD_P_DECAY",
                   "UNIFORM_WARPGROUP", "DIRECT_LAUNCH", "EXECUTION_BACKEND"),
@@ -244,8 +244,10 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
     affine_exe = chunk_fwd.launcher(walk(fwd.fitted_launch(K, launch)["BV"], scale, threads, num_stages, False,
                                          beta_dtype, bf16, async_dots, True, tma_o, stsm, beta_in_a, min_blocks,
                                          lean))
-    warm_exe = chunk_fwd.launcher(warm_walk(True, beta_dtype, bf16, async_dots, stsm, beta_in_a, None, min_blocks,
-                                            lean))
+    overlap = lean and fwd.OVERLAP_WARM
+    # phase C's warm walk, or under OVERLAP_WARM its two halves: the warmed segments', then the others'
+    warm_exes = [chunk_fwd.launcher(warm_walk(True, beta_dtype, bf16, async_dots, stsm, beta_in_a, None, min_blocks,
+                                              lean, subset)) for subset in ((1, 2) if overlap else (0,))]
     # phase A's maps [M | N] and its h0 stand-in (the affine walk starts from [I | 0] and reads none)
     held_by = scratch_of((((BS, HV, K, K + V), f32), ((BS, HV, K, V), f32)))
 
@@ -259,12 +261,25 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         flags = map_bound.segment_plan(held.bound, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True)
         qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
         mn, h0_stand_in = held.extra
+        initial = initial_state.float().contiguous() if initial_state is not None else None
+        if overlap:                     # forward._overlapped: the maps' chain on the critical stream
+            o = torch.empty_like(v)
+            ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
+            critical, join = fwd.critical_fork(device)
+            with critical:
+                affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
+                h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=True)
+                warm_exes[1](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
+                             flags.warm, o, ht)
+            warm_exes[0](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
+                         flags.warm, o, ht)
+            join()
+            return o, ht
         affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
-        h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
-                           nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
+        h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
         o = torch.empty_like(v)
         ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
-        warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in, flags.warm, o,
-                 ht)
+        warm_exes[0](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in, flags.warm,
+                     o, ht)
         return o, fwd.last_segments(ht, B, S, lean)
     return five_launches

@@ -36,16 +36,19 @@ def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
 
 def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
                 use_initial_state: bool, beta_dtype: torch.dtype, a_dtype: torch.dtype, async_dots: bool,
-                stsm: bool, beta_in_a_inv: bool, threshold: Optional[float], min_blocks: int, lean: bool):
+                stsm: bool, beta_in_a_inv: bool, threshold: Optional[float], min_blocks: int, lean: bool,
+                warm_subset: int = 0):
     """The compiled kernel of the warm walk (phase C with ``warm_chunks``, or, ``threshold`` given, the walk that
-    plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied."""
+    plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied;
+    ``warm_subset``: :func:`chunk_fwd.build_kernel`'s."""
     planned = threshold is not None
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                      use_initial_state, _dtype_name(beta_dtype), _dtype_name(a_dtype), async_dots,
                                      False, True, True, stsm, beta_in_a_inv,
                                      *chunk_fwd.schedule_switches(async_dots, stsm, True), planned,
                                      float(threshold) if planned else -30.0, min_blocks,
-                                     **chunk_fwd.instruction_switches(stsm, True), lean=lean)
+                                     **chunk_fwd.instruction_switches(stsm, True), lean=lean,
+                                     warm_subset=warm_subset)
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
@@ -66,7 +69,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
                         beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                         warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None,
-                        min_blocks: int = 1, lean: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        min_blocks: int = 1, lean: bool = False, warm_subset: int = 0
+                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`;
@@ -85,7 +89,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     64), initial_state ``[B·S, HV, K, V]`` the state each walk starts from; segment s's walk starts
     warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read). Returns o ``[B, T, HV, V]`` and each
     segment's final state ``[B·S, HV, K, V]``. ``out``: (o, final state) to write into, contiguous, of those shapes
-    (not with ``affine`` or ``warm_chunks``).
+    (not with ``affine``; with ``warm_chunks`` only with ``warm_subset``). ``warm_subset`` (with ``warm_chunks`` and
+    ``lean``): 1 only the segments whose warm-up is above zero walk, 2 only the others (``chunk_fwd.build_kernel``):
+    two launches into one ``out``, the first of which needs no entering state from the scan.
 
     ``warm_bound`` ``[B·S, HV, L/64]`` fp32 (the pre-pass's chunk bounds, log2) instead of ``warm_chunks``: the
     warm walk that finds each segment's warm-up itself (:func:`build_kernel`'s ``warm_planned``; twin
@@ -107,14 +113,16 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
     if a_inv.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
+    if warm_subset and (warm_chunks is None or not lean):
+        raise ValueError("warm_subset: only with warm_chunks and lean")
     if warm_chunks is not None or warm_bound is not None:
-        if out is not None:
-            raise ValueError("out: not with warm_chunks or warm_bound")
+        if out is not None and not warm_subset:
+            raise ValueError("out: not with warm_chunks or warm_bound (but with warm_subset)")
         if (warm_chunks is None) == (warm_bound is None) or (warm_bound is not None) != (warm_threshold is not None):
             raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
                           num_stages, async_dots, roles, affine, stsm, beta_in_a_inv, warm_bound, warm_threshold,
-                          min_blocks, lean)
+                          min_blocks, lean, warm_subset, out)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = chunk_fwd.padded_length(T)
@@ -168,7 +176,8 @@ def state_arg(initial_state: Optional[torch.Tensor], shape: tuple, device) -> to
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
-               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None, min_blocks=1, lean=False):
+               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None, min_blocks=1, lean=False,
+               warm_subset=0, out=None):
     """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``, or ``bound`` and ``threshold`` (the walk that plans its
     warm-ups; dtypes and BV checked there): the layouts, then the warm kernel."""
     B, T, H, K = q.shape
@@ -200,11 +209,18 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         if warm_chunks.shape != (NB, HV):
             raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
         h0, ctl = state_arg(initial_state, (NB, HV, K, V), q.device), warm_chunks.to(torch.int32).contiguous()
+    if out is not None:          # warm_subset: the other subset's launch writes the rest of o and ht
+        o, ht = out
+        if o.shape != v.shape or o.dtype != v.dtype or ht.shape != (B, HV, K, V) or ht.dtype != torch.float32 or \
+                not (o.is_contiguous() and ht.is_contiguous()):
+            raise ValueError(f"out must be a contiguous o {list(v.shape)} {v.dtype} and a contiguous final state "
+                             f"{[B, HV, K, V]} fp32")
+    else:
+        o = torch.empty_like(v)
+        ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
     kernel = warm_kernel(H, HV, K, V, BV, scale, threads, num_stages, not planned or initial_state is not None,
                          beta_hm.dtype, a_inv.dtype, async_dots, stsm, beta_in_a_inv, threshold if planned else None,
-                         min_blocks, lean)
-    o = torch.empty_like(v)
-    ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
+                         min_blocks, lean, warm_subset)
     chunk_fwd.launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(),
                                beta_hm.contiguous(), a_inv.contiguous(), h0, ctl, o, ht)
     return o, ht
