@@ -483,48 +483,6 @@ def test_two_programs_per_sm_on_the_gpu():
     assert rel(o2, o1) < 1e-3 and rel(ht2, ht1) < 1e-3
 
 
-def _twin_with_m_scaled(factor):
-    """The kernel's twin, with the affine walk's M (the first K columns of [M | N]) scaled by ``factor``: a wrong
-    state map for the negative controls below."""
-    def twin(*args, affine=False, **kwargs):
-        o, S = twins.chunk_fwd_hopper_hm_ref(*args, affine=affine, **kwargs)
-        if affine:
-            S = S.clone()
-            S[..., :args[0].shape[-1]] *= factor
-        return o, S
-    return twin
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
-def test_segmented_forward_equals_the_recurrence(monkeypatch, with_h0):
-    """Phases A → B → C of forward_hopper(segments=S) around the kernel's twin (chunk_fwd_hopper_hm_ref: the
-    kernel's contract, affine walk included; the real kernel runs only on an sm_90 GPU), the Triton pre-pass and
-    affine scan under the interpreter, fp32 inputs: o and the final state equal the float64 recurrence, and the
-    unsegmented forward. The gates are weak (1/64 of logsigmoid: about e^-0.8 over a 64-token segment) so that the
-    entering state and with it M matter: with the default gates (1/4) M is ≈ e^-13 and a zero M passed this test
-    too. The negative controls (M zeroed, M off by 5%: o off by ≈ 4e-2 and ≈ 2e-3) show it."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
-    x["g"] = x["g"] / 16
-    h0 = x["initial_state"].float() if with_h0 else None
-    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
-    exact = {n: t.double() for n, t in x.items()}
-    ro, rht = gated_delta_rule_reference(**dict(exact, initial_state=exact["initial_state"] if with_h0 else None),
-                                         scale=0.25)
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
-    o4, ht4 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
-    o1, ht1 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, BV=16)
-    assert rel(o4, ro) < 1e-5 and rel(ht4, rht) < 1e-5
-    assert rel(o4, o1) < 1e-5 and rel(ht4, ht1) < 1e-5
-    with pytest.raises(ValueError, match="multiple of"):
-        hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=8, BV=16)
-    for factor in (0.0, 0.95):
-        monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", _twin_with_m_scaled(factor))
-        o_bad, ht_bad = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
-        assert rel(o_bad, ro) > 1e-4 and rel(ht_bad, rht) > 1e-4, factor
-
-
 @pytest.mark.interpreter
 def test_a_kernel_that_does_not_compile_sends_the_op_to_triton_once(monkeypatch):
     """Where TileLang imports but cannot build the kernel (no CUDA toolkit, ...), the op warns once, returns the
@@ -746,70 +704,6 @@ def test_role_split_kernel_compiles_with_its_roles_apart():
     # phase A: the state's three dots on the state and delta roles, no query loads, no output, the same rule
     assert affine.count("wgmma_ss<") == 3 and affine.count("tl::tma_load(") == 5 and "q_desc" not in affine
     assert "__syncthreads()" not in affine[affine.index("if (((int)threadIdx.x) < 128) {"):]
-
-
-def test_the_map_norm_bound_holds_for_the_exact_map():
-    """The map bound (map_bound.py: the twin's chunk sums, and the Triton kernel's, summed per segment) against the
-    exact state maps (the twin's affine walk in float64, no rounding):
-    ‖M‖₂ ≤ 2^bound for every segment and head, with normalised keys and β < 1, and with keys of norm ≈ 1.4 and
-    β up to 2 (where |1 − β‖k‖²| > 1 and the bound grows, loosely: products of the projections shrink more than
-    their norms say); with unit keys it is within 2⁸ of ‖M‖₂, tight enough to matter."""
-    from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
-    from linattn.ops.hopper.prepass import prepass_hopper_ref
-
-    for key_scale, beta_scale in ((1.0, 1.0), (1.4, 2.0)):
-        x = inputs(2, 256, 1, 2, 16, 16)
-        k, beta = x["k"] * key_scale, x["beta"] * beta_scale
-        gc_hm, beta_hm, a_inv, _ = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64,
-                                                      beta_in_a_inv=False)
-        _, mn = twins.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
-                                               _seg(a_inv, 4), 0.25, None, affine=True)
-        norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]
-        bound = chunk_bounds_ref(k, x["g"], beta, 4).sum(-1)                   # [B·S, HV]
-        assert (norms.log2() <= bound + 1e-6).all(), (norms.log2() - bound).max()
-        kernel_bound = chunk_bounds(k.float(), x["g"].float(), beta.float(), 4).double().sum(-1)
-        assert (kernel_bound - bound).abs().max() < 1e-3
-        if key_scale == 1.0:   # unit keys, β < 1: the decay is the bound, and nearly the norm
-            assert (norms.log2() > bound - 8).all(), (bound - norms.log2()).max()
-
-
-def _seg(x, S):
-    return x.reshape(x.shape[0] * S, x.shape[1] // S, *x.shape[2:])
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("roles", [False, True])
-def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkeypatch, roles):
-    """forward_hopper(segments=4, skip_maps=True) around the kernel's twin (either kernel): one value head decays
-    fast (its 64-token segments' maps are below 2⁻³⁰: M skipped), the other slowly (M walked); o and the final state
-    equal the float64 recurrence as without the skip. A twin that drops every M (a skip where the map matters)
-    fails."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    from linattn.ops.hopper.map_bound import SegmentPlan
-    x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
-    x["g"] = x["g"].clone()
-    x["g"][..., 0] = x["g"][..., 0] * 16                    # fast head: ≈ −3 nats per token... −190 per segment
-    x["g"][..., 1] = x["g"][..., 1] / 16                    # slow head: ≈ −0.8 per segment
-    skip = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], 4)[0]
-    assert skip[:, 0].all() and not skip[:, 1].any()
-    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
-    exact = {n: t.double() for n, t in x.items()}
-    ro, rht = gated_delta_rule_reference(**exact, scale=0.25)
-    seen = []
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm",
-                        lambda *a, **kw: seen.append(kw.get("skip_m")) or twins.chunk_fwd_hopper_hm_ref(*a, **kw))
-    kw = dict(a_inv_dtype=torch.float32, segments=4, BV=16, roles=roles, skip_maps=True, warm_up=False)
-    o, ht = hopper_fwd.forward_hopper(*args, **kw)
-    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    assert torch.equal(seen[0], skip.int())                 # phase A got the flags
-    everything = torch.ones(8, 2, dtype=torch.bool)
-    monkeypatch.setattr(hopper_fwd, "segment_flags", lambda *a: SegmentPlan(
-        everything, torch.zeros(8, 2, dtype=torch.int32), everything, torch.ones(8, 2, dtype=torch.int32)))
-    o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
-    assert rel(o_bad, ro) > 1e-4
-    seen.clear()
-    hopper_fwd.forward_hopper(*args, **dict(kw, skip_maps=False))
-    assert seen[0] is None                                  # skip_maps=False: every M walked
 
 
 @ON_HOPPER
