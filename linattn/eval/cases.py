@@ -3,10 +3,17 @@
 Inputs are what a GDN layer feeds the op: unit-norm q and k (so the delta rule is a contraction, as in trained
 models), standard-normal v, log decays ``g = logsigmoid(x) / 16`` (mean ≈ −0.05, as fla's and FlashQLA's
 benchmarks use) and ``beta ∈ (0, 1)``. Every call draws fresh random numbers from a seeded generator, never zeros.
+
+The speed sections can draw the decays another way (``linattn eval --gates``, :data:`GATES`): ``mamba`` gives each
+value head its own rate as a Mamba-style initialisation does (``A`` from 1 to 16 and ``dt`` from 0.001 to 0.1, both
+log-uniform: rates from 0.001 to 1.6 per token), so some heads keep their state for thousands of tokens. A forward
+whose work depends on the gates (linattn's segmented Hopper forward skips or shortens what a fast decay makes
+negligible) is slower there than at the default gates.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,6 +21,11 @@ import torch
 import torch.nn.functional as F
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+# the decay draws of make_inputs (the module's docstring): "default" logsigmoid(x) / 16 for every head, "mamba" a
+# rate per value head as a Mamba-style initialisation draws it
+GATES = ("default", "mamba")
+# E[logsigmoid(x)] for x ~ N(0, 1): the mamba draw scales logsigmoid(x) by rate / this, so a head's mean is −rate
+_MEAN_LOGSIGMOID = 0.8063
 
 
 @dataclass(frozen=True)
@@ -62,13 +74,16 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device, seed: int = 0, *, case: Optional[Case] = None,
-                requires_grad: bool = False) -> dict:
+                requires_grad: bool = False, gates: str = "default") -> dict:
     """Random (or structured) inputs for one call, as a dict of the op's keyword arguments.
 
     Tensors are drawn in float64 on ``device`` and then cast, so the caller can rebuild the exact float64 values an
     implementation saw with ``x.double()`` (the reference then measures the kernel's error, not input rounding).
-    ``g`` stays fp32 (the API's recommendation) unless dtype is fp64.
+    ``g`` stays fp32 (the API's recommendation) unless dtype is fp64. ``gates``: the decays' draw (:data:`GATES`; a
+    case's own structure or in-op gate wins).
     """
+    if gates not in GATES:
+        raise ValueError(f"gates must be one of {GATES}, got {gates!r}")
     device = torch.device(device)
     gen = _generator(device, seed)
     B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V
@@ -95,6 +110,10 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device, seed: int = 0, *, case
     if not l2:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     g = g_raw if gate_in_op else F.logsigmoid(g_raw) / 16
+    if gates == "mamba" and not gate_in_op and structure != "alternating_gates":
+        u = torch.rand(2, HV, **f64)                    # log-uniform A in [1, 16] and dt in [1e-3, 0.1]
+        rate = torch.exp(u[0] * math.log(16)) * torch.exp(math.log(1e-3) + u[1] * math.log(100))
+        g = F.logsigmoid(g_raw) * (rate / _MEAN_LOGSIGMOID)
     if structure == "alternating_gates" and not gate_in_op:
         g = torch.where(g_raw > 0, torch.zeros_like(g_raw), torch.full_like(g_raw, -8.0))
     g_dtype = torch.float64 if dtype == torch.float64 else torch.float32

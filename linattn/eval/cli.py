@@ -29,6 +29,7 @@ import time
 import torch
 
 from . import SECTIONS, stopped_during
+from .cases import GATES
 from .impls import DEFAULT_IMPLS, KNOWN_IMPLS
 
 PROFILES = ("quick", "full", "tiny")  # "tiny": a seconds-long run for tests, not advertised in --help
@@ -55,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", default=None,
                    help=f"comma-separated subset of sections to run (default: all of {', '.join(SECTIONS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of every random input (default: 0)")
+    p.add_argument("--gates", default="default", choices=GATES,
+                   help="the decays of the speed sections' inputs (perf, scaling, memory, stability, soak): "
+                        "'default' logsigmoid(x)/16 for every head (fla's and FlashQLA's benchmarks), 'mamba' a "
+                        "rate per value head as a Mamba-style initialisation draws it, 0.001 to 1.6 per token "
+                        "(default: %(default)s)"),
     p.add_argument("--peak-tflops", type=float, default=None, help="override the roofline's compute peak")
     p.add_argument("--peak-gbs", type=float, default=None, help="override the roofline's bandwidth peak (GB/s)")
     p.add_argument("--no-progress", action="store_true",
@@ -242,8 +248,8 @@ class Evaluation:
         self.t0 = time.monotonic()
         self.log = _Log(not self.bar_enabled, self.t0)
         self.ctx = Context(device=self.device, profile=self.prof, impls=self.impls, deadline=self.t0 + self.budget,
-                           seed=args.seed, peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs, t0=self.t0,
-                           log=self.log, on_unit=self._maybe_checkpoint)
+                           seed=args.seed, gates=args.gates, peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs,
+                           t0=self.t0, log=self.log, on_unit=self._maybe_checkpoint)
         self.warm_from = None  # meta.warm_from: what --warm-from took as cached
         if args.warm_from:
             from .warm import load_cached
@@ -255,7 +261,8 @@ class Evaluation:
             carry = [s.strip() for s in args.resume_impls.split(",") if s.strip()] if args.resume_impls else None
             redo = [s.strip() for s in args.resume_redo.split(",") if s.strip()] if args.resume_redo else None
             self.ctx.earlier, self.resumed_from = load_earlier(args.resume, self.prof.name, self.device, args.seed,
-                                                               [i.name for i in self.impls], carry, redo)
+                                                               [i.name for i in self.impls], carry, redo,
+                                                               gates=args.gates)
         elif args.resume_impls or args.resume_redo:
             raise ValueError(f"{'--resume-impls' if args.resume_impls else '--resume-redo'} needs --resume")
         self.results: dict = {}
@@ -312,6 +319,7 @@ class Evaluation:
         out["meta"] = {
             "profile": self.prof.name, "device": str(self.device), "time_budget_s": self.budget,
             "wall_s": time.monotonic() - self.t0, "sections": self.selected, "seed": self.args.seed,
+            "gates": self.args.gates,
             "argv": sys.argv[1:], "partial": not complete, "interrupted": self.interrupted,
             "first_call_max_s": {k: c.first_call_max_s for k, c in self.ctx.costs.items()},
             "compiles": {k: [{"family": e.sig.family, "kernel": list(e.sig.kernel), "dtype": e.sig.dtype,

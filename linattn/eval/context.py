@@ -168,6 +168,7 @@ class Context:
     impls: list[Impl]
     deadline: float  # time.monotonic() value: the end of the running share (section, or a part of it)
     seed: int = 0
+    gates: str = "default"  # the speed sections' decay draw (cases.GATES: --gates)
     progress: Optional[Callable[[str], None]] = None  # called with a short description when a unit starts
     peak_tflops: Optional[float] = None  # user overrides of the roofline ceilings
     peak_gbs: Optional[float] = None

@@ -35,7 +35,8 @@ def _sweep(ctx: Context, impl, direction: str) -> dict:
         ctx.step(desc, impl.name, classes)
         rec = {"T": T, "shape_id": shape.id}
         try:
-            inputs = make_inputs(shape, DTYPES[dtype], ctx.device, ctx.seed, requires_grad=direction == "fwdbwd")
+            inputs = make_inputs(shape, DTYPES[dtype], ctx.device, ctx.seed, requires_grad=direction == "fwdbwd",
+                                 gates=ctx.gates)
             rec["input_bytes"] = sum(t.numel() * t.element_size() for t in inputs.values()
                                      if hasattr(t, "element_size"))
             rec.update(measure_peak(ctx, make_call(impl, inputs, direction)))

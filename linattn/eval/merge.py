@@ -75,6 +75,9 @@ def _check_same_run_config(runs: list) -> None:
         if torch.device(r["meta"]["device"]).type != torch.device(r0["meta"]["device"]).type or _gpu(r) != _gpu(r0):
             raise ValueError(f"cannot merge runs on different devices: {p0} ran on {_where(r0)}, "
                              f"{p} on {_where(r)}")
+        gates, gates0 = r["meta"].get("gates", "default"), r0["meta"].get("gates", "default")
+        if gates != gates0:
+            raise ValueError(f"cannot merge runs of different gates: {p0} ran --gates {gates0}, {p} --gates {gates}")
         impls = {i["name"]: i for i in r["meta"]["impls"]}
         if set(impls) != set(impls0):
             raise ValueError(f"cannot merge runs of different implementation lists: {p0} ran --impl "

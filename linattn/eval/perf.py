@@ -229,7 +229,8 @@ def measure(ctx: Context, impl, shape: Shape, dtype: str, direction: str, *, war
     rec = {"id": f"{impl.name}/{shape.id}/{dtype}/{direction}", "impl": impl.name, "shape": vars(shape).copy(),
            "shape_id": shape.id, "dtype": dtype, "direction": direction}
     try:
-        inputs = make_inputs(shape, DTYPES[dtype], ctx.device, seed, requires_grad=direction == "fwdbwd")
+        inputs = make_inputs(shape, DTYPES[dtype], ctx.device, seed, requires_grad=direction == "fwdbwd",
+                             gates=ctx.gates)
         call = make_call(impl, inputs, direction)
         t = time_calls(ctx, call, warmup, reps, budget_s)
     except Exception as e:

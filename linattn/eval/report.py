@@ -138,7 +138,8 @@ def _env_blocks(r: dict) -> list:
             ["environment variables", ", ".join(f"{k}={v}" for k, v in (env.get("env") or {}).items()) or "–"],
             ["linattn Triton settings", ", ".join(f"{k}={v}" for k, v in (env.get("linattn_settings") or {}).items())
              or "–"],
-            ["profile", r["meta"]["profile"]], ["wall time", f"{r['meta']['wall_s']:.0f} s"]]
+            ["profile", r["meta"]["profile"]], ["gates (speed sections)", r["meta"].get("gates", "default")],
+            ["wall time", f"{r['meta']['wall_s']:.0f} s"]]
     runs = env.get("runs") or []
     if runs:
         rows[0][0] = "date (UTC, first run)"

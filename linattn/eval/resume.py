@@ -19,8 +19,8 @@ linattn: its records are measured again, the third parties' compiles are not pai
 records to measure again by shell-style patterns on their ids, e.g. ``linattn/*/fp32,linattn/*/fp32/*`` after a
 change to linattn's fp32 path only (a pattern's ``*`` also matches ``/``).
 
-Refused, with a :class:`ValueError` naming the file: a report of another profile, device type, GPU model or seed
-(its units are other measurements), or one whose implementation list differs.
+Refused, with a :class:`ValueError` naming the file: a report of another profile, device type, GPU model, seed or
+``--gates`` (its units are other measurements), or one whose implementation list differs.
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def stamp_measured_in(section: str, results: dict, path: str, r: dict) -> None:
             rec.setdefault("measured_in", origin)
 
 
-def _check_same_config(path: str, r: dict, profile: str, device: torch.device, seed: int, impls: list) -> None:
+def _check_same_config(path: str, r: dict, profile: str, device: torch.device, seed: int, impls: list,
+                       gates: str = "default") -> None:
     meta = r["meta"]
     gpu_here = torch.cuda.get_device_properties(device).name if device.type == "cuda" else None
     gpu_there = (r["environment"].get("gpu") or {}).get("name")
@@ -93,6 +94,8 @@ def _check_same_config(path: str, r: dict, profile: str, device: torch.device, s
                       " here")
     if meta.get("seed") != seed:
         differ.append(f"seed {meta.get('seed')} there, {seed} here")
+    if meta.get("gates", "default") != gates:              # reports before --gates drew the default gates
+        differ.append(f"--gates {meta.get('gates', 'default')} there, {gates} here")
     there = sorted(i["name"] for i in meta["impls"])
     if there != sorted(impls):
         differ.append(f"--impl {','.join(there)} there, {','.join(sorted(impls))} here")
@@ -102,7 +105,8 @@ def _check_same_config(path: str, r: dict, profile: str, device: torch.device, s
 
 
 def load_earlier(paths: list, profile: str, device: torch.device, seed: int, impls: list,
-                 carry_impls: Optional[list] = None, redo: Optional[list] = None) -> tuple[dict, dict]:
+                 carry_impls: Optional[list] = None, redo: Optional[list] = None,
+                 gates: str = "default") -> tuple[dict, dict]:
     """({section: {unit key: record}} to carry, the report's ``meta.resumed_from``) from the reports at ``paths``
     (report.json files or their directories; a later one's record wins over an earlier one's for the same unit).
     ``impls``: this run's --impl names; ``carry_impls``: the implementations whose records are carried (all);
@@ -115,7 +119,7 @@ def load_earlier(paths: list, profile: str, device: torch.device, seed: int, imp
     for p in paths:
         path = os.path.join(str(p), "report.json") if os.path.isdir(str(p)) else str(p)
         r = load(path)
-        _check_same_config(path, r, profile, device, seed, impls)
+        _check_same_config(path, r, profile, device, seed, impls, gates)
         origin = _origin(path, r)
         for section in RESUMABLE:
             for key, rec in _keyed(section, r.get(section)).items():

@@ -27,7 +27,8 @@ def _point(ctx: Context, impl, shape: Shape, dtype: str, direction: str, with_me
     rec.pop("samples_ms", None)
     if with_memory and "error" not in rec:
         try:
-            inputs = make_inputs(shape, DTYPES[dtype], ctx.device, ctx.seed, requires_grad=direction == "fwdbwd")
+            inputs = make_inputs(shape, DTYPES[dtype], ctx.device, ctx.seed, requires_grad=direction == "fwdbwd",
+                                 gates=ctx.gates)
             rec["memory"] = measure_peak(ctx, make_call(impl, inputs, direction))
             del inputs
         except Exception as e:  # memory is a bonus here; the memory section reports it properly

@@ -42,7 +42,7 @@ def soak_one(ctx: Context, impl, T: int, seconds: float) -> dict:
     shape = p.scale_base.with_(T=T)
     rec = {"id": f"{impl.name}/{shape.id}", "impl": impl.name, "shape": vars(shape).copy(), "dtype": p.scale_dtype,
            "direction": "fwdbwd", "budget_s": seconds}
-    inputs = make_inputs(shape, DTYPES[p.scale_dtype], ctx.device, ctx.seed, requires_grad=True)
+    inputs = make_inputs(shape, DTYPES[p.scale_dtype], ctx.device, ctx.seed, requires_grad=True, gates=ctx.gates)
     wrt = impl.grad_inputs(inputs)
     lat, mem = [], []
     o_drift = g_drift = 0.0

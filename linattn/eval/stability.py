@@ -31,7 +31,7 @@ def _reference(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _common_inputs(shape: Shape, ctx: Context) -> dict:
-    x = make_inputs(shape, torch.float32, ctx.device, ctx.seed + shape.T)
+    x = make_inputs(shape, torch.float32, ctx.device, ctx.seed + shape.T, gates=ctx.gates)
     for n in ("q", "k", "v", "beta"):
         x[n] = x[n].to(torch.bfloat16).to(torch.float16).to(torch.float32)
     return x

@@ -96,6 +96,7 @@ def test_same_section_twice_is_refused_unless_prefer_last(two_runs, tmp_path, ca
 
 @pytest.mark.parametrize("edit,message", [
     (lambda r: r["meta"].update(profile="quick"), "different profiles"),
+    (lambda r: r["meta"].update(gates="mamba"), "different gates"),
     (lambda r: r["environment"].update(gpu={"name": "NVIDIA H200"}), "different devices"),
     (lambda r: r["meta"].update(device="cuda"), "different devices"),
     (lambda r: r["meta"]["impls"].pop(), "different implementation lists"),

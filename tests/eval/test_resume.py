@@ -146,6 +146,7 @@ def test_merge_prefer_last_keeps_what_only_an_earlier_run_measured(first_run, tm
 @pytest.mark.parametrize("argv, message", [
     (["--profile", "quick"], "profile 'tiny' there, 'quick' here"),
     (["--seed", "3"], "seed 0 there, 3 here"),
+    (["--gates", "mamba"], "--gates default there, mamba here"),
     (["--impl", "linattn"], "--impl linattn,sdpa there, linattn here"),
 ])
 def test_another_configuration_is_refused(first_run, tmp_path, capsys, argv, message):

@@ -126,6 +126,43 @@ def test_structured_inputs_are_not_random_noise():
     assert torch.equal(y["k"][0, 5, 0], torch.eye(4)[1])
 
 
+def test_mamba_gates_give_each_value_head_its_own_rate():
+    """--gates mamba: per value head a mean decay between 0.001 and 1.6 per token (log-uniform rates, some heads
+    that keep their state for thousands of tokens, some that forget within a few), the same per seed; the default
+    draw gives every head ≈ 0.05. A case's own gates (alternating, in-op) win; an unknown draw is refused."""
+    from linattn.eval.cases import make_inputs
+    s = Shape(2, 8192, 2, 16, 4, 4)
+    x = make_inputs(s, torch.float32, CPU, 0, gates="mamba")
+    rates = -x["g"].double().mean(dim=(0, 1))
+    assert ((rates > 5e-4) & (rates < 2.0)).all() and rates.max() / rates.min() > 10
+    assert (x["g"] <= 0).all()
+    assert torch.equal(make_inputs(s, torch.float32, CPU, 0, gates="mamba")["g"], x["g"])
+    default = -make_inputs(s, torch.float32, CPU, 0)["g"].double().mean(dim=(0, 1))
+    assert ((default - 0.05).abs() < 0.005).all()
+    alt = Case("a", s, structure="alternating_gates")
+    assert torch.equal(make_inputs(s, torch.float32, CPU, 0, case=alt, gates="mamba")["g"],
+                       make_inputs(s, torch.float32, CPU, 0, case=alt)["g"])
+    with pytest.raises(ValueError, match="gates must be one of"):
+        make_inputs(s, torch.float32, CPU, 0, gates="slow")
+
+
+def test_the_speed_sections_draw_the_contexts_gates(monkeypatch):
+    """perf's timed calls (scaling's too: it times through perf.measure) take the context's --gates draw."""
+    from linattn.eval import cases, perf
+    seen = []
+    real = cases.make_inputs
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("gates"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(perf, "make_inputs", recording)
+    ctx = _ctx()
+    ctx.gates = "mamba"
+    impl = ctx.available()[0]
+    rec = perf.measure(ctx, impl, Shape(1, 64, 1, 1, 8, 8), "fp32", "fwd", warmup=0, reps=1, budget_s=5.0)
+    assert "error" not in rec and seen == ["mamba"]
+
+
 def test_busy_machine_warning():
     from linattn.eval.environment import busy_warning
     assert busy_warning({"load_avg_start": 0.3, "load_avg_end": 1.1, "cpu_count": 2}) is None
