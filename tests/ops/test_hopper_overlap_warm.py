@@ -93,7 +93,8 @@ def test_warm_subset_needs_the_lean_warm_walk():
 def test_the_halves_kernels_guard_their_walks_and_final_states():
     """sm_90a source: each half's lean warm walk sets its loop count to zero where the program's warm-up is on the
     other side of zero, both the producer's loop and the consumers' run to that count (unequal counts would hang the
-    pipeline), and a last segment writes its final state only where it walked; the whole walk has no such guard."""
+    pipeline), and a last segment writes its final state only where it walked; the warmed half never reads h0; the
+    whole walk has no such guard."""
     warm = dict(warm=True, async_o=True, async_ax=True, lean=True)
     whole, warmed, unwarmed = (kernel_source(dict(warm, warm_subset=s)) for s in (0, 1, 2))
     ctl = r"ctl\[\(\(int64_t\)\(\(int\)blockIdx\.y\)\)\]"
@@ -105,6 +106,8 @@ def test_the_halves_kernels_guard_their_walks_and_final_states():
         loops = re.findall(r"for \(int cr\w* = 0; cr\w* < (\w+); \+\+cr\w*\)", src)
         assert len(loops) == 2 and set(loops) == {count}, (subset, loops)
         assert re.search(rf"== \(\(T / L\) - 1\)\) && \(0 < {count}\)\) \{{", src), subset
+    # the warmed half reads no h0 at all: it runs while the scan may still be writing the entering states
+    assert re.search(r"\bh0\b", warmed) is None and re.search(r"\bh0\b", unwarmed) and re.search(r"\bh0\b", whole)
     assert not any(re.search(pattern, whole) for pattern in selects.values())
     assert "&& (0 < chunks" not in whole
     with pytest.raises(ValueError, match="warm_subset"):

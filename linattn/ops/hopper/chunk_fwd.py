@@ -276,6 +276,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
                 else:                                # a warm-up: from zero
                     T.clear(S)
+            elif warm and lean and use_initial_state and warm_subset == 1:
+                # every program that walks starts a warm-up from zero; the others read no h0 (the scan may still be
+                # writing it: this half runs beside it)
+                T.clear(S)
             elif warm and lean and use_initial_state:
                 if ctl[ibn, ihv] > 0:                # a warm-up starts from zero (the scan wrote no h0 for it)
                     T.clear(S)
