@@ -17,7 +17,7 @@ from linattn.ops.hopper import forward as hopper_fwd
 from linattn.ops.hopper import walk_launch
 from linattn.ops.hopper.prepass import prepass_hopper_ref
 
-from .test_hopper_deferred_decay import COMPILES, kernel_source, mixed_gates
+from .test_hopper_deferred_decay import COMPILES, kernel_source
 from .test_hopper_fwd import ON_HOPPER, gpu_inputs
 from .test_hopper_lean_segments import poisoned
 from .test_hopper_warm_up import S, rel, three_heads, twins_recording_calls
@@ -114,17 +114,28 @@ def test_the_halves_kernels_guard_their_walks_and_final_states():
         kernel_source(dict(warm, lean=False, warm_subset=1))
 
 
+def maps_and_warm_ups(x):
+    """Gates under which the five-launch forward takes both roads: one head forgets within a chunk (−2 per token),
+    two barely forget (the drawn gates, ≈ −0.2 per token, / 1024 and / 64: a segment's warm-up of 32 chunks cannot
+    reach 2⁻³⁰, so they walk their maps), the others warm up from their drawn gates."""
+    g = x["g"].clone()
+    g[..., 0] = -2.0
+    g[..., 1] = g[..., 1] / 1024
+    g[..., 2] = g[..., 2] / 64
+    return dict(x, g=g)
+
+
 @ON_HOPPER
 @pytest.mark.parametrize("shape,gates", [((1, 16384, 16, 16), "drawn"), ((1, 16384, 16, 16), "mixed"),
                                          ((1, 32768, 2, 8), "mixed")],
                          ids=["segmented", "segmented_mixed", "row7_mixed"])
 def test_overlapped_warm_walks_are_bitwise_the_lean_forward_on_the_gpu(monkeypatch, shape, gates):
-    """bf16 K=V=128 through the op ("auto": the five-launch segmented forward, every head warming up or some walking
+    """bf16 K=V=128 through the op ("auto": the five-launch segmented forward, every head warming up, or two walking
     their maps) with OVERLAP_WARM off, on, and on again (the prepared call, routed): o and the final state bitwise
-    equal (the same programs, in two launches on two streams)."""
+    equal (the same programs, in two launches on two streams), and the plan did send heads to their maps."""
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
     x = gpu_inputs(*shape, 128, 128, seed=5)
-    x = mixed_gates(x) if gates == "mixed" else x
+    x = maps_and_warm_ups(x) if gates == "mixed" else x
     outs = []
     for on in (False, True, True):
         monkeypatch.setattr(hopper_fwd, "OVERLAP_WARM", on)
@@ -133,3 +144,8 @@ def test_overlapped_warm_walks_are_bitwise_the_lean_forward_on_the_gpu(monkeypat
     torch.cuda.synchronize()
     for o, ht in outs[1:]:
         assert torch.equal(o, outs[0][0]) and torch.equal(ht, outs[0][1])
+    if gates == "mixed":             # both roads taken: some heads walk their maps, the others warm up
+        B, T, _, HV = shape
+        S = hopper_fwd.segment_count(B, HV, 128, T, torch.cuda.get_device_properties(0).multi_processor_count)
+        flags = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S, skip_maps=True, warm_up=True)
+        assert flags.walk.any() and not flags.walk.all()
