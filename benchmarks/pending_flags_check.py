@@ -33,8 +33,9 @@ STEPS = [
     # session 27's OVERLAP_WARM (hopper/forward.py, off): its GPU test (bitwise the lean forward, the prepared call
     # too), then the A/B at the anchors' and at mixed gates: predicted row 3 0.62 → ≈ 0.45 ms at mixed gates, within
     # ±2% of GPU time at the anchors' gates, +25–35 µs of host time per call
+    # (a cold machine compiles ≈ 10 TileLang kernels here at 10–36 s each: two head configurations)
     ("overlapped warm walks, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_overlap_warm.py", "-k",
-                                         "gpu"], 240),
+                                         "gpu"], 420),
     ("overlapped warm walks, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--overlap-warm-ab",
                                             "--mixed-gates", "--repeat", "2", "--graph", "1,32768,16,16",
                                             "1,32768,2,8", "1,131072,16,16"], 200),
