@@ -458,9 +458,9 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
 def _overlapped(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, flags, launch, segments):
     """The lean segmented forward with warm-ups under :data:`OVERLAP_WARM`, after the pre-pass and the plan: phase
-    A, the scan and phase C's unwarmed segments on :func:`critical_stream`, phase C's warmed ones on the caller's
-    stream, into one o and final state (every tensor allocated on the caller's stream, which waits for the side
-    stream before returning). Off CUDA (the tests' twins) the same launches in the same order on one stream."""
+    A, the scan and phase C's unwarmed segments on :func:`critical_fork`'s side stream, phase C's warmed ones on the
+    caller's stream, into one o and final state (every tensor allocated on the caller's stream, which waits for the
+    side stream before returning). Off CUDA (the tests' twins) the same launches in the same order on one stream."""
     B, T, HV, V = v.shape
     S = segments
     qs, ks, vs, a_s = (x.reshape(B * S, T // S, *x.shape[2:]) for x in (q, k, v, a_inv))
