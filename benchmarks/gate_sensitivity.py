@@ -47,13 +47,20 @@ def flash_qla_forward():
                                                                             output_final_state=True)
 
 
-def row(B, T, H, HV, gates, theirs):
+def op_at(B, T, H, HV, gates):
+    """(the op's call on bench_anchors' inputs with the decays of ``gates``, its inputs and scale)."""
     q, k, v, g, beta = (x.detach() for x in make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, seed=2))
     g = GATES[gates](g).contiguous()
     scale = 128 ** -0.5
+
+    def ours():
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, output_final_state=True)
+    return ours, (q, k, v, g, beta), scale
+
+
+def row(B, T, H, HV, gates, theirs):
+    ours, (q, k, v, g, beta), scale = op_at(B, T, H, HV, gates)
     with torch.no_grad():
-        def ours():
-            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, output_final_state=True)
         ours()
         result = dict(shape=(B, T, H, HV), gates=gates, linattn_ms=round(bench(ours), 4),
                       linattn_graph_ms=round(graph_ms(ours), 4))
@@ -72,11 +79,8 @@ PROFILED_CALLS = 20
 def phases(B, T, H, HV, gates):
     """{kernel name: µs of GPU time per call} of the op at ``gates``, largest first."""
     from torch.profiler import ProfilerActivity, profile
-    q, k, v, g, beta = (x.detach() for x in make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, seed=2))
-    g = GATES[gates](g).contiguous()
+    ours = op_at(B, T, H, HV, gates)[0]
     with torch.no_grad():
-        def ours():
-            return chunk_gated_delta_rule(q, k, v, g, beta, scale=128 ** -0.5, output_final_state=True)
         ours()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -272,18 +272,23 @@ OVERLAP_WARM = False
 _critical_streams: dict[int, torch.cuda.Stream] = {}
 
 
+def no_fork():
+    """:func:`critical_fork`'s pair where nothing forks: no context, no join."""
+    return contextlib.nullcontext(), lambda: None
+
+
 def critical_fork(device: torch.device):
     """(a context in which launches go to this device's high-priority side stream, after the caller's stream's work
     so far; the join: the caller's stream waits for them), for :data:`OVERLAP_WARM`. The side stream is made on the
     first eager call (one per device; a thread that forks onto it joins back before its call returns). Off CUDA (the
     tests' twins), or under a CUDA graph capture before any eager call made it: one stream, nothing to wait for."""
     if device.type != "cuda":
-        return contextlib.nullcontext(), lambda: None
+        return no_fork()
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _critical_streams.get(index)
     if side is None:
         if torch.cuda.is_current_stream_capturing():        # no stream made inside a capture
-            return contextlib.nullcontext(), lambda: None
+            return no_fork()
         side = _critical_streams[index] = torch.cuda.Stream(device=index, priority=-1)
     main = torch.cuda.current_stream(device)
     side.wait_stream(main)
@@ -440,45 +445,29 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     # phase A's skip_m: 1 the M tiles of a negligible map, 2 a warmed head's whole map
     skip_m = flags.skip_m if flags is not None else None
     lean = LEAN_SEGMENTS and warm         # without warm-ups every map and entering state is read
-    if lean and OVERLAP_WARM:
-        return _overlapped(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, flags, launch, segments)
-    _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
-                                lean=lean, **fitted_launch(K, launch))
-    # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (the scan reads none of
-    # its maps, which are zero: skip_m 2), or with lean unwritten after the first (phase C starts those from zero)
-    h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
-                       nseg=segments, BV=SCAN_BV, skip=skip_m, skip_writes=lean)
-    if warm:
+    # OVERLAP_WARM: phase A, the scan and phase C's unwarmed half on the critical side stream, the warmed half on the
+    # caller's after them (its walks need only the plan), both into one o and final state allocated here
+    overlap = lean and OVERLAP_WARM
+    critical, join = critical_fork(q.device) if overlap else no_fork()
+    out = (torch.empty_like(v), torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)) if overlap else None
+    with critical:
+        _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=skip_m,
+                                    lean=lean, **fitted_launch(K, launch))
+        # the entering states; a warmed head's are S_0 (or 0) for its first segment and 0 after (the scan reads none
+        # of its maps, which are zero: skip_m 2), or with lean unwritten after the first (phase C starts those from
+        # zero)
+        h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
+                           nseg=segments, BV=SCAN_BV, skip=skip_m, skip_writes=lean)
+        if overlap:
+            chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=True,
+                                warm_subset=2, out=out, **launch)
+    if warm:         # (the warmed half reads no entering state: h_in only stands in for the argument)
         o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=lean,
-                                    **launch)
+                                    warm_subset=1 if overlap else 0, out=out, **launch)
     else:
         o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
-    return o.reshape(B, T, HV, V), last_segments(ht, B, segments, lean)
-
-
-def _overlapped(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, flags, launch, segments):
-    """The lean segmented forward with warm-ups under :data:`OVERLAP_WARM`, after the pre-pass and the plan: phase
-    A, the scan and phase C's unwarmed segments on :func:`critical_fork`'s side stream, phase C's warmed ones on the
-    caller's stream, into one o and final state (every tensor allocated on the caller's stream, which waits for the
-    side stream before returning). Off CUDA (the tests' twins) the same launches in the same order on one stream."""
-    B, T, HV, V = v.shape
-    S = segments
-    qs, ks, vs, a_s = (x.reshape(B * S, T // S, *x.shape[2:]) for x in (q, k, v, a_inv))
-    o = torch.empty_like(v)
-    ht = torch.empty(B, HV, k.shape[3], V, dtype=torch.float32, device=q.device)
-    critical, join = critical_fork(q.device)                 # after the pre-pass and the plan
-    with critical:
-        _, mn = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, None, affine=True, skip_m=flags.skip_m,
-                                    lean=True, **fitted_launch(k.shape[3], launch))
-        h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
-                           nseg=S, BV=SCAN_BV, skip=flags.skip_m, skip_writes=True)
-        chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=True,
-                            warm_subset=2, out=(o, ht), **launch)
-    # the warmed segments read no entering state (h_in only stands in for the argument)
-    chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=True,
-                        warm_subset=1, out=(o, ht), **launch)
     join()
-    return o, ht
+    return o.reshape(B, T, HV, V), last_segments(ht, B, segments, lean)
 
 
 def last_segments(ht: torch.Tensor, B: int, segments: int, lean: bool) -> torch.Tensor:

@@ -262,24 +262,18 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
         mn, h0_stand_in = held.extra
         initial = initial_state.float().contiguous() if initial_state is not None else None
-        if overlap:                     # forward._overlapped: the maps' chain on the critical stream
-            o = torch.empty_like(v)
-            ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
-            critical, join = fwd.critical_fork(device)
-            with critical:
-                affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
-                h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=True)
-                warm_exes[1](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
-                             flags.warm, o, ht)
-            warm_exes[0](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
-                         flags.warm, o, ht)
-            join()
-            return o, ht
-        affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
-        h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
         o = torch.empty_like(v)
         ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
+        # forward._forward_hopper_plain's fork under OVERLAP_WARM: the maps' chain on the critical side stream
+        critical, join = fwd.critical_fork(device) if overlap else fwd.no_fork()
+        with critical:
+            affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
+            h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
+            if overlap:
+                warm_exes[1](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
+                             flags.warm, o, ht)
         warm_exes[0](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in, flags.warm,
                      o, ht)
+        join()
         return o, fwd.last_segments(ht, B, S, lean)
     return five_launches
