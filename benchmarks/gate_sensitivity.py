@@ -14,10 +14,13 @@ op's eager do_bench median, its CUDA graph replay (GPU time alone) and FlashQLA'
 
 ``--phases``: instead, where the op's GPU time goes at each gate draw: every kernel's µs per call (the profiler's
 self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which launch grew (the segmented
-forward's phase A, the scan, the walk).
+forward's phase A, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
+kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``: with
+``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL`` on.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -76,8 +79,9 @@ def row(B, T, H, HV, gates, theirs):
 PROFILED_CALLS = 20
 
 
-def phases(B, T, H, HV, gates):
-    """{kernel name: µs of GPU time per call} of the op at ``gates``, largest first."""
+def phases(B, T, H, HV, gates, trace=False):
+    """{kernel name: µs of GPU time per call} of the op at ``gates``, largest first; ``trace``: the profiled calls'
+    chrome trace written to ``$OUT/trace-B-T-H-HV-gates.json``."""
     from torch.profiler import ProfilerActivity, profile
     ours = op_at(B, T, H, HV, gates)[0]
     with torch.no_grad():
@@ -87,6 +91,8 @@ def phases(B, T, H, HV, gates):
             for _ in range(PROFILED_CALLS):
                 ours()
             torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp")) / f"trace-{B}-{T}-{H}-{HV}-{gates}.json"))
     per_kernel = {}
     for event in prof.key_averages():
         # self time: only a kernel has its own device time (an op's total would count its kernels again)
@@ -100,10 +106,14 @@ def phases(B, T, H, HV, gates):
 
 def main(argv):
     shapes = [tuple(int(x) for x in a.split(",")) for a in argv if not a.startswith("--")]
+    from linattn.ops.hopper import forward
+    for flag, switch in (("--overlap-warm", "OVERLAP_WARM"), ("--map-wave-fill", "MAP_WAVE_FILL")):
+        if flag in argv:
+            setattr(forward, switch, True)
     if "--phases" in argv:
         for shape in shapes:
             for gates in GATES:
-                kernels = phases(*shape, gates)
+                kernels = phases(*shape, gates, trace="--trace" in argv)
                 print(f"\n{shape} {gates}: {sum(kernels.values()):.1f} µs per call")
                 for name, us in kernels.items():
                     print(f"  {us:8.1f}  {name}")

@@ -28,6 +28,8 @@ signature's prepared launches: bitwise equal expected, less host time); ``--kept
 expected, less host time); ``--routes-ab``: ``gated_delta.prepared_route.ROUTES`` off, then on (a repeated op
 call straight to its prepared Hopper forward: bitwise equal expected, less host time); ``--overlap-warm-ab``:
 ``hopper.forward.OVERLAP_WARM`` off, then on (phase C's warmed segments beside phase A: bitwise equal expected);
+``--map-wave-fill-ab``: ``hopper.forward.MAP_WAVE_FILL`` off, then on (the plan's wave-fill rule: more heads walk
+their maps where phase A's wave has room; not bitwise equal, a mapped head's entering states differ below 2⁻³⁰);
 ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
@@ -84,7 +86,8 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
             "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES"),
-            "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM")}
+            "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM"),
+            "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL")}
 PACKED = "--packed" in sys.argv
 # each row as its shape, the switches' setting and its times only (the settings of every other switch left out)
 BRIEF = "--brief" in sys.argv

@@ -1,6 +1,6 @@
 """The next GPU session's checks in one device call: each step a child process with its own time limit (a hang or a
 crash costs that step, not the call), its output's tail printed as it ends, and a table of the steps last. The
-steps and their order are docs/performance.md's "Where things stand" list (after run 33). Each step's whole output
+steps and their order are docs/performance.md's "Where things stand" list (after run 34). Each step's whole output
 goes to ``$OUT/steps/NN-name.log`` as it runs (bench_anchors' anchors.json into a folder of the same name), so a
 call killed at its limit still brings back what its steps printed:
 
@@ -28,32 +28,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 33
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 34
+ROWS = "1,32768,16,16", "1,32768,2,8", "1,131072,16,16"      # issue 4's segmented rows 3, 7 and 4
 STEPS = [
-    # session 27's OVERLAP_WARM (hopper/forward.py, off): its GPU test (bitwise the lean forward, the prepared call
-    # too), then the A/B at the anchors' and at mixed gates: predicted row 3 0.62 → ≈ 0.45 ms at mixed gates, within
-    # ±2% of GPU time at the anchors' gates, +25–35 µs of host time per call
-    # (a cold machine compiles ≈ 10 TileLang kernels here at 10–36 s each: two head configurations)
-    ("overlapped warm walks, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_overlap_warm.py", "-k",
-                                         "gpu"], 420),
-    ("overlapped warm walks, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--overlap-warm-ab",
-                                            "--mixed-gates", "--repeat", "2", "--graph", "1,32768,16,16",
-                                            "1,32768,2,8", "1,131072,16,16"], 200),
-    ("overlapped warm walks, anchors' gates", [PY, "benchmarks/op_time_check.py", "--brief", "--overlap-warm-ab",
-                                               "--repeat", "2", "--graph", "1,32768,16,16", "1,32768,2,8",
-                                               "1,131072,16,16"], 150),
-    # issue 4's host-bound row 7 beside fla, FlashQLA and SDPA with kept scratch and routes on (run 33 lost it to
-    # the session's device time); a cold machine's first bench_anchors process took > 300 s in run 32, 547 s with
-    # row 1 in run 33
+    # session 28's wave-fill rule (forward.MAP_WAVE_FILL, off): its GPU test (the compiled plan against its twin,
+    # more heads mapped, errors against float64 within 15% of the rule-free ones), then its A/B at mixed gates
+    # (predicted: row 3 0.62 → ≈ 0.51 ms, row 7 0.40 → ≈ 0.37, row 4 unchanged), at the anchors' and at slow gates
+    # (unchanged: no head walks / every head walks), and the kernels' times with it at mixed gates
+    ("wave fill, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_segmented.py", "-k", "wave_fill"],
+     300),
+    ("wave fill, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--map-wave-fill-ab", "--mixed-gates",
+                                "--repeat", "2", "--graph", *ROWS], 200),
+    ("wave fill, anchors' gates", [PY, "benchmarks/op_time_check.py", "--brief", "--map-wave-fill-ab", "--graph",
+                                   *ROWS], 120),
+    ("wave fill, slow gates", [PY, "benchmarks/op_time_check.py", "--brief", "--map-wave-fill-ab", "--slow-gates",
+                               "--graph", *ROWS[:2]], 120),
+    ("wave fill, phases", [PY, "benchmarks/gate_sensitivity.py", "--phases", "--map-wave-fill", *ROWS[:2]], 150),
+    # issue 4's host-bound row 7 beside fla, FlashQLA and SDPA with kept scratch and routes on (runs 33 and 34 did
+    # not reach it); a cold machine's first bench_anchors process took > 300 s in run 32, 547 s with row 1 in run 33
     ("row 7 beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule", "--no-decode",
                           "--skip-correct", "--shapes", "1,32768,2,8"], 420),
-    # the forward's time at the anchors', Mamba-style and never-forgetting gates beside FlashQLA: run 33 reached rows
-    # 1 and 3 only (1.9-2.2x at mixed gates); the other segmented rows (7, 4) and an unsegmented control (row 2)
-    ("gates beside FlashQLA", [PY, "benchmarks/gate_sensitivity.py", "1,32768,2,8", "1,131072,16,16", "8,4096,16,16"],
-     300),
-    # where the segmented forward's time goes at mixed gates: each launch's GPU time from the profiler
-    ("phases at mixed gates", [PY, "benchmarks/gate_sensitivity.py", "--phases", "1,32768,16,16", "1,32768,2,8"],
-     200),
     # the rest of issue 4's table: one process per row (a cut costs one row), the row run 32 did not reach first
 ] + [(f"row {n} beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
                               "--no-decode", "--skip-correct", "--shapes", shape], 420)

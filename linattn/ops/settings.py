@@ -58,6 +58,7 @@ def triton_settings() -> Optional[dict]:
             "MIN_SEGMENT_CHUNKS": hopper.MIN_SEGMENT_CHUNKS, "SCAN_BV": hopper.SCAN_BV, "PREPASS": hopper.PREPASS,
             "SKIP_NEGLIGIBLE_MAPS": hopper.SKIP_NEGLIGIBLE_MAPS, "WARM_UP": hopper.WARM_UP,
             "WARM_UP_MAX_FRACTION": hopper.WARM_UP_MAX_FRACTION, "NEGLIGIBLE_M_LOG2": hopper.NEGLIGIBLE_M_LOG2,
+            "MAP_WAVE_FILL": hopper.MAP_WAVE_FILL, "OVERLAP_WARM": hopper.OVERLAP_WARM,
             "EXECUTION_BACKEND": hopper_kernel.EXECUTION_BACKEND, "BETA_IN_A_INV": hopper_prepass.BETA_IN_A_INV,
             "PREPASS_MIN_BLOCKS_PER_SM": hopper_prepass.MIN_BLOCKS_PER_SM, "PREPASS_TMA_KEYS": hopper_prepass.TMA_KEYS,
             "PREPASS_A_ROW_PAD": hopper_prepass.A_ROW_PAD, "PREPASS_T_ROW_PAD": hopper_prepass.T_ROW_PAD,

@@ -103,6 +103,27 @@ def test_warm_forward_equals_the_recurrence(monkeypatch, skip_maps):
     assert rel(o_bad, ro) > 1e-4
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_wave_fill_forward_equals_the_recurrence(monkeypatch, lean):
+    """With ``MAP_WAVE_FILL`` the plan sends the two warming heads to their maps too (head 2 walks anyway: phase A's
+    wave has room for 4 + 4 more programs, so phase C walks no warm-up; map_bound's costs), and the forward around
+    the twin still equals the float64 recurrence, plain and lean: phase A walked every head's maps (no skip flag 2)
+    and phase C got no warm-up."""
+    monkeypatch.setattr(hopper_fwd, "LEAN_SEGMENTS", lean)
+    monkeypatch.setattr(hopper_fwd, "MAP_WAVE_FILL", True)
+    x = three_heads()
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    flags = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S, None, True, True)
+    assert flags.walk.all() and not flags.warm.any()
+    calls = twins_recording_calls(monkeypatch)
+    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=S, BV=16, warm_up=True,
+                                      skip_maps=True)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    assert calls[0]["affine"] and not calls[0]["skip_m"].eq(2).any()
+    assert not calls[1]["warm_chunks"].any()
+
+
 def test_warm_twin_keeps_each_segments_rows():
     """The warm walk's twin with warm-ups of 0 chunks from the true entering states (the float64 recurrence's) is
     the plain walk (what the kernel's o and final state per segment must equal)."""

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..common import num_sms
 from ..common.fused_prepass import fused_prepass
 from ..common.seq_parallel import affine_scan
 from . import prepass as prepass_module
@@ -239,6 +240,23 @@ SKIP_NEGLIGIBLE_MAPS = True
 # 0.55), at a slow decay (no head warms up) 0.828 against 0.749
 WARM_UP = True
 WARM_UP_MAX_FRACTION = 1.0
+# The wave-fill rule (``map_bound.segment_plan``'s map_slots): the plan also sends the heads of the longest warm-ups
+# to their maps where its cost model (phase C lasts as long as its longest walk; phase A as many waves as the maps'
+# programs need; the scan steps over the segments once any head walks) says so, typically where some head walks its
+# maps anyway and phase A's wave has room. Why: run 34's profile at gates drawn like a Mamba-style initialisation
+# (B=1 T=32768 H=16, 8 segments of 64 chunks): four heads walk their maps (phase A 122 µs, one wave of 64 programs
+# on 132 SMs), while a head that warms up over a whole segment makes phase C 334 µs (184 at no warm-up): the wave
+# has room for that head's and three others' maps (8 programs each: their maps' M tiles are negligible). Predicted
+# there: phase C 334 → ≈ 225 µs, the call 0.62 → ≈ 0.51 ms; B=1 T=32768 H=2 HV=8 0.40 → ≈ 0.37; unchanged where
+# no head walks (the anchors' gates, row 4 at mixed gates: a first wave costs more than it saves) and where every
+# head walks (slow gates). Session 28, CPU only (the twin): off until measured
+MAP_WAVE_FILL = False
+
+
+def map_slots(device: torch.device, num_sequences: int) -> int:
+    """``segment_plan``'s map_slots under :data:`MAP_WAVE_FILL` (phase A's programs per wave for each sequence: one
+    program per SM, the SMs shared evenly), else 0 (no wave-fill rule)."""
+    return max(1, num_sms(device) // num_sequences) if MAP_WAVE_FILL else 0
 # The segmented forwards without the writes nobody reads (``chunk_fwd_hopper_hm(lean=True)``): at bench_anchors'
 # gates every head warms up, yet phase A writes each map as zeros ([B·S, HV, K, K + V] fp32: 16.8 MB at B=1 T=32768
 # H=16, 8 segments), the scan writes each entering state as zeros (8.4 MB) and phase C reads them back (8.4 MB) to
@@ -309,7 +327,7 @@ def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments
     if bound is None:
         bound = chunk_bounds(k, g, beta, segments)
     return segment_plan(bound, segments, max(1, int(chunks * WARM_UP_MAX_FRACTION)), NEGLIGIBLE_M_LOG2, skip_maps,
-                        warm_up)
+                        warm_up, map_slots(k.device, k.shape[0]) if warm_up else 0)
 
 
 def resolve_prepass(prepass: Optional[str], a_inv_dtype: Optional[torch.dtype]) -> tuple[str, torch.dtype]:

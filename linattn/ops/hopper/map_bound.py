@@ -83,62 +83,97 @@ def chunk_bounds_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segme
     return sums.reshape(B, HV, segments, NC // segments).transpose(1, 2).reshape(B * segments, HV, -1)
 
 
-@triton.jit(do_not_specialize=["S", "LC", "W_MAX"])
-def segment_plan_kernel(bound, negligible, warm, walk, skip_m, S, LC, W_MAX, THRESHOLD, HV: tl.constexpr,
-                        BLOCK: tl.constexpr, SKIP_MAPS: tl.constexpr, WARM_UP: tl.constexpr):
-    # grid (B·HV,): one (sequence, value head). Reads its S·LC chunk sums (bound [B·S, HV, LC]: segment s's are one
-    # row); writes, per segment s, negligible / warm / walk / skip_m [B·S, HV]: the segment's sum below THRESHOLD;
-    # the fewest w ≤ W_MAX chunks before it whose running sum (from the chunk just before it backwards) falls below
-    # THRESHOLD (0 for s = 0); for every segment, whether some s ≥ 1 has no such w (then every warm-up of the head
-    # is 0); and phase A's flag (0 walk the map, 1 skip its M: SKIP_MAPS and negligible, 2 skip it all: WARM_UP and
-    # the head does not walk)
-    i_bh = tl.program_id(0)
-    i_b, i_hv = i_bh // HV, i_bh % HV
+# The wave-fill rule's costs (segment_plan's map_slots), in hundredths of one phase C chunk (the walk at BV=128):
+# phase A walks a chunk in 0.66 of one (run 34, H200, profiler at B=1 T=32768 H=16 and H=2 HV=8 at mixed gates:
+# 1.91–1.97 µs against 2.86–2.87), and the scan takes 2.3 per segment it steps over (6.5–6.6 µs per step). Integers,
+# so that the kernel and its twin take the same decision
+MAP_CHUNK_COST = 66
+SCAN_STEP_COST = 230
+WALK_CHUNK_COST = 100
+
+
+@triton.jit(do_not_specialize=["S", "LC", "W_MAX", "MAP_SLOTS"])
+def segment_plan_kernel(bound, negligible, warm, walk, skip_m, S, LC, W_MAX, THRESHOLD, MAP_SLOTS, HV: tl.constexpr,
+                        HB: tl.constexpr, BLOCK: tl.constexpr, SKIP_MAPS: tl.constexpr, WARM_UP: tl.constexpr,
+                        MAP_CHUNK_COST: tl.constexpr, SCAN_STEP_COST: tl.constexpr, WALK_CHUNK_COST: tl.constexpr):
+    # grid (B,): one sequence, its HV value heads side by side (HB lanes). Reads its S·LC chunk sums per head (bound
+    # [B·S, HV, LC]: segment s's are one row); writes, per segment s and head, negligible / warm / walk / skip_m
+    # [B·S, HV]: the segment's sum below THRESHOLD; the fewest w ≤ W_MAX chunks before it whose running sum (from
+    # the chunk just before it backwards) falls below THRESHOLD (0 for s = 0); for every segment, whether the head
+    # walks its maps (some s ≥ 1 has no such w, or the wave-fill rule below chose it; then its warm-ups are 0); and
+    # phase A's flag (0 walk the map, 1 skip its M: SKIP_MAPS and negligible, 2 skip it all: WARM_UP and the head
+    # does not walk)
+    i_b = tl.program_id(0)
+    o_h = tl.arange(0, HB)
+    m_h = o_h < HV
     o = tl.arange(0, BLOCK)
     NONE = 1 << 30
+    missing = tl.zeros([HB], dtype=tl.int32)
+    longest = tl.zeros([HB], dtype=tl.int32)        # each head's longest warm-up found
+    programs = tl.zeros([HB], dtype=tl.int32)       # phase A's walking programs, were the head to walk its maps
     # while loops throughout: the bounds are run-time values (Triton's interpreter cannot range over them)
-    any_missing = tl.zeros([], dtype=tl.int32)
     s = tl.zeros([], dtype=tl.int32)
     while s < S:
-        out = (i_b * S + s) * HV + i_hv
-        row = bound + out.to(tl.int64) * LC
+        out = (i_b * S + s) * HV + o_h
+        row = bound + out.to(tl.int64)[:, None] * LC
         # the segment's own sum
-        total = tl.zeros([], dtype=tl.float32)
+        total = tl.zeros([HB], dtype=tl.float32)
         c0 = tl.zeros([], dtype=tl.int32)
         while c0 < LC:
-            total += tl.sum(tl.load(row + c0 + o, mask=c0 + o < LC, other=0), 0)
+            total += tl.sum(tl.load(row + c0 + o[None, :], mask=m_h[:, None] & (c0 + o < LC)[None, :], other=0), 1)
             c0 += BLOCK
         is_negligible = (total < THRESHOLD).to(tl.int32)
-        tl.store(negligible + out, is_negligible.to(tl.int8))
-        tl.store(skip_m + out, is_negligible * SKIP_MAPS)
+        tl.store(negligible + out, is_negligible.to(tl.int8), mask=m_h)
+        tl.store(skip_m + out, is_negligible * SKIP_MAPS, mask=m_h)
+        programs += 2 - is_negligible * SKIP_MAPS                     # its N tile, and its M tile unless skipped
         # the warm-up: running sums over the chunks p − 1, p − 2, ... (p = s·LC, counted in the whole sequence;
         # W_MAX ≤ LC keeps them in segment s − 1), the first below THRESHOLD
-        w = tl.zeros([], dtype=tl.int32)
+        w = tl.zeros([HB], dtype=tl.int32)
         if s > 0:
-            carry = tl.zeros([], dtype=tl.float32)
-            w = tl.full([], NONE, dtype=tl.int32)
+            carry = tl.zeros([HB], dtype=tl.float32)
+            w = tl.full([HB], NONE, dtype=tl.int32)
             w0 = tl.zeros([], dtype=tl.int32)
             while w0 < W_MAX:
                 m = w0 + o < W_MAX
                 c = s * LC - 1 - w0 - o
-                vals = tl.load(bound + ((i_b * S + c // LC) * HV + i_hv).to(tl.int64) * LC + c % LC, mask=m,
-                               other=0)
-                running = carry + tl.cumsum(vals, 0)
-                w = tl.minimum(w, tl.min(tl.where(m & (running < THRESHOLD), w0 + o + 1, NONE), 0))
-                carry += tl.sum(vals, 0)
+                vals = tl.load(bound + ((i_b * S + c // LC)[None, :] * HV + o_h[:, None]).to(tl.int64) * LC
+                               + (c % LC)[None, :], mask=m_h[:, None] & m[None, :], other=0)
+                running = carry[:, None] + tl.cumsum(vals, 1)
+                w = tl.minimum(w, tl.min(tl.where(m[None, :] & (running < THRESHOLD), (w0 + o + 1)[None, :], NONE),
+                                         1))
+                carry += tl.sum(vals, 1)
                 w0 += BLOCK
-            any_missing = tl.maximum(any_missing, (w == NONE).to(tl.int32))
-        tl.store(warm + out, w)
+            missing = tl.maximum(missing, (w == NONE).to(tl.int32))
+            longest = tl.maximum(longest, tl.where(w == NONE, 0, w))
+        tl.store(warm + out, w, mask=m_h)
         s += 1
+    walks = (missing != 0) & m_h
+    if MAP_SLOTS > 0:
+        # the wave-fill rule: phase C lasts as long as its longest walk (a segment and the longest warm-up of a head
+        # that warms up), phase A as many waves of MAP_SLOTS programs as the walking heads' maps need, and the scan
+        # steps over the segments once any head walks. Candidate j maps the walking heads and every head whose
+        # longest warm-up is above head j's; the cheapest wins (ties: the fewest maps), or mapping every head
+        above = (walks[None, :] | (longest[None, :] > longest[:, None])) & m_h[None, :]          # [j, i]
+        mapped = tl.sum(tl.where(above, programs[None, :], 0), 1).to(tl.int64)
+        chain = (S - 1).to(tl.int64) * SCAN_STEP_COST
+        cost = (tl.where(mapped > 0, (mapped + MAP_SLOTS - 1) // MAP_SLOTS * LC * MAP_CHUNK_COST + chain, 0)
+                + (LC + longest).to(tl.int64) * WALK_CHUNK_COST)
+        cost = tl.where(m_h & ~walks, cost, 1 << 62)
+        every = tl.sum(tl.where(m_h, programs, 0), 0).to(tl.int64)
+        cost_every = (every + MAP_SLOTS - 1) // MAP_SLOTS * LC * MAP_CHUNK_COST + chain + LC * WALK_CHUNK_COST
+        best = tl.min(cost, 0)
+        cut = tl.max(tl.where(cost == best, longest, -1), 0)       # map the heads whose warm-ups are above it
+        cut = tl.where(cost_every < best, -1, cut)
+        walks = walks | (m_h & (longest > cut))
+    # the first pass's stores visible to every thread before the second overwrites some of them
+    tl.debug_barrier()
     s = tl.zeros([], dtype=tl.int32)
     while s < S:
-        out = (i_b * S + s) * HV + i_hv
-        tl.store(walk + out, any_missing.to(tl.int8))
-        if any_missing != 0:
-            tl.store(warm + out, 0)
-        else:
-            if WARM_UP:
-                tl.store(skip_m + out, 2)
+        out = (i_b * S + s) * HV + o_h
+        tl.store(walk + out, walks.to(tl.int8), mask=m_h)
+        tl.store(warm + out, tl.zeros([HB], dtype=tl.int32), mask=walks)
+        if WARM_UP:
+            tl.store(skip_m + out, tl.full([HB], 2, dtype=tl.int32), mask=m_h & ~walks)
         s += 1
 
 
@@ -152,22 +187,30 @@ class SegmentPlan(NamedTuple):
 
 
 def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: float, skip_maps: bool = False,
-                 warm_up: bool = False) -> SegmentPlan:
+                 warm_up: bool = False, map_slots: int = 0) -> SegmentPlan:
     """The flags of :class:`SegmentPlan` (bool, int32, bool, int32) from chunk sums ``[B·S, HV, LC]``
     (:func:`chunk_bounds`) of ``segments`` = S segments: see the module's docstring. phase A's skip_m is 1 for
     the negligible maps with ``skip_maps``, 2 for every map of a head that warms up with ``warm_up``, else 0.
-    ``w_max`` ≤ LC. One launch; no host sync."""
+    ``w_max`` ≤ LC. ``map_slots`` > 0 (phase A's programs per wave for each sequence): the wave-fill rule also
+    sends the heads of the longest warm-ups to their maps where the costs (:data:`MAP_CHUNK_COST`,
+    :data:`SCAN_STEP_COST`, :data:`WALK_CHUNK_COST`) say the shorter phase C pays for phase A's waves and the
+    scan: typically where some head walks its maps anyway and phase A's wave has room. One launch; no host sync."""
     BS, HV, LC = bound.shape
     S = segments
     if S < 1 or BS % S or not 1 <= w_max <= LC:
         raise ValueError(f"{S} segments of {LC} chunks ({BS} rows) with warm-ups of at most {w_max}: need S | B·S "
                          f"and 1 ≤ w_max ≤ LC")
+    if map_slots < 0:
+        raise ValueError(f"map_slots must be >= 0 (0: no wave-fill rule), got {map_slots}")
     negligible = torch.empty(BS, HV, dtype=torch.int8, device=bound.device)
     walk = torch.empty_like(negligible)
     warm = torch.empty(BS, HV, dtype=torch.int32, device=bound.device)
     skip_m = torch.empty_like(warm)
-    launch(segment_plan_kernel, (BS // S * HV,), bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
-           float(threshold), HV=HV, BLOCK=BLOCK, SKIP_MAPS=int(skip_maps), WARM_UP=bool(warm_up), num_warps=4)
+    HB = triton.next_power_of_2(HV)
+    launch(segment_plan_kernel, (BS // S,), bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
+           float(threshold), map_slots, HV=HV, HB=HB, BLOCK=max(16, min(BLOCK, 2048 // HB)),
+           SKIP_MAPS=int(skip_maps), WARM_UP=bool(warm_up), MAP_CHUNK_COST=MAP_CHUNK_COST,
+           SCAN_STEP_COST=SCAN_STEP_COST, WALK_CHUNK_COST=WALK_CHUNK_COST, num_warps=4)
     # int8 → bool is a view (same size), not a kernel
     return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
 
@@ -199,7 +242,7 @@ def warm_from_bound_ref(bound: torch.Tensor, segments: int, threshold: float) ->
 
 
 def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: float, skip_maps: bool = False,
-                     warm_up: bool = False) -> SegmentPlan:
+                     warm_up: bool = False, map_slots: int = 0) -> SegmentPlan:
     """The twin of :func:`segment_plan` (float64 sums)."""
     BS, HV, LC = bound.shape
     S = segments
@@ -212,9 +255,38 @@ def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: 
     ok = (cs[:, starts, None, :] - cs[:, starts[:, None] - w[None, :], :]) < threshold   # [B, S − 1, w_max, HV]
     found = ok.any(2)
     walk = ~found.all(1)                                                    # [B, HV]
-    warm = torch.where(found & ~walk[:, None], ok.int().argmax(2) + 1, 0)
+    first = torch.where(found, ok.int().argmax(2) + 1, 0)                   # [B, S − 1, HV]
+    if map_slots:
+        walk = walk | _wave_fill_ref(walk, first.amax(1), (2 - negligible.long() * int(skip_maps)).sum(1), S, LC,
+                                     map_slots)
+    warm = torch.where(~walk[:, None], first, 0)
     warm = torch.cat([warm.new_zeros(B, 1, HV), warm], 1)
     walk = walk[:, None].expand(B, S, HV)
     skip_m = torch.where(~walk & warm_up, 2, negligible.int() * int(skip_maps))
     return SegmentPlan(negligible.reshape(BS, HV), warm.reshape(BS, HV).to(torch.int32), walk.reshape(BS, HV),
                        skip_m.reshape(BS, HV).to(torch.int32))
+
+
+def _wave_fill_ref(walk: torch.Tensor, longest: torch.Tensor, programs: torch.Tensor, S: int, LC: int,
+                   map_slots: int) -> torch.Tensor:
+    """The heads ``[B, HV]`` the wave-fill rule adds to the walking ones (``segment_plan_kernel``'s costs), from
+    whether each walks, its longest warm-up and phase A's programs were it to walk its maps."""
+    B, HV = walk.shape
+    added = torch.zeros_like(walk)
+
+    def cost(n: int, maps: torch.Tensor, rest: int) -> int:
+        """Sequence n's cost with the heads ``maps`` walking and ``rest`` the longest warm-up left."""
+        count = int(programs[n][maps].sum())
+        phase_a = -(-count // map_slots) * LC * MAP_CHUNK_COST + (S - 1) * SCAN_STEP_COST if count else 0
+        return phase_a + (LC + rest) * WALK_CHUNK_COST
+
+    for n in range(B):
+        options = [(cost(n, walk[n] | (longest[n] > longest[n, j]), int(longest[n, j])), -int(longest[n, j]))
+                   for j in range(HV) if not walk[n, j]]
+        if not options:
+            continue
+        best, cut = min(options)
+        if cost(n, torch.ones_like(walk[n]), 0) < best:
+            cut = 1                                  # −cut = −1: every head
+        added[n] = ~walk[n] & (longest[n] > -cut)
+    return added

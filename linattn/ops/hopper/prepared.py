@@ -55,11 +55,12 @@ SCRATCH_MAX_BYTES = 64 << 20       # 64 MiB: row 7's five launches hold ≈ 60 M
 # path does not read (the plan's, which shape the launch keywords instead, and constants)
 SWITCHES = {
     "forward": ("PREPASS", "A_INV_DTYPE", "SKIP_NEGLIGIBLE_MAPS", "WARM_UP", "WARM_UP_MAX_FRACTION",
-                "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV", "OVERLAP_WARM"),
+                "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV", "OVERLAP_WARM",
+                "MAP_WAVE_FILL"),
     "prepass": ("BETA_IN_A_INV", "MIN_BLOCKS_PER_SM", "TMA_KEYS", "A_ROW_PAD", "T_ROW_PAD", "STEP4_BLOCKED"),
     "chunk_fwd": ("ASYNC_O_STORE", "ASYNC_AX", "DEFERRED_DECAY", "DEFERRED_DECAY_LIMIT", "FOLD_P_DECAY",
                   "UNIFORM_WARPGROUP", "DIRECT_LAUNCH", "EXECUTION_BACKEND"),
-    "map_bound": ("BLOCK",),
+    "map_bound": ("BLOCK", "MAP_CHUNK_COST", "SCAN_STEP_COST", "WALK_CHUNK_COST"),
 }
 _get_forward, _get_prepass, _get_chunk_fwd, _get_map_bound = (operator.attrgetter(*names) for names in
                                                               SWITCHES.values())
@@ -241,6 +242,7 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
 
     skip = fwd.SKIP_NEGLIGIBLE_MAPS if skip_maps is None else skip_maps
     w_max = max(1, int(LC * fwd.WARM_UP_MAX_FRACTION))
+    slots = fwd.map_slots(q.device, B)       # the wave-fill rule's (0: off)
     affine_exe = chunk_fwd.launcher(walk(fwd.fitted_launch(K, launch)["BV"], scale, threads, num_stages, False,
                                          beta_dtype, bf16, async_dots, True, tma_o, stsm, beta_in_a, min_blocks,
                                          lean))
@@ -258,7 +260,7 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         device = q.device
         held = held_by(five_launches, device)
         run_prepass(k, g, beta, held)
-        flags = map_bound.segment_plan(held.bound, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True)
+        flags = map_bound.segment_plan(held.bound, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True, slots)
         qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
         mn, h0_stand_in = held.extra
         initial = initial_state.float().contiguous() if initial_state is not None else None
