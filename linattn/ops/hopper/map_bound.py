@@ -111,41 +111,35 @@ def segment_plan_kernel(bound, negligible, warm, walk, skip_m, S, LC, W_MAX, THR
     missing = tl.zeros([HB], dtype=tl.int32)
     longest = tl.zeros([HB], dtype=tl.int32)        # each head's longest warm-up found
     programs = tl.zeros([HB], dtype=tl.int32)       # phase A's walking programs, were the head to walk its maps
+    w = tl.zeros([HB], dtype=tl.int32)              # this segment's warm-up (found by the previous one's pass)
     # while loops throughout: the bounds are run-time values (Triton's interpreter cannot range over them)
     s = tl.zeros([], dtype=tl.int32)
     while s < S:
         out = (i_b * S + s) * HV + o_h
         row = bound + out.to(tl.int64)[:, None] * LC
-        # the segment's own sum
-        total = tl.zeros([HB], dtype=tl.float32)
-        c0 = tl.zeros([], dtype=tl.int32)
-        while c0 < LC:
-            total += tl.sum(tl.load(row + c0 + o[None, :], mask=m_h[:, None] & (c0 + o < LC)[None, :], other=0), 1)
-            c0 += BLOCK
-        is_negligible = (total < THRESHOLD).to(tl.int32)
+        tl.store(warm + out, w, mask=m_h)
+        if s > 0:
+            missing = tl.maximum(missing, (w == NONE).to(tl.int32))
+            longest = tl.maximum(longest, tl.where(w == NONE, 0, w))
+        # one pass over the segment's chunks, last block first (one load per block: the run-time chain is S·LC/BLOCK
+        # loads long): its sum, and the next segment's warm-up, the fewest w ≤ W_MAX of its last chunks whose sum
+        # (the suffix sum from chunk LC − w on, added nearest first) falls below THRESHOLD
+        carry = tl.zeros([HB], dtype=tl.float32)
+        start = tl.full([HB], -1, dtype=tl.int32)      # the latest chunk where such a suffix starts
+        c0 = (LC - 1) // BLOCK * BLOCK
+        while c0 >= 0:
+            c = c0 + o
+            vals = tl.load(row + c[None, :], mask=m_h[:, None] & (c < LC)[None, :], other=0)
+            suffix = carry[:, None] + tl.cumsum(vals, 1, reverse=True)
+            hit = (suffix < THRESHOLD) & ((c >= LC - W_MAX) & (c < LC))[None, :]
+            start = tl.maximum(start, tl.max(tl.where(hit, c[None, :], -1), 1))
+            carry += tl.sum(vals, 1)
+            c0 -= BLOCK
+        is_negligible = (carry < THRESHOLD).to(tl.int32)
         tl.store(negligible + out, is_negligible.to(tl.int8), mask=m_h)
         tl.store(skip_m + out, is_negligible * SKIP_MAPS, mask=m_h)
         programs += 2 - is_negligible * SKIP_MAPS                     # its N tile, and its M tile unless skipped
-        # the warm-up: running sums over the chunks p − 1, p − 2, ... (p = s·LC, counted in the whole sequence;
-        # W_MAX ≤ LC keeps them in segment s − 1), the first below THRESHOLD
-        w = tl.zeros([HB], dtype=tl.int32)
-        if s > 0:
-            carry = tl.zeros([HB], dtype=tl.float32)
-            w = tl.full([HB], NONE, dtype=tl.int32)
-            w0 = tl.zeros([], dtype=tl.int32)
-            while w0 < W_MAX:
-                m = w0 + o < W_MAX
-                c = s * LC - 1 - w0 - o
-                vals = tl.load(bound + ((i_b * S + c // LC)[None, :] * HV + o_h[:, None]).to(tl.int64) * LC
-                               + (c % LC)[None, :], mask=m_h[:, None] & m[None, :], other=0)
-                running = carry[:, None] + tl.cumsum(vals, 1)
-                w = tl.minimum(w, tl.min(tl.where(m[None, :] & (running < THRESHOLD), (w0 + o + 1)[None, :], NONE),
-                                         1))
-                carry += tl.sum(vals, 1)
-                w0 += BLOCK
-            missing = tl.maximum(missing, (w == NONE).to(tl.int32))
-            longest = tl.maximum(longest, tl.where(w == NONE, 0, w))
-        tl.store(warm + out, w, mask=m_h)
+        w = tl.where(start >= 0, LC - start, NONE)
         s += 1
     walks = (missing != 0) & m_h
     if MAP_SLOTS > 0:
@@ -208,7 +202,8 @@ def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: floa
     skip_m = torch.empty_like(warm)
     HB = triton.next_power_of_2(HV)
     launch(segment_plan_kernel, (BS // S,), bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
-           float(threshold), map_slots, HV=HV, HB=HB, BLOCK=max(16, min(BLOCK, 2048 // HB)),
+           float(threshold), map_slots, HV=HV, HB=HB,
+           BLOCK=max(16, min(BLOCK, 2048 // HB, triton.next_power_of_2(LC))),
            SKIP_MAPS=int(skip_maps), WARM_UP=bool(warm_up), MAP_CHUNK_COST=MAP_CHUNK_COST,
            SCAN_STEP_COST=SCAN_STEP_COST, WALK_CHUNK_COST=WALK_CHUNK_COST, num_warps=4)
     # int8 → bool is a view (same size), not a kernel
