@@ -12,7 +12,13 @@ from linattn.ops.hopper import forward as hopper_fwd
 
 from .test_hopper_deferred_decay import COMPILES, KERNEL_VARIANTS, kernel_source, mixed_gates
 from .test_hopper_fwd import ON_HOPPER, gpu_inputs, op_outputs_off_and_on
-from .test_hopper_warm_up import S, rel, three_heads, twins_recording_calls
+from .test_hopper_warm_up import (
+    S,
+    _no_wave_fill,  # noqa: F401  (autouse: three_heads keeps its warm-ups)
+    rel,
+    three_heads,
+    twins_recording_calls,
+)
 
 
 def poisoned(empty):

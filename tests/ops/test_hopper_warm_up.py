@@ -17,6 +17,14 @@ from linattn.ops.hopper import forward as hopper_fwd
 S, LC = 4, 8            # 4 segments of 8 chunks: warm-ups of up to WARM_UP_MAX_FRACTION · 8 chunks
 
 
+@pytest.fixture(autouse=True)
+def _no_wave_fill(monkeypatch):
+    """These tests are about the warm-ups themselves: with ``forward.MAP_WAVE_FILL`` (on by default) the plan would
+    send three_heads' two warming heads to their maps as well (phase A's wave has room for them), which
+    :func:`test_wave_fill_forward_equals_the_recurrence` tests."""
+    monkeypatch.setattr(hopper_fwd, "MAP_WAVE_FILL", False)
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

@@ -249,8 +249,13 @@ WARM_UP_MAX_FRACTION = 1.0
 # has room for that head's and three others' maps (8 programs each: their maps' M tiles are negligible). Predicted
 # there: phase C 334 → ≈ 225 µs, the call 0.62 → ≈ 0.51 ms; B=1 T=32768 H=2 HV=8 0.40 → ≈ 0.37; unchanged where
 # no head walks (the anchors' gates, row 4 at mixed gates: a first wave costs more than it saves) and where every
-# head walks (slow gates). Session 28, CPU only (the twin): off until measured
-MAP_WAVE_FILL = False
+# head walks (slow gates). Run 34 (H200, ef98815, op_time_check.py --map-wave-fill-ab, eager / replayed, ms): its
+# GPU test passes (the compiled plan equals its twin; errors against float64 within 15% of the rule-free ones); at
+# mixed gates B=1 T=32768 H=16 0.630 / 0.624 → 0.517 / 0.511, H=2 HV=8 0.408 / 0.403 → 0.369 / 0.363, T=131072 H=16
+# 1.475 → 1.481–1.488 (the same flags: bitwise equal, noise); at the anchors' and at slow gates bitwise equal and
+# within noise. The plan kernel (one program per sequence since this rule) takes 20 µs at the first two against
+# 9.2 and 16.5 for the per-head programs before it (run 34's profile): see map_bound.py. On
+MAP_WAVE_FILL = True
 
 
 def map_slots(device: torch.device, num_sequences: int) -> int:
@@ -283,7 +288,14 @@ LEAN_SEGMENTS = True
 # the anchors' gates (FlashQLA 0.680 and 0.547). Predicted at those mixed gates: ≈ 0.45 (the warmed walks fill phase
 # A's idle SMs); at the anchors' gates within ±2% of GPU time (the same programs in two launches), and +25–35 µs of
 # host time per call (a launch, the fork and the join), which the host-bound row 7 pays. Session 27, CPU only (the
-# twins): off until its GPU test has run and op_time_check.py --overlap-warm-ab is measured at both gates
+# twins): off until its GPU test has run and op_time_check.py --overlap-warm-ab is measured at both gates. Run 34
+# (H200, b9ea464, --overlap-warm-ab --repeat 2 --graph, off → on): its GPU test passes (bitwise); at mixed gates
+# B=1 T=32768 H=16 replayed 0.617 / 0.620 → 0.545 / 0.544 but eagerly 0.620 / 0.622 → 0.609 / 0.610, H=2 HV=8
+# replayed 0.400 / 0.401 → 0.363 / 0.363 but eagerly 0.405 → 0.418 (host 265 → 358–382 µs per call), T=131072 no
+# gain; at the anchors' gates within 1% replayed, host +4–54 µs. Predicted 0.62 → 0.45: the warmed half alone
+# walks 334 µs there (a head warming up over a whole segment) and shares the SMs with phase A's programs; why the
+# eager calls keep less of the replayed gain than the host time explains was not found (the traces were lost).
+# With MAP_WAVE_FILL those long warm-ups mostly go to the maps instead. Off
 OVERLAP_WARM = False
 
 
