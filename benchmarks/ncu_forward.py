@@ -9,7 +9,9 @@ the pre-pass (0.589 ms), the state pass (0.505) and the output kernel (0.288) ea
         python benchmarks/ncu_forward.py [--B 8] [--backward]
 
 (--backward: the regex "local_bwd|state_pass_bwd|kkt_solve|wy_kernel|state_pass_fwd" and --launch-skip 8; --path auto
-[--roles]: the Hopper forward, regex "gdn_" for its pre-pass and fused kernel, TileLang on the path.)
+[--roles]: the Hopper forward, regex "gdn_" for its pre-pass and fused kernel, TileLang on the path; --mixed-gates:
+per-head decay rates drawn like a Mamba-style initialisation (hopper_fwd_check.mixed_gates), where the segmented
+forward's scan and phase A have maps to walk.)
 Runs the op (bf16, T=4096, H=HV=16, K=V=128, the split path, today's defaults) a few times; times nothing itself.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ ap.add_argument("--calls", type=int, default=3)
 ap.add_argument("--path", default="split", choices=triton_chunk.FORWARD_PATHS,
                 help="the forward path (auto: the Hopper forward on sm_90 where its programs fill the card)")
 ap.add_argument("--roles", action="store_true", help="the Hopper forward's role-split kernel")
+ap.add_argument("--mixed-gates", action="store_true", help="per-head decay rates drawn like a Mamba-style init")
 a = ap.parse_args()
 triton_chunk.FORWARD_PATH = a.path
 if a.roles:
@@ -39,7 +42,11 @@ r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
 B, T, H, D = a.B, a.T, 16, 128
 q, k = (torch.nn.functional.normalize(r(B, T, H, D), dim=-1).bfloat16().requires_grad_(a.backward) for _ in range(2))
 v = r(B, T, H, D).bfloat16().requires_grad_(a.backward)
-g = (-torch.rand(B, T, H, device="cuda", generator=gen) * 0.1).requires_grad_(a.backward)
+g = -torch.rand(B, T, H, device="cuda", generator=gen) * 0.1
+if a.mixed_gates:
+    from hopper_fwd_check import mixed_gates  # this folder is on sys.path when run as a script
+    g = mixed_gates(g)
+g = g.contiguous().requires_grad_(a.backward)
 beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16().requires_grad_(a.backward)
 for _ in range(a.calls):
     o, _ = linattn.chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True)

@@ -37,6 +37,13 @@ STEPS = [
                                "1", "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
                                "LaunchStats", "--section", "SourceCounters", "--print-details", "all", PY,
                                "benchmarks/ncu_forward.py", "--path", "auto", "--B", "1", "--T", "32768"], 200),
+    # the scan at mixed gates: 6.5 µs per dependent step (run 34: 113 µs of row 7's 359 there), where M_s's load does
+    # not depend on the state
+    ("scan under ncu", ["ncu", "--kernel-name", "regex:affine_scan", "--launch-skip", "1", "--launch-count", "1",
+                        "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section", "SourceCounters",
+                        "--section", "MemoryWorkloadAnalysis", "--print-details", "all", PY,
+                        "benchmarks/ncu_forward.py", "--path", "auto", "--B", "1", "--T", "32768", "--mixed-gates"],
+     200),
     # the wave-fill rule's GPU test and A/B (run 34: row 3 −18%, row 7 −10% at mixed gates), to re-check after a
     # change to the plan kernel
     ("wave fill, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_segmented.py", "-k", "wave_fill"],
