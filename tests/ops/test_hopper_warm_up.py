@@ -132,6 +132,27 @@ def test_wave_fill_forward_equals_the_recurrence(monkeypatch, lean):
     assert not calls[1]["warm_chunks"].any()
 
 
+def test_wave_fill_decides_per_sequence(monkeypatch):
+    """Two sequences with ``MAP_WAVE_FILL``: in sequence 0 head 2 walks its maps, so the two warming heads join it
+    (phase A's wave has room: 66 slots per sequence); in sequence 1 every head warms up (head 2 forgets fast there),
+    and a first wave of phase A and the scan would cost more than the 1–2 chunks they save, so nothing maps. o and
+    the final states of both equal the float64 recurrence."""
+    monkeypatch.setattr(hopper_fwd, "MAP_WAVE_FILL", True)
+    a, b = three_heads(seed=1), three_heads(seed=2)
+    b["g"][..., 2] = -3.0
+    x = {n: torch.cat([a[n], b[n]]) for n in a}
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    calls = twins_recording_calls(monkeypatch)
+    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=S, BV=16, warm_up=True,
+                                      skip_maps=True)
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    skip_m = calls[0]["skip_m"].view(2, S, 3)
+    warm = calls[1]["warm_chunks"].view(2, S, 3)
+    assert not skip_m[0].eq(2).any() and not warm[0].any()                       # sequence 0: every head maps
+    assert skip_m[1].eq(2).all() and warm[1, 1:].tolist() == [[1, 2, 1]] * (S - 1)  # sequence 1: the warm-ups
+
+
 def test_warm_twin_keeps_each_segments_rows():
     """The warm walk's twin with warm-ups of 0 chunks from the true entering states (the float64 recurrence's) is
     the plain walk (what the kernel's o and final state per segment must equal)."""
