@@ -156,13 +156,15 @@ def segment_plan_kernel(bound, negligible, warm, walk, skip_m, S, LC, W_MAX, THR
         # steps over the segments once any head walks. Candidate j maps the walking heads and every head whose
         # longest warm-up is above head j's; the cheapest wins (ties: the fewest maps), or mapping every head
         above = (walks[None, :] | (longest[None, :] > longest[:, None])) & m_h[None, :]          # [j, i]
-        mapped = tl.sum(tl.where(above, programs[None, :], 0), 1).to(tl.int64)
+        # (the waves in int32, the costs in int64: a 64-bit division is a subroutine call per element)
+        mapped = tl.sum(tl.where(above, programs[None, :], 0), 1)
         chain = (S - 1).to(tl.int64) * SCAN_STEP_COST
-        cost = (tl.where(mapped > 0, (mapped + MAP_SLOTS - 1) // MAP_SLOTS * LC * MAP_CHUNK_COST + chain, 0)
-                + (LC + longest).to(tl.int64) * WALK_CHUNK_COST)
+        phase_a = ((mapped + MAP_SLOTS - 1) // MAP_SLOTS).to(tl.int64) * LC * MAP_CHUNK_COST + chain
+        cost = tl.where(mapped > 0, phase_a, 0) + (LC + longest).to(tl.int64) * WALK_CHUNK_COST
         cost = tl.where(m_h & ~walks, cost, 1 << 62)
-        every = tl.sum(tl.where(m_h, programs, 0), 0).to(tl.int64)
-        cost_every = (every + MAP_SLOTS - 1) // MAP_SLOTS * LC * MAP_CHUNK_COST + chain + LC * WALK_CHUNK_COST
+        every = tl.sum(tl.where(m_h, programs, 0), 0)
+        cost_every = (((every + MAP_SLOTS - 1) // MAP_SLOTS).to(tl.int64) * LC * MAP_CHUNK_COST + chain
+                      + LC * WALK_CHUNK_COST)
         best = tl.min(cost, 0)
         cut = tl.max(tl.where(cost == best, longest, -1), 0)       # map the heads whose warm-ups are above it
         cut = tl.where(cost_every < best, -1, cut)
