@@ -16,7 +16,9 @@ op's eager do_bench median, its CUDA graph replay (GPU time alone) and FlashQLA'
 self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which launch grew (the segmented
 forward's phase A, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
 kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``: with
-``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL`` on.
+``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL`` on. ``--plan-block N``: ``map_bound.BLOCK`` = N (the plan's chunks
+per step: 32 keeps each row of its tiles in one warp, so its sums and scans need no barrier; run 34's plan used up to
+128).
 """
 from __future__ import annotations
 
@@ -105,11 +107,13 @@ def phases(B, T, H, HV, gates, trace=False):
 
 
 def main(argv):
-    shapes = [tuple(int(x) for x in a.split(",")) for a in argv if not a.startswith("--")]
-    from linattn.ops.hopper import forward
+    shapes = [tuple(int(x) for x in a.split(",")) for a in argv if "," in a]
+    from linattn.ops.hopper import forward, map_bound
     for flag, switch in (("--overlap-warm", "OVERLAP_WARM"), ("--map-wave-fill", "MAP_WAVE_FILL")):
         if flag in argv:
             setattr(forward, switch, True)
+    if "--plan-block" in argv:
+        map_bound.BLOCK = int(argv[argv.index("--plan-block") + 1])
     if "--phases" in argv:
         for shape in shapes:
             for gates in GATES:

@@ -19,8 +19,11 @@ wave-fill rule, which sends the heads of the longest warm-ups to their maps wher
 Time: the plan runs one program per sequence (the rule needs every head's warm-ups), 20 µs at B=1 T=32768 H=16 and
 at H=2 HV=8 in run 34 against the 9.2 and 16.5 of the one program per (sequence, head) before it. The same 20 µs at
 8 and at 16 segments says the chain of loads is not what costs; not yet found (ncu's source view of the launch is
-the next step). Per (sequence, head) programs with the last one of a sequence deciding (an atomic ticket) would keep
-the rule and the old time.
+the next step). A lead from the sm_90 SASS (session 28): at B=1 T=32768 H=16 the tiles are [16, 64], laid out with
+a row across two warps, so each step's suffix scan, maximum and sum cross warps (489 instructions and 8 barriers
+per step of the chunk loop); with BLOCK = 32 a row stays in one warp (187 instructions, no barrier, two steps per
+segment). Per (sequence, head) programs with the last one of a sequence deciding (an atomic ticket) would keep the
+rule and the old time.
 """
 from __future__ import annotations
 
