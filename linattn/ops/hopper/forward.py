@@ -234,7 +234,8 @@ SKIP_NEGLIGIBLE_MAPS = True
 # segment needs more than WARM_UP_MAX_FRACTION of a segment's chunks takes the maps (phase A walks only those
 # heads; the others' programs end at once). The cap is one whole segment: a warm-up of w ≤ L/64 chunks makes its
 # walk at most twice phase C's, while the maps cost phase A (about twice phase C) on top of phase C; beyond it the
-# warm-up would read more than the previous segment. Run 23 (H200, `hopper_fwd_check.py --segmented`, before the
+# warm-up would read more than the previous segment (where phase A runs anyway, MAP_WAVE_FILL below weighs a long
+# warm-up against the maps per call). Run 23 (H200, `hopper_fwd_check.py --segmented`, before the
 # map bound moved into the pre-pass and the scan skipped warmed heads): errors equal to the plain segmented
 # forward's (o 3.370e-3, state 2.405e-3 at the anchors' gates); B=1 T=32768 H=16 0.568 ms against 0.758 (predicted
 # 0.55), at a slow decay (no head warms up) 0.828 against 0.749
