@@ -37,9 +37,12 @@ STEPS = [
                                "1", "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
                                "LaunchStats", "--section", "SourceCounters", "--print-details", "all", PY,
                                "benchmarks/ncu_forward.py", "--path", "auto", "--B", "1", "--T", "32768"], 200),
-    # the plan's tiles one warp wide (map_bound.BLOCK 32: the sm_90 SASS's chunk loop has no barrier, 187
-    # instructions against 489 with 8 barriers at BLOCK 64, B=1 T=32768 H=16): its µs against the default's
-    ("plan block 32", [PY, "benchmarks/gate_sensitivity.py", "--phases", "--plan-block", "32", *ROWS], 150),
+    # the plan's tiles one warp wide (map_bound.BLOCK 32 since session 28, not yet timed: the sm_90 SASS's chunk loop
+    # has no barrier, 187 instructions against 489 with 8 barriers at run 34's [16, 64] tiles, B=1 T=32768 H=16): the
+    # default's µs per call against BLOCK 64 (run 34's at row 3) and 128 (run 34's at row 4)
+    ("plan block 32", [PY, "benchmarks/gate_sensitivity.py", "--phases", *ROWS], 150),
+    ("plan block 64", [PY, "benchmarks/gate_sensitivity.py", "--phases", "--plan-block", "64", *ROWS], 150),
+    ("plan block 128", [PY, "benchmarks/gate_sensitivity.py", "--phases", "--plan-block", "128", *ROWS], 150),
     # the scan at mixed gates: 6.5 µs per dependent step (run 34: 113 µs of row 7's 359 there), where M_s's load does
     # not depend on the state
     ("scan under ncu", ["ncu", "--kernel-name", "regex:affine_scan", "--launch-skip", "1", "--launch-count", "1",
@@ -53,7 +56,6 @@ STEPS = [
      300),
     ("wave fill, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--map-wave-fill-ab", "--mixed-gates",
                                 "--graph", *ROWS[:2]], 150),
-    ("wave fill, phases", [PY, "benchmarks/gate_sensitivity.py", "--phases", *ROWS], 150),
     # issue 4's table: one process per row (a cut costs one row); row 3 first (run 34's plan kernel is in it, and
     # it was 2% over its goal), row 5 next (last measured in run 30); row 7 was measured in run 34
 ] + [(f"row {n} beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",

@@ -22,8 +22,8 @@ at H=2 HV=8 in run 34 against the 9.2 and 16.5 of the one program per (sequence,
 the next step). A lead from the sm_90 SASS (session 28): at B=1 T=32768 H=16 the tiles are [16, 64], laid out with
 a row across two warps, so each step's suffix scan, maximum and sum cross warps (489 instructions and 8 barriers
 per step of the chunk loop); with BLOCK = 32 a row stays in one warp (187 instructions, no barrier, two steps per
-segment). Per (sequence, head) programs with the last one of a sequence deciding (an atomic ticket) would keep the
-rule and the old time.
+segment), and since session 28 BLOCK is 32 (not yet timed). Per (sequence, head) programs with the last one of a
+sequence deciding (an atomic ticket) would keep the rule and the old time.
 """
 from __future__ import annotations
 
@@ -39,7 +39,11 @@ from ..utils import cdiv
 
 BT = 64
 LOG2E = math.log2(math.e)
-BLOCK = 128          # the plan's chunks per step of its loops (a segment's sum, a warm-up's running sum)
+# The plan's chunks per step of its chunk loop, a warp's width: its tiles [heads, BLOCK] then keep each head's row in
+# one warp, so the step's suffix scan, maximum and sum need no barrier (sm_90 SASS at B=1 T=32768 H=16, session 28:
+# 187 instructions and no barrier per step, against 489 and 8 at the [16, 64] tiles run 34 measured, 20 µs per
+# plan). Not derived from the segment's length: a new T must compile nothing (issue 4: its first call < 2 s)
+BLOCK = 32
 
 
 @triton.jit(do_not_specialize=["T", "NC", "LC"])      # lengths: a new T compiles nothing
@@ -216,7 +220,7 @@ def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: floa
     HB = triton.next_power_of_2(HV)
     launch(segment_plan_kernel, (BS // S,), bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
            float(threshold), map_slots, HV=HV, HB=HB,
-           BLOCK=max(16, min(BLOCK, 2048 // HB, triton.next_power_of_2(LC))),
+           BLOCK=max(16, min(BLOCK, 2048 // HB)),
            SKIP_MAPS=int(skip_maps), WARM_UP=bool(warm_up), MAP_CHUNK_COST=MAP_CHUNK_COST,
            SCAN_STEP_COST=SCAN_STEP_COST, WALK_CHUNK_COST=WALK_CHUNK_COST, num_warps=4)
     # int8 → bool is a view (same size), not a kernel
