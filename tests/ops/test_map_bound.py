@@ -34,8 +34,8 @@ def test_chunk_bounds_equal_their_twin(T, H, HV, K, S):
 @pytest.mark.parametrize("map_slots", [0, 9])
 def test_segment_plan_equals_its_twin(S, w_max, skip_maps, warm_up, map_slots):
     """Segments of 300 chunks (the chunk loop's block is map_bound.BLOCK, 32: sums carry over ten blocks); per head
-    a different chunk decay, so that warm-ups of 1 to ≈ 300 chunks, negligible and non-negligible segments and walking heads all
-    occur; phase A's flags under each setting of the two levers."""
+    a different chunk decay, so that warm-ups of 1 to ≈ 300 chunks, negligible and non-negligible segments and
+    walking heads all occur; phase A's flags under each setting of the two levers."""
     LC = 300 if w_max != 77 else 77
     gen = torch.Generator().manual_seed(S * 1000 + w_max)
     per_head = torch.tensor([-400.0, -40.0, -3.0, -0.5, -0.12, -0.01, 0.0])    # the first warms up in a chunk
