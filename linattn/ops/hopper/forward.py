@@ -258,11 +258,6 @@ WARM_UP_MAX_FRACTION = 1.0
 # 9.2 and 16.5 for the per-head programs before it (run 34's profile): see map_bound.py. On
 MAP_WAVE_FILL = True
 
-
-def map_slots(device: torch.device, num_sequences: int) -> int:
-    """``segment_plan``'s map_slots under :data:`MAP_WAVE_FILL` (phase A's programs per wave for each sequence: one
-    program per SM, the SMs shared evenly), else 0 (no wave-fill rule)."""
-    return max(1, num_sms(device) // num_sequences) if MAP_WAVE_FILL else 0
 # The segmented forwards without the writes nobody reads (``chunk_fwd_hopper_hm(lean=True)``): at bench_anchors'
 # gates every head warms up, yet phase A writes each map as zeros ([B·S, HV, K, K + V] fp32: 16.8 MB at B=1 T=32768
 # H=16, 8 segments), the scan writes each entering state as zeros (8.4 MB) and phase C reads them back (8.4 MB) to
@@ -324,6 +319,12 @@ def critical_fork(device: torch.device):
     main = torch.cuda.current_stream(device)
     side.wait_stream(main)
     return torch.cuda.stream(side), functools.partial(main.wait_stream, side)
+
+
+def map_slots(device: torch.device, num_sequences: int) -> int:
+    """``segment_plan``'s map_slots under :data:`MAP_WAVE_FILL` (phase A's programs per wave for each sequence: one
+    program per SM, the SMs shared evenly), else 0 (no wave-fill rule)."""
+    return max(1, num_sms(device) // num_sequences) if MAP_WAVE_FILL else 0
 
 
 def segment_flags(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int,
