@@ -30,7 +30,15 @@ PY = sys.executable
 
 # (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 34
 ROWS = "1,32768,16,16", "1,32768,2,8", "1,131072,16,16"      # issue 4's segmented rows 3, 7 and 4
+# one ncu run over the pre-pass and the plan kernel at row 3 (the second call's launches), its per-SASS-instruction
+# counters (shared wavefronts, stall samples) exported as CSV beside the logs: the pre-pass is ≈ 36% of the GPU-bound
+# rows and bound by its shared-memory pipe (run 26: 93% busy); the plan kernel takes 20 µs at 8 and 16 segments alike
+PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 --launch-count 2 --set full "
+           "--import-source no -f -o /tmp/prof {py} benchmarks/ncu_forward.py --path auto --B 1 --T 32768 && "
+           "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
+           "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
 STEPS = [
+    ("pre-pass and plan profile", ["bash", "-c", PROFILE.format(py=PY)], 240),
     # run 34's plan kernel (one program per sequence, for the wave-fill rule) takes 20 µs at rows 3 and 7 against the
     # 9.2 and 16.5 of the per-head programs before it, at 8 and at 16 segments alike: what it waits on
     ("plan kernel under ncu", ["ncu", "--kernel-name", "regex:segment_plan", "--launch-skip", "1", "--launch-count",
