@@ -16,14 +16,11 @@ w (it then walks its maps, and its warm-ups are 0), and (4) phase A's flag made 
 wave-fill rule, which sends the heads of the longest warm-ups to their maps where that is cheaper. The twins are
 :func:`chunk_bounds_ref` and :func:`segment_plan_ref` (PyTorch, float64 sums).
 
-Time: the plan runs one program per sequence (the rule needs every head's warm-ups), 20 µs at B=1 T=32768 H=16 and
-at H=2 HV=8 in run 34 against the 9.2 and 16.5 of the one program per (sequence, head) before it. The same 20 µs at
-8 and at 16 segments says the chain of loads is not what costs; not yet found (ncu's source view of the launch is
-the next step). A lead from the sm_90 SASS (session 28): at B=1 T=32768 H=16 the tiles are [16, 64], laid out with
-a row across two warps, so each step's suffix scan, maximum and sum cross warps (489 instructions and 8 barriers
-per step of the chunk loop); with BLOCK = 32 a row stays in one warp (187 instructions, no barrier, two steps per
-segment), and since session 28 BLOCK is 32 (not yet timed). Per (sequence, head) programs with the last one of a
-sequence deciding (an atomic ticket) would keep the rule and the old time.
+Time: the plan runs one program per sequence (the rule needs every head's warm-ups). Run 35 (H200) found that
+program's chain of loads was what cost: its loop took each segment in turn, ≈ 1.3 µs per step of BLOCK chunks, so
+23 µs at B=1 T=32768 H=16 (8 segments of 64 chunks), 19 at H=2 HV=8 (16 of 32) and 87 at T=131072 (8 of 256: 7% of
+that forward). Since session 29 the program holds every segment side by side ([S, heads, BLOCK] tiles), so the
+chain is one segment's LC / BLOCK steps whatever S.
 """
 from __future__ import annotations
 
@@ -39,11 +36,20 @@ from ..utils import cdiv
 
 BT = 64
 LOG2E = math.log2(math.e)
-# The plan's chunks per step of its chunk loop, a warp's width: its tiles [heads, BLOCK] then keep each head's row in
-# one warp, so the step's suffix scan, maximum and sum need no barrier (sm_90 SASS at B=1 T=32768 H=16, session 28:
-# 187 instructions and no barrier per step, against 489 and 8 at the [16, 64] tiles run 34 measured, 20 µs per
-# plan). Not derived from the segment's length: a new T must compile nothing (issue 4: its first call < 2 s)
+# The plan's chunks per step of its chunk loop, at most a warp's width: its tiles [segments, heads, BLOCK] then keep
+# each row in one warp, so the step's suffix scan, maximum and sum need no barrier (sm_90 SASS at B=1 T=32768 H=16,
+# session 28: 187 instructions and no barrier per step, against 489 and 8 at [16, 64] tiles). Run 35 (H200, the
+# loop then one segment at a time): 23.3 µs per plan at 32 against 17.2 at 64 at B=1 T=32768 H=16, 86.8 against
+# 59.2 at T=131072. Not derived from the segment's length: a new T must compile nothing (issue 4: first call < 2 s)
 BLOCK = 32
+# The elements of the plan's tile (segments × heads × chunks, powers of two): 16 per thread of its eight warps. BLOCK
+# shrinks to fit where segments × heads is larger than TILE / 32
+TILE = 4096
+# The plan's warps. Its tiles put a row's chunks across lanes (the loads' mask varies per chunk, so Triton does not
+# vectorise them), so each step of the loop is ≈ 19 shuffles per element: 1399 SASS instructions per warp and step at
+# 4 warps, 664 at 8, 358 at 16 (sm_90, session 29, B=1 T=32768 H=16's tile [8, 16, 32]), the same issue count per
+# scheduler; more warps hide the shuffles' latency
+PLAN_WARPS = 8
 
 
 @triton.jit(do_not_specialize=["T", "NC", "LC"])      # lengths: a new T compiles nothing
@@ -109,53 +115,48 @@ WALK_CHUNK_COST = 100
 
 @triton.jit(do_not_specialize=["S", "LC", "W_MAX", "MAP_SLOTS"])
 def segment_plan_kernel(bound, negligible, warm, walk, skip_m, S, LC, W_MAX, THRESHOLD, MAP_SLOTS, HV: tl.constexpr,
-                        HB: tl.constexpr, BLOCK: tl.constexpr, SKIP_MAPS: tl.constexpr, WARM_UP: tl.constexpr,
-                        MAP_CHUNK_COST: tl.constexpr, SCAN_STEP_COST: tl.constexpr, WALK_CHUNK_COST: tl.constexpr):
-    # grid (B,): one sequence, its HV value heads side by side (HB lanes). Reads its S·LC chunk sums per head (bound
-    # [B·S, HV, LC]: segment s's are one row); writes, per segment s and head, negligible / warm / walk / skip_m
-    # [B·S, HV]: the segment's sum below THRESHOLD; the fewest w ≤ W_MAX chunks before it whose running sum (from
-    # the chunk just before it backwards) falls below THRESHOLD (0 for s = 0); for every segment, whether the head
-    # walks its maps (some s ≥ 1 has no such w, or the wave-fill rule below chose it; then its warm-ups are 0); and
-    # phase A's flag (0 walk the map, 1 skip its M: SKIP_MAPS and negligible, 2 skip it all: WARM_UP and the head
+                        SB: tl.constexpr, HB: tl.constexpr, BLOCK: tl.constexpr, SKIP_MAPS: tl.constexpr,
+                        WARM_UP: tl.constexpr, MAP_CHUNK_COST: tl.constexpr, SCAN_STEP_COST: tl.constexpr,
+                        WALK_CHUNK_COST: tl.constexpr):
+    # grid (B,): one sequence, its S segments (SB lanes) and HV value heads (HB lanes) side by side, so the run-time
+    # chain is one pass over a segment's LC chunks, LC/BLOCK loads long, whatever S. Reads the S·HV·LC chunk sums
+    # (bound [B·S, HV, LC]: segment s's are one row); writes, per segment s and head, negligible / warm / walk /
+    # skip_m [B·S, HV]: the segment's sum below THRESHOLD; the fewest w ≤ W_MAX chunks before it whose running sum
+    # (from the chunk just before it backwards) falls below THRESHOLD (0 for s = 0); for every segment, whether the
+    # head walks its maps (some s ≥ 1 has no such w, or the wave-fill rule below chose it; then its warm-ups are 0);
+    # and phase A's flag (0 walk the map, 1 skip its M: SKIP_MAPS and negligible, 2 skip it all: WARM_UP and the head
     # does not walk)
     i_b = tl.program_id(0)
+    o_s = tl.arange(0, SB)
     o_h = tl.arange(0, HB)
     m_h = o_h < HV
+    m_sh = (o_s < S)[:, None] & m_h[None, :]                                 # [SB, HB]
     o = tl.arange(0, BLOCK)
     NONE = 1 << 30
-    missing = tl.zeros([HB], dtype=tl.int32)
-    longest = tl.zeros([HB], dtype=tl.int32)        # each head's longest warm-up found
-    programs = tl.zeros([HB], dtype=tl.int32)       # phase A's walking programs, were the head to walk its maps
-    w = tl.zeros([HB], dtype=tl.int32)              # this segment's warm-up (found by the previous one's pass)
-    # while loops throughout: the bounds are run-time values (Triton's interpreter cannot range over them)
-    s = tl.zeros([], dtype=tl.int32)
-    while s < S:
-        out = (i_b * S + s) * HV + o_h
-        row = bound + out.to(tl.int64)[:, None] * LC
-        tl.store(warm + out, w, mask=m_h)
-        if s > 0:
-            missing = tl.maximum(missing, (w == NONE).to(tl.int32))
-            longest = tl.maximum(longest, tl.where(w == NONE, 0, w))
-        # one pass over the segment's chunks, last block first (one load per block: the run-time chain is S·LC/BLOCK
-        # loads long): its sum, and the next segment's warm-up, the fewest w ≤ W_MAX of its last chunks whose sum
-        # (the suffix sum from chunk LC − w on, added nearest first) falls below THRESHOLD
-        carry = tl.zeros([HB], dtype=tl.float32)
-        start = tl.full([HB], -1, dtype=tl.int32)      # the latest chunk where such a suffix starts
-        c0 = (LC - 1) // BLOCK * BLOCK
-        while c0 >= 0:
-            c = c0 + o
-            vals = tl.load(row + c[None, :], mask=m_h[:, None] & (c < LC)[None, :], other=0)
-            suffix = carry[:, None] + tl.cumsum(vals, 1, reverse=True)
-            hit = (suffix < THRESHOLD) & ((c >= LC - W_MAX) & (c < LC))[None, :]
-            start = tl.maximum(start, tl.max(tl.where(hit, c[None, :], -1), 1))
-            carry += tl.sum(vals, 1)
-            c0 -= BLOCK
-        is_negligible = (carry < THRESHOLD).to(tl.int32)
-        tl.store(negligible + out, is_negligible.to(tl.int8), mask=m_h)
-        tl.store(skip_m + out, is_negligible * SKIP_MAPS, mask=m_h)
-        programs += 2 - is_negligible * SKIP_MAPS                     # its N tile, and its M tile unless skipped
-        w = tl.where(start >= 0, LC - start, NONE)
-        s += 1
+    out = (i_b * S + o_s[:, None]) * HV + o_h[None, :]                        # [SB, HB]: the flags' rows
+    row = bound + out.to(tl.int64)[:, :, None] * LC
+    # one pass over every segment's chunks at once, last block first: each segment's sum, and the next segment's
+    # warm-up, the fewest w ≤ W_MAX of its last chunks whose sum (the suffix sum from chunk LC − w on, added nearest
+    # first) falls below THRESHOLD. A while loop: the bounds are run-time values (Triton's interpreter cannot range
+    # over them)
+    carry = tl.zeros([SB, HB], dtype=tl.float32)
+    start = tl.full([SB, HB], -1, dtype=tl.int32)      # the latest chunk where such a suffix starts
+    c0 = (LC - 1) // BLOCK * BLOCK
+    while c0 >= 0:
+        c = c0 + o
+        vals = tl.load(row + c[None, None, :], mask=m_sh[:, :, None] & (c < LC)[None, None, :], other=0)
+        suffix = carry[:, :, None] + tl.cumsum(vals, 2, reverse=True)
+        hit = (suffix < THRESHOLD) & ((c >= LC - W_MAX) & (c < LC))[None, None, :]
+        start = tl.maximum(start, tl.max(tl.where(hit, c[None, None, :], -1), 2))
+        carry += tl.sum(vals, 2)
+        c0 -= BLOCK
+    is_negligible = (carry < THRESHOLD).to(tl.int32)
+    nxt = tl.where(start >= 0, LC - start, NONE)       # segment s + 1's warm-up, found in segment s's chunks
+    before_last = (o_s < S - 1)[:, None] & m_h[None, :]
+    missing = tl.max(tl.where(before_last, (nxt == NONE).to(tl.int32), 0), 0)          # [HB]
+    longest = tl.max(tl.where(before_last & (nxt != NONE), nxt, 0), 0)   # each head's longest warm-up found
+    # phase A's walking programs, were the head to walk its maps: its N tiles, and its M tiles unless skipped
+    programs = tl.sum(tl.where(m_sh, 2 - is_negligible * SKIP_MAPS, 0), 0)
     walks = (missing != 0) & m_h
     if MAP_SLOTS > 0:
         # the wave-fill rule: phase C lasts as long as its longest walk (a segment and the longest warm-up of a head
@@ -176,16 +177,16 @@ def segment_plan_kernel(bound, negligible, warm, walk, skip_m, S, LC, W_MAX, THR
         cut = tl.max(tl.where(cost == best, longest, -1), 0)       # map the heads whose warm-ups are above it
         cut = tl.where(cost_every < best, -1, cut)
         walks = walks | (m_h & (longest > cut))
-    # the first pass's stores visible to every thread before the second overwrites some of them
-    tl.debug_barrier()
-    s = tl.zeros([], dtype=tl.int32)
-    while s < S:
-        out = (i_b * S + s) * HV + o_h
-        tl.store(walk + out, walks.to(tl.int8), mask=m_h)
-        tl.store(warm + out, tl.zeros([HB], dtype=tl.int32), mask=walks)
-        if WARM_UP:
-            tl.store(skip_m + out, tl.full([HB], 2, dtype=tl.int32), mask=m_h & ~walks)
-        s += 1
+    # every flag from registers, stored once: segment s's warm-up sits at segment s − 1's lane (shifted by a row of HV)
+    walks_sh = walks[None, :] & m_sh
+    tl.store(negligible + out, is_negligible.to(tl.int8), mask=m_sh)
+    tl.store(walk + out, walks_sh.to(tl.int8), mask=m_sh)
+    tl.store(warm + out, tl.zeros([SB, HB], dtype=tl.int32), mask=m_sh & (o_s == 0)[:, None])
+    tl.store(warm + out + HV, tl.where(walks[None, :], 0, nxt), mask=before_last)
+    phase_a_flag = is_negligible * SKIP_MAPS
+    if WARM_UP:
+        phase_a_flag = tl.where(walks_sh, phase_a_flag, 2)
+    tl.store(skip_m + out, phase_a_flag, mask=m_sh)
 
 
 class SegmentPlan(NamedTuple):
@@ -217,12 +218,12 @@ def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: floa
     walk = torch.empty_like(negligible)
     warm = torch.empty(BS, HV, dtype=torch.int32, device=bound.device)
     skip_m = torch.empty_like(warm)
-    HB = triton.next_power_of_2(HV)
+    HB, SB = triton.next_power_of_2(HV), triton.next_power_of_2(S)
     launch(segment_plan_kernel, (BS // S,), bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
-           float(threshold), map_slots, HV=HV, HB=HB,
-           BLOCK=max(16, min(BLOCK, 2048 // HB)),
+           float(threshold), map_slots, HV=HV, SB=SB, HB=HB,
+           BLOCK=max(1, min(BLOCK, TILE // (SB * HB))),
            SKIP_MAPS=int(skip_maps), WARM_UP=bool(warm_up), MAP_CHUNK_COST=MAP_CHUNK_COST,
-           SCAN_STEP_COST=SCAN_STEP_COST, WALK_CHUNK_COST=WALK_CHUNK_COST, num_warps=4)
+           SCAN_STEP_COST=SCAN_STEP_COST, WALK_CHUNK_COST=WALK_CHUNK_COST, num_warps=PLAN_WARPS)
     # int8 → bool is a view (same size), not a kernel
     return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
 
