@@ -175,3 +175,14 @@ def test_prepass_compiles_for_sm90a():
     assert "*(float2*)(((float*)Ad)" in second and "*(float4*)(((float*)Y1)" in second and "(float*)Tq)" in second
     assert "__syncthreads" not in second and "*(float4*)(((float*)Ad)" in first   # T_11ᵀ written before the barrier
     assert blocked.count("__syncthreads()") == plain.count("__syncthreads()")
+    # A_BEFORE_STORES: step 2's elements computed in K Kᵀ's registers from registers alone (β_i, gc_i per row and gc_j
+    # per column loaded once, after the dot), then stored to A's blocks in a loop of their own; the barrier before
+    # those stores (A's blocks reuse the keys' shared memory) and no other
+    split = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, a_before_stores=True,
+                                    **kw).get_kernel_source()
+    elements = split[split.index("float Gcol[16];"):]
+    elements = elements[elements.index("warpgroup_wait<0>()"):elements.index("float a = ")]
+    loop = elements[elements.index("KK[i_3] = "):]
+    assert "Gr[i_1] = ((float*)gcs)[" in elements and "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in elements
+    assert "((float*)" not in loop.split(";")[0] and "Gcol[" in loop and loop.count("__syncthreads()") == 1
+    assert split.count("__syncthreads()") == blocked.count("__syncthreads()")

@@ -101,18 +101,27 @@ T_ROW_PAD = 8
 # (−5 to −7%: short of the prediction, the two idle warps' share of the step not refilled); at the small shapes,
 # timed first, 0.018 → 0.025 (B=2 T=300 H=4) and 0.0345 → 0.0364 (B=1 T=1000 H=2 HV=8)
 STEP4_BLOCKED = True
+# Step 2 as two loops over K Kᵀ's registers: A's elements first (in place), then their stores to the blocks. In one
+# loop each element read β_i, gc_i and gc_j from shared memory again (3 loads per element, 96 per thread): the
+# stores to A's blocks go to the same shared buffer, which nvcc cannot tell apart from gcs and bs, so it reloads them
+# after every store. Run 35's ncu source view (H200, B=1 T=32768 H=16): those loads were 384 of the pre-pass's 800
+# shared loads per program and 384 of its 1874 shared wavefronts, and step 2 30% of its stall samples, where its
+# L1 / shared pipe is 88% busy. With no store in the first loop a thread loads its 2 rows' and 16 columns' values
+# once each. The same products in the same order: outputs bitwise equal. Predicted −8 to −12% of the pre-pass
+A_BEFORE_STORES = True
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                  beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0,
-                 t_row_pad: int = 0, step4_blocked: bool = False):
+                 t_row_pad: int = 0, step4_blocked: bool = False, a_before_stores: bool = False):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
     programs per SM the registers are fitted for (:data:`MIN_BLOCKS_PER_SM`); ``tma_keys``: the key tile by TMA
     (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`); ``t_row_pad``:
     T_lo, T_hi and Y2 in linear layouts with that many words after each 32-word row (:data:`T_ROW_PAD`; 0: TileLang's
-    own swizzled layouts); ``step4_blocked``: step 4 register-blocked on 64 threads (:data:`STEP4_BLOCKED`).
+    own swizzled layouts); ``step4_blocked``: step 4 register-blocked on 64 threads (:data:`STEP4_BLOCKED`);
+    ``a_before_stores``: step 2's elements, then its stores (:data:`A_BEFORE_STORES`).
     ``threads``: 128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for
     the map bound)."""
     if threads != 2 * BT:
@@ -199,6 +208,9 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             Y2 = T.alloc_shared((2 * D, 2 * D + t_row_pad), acc)  # A_hl T_lo
             Out = T.alloc_shared((BT, BT), dtype)
             KK = T.alloc_fragment((BT, BT), acc)
+            Gr = T.alloc_fragment((BT,), acc)        # a_before_stores: gc and β per row, gc per column
+            Br = T.alloc_fragment((BT,), acc)
+            Gcol = T.alloc_fragment((BT,), acc)
             Z1 = T.alloc_fragment((2, D, D), acc)
             Z2 = T.alloc_fragment((2 * D, 2 * D), acc)
             x = T.alloc_local((D,), acc)
@@ -227,8 +239,21 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             #    bound. Each store goes to the one block holding (i, j) under its own predicate (no else: an
             #    if / elif chain compiled to branches around every element, 2264 → 1992 static SASS instructions)
             T.gemm(Ks, Ks, KK, transpose_B=True, clear_accum=True)
+            if a_before_stores:
+                # β_i and gc_i in K Kᵀ's row layout, gc_j in its column layout (a thread's 2 rows and 16 columns), so
+                # the elements read registers only (no load in the exponent's select: nvcc branched around loads)
+                for i in T.Parallel(BT):
+                    Gr[i] = gcs[i]
+                    Br[i] = bs[i]
+                for j in T.Parallel(BT):     # a loop of its own: Gcol takes the columns' layout
+                    Gcol[j] = gcs[j]
+                for i, j in T.Parallel(BT, BT):
+                    KK[i, j] = Br[i] * KK[i, j] * T.exp2(T.Select(i >= j, (Gr[i] - Gcol[j]) * LOG2E, -T.infinity(acc)))
             for i, j in T.Parallel(BT, BT):
-                a = bs[i] * KK[i, j] * T.exp2(T.Select(i >= j, (gcs[i] - gcs[j]) * LOG2E, -T.infinity(acc)))
+                if a_before_stores:
+                    a = KK[i, j]
+                else:
+                    a = bs[i] * KK[i, j] * T.exp2(T.Select(i >= j, (gcs[i] - gcs[j]) * LOG2E, -T.infinity(acc)))
                 if i // D == j // D:
                     Ad[i // D, i % D, j % D] = a
                 if i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
@@ -304,17 +329,18 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
-                    tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0, step4_blocked: bool = False):
+                    tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0, step4_blocked: bool = False,
+                    a_before_stores: bool = False):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
     return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys,
-                                          a_row_pad, t_row_pad, step4_blocked), target)
+                                          a_row_pad, t_row_pad, step4_blocked, a_before_stores), target)
 
 
 def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a: bool):
     """The compiled pre-pass :func:`prepass_hopper` launches, with the module's switches applied."""
     return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."), beta_in_a=beta_in_a,
                            min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
-                           t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED)
+                           t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED, a_before_stores=A_BEFORE_STORES)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
