@@ -183,6 +183,7 @@ def test_prepass_compiles_for_sm90a():
     elements = split[split.index("float Gcol[16];"):]
     elements = elements[elements.index("warpgroup_wait<0>()"):elements.index("float a = ")]
     loop = elements[elements.index("KK[i_3] = "):]
-    assert "Gr[i_1] = ((float*)gcs)[" in elements and "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in elements
+    assert "Gr[i_1] = ((float*)gcs)[" in elements
+    assert "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in elements
     assert "((float*)" not in loop.split(";")[0] and "Gcol[" in loop and loop.count("__syncthreads()") == 1
     assert split.count("__syncthreads()") == blocked.count("__syncthreads()")
