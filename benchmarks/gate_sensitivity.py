@@ -18,7 +18,7 @@ forward's phase A, the scan, the walk). ``--trace``: also each profiled run's ch
 kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``: with
 ``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL`` on. ``--plan-block N``: ``map_bound.BLOCK`` = N (the plan's chunks
 per step, 32 by default: each row of its tiles in one warp; run 34's plan used 64 at B=1 T=32768 H=16, 32 at H=2
-HV=8, 128 at T=131072); ``--plan-warps N``: ``map_bound.PLAN_WARPS`` = N (8 by default).
+HV=8, 128 at T=131072); ``--plan-warps N``: ``map_bound.PLAN_WARPS`` = N (16 by default).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ Time: the plan runs one program per sequence (the rule needs every head's warm-u
 program's chain of loads was what cost: its loop took each segment in turn, ≈ 1.3 µs per step of BLOCK chunks, so
 23 µs at B=1 T=32768 H=16 (8 segments of 64 chunks), 19 at H=2 HV=8 (16 of 32) and 87 at T=131072 (8 of 256: 7% of
 that forward). Since session 29 the program holds every segment side by side ([S, heads, BLOCK] tiles), so the
-chain is one segment's LC / BLOCK steps whatever S.
+chain is one segment's LC / BLOCK steps whatever S: 8.3, 5.4 and 21.0 µs there (run 35, 16 warps).
 """
 from __future__ import annotations
 
@@ -42,14 +42,16 @@ LOG2E = math.log2(math.e)
 # loop then one segment at a time): 23.3 µs per plan at 32 against 17.2 at 64 at B=1 T=32768 H=16, 86.8 against
 # 59.2 at T=131072. Not derived from the segment's length: a new T must compile nothing (issue 4: first call < 2 s)
 BLOCK = 32
-# The elements of the plan's tile (segments × heads × chunks, powers of two): 16 per thread of its eight warps. BLOCK
+# The elements of the plan's tile (segments × heads × chunks, powers of two): 8 per thread of its sixteen warps. BLOCK
 # shrinks to fit where segments × heads is larger than TILE / 32
 TILE = 4096
 # The plan's warps. Its tiles put a row's chunks across lanes (the loads' mask varies per chunk, so Triton does not
 # vectorise them), so each step of the loop is ≈ 19 shuffles per element: 1399 SASS instructions per warp and step at
 # 4 warps, 664 at 8, 358 at 16 (sm_90, session 29, B=1 T=32768 H=16's tile [8, 16, 32]), the same issue count per
-# scheduler; more warps hide the shuffles' latency
-PLAN_WARPS = 8
+# scheduler; more warps hide the shuffles' latency. Run 35 (H200, gate_sensitivity.py --phases, µs per plan at 4 / 8
+# / 16 warps): B=1 T=32768 H=16 13.0 / 9.6 / 8.3, H=2 HV=8 6.7 / 5.9 / 5.4, T=131072 41.5 / 28.0 / 21.0 (the loop one
+# segment at a time before: 23.3, 19.0 and 86.8)
+PLAN_WARPS = 16
 
 
 @triton.jit(do_not_specialize=["T", "NC", "LC"])      # lengths: a new T compiles nothing

@@ -60,8 +60,11 @@ BETA_IN_A_INV = True
 # H=16 0.139 / 0.148 / 0.139 / 0.131 / 0.128; B=4 T=8192 H=16 HV=32 0.263 / 0.277 / 0.257 / 0.244 / 0.240. I
 # predicted 0.095 (latency hidden by 1.6× the programs); the miss says latency is not what bounds it. Shared memory
 # does: A kept whole (one 64 × 64 array, no per-element block selection: 20% fewer SASS instructions) took 0.172
-# with rows 64 words apart (step 4's reads 8-way bank conflicts) and 0.128 with 68 (but 34 KB: 6 programs per SM)
-MIN_BLOCKS_PER_SM = 8
+# with rows 64 words apart (step 4's reads 8-way bank conflicts) and 0.128 with 68 (but 34 KB: 6 programs per SM). Run 35
+# (prepass_ab.py, with A_BEFORE_STORES, against the pre-pass before it at 8): 7 per SM (72 registers, 20 bytes of
+# spill against 44 at 64) −11.8 / −12.4 / −12.7% at B=8 T=4096 H=16 / B=1 T=32768 H=16 / B=4 T=8192 HV=32, 8 per SM
+# −9.2 / −10.1 / −8.7% (0.1064 → 0.0966 ms at the first)
+MIN_BLOCKS_PER_SM = 7
 # The key tile loaded by TMA (``prefer_instruction="tma"``: one bulk copy per 64 columns and an mbarrier wait; rows
 # past the sequence's end come back as zeros from the tensor's bounds) instead of per-thread 16-byte loads and
 # stores, which go through the L1 / shared pipe that bounds the pre-pass (16 KB loaded through the L1 and 16 KB
@@ -107,7 +110,10 @@ STEP4_BLOCKED = True
 # after every store. Run 35's ncu source view (H200, B=1 T=32768 H=16): those loads were 384 of the pre-pass's 800
 # shared loads per program and 384 of its 1874 shared wavefronts, and step 2 30% of its stall samples, where its
 # L1 / shared pipe is 88% busy. With no store in the first loop a thread loads its 2 rows' and 16 columns' values
-# once each. The same products in the same order: outputs bitwise equal. Predicted −8 to −12% of the pre-pass
+# once each. The same products in the same order: outputs bitwise equal. Predicted −8 to −12% of the pre-pass; run 35
+# (H200, benchmarks/prepass_ab.py against the file without it; A_inv and o bitwise equal on six shapes): 0.1064 →
+# 0.0966 ms at B=8 T=4096 H=16, 0.1062 → 0.0955 at B=1 T=32768 H=16, 0.1957 → 0.1786 at B=4 T=8192 H=16 HV=32,
+# 0.0544 → 0.0489 at B=1 T=32768 H=2 HV=8 (−9 to −10%), 0.0094 → 0.0082 at B=2 T=300 H=4
 A_BEFORE_STORES = True
 
 
