@@ -36,7 +36,8 @@ def build(source: str, tmp_path, name: str) -> ctypes.CDLL:
     """``source`` (after :data:`PRELUDE`) as a shared library."""
     cpp, lib = tmp_path / f"{name}.cpp", tmp_path / f"{name}.so"
     cpp.write_text(PRELUDE + source)
-    done = subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(lib), str(cpp)], capture_output=True,
+    done = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-o", str(lib), str(cpp)],
+                          capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:] + "\n" + source[:3000]
     return ctypes.CDLL(str(lib))
@@ -148,3 +149,103 @@ extern "C" void phase2(int tid, char* shmem) {{
         np.testing.assert_allclose(view("Y1", (2, D, D))[h], y1, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(Tq[h, D:, :D], -Tdd[2 * h + 1] @ y1, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(Ad[2 * h + 1, :D, :D], Tdd[2 * h + 1].T)   # T_11 transposed in place
+
+
+MMA_EMULATION = r"""
+#include <barrier>
+#include <cstring>
+#include <thread>
+#include <vector>
+// tl::mma_sync (m16n8k8, tf32 operands, fp32 accumulators) and the 64-thread named barrier, emulated with one
+// std::thread per lane: each lane posts its fragments, the warp waits, each lane computes its own C from every
+// lane's A and B by the PTX fragment layouts, and the warp waits again. tf32: the low 13 bits ignored
+namespace tl {
+enum class DataType { kTensorFloat32, kFloat32 };
+static std::barrier<>* warp_barrier[2];
+static std::barrier<>* block_barrier;
+static unsigned A_[2][32][4], B_[2][32][2];
+thread_local int lane_, warp_;
+static float tf32(unsigned u) { u &= 0xffffe000u; float f; std::memcpy(&f, &u, 4); return f; }
+template <DataType, DataType, DataType, int, int, int, bool, bool>
+void mma_sync(float* c, const unsigned* a, const unsigned* b) {
+  std::memcpy(A_[warp_][lane_], a, 16); std::memcpy(B_[warp_][lane_], b, 8);
+  warp_barrier[warp_]->arrive_and_wait();
+  for (int e = 0; e < 4; ++e) {
+    int row = lane_ / 4 + 8 * (e / 2), col = 2 * (lane_ % 4) + e % 2;
+    double acc = c[e];
+    for (int k = 0; k < 8; ++k) {   // A(row, k): lane 4·(row % 8) + k % 4, register (k / 4)·2 + row / 8
+      float av = tf32(A_[warp_][4 * (row % 8) + k % 4][(k / 4) * 2 + row / 8]);
+      float bv = tf32(B_[warp_][4 * col + k % 4][k / 4]);   // B(k, col): lane 4·col + k % 4, register k / 4
+      acc += (double)av * bv;
+    }
+    c[e] = (float)acc;
+  }
+  warp_barrier[warp_]->arrive_and_wait();
+}
+inline void __sync_thread_partial(int, int) { block_barrier->arrive_and_wait(); }
+}
+"""
+
+
+def test_the_mma_step_4_computes_the_blocks_below_the_diagonal(tmp_path):
+    """The pre-pass's step 4 with ``step4_mma`` (one warp per half, m16n8k8 tf32 mma.sync): from A_10 / A_32 stored
+    untransposed and T_00, T_11 / T_22, T_33 in T_lo / T_hi it writes Y1 = A_10 T_00 and T_10 = −T_11 Y1 (and the
+    second half's). The generated CUDA runs on the CPU with the mma emulated (``MMA_EMULATION``: the PTX fragment
+    layouts, tf32 truncation), one thread per lane; the results equal float64 products of the tf32-truncated
+    operands, so every fragment index is the one the layouts need."""
+    from linattn.ops.hopper import prepass
+    D = prepass.D
+    src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True, min_blocks=7,
+                                  tma_keys=True, a_row_pad=4, t_row_pad=8, a_before_stores=True,
+                                  step4_mma=True).get_kernel_source()
+    first = block_from(src, "if (((int)threadIdx.x) < 64) {\n    #pragma unroll\n    for (int e = 0;")
+    rest = src[src.index(first) + len(first):]
+    assert rest.lstrip().startswith("__syncthreads();")
+    second = block_from(rest, "if (((int)threadIdx.x) < 64)")
+    assert first.count("tl::mma_sync<") == second.count("tl::mma_sync<") == 1   # in 2 × 2 (k-step, n-tile) loops
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src))
+    decls = "".join(f"  char* {n} = shmem + {offsets[n]};\n" for n in ("Ao", "Tq", "Y1"))
+
+    def body(code):
+        return f"""{{
+  tl::lane_ = tid % 32; tl::warp_ = tid / 32;
+  struct {{ int x; }} threadIdx = {{tid}};
+{decls}  float af[4]; float bf[2]; float cf[8];
+  {code}
+}}"""
+    lib = build(MMA_EMULATION + f"""
+static void phase1(int tid, char* shmem) {body(first)}
+static void phase2(int tid, char* shmem) {body(second)}
+extern "C" void step4(char* shmem) {{
+  std::barrier<> w0(32), w1(32), all(64);
+  tl::warp_barrier[0] = &w0; tl::warp_barrier[1] = &w1; tl::block_barrier = &all;
+  for (auto phase : {{phase1, phase2}}) {{
+    std::vector<std::thread> lanes;
+    for (int tid = 0; tid < 64; ++tid) lanes.emplace_back(phase, tid, shmem);
+    for (auto& lane : lanes) lane.join();
+  }}
+}}""", tmp_path, "step4_mma")
+    rng = np.random.default_rng(2)
+    shmem = np.zeros(64 * 1024, dtype=np.uint8)
+
+    def view(name, shape):
+        n = int(np.prod(shape))
+        return shmem[int(offsets[name]):int(offsets[name]) + 4 * n].view(np.float32).reshape(shape)
+
+    def tf32(a):
+        return (np.ascontiguousarray(a, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(
+            np.float32).astype(np.float64)
+    Ao, Tq, Y1 = view("Ao", (2, D, D + 4)), view("Tq", (2, 2 * D, 2 * D + 8)), view("Y1", (2, D, D + 8))
+    tri = lambda: np.tril(rng.standard_normal((D, D)), -1).astype(np.float32) + np.eye(D, dtype=np.float32)  # noqa
+    A10 = [rng.standard_normal((D, D)).astype(np.float32) for _ in range(2)]
+    Tdd = [tri() for _ in range(4)]
+    for h in range(2):
+        Ao[h, :, :D] = A10[h]                           # step 2's untransposed store: Ao[h, i, j] = A_10[i, j]
+        Tq[h, :D, :D] = Tdd[2 * h]
+        Tq[h, D:, D:2 * D] = Tdd[2 * h + 1]
+    lib.step4(ptr(shmem))
+    for h in range(2):
+        y1 = tf32(A10[h]) @ tf32(Tdd[2 * h])
+        np.testing.assert_allclose(Y1[h, :, :D], y1, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(Tq[h, D:, :D], -(tf32(Tdd[2 * h + 1]) @ tf32(Y1[h, :, :D])), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(Tq[h, D:, D:2 * D], Tdd[2 * h + 1])          # T_11 read, not written

@@ -58,7 +58,7 @@ SWITCHES = {
                 "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV", "OVERLAP_WARM",
                 "MAP_WAVE_FILL"),
     "prepass": ("BETA_IN_A_INV", "MIN_BLOCKS_PER_SM", "TMA_KEYS", "A_ROW_PAD", "T_ROW_PAD", "STEP4_BLOCKED",
-                "A_BEFORE_STORES"),
+                "A_BEFORE_STORES", "STEP4_MMA"),
     "chunk_fwd": ("ASYNC_O_STORE", "ASYNC_AX", "DEFERRED_DECAY", "DEFERRED_DECAY_LIMIT", "FOLD_P_DECAY",
                   "UNIFORM_WARPGROUP", "DIRECT_LAUNCH", "EXECUTION_BACKEND"),
     "map_bound": ("BLOCK", "TILE", "PLAN_WARPS", "MAP_CHUNK_COST", "SCAN_STEP_COST", "WALK_CHUNK_COST"),

@@ -115,11 +115,23 @@ STEP4_BLOCKED = True
 # 0.0966 ms at B=8 T=4096 H=16, 0.1062 → 0.0955 at B=1 T=32768 H=16, 0.1957 → 0.1786 at B=4 T=8192 H=16 HV=32,
 # 0.0544 → 0.0489 at B=1 T=32768 H=2 HV=8 (−9 to −10%), 0.0094 → 0.0082 at B=2 T=300 H=4
 A_BEFORE_STORES = True
+# Step 4 on the tensor cores, one warp per half (threads 0–63, as STEP4_BLOCKED): Y1 = A_10 T_00 and then T_10 =
+# −T_11 Y1 as four m16n8k8 tf32 mma.sync each (two k-steps of 8, two n-tiles of 8), the operands read one word per
+# lane straight in the fragments' layouts (A_10 and A_32 stored untransposed, rows 20 words apart: conflict-free),
+# Y1 through shared memory between the products (its C layout is not the B operand's; rows 24 words apart, so its
+# 8-byte stores and its B reads are conflict-free). Run 35's ncu source view put step 4's loops at 386 of the
+# pre-pass's 1874 shared wavefronts per chunk, where the blocked FMAs read a 16-byte vector of T's row per 8 FMAs
+# (four wavefronts a warp, whatever its broadcast); this reads ≈ 112. The products round their operands to tf32
+# (2⁻¹¹ each, as step 5's do, under A_inv's bf16 2⁻⁹): not bitwise the FMA steps. Session 18 put step 4 on 32 × 32
+# block-diagonal dots (zero blocks, stores, barriers) and measured it slower, when the kernel was not bound by its
+# shared wavefronts as it is now. Predicted −8 to −15% of the pre-pass; not yet measured: off
+STEP4_MMA = False
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                  beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0,
-                 t_row_pad: int = 0, step4_blocked: bool = False, a_before_stores: bool = False):
+                 t_row_pad: int = 0, step4_blocked: bool = False, a_before_stores: bool = False,
+                 step4_mma: bool = False):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
@@ -127,7 +139,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     (:data:`TMA_KEYS`); ``a_row_pad``: words after each row of A's 16-blocks (:data:`A_ROW_PAD`); ``t_row_pad``:
     T_lo, T_hi and Y2 in linear layouts with that many words after each 32-word row (:data:`T_ROW_PAD`; 0: TileLang's
     own swizzled layouts); ``step4_blocked``: step 4 register-blocked on 64 threads (:data:`STEP4_BLOCKED`);
-    ``a_before_stores``: step 2's elements, then its stores (:data:`A_BEFORE_STORES`).
+    ``a_before_stores``: step 2's elements, then its stores (:data:`A_BEFORE_STORES`); ``step4_mma``: step 4 on
+    mma.sync, one warp per half (:data:`STEP4_MMA`; instead of ``step4_blocked``).
     ``threads``: 128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for
     the map bound)."""
     if threads != 2 * BT:
@@ -184,6 +197,48 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 for cc in T.vectorized(4):
                     Tq[h, D + 2 * a + r, 4 * b + cc] = zt[r, cc]
 
+    @T.macro
+    def step4_mma_products(tx, Ao, Tq, Y1, af, bf, cf):
+        # threads 0–63: warp h = tx / 32 takes half h (A_10, T_00, T_11 → T_10 for h = 0; A_32, T_22, T_33 → T_32 for
+        # h = 1); lane (g, t) = (lane / 4, lane % 4) holds, per m16n8k8 tile, A at rows g, g + 8 and columns t,
+        # t + 4 of the k-step, B at rows t, t + 4 and column g, and C at rows g, g + 8 and columns 2t, 2t + 1
+        h = tx // (2 * D)
+        g = (tx % (2 * D)) // 4
+        t = tx % 4
+        if tx < 4 * D:
+            for e in T.unroll(8):
+                cf[e] = 0.0
+            for ki in T.unroll(2):                         # Y1 = A_h T_hh (the half's first diagonal block)
+                for r in T.unroll(2):
+                    for u in T.unroll(2):
+                        af[2 * u + r] = Ao[h, g + 8 * r, 8 * ki + t + 4 * u]
+                for ni in T.unroll(2):
+                    for u in T.unroll(2):
+                        bf[u] = Tq[h, 8 * ki + t + 4 * u, 8 * ni + g]
+                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", af.data, 0, bf.data, 0,
+                              cf.data, 4 * ni, T.bool(False))
+            for ni in T.unroll(2):
+                for r in T.unroll(2):
+                    for e in T.vectorized(2):
+                        Y1[h, g + 8 * r, 8 * ni + 2 * t + e] = cf[4 * ni + 2 * r + e]
+        T.sync_threads()
+        if tx < 4 * D:
+            for e in T.unroll(8):
+                cf[e] = 0.0
+            for ki in T.unroll(2):                         # T_off = −T_h'h' Y1 (the half's second diagonal block)
+                for r in T.unroll(2):
+                    for u in T.unroll(2):
+                        af[2 * u + r] = Tq[h, D + g + 8 * r, D + 8 * ki + t + 4 * u]
+                for ni in T.unroll(2):
+                    for u in T.unroll(2):
+                        bf[u] = Y1[h, 8 * ki + t + 4 * u, 8 * ni + g]
+                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", af.data, 0, bf.data, 0,
+                              cf.data, 4 * ni, T.bool(False))
+            for ni in T.unroll(2):
+                for r in T.unroll(2):
+                    for e in T.vectorized(2):
+                        Tq[h, D + g + 8 * r, 8 * ni + 2 * t + e] = -cf[4 * ni + 2 * r + e]
+
     @T.prim_func
     def gdn_prepass(k: T.Tensor((B, Tn, H, K), dtype), g: T.Tensor((B, Tn, HV), acc),
                     beta: T.Tensor((B, Tn, HV), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), dtype),
@@ -205,12 +260,13 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             # stride (17 rows) puts the two blocks a warp reads in different banks
             Ad = T.alloc_shared((4, D + 1, D + a_row_pad), acc)
             Ao = T.alloc_shared((2, D, D + a_row_pad), acc)      # A_10, A_32 (step4_blocked: transposed)
+            step4_transposed = step4_blocked and not step4_mma
             # A_hl, step 5's first A operand, in a linear layout with rows 36 words apart (run 26): its stores in step
             # 2 are a base plus a constant (a swizzle's address was recomputed per element), and its ldmatrix reads
             # of 8 rows × 16 bytes fall in 8 distinct bank quads
             Ahl = T.alloc_shared((2 * D, 2 * D + 4), acc)
             Tq = T.alloc_shared((2, 2 * D, 2 * D + t_row_pad), acc)   # T_lo, T_hi: the inverted halves
-            Y1 = T.alloc_shared((2, D, D), acc)      # A_10 T_00, A_32 T_22
+            Y1 = T.alloc_shared((2, D, D + (8 if step4_mma else 0)), acc)      # A_10 T_00, A_32 T_22
             Y2 = T.alloc_shared((2 * D, 2 * D + t_row_pad), acc)  # A_hl T_lo
             Out = T.alloc_shared((BT, BT), dtype)
             KK = T.alloc_fragment((BT, BT), acc)
@@ -223,7 +279,10 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             z = T.alloc_local((2, 4), acc)            # step4_blocked: a thread's 2 × 4 accumulators
             zt = T.alloc_local((2, 4), acc)
             av = T.alloc_local((2,), acc)             # step4_blocked: A's two values at column m
-            linear = [Ad, Ahl] + ([Tq, Y2] if t_row_pad else []) + ([Ao, Y1] if step4_blocked else [])
+            af = T.alloc_local((4,), acc)             # step4_mma: a lane's A, B and C fragments (two C tiles)
+            bf = T.alloc_local((2,), acc)
+            cf = T.alloc_local((8,), acc)
+            linear = [Ad, Ahl] + ([Tq, Y2] if t_row_pad else []) + ([Ao, Y1] if step4_blocked or step4_mma else [])
             T.annotate_layout({buf: tilelang.layout.make_linear_layout(buf) for buf in linear})
 
             # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
@@ -263,7 +322,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 if i // D == j // D:
                     Ad[i // D, i % D, j % D] = a
                 if i // D == j // D + 1 and i // (2 * D) == j // (2 * D):
-                    if step4_blocked:
+                    if step4_transposed:
                         Ao[i // (2 * D), j % D, i % D] = a           # column j % D of the block as a row
                     else:
                         Ao[i // (2 * D), i % D, j % D] = a
@@ -300,7 +359,9 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                 bound[ib, ihv, c] = gcs[BT - 1] * LOG2E + bparts[0] + bparts[1]
 
             # 4. the blocks below the diagonal blocks, both halves at once: Y1 = A_10 T_00, then T_10 = −T_11 Y1
-            if step4_blocked:
+            if step4_mma:
+                step4_mma_products(tx, Ao, Tq, Y1, af, bf, cf)
+            elif step4_blocked:
                 step4_blocked_products(tx, Ao, Ad, Tq, Y1, x, z, zt, av)
             else:
                 T.clear(Z1)
@@ -336,17 +397,18 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
                     tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0, step4_blocked: bool = False,
-                    a_before_stores: bool = False):
+                    a_before_stores: bool = False, step4_mma: bool = False):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
     return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys,
-                                          a_row_pad, t_row_pad, step4_blocked, a_before_stores), target)
+                                          a_row_pad, t_row_pad, step4_blocked, a_before_stores, step4_mma), target)
 
 
 def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a: bool):
     """The compiled pre-pass :func:`prepass_hopper` launches, with the module's switches applied."""
     return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."), beta_in_a=beta_in_a,
                            min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
-                           t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED, a_before_stores=A_BEFORE_STORES)
+                           t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED, a_before_stores=A_BEFORE_STORES,
+                           step4_mma=STEP4_MMA)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
