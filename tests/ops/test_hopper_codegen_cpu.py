@@ -187,17 +187,19 @@ inline void __sync_thread_partial(int, int) { block_barrier->arrive_and_wait(); 
 """
 
 
-def test_the_mma_step_4_computes_the_blocks_below_the_diagonal(tmp_path):
+@pytest.mark.parametrize("t_hi_row_pad", [None, 4])
+def test_the_mma_step_4_computes_the_blocks_below_the_diagonal(tmp_path, t_hi_row_pad):
     """The pre-pass's step 4 with ``step4_mma`` (one warp per half, m16n8k8 tf32 mma.sync): from A_10 / A_32 stored
     untransposed and T_00, T_11 / T_22, T_33 in T_lo / T_hi it writes Y1 = A_10 T_00 and T_10 = −T_11 Y1 (and the
     second half's). The generated CUDA runs on the CPU with the mma emulated (``MMA_EMULATION``: the PTX fragment
     layouts, tf32 truncation), one thread per lane; the results equal float64 products of the tf32-truncated
-    operands, so every fragment index is the one the layouts need."""
+    operands, so every fragment index is the one the layouts need. With ``t_hi_row_pad`` (T_HI_ROW_PAD) T_hi's rows
+    are 36 words apart, T_lo's 40."""
     from linattn.ops.hopper import prepass
     D = prepass.D
     src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True, min_blocks=7,
                                   tma_keys=True, a_row_pad=4, t_row_pad=8, a_before_stores=True,
-                                  step4_mma=True).get_kernel_source()
+                                  step4_mma=True, t_hi_row_pad=t_hi_row_pad).get_kernel_source()
     first = block_from(src, "if (((int)threadIdx.x) < 64) {\n    #pragma unroll\n    for (int e = 0;")
     rest = src[src.index(first) + len(first):]
     assert rest.lstrip().startswith("__syncthreads();")
@@ -235,17 +237,21 @@ extern "C" void step4(char* shmem) {{
     def tf32(a):
         return (np.ascontiguousarray(a, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(
             np.float32).astype(np.float64)
-    Ao, Tq, Y1 = view("Ao", (2, D, D + 4)), view("Tq", (2, 2 * D, 2 * D + 8)), view("Y1", (2, D, D + 8))
+    Ao, Y1 = view("Ao", (2, D, D + 4)), view("Y1", (2, D, D + 8))
+    flat = view("Tq", (2 * 2 * D * (2 * D + 8),))        # T_lo's rows 40 words apart, T_hi's 40 or 36
+    strides = [2 * D + 8, 2 * D + (8 if t_hi_row_pad is None else t_hi_row_pad)]
+    Tq = [np.lib.stride_tricks.as_strided(flat[h * 2 * D * (2 * D + 8):], (2 * D, 2 * D), (4 * strides[h], 4))
+          for h in range(2)]
     tri = lambda: np.tril(rng.standard_normal((D, D)), -1).astype(np.float32) + np.eye(D, dtype=np.float32)  # noqa
     A10 = [rng.standard_normal((D, D)).astype(np.float32) for _ in range(2)]
     Tdd = [tri() for _ in range(4)]
     for h in range(2):
         Ao[h, :, :D] = A10[h]                           # step 2's untransposed store: Ao[h, i, j] = A_10[i, j]
-        Tq[h, :D, :D] = Tdd[2 * h]
-        Tq[h, D:, D:2 * D] = Tdd[2 * h + 1]
+        Tq[h][:D, :D] = Tdd[2 * h]
+        Tq[h][D:, D:2 * D] = Tdd[2 * h + 1]
     lib.step4(ptr(shmem))
     for h in range(2):
         y1 = tf32(A10[h]) @ tf32(Tdd[2 * h])
         np.testing.assert_allclose(Y1[h, :, :D], y1, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(Tq[h, D:, :D], -(tf32(Tdd[2 * h + 1]) @ tf32(Y1[h, :, :D])), rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(Tq[h, D:, D:2 * D], Tdd[2 * h + 1])          # T_11 read, not written
+        np.testing.assert_allclose(Tq[h][D:, :D], -(tf32(Tdd[2 * h + 1]) @ tf32(Y1[h, :, :D])), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(Tq[h][D:, D:2 * D], Tdd[2 * h + 1])          # T_11 read, not written

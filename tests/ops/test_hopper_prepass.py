@@ -187,3 +187,12 @@ def test_prepass_compiles_for_sm90a():
     assert "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in elements
     assert "((float*)" not in loop.split(";")[0] and "Gcol[" in loop and loop.count("__syncthreads()") == 1
     assert split.count("__syncthreads()") == blocked.count("__syncthreads()")
+    # T_HI_ROW_PAD: step 5's second dot reads T_hi by ldmatrix at rows 36 words apart, its first T_lo one word per
+    # lane at rows 40 apart; a layout only (the same barriers)
+    t_hi = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, a_before_stores=True, t_hi_row_pad=4,
+                                   **kw).get_kernel_source()
+    ldmatrix = re.findall(r"ptx_ldmatrix_x4\(\(&\(\(\(float\*\)(\w+)\)\[([^;]*)\]\)\)", t_hi)
+    assert [(buf, "* 36)" in index, "+ 1280)" in index) for buf, index in ldmatrix] == [("Ahl", True, False),
+                                                                                       ("Tq", True, True)]
+    assert re.search(r"B_local\[j_1\] = \(\(float\*\)Tq\)\[[^;]*\* 40\)", t_hi)
+    assert t_hi.count("__syncthreads()") == split.count("__syncthreads()")

@@ -126,12 +126,19 @@ A_BEFORE_STORES = True
 # block-diagonal dots (zero blocks, stores, barriers) and measured it slower, when the kernel was not bound by its
 # shared wavefronts as it is now. Predicted −8 to −15% of the pre-pass; not yet measured: off
 STEP4_MMA = False
+# T_hi's rows this many words after its 32 (None: T_lo's T_ROW_PAD, one stride for both halves). Step 5 reads T_lo
+# as its first dot's B operand, one word per lane at k · stride + n (stride 40 puts those 32 words in 32 banks), and
+# T_hi as its second dot's A operand by ldmatrix, 8 rows of 16 bytes per matrix: at stride 40 rows r and r + 4 share
+# their banks, a 2-way conflict, which run 35's ncu source view counted as 64 of the pre-pass's 146 excess shared
+# wavefronts per chunk (of 1874). Stride 36 puts the 8 rows in 8 distinct bank quads (and STEP4_MMA's reads of T_33
+# too). A layout only: outputs bitwise equal. Predicted −2 to −4% of the pre-pass; not yet measured: off
+T_HI_ROW_PAD = None
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                  beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0,
                  t_row_pad: int = 0, step4_blocked: bool = False, a_before_stores: bool = False,
-                 step4_mma: bool = False):
+                 step4_mma: bool = False, t_hi_row_pad: Optional[int] = None):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
@@ -140,7 +147,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     T_lo, T_hi and Y2 in linear layouts with that many words after each 32-word row (:data:`T_ROW_PAD`; 0: TileLang's
     own swizzled layouts); ``step4_blocked``: step 4 register-blocked on 64 threads (:data:`STEP4_BLOCKED`);
     ``a_before_stores``: step 2's elements, then its stores (:data:`A_BEFORE_STORES`); ``step4_mma``: step 4 on
-    mma.sync, one warp per half (:data:`STEP4_MMA`; instead of ``step4_blocked``).
+    mma.sync, one warp per half (:data:`STEP4_MMA`; instead of ``step4_blocked``); ``t_hi_row_pad``: T_hi's rows
+    that many words after 32 (:data:`T_HI_ROW_PAD`; None: ``t_row_pad``'s).
     ``threads``: 128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for
     the map bound)."""
     if threads != 2 * BT:
@@ -265,7 +273,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             # 2 are a base plus a constant (a swizzle's address was recomputed per element), and its ldmatrix reads
             # of 8 rows × 16 bytes fall in 8 distinct bank quads
             Ahl = T.alloc_shared((2 * D, 2 * D + 4), acc)
-            Tq = T.alloc_shared((2, 2 * D, 2 * D + t_row_pad), acc)   # T_lo, T_hi: the inverted halves
+            # T_lo, T_hi: the inverted halves (t_hi_row_pad: unpadded logically, the rows spaced by the layout)
+            Tq = T.alloc_shared((2, 2 * D, 2 * D + (0 if t_hi_row_pad is not None else t_row_pad)), acc)
             Y1 = T.alloc_shared((2, D, D + (8 if step4_mma else 0)), acc)      # A_10 T_00, A_32 T_22
             Y2 = T.alloc_shared((2 * D, 2 * D + t_row_pad), acc)  # A_hl T_lo
             Out = T.alloc_shared((BT, BT), dtype)
@@ -283,7 +292,16 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             bf = T.alloc_local((2,), acc)
             cf = T.alloc_local((8,), acc)
             linear = [Ad, Ahl] + ([Tq, Y2] if t_row_pad else []) + ([Ao, Y1] if step4_blocked or step4_mma else [])
-            T.annotate_layout({buf: tilelang.layout.make_linear_layout(buf) for buf in linear})
+            if t_hi_row_pad is not None and not t_row_pad:
+                raise ValueError("t_hi_row_pad needs t_row_pad (T_lo's rows padded too)")
+            layouts = {buf: tilelang.layout.make_linear_layout(buf) for buf in linear}
+            if t_hi_row_pad is not None:
+                # T_hi's rows t_hi_row_pad words after 32 (T_lo's t_row_pad): T_lo is step 5's first B operand, read
+                # one word per lane at k · stride + n; T_hi its second A operand, read by ldmatrix (8 rows × 16 bytes)
+                stride_lo, stride_hi = 2 * D + t_row_pad, 2 * D + t_hi_row_pad
+                layouts[Tq] = T.Layout(Tq.shape, lambda h, i, j: h * (2 * D * stride_lo)
+                                       + i * (stride_lo + h * (stride_hi - stride_lo)) + j)
+            T.annotate_layout(layouts)
 
             # 1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0)
             TC.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks, prefer_instruction="tma" if tma_keys else None)
@@ -397,10 +415,11 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
                     tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0, step4_blocked: bool = False,
-                    a_before_stores: bool = False, step4_mma: bool = False):
+                    a_before_stores: bool = False, step4_mma: bool = False, t_hi_row_pad: Optional[int] = None):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
     return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys,
-                                          a_row_pad, t_row_pad, step4_blocked, a_before_stores, step4_mma), target)
+                                          a_row_pad, t_row_pad, step4_blocked, a_before_stores, step4_mma,
+                                          t_hi_row_pad), target)
 
 
 def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a: bool):
@@ -408,7 +427,7 @@ def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a: 
     return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."), beta_in_a=beta_in_a,
                            min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
                            t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED, a_before_stores=A_BEFORE_STORES,
-                           step4_mma=STEP4_MMA)
+                           step4_mma=STEP4_MMA, t_hi_row_pad=T_HI_ROW_PAD)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
