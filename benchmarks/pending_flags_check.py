@@ -1,6 +1,6 @@
 """The next GPU session's checks in one device call: each step a child process with its own time limit (a hang or a
 crash costs that step, not the call), its output's tail printed as it ends, and a table of the steps last. The
-steps and their order are docs/performance.md's "Where things stand" list (after run 34). Each step's whole output
+steps and their order are docs/performance.md's "Where things stand" list (after run 35). Each step's whole output
 goes to ``$OUT/steps/NN-name.log`` as it runs (bench_anchors' anchors.json into a folder of the same name), so a
 call killed at its limit still brings back what its steps printed:
 
@@ -28,29 +28,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 34
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 35
 ROWS = "1,32768,16,16", "1,32768,2,8", "1,131072,16,16"      # issue 4's segmented rows 3, 7 and 4
 # one ncu run over the pre-pass and the plan kernel at row 3 (the second call's launches), its per-SASS-instruction
-# counters (shared wavefronts, stall samples) exported as CSV beside the logs: the pre-pass is ≈ 36% of the GPU-bound
-# rows and bound by its shared-memory pipe (run 26: 93% busy); the plan kernel takes 20 µs at 8 and 16 segments alike
+# counters (shared wavefronts, stall samples) exported as CSV beside the logs (run 35 found step 2's reloads this way)
 PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 --launch-count 2 --set full "
            "--import-source no -f -o /tmp/prof {py} benchmarks/ncu_forward.py --path auto --B 1 --T 32768 && "
            "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
+# today's pre-pass against itself with a switch on (prepass_ab.py: both alone and through forward_hopper, A_inv
+# against its twin, o against float64, bitwise where the switch is a layout only)
+AB = ("mkdir -p /tmp/ab && cp linattn/ops/hopper/prepass.py /tmp/ab/prepass.py && "
+      "{py} benchmarks/prepass_ab.py /tmp/ab/prepass.py ")
 STEPS = [
+    # session 29's pre-pass switches (off until measured): step 4 on mma.sync (predicted −8 to −15%, not bitwise:
+    # tf32 products), T_hi's rows 36 words apart (−2 to −4%, bitwise), and both
+    ("pre-pass step 4 on mma", ["bash", "-c", AB.format(py=PY) + "--set STEP4_MMA=1"], 150),
+    ("pre-pass T_hi rows", ["bash", "-c", AB.format(py=PY) + "--set T_HI_ROW_PAD=4"], 150),
+    ("pre-pass both", ["bash", "-c", AB.format(py=PY) + "--set STEP4_MMA=1 --set T_HI_ROW_PAD=4"], 150),
     ("pre-pass and plan profile", ["bash", "-c", PROFILE.format(py=PY)], 240),
-    # run 34's plan kernel (one program per sequence, for the wave-fill rule) takes 20 µs at rows 3 and 7 against the
-    # 9.2 and 16.5 of the per-head programs before it, at 8 and at 16 segments alike: what it waits on
-    ("plan kernel under ncu", ["ncu", "--kernel-name", "regex:segment_plan", "--launch-skip", "1", "--launch-count",
-                               "1", "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section",
-                               "LaunchStats", "--section", "SourceCounters", "--print-details", "all", PY,
-                               "benchmarks/ncu_forward.py", "--path", "auto", "--B", "1", "--T", "32768"], 200),
-    # the plan's tiles one warp wide (map_bound.BLOCK 32 since session 28, not yet timed: the sm_90 SASS's chunk loop
-    # has no barrier, 187 instructions against 489 with 8 barriers at run 34's [16, 64] tiles, B=1 T=32768 H=16): the
-    # default's µs per call against BLOCK 64 (run 34's at row 3) and 128 (run 34's at row 4)
-    ("plan block 32", [PY, "benchmarks/gate_sensitivity.py", "--phases", *ROWS], 150),
-    ("plan block 64", [PY, "benchmarks/gate_sensitivity.py", "--phases", "--plan-block", "64", *ROWS], 150),
-    ("plan block 128", [PY, "benchmarks/gate_sensitivity.py", "--phases", "--plan-block", "128", *ROWS], 150),
     # the scan at mixed gates: 6.5 µs per dependent step (run 34: 113 µs of row 7's 359 there), where M_s's load does
     # not depend on the state
     ("scan under ncu", ["ncu", "--kernel-name", "regex:affine_scan", "--launch-skip", "1", "--launch-count", "1",
@@ -64,12 +60,12 @@ STEPS = [
      300),
     ("wave fill, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--map-wave-fill-ab", "--mixed-gates",
                                 "--graph", *ROWS[:2]], 150),
-    # issue 4's table: one process per row (a cut costs one row); row 3 first (run 34's plan kernel is in it, and
-    # it was 2% over its goal), row 5 next (last measured in run 30); row 7 was measured in run 34
+    # issue 4's table: one process per row (a cut costs one row); rows 6 and 7 first (last measured in runs 32 and
+    # 34), then row 5 (1% over its goal in run 35) and row 4 (9% over), then the rest
 ] + [(f"row {n} beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
                               "--no-decode", "--skip-correct", "--shapes", shape], 420)
-     for n, shape in [(3, "1,32768,16,16"), (5, "4,8192,16,32"), (2, "8,4096,16,16"), (4, "1,131072,16,16"),
-                      (6, "2,16384,32,32"), (1, "1,4096,16,16")]] + [
+     for n, shape in [(6, "2,16384,32,32"), (7, "1,32768,2,8"), (5, "4,8192,16,32"), (4, "1,131072,16,16"),
+                      (2, "8,4096,16,16"), (3, "1,32768,16,16"), (1, "1,4096,16,16")]] + [
     # session 25's WIDE_SEGMENTS (off: 1.50x at slow gates in run 32) at mixed gates, and its accuracy test
     ("wide segments, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--wide-segments-ab",
                                     "--mixed-gates", "--graph", "2,16384,32,32"], 120),
