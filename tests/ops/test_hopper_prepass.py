@@ -196,3 +196,11 @@ def test_prepass_compiles_for_sm90a():
                                                                                        ("Tq", True, True)]
     assert re.search(r"B_local\[j_1\] = \(\(float\*\)Tq\)\[[^;]*\* 40\)", t_hi)
     assert t_hi.count("__syncthreads()") == split.count("__syncthreads()")
+    # STEP6_BETA: step 6's β per column from registers, loaded once (4 pairs a thread), not reloaded per store
+    s6 = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, a_before_stores=True, step6_beta=True,
+                                 **kw).get_kernel_source()
+    loads = re.findall(r"\*\(float2\*\)\((B[lh]) \+ \(i_\d+ \* 2\)\) = \*\(float2\*\)\(\(\(float\*\)bs\)", s6)
+    assert loads == ["Bl", "Bh"]
+    loop = s6[s6.index(";", s6.index("(Bh + (i_")):s6.index("tl::tma_store(a_inv_desc")]
+    assert "bs)" not in loop and loop.count("(Bl + ") == 2 and loop.count("(Bh + ") == 1
+    assert s6.count("__syncthreads()") == split.count("__syncthreads()")

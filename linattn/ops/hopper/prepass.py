@@ -133,12 +133,17 @@ STEP4_MMA = False
 # wavefronts per chunk (of 1874). Stride 36 puts the 8 rows in 8 distinct bank quads (and STEP4_MMA's reads of T_33
 # too). A layout only: outputs bitwise equal. Predicted −2 to −4% of the pre-pass; not yet measured: off
 T_HI_ROW_PAD = None
+# Step 6's β per column (A_inv diag(β), BETA_IN_A_INV) from registers: each thread's 8 elements of a quadrant take 4
+# columns' β, loaded once before the stores to the staging tile instead of 12 reloads after them (nvcc cannot tell
+# bs from Out: one shared buffer; run 35's source view: 64 of the pre-pass's shared wavefronts per chunk). The same
+# products: outputs bitwise equal. Predicted −1 to −3% of the pre-pass; not yet measured: off
+STEP6_BETA = False
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                  beta_in_a: bool = False, min_blocks: int = 1, tma_keys: bool = False, a_row_pad: int = 0,
                  t_row_pad: int = 0, step4_blocked: bool = False, a_before_stores: bool = False,
-                 step4_mma: bool = False, t_hi_row_pad: Optional[int] = None):
+                 step4_mma: bool = False, t_hi_row_pad: Optional[int] = None, step6_beta: bool = False):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major
     in its own dtype). ``beta_in_a``: A_inv diag(β) instead of A_inv (:data:`BETA_IN_A_INV`). ``min_blocks``: the
@@ -148,7 +153,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     own swizzled layouts); ``step4_blocked``: step 4 register-blocked on 64 threads (:data:`STEP4_BLOCKED`);
     ``a_before_stores``: step 2's elements, then its stores (:data:`A_BEFORE_STORES`); ``step4_mma``: step 4 on
     mma.sync, one warp per half (:data:`STEP4_MMA`; instead of ``step4_blocked``); ``t_hi_row_pad``: T_hi's rows
-    that many words after 32 (:data:`T_HI_ROW_PAD`; None: ``t_row_pad``'s).
+    that many words after 32 (:data:`T_HI_ROW_PAD`; None: ``t_row_pad``'s); ``step6_beta``: step 6's β per
+    column from registers (:data:`STEP6_BETA`).
     ``threads``: 128 only (one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for
     the map bound)."""
     if threads != 2 * BT:
@@ -282,6 +288,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             Gr = T.alloc_fragment((BT,), acc)        # a_before_stores: gc and β per row, gc per column
             Br = T.alloc_fragment((BT,), acc)
             Gcol = T.alloc_fragment((BT,), acc)
+            Bl = T.alloc_fragment((2 * D,), acc)     # step6_beta: β of A_inv's column halves
+            Bh = T.alloc_fragment((2 * D,), acc)
             Z1 = T.alloc_fragment((2, D, D), acc)
             Z2 = T.alloc_fragment((2 * D, 2 * D), acc)
             x = T.alloc_local((D,), acc)
@@ -401,11 +409,24 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 
             # 6. A_inv = [[T_lo, 0], [X, T_hi]] in bf16 (beta_in_a: column j times β_j), rows past the sequence's
             #    end not written
-            for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
-                Out[i, j] = Tq[0, i, j] * bs[j] if beta_in_a else Tq[0, i, j]
-                Out[i, 2 * D + j] = 0.0
-                Out[2 * D + i, j] = -Z2[i, j] * bs[j] if beta_in_a else -Z2[i, j]
-                Out[2 * D + i, 2 * D + j] = Tq[1, i, j] * bs[2 * D + j] if beta_in_a else Tq[1, i, j]
+            if beta_in_a and step6_beta:
+                # the columns' β in X's column layout, loaded once (between the stores to Out below nvcc reloads
+                # them from shared memory: one buffer)
+                for j in T.Parallel(2 * D):
+                    Bl[j] = bs[j]
+                for j in T.Parallel(2 * D):      # loops of their own: each fragment takes the columns' layout
+                    Bh[j] = bs[2 * D + j]
+                for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
+                    Out[i, j] = Tq[0, i, j] * Bl[j]
+                    Out[i, 2 * D + j] = 0.0
+                    Out[2 * D + i, j] = -Z2[i, j] * Bl[j]
+                    Out[2 * D + i, 2 * D + j] = Tq[1, i, j] * Bh[j]
+            else:
+                for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
+                    Out[i, j] = Tq[0, i, j] * bs[j] if beta_in_a else Tq[0, i, j]
+                    Out[i, 2 * D + j] = 0.0
+                    Out[2 * D + i, j] = -Z2[i, j] * bs[j] if beta_in_a else -Z2[i, j]
+                    Out[2 * D + i, 2 * D + j] = Tq[1, i, j] * bs[2 * D + j] if beta_in_a else Tq[1, i, j]
             T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
 
     return gdn_prepass
@@ -415,11 +436,12 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
                     target: Optional[str] = None, beta_in_a: bool = False, min_blocks: int = 1,
                     tma_keys: bool = False, a_row_pad: int = 0, t_row_pad: int = 0, step4_blocked: bool = False,
-                    a_before_stores: bool = False, step4_mma: bool = False, t_hi_row_pad: Optional[int] = None):
+                    a_before_stores: bool = False, step4_mma: bool = False, t_hi_row_pad: Optional[int] = None,
+                    step6_beta: bool = False):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
     return compile_prim_func(build_kernel(H, HV, K, beta_dtype, threads, beta_in_a, min_blocks, tma_keys,
                                           a_row_pad, t_row_pad, step4_blocked, a_before_stores, step4_mma,
-                                          t_hi_row_pad), target)
+                                          t_hi_row_pad, step6_beta), target)
 
 
 def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a: bool):
@@ -427,7 +449,7 @@ def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a: 
     return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."), beta_in_a=beta_in_a,
                            min_blocks=MIN_BLOCKS_PER_SM, tma_keys=TMA_KEYS, a_row_pad=A_ROW_PAD,
                            t_row_pad=T_ROW_PAD, step4_blocked=STEP4_BLOCKED, a_before_stores=A_BEFORE_STORES,
-                           step4_mma=STEP4_MMA, t_hi_row_pad=T_HI_ROW_PAD)
+                           step4_mma=STEP4_MMA, t_hi_row_pad=T_HI_ROW_PAD, step6_beta=STEP6_BETA)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
