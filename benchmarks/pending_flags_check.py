@@ -42,10 +42,13 @@ AB = ("mkdir -p /tmp/ab && cp linattn/ops/hopper/prepass.py /tmp/ab/prepass.py &
       "{py} benchmarks/prepass_ab.py /tmp/ab/prepass.py ")
 STEPS = [
     # session 29's pre-pass switches (off until measured): step 4 on mma.sync (predicted −8 to −15%, not bitwise:
-    # tf32 products), T_hi's rows 36 words apart (−2 to −4%, bitwise), and both
+    # tf32 products), T_hi's rows 36 words apart (−2 to −4%, bitwise), step 6's β from registers (−1 to −3%,
+    # bitwise), and all three
     ("pre-pass step 4 on mma", ["bash", "-c", AB.format(py=PY) + "--set STEP4_MMA=1"], 150),
     ("pre-pass T_hi rows", ["bash", "-c", AB.format(py=PY) + "--set T_HI_ROW_PAD=4"], 150),
-    ("pre-pass both", ["bash", "-c", AB.format(py=PY) + "--set STEP4_MMA=1 --set T_HI_ROW_PAD=4"], 150),
+    ("pre-pass step 6 beta", ["bash", "-c", AB.format(py=PY) + "--set STEP6_BETA=1"], 150),
+    ("pre-pass all three", ["bash", "-c", AB.format(py=PY) + "--set STEP4_MMA=1 --set T_HI_ROW_PAD=4 "
+                            "--set STEP6_BETA=1"], 150),
     ("pre-pass and plan profile", ["bash", "-c", PROFILE.format(py=PY)], 240),
     # the scan at mixed gates: 6.5 µs per dependent step (run 34: 113 µs of row 7's 359 there), where M_s's load does
     # not depend on the state
