@@ -56,6 +56,13 @@ def block_from(src: str, start: str) -> str:
     raise AssertionError(f"unbalanced block after {start!r}")
 
 
+def shared_view(shmem: np.ndarray, offsets: dict, name: str, shape) -> np.ndarray:
+    """The fp32 buffer ``name`` of the kernel's shared memory (``offsets``: its byte offsets in the source) as an
+    array of ``shape`` over the bytes ``shmem``."""
+    start = int(offsets[name])
+    return shmem[start:start + 4 * int(np.prod(shape))].view(np.float32).reshape(shape)
+
+
 def ptr(a: np.ndarray):
     return a.ctypes.data_as(ctypes.c_void_p)
 
@@ -125,8 +132,7 @@ extern "C" void phase2(int tid, char* shmem) {{
     shmem = np.zeros(64 * 1024, dtype=np.uint8)
 
     def view(name, shape):
-        n = int(np.prod(shape))
-        return shmem[int(offsets[name]):int(offsets[name]) + 4 * n].view(np.float32).reshape(shape)
+        return shared_view(shmem, offsets, name, shape)
     pad_a, pad_t = 4, 8
     Ad, Ao = view("Ad", (4, D + 1, D + pad_a)), view("Ao", (2, D, D + pad_a))
     Tq = view("Tq", (2, 2 * D, 2 * D + pad_t))
@@ -231,8 +237,7 @@ extern "C" void step4(char* shmem) {{
     shmem = np.zeros(64 * 1024, dtype=np.uint8)
 
     def view(name, shape):
-        n = int(np.prod(shape))
-        return shmem[int(offsets[name]):int(offsets[name]) + 4 * n].view(np.float32).reshape(shape)
+        return shared_view(shmem, offsets, name, shape)
 
     def tf32(a):
         return (np.ascontiguousarray(a, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(

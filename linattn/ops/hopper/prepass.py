@@ -212,6 +212,22 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                     Tq[h, D + 2 * a + r, 4 * b + cc] = zt[r, cc]
 
     @T.macro
+    def product_16(A, ar, ac, B, br, bc, h, g, t, af, bf, cf):
+        # cf = A[h, ar:ar + 16, ac:ac + 16] B[h, br:br + 16, bc:bc + 16] in lane (g, t)'s C fragments: two k-steps of
+        # 8, two n-tiles of 8, one m16n8k8 tf32 mma each, the operands read one word per lane
+        for e in T.unroll(8):
+            cf[e] = 0.0
+        for ki in T.unroll(2):
+            for r in T.unroll(2):
+                for u in T.unroll(2):
+                    af[2 * u + r] = A[h, ar + g + 8 * r, ac + 8 * ki + t + 4 * u]
+            for ni in T.unroll(2):
+                for u in T.unroll(2):
+                    bf[u] = B[h, br + 8 * ki + t + 4 * u, bc + 8 * ni + g]
+                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", af.data, 0, bf.data, 0,
+                          cf.data, 4 * ni, T.bool(False))
+
+    @T.macro
     def step4_mma_products(tx, Ao, Tq, Y1, af, bf, cf):
         # threads 0–63: warp h = tx / 32 takes half h (A_10, T_00, T_11 → T_10 for h = 0; A_32, T_22, T_33 → T_32 for
         # h = 1); lane (g, t) = (lane / 4, lane % 4) holds, per m16n8k8 tile, A at rows g, g + 8 and columns t,
@@ -220,34 +236,14 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
         g = (tx % (2 * D)) // 4
         t = tx % 4
         if tx < 4 * D:
-            for e in T.unroll(8):
-                cf[e] = 0.0
-            for ki in T.unroll(2):                         # Y1 = A_h T_hh (the half's first diagonal block)
-                for r in T.unroll(2):
-                    for u in T.unroll(2):
-                        af[2 * u + r] = Ao[h, g + 8 * r, 8 * ki + t + 4 * u]
-                for ni in T.unroll(2):
-                    for u in T.unroll(2):
-                        bf[u] = Tq[h, 8 * ki + t + 4 * u, 8 * ni + g]
-                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", af.data, 0, bf.data, 0,
-                              cf.data, 4 * ni, T.bool(False))
+            product_16(Ao, 0, 0, Tq, 0, 0, h, g, t, af, bf, cf)       # Y1 = A_h T_hh (the half's first block)
             for ni in T.unroll(2):
                 for r in T.unroll(2):
                     for e in T.vectorized(2):
                         Y1[h, g + 8 * r, 8 * ni + 2 * t + e] = cf[4 * ni + 2 * r + e]
         T.sync_threads()
         if tx < 4 * D:
-            for e in T.unroll(8):
-                cf[e] = 0.0
-            for ki in T.unroll(2):                         # T_off = −T_h'h' Y1 (the half's second diagonal block)
-                for r in T.unroll(2):
-                    for u in T.unroll(2):
-                        af[2 * u + r] = Tq[h, D + g + 8 * r, D + 8 * ki + t + 4 * u]
-                for ni in T.unroll(2):
-                    for u in T.unroll(2):
-                        bf[u] = Y1[h, 8 * ki + t + 4 * u, 8 * ni + g]
-                    T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", af.data, 0, bf.data, 0,
-                              cf.data, 4 * ni, T.bool(False))
+            product_16(Tq, D, D, Y1, 0, 0, h, g, t, af, bf, cf)       # T_h'h' Y1 (the half's second block)
             for ni in T.unroll(2):
                 for r in T.unroll(2):
                     for e in T.vectorized(2):
