@@ -159,6 +159,8 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
     the map bound)."""
     if threads != 2 * BT:
         raise ValueError(f"the pre-pass runs 128 threads per program, got threads={threads}")
+    if t_hi_row_pad is not None and not t_row_pad:
+        raise ValueError("t_hi_row_pad needs t_row_pad (T_lo's rows padded too)")
     import tilelang
     import tilelang.cuda.language as TC  # T.copy with CUDA lowering hints
     import tilelang.language as T
@@ -296,8 +298,6 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
             bf = T.alloc_local((2,), acc)
             cf = T.alloc_local((8,), acc)
             linear = [Ad, Ahl] + ([Tq, Y2] if t_row_pad else []) + ([Ao, Y1] if step4_blocked or step4_mma else [])
-            if t_hi_row_pad is not None and not t_row_pad:
-                raise ValueError("t_hi_row_pad needs t_row_pad (T_lo's rows padded too)")
             layouts = {buf: tilelang.layout.make_linear_layout(buf) for buf in linear}
             if t_hi_row_pad is not None:
                 # T_hi's rows t_hi_row_pad words after 32 (T_lo's t_row_pad): T_lo is step 5's first B operand, read
@@ -412,17 +412,12 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: 
                     Bl[j] = bs[j]
                 for j in T.Parallel(2 * D):      # loops of their own: each fragment takes the columns' layout
                     Bh[j] = bs[2 * D + j]
-                for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
-                    Out[i, j] = Tq[0, i, j] * Bl[j]
-                    Out[i, 2 * D + j] = 0.0
-                    Out[2 * D + i, j] = -Z2[i, j] * Bl[j]
-                    Out[2 * D + i, 2 * D + j] = Tq[1, i, j] * Bh[j]
-            else:
-                for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
-                    Out[i, j] = Tq[0, i, j] * bs[j] if beta_in_a else Tq[0, i, j]
-                    Out[i, 2 * D + j] = 0.0
-                    Out[2 * D + i, j] = -Z2[i, j] * bs[j] if beta_in_a else -Z2[i, j]
-                    Out[2 * D + i, 2 * D + j] = Tq[1, i, j] * bs[2 * D + j] if beta_in_a else Tq[1, i, j]
+            for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
+                Out[i, j] = Tq[0, i, j] * (Bl[j] if step6_beta else bs[j]) if beta_in_a else Tq[0, i, j]
+                Out[i, 2 * D + j] = 0.0
+                Out[2 * D + i, j] = -Z2[i, j] * (Bl[j] if step6_beta else bs[j]) if beta_in_a else -Z2[i, j]
+                Out[2 * D + i, 2 * D + j] = (Tq[1, i, j] * (Bh[j] if step6_beta else bs[2 * D + j]) if beta_in_a
+                                             else Tq[1, i, j])
             T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
 
     return gdn_prepass
