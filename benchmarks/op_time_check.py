@@ -30,7 +30,9 @@ call straight to its prepared Hopper forward: bitwise equal expected, less host 
 ``hopper.forward.OVERLAP_WARM`` off, then on (phase C's warmed segments beside phase A: bitwise equal expected);
 ``--map-wave-fill-ab``: ``hopper.forward.MAP_WAVE_FILL`` off, then on (the plan's wave-fill rule: more heads walk
 their maps where phase A's wave has room; not bitwise equal, a mapped head's entering states differ below 2⁻³⁰);
-``--wide-segments-ab``:
+``--step4-mma-ab``, ``--t-hi-row-pad-ab`` (None, then 4), ``--step6-beta-ab``: ``hopper.prepass.STEP4_MMA``,
+``T_HI_ROW_PAD``, ``STEP6_BETA`` off, then on (the pre-pass's step 4 on mma.sync: not bitwise equal; the other two
+bitwise equal expected); ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
@@ -87,7 +89,9 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
             "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES"),
             "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM"),
-            "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL")}
+            "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL"),
+            "--step4-mma-ab": (prepass, "STEP4_MMA"), "--t-hi-row-pad-ab": (prepass, "T_HI_ROW_PAD", None, 4),
+            "--step6-beta-ab": (prepass, "STEP6_BETA")}
 PACKED = "--packed" in sys.argv
 # each row as its shape, the switches' setting and its times only (the settings of every other switch left out)
 BRIEF = "--brief" in sys.argv
@@ -125,7 +129,8 @@ def op_inputs(B, T, H, HV, K, V):
 
 def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
     for switch in switches:
-        setattr(*SWITCHES[switch], on)
+        module, name, *values = SWITCHES[switch]       # a switch's off and on values where they are not booleans
+        setattr(module, name, values[on] if values else on)
     chunk_fwd.launcher.cache_clear()
     xs, packed = op_inputs(B, T, H, HV, K, V or K)
     with torch.no_grad():

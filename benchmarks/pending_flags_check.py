@@ -1,6 +1,6 @@
 """The next GPU session's checks in one device call: each step a child process with its own time limit (a hang or a
 crash costs that step, not the call), its output's tail printed as it ends, and a table of the steps last. The
-steps and their order are docs/performance.md's "Where things stand" list (after run 35). Each step's whole output
+steps and their order are docs/performance.md's "Where things stand" list (after run 36). Each step's whole output
 goes to ``$OUT/steps/NN-name.log`` as it runs (bench_anchors' anchors.json into a folder of the same name), so a
 call killed at its limit still brings back what its steps printed:
 
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 35
+# (name, command, time limit in s): docs/performance.md's "Where things stand" list after run 36
 ROWS = "1,32768,16,16", "1,32768,2,8", "1,131072,16,16"      # issue 4's segmented rows 3, 7 and 4
 # one ncu run over the pre-pass and the plan kernel at row 3 (the second call's launches), its per-SASS-instruction
 # counters (shared wavefronts, stall samples) exported as CSV beside the logs (run 35 found step 2's reloads this way)
@@ -36,19 +36,15 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
            "--import-source no -f -o /tmp/prof {py} benchmarks/ncu_forward.py --path auto --B 1 --T 32768 && "
            "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
-# today's pre-pass against itself with a switch on (prepass_ab.py: both alone and through forward_hopper, A_inv
-# against its twin, o against float64, bitwise where the switch is a layout only)
-AB = ("mkdir -p /tmp/ab && cp linattn/ops/hopper/prepass.py /tmp/ab/prepass.py && "
-      "{py} benchmarks/prepass_ab.py /tmp/ab/prepass.py ")
 STEPS = [
-    # session 29's pre-pass switches (off until measured): step 4 on mma.sync (predicted −8 to −15%, not bitwise:
-    # tf32 products), T_hi's rows 36 words apart (−2 to −4%, bitwise), step 6's β from registers (−1 to −3%,
-    # bitwise), and all three
-    ("pre-pass step 4 on mma", ["bash", "-c", AB.format(py=PY) + "--set STEP4_MMA=1"], 150),
-    ("pre-pass T_hi rows", ["bash", "-c", AB.format(py=PY) + "--set T_HI_ROW_PAD=4"], 150),
-    ("pre-pass step 6 beta", ["bash", "-c", AB.format(py=PY) + "--set STEP6_BETA=1"], 150),
-    ("pre-pass all three", ["bash", "-c", AB.format(py=PY) + "--set STEP4_MMA=1 --set T_HI_ROW_PAD=4 "
-                            "--set STEP6_BETA=1"], 150),
+    # session 29's pre-pass switches, on since run 36 (prepass_ab.py: −7 to −18% of the pre-pass together), through
+    # the op at the rows they should move (rows 5, 4, 6 by the pre-pass's share), eager and replayed, off then on;
+    # and the pre-pass's and the Hopper forward's GPU tests on the new defaults
+    ("pre-pass switches at the op", [PY, "benchmarks/op_time_check.py", "--brief", "--graph", "--step4-mma-ab",
+                                     "--t-hi-row-pad-ab", "--step6-beta-ab", "4,8192,16,32", "1,131072,16,16",
+                                     "2,16384,32,32", "8,4096,16,16"], 200),
+    ("pre-pass GPU tests", [PY, "-m", "pytest", "-q", "-m", "not interpreter", "tests/ops/test_hopper_prepass.py",
+                            "tests/ops/test_hopper_fwd.py", "-k", "not wide"], 200),
     ("pre-pass and plan profile", ["bash", "-c", PROFILE.format(py=PY)], 240),
     # the scan at mixed gates: 6.5 µs per dependent step (run 34: 113 µs of row 7's 359 there), where M_s's load does
     # not depend on the state
@@ -63,11 +59,11 @@ STEPS = [
      300),
     ("wave fill, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--map-wave-fill-ab", "--mixed-gates",
                                 "--graph", *ROWS[:2]], 150),
-    # issue 4's table: one process per row (a cut costs one row); rows 6 and 7 first (last measured in runs 32 and
-    # 34), then row 5 (1% over its goal in run 35) and row 4 (9% over), then the rest
+    # issue 4's table: one process per row (a cut costs one row); rows 5, 4 and 6 first (over their goals by 1%, 9%
+    # and 13% before run 36's pre-pass switches), then row 7 (last measured in run 34), then the rest
 ] + [(f"row {n} beside fla", [PY, ".anchors/bench_anchors.py", "--impl", "linattn:chunk_gated_delta_rule",
                               "--no-decode", "--skip-correct", "--shapes", shape], 420)
-     for n, shape in [(6, "2,16384,32,32"), (7, "1,32768,2,8"), (5, "4,8192,16,32"), (4, "1,131072,16,16"),
+     for n, shape in [(5, "4,8192,16,32"), (4, "1,131072,16,16"), (6, "2,16384,32,32"), (7, "1,32768,2,8"),
                       (2, "8,4096,16,16"), (3, "1,32768,16,16"), (1, "1,4096,16,16")]] + [
     # session 25's WIDE_SEGMENTS (off: 1.50x at slow gates in run 32) at mixed gates, and its accuracy test
     ("wide segments, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--wide-segments-ab",

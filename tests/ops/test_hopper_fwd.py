@@ -407,15 +407,24 @@ def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
 
 
 @ON_HOPPER
-def test_a_captured_small_call_replays_the_two_launch_forward(monkeypatch):
+@pytest.mark.parametrize("routes", [False, True], ids=["plain", "routed"])
+def test_a_captured_small_call_replays_the_two_launch_forward(monkeypatch, routes):
     """SMALL_PLAN_IN_WALK (SEGMENTED_WHEN_CAPTURED off): B=1 T=4096 H=16 through the op takes the two-launch plan
     eagerly and under capture alike (nothing in it waits on the host), and the replay writes the eager call's
-    numbers bitwise, within the bf16 bound of the float64 recurrence."""
+    numbers bitwise, within the bf16 bound of the float64 recurrence. With routes (prepared_route.ROUTES) the eager
+    call runs the plain forward, the warm-up its prepared call (which records the route), and the capture takes the
+    route: forward_hopper sees two calls, not three."""
+    from linattn.ops.gated_delta import prepared_route
+    from linattn.ops.hopper import prepared
+    monkeypatch.setattr(prepared_route, "ROUTES", routes)
+    monkeypatch.setattr(prepared_route, "_routes", {})     # no route nor prepared call from an earlier test
+    monkeypatch.setattr(prepared, "_prepared", {})
     x, plans, call = small_call_recording_plans(monkeypatch, plan_in_walk=True, when_captured=False, seed=5)
     with torch.no_grad():
         eager = call()
         _, captured = warm_up_capture_replay(call)
-    assert len(plans) == 3 and plans[0].get("plan_in_walk") is True and plans[0] == plans[1] == plans[2]
+    assert len(plans) == (2 if routes else 3) and plans[0].get("plan_in_walk") is True
+    assert all(plan == plans[0] for plan in plans)
     assert all(torch.equal(a, b) for a, b in zip(captured, eager))
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
     assert rel(eager[0], ro) < 5e-3 and rel(eager[1], rht) < 5e-3

@@ -124,20 +124,27 @@ A_BEFORE_STORES = True
 # (four wavefronts a warp, whatever its broadcast); this reads ≈ 112. The products round their operands to tf32
 # (2⁻¹¹ each, as step 5's do, under A_inv's bf16 2⁻⁹): not bitwise the FMA steps. Session 18 put step 4 on 32 × 32
 # block-diagonal dots (zero blocks, stores, barriers) and measured it slower, when the kernel was not bound by its
-# shared wavefronts as it is now. Predicted −8 to −15% of the pre-pass; not yet measured: off
-STEP4_MMA = False
+# shared wavefronts as it is now. Predicted −8 to −15% of the pre-pass; run 36 (H200, benchmarks/prepass_ab.py
+# against today's file with it off; A_inv against its fp32 twin 2.43e-4 where the FMAs give 2.37e-4, o against
+# float64 unchanged to 4 digits): 0.0936 → 0.0892 ms at B=8 T=4096 H=16, 0.0948 → 0.0894 at B=1 T=32768 H=16,
+# 0.1723 → 0.1478 at B=4 T=8192 H=16 HV=32 (−5 to −14%)
+STEP4_MMA = True
 # T_hi's rows this many words after its 32 (None: T_lo's T_ROW_PAD, one stride for both halves). Step 5 reads T_lo
 # as its first dot's B operand, one word per lane at k · stride + n (stride 40 puts those 32 words in 32 banks), and
 # T_hi as its second dot's A operand by ldmatrix, 8 rows of 16 bytes per matrix: at stride 40 rows r and r + 4 share
 # their banks, a 2-way conflict, which run 35's ncu source view counted as 64 of the pre-pass's 146 excess shared
 # wavefronts per chunk (of 1874). Stride 36 puts the 8 rows in 8 distinct bank quads (and STEP4_MMA's reads of T_33
-# too). A layout only: outputs bitwise equal. Predicted −2 to −4% of the pre-pass; not yet measured: off
-T_HI_ROW_PAD = None
+# too). A layout only: outputs bitwise equal. Predicted −2 to −4% of the pre-pass; run 36 (bitwise on six shapes):
+# 0.0935 → 0.0909 ms at B=8 T=4096 H=16, 0.0932 → 0.0904 at B=1 T=32768 H=16, 0.1747 → 0.1675 at B=4 T=8192 H=16
+# HV=32 (−3 to −4%)
+T_HI_ROW_PAD = 4
 # Step 6's β per column (A_inv diag(β), BETA_IN_A_INV) from registers: each thread's 8 elements of a quadrant take 4
 # columns' β, loaded once before the stores to the staging tile instead of 12 reloads after them (nvcc cannot tell
 # bs from Out: one shared buffer; run 35's source view: 64 of the pre-pass's shared wavefronts per chunk). The same
-# products: outputs bitwise equal. Predicted −1 to −3% of the pre-pass; not yet measured: off
-STEP6_BETA = False
+# products: outputs bitwise equal. Predicted −1 to −3% of the pre-pass; run 36 (bitwise on six shapes): 0.0942 →
+# 0.0919 ms at B=8 T=4096 H=16, 0.0942 → 0.0919 at B=1 T=32768 H=16, 0.1745 → 0.1694 at B=4 T=8192 H=16 HV=32 (−2
+# to −3%). The three together (run 36): 0.0936 → 0.0869, 0.0943 → 0.0870, 0.1741 → 0.1425 (−7, −8, −18%)
+STEP6_BETA = True
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", threads: int = 128,
