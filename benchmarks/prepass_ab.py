@@ -11,7 +11,8 @@ against the pre-pass's twin (fp32) and against each other, the map bound's chunk
 ``--set``: a module setting of today's pre-pass changed before the run (an int), e.g. a flag against the same file
 with it off: ``cp linattn/ops/hopper/prepass.py ab_old/prepass.py`` then ``--set T_ROW_PAD=8``.
 
-(the new version is timed first, then the old: run it twice with the order in mind where small kernels differ)
+(the new version is timed first, then the old: run it twice with the order in mind where small kernels differ; both
+forward_hopper calls take the plain forward, ``hopper.prepared.PREPARED`` off)
 """
 import functools
 import importlib.util
@@ -21,7 +22,7 @@ import torch
 from hopper_fwd_check import bench, prepass_case, rel  # this folder is on sys.path
 
 from linattn.ops.hopper import forward as forward_module
-from linattn.ops.hopper import prepass
+from linattn.ops.hopper import prepared, prepass
 from linattn.ops.hopper.forward import forward_hopper
 from linattn.ops.hopper.map_bound import chunk_bounds_ref
 
@@ -38,6 +39,10 @@ def load_old(path):
     return module
 
 
+# both versions through the plain forward: today's module would run the prepared call after its first one, the
+# loaded file the plain call (its swapped pre-pass keeps prepared from preparing), so run 36's forward figures
+# compared the two paths, not the two pre-passes
+prepared.PREPARED = False
 args = sys.argv[2:]
 for name, value in (a.split("=") for a, flag in zip(args[1:], args) if flag == "--set"):
     if not hasattr(prepass, name):
