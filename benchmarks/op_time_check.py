@@ -32,7 +32,10 @@ call straight to its prepared Hopper forward: bitwise equal expected, less host 
 their maps where phase A's wave has room; not bitwise equal, a mapped head's entering states differ below 2⁻³⁰);
 ``--step4-mma-ab``, ``--t-hi-row-pad-ab`` (None, then 4), ``--step6-beta-ab``: ``hopper.prepass.STEP4_MMA``,
 ``T_HI_ROW_PAD``, ``STEP6_BETA`` off, then on (the pre-pass's step 4 on mma.sync: not bitwise equal; the other two
-bitwise equal expected); ``--wide-segments-ab``:
+bitwise equal expected); ``--scan-whole-map-ab``: ``hopper.forward.SCAN_WHOLE_MAP`` off, then on (phase B's map
+as one tile, the next one prefetched: not bitwise equal, the same products summed in another order);
+``--scan-tf32-ab``: ``hopper.forward.SCAN_PRECISION`` tf32x3, then tf32 (with ``--scan-whole-map-ab``: the row
+blocks at tf32x3 against the whole map at tf32); ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
@@ -91,7 +94,9 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM"),
             "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL"),
             "--step4-mma-ab": (prepass, "STEP4_MMA"), "--t-hi-row-pad-ab": (prepass, "T_HI_ROW_PAD", None, 4),
-            "--step6-beta-ab": (prepass, "STEP6_BETA")}
+            "--step6-beta-ab": (prepass, "STEP6_BETA"),
+            "--scan-whole-map-ab": (hopper_forward, "SCAN_WHOLE_MAP"),
+            "--scan-tf32-ab": (hopper_forward, "SCAN_PRECISION", "tf32x3", "tf32")}
 PACKED = "--packed" in sys.argv
 # each row as its shape, the switches' setting and its times only (the settings of every other switch left out)
 BRIEF = "--brief" in sys.argv

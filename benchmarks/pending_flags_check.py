@@ -37,14 +37,22 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
            "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
 STEPS = [
-    # session 29's pre-pass switches, on since run 36 (prepass_ab.py: −7 to −18% of the pre-pass together), through
-    # the op at the rows they should move (rows 5, 4, 6 by the pre-pass's share), eager and replayed, off then on;
-    # and the pre-pass's and the Hopper forward's GPU tests on the new defaults
-    ("pre-pass switches at the op", [PY, "benchmarks/op_time_check.py", "--brief", "--graph", "--step4-mma-ab",
-                                     "--t-hi-row-pad-ab", "--step6-beta-ab", "4,8192,16,32", "1,131072,16,16",
-                                     "2,16384,32,32", "8,4096,16,16"], 200),
+    # session 29's pre-pass switches, on since run 36 (prepass_ab.py and op_time_check.py: −7 to −18% of the
+    # pre-pass): the pre-pass's and the Hopper forward's GPU tests on the new defaults (run 36 reached 37 of 50 in
+    # 200 s, the 38th a stale count mended since)
     ("pre-pass GPU tests", [PY, "-m", "pytest", "-q", "-m", "not interpreter", "tests/ops/test_hopper_prepass.py",
-                            "tests/ops/test_hopper_fwd.py", "-k", "not wide"], 200),
+                            "tests/ops/test_hopper_fwd.py", "-k", "not wide"], 320),
+    # session 30's phase B switches (off until measured): the map as one tile with the next one prefetched, then
+    # also at tf32; their GPU accuracy test, then the A/B at mixed and slow gates (rows 3 and 7: the scan is 46 and
+    # 113 µs there at mixed gates, 6.5 µs per step; predicted ≈ 2 µs per step, row 7 −70 to −90 µs)
+    ("scan switches, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_scan.py"], 200),
+    ("scan whole map, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--graph", "--mixed-gates",
+                                     "--scan-whole-map-ab", *ROWS[:2]], 150),
+    ("scan whole map at tf32, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--graph",
+                                             "--mixed-gates", "--scan-whole-map-ab", "--scan-tf32-ab", *ROWS[:2]],
+     150),
+    ("scan whole map at tf32, slow gates", [PY, "benchmarks/op_time_check.py", "--brief", "--graph", "--slow-gates",
+                                            "--scan-whole-map-ab", "--scan-tf32-ab", *ROWS], 200),
     ("pre-pass and plan profile", ["bash", "-c", PROFILE.format(py=PY)], 240),
     # the scan at mixed gates: 6.5 µs per dependent step (run 34: 113 µs of row 7's 359 there), where M_s's load does
     # not depend on the state

@@ -126,6 +126,22 @@ def test_prepared_call_issues_the_plain_forwards_launches(recorder, monkeypatch,
         assert subsets == [2, 1]
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+@pytest.mark.parametrize("whole_map", [False, True], ids=["row_blocks", "whole_map"])
+def test_the_scan_takes_its_switches_in_both_paths(recorder, monkeypatch, whole_map, precision):
+    """forward.SCAN_WHOLE_MAP and SCAN_PRECISION reach phase B's launch in the plain forward and in the prepared
+    call alike: the whole map as one [K, K] tile (BR = BK) with the next map prefetched at 8 warps, else row blocks
+    of 32 at 4; the products at the precision set."""
+    monkeypatch.setattr(hopper_fwd, "SCAN_WHOLE_MAP", whole_map)
+    monkeypatch.setattr(hopper_fwd, "SCAN_PRECISION", precision)
+    x = inputs(False)
+    plain = traced_call(recorder, x, CASES["five_launch"])
+    assert traced_call(recorder, x, CASES["five_launch"]) == plain
+    (scan,) = [dict(kernel[2]) for kernel, _ in plain[:-2] if kernel[0] == "scan"]
+    assert (scan["BR"], scan["PREFETCH"], scan["num_warps"]) == ((D, True, 8) if whole_map else (32, False, 4))
+    assert scan["DOT_PREC"] == precision
+
+
 def test_a_new_signature_is_prepared_anew(recorder):
     """Another shape, dtype of β or initial state is another signature: each prepared after its own plain call,
     each prepared call the same as its plain one."""
@@ -146,6 +162,8 @@ def flipped(value):
         return value * 2
     if isinstance(value, float):
         return value / 2
+    if value in ("tf32x3", "tf32"):   # forward.SCAN_PRECISION
+        return "tf32" if value == "tf32x3" else "tf32x3"
     raise TypeError(value)
 
 

@@ -185,9 +185,16 @@ SCAN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("whole_map", [False, True], ids=["row_blocks", "whole_map"])
 @pytest.mark.parametrize("K,V,N,first,h0", [c[1:] for c in SCAN_CASES], ids=[c[0] for c in SCAN_CASES])
-def test_affine_scan_matches_twin(K, V, N, first, h0):
-    """Phase B alone on random maps (M contractive, as a decaying walk's is)."""
+def test_affine_scan_matches_twin(K, V, N, first, h0, whole_map):
+    """Phase B alone on random maps (M contractive, as a decaying walk's is): M_s by row blocks with the state
+    re-read after each step, or (``whole_map``, K ≤ 128) as one tile with the state kept in registers and the next
+    map prefetched; at tf32x3 and at tf32 (the interpreter's tf32 dot is fp32: the rounding is the GPU test's)."""
+    if whole_map and K > 128:
+        with pytest.raises(ValueError, match="whole_map holds"):
+            sp.affine_scan(torch.zeros(3, 2, K, K + V), None, V, 1, None, 3, BV=16, whole_map=True)
+        return
     HV = 2
     NS = first[-1] if first else 3 * N
     M = torch.randn(NS, HV, K, K) * (0.5 / K ** 0.5)
@@ -195,7 +202,8 @@ def test_affine_scan_matches_twin(K, V, N, first, h0):
     h0t = torch.randn(N, HV, K, V) if h0 else None
     mn = torch.cat([M, Nm], -1).contiguous()
     seg_first = torch.tensor(first, dtype=torch.int32) if first else None
-    h_in = sp.affine_scan(mn, h0t, V, N, seg_first, 3, BV=16)
+    h_in = sp.affine_scan(mn, h0t, V, N, seg_first, 3, BV=16, whole_map=whole_map,
+                          precision="tf32" if whole_map else "tf32x3")
     bounds = list(zip(first[:-1], first[1:])) if first else [(3 * n, 3 * n + 3) for n in range(N)]
     for n, (a, b) in enumerate(bounds):
         start = h0t[n].double() if h0 else torch.zeros(HV, K, V, dtype=torch.float64)
@@ -203,9 +211,11 @@ def test_affine_scan_matches_twin(K, V, N, first, h0):
         assert rel_rms(h_in[a:b], want) <= TOLERANCES["kernel"], f"sequence {n}"
 
 
-def test_affine_scan_skips_the_maps_flagged_2():
-    """Where skip is 2 (a warmed head's map in the Hopper forward) the scan reads neither M_s nor N_s (NaN here)
-    and the next segment enters at zero; flags 0 and 1 read the map as it is."""
+@pytest.mark.parametrize("whole_map", [False, True], ids=["row_blocks", "whole_map"])
+def test_affine_scan_skips_the_maps_flagged_2(whole_map):
+    """Where skip is 2 (a warmed head's map in the Hopper forward) the scan reads neither M_s nor N_s (NaN here;
+    ``whole_map``'s prefetch masks them out too) and the next segment enters at zero; flags 0 and 1 read the map as
+    it is."""
     HV, K, V, S = 2, 32, 32, 4
     M = torch.randn(2 * S, HV, K, K) * (0.5 / K ** 0.5)
     Nm = torch.randn(2 * S, HV, K, V)
@@ -215,7 +225,7 @@ def test_affine_scan_skips_the_maps_flagged_2():
     mn = torch.cat([M, Nm], -1)
     mn[skip == 2] = float("nan")
     h0 = torch.randn(2, HV, K, V)
-    h_in = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip)
+    h_in = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip, whole_map=whole_map)
     M[skip == 2] = 0
     Nm[skip == 2] = 0
     for n in range(2):
@@ -224,9 +234,12 @@ def test_affine_scan_skips_the_maps_flagged_2():
     assert h_in[2, 0].eq(0).all() and h_in[S + 3, 1].eq(0).all() and not h_in[3, 0].eq(0).all()
     with pytest.raises(ValueError, match="skip must be int32"):
         sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip.bool())
+    with pytest.raises(ValueError, match="precision must be one of"):
+        sp.affine_scan(mn, h0, V, 2, None, S, BV=16, precision="ieee")
 
 
-def test_affine_scan_with_skip_writes_leaves_the_skipped_entries_unwritten(monkeypatch):
+@pytest.mark.parametrize("whole_map", [False, True], ids=["row_blocks", "whole_map"])
+def test_affine_scan_with_skip_writes_leaves_the_skipped_entries_unwritten(monkeypatch, whole_map):
     """``skip_writes`` (the Hopper forward's LEAN_SEGMENTS): the entering state after a map flagged 2 is not written
     (the buffer's NaN stays), every other entry is the plain scan's, bitwise."""
     HV, K, V, S = 2, 32, 32, 4
@@ -235,10 +248,10 @@ def test_affine_scan_with_skip_writes_leaves_the_skipped_entries_unwritten(monke
     skip[1, 0] = skip[S + 2, 1] = 2
     mn = torch.cat([M, torch.randn(2 * S, HV, K, V)], -1)
     h0 = torch.randn(2, HV, K, V)
-    plain = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip)
+    plain = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip, whole_map=whole_map)
     empty = torch.empty
     monkeypatch.setattr(sp.torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    lean = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip, skip_writes=True)
+    lean = sp.affine_scan(mn, h0, V, 2, None, S, BV=16, skip=skip, skip_writes=True, whole_map=whole_map)
     unwritten = torch.zeros(2 * S, HV, dtype=torch.bool)
     unwritten[2, 0] = unwritten[S + 3, 1] = True
     assert lean[unwritten].isnan().all() and torch.equal(lean[~unwritten], plain[~unwritten])

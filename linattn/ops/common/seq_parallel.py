@@ -119,11 +119,16 @@ def segment_tables(offsets: list[int], L: int, chunk_size: int, device) -> tuple
 @triton.jit(do_not_specialize=["NSEG"])
 def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, HAS_SKIP: tl.constexpr, SKIP_WRITES: tl.constexpr):
+                       IS_VARLEN: tl.constexpr, HAS_SKIP: tl.constexpr, SKIP_WRITES: tl.constexpr,
+                       DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
     # grid (cdiv(V, BV), N·HV): one program walks the segments of one (sequence, value head) for a BV slice of V.
     # Per segment it reads M_s [K, K] and N_s [K, BV] (fp32, mn [NS, HV, K, K + V]) and writes h_in [K, BV]; where
     # skip [NS, HV] is 2 (HAS_SKIP: a map the Hopper forward's phase A did not walk, [M_s | N_s] = 0) it reads
     # neither and writes h_in[s+1] = 0, or with SKIP_WRITES nothing (the reader starts that segment from zero itself).
+    # BR == BK (the whole M_s in one tile): the new state stays in registers for the next step (no barrier, no
+    # re-read), and with PREFETCH the next step's M and N are loaded before this step's product and store (the
+    # compiler cannot move a load above a store to h_in itself: the two might alias), so the L2 latency of the
+    # 64 KB map overlaps the product instead of heading each step.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -142,6 +147,15 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     tl.store(h_in + (i_s0 * HV + i_hv).to(tl.int64) * K * V + o_kv, b_h, mask=m_kv)
+    m_kk = (o_k[:, None] < K) & (o_k[None, :] < K)
+    if PREFETCH:
+        # step i_s0's map (nothing where no step follows, or where its map is skipped: a masked load reads nothing)
+        wanted = i_s0 < i_s1 - 1
+        if HAS_SKIP:
+            wanted = wanted & (tl.load(skip + i_s0 * HV + i_hv, mask=wanted, other=2) != 2)
+        p_mn = mn + (i_s0 * HV + i_hv).to(tl.int64) * K * (K + V)
+        b_m = tl.load(p_mn + o_k[:, None] * (K + V) + o_k[None, :], mask=m_kk & wanted, other=0)
+        b_nv = tl.load(p_mn + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv & wanted, other=0)
 
     i_s = i_s0
     while i_s < i_s1 - 1:
@@ -150,10 +164,27 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
         skipped = False
         if HAS_SKIP:
             skipped = tl.load(skip + i_s * HV + i_hv) == 2
+        if PREFETCH:
+            # this step's map came with the last step; the next one's loads go out before this step's product
+            b_m_now, b_nv_now = b_m, b_nv
+            wanted = i_s + 1 < i_s1 - 1
+            if HAS_SKIP:
+                wanted = wanted & (tl.load(skip + (i_s + 1) * HV + i_hv, mask=wanted, other=2) != 2)
+            p_next = p_mn + HV * K * (K + V)
+            b_m = tl.load(p_next + o_k[:, None] * (K + V) + o_k[None, :], mask=m_kk & wanted, other=0)
+            b_nv = tl.load(p_next + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv & wanted, other=0)
         if skipped:
             b_h = tl.zeros([BK, BV], dtype=tl.float32)
             if not SKIP_WRITES:
                 tl.store(p_h + o_kv, b_h, mask=m_kv)
+        elif BR == BK:
+            if PREFETCH:
+                b_h = tl.dot(b_m_now, b_h, input_precision=DOT_PREC) + b_nv_now
+            else:
+                b_m_now = tl.load(p_mn + o_k[:, None] * (K + V) + o_k[None, :], mask=m_kk, other=0)
+                b_nv_now = tl.load(p_mn + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv, other=0)
+                b_h = tl.dot(b_m_now, b_h, input_precision=DOT_PREC) + b_nv_now
+            tl.store(p_h + o_kv, b_h, mask=m_kv)
         else:
             # h_in[s+1] = M_s h_in[s] + N_s, BR rows at a time (a whole [BK, BK] tile of M would not fit in registers
             # for K > 128); each row block reads M_s[rows, :] and N_s[rows, slice] and writes h_in[s+1][rows,
@@ -161,11 +192,11 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
             # (sm_90, K = 128)
             for i_r in tl.static_range(0, BK, BR):
                 m_r = (i_r + o_r) < K
-                b_m = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + o_k[None, :],
-                              mask=m_r[:, None] & (o_k[None, :] < K), other=0)
-                b_nv = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + K + o_v[None, :],
-                               mask=m_r[:, None] & (o_v[None, :] < V), other=0)
-                b_new = tl.dot(b_m, b_h, input_precision="tf32x3") + b_nv
+                b_m_r = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + o_k[None, :],
+                                mask=m_r[:, None] & (o_k[None, :] < K), other=0)
+                b_nv_r = tl.load(p_mn + (i_r + o_r)[:, None] * (K + V) + K + o_v[None, :],
+                                 mask=m_r[:, None] & (o_v[None, :] < V), other=0)
+                b_new = tl.dot(b_m_r, b_h, input_precision=DOT_PREC) + b_nv_r
                 tl.store(p_h + (i_r + o_r)[:, None] * V + o_v[None, :], b_new,
                          mask=m_r[:, None] & (o_v[None, :] < V))
             # the next segment reads back the whole state this program just wrote: a CTA barrier makes it visible
@@ -174,24 +205,37 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
         i_s += 1
 
 
+SCAN_PRECISIONS = ("tf32x3", "tf32")
+
+
 def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int, num_seqs: int,
                 segment_first: Optional[torch.Tensor] = None, nseg: int = 1, BV: int = 32,
-                skip: Optional[torch.Tensor] = None, skip_writes: bool = False) -> torch.Tensor:
+                skip: Optional[torch.Tensor] = None, skip_writes: bool = False, precision: str = "tf32x3",
+                whole_map: bool = False, num_warps: int = 4) -> torch.Tensor:
     """State entering every segment: h_in ``[NS, HV, K, V]`` fp32 from mn ``[NS, HV, K, K + V]`` (phase A) and
     initial_state ``[N, HV, K, V]`` or None, over ``num_seqs`` sequences whose segments are listed by
     segment_first ``[N + 1]`` (varlen) or are ``nseg`` consecutive ones each. ``skip`` ``[NS, HV]`` int32: where 2,
     the segment's map is zero and not read (the Hopper forward's warmed heads, ``hopper/forward.py``), and the
     next segment's h_in is zero, or with ``skip_writes`` left unwritten (its reader, the Hopper forward's lean warm
-    walk, starts such a segment from zero itself: ``forward.LEAN_SEGMENTS``)."""
+    walk, starts such a segment from zero itself: ``forward.LEAN_SEGMENTS``). ``precision``: the products' (tf32x3,
+    ≈ fp32; or tf32, one product, where the maps themselves carry bf16 operands' rounding, as the Hopper forward's
+    do). ``whole_map`` (K ≤ 128): each step's M_s as one tile, the state kept in registers between steps and the
+    next step's map loaded during this step's product (``num_warps`` then 8 keeps two maps in registers)."""
     NS, HV, K = mn.shape[:3]
     if skip is not None and (skip.shape != (NS, HV) or skip.dtype != torch.int32):
         raise ValueError(f"skip must be int32 [NS, HV] = {[NS, HV]}, got {skip.dtype} {list(skip.shape)}")
-    h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
+    if precision not in SCAN_PRECISIONS:
+        raise ValueError(f"precision must be one of {SCAN_PRECISIONS}, got {precision!r}")
     BK = block_size(K, 256)
+    if whole_map and BK > 128:
+        raise ValueError(f"whole_map holds M_s [K, K] in registers: K ≤ 128, got K = {K}")
+    h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
     launch(affine_scan_kernel, (cdiv(V, BV), num_seqs * HV),
-           mn, initial_state, h_in, segment_first, skip, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV, BR=min(BK, 32),
-           USE_INITIAL_STATE=initial_state is not None, IS_VARLEN=segment_first is not None,
-           HAS_SKIP=skip is not None, SKIP_WRITES=skip is not None and skip_writes, num_warps=4)
+           mn, initial_state, h_in, segment_first, skip, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV,
+           BR=BK if whole_map else min(BK, 32), USE_INITIAL_STATE=initial_state is not None,
+           IS_VARLEN=segment_first is not None, HAS_SKIP=skip is not None,
+           SKIP_WRITES=skip is not None and skip_writes, DOT_PREC=precision, PREFETCH=whole_map,
+           num_warps=num_warps)
     return h_in
 
 

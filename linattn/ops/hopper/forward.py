@@ -98,6 +98,25 @@ def hopper_launch(num_sequences: int, HV: int, V: int, sms: int) -> Optional[dic
 # H=16 (4 segments) 0.032 / 0.048 / 0.051, T=32768 (8) 0.069 / 0.105 / 0.112, T=32768 2/8 heads (16) 0.136 /
 # 0.216 / 0.232
 SCAN_BV = 16
+# Phase B's step as one [K, K] tile of M_s (K ≤ 128), at 8 warps: the state kept in registers from step to step (no
+# barrier and re-read) and the next step's M and N loaded during this step's product (``affine_scan(whole_map=True)``).
+# Why: at gates where heads keep their state the scan is a chain of S − 1 steps at ≈ 6.5 µs each (run 34: 113 µs of
+# B=1 T=32768 H=2 HV=8's 359 at mixed gates), each waiting on its map's 64 KB from L2 before four dependent row
+# blocks; session 28's prefetch by row blocks spilled at 238 registers. Compiled for sm_90 on the CPU (K = 128,
+# BV = 16): wgmma (HGMMA) instead of mma.sync, 254 registers at tf32x3 and 134 at tf32, no spill (the row blocks:
+# 238 and 152). Predicted ≈ 2 µs per step, row 7 at mixed gates −70 to −90 µs; not yet measured: off
+SCAN_WHOLE_MAP = False
+# Phase B's products: "tf32x3" (≈ fp32) or "tf32" (one product, a third of the tensor work and 134 registers). The
+# Hopper forward's maps come from phase A's walk, whose dots take the state as bf16 (2⁻⁹ per rounding), so tf32's
+# 2⁻¹¹ is below what the maps already carry; the output's error against float64 must show it (GPU test). Not yet
+# measured: tf32x3
+SCAN_PRECISION = "tf32x3"
+
+
+def scan_options(K: int) -> dict:
+    """:func:`seq_parallel.affine_scan`'s keywords under :data:`SCAN_WHOLE_MAP` and :data:`SCAN_PRECISION`."""
+    whole = SCAN_WHOLE_MAP and K <= 128
+    return dict(precision=SCAN_PRECISION, whole_map=whole, num_warps=8 if whole else 4)
 # The segmented forward (sequence parallelism, where the unsegmented kernel's programs do not fill the card):
 # segments of at least this many chunks
 MIN_SEGMENT_CHUNKS = 16
@@ -489,7 +508,7 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         # of its maps, which are zero: skip_m 2), or with lean unwritten after the first (phase C starts those from
         # zero)
         h_in = affine_scan(mn, initial_state.float().contiguous() if initial_state is not None else None, V, B,
-                           nseg=segments, BV=SCAN_BV, skip=skip_m, skip_writes=lean)
+                           nseg=segments, BV=SCAN_BV, skip=skip_m, skip_writes=lean, **scan_options(K))
         if overlap:
             chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm, lean=True,
                                 warm_subset=2, out=out, **launch)

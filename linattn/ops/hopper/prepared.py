@@ -55,7 +55,7 @@ SCRATCH_MAX_BYTES = 64 << 20       # 64 MiB: row 7's five launches hold ≈ 60 M
 # path does not read (the plan's, which shape the launch keywords instead, and constants)
 SWITCHES = {
     "forward": ("PREPASS", "A_INV_DTYPE", "SKIP_NEGLIGIBLE_MAPS", "WARM_UP", "WARM_UP_MAX_FRACTION",
-                "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV", "OVERLAP_WARM",
+                "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV", "SCAN_WHOLE_MAP", "SCAN_PRECISION", "OVERLAP_WARM",
                 "MAP_WAVE_FILL"),
     "prepass": ("BETA_IN_A_INV", "MIN_BLOCKS_PER_SM", "TMA_KEYS", "A_ROW_PAD", "T_ROW_PAD", "STEP4_BLOCKED",
                 "A_BEFORE_STORES", "STEP4_MMA", "T_HI_ROW_PAD", "STEP6_BETA"),
@@ -248,6 +248,7 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
                                          beta_dtype, bf16, async_dots, True, tma_o, stsm, beta_in_a, min_blocks,
                                          lean))
     overlap = lean and fwd.OVERLAP_WARM
+    scan = fwd.scan_options(K)               # phase B's keywords (its tile, its products)
     # phase C's warm walk, or under OVERLAP_WARM its two halves: the warmed segments', then the others'
     warm_exes = [chunk_fwd.launcher(warm_walk(True, beta_dtype, bf16, async_dots, stsm, beta_in_a, None, min_blocks,
                                               lean, subset)) for subset in ((1, 2) if overlap else (0,))]
@@ -271,7 +272,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         critical, join = fwd.critical_fork(device) if overlap else fwd.no_fork()
         with critical:
             affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
-            h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean)
+            h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean,
+                               **scan)
             if overlap:
                 warm_exes[1](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
                              flags.warm, o, ht)
