@@ -44,7 +44,7 @@ STEPS = [
                             "tests/ops/test_hopper_fwd.py", "-k", "not wide"], 320),
     # session 30's phase B switches (off until measured): the map as one tile with the next one prefetched, then
     # also at tf32; their GPU accuracy test, then the A/B at mixed and slow gates (rows 3 and 7: the scan is 46 and
-    # 113 µs there at mixed gates, 6.5 µs per step; predicted ≈ 2 µs per step, row 7 −70 to −90 µs)
+    # 113 µs there at mixed gates, 6.5 µs per step; predicted 2–3.5 µs per step, row 7 −55 to −80 µs)
     ("scan switches, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_scan.py"], 200),
     ("scan whole map, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--graph", "--mixed-gates",
                                      "--scan-whole-map-ab", *ROWS[:2]], 150),

@@ -104,7 +104,7 @@ SCAN_BV = 16
 # B=1 T=32768 H=2 HV=8's 359 at mixed gates), each waiting on its map's 64 KB from L2 before four dependent row
 # blocks; session 28's prefetch by row blocks spilled at 238 registers. Compiled for sm_90 on the CPU (K = 128,
 # BV = 16): wgmma (HGMMA) instead of mma.sync, 254 registers at tf32x3 and 134 at tf32, no spill (the row blocks:
-# 238 and 152). Predicted ≈ 2 µs per step, row 7 at mixed gates −70 to −90 µs; not yet measured: off
+# 238 and 152). Predicted 2–3.5 µs per step, row 7 at mixed gates −55 to −80 µs; not yet measured: off
 SCAN_WHOLE_MAP = False
 # Phase B's products: "tf32x3" (≈ fp32) or "tf32" (one product, a third of the tensor work and 134 registers). The
 # Hopper forward's maps come from phase A's walk, whose dots take the state as bf16 (2⁻⁹ per rounding), so tf32's
