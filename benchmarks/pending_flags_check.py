@@ -39,7 +39,10 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
 STEPS = [
     # session 29's pre-pass switches, on since run 36 (prepass_ab.py and op_time_check.py: −7 to −18% of the
     # pre-pass): the pre-pass's and the Hopper forward's GPU tests on the new defaults (run 36 reached 37 of 50 in
-    # 200 s, the 38th a stale count mended since)
+    # 200 s, the 38th a stale count mended since); and session 30's prepared plan and scan launches (BoundLaunch,
+    # the plan's flags kept as scratch): the prepared calls bitwise the plain forward
+    ("prepared calls, GPU tests", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_prepared.py",
+                                   "tests/ops/test_launch.py", "-k", "gpu or real_kernel or split_forward"], 200),
     ("pre-pass GPU tests", [PY, "-m", "pytest", "-q", "-m", "not interpreter", "tests/ops/test_hopper_prepass.py",
                             "tests/ops/test_hopper_fwd.py", "-k", "not wide"], 320),
     # session 30's phase B switches (off until measured): the map as one tile with the next one prefetched, then

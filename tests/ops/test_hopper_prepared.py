@@ -225,8 +225,8 @@ def scratch_args(launches: list, x) -> list:
 @pytest.mark.parametrize("case", ["unsegmented", "five_launch", "two_launch"])
 def test_kept_scratch_is_the_same_launches_with_the_same_tensors(recorder, monkeypatch, case, with_state):
     """With REUSE_SCRATCH, the prepared calls issue the plain forward's launches (equal traces), and a second
-    prepared call passes the first one's scratch tensors (the same objects) but new outputs: o, the final state,
-    and the plan's and the scan's tensors (made by those functions on every call) are new."""
+    prepared call passes the first one's scratch tensors (the same objects) but new outputs: o, the final state and
+    the scan's entering states are new (the plan's four flags are scratch since session 30)."""
     monkeypatch.setattr(prepared, "REUSE_SCRATCH", True)
     x = inputs(with_state)
     plain = traced_call(recorder, x, CASES[case])
@@ -234,8 +234,8 @@ def test_kept_scratch_is_the_same_launches_with_the_same_tensors(recorder, monke
     assert traced_call(recorder, x, CASES[case]) == plain
     kept = {id(a) for _, _, a in scratch_args(first, x)} & {id(a) for _, _, a in scratch_args(second, x)}
     # the pre-pass's four outputs and A_inv itself (the pre-pass writes it through a view), and the stand-ins: h0
-    # without a state, skip_m unsegmented, phase A's h0 and its maps
-    expected = 5 + (not with_state and case != "five_launch") + {"unsegmented": 1, "five_launch": 2}.get(case, 0)
+    # without a state, skip_m unsegmented, phase A's h0 and its maps, and the plan's four flags
+    expected = 5 + (not with_state and case != "five_launch") + {"unsegmented": 1, "five_launch": 6}.get(case, 0)
     assert len(kept) == expected, [(i, j) for i, j, a in scratch_args(second, x) if id(a) in kept]
     assert all(a is not b for a, b in zip(first[-1][-2:], second[-1][-2:]))        # the last launch's o and ht
 

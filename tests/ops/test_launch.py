@@ -81,6 +81,37 @@ def test_off_means_the_jit_launcher_every_time(monkeypatch):
     assert [c[0] for c in kernel.calls] == ["jit"] * 3
 
 
+def test_a_bound_launch_takes_the_runner_without_the_key(fast, monkeypatch):
+    """BoundLaunch: the first call through launch() (the JIT path), then the compiled runner straight, its grid and
+    constexprs fixed, without launch()'s signature and key (a prepared call's arguments keep their kinds)."""
+    kernel, x = FakeJit(), torch.zeros(8)
+    bound = launch_mod.BoundLaunch(kernel, (3,), 8, BLOCK=16, FLAG=True)
+    bound(x, 5, None)
+    monkeypatch.setattr(launch_mod, "_signature", None)                # not consulted any more
+    bound(x, 6, None)
+    assert [c[0] for c in kernel.calls] == ["jit", "runner"]
+    assert kernel.calls[0][3] == dict(BLOCK=16, FLAG=True, num_warps=8)
+    assert kernel.calls[1][1:] == ((3, 1, 1), (x, 6, None, 16, True))
+
+
+def test_a_bound_launch_keeps_the_jit_path_where_launch_would(fast, monkeypatch):
+    """A misaligned tensor, or a first launch launch() would not cache (a 64-bit integer), goes through launch();
+    with FAST_LAUNCH off every call is a JIT one."""
+    kernel, x = FakeJit(), torch.zeros(16)
+    wide = launch_mod.BoundLaunch(kernel, (1,), BLOCK=16, FLAG=True)
+    wide(x, 2 ** 31, None)
+    wide(x, 2 ** 31, None)
+    assert [c[0] for c in kernel.calls] == ["jit", "jit"]
+    bound = launch_mod.BoundLaunch(kernel, (1,), BLOCK=16, FLAG=False)
+    bound(x, 5, None)
+    bound(x[1:], 5, None)                     # not 16-byte aligned: the JIT path again
+    bound(x, 5, None)
+    assert [c[0] for c in kernel.calls[2:]] == ["jit", "jit", "runner"]
+    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
+    bound(x, 5, None)
+    assert kernel.calls[-1][0] == "jit"
+
+
 @triton.jit(do_not_specialize=["n"])
 def _add_one_kernel(x, n, BLOCK: tl.constexpr):
     o = tl.arange(0, BLOCK)

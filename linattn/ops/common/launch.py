@@ -19,7 +19,7 @@ slower: host time moves ±30 µs between runs of one process); predicted ≈ 50 
 """
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -48,22 +48,50 @@ def _signature(kernel, args: tuple) -> tuple[tuple, bool]:
     return tuple(kinds), same
 
 
-def launch(kernel, grid: tuple, *args, num_warps: int = 4, **constexprs) -> None:
+def launch(kernel, grid: tuple, *args, num_warps: int = 4, **constexprs) -> Optional[tuple]:
     """``kernel[grid](*args, num_warps=num_warps, **constexprs)``; with :data:`FAST_LAUNCH`, after the first launch
     under the same key, through the compiled kernel's runner (the module's docstring). ``args``: the kernel's
-    leading non-constexpr parameters, positionally; ``constexprs``: every later parameter, by name."""
+    leading non-constexpr parameters, positionally; ``constexprs``: every later parameter, by name. Returns the
+    key's (compiled kernel, constexprs in the kernel's order) once there is one, else None."""
     if not FAST_LAUNCH:
         kernel[grid](*args, num_warps=num_warps, **constexprs)
-        return
+        return None
     kinds, same = _signature(kernel, args)
     key = (kernel, kinds, num_warps, tuple(constexprs.items()))
     entry = _compiled.get(key)
     if entry is not None and same:
         compiled, tail = entry      # the constexprs in the kernel's order: part of the key, so fixed per entry
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)
-        return
+        return entry
     result = kernel[grid](*args, num_warps=num_warps, **constexprs)
     # the JIT path returns the CompiledKernel it launched (None under the interpreter); only an aligned,
     # unspecialised launch may stand for the later ones
     if result is not None and hasattr(result, "__getitem__") and same:
-        _compiled[key] = (result, tuple(constexprs[name] for name in kernel.arg_names[len(args):]))
+        _compiled[key] = entry = (result, tuple(constexprs[name] for name in kernel.arg_names[len(args):]))
+        return entry
+    return None
+
+
+class BoundLaunch:
+    """:func:`launch` of one kernel on one grid with fixed constexprs, for a call site whose arguments keep what
+    Triton specialises on from call to call (each tensor's dtype and device, which arguments are None, each
+    integer's value class): a prepared call, whose signature fixes them. Its calls take :func:`launch` until that
+    returns the compiled kernel, then its runner straight, with only the tensors' 16-byte alignment checked (a
+    misaligned one takes :func:`launch` again: Triton would specialise on it). Run 31 put ≈ 26 µs of host time on
+    each Triton launch on the H200's host, of which :func:`_signature` and the key are ≈ 5–7 µs (CPU profile,
+    ``benchmarks/host_hopper.py``)."""
+
+    def __init__(self, kernel, grid: tuple, num_warps: int = 4, **constexprs):
+        self.kernel, self.grid, self.num_warps, self.constexprs = kernel, tuple(grid), num_warps, constexprs
+        self.runner: Optional[Callable] = None
+        self.tail: tuple = ()
+
+    def __call__(self, *args) -> None:
+        if self.runner is not None and FAST_LAUNCH and all(
+                a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)):
+            self.runner(*args, *self.tail)
+            return
+        entry = launch(self.kernel, self.grid, *args, num_warps=self.num_warps, **self.constexprs)
+        if entry is not None:
+            compiled, self.tail = entry
+            self.runner = compiled[self.grid + (1,) * (3 - len(self.grid))]

@@ -23,7 +23,7 @@ chosen by :func:`plan_segments` (the model is in :func:`_plan_segments`' docstri
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -33,7 +33,7 @@ from ..gated_delta import torch_chunk as tc
 from ..utils import cdiv
 from . import CHUNK, block_size
 from .fused_fwd import fused_fwd, fused_fwd_config, launch_walk, num_sms
-from .launch import launch
+from .launch import BoundLaunch, launch
 
 OCCUPANCY = 2             # programs of the walk one SM holds at once: 255 registers × 128 threads each (ptxas,
                           # sm_90, K = 128, every BV), so the 64K-register file takes two
@@ -224,19 +224,44 @@ def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int,
     NS, HV, K = mn.shape[:3]
     if skip is not None and (skip.shape != (NS, HV) or skip.dtype != torch.int32):
         raise ValueError(f"skip must be int32 [NS, HV] = {[NS, HV]}, got {skip.dtype} {list(skip.shape)}")
+    grid, constexprs = _scan_launch(HV, K, V, num_seqs, BV, initial_state is not None, segment_first is not None,
+                                    skip is not None, skip_writes, precision, whole_map, num_warps)
+    h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
+    launch(affine_scan_kernel, grid, mn, initial_state, h_in, segment_first, skip, nseg, **constexprs)
+    return h_in
+
+
+def _scan_launch(HV: int, K: int, V: int, num_seqs: int, BV: int, has_state: bool, varlen: bool, has_skip: bool,
+                 skip_writes: bool, precision: str, whole_map: bool, num_warps: int) -> tuple[tuple, dict]:
+    """affine_scan_kernel's grid and constexprs (num_warps among them); the options checked."""
     if precision not in SCAN_PRECISIONS:
         raise ValueError(f"precision must be one of {SCAN_PRECISIONS}, got {precision!r}")
     BK = block_size(K, 256)
     if whole_map and BK > 128:
         raise ValueError(f"whole_map holds M_s [K, K] in registers: K ≤ 128, got K = {K}")
-    h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
-    launch(affine_scan_kernel, (cdiv(V, BV), num_seqs * HV),
-           mn, initial_state, h_in, segment_first, skip, nseg, HV=HV, K=K, V=V, BK=BK, BV=BV,
-           BR=BK if whole_map else min(BK, 32), USE_INITIAL_STATE=initial_state is not None,
-           IS_VARLEN=segment_first is not None, HAS_SKIP=skip is not None,
-           SKIP_WRITES=skip is not None and skip_writes, DOT_PREC=precision, PREFETCH=whole_map,
-           num_warps=num_warps)
-    return h_in
+    return (cdiv(V, BV), num_seqs * HV), dict(
+        HV=HV, K=K, V=V, BK=BK, BV=BV, BR=BK if whole_map else min(BK, 32), USE_INITIAL_STATE=has_state,
+        IS_VARLEN=varlen, HAS_SKIP=has_skip, SKIP_WRITES=has_skip and skip_writes, DOT_PREC=precision,
+        PREFETCH=whole_map, num_warps=num_warps)
+
+
+def affine_scan_launcher(NS: int, HV: int, K: int, V: int, num_seqs: int, nseg: int, BV: int, has_state: bool,
+                         skip_writes: bool = False, precision: str = "tf32x3", whole_map: bool = False,
+                         num_warps: int = 4) -> Callable:
+    """:func:`affine_scan` for a prepared call (``hopper/prepared.py``: equal segments, a skip flag always): its
+    checks and launch configuration once; then ``scan(mn, initial_state, skip)`` → h_in ``[NS, HV, K, V]`` fp32, on
+    contiguous tensors of the shapes given (``initial_state`` None exactly when not ``has_state``), launched
+    through ``common.launch.BoundLaunch`` (the same kernel and arguments, none of the per-call checks)."""
+    grid, constexprs = _scan_launch(HV, K, V, num_seqs, BV, has_state, False, True, skip_writes, precision,
+                                    whole_map, num_warps)
+    warps = constexprs.pop("num_warps")
+    run = BoundLaunch(affine_scan_kernel, grid, warps, **constexprs)
+
+    def scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], skip: torch.Tensor) -> torch.Tensor:
+        h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
+        run(mn, initial_state, h_in, None, skip, nseg)
+        return h_in
+    return scan
 
 
 # ----------------------------------------------------------------------------------------------------------------

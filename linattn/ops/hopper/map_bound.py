@@ -25,13 +25,13 @@ chain is one segment's LC / BLOCK steps whatever S: 8.3, 5.4 and 21.0 µs there 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..common.launch import launch
+from ..common.launch import BoundLaunch, launch
 from ..utils import cdiv
 
 BT = 64
@@ -210,24 +210,51 @@ def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: floa
     :data:`SCAN_STEP_COST`, :data:`WALK_CHUNK_COST`) say the shorter phase C pays for phase A's waves and the
     scan: typically where some head walks its maps anyway and phase A's wave has room. One launch; no host sync."""
     BS, HV, LC = bound.shape
-    S = segments
+    grid, scalars, constexprs = _plan_launch(BS, HV, LC, segments, w_max, threshold, skip_maps, warm_up, map_slots)
+    negligible, warm, walk, skip_m = plan_outputs(BS, HV, bound.device)
+    launch(segment_plan_kernel, grid, bound.contiguous(), negligible, warm, walk, skip_m, *scalars, **constexprs)
+    # int8 → bool is a view (same size), not a kernel
+    return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
+
+
+def plan_outputs(BS: int, HV: int, device) -> tuple:
+    """segment_plan_kernel's four flag tensors ``[BS, HV]``: negligible int8, warm int32, walk int8, skip_m int32."""
+    return (torch.empty(BS, HV, dtype=torch.int8, device=device), torch.empty(BS, HV, dtype=torch.int32, device=device),
+            torch.empty(BS, HV, dtype=torch.int8, device=device), torch.empty(BS, HV, dtype=torch.int32, device=device))
+
+
+def _plan_launch(BS: int, HV: int, LC: int, S: int, w_max: int, threshold: float, skip_maps: bool, warm_up: bool,
+                 map_slots: int) -> tuple[tuple, tuple, dict]:
+    """segment_plan_kernel's grid, its arguments after the five tensors and its constexprs (num_warps among them),
+    for chunk sums [BS, HV, LC] of S segments; the arguments checked."""
     if S < 1 or BS % S or not 1 <= w_max <= LC:
         raise ValueError(f"{S} segments of {LC} chunks ({BS} rows) with warm-ups of at most {w_max}: need S | B·S "
                          f"and 1 ≤ w_max ≤ LC")
     if map_slots < 0:
         raise ValueError(f"map_slots must be >= 0 (0: no wave-fill rule), got {map_slots}")
-    negligible = torch.empty(BS, HV, dtype=torch.int8, device=bound.device)
-    walk = torch.empty_like(negligible)
-    warm = torch.empty(BS, HV, dtype=torch.int32, device=bound.device)
-    skip_m = torch.empty_like(warm)
     HB, SB = triton.next_power_of_2(HV), triton.next_power_of_2(S)
-    launch(segment_plan_kernel, (BS // S,), bound.contiguous(), negligible, warm, walk, skip_m, S, LC, w_max,
-           float(threshold), map_slots, HV=HV, SB=SB, HB=HB,
-           BLOCK=max(1, min(BLOCK, TILE // (SB * HB))),
-           SKIP_MAPS=int(skip_maps), WARM_UP=bool(warm_up), MAP_CHUNK_COST=MAP_CHUNK_COST,
-           SCAN_STEP_COST=SCAN_STEP_COST, WALK_CHUNK_COST=WALK_CHUNK_COST, num_warps=PLAN_WARPS)
-    # int8 → bool is a view (same size), not a kernel
-    return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
+    constexprs = dict(HV=HV, SB=SB, HB=HB, BLOCK=max(1, min(BLOCK, TILE // (SB * HB))), SKIP_MAPS=int(skip_maps),
+                      WARM_UP=bool(warm_up), MAP_CHUNK_COST=MAP_CHUNK_COST, SCAN_STEP_COST=SCAN_STEP_COST,
+                      WALK_CHUNK_COST=WALK_CHUNK_COST, num_warps=PLAN_WARPS)
+    return (BS // S,), (S, LC, w_max, float(threshold), map_slots), constexprs
+
+
+def segment_plan_launcher(BS: int, HV: int, LC: int, segments: int, w_max: int, threshold: float,
+                          skip_maps: bool = False, warm_up: bool = False, map_slots: int = 0
+                          ) -> Callable[[torch.Tensor, tuple], SegmentPlan]:
+    """:func:`segment_plan` for a prepared call (``hopper/prepared.py``): its checks and launch configuration once;
+    then ``plan(bound, out)`` on contiguous chunk sums ``[BS, HV, LC]`` fp32 into ``out``, the four flag tensors
+    (``[BS, HV]`` int8, int32, int8, int32: negligible, warm, walk, skip_m) held by the caller, launches through
+    ``common.launch.BoundLaunch`` (the same kernel and arguments, none of the per-call checks)."""
+    grid, scalars, constexprs = _plan_launch(BS, HV, LC, segments, w_max, threshold, skip_maps, warm_up, map_slots)
+    num_warps = constexprs.pop("num_warps")
+    run = BoundLaunch(segment_plan_kernel, grid, num_warps, **constexprs)
+
+    def plan(bound: torch.Tensor, out: tuple) -> SegmentPlan:
+        negligible, warm, walk, skip_m = out
+        run(bound, negligible, warm, walk, skip_m, *scalars)
+        return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
+    return plan
 
 
 def warm_from_bound_ref(bound: torch.Tensor, segments: int, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..common.seq_parallel import affine_scan
+from ..common.seq_parallel import affine_scan, affine_scan_launcher
 from . import chunk_fwd, map_bound, prepass, walk_launch
 from . import forward as fwd
 
@@ -248,12 +248,17 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
                                          beta_dtype, bf16, async_dots, True, tma_o, stsm, beta_in_a, min_blocks,
                                          lean))
     overlap = lean and fwd.OVERLAP_WARM
-    scan = fwd.scan_options(K)               # phase B's keywords (its tile, its products)
     # phase C's warm walk, or under OVERLAP_WARM its two halves: the warmed segments', then the others'
     warm_exes = [chunk_fwd.launcher(warm_walk(True, beta_dtype, bf16, async_dots, stsm, beta_in_a, None, min_blocks,
                                               lean, subset)) for subset in ((1, 2) if overlap else (0,))]
-    # phase A's maps [M | N] and its h0 stand-in (the affine walk starts from [I | 0] and reads none)
-    held_by = scratch_of((((BS, HV, K, K + V), f32), ((BS, HV, K, V), f32)))
+    # phase A's maps [M | N] and its h0 stand-in (the affine walk starts from [I | 0] and reads none), then the
+    # plan's flags (map_bound.plan_outputs': negligible, warm, walk, skip_m)
+    i8 = torch.int8
+    held_by = scratch_of((((BS, HV, K, K + V), f32), ((BS, HV, K, V), f32), ((BS, HV), i8), ((BS, HV), i32),
+                          ((BS, HV), i8), ((BS, HV), i32)))
+    # the plan's and the scan's launches configured once (map_bound.segment_plan, seq_parallel.affine_scan)
+    plan = map_bound.segment_plan_launcher(BS, HV, LC, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True, slots)
+    scan = affine_scan_launcher(BS, HV, K, V, B, S, fwd.SCAN_BV, has_state, lean, **fwd.scan_options(K))
 
     def five_launches(q, k, v, g, beta, initial_state):
         """forward_hopper segmented with warm-ups: the pre-pass, the plan (map_bound.segment_plan), phase A
@@ -262,9 +267,9 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         device = q.device
         held = held_by(five_launches, device)
         run_prepass(k, g, beta, held)
-        flags = map_bound.segment_plan(held.bound, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True, slots)
+        flags = plan(held.bound, held.extra[2:])
         qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
-        mn, h0_stand_in = held.extra
+        mn, h0_stand_in = held.extra[:2]
         initial = initial_state.float().contiguous() if initial_state is not None else None
         o = torch.empty_like(v)
         ht = torch.empty(B if lean else BS, HV, K, V, dtype=f32, device=device)
@@ -272,8 +277,7 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         critical, join = fwd.critical_fork(device) if overlap else fwd.no_fork()
         with critical:
             affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
-            h_in = affine_scan(mn, initial, V, B, nseg=S, BV=fwd.SCAN_BV, skip=flags.skip_m, skip_writes=lean,
-                               **scan)
+            h_in = scan(mn, initial, flags.skip_m)
             if overlap:
                 warm_exes[1](q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
                              flags.warm, o, ht)
