@@ -95,16 +95,17 @@ def test_a_bound_launch_takes_the_runner_without_the_key(fast, monkeypatch):
 
 
 def test_a_bound_launch_keeps_the_jit_path_where_launch_would(fast, monkeypatch):
-    """A misaligned tensor, or a first launch launch() would not cache (a 64-bit integer), goes through launch();
-    with FAST_LAUNCH off every call is a JIT one."""
+    """A misaligned tensor among the foreign ones (the caller's own are aligned by construction), or a first launch
+    launch() would not cache (a 64-bit integer), goes through launch(); with FAST_LAUNCH off every call is a JIT
+    one."""
     kernel, x = FakeJit(), torch.zeros(16)
     wide = launch_mod.BoundLaunch(kernel, (1,), BLOCK=16, FLAG=True)
     wide(x, 2 ** 31, None)
     wide(x, 2 ** 31, None)
     assert [c[0] for c in kernel.calls] == ["jit", "jit"]
-    bound = launch_mod.BoundLaunch(kernel, (1,), BLOCK=16, FLAG=False)
+    bound = launch_mod.BoundLaunch(kernel, (1,), foreign=(0,), BLOCK=16, FLAG=False)
     bound(x, 5, None)
-    bound(x[1:], 5, None)                     # not 16-byte aligned: the JIT path again
+    bound(x[1:], 5, None)                     # a foreign tensor not 16-byte aligned: the JIT path again
     bound(x, 5, None)
     assert [c[0] for c in kernel.calls[2:]] == ["jit", "jit", "runner"]
     monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)

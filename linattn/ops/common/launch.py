@@ -76,19 +76,21 @@ class BoundLaunch:
     """:func:`launch` of one kernel on one grid with fixed constexprs, for a call site whose arguments keep what
     Triton specialises on from call to call (each tensor's dtype and device, which arguments are None, each
     integer's value class): a prepared call, whose signature fixes them. Its calls take :func:`launch` until that
-    returns the compiled kernel, then its runner straight, with only the tensors' 16-byte alignment checked (a
-    misaligned one takes :func:`launch` again: Triton would specialise on it). Run 31 put ≈ 26 µs of host time on
+    returns the compiled kernel, then its runner straight, with only the alignment of the tensors at positions
+    ``foreign`` checked (the caller's own allocations come 16-byte aligned from the caching allocator; a misaligned
+    foreign tensor takes :func:`launch` again: Triton would specialise on it). Run 31 put ≈ 26 µs of host time on
     each Triton launch on the H200's host, of which :func:`_signature` and the key are ≈ 5–7 µs (CPU profile,
     ``benchmarks/host_hopper.py``)."""
 
-    def __init__(self, kernel, grid: tuple, num_warps: int = 4, **constexprs):
+    def __init__(self, kernel, grid: tuple, num_warps: int = 4, foreign: tuple = (), **constexprs):
         self.kernel, self.grid, self.num_warps, self.constexprs = kernel, tuple(grid), num_warps, constexprs
+        self.foreign = foreign
         self.runner: Optional[Callable] = None
         self.tail: tuple = ()
 
     def __call__(self, *args) -> None:
         if self.runner is not None and FAST_LAUNCH and all(
-                a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)):
+                args[i] is None or args[i].data_ptr() % 16 == 0 for i in self.foreign):
             self.runner(*args, *self.tail)
             return
         entry = launch(self.kernel, self.grid, *args, num_warps=self.num_warps, **self.constexprs)

@@ -255,7 +255,7 @@ def affine_scan_launcher(NS: int, HV: int, K: int, V: int, num_seqs: int, nseg: 
     grid, constexprs = _scan_launch(HV, K, V, num_seqs, BV, has_state, False, True, skip_writes, precision,
                                     whole_map, num_warps)
     warps = constexprs.pop("num_warps")
-    run = BoundLaunch(affine_scan_kernel, grid, warps, **constexprs)
+    run = BoundLaunch(affine_scan_kernel, grid, warps, foreign=(1,), **constexprs)     # the caller's initial state
 
     def scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], skip: torch.Tensor) -> torch.Tensor:
         h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
