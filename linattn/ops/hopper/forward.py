@@ -117,6 +117,8 @@ def scan_options(K: int) -> dict:
     """:func:`seq_parallel.affine_scan`'s keywords under :data:`SCAN_WHOLE_MAP` and :data:`SCAN_PRECISION`."""
     whole = SCAN_WHOLE_MAP and K <= 128
     return dict(precision=SCAN_PRECISION, whole_map=whole, num_warps=8 if whole else 4)
+
+
 # The segmented forward (sequence parallelism, where the unsegmented kernel's programs do not fill the card):
 # segments of at least this many chunks
 MIN_SEGMENT_CHUNKS = 16
