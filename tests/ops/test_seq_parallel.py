@@ -182,6 +182,7 @@ SCAN_CASES = [
     ("equal_N2_nseg3_K60_V100_h0", 60, 100, 2, None, True),
     ("varlen_1_1_3_K160_V48", 160, 48, 3, [0, 1, 2, 5], False),
     ("varlen_1_4_K32_V32_h0", 32, 32, 2, [0, 1, 5], True),
+    ("equal_N1_nseg3_K128_V128_h0", 128, 128, 1, None, True),      # the Hopper forward's whole map: [128, 128]
 ]
 
 
