@@ -26,7 +26,7 @@ NOT_READ = {
                 "TWO_PER_SM_LAUNCH", "WIDE_SEGMENTS"},
     "prepass": {"BT", "D", "LOG2E"},
     "chunk_fwd": {"BT", "COMPILE_FAILED", "WARM_SUBSETS"},
-    "map_bound": {"BT", "LOG2E"},
+    "map_bound": {"BT", "LOG2E", "PLAN_FLAG_DTYPES"},
 }
 B, T, H, HV, D = 1, 1024, 2, 4, 64
 LAUNCH = dict(BV=64, threads=256, num_stages=2, async_dots=True, tma_o=True, stsm=True)

@@ -116,6 +116,15 @@ def segment_tables(offsets: list[int], L: int, chunk_size: int, device) -> tuple
 # ----------------------------------------------------------------------------------------------------------------
 # phase B: the scan over segments
 # ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _map_tiles(p_mn, o_k, o_v, m_kk, m_kv, K: tl.constexpr, V: tl.constexpr):
+    """M_s ``[BK, BK]`` and N_s's V slice ``[BK, BV]`` of the map at ``p_mn`` (a row of mn ``[.., K, K + V]``),
+    zeros where the masks are false (a masked load reads nothing)."""
+    b_m = tl.load(p_mn + o_k[:, None] * (K + V) + o_k[None, :], mask=m_kk, other=0)
+    b_nv = tl.load(p_mn + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv, other=0)
+    return b_m, b_nv
+
+
 @triton.jit(do_not_specialize=["NSEG"])
 def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
@@ -153,9 +162,8 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
         wanted = i_s0 < i_s1 - 1
         if HAS_SKIP:
             wanted = wanted & (tl.load(skip + i_s0 * HV + i_hv, mask=wanted, other=2) != 2)
-        p_mn = mn + (i_s0 * HV + i_hv).to(tl.int64) * K * (K + V)
-        b_m = tl.load(p_mn + o_k[:, None] * (K + V) + o_k[None, :], mask=m_kk & wanted, other=0)
-        b_nv = tl.load(p_mn + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv & wanted, other=0)
+        b_m, b_nv = _map_tiles(mn + (i_s0 * HV + i_hv).to(tl.int64) * K * (K + V), o_k, o_v, m_kk & wanted,
+                               m_kv & wanted, K, V)
 
     i_s = i_s0
     while i_s < i_s1 - 1:
@@ -170,20 +178,15 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
             wanted = i_s + 1 < i_s1 - 1
             if HAS_SKIP:
                 wanted = wanted & (tl.load(skip + (i_s + 1) * HV + i_hv, mask=wanted, other=2) != 2)
-            p_next = p_mn + HV * K * (K + V)
-            b_m = tl.load(p_next + o_k[:, None] * (K + V) + o_k[None, :], mask=m_kk & wanted, other=0)
-            b_nv = tl.load(p_next + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv & wanted, other=0)
+            b_m, b_nv = _map_tiles(p_mn + HV * K * (K + V), o_k, o_v, m_kk & wanted, m_kv & wanted, K, V)
         if skipped:
             b_h = tl.zeros([BK, BV], dtype=tl.float32)
             if not SKIP_WRITES:
                 tl.store(p_h + o_kv, b_h, mask=m_kv)
         elif BR == BK:
-            if PREFETCH:
-                b_h = tl.dot(b_m_now, b_h, input_precision=DOT_PREC) + b_nv_now
-            else:
-                b_m_now = tl.load(p_mn + o_k[:, None] * (K + V) + o_k[None, :], mask=m_kk, other=0)
-                b_nv_now = tl.load(p_mn + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv, other=0)
-                b_h = tl.dot(b_m_now, b_h, input_precision=DOT_PREC) + b_nv_now
+            if not PREFETCH:
+                b_m_now, b_nv_now = _map_tiles(p_mn, o_k, o_v, m_kk, m_kv, K, V)
+            b_h = tl.dot(b_m_now, b_h, input_precision=DOT_PREC) + b_nv_now
             tl.store(p_h + o_kv, b_h, mask=m_kv)
         else:
             # h_in[s+1] = M_s h_in[s] + N_s, BR rows at a time (a whole [BK, BK] tile of M would not fit in registers

@@ -217,10 +217,13 @@ def segment_plan(bound: torch.Tensor, segments: int, w_max: int, threshold: floa
     return SegmentPlan(negligible.view(torch.bool), warm, walk.view(torch.bool), skip_m)
 
 
+# segment_plan_kernel's four flag tensors, each [BS, HV]: negligible, warm, walk, skip_m
+PLAN_FLAG_DTYPES = (torch.int8, torch.int32, torch.int8, torch.int32)
+
+
 def plan_outputs(BS: int, HV: int, device) -> tuple:
-    """segment_plan_kernel's four flag tensors ``[BS, HV]``: negligible int8, warm int32, walk int8, skip_m int32."""
-    return (torch.empty(BS, HV, dtype=torch.int8, device=device), torch.empty(BS, HV, dtype=torch.int32, device=device),
-            torch.empty(BS, HV, dtype=torch.int8, device=device), torch.empty(BS, HV, dtype=torch.int32, device=device))
+    """segment_plan_kernel's four flag tensors ``[BS, HV]`` (:data:`PLAN_FLAG_DTYPES`)."""
+    return tuple(torch.empty(BS, HV, dtype=dtype, device=device) for dtype in PLAN_FLAG_DTYPES)
 
 
 def _plan_launch(BS: int, HV: int, LC: int, S: int, w_max: int, threshold: float, skip_maps: bool, warm_up: bool,
@@ -244,7 +247,7 @@ def segment_plan_launcher(BS: int, HV: int, LC: int, segments: int, w_max: int, 
                           ) -> Callable[[torch.Tensor, tuple], SegmentPlan]:
     """:func:`segment_plan` for a prepared call (``hopper/prepared.py``): its checks and launch configuration once;
     then ``plan(bound, out)`` on contiguous chunk sums ``[BS, HV, LC]`` fp32 into ``out``, the four flag tensors
-    (``[BS, HV]`` int8, int32, int8, int32: negligible, warm, walk, skip_m) held by the caller, launches through
+    (``[BS, HV]``, :data:`PLAN_FLAG_DTYPES`: negligible, warm, walk, skip_m) held by the caller, launches through
     ``common.launch.BoundLaunch`` (the same kernel and arguments, none of the per-call checks)."""
     grid, scalars, constexprs = _plan_launch(BS, HV, LC, segments, w_max, threshold, skip_maps, warm_up, map_slots)
     num_warps = constexprs.pop("num_warps")

@@ -253,9 +253,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
                                               lean, subset)) for subset in ((1, 2) if overlap else (0,))]
     # phase A's maps [M | N] and its h0 stand-in (the affine walk starts from [I | 0] and reads none), then the
     # plan's flags (map_bound.plan_outputs': negligible, warm, walk, skip_m)
-    i8 = torch.int8
-    held_by = scratch_of((((BS, HV, K, K + V), f32), ((BS, HV, K, V), f32), ((BS, HV), i8), ((BS, HV), i32),
-                          ((BS, HV), i8), ((BS, HV), i32)))
+    held_by = scratch_of((((BS, HV, K, K + V), f32), ((BS, HV, K, V), f32))
+                         + tuple(((BS, HV), dtype) for dtype in map_bound.PLAN_FLAG_DTYPES))
     # the plan's and the scan's launches configured once (map_bound.segment_plan, seq_parallel.affine_scan)
     plan = map_bound.segment_plan_launcher(BS, HV, LC, S, w_max, fwd.NEGLIGIBLE_M_LOG2, skip, True, slots)
     scan = affine_scan_launcher(BS, HV, K, V, B, S, fwd.SCAN_BV, has_state, lean, **fwd.scan_options(K))
