@@ -37,7 +37,9 @@ as one tile, the next one prefetched: not bitwise equal, the same products summe
 ``--scan-tf32-ab``: ``hopper.forward.SCAN_PRECISION`` tf32x3, then tf32 (with ``--scan-whole-map-ab``: the row
 blocks at tf32x3 against the whole map at tf32); ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
-narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰); ``--slow-gates``:
+narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰);
+``--split-heads-ab``: ``hopper.forward.SPLIT_HEADS`` off, then on (there each head's route between those two,
+decided on the device); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
 decay rates as a Mamba-style initialisation draws them (some heads forget, some not); each says whether
 o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
@@ -90,6 +92,7 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
             "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
+            "--split-heads-ab": (hopper_forward, "SPLIT_HEADS"),
             "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES"),
             "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM"),
             "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL"),
@@ -155,7 +158,8 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
                 uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
                 prepared=prepared.PREPARED, kept_scratch=prepared.REUSE_SCRATCH, routes=prepared_route.ROUTES,
-                wide_segments=hopper_forward.WIDE_SEGMENTS, slow_gates=SLOW_GATES, mixed_gates=MIXED_GATES,
+                wide_segments=hopper_forward.WIDE_SEGMENTS,
+                split_heads=hopper_forward.SPLIT_HEADS, slow_gates=SLOW_GATES, mixed_gates=MIXED_GATES,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 

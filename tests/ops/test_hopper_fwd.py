@@ -291,6 +291,80 @@ def test_wide_segments_through_the_op_on_the_gpu(monkeypatch, gates):
     assert hopper_fwd.plan(2, 32, 128, 4096, sms, False).get("segments") == 2      # as monkeypatched: on
 
 
+def test_plan_with_split_heads_routes_each_head_where_only_the_narrow_tile_fills(monkeypatch):
+    """SPLIT_HEADS: where WIDE_SEGMENTS would cut into two segments, the plan names the split walks instead (each
+    head's route decided on the device); where T has no two equal segments of whole chunks, or where WIDE_SEGMENTS
+    would not cut, the plan is as without it."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.forward import LAUNCH, plan
+    shapes = [(2, 32, 128, 16384), (8, 16, 128, 4096), (1, 16, 128, 32768), (2, 32, 64, 16384), (2, 32, 128, 1000),
+              (1, 32, 128, 4096), (2, 32, 128, 4096)]
+    without = {shape: plan(*shape, 132, False) for shape in shapes}
+    monkeypatch.setattr(hopper_fwd, "SPLIT_HEADS", True)
+    for forced in (False, True):
+        assert plan(2, 32, 128, 16384, 132, forced) == dict(LAUNCH, segments=2, split_heads=True)
+    assert plan(2, 32, 128, 4096, 132, False) == dict(LAUNCH, segments=2, split_heads=True)     # 2¹⁸ rows
+    for shape in shapes[1:6]:
+        assert plan(*shape, 132, False) == without[shape], shape
+    # 65 chunks (2¹⁸ rows and more): no two equal segments, so the narrow tile unsegmented, as without the switch
+    assert plan(2, 32, 128, 4160, 132, False) == dict(LAUNCH, BV=64)
+
+
+def test_split_heads_cold_test_bounds_every_warm_heads_warm_up():
+    """map_bound.cold_heads_ref (the route both split walks compute): a head it does not call cold finds every
+    segment's warm-up within the cap (warm_from_bound_ref's w ≤ ⌊LC · cap⌋), and the heads whose windows sum at or
+    above the threshold are cold; at bounds that never fall (no forgetting) every head is cold."""
+    from linattn.ops.hopper.map_bound import cold_heads_ref, warm_from_bound_ref
+    gen = torch.Generator().manual_seed(4)
+    B, S, HV, LC, cap = 2, 4, 6, 16, 0.375
+    bound = -torch.rand(B * S, HV, LC, generator=gen) * torch.tensor([0.5, 2, 4, 8, 16, 64])[:, None] + 0.3
+    cold = cold_heads_ref(bound, S, cap, -30.0)
+    w, _ = warm_from_bound_ref(bound, S, -30.0)
+    w = w.view(B, S, HV)[:, 1:]
+    assert cold.any() and (~cold).any(), cold
+    assert (w.amax(dim=1)[~cold] <= LC * 24 // 64).all()
+    assert cold[:, 0].all() and not cold[:, -1].any()           # 6 chunks of ≈ −0.25 each against ≈ −32 each
+    assert cold_heads_ref(bound.abs(), S, cap, -30.0).all()
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("gates", ["drawn", "slow", "mixed"])
+def test_split_heads_on_the_gpu(monkeypatch, gates):
+    """forward_hopper(split_heads=True) at B=2 T=4096 H=HV=32 K=V=128 in bf16: within the bf16 bound of the float64
+    recurrence and as accurate as the unsegmented kernel at BV=64 (within 15%); each head's o is the walk its
+    route names (map_bound.cold_heads_ref on the pre-pass's bounds): a warm head's bitwise the planned warm walk's
+    at two segments and BV=128, a cold head's the unsegmented walk's at BV=64 (another kernel: to 1e-3). Drawn gates:
+    every head warm; slow (/ 65536): every head cold; mixed: the odd heads slow, so both launches write into one o."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper.map_bound import cold_heads_ref
+    x = gpu_inputs(2, 4096, 32, 32, 128, 128, seed=7)
+    if gates == "slow":
+        x["g"] = x["g"] / 65536
+    elif gates == "mixed":
+        x["g"][..., 1::2] /= 65536
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, x["initial_state"]]
+    with torch.no_grad():
+        o, ht = hopper_fwd.forward_hopper(*args, segments=2, split_heads=True, **hopper_fwd.LAUNCH)
+        o_wide, ht_wide = hopper_fwd.forward_hopper(*args, segments=2, plan_in_walk=True, **hopper_fwd.LAUNCH)
+        o_narrow, ht_narrow = hopper_fwd.forward_hopper(*args, **dict(hopper_fwd.LAUNCH, BV=64))
+        bound = hopper_fwd.run_prepass(x["k"], x["v"], x["g"], x["beta"], 2)[3]
+    cold = cold_heads_ref(bound, 2, hopper_fwd.SPLIT_HEADS_CAP, hopper_fwd.NEGLIGIBLE_M_LOG2)      # [B, HV]
+    expected = {"drawn": (0, 64), "slow": (64, 0)}.get(gates)
+    if expected is not None:
+        assert (int(cold.sum()), int((~cold).sum())) == expected, cold
+    else:
+        assert cold[:, 1::2].all() and not cold[:, ::2].any(), cold
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    assert rel(o, ro) < 1e-2 and rel(ht, rht) < 1e-2
+    assert rel(o, ro) < 1.15 * rel(o_narrow, ro) and rel(ht, rht) < 1.15 * rel(ht_narrow, rht)
+    for b in range(2):
+        for h in range(32):
+            if cold[b, h]:
+                assert rel(o[b, :, h], o_narrow[b, :, h]) < 1e-3 and rel(ht[b, h], ht_narrow[b, h]) < 1e-3, (b, h)
+            else:
+                assert torch.equal(o[b, :, h], o_wide[b, :, h]) and torch.equal(ht[b, h], ht_wide[b, h]), (b, h)
+
+
 def warm_up_capture_replay(call):
     """``call()`` once on a side stream (the usual warm-up before a capture), then captured in a CUDA graph and
     replayed: (the warm-up's result, the replay's outputs)."""

@@ -23,9 +23,9 @@ MODULES = {"forward": hopper_fwd, "prepass": prepass, "chunk_fwd": chunk_fwd, "m
 NOT_READ = {
     "forward": {"BT", "FILL_FRACTION", "LAUNCH", "MIN_SEGMENTED_HEAD_TOKENS", "MIN_SEGMENT_CHUNKS", "PREPASSES",
                 "SEGMENTED_AUTO", "SEGMENTED_WHEN_CAPTURED", "SMALL_PLAN_IN_WALK", "SMALL_SEGMENTED", "TWO_PER_SM",
-                "TWO_PER_SM_LAUNCH", "WIDE_SEGMENTS"},
+                "TWO_PER_SM_LAUNCH", "WIDE_SEGMENTS", "SPLIT_HEADS"},
     "prepass": {"BT", "D", "LOG2E"},
-    "chunk_fwd": {"BT", "COMPILE_FAILED", "WARM_SUBSETS"},
+    "chunk_fwd": {"BT", "COMPILE_FAILED", "WARM_SUBSETS", "HEAD_SPLITS"},
     "map_bound": {"BT", "LOG2E", "PLAN_FLAG_DTYPES"},
 }
 B, T, H, HV, D = 1, 1024, 2, 4, 64
@@ -35,6 +35,7 @@ CASES = {                                     # forward_hopper's keywords beside
     "five_launch": dict(segments=4),
     "five_launch_no_skip": dict(segments=4, skip_maps=False),
     "two_launch": dict(segments=4, plan_in_walk=True),
+    "split_heads": dict(segments=2, split_heads=True),
 }
 
 
@@ -120,7 +121,9 @@ def test_prepared_call_issues_the_plain_forwards_launches(recorder, monkeypatch,
     monkeypatch.setattr(hopper_fwd, "_forward_hopper_plain", None)       # a prepared call must not need it
     again = traced_call(recorder, x, CASES[case])
     assert again == plain
-    assert len(plain) == {"unsegmented": 2, "two_launch": 2}.get(case, 6 if overlap else 5) + 2
+    assert len(plain) == {"unsegmented": 2, "two_launch": 2, "split_heads": 3}.get(case, 6 if overlap else 5) + 2
+    if case == "split_heads":       # the cold heads' narrow walk first, then the others' wide one
+        assert [(dict(kernel[2])["head_split"], kernel[1][4]) for kernel, _ in plain[-4:-2]] == [(2, 64), (1, 64)]
     if overlap and case.startswith("five_launch"):          # the subsets: the others' walk first, then the warmed
         subsets = [dict(kernel[2]).get("warm_subset") for kernel, _ in plain[-4:-2]]
         assert subsets == [2, 1]

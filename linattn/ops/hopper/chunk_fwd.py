@@ -59,7 +59,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
                  warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1,
                  deferred_decay: bool = False, fold_p_decay: bool = False, lean: bool = False,
-                 warm_subset: int = 0):
+                 warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -113,7 +113,15 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
 
     ``warm_subset`` (the lean warm walk with w given, :data:`WARM_SUBSETS`): 0 every program walks; 1 only those
     whose w is above zero (they read no h0, so they need not wait for the scan), 2 only the others. A program left
-    out walks no chunk and writes nothing (``forward.OVERLAP_WARM``: the two halves in two launches)."""
+    out walks no chunk and writes nothing (``forward.OVERLAP_WARM``: the two halves in two launches).
+
+    ``head_split`` (the lean planned warm walk, :data:`HEAD_SPLITS`; ``forward.SPLIT_HEADS``): the heads routed
+    between two launches of this walk at two V tiles, by the same test in both (twin ``map_bound.cold_heads_ref``):
+    a head is cold where some segment s ≥ 1 has its ``split_cap`` · L/64 nearest earlier chunks' bounds summing to
+    ``threshold`` or more (where they sum below it, its warm-up w is at most that many chunks). 1: only the other
+    heads' programs walk, as ``warm_planned`` says (segments; their warm-ups within the cap). 2: only the cold heads
+    walk, each by the program of its last segment, from the sequence's start and initial state to its end, writing o
+    all the way (the unsegmented walk, reading gc and β per segment); every other program walks nothing."""
     import tilelang
     import tilelang.language as T
 
@@ -145,6 +153,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     if warm_subset not in WARM_SUBSETS or (warm_subset and not (warm and lean and not warm_planned)):
         raise ValueError(f"warm_subset must be one of {WARM_SUBSETS}, and above 0 only in the lean warm walk with "
                          f"w given, got {warm_subset}")
+    if head_split not in HEAD_SPLITS or (head_split and not (warm_planned and lean)):
+        raise ValueError(f"head_split must be one of {HEAD_SPLITS}, and above 0 only in the lean planned warm walk, "
+                         f"got {head_split}")
+    cap_64ths = round(split_cap * 64)       # the cap in chunks: L/64 · cap_64ths / 64, truncated
 
     v_early = async_ax and stsm and async_dots
     ax_async = v_early and store_output
@@ -221,12 +233,35 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     first = T.truncmod(ibn, nseg) * Lc
                     wv = T.alloc_var("int32", init=0)
                     run = T.alloc_var(acc, init=0.0)
-                    while (wv < first) and ((wv == 0) or (run >= threshold)):
-                        cw = first - 1 - wv
-                        run = run + ctl[ib * nseg + T.truncdiv(cw, Lc), ihv, T.truncmod(cw, Lc)]
-                        wv = wv + 1
-                    c0 = first - wv
-                    chunks = Lc + wv
+                    cold = 0
+                    if head_split:
+                        # the head's route, the same in both launches: cold where the cap's nearest chunks before
+                        # some segment s ≥ 1 sum to the threshold or more. A fixed count of loads whose addresses
+                        # do not wait for the sum (the search below waits on each), nearest first in fp32 (twin
+                        # map_bound.cold_heads_ref)
+                        cold = T.alloc_var("int32", init=0)
+                        window = T.alloc_var(acc, init=0.0)
+                        for s in T.serial(nseg - 1):
+                            window = 0.0
+                            for j in T.serial(T.truncdiv(Lc * cap_64ths, 64)):
+                                cw = (s + 1) * Lc - 1 - j
+                                window = window + ctl[ib * nseg + T.truncdiv(cw, Lc), ihv, T.truncmod(cw, Lc)]
+                            if window >= threshold:
+                                cold = 1
+                    if head_split == 2:
+                        # a cold head's last segment walks the whole sequence; every other program nothing
+                        c0 = 0
+                        chunks = T.if_then_else((cold == 1) & (T.truncmod(ibn, nseg) == nseg - 1), nseg * Lc, 0)
+                    else:
+                        # (head_split 1: a cold head's programs search nothing and walk nothing)
+                        while (cold == 0) and (wv < first) and ((wv == 0) or (run >= threshold)):
+                            cw = first - 1 - wv
+                            run = run + ctl[ib * nseg + T.truncdiv(cw, Lc), ihv, T.truncmod(cw, Lc)]
+                            wv = wv + 1
+                        c0 = first - wv
+                        chunks = Lc + wv
+                        if head_split == 1:
+                            chunks = T.if_then_else(cold == 0, chunks, 0)
                 else:
                     c0 = (ibn % nseg) * Lc - ctl[ibn, ihv]
                     chunks = Lc + ctl[ibn, ihv]
@@ -272,7 +307,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 for i, j in T.Parallel(K, BV):       # [I | 0]: this tile's columns of the identity, or zeros
                     S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
             elif warm_planned and use_initial_state:
-                if c0 == 0:                          # the walk starts at the sequence's start: its initial state
+                # the walk starts at the sequence's start: its initial state (head_split 2: every walk does)
+                if (chunks > 0) if head_split == 2 else (c0 == 0):
                     T.copy(h0[ib, ihv, 0:K, iv * BV:(iv + 1) * BV], S)
                 else:                                # a warm-up: from zero
                     T.clear(S)
@@ -403,7 +439,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     for i, j in T.Parallel(BT, BV):
                         Vds[i, j] = Vn[i, j] * Rho[i]
                 # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
-                write_o = not warm or cr >= chunks - Lc
+                write_o = not warm or head_split == 2 or cr >= chunks - Lc
                 if fold_p_decay:
                     if renorm:
                         if not ax_async:
@@ -455,8 +491,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 # the sequence's last segment writes its final state (truncating divisions, as warm_planned's: every
                 # index is ≥ 0, and floor divisions on symbolic sizes expand to sign tests)
                 segs = T.truncdiv(Tn, Lg)
-                if warm_subset:
-                    # a program of the other subset walked nothing: its launch writes this state
+                if warm_subset or head_split:
+                    # a program of the other subset (or head split) walked nothing: its launch writes this state
                     if (T.truncmod(ibn, segs) == segs - 1) and (chunks > 0):
                         T.copy(S, ht[T.truncdiv(ibn, segs), ihv, 0:K, iv * BV:(iv + 1) * BV])
                 elif T.truncmod(ibn, segs) == segs - 1:
@@ -501,6 +537,8 @@ class HopperCompileError(RuntimeError):
 
 # build_kernel's warm_subset: every program of the warm walk, those whose warm-up is above zero, the others
 WARM_SUBSETS = (0, 1, 2)
+# build_kernel's head_split: every head of the planned warm walk, the heads that warm up within the cap, the others
+HEAD_SPLITS = (0, 1, 2)
 
 
 # Set to the first compile error of this process: from then on :func:`unsupported_reason` turns every input away,
@@ -516,13 +554,14 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     stsm: bool = False, beta_in_a: bool = False, async_o: bool = False,
                     async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
                     min_blocks: int = 1, deferred_decay: bool = False, fold_p_decay: bool = False,
-                    uniform_warpgroup: bool = False, lean: bool = False, warm_subset: int = 0):
+                    uniform_warpgroup: bool = False, lean: bool = False, warm_subset: int = 0,
+                    head_split: int = 0, split_cap: float = 0.375):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s;
     ``uniform_warpgroup``: its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
     (:data:`UNIFORM_WARPGROUP`, ``uniform_warpgroup.py``)."""
     func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
                         async_dots, affine, tma_o, warm, stsm, beta_in_a, async_o, async_ax, warm_planned, threshold,
-                        min_blocks, deferred_decay, fold_p_decay, lean, warm_subset)
+                        min_blocks, deferred_decay, fold_p_decay, lean, warm_subset, head_split, split_cap)
     if not uniform_warpgroup:
         return compile_prim_func(func, target)
     from . import uniform_warpgroup as uniform

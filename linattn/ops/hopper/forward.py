@@ -197,6 +197,22 @@ SEGMENTED_AUTO = True
 # predicted ≈ 1.2–1.4× the unsegmented BV=64 time there. Off until measured (op_time_check.py --wide-segments-ab,
 # with --slow-gates for the worst case); session 25, CPU only
 WIDE_SEGMENTS = False
+# Where WIDE_SEGMENTS would cut (only the narrow tile fills the card), each head takes the walk that suits its gates,
+# decided on the device from the pre-pass's chunk bounds (no host sync): the heads that warm up within SPLIT_HEADS_CAP
+# of a segment take two segments at BV=128 (the planned warm walk: no plan, maps or scan), the others ("cold") the
+# unsegmented walk at BV=64; two launches of the planned warm walk (``chunk_fwd``'s ``head_split``), the narrow one
+# on the high-priority side stream beside the wide one, each program of either walking its head or nothing. Either
+# way a head takes two programs (two segments × one tile, or one sequence × two tiles), so every head's programs are
+# resident at once (issue 4's row 6: 128 on 132 SMs) and the call lasts as long as the longer of the two walks. Why:
+# at row 6 (B=2 T=16384 H=32) the narrow walk takes ≈ 0.50 ms after the pre-pass's ≈ 0.17 (run 37: 0.672 beside
+# FlashQLA's 0.783, the goal 0.626), two segments at BV=128 ≈ (128 + w) chunks × 2.7 µs ≈ 0.37 where every head warms
+# up (w ≈ 7 chunks at the anchors' gates), and WIDE_SEGMENTS' five launches pay phase A and the scan where heads do
+# not forget (1.05 ms at slow gates, run 35). Predicted: row 6 0.672 → 0.54–0.58 at the anchors' gates; at slow gates
+# (every head cold) today's narrow walk, ± the routing's ≤ 48 loads per program; at mixed gates the narrow walk's
+# time (its cold heads). The cap: a head whose warm-up w fits walks 128 + w chunks at 2.7 µs against the narrow
+# walk's 256 at ≈ 1.95, even at w ≈ 57; 3/8 (48 chunks at row 6) leaves room for the estimate's error
+SPLIT_HEADS = False
+SPLIT_HEADS_CAP = 0.375
 
 
 def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, capturing: bool = False
@@ -206,7 +222,8 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, ca
     programs fill the card (:func:`hopper_launch`), else the segmented forward where segments do
     (:func:`segment_count`; the plan's "segments"; under "auto" only with :data:`SEGMENTED_AUTO`), else None — or,
     ``forced`` (``FORWARD_PATH = "hopper"``), the unsegmented kernel at :func:`fitted_launch`. With
-    :data:`WIDE_SEGMENTS`, segments at BV=128 before the unsegmented kernel at BV=64.
+    :data:`WIDE_SEGMENTS`, segments at BV=128 before the unsegmented kernel at BV=64; with :data:`SPLIT_HEADS`
+    there, each head's choice between them on the device (``split_heads``).
 
     Run 21 (H200, bf16, K = V = 128, ms with the pre-pass against the Triton split, no grad): segmented B=1 T=4096
     H=16 (4 segments) 0.242 vs 0.319 (and 0.336 vs 0.230 on another machine), T=32768 (8) 1.222 vs 1.679 (1.196
@@ -217,10 +234,12 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, ca
     :data:`SMALL_PLAN_IN_WALK`) or without the levers (``skip_maps``, ``warm_up`` False: :data:`SMALL_SEGMENTED`),
     or, ``capturing`` (a CUDA graph capture), with them (:data:`SEGMENTED_WHEN_CAPTURED`)."""
     launch = hopper_launch(num_sequences, HV, V, sms)
-    if launch is not None and WIDE_SEGMENTS and launch == dict(LAUNCH, BV=64) and V % LAUNCH["BV"] == 0 and \
-            num_sequences * T * HV >= MIN_SEGMENTED_HEAD_TOKENS:
+    if launch is not None and (WIDE_SEGMENTS or SPLIT_HEADS) and launch == dict(LAUNCH, BV=64) and \
+            V % LAUNCH["BV"] == 0 and num_sequences * T * HV >= MIN_SEGMENTED_HEAD_TOKENS:
         wide = segment_count(num_sequences, HV, V, T, sms, widths=(LAUNCH["BV"],))
-        if wide is not None:                    # segments at the wide tile (WIDE_SEGMENTS)
+        if wide == 2 and SPLIT_HEADS:           # each head its walk: two segments at the wide tile or one narrow
+            return dict(LAUNCH, segments=2, split_heads=True)
+        if wide is not None and WIDE_SEGMENTS:  # segments at the wide tile (WIDE_SEGMENTS)
             return dict(LAUNCH, segments=wide)
     if launch is not None:
         return launch
@@ -408,7 +427,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype] = None,
                    segments: Optional[int] = None, prepass: Optional[str] = None,
                    skip_maps: Optional[bool] = None, warm_up: Optional[bool] = None, plan_in_walk: bool = False,
-                   **launch) -> tuple[torch.Tensor, torch.Tensor]:
+                   split_heads: bool = False, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """o ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]`` fp32 from bf16 q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, fp32 log decays g and β ``[B, T, HV]``. ``prepass``, ``a_inv_dtype``: the pre-pass and the
     dtype it writes A_inv in (:func:`run_prepass`); ``launch``: the fused kernel's (``chunk_fwd_hopper_hm``; none:
@@ -438,6 +457,12 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     (exact, but then that segment's program walks the whole prefix): for the small shapes where the five launches'
     host time is the call's (:data:`SMALL_PLAN_IN_WALK`).
 
+    With ``split_heads`` (``segments`` = 2, the launch at BV=128; :data:`SPLIT_HEADS`) the pre-pass, then the
+    planned warm walk twice into one o and final state: at BV=64 on the high-priority side stream for the heads
+    that do not warm up within :data:`SPLIT_HEADS_CAP` of a segment (each walked whole from its initial state), and
+    at the launch's tile for the others (their segments with warm-ups); each head's route is decided in both
+    kernels from the pre-pass's chunk bounds alike (``chunk_fwd``'s ``head_split``).
+
     With :data:`LEAN_SEGMENTS` both segmented forwards leave out the writes nobody reads: phase A's maps of the
     warmed heads, the scan's entering states of their segments (phase C starts those from zero itself), and every
     segment's final state but each sequence's last (the warm walks write ``[B, HV, K, V]``: no copy).
@@ -446,24 +471,26 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     prepared call (``prepared.py``: the same launches without the checks and the plan's Python)."""
     key = None                   # with prepared.PREPARED off: no signature, and below no lookup and no build
     if prepared.PREPARED:
-        options = (a_inv_dtype, segments, prepass, skip_maps, warm_up, plan_in_walk, tuple(launch.items()))
+        options = (a_inv_dtype, segments, prepass, skip_maps, warm_up, plan_in_walk, split_heads,
+                   tuple(launch.items()))
         key = prepared.signature(q, k, v, g, beta, scale, initial_state, options)
     call = prepared.prepared_call(key)
     if call is not None:
         prepared_route.served(call)          # the public op may record its route to this call
         return call(q, k, v, g, beta, initial_state)
     result = _forward_hopper_plain(q, k, v, g, beta, scale, initial_state, a_inv_dtype, segments, prepass,
-                                   skip_maps, warm_up, plan_in_walk, **launch)
+                                   skip_maps, warm_up, plan_in_walk, split_heads, **launch)
     if launch:                   # the op always names the launch; others take the plain forward every time
         prepared.remember(key, q, k, v, beta, scale, initial_state, a_inv_dtype, segments, prepass, skip_maps,
-                          warm_up, plan_in_walk, launch)
+                          warm_up, plan_in_walk, launch, split_heads)
     return result
 
 
 def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           scale: float, initial_state: Optional[torch.Tensor], a_inv_dtype: Optional[torch.dtype],
                           segments: Optional[int], prepass: Optional[str], skip_maps: Optional[bool],
-                          warm_up: Optional[bool], plan_in_walk: bool, **launch) -> tuple[torch.Tensor, torch.Tensor]:
+                          warm_up: Optional[bool], plan_in_walk: bool, split_heads: bool = False,
+                          **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward_hopper`'s checks, plan and launches, on every call."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -477,6 +504,10 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     if not segmented:
         return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 
+    if split_heads:
+        if bound is None:               # the Triton pre-pass writes none
+            bound = chunk_bounds(k, g, beta, S)
+        return split_heads_walks(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, bound, S, launch)
     if plan_in_walk:
         if launch.get("roles"):
             raise ValueError("the planned warm walk runs on the default kernel: not with roles")
@@ -523,6 +554,28 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         o, ht = chunk_fwd_hopper_hm(qs, ks, vs, gc_hm, beta_hm, a_s, scale, h_in, **launch)
     join()
     return o.reshape(B, T, HV, V), last_segments(ht, B, segments, lean)
+
+
+def split_heads_walks(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, bound, segments: int, launch: dict
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_hopper`'s walks with ``split_heads`` after its pre-pass: the cold heads' whole walks at BV=64
+    on the critical side stream, the others' segments at ``launch``'s tile on the caller's, into one o and final
+    state."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if segments != 2 or launch.get("roles") or V % 64:
+        raise ValueError(f"split_heads takes 2 segments on the default kernel and V a multiple of 64, got "
+                         f"segments={segments}, V={V}" + (", roles" if launch.get("roles") else ""))
+    out = (torch.empty_like(v), torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device))
+    walk = functools.partial(chunk_fwd_hopper_hm, q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state,
+                             warm_bound=bound, warm_threshold=NEGLIGIBLE_M_LOG2, lean=True,
+                             split_cap=SPLIT_HEADS_CAP, out=out)
+    critical, join = critical_fork(q.device)
+    with critical:
+        walk(head_split=2, **dict(launch, BV=64))
+    walk(head_split=1, **launch)
+    join()
+    return out
 
 
 def last_segments(ht: torch.Tensor, B: int, segments: int, lean: bool) -> torch.Tensor:

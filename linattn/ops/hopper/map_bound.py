@@ -286,6 +286,25 @@ def warm_from_bound_ref(bound: torch.Tensor, segments: int, threshold: float) ->
     return warm, warm == starts
 
 
+def cold_heads_ref(bound: torch.Tensor, segments: int, split_cap: float, threshold: float) -> torch.Tensor:
+    """The heads the split planned walk (``chunk_fwd``'s ``head_split``) walks whole at the narrow tile, from chunk
+    sums ``[B·S, HV, LC]`` of ``segments`` = S segments: those where, for some segment s ≥ 1, the sum of the
+    ⌊LC · split_cap⌋ chunks before it (the cap in 64ths of LC, truncated, as the kernel counts it; added in fp32
+    nearest first) is at or above ``threshold``. Elsewhere every warm-up is at most that many chunks. ``[B, HV]``
+    bool."""
+    BS, HV, LC = bound.shape
+    S, B = segments, bound.shape[0] // segments
+    cap = LC * round(split_cap * 64) // 64
+    b = bound.float().view(B, S, HV, LC).permute(0, 2, 1, 3).reshape(B, HV, S * LC)     # [B, HV, NC]
+    cold = torch.zeros(B, HV, dtype=torch.bool, device=bound.device)
+    for s in range(1, S):
+        window = torch.zeros(B, HV, dtype=torch.float32, device=bound.device)
+        for j in range(1, cap + 1):                         # chunk s·LC − j, nearest first
+            window = window + b[:, :, s * LC - j]
+        cold |= window >= threshold
+    return cold
+
+
 def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: float, skip_maps: bool = False,
                      warm_up: bool = False, map_slots: int = 0) -> SegmentPlan:
     """The twin of :func:`segment_plan` (float64 sums)."""

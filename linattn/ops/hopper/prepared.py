@@ -56,7 +56,7 @@ SCRATCH_MAX_BYTES = 64 << 20       # 64 MiB: row 7's five launches hold ≈ 60 M
 SWITCHES = {
     "forward": ("PREPASS", "A_INV_DTYPE", "SKIP_NEGLIGIBLE_MAPS", "WARM_UP", "WARM_UP_MAX_FRACTION",
                 "NEGLIGIBLE_M_LOG2", "LEAN_SEGMENTS", "SCAN_BV", "SCAN_WHOLE_MAP", "SCAN_PRECISION", "OVERLAP_WARM",
-                "MAP_WAVE_FILL"),
+                "MAP_WAVE_FILL", "SPLIT_HEADS_CAP"),
     "prepass": ("BETA_IN_A_INV", "MIN_BLOCKS_PER_SM", "TMA_KEYS", "A_ROW_PAD", "T_ROW_PAD", "STEP4_BLOCKED",
                 "A_BEFORE_STORES", "STEP4_MMA", "T_HI_ROW_PAD", "STEP6_BETA"),
     "chunk_fwd": ("ASYNC_O_STORE", "ASYNC_AX", "DEFERRED_DECAY", "DEFERRED_DECAY_LIMIT", "FOLD_P_DECAY",
@@ -90,7 +90,7 @@ def prepared_call(key: Optional[tuple]) -> Optional[Callable]:
 
 
 def remember(key: tuple, q, k, v, beta, scale, initial_state, a_inv_dtype, segments, prepass_name, skip_maps,
-             warm_up, plan_in_walk, launch: dict) -> None:
+             warm_up, plan_in_walk, launch: dict, split_heads: bool = False) -> None:
     """After the plain forward returned for these arguments: prepare ``key`` where :func:`build` covers it."""
     if key is None or key in _prepared or not plain_functions_in_place():
         return
@@ -98,7 +98,7 @@ def remember(key: tuple, q, k, v, beta, scale, initial_state, a_inv_dtype, segme
         _prepared.clear()
     # None where build covers it not: the plain forward keeps it, and build does not run again for it
     _prepared[key] = build(q, k, v, beta.dtype, scale, initial_state is not None, a_inv_dtype, segments,
-                           prepass_name, skip_maps, warm_up, plan_in_walk, launch)
+                           prepass_name, skip_maps, warm_up, plan_in_walk, launch, split_heads)
 
 
 def plain_functions_in_place() -> bool:
@@ -147,11 +147,11 @@ def release_scratch() -> None:
 
 
 def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_name, skip_maps, warm_up,
-          plan_in_walk, launch: dict) -> Optional[Callable]:
+          plan_in_walk, launch: dict, split_heads: bool = False) -> Optional[Callable]:
     """The prepared call ``(q, k, v, g, beta, initial_state) -> (o, final state)`` for these arguments of
     ``forward_hopper`` (after its checks passed), or None where it covers them not: the TileLang pre-pass with a
-    bf16 A_inv, the default kernel (no roles), and segmented, the planned warm walk or the five launches with
-    warm-ups. Each step below names the plain function whose allocations and launch it repeats."""
+    bf16 A_inv, the default kernel (no roles), and segmented, the planned warm walk (also split between two tiles
+    by head), or the five launches with warm-ups. Each step below names the plain function whose allocations and launch it repeats."""
     name, a_dtype = fwd.resolve_prepass(prepass_name, a_inv_dtype)
     if name != "tilelang" or a_dtype != torch.bfloat16 or launch.get("roles"):
         return None
@@ -222,6 +222,33 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
                      h0_of(initial_state, held), held.extra[-1], o, ht)
             return o, ht
         return unsegmented
+
+    if split_heads:
+        # forward.split_heads_walks: the cold heads' whole walks at BV=64 (the critical side stream), the others'
+        # segments at the launch's tile
+        split_exes = [chunk_fwd.launcher(walk_launch.warm_kernel(
+            H, HV, K, V, width, scale, threads, num_stages, has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a,
+            fwd.NEGLIGIBLE_M_LOG2, min_blocks, True, 0, subset, fwd.SPLIT_HEADS_CAP)) for width, subset in
+            ((64, 2), (BV, 1))]
+        held_by = scratch_of(h0_extra * 2)          # each launch its own h0 stand-in, as state_arg makes them
+
+        def split(q, k, v, g, beta, initial_state):
+            """forward_hopper with split_heads: the pre-pass, then the two planned warm walks into one o and final
+            state (forward.split_heads_walks)."""
+            device = q.device
+            held = held_by(split, device)
+            run_prepass(k, g, beta, held)
+            o = torch.empty_like(v)
+            ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
+            inputs = (q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv)
+            h0s = (h0_of(initial_state, held),) * 2 if has_state else held.extra
+            critical, join = fwd.critical_fork(device)
+            with critical:
+                split_exes[0](*inputs, h0s[0], held.bound, o, ht)
+            split_exes[1](*inputs, h0s[1], held.bound, o, ht)
+            join()
+            return o, ht
+        return split
 
     if plan_in_walk:
         planned_exe = chunk_fwd.launcher(warm_walk(has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a,

@@ -37,10 +37,10 @@ def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
 def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
                 use_initial_state: bool, beta_dtype: torch.dtype, a_dtype: torch.dtype, async_dots: bool,
                 stsm: bool, beta_in_a_inv: bool, threshold: Optional[float], min_blocks: int, lean: bool,
-                warm_subset: int = 0):
+                warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375):
     """The compiled kernel of the warm walk (phase C with ``warm_chunks``, or, ``threshold`` given, the walk that
     plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied;
-    ``warm_subset``: :func:`chunk_fwd.build_kernel`'s."""
+    ``warm_subset``, ``head_split``, ``split_cap``: :func:`chunk_fwd.build_kernel`'s."""
     planned = threshold is not None
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
                                      use_initial_state, _dtype_name(beta_dtype), _dtype_name(a_dtype), async_dots,
@@ -48,7 +48,8 @@ def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
                                      *chunk_fwd.schedule_switches(async_dots, stsm, True), planned,
                                      float(threshold) if planned else -30.0, min_blocks,
                                      **chunk_fwd.instruction_switches(stsm, True), lean=lean,
-                                     warm_subset=warm_subset)
+                                     warm_subset=warm_subset, head_split=head_split,
+                                     split_cap=float(split_cap) if head_split else 0.375)
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
@@ -69,8 +70,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
                         beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                         warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None,
-                        min_blocks: int = 1, lean: bool = False, warm_subset: int = 0
-                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        min_blocks: int = 1, lean: bool = False, warm_subset: int = 0, head_split: int = 0,
+                        split_cap: float = 0.375) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`;
@@ -97,7 +98,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     warm walk that finds each segment's warm-up itself (:func:`build_kernel`'s ``warm_planned``; twin
     ``map_bound.warm_from_bound_ref``): the fewest chunks before the segment whose bounds sum below
     ``warm_threshold``, else the whole prefix from ``initial_state`` ``[B, HV, K, V]`` (the sequences' own, or
-    None).
+    None). ``head_split`` (with ``warm_bound`` and ``lean``; ``forward.SPLIT_HEADS``): 1 only the heads that warm up
+    within ``split_cap`` of a segment walk, 2 only the others, each whole (:func:`chunk_fwd.build_kernel`): two
+    launches, at two V tiles, into one ``out``.
 
     ``lean`` (:func:`build_kernel`'s; ``forward.LEAN_SEGMENTS``): with ``skip_m`` in the affine walk, the maps
     flagged 2 are left unwritten; with ``warm_chunks`` or ``warm_bound`` the final state returned is the
@@ -115,14 +118,19 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
     if warm_subset and (warm_chunks is None or not lean):
         raise ValueError("warm_subset: only with warm_chunks and lean")
+    if head_split not in chunk_fwd.HEAD_SPLITS or (head_split and (warm_bound is None or not lean)):
+        raise ValueError(f"head_split must be one of {chunk_fwd.HEAD_SPLITS}, and above 0 only with warm_bound and "
+                         f"lean, got {head_split}")
+    if head_split and not 0 < split_cap <= 1:
+        raise ValueError(f"split_cap is a fraction of a segment's chunks in (0, 1], got {split_cap}")
     if warm_chunks is not None or warm_bound is not None:
-        if out is not None and not warm_subset:
-            raise ValueError("out: not with warm_chunks or warm_bound (but with warm_subset)")
+        if out is not None and not (warm_subset or head_split):
+            raise ValueError("out: not with warm_chunks or warm_bound (but with warm_subset or head_split)")
         if (warm_chunks is None) == (warm_bound is None) or (warm_bound is not None) != (warm_threshold is not None):
             raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
                           num_stages, async_dots, roles, affine, stsm, beta_in_a_inv, warm_bound, warm_threshold,
-                          min_blocks, lean, warm_subset, out)
+                          min_blocks, lean, warm_subset, out, head_split, split_cap)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = chunk_fwd.padded_length(T)
@@ -177,7 +185,7 @@ def state_arg(initial_state: Optional[torch.Tensor], shape: tuple, device) -> to
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
                async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None, min_blocks=1, lean=False,
-               warm_subset=0, out=None):
+               warm_subset=0, out=None, head_split=0, split_cap=0.375):
     """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``, or ``bound`` and ``threshold`` (the walk that plans its
     warm-ups; dtypes and BV checked there): the layouts, then the warm kernel."""
     B, T, H, K = q.shape
@@ -209,7 +217,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         if warm_chunks.shape != (NB, HV):
             raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
         h0, ctl = state_arg(initial_state, (NB, HV, K, V), q.device), warm_chunks.to(torch.int32).contiguous()
-    if out is not None:          # warm_subset: the other subset's launch writes the rest of o and ht
+    if out is not None:          # warm_subset, head_split: the other launch writes the rest of o and ht
         o, ht = out
         if o.shape != v.shape or o.dtype != v.dtype or ht.shape != (B, HV, K, V) or ht.dtype != torch.float32 or \
                 not (o.is_contiguous() and ht.is_contiguous()):
@@ -220,7 +228,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
     kernel = warm_kernel(H, HV, K, V, BV, scale, threads, num_stages, not planned or initial_state is not None,
                          beta_hm.dtype, a_inv.dtype, async_dots, stsm, beta_in_a_inv, threshold if planned else None,
-                         min_blocks, lean, warm_subset)
+                         min_blocks, lean, warm_subset, head_split, split_cap)
     chunk_fwd.launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(),
                                beta_hm.contiguous(), a_inv.contiguous(), h0, ctl, o, ht)
     return o, ht
