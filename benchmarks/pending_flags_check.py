@@ -37,6 +37,18 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
            "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
 STEPS = [
+    # session 32's SPLIT_HEADS (off, never run on a GPU): its GPU test (routes, bitwise the wide walk for warm heads),
+    # then row 6 off/on at the anchors', mixed and slow gates (predicted 0.672 → 0.54–0.58 at the anchors' gates,
+    # unchanged ± a few µs at slow gates), then bench_anchors' row 6 with the switch on in its process
+    ("split heads, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k", "split_heads"], 200),
+    ("split heads, row 6", ["bash", "-c", " && ".join(
+        f"{PY} benchmarks/op_time_check.py --brief --graph --split-heads-ab {gates} 2,16384,32,32"
+        for gates in ("", "--mixed-gates", "--slow-gates"))], 200),
+    ("split heads, row 6 beside FlashQLA", [PY, "-c", "import runpy, sys; from linattn.ops.hopper import forward; "
+                                            "forward.SPLIT_HEADS = True; sys.argv = ['bench_anchors.py', '--impl', "
+                                            "'linattn:chunk_gated_delta_rule', '--no-decode', '--skip-correct', "
+                                            "'--shapes', '2,16384,32,32']; "
+                                            "runpy.run_path('.anchors/bench_anchors.py', run_name='__main__')"], 420),
     # session 29's pre-pass switches, on since run 36 (prepass_ab.py and op_time_check.py: −7 to −18% of the
     # pre-pass): the pre-pass's and the Hopper forward's GPU tests on the new defaults (run 36 reached 37 of 50 in
     # 200 s, the 38th a stale count mended since); and session 30's prepared plan and scan launches (BoundLaunch,
