@@ -329,7 +329,7 @@ def test_split_heads_cold_test_bounds_every_warm_heads_warm_up():
 
 @ON_HOPPER
 @pytest.mark.parametrize("gates", ["drawn", "slow", "mixed"])
-def test_split_heads_on_the_gpu(monkeypatch, gates):
+def test_split_heads_on_the_gpu(gates):
     """forward_hopper(split_heads=True) at B=2 T=4096 H=HV=32 K=V=128 in bf16: within the bf16 bound of the float64
     recurrence and as accurate as the unsegmented kernel at BV=64 (within 15%); each head's o is the walk its
     route names (map_bound.cold_heads_ref on the pre-pass's bounds): a warm head's bitwise the planned warm walk's

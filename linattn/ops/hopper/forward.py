@@ -504,15 +504,13 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     if not segmented:
         return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)
 
+    if (split_heads or plan_in_walk) and bound is None:
+        bound = chunk_bounds(k, g, beta, S)     # the planned walks read the bounds; the Triton pre-pass writes none
     if split_heads:
-        if bound is None:               # the Triton pre-pass writes none
-            bound = chunk_bounds(k, g, beta, S)
         return split_heads_walks(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, bound, S, launch)
     if plan_in_walk:
         if launch.get("roles"):
             raise ValueError("the planned warm walk runs on the default kernel: not with roles")
-        if bound is None:               # the Triton pre-pass writes none
-            bound = chunk_bounds(k, g, beta, S)
         o, ht = chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_bound=bound,
                                     warm_threshold=NEGLIGIBLE_M_LOG2, lean=LEAN_SEGMENTS, **launch)
         return o.reshape(B, T, HV, V), last_segments(ht, B, segments, LEAN_SEGMENTS)

@@ -151,7 +151,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
     """The prepared call ``(q, k, v, g, beta, initial_state) -> (o, final state)`` for these arguments of
     ``forward_hopper`` (after its checks passed), or None where it covers them not: the TileLang pre-pass with a
     bf16 A_inv, the default kernel (no roles), and segmented, the planned warm walk (also split between two tiles
-    by head), or the five launches with warm-ups. Each step below names the plain function whose allocations and launch it repeats."""
+    by head), or the five launches with warm-ups. Each step below names the plain function whose allocations and
+    launch it repeats."""
     name, a_dtype = fwd.resolve_prepass(prepass_name, a_inv_dtype)
     if name != "tilelang" or a_dtype != torch.bfloat16 or launch.get("roles"):
         return None
@@ -228,8 +229,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         # segments at the launch's tile
         split_exes = [chunk_fwd.launcher(walk_launch.warm_kernel(
             H, HV, K, V, width, scale, threads, num_stages, has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a,
-            fwd.NEGLIGIBLE_M_LOG2, min_blocks, True, 0, subset, fwd.SPLIT_HEADS_CAP)) for width, subset in
-            ((64, 2), (BV, 1))]
+            fwd.NEGLIGIBLE_M_LOG2, min_blocks, lean=True, head_split=subset, split_cap=fwd.SPLIT_HEADS_CAP))
+            for width, subset in ((64, 2), (BV, 1))]
         held_by = scratch_of(h0_extra * 2)          # each launch its own h0 stand-in, as state_arg makes them
 
         def split(q, k, v, g, beta, initial_state):
