@@ -15,10 +15,12 @@ op's eager do_bench median, its CUDA graph replay (GPU time alone) and FlashQLA'
 ``--phases``: instead, where the op's GPU time goes at each gate draw: every kernel's µs per call (the profiler's
 self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which launch grew (the segmented
 forward's phase A, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
-kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``: with
-``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL`` on. ``--plan-block N``: ``map_bound.BLOCK`` = N (the plan's chunks
-per step, 32 by default: each row of its tiles in one warp; run 34's plan used 64 at B=1 T=32768 H=16, 32 at H=2
-HV=8, 128 at T=131072); ``--plan-warps N``: ``map_bound.PLAN_WARPS`` = N (16 by default).
+kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``,
+``--split-heads``: with ``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL``, ``forward.SPLIT_HEADS`` on; ``--serial``
+(with ``--split-heads``): its two walks one after the other on the caller's stream (what the overlap buys).
+``--plan-block N``: ``map_bound.BLOCK`` = N (the plan's chunks per step, 32 by default: each row of its tiles in one
+warp; run 34's plan used 64 at B=1 T=32768 H=16, 32 at H=2 HV=8, 128 at T=131072); ``--plan-warps N``:
+``map_bound.PLAN_WARPS`` = N (16 by default).
 """
 from __future__ import annotations
 
@@ -109,9 +111,12 @@ def phases(B, T, H, HV, gates, trace=False):
 def main(argv):
     shapes = [tuple(int(x) for x in a.split(",")) for a in argv if "," in a]
     from linattn.ops.hopper import forward, map_bound
-    for flag, switch in (("--overlap-warm", "OVERLAP_WARM"), ("--map-wave-fill", "MAP_WAVE_FILL")):
+    for flag, switch in (("--overlap-warm", "OVERLAP_WARM"), ("--map-wave-fill", "MAP_WAVE_FILL"),
+                         ("--split-heads", "SPLIT_HEADS")):
         if flag in argv:
             setattr(forward, switch, True)
+    if "--serial" in argv:
+        forward.critical_fork = lambda device: forward.no_fork()
     if "--plan-block" in argv:
         map_bound.BLOCK = int(argv[argv.index("--plan-block") + 1])
     if "--plan-warps" in argv:

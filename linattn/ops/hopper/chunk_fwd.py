@@ -120,8 +120,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     a head is cold where some segment s ≥ 1 has its ``split_cap`` · L/64 nearest earlier chunks' bounds summing to
     ``threshold`` or more (where they sum below it, its warm-up w is at most that many chunks). 1: only the other
     heads' programs walk, as ``warm_planned`` says (segments; their warm-ups within the cap). 2: only the cold heads
-    walk, each by the program of its last segment, from the sequence's start and initial state to its end, writing o
-    all the way (the unsegmented walk, reading gc and β per segment); every other program walks nothing."""
+    walk, from the sequence's start and initial state to its end, writing o all the way (the unsegmented walk,
+    reading gc and β per segment: a grid of one program per sequence, head and V tile, as its last segment's); a warm
+    head's programs walk nothing."""
     import tilelang
     import tilelang.language as T
 
@@ -202,7 +203,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                       h0: T.Tensor((B if warm_planned else NB, HV, K, V), acc), ctl: T.Tensor(ctl_shape, ctl_dtype),
                       o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((B if warm and lean else NB, HV, K, W), acc)):
-        with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
+        # head_split 2: one program per (sequence, value head, V tile), its last segment's (the others would walk
+        # nothing, and 48 loads each of exiting programs cost run 39 a 28 µs wave of SMs apiece)
+        with T.Kernel(T.ceildiv(W, BV), (B if head_split == 2 else NB) * HV, threads=threads) as (iv, bh):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             if min_blocks > 1 or warm_planned:
@@ -225,6 +228,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 if warm_planned:
                     nseg = T.truncdiv(Tn, Lg)
                     ib = T.truncdiv(ibn, nseg)
+                    if head_split == 2:
+                        ib = ibn
+                        ibn = ib * nseg + nseg - 1
                     # w: summing the bounds of the chunks before the segment, nearest first, until the sum falls
                     # below the threshold (the entering state's weight < 2^threshold), else up to the sequence's
                     # start. Every thread (producer and consumers) runs the same loads and adds: the same w
@@ -241,17 +247,24 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         # map_bound.cold_heads_ref)
                         cold = T.alloc_var("int32", init=0)
                         window = T.alloc_var(acc, init=0.0)
+                        capped = T.truncdiv(Lc * cap_64ths, 64)
                         for s in T.serial(nseg - 1):
                             window = 0.0
-                            for j in T.serial(T.truncdiv(Lc * cap_64ths, 64)):
-                                cw = (s + 1) * Lc - 1 - j
-                                window = window + ctl[ib * nseg + T.truncdiv(cw, Lc), ihv, T.truncmod(cw, Lc)]
+                            # unrolled by ROUTE_UNROLL, the loads ahead of the adds: in a plain loop each waited for
+                            # the last (run 39: 28 µs for 48 loads)
+                            for jb in T.serial(T.ceildiv(capped, ROUTE_UNROLL)):
+                                for u in T.unroll(ROUTE_UNROLL):
+                                    j = jb * ROUTE_UNROLL + u
+                                    if j < capped:
+                                        cw = (s + 1) * Lc - 1 - j
+                                        window = window + ctl[ib * nseg + T.truncdiv(cw, Lc), ihv,
+                                                              T.truncmod(cw, Lc)]
                             if window >= threshold:
                                 cold = 1
                     if head_split == 2:
-                        # a cold head's last segment walks the whole sequence; every other program nothing
+                        # a cold head's program walks the whole sequence, a warm head's nothing
                         c0 = 0
-                        chunks = T.if_then_else((cold == 1) & (T.truncmod(ibn, nseg) == nseg - 1), nseg * Lc, 0)
+                        chunks = T.if_then_else(cold == 1, nseg * Lc, 0)
                     else:
                         # (head_split 1: a cold head's programs search nothing and walk nothing)
                         while (cold == 0) and (wv < first) and ((wv == 0) or (run >= threshold)):
@@ -539,6 +552,8 @@ class HopperCompileError(RuntimeError):
 WARM_SUBSETS = (0, 1, 2)
 # build_kernel's head_split: every head of the planned warm walk, the heads that warm up within the cap, the others
 HEAD_SPLITS = (0, 1, 2)
+# the head-split route's bound loads in flight at once (the cold test's window, 48 chunks at row 6)
+ROUTE_UNROLL = 8
 
 
 # Set to the first compile error of this process: from then on :func:`unsupported_reason` turns every input away,
