@@ -557,8 +557,8 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 def split_heads_walks(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, bound, segments: int, launch: dict
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward_hopper`'s walks with ``split_heads`` after its pre-pass: the cold heads' whole walks at BV=64
-    on the caller's stream, the others' segments at ``launch``'s tile on the critical side stream, into one o and
-    final state."""
+    on the critical side stream, the others' segments at ``launch``'s tile on the caller's, into one o and final
+    state."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if segments != 2 or launch.get("roles") or V % 64:
@@ -568,14 +568,10 @@ def split_heads_walks(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, boun
     walk = functools.partial(chunk_fwd_hopper_hm, q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state,
                              warm_bound=bound, warm_threshold=NEGLIGIBLE_M_LOG2, lean=True,
                              split_cap=SPLIT_HEADS_CAP, out=out)
-    # the narrow launch first, on the caller's stream, so that the GPU takes its programs first: they all fit on
-    # the card at once, and the wide launch's then fill the SMs its warm heads' programs leave. The other way round
-    # (run 39's traces, mixed gates) the narrow launch's exiting programs waited for the few SMs the wide one left
-    # free, ~20 µs each, and its cold heads' walks started up to 270 µs late
-    walk(head_split=2, **dict(launch, BV=64))
     critical, join = critical_fork(q.device)
     with critical:
-        walk(head_split=1, **launch)
+        walk(head_split=2, **dict(launch, BV=64))
+    walk(head_split=1, **launch)
     join()
     return out
 

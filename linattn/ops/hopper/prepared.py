@@ -225,8 +225,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         return unsegmented
 
     if split_heads:
-        # forward.split_heads_walks: the cold heads' whole walks at BV=64, then the others' segments at the launch's
-        # tile (the critical side stream)
+        # forward.split_heads_walks: the cold heads' whole walks at BV=64 (the critical side stream), the others'
+        # segments at the launch's tile
         split_exes = [chunk_fwd.launcher(walk_launch.warm_kernel(
             H, HV, K, V, width, scale, threads, num_stages, has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a,
             fwd.NEGLIGIBLE_M_LOG2, min_blocks, lean=True, head_split=subset, split_cap=fwd.SPLIT_HEADS_CAP))
@@ -243,10 +243,10 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
             ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
             inputs = (q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv)
             h0s = (h0_of(initial_state, held),) * 2 if has_state else held.extra
-            split_exes[0](*inputs, h0s[0], held.bound, o, ht)      # first: see forward.split_heads_walks
             critical, join = fwd.critical_fork(device)
             with critical:
-                split_exes[1](*inputs, h0s[1], held.bound, o, ht)
+                split_exes[0](*inputs, h0s[0], held.bound, o, ht)
+            split_exes[1](*inputs, h0s[1], held.bound, o, ht)
             join()
             return o, ht
         return split
