@@ -39,7 +39,8 @@ blocks at tf32x3 against the whole map at tf32); ``--wide-segments-ab``:
 ``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰);
 ``--split-heads-ab``: ``hopper.forward.SPLIT_HEADS`` off, then on (there each head's route between those two,
-decided on the device); ``--slow-gates``:
+decided on the device); ``--narrow-first-ab``: ``hopper.forward.SPLIT_HEADS_NARROW_FIRST`` off, then on (with
+``--split-heads-on``: ``SPLIT_HEADS`` on in both halves); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
 decay rates as a Mamba-style initialisation draws them (some heads forget, some not); each says whether
 o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
@@ -93,6 +94,7 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
             "--split-heads-ab": (hopper_forward, "SPLIT_HEADS"),
+            "--narrow-first-ab": (hopper_forward, "SPLIT_HEADS_NARROW_FIRST"),
             "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES"),
             "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM"),
             "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL"),
@@ -159,7 +161,8 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
                 uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
                 prepared=prepared.PREPARED, kept_scratch=prepared.REUSE_SCRATCH, routes=prepared_route.ROUTES,
                 wide_segments=hopper_forward.WIDE_SEGMENTS,
-                split_heads=hopper_forward.SPLIT_HEADS, slow_gates=SLOW_GATES, mixed_gates=MIXED_GATES,
+                split_heads=hopper_forward.SPLIT_HEADS, narrow_first=hopper_forward.SPLIT_HEADS_NARROW_FIRST,
+                slow_gates=SLOW_GATES, mixed_gates=MIXED_GATES,
                 first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
 
 
@@ -265,6 +268,8 @@ if "--path" in args:
     triton_chunk.FORWARD_PATH = args.pop(args.index("--path") + 1)
 if "--min-segmented-tokens" in args:
     hopper_forward.MIN_SEGMENTED_HEAD_TOKENS = int(args.pop(args.index("--min-segmented-tokens") + 1))
+if "--split-heads-on" in args:
+    hopper_forward.SPLIT_HEADS = True
 ab = [a for a in args if a in SWITCHES]
 for arg in (a for a in args if not a.startswith("--")):
     shape = [int(x) for x in arg.split(",")]

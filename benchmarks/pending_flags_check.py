@@ -37,13 +37,20 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
            "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
 STEPS = [
-    # session 32's SPLIT_HEADS (off, never run on a GPU): its GPU test (routes, bitwise the wide walk for warm heads),
-    # then row 6 off/on at the anchors', mixed and slow gates (predicted 0.672 → 0.54–0.58 at the anchors' gates,
-    # unchanged ± a few µs at slow gates), then bench_anchors' row 6 with the switch on in its process
-    ("split heads, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k", "split_heads"], 200),
-    ("split heads, row 6", ["bash", "-c", " && ".join(
-        f"{PY} benchmarks/op_time_check.py --brief --graph --split-heads-ab {gates} 2,16384,32,32"
+    # SPLIT_HEADS (off; run 39: anchors' gates 0.673 → 0.575 eager, mixed 0.717 → 0.948, slow 0.668 → 0.723). Its
+    # launch order (SPLIT_HEADS_NARROW_FIRST) off/on with SPLIT_HEADS on at the three gate settings; then what an
+    # exiting program costs (ncu on both walks of the second call at slow gates, each alone: the wide one walks
+    # nothing there), and the traces of the op's calls (every kernel's start, duration and stream)
+    ("split heads order, row 6", ["bash", "-c", " && ".join(
+        f"{PY} benchmarks/op_time_check.py --brief --graph --split-heads-on --narrow-first-ab {gates} 2,16384,32,32"
         for gates in ("", "--mixed-gates", "--slow-gates"))], 200),
+    ("split heads exits under ncu", ["ncu", "--kernel-name", "regex:gdn_chunk_fwd", "--launch-skip", "2",
+                                     "--launch-count", "2", "--section", "SpeedOfLight", "--section",
+                                     "WarpStateStats", "--section", "SourceCounters", "--section", "LaunchStats",
+                                     "--print-details", "all", PY, "benchmarks/ncu_forward.py", "--path", "auto",
+                                     "--B", "2", "--T", "16384", "--H", "32", "--slow-gates", "--split-heads"], 200),
+    ("split heads traces", ["bash", "-c", f"{PY} benchmarks/gate_sensitivity.py --phases --trace --split-heads "
+                                          f"2,16384,32,32"], 150),
     ("split heads, row 6 beside FlashQLA", [PY, "-c", "import runpy, sys; from linattn.ops.hopper import forward; "
                                             "forward.SPLIT_HEADS = True; sys.argv = ['bench_anchors.py', '--impl', "
                                             "'linattn:chunk_gated_delta_rule', '--no-decode', '--skip-correct', "

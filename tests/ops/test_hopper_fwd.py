@@ -4,6 +4,7 @@ the inclusive causal mask), the twin's bf16 rounding points, and the kernel's co
 installed (it is an optional dependency; the kernel itself runs only on the GPU: benchmarks/hopper_fwd_check.py)."""
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 
@@ -289,6 +290,28 @@ def test_wide_segments_through_the_op_on_the_gpu(monkeypatch, gates):
     assert on[0] < 1.15 * off[0] and on[1] < 1.15 * off[1], (off, on)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert hopper_fwd.plan(2, 32, 128, 4096, sms, False).get("segments") == 2      # as monkeypatched: on
+
+
+@pytest.mark.parametrize("narrow_first", [False, True])
+def test_split_heads_order_puts_one_walk_on_the_side_stream_and_joins(monkeypatch, narrow_first):
+    """split_heads_order: the narrow walk on the side stream and the wide one on the caller's, or the other way
+    round with SPLIT_HEADS_NARROW_FIRST; the caller's stream joins after both are launched."""
+    from linattn.ops.hopper import forward as hopper_fwd
+    events, where = [], ["caller"]
+
+    @contextlib.contextmanager
+    def side():
+        where[0] = "side"
+        yield
+        where[0] = "caller"
+
+    monkeypatch.setattr(hopper_fwd, "critical_fork", lambda device: (side(), lambda: events.append("join")))
+    monkeypatch.setattr(hopper_fwd, "SPLIT_HEADS_NARROW_FIRST", narrow_first)
+    hopper_fwd.split_heads_order(lambda: events.append(("narrow", where[0])),
+                                 lambda: events.append(("wide", where[0])), torch.device("cpu"))
+    placed = dict(e for e in events if e != "join")
+    assert placed == ({"narrow": "caller", "wide": "side"} if narrow_first else {"narrow": "side", "wide": "caller"})
+    assert events[-1] == "join" and len(events) == 3
 
 
 def test_plan_with_split_heads_routes_each_head_where_only_the_narrow_tile_fills(monkeypatch):

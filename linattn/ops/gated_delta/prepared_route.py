@@ -64,7 +64,7 @@ SWITCHES = {
     "chunk_fwd": ("COMPILE_FAILED",),
     "forward": ("LAUNCH", "FILL_FRACTION", "MIN_SEGMENT_CHUNKS", "MIN_SEGMENTED_HEAD_TOKENS", "SMALL_SEGMENTED",
                 "SMALL_PLAN_IN_WALK", "SEGMENTED_WHEN_CAPTURED", "SEGMENTED_AUTO", "WIDE_SEGMENTS", "SPLIT_HEADS",
-                "TWO_PER_SM", "TWO_PER_SM_LAUNCH"),
+                "SPLIT_HEADS_NARROW_FIRST", "TWO_PER_SM", "TWO_PER_SM_LAUNCH"),
 }
 _getters = tuple(operator.attrgetter(*names) for names in SWITCHES.values())
 

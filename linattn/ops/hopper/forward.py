@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -210,9 +210,22 @@ WIDE_SEGMENTS = False
 # not forget (1.05 ms at slow gates, run 35). Predicted: row 6 0.672 → 0.54–0.58 at the anchors' gates; at slow gates
 # (every head cold) today's narrow walk, ± the routing's ≤ 48 loads per program; at mixed gates the narrow walk's
 # time (its cold heads). The cap: a head whose warm-up w fits walks 128 + w chunks at 2.7 µs against the narrow
-# walk's 256 at ≈ 1.95, even at w ≈ 57; 3/8 (48 chunks at row 6) leaves room for the estimate's error
+# walk's 256 at ≈ 1.95, even at w ≈ 57; 3/8 (48 chunks at row 6) leaves room for the estimate's error.
+# Measured (run 39, commit df98ef7, op_time_check.py eager / CUDA graph ms, off → on): anchors' gates 0.673 / 0.673 →
+# 0.575 / 0.600 (bench_anchors 0.574 beside FlashQLA's 0.784: the goal met), mixed gates 0.717 / 0.711 → 0.948 / 0.731,
+# slow gates 0.668 / 0.667 → 0.723 / 0.706. Off: it loses where heads keep their state, as a real model's may. The
+# traces (gate_sensitivity.py --phases --trace): every program that walks nothing still holds its SM ≈ 20–29 µs
+# (cause not found: not the route's loads, unrolled since without a change), and at mixed gates the wide launch,
+# dispatched first, held 128 SMs while the narrow one's exiting programs went through the few left (its cold walks
+# started up to 270 µs late); the cold walk itself is ≈ 5% slower per chunk than the plain BV=64 kernel's
 SPLIT_HEADS = False
 SPLIT_HEADS_CAP = 0.375
+# SPLIT_HEADS' launch order: the wide launch on the caller's stream (dispatched first, the pre-pass's stream) and the
+# narrow one on the critical side stream, or (on) the other way round. Off until measured: narrow first, its 128
+# programs take the card at once and the cold walks start at once, but the wide launch's exiting programs then go
+# through the 4 SMs left (slow gates: 128 of them at ≈ 20 µs each, ≈ 0.6 ms, longer than the walks) — right only
+# if exits are made cheap
+SPLIT_HEADS_NARROW_FIRST = False
 
 
 def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool, capturing: bool = False
@@ -568,12 +581,21 @@ def split_heads_walks(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, boun
     walk = functools.partial(chunk_fwd_hopper_hm, q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state,
                              warm_bound=bound, warm_threshold=NEGLIGIBLE_M_LOG2, lean=True,
                              split_cap=SPLIT_HEADS_CAP, out=out)
-    critical, join = critical_fork(q.device)
-    with critical:
-        walk(head_split=2, **dict(launch, BV=64))
-    walk(head_split=1, **launch)
-    join()
+    split_heads_order(lambda: walk(head_split=2, **dict(launch, BV=64)), lambda: walk(head_split=1, **launch),
+                      q.device)
     return out
+
+
+def split_heads_order(narrow: Callable[[], None], wide: Callable[[], None], device: torch.device) -> None:
+    """Launch :func:`split_heads_walks`' two walks: the narrow one on the critical side stream and the wide one on
+    the caller's, or with :data:`SPLIT_HEADS_NARROW_FIRST` the other way round (the caller's stream's launch, right
+    after the pre-pass in its stream, is dispatched first); the caller's stream waits for both."""
+    side, caller = (wide, narrow) if SPLIT_HEADS_NARROW_FIRST else (narrow, wide)
+    critical, join = critical_fork(device)
+    with critical:
+        side()
+    caller()
+    join()
 
 
 def last_segments(ht: torch.Tensor, B: int, segments: int, lean: bool) -> torch.Tensor:

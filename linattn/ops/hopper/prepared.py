@@ -243,11 +243,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
             ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
             inputs = (q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv)
             h0s = (h0_of(initial_state, held),) * 2 if has_state else held.extra
-            critical, join = fwd.critical_fork(device)
-            with critical:
-                split_exes[0](*inputs, h0s[0], held.bound, o, ht)
-            split_exes[1](*inputs, h0s[1], held.bound, o, ht)
-            join()
+            fwd.split_heads_order(lambda: split_exes[0](*inputs, h0s[0], held.bound, o, ht),
+                                  lambda: split_exes[1](*inputs, h0s[1], held.bound, o, ht), device)
             return o, ht
         return split
 
