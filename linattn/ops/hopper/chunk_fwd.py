@@ -248,17 +248,20 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         cold = T.alloc_var("int32", init=0)
                         window = T.alloc_var(acc, init=0.0)
                         capped = T.truncdiv(Lc * cap_64ths, 64)
+                        row = T.alloc_var("int32", init=0)     # the segment's row of ctl, once per segment
                         for s in T.serial(nseg - 1):
                             window = 0.0
+                            row = ib * nseg + s
                             # unrolled by ROUTE_UNROLL, the loads issued ahead of the adds (a plain loop waits for
-                            # each in turn; run 39's exiting programs took ≈ 25 µs either way: not these loads)
+                            # each in turn; run 39's exiting programs took ≈ 25 µs either way). Chunk (s + 1)·Lc − 1 − j
+                            # is segment s's chunk Lc − 1 − j (j < capped ≤ Lc): no division by the symbolic Lc per
+                            # load (each a 64-bit division in the address, and one more in TileLang's bounds guard:
+                            # ≈ 200 per program at row 6, the suspect for those 25 µs)
                             for jb in T.serial(T.ceildiv(capped, ROUTE_UNROLL)):
                                 for u in T.unroll(ROUTE_UNROLL):
                                     j = jb * ROUTE_UNROLL + u
                                     if j < capped:
-                                        cw = (s + 1) * Lc - 1 - j
-                                        window = window + ctl[ib * nseg + T.truncdiv(cw, Lc), ihv,
-                                                              T.truncmod(cw, Lc)]
+                                        window = window + ctl[row, ihv, Lc - 1 - j]
                             if window >= threshold:
                                 cold = 1
                     if head_split == 2:
