@@ -667,6 +667,22 @@ def test_out_tensors_of_the_wrong_layout_say_why_before_any_compile():
 
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
                     reason="TileLang (optional) and nvcc compile the Hopper kernel")
+@pytest.mark.parametrize("head_split, BV", [(2, 64), (1, 128)])
+def test_head_split_route_loads_divide_nothing(head_split, BV):
+    """The head split's cold test: its loads unrolled by ROUTE_UNROLL, each addressed without a division or
+    remainder by the symbolic sizes (run 39: a program that walks nothing held its SM ≈ 25 µs when each load's
+    address and guard divided by L/64 in 64 bits)."""
+    src = walk_launch.warm_kernel(32, 32, 128, 128, BV, 128 ** -0.5, 256, 2, False, torch.float32, torch.bfloat16,
+                                  True, True, True, -30.0, 1, True, head_split=head_split, split_cap=0.375,
+                                  target="sm_90a").get_kernel_source()
+    route = src[src.index("for (int jb = 0;"):src.index("window = (window + condval);")]
+    assert f"for (int u = 0; u < {hopper.ROUTE_UNROLL}; ++u)" in route and "ctl[" in route
+    body = re.sub(r"/\*.*?\*/", "", route[route.index("++jb) {") + len("++jb) {"):])     # the literals' comments
+    assert "/" not in body and "%" not in body
+
+
+@pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
+                    reason="TileLang (optional) and nvcc compile the Hopper kernel")
 def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     """Five bf16 wgmma dots per chunk and A_inv X at tf32 on mma.sync (fp32 A_inv), or six wgmma (bf16 A_inv); with
     async_dots the first three are waited for one by one (K S first, for X)."""

@@ -247,6 +247,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                         # map_bound.cold_heads_ref)
                         cold = T.alloc_var("int32", init=0)
                         window = T.alloc_var(acc, init=0.0)
+                        capped = T.alloc_var("int32", init=0)  # the window's chunks, once
                         capped = T.truncdiv(Lc * cap_64ths, 64)
                         row = T.alloc_var("int32", init=0)     # the segment's row of ctl, once per segment
                         for s in T.serial(nseg - 1):

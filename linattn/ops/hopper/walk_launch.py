@@ -37,12 +37,13 @@ def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
 def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
                 use_initial_state: bool, beta_dtype: torch.dtype, a_dtype: torch.dtype, async_dots: bool,
                 stsm: bool, beta_in_a_inv: bool, threshold: Optional[float], min_blocks: int, lean: bool,
-                warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375):
+                warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375, target: Optional[str] = None):
     """The compiled kernel of the warm walk (phase C with ``warm_chunks``, or, ``threshold`` given, the walk that
     plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied;
-    ``warm_subset``, ``head_split``, ``split_cap``: :func:`chunk_fwd.build_kernel`'s."""
+    ``warm_subset``, ``head_split``, ``split_cap``: :func:`chunk_fwd.build_kernel`'s; ``target``: the compile
+    target (None: the GPU's; "sm_90a" compiles without one, as the tests do)."""
     planned = threshold is not None
-    return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
+    return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, target,
                                      use_initial_state, _dtype_name(beta_dtype), _dtype_name(a_dtype), async_dots,
                                      False, True, True, stsm, beta_in_a_inv,
                                      *chunk_fwd.schedule_switches(async_dots, stsm, True), planned,
