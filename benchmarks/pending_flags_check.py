@@ -38,9 +38,11 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
 STEPS = [
     # SPLIT_HEADS (off; run 39: anchors' gates 0.673 → 0.575 eager, mixed 0.717 → 0.948, slow 0.668 → 0.723). Its
-    # launch order (SPLIT_HEADS_NARROW_FIRST) off/on with SPLIT_HEADS on at the three gate settings; then what an
-    # exiting program costs (ncu on both walks of the second call at slow gates, each alone: the wide one walks
-    # nothing there), and the traces of the op's calls (every kernel's start, duration and stream)
+    # GPU test (its route loads without divisions since b4c8a2d), its launch order (SPLIT_HEADS_NARROW_FIRST) off/on
+    # with SPLIT_HEADS on at the three gate settings; then what an exiting program costs (ncu on both walks of the
+    # second call at slow gates, each alone: the wide one walks nothing there), and the traces of the op's calls
+    # (every kernel's start, duration and stream)
+    ("split heads, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k", "split_heads"], 200),
     ("split heads order, row 6", ["bash", "-c", " && ".join(
         f"{PY} benchmarks/op_time_check.py --brief --graph --split-heads-on --narrow-first-ab {gates} 2,16384,32,32"
         for gates in ("", "--mixed-gates", "--slow-gates"))], 200),

@@ -214,8 +214,10 @@ WIDE_SEGMENTS = False
 # Measured (run 39, commit df98ef7, op_time_check.py eager / CUDA graph ms, off → on): anchors' gates 0.673 / 0.673 →
 # 0.575 / 0.600 (bench_anchors 0.574 beside FlashQLA's 0.784: the goal met), mixed gates 0.717 / 0.711 → 0.948 / 0.731,
 # slow gates 0.668 / 0.667 → 0.723 / 0.706. Off: it loses where heads keep their state, as a real model's may. The
-# traces (gate_sensitivity.py --phases --trace): every program that walks nothing still holds its SM ≈ 20–29 µs
-# (cause not found: not the route's loads, unrolled since without a change), and at mixed gates the wide launch,
+# traces (gate_sensitivity.py --phases --trace): every program that walks nothing still holds its SM ≈ 20–29 µs (the
+# suspect, found after the run: each of the route's 48 loads divided by the symbolic chunk count in 64 bits, ≈ 1,200
+# prologue instructions and 16 division calls per 8 loads; ≈ 280 and none since b4c8a2d, not yet measured; predicted ≈ 5
+# µs per exit, row 6 at the anchors' gates ≈ 0.555, mixed ≈ 0.70, slow ≈ 0.69), and at mixed gates the wide launch,
 # dispatched first, held 128 SMs while the narrow one's exiting programs went through the few left (its cold walks
 # started up to 270 µs late); the cold walk itself is ≈ 5% slower per chunk than the plain BV=64 kernel's
 SPLIT_HEADS = False
