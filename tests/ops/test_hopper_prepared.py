@@ -19,13 +19,14 @@ from .test_hopper_fwd import ON_HOPPER, gpu_inputs
 MODULES = {"forward": hopper_fwd, "prepass": prepass, "chunk_fwd": chunk_fwd, "map_bound": map_bound}
 # The upper-case settings of those modules the forward does not read: the plan's (triton_chunk and forward.plan
 # read them before the call, and the launch keywords they choose are part of the signature), LAUNCH (read only
-# where no launch is named, and then nothing is prepared), COMPILE_FAILED (read before the call), and constants
+# where no launch is named, and then nothing is prepared), COMPILE_FAILED (read before the call),
+# SPLIT_HEADS_NARROW_FIRST (read on each call, by forward.split_heads_order), and constants
 NOT_READ = {
     "forward": {"BT", "FILL_FRACTION", "LAUNCH", "MIN_SEGMENTED_HEAD_TOKENS", "MIN_SEGMENT_CHUNKS", "PREPASSES",
                 "SEGMENTED_AUTO", "SEGMENTED_WHEN_CAPTURED", "SMALL_PLAN_IN_WALK", "SMALL_SEGMENTED", "TWO_PER_SM",
-                "TWO_PER_SM_LAUNCH", "WIDE_SEGMENTS", "SPLIT_HEADS"},
+                "TWO_PER_SM_LAUNCH", "WIDE_SEGMENTS", "SPLIT_HEADS", "SPLIT_HEADS_NARROW_FIRST"},
     "prepass": {"BT", "D", "LOG2E"},
-    "chunk_fwd": {"BT", "COMPILE_FAILED", "WARM_SUBSETS", "HEAD_SPLITS"},
+    "chunk_fwd": {"BT", "COMPILE_FAILED", "WARM_SUBSETS", "HEAD_SPLITS", "ROUTE_UNROLL"},
     "map_bound": {"BT", "LOG2E", "PLAN_FLAG_DTYPES"},
 }
 B, T, H, HV, D = 1, 1024, 2, 4, 64

@@ -129,7 +129,7 @@ def test_a_flipped_switch_keys_anew(routed, monkeypatch, module, name):
 # paths' (read only where the route does not lead), and forward_hopper's (in hopper.prepared.SWITCHES)
 NOT_READ = {
     "triton_chunk": {"TRITON_DTYPES", "PRECOMPUTE_QK", "FORWARD_PATHS", "WALK_MIN_PAIRS", "CHUNK"},
-    "chunk_fwd": set(prepared.SWITCHES["chunk_fwd"]) | {"BT", "WARM_SUBSETS", "HEAD_SPLITS"},
+    "chunk_fwd": set(prepared.SWITCHES["chunk_fwd"]) | {"BT", "WARM_SUBSETS", "HEAD_SPLITS", "ROUTE_UNROLL"},
     "forward": set(prepared.SWITCHES["forward"]) | {"BT", "PREPASSES"},
 }
 
