@@ -39,12 +39,11 @@ ap.add_argument("--H", type=int, default=16)
 ap.add_argument("--split-heads", action="store_true", help="hopper.forward.SPLIT_HEADS on")
 a = ap.parse_args()
 triton_chunk.FORWARD_PATH = a.path
-if a.split_heads:
+if a.split_heads or a.roles:
     from linattn.ops.hopper import forward as hopper_forward
-    hopper_forward.SPLIT_HEADS = True
-if a.roles:
-    from linattn.ops.hopper import forward as hopper_forward
-    hopper_forward.LAUNCH = dict(hopper_forward.LAUNCH, roles=True)
+    hopper_forward.SPLIT_HEADS = a.split_heads or hopper_forward.SPLIT_HEADS
+    if a.roles:
+        hopper_forward.LAUNCH = dict(hopper_forward.LAUNCH, roles=True)
 gen = torch.Generator(device="cuda").manual_seed(0)
 r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
 B, T, H, D = a.B, a.T, a.H, 128

@@ -227,10 +227,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 ib = ibn // nseg
                 if warm_planned:
                     nseg = T.truncdiv(Tn, Lg)
-                    ib = T.truncdiv(ibn, nseg)
-                    if head_split == 2:
-                        ib = ibn
-                        ibn = ib * nseg + nseg - 1
+                    if head_split == 2:              # no segment axis in the grid: the sequence's last segment
+                        ib, ibn = ibn, ibn * nseg + nseg - 1
+                    else:
+                        ib = T.truncdiv(ibn, nseg)
                     # w: summing the bounds of the chunks before the segment, nearest first, until the sum falls
                     # below the threshold (the entering state's weight < 2^threshold), else up to the sequence's
                     # start. Every thread (producer and consumers) runs the same loads and adds: the same w

@@ -473,7 +473,7 @@ def forward_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     host time is the call's (:data:`SMALL_PLAN_IN_WALK`).
 
     With ``split_heads`` (``segments`` = 2, the launch at BV=128; :data:`SPLIT_HEADS`) the pre-pass, then the
-    planned warm walk twice into one o and final state: at BV=64 on the high-priority side stream for the heads
+    planned warm walk twice into one o and final state (:func:`split_heads_order`'s streams): at BV=64 for the heads
     that do not warm up within :data:`SPLIT_HEADS_CAP` of a segment (each walked whole from its initial state), and
     at the launch's tile for the others (their segments with warm-ups); each head's route is decided in both
     kernels from the pre-pass's chunk bounds alike (``chunk_fwd``'s ``head_split``).
@@ -572,8 +572,8 @@ def _forward_hopper_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 def split_heads_walks(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, bound, segments: int, launch: dict
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward_hopper`'s walks with ``split_heads`` after its pre-pass: the cold heads' whole walks at BV=64
-    on the critical side stream, the others' segments at ``launch``'s tile on the caller's, into one o and final
-    state."""
+    and the others' segments at ``launch``'s tile, on the streams :func:`split_heads_order` puts them on, into one o
+    and final state."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if segments != 2 or launch.get("roles") or V % 64:

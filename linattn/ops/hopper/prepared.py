@@ -225,8 +225,8 @@ def build(q, k, v, beta_dtype, scale, has_state, a_inv_dtype, segments, prepass_
         return unsegmented
 
     if split_heads:
-        # forward.split_heads_walks: the cold heads' whole walks at BV=64 (the critical side stream), the others'
-        # segments at the launch's tile
+        # forward.split_heads_walks: the cold heads' whole walks at BV=64 and the others' segments at the launch's
+        # tile, on forward.split_heads_order's streams
         split_exes = [chunk_fwd.launcher(walk_launch.warm_kernel(
             H, HV, K, V, width, scale, threads, num_stages, has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a,
             fwd.NEGLIGIBLE_M_LOG2, min_blocks, lean=True, head_split=subset, split_cap=fwd.SPLIT_HEADS_CAP))
