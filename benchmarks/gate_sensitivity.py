@@ -17,7 +17,9 @@ self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which
 forward's phase A, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
 kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``,
 ``--split-heads``: with ``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL``, ``forward.SPLIT_HEADS`` on; ``--serial``
-(with ``--split-heads``): its two walks one after the other on the caller's stream (what the overlap buys).
+(with ``--split-heads``): its two walks one after the other on the caller's stream (what the overlap buys);
+``--narrow-first`` (with ``--split-heads``): ``forward.SPLIT_HEADS_NARROW_FIRST`` on (the trace files then end in
+``-narrow-first``).
 ``--plan-block N``: ``map_bound.BLOCK`` = N (the plan's chunks per step, 32 by default: each row of its tiles in one
 warp; run 34's plan used 64 at B=1 T=32768 H=16, 32 at H=2 HV=8, 128 at T=131072); ``--plan-warps N``:
 ``map_bound.PLAN_WARPS`` = N (16 by default).
@@ -83,9 +85,9 @@ def row(B, T, H, HV, gates, theirs):
 PROFILED_CALLS = 20
 
 
-def phases(B, T, H, HV, gates, trace=False):
+def phases(B, T, H, HV, gates, trace=False, tag=""):
     """{kernel name: µs of GPU time per call} of the op at ``gates``, largest first; ``trace``: the profiled calls'
-    chrome trace written to ``$OUT/trace-B-T-H-HV-gates.json``."""
+    chrome trace written to ``$OUT/trace-B-T-H-HV-gates{tag}.json``."""
     from torch.profiler import ProfilerActivity, profile
     ours = op_at(B, T, H, HV, gates)[0]
     with torch.no_grad():
@@ -96,7 +98,7 @@ def phases(B, T, H, HV, gates, trace=False):
                 ours()
             torch.cuda.synchronize()
     if trace:
-        prof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp")) / f"trace-{B}-{T}-{H}-{HV}-{gates}.json"))
+        prof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp")) / f"trace-{B}-{T}-{H}-{HV}-{gates}{tag}.json"))
     per_kernel = {}
     for event in prof.key_averages():
         # self time: only a kernel has its own device time (an op's total would count its kernels again)
@@ -115,6 +117,8 @@ def main(argv):
                          ("--split-heads", "SPLIT_HEADS")):
         if flag in argv:
             setattr(forward, switch, True)
+    if "--narrow-first" in argv:
+        forward.SPLIT_HEADS_NARROW_FIRST = True
     if "--serial" in argv:
         forward.critical_fork = lambda device: forward.no_fork()
     if "--plan-block" in argv:
@@ -124,7 +128,8 @@ def main(argv):
     if "--phases" in argv:
         for shape in shapes:
             for gates in GATES:
-                kernels = phases(*shape, gates, trace="--trace" in argv)
+                kernels = phases(*shape, gates, trace="--trace" in argv,
+                                 tag="-narrow-first" if "--narrow-first" in argv else "")
                 print(f"\n{shape} {gates}: {sum(kernels.values()):.1f} µs per call")
                 for name, us in kernels.items():
                     print(f"  {us:8.1f}  {name}")
