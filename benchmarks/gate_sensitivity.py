@@ -18,8 +18,8 @@ forward's phase A, the scan, the walk). ``--trace``: also each profiled run's ch
 kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``,
 ``--split-heads``: with ``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL``, ``forward.SPLIT_HEADS`` on; ``--serial``
 (with ``--split-heads``): its two walks one after the other on the caller's stream (what the overlap buys);
-``--narrow-first`` (with ``--split-heads``): ``forward.SPLIT_HEADS_NARROW_FIRST`` on (the trace files then end in
-``-narrow-first``).
+``--narrow-first`` (with ``--split-heads``): ``forward.SPLIT_HEADS_NARROW_FIRST`` on. The trace files' names end
+in the switches that were on (``trace-2-16384-32-32-mixed-split-heads-narrow-first.json``).
 ``--plan-block N``: ``map_bound.BLOCK`` = N (the plan's chunks per step, 32 by default: each row of its tiles in one
 warp; run 34's plan used 64 at B=1 T=32768 H=16, 32 at H=2 HV=8, 128 at T=131072); ``--plan-warps N``:
 ``map_bound.PLAN_WARPS`` = N (16 by default).
@@ -110,6 +110,13 @@ def phases(B, T, H, HV, gates, trace=False, tag=""):
     return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 
+def trace_tag(argv) -> str:
+    """The trace files' suffix naming the switches a run had on (run 41 lost the split walks' traces to a plain
+    run's of the same name)."""
+    flags = ("--overlap-warm", "--map-wave-fill", "--split-heads", "--serial", "--narrow-first")
+    return "".join(flag[1:] for flag in flags if flag in argv)
+
+
 def main(argv):
     shapes = [tuple(int(x) for x in a.split(",")) for a in argv if "," in a]
     from linattn.ops.hopper import forward, map_bound
@@ -128,8 +135,7 @@ def main(argv):
     if "--phases" in argv:
         for shape in shapes:
             for gates in GATES:
-                kernels = phases(*shape, gates, trace="--trace" in argv,
-                                 tag="-narrow-first" if "--narrow-first" in argv else "")
+                kernels = phases(*shape, gates, trace="--trace" in argv, tag=trace_tag(argv))
                 print(f"\n{shape} {gates}: {sum(kernels.values()):.1f} µs per call")
                 for name, us in kernels.items():
                     print(f"  {us:8.1f}  {name}")
