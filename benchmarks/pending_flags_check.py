@@ -41,7 +41,8 @@ STEPS = [
     # GPU test (its route loads without divisions since b4c8a2d), its launch order (SPLIT_HEADS_NARROW_FIRST) off/on
     # with SPLIT_HEADS on at the three gate settings; then what an exiting program costs (ncu on both walks of the
     # second call at slow gates, each alone: the wide one walks nothing there), and the traces of the op's calls
-    # (every kernel's start, duration and stream)
+    # (every kernel's start, duration and stream). Done in runs 40–41 (H100): it stays off (docs/performance.md); kept
+    # to re-check a change to the split walks
     ("split heads, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_fwd.py", "-k", "split_heads"], 200),
     ("split heads order, row 6", ["bash", "-c", " && ".join(
         f"{PY} benchmarks/op_time_check.py --brief --graph --split-heads-on --narrow-first-ab {gates} 2,16384,32,32"
