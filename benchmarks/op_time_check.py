@@ -40,7 +40,10 @@ blocks at tf32x3 against the whole map at tf32); ``--wide-segments-ab``:
 narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰);
 ``--split-heads-ab``: ``hopper.forward.SPLIT_HEADS`` off, then on (there each head's route between those two,
 decided on the device); ``--narrow-first-ab``: ``hopper.forward.SPLIT_HEADS_NARROW_FIRST`` off, then on (with
-``--split-heads-on``: ``SPLIT_HEADS`` on in both halves); ``--slow-gates``:
+``--split-heads-on``: ``SPLIT_HEADS`` on in both halves); ``--state-only-warmups-ab``:
+``chunk_fwd.STATE_ONLY_WARMUPS`` off, then on (a warm-up's chunk without o's dots: bitwise equal expected; time it
+at ``--mixed-gates``, where warm-ups are long, and at the anchors' gates, where the output chunks' merged barriers
+are all it changes); ``--slow-gates``:
 the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
 decay rates as a Mamba-style initialisation draws them (some heads forget, some not); each says whether
 o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
@@ -95,6 +98,7 @@ SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (la
             "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
             "--split-heads-ab": (hopper_forward, "SPLIT_HEADS"),
             "--narrow-first-ab": (hopper_forward, "SPLIT_HEADS_NARROW_FIRST"),
+            "--state-only-warmups-ab": (chunk_fwd, "STATE_ONLY_WARMUPS"),
             "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES"),
             "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM"),
             "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL"),

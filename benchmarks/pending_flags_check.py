@@ -37,6 +37,14 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
            "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
 STEPS = [
+    # session 34's STATE_ONLY_WARMUPS (off, never run on a GPU): a warm-up's chunk without o's dots. Its GPU test
+    # (bitwise the plain walk through both segmented forwards at mixed and slow gates), then the A/B where warm-ups are
+    # long (mixed gates: rows 4, 3 and 1; predicted phase C −8 to −12% at row 4) and where they are short (the
+    # anchors' gates: only the merged barriers change, predicted 0 to +3%)
+    ("state-only warm-ups, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_state_only_warmups.py"], 300),
+    ("state-only warm-ups, A/B", ["bash", "-c", " && ".join(
+        f"{PY} benchmarks/op_time_check.py --brief --graph --state-only-warmups-ab {gates} {ROWS[2]} {ROWS[0]} "
+        "1,4096,16,16" for gates in ("--mixed-gates", "", "--slow-gates"))], 240),
     # SPLIT_HEADS (off; run 39: anchors' gates 0.673 → 0.575 eager, mixed 0.717 → 0.948, slow 0.668 → 0.723). Its
     # GPU test (its route loads without divisions since b4c8a2d), its launch order (SPLIT_HEADS_NARROW_FIRST) off/on
     # with SPLIT_HEADS on at the three gate settings; then what an exiting program costs (ncu on both walks of the

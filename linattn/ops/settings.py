@@ -67,6 +67,7 @@ def triton_settings() -> Optional[dict]:
             "ASYNC_AX": hopper_kernel.ASYNC_AX, "DEFERRED_DECAY": hopper_kernel.DEFERRED_DECAY,
             "DEFERRED_DECAY_LIMIT": hopper_kernel.DEFERRED_DECAY_LIMIT, "FOLD_P_DECAY": hopper_kernel.FOLD_P_DECAY,
             "UNIFORM_WARPGROUP": hopper_kernel.UNIFORM_WARPGROUP,
+            "STATE_ONLY_WARMUPS": hopper_kernel.STATE_ONLY_WARMUPS,
             "VARLEN_BY_PADDING": hopper_varlen.VARLEN_BY_PADDING,
             "VARLEN_MAX_PADDED_FRACTION": hopper_varlen.MAX_PADDED_FRACTION,
         },

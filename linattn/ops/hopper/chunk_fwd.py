@@ -34,6 +34,7 @@ compile).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import math
+import types
 from typing import Optional
 
 import torch
@@ -59,7 +60,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                  beta_in_a: bool = False, async_o: bool = False, async_ax: bool = False,
                  warm_planned: bool = False, threshold: float = -30.0, min_blocks: int = 1,
                  deferred_decay: bool = False, fold_p_decay: bool = False, lean: bool = False,
-                 warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375):
+                 warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375,
+                 state_only_warmups: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. β is read in ``beta_dtype`` (the inputs' own,
     widened on load). ``a_dtype``: A_inv as given, fp32 (A_inv X at tf32 on mma.sync, X kept fp32) or bf16 (X
@@ -122,7 +124,14 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     heads' programs walk, as ``warm_planned`` says (segments; their warm-ups within the cap). 2: only the cold heads
     walk, from the sequence's start and initial state to its end, writing o all the way (the unsegmented walk,
     reading gc and β per segment: a grid of one program per sequence, head and V tile, as its last segment's); a warm
-    head's programs walk nothing."""
+    head's programs walk nothing.
+
+    ``state_only_warmups`` (the warm walks on the default launch: ``async_dots``, ``async_ax``, ``fold_p_decay``;
+    :data:`STATE_ONLY_WARMUPS`): a warm-up's chunk, whose o nobody reads, runs the state's three dots alone (K S,
+    A_inv X, the update) and skips o's (Q S, Q Kᵀ, P V_d) and P's and o's element-wise steps: each chunk's steps are
+    one branch or the other of a test uniform over the program. The state's steps are the same, so o and the final
+    state are bitwise the same as without it. The loads are the same too (Q's included: the producer does not
+    branch); the consumers then wait for all of a chunk's tiles before the branch."""
     import tilelang
     import tilelang.language as T
 
@@ -162,6 +171,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
     v_early = async_ax and stsm and async_dots
     ax_async = v_early and store_output
     fold_p_decay = fold_p_decay and deferred_decay and stsm and store_output
+    # written for the default launch's steps (the fold's P paths, A_inv X left running); a walk without warm-ups (or a
+    # head_split 2 walk, whose every chunk writes o) compiles without the branch
+    state_only_warmups = state_only_warmups and warm and head_split != 2 and fold_p_decay and ax_async
 
     @T.macro
     def form_p(QK, Ps, Gsc, gcs, decayed):
@@ -195,6 +207,159 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                     T.copy(Os, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
         else:
             T.copy(Of, o[ib, c * BT:(c + 1) * BT, ihv, iv * BV:(iv + 1) * BV])
+
+    @T.macro
+    def chunk_step(t, c, cr, outputs):
+        """Chunk c's steps once its tiles are loaded (the consumers' part of the walk's loop; ``t``: the program's
+        tiles, indices, loop bounds and the deferred decay's log scale la, :class:`StepTiles`). ``outputs`` (a
+        Python bool): o's dots and element-wise steps too; False for a warm-up's chunk under ``state_only_warmups``
+        (the state's three dots alone, each waited for inside this step: a dot left running where two branches join
+        made ptxas serialise every wgmma of the kernel)."""
+        Qs, Ks, Vs, As, gcs, bs, Gam, Rho, Beta, Gsc, Ss, Xs, Ps, Vns, Vds, Os, S, KS, QK, Vn, Of, Vr = (
+            t.Qs, t.Ks, t.Vs, t.As, t.gcs, t.bs, t.Gam, t.Rho, t.Beta, t.Gsc, t.Ss, t.Xs, t.Ps, t.Vns, t.Vds, t.Os, t.S,
+            t.KS, t.QK, t.Vn, t.Of, t.Vr)
+        o, ib, ihv, iv, chunks, Lc, v_on = t.o, t.ib, t.ihv, t.iv, t.chunks, t.Lc, t.v_on
+        la = t.la.buffer    # the one-element buffer of T.alloc_var (t.la reads it): assignments below store into it
+        T.copy(S, Ss)
+        # the dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators).
+        # Async dots and the load pipeline: TileLang releases a staged buffer to the producer right after
+        # its last use in program order — for Qs that is the *issue* of Q Kᵀ below, before it completes.
+        # That is safe only because the producer loads each chunk's K first and Ks is released last, after
+        # the synchronous state update: the producer cannot refill Qs for chunk c + 2 before chunk c is done.
+        # Keep it so (K first, the update synchronous) when reordering the dots
+        if async_dots:
+            T.wgmma_gemm(Ks, Ss, KS, clear_accum=True)
+            if store_output and outputs:
+                T.wgmma_gemm(Qs, Ss, Of, clear_accum=True)
+                T.wgmma_gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
+        else:
+            T.gemm(Ks, Ss, KS, clear_accum=True)
+            if store_output:
+                T.gemm(Qs, Ss, Of, clear_accum=True)
+                T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
+        # per-row decays while the dots run: 2 exps per row instead of per element
+        g_last = gcs[T.min(BT, Tn - c * BT) - 1]
+        # deferred_decay: whether this chunk renormalises S' (la + ln γ below the limit), and the exponent
+        # of ρ's factor 1 / (a γ) after it: 0 where it does (a γ goes into S'), else −(la + ln γ)
+        renorm = la + g_last < -DEFERRED_DECAY_LIMIT
+        for i in T.Parallel(BT):
+            Gam[i] = T.exp(gcs[i] + la) if deferred_decay else T.exp(gcs[i])
+            if not beta_in_a:
+                Beta[i] = T.cast(bs[i], acc)
+        for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout (mma.sync's for tf32)
+            if deferred_decay:
+                Rho[i] = T.exp(T.if_then_else(renorm, g_last, -la) - gcs[i])
+            else:
+                Rho[i] = T.exp(g_last - gcs[i])
+        if stsm and store_output and outputs:
+            for i in T.Parallel(BT):    # and Gsc QK's
+                Gsc[i] = gcs[i] + log_scale
+        if v_early:
+            T.copy(Vs, Vr)      # V's tile into registers while K S runs
+        if async_dots:
+            T.wait_wgmma(2 if store_output and outputs else 0)     # K S done (X needs only it)
+        if stsm:
+            # X = β ⊙ (V − Γ ⊙ K S) in K S's registers, then to shared memory by stmatrix
+            if not v_early:
+                T.copy(Vs, Vr)
+            for i, j in T.Parallel(BT, BV):
+                vij = Vr[i, j] * v_on if affine else Vr[i, j]
+                KS[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
+            T.copy(KS, Xs)
+        else:
+            for i, j in T.Parallel(BT, BV):
+                vij = Vs[i, j] * v_on if affine else Vs[i, j]
+                if x_rows:
+                    Xs[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
+                else:
+                    Xs[j, i] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
+        if ax_async:
+            # A_inv X left running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, done:
+            # wgmma groups complete in order). A_inv's slot is handed back at this issue, safe for the reason
+            # Q's is (the producer refills nothing of chunk c + 2 before K's slot, released last)
+            T.wgmma_gemm(As, Xs, Vn, clear_accum=True)
+            T.wait_wgmma(1)
+        else:
+            T.gemm(As, Xs, Vn, transpose_B=not x_rows, clear_accum=True)
+            if async_dots:
+                T.wait_wgmma(0)
+        if stsm:
+            # P, V_new and ρ ⊙ V_new likewise: in place in their accumulators, then stmatrix
+            if fold_p_decay and not outputs:
+                T.wait_wgmma(0)     # V_new: a warm-up's chunk forms no P
+            elif fold_p_decay:
+                if renorm:          # the plain steps below
+                    form_p(QK, Ps, Gsc, gcs, True)
+                    if ax_async:
+                        scale_o_tile(Of, Gam)
+                        T.wait_wgmma(0)
+                    T.copy(Vn, Vns)
+                else:               # P without its decays; no V_new tile
+                    form_p(QK, Ps, Gsc, gcs, False)
+                    if ax_async:
+                        T.wait_wgmma(0)
+            elif store_output:
+                # the scale inside P's exponent (per row: no operation per element) and Γ's factor below,
+                # instead of a pass over o
+                form_p(QK, Ps, Gsc, gcs, True)
+                if ax_async:
+                    scale_o_tile(Of, Gam)
+                    T.wait_wgmma(0)                     # V_new
+                T.copy(Vn, Vns)
+            for i, j in T.Parallel(BT, BV):
+                Vn[i, j] = Vn[i, j] * Rho[i]
+            T.copy(Vn, Vds)
+        else:
+            if store_output:
+                for i, j in T.Parallel(BT, BT):
+                    Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
+                for i, j in T.Parallel(BT, BV):
+                    Vns[i, j] = Vn[i, j]
+            for i, j in T.Parallel(BT, BV):
+                Vds[i, j] = Vn[i, j] * Rho[i]
+        # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
+        write_o = not warm or head_split == 2 or cr >= chunks - Lc
+        if fold_p_decay and not outputs:
+            T.sync_threads()        # V_d's tile, stored by every consumer, before the update reads it
+        elif fold_p_decay:
+            if renorm:
+                if not ax_async:
+                    scale_o_tile(Of, Gam)
+                T.gemm(Ps, Vns, Of)
+                store_o(Of, Os, o, ib, c, ihv, iv, write_o)
+            else:
+                # P V_d issued and left running: the state's update below reads V_d too and waits for both.
+                # The consumers' barrier first, as before every dot on a tile they have just stored (TileLang
+                # leaves it out on this branch)
+                T.sync_threads()
+                T.wgmma_gemm(Ps, Vds, Of)
+        elif store_output:
+            if not ax_async:
+                scale_o_tile(Of, Gam)
+            T.gemm(Ps, Vns, Of)
+            if not stsm:
+                for i, j in T.Parallel(BT, BV):
+                    Of[i, j] = Of[i, j] * scale
+            store_o(Of, Os, o, ib, c, ihv, iv, write_o)
+        if deferred_decay:
+            # the state's decay in la; S' multiplied only where a γ would leave the limit (a uniform
+            # branch: la and γ are the program's)
+            if renorm:
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] * T.exp(la + g_last)
+                la = 0.0
+            else:
+                la = la + g_last
+        else:
+            for i, j in T.Parallel(K, BV):
+                S[i, j] = S[i, j] * T.exp(g_last)
+        # synchronous: TileLang hands Ks back to the producer after its last use in program order, which must
+        # come after the dot reading it has completed
+        T.gemm(Ks, Vds, S, transpose_A=True)
+        if fold_p_decay and outputs:
+            if not renorm:
+                scale_o_tile(Of, Gam)       # o = Γ a scale ⊙ (Q S' + P V_d)
+                store_o(Of, Os, o, ib, c, ihv, iv, write_o)
 
     @T.prim_func
     def gdn_chunk_fwd(q: T.Tensor((B, Tn, H, K), dtype), k: T.Tensor((B, Tn, H, K), dtype),
@@ -347,6 +512,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 # N's tiles read V shifted by K; M's read V's first tile and zero it (v_on)
                 v0 = T.max(iv * BV - K, 0)
                 v_on = T.if_then_else(iv * BV >= K, 1.0, 0.0)
+            t = StepTiles(Qs=Qs, Ks=Ks, Vs=Vs, As=As, gcs=gcs, bs=bs, Gam=Gam, Rho=Rho, Beta=Beta, Gsc=Gsc, Ss=Ss, Xs=Xs,
+                          Ps=Ps, Vns=Vns, Vds=Vds, Os=Os, S=S, KS=KS, QK=QK, Vn=Vn, Of=Of, Vr=Vr, o=o, ib=ib, ihv=ihv,
+                          iv=iv, chunks=chunks, Lc=Lc if warm else None, v_on=v_on if affine else None, la=la)
             for cr in T.Pipelined(chunks, num_stages=num_stages):
                 c = c0 + cr                           # the chunk, in the whole sequence
                 # gc and β per program sequence: a warm walk's chunk lies in its segment or an earlier one
@@ -360,142 +528,15 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(gc[gr, ihv, gcol:gcol + BT], gcs)
                 if not beta_in_a:
                     T.copy(beta[gr, ihv, gcol:gcol + BT], bs)
-                T.copy(S, Ss)
-                # the dots on this chunk's inputs and the entering state (tensor cores, fp32 accumulators).
-                # Async dots and the load pipeline: TileLang releases a staged buffer to the producer right after
-                # its last use in program order — for Qs that is the *issue* of Q Kᵀ below, before it completes.
-                # That is safe only because the producer loads each chunk's K first and Ks is released last, after
-                # the synchronous state update: the producer cannot refill Qs for chunk c + 2 before chunk c is done.
-                # Keep it so (K first, the update synchronous) when reordering the dots
-                if async_dots:
-                    T.wgmma_gemm(Ks, Ss, KS, clear_accum=True)
-                    if store_output:
-                        T.wgmma_gemm(Qs, Ss, Of, clear_accum=True)
-                        T.wgmma_gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
-                else:
-                    T.gemm(Ks, Ss, KS, clear_accum=True)
-                    if store_output:
-                        T.gemm(Qs, Ss, Of, clear_accum=True)
-                        T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
-                # per-row decays while the dots run: 2 exps per row instead of per element
-                g_last = gcs[T.min(BT, Tn - c * BT) - 1]
-                # deferred_decay: whether this chunk renormalises S' (la + ln γ below the limit), and the exponent
-                # of ρ's factor 1 / (a γ) after it: 0 where it does (a γ goes into S'), else −(la + ln γ)
-                renorm = la + g_last < -DEFERRED_DECAY_LIMIT
-                for i in T.Parallel(BT):
-                    Gam[i] = T.exp(gcs[i] + la) if deferred_decay else T.exp(gcs[i])
-                    if not beta_in_a:
-                        Beta[i] = T.cast(bs[i], acc)
-                for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout (mma.sync's for tf32)
-                    if deferred_decay:
-                        Rho[i] = T.exp(T.if_then_else(renorm, g_last, -la) - gcs[i])
+                if state_only_warmups:
+                    # a warm-up's chunk (its o written by nobody) runs the state's steps alone: one branch around
+                    # the whole step, so that no dot is left running where the two paths join
+                    if cr >= chunks - Lc:
+                        chunk_step(t, c, cr, True)
                     else:
-                        Rho[i] = T.exp(g_last - gcs[i])
-                if stsm and store_output:
-                    for i in T.Parallel(BT):    # and Gsc QK's
-                        Gsc[i] = gcs[i] + log_scale
-                if v_early:
-                    T.copy(Vs, Vr)      # V's tile into registers while K S runs
-                if async_dots:
-                    T.wait_wgmma(2 if store_output else 0)     # K S done (X needs only it)
-                if stsm:
-                    # X = β ⊙ (V − Γ ⊙ K S) in K S's registers, then to shared memory by stmatrix
-                    if not v_early:
-                        T.copy(Vs, Vr)
-                    for i, j in T.Parallel(BT, BV):
-                        vij = Vr[i, j] * v_on if affine else Vr[i, j]
-                        KS[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
-                    T.copy(KS, Xs)
+                        chunk_step(t, c, cr, False)
                 else:
-                    for i, j in T.Parallel(BT, BV):
-                        vij = Vs[i, j] * v_on if affine else Vs[i, j]
-                        if x_rows:
-                            Xs[i, j] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
-                        else:
-                            Xs[j, i] = x_value(vij, Gam[i] * KS[i, j], Beta[i], beta_in_a)
-                if ax_async:
-                    # A_inv X left running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, done:
-                    # wgmma groups complete in order). A_inv's slot is handed back at this issue, safe for the reason
-                    # Q's is (the producer refills nothing of chunk c + 2 before K's slot, released last)
-                    T.wgmma_gemm(As, Xs, Vn, clear_accum=True)
-                    T.wait_wgmma(1)
-                else:
-                    T.gemm(As, Xs, Vn, transpose_B=not x_rows, clear_accum=True)
-                    if async_dots:
-                        T.wait_wgmma(0)
-                if stsm:
-                    # P, V_new and ρ ⊙ V_new likewise: in place in their accumulators, then stmatrix
-                    if fold_p_decay:
-                        if renorm:          # the plain steps below
-                            form_p(QK, Ps, Gsc, gcs, True)
-                            if ax_async:
-                                scale_o_tile(Of, Gam)
-                                T.wait_wgmma(0)
-                            T.copy(Vn, Vns)
-                        else:               # P without its decays; no V_new tile
-                            form_p(QK, Ps, Gsc, gcs, False)
-                            if ax_async:
-                                T.wait_wgmma(0)
-                    elif store_output:
-                        # the scale inside P's exponent (per row: no operation per element) and Γ's factor below,
-                        # instead of a pass over o
-                        form_p(QK, Ps, Gsc, gcs, True)
-                        if ax_async:
-                            scale_o_tile(Of, Gam)
-                            T.wait_wgmma(0)                     # V_new
-                        T.copy(Vn, Vns)
-                    for i, j in T.Parallel(BT, BV):
-                        Vn[i, j] = Vn[i, j] * Rho[i]
-                    T.copy(Vn, Vds)
-                else:
-                    if store_output:
-                        for i, j in T.Parallel(BT, BT):
-                            Ps[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
-                        for i, j in T.Parallel(BT, BV):
-                            Vns[i, j] = Vn[i, j]
-                    for i, j in T.Parallel(BT, BV):
-                        Vds[i, j] = Vn[i, j] * Rho[i]
-                # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
-                write_o = not warm or head_split == 2 or cr >= chunks - Lc
-                if fold_p_decay:
-                    if renorm:
-                        if not ax_async:
-                            scale_o_tile(Of, Gam)
-                        T.gemm(Ps, Vns, Of)
-                        store_o(Of, Os, o, ib, c, ihv, iv, write_o)
-                    else:
-                        # P V_d issued and left running: the state's update below reads V_d too and waits for both.
-                        # The consumers' barrier first, as before every dot on a tile they have just stored (TileLang
-                        # leaves it out on this branch)
-                        T.sync_threads()
-                        T.wgmma_gemm(Ps, Vds, Of)
-                elif store_output:
-                    if not ax_async:
-                        scale_o_tile(Of, Gam)
-                    T.gemm(Ps, Vns, Of)
-                    if not stsm:
-                        for i, j in T.Parallel(BT, BV):
-                            Of[i, j] = Of[i, j] * scale
-                    store_o(Of, Os, o, ib, c, ihv, iv, write_o)
-                if deferred_decay:
-                    # the state's decay in la; S' multiplied only where a γ would leave the limit (a uniform
-                    # branch: la and γ are the program's)
-                    if renorm:
-                        for i, j in T.Parallel(K, BV):
-                            S[i, j] = S[i, j] * T.exp(la + g_last)
-                        la = 0.0
-                    else:
-                        la = la + g_last
-                else:
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] * T.exp(g_last)
-                # synchronous: TileLang hands Ks back to the producer after its last use in program order, which must
-                # come after the dot reading it has completed
-                T.gemm(Ks, Vds, S, transpose_A=True)
-                if fold_p_decay:
-                    if not renorm:
-                        scale_o_tile(Of, Gam)       # o = Γ a scale ⊙ (Q S' + P V_d)
-                        store_o(Of, Os, o, ib, c, ihv, iv, write_o)
+                    chunk_step(t, c, cr, True)
             if async_o and store_output and (tma_o or warm):
                 T.tma_store_wait()      # the last store read the tile before the program ends
             if deferred_decay:
@@ -518,6 +559,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
 
     return gdn_chunk_fwd
+
+
+class StepTiles(types.SimpleNamespace):
+    """What ``build_kernel``'s chunk step reads and writes besides its chunk: the program's shared tiles and register
+    fragments, its sequence, value head and V tile, its loop bound and segment length (a TileLang macro sees only
+    its arguments and ``build_kernel``'s constants)."""
 
 
 def consumer_registers(threads: int, min_blocks: int) -> int:
@@ -574,13 +621,14 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtyp
                     async_ax: bool = False, warm_planned: bool = False, threshold: float = -30.0,
                     min_blocks: int = 1, deferred_decay: bool = False, fold_p_decay: bool = False,
                     uniform_warpgroup: bool = False, lean: bool = False, warm_subset: int = 0,
-                    head_split: int = 0, split_cap: float = 0.375):
+                    head_split: int = 0, split_cap: float = 0.375, state_only_warmups: bool = False):
     """The compiled kernel (cached per static configuration); ``target`` as :func:`compile_prim_func`'s;
     ``uniform_warpgroup``: its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
     (:data:`UNIFORM_WARPGROUP`, ``uniform_warpgroup.py``)."""
     func = build_kernel(H, HV, K, V, BV, scale, dtype, threads, num_stages, use_initial_state, beta_dtype, a_dtype,
                         async_dots, affine, tma_o, warm, stsm, beta_in_a, async_o, async_ax, warm_planned, threshold,
-                        min_blocks, deferred_decay, fold_p_decay, lean, warm_subset, head_split, split_cap)
+                        min_blocks, deferred_decay, fold_p_decay, lean, warm_subset, head_split, split_cap,
+                        state_only_warmups)
     if not uniform_warpgroup:
         return compile_prim_func(func, target)
     from . import uniform_warpgroup as uniform
@@ -642,6 +690,12 @@ FOLD_P_DECAY = True
 # warp-uniform in the generated CUDA, so ptxas builds the 40 wgmma descriptors per chunk in uniform registers
 # instead of per thread (no value changes: outputs bitwise equal, run 30's GPU test)
 UNIFORM_WARPGROUP = True
+# STATE_ONLY_WARMUPS (``build_kernel``'s ``state_only_warmups``): a warm-up's chunk runs the state's dots alone (no
+# Q S, Q Kᵀ, P V_d: ≈ 44% of its tensor work); bitwise the same outputs; the consumers wait for all of a chunk's tiles
+# before the branch. Session 34: compiled for sm_90a without spills or serialised wgmma, not run on a GPU. Predicted:
+# phase C −8 to −12% at row 4's mixed gates (145 warm-up chunks of its longest program's 401, each ≈ 30% shorter),
+# nothing at the anchors' (≈ 7 of 263), 0–3% on the output chunks from the merged barriers: the A/B must show both
+STATE_ONLY_WARMUPS = False
 
 
 def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool]:
@@ -649,6 +703,14 @@ def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bo
     where the launch cannot use it (o not stored by TMA, dots not async, no stmatrix steps), so that a switch with no
     effect compiles no second copy of a kernel."""
     return ASYNC_O_STORE and tma_store, ASYNC_AX and async_dots and stsm
+
+
+def warmup_switch(async_dots: bool, stsm: bool, head_split: int) -> bool:
+    """``compiled_kernel``'s ``state_only_warmups`` for a warm walk from :data:`STATE_ONLY_WARMUPS`: False where the
+    launch could not use it (the branch is written for async dots, the fold and A_inv X left running; a head_split 2
+    walk has no warm-up), as :func:`schedule_switches` does, so that no second copy of a kernel compiles."""
+    return (STATE_ONLY_WARMUPS and async_dots and stsm and ASYNC_AX and DEFERRED_DECAY and FOLD_P_DECAY
+            and head_split != 2)
 
 
 def instruction_switches(stsm: bool, store_output: bool) -> dict:

@@ -60,7 +60,7 @@ SWITCHES = {
     "prepass": ("BETA_IN_A_INV", "MIN_BLOCKS_PER_SM", "TMA_KEYS", "A_ROW_PAD", "T_ROW_PAD", "STEP4_BLOCKED",
                 "A_BEFORE_STORES", "STEP4_MMA", "T_HI_ROW_PAD", "STEP6_BETA"),
     "chunk_fwd": ("ASYNC_O_STORE", "ASYNC_AX", "DEFERRED_DECAY", "DEFERRED_DECAY_LIMIT", "FOLD_P_DECAY",
-                  "UNIFORM_WARPGROUP", "DIRECT_LAUNCH", "EXECUTION_BACKEND"),
+                  "UNIFORM_WARPGROUP", "STATE_ONLY_WARMUPS", "DIRECT_LAUNCH", "EXECUTION_BACKEND"),
     "map_bound": ("BLOCK", "TILE", "PLAN_WARPS", "MAP_CHUNK_COST", "SCAN_STEP_COST", "WALK_CHUNK_COST"),
 }
 _get_forward, _get_prepass, _get_chunk_fwd, _get_map_bound = (operator.attrgetter(*names) for names in

@@ -39,7 +39,8 @@ def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
                 stsm: bool, beta_in_a_inv: bool, threshold: Optional[float], min_blocks: int, lean: bool,
                 warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375, target: Optional[str] = None):
     """The compiled kernel of the warm walk (phase C with ``warm_chunks``, or, ``threshold`` given, the walk that
-    plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied;
+    plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied (those of
+    :func:`walk_kernel` and :func:`chunk_fwd.warmup_switch`);
     ``warm_subset``, ``head_split``, ``split_cap``: :func:`chunk_fwd.build_kernel`'s; ``target``: the compile
     target (None: the GPU's; "sm_90a" compiles without one, as the tests do)."""
     planned = threshold is not None
@@ -50,7 +51,8 @@ def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
                                      float(threshold) if planned else -30.0, min_blocks,
                                      **chunk_fwd.instruction_switches(stsm, True), lean=lean,
                                      warm_subset=warm_subset, head_split=head_split,
-                                     split_cap=float(split_cap) if head_split else 0.375)
+                                     split_cap=float(split_cap) if head_split else 0.375,
+                                     state_only_warmups=chunk_fwd.warmup_switch(async_dots, stsm, head_split))
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
