@@ -110,22 +110,24 @@ def phases(B, T, H, HV, gates, trace=False, tag=""):
     return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 
+# the flags that switch hopper.forward's settings on (``--serial`` replaces its stream fork instead)
+SWITCH_FLAGS = (("--overlap-warm", "OVERLAP_WARM"), ("--map-wave-fill", "MAP_WAVE_FILL"),
+                ("--split-heads", "SPLIT_HEADS"), ("--narrow-first", "SPLIT_HEADS_NARROW_FIRST"))
+
+
 def trace_tag(argv) -> str:
     """The trace files' suffix naming the switches a run had on (run 41 lost the split walks' traces to a plain
     run's of the same name)."""
-    flags = ("--overlap-warm", "--map-wave-fill", "--split-heads", "--serial", "--narrow-first")
+    flags = [flag for flag, _ in SWITCH_FLAGS] + ["--serial"]
     return "".join(flag[1:] for flag in flags if flag in argv)
 
 
 def main(argv):
     shapes = [tuple(int(x) for x in a.split(",")) for a in argv if "," in a]
     from linattn.ops.hopper import forward, map_bound
-    for flag, switch in (("--overlap-warm", "OVERLAP_WARM"), ("--map-wave-fill", "MAP_WAVE_FILL"),
-                         ("--split-heads", "SPLIT_HEADS")):
+    for flag, switch in SWITCH_FLAGS:
         if flag in argv:
             setattr(forward, switch, True)
-    if "--narrow-first" in argv:
-        forward.SPLIT_HEADS_NARROW_FIRST = True
     if "--serial" in argv:
         forward.critical_fork = lambda device: forward.no_fork()
     if "--plan-block" in argv:

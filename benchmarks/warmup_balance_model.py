@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from hopper_fwd_check import mixed_gates  # this folder is on sys.path
 
 from linattn.ops.hopper import forward
 
@@ -29,10 +30,7 @@ LOG2E = 1 / math.log(2)
 def draw_gates(B: int, T: int, HV: int, gates: str, seed: int = 0) -> torch.Tensor:
     g = F.logsigmoid(torch.randn(B, T, HV, generator=torch.Generator().manual_seed(seed))) / 16
     if gates == "mixed":
-        gen = torch.Generator().manual_seed(3)      # hopper_fwd_check.mixed_gates' rates
-        A = torch.exp(torch.rand(HV, generator=gen) * math.log(16))
-        dt = torch.exp(math.log(1e-3) + torch.rand(HV, generator=gen) * math.log(100))
-        g = g * ((A * dt) / -g.mean())
+        g = mixed_gates(g)
     elif gates == "slow":
         g = g / 65536
     return g

@@ -285,7 +285,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 T.wait_wgmma(0)
         if stsm:
             # P, V_new and ρ ⊙ V_new likewise: in place in their accumulators, then stmatrix
-            if fold_p_decay and not outputs:
+            if not outputs:         # (only under state_only_warmups, which implies the fold)
                 T.wait_wgmma(0)     # V_new: a warm-up's chunk forms no P
             elif fold_p_decay:
                 if renorm:          # the plain steps below
@@ -319,7 +319,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, dtype: 
                 Vds[i, j] = Vn[i, j] * Rho[i]
         # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
         write_o = not warm or head_split == 2 or cr >= chunks - Lc
-        if fold_p_decay and not outputs:
+        if not outputs:
             T.sync_threads()        # V_d's tile, stored by every consumer, before the update reads it
         elif fold_p_decay:
             if renorm:
@@ -707,9 +707,11 @@ def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bo
 
 def warmup_switch(async_dots: bool, stsm: bool, head_split: int) -> bool:
     """``compiled_kernel``'s ``state_only_warmups`` for a warm walk from :data:`STATE_ONLY_WARMUPS`: False where the
-    launch could not use it (the branch is written for async dots, the fold and A_inv X left running; a head_split 2
-    walk has no warm-up), as :func:`schedule_switches` does, so that no second copy of a kernel compiles."""
-    return (STATE_ONLY_WARMUPS and async_dots and stsm and ASYNC_AX and DEFERRED_DECAY and FOLD_P_DECAY
+    launch could not use it (the branch is written for A_inv X left running and the fold, as
+    :func:`schedule_switches` and :func:`instruction_switches` resolve them; a head_split 2 walk has no warm-up), so
+    that no second copy of a kernel compiles."""
+    async_ax = schedule_switches(async_dots, stsm, True)[1]
+    return (STATE_ONLY_WARMUPS and async_ax and instruction_switches(stsm, True)["fold_p_decay"]
             and head_split != 2)
 
 
