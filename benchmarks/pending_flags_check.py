@@ -108,6 +108,9 @@ STEPS = [
      for rows, shape in [("row 6", "2,16384,32,32"), ("row 7", "1,32768,2,8"),
                          ("rows 2, 3 and 1", "8,4096,16,16;1,32768,16,16;1,4096,16,16"), ("row 4", "1,131072,16,16"),
                          ("row 5", "4,8192,16,32")]] + [
+    # issue 4's whole table, forward only, in one process (benchmarks/anchors_forward_table.py: bench_anchors' own
+    # inputs, implementations and timer, without the backwards that made the steps above take three calls)
+    ("issue 4 table, forward", [PY, "benchmarks/anchors_forward_table.py"], 540),
     # session 25's WIDE_SEGMENTS (off: 1.50x at slow gates in run 32) at mixed gates, and its accuracy test
     ("wide segments, mixed gates", [PY, "benchmarks/op_time_check.py", "--brief", "--wide-segments-ab",
                                     "--mixed-gates", "--graph", "2,16384,32,32"], 120),
