@@ -692,10 +692,9 @@ FOLD_P_DECAY = True
 UNIFORM_WARPGROUP = True
 # STATE_ONLY_WARMUPS (``build_kernel``'s ``state_only_warmups``): a warm-up's chunk runs the state's dots alone (no
 # Q S, Q Kᵀ, P V_d: ≈ 44% of its tensor work); bitwise the same outputs; the consumers wait for all of a chunk's tiles
-# before the branch. Session 34: compiled for sm_90a without spills or serialised wgmma, not run on a GPU. Predicted:
-# phase C −8 to −12% at row 4's mixed gates (145 warm-up chunks of its longest program's 401, each ≈ 30% shorter),
-# nothing at the anchors' (≈ 7 of 263), 0–3% on the output chunks from the merged barriers: the A/B must show both
-STATE_ONLY_WARMUPS = False
+# before the branch. On since run 42 (H200, graph replay, off → on): row 4 −5.5% / −2.3% / −1.0% at mixed / anchors' /
+# slow gates, row 1 −18% / −3% / −18%, row 3 0% / −1% / −0.6%; bitwise the plain walk (GPU test and every A/B)
+STATE_ONLY_WARMUPS = True
 
 
 def schedule_switches(async_dots: bool, stsm: bool, tma_store: bool) -> tuple[bool, bool]:
