@@ -37,10 +37,10 @@ PROFILE = ("ncu --kernel-name regex:'segment_plan|gdn_prepass' --launch-skip 2 -
            "ncu --import /tmp/prof.ncu-rep --page details --print-details all && "
            "ncu --import /tmp/prof.ncu-rep --page source --print-source sass --csv > $OUT/profile_sass.csv")
 STEPS = [
-    # session 34's STATE_ONLY_WARMUPS (off, never run on a GPU): a warm-up's chunk without o's dots. Its GPU test
-    # (bitwise the plain walk through both segmented forwards at mixed and slow gates), then the A/B where warm-ups are
-    # long (mixed gates: rows 4, 3 and 1; predicted phase C −8 to −12% at row 4) and where they are short (the
-    # anchors' gates: only the merged barriers change, predicted 0 to +3%)
+    # session 34's STATE_ONLY_WARMUPS (on since run 42: −5.5% / −2.3% / −1.0% at row 4's mixed / anchors' / slow
+    # gates): a warm-up's chunk without o's dots. Its GPU test (bitwise the plain walk through both segmented forwards
+    # at mixed and slow gates), then the A/B where warm-ups are long (mixed gates: rows 4, 3 and 1) and where they are
+    # short (the anchors' gates); kept to re-check a change to the walk's chunk step
     ("state-only warm-ups, GPU test", [PY, "-m", "pytest", "-q", "tests/ops/test_hopper_state_only_warmups.py"], 300),
     ("state-only warm-ups, A/B", ["bash", "-c", " && ".join(
         f"{PY} benchmarks/op_time_check.py --brief --graph --state-only-warmups-ab {gates} {ROWS[2]} {ROWS[0]} "
