@@ -1,13 +1,20 @@
 """Why a forward's do_bench median and its profiled span differ: the op and FlashQLA timed four ways at one shape.
 
-Run 44 (H200) found row 4's forward at 1.08–1.12 ms under do_bench (eager and graph replay) but 1.005 ms as the
+Run 42 (H200) found row 4's forward at 1.08–1.12 ms under do_bench (eager and graph replay) but 1.005 ms as the
 profiler's span of back-to-back calls (pre-pass start to walk end, no gap over 1.6 µs). do_bench zeroes a 256 MB
 buffer before each timed call (an L2 flush) and times each call alone; the profiler's calls follow each other. So:
 
     do_bench        triton.testing.do_bench's median (25 warm-ups, 100 ms; the L2 flushed before each call)
     back_to_back    CUDA events around ``CALLS`` calls in a row, divided by ``CALLS`` (no flush, no gap)
-    flushed_each    CUDA events around each call after the same flush as do_bench, median (do_bench by hand)
-    after_memset    as flushed_each, but the flush followed by a 1 µs kernel on the stream before the start event
+    flushed_each    CUDA events around each call after do_bench's flush, synchronised after each call, median: the
+                    call starts on an idle GPU, so its launches' host time shows (do_bench does not synchronise)
+    after_memset    as flushed_each, with a tiny kernel after the flush (before the start event)
+
+Run 42's answer (H200): neither mode is it. In a fresh process row 4 took 0.992 (do_bench) / 1.024 (back to back),
+FlashQLA 1.295 / 1.295; then the same shape repeated in that process drifted to 1.088, FlashQLA's to 1.305, while
+``nvidia-smi`` showed the card at 690 W under its software power cap (clock event reason 0x4) with the SM clock
+down from 1980 to 1845–1935 MHz. A shape's place in a process (how long the card has been loaded) moves ours more
+than FlashQLA's. Give a shape the same place when comparing, and repeat it (list it twice).
 
 (bench_anchors' inputs, seed 2, its gates or ``--mixed-gates``):
 
