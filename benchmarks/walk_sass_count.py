@@ -23,6 +23,7 @@ from pathlib import Path
 from sm90 import CUOBJDUMP  # this folder is on sys.path
 
 from linattn.ops.hopper import chunk_fwd
+from linattn.ops.hopper.cubin import compile_sm90a
 
 LAUNCH = dict(BV=128, threads=256, num_stages=2, async_dots=True, tma_o=True, stsm=True, a_dtype="bfloat16",
               async_o=True, async_ax=True, beta_in_a=True)
@@ -44,14 +45,8 @@ def nvcc() -> str:
 
 def sass(source: str) -> list[tuple[int, str]]:
     """(address, instruction) of the source's kernel, compiled for sm_90a with TileLang's headers."""
-    import tilelang
-    root = Path(tilelang.__file__).parent
-    includes = [root / "src", root / "src" / "cuda", root / "3rdparty" / "cutlass" / "include"]
     with tempfile.TemporaryDirectory() as tmp:
-        cu, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
-        cu.write_text(source)
-        subprocess.run([nvcc(), "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "--use_fast_math", "-w",
-                        *[f"-I{p}" for p in includes], "-o", str(cubin), str(cu)], check=True)
+        cubin, _ = compile_sm90a(source, Path(tmp), nvcc())
         text = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
     return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, text.splitlines()) if m]

@@ -7,14 +7,13 @@ walk without it, at gates where the warm-ups are long."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from linattn.ops.hopper import chunk_fwd as hopper
+from linattn.ops.hopper.cubin import compile_sm90a
 
 from .test_hopper_deferred_decay import COMPILES, kernel_source, mixed_gates
 from .test_hopper_fwd import ON_HOPPER, gpu_inputs, op_outputs_off_and_on
@@ -44,15 +43,7 @@ def test_the_switch_applies_only_where_the_branch_is_written(monkeypatch):
 
 def ptxas_report(source: str, tmp_path: Path) -> str:
     """ptxas's verbose report (and warnings) for a TileLang kernel's CUDA, compiled for sm_90a as TileLang does."""
-    import tilelang
-    root = Path(tilelang.__file__).parent
-    includes = [root / "src", root / "src" / "cuda", root / "3rdparty" / "cutlass" / "include"]
-    cu = tmp_path / "k.cu"
-    cu.write_text(source)
-    result = subprocess.run([shutil.which("nvcc"), "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "--use_fast_math",
-                             "-w", *[f"-I{p}" for p in includes], "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                             str(cu)], capture_output=True, text=True, check=True)
-    return result.stdout + result.stderr
+    return compile_sm90a(source, tmp_path)[1]
 
 
 @COMPILES

@@ -1,0 +1,31 @@
+"""A TileLang kernel's generated CUDA compiled for sm_90a without a GPU, with TileLang's headers, as TileLang itself
+compiles it: what the tests' ptxas checks (spills, serialised wgmma) and ``benchmarks/walk_sass_count.py``'s SASS
+counts read. Needs TileLang (optional) and nvcc on PATH."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+
+def tilelang_includes() -> list[Path]:
+    """The include folders TileLang's generated CUDA needs (its templates and CUTLASS's)."""
+    import tilelang
+    root = Path(tilelang.__file__).parent
+    return [root / "src", root / "src" / "cuda", root / "3rdparty" / "cutlass" / "include"]
+
+
+def compile_sm90a(source: str, directory: Path, nvcc: str | None = None) -> tuple[Path, str]:
+    """(the cubin, ptxas's verbose report and warnings) of ``source`` compiled in ``directory`` for sm_90a with
+    TileLang's flags (``-O3 --use_fast_math``). Raises ``FileNotFoundError`` without nvcc, and
+    ``subprocess.CalledProcessError`` (nvcc's output in it) where the source does not compile."""
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found: put a CUDA toolkit's bin on PATH")
+    directory = Path(directory)
+    cu, cubin = directory / "kernel.cu", directory / "kernel.cubin"
+    cu.write_text(source)
+    result = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "--use_fast_math", "-w",
+                             *[f"-I{p}" for p in tilelang_includes()], "-Xptxas", "-v", "-o", str(cubin), str(cu)],
+                            capture_output=True, text=True, check=True)
+    return cubin, result.stdout + result.stderr
