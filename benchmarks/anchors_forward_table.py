@@ -76,6 +76,10 @@ def time_row(impls, B, T, H, HV):
     return records
 
 
+def cell(ms):
+    return "n/a" if ms is None else f"{ms:.3f}"
+
+
 def table(records, rows):
     """Issue 4's table as markdown: each implementation's ms, the goal, linattn / FlashQLA and / floor."""
     by = {(r["impl"], r["B"], r["T"], r["H"], r["HV"]): r.get("fwd_ms") for r in records}
@@ -90,9 +94,6 @@ def table(records, rows):
         else:
             met = ours <= goal and (row != 1 or (sdpa is not None and ours < sdpa))
             verdict = f"{ours / qla:.2f}×: " + ("met" if met else f"missed by {ours / goal - 1:.0%}")
-
-        def cell(x):
-            return "n/a" if x is None else f"{x:.3f}"
         goal_text = "n/a" if goal is None else f"≤ {goal:.3f}" + (" and < SDPA" if row == 1 else "")
         lines.append(f"| {row} | {', '.join(map(str, shape))} | {cell(ours)} | {cell(qla)} | {cell(fla)} | "
                      f"{cell(sdpa)} | {goal_text} | {verdict} | {floor} | "

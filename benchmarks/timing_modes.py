@@ -26,6 +26,7 @@ import statistics
 import sys
 
 import torch
+import triton
 from gate_sensitivity import flash_qla_forward, op_at  # this folder is on sys.path
 from hopper_fwd_check import bench
 
@@ -46,12 +47,14 @@ def back_to_back(fn):
 
 
 def flushed_each(fn, settle=False):
-    """Median ms of single calls, each after do_bench's L2 flush (and, with ``settle``, a tiny kernel after it)."""
-    flush = torch.empty(256 * 2 ** 20 // 4, dtype=torch.int32, device="cuda")
+    """Median ms of single calls, each after do_bench's own L2 flush (Triton's benchmark cache, cleared as do_bench
+    clears it; with ``settle``, a tiny kernel after it)."""
+    driver = triton.runtime.driver.active
+    flush = driver.get_empty_cache_for_benchmark()
     tiny = torch.zeros(1, device="cuda")
     times = []
     for _ in range(REPS):
-        flush.zero_()
+        driver.clear_cache(flush)
         if settle:
             tiny.add_(1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

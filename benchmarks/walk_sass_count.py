@@ -14,7 +14,6 @@ does not renormalise. Session 23 (ptxas 13.0): plain 1027, uniform 891, deferred
 import argparse
 import collections
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,15 +37,13 @@ VARIANTS = {                                          # name: (compiled_kernel's
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,5})\*/\s+(.*?);")
 
 
-def nvcc() -> str:
-    """nvcc from PATH (TileLang's generated CUDA needs a toolkit's compiler; cuobjdump is Triton's, ``sm90.py``)."""
-    return shutil.which("nvcc") or sys.exit("nvcc not found: put a CUDA toolkit's bin on PATH")
-
-
 def sass(source: str) -> list[tuple[int, str]]:
     """(address, instruction) of the source's kernel, compiled for sm_90a with TileLang's headers."""
     with tempfile.TemporaryDirectory() as tmp:
-        cubin, _ = compile_sm90a(source, Path(tmp), nvcc())
+        try:
+            cubin, _ = compile_sm90a(source, Path(tmp))
+        except FileNotFoundError as missing:      # nvcc not on PATH: the script's one requirement besides TileLang
+            sys.exit(str(missing))
         text = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
     return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
