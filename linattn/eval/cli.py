@@ -32,7 +32,7 @@ from . import SECTIONS, stopped_during
 from .cases import GATES
 from .impls import DEFAULT_IMPLS, KNOWN_IMPLS
 
-PROFILES = ("quick", "full", "tiny")  # "tiny": a seconds-long run for tests, not advertised in --help
+PROFILES = ("quick", "full", "tiny")
 BUDGET_SHARES = {"correctness": 0.10, "performance": 0.20, "decode": 0.07, "scaling": 0.20, "memory": 0.08,
                  "stability": 0.10, "robustness": 0.08, "soak": 0.10, "mixed_precision": 0.07}
 REPORT_RESERVE_S = 10.0  # kept back for the scorecard and the report writers
@@ -43,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # rich and matplotlib are the [eval] extra: fail at parser build time so `linattn eval` names the missing extra
     import matplotlib  # noqa: F401
     import rich  # noqa: F401
-    p.add_argument("--profile", default="quick", choices=PROFILES, metavar="{quick,full}",
-                   help="quick (default: <= 5 min on a CPU, <= 10 min on one GPU) or full (the whole grid)")
+    p.add_argument("--profile", default="quick", choices=PROFILES,
+                   help="quick (default: <= 5 min on a CPU, <= 10 min on one GPU), full (the whole grid) or tiny "
+                        "(seconds, toy shapes: checks that the suite runs, says nothing about speed)")
     p.add_argument("--impl", default=",".join(DEFAULT_IMPLS),
                    help=f"comma-separated implementations (default: %(default)s; known: {', '.join(KNOWN_IMPLS)}); "
                         "those not installed or not runnable here are skipped and listed in the report")
@@ -230,8 +231,10 @@ class Evaluation:
         from .cases import profile
         from .context import Context
         from .impls import parse_impls
+        from .report import prepare_out_dir
 
         self.args, self.guard = args, guard or _Signals()
+        prepare_out_dir(args.out)
         self.device = _device(args.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels (Triton's included) launch on the current device

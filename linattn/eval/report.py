@@ -51,6 +51,24 @@ def atomic_write(path: str, data) -> None:
             os.unlink(tmp)
 
 
+def prepare_out_dir(path: str) -> str:
+    """Create the output directory ``path`` (and its missing parents) and check that it can be written; a
+    ValueError with one line saying what is wrong otherwise (so a run finds out before it starts, not at the end)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {path}: exists and is not a directory; name a directory (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--out {path}: a parent of it is a file, not a directory") from None
+    except PermissionError:
+        raise ValueError(f"--out {path}: no permission to create it") from None
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: the directory is not writable")
+    return path
+
+
 def write_json(results: dict, path: str) -> None:
     missing = [s for s in SECTIONS if s not in results]
     if missing:
