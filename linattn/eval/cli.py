@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from . import SECTIONS, stopped_during
+from . import SECTIONS
 from .cases import GATES
 from .impls import DEFAULT_IMPLS, KNOWN_IMPLS
 
@@ -367,9 +367,9 @@ class Evaluation:
 
         ctx, results = self.ctx, self.results
         runners = {"correctness": correctness.run, "performance": perf.run, "decode": decode.run,
-                   "scaling": scaling.run, "memory": memory.run, "stability": stability.run,
-                   "robustness": robustness.run, "soak": lambda c: soak.run(c, results.get("scaling")),
-                   "mixed_precision": mixed_precision.run}
+                   "scaling": lambda c: scaling.run(c, results.get("performance")), "memory": memory.run,
+                   "stability": stability.run, "robustness": robustness.run,
+                   "soak": lambda c: soak.run(c, results.get("scaling")), "mixed_precision": mixed_precision.run}
         chosen = [n for n in runners if n in self.selected]
         weights = [BUDGET_SHARES[n] for n in chosen]
         usable = max(self.budget - REPORT_RESERVE_S, self.budget * 0.5)
@@ -447,30 +447,11 @@ def evaluate(args) -> dict:
 
 
 def _summary(results: dict, paths: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    import shutil
 
-    from .report import headline
-    hdr, rows = headline(results)
-    table = Table(title=f"linattn eval — {results['meta']['profile']} on {results['meta']['device']} "
-                        f"({results['meta']['wall_s']:.0f} s)")
-    for h in hdr:
-        table.add_column(h, overflow="fold")
-    for row in rows:
-        table.add_row(*[str(c) for c in row])
-    console = Console()
-    console.print(table)
-    if results["environment"].get("warning"):
-        console.print(f"[yellow]warning: {results['environment']['warning']}")
-    for name in SECTIONS:
-        sec = results.get(name, {})
-        if "error" in sec and isinstance(sec["error"], dict):
-            console.print(f"[red]section {name} failed: {sec['error']['type']}: {sec['error']['message']}")
-    stop = results["meta"].get("interrupted")
-    if stop:
-        console.print(f"[yellow]partial report: interrupted by {stop['signal']} at {stop['at_s']:.0f} s during "
-                      f"{stopped_during(stop)}; sections done: {', '.join(results['sections_done'])}")
-    console.print("reports: " + ", ".join(paths.values()))
+    from .summary import PIPE_WIDTH, render
+    width = min(shutil.get_terminal_size((PIPE_WIDTH, 24)).columns, 120) if sys.stdout.isatty() else PIPE_WIDTH
+    print(render(results, paths, width))
 
 
 def _merge(args) -> int:

@@ -20,6 +20,7 @@ from typing import Optional
 from . import SECTIONS, stopped_during
 from .decode import best_step
 from .resume import describe as describe_resume
+from .verdict import verdict
 from .warm import describe
 
 
@@ -434,6 +435,25 @@ def _score_blocks(r: dict) -> list:
             _t(["scenario"] + impls, rows)]
 
 
+def _correct_cell(r: dict, impl: dict, corr: Optional[dict]) -> str:
+    """The summary's "correct" column: cases passed, or why there is no count."""
+    if impl.get("kind") == "softmax":
+        return "n/a (softmax)"
+    if "skipped" in r["correctness"]:
+        return "not run"
+    return f"{corr['passed']}/{corr['cases']}" if corr else "–"
+
+
+def scores_note(r: dict) -> Optional[str]:
+    """What the summary's five scores are (None when the scorecard was not computed)."""
+    sc = r.get("scorecard", {})
+    if not sc.get("scenarios"):
+        return None
+    return ("Scores (0-100 per scenario, 100 = the best implementation of this run, not comparable across runs): "
+            + "; ".join(f"{k[:4]} = {k.replace('_', ' ')}: {sc.get('descriptions', {}).get(k, '')}"
+                        for k in sc["scenarios"]) + ". The Scorecard section has the weights and raw values.")
+
+
 def headline(r: dict) -> list:
     """The one-screen summary: per implementation, the numbers a reader looks at first."""
     rows = []
@@ -448,7 +468,7 @@ def headline(r: dict) -> list:
         big = max(mine, key=lambda x: x["shape"]["B"] * x["shape"]["T"], default=None)
         sc = r["scorecard"].get("scenarios", {})
         step = best_step(r.get("decode"), name)
-        rows.append([name, f"{corr['passed']}/{corr['cases']}" if corr else "n/a (baseline)",
+        rows.append([name, _correct_cell(r, impl, corr),
                      f"{big['shape_id']} {big['dtype']} {big['direction']}" if big else "–",
                      fmt(big["p50_ms"]) if big else "–", fmt(big["p99_ms"]) if big else "–",
                      fmt(big["tokens_per_s"] / 1e6) if big else "–",
@@ -462,9 +482,11 @@ def blocks(r: dict) -> list:
     out = [_h(1, "linattn eval report"), _p(
         f"Profile **{r['meta']['profile']}** on **{r['environment'].get('device')}**"
         f" ({(r['environment'].get('gpu') or {}).get('name', r['environment'].get('cpu'))}), "
-        f"{r['environment'].get('date_utc')}."), _h(2, "Summary"), _t(hdr, rows)]
-    if r["environment"].get("warning"):
-        out.insert(2, _p(f"**Warning:** {r['environment']['warning']}."))
+        f"{r['environment'].get('date_utc')}."), _h(2, "Verdict"),
+        ("ul", [(x["level"], f"**{x['topic']}:** {x['text']}") for x in verdict(r)]),
+        _h(2, "Summary"), _t(hdr, rows)]
+    if scores_note(r):
+        out.append(_p(scores_note(r)))
     merged = r["meta"].get("merged_from")
     if r.get("partial") and merged:
         out.insert(2, _p("**Partial report:** merged from partial runs (--allow-partial); sections missing: "
@@ -521,6 +543,8 @@ def to_markdown(bl: list, figdir: str = "plots", figs: dict = None) -> str:
             lines += ["#" * b[1] + " " + b[2], ""]
         elif b[0] == "p":
             lines += [b[1], ""]
+        elif b[0] == "ul":
+            lines += [f"- {text}" for _, text in b[1]] + [""]
         elif b[0] == "t":
             lines += ["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
             lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in b[2]]
@@ -535,7 +559,9 @@ color:#222;padding:0 16px}h1{border-bottom:2px solid #333}h2{margin-top:32px;bor
 table{border-collapse:collapse;font-size:13px;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 7px;
 text-align:left;vertical-align:top}th{background:#f0f0f0}tr:nth-child(even){background:#fafafa}
 .pass{color:#137333;font-weight:600}.fail{color:#c5221f;font-weight:600}figure{margin:8px 0 20px}
-figcaption{font-size:13px;color:#555}img{max-width:100%;border:1px solid #eee}"""
+figcaption{font-size:13px;color:#555}img{max-width:100%;border:1px solid #eee}
+ul.verdict{font-size:15px;line-height:1.45;padding-left:20px}ul.verdict li{margin:3px 0}
+ul.verdict li.fail{color:#c5221f}ul.verdict li.warn{color:#8a5a00}"""
 
 
 def _cell(c) -> str:
@@ -545,13 +571,22 @@ def _cell(c) -> str:
     return s.replace("**", "")
 
 
+def _bold(text: str) -> str:
+    """Escaped text with Markdown's **bold** as <b>."""
+    parts = html.escape(text).split("**")
+    return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+
 def to_html(bl: list, figs: dict) -> str:
     body = []
     for b in bl:
         if b[0] == "h":
             body.append(f"<h{b[1]}>{html.escape(b[2])}</h{b[1]}>")
         elif b[0] == "p":
-            body.append(f"<p>{html.escape(b[1]).replace('**', '')}</p>")
+            body.append(f"<p>{_bold(b[1])}</p>")
+        elif b[0] == "ul":
+            body.append("<ul class='verdict'>" + "".join(f"<li class='{level}'>{_bold(text)}</li>"
+                                                         for level, text in b[1]) + "</ul>")
         elif b[0] == "t":
             head = "".join(f"<th>{html.escape(h)}</th>" for h in b[1])
             rows = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>" for row in b[2])
