@@ -312,7 +312,10 @@ def _decode_blocks(r: dict) -> list:
 def _scaling_blocks(r: dict) -> list:
     s = r["scaling"]
     out = [_h(2, "Scaling"), _p(f"dtype {s['dtype']}, base shape {s['base_shape']}; memory by {s['memory_method']}."),
-           _fig("latency_vs_T", "Latency vs T (log-log); dashed: forward + backward.")]
+           _fig("latency_vs_T", "Latency vs T (log-log); " + (
+               "solid: forward, dashed: forward + backward." if any(x["direction"] == "fwdbwd" and x["T"]
+                                                                    for x in s["T_sweep"])
+               else "forward only (the forward + backward sweep runs on a GPU)."))]
     rows = []
     for sw in s["T_sweep"]:
         rows.append([sw["impl"], sw["direction"], " ".join(str(t) for t in sw["T"]),
@@ -346,11 +349,25 @@ def _memory_blocks(r: dict) -> list:
     return out
 
 
+def same_state_error(series: list) -> dict:
+    """impl -> the dtypes whose final-state errors are identical at every T (at least two dtypes)."""
+    by_impl: dict = {}
+    for x in series:
+        if x["rel_l2_state"]:
+            by_impl.setdefault(x["impl"], {}).setdefault(tuple(x["rel_l2_state"]), []).append(x["dtype"])
+    return {impl: dtypes for impl, groups in by_impl.items() for dtypes in groups.values() if len(dtypes) > 1}
+
+
 def _stability_blocks(r: dict) -> list:
     s = r["stability"]
-    return [_h(2, "Numerical stability"), _p(
-        f"Forward relative L2 error against the {s['reference']} reference as T grows (shape {s['shape']}); "
-        f"passes when the fitted exponent of error vs T is at most {s['max_growth_exponent']}."),
+    text = (f"Forward relative L2 error against the {s['reference']} reference as T grows (shape {s['shape']}); "
+            f"passes when the fitted exponent of error vs T is at most {s['max_growth_exponent']}. Every dtype "
+            "sees the same input values (rounded once to numbers fp32, bf16 and fp16 all represent), and the final "
+            "state is returned in fp32 whatever the dtype.")
+    for impl, dtypes in same_state_error(s["series"]).items():
+        text += (f" {impl}'s state error is identical for {', '.join(dtypes)}: it computes the state from those "
+                 "same values at the same (fp32) precision in each, so only o, rounded to the dtype, differs.")
+    return [_h(2, "Numerical stability"), _p(text),
         _fig("error_vs_T", "Relative L2 error of o vs T per dtype (log-log)."),
         _t(["impl", "dtype", "T", "rel L2 (o)", "rel L2 (state)", "exponent", "status"],
            [[x["impl"], x["dtype"], " ".join(map(str, x["T"])), " ".join(fmt(v, 2) for v in x["rel_l2_o"]),
