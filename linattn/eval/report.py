@@ -471,6 +471,14 @@ def scores_note(r: dict) -> Optional[str]:
                         for k in sc["scenarios"]) + ". The Scorecard section has the weights and raw values.")
 
 
+def _verdict(r: dict) -> list:
+    """The verdict's lines; a report (a partial one above all) is written even if one cannot be computed."""
+    try:
+        return verdict(r)
+    except Exception as e:
+        return [{"topic": "verdict", "level": "fail", "text": f"could not be computed: {type(e).__name__}: {e}"}]
+
+
 def headline(r: dict) -> list:
     """The one-screen summary: per implementation, the numbers a reader looks at first."""
     rows = []
@@ -500,7 +508,7 @@ def blocks(r: dict) -> list:
         f"Profile **{r['meta']['profile']}** on **{r['environment'].get('device')}**"
         f" ({(r['environment'].get('gpu') or {}).get('name', r['environment'].get('cpu'))}), "
         f"{r['environment'].get('date_utc')}."), _h(2, "Verdict"),
-        ("ul", [(x["level"], f"**{x['topic']}:** {x['text']}") for x in verdict(r)]),
+        ("ul", [(x["level"], f"**{x['topic']}:** {x['text']}") for x in _verdict(r)]),
         _h(2, "Summary"), _t(hdr, rows)]
     if scores_note(r):
         out.append(_p(scores_note(r)))

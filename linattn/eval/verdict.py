@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from . import SECTIONS
 from .decode import best_step
 from .robustness import CHUNK
 
@@ -68,7 +69,8 @@ def correctness(r: dict) -> list:
     for name, s in c.get("summary", {}).items():
         if not s["cases"]:
             continue
-        dtypes = sorted(set(s["worst_rel_l2_fwd"]) | set(s["worst_rel_l2_bwd"]))
+        dtypes = sorted(d for d in set(s["worst_rel_l2_fwd"]) | set(s["worst_rel_l2_bwd"])
+                        if s["worst_rel_l2_fwd"].get(d) is not None or s["worst_rel_l2_bwd"].get(d) is not None)
         worst = ", ".join(f"{d} {_num(s['worst_rel_l2_fwd'].get(d))} fwd / {_num(s['worst_rel_l2_bwd'].get(d))} bwd"
                           for d in dtypes)
         ok = s["passed"] == s["cases"]
@@ -174,7 +176,6 @@ def decode(r: dict) -> list:
 
 # ---- what did not run ---------------------------------------------------------------------------------------------
 def skipped(r: dict) -> list:
-    from . import SECTIONS
     out = []
     gone = [i for i in r["meta"].get("impls", []) if not i["available"]]
     by_reason: dict = {}
@@ -192,11 +193,11 @@ def skipped(r: dict) -> list:
         elif "skipped" in sec and "not selected" not in str(sec["skipped"]):
             out.append(_line("skipped", "warn", f"section {n}: {sec['skipped']}"))
         elif sec.get("skipped_for_time"):
-            out.append(_line("skipped", "warn", f"{n}: {len(sec['skipped_for_time'])} units skipped for time "
+            out.append(_line("skipped", "warn", f"{n}: {len(sec['skipped_for_time'])} unit(s) skipped for time "
                                                 "(a larger --time-budget, or --resume, runs them)"))
         if sec.get("unsupported") and isinstance(sec["unsupported"], list):
             reasons = sorted({str(x.get("reason")) for x in sec["unsupported"]})
-            out.append(_line("skipped", "info", f"{n}: {len(sec['unsupported'])} units unsupported here "
+            out.append(_line("skipped", "info", f"{n}: {len(sec['unsupported'])} unit(s) unsupported here "
                                                 f"({'; '.join(reasons)})"))
     return out
 
@@ -212,32 +213,34 @@ def _nan_leak_in_chunk(x: dict) -> bool:
         and not x.get("leak_other_heads_or_sequences") and not x.get("state_nonfinite_outside_cone")
 
 
+def _cases(xs: list) -> str:
+    """"nan-k, nan-v in bf16, fp32": the cases and dtypes of a group of rows."""
+    return (f"{', '.join(dict.fromkeys(x['case'] for x in xs))} in "
+            f"{', '.join(dict.fromkeys(x['dtype'] for x in xs))}")
+
+
 def robustness_failures(r: dict) -> list:
+    """Every failing robustness row, grouped by implementation and by what went wrong."""
     s = r.get("robustness", {})
     if not _ran(s):
         return []
-    out, chunk_leaks, other = [], {}, {}
+    groups: dict = {}
     for x in s.get("records", []):
         st = _status(x)
         if st not in ("fail", "error", "hang"):
             continue
         if st == "fail" and _nan_leak_in_chunk(x):
-            chunk_leaks.setdefault(x["impl"], []).append(x)
+            why = (f"a NaN planted in one token reached {x['leak_earlier_tokens']} earlier output(s) of its own "
+                   f"{CHUNK}-token chunk, no other head or sequence: {KNOWN_NAN_LIMITATION}")
+        elif x.get("planted") and st == "fail":
+            why = (f"a NaN planted in one token reached {x.get('leak_earlier_tokens')} earlier output(s) and "
+                   f"{x.get('leak_other_heads_or_sequences')} of other heads or sequences")
         else:
             why = (x.get("error") or {}).get("message") or x.get("reason") or (
-                f"rel L2 {_num(x.get('rel_l2'))}, NaN {x.get('o_nan')}, Inf {x.get('o_inf')}" if "rel_l2" in x
-                else f"NaN outside its cone: {x.get('leak_earlier_tokens')} earlier, "
-                     f"{x.get('leak_other_heads_or_sequences')} other heads/sequences")
-            other.setdefault(x["impl"], []).append(f"{x['case']} {x['dtype']} {st.upper()} ({why})")
-    for impl, xs in chunk_leaks.items():
-        leaked = sorted({x["leak_earlier_tokens"] for x in xs})
-        out.append(_line("FAIL", "fail", (
-            f"robustness {impl}: {len(xs)} NaN case(s) ({', '.join(x['case'] + ' ' + x['dtype'] for x in xs)}): a "
-            f"NaN planted in one token reached {'/'.join(map(str, leaked))} earlier output(s) of its own "
-            f"{CHUNK}-token chunk, no other head or sequence: {KNOWN_NAN_LIMITATION}")))
-    for impl, rows in other.items():
-        out.append(_line("FAIL", "fail", f"robustness {impl}: " + "; ".join(rows)))
-    return out
+                f"relative L2 error {_num(x.get('rel_l2'))}, NaN {x.get('o_nan')}, Inf {x.get('o_inf')}")
+        groups.setdefault((x["impl"], st.upper(), why), []).append(x)
+    return [_line("FAIL", "fail", f"robustness {impl} {st}: {_cases(xs)}: {why}")
+            for (impl, st, why), xs in groups.items()]
 
 
 def failures(r: dict) -> list:
