@@ -91,6 +91,11 @@ def build_parser(argv: list) -> tuple[argparse.ArgumentParser, dict]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, subs = build_parser(argv)
+    chosen = _chosen(argv)
+    missing = chosen and subs[chosen].get_default("_import_error")
+    if missing and not {"-h", "--help"} & set(argv):  # its options are unknown: say what to install, not that
+        print(f"linattn {chosen}: {missing} (pip install 'linattn[eval]')", file=sys.stderr)
+        return 2
     # unknown words are the subcommand's error, printed with its usage (argparse would print the top level's)
     args, extra = parser.parse_known_args(argv)
     if extra:

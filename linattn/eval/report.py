@@ -447,8 +447,10 @@ def _score_blocks(r: dict) -> list:
         rows.append(row)
     weights = "; ".join(f"{k.replace('_', ' ')}: " + ", ".join(f"{m} {w}" for m, w in v.items())
                         for k, v in s["weights"].items())
+    about = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in s.get("descriptions", {}).items())
     return [_h(2, "Scorecard"), _p("Score 0-100 per scenario, relative to the best implementation in this run "
-                                   f"(raw values in brackets). Weights: {weights}."),
+                                   f"(raw values in brackets). What each scenario weighs: {about}. "
+                                   f"Weights: {weights}."),
             _t(["scenario"] + impls, rows)]
 
 
@@ -471,7 +473,7 @@ def scores_note(r: dict) -> Optional[str]:
                         for k in sc["scenarios"]) + ". The Scorecard section has the weights and raw values.")
 
 
-def _verdict(r: dict) -> list:
+def safe_verdict(r: dict) -> list:
     """The verdict's lines; a report (a partial one above all) is written even if one cannot be computed."""
     try:
         return verdict(r)
@@ -508,7 +510,7 @@ def blocks(r: dict) -> list:
         f"Profile **{r['meta']['profile']}** on **{r['environment'].get('device')}**"
         f" ({(r['environment'].get('gpu') or {}).get('name', r['environment'].get('cpu'))}), "
         f"{r['environment'].get('date_utc')}."), _h(2, "Verdict"),
-        ("ul", [(x["level"], f"**{x['topic']}:** {x['text']}") for x in _verdict(r)]),
+        ("ul", [(x["level"], f"**{x['topic']}:** {x['text']}") for x in safe_verdict(r)]),
         _h(2, "Summary"), _t(hdr, rows)]
     if scores_note(r):
         out.append(_p(scores_note(r)))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import textwrap
 
 from . import SECTIONS, stopped_during
-from .report import _verdict as verdict
 from .report import headline
+from .report import safe_verdict as verdict
 
 PIPE_WIDTH = 80
 SCORE_KEYS = ("offl", "real", "edge", "high", "scie")

@@ -239,7 +239,7 @@ def robustness_failures(r: dict) -> list:
             why = (x.get("error") or {}).get("message") or x.get("reason") or (
                 f"relative L2 error {_num(x.get('rel_l2'))}, NaN {x.get('o_nan')}, Inf {x.get('o_inf')}")
         groups.setdefault((x["impl"], st.upper(), why), []).append(x)
-    return [_line("FAIL", "fail", f"robustness {impl} {st}: {_cases(xs)}: {why}")
+    return [_line("FAIL", "fail", f"robustness {impl}{'' if st == 'FAIL' else ' ' + st}: {_cases(xs)}: {why}")
             for (impl, st, why), xs in groups.items()]
 
 
