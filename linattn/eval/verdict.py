@@ -26,8 +26,7 @@ from . import SECTIONS
 from .decode import best_step
 from .robustness import CHUNK
 
-KNOWN_NAN_LIMITATION = ('the known limitation in README.md: "a NaN/Inf in one token reaches every token of its '
-                        '64-token chunk (earlier ones too: 0·NaN in the masked chunk products)"')
+KNOWN_NAN_LIMITATION = "the known limitation README.md names (0·NaN in the masked chunk products)"
 DIRECTION = {"fwd": "forward", "fwdbwd": "forward + backward"}
 
 
