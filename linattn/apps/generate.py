@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import os
 import sys
 
 import torch
@@ -28,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args, out=None) -> int:
     out = out or sys.stdout
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        print(f"linattn generate: no trained model in {args.model}: run `linattn train` first (it writes "
+              f"runs/linattn-byte-lm), or pass --model with the folder `linattn train --out` wrote",
+              file=sys.stderr)
+        return 2
     try:
         model = HybridLM.from_pretrained(args.model, device=device)
     except (FileNotFoundError, ValueError) as e:

@@ -290,4 +290,4 @@ def profile(name: str, device: torch.device) -> Profile:
             amp_shape=Shape(2, 2048, 8, 8, 128, 128), dec_shape=Shape(1, 1, 16, 32, 128, 128),
             dec_batch=(1, 64, 256), dec_Tq=(1, 4, 8), dec_pools=("fp32", "bf16"), dec_dtype="bf16", dec_steps=2000,
             dec_warmup=50, dec_drift_steps=4096, dec_prompt_T=2048)
-    raise ValueError(f"unknown profile {name!r}; choose quick or full")
+    raise ValueError(f"unknown profile {name!r}; choose quick, full or tiny")

@@ -28,11 +28,11 @@ import time
 
 import torch
 
-from . import SECTIONS, stopped_during
+from . import SECTIONS
 from .cases import GATES
 from .impls import DEFAULT_IMPLS, KNOWN_IMPLS
 
-PROFILES = ("quick", "full", "tiny")  # "tiny": a seconds-long run for tests, not advertised in --help
+PROFILES = ("quick", "full", "tiny")
 BUDGET_SHARES = {"correctness": 0.10, "performance": 0.20, "decode": 0.07, "scaling": 0.20, "memory": 0.08,
                  "stability": 0.10, "robustness": 0.08, "soak": 0.10, "mixed_precision": 0.07}
 REPORT_RESERVE_S = 10.0  # kept back for the scorecard and the report writers
@@ -43,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # rich and matplotlib are the [eval] extra: fail at parser build time so `linattn eval` names the missing extra
     import matplotlib  # noqa: F401
     import rich  # noqa: F401
-    p.add_argument("--profile", default="quick", choices=PROFILES, metavar="{quick,full}",
-                   help="quick (default: <= 5 min on a CPU, <= 10 min on one GPU) or full (the whole grid)")
+    p.add_argument("--profile", default="quick", choices=PROFILES,
+                   help="quick (default: <= 5 min on a CPU, <= 10 min on one GPU), full (the whole grid) or tiny "
+                        "(seconds, toy shapes: checks that the suite runs, says nothing about speed)")
     p.add_argument("--impl", default=",".join(DEFAULT_IMPLS),
                    help=f"comma-separated implementations (default: %(default)s; known: {', '.join(KNOWN_IMPLS)}); "
                         "those not installed or not runnable here are skipped and listed in the report")
@@ -230,8 +231,10 @@ class Evaluation:
         from .cases import profile
         from .context import Context
         from .impls import parse_impls
+        from .report import prepare_out_dir
 
         self.args, self.guard = args, guard or _Signals()
+        prepare_out_dir(args.out)
         self.device = _device(args.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels (Triton's included) launch on the current device
@@ -364,9 +367,9 @@ class Evaluation:
 
         ctx, results = self.ctx, self.results
         runners = {"correctness": correctness.run, "performance": perf.run, "decode": decode.run,
-                   "scaling": scaling.run, "memory": memory.run, "stability": stability.run,
-                   "robustness": robustness.run, "soak": lambda c: soak.run(c, results.get("scaling")),
-                   "mixed_precision": mixed_precision.run}
+                   "scaling": lambda c: scaling.run(c, results.get("performance")), "memory": memory.run,
+                   "stability": stability.run, "robustness": robustness.run,
+                   "soak": lambda c: soak.run(c, results.get("scaling")), "mixed_precision": mixed_precision.run}
         chosen = [n for n in runners if n in self.selected]
         weights = [BUDGET_SHARES[n] for n in chosen]
         usable = max(self.budget - REPORT_RESERVE_S, self.budget * 0.5)
@@ -444,30 +447,11 @@ def evaluate(args) -> dict:
 
 
 def _summary(results: dict, paths: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    import shutil
 
-    from .report import headline
-    hdr, rows = headline(results)
-    table = Table(title=f"linattn eval — {results['meta']['profile']} on {results['meta']['device']} "
-                        f"({results['meta']['wall_s']:.0f} s)")
-    for h in hdr:
-        table.add_column(h, overflow="fold")
-    for row in rows:
-        table.add_row(*[str(c) for c in row])
-    console = Console()
-    console.print(table)
-    if results["environment"].get("warning"):
-        console.print(f"[yellow]warning: {results['environment']['warning']}")
-    for name in SECTIONS:
-        sec = results.get(name, {})
-        if "error" in sec and isinstance(sec["error"], dict):
-            console.print(f"[red]section {name} failed: {sec['error']['type']}: {sec['error']['message']}")
-    stop = results["meta"].get("interrupted")
-    if stop:
-        console.print(f"[yellow]partial report: interrupted by {stop['signal']} at {stop['at_s']:.0f} s during "
-                      f"{stopped_during(stop)}; sections done: {', '.join(results['sections_done'])}")
-    console.print("reports: " + ", ".join(paths.values()))
+    from .summary import PIPE_WIDTH, render
+    width = min(shutil.get_terminal_size((PIPE_WIDTH, 24)).columns, 120) if sys.stdout.isatty() else PIPE_WIDTH
+    print(render(results, paths, width))
 
 
 def _merge(args) -> int:

@@ -4,11 +4,18 @@ Both reports are flattened to ``section/record-id/metric`` keys (a record's ``id
 ``performance/linattn/B1-T1024-H4-D64/fp32/fwd/p50_ms``; a sweep's points are keyed by their T or B). Only the
 metrics in :data:`METRICS` are compared, each with its direction; a change counts when it exceeds the relative
 ``threshold`` (default 5 %), and a pass/fail flag that flips always counts.
+
+Only like is compared with like (:func:`conditions`): a section one report did not finish (partial, interrupted,
+not selected) is left out; timings (:data:`TIMINGS`) are left out when the reports ran on different devices or
+GPUs, or drew different gates (the same record id, other inputs). A report measured on a busy machine, or partial,
+is compared but named in a warning at the top: its timings can be off by a large factor.
 """
 from __future__ import annotations
 
-import json
 import math
+
+from . import SECTIONS
+from .saved import load_report
 
 # metric name -> "lower" or "higher" is better ("flag": a boolean where True is good)
 METRICS = {
@@ -22,6 +29,50 @@ METRICS = {
     "passed": "flag", "linear": "flag", "confined": "flag", "bitwise": "flag",
 }
 _SWEEP_AXES = ("T", "B")
+# metrics that depend on the machine and its load (left out across devices or gates)
+TIMINGS = ("median_ms", "p50_ms", "p95_ms", "p99_ms", "first_call_s", "tokens_per_s", "tflops", "gbs",
+           "roofline_fraction", "time_exponent", "knee_batch", "max_T", "latency_drift", "score", "graph_ms",
+           "pct_of_copy", "pct_of_peak_bw")
+
+
+def _done(r: dict) -> set:
+    """The sections a report finished (a report written before ``sections_done`` existed: all, unless partial)."""
+    if "sections_done" in r:
+        return set(r["sections_done"])
+    return set() if r.get("partial") else set(SECTIONS)
+
+
+def _where(r: dict) -> str:
+    gpu = (r.get("environment", {}).get("gpu") or {}).get("name")
+    return f"{r['meta']['device'].split(':')[0]}{f' ({gpu})' if gpu else ''}"
+
+
+def conditions(a: dict, b: dict) -> dict:
+    """What makes the two reports unlike: ``warnings`` (lines), ``sections`` left out, and ``timings`` (False when
+    timings must not be compared)."""
+    warn, timings = [], True
+    for tag, r in (("A", a), ("B", b)):
+        if r.get("partial"):
+            stop = r["meta"].get("interrupted")
+            warn.append(f"report {tag} is partial ({'interrupted by ' + stop['signal'] if stop else 'not finished'}"
+                        f"; sections done: {', '.join(sorted(_done(r))) or 'none'})")
+        if r.get("environment", {}).get("warning"):
+            warn.append(f"report {tag}: {r['environment']['warning']}")
+    if _where(a) != _where(b):
+        warn.append(f"the reports ran on different devices ({_where(a)} vs {_where(b)}): timings not compared")
+        timings = False
+    gates = a["meta"].get("gates", "default"), b["meta"].get("gates", "default")
+    if gates[0] != gates[1]:
+        warn.append(f"the reports drew different gates (--gates {gates[0]} vs {gates[1]}): timings not compared")
+        timings = False
+    if a["meta"]["profile"] != b["meta"]["profile"]:
+        warn.append(f"different profiles ({a['meta']['profile']} vs {b['meta']['profile']}): only the records "
+                    "both measured are compared")
+    both = _done(a) & _done(b)
+    left_out = [n for n in SECTIONS if n not in both and n != "environment"]
+    if left_out:
+        warn.append(f"sections not finished in both reports, not compared: {', '.join(left_out)}")
+    return {"warnings": warn, "sections": left_out, "timings": timings}
 
 
 def flatten(node, prefix: str = "") -> dict:
@@ -47,8 +98,15 @@ def flatten(node, prefix: str = "") -> dict:
     return out
 
 
+def _comparable(key: str, like: dict) -> bool:
+    section, metric = key.split("/", 1)[0], key.rsplit("/", 1)[-1].split("[")[0]
+    return section not in like["sections"] and (like["timings"] or metric not in TIMINGS)
+
+
 def diff(a: dict, b: dict, threshold: float = 0.05) -> dict:
-    fa, fb = flatten(a), flatten(b)
+    like = conditions(a, b) if "meta" in a and "meta" in b else {"warnings": [], "sections": [], "timings": True}
+    fa = {k: v for k, v in flatten(a).items() if _comparable(k, like)}
+    fb = {k: v for k, v in flatten(b).items() if _comparable(k, like)}
     better, worse, same = [], [], 0
     for key in sorted(set(fa) & set(fb)):
         va, vb = fa[key], fb[key]
@@ -75,18 +133,9 @@ def diff(a: dict, b: dict, threshold: float = 0.05) -> dict:
         improved = change < 0 if mode == "lower" else change > 0  # a count of passes ("flag" as int): higher
         (better if improved else worse).append(row)
     key = lambda r: -abs(r.get("change", math.inf))
-    return {"threshold": threshold, "better": sorted(better, key=key), "worse": sorted(worse, key=key),
+    return {"threshold": threshold, "warnings": like["warnings"], "left_out_sections": like["sections"],
+            "timings_compared": like["timings"], "better": sorted(better, key=key), "worse": sorted(worse, key=key),
             "unchanged": same, "only_in_a": sorted(set(fa) - set(fb)), "only_in_b": sorted(set(fb) - set(fa))}
-
-
-def load(path: str) -> dict:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"--compare: no such file {path!r}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--compare: {path!r} is not JSON ({e})") from None
 
 
 def _fmt(v) -> str:
@@ -101,6 +150,7 @@ def render(d: dict, a_name: str, b_name: str, limit: int = 40) -> str:
     lines = [f"compare {a_name} -> {b_name} (threshold {d['threshold']:.0%}): {len(d['better'])} better, "
              f"{len(d['worse'])} worse, {d['unchanged']} unchanged, {len(d['only_in_a'])} only in a, "
              f"{len(d['only_in_b'])} only in b"]
+    lines += [f"warning: {w}" for w in d.get("warnings", [])]
     for title, rows in (("WORSE", d["worse"]), ("BETTER", d["better"])):
         if not rows:
             continue
@@ -115,5 +165,5 @@ def render(d: dict, a_name: str, b_name: str, limit: int = 40) -> str:
 
 
 def run(path_a: str, path_b: str, threshold: float = 0.05) -> tuple[dict, str]:
-    d = diff(load(path_a), load(path_b), threshold)
+    d = diff(load_report(path_a), load_report(path_b), threshold)
     return d, render(d, path_a, path_b)

@@ -31,30 +31,13 @@ import os
 import torch
 
 from . import SECTIONS, scorecard, stopped_during
+from .report import prepare_out_dir, write_all
+from .resume import fill_in, stamp_measured_in
+from .saved import load_report
 
 MERGED = tuple(s for s in SECTIONS if s not in ("environment", "scorecard"))  # taken whole from one run
 # the environment fields compared across runs (a difference is reported, not refused)
 _VERSION_KEYS = ("linattn", "python", "torch", "cuda", "triton", "driver")
-
-
-def load(path: str) -> dict:
-    """A report.json (or a directory holding one), checked to be a ``linattn eval`` report."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "report.json")
-    try:
-        with open(path) as fh:
-            r = json.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such report") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
-    meta = r.get("meta") if isinstance(r, dict) else None
-    missing = [k for k in SECTIONS if not isinstance(r, dict) or k not in r]
-    missing += [f"meta.{k}" for k in ("profile", "device", "sections", "impls") if not isinstance(meta, dict)
-                or k not in meta]
-    if missing:
-        raise ValueError(f"{path} is not a linattn eval report.json (missing {', '.join(missing)})")
-    return r
 
 
 def _gpu(r: dict):
@@ -167,12 +150,11 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
     if len(paths) < 2:
         raise ValueError("--merge needs at least two reports")
     paths = [os.path.join(str(p), "report.json") if os.path.isdir(str(p)) else str(p) for p in paths]
-    runs = [(p, load(p)) for p in paths]
+    runs = [(p, load_report(p)) for p in paths]
     _check_same_run_config(runs)
     _check_complete(runs, allow_partial)
     source = _pick_sources(runs, prefer_last)
 
-    from .resume import fill_in, stamp_measured_in  # (resume imports this module)
     out, done, missing, filled = {}, ["environment"], [], {}
     for name in MERGED:
         if name not in source:
@@ -235,7 +217,6 @@ def merge(paths: list, prefer_last: bool = False, allow_partial: bool = False) -
 
 def run(paths: list, out_dir: str, prefer_last: bool = False, allow_partial: bool = False) -> tuple[dict, dict]:
     """Merge and write report.json, report.md (+ plots/) and report.html into ``out_dir``; (results, paths)."""
-    from .report import write_all
     target = os.path.realpath(out_dir)
     for p in paths:
         d = str(p) if os.path.isdir(str(p)) else os.path.dirname(str(p)) or "."
@@ -243,4 +224,5 @@ def run(paths: list, out_dir: str, prefer_last: bool = False, allow_partial: boo
             raise ValueError(f"--out {out_dir} holds the input {p}: merging into it would overwrite that run's "
                              "report; choose another --out")
     results = merge(paths, prefer_last=prefer_last, allow_partial=allow_partial)
+    prepare_out_dir(out_dir)
     return results, write_all(results, out_dir, figures=True)

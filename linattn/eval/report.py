@@ -20,6 +20,7 @@ from typing import Optional
 from . import SECTIONS, stopped_during
 from .decode import best_step
 from .resume import describe as describe_resume
+from .verdict import verdict
 from .warm import describe
 
 
@@ -49,6 +50,24 @@ def atomic_write(path: str, data) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def prepare_out_dir(path: str) -> str:
+    """Create the output directory ``path`` (and its missing parents) and check that it can be written; a
+    ValueError with one line saying what is wrong otherwise (so a run finds out before it starts, not at the end)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {path}: exists and is not a directory; name a directory (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--out {path}: a parent of it is a file, not a directory") from None
+    except PermissionError:
+        raise ValueError(f"--out {path}: no permission to create it") from None
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: the directory is not writable")
+    return path
 
 
 def write_json(results: dict, path: str) -> None:
@@ -293,7 +312,10 @@ def _decode_blocks(r: dict) -> list:
 def _scaling_blocks(r: dict) -> list:
     s = r["scaling"]
     out = [_h(2, "Scaling"), _p(f"dtype {s['dtype']}, base shape {s['base_shape']}; memory by {s['memory_method']}."),
-           _fig("latency_vs_T", "Latency vs T (log-log); dashed: forward + backward.")]
+           _fig("latency_vs_T", "Latency vs T (log-log); " + (
+               "solid: forward, dashed: forward + backward." if any(x["direction"] == "fwdbwd" and x["T"]
+                                                                    for x in s["T_sweep"])
+               else "forward only (the forward + backward sweep runs on a GPU)."))]
     rows = []
     for sw in s["T_sweep"]:
         rows.append([sw["impl"], sw["direction"], " ".join(str(t) for t in sw["T"]),
@@ -327,11 +349,25 @@ def _memory_blocks(r: dict) -> list:
     return out
 
 
+def same_state_error(series: list) -> dict:
+    """impl -> the dtypes whose final-state errors are identical at every T (at least two dtypes)."""
+    by_impl: dict = {}
+    for x in series:
+        if x["rel_l2_state"]:
+            by_impl.setdefault(x["impl"], {}).setdefault(tuple(x["rel_l2_state"]), []).append(x["dtype"])
+    return {impl: dtypes for impl, groups in by_impl.items() for dtypes in groups.values() if len(dtypes) > 1}
+
+
 def _stability_blocks(r: dict) -> list:
     s = r["stability"]
-    return [_h(2, "Numerical stability"), _p(
-        f"Forward relative L2 error against the {s['reference']} reference as T grows (shape {s['shape']}); "
-        f"passes when the fitted exponent of error vs T is at most {s['max_growth_exponent']}."),
+    text = (f"Forward relative L2 error against the {s['reference']} reference as T grows (shape {s['shape']}); "
+            f"passes when the fitted exponent of error vs T is at most {s['max_growth_exponent']}. Every dtype "
+            "sees the same input values (rounded once to numbers fp32, bf16 and fp16 all represent), and the final "
+            "state is returned in fp32 whatever the dtype.")
+    for impl, dtypes in same_state_error(s["series"]).items():
+        text += (f" {impl}'s state error is identical for {', '.join(dtypes)}: it computes the state from those "
+                 "same values at the same (fp32) precision in each, so only o, rounded to the dtype, differs.")
+    return [_h(2, "Numerical stability"), _p(text),
         _fig("error_vs_T", "Relative L2 error of o vs T per dtype (log-log)."),
         _t(["impl", "dtype", "T", "rel L2 (o)", "rel L2 (state)", "exponent", "status"],
            [[x["impl"], x["dtype"], " ".join(map(str, x["T"])), " ".join(fmt(v, 2) for v in x["rel_l2_o"]),
@@ -411,9 +447,38 @@ def _score_blocks(r: dict) -> list:
         rows.append(row)
     weights = "; ".join(f"{k.replace('_', ' ')}: " + ", ".join(f"{m} {w}" for m, w in v.items())
                         for k, v in s["weights"].items())
+    about = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in s.get("descriptions", {}).items())
     return [_h(2, "Scorecard"), _p("Score 0-100 per scenario, relative to the best implementation in this run "
-                                   f"(raw values in brackets). Weights: {weights}."),
+                                   f"(raw values in brackets). What each scenario weighs: {about}. "
+                                   f"Weights: {weights}."),
             _t(["scenario"] + impls, rows)]
+
+
+def _correct_cell(r: dict, impl: dict, corr: Optional[dict]) -> str:
+    """The summary's "correct" column: cases passed, or why there is no count."""
+    if impl.get("kind") == "softmax":
+        return "n/a (softmax)"
+    if "skipped" in r["correctness"]:
+        return "not run"
+    return f"{corr['passed']}/{corr['cases']}" if corr else "–"
+
+
+def scores_note(r: dict) -> Optional[str]:
+    """What the summary's five scores are (None when the scorecard was not computed)."""
+    sc = r.get("scorecard", {})
+    if not sc.get("scenarios"):
+        return None
+    return ("Scores (0-100 per scenario, 100 = the best implementation of this run, not comparable across runs): "
+            + "; ".join(f"{k[:4]} = {k.replace('_', ' ')}: {sc.get('descriptions', {}).get(k, '')}"
+                        for k in sc["scenarios"]) + ". The Scorecard section has the weights and raw values.")
+
+
+def safe_verdict(r: dict) -> list:
+    """The verdict's lines; a report (a partial one above all) is written even if one cannot be computed."""
+    try:
+        return verdict(r)
+    except Exception as e:
+        return [{"topic": "verdict", "level": "fail", "text": f"could not be computed: {type(e).__name__}: {e}"}]
 
 
 def headline(r: dict) -> list:
@@ -430,7 +495,7 @@ def headline(r: dict) -> list:
         big = max(mine, key=lambda x: x["shape"]["B"] * x["shape"]["T"], default=None)
         sc = r["scorecard"].get("scenarios", {})
         step = best_step(r.get("decode"), name)
-        rows.append([name, f"{corr['passed']}/{corr['cases']}" if corr else "n/a (baseline)",
+        rows.append([name, _correct_cell(r, impl, corr),
                      f"{big['shape_id']} {big['dtype']} {big['direction']}" if big else "–",
                      fmt(big["p50_ms"]) if big else "–", fmt(big["p99_ms"]) if big else "–",
                      fmt(big["tokens_per_s"] / 1e6) if big else "–",
@@ -444,9 +509,11 @@ def blocks(r: dict) -> list:
     out = [_h(1, "linattn eval report"), _p(
         f"Profile **{r['meta']['profile']}** on **{r['environment'].get('device')}**"
         f" ({(r['environment'].get('gpu') or {}).get('name', r['environment'].get('cpu'))}), "
-        f"{r['environment'].get('date_utc')}."), _h(2, "Summary"), _t(hdr, rows)]
-    if r["environment"].get("warning"):
-        out.insert(2, _p(f"**Warning:** {r['environment']['warning']}."))
+        f"{r['environment'].get('date_utc')}."), _h(2, "Verdict"),
+        ("ul", [(x["level"], f"**{x['topic']}:** {x['text']}") for x in safe_verdict(r)]),
+        _h(2, "Summary"), _t(hdr, rows)]
+    if scores_note(r):
+        out.append(_p(scores_note(r)))
     merged = r["meta"].get("merged_from")
     if r.get("partial") and merged:
         out.insert(2, _p("**Partial report:** merged from partial runs (--allow-partial); sections missing: "
@@ -503,6 +570,8 @@ def to_markdown(bl: list, figdir: str = "plots", figs: dict = None) -> str:
             lines += ["#" * b[1] + " " + b[2], ""]
         elif b[0] == "p":
             lines += [b[1], ""]
+        elif b[0] == "ul":
+            lines += [f"- {text}" for _, text in b[1]] + [""]
         elif b[0] == "t":
             lines += ["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
             lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in b[2]]
@@ -517,7 +586,9 @@ color:#222;padding:0 16px}h1{border-bottom:2px solid #333}h2{margin-top:32px;bor
 table{border-collapse:collapse;font-size:13px;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 7px;
 text-align:left;vertical-align:top}th{background:#f0f0f0}tr:nth-child(even){background:#fafafa}
 .pass{color:#137333;font-weight:600}.fail{color:#c5221f;font-weight:600}figure{margin:8px 0 20px}
-figcaption{font-size:13px;color:#555}img{max-width:100%;border:1px solid #eee}"""
+figcaption{font-size:13px;color:#555}img{max-width:100%;border:1px solid #eee}
+ul.verdict{font-size:15px;line-height:1.45;padding-left:20px}ul.verdict li{margin:3px 0}
+ul.verdict li.fail{color:#c5221f}ul.verdict li.warn{color:#8a5a00}"""
 
 
 def _cell(c) -> str:
@@ -527,13 +598,22 @@ def _cell(c) -> str:
     return s.replace("**", "")
 
 
+def _bold(text: str) -> str:
+    """Escaped text with Markdown's **bold** as <b>."""
+    parts = html.escape(text).split("**")
+    return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+
 def to_html(bl: list, figs: dict) -> str:
     body = []
     for b in bl:
         if b[0] == "h":
             body.append(f"<h{b[1]}>{html.escape(b[2])}</h{b[1]}>")
         elif b[0] == "p":
-            body.append(f"<p>{html.escape(b[1]).replace('**', '')}</p>")
+            body.append(f"<p>{_bold(b[1])}</p>")
+        elif b[0] == "ul":
+            body.append("<ul class='verdict'>" + "".join(f"<li class='{level}'>{_bold(text)}</li>"
+                                                         for level, text in b[1]) + "</ul>")
         elif b[0] == "t":
             head = "".join(f"<th>{html.escape(h)}</th>" for h in b[1])
             rows = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>" for row in b[2])

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .decode import DecodePath, skip_label
-from .merge import load
+from .saved import load_report
 
 RESUMABLE = ("correctness", "robustness", "performance", "decode", "mixed_precision")
 
@@ -118,7 +118,7 @@ def load_earlier(paths: list, profile: str, device: torch.device, seed: int, imp
     files = []
     for p in paths:
         path = os.path.join(str(p), "report.json") if os.path.isdir(str(p)) else str(p)
-        r = load(path)
+        r = load_report(path)
         _check_same_config(path, r, profile, device, seed, impls, gates)
         origin = _origin(path, r)
         for section in RESUMABLE:

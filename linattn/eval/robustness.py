@@ -30,6 +30,7 @@ from .context import Context, error_record, shape_classes
 from .correctness import TOLERANCES, _reference, compare, preferred_dtypes
 
 FINITE_CASES = ("identical-tokens", "huge-1e4", "g-zero", "g-minus-100", "beta-zero", "beta-one", "zeroed-tokens")
+CHUNK = 64  # the chunk of the chunked kernels: where a masked-product NaN leak can reach (leak_before_chunk)
 NAN_CASES = ("nan-q", "nan-k", "nan-v", "nan-g", "nan-beta", "nan-varlen-v")
 
 
@@ -111,8 +112,13 @@ def check_confinement(o: torch.Tensor, ht, inputs: dict, plant: dict) -> dict:
     heads_in_cone = o_mask.any(1)  # [B, HV]
     earlier = torch.zeros_like(outside)
     earlier[b, :t] = outside[b, :t] & heads_in_cone[b][None, :]
+    # the 64-token chunk holding t, counted from the start of t's sequence (chunked kernels restart per sequence)
+    cu = inputs.get("cu_seqlens")
+    bos = max((s for s in (cu.tolist() if cu is not None else [0]) if s <= t), default=0)
+    chunk_start = bos + (t - bos) // CHUNK * CHUNK
     rec = {"cone_tokens": int(o_mask.sum()), "nonfinite_in_cone": int((bad & o_mask).sum()),
            "nonfinite_outside_cone": int(outside.sum()), "leak_earlier_tokens": int(earlier.sum()),
+           "leak_before_chunk": int(earlier[b, :chunk_start].sum()),
            "leak_other_heads_or_sequences": int((outside & ~earlier).sum())}
     if ht is not None:
         hbad = ~torch.isfinite(ht.detach()).flatten(2).all(-1).cpu()

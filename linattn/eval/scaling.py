@@ -10,8 +10,17 @@ Three sweeps per implementation, each point timed like the performance section (
   doubling the batch raises throughput by less than 10 % (the device is full; more batch only adds latency).
 * **Equal total tokens**: the same B·T split from one long sequence to many short ones ("small batch, long
   sequence" against "large batch, short sequence").
+
+One shape has one figure: a point whose implementation, shape, dtype and direction the performance section of
+this run already timed takes that row's latency (``timed_in: "performance"``; its memory is still measured here)
+instead of timing the shape again. Timed twice, the same shape gave two figures (12 ms and 5.75 ms on a 2-core
+CPU): the sections' sample counts differ (``reps`` against ``scale_reps``), and on a CPU whose cores are shared
+two intra-op threads make single calls vary several-fold, so two small samples' medians disagree.
 """
 from __future__ import annotations
+
+import copy
+from typing import Optional
 
 from .cases import DTYPES, Shape, make_inputs
 from .context import Context, compile_time, empty_cache, measure_peak, shape_classes
@@ -20,10 +29,15 @@ from .perf import loglog_slope, make_call, measure, result_line
 KNEE_GAIN = 1.10  # throughput must grow by at least 10 % per batch doubling to count as still scaling
 
 
-def _point(ctx: Context, impl, shape: Shape, dtype: str, direction: str, with_memory: bool) -> dict:
+def _point(ctx: Context, impl, shape: Shape, dtype: str, direction: str, with_memory: bool,
+           timed: Optional[dict] = None) -> dict:
+    """One sweep point: ``timed`` (the performance section's row of the same shape) or a new measurement."""
     p = ctx.profile
-    rec = measure(ctx, impl, shape, dtype, direction, warmup=1, reps=p.scale_reps, budget_s=p.point_budget_s,
-                  seed=ctx.seed)
+    if timed is not None:
+        rec = {**copy.deepcopy(timed), "timed_in": "performance"}
+    else:
+        rec = measure(ctx, impl, shape, dtype, direction, warmup=p.warmup, reps=p.scale_reps,
+                      budget_s=p.point_budget_s, seed=ctx.seed)
     rec.pop("samples_ms", None)
     if with_memory and "error" not in rec:
         try:
@@ -37,14 +51,18 @@ def _point(ctx: Context, impl, shape: Shape, dtype: str, direction: str, with_me
     return rec
 
 
-def _unit(ctx: Context, impl, shape: Shape, dtype: str, direction: str, desc: str, with_memory: bool):
-    """One sweep point as a unit of work: None when the budget refuses it."""
+def _unit(ctx: Context, impl, shape: Shape, dtype: str, direction: str, desc: str, with_memory: bool,
+          timed: dict):
+    """One sweep point as a unit of work: None when the budget refuses it. ``timed``: the performance section's
+    rows by id."""
     classes = shape_classes(impl, shape, dtype, direction)
     if not ctx.fits(impl.name, classes, desc):
         return None
     ctx.step(desc, impl.name, classes)
-    rec = _point(ctx, impl, shape, dtype, direction, with_memory)
-    ctx.done(result_line(rec), compile_time(rec))
+    same = timed.get(f"{impl.name}/{shape.id}/{dtype}/{direction}")
+    rec = _point(ctx, impl, shape, dtype, direction, with_memory, same)
+    ctx.done(result_line(rec) + (" (the performance section's row)" if same else ""),
+             None if same else compile_time(rec))
     return rec
 
 
@@ -57,12 +75,12 @@ def knee(batches: list, tokens_per_s: list):
     return None
 
 
-def _t_sweep(ctx: Context, impl, dtype: str, direction: str) -> dict:
+def _t_sweep(ctx: Context, impl, dtype: str, direction: str, timed: dict) -> dict:
     p = ctx.profile
     points, stop = [], None
     for T in p.scale_T:
         rec = _unit(ctx, impl, p.scale_base.with_(T=T), dtype, direction, f"scaling {impl.name} T={T} {direction}",
-                    with_memory=True)
+                    with_memory=True, timed=timed)
         if rec is None:
             stop = "time budget"
             break
@@ -86,12 +104,12 @@ def _t_sweep(ctx: Context, impl, dtype: str, direction: str) -> dict:
         "points": points}
 
 
-def _batch_sweep(ctx: Context, impl, dtype: str) -> dict:
+def _batch_sweep(ctx: Context, impl, dtype: str, timed: dict) -> dict:
     p = ctx.profile
     points = []
     for B in p.scale_batch:
         rec = _unit(ctx, impl, p.scale_base.with_(B=B, T=p.scale_batch_T), dtype, "fwd",
-                    f"scaling {impl.name} B={B}", with_memory=False)
+                    f"scaling {impl.name} B={B}", with_memory=False, timed=timed)
         if rec is None:
             break
         points.append(rec)
@@ -115,12 +133,12 @@ def equal_token_splits(total: int, min_T: int = 128, max_points: int = 5) -> lis
     return out
 
 
-def _equal_tokens(ctx: Context, impl, dtype: str) -> dict:
+def _equal_tokens(ctx: Context, impl, dtype: str, timed: dict) -> dict:
     p = ctx.profile
     points = []
     for B, T in equal_token_splits(p.equal_tokens):
         rec = _unit(ctx, impl, p.scale_base.with_(B=B, T=T), dtype, "fwd", f"scaling {impl.name} {B}x{T}",
-                    with_memory=False)
+                    with_memory=False, timed=timed)
         if rec is None:
             break
         points.append(rec)
@@ -131,8 +149,11 @@ def _equal_tokens(ctx: Context, impl, dtype: str) -> dict:
             "points": points}
 
 
-def run(ctx: Context) -> dict:
+def run(ctx: Context, performance: Optional[dict] = None) -> dict:
+    """The three sweeps; ``performance``: this run's performance section, whose rows of the same shapes are
+    taken, not timed again."""
     p = ctx.profile
+    timed = {r["id"]: r for r in (performance or {}).get("records", []) if "error" not in r and "median_ms" in r}
     dtype = p.scale_dtype
     directions = ("fwd", "fwdbwd") if ctx.gpu else ("fwd",)
     t_sweeps, batch, equal, unsupported = [], [], [], []
@@ -141,9 +162,9 @@ def run(ctx: Context) -> dict:
     impls = [i for i in ctx.available()
              if not ctx.unsupported(i, p.scale_base, f"{i.name}/{p.scale_base.id}/{dtype}", unsupported,
                                     dtype=dtype)]
-    jobs = [(t_sweeps, _t_sweep, (impl, dtype, d)) for impl in impls for d in directions]
-    jobs += [(batch, _batch_sweep, (impl, dtype)) for impl in impls]
-    jobs += [(equal, _equal_tokens, (impl, dtype)) for impl in impls]
+    jobs = [(t_sweeps, _t_sweep, (impl, dtype, d, timed)) for impl in impls for d in directions]
+    jobs += [(batch, _batch_sweep, (impl, dtype, timed)) for impl in impls]
+    jobs += [(equal, _equal_tokens, (impl, dtype, timed)) for impl in impls]
     for i, (out, fn, fn_args) in enumerate(jobs):
         with ctx.share(len(jobs) - i):
             out.append(fn(ctx, *fn_args))

@@ -20,7 +20,7 @@ import torch
 
 from . import environment
 from .context import CACHE_LOAD_S, CACHE_NEEDS_ENV, Sig
-from .merge import load
+from .saved import load_report
 
 _TRUE = ("1", "true", "on")  # what Triton's getenv_bool reads as set
 
@@ -49,7 +49,7 @@ def load_cached(paths: list, device: torch.device, impls: list) -> tuple[dict, d
     files = []
     for p in paths:
         path = os.path.join(str(p), "report.json") if os.path.isdir(str(p)) else str(p)
-        r = load(path)
+        r = load_report(path)
         envs = r["environment"].get("runs") or [r["environment"]]  # a merged report: each of its runs
         for env in envs:
             there = _identity(env)

@@ -1,4 +1,4 @@
-"""`linattn eval` end to end on the hidden "tiny" profile: the report schema, the three files, --compare."""
+"""`linattn eval` end to end on the "tiny" profile: the report schema, the three files, --compare."""
 import copy
 import json
 import os
@@ -23,17 +23,6 @@ SECTION_KEYS = {  # a few numbers every filled section must carry
     "environment": ("torch", "device", "nvml", "commit"),
     "scorecard": ("scenarios", "weights", "raw"),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval")
-    # a generous budget: a slow CI machine must not cut the sweeps this test checks
-    rc = main(["eval", "--profile", "tiny", "--impl", "linattn,fla,sdpa", "--device", "cpu", "--out", str(out),
-               "--no-progress", "--time-budget", "900"])
-    assert rc == 0
-    with open(out / "report.json") as fh:
-        return out, json.load(fh)
 
 
 def test_report_schema(tiny_run):
