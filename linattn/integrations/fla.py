@@ -13,9 +13,10 @@ convolutions and norms stay fla's own, so patched and unpatched fla agree to the
 (tests/integrations/test_fla.py).
 
 :func:`gated_deltanet_from_fla` builds a :class:`linattn.layers.GatedDeltaNet` holding an fla ``GatedDeltaNet``
-layer's weights, and :func:`convert_fla_state_dict` maps an fla state dict (a layer's or a whole model's) onto
-linattn's parameter names: fla's ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` become the one ``conv1d`` over
-``[q | k | v]`` channels.
+layer's weights (or a :class:`FlaGatedDeltaNet`: the same with fla's forward signature and cache, a drop-in inside
+fla's models; :func:`replace_fla_layers` swaps them into a whole model), and :func:`convert_fla_state_dict` maps an
+fla state dict (a layer's or a whole model's) onto linattn's parameter names: fla's ``q_conv1d`` / ``k_conv1d`` /
+``v_conv1d`` become the one ``conv1d`` over ``[q | k | v]`` channels.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ..layers import GatedDeltaNet, GatedDeltaNetState
 from ..ops.gated_delta.chunk import chunk_gated_delta_rule as linattn_chunk
 from ..ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule as linattn_recurrent
 from .fla_keywords import resolve_fla_keywords
@@ -170,19 +172,24 @@ def _check_fla_layer(module) -> None:
 
 
 @torch.no_grad()
-def gated_deltanet_from_fla(module: torch.nn.Module, backend: Optional[str] = None):
+def gated_deltanet_from_fla(module: torch.nn.Module, backend: Optional[str] = None, fla_forward: bool = False):
     """A :class:`linattn.layers.GatedDeltaNet` with the weights of fla's ``GatedDeltaNet`` layer ``module`` (copied, on
-    the module's device and dtype): the same function of the hidden states, forward signature linattn's
-    (``layer(x, state=None, output_state=False, cu_seqlens=None) -> (y, state)``).
+    the module's device and dtype): the same function of the hidden states.
 
     fla's defaults (``expand_v=2``, ``norm_eps=1e-5``, ...) are read from the module, not assumed. fla's layer picks
     the recurrent kernel for inputs of at most 64 tokens in eval mode without gradients; linattn's ``mode="auto"``
     does the same (``recurrent_max_len=64``).
+
+    Args:
+        module: an ``fla.layers.GatedDeltaNet``.
+        backend: linattn backend of the layer's ops (None: triton on CUDA, torch on the CPU).
+        fla_forward: return a :class:`FlaGatedDeltaNet` (fla's forward signature, fla's cache; a drop-in for the
+            module inside an fla model) instead of linattn's layer (``layer(x, state, output_state, cu_seqlens)``).
     """
-    from ..layers import GatedDeltaNet
     _check_fla_layer(module)
     ref = module.o_proj.weight
-    layer = GatedDeltaNet(module.hidden_size, num_heads=module.num_heads, head_dim=module.head_k_dim,
+    cls = FlaGatedDeltaNet if fla_forward else GatedDeltaNet
+    layer = cls(module.hidden_size, num_heads=module.num_heads, head_dim=module.head_k_dim,
                           num_v_heads=module.num_v_heads, expand_v=module.head_v_dim / module.head_k_dim,
                           use_gate=module.use_gate, use_short_conv=module.use_short_conv,
                           conv_size=module.conv_size, conv_bias=bool(module.conv_bias),
@@ -192,3 +199,70 @@ def gated_deltanet_from_fla(module: torch.nn.Module, backend: Optional[str] = No
     state = convert_fla_state_dict(module.state_dict())
     layer.load_state_dict({k: v.to(layer.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
     return layer
+
+
+def replace_fla_layers(model: torch.nn.Module, backend: Optional[str] = None) -> int:
+    """Swap every fla ``GatedDeltaNet`` layer inside ``model`` (an fla model, e.g. ``GatedDeltaNetForCausalLM``) for a
+    :class:`FlaGatedDeltaNet` holding its weights; return how many. The model keeps fla's forward, cache and
+    generation; its GDN layers are linattn's."""
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if type(child).__name__ == "GatedDeltaNet" and type(child).__module__.startswith("fla.")]
+    for parent, name, child in targets:
+        setattr(parent, name, gated_deltanet_from_fla(child, backend=backend, fla_forward=True))
+    return len(targets)
+
+
+class FlaGatedDeltaNet(GatedDeltaNet):
+    """linattn's :class:`~linattn.layers.GatedDeltaNet` with fla's forward signature and cache, a drop-in for
+    ``fla.layers.GatedDeltaNet`` inside fla's models (build one with ``gated_deltanet_from_fla(m, fla_forward=True)``).
+
+    ``forward(hidden_states [B, T, D], attention_mask=None, past_key_values=None, use_cache=False,
+    output_attentions=False, cu_seqlens=None) -> (o [B, T, D], None, past_key_values)``, as fla's:
+    ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding) unpads to packed sequences; the layer's entry of fla's
+    cache holds fla's layouts (recurrent state ``[N, HV, V, K]``, one ``[N, D, W]`` convolution state per q, k, v),
+    so fla's generation code and other layers read it unchanged. State dicts load with fla's names (``q_conv1d``,
+    ...) or linattn's.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(_fla_names_on_load)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values=None, use_cache: Optional[bool] = False, output_attentions: Optional[bool] = False,
+                cu_seqlens: Optional[torch.Tensor] = None, **kwargs):
+        from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be a [B, T] 0/1 padding mask (as fla's), got shape "
+                             f"{tuple(attention_mask.shape)}")
+        B, T, _ = hidden_states.shape
+        last = get_layer_cache(self, past_key_values)
+        x, indices, cu_seqlens = unpad_hidden_states(hidden_states=hidden_states, cu_seqlens=cu_seqlens,
+                                                     attention_mask=attention_mask, q_len=T)
+        state = None if last is None or last["recurrent_state"] is None else self._state_from_fla(last)
+        o, new = GatedDeltaNet.forward(self, x, state=state, output_state=bool(use_cache), cu_seqlens=cu_seqlens)
+        if use_cache:
+            update_layer_cache(module=self, past_key_values=past_key_values,
+                               recurrent_state=new.recurrent.transpose(-1, -2).contiguous(),
+                               conv_state=self._conv_state_to_fla(new.conv), offset=T)
+        return repad_hidden_states(hidden_states=o, indices=indices, batch_size=B, q_len=T), None, past_key_values
+
+    def _state_from_fla(self, last: dict) -> GatedDeltaNetState:
+        conv = None
+        if self.conv1d is not None:
+            # fla keeps the last W inputs; the oldest one never enters the next output, linattn keeps W − 1
+            conv = torch.cat(list(last["conv_state"]), dim=1)[..., 1:]
+        return GatedDeltaNetState(conv=conv, recurrent=last["recurrent_state"].transpose(-1, -2))
+
+    def _conv_state_to_fla(self, conv: Optional[torch.Tensor]):
+        if conv is None:
+            return None
+        full = torch.nn.functional.pad(conv, (1, 0))
+        return tuple(t.contiguous() for t in full.split([self.key_dim, self.key_dim, self.value_dim], dim=1))
+
+
+def _fla_names_on_load(module, state_dict, prefix, *args):
+    converted = convert_fla_state_dict({k: v for k, v in state_dict.items() if k.startswith(prefix)})
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+    state_dict.update(converted)

@@ -289,6 +289,48 @@ def test_linattn_layer_from_fla_weights_packed_and_state(fla_layers):
     torch.testing.assert_close(state.recurrent, cache[0]["recurrent_state"].transpose(-1, -2), **TOL)
 
 
+def test_fla_signature_layer_with_padding_mask_and_cache(fla_layers):
+    from fla.models.cache_utils import FLACache
+    fla_layer = _fla_layer(fla_layers).eval()
+    layer = linattn_fla.gated_deltanet_from_fla(fla_layer, fla_forward=True).eval()
+    x = torch.randn(2, 14, 32)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    outs = []
+    for mod in (fla_layer, layer):
+        cache = FLACache()
+        with torch.no_grad(), unpatched_fla():
+            o = [mod(x[:, :10], attention_mask=mask, past_key_values=cache, use_cache=True)[0]]
+            for t in range(10, 14):
+                o.append(mod(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0])
+        outs.append((torch.cat(o, 1), cache[0]))
+    (ref, ref_cache), (out, cache) = outs
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(cache["recurrent_state"], ref_cache["recurrent_state"], **TOL)
+    for a, b in zip(cache["conv_state"], ref_cache["conv_state"]):
+        torch.testing.assert_close(a[..., 1:], b[..., 1:], **TOL)     # the oldest column never enters an output
+
+
+def test_fla_model_with_linattn_layers(fla_layers):
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    torch.manual_seed(0)
+    config = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8, vocab_size=50,
+                                 fuse_cross_entropy=False, fuse_norm=False, fuse_swiglu=False)
+    model = GatedDeltaNetForCausalLM(config).eval()
+    fla_state = model.state_dict()
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), unpatched_fla():
+        ref = model(ids).logits
+        ref_tokens = model.generate(ids[:, :5], attention_mask=torch.ones(2, 5), max_new_tokens=3, do_sample=False)
+    assert linattn_fla.replace_fla_layers(model) == 2
+    assert all(isinstance(layer.attn, linattn_fla.FlaGatedDeltaNet) for layer in model.model.layers)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, **TOL)
+        tokens = model.generate(ids[:, :5], attention_mask=torch.ones(2, 5), max_new_tokens=3, do_sample=False)
+    assert torch.equal(tokens, ref_tokens)
+    model.load_state_dict(fla_state)                  # fla's checkpoint names load into the swapped model
+
+
 def test_convert_fla_state_dict_concatenates_the_three_convolutions():
     w = {p: torch.randn(d, 1, 4) for p, d in (("q", 6), ("k", 6), ("v", 10))}
     sd = {f"model.layers.0.attn.{p}_conv1d.weight": t for p, t in w.items()}
