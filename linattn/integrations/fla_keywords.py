@@ -42,13 +42,15 @@ class FlaArguments:
         return ht.transpose(-1, -2).contiguous()
 
 
-def fla_keywords_given(head_first=False, chunk_size=None, chunk_indices=None, cu_seqlens_cpu=None,
-                       use_gate_in_kernel=None, allow_neg_eigval=False, state_v_first=False,
+def fla_keywords_given(A_log=None, dt_bias=None, head_first=False, chunk_size=None, chunk_indices=None,
+                       cu_seqlens_cpu=None, use_gate_in_kernel=None, allow_neg_eigval=False, state_v_first=False,
                        transpose_state_layout=None, cp_context=None, gk=None, gv=None) -> bool:
-    """Whether any fla keyword differs from its default (the ops skip :func:`resolve_fla_keywords` otherwise)."""
+    """Whether a call needs :func:`resolve_fla_keywords`: an fla keyword off its default, or ``A_log`` without
+    ``dt_bias`` (fla's gate without a bias). The ops skip the resolution otherwise (no cost on the common call)."""
     return not (head_first is False and chunk_size is None and chunk_indices is None and cu_seqlens_cpu is None
                 and use_gate_in_kernel is None and allow_neg_eigval is False and state_v_first is False
-                and transpose_state_layout is None and cp_context is None and gk is None and gv is None)
+                and transpose_state_layout is None and cp_context is None and gk is None and gv is None
+                and (A_log is None or dt_bias is not None))
 
 
 def resolve_fla_keywords(op: str, q: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
@@ -125,7 +127,9 @@ def resolve_fla_keywords(op: str, q: torch.Tensor, v: torch.Tensor, g: Optional[
             raise ValueError(f"{op}: use_beta_sigmoid_in_kernel=True needs beta (its logits)")
         beta = torch.ones(B, T, HV, dtype=q.dtype, device=q.device)
     if allow_neg_eigval:
-        beta, use_beta_sigmoid_in_kernel = 2 * beta.float().sigmoid(), False
+        # in fp32 (fp64 for fp64 input), as the ops' own sigmoid
+        b = beta if beta.dtype == torch.float64 else beta.float()
+        beta, use_beta_sigmoid_in_kernel = 2 * b.sigmoid(), False
     if state_v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2)
     return FlaArguments(g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
