@@ -36,8 +36,8 @@ _NAMES = {"chunk_gated_delta_rule": "chunk", "chunk_gdn": "chunk",
           "fused_recurrent_gated_delta_rule": "recurrent", "fused_recurrent_gdn": "recurrent"}
 # calls routed to linattn, per op (tests read it to prove linattn really ran)
 CALLS = {"chunk": 0, "recurrent": 0}
-# (module, name, fla's function) for every name patch_fla replaced; unpatch_fla restores them
-_REPLACED: list[tuple[object, str, object]] = []
+# fla's own functions, per adapter kind (recorded by patch_fla; unpatch_fla binds them back)
+_ORIGINALS: dict = {}
 _BACKEND: list[Optional[str]] = [None]
 
 
@@ -105,32 +105,36 @@ def patch_fla(backend: Optional[str] = None) -> int:
     import importlib
     ops = importlib.import_module(FLA_OPS_MODULE)
     _BACKEND[0] = backend
-    originals = {id(getattr(ops, name)): kind for name, kind in _NAMES.items()
-                 if getattr(getattr(ops, name), "__module__", None) != __name__}
-    n = 0
-    for module in _fla_modules():
-        for name in _NAMES:
-            fn = getattr(module, name, None)
-            if fn is not None and id(fn) in originals:
-                _REPLACED.append((module, name, fn))
-                setattr(module, name, _ADAPTERS[originals[id(fn)]])
-                n += 1
-    return n
+    for name, kind in _NAMES.items():
+        fn = getattr(ops, name)
+        if fn is not _ADAPTERS[kind]:
+            _ORIGINALS[kind] = fn
+    return _rebind({id(fn): _ADAPTERS[kind] for kind, fn in _ORIGINALS.items()})
 
 
 def unpatch_fla() -> int:
-    """Give fla its own functions back; return how many names were restored."""
-    n = len(_REPLACED)
-    while _REPLACED:
-        module, name, fn = _REPLACED.pop()
-        setattr(module, name, fn)
+    """Give fla its own functions back, in every fla module (those imported after :func:`patch_fla` too); return how
+    many names were restored."""
     _BACKEND[0] = None
-    return n
+    return _rebind({id(_ADAPTERS[kind]): fn for kind, fn in _ORIGINALS.items()})
 
 
 def is_patched() -> bool:
     """Whether :func:`patch_fla` is in effect."""
-    return bool(_REPLACED)
+    ops = sys.modules.get(FLA_OPS_MODULE)
+    return ops is not None and ops.chunk_gated_delta_rule is _ADAPTERS["chunk"]
+
+
+def _rebind(replacement: dict) -> int:
+    """Set every fla module's GDN op name whose function's id is a key of ``replacement`` to its value."""
+    n = 0
+    for module in _fla_modules():
+        for name in _NAMES:
+            new = replacement.get(id(getattr(module, name, None)))
+            if new is not None:
+                setattr(module, name, new)
+                n += 1
+    return n
 
 
 # ------------------------------------------------------------------------------------------------- weights

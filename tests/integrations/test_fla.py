@@ -174,9 +174,15 @@ def test_patch_and_unpatch_swap_every_binding():
             if name.startswith("fla.") and mod is not None:
                 assert getattr(mod, "chunk_gated_delta_rule", None) is not originals[0], name
         assert linattn_fla.patch_fla() == 0          # a second call replaces nothing twice
+        # a module that imports the ops after the patch binds the adapters; unpatch_fla restores it too
+        late = type(sys)("fla.late_import_for_test")
+        late.chunk_gated_delta_rule = fla_ops.chunk_gated_delta_rule
+        sys.modules[late.__name__] = late
     finally:
-        assert linattn_fla.unpatch_fla() >= 4
+        assert linattn_fla.unpatch_fla() >= 5
+        sys.modules.pop("fla.late_import_for_test", None)
     assert not linattn_fla.is_patched()
+    assert late.chunk_gated_delta_rule is originals[0]
     assert (fla_ops.chunk_gated_delta_rule, fla_ops.fused_recurrent_gated_delta_rule) == originals
 
 
