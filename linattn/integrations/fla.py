@@ -20,6 +20,7 @@ fla state dict (a layer's or a whole model's) onto linattn's parameter names: fl
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional
 
@@ -36,21 +37,19 @@ _NAMES = {"chunk_gated_delta_rule": "chunk", "chunk_gdn": "chunk",
           "fused_recurrent_gated_delta_rule": "recurrent", "fused_recurrent_gdn": "recurrent"}
 # calls routed to linattn, per op (tests read it to prove linattn really ran)
 CALLS = {"chunk": 0, "recurrent": 0}
-# fla's own functions, per adapter kind (recorded by patch_fla; unpatch_fla binds them back)
-_ORIGINALS: dict = {}
-_BACKEND: list[Optional[str]] = [None]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, *, chunk_size=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           head_first=False, transpose_state_layout=None):
-    """fla 0.6's ``chunk_gated_delta_rule`` (same arguments and meaning), computed by linattn's chunked op."""
+                           head_first=False, transpose_state_layout=None, backend=None):
+    """fla 0.6's ``chunk_gated_delta_rule`` (same arguments and meaning), computed by linattn's chunked op;
+    ``backend`` is linattn's."""
     CALLS["chunk"] += 1
     return _run(linattn_chunk, "chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, cu_seqlens,
-                use_gate_in_kernel, A_log, dt_bias,
+                use_gate_in_kernel, A_log, dt_bias, backend,
                 dict(head_first=head_first, chunk_size=chunk_size, chunk_indices=chunk_indices,
                      cu_seqlens_cpu=cu_seqlens_cpu, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
                      transpose_state_layout=transpose_state_layout, cp_context=cp_context))
@@ -60,19 +59,19 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      use_gate_in_kernel=False, A_log=None, dt_bias=None,
                                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, *, transpose_state_layout=None):
+                                     cu_seqlens=None, *, transpose_state_layout=None, backend=None):
     """fla 0.6's ``fused_recurrent_gated_delta_rule`` (same arguments and meaning), computed by linattn's
-    recurrent op."""
+    recurrent op; ``backend`` is linattn's."""
     CALLS["recurrent"] += 1
     return _run(linattn_recurrent, "fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
                 output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, cu_seqlens,
-                use_gate_in_kernel, A_log, dt_bias,
+                use_gate_in_kernel, A_log, dt_bias, backend,
                 dict(gk=gk, gv=gv, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
                      transpose_state_layout=transpose_state_layout))
 
 
 def _run(op, name, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, beta_sigmoid, cu_seqlens,
-         use_gate_in_kernel, A_log, dt_bias, fla_keywords: dict):
+         use_gate_in_kernel, A_log, dt_bias, backend, fla_keywords: dict):
     if not use_gate_in_kernel:
         # fla ignores A_log and dt_bias unless use_gate_in_kernel=True: g is then already the log decay
         A_log = dt_bias = None
@@ -82,7 +81,7 @@ def _run(op, name, q, k, v, g, beta, scale, initial_state, output_final_state, l
     o, ht = op(q, k, v, args.g, args.beta, scale=scale, initial_state=args.initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=l2norm,
                A_log=args.A_log, dt_bias=args.dt_bias, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
-               backend=_BACKEND[0])
+               backend=backend)
     return o, args.final_state(ht)
 
 
@@ -93,48 +92,58 @@ def _fla_modules():
     return [m for name, m in list(sys.modules.items()) if m is not None and (name == "fla" or name.startswith("fla."))]
 
 
+def _bound_adapter(kind: str, original, backend: Optional[str]):
+    adapter = _ADAPTERS[kind]
+
+    @functools.wraps(adapter)
+    def routed(*args, **kwargs):
+        return adapter(*args, backend=backend, **kwargs)
+
+    routed._linattn_fla_original = original
+    return routed
+
+
 def patch_fla(backend: Optional[str] = None) -> int:
     """Route every fla call of ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (fla's GDN layers
-    and models included) to linattn's ops, process-wide; return how many module names were replaced.
+    and models included) to linattn's ops, process-wide; return how many module names were bound.
 
     Args:
-        backend: linattn backend (None: triton on CUDA, torch on the CPU). A second call only changes the backend.
+        backend: linattn backend (None: triton on CUDA, torch on the CPU). Calling again changes the backend.
     Raises:
         ImportError: fla (``pip install flash-linear-attention`` or ``fla-core``) is not installed.
     """
     import importlib
     ops = importlib.import_module(FLA_OPS_MODULE)
-    _BACKEND[0] = backend
-    for name, kind in _NAMES.items():
-        fn = getattr(ops, name)
-        if fn is not _ADAPTERS[kind]:
-            _ORIGINALS[kind] = fn
-    return _rebind({id(fn): _ADAPTERS[kind] for kind, fn in _ORIGINALS.items()})
+    originals = {name: getattr(getattr(ops, name), "_linattn_fla_original", getattr(ops, name)) for name in _NAMES}
+    routed = {id(fn): _bound_adapter(_NAMES[name], fn, backend) for name, fn in originals.items()}
+    n = 0
+    for module in _fla_modules():
+        for name in _NAMES:
+            fn = getattr(module, name, None)
+            key = id(getattr(fn, "_linattn_fla_original", fn))
+            if fn is not None and key in routed:
+                setattr(module, name, routed[key])
+                n += 1
+    return n
 
 
 def unpatch_fla() -> int:
     """Give fla its own functions back, in every fla module (those imported after :func:`patch_fla` too); return how
     many names were restored."""
-    _BACKEND[0] = None
-    return _rebind({id(_ADAPTERS[kind]): fn for kind, fn in _ORIGINALS.items()})
+    n = 0
+    for module in _fla_modules():
+        for name in _NAMES:
+            original = getattr(getattr(module, name, None), "_linattn_fla_original", None)
+            if original is not None:
+                setattr(module, name, original)
+                n += 1
+    return n
 
 
 def is_patched() -> bool:
     """Whether :func:`patch_fla` is in effect."""
     ops = sys.modules.get(FLA_OPS_MODULE)
-    return ops is not None and ops.chunk_gated_delta_rule is _ADAPTERS["chunk"]
-
-
-def _rebind(replacement: dict) -> int:
-    """Set every fla module's GDN op name whose function's id is a key of ``replacement`` to its value."""
-    n = 0
-    for module in _fla_modules():
-        for name in _NAMES:
-            new = replacement.get(id(getattr(module, name, None)))
-            if new is not None:
-                setattr(module, name, new)
-                n += 1
-    return n
+    return ops is not None and hasattr(ops.chunk_gated_delta_rule, "_linattn_fla_original")
 
 
 # ------------------------------------------------------------------------------------------------- weights
