@@ -4,6 +4,10 @@ Default corpus: the Python standard library's sources (on every machine); ``--da
 Writes into ``--out``: ``config.json`` + ``model.safetensors`` (a checkpoint, every ``--save-every`` steps and at
 the end), ``train_log.json`` (loss per step, held-out loss, tokens/s, peak memory) and ``loss.png``.
 
+The optional packages a run needs (safetensors; matplotlib unless ``--no-plot``) are checked before any work starts.
+A finished run is never lost: the log is written first, and if the safetensors checkpoint still cannot be written
+the weights go to ``model.pt`` (``torch.save``), which :meth:`HybridLM.from_pretrained` also reads.
+
     linattn train --quick                   # CPU, a few minutes: a small model, a visibly falling loss
     linattn train --steps 2000 --pattern GGGS --dtype bf16 --grad-checkpointing
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
 import sys
@@ -20,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..models import HybridConfig, HybridLM
+from ..models.hybrid import FALLBACK_WEIGHTS_NAME
 from .data import VOCAB_SIZE, ByteBatches, load_corpus
 
 # --quick: sized to finish in a few minutes on a 2-core CPU and still learn visibly (bytes → common keywords)
@@ -63,6 +69,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.add_argument("--no-plot", action="store_true", help="skip loss.png (no matplotlib needed)")
+
+
+MODEL_EXTRA = "pip install 'linattn[model]'"
+
+
+def missing_dependencies(args) -> list[str]:
+    """The optional packages this run needs and cannot import (rich is optional: plain log lines without it)."""
+    needed = ["safetensors.torch"] + ([] if args.no_plot else ["matplotlib"])
+    missing = []
+    for name in needed:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name.split(".")[0])
+    return missing
 
 
 def _settings(args) -> dict:
@@ -185,7 +206,13 @@ def plot_losses(log: dict, path: Path, title: str) -> None:
 
 
 def train(args) -> dict:
-    """Run a training job from parsed arguments; return the summary written to train_log.json."""
+    """Run a training job from parsed arguments; return the summary written to train_log.json.
+
+    Raises ImportError before any work when an optional package the run needs is missing."""
+    missing = missing_dependencies(args)
+    if missing:
+        hint = " (or pass --no-plot to train without matplotlib)" if "matplotlib" in missing else ""
+        raise ImportError(f"{' and '.join(missing)} not installed, needed to save the run: {MODEL_EXTRA}{hint}")
     threads = torch.get_num_threads()
     n = args.threads
     if n is None and args.quick and not torch.cuda.is_available():
@@ -262,7 +289,6 @@ def _train(args) -> dict:
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0
-    model.save_pretrained(out)
     summary = {
         "config": config.to_dict(), "settings": s, "device": str(device), "dtype": args.dtype,
         "parameters": model.num_parameters(), "corpus_bytes": len(data), "steps": s["steps"],
@@ -272,11 +298,31 @@ def _train(args) -> dict:
         "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None),
         "log": log,
     }
+    # the log first (stdlib only), then the weights, then the plot: a failure late in saving loses nothing before it
     (out / "train_log.json").write_text(json.dumps(summary, indent=1) + "\n")
+    summary["written"] = ["train_log.json", *save_weights(model, out)]
     if not args.no_plot:
-        plot_losses(log, out / "loss.png", f"byte-level {config.layer_pattern} LM, "
-                                           f"{model.num_parameters() / 1e6:.2f}M params, {device}")
+        try:
+            plot_losses(log, out / "loss.png", f"byte-level {config.layer_pattern} LM, "
+                                               f"{model.num_parameters() / 1e6:.2f}M params, {device}")
+            summary["written"].append("loss.png")
+        except ImportError as e:
+            print(f"linattn train: loss.png not written ({e}; {MODEL_EXTRA})", file=sys.stderr)
     return summary
+
+
+def save_weights(model: HybridLM, out: Path) -> list[str]:
+    """Write the trained model into ``out``; return the names written. Without safetensors (uninstalled after the
+    start-up check) the weights go to ``model.pt`` through torch.save instead of being lost."""
+    try:
+        model.save_pretrained(out)
+        return ["config.json", "model.safetensors"]
+    except ImportError as e:
+        model.config.save(out / "config.json")
+        torch.save(model.state_dict(), out / FALLBACK_WEIGHTS_NAME)
+        print(f"linattn train: {e}; saved the weights with torch.save to {out / FALLBACK_WEIGHTS_NAME} instead "
+              f"(`linattn generate` reads it; {MODEL_EXTRA} for model.safetensors)", file=sys.stderr)
+        return ["config.json", FALLBACK_WEIGHTS_NAME]
 
 
 def run(args) -> int:
@@ -285,13 +331,12 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"linattn train: {e}", file=sys.stderr)
         return 2
-    except ImportError as e:   # safetensors, matplotlib or rich: the optional [model] extra
-        print(f"linattn train: {e} (pip install 'linattn[model]')", file=sys.stderr)
+    except ImportError as e:   # raised by the start-up check, before any work
+        print(f"linattn train: {e}", file=sys.stderr)
         return 2
     print(f"{summary['parameters'] / 1e6:.2f}M parameters, {summary['steps']} steps, "
           f"{summary['tokens_per_s']:,.0f} tokens/s on {summary['device']}")
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} (train), "
           f"{summary['first_val_loss']:.3f} -> {summary['final_val_loss']:.3f} (held-out, nats/byte)")
-    print(f"wrote {args.out}/: config.json, model.safetensors, train_log.json"
-          + ("" if args.no_plot else ", loss.png"))
+    print(f"wrote {args.out}/: {', '.join(summary['written'])}")
     return 0

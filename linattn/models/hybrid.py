@@ -5,7 +5,8 @@
 Each mixer is a :class:`~linattn.layers.GatedDeltaNet` (letter G in the config's pattern), a
 :class:`~linattn.layers.GatedLinearAttention` (L), or a :class:`~linattn.layers.SlidingWindowAttention` with a
 window (S) or without (A). Weights save to and load from
-``config.json`` + ``model.safetensors``.
+``config.json`` + ``model.safetensors`` (``model.pt``, torch.save's format, is read when a run was saved without
+safetensors installed).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from ..layers import Cache, GatedDeltaNet, GatedLinearAttention, RMSNorm, SlidingWindowAttention
 from .config import HybridConfig
 
-CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+CONFIG_NAME, WEIGHTS_NAME, FALLBACK_WEIGHTS_NAME = "config.json", "model.safetensors", "model.pt"
 
 
 class SwiGLU(nn.Module):
@@ -168,14 +169,20 @@ class HybridLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype: Optional[torch.dtype] = None) -> HybridLM:
-        """Build the model from ``path/config.json`` and load ``path/model.safetensors`` (strict)."""
-        from safetensors.torch import load_model
+        """Build the model from ``path/config.json`` and load ``path/model.safetensors`` (strict), or
+        ``path/model.pt`` (a state dict written by torch.save) when the folder has no safetensors file."""
         path = Path(path)
-        for name in (CONFIG_NAME, WEIGHTS_NAME):
+        fallback = not (path / WEIGHTS_NAME).is_file() and (path / FALLBACK_WEIGHTS_NAME).is_file()
+        for name in (CONFIG_NAME, FALLBACK_WEIGHTS_NAME if fallback else WEIGHTS_NAME):
             if not (path / name).is_file():
                 raise FileNotFoundError(f"{path / name} not found (a folder written by HybridLM.save_pretrained?)")
         model = cls(HybridConfig.load(path / CONFIG_NAME))
-        load_model(model, str(path / WEIGHTS_NAME), strict=True, device=str(device or "cpu"))
+        if fallback:
+            state = torch.load(path / FALLBACK_WEIGHTS_NAME, map_location=str(device or "cpu"), weights_only=True)
+            model.load_state_dict(state, strict=True)
+        else:
+            from safetensors.torch import load_model
+            load_model(model, str(path / WEIGHTS_NAME), strict=True, device=str(device or "cpu"))
         if device is not None:
             model.to(device)
         if dtype is not None:
