@@ -1,0 +1,114 @@
+"""The communication of context parallelism, on torch.distributed: stacked all-gathers of small state maps, and
+the autograd-aware halo fetch (a rank reads the tokens just before its shard from the ranks that hold them, and
+their gradients go back to those ranks in the backward).
+
+Only collectives and point-to-point operations that both NCCL and gloo implement are used (no reduce_scatter,
+which gloo lacks), so the same code runs on GPUs and in the CPU tests.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .plan import ShardPlan
+
+
+def all_gather_stack(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Every rank's ``x`` (same shape on all ranks), stacked in rank order: ``[R, *x.shape]``."""
+    x = x.contiguous()
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x, group=group)
+    return torch.stack(out)
+
+
+def all_reduce_sum(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The sum of every rank's ``x`` (a new tensor; ``x`` is not modified)."""
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def _peer(group: Optional[dist.ProcessGroup], rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def exchange(plan: ShardPlan, sends: list[tuple[int, torch.Tensor]],
+             recvs: list[tuple[int, torch.Tensor]]) -> None:
+    """Point-to-point: send each ``(rank, tensor)`` of ``sends`` and fill each buffer of ``recvs`` from its rank,
+    all posted at once (so two ranks sending to each other cannot deadlock), then wait."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(plan.group, r), plan.group) for r, t in sends]
+    ops += [dist.P2POp(dist.irecv, buf, _peer(plan.group, r), plan.group) for r, buf in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def halo_range(plan: ShardPlan, rank: int, length: Optional[int]) -> tuple[int, int]:
+    """Global tokens ``[lo, hi)`` that ``rank`` reads before its shard: at most ``length`` (None: all) tokens of
+    the sequence that runs into the shard, none if no sequence does or the shard is empty."""
+    a, b = plan.bounds[rank], plan.bounds[rank + 1]
+    seq = plan.open_boundary(a)
+    if seq is None or a == b:
+        return a, a
+    lo = plan.offsets[seq] if length is None else max(a - length, plan.offsets[seq])
+    return lo, a
+
+
+class _FetchPreceding(torch.autograd.Function):
+    """``x`` ``[B, T_r, ...]`` → ``[B, L + T_r, ...]``: the L halo tokens from their owners, then ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, plan: ShardPlan, length: Optional[int]):
+        lo, hi = halo_range(plan, plan.rank, length)
+        sends, recvs = [], []
+        for r in range(plan.world):
+            if r == plan.rank:
+                continue
+            r_lo, r_hi = halo_range(plan, r, length)
+            for owner, p_lo, p_hi in plan.sources(r_lo, r_hi):
+                if owner == plan.rank:
+                    sends.append((r, x[:, p_lo - plan.start:p_hi - plan.start]))
+        pieces = plan.sources(lo, hi)
+        bufs = [x.new_empty(x.shape[0], p_hi - p_lo, *x.shape[2:]) for _, p_lo, p_hi in pieces]
+        recvs = [(owner, buf) for (owner, _, _), buf in zip(pieces, bufs)]
+        exchange(plan, sends, recvs)
+        ctx.plan, ctx.length, ctx.halo = plan, length, hi - lo
+        return torch.cat(bufs + [x], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, length = ctx.plan, ctx.length
+        grad_x = grad[:, ctx.halo:].clone()
+        lo, hi = halo_range(plan, plan.rank, length)
+        sends, off = [], 0
+        for owner, p_lo, p_hi in plan.sources(lo, hi):
+            sends.append((owner, grad[:, off:off + p_hi - p_lo]))
+            off += p_hi - p_lo
+        recvs, targets = [], []
+        for r in range(plan.world):
+            if r == plan.rank:
+                continue
+            r_lo, r_hi = halo_range(plan, r, length)
+            for owner, p_lo, p_hi in plan.sources(r_lo, r_hi):
+                if owner == plan.rank:
+                    buf = grad.new_empty(grad.shape[0], p_hi - p_lo, *grad.shape[2:])
+                    recvs.append((r, buf))
+                    targets.append((p_lo - plan.start, p_hi - plan.start))
+        exchange(plan, sends, recvs)
+        for (_, buf), (t_lo, t_hi) in zip(recvs, targets):
+            grad_x[:, t_lo:t_hi] += buf
+        return grad_x, None, None
+
+
+def with_halo(x: torch.Tensor, plan: ShardPlan, length: Optional[int]) -> torch.Tensor:
+    """This rank's tokens ``x`` ``[B, T_r, ...]`` preceded by the ``length`` tokens before its shard (None: all of
+    them) that belong to the sequence running into the shard: ``[B, L + T_r, ...]`` with ``L`` from
+    :func:`halo_range`. Autograd-aware: the halo's gradient is sent back to the ranks that own those tokens.
+    Call it on every rank of the plan's group, in the same order."""
+    if length is not None and length < 0:
+        raise ValueError(f"halo length must be >= 0 or None, got {length}")
+    if x.shape[1] != plan.local_len:
+        raise ValueError(f"x holds {x.shape[1]} tokens, this rank's shard {plan.local_len}")
+    return _FetchPreceding.apply(x, plan, length)

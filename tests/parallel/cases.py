@@ -1,0 +1,101 @@
+"""Test bodies run on every rank (module level, so spawn can pickle them), each checking its shard against the
+single-process result computed in the same process from the same seed."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from linattn import chunk_gated_delta_rule, gated_linear_attention
+from linattn.parallel import ShardPlan, context_parallel_gated_delta_rule, context_parallel_gated_linear_attention
+
+# float64: the split changes only the summation order, so the match is near machine precision;
+# float32: the tolerance of the op's own float32 tests
+TOLERANCES = {torch.float64: (1e-9, 1e-9), torch.float32: (2e-4, 2e-4)}
+
+
+def close(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, rank: int) -> None:
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"rank {rank}: {what}: {m}")
+
+
+def gdn_inputs(B, T, H, HV, K, V, dtype, seed, raw_gate):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    if raw_gate:        # the layer's form: raw gate logits, A_log / dt_bias, L2 norm inside the op
+        g, A_log, dt_bias = r(B, T, HV), r(HV) * 0.5, r(HV) * 0.5
+    else:
+        k = torch.nn.functional.normalize(k, dim=-1)
+        g, A_log, dt_bias = torch.nn.functional.logsigmoid(r(B, T, HV) + 3), None, None
+    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
+
+
+def op_cases(rank: int, world: int, cases: dict) -> None:
+    """Every case of a table in one set of processes (starting processes costs more than the cases)."""
+    for name, case in cases.items():
+        op_case(rank, world, case, name)
+
+
+def op_case(rank: int, world: int, case: dict, name: str = "") -> None:
+    """One context-parallel op call against the unsplit op: o, final states, every gradient."""
+    dtype, kind = case["dtype"], case.get("op", "gdn")
+    B, T, H, HV, K, V = case["shape"]
+    cu = case.get("cu_seqlens")
+    lengths = case["lengths"]
+    assert sum(lengths) == T and len(lengths) == world
+    x = gdn_inputs(B, T, H, HV, K, V, dtype, case.get("seed", 0), case.get("raw_gate", False))
+    N = B if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(99)
+    h0 = torch.randn(N, HV, K, V, generator=gen, dtype=dtype) if case.get("h0") else None
+    do = torch.randn(B, T, HV, V, generator=gen, dtype=dtype)
+    dht = torch.randn(N, HV, K, V, generator=gen, dtype=dtype)
+    names = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias") if x[n] is not None]
+    token_names = ["q", "k", "v", "g", "beta"]
+
+    def leaves(d):
+        return {n: d[n].detach().clone().requires_grad_(True) for n in names}
+
+    # the unsplit result
+    ref = leaves(x)
+    ref_h0 = None if h0 is None else h0.clone().requires_grad_(True)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    if kind == "gdn":
+        o, ht = chunk_gated_delta_rule(**{n: ref[n] for n in names}, initial_state=ref_h0, output_final_state=True,
+                                       cu_seqlens=cu_t, use_qk_l2norm_in_kernel=case.get("raw_gate", False),
+                                       backend="torch")
+    else:
+        o, ht = gated_linear_attention(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], initial_state=ref_h0,
+                                       output_final_state=True, cu_seqlens=cu_t, backend="torch")
+    ((o * do).sum() + (ht * dht).sum()).backward()
+
+    # the split
+    plan = ShardPlan.from_lengths(lengths, cu, rank=rank)
+    a, b = plan.start, plan.end
+    mine = {n: (x[n][:, a:b] if n in token_names else x[n]).detach().clone().requires_grad_(True) for n in names}
+    my_h0 = None if h0 is None else h0.clone().requires_grad_(True)
+    if kind == "gdn":
+        o_r, ht_r = context_parallel_gated_delta_rule(
+            **{n: mine[n] for n in names}, plan=plan, initial_state=my_h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=case.get("raw_gate", False), backend="torch")
+    else:
+        o_r, ht_r = context_parallel_gated_linear_attention(
+            mine["q"], mine["k"], mine["v"], mine["g"], mine["beta"], plan=plan, initial_state=my_h0,
+            output_final_state=True, backend="torch")
+    # the objective is the sum of the ranks' losses: the final-state term counted once, on rank 0
+    loss = (o_r * do[:, a:b]).sum() + ((ht_r * dht).sum() if rank == 0 else 0)
+    loss.backward()
+
+    close(f"{name} o", o_r, o[:, a:b].detach(), dtype, rank)
+    close(f"{name} final_state", ht_r, ht.detach(), dtype, rank)
+    for n in names:
+        got = mine[n].grad
+        if n not in token_names:          # replicated: each rank holds its share
+            dist.all_reduce(got)
+            want = ref[n].grad
+        else:
+            want = ref[n].grad[:, a:b]
+        close(f"{name} d{n}", got, want, dtype, rank)
+    if h0 is not None:
+        dist.all_reduce(my_h0.grad)
+        close(f"{name} dh0", my_h0.grad, ref_h0.grad, dtype, rank)
