@@ -6,7 +6,7 @@ through it); a boundary that falls exactly between sequences and a zero-length s
 float32. Every case checks o, the final states and the gradients of every input.
 """
 import pytest
-import torch  # noqa: E402  (after the helpers: they set the worker environment)
+import torch
 
 from .cases import op_cases
 from .distributed import run_distributed
@@ -15,8 +15,8 @@ F64, F32 = torch.float64, torch.float32
 
 CASES_2 = {
     "unpacked-h0-rawgate": dict(shape=(2, 100, 2, 2, 8, 8), lengths=[37, 63], h0=True, raw_gate=True, dtype=F64),
-    "packed-crossing-h0": dict(shape=(1, 160, 2, 4, 8, 16), lengths=[90, 70], cu_seqlens=[0, 30, 130, 160],
-                               h0=True, dtype=F64),
+    "packed-crossing-h0-gva": dict(shape=(1, 160, 2, 4, 8, 16), lengths=[90, 70], cu_seqlens=[0, 30, 130, 160],
+                                   h0=True, dtype=F64),
     "gla-packed-f32": dict(op="gla", shape=(1, 96, 2, 2, 8, 8), lengths=[50, 46], cu_seqlens=[0, 20, 96],
                            h0=True, dtype=F32),
 }
@@ -28,7 +28,6 @@ CASES_4 = {
     "unpacked-f32-rawgate": dict(shape=(2, 160, 2, 2, 16, 16), lengths=[64, 20, 60, 16], raw_gate=True,
                                  dtype=F32),
 }
-
 
 
 # one set of processes per world size: starting them (importing torch) costs more than the cases
