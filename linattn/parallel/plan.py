@@ -169,10 +169,12 @@ class ShardPlan:
             return None
         return torch.tensor([0] + [s.end for s in self.segments], dtype=torch.int32, device=device)
 
-    def positions(self, device=None) -> torch.Tensor:
-        """Position of each local token inside its sequence, int64 ``[local_len]``."""
-        t = torch.arange(self.start, self.end, device=device)
-        return t - self.offsets_tensor(device)[self.sequence_ids(device)]
+    def positions(self, device=None, start: Optional[int] = None, end: Optional[int] = None) -> torch.Tensor:
+        """Position inside its sequence of each token in ``[start, end)`` (default: the shard), int64."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        t = torch.arange(start, end, device=device)
+        return t - self.offsets_tensor(device)[self.sequence_ids(device, start, end)]
 
     def sequence_ids(self, device=None, start: Optional[int] = None, end: Optional[int] = None) -> torch.Tensor:
         """Global sequence index of each token in ``[start, end)`` (default: the shard), int64."""
