@@ -7,7 +7,7 @@
 See docs/parallel.md for the algorithm, its communication volume and its scaling model.
 """
 from .collectives import with_halo
-from .fold import fold_affine, fold_affine_ref
+from .fold import compose, fold_affine_ref
 from .loss import cross_entropy_share
 from .plan import Segment, ShardPlan
 from .scan import (
@@ -17,4 +17,4 @@ from .scan import (
 )
 
 __all__ = ["ShardPlan", "Segment", "context_parallel_gated_delta_rule", "context_parallel_gated_linear_attention",
-           "context_parallel_rule", "with_halo", "fold_affine", "fold_affine_ref", "cross_entropy_share"]
+           "context_parallel_rule", "with_halo", "compose", "fold_affine_ref", "cross_entropy_share"]

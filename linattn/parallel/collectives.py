@@ -1,8 +1,8 @@
-"""The communication of context parallelism, on torch.distributed: stacked all-gathers of small state maps, and
-the autograd-aware halo fetch (a rank reads the tokens just before its shard from the ranks that hold them, and
-their gradients go back to those ranks in the backward).
+"""The communication of context parallelism, on torch.distributed: the logarithmic scan of the state maps over
+ranks, and the autograd-aware halo fetch (a rank reads the tokens just before its shard from the ranks that hold
+them, and their gradients go back to those ranks in the backward).
 
-Only collectives and point-to-point operations that both NCCL and gloo implement are used (no reduce_scatter,
+Only operations that both NCCL and gloo implement are used (all-reduce, batched isend/irecv; no reduce_scatter,
 which gloo lacks), so the same code runs on GPUs and in the CPU tests.
 """
 from __future__ import annotations
@@ -12,15 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .fold import compose, identity_map
 from .plan import ShardPlan
-
-
-def all_gather_stack(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Every rank's ``x`` (same shape on all ranks), stacked in rank order: ``[R, *x.shape]``."""
-    x = x.contiguous()
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, x, group=group)
-    return torch.stack(out)
 
 
 def all_reduce_sum(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -43,6 +36,35 @@ def exchange(plan: ShardPlan, sends: list[tuple[int, torch.Tensor]],
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def scan_maps(own: torch.Tensor, plan: ShardPlan, reverse: bool = False) -> torch.Tensor:
+    """The composition of the packed maps ``[M | N]`` of every earlier rank (``reverse``: every later rank, the
+    latest applied first), an exclusive scan in ⌈log₂ R⌉ rounds of point-to-point exchange (Hillis–Steele).
+
+    After round ``d = 2^i`` rank r holds ``inclusive`` = the maps of ranks ``(r − 2d, r]`` composed and
+    ``exclusive`` = those of ``(r − 2d, r − 1]``; each round it sends ``inclusive`` to rank ``r + d`` and composes
+    what rank ``r − d`` sent in front of both. Each rank sends and receives one map per round: ``⌈log₂ R⌉ ·
+    4·B·HV·K·(K + V)`` bytes in fp32, instead of an all-gather's ``(R − 1)`` times that. Call on every rank.
+
+    Args:
+        own: this rank's packed map ``[..., K, K + V]`` (the same shape and dtype on every rank).
+    Returns:
+        the composed map of the earlier ranks (``[I | 0]`` on the first); its N part is the state they leave.
+    """
+    R = plan.world
+    pos = R - 1 - plan.rank if reverse else plan.rank          # position in scan order
+    rank_at = (lambda p: R - 1 - p) if reverse else (lambda p: p)
+    inclusive, exclusive = own.contiguous(), identity_map(own)
+    d = 1
+    while d < R:
+        sends = [(rank_at(pos + d), inclusive)] if pos + d < R else []
+        buf = torch.empty_like(own) if pos - d >= 0 else None
+        exchange(plan, sends, [(rank_at(pos - d), buf)] if buf is not None else [])
+        if buf is not None:
+            inclusive, exclusive = compose(inclusive, buf), compose(exclusive, buf)
+        d *= 2
+    return exclusive
 
 
 def halo_range(plan: ShardPlan, rank: int, length: Optional[int]) -> tuple[int, int]:

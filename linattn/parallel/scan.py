@@ -10,8 +10,9 @@ forward
     1. a rank that carries computes the map of its last segment: ``(M, N)`` if that segment also continues (one
        pass with v, one with v = 0 from I), else ``(0, N)`` (its entering state does not reach the boundary);
        an empty shard passes the state through, ``(I, 0)``; a rank that does not carry sends ``(0, 0)``;
-    2. one all-gather of the ``[B, HV, K, K + V]`` maps (fp32; fp64 for fp64 inputs);
-    3. the fold of the maps before it (a tree, :mod:`linattn.parallel.fold`) is its entering state;
+    2-3. an exclusive scan of the packed ``[B, HV, K, K + V]`` maps over the ranks (fp32; fp64 for fp64 inputs),
+       ⌈log₂ R⌉ rounds of point-to-point exchange (:func:`~linattn.parallel.collectives.scan_maps`): the N part
+       of the composition of the earlier ranks' maps is its entering state;
     4. the shard re-runs from its true entering state, giving o and the final states. Re-running (rather than
        correcting o from the zero-state run) costs one forward, the same as the correction would (the correction
        ``scale · Qᵀ`` of the propagated state is itself a run with v = 0 from h_in), and it leaves an autograd
@@ -19,7 +20,8 @@ forward
 backward
     1. the local backward with the leaving state's gradient at zero gives ``D = ∂L/∂h_in`` (the entering
        state's direct effect on this rank's outputs) and the gradients of everything but the carried state;
-    2. one all-gather of D; ``dh_out_r = D_{r+1} + M_{r+1}ᵀ dh_out_{r+1}``, folded (a tree) over the later ranks;
+    2. ``dh_out_r = D_{r+1} + M_{r+1}ᵀ dh_out_{r+1}``: the same scan in reverse rank order over the maps
+       ``[Mᵀ | D]``;
     3. a rank that carries adds the local backward of its leaving state with gradient ``dh_out``.
     Gradients are exact: every term is the chain rule of the true computation; no rank needs another's
     activations.
@@ -39,8 +41,8 @@ import torch
 
 from ..ops.gated_delta.chunk import chunk_gated_delta_rule
 from ..ops.gated_linear import gated_linear_attention
-from .collectives import all_gather_stack, all_reduce_sum
-from .fold import grad_leaving, state_entering
+from .collectives import all_reduce_sum, scan_maps
+from .fold import transpose_map
 from .plan import ShardPlan
 
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -107,7 +109,7 @@ class _ContextParallelRule(torch.autograd.Function):
             return o, ht, leaves, init
 
         final = None
-        maps = None
+        own_map = None
         if plan.local_len and not lay.entering:
             final = run(lay.initial_rows(initial_state, None, state_like), True)     # exact in one pass
         if plan.any_open:
@@ -124,12 +126,12 @@ class _ContextParallelRule(torch.autograd.Function):
                     zero_v = v.new_zeros(*v.shape[:3], K)
                     with torch.no_grad():
                         M = rule(q, k, zero_v, *tensors[3:], initial_state=eye, cu_seqlens=cu)[1].to(sdt)
-            maps = all_gather_stack(torch.cat([M, N], dim=-1), plan.group)                # [R, Bc, HV, K, K + V]
+            own_map = torch.cat([M, N], dim=-1)                                            # [Bc, HV, K, K + V]
+            h_in = scan_maps(own_map, plan)[..., K:]
             if plan.local_len and lay.entering:
-                h_in = state_entering(maps[..., :K], maps[..., K:], plan.rank)
                 final = run(lay.initial_rows(initial_state, h_in, state_like), True)
         ctx.rule, ctx.plan, ctx.lay, ctx.K = rule, plan, lay, K
-        ctx.output_final_state, ctx.maps, ctx.final = output_final_state, maps, final
+        ctx.output_final_state, ctx.own_map, ctx.final = output_final_state, own_map, final
         ctx.shapes = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in tensors]
         ctx.initial_like = None if initial_state is None else initial_state.new_zeros(()).expand(initial_state.shape)
         o = final[0].detach() if final is not None else v.new_zeros(v.shape)
@@ -159,14 +161,13 @@ class _ContextParallelRule(torch.autograd.Function):
             grads_in, d_init = list(first[:-1]), first[-1]
         elif ctx.output_final_state and dht_all is not None:
             dht_all = all_reduce_sum(dht_all, plan.group)
-        if ctx.maps is not None:
-            maps = ctx.maps
-            D = torch.zeros_like(maps[0, ..., K:])
+        if ctx.own_map is not None:
+            own = ctx.own_map
+            D = torch.zeros_like(own[..., K:])
             if d_init is not None and lay.entering:
                 D = d_init[lay.entering].to(D.dtype)
-            Ds = all_gather_stack(D, plan.group)
+            dh_out = scan_maps(transpose_map(own, D), plan, reverse=True)[..., K:]
             if final is not None and lay.leaving:
-                dh_out = grad_leaving(maps[..., :K], Ds, plan.rank)
                 dht_carry = torch.zeros_like(final[1])
                 dht_carry[lay.leaving] = dh_out.to(dht_carry.dtype)
                 second = torch.autograd.grad(final[1], inputs, dht_carry, allow_unused=True)

@@ -1,33 +1,47 @@
-"""The affine-map fold (tree) against its sequential twin, and the plan's geometry (single process)."""
+"""Composing affine state maps against the sequential fold, and the plan's geometry (single process)."""
 import pytest
 import torch
 
-from linattn.parallel import ShardPlan, fold_affine, fold_affine_ref
+from linattn.parallel import ShardPlan, compose, fold_affine_ref
 from linattn.parallel.collectives import halo_range
-from linattn.parallel.fold import grad_leaving, state_entering
+from linattn.parallel.fold import identity_map, transpose_map
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 8, 13])
-def test_tree_fold_matches_sequential(n):
-    gen = torch.Generator().manual_seed(n)
-    M = torch.randn(n, 2, 3, 6, 6, generator=gen, dtype=torch.float64) * 0.4
-    N = torch.randn(n, 2, 3, 6, 5, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(fold_affine(M, N), fold_affine_ref(M, N), atol=1e-12, rtol=1e-12)
+def _maps(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2, 3, 6, 6 + 5, generator=gen, dtype=torch.float64) * 0.4
 
 
 def test_fold_is_the_chained_recurrence():
-    # state_entering / grad_leaving are the forward and the reverse-transposed chains written out
-    gen = torch.Generator().manual_seed(0)
-    M = torch.randn(4, 3, 3, generator=gen, dtype=torch.float64)
-    N = torch.randn(4, 3, 2, generator=gen, dtype=torch.float64)
-    D = torch.randn(4, 3, 2, generator=gen, dtype=torch.float64)
-    h = torch.zeros(3, 2, dtype=torch.float64)
-    for j in range(2):
-        h = M[j] @ h + N[j]
-    torch.testing.assert_close(state_entering(M, N, 2), h)
-    g = D[3] + M[3].T @ torch.zeros(3, 2, dtype=torch.float64)
-    g = D[2] + M[2].T @ g
-    torch.testing.assert_close(grad_leaving(M, D, 1), g)
+    maps = _maps(3)
+    h = torch.zeros(2, 3, 6, 5, dtype=torch.float64)
+    for m in maps:
+        h = m[..., :6] @ h + m[..., 6:]
+    torch.testing.assert_close(fold_affine_ref(maps), h)
+    assert fold_affine_ref(maps[:0]).abs().sum() == 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_composition_is_the_fold(n):
+    # what the scan over ranks computes: the N part of the composed map is the fold from a zero state
+    maps = _maps(n, seed=n)
+    acc = identity_map(maps[0])
+    for m in maps:
+        acc = compose(m, acc)
+    torch.testing.assert_close(acc[..., 6:], fold_affine_ref(maps), atol=1e-12, rtol=1e-12)
+    # associativity: ((c ∘ b) ∘ a) == (c ∘ (b ∘ a)), the property the log-depth scan rests on
+    if n == 5:
+        a, b, c = maps[0], maps[1], maps[2]
+        torch.testing.assert_close(compose(compose(c, b), a), compose(c, compose(b, a)), atol=1e-12, rtol=1e-12)
+
+
+def test_transposed_map_folds_the_gradient():
+    # dh_out of rank 0 with three later ranks: D_1 + M_1ᵀ (D_2 + M_2ᵀ D_3)
+    maps, D = _maps(4), torch.randn(4, 2, 3, 6, 5, dtype=torch.float64)
+    M = maps[..., :6]
+    want = D[1] + M[1].mT @ (D[2] + M[2].mT @ D[3])
+    later = transpose_map(maps[1:], D[1:]).flip(0)
+    torch.testing.assert_close(fold_affine_ref(later), want)
 
 
 def test_plan_geometry():
