@@ -1,30 +1,28 @@
 """Context-parallel gated delta rule: exact outputs, final states and gradients over a sequence split across ranks.
 
 Per (sequence, value head) the recurrence is affine in the state, and the state map of a run of tokens acts on
-the key side: ``h_out = M h_in + N`` with M ``K × K`` and N the state reached from zero. Any op of this family
-gives both from its own forward: N is the final state from ``initial_state = 0``; M is the final state of a run
-with ``v = 0`` (K columns) from ``initial_state = I_K``, since then ``N = 0`` and ``M · I = M`` — exact, not an
-approximation. Per rank (see :class:`~linattn.parallel.ShardPlan` for *continues* / *carries*):
+the key side: ``S_t = P_t h_in + S_t⁰`` with ``P_t`` ``K × K``, so ``o_t = o_t⁰ + h_inᵀ (scale · P_tᵀ q_t)`` and
+``h_out = M h_in + N`` (M = P_T, N = S_T⁰). Any op of this family gives all of it from its own forward: the run
+from a zero entering state gives o⁰ and N; a run with ``v = 0`` (K columns) from ``initial_state = I_K`` gives
+``M`` as its final state and ``o_M[t] = scale · P_tᵀ q_t`` as its output — exact, not an approximation. Per rank
+(see :class:`~linattn.parallel.ShardPlan` for *continues* / *carries*):
 
 forward
-    1. a rank that carries computes the map of its last segment: ``(M, N)`` if that segment also continues (one
-       pass with v, one with v = 0 from I), else ``(0, N)`` (its entering state does not reach the boundary);
-       an empty shard passes the state through, ``(I, 0)``; a rank that does not carry sends ``(0, 0)``;
-    2-3. an exclusive scan of the packed ``[B, HV, K, K + V]`` maps over the ranks (fp32; fp64 for fp64 inputs),
-       ⌈log₂ R⌉ rounds of point-to-point exchange (:func:`~linattn.parallel.collectives.scan_maps`): the N part
-       of the composition of the earlier ranks' maps is its entering state;
-    4. the shard re-runs from its true entering state, giving o and the final states. Re-running (rather than
-       correcting o from the zero-state run) costs one forward, the same as the correction would (the correction
-       ``scale · Qᵀ`` of the propagated state is itself a run with v = 0 from h_in), and it leaves an autograd
-       graph of the exact computation for the backward. A rank that does not continue runs once, exactly.
+    1. the shard from its known initial states (zero where it continues): o⁰, the final states, N;
+    2. if it continues, the ``v = 0`` run over the tokens the entering state reaches (its first segment): o_M, M;
+    3. an exclusive scan of the packed ``[B, HV, K, K + V]`` maps ``[M | N]`` over the ranks, ⌈log₂ R⌉ rounds of
+       point-to-point exchange in fp32 (:func:`~linattn.parallel.collectives.scan_maps`): the N part of the
+       composition of the earlier ranks' maps is its entering state h_in (a rank that does not carry sends
+       ``[0 | 0]``, one whose leaving state does not depend on its entering one ``[0 | N]``, an empty shard
+       ``[I | 0]``);
+    4. ``o = o⁰ + o_M h_in`` and ``h_out = M h_in + N``: a correction, not a re-run. Both runs are independent of
+       h_in, so they run before the scan and nothing but a ``T_r × K × V`` product per head waits on it.
 backward
-    1. the local backward with the leaving state's gradient at zero gives ``D = ∂L/∂h_in`` (the entering
-       state's direct effect on this rank's outputs) and the gradients of everything but the carried state;
-    2. ``dh_out_r = D_{r+1} + M_{r+1}ᵀ dh_out_{r+1}``: the same scan in reverse rank order over the maps
-       ``[Mᵀ | D]``;
-    3. a rank that carries adds the local backward of its leaving state with gradient ``dh_out``.
-    Gradients are exact: every term is the chain rule of the true computation; no rank needs another's
-    activations.
+    1. ``D = ∂L/∂h_in = Σ_t o_M[t] do_tᵀ + Mᵀ dh_T`` (the final states ending here) — products, no op backward;
+    2. ``dh_out_r = D_{r+1} + M_{r+1}ᵀ dh_out_{r+1}``: the same scan in reverse rank order over ``[Mᵀ | D]``;
+    3. one autograd pass through both runs with ``do``, the final states' gradients (``dh_out`` on the carried
+       row), ``d o_M = do h_inᵀ`` and ``dM = dh_T h_inᵀ``: exact dq, dk, dv, dg, dβ (and dA_log, d dt_bias).
+    No rank needs another's activations.
 
 Loss semantics: the objective is the sum over ranks of each rank's loss. Inputs held by one rank (its tokens) get
 their full gradient on that rank. Inputs replicated on every rank (``initial_state``, ``A_log``, ``dt_bias``,
@@ -35,7 +33,7 @@ is the sum of every rank's.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -73,6 +71,8 @@ class _LocalLayout:
         self.leaving = ([self.rows - 1] if plan.packed else list(range(batch))) if self.carries and self.rows else []
         # whether the leaving rows' state depends on the entering state (one continuing segment, or unpacked)
         self.through = bool(self.entering) and bool(self.leaving) and (not plan.packed or self.rows == 1)
+        # the local tokens the entering state reaches: the first segment (packed) or the whole shard
+        self.entering_span = plan.segments[0].end if plan.packed and plan.segments else plan.local_len
 
     def initial_rows(self, initial_state, h_in, like: torch.Tensor) -> torch.Tensor:
         """``[rows, HV, K, V]``: the whole sequences' initial states, ``h_in`` on the entering rows."""
@@ -89,114 +89,125 @@ class _LocalLayout:
 
 class _ContextParallelRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rule: Rule, plan: ShardPlan, output_final_state: bool, initial_state, *tensors):
+    def forward(ctx, rule: Rule, plan: ShardPlan, n_tokens: int, output_final_state: bool, initial_state,
+                *tensors):
         q, k, v = tensors[:3]
         B, _, _, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         sdt = _state_dtype(v)
         lay = _LocalLayout(plan, B)
-        cu = plan.local_cu_seqlens(q.device)
         Bc = 1 if plan.packed else B
+        dev = v.device
         state_like = v.new_zeros(1, HV, K, V, dtype=sdt)
-        needs = ctx.needs_input_grad[4:]
-
-        def run(init, with_graph):
-            with torch.set_grad_enabled(with_graph):
-                leaves = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t
-                          for t, n in zip(tensors, needs)]
-                init = init.detach().requires_grad_(with_graph)
-                o, ht = rule(*leaves, initial_state=init, cu_seqlens=cu)
-            return o, ht, leaves, init
-
-        final = None
-        own_map = None
-        if plan.local_len and not lay.entering:
-            final = run(lay.initial_rows(initial_state, None, state_like), True)     # exact in one pass
-        if plan.any_open:
-            M = v.new_zeros(Bc, HV, K, K, dtype=sdt)
-            N = v.new_zeros(Bc, HV, K, V, dtype=sdt)
-            if plan.local_len == 0 and lay.continues:
-                M = torch.eye(K, dtype=sdt, device=v.device).expand(Bc, HV, K, K).clone()
-            elif lay.leaving:
-                ht = final[1] if final is not None else run(
-                    lay.initial_rows(initial_state, state_like.new_zeros(Bc, HV, K, V), state_like), False)[1]
-                N = ht[lay.leaving].to(sdt)
-                if lay.through:
-                    eye = torch.eye(K, dtype=sdt, device=v.device).expand(Bc, HV, K, K).contiguous()
-                    zero_v = v.new_zeros(*v.shape[:3], K)
-                    with torch.no_grad():
-                        M = rule(q, k, zero_v, *tensors[3:], initial_state=eye, cu_seqlens=cu)[1].to(sdt)
-            own_map = torch.cat([M, N], dim=-1)                                            # [Bc, HV, K, K + V]
-            h_in = scan_maps(own_map, plan)[..., K:]
+        eye = torch.eye(K, dtype=sdt, device=dev).expand(Bc, HV, K, K)
+        main = through_h = None
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t
+                      for t, n in zip(tensors, ctx.needs_input_grad[5:])]
+            if plan.local_len:
+                # the shard from its known initial states, zero on the rows entering from the previous rank
+                init = lay.initial_rows(initial_state, state_like.new_zeros(Bc, HV, K, V), state_like)
+                init = init.detach().requires_grad_(ctx.needs_input_grad[4])
+                main = (*rule(*leaves, initial_state=init, cu_seqlens=plan.local_cu_seqlens(dev)), init)
             if plan.local_len and lay.entering:
-                final = run(lay.initial_rows(initial_state, h_in, state_like), True)
-        ctx.rule, ctx.plan, ctx.lay, ctx.K = rule, plan, lay, K
-        ctx.output_final_state, ctx.own_map, ctx.final = output_final_state, own_map, final
+                # the entering span's map: v = 0 from I_K gives M as the final state and, as the output,
+                # o_M[t] = scale · P_tᵀ q_t (P_t the map up to token t): the output's entering-state term is o_M h_in
+                span = lay.entering_span
+                sliced = [t[:, :span] if i < n_tokens and isinstance(t, torch.Tensor) else t
+                          for i, t in enumerate(leaves)]
+                sliced[2] = v.new_zeros(B, span, HV, K)
+                through_h = rule(*sliced, initial_state=eye.contiguous(), cu_seqlens=None)
+        own_map, h_in = None, None
+        if plan.any_open:
+            M, N = torch.zeros_like(eye), v.new_zeros(Bc, HV, K, V, dtype=sdt)
+            if plan.local_len == 0 and lay.continues:
+                M = eye.clone()                                             # an empty shard passes the state on
+            elif lay.leaving:
+                N = main[1][lay.leaving].detach().to(sdt)
+                if lay.through:
+                    M = through_h[1].detach().to(sdt)
+            own_map = torch.cat([M, N], dim=-1)                                             # [Bc, HV, K, K + V]
+            h_in = scan_maps(own_map, plan)[..., K:]
+        o = v.new_zeros(v.shape) if main is None else main[0].detach().clone()
+        ht = None if main is None else main[1].detach().to(sdt).clone()
+        if through_h is not None:
+            o_m, m_ent = through_h[0].detach().to(sdt), through_h[1].detach().to(sdt)
+            span = lay.entering_span
+            o[:, :span] = (o[:, :span].to(sdt) + torch.einsum("bthk,bhkv->bthv", o_m, h_in)).to(o.dtype)
+            ht[lay.entering] = m_ent @ h_in + ht[lay.entering]
+        ctx.plan, ctx.lay, ctx.K, ctx.sdt = plan, lay, K, sdt
+        ctx.output_final_state, ctx.own_map, ctx.h_in = output_final_state, own_map, h_in
+        ctx.leaves, ctx.main, ctx.through_h = leaves, main, through_h
         ctx.shapes = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in tensors]
         ctx.initial_like = None if initial_state is None else initial_state.new_zeros(()).expand(initial_state.shape)
-        o = final[0].detach() if final is not None else v.new_zeros(v.shape)
         ht_all = None
         if output_final_state:
-            ht_all = _replicated_final_states(plan, lay, final, initial_state, v, (B, HV, K, V), sdt)
+            ht_all = _replicated_final_states(plan, lay, ht, initial_state, v, (B, HV, K, V), sdt)
         return o, ht_all
 
     @staticmethod
     def backward(ctx, do, dht_all):
-        plan, lay, K = ctx.plan, ctx.lay, ctx.K
-        final = ctx.final
-        n_tensors = len(ctx.needs_input_grad) - 4
-        grads = [None] * n_tensors
-        d_init = None
-        if final is not None:
-            o, ht, leaves, init = final
-            dht_local = torch.zeros_like(ht)
+        plan, lay, K, sdt = ctx.plan, ctx.lay, ctx.K, ctx.sdt
+        main, through_h, h_in = ctx.main, ctx.through_h, ctx.h_in
+        if ctx.output_final_state and dht_all is not None:
+            dht_all = all_reduce_sum(dht_all, plan.group)
+        dht = None
+        if main is not None:
+            dht = torch.zeros_like(main[1], dtype=sdt)
             if ctx.output_final_state and dht_all is not None:
-                dht_all = all_reduce_sum(dht_all, plan.group)
                 for row, (seq, ends) in enumerate(zip(lay.seq_of_row, lay.ends)):
                     if ends:
-                        dht_local[row] = dht_all[seq] if plan.packed else dht_all[row]
-            inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad] + [init]
-            first = torch.autograd.grad((o, ht), inputs, (do, dht_local), retain_graph=bool(lay.leaving),
-                                        allow_unused=True)
-            grads_in, d_init = list(first[:-1]), first[-1]
-        elif ctx.output_final_state and dht_all is not None:
-            dht_all = all_reduce_sum(dht_all, plan.group)
+                        dht[row] = dht_all[seq] if plan.packed else dht_all[row]
+        d_o_m = None
+        if through_h is not None:
+            # the entering state's direct effect: through o = ... + o_M h_in and the final states ending here
+            span = lay.entering_span
+            do_span = do[:, :span].to(sdt)
+            m_ent = through_h[1].detach().to(sdt)
+            D = torch.einsum("bthk,bthv->bhkv", through_h[0].detach().to(sdt), do_span)
+            D = D + m_ent.transpose(-1, -2) @ dht[lay.entering]
+            d_o_m = torch.einsum("bthv,bhkv->bthk", do_span, h_in)
         if ctx.own_map is not None:
-            own = ctx.own_map
-            D = torch.zeros_like(own[..., K:])
-            if d_init is not None and lay.entering:
-                D = d_init[lay.entering].to(D.dtype)
-            dh_out = scan_maps(transpose_map(own, D), plan, reverse=True)[..., K:]
-            if final is not None and lay.leaving:
-                dht_carry = torch.zeros_like(final[1])
-                dht_carry[lay.leaving] = dh_out.to(dht_carry.dtype)
-                second = torch.autograd.grad(final[1], inputs, dht_carry, allow_unused=True)
-                grads_in = [a if b is None else (b if a is None else a + b) for a, b in zip(grads_in, second[:-1])]
-                d_init = d_init + second[-1] if d_init is not None else second[-1]
-        if final is not None:
-            it = iter(grads_in)
-            for i, t in enumerate(leaves):
+            if through_h is None:
+                D = torch.zeros_like(ctx.own_map[..., K:])
+            dh_out = scan_maps(transpose_map(ctx.own_map, D), plan, reverse=True)[..., K:]
+            if dht is not None and lay.leaving:
+                dht[lay.leaving] += dh_out
+        grads = [None] * len(ctx.shapes)
+        d_init = None
+        if main is not None:
+            outs, grad_outs = [main[0], main[1]], [do, dht.to(main[1].dtype)]
+            if through_h is not None:
+                outs += [through_h[0], through_h[1]]
+                grad_outs += [d_o_m.to(through_h[0].dtype),
+                              (dht[lay.entering] @ h_in.transpose(-1, -2)).to(through_h[1].dtype)]
+            wanted = [t for t in ctx.leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if main[2].requires_grad:
+                wanted.append(main[2])
+            got = torch.autograd.grad(outs, wanted, grad_outs, allow_unused=True) if wanted else ()
+            it = iter(got)
+            for i, t in enumerate(ctx.leaves):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     grads[i] = next(it)
+            d_init = next(it, None)
         for i, meta in enumerate(ctx.shapes):
             # an empty shard, or an input this rank's outputs do not reach: a zero share, not None
-            if ctx.needs_input_grad[4 + i] and grads[i] is None:
+            if ctx.needs_input_grad[5 + i] and grads[i] is None:
                 grads[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
         d_initial = None
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[4]:
             d_initial = _initial_state_grad(plan, lay, d_init, dht_all if ctx.output_final_state else None,
                                             ctx.initial_like)
-        ctx.final = None
-        return (None, None, None, d_initial, *grads)
+        ctx.leaves = ctx.main = ctx.through_h = None
+        return (None, None, None, None, d_initial, *grads)
 
 
-def _replicated_final_states(plan, lay, final, initial_state, v, shape, sdt):
+def _replicated_final_states(plan, lay, ht, initial_state, v, shape, sdt):
     """Every sequence's final state on every rank: the owner's rows, summed over the group."""
     B, HV, K, V = shape
     n = plan.num_seqs if plan.packed else B
     out = v.new_zeros(n, HV, K, V, dtype=sdt)
-    if final is not None:
-        ht = final[1].detach().to(sdt)
+    if ht is not None:
         for row, (seq, ends) in enumerate(zip(lay.seq_of_row, lay.ends)):
             if ends:
                 out[seq if plan.packed else row] = ht[row]
@@ -222,29 +233,36 @@ def _initial_state_grad(plan, lay, d_init, dht_all, initial_like):
     return out
 
 
-def context_parallel_rule(rule: Rule, plan: ShardPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          *rest: Optional[torch.Tensor], initial_state: Optional[torch.Tensor] = None,
+def context_parallel_rule(rule: Rule, plan: ShardPlan, tokens: Sequence[Optional[torch.Tensor]],
+                          params: Sequence[Optional[torch.Tensor]] = (), *,
+                          initial_state: Optional[torch.Tensor] = None,
                           output_final_state: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a state-affine recurrence ``rule`` over a sequence split across the ranks of ``plan.group``.
 
-    ``rule(q, k, v, *rest, initial_state=..., cu_seqlens=...)`` must return ``(o, final_state)`` and be affine in
-    its initial state with the map acting on the key side (the gated delta rule, gated linear attention); every
-    tensor argument may require a gradient. Shapes as :func:`context_parallel_gated_delta_rule`.
+    ``rule(*tokens, *params, initial_state=..., cu_seqlens=...)`` must return ``(o, final_state)`` and be affine in
+    its initial state with the map acting on the key side (the gated delta rule, gated linear attention).
+    ``tokens`` are this rank's per-token tensors ``[B, T_r, ...]``, starting with q, k, v; ``params`` the rest
+    (``A_log``, ``dt_bias``); any of them may require a gradient. Shapes as
+    :func:`context_parallel_gated_delta_rule`.
     """
+    q, k, v = tokens[:3]
     B, T_r = q.shape[:2]
     if T_r != plan.local_len:
         raise ValueError(f"q holds {T_r} tokens, this rank's shard (plan) {plan.local_len}")
     if plan.packed and B != 1:
         raise ValueError(f"a packed batch (plan with cu_seqlens) needs batch size 1, got B={B}")
-    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"q, k, v must share [B, T]: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    for t in tokens:
+        if t is not None and tuple(t.shape[:2]) != (B, T_r):
+            raise ValueError(f"every per-token tensor must be [B, T_r, ...] = [{B}, {T_r}, ...], got "
+                             f"{tuple(t.shape)}")
     if initial_state is not None:
         n = plan.num_seqs if plan.packed else B
         want = (n, v.shape[2], q.shape[3], v.shape[3])
         if tuple(initial_state.shape) != want:
             raise ValueError(f"initial_state must be [N, HV, K, V] = {want} (N = the global sequences), "
                              f"got {tuple(initial_state.shape)}")
-    return _ContextParallelRule.apply(rule, plan, bool(output_final_state), initial_state, q, k, v, *rest)
+    return _ContextParallelRule.apply(rule, plan, len(tokens), bool(output_final_state), initial_state, *tokens,
+                                      *params)
 
 
 def _gdn_rule(q, k, v, g, beta, A_log, dt_bias, *, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
@@ -280,7 +298,7 @@ def context_parallel_gated_delta_rule(
     """
     rule = functools.partial(_gdn_rule, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                              use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, backend=backend)
-    return context_parallel_rule(rule, plan, q, k, v, g, beta, A_log, dt_bias, initial_state=initial_state,
+    return context_parallel_rule(rule, plan, (q, k, v, g, beta), (A_log, dt_bias), initial_state=initial_state,
                                  output_final_state=output_final_state)
 
 
@@ -297,5 +315,5 @@ def context_parallel_gated_linear_attention(
     """:func:`linattn.gated_linear_attention` over a sequence split across ranks (its map is ``M = e^{ΣG} I``,
     found the same way); arguments as :func:`context_parallel_gated_delta_rule`."""
     rule = functools.partial(_gla_rule, scale=scale, backend=backend)
-    return context_parallel_rule(rule, plan, q, k, v, g, beta, initial_state=initial_state,
+    return context_parallel_rule(rule, plan, (q, k, v, g, beta), initial_state=initial_state,
                                  output_final_state=output_final_state)
