@@ -55,16 +55,18 @@ def scan_maps(own: torch.Tensor, plan: ShardPlan, reverse: bool = False) -> torc
     R = plan.world
     pos = R - 1 - plan.rank if reverse else plan.rank          # position in scan order
     rank_at = (lambda p: R - 1 - p) if reverse else (lambda p: p)
-    inclusive, exclusive = own.contiguous(), identity_map(own)
+    inclusive, exclusive = own.contiguous(), None          # None: the identity, composed for free
     d = 1
     while d < R:
         sends = [(rank_at(pos + d), inclusive)] if pos + d < R else []
         buf = torch.empty_like(own) if pos - d >= 0 else None
         exchange(plan, sends, [(rank_at(pos - d), buf)] if buf is not None else [])
         if buf is not None:
-            inclusive, exclusive = compose(inclusive, buf), compose(exclusive, buf)
+            exclusive = buf if exclusive is None else compose(exclusive, buf)
+            if 2 * d < R:                                  # the last round's inclusive map goes nowhere
+                inclusive = compose(inclusive, buf)
         d *= 2
-    return exclusive
+    return identity_map(own) if exclusive is None else exclusive
 
 
 def halo_range(plan: ShardPlan, rank: int, length: Optional[int]) -> tuple[int, int]:
