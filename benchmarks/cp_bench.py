@@ -3,6 +3,7 @@
     python benchmarks/cp_bench.py model                         # the model: 8 / 64 / 512 GPUs, T = 1M and 16M
     torchrun --nproc-per-node 8 benchmarks/cp_bench.py scan     # the map scan vs an all-gather + fold
     torchrun --nproc-per-node 2 benchmarks/cp_bench.py op --T 262144   # issue 49: exact? how fast vs one GPU?
+    torchrun --nproc-per-node 2 benchmarks/cp_bench.py op --backend gloo --T 65536   # 2 ranks on one GPU
 
 ``op`` checks the split op against the unsplit one computed on every rank's own GPU (outputs, final state, every
 gradient), then times forward and forward + backward of both, and the map scan alone (the communication on the
@@ -118,14 +119,17 @@ def print_model(shape: Shape, m: Machine) -> list[dict]:
 # ------------------------------------------------------------------------------------------- measurements
 
 
-def _init():
+def _init(backend: str = "auto"):
+    """NCCL with one GPU per rank; ``backend="gloo"`` with CUDA tensors lets several ranks share one GPU (the
+    single-GPU check of the per-rank kernels and the scan; gloo's CUDA support is partial: what fails is the
+    finding)."""
     import torch.distributed as dist
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(("nccl" if cuda else "gloo") if backend == "auto" else backend)
     return dist, torch.device("cuda") if cuda else torch.device("cpu")
 
 
@@ -154,7 +158,7 @@ def measure_scan(args) -> dict:
     from linattn.parallel import ShardPlan
     from linattn.parallel.collectives import scan_maps
     from linattn.parallel.fold import fold_affine_ref
-    dist, device = _init()
+    dist, device = _init(args.backend)
     R, rank = dist.get_world_size(), dist.get_rank()
     plan = ShardPlan.from_lengths([1] * R)
     shape = Shape(HV=args.HV, K=args.K, V=args.V)
@@ -183,7 +187,7 @@ def measure_op(args) -> dict:
     from linattn import chunk_gated_delta_rule
     from linattn.parallel import ShardPlan, context_parallel_gated_delta_rule
     from linattn.parallel.collectives import scan_maps
-    dist, device = _init()
+    dist, device = _init(args.backend)
     R, rank = dist.get_world_size(), dist.get_rank()
     T, HV, H, K, V = args.T, args.HV, args.H, args.K, args.V
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -264,6 +268,8 @@ def main(argv=None) -> int:
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", help="also write the result here (rank 0)")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: NCCL on GPUs, gloo on CPUs; gloo on a GPU puts several ranks on one card")
     args = p.parse_args(argv)
     if args.what == "model":
         res = print_model(Shape(HV=args.HV, K=args.K, V=args.V), Machine())
