@@ -16,10 +16,12 @@ from .fold import compose, identity_map
 from .plan import ShardPlan
 
 
-def all_reduce_sum(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """The sum of every rank's ``x`` (a new tensor; ``x`` is not modified)."""
+def all_reduce_sum(x: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """The sum of every rank's ``x`` (a new tensor; ``x`` is not modified). A one-rank plan needs no process
+    group."""
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    if plan.world > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=plan.group)
     return x
 
 

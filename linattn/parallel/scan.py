@@ -89,8 +89,8 @@ class _LocalLayout:
 
 class _ContextParallelRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rule: Rule, plan: ShardPlan, n_tokens: int, output_final_state: bool, initial_state,
-                *tensors):
+    def forward(ctx, rule: Rule, plan: ShardPlan, n_tokens: int, output_final_state: bool, build_graph: bool,
+                initial_state, *tensors):
         q, k, v = tensors[:3]
         B, _, _, K = q.shape
         HV, V = v.shape[2], v.shape[3]
@@ -101,13 +101,14 @@ class _ContextParallelRule(torch.autograd.Function):
         state_like = v.new_zeros(1, HV, K, V, dtype=sdt)
         eye = torch.eye(K, dtype=sdt, device=dev).expand(Bc, HV, K, K)
         main = through_h = None
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) else t
-                      for t, n in zip(tensors, ctx.needs_input_grad[5:])]
+        # the local runs keep their autograd graphs for the backward (only when a gradient can be asked for)
+        with torch.set_grad_enabled(build_graph):
+            leaves = [t.detach().requires_grad_(n and build_graph) if isinstance(t, torch.Tensor) else t
+                      for t, n in zip(tensors, ctx.needs_input_grad[6:])]
             if plan.local_len:
                 # the shard from its known initial states, zero on the rows entering from the previous rank
                 init = lay.initial_rows(initial_state, state_like.new_zeros(Bc, HV, K, V), state_like)
-                init = init.detach().requires_grad_(ctx.needs_input_grad[4])
+                init = init.detach().requires_grad_(ctx.needs_input_grad[5] and build_graph)
                 main = (*rule(*leaves, initial_state=init, cu_seqlens=plan.local_cu_seqlens(dev)), init)
             if plan.local_len and lay.entering:
                 # the entering span's map: v = 0 from I_K gives M as the final state and, as the output,
@@ -150,7 +151,7 @@ class _ContextParallelRule(torch.autograd.Function):
         plan, lay, K, sdt = ctx.plan, ctx.lay, ctx.K, ctx.sdt
         main, through_h, h_in = ctx.main, ctx.through_h, ctx.h_in
         if ctx.output_final_state and dht_all is not None:
-            dht_all = all_reduce_sum(dht_all, plan.group)
+            dht_all = all_reduce_sum(dht_all, plan)
         dht = None
         if main is not None:
             dht = torch.zeros_like(main[1], dtype=sdt)
@@ -192,14 +193,14 @@ class _ContextParallelRule(torch.autograd.Function):
             d_init = next(it, None)
         for i, meta in enumerate(ctx.shapes):
             # an empty shard, or an input this rank's outputs do not reach: a zero share, not None
-            if ctx.needs_input_grad[5 + i] and grads[i] is None:
+            if ctx.needs_input_grad[6 + i] and grads[i] is None:
                 grads[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
         d_initial = None
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[5]:
             d_initial = _initial_state_grad(plan, lay, d_init, dht_all if ctx.output_final_state else None,
                                             ctx.initial_like)
         ctx.leaves = ctx.main = ctx.through_h = None
-        return (None, None, None, None, d_initial, *grads)
+        return (None, None, None, None, None, d_initial, *grads)
 
 
 def _replicated_final_states(plan, lay, ht, initial_state, v, shape, sdt):
@@ -216,7 +217,7 @@ def _replicated_final_states(plan, lay, ht, initial_state, v, shape, sdt):
         for i in range(plan.num_seqs):
             if plan.offsets[i] == plan.offsets[i + 1] and initial_state is not None:
                 out[i] = initial_state[i].to(sdt)
-    return all_reduce_sum(out, plan.group)
+    return all_reduce_sum(out, plan)
 
 
 def _initial_state_grad(plan, lay, d_init, dht_all, initial_like):
@@ -261,8 +262,9 @@ def context_parallel_rule(rule: Rule, plan: ShardPlan, tokens: Sequence[Optional
         if tuple(initial_state.shape) != want:
             raise ValueError(f"initial_state must be [N, HV, K, V] = {want} (N = the global sequences), "
                              f"got {tuple(initial_state.shape)}")
-    return _ContextParallelRule.apply(rule, plan, len(tokens), bool(output_final_state), initial_state, *tokens,
-                                      *params)
+    inputs = (initial_state, *tokens, *params)
+    build_graph = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+    return _ContextParallelRule.apply(rule, plan, len(tokens), bool(output_final_state), build_graph, *inputs)
 
 
 def _gdn_rule(q, k, v, g, beta, A_log, dt_bias, *, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,

@@ -107,11 +107,12 @@ def _layer(kind: str):
     from linattn.layers import GatedDeltaNet, GatedLinearAttention, SlidingWindowAttention
     from linattn.models import HybridConfig, HybridLM
     torch.manual_seed(0)
-    if kind == "model":
+    if kind.startswith("model"):
         config = HybridConfig(vocab_size=32, hidden_size=32, num_layers=4, layer_pattern="GSLA", gdn_num_heads=2,
                               gdn_head_dim=8, attn_num_heads=2, attn_num_kv_heads=1, window_size=6,
                               gdn_backend="torch")
-        return HybridLM(config).double()
+        # "model-checkpointing": blocks recomputed in the backward, collectives included
+        return HybridLM(config).double().set_gradient_checkpointing(kind == "model-checkpointing")
     if kind in ("gdn", "gla"):
         cls = GatedDeltaNet if kind == "gdn" else GatedLinearAttention
         return cls(32, num_heads=2, head_dim=8, num_v_heads=4, backend="torch").double()
@@ -133,7 +134,7 @@ def layer_case(rank: int, world: int, case: dict, name: str) -> None:
     plan = ShardPlan.from_lengths(lengths, cu, rank=rank)
     a, b = plan.start, plan.end
     ref, split = _layer(kind), _layer(kind)
-    if kind == "model":
+    if kind.startswith("model"):
         ids = torch.randint(0, 32, (B, T), generator=gen)
         labels = torch.randint(0, 32, (B, T), generator=gen)
         labels[:, ::5] = -100

@@ -57,3 +57,41 @@ def test_plan_geometry():
     assert not edge.continues() and edge.carries() and not edge.carries(2)
     with pytest.raises(ValueError, match="end at T"):
         ShardPlan.from_lengths([4, 4], [0, 5], rank=0)
+
+
+def _op_inputs(T=40, requires_grad=False):
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, T, 2, 8, generator=gen), torch.randn(1, T, 2, 8, generator=gen)
+    v = torch.randn(1, T, 2, 8, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, 2, generator=gen) + 3)
+    beta = torch.rand(1, T, 2, generator=gen)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+
+
+def test_one_rank_plan_is_the_op_without_a_process_group():
+    # a one-shard plan has no open boundary: no communication, so no process group is needed
+    from linattn import chunk_gated_delta_rule
+    from linattn.parallel import context_parallel_gated_delta_rule
+    x = _op_inputs()
+    cu = [0, 15, 40]
+    plan = ShardPlan.from_lengths([40], cu, rank=0)
+    want = chunk_gated_delta_rule(*x, output_final_state=True, cu_seqlens=torch.tensor(cu),
+                                  use_qk_l2norm_in_kernel=True, backend="torch")
+    with torch.no_grad():
+        got = context_parallel_gated_delta_rule(*_op_inputs(requires_grad=True), plan=plan, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, backend="torch")
+    assert got[0].grad_fn is None
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
+def test_bad_input_is_a_clear_error():
+    from linattn.parallel import context_parallel_gated_delta_rule
+    x = _op_inputs()
+    with pytest.raises(ValueError, match="this rank's shard"):
+        context_parallel_gated_delta_rule(*x, plan=ShardPlan.from_lengths([39], rank=0))
+    with pytest.raises(ValueError, match="initial_state must be"):
+        context_parallel_gated_delta_rule(*x, plan=ShardPlan.from_lengths([40], [0, 10, 40], rank=0),
+                                          initial_state=torch.zeros(1, 2, 8, 8))
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        ShardPlan.from_lengths([4, 4], rank=2)

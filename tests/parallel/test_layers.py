@@ -11,6 +11,8 @@ CASES_2 = {
     "gdn-packed-crossing": dict(kind="gdn", shape=(1, 90), lengths=[41, 49], cu_seqlens=[0, 30, 90]),
     "swa-unpacked": dict(kind="swa", shape=(2, 40), lengths=[23, 17]),
     "model-unpacked": dict(kind="model", shape=(2, 48), lengths=[20, 28]),
+    "model-packed-checkpointing": dict(kind="model-checkpointing", shape=(1, 64), lengths=[30, 34],
+                                       cu_seqlens=[0, 12, 64]),
 }
 CASES_4 = {
     "gla-packed-short-shard": dict(kind="gla", shape=(1, 80), lengths=[30, 2, 0, 48], cu_seqlens=[0, 31, 80]),
