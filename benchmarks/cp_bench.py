@@ -197,7 +197,7 @@ def measure_op(args) -> dict:
     g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV, generator=gen, device=device) + 4)
     beta = torch.rand(1, T, HV, generator=gen, device=device)
     do = rnd(1, T, HV, V)
-    plan = ShardPlan.from_lengths([T // R + (i < T % R) for i in range(R)])
+    plan = ShardPlan.build(T // R + (rank < T % R))       # a collective before the first point-to-point exchange
     a, b = plan.start, plan.end
     kw = dict(use_qk_l2norm_in_kernel=True)
 

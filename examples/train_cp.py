@@ -113,7 +113,9 @@ def main(argv=None) -> None:
 
     T = args.seq_len
     lengths = [T // cp + (1 if i < T % cp else 0) for i in range(cp)]
-    plan = ShardPlan.from_lengths(lengths, group=cp_group) if cp > 1 else None
+    # build() all-gathers the shard lengths over the cp group: a collective before the halos' first point-to-point
+    # exchange, which NCCL needs on every rank of the group
+    plan = ShardPlan.build(lengths[dist.get_rank(cp_group)], group=cp_group) if cp > 1 else None
     a, b = (plan.start, plan.end) if plan is not None else (0, T)
     if rank == 0:
         print(f"{world} ranks: {dp} data-parallel x {cp} context-parallel; {model.num_parameters() / 1e6:.2f}M "
