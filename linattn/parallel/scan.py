@@ -33,12 +33,14 @@ is the sum of every rank's.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..ops.gated_delta.chunk import chunk_gated_delta_rule
 from ..ops.gated_linear import gated_linear_attention
+from ..ops.utils import gate_from_raw, l2norm
 from .collectives import all_reduce_sum, scan_maps
 from .fold import transpose_map
 from .plan import ShardPlan
@@ -90,7 +92,7 @@ class _LocalLayout:
 class _ContextParallelRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rule: Rule, plan: ShardPlan, n_tokens: int, output_final_state: bool, build_graph: bool,
-                initial_state, *tensors):
+                reach: int, initial_state, *tensors):
         q, k, v = tensors[:3]
         B, _, _, K = q.shape
         HV, V = v.shape[2], v.shape[3]
@@ -104,16 +106,19 @@ class _ContextParallelRule(torch.autograd.Function):
         # the local runs keep their autograd graphs for the backward (only when a gradient can be asked for)
         with torch.set_grad_enabled(build_graph):
             leaves = [t.detach().requires_grad_(n and build_graph) if isinstance(t, torch.Tensor) else t
-                      for t, n in zip(tensors, ctx.needs_input_grad[6:])]
+                      for t, n in zip(tensors, ctx.needs_input_grad[7:])]
             if plan.local_len:
                 # the shard from its known initial states, zero on the rows entering from the previous rank
                 init = lay.initial_rows(initial_state, state_like.new_zeros(Bc, HV, K, V), state_like)
-                init = init.detach().requires_grad_(ctx.needs_input_grad[5] and build_graph)
+                init = init.detach().requires_grad_(ctx.needs_input_grad[6] and build_graph)
                 main = (*rule(*leaves, initial_state=init, cu_seqlens=plan.local_cu_seqlens(dev)), init)
-            if plan.local_len and lay.entering:
+            # ``reach`` ≤ the entering span: the tokens the entering state provably reaches (beyond, ‖P_t‖₂ is
+            # under the caller's tolerance and the map counts as zero: ``cut``)
+            cut = reach < lay.entering_span
+            if plan.local_len and lay.entering and reach:
                 # the entering span's map: v = 0 from I_K gives M as the final state and, as the output,
                 # o_M[t] = scale · P_tᵀ q_t (P_t the map up to token t): the output's entering-state term is o_M h_in
-                span = lay.entering_span
+                span = reach
                 sliced = [t[:, :span] if i < n_tokens and isinstance(t, torch.Tensor) else t
                           for i, t in enumerate(leaves)]
                 sliced[2] = v.new_zeros(B, span, HV, K)
@@ -125,18 +130,18 @@ class _ContextParallelRule(torch.autograd.Function):
                 M = eye.clone()                                             # an empty shard passes the state on
             elif lay.leaving:
                 N = main[1][lay.leaving].detach().to(sdt)
-                if lay.through:
+                if lay.through and not cut:
                     M = through_h[1].detach().to(sdt)
             own_map = torch.cat([M, N], dim=-1)                                             # [Bc, HV, K, K + V]
             h_in = scan_maps(own_map, plan)[..., K:]
         o = v.new_zeros(v.shape) if main is None else main[0].detach().clone()
         ht = None if main is None else main[1].detach().to(sdt).clone()
         if through_h is not None:
-            o_m, m_ent = through_h[0].detach().to(sdt), through_h[1].detach().to(sdt)
-            span = lay.entering_span
-            o[:, :span] = (o[:, :span].to(sdt) + torch.einsum("bthk,bhkv->bthv", o_m, h_in)).to(o.dtype)
-            ht[lay.entering] = m_ent @ h_in + ht[lay.entering]
-        ctx.plan, ctx.lay, ctx.K, ctx.sdt = plan, lay, K, sdt
+            o_m = through_h[0].detach().to(sdt)
+            o[:, :reach] = (o[:, :reach].to(sdt) + torch.einsum("bthk,bhkv->bthv", o_m, h_in)).to(o.dtype)
+            if not cut:
+                ht[lay.entering] = through_h[1].detach().to(sdt) @ h_in + ht[lay.entering]
+        ctx.plan, ctx.lay, ctx.K, ctx.sdt, ctx.reach, ctx.cut = plan, lay, K, sdt, reach, cut
         ctx.output_final_state, ctx.own_map, ctx.h_in = output_final_state, own_map, h_in
         ctx.leaves, ctx.main, ctx.through_h = leaves, main, through_h
         ctx.shapes = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in tensors]
@@ -162,9 +167,8 @@ class _ContextParallelRule(torch.autograd.Function):
         d_o_m = None
         if through_h is not None:
             # the entering state's direct effect: through o = ... + o_M h_in and the final states ending here
-            span = lay.entering_span
-            do_span = do[:, :span].to(sdt)
-            m_ent = through_h[1].detach().to(sdt)
+            do_span = do[:, :ctx.reach].to(sdt)
+            m_ent = torch.zeros_like(through_h[1], dtype=sdt) if ctx.cut else through_h[1].detach().to(sdt)
             D = torch.einsum("bthk,bthv->bhkv", through_h[0].detach().to(sdt), do_span)
             D = D + m_ent.transpose(-1, -2) @ dht[lay.entering]
             d_o_m = torch.einsum("bthv,bhkv->bthk", do_span, h_in)
@@ -180,8 +184,8 @@ class _ContextParallelRule(torch.autograd.Function):
             outs, grad_outs = [main[0], main[1]], [do, dht.to(main[1].dtype)]
             if through_h is not None:
                 outs += [through_h[0], through_h[1]]
-                grad_outs += [d_o_m.to(through_h[0].dtype),
-                              (dht[lay.entering] @ h_in.transpose(-1, -2)).to(through_h[1].dtype)]
+                d_m = dht[lay.entering] @ h_in.transpose(-1, -2)
+                grad_outs += [d_o_m.to(through_h[0].dtype), (0 * d_m if ctx.cut else d_m).to(through_h[1].dtype)]
             wanted = [t for t in ctx.leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if main[2].requires_grad:
                 wanted.append(main[2])
@@ -193,14 +197,14 @@ class _ContextParallelRule(torch.autograd.Function):
             d_init = next(it, None)
         for i, meta in enumerate(ctx.shapes):
             # an empty shard, or an input this rank's outputs do not reach: a zero share, not None
-            if ctx.needs_input_grad[6 + i] and grads[i] is None:
+            if ctx.needs_input_grad[7 + i] and grads[i] is None:
                 grads[i] = torch.zeros(meta[0], dtype=meta[1], device=meta[2])
         d_initial = None
-        if ctx.needs_input_grad[5]:
+        if ctx.needs_input_grad[6]:
             d_initial = _initial_state_grad(plan, lay, d_init, dht_all if ctx.output_final_state else None,
                                             ctx.initial_like)
         ctx.leaves = ctx.main = ctx.through_h = None
-        return (None, None, None, None, None, d_initial, *grads)
+        return (None, None, None, None, None, None, d_initial, *grads)
 
 
 def _replicated_final_states(plan, lay, ht, initial_state, v, shape, sdt):
@@ -236,15 +240,17 @@ def _initial_state_grad(plan, lay, d_init, dht_all, initial_like):
 
 def context_parallel_rule(rule: Rule, plan: ShardPlan, tokens: Sequence[Optional[torch.Tensor]],
                           params: Sequence[Optional[torch.Tensor]] = (), *,
-                          initial_state: Optional[torch.Tensor] = None,
-                          output_final_state: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                          log_decay_bound: Optional[Callable] = None, map_tolerance: float = 0.0,
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run a state-affine recurrence ``rule`` over a sequence split across the ranks of ``plan.group``.
 
     ``rule(*tokens, *params, initial_state=..., cu_seqlens=...)`` must return ``(o, final_state)`` and be affine in
     its initial state with the map acting on the key side (the gated delta rule, gated linear attention).
     ``tokens`` are this rank's per-token tensors ``[B, T_r, ...]``, starting with q, k, v; ``params`` the rest
-    (``A_log``, ``dt_bias``); any of them may require a gradient. Shapes as
-    :func:`context_parallel_gated_delta_rule`.
+    (``A_log``, ``dt_bias``); any of them may require a gradient. ``log_decay_bound(tokens, params)`` returns
+    ``[B, T, HV]`` per-token bounds on ``log ‖token map‖₂`` (used with ``map_tolerance > 0``, see
+    :func:`entering_reach`). Shapes as :func:`context_parallel_gated_delta_rule`.
     """
     q, k, v = tokens[:3]
     B, T_r = q.shape[:2]
@@ -262,9 +268,31 @@ def context_parallel_rule(rule: Rule, plan: ShardPlan, tokens: Sequence[Optional
         if tuple(initial_state.shape) != want:
             raise ValueError(f"initial_state must be [N, HV, K, V] = {want} (N = the global sequences), "
                              f"got {tuple(initial_state.shape)}")
+    if map_tolerance < 0 or (map_tolerance > 0 and log_decay_bound is None):
+        raise ValueError(f"map_tolerance must be >= 0, and > 0 only with a log_decay_bound, got {map_tolerance}")
+    reach = entering_reach(plan, tokens, params, log_decay_bound, map_tolerance)
     inputs = (initial_state, *tokens, *params)
     build_graph = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
-    return _ContextParallelRule.apply(rule, plan, len(tokens), bool(output_final_state), build_graph, *inputs)
+    return _ContextParallelRule.apply(rule, plan, len(tokens), bool(output_final_state), build_graph, reach,
+                                      *inputs)
+
+
+def entering_reach(plan: ShardPlan, tokens, params, log_decay_bound: Optional[Callable], map_tolerance: float) -> int:
+    """How many tokens of this rank's entering span the entering state reaches: all of them, unless the bound
+    ``log ‖P_t‖₂ ≤ Σ_{s ≤ t} log_decay_bound[s]`` stays under ``log(map_tolerance)`` (every row and head) from some
+    token on; then the span ends there, and the map after it counts as zero (an error ≤ map_tolerance · ‖h_in‖
+    in the state, ≤ scale · ‖q_t‖ · map_tolerance · ‖h_in‖ in an output)."""
+    if not plan.local_len or not plan.continues():
+        return 0
+    span = plan.segments[0].end if plan.packed else plan.local_len
+    if map_tolerance == 0:
+        return span
+    with torch.no_grad():
+        head = [t[:, :span] if isinstance(t, torch.Tensor) else t for t in tokens]
+        cum = log_decay_bound(head, params).to(torch.float64).cumsum(1)                      # [B, span, HV]
+        above = (cum > math.log(map_tolerance)).flatten(2).any(-1).any(0)                    # [span]
+        idx = torch.nonzero(above)
+    return int(idx[-1]) + 1 if idx.numel() else 0
 
 
 def _gdn_rule(q, k, v, g, beta, A_log, dt_bias, *, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,
@@ -275,11 +303,23 @@ def _gdn_rule(q, k, v, g, beta, A_log, dt_bias, *, initial_state, cu_seqlens, sc
                                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, backend=backend)
 
 
+def _gdn_log_decay_bound(tokens, params, *, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel):
+    """Per token, ``log ‖e^{g} (I − β k kᵀ)‖₂ = g + log max(1, |1 − β‖k‖²|)`` with the op's preprocessing."""
+    _, k, v, g, beta = tokens
+    A_log, dt_bias = params
+    g = gate_from_raw(g, A_log, dt_bias) if A_log is not None else g.float()
+    k = l2norm(k) if use_qk_l2norm_in_kernel else k
+    beta = beta.float().sigmoid() if use_beta_sigmoid_in_kernel else beta.float()
+    kk = k.float().square().sum(-1).repeat_interleave(v.shape[2] // k.shape[2], dim=2)
+    return g.float() + torch.log((1 - beta * kk).abs().clamp(min=1.0))
+
+
 def context_parallel_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, plan: ShardPlan,
     scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None, use_beta_sigmoid_in_kernel: bool = False, backend: Optional[str] = None,
+    map_tolerance: float = 0.0,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`linattn.chunk_gated_delta_rule` over a sequence split along T across the ranks of ``plan.group``.
 
@@ -295,13 +335,18 @@ def context_parallel_gated_delta_rule(
             unpacked), the same on every rank.
         output_final_state (bool): also return the final states ``[N, HV, K, V]``, replicated on every rank.
         scale, use_qk_l2norm_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, backend: as the op's.
+        map_tolerance (float): 0 (the default) is exact. Above 0, the entering state's map is computed only over
+            the tokens before the norm bound ``Π e^{g_t} max(1, |1 − β_t‖k_t‖²|)`` falls below it for good (every
+            head), and counts as zero after them: an error ≤ map_tolerance · ‖h_in‖ in the states, for a shorter
+            K-wide run on strongly decaying shards (:func:`entering_reach`).
     Returns:
         ``(o [B, T_r, HV, V], final_state or None)``.
     """
-    rule = functools.partial(_gdn_rule, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, backend=backend)
+    flags = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+    rule = functools.partial(_gdn_rule, scale=scale, backend=backend, **flags)
     return context_parallel_rule(rule, plan, (q, k, v, g, beta), (A_log, dt_bias), initial_state=initial_state,
-                                 output_final_state=output_final_state)
+                                 output_final_state=output_final_state, map_tolerance=map_tolerance,
+                                 log_decay_bound=functools.partial(_gdn_log_decay_bound, **flags))
 
 
 def _gla_rule(q, k, v, g, beta, *, initial_state, cu_seqlens, scale, backend):

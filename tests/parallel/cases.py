@@ -2,11 +2,14 @@
 single-process result computed in the same process from the same seed."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from linattn import chunk_gated_delta_rule, gated_linear_attention
 from linattn.parallel import ShardPlan, context_parallel_gated_delta_rule, context_parallel_gated_linear_attention
+from linattn.parallel.scan import _gdn_log_decay_bound, entering_reach
 
 # float64: the split changes only the summation order, so the match is near machine precision;
 # float32: the tolerance of the op's own float32 tests;
@@ -20,7 +23,7 @@ def close(what: str, got: torch.Tensor, want: torch.Tensor, dtype, rank: int) ->
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"rank {rank}: {what}: {m}")
 
 
-def gdn_inputs(B, T, H, HV, K, V, dtype, seed, raw_gate):
+def gdn_inputs(B, T, H, HV, K, V, dtype, seed, raw_gate, decay_shift=3.0):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
@@ -28,7 +31,7 @@ def gdn_inputs(B, T, H, HV, K, V, dtype, seed, raw_gate):
         g, A_log, dt_bias = r(B, T, HV), r(HV) * 0.5, r(HV) * 0.5
     else:
         k = torch.nn.functional.normalize(k, dim=-1)
-        g, A_log, dt_bias = torch.nn.functional.logsigmoid(r(B, T, HV) + 3), None, None
+        g, A_log, dt_bias = torch.nn.functional.logsigmoid(r(B, T, HV) + decay_shift), None, None
     beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
 
@@ -46,7 +49,8 @@ def op_case(rank: int, world: int, case: dict, name: str = "") -> None:
     cu = case.get("cu_seqlens")
     lengths = case["lengths"]
     assert sum(lengths) == T and len(lengths) == world
-    x = gdn_inputs(B, T, H, HV, K, V, dtype, case.get("seed", 0), case.get("raw_gate", False))
+    x = gdn_inputs(B, T, H, HV, K, V, dtype, case.get("seed", 0), case.get("raw_gate", False),
+                   case.get("decay_shift", 3.0))
     N = B if cu is None else len(cu) - 1
     gen = torch.Generator().manual_seed(99)
     h0 = torch.randn(N, HV, K, V, generator=gen, dtype=dtype) if case.get("h0") else None
@@ -77,9 +81,16 @@ def op_case(rank: int, world: int, case: dict, name: str = "") -> None:
     mine = {n: (x[n][:, a:b] if n in token_names else x[n]).detach().clone().requires_grad_(True) for n in names}
     my_h0 = None if h0 is None else h0.clone().requires_grad_(True)
     if kind == "gdn":
+        tol = case.get("map_tolerance", 0.0)
+        if tol and plan.continues():
+            # the case must exercise the cut: the bound falls under the tolerance inside the entering span
+            reach = entering_reach(plan, [mine[n] for n in token_names], (None, None),
+                                   functools.partial(_gdn_log_decay_bound, use_qk_l2norm_in_kernel=False,
+                                                     use_beta_sigmoid_in_kernel=False), tol)
+            assert 0 < reach < plan.local_len, (name, reach)
         o_r, ht_r = context_parallel_gated_delta_rule(
             **{n: mine[n] for n in names}, plan=plan, initial_state=my_h0, output_final_state=True,
-            use_qk_l2norm_in_kernel=case.get("raw_gate", False), backend="torch")
+            use_qk_l2norm_in_kernel=case.get("raw_gate", False), backend="torch", map_tolerance=tol)
     else:
         o_r, ht_r = context_parallel_gated_linear_attention(
             mine["q"], mine["k"], mine["v"], mine["g"], mine["beta"], plan=plan, initial_state=my_h0,

@@ -3,7 +3,8 @@
 The case table covers what the split must get right: an unpacked batch with whole-sequence initial states and the
 layer's raw gates; packed sequences crossing shard boundaries with unequal shards; an empty shard (the state passes
 through it); a boundary that falls exactly between sequences and a zero-length sequence; grouped value heads;
-float32. Every case checks o, the final states and the gradients of every input.
+float32; the norm-bound cut of the entering map (map_tolerance). Every case checks o, the final states and the
+gradients of every input.
 """
 import pytest
 import torch
@@ -17,6 +18,9 @@ CASES_2 = {
     "unpacked-h0-rawgate": dict(shape=(2, 100, 2, 2, 8, 8), lengths=[37, 63], h0=True, raw_gate=True, dtype=F64),
     "packed-crossing-h0-gva": dict(shape=(1, 160, 2, 4, 8, 16), lengths=[90, 70], cu_seqlens=[0, 30, 130, 160],
                                    h0=True, dtype=F64),
+    # strong decay: the entering state's map is cut after ~15 tokens (error <= 1e-13 * |h_in|)
+    "unpacked-map-tolerance": dict(shape=(1, 100, 2, 2, 8, 8), lengths=[40, 60], h0=True, decay_shift=-2.0,
+                                   map_tolerance=1e-13, dtype=F64),
     "gla-packed-f32": dict(op="gla", shape=(1, 96, 2, 2, 8, 8), lengths=[50, 46], cu_seqlens=[0, 20, 96],
                            h0=True, dtype=F32),
 }
