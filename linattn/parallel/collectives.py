@@ -16,12 +16,21 @@ from .fold import compose, identity_map
 from .plan import ShardPlan
 
 
+def _through_host(plan: ShardPlan, t: torch.Tensor) -> bool:
+    # gloo's CUDA support is partial (no point-to-point): CUDA tensors travel through host copies, so several ranks
+    # can share one GPU for a single-card check of the split; NCCL takes them as they are
+    return t.is_cuda and dist.get_backend(plan.group) == "gloo"
+
+
 def all_reduce_sum(x: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     """The sum of every rank's ``x`` (a new tensor; ``x`` is not modified). A one-rank plan needs no process
     group."""
     x = x.clone(memory_format=torch.contiguous_format)
     if plan.world > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=plan.group)
+        y = x.cpu() if _through_host(plan, x) else x
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=plan.group)
+        if y is not x:
+            x.copy_(y)
     return x
 
 
@@ -33,11 +42,17 @@ def exchange(plan: ShardPlan, sends: list[tuple[int, torch.Tensor]],
              recvs: list[tuple[int, torch.Tensor]]) -> None:
     """Point-to-point: send each ``(rank, tensor)`` of ``sends`` and fill each buffer of ``recvs`` from its rank,
     all posted at once (so two ranks sending to each other cannot deadlock), then wait."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(plan.group, r), plan.group) for r, t in sends]
-    ops += [dist.P2POp(dist.irecv, buf, _peer(plan.group, r), plan.group) for r, buf in recvs]
+    host = any(_through_host(plan, t) for _, t in sends + recvs)
+    out = [(r, t.contiguous().cpu() if host else t.contiguous()) for r, t in sends]
+    into = [(r, buf.new_empty(buf.shape, device="cpu") if host else buf) for r, buf in recvs]
+    ops = [dist.P2POp(dist.isend, t, _peer(plan.group, r), plan.group) for r, t in out]
+    ops += [dist.P2POp(dist.irecv, buf, _peer(plan.group, r), plan.group) for r, buf in into]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    if host:
+        for (_, buf), (_, staged) in zip(recvs, into):
+            buf.copy_(staged)
 
 
 def scan_maps(own: torch.Tensor, plan: ShardPlan, reverse: bool = False) -> torch.Tensor:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from .collectives import all_reduce_sum
 from .plan import ShardPlan
 
 
@@ -21,7 +21,5 @@ def cross_entropy_share(logits: torch.Tensor, labels: torch.Tensor, plan: ShardP
     """
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index,
                             reduction="sum")
-    count = (labels != ignore_index).sum().to(torch.int64)
-    if plan.world > 1:
-        dist.all_reduce(count, group=plan.group)
+    count = all_reduce_sum((labels != ignore_index).sum().to(torch.int64), plan)
     return total / count.clamp(min=1)
