@@ -13,6 +13,7 @@ rounding). Prints one line per ``--log-every`` steps and a summary with tokens/s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--max-bytes", type=int, default=2_000_000)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--check", action="store_true", help="first step: compare with the unsplit batch on rank 0")
+    p.add_argument("--json", help="rank 0 writes a summary here (world, dp, cp, tokens/s, last loss, device)")
     return p.parse_args(argv)
 
 
@@ -151,7 +153,14 @@ def main(argv=None) -> None:
     if use_cuda:
         torch.cuda.synchronize()
     if rank == 0 and t0 is not None:
-        print(f"{tokens / (time.perf_counter() - t0):,.0f} tokens/s on {world} ranks ({device.type})", flush=True)
+        tps = tokens / (time.perf_counter() - t0)
+        print(f"{tps:,.0f} tokens/s on {world} ranks ({device.type})", flush=True)
+        if args.json:
+            summary = dict(world=world, dp=dp, cp=cp, seq_len=T, batch_size=args.batch_size, steps=args.steps,
+                           tokens_per_s=tps, last_loss=float(shown) / dp, dtype=str(amp_dtype),
+                           device=torch.cuda.get_device_name() if use_cuda else "cpu")
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
     dist.destroy_process_group()
 
 
