@@ -4,10 +4,16 @@ mask, never a hand-written softmax kernel.
 Token t (position p_t) sees token s of the same sequence iff ``p_t − window < p_s ≤ p_t`` (``window=None``: full
 causal attention). Grouped-query heads, RoPE, and Qwen3's per-head RMSNorm on q and k. The decode state keeps the
 last ``window − 1`` keys/values (all of them without a window), so a sliding-window layer decodes in constant memory.
+
+Context parallelism (``cp``, a :class:`~linattn.parallel.ShardPlan`): a rank's queries also see the ``window − 1``
+keys/values before its shard (after RoPE and the k norm), fetched from the ranks that hold them
+(:func:`~linattn.parallel.with_halo`, whose backward returns their gradients); positions are global within each
+sequence. Full attention (no window) fetches every earlier key of the sequence: exact, but its traffic grows with T
+(ring attention would bound it; it is not implemented).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
@@ -16,6 +22,9 @@ import torch.nn.functional as F
 from .cache import AttentionState
 from .norm import RMSNorm
 from .varlen import check_layer_cu_seqlens, seq_index_and_position
+
+if TYPE_CHECKING:
+    from ..parallel import ShardPlan
 
 ATTN_BACKENDS = ("sdpa", "flex")
 
@@ -96,13 +105,15 @@ class SlidingWindowAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, state: Optional[AttentionState] = None,
                 output_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
-                ) -> tuple[torch.Tensor, Optional[AttentionState]]:
+                cp: Optional[ShardPlan] = None) -> tuple[torch.Tensor, Optional[AttentionState]]:
         """Args:
             hidden_states: ``[B, T, D]``.
             state: keys/values of the previous tokens of the B sequences, or None.
             output_state: also return the state after these tokens.
             cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1); positions restart at each sequence.
                 Not combined with a state (decode batches are unpacked).
+            cp: this rank's shard of a sequence split across ranks (hidden_states holds its tokens; the plan
+                holds the global ``cu_seqlens``); no state, output_state or cu_seqlens with it.
         Returns:
             ``(out [B, T, D], new_state or None)``.
         """
@@ -118,18 +129,18 @@ class SlidingWindowAttention(nn.Module):
                                  "decode an unpacked batch instead")
         if state is not None and not isinstance(state, AttentionState):
             raise TypeError(f"state must be an AttentionState, got {type(state).__name__}")
-        q = self.q_proj(hidden_states).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(hidden_states).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(hidden_states).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if cp is not None:
+            if state is not None or output_state or cu_seqlens is not None:
+                raise ValueError("SlidingWindowAttention: with cp (context parallelism) pass no state, output_state "
+                                 "or cu_seqlens (the plan holds the global cu_seqlens)")
+            return self._context_parallel(hidden_states, cp), None
         offset = 0 if state is None else state.offset
         seq = None
         if cu_seqlens is None:
             pos = torch.arange(offset, offset + T, device=dev)
         else:
             seq, pos = seq_index_and_position(cu_seqlens, T)
-        q, k = rotary(q, pos[None], self.rope_theta), rotary(k, pos[None], self.rope_theta)
+        q, k, v = self._project(hidden_states, pos)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))                       # [B, H, T, D]
         pos_k = pos
         if state is not None:
@@ -148,7 +159,33 @@ class SlidingWindowAttention(nn.Module):
                                        value=v[:, :, v.shape[2] - keep:].contiguous(), offset=offset + T)
         return out, new_state
 
-    def _attend(self, q, k, v, pos_q, pos_k, seq):
+    def _project(self, hidden_states: torch.Tensor, pos: torch.Tensor):
+        """q ``[B, T, H, D]``, k and v ``[B, T, H_kv, D]`` after the q/k norms and RoPE at positions ``pos``."""
+        q = self.q_proj(hidden_states).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(hidden_states).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(hidden_states).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rotary(q, pos[None], self.rope_theta), rotary(k, pos[None], self.rope_theta), v
+
+    def _context_parallel(self, hidden_states: torch.Tensor, cp: ShardPlan) -> torch.Tensor:
+        from ..parallel import with_halo  # lazy: linattn.parallel imports torch.distributed
+        from ..parallel.collectives import halo_range
+        dev = hidden_states.device
+        q, k, v = self._project(hidden_states, cp.positions(dev))
+        halo = None if self.window_size is None else self.window_size - 1
+        k, v = with_halo(k, cp, halo), with_halo(v, cp, halo)
+        if q.shape[1] == 0:
+            # an empty shard: no queries; the (empty) keys stay in the graph so every rank's backward matches
+            return self.o_proj(q.flatten(-2)) + 0 * (k.sum() + v.sum())
+        lo, hi = halo_range(cp, cp.rank, halo)
+        pos_k = torch.cat([cp.positions(dev, lo, hi), cp.positions(dev)])
+        seq_k = torch.cat([cp.sequence_ids(dev, lo, hi), cp.sequence_ids(dev)])
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        o = self._attend(q, k, v, cp.positions(dev), pos_k, cp.sequence_ids(dev), seq_k)
+        return self.o_proj(o.transpose(1, 2).flatten(-2))
+
+    def _attend(self, q, k, v, pos_q, pos_k, seq, seq_k=None):
         rep = self.num_heads // self.num_kv_heads
         if self.attn_backend == "flex":
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -157,6 +194,7 @@ class SlidingWindowAttention(nn.Module):
             pos_q_all = pos_q
             # queries are the last T of the Lk keys; with packing, positions and sequence ids come from cu_seqlens
             seq_ids = seq
+            seq_ids_k = seq if seq_k is None else seq_k
 
             def mask_mod(b, h, qi, kj):
                 d = pos_q_all[qi] - pos_k[kj]
@@ -164,7 +202,7 @@ class SlidingWindowAttention(nn.Module):
                 if window is not None:
                     keep = keep & (d < window)
                 if seq_ids is not None:
-                    keep = keep & (seq_ids[qi] == seq_ids[kj])
+                    keep = keep & (seq_ids[qi] == seq_ids_k[kj])
                 return keep
 
             bm = create_block_mask(mask_mod, None, None, q.shape[2], Lk, device=q.device)
@@ -179,7 +217,9 @@ class SlidingWindowAttention(nn.Module):
         if seq is None and Lq == Lk and (self.window_size is None or self.window_size >= Lq):
             # plain causal: no mask tensor, so SDPA may pick its flash kernel
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(pos_q, pos_k, self.window_size, seq, seq))
+        seq_k = seq if seq_k is None else seq_k
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(pos_q, pos_k, self.window_size, seq,
+                                                                             seq_k))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, "

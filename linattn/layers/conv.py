@@ -9,16 +9,23 @@ Three paths, one result:
 * a state and no packing: the state is prepended to the input and the convolution runs unpadded (decode steps);
 * packed sequences (``cu_seqlens``): each output gathers its W inputs explicitly, taking positions before a
   sequence's start from that sequence's state (zeros without one), so nothing leaks across sequence boundaries.
+
+Context parallelism (``cp``, a :class:`~linattn.parallel.ShardPlan`): the W − 1 inputs before the shard come from
+the ranks that hold them (:func:`~linattn.parallel.with_halo`, whose backward returns their gradients) and serve as
+the state of the sequence that runs into the shard, so the split convolution equals the unsplit one.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .varlen import check_layer_cu_seqlens, seq_index_and_position
+
+if TYPE_CHECKING:
+    from ..parallel import ShardPlan
 
 
 class ShortConvolution(nn.Module):
@@ -44,19 +51,27 @@ class ShortConvolution(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None, output_state: bool = False,
-                cu_seqlens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                cu_seqlens: Optional[torch.Tensor] = None, cp: Optional[ShardPlan] = None,
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Args:
             x: ``[B, T, D]``.
             state: ``[N, D, W − 1]``, the previous W − 1 inputs of each sequence (N = B, or the number of packed
                 sequences), or None for zeros.
             output_state: also return the new state ``[N, D, W − 1]``.
             cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1).
+            cp: this rank's shard of a sequence split across ranks (x holds its tokens; the plan holds the
+                global ``cu_seqlens``); no state, output_state or cu_seqlens with it.
         Returns:
             ``(y, new_state)``: y ``[B, T, D]`` in x's dtype; new_state or None.
         """
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"ShortConvolution({self.hidden_size}) needs x of shape [B, T, {self.hidden_size}], "
                              f"got {tuple(x.shape)}")
+        if cp is not None:
+            if state is not None or output_state or cu_seqlens is not None:
+                raise ValueError("ShortConvolution: with cp (context parallelism) pass no state, output_state or "
+                                 "cu_seqlens (the plan holds the global cu_seqlens)")
+            return self._context_parallel(x, cp), None
         B, T, D = x.shape
         W = self.kernel_size
         N = B if cu_seqlens is None else check_layer_cu_seqlens(cu_seqlens, B, T)
@@ -80,6 +95,23 @@ class ShortConvolution(nn.Module):
         if new_state is not None:
             new_state = new_state.contiguous()
         return y, new_state
+
+    def _context_parallel(self, x: torch.Tensor, cp: ShardPlan) -> torch.Tensor:
+        from ..parallel import with_halo  # lazy: linattn.parallel imports torch.distributed
+        W = self.kernel_size
+        ext = with_halo(x, cp, W - 1)
+        L = ext.shape[1] - x.shape[1]
+        x = ext[:, L:]
+        if x.shape[1] == 0:
+            return x
+        # the halo (up to W − 1 inputs of the sequence running into the shard) is that sequence's state
+        halo_state = F.pad(ext[:, :L].transpose(1, 2), (W - 1 - L, 0))                   # [B, D, W − 1]
+        if not cp.packed:
+            return self(x, state=halo_state)[0]
+        state = halo_state.new_zeros(len(cp.segments), x.shape[2], W - 1)
+        if cp.continues():
+            state = torch.cat([halo_state, state[1:]])
+        return self(x, state=state, cu_seqlens=cp.local_cu_seqlens(x.device))[0]
 
     def _packed(self, x, state, cu_seqlens, w, b, output_state):
         # x [T, D]. Window element j of token t is input position p − (W − 1 − j) of its sequence, p its position.

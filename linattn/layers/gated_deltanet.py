@@ -120,6 +120,12 @@ class GatedDeltaNet(nn.Module):
         return gated_delta_rule(q, k, v, a, beta, self.A_log, self.dt_bias, mode=mode, initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=self.backend)
 
+    def _rule_cp(self, q, k, v, a, beta, cp):
+        """The recurrence over a sequence split across ranks (:mod:`linattn.parallel`); returns o."""
+        from ..parallel import context_parallel_gated_delta_rule  # lazy: it imports torch.distributed
+        return context_parallel_gated_delta_rule(q, k, v, a, beta, plan=cp, use_qk_l2norm_in_kernel=True,
+                                                 A_log=self.A_log, dt_bias=self.dt_bias, backend=self.backend)[0]
+
     def _mode(self, T: int) -> str:
         if self.mode != "auto":
             return self.mode
@@ -127,12 +133,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, state: Optional[GatedDeltaNetState] = None,
                 output_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
-                ) -> tuple[torch.Tensor, Optional[GatedDeltaNetState]]:
+                cp=None) -> tuple[torch.Tensor, Optional[GatedDeltaNetState]]:
         """Args:
             hidden_states: ``[B, T, D]``.
             state: the layer's state after the previous tokens (N = B sequences, or N packed ones), or None.
             output_state: also return the state after these tokens (for decoding).
             cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1); each starts from its own state.
+            cp: a :class:`~linattn.parallel.ShardPlan`: hidden_states is this rank's shard of a sequence split
+                across ranks (context parallelism); no state, output_state or cu_seqlens with it.
         Returns:
             ``(out [B, T, D], new_state or None)``.
         """
@@ -144,11 +152,15 @@ class GatedDeltaNet(nn.Module):
             check_layer_cu_seqlens(cu_seqlens, B, T)
         if state is not None and not isinstance(state, GatedDeltaNetState):
             raise TypeError(f"state must be a GatedDeltaNetState, got {type(state).__name__}")
+        if cp is not None and (state is not None or output_state or cu_seqlens is not None):
+            raise ValueError(f"{type(self).__name__}: with cp (context parallelism) pass no state, output_state or "
+                             "cu_seqlens (the plan holds the global cu_seqlens)")
         x = hidden_states
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_state = None
         if self.conv1d is not None:
-            qkv, conv_state = self.conv1d(qkv, None if state is None else state.conv, output_state, cu_seqlens)
+            qkv, conv_state = self.conv1d(qkv, None if state is None else state.conv, output_state, cu_seqlens,
+                                          cp=cp)
         else:
             qkv = F.silu(qkv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -159,9 +171,12 @@ class GatedDeltaNet(nn.Module):
         beta = self.b_proj(x).float().sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2
-        o, recurrent = self._rule(q, k, v, a, beta, mode=self._mode(T),
-                                  initial_state=None if state is None else state.recurrent,
-                                  output_final_state=output_state, cu_seqlens=cu_seqlens)
+        if cp is not None:
+            o, recurrent = self._rule_cp(q, k, v, a, beta, cp), None
+        else:
+            o, recurrent = self._rule(q, k, v, a, beta, mode=self._mode(T),
+                                      initial_state=None if state is None else state.recurrent,
+                                      output_final_state=output_state, cu_seqlens=cu_seqlens)
         if self.g_proj is not None:
             o = self.o_norm(o, self.g_proj(x).unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         else:

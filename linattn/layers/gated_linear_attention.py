@@ -28,3 +28,9 @@ class GatedLinearAttention(GatedDeltaNet):
         return gated_linear_attention(l2norm(q), l2norm(k), v, gate_from_raw(a, self.A_log, self.dt_bias), beta,
                                       initial_state=initial_state, output_final_state=output_final_state,
                                       cu_seqlens=cu_seqlens, backend=backend)
+
+    def _rule_cp(self, q, k, v, a, beta, cp):
+        from ..parallel import context_parallel_gated_linear_attention  # lazy: it imports torch.distributed
+        backend = "torch" if self.backend in (None, "triton") else self.backend
+        return context_parallel_gated_linear_attention(l2norm(q), l2norm(k), v, gate_from_raw(a, self.A_log,
+                                                       self.dt_bias), beta, plan=cp, backend=backend)[0]

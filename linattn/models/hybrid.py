@@ -66,8 +66,11 @@ class HybridBlock(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, state=None, output_state=False, cu_seqlens=None):
-        h, state = self.mixer(self.mixer_norm(x), state=state, output_state=output_state, cu_seqlens=cu_seqlens)
+    def forward(self, x, state=None, output_state=False, cu_seqlens=None, cp=None):
+        if cp is not None:      # context parallelism: the mixer exchanges its halo / state maps (linattn.parallel)
+            h, state = self.mixer(self.mixer_norm(x), cp=cp)
+        else:
+            h, state = self.mixer(self.mixer_norm(x), state=state, output_state=output_state, cu_seqlens=cu_seqlens)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state
 
@@ -121,13 +124,17 @@ class HybridLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, input_ids: torch.Tensor, cache: Optional[Cache] = None, use_cache: bool = False,
-                cu_seqlens: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> CausalLMOutput:
+                cu_seqlens: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                cp=None) -> CausalLMOutput:
         """Args:
             input_ids: ``[B, T]`` token ids.
             cache: the cache after the previous tokens of these B sequences (from an earlier call), or None.
             use_cache: return the cache after these tokens (prefill / decode).
             cu_seqlens: ``[N + 1]`` offsets of packed sequences (B == 1; no cache).
             labels: ``[B, T]`` the target of every position (already shifted: the next token); -100 is ignored.
+            cp: a :class:`~linattn.parallel.ShardPlan`: input_ids (and labels) are this rank's shard of a batch
+                split along T across ranks (context parallelism; no cache or cu_seqlens, the plan holds the
+                global cu_seqlens); the loss is then this rank's share of the global mean (the shares sum to it).
         Returns:
             :class:`CausalLMOutput` with fp32 logits ``[B, T, vocab]``, the loss if labels were given, the cache.
         """
@@ -136,14 +143,16 @@ class HybridLM(nn.Module):
             raise ValueError("input_ids must be an integer tensor [B, T]")
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache holds {len(cache)} layers, the model has {len(self.layers)}")
+        if cp is not None and (cache is not None or use_cache or cu_seqlens is not None):
+            raise ValueError("HybridLM: with cp (context parallelism) pass no cache, use_cache or cu_seqlens")
         x = self.embed(input_ids)
         new_cache = Cache.empty(len(self.layers)) if use_cache else None
         for i, block in enumerate(self.layers):
             state = None if cache is None else cache[i]
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, st = checkpoint(block, x, state, use_cache, cu_seqlens, use_reentrant=False)
+                x, st = checkpoint(block, x, state, use_cache, cu_seqlens, cp, use_reentrant=False)
             else:
-                x, st = block(x, state, use_cache, cu_seqlens)
+                x, st = block(x, state, use_cache, cu_seqlens, cp)
             if use_cache:
                 new_cache.states[i] = st
         if use_cache:
@@ -154,7 +163,11 @@ class HybridLM(nn.Module):
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got "
                                  f"{tuple(labels.shape)}")
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            if cp is not None:
+                from ..parallel import cross_entropy_share  # lazy: it imports torch.distributed
+                loss = cross_entropy_share(logits, labels, cp)
+            else:
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         return CausalLMOutput(logits=logits, loss=loss, cache=new_cache)
 
     # ------------------------------------------------------------------------------------------------ save / load
