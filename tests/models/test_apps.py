@@ -50,7 +50,7 @@ def test_train_grad_checkpointing_runs(tmp_path, text_file):
     (["train", "--data", "/nonexistent/file.txt"], "no such file"),
     (["train", "--dtype", "fp16", "--device", "cpu"], "CUDA"),
     (["train", "--steps", "0"], "--steps"),
-    (["generate", "--model", "/nonexistent/run"], "not found"),
+    (["generate", "--model", "/nonexistent/run"], "run `linattn train` first"),
 ], ids=["missing-data", "fp16-on-cpu", "zero-steps", "missing-model"])
 def test_cli_errors_are_clear(argv, match, tmp_path, capsys):
     assert main(argv + (["--out", str(tmp_path)] if argv[0] == "train" else [])) == 2
