@@ -14,11 +14,10 @@ Layout contract with the backward (token-major, like the public API): as above, 
 ``i_hv // (HV // H)`` in the kernels; the repeat is never materialised.
 
 Intermediate dtype: w, u and v_new (like gc, A_inv and h) are fp32 for every input dtype, and the dots that
-touch them run on tf32 operands for bf16/fp16 inputs ("ieee" for fp32 inputs; ``common/__init__.py``). Why: at
-the accuracy anchor (bf16, B=2, T=300, H=4, K=V=128, relative L2 of o against float64) merely rounding the exact
-o to bf16 costs 1.66e-3 of the 2e-3 budget. A PyTorch emulation of the kernels' roundings gives 1.69e-3 with fp32
-intermediates and tf32 operands, but 3.3e-3 when A_inv, w, u, v_new and the dot operands are rounded to bf16 (the
-fla design; fla measures 3.7e-3). benchmarks/gpu_check_fwd.py measures it on the GPU (``--dot-prec`` to compare).
+touch them run on tf32 operands for bf16/fp16 inputs ("ieee" for fp32 inputs; ``common/__init__.py``). Why: merely
+rounding the exact o to bf16 takes most of the bf16 error budget, and rounding A_inv, w, u, v_new and the dot
+operands to bf16 as well (the fla design) about doubles the error; fp32 intermediates keep it near the rounding's.
+benchmarks/gpu_check_fwd.py measures it on the GPU (``--dot-prec`` to compare).
 """
 from __future__ import annotations
 
