@@ -1,7 +1,7 @@
 """Packed sequences on the Hopper forward by padding (linattn/ops/hopper/varlen.py): the copies between packed rows
 and the padded batch (common/varlen.py) against their twins, the padding decision, the padded forward around the
-kernels' twins against the float64 recurrence (on the CPU: the twins in
-place of the TileLang kernel), the op's routing, and on an sm_90 GPU the real kernels through the op."""
+kernels' twins against the float64 recurrence (on the CPU), the plan's padding decision, and on an sm_90 GPU the
+real kernels through the op."""
 from __future__ import annotations
 
 import dataclasses
