@@ -126,8 +126,8 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool = F
     """The plan for ``num_sequences`` equal-length sequences of ``T`` tokens and ``HV`` value heads of width ``V`` on
     ``sms`` SMs, or None for the Triton paths: the unsegmented walk where its programs fill the card
     (:func:`hopper_launch`), else segments where they do (:func:`segment_count`; the planned warm walk below
-    ``config.min_segmented_head_tokens``), else None — or, ``forced``, the unsegmented walk (at BV = 64 where the
-    configured tile does not divide V)."""
+    ``config.min_segmented_head_tokens`` unless ``forced``), else None — or, ``forced``, the unsegmented walk (at
+    BV = 64 where the configured tile does not divide V)."""
     launch = hopper_launch(num_sequences, HV, V, sms, config)
     if launch is not None:
         return HopperPlan(tuple(launch.items()), config=config, reason="its programs fill the card")
@@ -138,7 +138,7 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool = F
                               reason="forced; no segmentation fills the card")
         return None
     launch = hopper_launch(num_sequences * segments, HV, V, sms, config)
-    small = num_sequences * T * HV < config.min_segmented_head_tokens
+    small = num_sequences * T * HV < config.min_segmented_head_tokens and not forced
     reason = (f"{segments} segments fill the card" +
               (", two launches (host-bound size)" if small else ", maps and warm-ups"))
     return HopperPlan(tuple(launch.items()), segments, planned_walk=small, config=config, reason=reason)
