@@ -3,7 +3,7 @@ chunk's A_inv diag(β) in bf16 and the chunks' map bounds), then the fused walk 
 unsegmented or cut into segments (sequence parallelism). A signature seen before takes its prepared call
 (``prepared.py``: the same launches without the checks and the plan's Python).
 
-    forward_hopper(plan, q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets) -> (o, final_state)
+    forward_hopper(plan, q, k, v, g, beta, scale, initial_state, cu_seqlens) -> (o, final_state)
 """
 from __future__ import annotations
 
