@@ -25,8 +25,8 @@ def poisoned(empty):
 def test_lean_forward_reads_nothing_it_left_unwritten(monkeypatch, planned_walk):
     """The segmented forwards around the twins, fp32, with every torch.empty NaN: two heads that warm up and one
     that forgets fast in one sequence (no head walks there, so every map is left unwritten) and, five-launch, a slow
-    head in another (its maps walked): o and the final state equal the float64 recurrence; phase A and phase C were asked
-    for the lean kernels, and the lean twin's unwritten maps (NaN) were not read by the scan."""
+    head in another (its maps walked): o and the final state equal the float64 recurrence; phase A and phase C were
+    asked for the lean kernels, and the lean twin's unwritten maps (NaN) were not read by the scan."""
     a, b = three_heads(seed=1), three_heads(seed=2)
     a["g"][..., 2] = -3.0
     x = a if planned_walk else {n: torch.cat([a[n], b[n]]) for n in a}    # (the planned twin walks slowly)
