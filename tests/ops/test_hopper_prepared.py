@@ -164,33 +164,75 @@ def test_kept_scratch_is_the_same_launches_with_the_same_tensors(recorder, monke
     assert all(a is not b for a, b in zip(first[-1][-2:], second[-1][-2:]))        # the last launch's o and ht
 
 
-def test_scratch_is_kept_per_thread_and_only_for_the_latest_signature(recorder, monkeypatch):
-    """Another thread gets its own scratch; another signature on the same thread replaces the kept set (one set per
-    thread and stream); release_scratch gives every set back; above SCRATCH_MAX_BYTES nothing is kept."""
+def test_scratch_is_kept_per_stream_not_per_thread(recorder):
+    """Another thread on the same stream takes the kept set (threads that come and go leave nothing behind);
+    another signature replaces the stream's set (one set per stream); release_scratch gives every set back; above
+    SCRATCH_MAX_BYTES nothing is kept."""
     import threading
     x = inputs(False)
-    kw = CASES["two_launch"]
-    traced_call(recorder, x, kw)
-    here = scratch_args(launch_args(recorder, x, kw), x)
+    plan = CASES["two_launch"]
+    traced_call(recorder, x, plan)
+    here = scratch_args(launch_args(recorder, x, plan), x)
     there = []
-    worker = threading.Thread(target=lambda: there.append(scratch_args(launch_args(recorder, x, kw), x)))
-    worker.start()
-    worker.join()
-    assert not {id(a) for *_, a in here} & {id(a) for *_, a in there[0]}
-    assert len(prepared._scratch) == 2
-    y = inputs(False, torch.bfloat16)                  # another signature (β in bf16), on this thread
-    traced_call(recorder, y, kw)
-    launch_args(recorder, y, kw)
-    assert len(prepared._scratch) == 2 and all(a is not b for (*_, a), (*_, b) in zip(
-        scratch_args(launch_args(recorder, x, kw), x), here))      # x's set was replaced, so it is new again
-    kept = scratch_args(launch_args(recorder, x, kw), x)
+    for _ in range(3):
+        worker = threading.Thread(target=lambda: there.append(scratch_args(launch_args(recorder, x, plan), x)))
+        worker.start()
+        worker.join()
+    for theirs in there:           # the same kept tensors; the last two, o and the final state, new
+        assert [id(a) for *_, a in theirs[:-2]] == [id(a) for *_, a in here[:-2]]
+        assert not {id(a) for *_, a in theirs[-2:]} & {id(a) for *_, a in here}
+    assert len(prepared._scratch) == 1
+    y = inputs(False, torch.bfloat16)                  # another signature (β in bf16), on this stream
+    traced_call(recorder, y, plan)
+    launch_args(recorder, y, plan)
+    assert len(prepared._scratch) == 1 and all(a is not b for (*_, a), (*_, b) in zip(
+        scratch_args(launch_args(recorder, x, plan), x), here))    # x's set was replaced, so it is new again
+    kept = scratch_args(launch_args(recorder, x, plan), x)
     prepared.release_scratch()                          # every set given back: the next call makes a new one
     assert not prepared._scratch
-    assert all(a is not b for (*_, a), (*_, b) in zip(scratch_args(launch_args(recorder, x, kw), x), kept))
-    prepared.release_scratch()
-    monkeypatch.setattr(prepared, "SCRATCH_MAX_BYTES", 0)
-    a, b = (scratch_args(launch_args(recorder, x, kw), x) for _ in range(2))
-    assert all(s is not t for (*_, s), (*_, t) in zip(a, b)) and not prepared._scratch
+    assert all(a is not b for (*_, a), (*_, b) in zip(scratch_args(launch_args(recorder, x, plan), x), kept))
+
+
+def test_a_held_set_is_never_shared(monkeypatch):
+    """While one call holds its stream's set (its launches being issued), a call on the same stream gets new tensors
+    and keeps nothing: two calls' launches never interleave on one set; the set is the first call's again after."""
+    made = []
+
+    def make(device):
+        made.append(torch.empty(4))
+        return made[-1]
+    device = torch.device("cpu")
+    with prepared.scratch("call", make, device, 16) as first:
+        with prepared.scratch("call", make, device, 16) as second:
+            assert second is not first and len(prepared._scratch) == 1
+    with prepared.scratch("call", make, device, 16) as again:
+        assert again is first and len(made) == 2
+
+
+def test_kept_sets_are_bounded_per_device(monkeypatch):
+    """Streams keep a set each, up to SCRATCH_MAX_BYTES per device: a new set pushes the least recently used ones
+    out (a set in use stays), another device's sets do not count, and a set above the bound is never kept."""
+    streams = iter(range(100))
+    monkeypatch.setattr(prepared, "stream_key", lambda device: (device.type, device.index, next(streams)))
+    monkeypatch.setattr(prepared, "SCRATCH_MAX_BYTES", 100)
+    a, b = torch.device("meta", 0), torch.device("meta", 1)
+    make = lambda device: torch.empty(1, device="meta")  # noqa: E731
+    for _ in range(3):
+        with prepared.scratch("call", make, a, 40):
+            pass
+    assert prepared.kept_bytes() == 80 and len(prepared._scratch) == 2        # 120 would pass the bound
+    first = next(iter(prepared._scratch))
+    with prepared.scratch("call", make, a, 40):
+        assert first not in prepared._scratch                                 # the oldest went
+    with prepared.scratch("call", make, b, 90):
+        pass
+    assert prepared.kept_bytes() == 170                                       # per device: 80 on a, 90 on b
+    with prepared.scratch("call", make, a, 101):
+        pass
+    assert prepared.kept_bytes() == 170                                       # too large: not kept
+    with prepared.scratch("held", make, a, 60):
+        with prepared.scratch("next", make, a, 60):                           # the held set stays
+            assert sum(k.nbytes for w, k in prepared._scratch.items() if w[:2] == ("meta", 0)) == 120
 
 
 def gpu_plan(x: dict):
@@ -236,17 +278,45 @@ def test_kept_scratch_is_bitwise_the_plain_forward_on_the_gpu(monkeypatch, shape
     real_scratch = prepared.scratch
 
     def poisoned(owner, make, device, nbytes):
-        fresh = (owner, torch.cuda.current_stream(device).cuda_stream) not in poisoned.seen
-        held = real_scratch(owner, make, device, nbytes)
-        if fresh:
-            poisoned.seen.add((owner, torch.cuda.current_stream(device).cuda_stream))
+        def make_poisoned(device):
+            held = make(device)
             for t in (*held[:-1], *held.extra):
                 t.view(torch.uint8).fill_(0xFF)             # NaN in every float lane, −1 in int32
-        return held
-    poisoned.seen = set()
+            return held
+        return real_scratch(owner, make_poisoned, device, nbytes)
     monkeypatch.setattr(prepared, "scratch", poisoned)
     with torch.no_grad():
         for i in (0, 1, 0, 1):
             o, ht = linattn.chunk_gated_delta_rule(**xs[i], output_final_state=True)
             assert torch.equal(o, plain[i][0]) and torch.equal(ht, plain[i][1]), i
+    assert len(prepared._scratch) == 1
+
+
+@ON_HOPPER
+def test_threads_sharing_a_stream_never_share_a_set_on_the_gpu():
+    """Two threads calling the op on one stream (the default) with their own inputs, many times each: every result
+    bitwise its input's plain forward, so no call read a set while another call's launches were writing it; one set
+    is kept in the end (per stream, not per thread)."""
+    import threading
+
+    import linattn
+    xs = [gpu_inputs(1, 4096, 16, 16, 128, 128, seed=seed) for seed in (2, 3)]
+    with torch.no_grad():
+        plain = [hopper_fwd.forward_plain(gpu_plan(x), *(x[n] for n in ("q", "k", "v", "g", "beta")), 128 ** -0.5,
+                                          x["initial_state"]) for x in xs]
+    results = [[], []]
+
+    def calls(i):
+        with torch.no_grad():
+            for _ in range(50):
+                results[i].append(linattn.chunk_gated_delta_rule(**xs[i], output_final_state=True))
+    workers = [threading.Thread(target=calls, args=(i,)) for i in (0, 1)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    torch.cuda.synchronize()
+    for i in (0, 1):
+        assert len(results[i]) == 50
+        assert all(torch.equal(o, plain[i][0]) and torch.equal(ht, plain[i][1]) for o, ht in results[i]), i
     assert len(prepared._scratch) == 1

@@ -9,10 +9,11 @@ compares them).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import threading
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -21,8 +22,8 @@ from . import chunk_fwd, map_bound, prepass, walk_launch
 from .plan import KERNEL_OPTIONS, HopperPlan, fitted_launch, map_slots, scan_options, warm_up_max
 
 MAX_PREPARED = 256          # signatures kept (a process that sees more starts over: each holds no tensors)
-# A prepared call's scratch is kept for the next call only up to this size: larger calls are GPU-bound, so the
-# allocations' host time does not count there
+# The prepared calls' kept scratch per device, at most: larger calls are GPU-bound, so the allocations' host time does
+# not count there
 SCRATCH_MAX_BYTES = 64 << 20
 
 
@@ -50,32 +51,84 @@ def remember(key: tuple, plan: HopperPlan, q, k, v, beta, scale, initial_state) 
     _prepared[key] = build(plan, q, k, v, beta.dtype, scale, initial_state is not None)
 
 
-_scratch: dict[tuple, tuple] = {}     # (thread, stream) → (the prepared call that made it, its tensors)
+class _Kept:
+    """One kept scratch set: the prepared call that made it, its tensors and bytes, and whether a call holds it."""
+    __slots__ = ("owner", "tensors", "nbytes", "busy")
+
+    def __init__(self, owner: Callable, tensors, nbytes: int):
+        self.owner, self.tensors, self.nbytes, self.busy = owner, tensors, nbytes, False
 
 
-def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) -> Scratch:
-    """The scratch tensors of prepared call ``owner`` on this thread and stream: ``make(device)``'s, kept from its
-    last call there, else new.
+_scratch: dict[tuple, _Kept] = {}    # (device, stream) → its kept set, least recently used first
+_scratch_lock = threading.Lock()
 
-    Why keeping them is the same computation: torch.empty's contents are whatever its block last held, so the plain
-    forward's results cannot depend on anything its kernels did not write in the same call; a kept set holds just
-    such contents. A stream runs its calls in order, so the next call's pre-pass starts after the last call's walk
-    has read A_inv. A call under CUDA graph capture allocates as before, so a graph never shares memory with the
-    eager calls. Only the latest signature's set is kept per stream and thread, and only up to
-    :data:`SCRATCH_MAX_BYTES`."""
-    if nbytes > SCRATCH_MAX_BYTES:
-        return make(device)
+
+def stream_key(device: torch.device) -> tuple:
+    """Where a kept set may be used again: the device and the caller's current stream on it (one key off CUDA)."""
+    if device.type != "cuda":
+        return (device.type, None)
+    stream = torch.cuda.current_stream(device)
+    return (device.type, stream.device_index, stream.cuda_stream)
+
+
+@contextlib.contextmanager
+def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) -> Iterator[Scratch]:
+    """The scratch tensors of prepared call ``owner`` for the launches issued inside the ``with``: ``make(device)``'s,
+    kept from its last call on this device and stream, else new.
+
+    Why reading a kept set is the same computation: torch.empty's contents are whatever its block last held, so the
+    plain forward's results cannot depend on anything its kernels did not write in the same call; a kept set holds
+    just such contents. It is never read stale:
+    * one set per (device, stream), used only by calls on that stream, which runs them in order: the next call's
+      pre-pass starts after the last call's walk has read A_inv;
+    * a set is held for the duration of one call's launches; a call on the same stream meanwhile (another thread's)
+      gets new tensors, so two calls' launches never interleave on one set;
+    * a call under CUDA graph capture allocates as before, so a graph never shares memory with the eager calls;
+    * what a call returns is never kept.
+    Kept sets are bounded by :data:`SCRATCH_MAX_BYTES` per device, least recently used first out (a set larger than
+    that is never kept); threads share their stream's set, so no thread leaves one behind. A set that goes goes back
+    to the caching allocator on the stream that used it."""
     cuda = device.type == "cuda"
-    if cuda and torch.cuda.is_current_stream_capturing():
-        return make(device)
-    where = (threading.get_ident(), torch.cuda.current_stream(device).cuda_stream if cuda else None)
-    kept = _scratch.get(where)
-    if kept is not None and kept[0] is owner:
-        return kept[1]
-    _scratch.pop(where, None)        # the stream's last set back to the allocator before the new one is made
-    tensors = make(device)
-    _scratch[where] = (owner, tensors)
-    return tensors
+    if nbytes > SCRATCH_MAX_BYTES or (cuda and torch.cuda.is_current_stream_capturing()):
+        yield make(device)
+        return
+    where = stream_key(device)
+    with _scratch_lock:
+        kept = _scratch.get(where)
+        if kept is not None and kept.busy:
+            kept = None                      # another call holds this stream's set: new tensors, not kept
+        elif kept is not None and kept.owner is owner:
+            _scratch[where] = _scratch.pop(where)        # the most recently used last
+        else:
+            _scratch.pop(where, None)        # the stream's last set back to the allocator before the new one is made
+            _evict(where[:2], SCRATCH_MAX_BYTES - nbytes)
+            kept = _scratch[where] = _Kept(owner, make(device), nbytes)
+        if kept is not None:
+            kept.busy = True
+    if kept is None:
+        yield make(device)
+        return
+    try:
+        yield kept.tensors
+    finally:
+        kept.busy = False
+
+
+def _evict(device_key: tuple, budget: int) -> None:
+    """Drop this device's least recently used sets until they hold at most ``budget`` bytes (held sets stay)."""
+    on_device = [(where, kept) for where, kept in _scratch.items() if where[:2] == device_key]
+    total = sum(kept.nbytes for _, kept in on_device)
+    for where, kept in on_device:
+        if total <= budget:
+            break
+        if not kept.busy:
+            del _scratch[where]
+            total -= kept.nbytes
+
+
+def kept_bytes() -> int:
+    """The bytes of every kept scratch set."""
+    return sum(kept.nbytes for kept in _scratch.values())
 
 
 class Scratch(NamedTuple):
@@ -91,8 +144,9 @@ class Scratch(NamedTuple):
 
 def release_scratch() -> None:
     """Give every kept scratch set back to the caching allocator (``torch.cuda.empty_cache()`` does not reach
-    them)."""
-    _scratch.clear()
+    them); a set held by a call in flight goes when that call ends."""
+    with _scratch_lock:
+        _scratch.clear()
 
 
 def compiled_walks(H: int, HV: int, K: int, V: int, scale: float, launch: dict, has_state: bool,
@@ -143,7 +197,8 @@ def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
                        tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in extra))
 
     def scratch_of(extra: tuple) -> Callable:
-        """``held(owner, device)``: the owner's :class:`Scratch` with ``extra`` (:func:`scratch`)."""
+        """``held_by(owner, device)``: a context holding the owner's :class:`Scratch` with ``extra``
+        (:func:`scratch`)."""
         nbytes = sum(functools.reduce(operator.mul, shape, 1) * dtype.itemsize
                      for shape, dtype in prepass_outputs + extra)
         make = functools.partial(prepass_scratch, extra=extra)
@@ -168,12 +223,12 @@ def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
         def unsegmented(q, k, v, g, beta, initial_state):
             """The pre-pass, then walk_launch.chunk_fwd_hopper_hm's walk."""
             device = q.device
-            held = held_by(unsegmented, device)
-            run_prepass(k, g, beta, held)
             o = torch.empty_like(v)
             ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
-            walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv,
-                     h0_of(initial_state, held), held.extra[-1], o, ht)
+            with held_by(unsegmented, device) as held:
+                run_prepass(k, g, beta, held)
+                walk_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv,
+                         h0_of(initial_state, held), held.extra[-1], o, ht)
             return o, ht
         return unsegmented
 
@@ -184,12 +239,12 @@ def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
         def planned(q, k, v, g, beta, initial_state):
             """forward.planned_walk: the pre-pass, then the walk that plans its warm-ups from the chunk bounds."""
             device = q.device
-            held = held_by(planned, device)
-            run_prepass(k, g, beta, held)
             o = torch.empty_like(v)
             ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
-            planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv,
-                        h0_of(initial_state, held), held.bound, o, ht)
+            with held_by(planned, device) as held:
+                run_prepass(k, g, beta, held)
+                planned_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv,
+                            h0_of(initial_state, held), held.bound, o, ht)
             return o, ht
         return planned
 
@@ -208,17 +263,17 @@ def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
         """forward.segmented_walk: the pre-pass, the plan, phase A (the affine walk on the segments as sequences:
         views), the scan, phase C (the warm walk from the entering states)."""
         device = q.device
-        held = held_by(five_launches, device)
-        run_prepass(k, g, beta, held)
-        flags = segment_plan(held.bound, held.extra[2:])
         qs, ks, vs = (x.contiguous().view(BS, L, *x.shape[2:]) for x in (q, k, v))
-        mn, h0_stand_in = held.extra[:2]
         initial = initial_state.float().contiguous() if initial_state is not None else None
         o = torch.empty_like(v)
         ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
-        affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
-        h_in = scan(mn, initial, flags.skip_m)
-        warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in, flags.warm,
-                 o, ht)
+        with held_by(five_launches, device) as held:
+            run_prepass(k, g, beta, held)
+            flags = segment_plan(held.bound, held.extra[2:])
+            mn, h0_stand_in = held.extra[:2]
+            affine_exe(qs, ks, vs, held.gc, held.beta, held.a_inv_segments, h0_stand_in, flags.skip_m, vs, mn)
+            h_in = scan(mn, initial, flags.skip_m)
+            warm_exe(q.contiguous(), k.contiguous(), v.contiguous(), held.gc, held.beta, held.a_inv, h_in,
+                     flags.warm, o, ht)
         return o, ht
     return five_launches
