@@ -14,6 +14,7 @@ import torch
 from linattn.ops.common import seq_parallel
 from linattn.ops.hopper import chunk_fwd, map_bound, prepared, prepass
 from linattn.ops.hopper import forward as hopper_fwd
+from linattn.ops.hopper import plan as plan_module
 from linattn.ops.hopper.plan import DEFAULT, HopperPlan, plan_inputs
 
 from .hopper_twins import hand_plan
@@ -167,7 +168,7 @@ def test_kept_scratch_is_the_same_launches_with_the_same_tensors(recorder, monke
 def test_scratch_is_kept_per_stream_not_per_thread(recorder):
     """Another thread on the same stream takes the kept set (threads that come and go leave nothing behind);
     another signature replaces the stream's set (one set per stream); release_scratch gives every set back; above
-    SCRATCH_MAX_BYTES nothing is kept."""
+    the scratch bound nothing is kept."""
     import threading
     x = inputs(False)
     plan = CASES["two_launch"]
@@ -210,11 +211,11 @@ def test_a_held_set_is_never_shared(monkeypatch):
 
 
 def test_kept_sets_are_bounded_per_device(monkeypatch):
-    """Streams keep a set each, up to SCRATCH_MAX_BYTES per device: a new set pushes the least recently used ones
+    """Streams keep a set each, up to the scratch bound per device: a new set pushes the least recently used ones
     out (a set in use stays), another device's sets do not count, and a set above the bound is never kept."""
     streams = iter(range(100))
     monkeypatch.setattr(prepared, "stream_key", lambda device: (device.type, device.index, next(streams)))
-    monkeypatch.setattr(prepared, "SCRATCH_MAX_BYTES", 100)
+    monkeypatch.setattr(plan_module, "CACHE_LIMITS", dataclasses.replace(plan_module.CACHE_LIMITS, scratch_bytes=100))
     a, b = torch.device("meta", 0), torch.device("meta", 1)
     make = lambda device: torch.empty(1, device="meta")  # noqa: E731
     for _ in range(3):
@@ -272,9 +273,10 @@ def test_kept_scratch_is_bitwise_the_plain_forward_on_the_gpu(monkeypatch, shape
     with torch.no_grad():
         plain = [hopper_fwd.forward_plain(gpu_plan(x), *(x[n] for n in ("q", "k", "v", "g", "beta")), 128 ** -0.5,
                                           x["initial_state"]) for x in xs]
-    # the unsegmented and five-launch shapes hold more than SCRATCH_MAX_BYTES (A_inv alone is 64 MiB): raised so that
+    # the unsegmented and five-launch shapes hold more than the scratch bound (A_inv alone is 64 MiB): raised so that
     # every plan's scratch is kept here
-    monkeypatch.setattr(prepared, "SCRATCH_MAX_BYTES", 1 << 32)
+    monkeypatch.setattr(plan_module, "CACHE_LIMITS", dataclasses.replace(plan_module.CACHE_LIMITS,
+                                                                         scratch_bytes=1 << 32))
     real_scratch = prepared.scratch
 
     def poisoned(owner, make, device, nbytes):

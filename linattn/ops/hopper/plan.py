@@ -59,6 +59,23 @@ class HopperPlanConfig:
 
 DEFAULT = HopperPlanConfig()
 
+
+@dataclass(frozen=True)
+class CacheLimits:
+    """The process-wide caches of repeated calls.
+
+    prepared: prepared signatures kept (``prepared.py``; a process that sees more starts over: each holds no tensors).
+    routes: the op's routes kept (``route.py``; likewise).
+    scratch_bytes: the prepared calls' kept scratch per device, at most (``prepared.scratch``): larger calls are
+        GPU-bound, so the allocations' host time does not count there.
+    """
+    prepared: int = 256
+    routes: int = 256
+    scratch_bytes: int = 64 << 20
+
+
+CACHE_LIMITS = CacheLimits()
+
 # The walk's options that are decided (the asynchronous first dots, o stored by TMA, stores by stmatrix, A_inv with
 # β folded in): passed explicitly until the kernel builder takes them as its only code path
 KERNEL_OPTIONS = dict(async_dots=True, tma_o=True, stsm=True, beta_in_a_inv=True)

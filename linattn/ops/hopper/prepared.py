@@ -19,12 +19,8 @@ import torch
 
 from ..common.seq_parallel import affine_scan_launcher
 from . import chunk_fwd, map_bound, prepass, walk_launch
+from . import plan as plan_module
 from .plan import KERNEL_OPTIONS, HopperPlan, fitted_launch, map_slots, scan_options, warm_up_max
-
-MAX_PREPARED = 256          # signatures kept (a process that sees more starts over: each holds no tensors)
-# The prepared calls' kept scratch per device, at most: larger calls are GPU-bound, so the allocations' host time does
-# not count there
-SCRATCH_MAX_BYTES = 64 << 20
 
 
 def signature(q, k, v, g, beta, scale, initial_state, plan: HopperPlan) -> tuple:
@@ -46,7 +42,7 @@ def remember(key: tuple, plan: HopperPlan, q, k, v, beta, scale, initial_state) 
     """After the plain forward returned for these arguments: prepare ``key``."""
     if key in _prepared:
         return
-    if len(_prepared) >= MAX_PREPARED:
+    if len(_prepared) >= plan_module.CACHE_LIMITS.prepared:
         _prepared.clear()
     _prepared[key] = build(plan, q, k, v, beta.dtype, scale, initial_state is not None)
 
@@ -85,11 +81,11 @@ def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) 
       gets new tensors, so two calls' launches never interleave on one set;
     * a call under CUDA graph capture allocates as before, so a graph never shares memory with the eager calls;
     * what a call returns is never kept.
-    Kept sets are bounded by :data:`SCRATCH_MAX_BYTES` per device, least recently used first out (a set larger than
+    Kept sets are bounded by ``plan.CACHE_LIMITS.scratch_bytes`` per device, least recently used first out (a set larger than
     that is never kept); threads share their stream's set, so no thread leaves one behind. A set that goes goes back
     to the caching allocator on the stream that used it."""
-    cuda = device.type == "cuda"
-    if nbytes > SCRATCH_MAX_BYTES or (cuda and torch.cuda.is_current_stream_capturing()):
+    cuda, limit = device.type == "cuda", plan_module.CACHE_LIMITS.scratch_bytes
+    if nbytes > limit or (cuda and torch.cuda.is_current_stream_capturing()):
         yield make(device)
         return
     where = stream_key(device)
@@ -101,7 +97,7 @@ def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) 
             _scratch[where] = _scratch.pop(where)        # the most recently used last
         else:
             _scratch.pop(where, None)        # the stream's last set back to the allocator before the new one is made
-            _evict(where[:2], SCRATCH_MAX_BYTES - nbytes)
+            _evict(where[:2], limit - nbytes)
             kept = _scratch[where] = _Kept(owner, make(device), nbytes)
         if kept is not None:
             kept.busy = True

@@ -24,9 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from ..utils import eager_call
+from . import plan as plan_module
 from .chunk_fwd import misaligned
 
-MAX_ROUTES = 256                 # keys kept (a process that sees more starts over: a route holds no tensors)
 _routes: dict[tuple, Callable] = {}
 _served = threading.local()      # the prepared Hopper forward that served this thread's last plain call, if any
 
@@ -70,7 +70,7 @@ def remember(q, k, v, g, beta, scale, initial_state, backend, forward_path) -> N
     if call is None or not servable((q, k, v, g, beta, initial_state)):
         return
     _served.call = None
-    if len(_routes) >= MAX_ROUTES:
+    if len(_routes) >= plan_module.CACHE_LIMITS.routes:
         _routes.clear()
     _routes[key(q, k, v, g, beta, scale, initial_state, backend, forward_path)] = call
 
