@@ -98,11 +98,12 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         _, hopper_forward, chunk_fwd = _hopper()
         try:
             return hopper_forward.forward_hopper(choice.plan, q, k, v, g, beta, scale, initial_state, cu_seqlens)
-        except chunk_fwd.HopperCompileError as e:
+        except chunk_fwd.HopperCompileError as e:       # unsupported_reason says so to every later call
             chunk_fwd.COMPILE_FAILED = str(e)
             warnings.warn(f"linattn: the Hopper forward (TileLang) did not compile here, so the Triton forward runs "
                           f"instead: {e}", RuntimeWarning, stacklevel=2)
-            choice = choose_forward_path(q, k, v, g, beta, initial_state, cu_seqlens, offsets, backend, "auto")
+            num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            choice = triton_path(num_sequences, v.shape[2], v.dtype)
     if choice.path == "torch":
         from .torch_chunk import chunk_gated_delta_rule_fwd_torch
         return chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets)
