@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 import linattn
 from linattn.ops.gated_delta import torch_chunk as tc
-from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
+from linattn.ops.gated_delta.dispatch import FORWARD_PATHS
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -81,7 +82,7 @@ def rounded_twin(x, dt, scale, do, dht):
     return [un(o), ht, dq, dk, un(dv), un(dg), un(dbeta), dh0]
 
 
-def check(case, dt, use_token_ref):
+def check(case, dt, use_token_ref, forward_path="auto"):
     name, B, T, H, HV, K, V, lengths = case
     N = len(lengths) if lengths else B
     # zlib.crc32, not hash(): str hashes change with every process (PYTHONHASHSEED), and with them the inputs
@@ -106,7 +107,7 @@ def check(case, dt, use_token_ref):
                        exact, do, dht)
     torch.cuda.synchronize()
     t0 = time.time()
-    tri = grads_of(lambda **a: linattn.chunk_gated_delta_rule(**a, scale=scale, cu_seqlens=cu,
+    tri = grads_of(lambda **a: chunk_gated_delta_rule_on_path(forward_path, **a, scale=scale, cu_seqlens=cu,
                                                               output_final_state=True, backend="triton"),
                    low, do, dht)
     torch.cuda.synchronize()
@@ -150,13 +151,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="the first three cases")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all, or --quick's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--forward-path", default=None, choices=triton_chunk.FORWARD_PATHS,
-                    help="triton_chunk.FORWARD_PATH for the run (e.g. hopper: the TileLang forward wherever it "
+    ap.add_argument("--forward-path", default="auto", choices=FORWARD_PATHS,
+                    help="the forward path for the run (e.g. hopper: the TileLang forward wherever it "
                          "takes the inputs, segmented where its programs alone cannot fill the card; the backward "
                          "is the Triton one on every path)")
     a = ap.parse_args()
-    if a.forward_path:
-        triton_chunk.FORWARD_PATH = a.forward_path
     cases = CASES[:3] if a.quick else CASES
     if a.cases:
         names = a.cases.split(",")
@@ -170,7 +169,7 @@ def main():
     for case in cases:
         for dt in (torch.bfloat16, torch.float16):
             try:
-                row = check(case, dt, use_token_ref=case[2] <= 1000)
+                row = check(case, dt, use_token_ref=case[2] <= 1000, forward_path=a.forward_path)
             except Exception as e:  # keep going: one failing case must not hide the others
                 row = dict(case=case[0], dtype=str(dt), error=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)

@@ -4,66 +4,24 @@ GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every dev
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/op_time_check.py 1,32768,16,16 [1,4096,16,16 ...]
 
-A shape is B,T,H,HV[,K[,V]] (K = V = 128 by default; V = K where only K is given).
+A shape is B,T,H,HV[,K[,V]] (K = V = 128 by default; V = K where only K is given). ``--path P``: the forward path
+(auto, split, walk, hopper: ``chunk_gated_delta_rule_on_path``); ``--packed``: each shape's B sequences packed into
+one row with ``cu_seqlens``, of uneven lengths (:func:`packed_lengths`: T less 0–255 rows each, so that most end
+inside a chunk); ``--slow-gates``: the gates divided by 65536 (no head forgets: the segmented forwards' worst
+case); ``--mixed-gates``: per-head decay rates as a Mamba-style initialisation draws them (some heads forget, some
+not); ``--graph``: beside the eager time, the call captured in a CUDA graph and replayed (the GPU's time alone: eager
+above it is host time); ``--repeat N``: each shape N times in turn, so the spread shows the noise; ``--brief``: each
+row as its shape and its times only.
 
-``--direct-ab``: each shape with ``chunk_fwd.DIRECT_LAUNCH`` off, then on (TileLang's Python wrapper against its
-tvm_ffi executable called directly); ``--fast-launch-ab``: with ``common.launch.FAST_LAUNCH`` off, then on (Triton's
-JIT launcher against the compiled kernel's runner, for the segmented forward's plan and scan); ``--async-o-ab``:
-with ``chunk_fwd.ASYNC_O_STORE`` off, then on (o's TMA store waited for one chunk later); ``--async-ax-ab``: with
-``chunk_fwd.ASYNC_AX`` off, then on (A_inv X running while P is formed); ``--plan-in-walk-ab``: with
-``hopper.forward.SMALL_PLAN_IN_WALK`` off, then on (small shapes: the split against the two-launch segmented
-forward, not bitwise equal: two algorithms); ``--two-per-sm-ab``: ``hopper.forward.TWO_PER_SM`` off, then on (BV=64,
-two programs per SM: bitwise equal expected, not required: the same products per element, other wgmma shapes);
-``--when-captured-ab``: ``hopper.forward.SEGMENTED_WHEN_CAPTURED`` off, then on (with ``--graph``: the replay's
-plan); ``--varlen-ab``: ``hopper.varlen.VARLEN_BY_PADDING`` off, then on (with ``--packed``: the Triton paths
-against the padded Hopper forward; not bitwise equal: two algorithms); ``--deferred-decay-ab``:
-``chunk_fwd.DEFERRED_DECAY`` off, then on (the state's decay kept as a log scale: not bitwise equal, the same
-rounding points on differently scaled values); ``--fold-p-decay-ab``: ``chunk_fwd.FOLD_P_DECAY`` off, then on (only
-with DEFERRED_DECAY: ``--deferred-decay-ab --fold-p-decay-ab`` is the plain walk against both);
-``--uniform-warpgroup-ab``: ``chunk_fwd.UNIFORM_WARPGROUP`` off, then on (bitwise equal expected);
-``--lean-segments-ab``: ``hopper.forward.LEAN_SEGMENTS`` off, then on (the segmented forwards without their unread
-writes: bitwise equal expected); ``--prepared-ab``: ``hopper.prepared.PREPARED`` off, then on (a repeated
-signature's prepared launches: bitwise equal expected, less host time); ``--kept-scratch-ab``:
-``hopper.prepared.REUSE_SCRATCH`` off, then on (the prepared calls' scratch kept from call to call: bitwise equal
-expected, less host time); ``--routes-ab``: ``gated_delta.prepared_route.ROUTES`` off, then on (a repeated op
-call straight to its prepared Hopper forward: bitwise equal expected, less host time); ``--overlap-warm-ab``:
-``hopper.forward.OVERLAP_WARM`` off, then on (phase C's warmed segments beside phase A: bitwise equal expected);
-``--map-wave-fill-ab``: ``hopper.forward.MAP_WAVE_FILL`` off, then on (the plan's wave-fill rule: more heads walk
-their maps where phase A's wave has room; not bitwise equal, a mapped head's entering states differ below 2⁻³⁰);
-``--step4-mma-ab``, ``--t-hi-row-pad-ab`` (None, then 4), ``--step6-beta-ab``: ``hopper.prepass.STEP4_MMA``,
-``T_HI_ROW_PAD``, ``STEP6_BETA`` off, then on (the pre-pass's step 4 on mma.sync: not bitwise equal; the other two
-bitwise equal expected); ``--scan-whole-map-ab``: ``hopper.forward.SCAN_WHOLE_MAP`` off, then on (phase B's map
-as one tile, the next one prefetched: not bitwise equal, the same products summed in another order);
-``--scan-tf32-ab``: ``hopper.forward.SCAN_PRECISION`` tf32x3, then tf32 (with ``--scan-whole-map-ab``: the row
-blocks at tf32x3 against the whole map at tf32); ``--wide-segments-ab``:
-``hopper.forward.WIDE_SEGMENTS`` off, then on (two segments at BV=128 instead of BV=64 unsegmented where only the
-narrow tile fills the card: not bitwise equal, the warm-ups' entering states differ below 2⁻³⁰);
-``--split-heads-ab``: ``hopper.forward.SPLIT_HEADS`` off, then on (there each head's route between those two,
-decided on the device); ``--narrow-first-ab``: ``hopper.forward.SPLIT_HEADS_NARROW_FIRST`` off, then on (with
-``--split-heads-on``: ``SPLIT_HEADS`` on in both halves); ``--state-only-warmups-ab``:
-``chunk_fwd.STATE_ONLY_WARMUPS`` off, then on (a warm-up's chunk without o's dots: bitwise equal expected; time it
-at ``--mixed-gates``, where warm-ups are long, and at the anchors' gates, where the output chunks' merged barriers
-are all it changes); ``--slow-gates``:
-the gates divided by 65536 (no head forgets: the segmented forwards' worst case); ``--mixed-gates``: per-head
-decay rates as a Mamba-style initialisation draws them (some heads forget, some not); each says whether
-o and the final state are bitwise equal between the two. Several of these switch together (``--async-o-ab
---async-ax-ab``: both off, then both on); ``--repeat N``: the off/on pair N times in turn, so the spread between
-repeats shows the noise. ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to
-back, one sync; the largest by own time, then by cumulative time), to say where a host-bound call's µs go.
-``--host-parts``: the same question without cProfile's overhead: µs per call inside each layer of the Hopper forward
-and its launches (perf_counter around each; with switches, off then on; the plain forward's layers: its timed
-wrappers keep ``hopper.prepared`` from preparing the calls). ``--host-dist``: each shape's host µs per
-call as a distribution (p10 / p50 / p90 / max over isolated calls: a sync before each, then the call timed alone,
-so no queue and no GPU wait in it), with Python's garbage collections inside the calls counted and timed, the calls
-that synchronise with the device counted (``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to
-the driver during them: whether a host-bound call's time is its Python, a collection now and then, a hidden sync or
-cudaMalloc / cudaFree. ``--brief``: each row as its shape, the A/B's setting and its times only. ``--graph``:
-beside the eager time, the call captured in a CUDA graph and replayed (the GPU's time alone: eager above it is host
-time; with ``forward.SEGMENTED_WHEN_CAPTURED`` on, of the plan "auto" takes under capture). ``--path P``:
-``triton_chunk.FORWARD_PATH`` (auto, split, walk, hopper); ``--min-segmented-tokens N``:
-``hopper.forward.MIN_SEGMENTED_HEAD_TOKENS`` (0: the segmented forward with its levers at every shape it fills the
-card with). ``--packed``: each shape's B sequences packed into one row with ``cu_seqlens``, of uneven lengths
-(:func:`packed_lengths`: T less 0–255 rows each, so that most end inside a chunk).
+``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
+largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
+question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
+(perf_counter around each; the plain forward's layers: its timed wrappers keep ``hopper.prepared`` from preparing
+the calls). ``--host-dist``: each shape's host µs per call as a distribution (p10 / p50 / p90 / max over isolated
+calls: a sync before each, then the call timed alone, so no queue and no GPU wait in it), with Python's garbage
+collections inside the calls counted and timed, the calls that synchronise with the device counted
+(``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to the driver during them: whether a
+host-bound call's time is its Python, a collection now and then, a hidden sync or cudaMalloc / cudaFree.
 """
 import collections
 import gc
@@ -76,38 +34,16 @@ from pathlib import Path
 import torch
 from hopper_fwd_check import bench, graph_ms, host_profile, host_us, mixed_gates  # this folder is on sys.path
 
-from linattn import chunk_gated_delta_rule
-from linattn.ops.common import launch, seq_parallel
-from linattn.ops.gated_delta import prepared_route, triton_chunk
-from linattn.ops.hopper import chunk_fwd, map_bound, prepared, prepass
+from linattn.ops.common import seq_parallel
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
+from linattn.ops.hopper import chunk_fwd, map_bound, prepass
 from linattn.ops.hopper import forward as hopper_forward
-from linattn.ops.hopper import varlen as hopper_varlen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
 from bench_anchors import make_inputs  # noqa: E402  (the anchors' inputs, so the figures compare with theirs)
 
-SWITCHES = {"--direct-ab": (chunk_fwd, "DIRECT_LAUNCH"), "--fast-launch-ab": (launch, "FAST_LAUNCH"),
-            "--async-o-ab": (chunk_fwd, "ASYNC_O_STORE"), "--async-ax-ab": (chunk_fwd, "ASYNC_AX"),
-            "--plan-in-walk-ab": (hopper_forward, "SMALL_PLAN_IN_WALK"),
-            "--two-per-sm-ab": (hopper_forward, "TWO_PER_SM"),
-            "--when-captured-ab": (hopper_forward, "SEGMENTED_WHEN_CAPTURED"),
-            "--varlen-ab": (hopper_varlen, "VARLEN_BY_PADDING"),
-            "--deferred-decay-ab": (chunk_fwd, "DEFERRED_DECAY"), "--fold-p-decay-ab": (chunk_fwd, "FOLD_P_DECAY"),
-            "--uniform-warpgroup-ab": (chunk_fwd, "UNIFORM_WARPGROUP"),
-            "--lean-segments-ab": (hopper_forward, "LEAN_SEGMENTS"),
-            "--prepared-ab": (prepared, "PREPARED"), "--wide-segments-ab": (hopper_forward, "WIDE_SEGMENTS"),
-            "--split-heads-ab": (hopper_forward, "SPLIT_HEADS"),
-            "--narrow-first-ab": (hopper_forward, "SPLIT_HEADS_NARROW_FIRST"),
-            "--state-only-warmups-ab": (chunk_fwd, "STATE_ONLY_WARMUPS"),
-            "--kept-scratch-ab": (prepared, "REUSE_SCRATCH"), "--routes-ab": (prepared_route, "ROUTES"),
-            "--overlap-warm-ab": (hopper_forward, "OVERLAP_WARM"),
-            "--map-wave-fill-ab": (hopper_forward, "MAP_WAVE_FILL"),
-            "--step4-mma-ab": (prepass, "STEP4_MMA"), "--t-hi-row-pad-ab": (prepass, "T_HI_ROW_PAD", None, 4),
-            "--step6-beta-ab": (prepass, "STEP6_BETA"),
-            "--scan-whole-map-ab": (hopper_forward, "SCAN_WHOLE_MAP"),
-            "--scan-tf32-ab": (hopper_forward, "SCAN_PRECISION", "tf32x3", "tf32")}
 PACKED = "--packed" in sys.argv
-# each row as its shape, the switches' setting and its times only (the settings of every other switch left out)
+# each row as its shape and its times only
 BRIEF = "--brief" in sys.argv
 # the gates divided by 65536 (a head that forgets nothing within a sequence: every segment walks its maps), the
 # segmented forwards' worst case
@@ -116,6 +52,13 @@ SLOW_GATES = "--slow-gates" in sys.argv
 # log-uniform; the rate is A·dt), the tokens' variation kept: some heads forget within a chunk, others not within a
 # segment, so the segmented forwards mix warm-ups and maps as a real model's layer may
 MIXED_GATES = "--mixed-gates" in sys.argv
+# the forward path every call takes ("auto": the public op's)
+PATH = sys.argv[sys.argv.index("--path") + 1] if "--path" in sys.argv else "auto"
+
+
+def chunk_gated_delta_rule(*args, **kwargs):
+    """The public op on ``--path``'s forward."""
+    return chunk_gated_delta_rule_on_path(PATH, *args, **kwargs)
 
 
 def packed_lengths(B, T):
@@ -141,11 +84,7 @@ def op_inputs(B, T, H, HV, K, V):
     return xs, dict(cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=xs[0].device))
 
 
-def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
-    for switch in switches:
-        module, name, *values = SWITCHES[switch]       # a switch's off and on values where they are not booleans
-        setattr(module, name, values[on] if values else on)
-    chunk_fwd.launcher.cache_clear()
+def check(B, T, H, HV, K=128, V=None, graph=False):
     xs, packed = op_inputs(B, T, H, HV, K, V or K)
     with torch.no_grad():
         def fn():
@@ -156,18 +95,10 @@ def check(B, T, H, HV, K=128, V=None, switches=(), on=None, graph=False):
         first = time.time() - t0
         ms = bench(fn)
         host = host_us(fn)
-        o, ht = fn()
         extra = dict(graph_ms=round(graph_ms(fn), 4)) if graph else {}
-    return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, varlen_by_padding=hopper_varlen.VARLEN_BY_PADDING,
-                path=triton_chunk.FORWARD_PATH, direct=chunk_fwd.DIRECT_LAUNCH,
-                fast_launch=launch.FAST_LAUNCH, async_o=chunk_fwd.ASYNC_O_STORE, async_ax=chunk_fwd.ASYNC_AX,
-                deferred_decay=chunk_fwd.DEFERRED_DECAY, fold_p_decay=chunk_fwd.FOLD_P_DECAY,
-                uniform_warpgroup=chunk_fwd.UNIFORM_WARPGROUP, lean_segments=hopper_forward.LEAN_SEGMENTS,
-                prepared=prepared.PREPARED, kept_scratch=prepared.REUSE_SCRATCH, routes=prepared_route.ROUTES,
-                wide_segments=hopper_forward.WIDE_SEGMENTS,
-                split_heads=hopper_forward.SPLIT_HEADS, narrow_first=hopper_forward.SPLIT_HEADS_NARROW_FIRST,
-                slow_gates=SLOW_GATES, mixed_gates=MIXED_GATES,
-                first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1), **extra), (o, ht)
+    return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, path=PATH, slow_gates=SLOW_GATES,
+                mixed_gates=MIXED_GATES, first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1),
+                **extra)
 
 
 def profile(B, T, H, HV, K=128, V=None, calls=200):
@@ -211,7 +142,7 @@ def host_parts(B, T, H, HV, K=128, V=None, calls=200):
             spent.clear()
             whole = host_us(fn, calls=calls)
         parts = {name: round(s / (calls + 1) * 1e6, 1) for name, s in spent.items()}   # host_us calls once more
-        print(dict(shape=(B, T, H, HV), path=triton_chunk.FORWARD_PATH, host_us=round(whole, 1), **parts), flush=True)
+        print(dict(shape=(B, T, H, HV), path=PATH, host_us=round(whole, 1), **parts), flush=True)
     finally:
         for module, name, fn in saved:
             setattr(module, name, fn)
@@ -269,12 +200,7 @@ def host_dist(B, T, H, HV, K=128, V=None, calls=300):
 args = sys.argv[1:]
 repeat = int(args.pop(args.index("--repeat") + 1)) if "--repeat" in args else 1
 if "--path" in args:
-    triton_chunk.FORWARD_PATH = args.pop(args.index("--path") + 1)
-if "--min-segmented-tokens" in args:
-    hopper_forward.MIN_SEGMENTED_HEAD_TOKENS = int(args.pop(args.index("--min-segmented-tokens") + 1))
-if "--split-heads-on" in args:
-    hopper_forward.SPLIT_HEADS = True
-ab = [a for a in args if a in SWITCHES]
+    args.pop(args.index("--path") + 1)
 for arg in (a for a in args if not a.startswith("--")):
     shape = [int(x) for x in arg.split(",")]
     if "--profile" in args:
@@ -284,20 +210,11 @@ for arg in (a for a in args if not a.startswith("--")):
         host_dist(*shape)
         continue
     if "--host-parts" in args:
-        for on in ((False, True) if ab else (None,)):      # with switches: off, then on
-            for switch in ab:
-                setattr(*SWITCHES[switch], on)
-            chunk_fwd.launcher.cache_clear()
-            host_parts(*shape)
+        host_parts(*shape)
         continue
     graph = "--graph" in args
-    ons = [on for _ in range(repeat) for on in (False, True)] if ab else [None]
-    runs = [check(*shape, switches=ab, on=on, graph=graph) for on in ons]
-    for on, (row, _) in zip(ons, runs):
+    for _ in range(repeat):
+        row = check(*shape, graph=graph)
         if BRIEF:
-            row = dict(shape=row["shape"], switches=" ".join(ab) or None, on=on,
-                       **{key: row[key] for key in ("first_call_s", "op_ms", "host_us") + ("graph_ms",) * graph})
+            row = {key: row[key] for key in ("shape", "first_call_s", "op_ms", "host_us") + ("graph_ms",) * graph}
         print(row, flush=True)
-    if ab:
-        print(dict(shape=tuple(shape), bitwise_equal=all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))),
-              flush=True)

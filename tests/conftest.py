@@ -47,13 +47,11 @@ def poison_fresh_allocations(monkeypatch):
 @pytest.fixture(autouse=True)
 def fresh_prepared_calls(monkeypatch):
     """Each test starts with no prepared Hopper forward (``ops/hopper/prepared.py``), no kept scratch and no route of
-    the op's (``ops/gated_delta/prepared_route.py``): one test's signatures, made under its switches and stand-ins,
-    are not another's."""
-    from linattn.ops.gated_delta import prepared_route
-    from linattn.ops.hopper import prepared
+    the op's (``ops/hopper/route.py``): one test's signatures, made under its stand-ins, are not another's."""
+    from linattn.ops.hopper import prepared, route
     monkeypatch.setattr(prepared, "_prepared", {})
     monkeypatch.setattr(prepared, "_scratch", {})
-    monkeypatch.setattr(prepared_route, "_routes", {})
+    monkeypatch.setattr(route, "_routes", {})
     yield
 
 

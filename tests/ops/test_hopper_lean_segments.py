@@ -1,24 +1,16 @@
-"""The segmented Hopper forwards without the writes nobody reads (``hopper/forward.py``'s ``LEAN_SEGMENTS``,
-``chunk_fwd_hopper_hm(lean=True)``, ``affine_scan(skip_writes=True)``): around the kernel's twin on the CPU with
-every ``torch.empty`` filled with NaN (a read of anything left unwritten shows), the compiled sm_90a source's guards
-where TileLang is installed, and on the GPU the op's outputs bitwise those of the plain segmented forwards."""
+"""The segmented Hopper forwards leave out the writes nobody reads (``chunk_fwd_hopper_hm(lean=True)``,
+``affine_scan(skip_writes=True)``): around the kernels' twins on the CPU with every ``torch.empty`` filled with NaN
+(a read of anything left unwritten shows), and the compiled sm_90a source's guards where TileLang is installed."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
-from linattn.ops.hopper import forward as hopper_fwd
 
-from .test_hopper_deferred_decay import COMPILES, KERNEL_VARIANTS, kernel_source, mixed_gates
-from .test_hopper_fwd import ON_HOPPER, gpu_inputs, op_outputs_off_and_on
-from .test_hopper_warm_up import (
-    S,
-    _no_wave_fill,  # noqa: F401  (autouse: three_heads keeps its warm-ups)
-    rel,
-    three_heads,
-    twins_recording_calls,
-)
+from .hopper_twins import hand_plan
+from .test_hopper_deferred_decay import COMPILES, KERNEL_VARIANTS, kernel_source
+from .test_hopper_warm_up import S, forward, recording_twins, rel, three_heads
 
 
 def poisoned(empty):
@@ -29,26 +21,22 @@ def poisoned(empty):
     return alloc
 
 
-@pytest.mark.parametrize("plan_in_walk", [False, True], ids=["five_launch", "two_launch"])
-def test_lean_forward_reads_nothing_it_left_unwritten(monkeypatch, plan_in_walk):
-    """forward_hopper(segments=4) around the twin, fp32, three heads (two warm up, one walks its maps): with
-    LEAN_SEGMENTS and every torch.empty NaN, o and the final state equal the float64 recurrence and, bitwise, the
-    plain forward's; phase A and phase C were asked for the lean kernels, and the lean twin's unwritten maps (NaN)
-    were not read by the scan."""
-    x = three_heads()
-    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
-    kw = dict(a_inv_dtype=torch.float32, segments=S, BV=16, plan_in_walk=plan_in_walk)
+@pytest.mark.parametrize("planned_walk", [False, True], ids=["five_launch", "two_launch"])
+def test_lean_forward_reads_nothing_it_left_unwritten(monkeypatch, planned_walk):
+    """The segmented forwards around the twins, fp32, with every torch.empty NaN: two heads that warm up and one
+    that forgets fast in one sequence (no head walks there, so every map is left unwritten) and, five-launch, a slow
+    head in another (its maps walked): o and the final state equal the float64 recurrence; phase A and phase C were
+    asked for the lean kernels, and the lean twin's unwritten maps (NaN) were not read by the scan."""
+    a, b = three_heads(seed=1), three_heads(seed=2)
+    a["g"][..., 2] = -3.0
+    x = a if planned_walk else {n: torch.cat([a[n], b[n]]) for n in a}    # (the planned twin walks slowly)
     ro, rht = gated_delta_rule_reference(**x, scale=0.25)
-    calls = twins_recording_calls(monkeypatch)
-    plain = hopper_fwd.forward_hopper(*args, **kw)
-    calls.clear()
-    monkeypatch.setattr(hopper_fwd, "LEAN_SEGMENTS", True)
+    calls = recording_twins(monkeypatch)
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
-    o, ht = hopper_fwd.forward_hopper(*args, **kw)
-    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    assert torch.equal(o, plain[0]) and torch.equal(ht, plain[1]) and ht.shape == plain[1].shape
-    assert all(call["lean"] for call in calls) and len(calls) == (1 if plan_in_walk else 2)
-    if not plan_in_walk:
+    o, ht = forward(x, hand_plan(S, planned_walk=planned_walk))
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5 and ht.shape == x["initial_state"].shape
+    assert all(call["lean"] for call in calls) and len(calls) == (1 if planned_walk else 2)
+    if not planned_walk:
         assert calls[0]["affine"] and calls[0]["skip_m"].eq(2).any()      # maps left unwritten (NaN in the twin)
 
 
@@ -82,15 +70,3 @@ def test_lean_kernels_guard_their_reads_and_writes():
                          ("warm_planned", [last])):
         plain, lean = (kernel_source(variants[name], lean=on) for on in (False, True))
         assert all(guard in lean and guard not in plain for guard in guards), name
-
-
-@ON_HOPPER
-@pytest.mark.parametrize("B,T,gates", [(1, 16384, "drawn"), (1, 16384, "mixed"), (1, 4096, "drawn")],
-                         ids=["segmented", "segmented_mixed", "two_launch"])
-def test_lean_segments_are_bitwise_the_plain_forward_on_the_gpu(monkeypatch, B, T, gates):
-    """bf16 H=16 K=V=128 through the op ("auto": the five-launch segmented forward, with every head warming up or
-    some walking their maps, and the two-launch one) with LEAN_SEGMENTS off and on: o and the final state bitwise
-    equal (the same arithmetic; only unread writes go)."""
-    x = gpu_inputs(B, T, 16, 16, 128, 128, seed=5)
-    outs = op_outputs_off_and_on(monkeypatch, hopper_fwd, "LEAN_SEGMENTS", mixed_gates(x) if gates == "mixed" else x)
-    assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -1,4 +1,4 @@
-"""The segmented Hopper forward's phases around the kernel's twin on the CPU (``hopper/forward.py``: phase A's state
+"""The segmented Hopper forward's phases around the kernels' twins on the CPU (``hopper/forward.py``: phase A's state
 maps, the scan, phase C; the map norm bound that lets it skip negligible maps): o and the final state against the
 float64 recurrence, with negative controls that corrupt the maps."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd_ref as twins
 
+from .hopper_twins import hand_plan, reference, run, use_twins
 from .test_hopper_fwd import ON_HOPPER, gpu_inputs, inputs, rel
 
 
@@ -27,30 +28,24 @@ def _twin_with_m_scaled(factor):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
 def test_segmented_forward_equals_the_recurrence(monkeypatch, with_h0):
-    """Phases A → B → C of forward_hopper(segments=S) around the kernel's twin (chunk_fwd_hopper_hm_ref: the
-    kernel's contract, affine walk included; the real kernel runs only on an sm_90 GPU), the Triton pre-pass and
-    affine scan under the interpreter, fp32 inputs: o and the final state equal the float64 recurrence, and the
-    unsegmented forward. The gates are weak (1/64 of logsigmoid: about e^-0.8 over a 64-token segment) so that the
-    entering state and with it M matter: with the default gates (1/4) M is ≈ e^-13 and a zero M passed this test
-    too. The negative controls (M zeroed, M off by 5%: o off by ≈ 4e-2 and ≈ 2e-3) show it."""
-    from linattn.ops.hopper import forward as hopper_fwd
+    """The five-launch segmented forward (plan, phase A, scan, phase C) around the kernels' twins (the real kernels
+    run only on an sm_90 GPU), the Triton plan and scan under the interpreter, fp32 inputs: o and the final state
+    equal the float64 recurrence, and the unsegmented forward. The gates are weak (1/64 of logsigmoid: about e^-0.8
+    over a 64-token segment) so that the entering state and with it M matter and every head walks its maps. The
+    negative controls (M zeroed, M off by 5%) show it."""
     x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
     x["g"] = x["g"] / 16
-    h0 = x["initial_state"].float() if with_h0 else None
-    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
-    exact = {n: t.double() for n, t in x.items()}
-    ro, rht = gated_delta_rule_reference(**dict(exact, initial_state=exact["initial_state"] if with_h0 else None),
-                                         scale=0.25)
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
-    o4, ht4 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
-    o1, ht1 = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, BV=16)
+    ro, rht = reference(x, with_h0=with_h0)
+    use_twins(monkeypatch)
+    o4, ht4 = run(hand_plan(4), x, with_h0=with_h0)
+    o1, ht1 = run(hand_plan(1), x, with_h0=with_h0)
     assert rel(o4, ro) < 1e-5 and rel(ht4, rht) < 1e-5
     assert rel(o4, o1) < 1e-5 and rel(ht4, ht1) < 1e-5
     with pytest.raises(ValueError, match="multiple of"):
-        hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=8, BV=16)
+        run(hand_plan(8), x, with_h0=with_h0)
     for factor in (0.0, 0.95):
-        monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", _twin_with_m_scaled(factor))
-        o_bad, ht_bad = hopper_fwd.forward_hopper(*args, 0.25, h0, a_inv_dtype=torch.float32, segments=4, BV=16)
+        use_twins(monkeypatch, _twin_with_m_scaled(factor))
+        o_bad, ht_bad = run(hand_plan(4), x, with_h0=with_h0)
         assert rel(o_bad, ro) > 1e-4 and rel(ht_bad, rht) > 1e-4, factor
 
 
@@ -84,38 +79,29 @@ def _seg(x, S):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("roles", [False, True])
-def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkeypatch, roles):
-    """forward_hopper(segments=4, skip_maps=True) around the kernel's twin (either kernel): one value head decays
-    fast (its 64-token segments' maps are below 2⁻³⁰: M skipped), the other slowly (M walked); o and the final state
-    equal the float64 recurrence as without the skip. A twin that drops every M (a skip where the map matters)
-    fails."""
+def test_segmented_forward_skipping_negligible_maps_equals_the_recurrence(monkeypatch):
+    """The five-launch forward around the twins: one value head decays fast (its 64-token segments' maps are below
+    2⁻³⁰), the other slowly (its maps walked); o and the final state equal the float64 recurrence. A plan that
+    drops every M (a skip where the map matters) fails."""
     from linattn.ops.hopper import forward as hopper_fwd
-    from linattn.ops.hopper.map_bound import SegmentPlan
+    from linattn.ops.hopper.map_bound import SegmentPlan, chunk_bounds
     x = inputs(2, 256, 1, 2, 16, 16, dtype=torch.float32)
     x["g"] = x["g"].clone()
     x["g"][..., 0] = x["g"][..., 0] * 16                    # fast head: ≈ −3 nats per token... −190 per segment
     x["g"][..., 1] = x["g"][..., 1] / 16                    # slow head: ≈ −0.8 per segment
-    skip = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], 4)[0]
-    assert skip[:, 0].all() and not skip[:, 1].any()
-    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
-    exact = {n: t.double() for n, t in x.items()}
-    ro, rht = gated_delta_rule_reference(**exact, scale=0.25)
+    flags = hopper_fwd.segment_flags(chunk_bounds(x["k"], x["g"], x["beta"], 4), 4, x["k"].device, 2)
+    assert flags.negligible[:, 0].all() and not flags.negligible[:, 1].any()
+    ro, rht = reference(x)
     seen = []
-    monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm",
-                        lambda *a, **kw: seen.append(kw.get("skip_m")) or twins.chunk_fwd_hopper_hm_ref(*a, **kw))
-    kw = dict(a_inv_dtype=torch.float32, segments=4, BV=16, roles=roles, skip_maps=True, warm_up=False)
-    o, ht = hopper_fwd.forward_hopper(*args, **kw)
+    use_twins(monkeypatch, lambda *a, **kw: seen.append(kw.get("skip_m")) or twins.chunk_fwd_hopper_hm_ref(*a, **kw))
+    o, ht = run(hand_plan(4), x)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    assert torch.equal(seen[0], skip.int())                 # phase A got the flags
+    assert torch.equal(seen[0], flags.skip_m)               # phase A got the flags
     everything = torch.ones(8, 2, dtype=torch.bool)
     monkeypatch.setattr(hopper_fwd, "segment_flags", lambda *a: SegmentPlan(
         everything, torch.zeros(8, 2, dtype=torch.int32), everything, torch.ones(8, 2, dtype=torch.int32)))
-    o_bad, _ = hopper_fwd.forward_hopper(*args, **kw)
+    o_bad, _ = run(hand_plan(4), x)
     assert rel(o_bad, ro) > 1e-4
-    seen.clear()
-    hopper_fwd.forward_hopper(*args, **dict(kw, skip_maps=False))
-    assert seen[0] is None                                  # skip_maps=False: every M walked
 
 
 def _walks_and_long_warm_ups(x: dict) -> dict:
@@ -130,37 +116,28 @@ def _walks_and_long_warm_ups(x: dict) -> dict:
 
 
 @ON_HOPPER
-def test_wave_fill_through_the_op_on_the_gpu(monkeypatch):
-    """bf16 B=1 T=16384 H=HV=16 K=V=128 through the op ("auto": the five-launch segmented forward, 8 segments of 32
-    chunks) with one head walking its maps and two long warm-ups: with ``forward.MAP_WAVE_FILL`` the plan sends
-    more heads to their maps (the compiled plan equal to its twin), and o and the final state stay as accurate
-    against the float64 recurrence (within 15% of the rule-free errors, all within 1e-2); the prepared (second)
-    call is bitwise the first."""
+def test_wave_fill_through_the_op_on_the_gpu():
+    """bf16 B=1 T=16384 H=HV=16 K=V=128 through the op (the five-launch segmented forward, 8 segments of 32 chunks)
+    with one head walking its maps and two long warm-ups: the wave-fill rule sends more heads to their maps than the
+    plan without it (the compiled plan equal to its twin), o and the final state are within 1e-2 of the float64
+    recurrence, and the prepared (second) call is bitwise the first."""
     import linattn
-    from linattn.ops.gated_delta import triton_chunk
     from linattn.ops.hopper import forward as hopper_fwd
-    from linattn.ops.hopper.map_bound import chunk_bounds, segment_plan_ref
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
+    from linattn.ops.hopper.map_bound import chunk_bounds, segment_plan, segment_plan_ref
+    from linattn.ops.hopper.plan import DEFAULT, map_slots, segment_count
     x = _walks_and_long_warm_ups(gpu_inputs(1, 16384, 16, 16, 128, 128, seed=9))
-    S = hopper_fwd.segment_count(1, 16, 128, 16384, torch.cuda.get_device_properties(0).multi_processor_count)
-    walks, errors = [], []
+    S = segment_count(1, 16, 128, 16384, torch.cuda.get_device_properties(0).multi_processor_count)
+    bound = chunk_bounds(x["k"], x["g"], x["beta"], S)
+    flags = hopper_fwd.segment_flags(bound, S, bound.device, 1)
+    twin = segment_plan_ref(bound.cpu(), S, bound.shape[-1], DEFAULT.negligible_m_log2, True, True,
+                            map_slots(bound.device, 1))
+    for name, a, b in zip(flags._fields, flags, twin):
+        assert torch.equal(a.cpu(), b), name
+    without = segment_plan(bound, S, bound.shape[-1], DEFAULT.negligible_m_log2, True, True, 0)
+    assert without.walk[0].tolist() == [True] + [False] * 15, without.walk[0]
+    assert (flags.walk >= without.walk).all() and flags.walk[0, 1] and flags.walk[0, 2], flags.walk[0]
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
-    for on in (False, True):
-        monkeypatch.setattr(hopper_fwd, "MAP_WAVE_FILL", on)
-        flags = hopper_fwd.segment_flags(x["k"], x["g"], x["beta"], S, skip_maps=True, warm_up=True)
-        # the compiled plan kernel against its twin on the same chunk sums
-        bound = chunk_bounds(x["k"], x["g"], x["beta"], S)
-        twin = segment_plan_ref(bound.cpu(), S, bound.shape[-1], hopper_fwd.NEGLIGIBLE_M_LOG2, True, True,
-                                hopper_fwd.map_slots(bound.device, 1))
-        for name, a, b in zip(flags._fields, flags, twin):
-            assert torch.equal(a.cpu(), b), name
-        walks.append(flags.walk)
-        with torch.no_grad():
-            first, second = (linattn.chunk_gated_delta_rule(**x, output_final_state=True) for _ in range(2))
-        assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-        errors.append((rel(first[0], ro), rel(first[1], rht)))
-    assert walks[0][0].tolist() == [True] + [False] * 15, walks[0][0]
-    assert (walks[1] >= walks[0]).all() and walks[1][0, 1] and walks[1][0, 2], walks[1][0]
-    (o_off, h_off), (o_on, h_on) = errors
-    assert max(o_off, h_off, o_on, h_on) < 1e-2, errors
-    assert o_on < 1.15 * o_off and h_on < 1.15 * h_off, errors
+    with torch.no_grad():
+        first, second = (linattn.chunk_gated_delta_rule(**x, output_final_state=True) for _ in range(2))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert max(rel(first[0], ro), rel(first[1], rht)) < 1e-2

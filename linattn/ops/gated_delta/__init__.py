@@ -1,5 +1,5 @@
-"""The gated delta rule: chunked op (chunk.py), torch twin (torch_chunk.py), reference (reference.py); the op's
-repeated calls routed to a prepared Hopper forward (prepared_route.py)."""
+"""The gated delta rule: chunked op (chunk.py) and its forward's dispatch (dispatch.py), torch twin
+(torch_chunk.py), reference (reference.py)."""
 from .chunk import chunk_gated_delta_rule
 from .reference import gated_delta_rule_reference
 

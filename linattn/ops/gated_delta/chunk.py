@@ -1,4 +1,5 @@
-"""``chunk_gated_delta_rule``: the public chunked GDN op — input checks, backend dispatch, autograd.
+"""``chunk_gated_delta_rule``: the public chunked GDN op — input checks, autograd, and the forward chosen by
+``dispatch.py`` (which path runs, and why).
 
 The core (q, k, v, g, beta, initial_state → o, final_state) is a pair of ``torch.library`` custom ops,
 ``linattn::chunk_gated_delta_rule_fwd`` and ``..._bwd``, with fake implementations, so ``torch.compile(
@@ -13,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..hopper import route
 from ..utils import (
     check_gated_delta_inputs,
     compute_dtype,
@@ -24,14 +26,9 @@ from ..utils import (
     l2norm,
     select_backend,
 )
-from . import prepared_route
+from .dispatch import ForwardPath, run_forward
 from .reference import gated_delta_rule_reference
-from .torch_chunk import chunk_gated_delta_rule_bwd_torch, chunk_gated_delta_rule_fwd_torch
-
-
-def _triton_impl():
-    from . import triton_chunk  # imported lazily: triton is optional on CPU machines
-    return triton_chunk
+from .torch_chunk import chunk_gated_delta_rule_bwd_torch
 
 
 def _preprocess_impl():
@@ -44,20 +41,17 @@ def _fused_preprocess(q: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> b
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-            initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = host_offsets(cu_seqlens, q.shape[1])
-    if backend == "triton":
-        return _triton_impl().chunk_gated_delta_rule_fwd_triton(q, k, v, g, beta, scale, initial_state,
-                                                                cu_seqlens, offsets)
-    return chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets)
+              initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], backend: str,
+              forward_path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, host_offsets(cu_seqlens, q.shape[1]),
+                       backend, forward_path)
 
 
 _fwd_op = torch.library.custom_op("linattn::chunk_gated_delta_rule_fwd", _fwd_impl, mutates_args=())
 
 
 @_fwd_op.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, forward_path):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -90,7 +84,7 @@ def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, backend = inputs
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, _ = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale, ctx.backend = scale, backend
     ctx.has_initial_state = initial_state is not None
@@ -108,7 +102,7 @@ def _backward(ctx, do, dht):
     do, dht = do.contiguous(), dht.contiguous()
     bwd = _bwd_impl if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, do, dht) else _bwd_op
     dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, ctx.backend)
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -163,18 +157,39 @@ def chunk_gated_delta_rule(
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (fp64 for fp64 inputs) or None.
     """
-    # a repeated call that ends in a prepared Hopper forward goes straight to it (prepared_route.py; off by default:
-    # then no lookup, and nothing recorded after the plain call)
-    routable = prepared_route.ROUTES and cu_seqlens is None and A_log is None and dt_bias is None and \
+    return _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                   use_qk_l2norm_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, backend, "auto")
+
+
+def chunk_gated_delta_rule_on_path(forward_path: ForwardPath, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   g: torch.Tensor, beta: torch.Tensor, scale: Optional[float] = None,
+                                   initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                                   cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+                                   A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+                                   use_beta_sigmoid_in_kernel: bool = False, backend: Optional[str] = None
+                                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`chunk_gated_delta_rule` with its triton backend's forward forced to ``forward_path`` ("split",
+    "walk", "hopper"; "auto" is the public op): for tests, benchmarks and debugging (``dispatch.py``)."""
+    return _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                   use_qk_l2norm_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, backend,
+                                   forward_path)
+
+
+def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                            use_qk_l2norm_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, backend,
+                            forward_path: ForwardPath):
+    """The op's body: a route for a repeated call, else the checks, the pre-processing and the core forward."""
+    # a repeated call that ended in a prepared Hopper forward goes straight to it (hopper/route.py)
+    routable = cu_seqlens is None and A_log is None and dt_bias is None and \
         not use_qk_l2norm_in_kernel and not use_beta_sigmoid_in_kernel
     if routable:
-        arguments = (q, k, v, g, beta, scale, initial_state, backend)
-        route = prepared_route.lookup(*arguments)
-        if route is not None:
-            out = prepared_route.run(route, q, k, v, g, beta, initial_state)
+        arguments = (q, k, v, g, beta, scale, initial_state, backend, forward_path)
+        found = route.lookup(*arguments)
+        if found is not None:
+            out = route.run(found, q, k, v, g, beta, initial_state)
             if out is not None:
                 return out[0], (out[1] if output_final_state else None)
-        prepared_route.start()
+        route.start()
     scale, _ = check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias)
     backend = select_backend(backend, q.device)
     fusable = use_qk_l2norm_in_kernel or A_log is not None or use_beta_sigmoid_in_kernel
@@ -189,15 +204,15 @@ def chunk_gated_delta_rule(
             g = gate_from_raw(g, A_log, dt_bias)
         if use_beta_sigmoid_in_kernel:
             beta = beta.sigmoid()
-    if backend == "reference":
+    if backend == "reference":        # outside the custom op: autograd differentiates the token loop itself
         o, ht = gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, host_offsets(cu_seqlens, q.shape[1]))
         return o.to(v.dtype), (ht.to(compute_dtype(v)) if output_final_state else None)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o, ht = dispatch_forward(_fwd_op, _fwd_impl, _EagerFunction,
-                             (q, k, v, g, beta, scale, initial_state, cu_seqlens, backend),
+                             (q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, forward_path),
                              (q, k, v, g, beta, initial_state, cu_seqlens))
     if routable:
-        prepared_route.remember(*arguments)
+        route.remember(*arguments)
     return o, (ht if output_final_state else None)

@@ -12,15 +12,13 @@ chunks cut into the forward's S segments of LC); :func:`segment_plan` turns thos
 head, (1) whether the segment's own map is negligible (its sum below ``threshold``), (2) the warm-up: the fewest
 w ≤ ``w_max`` chunks before s ≥ 1 whose sum is below ``threshold``, (3) whether the head has a segment with no such
 w (it then walks its maps, and its warm-ups are 0), and (4) phase A's flag made from them. With ``map_slots``
-(``forward.MAP_WAVE_FILL``) the plan also weighs, per sequence, phase C's longest walk against phase A's waves: the
-wave-fill rule, which sends the heads of the longest warm-ups to their maps where that is cheaper. The twins are
-:func:`chunk_bounds_ref` and :func:`segment_plan_ref` (PyTorch, float64 sums).
+the plan also weighs, per sequence, phase C's longest walk against phase A's waves: the wave-fill rule, which sends
+the heads of the longest warm-ups to their maps where that is cheaper. The twins are :func:`chunk_bounds_ref` and
+:func:`segment_plan_ref` (PyTorch, float64 sums).
 
-Time: the plan runs one program per sequence (the rule needs every head's warm-ups). Run 35 (H200) found that
-program's chain of loads was what cost: its loop took each segment in turn, ≈ 1.3 µs per step of BLOCK chunks, so
-23 µs at B=1 T=32768 H=16 (8 segments of 64 chunks), 19 at H=2 HV=8 (16 of 32) and 87 at T=131072 (8 of 256: 7% of
-that forward). Since session 29 the program holds every segment side by side ([S, heads, BLOCK] tiles), so the
-chain is one segment's LC / BLOCK steps whatever S: 8.3, 5.4 and 21.0 µs there (run 35, 16 warps).
+Time: the plan runs one program per sequence (the rule needs every head's warm-ups), and its cost is that
+program's chain of loads. The program holds every segment side by side ([S, heads, BLOCK] tiles), so the chain is
+one segment's LC / BLOCK steps whatever S.
 """
 from __future__ import annotations
 
@@ -37,20 +35,15 @@ from ..utils import cdiv
 BT = 64
 LOG2E = math.log2(math.e)
 # The plan's chunks per step of its chunk loop, at most a warp's width: its tiles [segments, heads, BLOCK] then keep
-# each row in one warp, so the step's suffix scan, maximum and sum need no barrier (sm_90 SASS at B=1 T=32768 H=16,
-# session 28: 187 instructions and no barrier per step, against 489 and 8 at [16, 64] tiles). Run 35 (H200, the
-# loop then one segment at a time): 23.3 µs per plan at 32 against 17.2 at 64 at B=1 T=32768 H=16, 86.8 against
-# 59.2 at T=131072. Not derived from the segment's length: a new T must compile nothing (issue 4: first call < 2 s)
+# each row in one warp, so the step's suffix scan, maximum and sum need no barrier. Not derived from the segment's
+# length: a new T must compile nothing
 BLOCK = 32
 # The elements of the plan's tile (segments × heads × chunks, powers of two): 8 per thread of its sixteen warps. BLOCK
 # shrinks to fit where segments × heads is larger than TILE / 32
 TILE = 4096
 # The plan's warps. Its tiles put a row's chunks across lanes (the loads' mask varies per chunk, so Triton does not
-# vectorise them), so each step of the loop is ≈ 19 shuffles per element: 1399 SASS instructions per warp and step at
-# 4 warps, 664 at 8, 358 at 16 (sm_90, session 29, B=1 T=32768 H=16's tile [8, 16, 32]), the same issue count per
-# scheduler; more warps hide the shuffles' latency. Run 35 (H200, gate_sensitivity.py --phases, µs per plan at 4 / 8
-# / 16 warps): B=1 T=32768 H=16 13.0 / 9.6 / 8.3, H=2 HV=8 6.7 / 5.9 / 5.4, T=131072 41.5 / 28.0 / 21.0 (the loop one
-# segment at a time before: 23.3, 19.0 and 86.8)
+# vectorise them), so each step of the loop is ≈ 19 shuffles per element, the same issue count per scheduler at any
+# warp count; more warps hide the shuffles' latency
 PLAN_WARPS = 16
 
 
@@ -107,9 +100,8 @@ def chunk_bounds_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segme
 
 
 # The wave-fill rule's costs (segment_plan's map_slots), in hundredths of one phase C chunk (the walk at BV=128):
-# phase A walks a chunk in 0.66 of one (run 34, H200, profiler at B=1 T=32768 H=16 and H=2 HV=8 at mixed gates:
-# 1.91–1.97 µs against 2.86–2.87), and the scan takes 2.3 per segment it steps over (6.5–6.6 µs per step). Integers,
-# so that the kernel and its twin take the same decision
+# phase A walks a chunk in 0.66 of one, and the scan takes 2.3 per segment it steps over (profiled on an H200).
+# Integers, so that the kernel and its twin take the same decision
 MAP_CHUNK_COST = 66
 SCAN_STEP_COST = 230
 WALK_CHUNK_COST = 100
@@ -284,25 +276,6 @@ def warm_from_bound_ref(bound: torch.Tensor, segments: int, threshold: float) ->
     warm = warm.permute(0, 2, 1).reshape(BS, HV)
     starts = (torch.arange(BS, device=bound.device) % S * LC)[:, None]
     return warm, warm == starts
-
-
-def cold_heads_ref(bound: torch.Tensor, segments: int, split_cap: float, threshold: float) -> torch.Tensor:
-    """The heads the split planned walk (``chunk_fwd``'s ``head_split``) walks whole at the narrow tile, from chunk
-    sums ``[B·S, HV, LC]`` of ``segments`` = S segments: those where, for some segment s ≥ 1, the sum of the
-    ⌊LC · split_cap⌋ chunks before it (the cap in 64ths of LC, truncated, as the kernel counts it; added in fp32
-    nearest first) is at or above ``threshold``. Elsewhere every warm-up is at most that many chunks. ``[B, HV]``
-    bool."""
-    BS, HV, LC = bound.shape
-    S, B = segments, bound.shape[0] // segments
-    cap = LC * round(split_cap * 64) // 64
-    b = bound.float().view(B, S, HV, LC).permute(0, 2, 1, 3).reshape(B, HV, S * LC)     # [B, HV, NC]
-    cold = torch.zeros(B, HV, dtype=torch.bool, device=bound.device)
-    for s in range(1, S):
-        window = torch.zeros(B, HV, dtype=torch.float32, device=bound.device)
-        for j in range(1, cap + 1):                         # chunk s·LC − j, nearest first
-            window = window + b[:, :, s * LC - j]
-        cold |= window >= threshold
-    return cold
 
 
 def segment_plan_ref(bound: torch.Tensor, segments: int, w_max: int, threshold: float, skip_maps: bool = False,

@@ -1,0 +1,117 @@
+"""Which forward runs for one call of ``chunk_gated_delta_rule``, and why: :func:`choose_forward_path` returns the
+path and its reason, :func:`run_forward` runs it. Read top to bottom:
+
+    backend "reference"          the float64 token loop (tests only; the op runs it outside its custom op)
+    backend "torch"              the chunked PyTorch twin (``torch_chunk.py``; the default off CUDA)
+    backend "triton", then:
+      hopper                     bf16 on sm_90 with TileLang, where its plan fills the card (``hopper/plan.py``)
+      walk                       the fused Triton walk (``triton_chunk.forward_walk``): fp16 from WALK_MIN_PAIRS
+                                 (sequence × value head) pairs, where the walk measured ahead of the split
+      split                      the split Triton forward (``triton_chunk.forward_split``): everything else
+
+``forward_path`` ("auto" for the public op) forces one of "split", "walk" or "hopper" for tests and debugging
+(``chunk.chunk_gated_delta_rule_on_path``); a forced "hopper" still falls back to the Triton paths where the Hopper
+kernels cannot take the inputs. The Hopper package is asked through two calls, ``plan.plan_inputs`` and
+``forward.forward_hopper``; it never imports back.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from types import MappingProxyType
+from typing import Literal, NamedTuple, Optional, get_args
+
+import torch
+
+ForwardPath = Literal["auto", "split", "walk", "hopper"]
+FORWARD_PATHS = get_args(ForwardPath)
+
+# The fused walk from this many (sequence × value head) pairs per input dtype; None: the split at every shape. The
+# split keeps only the state update on the sequential chain, so it wins where the pairs do not fill the SMs, and for
+# bf16 and fp32 everywhere measured; fp16 (output dots at tf32x3) keeps the walk where the pairs fill the card
+WALK_MIN_PAIRS = MappingProxyType({torch.bfloat16: None, torch.float16: 128, torch.float32: None})
+
+
+class ForwardChoice(NamedTuple):
+    """The forward one call runs: ``path`` ("reference", "torch", "hopper", "walk" or "split"), ``reason`` (why, in
+    words) and, for "hopper", its ``plan`` (``hopper.plan.HopperPlan``)."""
+    path: str
+    reason: str
+    plan: Optional[object] = None
+
+
+@functools.cache
+def _triton_chunk():
+    """``triton_chunk``, imported on first use: triton is optional on CPU machines."""
+    from . import triton_chunk
+    return triton_chunk
+
+
+@functools.cache
+def _hopper():
+    """(``hopper.plan``, ``hopper.forward``, ``hopper.chunk_fwd``), imported on first use: only bf16 CUDA calls ask."""
+    from ..hopper import chunk_fwd, forward, plan
+    return plan, forward, chunk_fwd
+
+
+def triton_path(num_sequences: int, HV: int, dtype: torch.dtype) -> ForwardChoice:
+    """The Triton forward for ``num_sequences`` sequences of ``HV`` value heads in ``dtype``: :data:`WALK_MIN_PAIRS`."""
+    pairs = WALK_MIN_PAIRS.get(dtype)
+    if pairs is not None and num_sequences * HV >= pairs:
+        return ForwardChoice("walk", f"{dtype} with {num_sequences * HV} ≥ {pairs} (sequence, head) pairs")
+    return ForwardChoice("split", f"{dtype}, {num_sequences * HV} (sequence, head) pairs")
+
+
+def choose_forward_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                        offsets: Optional[list[int]], backend: str, forward_path: ForwardPath = "auto"
+                        ) -> ForwardChoice:
+    """The forward for these (checked, contiguous) inputs on ``backend`` (``utils.select_backend``'s), and why."""
+    if forward_path not in FORWARD_PATHS:
+        raise ValueError(f"forward_path must be one of {FORWARD_PATHS}, got {forward_path!r}")
+    if backend in ("reference", "torch"):
+        return ForwardChoice(backend, f"backend={backend!r}")
+    if forward_path in ("split", "walk"):
+        return ForwardChoice(forward_path, "forced")
+    hopper_reason = "not a bf16 CUDA call"
+    if q.device.type == "cuda" and q.dtype == torch.bfloat16:      # the CPU / fp16 / fp32 case asks no Hopper module
+        plan, _, _ = _hopper()
+        found, hopper_reason = plan.plan_inputs(q, v, (k, g, beta, initial_state), cu_seqlens, offsets,
+                                                forced=forward_path == "hopper")
+        if found is not None:
+            return ForwardChoice("hopper", hopper_reason, found)
+    num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    choice = triton_path(num_sequences, v.shape[2], v.dtype)
+    return choice._replace(reason=f"{choice.reason}; Hopper: {hopper_reason}")
+
+
+def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                scale: float, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                offsets: Optional[list[int]], backend: str, forward_path: ForwardPath = "auto"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """o ``[B, T, HV, V]`` and the final state ``[N, HV, K, V]`` from the path :func:`choose_forward_path` picks. A
+    Hopper forward that does not compile here warns once and leaves the Triton paths to every later call."""
+    if cu_seqlens is not None and offsets is None:
+        offsets = cu_seqlens.tolist()
+    choice = choose_forward_path(q, k, v, g, beta, initial_state, cu_seqlens, offsets, backend, forward_path)
+    if choice.path == "hopper":
+        _, hopper_forward, chunk_fwd = _hopper()
+        try:
+            return hopper_forward.forward_hopper(choice.plan, q, k, v, g, beta, scale, initial_state, cu_seqlens)
+        except chunk_fwd.HopperCompileError as e:       # unsupported_reason says so to every later call
+            chunk_fwd.COMPILE_FAILED = str(e)
+            warnings.warn(f"linattn: the Hopper forward (TileLang) did not compile here, so the Triton forward runs "
+                          f"instead: {e}", RuntimeWarning, stacklevel=2)
+            num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            choice = triton_path(num_sequences, v.shape[2], v.dtype)
+    if choice.path == "torch":
+        from .torch_chunk import chunk_gated_delta_rule_fwd_torch
+        return chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets)
+    if choice.path == "reference":
+        from ..utils import compute_dtype
+        from .reference import gated_delta_rule_reference
+        o, ht = gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, offsets)
+        return o.to(v.dtype), ht.to(compute_dtype(v))
+    triton_chunk = _triton_chunk()
+    run = triton_chunk.forward_walk if choice.path == "walk" else triton_chunk.forward_split
+    return run(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets)

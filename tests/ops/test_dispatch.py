@@ -1,0 +1,80 @@
+"""The forward's dispatch (``gated_delta/dispatch.py``): which path one call runs and why, and the forced paths of
+``chunk_gated_delta_rule_on_path`` reaching the Triton forwards (under the interpreter, tiny shapes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import linattn
+from linattn.ops.gated_delta import dispatch
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
+
+from .test_hopper_fwd import inputs
+
+
+def choose(x, dtype, backend="triton", forward_path="auto", B=None):
+    q, k, v, g, beta = (x[n].to(dtype if n in ("q", "k", "v") else torch.float32) for n in ("q", "k", "v", "g", "beta"))
+    return dispatch.choose_forward_path(q, k, v, g, beta, None, None, None, backend, forward_path)
+
+
+def test_the_choice_and_its_reason():
+    """torch and reference by backend; on the triton backend fp16 walks from WALK_MIN_PAIRS (sequence, head) pairs,
+    everything else splits; a forced split or walk is taken as asked; CPU inputs never reach the Hopper plan, and the
+    reason says so."""
+    few, many = inputs(1, 64, 1, 2, 16, 16), inputs(2, 64, 1, 64, 16, 16)
+    assert choose(few, torch.float32, "torch").path == "torch"
+    assert choose(few, torch.float32, "reference").path == "reference"
+    assert choose(few, torch.float16).path == "split"
+    assert choose(many, torch.float16).path == "walk"                    # 128 pairs
+    assert choose(many, torch.bfloat16).path == "split" and choose(many, torch.float32).path == "split"
+    assert choose(few, torch.float32, forward_path="walk") == ("walk", "forced", None)
+    assert choose(many, torch.float16, forward_path="split").path == "split"
+    forced = choose(few, torch.bfloat16, forward_path="hopper")
+    assert forced.path == "split" and "Hopper" in forced.reason and "bf16 CUDA" in forced.reason
+    with pytest.raises(ValueError, match="forward_path"):
+        choose(few, torch.float32, forward_path="fused")
+
+
+@pytest.mark.interpreter
+def test_forced_paths_reach_their_triton_forward(monkeypatch):
+    """chunk_gated_delta_rule_on_path runs the forward it names (a spy on each), with the public op's results; a
+    forced "hopper" where the kernels cannot run (CPU tensors) runs the "auto" path: the same output and state."""
+    from linattn.ops.gated_delta import triton_chunk
+    x = inputs(2, 70, 1, 2, 16, 16, dtype=torch.float32)
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=x["initial_state"].float(), output_final_state=True, backend="triton")
+    o_auto, ht_auto = linattn.chunk_gated_delta_rule(*args, **kw)
+    ran = []
+    for name in ("forward_split", "forward_walk"):
+        real = getattr(triton_chunk, name)
+        monkeypatch.setattr(triton_chunk, name, lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
+    for path in ("split", "walk", "hopper"):
+        o, ht = chunk_gated_delta_rule_on_path(path, *args, **kw)
+        torch.testing.assert_close(o, o_auto, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ht, ht_auto, rtol=1e-4, atol=1e-5)
+    assert ran == ["forward_split", "forward_walk", "forward_split"]
+
+
+@pytest.mark.interpreter
+def test_a_hopper_forward_that_does_not_compile_falls_back_to_triton(monkeypatch):
+    """A Hopper plan whose kernels fail to compile: the call warns, records the failure (so every later call's plan
+    says why not) and returns the Triton split's result."""
+    from linattn.ops.hopper import chunk_fwd
+    from linattn.ops.hopper import forward as hopper_fwd
+
+    from .hopper_twins import hand_plan
+
+    def does_not_compile(*args, **kwargs):
+        raise chunk_fwd.HopperCompileError("no sm_90a here")
+    monkeypatch.setattr(chunk_fwd, "COMPILE_FAILED", None)
+    monkeypatch.setattr(hopper_fwd, "forward_hopper", does_not_compile)
+    monkeypatch.setattr(dispatch, "choose_forward_path",
+                        lambda *a, **kw: dispatch.ForwardChoice("hopper", "test", hand_plan()))
+    x = inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
+    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        o, ht = dispatch.run_forward(*args, 0.25, None, None, None, "triton")
+    assert chunk_fwd.COMPILE_FAILED == "no sm_90a here"
+    from linattn.ops.gated_delta.triton_chunk import forward_split
+    o_split, ht_split = forward_split(*args, 0.25, None, None, None)
+    assert torch.equal(o, o_split) and torch.equal(ht, ht_split)
