@@ -28,8 +28,8 @@ import torch
 
 from ..layers import GatedDeltaNet, GatedDeltaNetState
 from ..ops.gated_delta.chunk import chunk_gated_delta_rule as linattn_chunk
+from ..ops.gated_delta.fla_keywords import resolve_fla_keywords
 from ..ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule as linattn_recurrent
-from .fla_keywords import resolve_fla_keywords
 
 FLA_OPS_MODULE = "fla.ops.gated_delta_rule"
 # fla's exported names -> which adapter replaces them

@@ -27,6 +27,7 @@ from ..utils import (
     select_backend,
 )
 from .dispatch import ForwardPath, run_forward
+from .fla_keywords import fla_keywords_given, resolve_fla_keywords
 from .reference import gated_delta_rule_reference
 from .torch_chunk import chunk_gated_delta_rule_bwd_torch
 
@@ -126,6 +127,16 @@ def chunk_gated_delta_rule(
     dt_bias: Optional[torch.Tensor] = None,
     use_beta_sigmoid_in_kernel: bool = False,
     backend: Optional[str] = None,
+    *,
+    head_first: bool = False,
+    chunk_size: Optional[int] = None,
+    chunk_indices: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    use_gate_in_kernel: Optional[bool] = None,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: Optional[bool] = None,
+    cp_context=None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated delta rule, chunked: a drop-in for fla's ``chunk_gated_delta_rule``.
 
@@ -153,10 +164,25 @@ def chunk_gated_delta_rule(
         use_beta_sigmoid_in_kernel (bool): ``beta ← sigmoid(beta)``.
         backend (str): ``"triton"`` (default on CUDA), ``"torch"`` (default elsewhere) or ``"reference"``
             (token-by-token float64; for tests).
+        head_first, chunk_size, chunk_indices, cu_seqlens_cpu, use_gate_in_kernel, allow_neg_eigval, state_v_first,
+            transpose_state_layout, cp_context: fla 0.6's keywords, honoured with fla's meaning where linattn can
+            (``fla_keywords.py``; the table is in docs/api.md), else rejected with a message saying what to do.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (fp64 for fp64 inputs) or None.
     """
+    if fla_keywords_given(A_log, dt_bias, head_first, chunk_size, chunk_indices, cu_seqlens_cpu, use_gate_in_kernel,
+                          allow_neg_eigval, state_v_first, transpose_state_layout, cp_context):
+        fla_keywords = dict(head_first=head_first, chunk_size=chunk_size, chunk_indices=chunk_indices,
+                            cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
+                            allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                            transpose_state_layout=transpose_state_layout, cp_context=cp_context)
+        fla = resolve_fla_keywords("chunk_gated_delta_rule", q, v, g, beta, initial_state, A_log, dt_bias,
+                                   use_beta_sigmoid_in_kernel, cu_seqlens=cu_seqlens, **fla_keywords)
+        o, ht = chunk_gated_delta_rule(q, k, v, fla.g, fla.beta, scale, fla.initial_state, output_final_state,
+                                       cu_seqlens, use_qk_l2norm_in_kernel, fla.A_log, fla.dt_bias,
+                                       fla.use_beta_sigmoid_in_kernel, backend)
+        return o, fla.final_state(ht)
     return _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                    use_qk_l2norm_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, backend, "auto")
 

@@ -10,7 +10,7 @@ The table with every keyword, fla's meaning and what linattn does is docs/api.md
   picks its own chunking), ``chunk_indices`` and ``cu_seqlens_cpu`` (linattn derives both from ``cu_seqlens``);
 * rejected: ``head_first=True``, ``cp_context``, ``gk``, ``gv``, ``A_log`` with ``use_gate_in_kernel=False``.
 
-Nothing here imports the rest of linattn: the public ops and the fla integration both call
+Nothing here imports the rest of linattn: the public ops (chunk.py, recurrent.py) and the fla integration call
 :func:`resolve_fla_keywords`.
 """
 from __future__ import annotations
