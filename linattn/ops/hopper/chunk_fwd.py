@@ -305,37 +305,10 @@ def chunk_step_macro(kernel):
     every wgmma of the kernel)."""
     import tilelang.language as T
 
-    K, BV, scale, Tn, affine = kernel.K, kernel.BV, kernel.scale, kernel.Tn, kernel.affine
+    K, BV, Tn, affine = kernel.K, kernel.BV, kernel.Tn, kernel.affine
     warm, store_output = kernel.warm, kernel.store_output
-    log_scale = math.log(scale)
-
-    @T.macro
-    def form_p(QK, Ps, Gsc, gcs, decayed):
-        """P into Ps (bf16, stmatrix): Q Kᵀ under the causal mask, times e^{gc_i + ln scale − gc_j} where
-        ``decayed`` (else the decays are o's and V_d's)."""
-        for i, j in T.Parallel(BT, BT):
-            if decayed:
-                QK[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(Gsc[i] - gcs[j]), 0.0)
-            else:
-                QK[i, j] = T.if_then_else(i >= j, QK[i, j], 0.0)
-        T.copy(QK, Ps)
-
-    @T.macro
-    def scale_o_tile(Of, Gam):
-        """o's accumulator (Q S) times Γ and the scale."""
-        for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
-            Of[i, j] = Of[i, j] * (Gam[i] * scale)
-
-    @T.macro
-    def store_o(t, c, write):
-        """o's tile of chunk c through shared memory (stmatrix) and out by TMA, rows past T clipped by it. The store
-        is issued and not waited for: the wait for its read of the tile comes before the next chunk writes the tile
-        (T.copy would wait right after issuing it, in the elected thread, so the warpgroup's next wgmma would wait
-        on the store's read of 16 KB)."""
-        if write:
-            T.tma_store_wait()      # the previous chunk's store has read the tile
-            T.copy(t.Of, t.Os)
-            T.tma_copy(t.Os, t.o[t.ib, c * BT:(c + 1) * BT, t.ihv, t.iv * BV:(t.iv + 1) * BV])
+    log_scale = math.log(kernel.scale)
+    form_p, scale_o_tile, store_o = o_tile_macros(kernel)
 
     @T.macro
     def issue_dots(t, outputs):
@@ -450,6 +423,43 @@ def chunk_step_macro(kernel):
                 store_o(t, c, write_o)
 
     return chunk_step
+
+
+def o_tile_macros(kernel) -> tuple:
+    """(form_p, scale_o_tile, store_o): the chunk step's macros on P and o's tile, over ``kernel``'s sizes."""
+    import tilelang.language as T
+
+    BV, scale = kernel.BV, kernel.scale
+
+    @T.macro
+    def form_p(QK, Ps, Gsc, gcs, decayed):
+        """P into Ps (bf16, stmatrix): Q Kᵀ under the causal mask, times e^{gc_i + ln scale − gc_j} where
+        ``decayed`` (else the decays are o's and V_d's)."""
+        for i, j in T.Parallel(BT, BT):
+            if decayed:
+                QK[i, j] = T.if_then_else(i >= j, QK[i, j] * T.exp(Gsc[i] - gcs[j]), 0.0)
+            else:
+                QK[i, j] = T.if_then_else(i >= j, QK[i, j], 0.0)
+        T.copy(QK, Ps)
+
+    @T.macro
+    def scale_o_tile(Of, Gam):
+        """o's accumulator (Q S) times Γ and the scale."""
+        for i, j in T.Parallel(BT, BV):     # a loop of its own: Of's register layout is not Vn's
+            Of[i, j] = Of[i, j] * (Gam[i] * scale)
+
+    @T.macro
+    def store_o(t, c, write):
+        """o's tile of chunk c through shared memory (stmatrix) and out by TMA, rows past T clipped by it. The store
+        is issued and not waited for: the wait for its read of the tile comes before the next chunk writes the tile
+        (T.copy would wait right after issuing it, in the elected thread, so the warpgroup's next wgmma would wait
+        on the store's read of 16 KB)."""
+        if write:
+            T.tma_store_wait()      # the previous chunk's store has read the tile
+            T.copy(t.Of, t.Os)
+            T.tma_copy(t.Os, t.o[t.ib, c * BT:(c + 1) * BT, t.ihv, t.iv * BV:(t.iv + 1) * BV])
+
+    return form_p, scale_o_tile, store_o
 
 
 def gcs_last(gcs, Tn, c):
