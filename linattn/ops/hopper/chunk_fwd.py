@@ -1,36 +1,37 @@
 """Hopper forward (TileLang): the state walk and the output fused in one kernel, on wgmma and TMA.
 
-``chunk_gated_delta_rule``'s "auto" path runs it on sm_90 for bf16 inputs it takes (:func:`unsupported_reason`)
-where its programs fill the card (``forward.hopper_launch``), ``triton_chunk.FORWARD_PATH = "hopper"`` wherever it
-takes them. On the H200 (run 20): B=8 T=4096 H=16 0.387 ms alone, 0.656 with the pre-pass (the split: 1.007);
-every case of gpu_check_core within 2× the rounded baseline (o 3.4e-3, final state 2.4e-3 at the anchor case).
-benchmarks/hopper_fwd_check.py checks and times its launch variants; ``walk_launch.py`` holds the calls that take
-tensors and launch it (``chunk_fwd_hopper_hm``).
+``chunk_gated_delta_rule``'s "auto" path runs it on sm_90 for bf16 inputs it takes (:func:`unsupported_reason`);
+``walk_launch.py`` holds the calls that take tensors and launch it (``chunk_fwd_hopper_hm``), ``forward.py`` chains
+it after the pre-pass (``prepass.py``); ``chunk_fwd_ref.py`` is its PyTorch twin. benchmarks/hopper_fwd_check.py
+checks and times it on the GPU; ``tests/ops/hopper_sources.py`` builds the CUDA of every configuration the forward
+launches on the CPU.
 
-Why (issue 4, docs/architecture.md): the Triton split forward writes every chunk's state h (32 KB per chunk and
-head in bf16, twice the size of the chunk's queries) and V_new to HBM and reads them back in a second kernel, and
-Triton 3.6 cannot warp-specialise the sequential walk that would keep them on chip. This kernel walks the chunks of
-one (sequence, value head, V tile) with the state in registers and writes only o and the final state; TileLang
-pipelines the next chunk's loads (TMA) under this chunk's dots.
+Why (docs/architecture.md): the Triton split forward writes every chunk's state h (32 KB per chunk and head in
+bf16, twice the size of the chunk's queries) and V_new to HBM and reads them back in a second kernel, and Triton 3.6
+cannot warp-specialise the sequential walk that would keep them on chip. This kernel walks the chunks of one
+(sequence, value head, V tile) with the state in registers and writes only o and the final state; TileLang
+pipelines the next chunk's loads (TMA, from a producer warpgroup) under this chunk's dots.
 
-Inputs as the split forward's after its pre-pass (``fused_prepass(write_wy=False)``; ``forward.py`` chains them):
-gc (chunk-local cumulative log decays, fp32) and A_inv (each chunk's (I + strictly-lower(β K Kᵀ ⊙ D))⁻¹, bf16 by
-default or fp32). Per chunk c, with S the state entering it (K × BV slice, fp32 registers), Γ = e^{gc} per row,
-ρ = e^{gc_last − gc} per row and γ = e^{gc of the chunk's last token}:
+Inputs from the pre-pass (``prepass.prepass_hopper``): gc (chunk-local cumulative log decays, fp32, head-major)
+and A_inv diag(β) (each chunk's (I + strictly-lower(β K Kᵀ ⊙ D))⁻¹ with its columns scaled by β, bf16). Per chunk,
+with S the state entering it (K × BV slice, fp32 registers, kept as S' = S / a with one log scale ln a per
+program: the deferred decay), Γ = e^{gc} a per row, γ = e^{gc of the chunk's last token}, ρ = e^{gc_last − gc} /
+(a γ) per row:
 
-    S_b   = bf16(S)                                     the state as a dot operand (fla's precision for h)
-    X     = β ⊙ V − (β Γ) ⊙ (K S_b)                     [BT, BV]
-    V_new = A_inv X                                     bf16 A_inv: X rounded to bf16, one wgmma (FlashQLA's
-                                                        choice); fp32 A_inv: tf32 on mma.sync
-    O     = scale · [Γ ⊙ (Q S_b) + (Q Kᵀ ⊙ D ⊙ causal) bf16(V_new)]
-    S     = γ S + Kᵀ bf16(ρ ⊙ V_new)
+    S_b   = bf16(S')                                    the state as a dot operand (fla's precision for h)
+    X     = V − Γ ⊙ (K S_b)                             [BT, BV], rounded to bf16: A_inv X is one wgmma
+    V_new = (A_inv diag(β)) X
+    V_d   = bf16(ρ ⊙ V_new)
+    O     = scale · Γ ⊙ (Q S_b + (Q Kᵀ ⊙ causal) V_d)   P's decays e^{gc_i − gc_j} = Γ_i ρ_j γ split between o's
+                                                        rows and V_d: no exp per element of P
+    S'    = S' + Kᵀ V_d,  ln a += ln γ                  no multiply per state element for the decay
 
-Γ and ρ are computed once per row (64 exps each) into shared memory, e^x as ex2.approx (fast math). With
-``async_dots`` K S, Q S and Q Kᵀ are issued back to back and K S is waited for first (X needs only it). Reads per
-chunk and program, every one by TMA from the producer warpgroup: Q, K (BT × K), V (BT × BV), A_inv
-(BT × BT), gc and β (passed head-major, :func:`head_major`, so that a chunk's 64 values are one contiguous
-copy); writes O (BT × BV). Shapes are compiled per (H, HV, K, V, BV, scale); B and T are symbolic (a new T costs no
-compile).
+Where ln a + ln γ would fall below −:data:`DEFERRED_DECAY_LIMIT` the chunk renormalises instead (S' ← a γ S',
+ln a ← 0, ρ = e^{gc_last − gc}) and takes P with its decays, P = bf16(scale · Q Kᵀ ⊙ e^{gc_i − gc_j} ⊙ causal), and
+O = scale · Γ ⊙ Q S_b + P bf16(V_new). e^x is ex2.approx (fast math). Reads per chunk and program, every one by TMA:
+Q, K (BT × K), V (BT × BV), A_inv (BT × BT), gc (head-major, :func:`head_major`, so that a chunk's 64 values are one
+contiguous copy); writes O (BT × BV) by TMA. Shapes are compiled per (H, HV, K, V, BV, scale); B and T are symbolic
+(a new T costs no compile).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import math

@@ -1,18 +1,12 @@
-"""The Hopper forward's pre-pass in TileLang: gc, β and each chunk's A_inv in one kernel, the inverse blocked.
+"""The Hopper forward's pre-pass in TileLang: gc, β and each chunk's A_inv diag(β) in one kernel, the inverse blocked.
 
-The default (``forward.PREPASS``) since run 22: 0.131 ms at B=8 T=4096 H=16 on the H200, against 0.268 for the
-Triton pre-pass (``fused_prepass(write_wy=False)``), A_inv's error against float64 equal (2.38e-4 vs 2.33e-4);
-benchmarks/hopper_fwd_check.py --prepass checks and times both.
+Why not the Triton pre-pass: its solve is bound by a 15-step substitution chain on a [4, 16, 16] register tile,
+whose every step is two cross-lane reductions. Here each of 64 threads solves one column of one diagonal 16 × 16
+block in registers, reading A's row from shared memory (a broadcast): 120 FMAs, no shuffles; the blocks cut the
+chain of a whole 64-row column 17-fold, and the merges run on tensor cores. FlashQLA's kkt_solve (read, not copied)
+blocks the same way. benchmarks/hopper_fwd_check.py --prepass checks and times it on the GPU.
 
-Why a second pre-pass: the Triton solve is bound by its 15-step substitution chain on a [4, 16, 16] register tile,
-whose every step is two cross-lane reductions (95 SASS instructions per step, 24 of them shuffles; 40% of the
-kernel's ≈ 3700 executed instructions per thread, benchmarks' sm90 SASS). Here each of 64 threads solves one column
-of one diagonal 16 × 16 block in registers, reading A's row from shared memory (a broadcast): 120 FMAs, no
-shuffles. A TileLang pre-pass that solved whole 64-row columns that way (2016 dependent FMAs per column) took 0.76
-ms in run 20; the blocks cut the chain 17-fold and the merges run on tensor cores. FlashQLA's kkt_solve (read, not
-copied) blocks the same way.
-
-One program per (chunk, sequence, value head), 128 threads:
+One program per (chunk, sequence, value head), 128 threads (:func:`prepass_steps`, in order):
 
     gc    = cumsum(g) over the chunk                         fp32, shared memory
     K Kᵀ                                                     one bf16 wgmma, fp32 accumulators (exact products)
@@ -20,18 +14,16 @@ One program per (chunk, sequence, value head), 128 threads:
             kept as its four diagonal 16-blocks A_dd, the two blocks below them A_10 and A_32, and the lower-left
             32 × 32 quadrant A_hl (the blocks of ``kkt_solve``'s method, ``common/kkt_solve.py``)
     T_dd  = (I + A_dd)⁻¹                                     thread (d, c) solves column c of block d: fp32 FMAs
-    T_10  = −T_11 A_10 T_00, T_32 = −T_33 A_32 T_22          fp32 FMAs (both halves at once)
+    T_10  = −T_11 A_10 T_00, T_32 = −T_33 A_32 T_22          m16n8k8 tf32 mma.sync, one warp per half
     X     = −T_hi A_hl T_lo                                  two 32 × 32 dots on tensor cores, fp32 operands: tf32
                                                              (2⁻¹¹–2⁻¹⁰ per operand, under A_inv's bf16 rounding)
+    A_inv diag(β) = [[T_lo, 0], [X, T_hi]] diag(β)           bf16
 
-Step 4 on tensor cores too (two 32 × 32 tf32 dots on block-diagonal operands, diag(A_10, A_32) diag(T_00, T_22)
-and so on) measured slower in session 18 (0.150 against 0.135 ms at B=8 T=4096 H=16, error below the diagonal
-blocks 1.8e-3 against 1.7e-3): its FMAs already read one broadcast word and one 16-byte vector per four FMAs, and the
-dots add their operands' zero blocks, stores and barriers.
-
-Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the Hopper kernel's operand),
-the chunk's map bound (``map_bound.py``: the two warps idle in step 3 sum it from β_i (K Kᵀ)_ii = β_i ‖k_i‖², kept
-on the diagonal blocks' unused diagonals), and gc and β straight into the layout the fused kernel loads
+The kernel is bound by its shared-memory wavefronts (the L1 / shared pipe), so its layouts pad rows to spread each
+warp's accesses over the banks, and its steps read each shared value once into registers where nvcc would reload
+it (see each step). Reads per chunk: BT × K keys, BT gates and βs. Writes A_inv ``[B, T, HV, 64]`` bf16 (the walk's
+operand), the chunk's map bound (``map_bound.py``: the two warps idle in step 3 sum it from β_i (K Kᵀ)_ii = β_i
+‖k_i‖², kept on the diagonal blocks' unused diagonals), and gc and β straight into the layout the walk loads
 (``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per segment when the forward is cut into S segments, which both
 kernels take as B·S sequences): no head-major copies.
 Twin: :func:`prepass_hopper_ref`.
