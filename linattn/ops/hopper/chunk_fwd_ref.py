@@ -16,17 +16,18 @@ from .chunk_fwd import BT
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, initial_state: Optional[torch.Tensor],
                          operand_dtype: torch.dtype = torch.bfloat16,
-                         round_a_inv: bool = False, deferred_decay: bool = True, fold_p_decay: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         round_a_inv: bool = False, deferred_decay: bool = True, fold_p_decay: bool = True,
+                         decay_limit: float = chunk_fwd.DEFERRED_DECAY_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's PyTorch twin, chunk by chunk in fp32 (float64 for float64 inputs), rounding to
     ``operand_dtype`` exactly where the kernel does: the state as the operand of K S and Q S, P, V_new as P V_new's
     operand, and the decayed V_new of the state update (A_inv X stays in the working precision; with
     ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With ``operand_dtype`` the working dtype
     nothing is rounded: the algebra alone, equal to the token-by-token reference. ``deferred_decay``,
     ``fold_p_decay``: the state kept over its decay and P's decays folded into o's rows and V_d, as the kernel does
-    (:func:`_walk_ref`; off: the plain algebra, for tests that the two agree). g: the log decays (not their
-    cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o ``[B, T, HV, V]`` in v's dtype and the final state
-    ``[B, HV, K, V]`` in the working dtype."""
+    (:func:`_walk_ref`; off: the plain algebra, for tests that the two agree), renormalising where the state's
+    scale would pass ``decay_limit`` e-folds (the kernel's :data:`chunk_fwd.DEFERRED_DECAY_LIMIT`). g: the log
+    decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o ``[B, T, HV, V]`` in v's dtype
+    and the final state ``[B, HV, K, V]`` in the working dtype."""
     from ..gated_delta import torch_chunk as tc
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))
@@ -36,7 +37,7 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gc)
     return _walk_ref(q, k, v, gc, beta, a_inv if not round_a_inv else rnd(a_inv), scale, initial_state, work, rnd,
                      rnd if round_a_inv else (lambda t: t), scale_in_p=fold_p_decay and deferred_decay,
-                     deferred_decay=deferred_decay, fold_p_decay=fold_p_decay)
+                     deferred_decay=deferred_decay, fold_p_decay=fold_p_decay, decay_limit=decay_limit)
 
 
 def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
@@ -133,13 +134,13 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
 
 
 def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, scale_in_p=False,
-              deferred_decay=False, fold_p_decay=False):
+              deferred_decay=False, fold_p_decay=False, decay_limit=chunk_fwd.DEFERRED_DECAY_LIMIT):
     """The kernel's chunk loop in PyTorch: gc ``[B, HV, NT, BT]`` chunk-local cumulative decays, a_inv
     ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X;
     ``scale_in_p``: the scale multiplies P before its rounding and Γ (as the kernel), else o at the end.
     ``deferred_decay``: S holds the state over a = e^la (per sequence and head), Γ and ρ carry a's factor, and S is
-    multiplied only where la + ln γ falls below −``chunk_fwd.DEFERRED_DECAY_LIMIT`` (the kernel's
-    ``deferred_decay``; without rounding the same algebra). ``fold_p_decay`` (with both): in the chunks that do
+    multiplied only where la + ln γ falls below −``decay_limit`` (the kernel's deferred decay; without rounding the
+    same algebra). ``fold_p_decay`` (with both): in the chunks that do
     not renormalise, o = Γ a scale ⊙ (Q S + P V_d) with P the masked Q Kᵀ alone, rounded, and V_d = ρ / (a γ) ⊙
     V_new, rounded, the update's operand."""
     from ..gated_delta import torch_chunk as tc
@@ -167,7 +168,7 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
             out = scale * (gam[..., None] * (Qc @ Sb) + P @ rnd(Vn))
         if deferred_decay:
             # S over a γ where that stays within the limit (ρ then carries 1 / (a γ)); else S renormalised
-            renorm = la + g_last < -chunk_fwd.DEFERRED_DECAY_LIMIT
+            renorm = la + g_last < -decay_limit
             rho = (torch.where(renorm, g_last, -la)[..., None] - Gc).exp()
             S = torch.where(renorm[..., None, None], (la + g_last).exp()[..., None, None] * S, S)
             la = torch.where(renorm, torch.zeros_like(la), la + g_last)
