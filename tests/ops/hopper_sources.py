@@ -170,7 +170,9 @@ def main(argv: list[str]) -> int:
         same = before.exists() and before.read_text() == source
         differ += not same
         print(("identical " if same else "DIFFERENT " if before.exists() else "NEW       ") + name, flush=True)
-    for gone in sorted(p.name for p in folder.glob(f"*{only}*.cu") if p.name not in seen):
+    wanted = only.split(",")
+    for gone in sorted(p.name for p in folder.glob("*.cu")
+                       if p.name not in seen and any(o in p.name for o in wanted)):
         differ += 1
         print("MISSING   " + gone)
     return 1 if differ else 0

@@ -324,9 +324,9 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
     """The twin of :func:`prepass_hopper` (same arguments and results) from the PyTorch stages: the chunk-local
     cumsum, ``kkt_solve_ref`` (a dense solve) and ``chunk_fwd.head_major`` on each segment, A_inv rounded to
     ``a_inv_dtype`` once (the kernel's bf16; fp32 for tests of the layout alone; float64, with gc in float64 too, for
-    a reference; ``beta_in_a_inv``: A_inv diag(β), as :func:`prepass_hopper`'s, else the plain A_inv). For the layout and the segments on
-    a machine without the GPU (any float keys: the kernel's bf16 check is :func:`prepass_hopper`'s);
-    :func:`blocked_inverse_ref` is the twin of the kernel's solve."""
+    a reference; ``beta_in_a_inv``: A_inv diag(β), as :func:`prepass_hopper`'s, else the plain A_inv). For the
+    layout and the segments on a machine without the GPU (any float keys: the kernel's bf16 check is
+    :func:`prepass_hopper`'s); :func:`blocked_inverse_ref` is the twin of the kernel's solve."""
     from ..gated_delta import torch_chunk as tc
     from .chunk_fwd import head_major
     from .map_bound import chunk_bounds_ref
