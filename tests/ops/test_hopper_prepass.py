@@ -1,7 +1,7 @@
 """The TileLang pre-pass of the Hopper forward (linattn/ops/hopper/prepass.py): its blocked solve's twin against a
-dense solve, its twin's outputs (gc and β head-major per segment, A_inv) against the Triton pre-pass's, the forward
-around both twins against the float64 recurrence, its input checks, and its compile for sm_90a where TileLang and
-nvcc are installed (the kernel runs only on the GPU: benchmarks/hopper_fwd_check.py --prepass)."""
+dense solve, its twin's outputs (gc and β head-major per segment, A_inv) against the Triton pre-pass stage's, the
+forward around the twins against the float64 recurrence, its input checks, and its compile for sm_90a where TileLang
+and nvcc are installed (the kernel runs only on the GPU: benchmarks/hopper_fwd_check.py --prepass)."""
 from __future__ import annotations
 
 import functools
@@ -60,13 +60,15 @@ def test_blocked_inverse_is_the_dense_inverse(case):
 @pytest.mark.parametrize("T,S", [(200, 1), (256, 4)])
 def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
     """What the fused kernel reads: gc and β head-major per segment (Tp-padded with zeros) and A_inv — the twin of
-    the TileLang pre-pass against forward.run_prepass on the Triton pre-pass (interpreter, fp32 inputs)."""
+    the TileLang pre-pass against the Triton pre-pass's gc and A_inv laid out the same way (interpreter, fp32
+    inputs)."""
+    from linattn.ops.common.fused_prepass import fused_prepass
     x = {n: t.float() for n, t in inputs(2, T, 1, 2, 16, 16).items()}
-    gc_tr, beta_tr, a_inv, no_bound = hopper_fwd.run_prepass(x["k"], x["v"], x["g"], x["beta"], S, "triton",
-                                                             torch.float32)
+    gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=torch.float32)
+    gc_tr, beta_tr = (hopper.head_major(t.reshape(2 * S, T // S, 2)) for t in (gc, x["beta"]))
     gc_hm, beta_hm, a_inv_tl, bound = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S,
                                                                  a_inv_dtype=torch.float32, beta_in_a_inv=False)
-    assert no_bound is None and bound.shape == (2 * S, 2, -(-T // S // 64)) and bound.dtype == torch.float32
+    assert bound.shape == (2 * S, 2, -(-T // S // 64)) and bound.dtype == torch.float32
     assert gc_hm.shape == (2 * S, 2, hopper.padded_length(T // S)) and beta_hm.dtype == x["beta"].dtype
     assert torch.allclose(gc_hm, gc_tr, atol=1e-6, rtol=0)
     assert torch.equal(beta_hm, beta_tr)
@@ -82,32 +84,22 @@ def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("T,segments", [(200, None), (256, 4)])
-def test_forward_on_the_tilelang_prepass_twin_equals_the_triton_prepass(monkeypatch, T, segments):
-    """forward_hopper(prepass="tilelang") around the twins of both kernels (fp32 inputs, the pre-pass twin's A_inv
-    left in fp32 so that only the layout is tested; weak gates so that the segments' entering states matter): o and
-    the final state equal the float64 recurrence and the forward on the Triton pre-pass, whose A_inv has no β in it
-    (the walk's twin then takes β in X)."""
+def test_forward_on_the_tilelang_prepass_twin_is_the_recurrence(monkeypatch, T, segments):
+    """forward_hopper around the twins of both kernels (fp32 inputs, the pre-pass twin's A_inv diag(β) left in fp32
+    so that only the layout is tested; weak gates so that the segments' entering states matter): o and the final
+    state equal the float64 recurrence, unsegmented and in four segments."""
     monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
     monkeypatch.setattr(hopper_fwd, "prepass_hopper",
                         functools.partial(prepass.prepass_hopper_ref, a_inv_dtype=torch.float32))
     x = inputs(2, T, 1, 2, 16, 16)
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
     ro, rht = gated_delta_rule_reference(**x, scale=0.25)
-    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.bfloat16, segments=segments, BV=16,
-                                      prepass="tilelang")
-    o_tr, ht_tr = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=segments, BV=16,
-                                            prepass="triton")
+    o, ht = hopper_fwd.forward_hopper(*args, segments=segments, BV=16)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    assert rel(o, o_tr) < 1e-5 and rel(ht, ht_tr) < 1e-5
 
 
 def test_inputs_the_prepass_does_not_take_say_why():
     x = {n: t.float() for n, t in inputs(1, 128, 1, 2, 16, 16).items()}
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [0.25, None]
-    with pytest.raises(ValueError, match="bf16 A_inv"):
-        hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, prepass="tilelang")
-    with pytest.raises(ValueError, match="prepass must be one of"):
-        hopper_fwd.forward_hopper(*args, prepass="cuda")
     with pytest.raises(TypeError, match="bf16 keys"):
         prepass.prepass_hopper(x["k"], x["g"], x["beta"])
     with pytest.raises(ValueError, match="multiple of 256"):
