@@ -52,6 +52,7 @@ CASES = [  # name, B, T, H, HV, K, V
     ("GVA_4x_T1000", 1, 1000, 2, 8, 128, 128),
     ("K64_V64_T4096", 2, 4096, 4, 4, 64, 64),
     ("T32768_K128", 1, 32768, 2, 2, 128, 128),
+    ("full_forgets_T1000", 1, 1000, 2, 8, 128, 128),      # g = −inf at one token, −3e38 at two: finite outputs
 ]
 DEVICE = "cuda"
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (1, 131072, 16, 16), (4, 8192, 16, 32),
@@ -103,6 +104,9 @@ def accuracy(cases, launches):
     rows = []
     for name, B, T, H, HV, K, V in cases:
         x = make(B, T, H, HV, K, V, seed=len(name))
+        if name.startswith("full_forgets"):
+            x["g"][:, T // 3] = -float("inf")
+            x["g"][:, T // 2] = x["g"][:, T // 2 + 1] = -3e38
         low = low_precision(x)
         exact = {n: t.double() for n, t in low.items()}
         scale = K ** -0.5

@@ -77,6 +77,17 @@ def test_twin_with_strong_decay_stays_finite():
     assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
 
 
+def test_twin_with_full_forgets_is_the_recurrence():
+    """Log decays of −inf and −3e38 (full forgets; the pre-pass reads them at its floor): the twin's float64 walk is
+    finite and gives the recurrence's answer."""
+    from .test_hopper_prepass import full_forgets
+    x = inputs(1, 200, 1, 2, 16, 16)
+    x["g"] = full_forgets(x["g"])
+    o, ht = twins.chunk_fwd_hopper_ref(**x, scale=0.25, operand_dtype=torch.float64)
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    assert torch.isfinite(o).all() and rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
+
+
 def test_twin_bf16_rounding_points():
     """With the kernel's bf16 operands (bf16 q/k/v, fp32 work): errors of bf16 size against float64, and the rounding
     is really applied (the bf16 twin differs from the unrounded one)."""

@@ -98,6 +98,56 @@ def test_forward_on_the_tilelang_prepass_twin_is_the_recurrence(monkeypatch, T, 
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
 
 
+def full_forgets(g: torch.Tensor) -> torch.Tensor:
+    """``g`` with full forgets: −inf at one token of every head, −3e38 at two more (their sum overflows to −inf)."""
+    g = g.clone()
+    T = g.shape[1]
+    g[:, T // 3] = -float("inf")
+    g[:, T // 2] = g[:, T // 2 + 1] = -3e38
+    return g
+
+
+@pytest.mark.parametrize("T,S", [(200, 1), (256, 2)])
+def test_full_forgets_give_the_recurrences_finite_answer(T, S):
+    """A log decay of −inf (or −3e38 twice) is a valid full forget: the pre-pass twin reads it as the floor
+    (LOG_DECAY_FLOOR, whose e^g is already 0 in fp32), so its outputs are finite and bitwise those of the gates
+    clamped there, and the walk's twin on them gives the float64 recurrence's answer (its state restarts at the
+    forget)."""
+    x = inputs(2, T, 1, 2, 16, 16)
+    x["g"] = full_forgets(x["g"])
+    pre = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64)
+    clamped = prepass.prepass_hopper_ref(x["k"], x["g"].clamp_min(prepass.LOG_DECAY_FLOOR), x["beta"], S,
+                                         a_inv_dtype=torch.float64)
+    assert all(torch.isfinite(t).all() for t in pre) and all(torch.equal(a, b) for a, b in zip(pre, clamped))
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    assert torch.isfinite(ro).all() and torch.isfinite(rht).all()
+    whole = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], 1, a_inv_dtype=torch.float64)
+    o, ht = twins.chunk_fwd_hopper_hm_ref(x["q"], x["k"], x["v"], *whole[:3], 0.25, x["initial_state"])
+    assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
+
+
+ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
+                               torch.cuda.get_device_capability()[0] != 9,
+                               reason="the Hopper pre-pass runs on sm_90 only")
+
+
+@ON_HOPPER
+def test_full_forgets_in_the_prepass_on_the_gpu():
+    """The TileLang pre-pass with −inf and −3e38 gates: every output finite and bitwise those of the gates clamped
+    at LOG_DECAY_FLOOR (one max per token where the kernel reads g), and the walk on them within the bf16 bound of
+    the float64 recurrence."""
+    x = {n: t.cuda() for n, t in inputs(2, 1000, 2, 4, 128, 128).items()}
+    x["g"] = full_forgets(x["g"])
+    low = {n: t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float() for n, t in x.items()}
+    pre = prepass.prepass_hopper(low["k"], low["g"], low["beta"])
+    clamped = prepass.prepass_hopper(low["k"], low["g"].clamp_min(prepass.LOG_DECAY_FLOOR), low["beta"])
+    assert all(torch.isfinite(t.float()).all() for t in pre) and all(torch.equal(a, b) for a, b in zip(pre, clamped))
+    from linattn.ops.hopper.walk_launch import chunk_fwd_hopper_hm
+    o, ht = chunk_fwd_hopper_hm(low["q"], low["k"], low["v"], *pre[:3], 128 ** -0.5, low["initial_state"], BV=128)
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    assert rel(o, ro) < 1e-2 and rel(ht, rht) < 1e-2, (rel(o, ro), rel(ht, rht))
+
+
 def test_inputs_the_prepass_does_not_take_say_why():
     x = {n: t.float() for n, t in inputs(1, 128, 1, 2, 16, 16).items()}
     with pytest.raises(TypeError, match="bf16 keys"):
@@ -116,8 +166,10 @@ def test_prepass_compiles_for_sm90a():
     step 4 and the quadrant's two dots at tf32 on mma.sync, A_inv diag(β) from registers written by TMA; its padded
     layouts and its launch bounds."""
     src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a").get_kernel_source()
-    # 1. the key tile by two TMA boxes (64 columns each) behind one mbarrier, not per-thread loads
+    # 1. the key tile by two TMA boxes (64 columns each) behind one mbarrier, not per-thread loads; each gate read
+    # as max(g, −104) (LOG_DECAY_FLOOR)
     assert src.count("tma_load(k_desc") == 1 and "arrive_and_expect_tx(16384)" in src
+    assert src.count(", -0x1.ap+6f/*-1.040000e+02*/)") == 1 and "= max(g[" in src
     # 2. one wgmma; the elements from registers alone (β_i, gc_i per row and gc_j per column loaded once)
     assert src.count("wgmma_ss<") == 1
     assert "Gr[i_1] = ((float*)gcs)[" in src and "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in src

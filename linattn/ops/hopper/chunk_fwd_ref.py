@@ -11,6 +11,7 @@ import torch
 
 from . import chunk_fwd
 from .chunk_fwd import BT
+from .prepass import LOG_DECAY_FLOOR
 
 
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -33,6 +34,7 @@ def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))
     HV = v.shape[2]
     kc = tc.to_chunks(k.to(work).repeat_interleave(HV // q.shape[2], 2), BT)
+    g = g.clamp_min(LOG_DECAY_FLOOR)        # as the pre-pass reads it
     gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
     a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gc)
     return _walk_ref(q, k, v, gc, beta, a_inv if not round_a_inv else rnd(a_inv), scale, initial_state, work, rnd,

@@ -38,6 +38,10 @@ from .chunk_fwd import ACC, BT, DTYPE, compile_prim_func, launcher, padded_lengt
 from .map_bound import LOG2E
 
 D = 16            # the diagonal blocks' size: four per chunk
+# Each token's log decay is read as max(g, LOG_DECAY_FLOOR): a full forget (g = −inf, or −3e38 whose cumulative sum
+# overflows) would otherwise make gc_i − gc_j = −inf − (−inf) = NaN. e^−104 underflows to 0 in fp32, so any g below
+# the floor already contributes exactly the zeros the floor does, and every g at or above it is read unchanged
+LOG_DECAY_FLOOR = -104.0
 THREADS = 2 * BT  # one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for the map bound
 
 
@@ -137,12 +141,13 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
 
     @T.macro
     def load_chunk(k, g, beta, gc_hm, beta_hm, Ks, gs, gcs, bs, ib, ih, ihv, c):
-        """1. keys, gates and βs of the chunk (past the sequence's end: zero keys, g = 0, β = 0). The key tile by TMA
+        """1. keys, gates (at least :data:`LOG_DECAY_FLOOR`) and βs of the chunk (past the sequence's end: zero keys,
+        g = 0, β = 0). The key tile by TMA
         (one bulk copy per 64 columns and an mbarrier wait; rows past the end come back as zeros), not through the
         L1 / shared pipe that bounds the pre-pass; gc and β written in the walk's head-major layout."""
         TC.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks, prefer_instruction="tma")
         for i in T.Parallel(BT):
-            gs[i] = T.if_then_else(c * BT + i < Tn, g[ib, c * BT + i, ihv], 0.0)
+            gs[i] = T.if_then_else(c * BT + i < Tn, T.max(g[ib, c * BT + i, ihv], LOG_DECAY_FLOOR), 0.0)
             bs[i] = T.if_then_else(c * BT + i < Tn, T.cast(beta[ib, c * BT + i, ihv], ACC), 0.0)
         T.cumsum(gs, gcs, dim=0)
         # rows from T to Tp (the padding of the last chunk) are zero
@@ -335,6 +340,7 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
     HV = g.shape[2]
     work = torch.float64 if a_inv_dtype == torch.float64 else torch.float32   # float64: a reference A_inv
     kc = tc.to_chunks(k.to(work).repeat_interleave(HV // H, 2), BT)
+    g = g.clamp_min(LOG_DECAY_FLOOR)                                              # as the kernel reads it
     gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
     bc = tc.to_chunks(beta.to(work), BT)
     a_inv = tc.kkt_solve_ref(kc, bc, gcc)                                         # [B, HV, NT, BT, BT]
