@@ -82,8 +82,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     multiple of 64: the segments' count S = T / L is symbolic too). The program of segment s starts ``ctl [B·S,
     HV]`` = w chunks before it, from h0 (the scan's entering state, or zero for a warm-up), and writes o only from its
     own first chunk on: it walks w + L/64 chunks. A warm-up's chunk, whose o nobody reads, runs the state's three
-    dots alone (:func:`chunk_step`'s ``outputs``). With ``warm_planned`` each program finds w itself (no plan, no
-    maps, no scan: the segmented forward in two launches; twin ``map_bound.warm_from_bound_ref``): ``ctl`` is then
+    dots alone (:func:`chunk_step_macro`'s ``outputs``). With ``warm_planned`` each program finds w itself (no plan,
+    no maps, no scan: the segmented forward in two launches; twin ``map_bound.warm_from_bound_ref``): ``ctl`` is then
     the pre-pass's chunk bounds ``[B·S, HV, L/64]`` fp32 (log2 units) and w the fewest chunks before the segment whose
     bounds sum below ``threshold``, else the whole prefix (w = s·L/64, from h0 ``[B, HV, K, V]``, the sequence's
     initial state: exact); a warm-up that ends earlier starts from zero.

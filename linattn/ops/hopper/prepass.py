@@ -296,8 +296,8 @@ def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) 
 
 def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv diag(β) ``[B, T, HV, 64]`` bf16) for the fused
-    kernel (``walk_launch.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
+    """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv diag(β) ``[B, T, HV, 64]`` bf16) for the
+    fused kernel (``walk_launch.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
     and the map bound's chunk sums ``[B·S, HV, L/64]`` fp32 (``map_bound.chunk_bounds``'s, for the segmented
     forward's plan: the two warps the solve leaves idle sum them from β_i ‖k_i‖², kept on A's diagonal blocks).
     ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
