@@ -138,8 +138,18 @@ def sources(only: str = "") -> Iterator[tuple[str, str]]:
     """(configuration name, its generated CUDA) for every :func:`configurations` entry whose name contains
     ``only``."""
     import tilelang
+
+    from linattn.ops.hopper import chunk_fwd, prepass
+
+    def forget_compiled():
+        """The launchers' caches emptied, so that no recorded stand-in outlives the recording (nor a real kernel
+        hides a configuration from it)."""
+        for cache in (chunk_fwd.compiled_kernel, prepass.compiled_kernel, chunk_fwd.launcher):
+            cache.cache_clear()
+
     real = tilelang.compile
     tilelang.compile = _lower_to_source
+    forget_compiled()
     try:
         for name, launch in configurations():
             if not any(o in name for o in only.split(",")):
@@ -150,6 +160,7 @@ def sources(only: str = "") -> Iterator[tuple[str, str]]:
             yield name, _Recorded.launched[0]
     finally:
         tilelang.compile = real
+        forget_compiled()
 
 
 def main(argv: list[str]) -> int:

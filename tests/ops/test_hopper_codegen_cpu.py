@@ -202,3 +202,20 @@ extern "C" void step4(char* shmem) {{
         np.testing.assert_allclose(Y1[h, :, :D], y1, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(Tq[h][D:, :D], -(tf32(Tdd[2 * h + 1]) @ tf32(Y1[h, :, :D])), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(Tq[h][D:, D:2 * D], Tdd[2 * h + 1])          # T_11 read, not written
+
+
+def test_the_source_snapshot_tool_builds_the_default_launches_kernels():
+    """``tests/ops/hopper_sources.py`` (the CPU proof that a refactor leaves the default kernels' CUDA byte for byte
+    as it was) names every default configuration and builds one walk's and one pre-pass's source through the
+    launchers, with the uniform-warpgroup rewrite where the walk applies it; the launchers' no-op launch leaves
+    nothing behind."""
+    from . import hopper_sources
+    names = [name for name, _ in hopper_sources.configurations()]
+    assert len(names) == len(set(names)) and len(names) == 73
+    assert {"walk_H16_HV16_K128_V128_BV128_beta-float32_planned-warm_lean_h0",
+            "prepass_H2_HV8_K128_beta-float32_segments2"} <= set(names)
+    built = dict(hopper_sources.sources("walk_H16_HV16_K64_V64_BV64_beta-float32_affine_skip-m_lean,"
+                                        "prepass_H16_HV16_K64_beta-float32_segments1"))
+    walk, pre = built.values()
+    assert "gdn_chunk_fwd" in walk and "linattn_warpgroup" in walk and "gdn_prepass" in pre
+    assert "linattn_warpgroup" not in pre
