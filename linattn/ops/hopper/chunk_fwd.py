@@ -1,10 +1,10 @@
 """Hopper forward (TileLang): the state walk and the output fused in one kernel, on wgmma and TMA.
 
-``chunk_gated_delta_rule``'s "auto" path runs it on sm_90 for bf16 inputs it takes (:func:`unsupported_reason`);
+``chunk_gated_delta_rule``'s "auto" path runs it on sm_90 for bf16 inputs it takes (``compile.unsupported_reason``);
 ``walk_launch.py`` holds the calls that take tensors and launch it (``chunk_fwd_hopper_hm``), ``forward.py`` chains
-it after the pre-pass (``prepass.py``); ``chunk_fwd_ref.py`` is its PyTorch twin. benchmarks/hopper_fwd_check.py
-checks and times it on the GPU; ``tests/ops/hopper_sources.py`` builds the CUDA of every configuration the forward
-launches on the CPU.
+it after the pre-pass (``prepass.py``), ``compile.py`` compiles it; ``chunk_fwd_ref.py`` is its PyTorch twin.
+benchmarks/hopper_fwd_check.py checks and times it on the GPU; ``tests/ops/hopper_sources.py`` builds the CUDA of
+every configuration the forward launches on the CPU.
 
 Why (docs/architecture.md): the Triton split forward writes every chunk's state h (32 KB per chunk and head in
 bf16, twice the size of the chunk's queries) and V_new to HBM and reads them back in a second kernel, and Triton 3.6
@@ -40,6 +40,17 @@ from typing import Optional
 
 import torch
 
+from .compile import (  # noqa: F401  (the Hopper forward's modules import these from here)
+    HopperCompileError,
+    compile_failed,
+    compile_prim_func,
+    launcher,
+    mark_compile_failed,
+    misaligned,
+    tilelang_available,
+    unsupported_reason,
+)
+
 BT = 64
 DTYPE = "bfloat16"      # q, k, v, A_inv and o; the state and its factors in ACC
 ACC = "float32"
@@ -48,17 +59,6 @@ ACC = "float32"
 # |S'| ≤ e^40 |S| ≈ 2.4e17 |S|, far inside fp32's and bf16's range (3.4e38) for any state the op's inputs can build,
 # and ρ's factor 1 / (a γ) ≤ e^40
 DEFERRED_DECAY_LIMIT = 40.0
-
-
-@functools.cache
-def tilelang_available() -> bool:
-    """Whether TileLang (an optional dependency) imports. Any failure counts as absent: a broken install must send
-    the op to its Triton path, not raise from it."""
-    try:
-        import tilelang  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
@@ -513,93 +513,6 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, thre
                         warm_planned, threshold, lean)
     with uniform.rewriting():
         return compile_prim_func(uniform.marked(func), target)
-
-
-class HopperCompileError(RuntimeError):
-    """TileLang could not build the kernel on this machine (a CUDA toolkit it needs missing, an incompatible
-    TileLang, ...): the op then runs its Triton forward (``triton_chunk``), see :func:`mark_compile_failed`."""
-
-
-# The first compile error of this process (:func:`mark_compile_failed`), process-wide fallback state
-_compile_failure: Optional[str] = None
-
-
-def mark_compile_failed(reason: str) -> None:
-    """Record this process's first compile failure: from then on :func:`unsupported_reason` turns every input away,
-    so the op warns once and keeps to its Triton paths instead of failing (or trying again) on every call."""
-    global _compile_failure
-    if _compile_failure is None:
-        _compile_failure = reason
-
-
-def compile_failed() -> Optional[str]:
-    """The compile failure :func:`mark_compile_failed` recorded in this process, or None."""
-    return _compile_failure
-
-
-@functools.lru_cache(maxsize=256)
-def launcher(kernel):
-    """What to call to launch a compiled kernel: its tvm_ffi executable where TileLang exposes one (0.1.15's tvm_ffi
-    adapter), else the kernel itself. The executable skips TileLang's Python wrapper, which loops over the parameters
-    to allocate outputs these kernels do not have (out_idx None: every output is passed in); it checks each tensor's
-    shape, dtype and strides and takes Torch's current stream, as the wrapper's call does."""
-    adapter = getattr(kernel, "adapter", None)
-    get = getattr(adapter, "_get_executable", None)
-    if callable(get) and not getattr(adapter, "result_idx", None):
-        return get()
-    return kernel
-
-
-def compile_prim_func(func, target: Optional[str] = None):
-    """Compile a TileLang prim_func of the Hopper forward (this kernel, ``prepass``) with TileLang's default launcher
-    (tvm_ffi in 0.1.15; its "cython" launcher costs more host time per launch).
-    ``target``: None for the current GPU, or an arch such as "sm_90a" to compile without one (the CPU compile
-    checks). Fast math: e^x as ex2.approx (relative error ≈ 2⁻²², far below the bf16 rounding of every operand it
-    scales). Any failure is a :class:`HopperCompileError` (the op then keeps to its Triton paths)."""
-    import tilelang
-    tgt = {"kind": "cuda", "arch": target} if target else "auto"
-    try:
-        return tilelang.compile(func, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
-    except Exception as e:
-        raise HopperCompileError(f"{type(e).__name__}: {e}"[:500]) from e
-
-
-@functools.cache
-def _cuda_major(index: Optional[int]) -> int:
-    """The compute capability's major version of CUDA device ``index`` (None: the current one), cached: the op asks
-    on every call, and the property lookup is host time."""
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Optional[str]:
-    """Why the Hopper forward cannot take these inputs (None: it can): bf16 on an sm_90 GPU with TileLang
-    installed, K and V multiples of 64 up to 256 and 128 (the TMA boxes), equal-length sequences (packed ones go
-    through ``varlen.py``'s padding, which asks with ``cu_seqlens`` None)."""
-    if q.dtype != torch.bfloat16:
-        return f"takes bf16 inputs, got {q.dtype}"
-    if q.device.type != "cuda" or _cuda_major(q.device.index) != 9:
-        return "needs an sm_90 (Hopper) GPU"
-    if cu_seqlens is not None:
-        return "packed sequences (cu_seqlens) only by padding: hopper.varlen.VARLEN_BY_PADDING is off"
-    K, V = q.shape[-1], v.shape[-1]
-    if K % 64 or V % 64 or K > 128 or V > 256:
-        return f"K and V must be multiples of 64 (K <= 128, V <= 256), got K={K}, V={V}"
-    if not tilelang_available():
-        return "TileLang is not installed"
-    if compile_failed() is not None:
-        return f"its compile failed earlier in this process ({compile_failed()})"
-    return None
-
-
-def misaligned(*tensors: Optional[torch.Tensor]) -> Optional[int]:
-    """The position of the first of ``tensors`` (None skipped) whose data does not start on a 16-byte boundary, or
-    None. The kernels read their inputs by TMA, whose descriptors need a 16-byte aligned start, and by 16-byte
-    vector loads. A contiguous view can still start off that boundary: a flat buffer cut at an odd element, as a
-    memory planner may. Such inputs take the Triton paths, which specialise on alignment instead of assuming it."""
-    for i, x in enumerate(tensors):
-        if x is not None and x.data_ptr() % 16:
-            return i
-    return None
 
 
 def padded_length(T: int) -> int:

@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from .chunk_fwd import ACC, BT, DTYPE, compile_prim_func, launcher, padded_length
+from .chunk_fwd import ACC, BT, DTYPE, padded_length
+from .compile import compile_prim_func, launcher
 from .map_bound import LOG2E
 
 D = 16            # the diagonal blocks' size: four per chunk
@@ -275,7 +276,7 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
 
 @functools.lru_cache(maxsize=64)
 def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", target: Optional[str] = None):
-    """The compiled pre-pass (cached per static configuration); ``target`` as ``chunk_fwd.compile_prim_func``'s."""
+    """The compiled pre-pass (cached per static configuration); ``target`` as ``compile.compile_prim_func``'s."""
     return compile_prim_func(build_kernel(H, HV, K, beta_dtype), target)
 
 
