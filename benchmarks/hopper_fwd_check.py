@@ -1,6 +1,6 @@
-"""GPU check and timing of the Hopper forward's launch variants (``linattn/ops/hopper/chunk_fwd.py``, issue 4):
-the pre-pass (``forward.run_prepass``: gc, β and each chunk's A_inv) followed by one fused kernel that
-walks the chunks with the state on chip and writes only o and the final state.
+"""GPU check and timing of the Hopper forward (``linattn/ops/hopper/chunk_fwd.py``) at its launches: the pre-pass
+(``prepass.prepass_hopper``: gc, β and each chunk's A_inv diag(β)) followed by one fused kernel that walks the
+chunks with the state on chip and writes only o and the final state.
 
     tar -C /tmp/site -xJf .anchors/anchors-site.tar.xz        # TileLang 0.1.15 (the anchors' site packages)
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/hopper_fwd_check.py [--quick] [--out DIR]
@@ -9,12 +9,10 @@ walks the chunks with the state on chip and writes only o and the final state.
    backend for long ones), beside the Triton forward's errors and the rounded-PyTorch baseline (gpu_check_core's
    ``rounded_twin``: every stage's output rounded to bf16); the bound is kernel ≤ 2 × baseline. Also the distance to
    the kernel's PyTorch twin on the same pre-pass outputs (``chunk_fwd_hopper_hm_ref``, the same bf16 rounding
-   points; with an fp32 A_inv, A_inv X's tf32 and the order of sums differ too): a translation error shows there
-   first. Every launch variant at the
-   anchor case, the first one at every case.
-2. speed: do_bench median ms (no grad) at the seven shapes of issue 4's table (--quick: rows 1, 2, 3): the public
-   op's forward, the pre-pass alone, the fused kernel alone and pre-pass + kernel, per launch variant (all where
-   the heads are row 2's, the first two elsewhere).
+   points): a translation error shows there first. Every launch at the anchor case, the first one at every case.
+2. speed: do_bench median ms (no grad) at the seven shapes of issue 4's table (--quick: rows 1, 2, 3): the Triton
+   split forward and pre-pass, the TileLang pre-pass alone, the fused kernel alone and pre-pass + kernel, per
+   launch.
 Prints the tables last; writes hopper_fwd_check.json under --out. A variant that fails to compile or run is a row
 with its error, not the end of the run (but an illegal memory access poisons the CUDA context: the rows after it
 then fail too, and say so).
@@ -39,26 +37,14 @@ from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import chunk_fwd_ref as twins
 from linattn.ops.hopper import forward as hopper_forward_module
 from linattn.ops.hopper import walk_launch
-from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan, run_prepass
+from linattn.ops.hopper.forward import forward_hopper, hopper_launch, plan
 from linattn.ops.hopper.map_bound import chunk_bounds, chunk_bounds_ref
 from linattn.ops.hopper.prepass import prepass_hopper, prepass_hopper_ref
 
-# (BV, threads, num_stages, A_inv dtype, async_dots): the V tile, the consumer threads (TileLang adds a producer
-# warpgroup for the TMA loads), the depth of the chunk loop's load pipeline, A_inv as the pre-pass writes it (fp32:
-# A_inv X at tf32 on mma.sync; bf16: one wgmma, X rounded to bf16), and K S, Q S, Q Kᵀ issued back to back.
-# Run 20 at B=8 T=4096 H=16, alone (ms): the first version (one warpgroup, sync dots, exact expf) 0.92; with fast
-# math and per-row decays 0.70, async 0.67, bf16 A_inv 0.66; two warpgroups 0.62 / 0.60 / 0.55; BV=128 two
-# warpgroups bf16 A_inv async 0.385 (the default, forward.LAUNCH). Now: around that one
-F32, BF16 = torch.float32, torch.bfloat16
-# A sixth field, optional: further launch keywords (a dict), such as tma_o (o stored through shared memory by TMA)
-# The first is the default launch before session 18 (forward.LAUNCH without stsm), then with stsm, then BV=64 (rows
-# whose value heads are too few for BV=128's programs to fill the card); runs 20–22 compared fp32 A_inv, 512 threads
-# and per-thread o stores (all slower)
-VARIANTS = [(128, 256, 2, BF16, True, dict(tma_o=True)), (128, 256, 2, BF16, True, dict(tma_o=True, stsm=True)),
-            (64, 256, 2, BF16, True, dict(tma_o=True, stsm=True))]
-# the role-split kernel (chunk_fwd_roles.py, experimental): 512 threads (three consumer warpgroups and a producer),
-# its own two-stage pipeline, bf16 A_inv
-ROLES = (128, 512, 2, BF16, False, dict(roles=True))
+BF16 = torch.bfloat16
+# the fused kernel's launches (BV, consumer threads, load pipeline depth): forward.LAUNCH, and BV=64 for the rows
+# whose value heads are too few for BV=128's programs to fill the card
+LAUNCHES = [dict(BV=128, threads=256, num_stages=2), dict(BV=64, threads=256, num_stages=2)]
 CASES = [  # name, B, T, H, HV, K, V
     ("anchor_B2_T300_K128", 2, 300, 4, 4, 128, 128),
     ("T1", 1, 1, 2, 2, 128, 128),
@@ -66,6 +52,7 @@ CASES = [  # name, B, T, H, HV, K, V
     ("GVA_4x_T1000", 1, 1000, 2, 8, 128, 128),
     ("K64_V64_T4096", 2, 4096, 4, 4, 64, 64),
     ("T32768_K128", 1, 32768, 2, 2, 128, 128),
+    ("full_forgets_T1000", 1, 1000, 2, 8, 128, 128),      # g = −inf at one token, −3e38 at two: finite outputs
 ]
 DEVICE = "cuda"
 SHAPES = [(1, 4096, 16, 16), (8, 4096, 16, 16), (1, 32768, 16, 16), (1, 131072, 16, 16), (4, 8192, 16, 32),
@@ -103,32 +90,23 @@ def prepass_case(B, T, H, HV):
     return low, launch, S, args, ref, twin
 
 
-def launch_of(variant):
-    """(A_inv dtype, the fused kernel's keywords) of a variant (5 fields, or 6 with further keywords)."""
-    BV, threads, stages, a_dtype, async_dots, *extra = variant
-    return a_dtype, dict(BV=BV, threads=threads, num_stages=stages, async_dots=async_dots, **(extra or [{}])[0])
-
-
-def hopper_forward(x, scale, variant):
+def hopper_forward(x, scale, launch):
     """The pre-pass, then the fused kernel: (o, final state)."""
-    a_dtype, launch = launch_of(variant)
-    return forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], a_inv_dtype=a_dtype,
-                          **launch)
+    return forward_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], **launch)
 
 
-def variant_name(variant):
-    a_dtype, launch = launch_of(variant)
-    return (f"BV{launch['BV']}_t{launch['threads']}_s{launch['num_stages']}_A{str(a_dtype)[-2:]}"
-            + ("_async" if launch["async_dots"] else "") + "".join(f"_{k}" for k, on in launch.items()
-                                                                   if k not in ("BV", "threads", "num_stages",
-                                                                                "async_dots") and on))
+def launch_name(launch):
+    return f"BV{launch['BV']}_t{launch['threads']}_s{launch['num_stages']}"
 
 
-def accuracy(cases, variants):
-    """Rows per (case, variant)."""
+def accuracy(cases, launches):
+    """Rows per (case, launch)."""
     rows = []
     for name, B, T, H, HV, K, V in cases:
         x = make(B, T, H, HV, K, V, seed=len(name))
+        if name.startswith("full_forgets"):
+            x["g"][:, T // 3] = -float("inf")
+            x["g"][:, T // 2] = x["g"][:, T // 2 + 1] = -3e38
         low = low_precision(x)
         exact = {n: t.double() for n, t in low.items()}
         scale = K ** -0.5
@@ -141,22 +119,19 @@ def accuracy(cases, variants):
         zeros_do = torch.zeros(B, T, HV, V, device=DEVICE, dtype=torch.float64)
         zeros_dht = torch.zeros(B, HV, K, V, device=DEVICE, dtype=torch.float64)
         base = rounded_twin(low, torch.bfloat16, scale, zeros_do, zeros_dht)[:2]
-        for variant in variants:
-            row = dict(case=name, variant=variant_name(variant),
+        for launch in launches:
+            row = dict(case=name, variant=launch_name(launch),
                        triton=[rel(tri[0], ref[0]), rel(tri[1], ref[1])],
                        baseline=[rel(base[0], ref[0]), rel(base[1], ref[1])])
             try:
                 torch.cuda.synchronize()
                 t0 = time.time()
-                o, ht = hopper_forward(low, scale, variant)
+                o, ht = hopper_forward(low, scale, launch)
                 torch.cuda.synchronize()
                 # the kernel against its twin on the same pre-pass outputs (the kernel's own rounding points)
-                a_dtype, launch = launch_of(variant)
-                prepassed = run_prepass(low["k"], low["v"], low["g"], low["beta"], 1, None, a_dtype)[:3]
+                prepassed = prepass_hopper(low["k"], low["g"], low["beta"])[:3]
                 twin = twins.chunk_fwd_hopper_hm_ref(low["q"], low["k"], low["v"], *prepassed, scale,
-                                                      low["initial_state"], **launch,
-                                                      beta_in_a_inv=hopper_forward_module.a_inv_has_beta(None,
-                                                                                                        a_dtype))
+                                                      low["initial_state"], **launch)
                 row.update(first_call_s=time.time() - t0, hopper=[rel(o, ref[0]), rel(ht, ref[1])],
                            vs_twin=[rel(o, twin[0]), rel(ht, twin[1])],
                            nonfinite=int((~torch.isfinite(o)).sum() + (~torch.isfinite(ht)).sum()))
@@ -171,29 +146,28 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def time_shape(B, T, H, HV, variants):
-    """One row of the speed table: the public op's forward, the pre-passes, and each variant alone (its head-major
-    gc and β made beforehand) and after the Triton pre-pass (the copies included)."""
+def time_shape(B, T, H, HV, launches):
+    """One row of the speed table: the Triton split forward and its pre-pass, the TileLang pre-pass, and each launch
+    of the fused kernel alone (on the pre-pass's outputs made beforehand) and after the pre-pass."""
     x = low_precision(make(B, T, H, HV, 128, 128))
     x["initial_state"] = None
     scale = 128 ** -0.5
     row = dict(shape=(B, T, H, HV))
     with torch.no_grad():
         row["triton_fwd"] = bench(lambda: split_forward(**x, scale=scale, output_final_state=True))
-        row["prepass"] = bench(lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False))
-        a_invs = {a: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=a)
-                  for a in (F32, BF16)}
-        gc_hm, beta_hm = hopper.head_major(a_invs[F32][0]), hopper.head_major(x["beta"])  # outside the timing
-        for variant in variants:
-            a_dtype, launch = launch_of(variant)
-            key = variant_name(variant)
+        row["triton_prepass"] = bench(lambda: fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False,
+                                                            store_dtype=BF16))
+        row["prepass"] = bench(lambda: prepass_hopper(x["k"], x["g"], x["beta"]))
+        gc_hm, beta_hm, a_inv, _ = prepass_hopper(x["k"], x["g"], x["beta"])    # outside the timing
+        for launch in launches:
+            key = launch_name(launch)
             try:
-                def fused(a_inv=a_invs[a_dtype][1], launch=launch):
-                    return walk_launch.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], gc_hm, beta_hm, a_inv, scale, None,
-                                                      **launch)
+                def fused(launch=launch):
+                    return walk_launch.chunk_fwd_hopper_hm(x["q"], x["k"], x["v"], gc_hm, beta_hm, a_inv, scale,
+                                                           None, **launch)
                 fused()
                 row[key] = bench(fused)
-                row[key + "+prepass"] = bench(lambda v=variant: hopper_forward(x, scale, v))
+                row[key + "+prepass"] = bench(lambda launch=launch: hopper_forward(x, scale, launch))
             except Exception as e:
                 row[key] = f"{type(e).__name__}: {e}"[:160]
     return row
@@ -286,7 +260,7 @@ PREPASS_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[6], (2, 1000, 4, 4)]
 
 
 def prepasses(shapes):
-    """The TileLang pre-pass (``prepass.py``) against the Triton one at each shape (:func:`prepass_row`)."""
+    """The TileLang pre-pass (``prepass.py``) beside the Triton one at each shape (:func:`prepass_row`)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for shape in shapes:
@@ -310,40 +284,37 @@ def a_inv_blocks(a_inv, ref):
 
 
 def prepass_row(B, T, H, HV, sms):
-    """Both pre-passes with the segments the forward would use here (``plan``, forced): gc and β as the fused
-    kernel reads them (max abs difference; β must be equal), A_inv against the float64 inverse of the same bf16
-    inputs (relative L2: both bf16), each pre-pass alone (ms, the Triton one with its two head-major copies), then
-    the forward on each (``compare_row``)."""
+    """The TileLang pre-pass with the segments the forward would use here (``plan``, forced): gc and β as the fused
+    kernel reads them against the Triton pre-pass's (max abs difference; β must be equal), A_inv diag(β) against its
+    float64 twin of the same bf16 inputs per region of the blocked solve (relative L2), the Triton pre-pass's A_inv
+    against its own float64 twin (both bf16), the chunk bounds against float64, each pre-pass alone (ms), then the
+    forward (``compare_row``)."""
     launch = plan(B, HV, 128, T, sms, forced=True)
     S = launch.get("segments", 1)
     x = low_precision(make(B, T, H, HV, 128, 128))
     row = dict(segments=S)   # compare_row adds the shape
-    triton_prepass, tilelang_prepass = (functools.partial(run_prepass, x["k"], x["v"], x["g"], x["beta"], S, p, BF16)
-                                        for p in ("triton", "tilelang"))
+    tilelang_prepass = functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S)
+    triton_prepass = functools.partial(fused_prepass, x["g"], x["k"], x["v"], x["beta"], write_wy=False,
+                                       store_dtype=BF16)
     try:
         with torch.no_grad():
-            (gc_t, beta_t, a_t, _), (gc_l, beta_l, a_l, bound_l) = triton_prepass(), tilelang_prepass()
-            # float64 references: A_inv (the Triton pre-pass's), and the TileLang one's (A_inv diag(β) where
-            # prepass.BETA_IN_A_INV)
+            (gc_t, a_t), (gc_l, beta_l, a_l, bound_l) = triton_prepass(), tilelang_prepass()
+            gc_t, beta_t = (hopper.head_major(t.reshape(B * S, T // S, HV)) for t in (gc_t, x["beta"]))
             a64_plain = prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64,
                                            beta_in_a_inv=False)[2]
-            folded = hopper_forward_module.a_inv_has_beta("tilelang", BF16)
-            a64 = (prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64, beta_in_a_inv=True)[2]
-                   if folded else a64_plain)
+            a64 = prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64)[2]
             bound64 = chunk_bounds_ref(x["k"], x["g"], x["beta"], S)
             row.update(gc_max_abs=(gc_l - gc_t).abs().max().item(), beta_equal=torch.equal(beta_l, beta_t),
                        bound_max_abs=(bound_l.double() - bound64).abs().max().item(),
                        bound_triton_max_abs=(chunk_bounds(x["k"], x["g"], x["beta"], S).double()
-                                             - bound64).abs().max().item(), beta_in_a_inv=folded,
+                                             - bound64).abs().max().item(),
                        a_inv_triton=rel(a_t, a64_plain), a_inv_tilelang=rel(a_l, a64),
-                       a_inv_vs=None if folded else rel(a_l, a_t),
                        a_inv_by_block=a_inv_blocks(a_l, a64), nonfinite=int((~torch.isfinite(a_l.float())).sum()),
                        triton_ms=bench(triton_prepass), tilelang_ms=bench(tilelang_prepass))
             del a64, a64_plain
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:300]
-    return compare_row(B, T, H, HV, 128, 128,
-                       dict(triton_prepass=launch, tilelang_prepass=dict(launch, prepass="tilelang")), **row)
+    return compare_row(B, T, H, HV, 128, 128, dict(hopper=launch), **row)
 
 
 def mixed_gates(g: torch.Tensor, seed: int = 3) -> torch.Tensor:
@@ -394,8 +365,8 @@ def profile(shapes):
 
 
 def profile_shape(B, T, H, HV):
-    """GPU ms of every stage of the forward "auto" plans alone (the pre-pass ``forward.PREPASS`` picks, and after
-    the Triton one its two head-major copies; phase A and the affine scan where segmented; the fused kernel), of
+    """GPU ms of every stage of the forward "auto" plans alone (the pre-pass; phase A and the affine scan where
+    segmented; the fused kernel), of
     forward_hopper and of the public op (inputs with and without requires_grad, no grad), and the host µs per call
     of each (a stage whose host µs is below its GPU time was GPU-bound in that measure)."""
     x = low_precision(make(B, T, H, HV, 128, 128))
@@ -404,8 +375,7 @@ def profile_shape(B, T, H, HV):
     launch = triton_chunk.hopper_plan(x["q"], x["v"], None, B)
     if launch is None:    # "auto" takes the Triton split here
         return dict(shape=(B, T, H, HV), plan="split")
-    row = dict(shape=(B, T, H, HV), plan=dict(launch), prepass=hopper_forward_module.PREPASS,
-               launcher=hopper.EXECUTION_BACKEND or "default")
+    row = dict(shape=(B, T, H, HV), plan=dict(launch))
     S = launch.pop("segments", 1)
     # the segmented forward's levers: the plan's where it sets them (small shapes), else the module's switches
     levers = (launch.pop("skip_maps", hopper_forward_module.SKIP_NEGLIGIBLE_MAPS),
@@ -416,22 +386,11 @@ def profile_shape(B, T, H, HV):
     def seg(t):
         return t.reshape(B * S, T // S, *t.shape[2:])
 
-    def prepass():
-        return fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=BF16)
-
-    folded = hopper_forward_module.a_inv_has_beta(None, BF16)    # A_inv diag(β) from the TileLang pre-pass
     with torch.no_grad():
-        if hopper_forward_module.PREPASS == "tilelang":
-            stages = dict(prepass=functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S))
-            gc_hm, beta_hm, a_inv, bound = stages["prepass"]()
-        else:
-            bound = None
-            gc, a_inv = prepass()
-            gc_hm, beta_hm = hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))
-            stages = dict(prepass=prepass,
-                          head_major_x2=lambda: (hopper.head_major(seg(gc)), hopper.head_major(seg(x["beta"]))))
-        walk = functools.partial(walk_launch.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm, beta_hm,
-                                 seg(a_inv), scale, None, beta_in_a_inv=folded)
+        stages = dict(prepass=functools.partial(prepass_hopper, x["k"], x["g"], x["beta"], S))
+        gc_hm, beta_hm, a_inv, bound = stages["prepass"]()
+        walk = functools.partial(walk_launch.chunk_fwd_hopper_hm, seg(x["q"]), seg(x["k"]), seg(x["v"]), gc_hm,
+                                 beta_hm, seg(a_inv), scale, None)
         stages["walk"] = functools.partial(walk, **launch)
         if S > 1:     # the segmented forward's stages as forward_hopper runs them with the module's switches
             from linattn.ops.common.seq_parallel import affine_scan
@@ -454,7 +413,7 @@ def profile_shape(B, T, H, HV):
                 h_in = stages["affine_scan"]()
                 stages["walk"] = functools.partial(walk_launch.chunk_fwd_hopper_hm, x["q"], x["k"], x["v"], gc_hm,
                                                    beta_hm, a_inv, scale, h_in, warm_chunks=flags.warm,
-                                                   beta_in_a_inv=folded, **launch)
+                                                   **launch)
         calls = dict(forward_hopper=functools.partial(forward_hopper, *args, segments=S, skip_maps=levers[0],
                                                       warm_up=levers[1], **launch),
                      op=functools.partial(chunk_gated_delta_rule, **x, scale=scale, output_final_state=True),
@@ -515,13 +474,11 @@ def scan_widths(shapes, widths=(16, 32, 64)):
     return rows
 
 
-def speed(shapes, variants):
-    """Every variant at the shapes with B=8 T=4096 H=16's heads (the second shape; B and T are symbolic, so no
-    compile), the first two elsewhere (each new head configuration compiles every variant again, ≈ 8 s each)."""
+def speed(shapes, launches):
+    """Every launch at every shape (B and T are symbolic: a new head configuration compiles each launch once)."""
     rows = []
     for shape in shapes:
-        same_heads = shape[2:] == shapes[1][2:]     # compiled already: B and T are symbolic
-        rows.append(time_shape(*shape, variants if same_heads else variants[:2]))
+        rows.append(time_shape(*shape, launches))
         print(rows[-1], flush=True)
     return rows
 
@@ -567,17 +524,11 @@ def main():
                    dims="K = V = 64 and K = 128, V = 256 alone (the Hopper forward against the split)",
                    profile="the Hopper forward stage by stage and its host time per call (rows 1, 3, 7, 2)",
                    host_profile="cProfile of the public op at row 7, and the affine scan's V slice widths",
-                   prepass="the TileLang pre-pass against the Triton one: outputs, ms, the forward on each",
-                   roles="the role-split kernel against the default launch (run under timeout: a hang is possible)",
+                   prepass="the TileLang pre-pass beside the Triton one: outputs against float64, ms, the forward",
                    plans="plan() against the alternatives at rows 6 and 1 (two segments at BV=128 instead of "
-                         "the unsegmented BV=64 walk; the segmented forward instead of the split)",
-                   cython="compile the TileLang kernels for its cython launcher instead of its default (with "
-                          "--profile: the host µs per launch of each)")
+                         "the unsegmented BV=64 walk; the segmented forward instead of the split)")
     if not hopper.tilelang_available():
         raise SystemExit("TileLang is not importable: put the anchors' site packages on PYTHONPATH")
-    if a.cython:
-        hopper.EXECUTION_BACKEND = "cython"
-    variants = VARIANTS
     if a.dims:
         return report(a.out, "dims", other_dims(),
                       "Hopper forward at other head sizes (bf16; errors o / final state vs float64; ms no grad)")
@@ -604,47 +555,14 @@ def main():
             for lever in ("segmented_skip", "segmented_warm"):
                 print("  " + lever_verdict(r, lever))
         return
-    if a.roles:
-        acc, spd, seg = roles_check(a.quick)
-        write_json(a.out, "hopper_roles.json", dict(accuracy=acc, speed=spd, segmented=seg))
-        print_tables(acc, spd)
-        print("\nsegmented, phases A and C on each kernel (the anchors' gates, then a slow decay):")
-        for r in seg:
-            print(f"  {r}")
-        return
-    acc = accuracy(CASES[:1], variants) + accuracy(CASES[1:2] if a.quick else CASES[1:], variants[:2])
-    spd = speed(SHAPES[:3] if a.quick else SHAPES, variants)
+    acc = accuracy(CASES[:1], LAUNCHES) + accuracy(CASES[1:2] if a.quick else CASES[1:], LAUNCHES[:1])
+    spd = speed(SHAPES[:3] if a.quick else SHAPES, LAUNCHES)
     write_json(a.out, "hopper_fwd_check.json", dict(accuracy=acc, speed=spd))
     print_tables(acc, spd)
 
 
-def roles_check(quick):
-    """The role-split kernel (``chunk_fwd_roles.py``) beside the default launch: accuracy at the cases (the first
-    three with ``quick``), the kernel alone and after the pre-pass where it fills the card (rows 2, 5, 6; ``quick``:
-    row 2), and the segmented forward with phases A and C on each at row 3, at the anchors' gates (the
-    phase A of each skips every negligible map's M tiles there) and at a slow decay (they walk them all). Run it under
-    ``timeout``: a wrong barrier hangs."""
-    variants = [VARIANTS[0], ROLES]
-    acc = accuracy(CASES[:3] if quick else CASES, variants)
-    spd = [time_shape(*shape, variants) for shape in ([SHAPES[1]] if quick else [SHAPES[1], SHAPES[4], SHAPES[5]])]
-    for r in spd:
-        print(r, flush=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    B, T, H, HV = SHAPES[2]
-    launch = plan(B, HV, 128, T, sms, forced=True)
-    S = launch.pop("segments")
-    seg = [compare_row(B, T, H, HV, 128, 128, dict(segmented=dict(launch, segments=S, skip_maps=True,
-                                                                   warm_up=False),
-                                                  segmented_roles=dict(launch, segments=S, roles=True,
-                                                                       skip_maps=True, warm_up=False)),
-                       decay=decay, segments=S) for decay in DECAYS]
-    for r in seg:
-        print(r, flush=True)
-    return acc, spd, seg
-
-
 def print_tables(acc, spd):
-    """The accuracy and speed tables of the default mode (and of --roles)."""
+    """The accuracy and speed tables of the default mode."""
     print("\naccuracy (bf16, relative L2 vs float64): o / final state — hopper | triton | rounded baseline; "
           "! marks hopper > 2 × baseline")
     for r in acc:

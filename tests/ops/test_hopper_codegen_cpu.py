@@ -72,8 +72,7 @@ def test_the_planned_warm_walks_prologue_finds_the_twins_warm_ups(tmp_path):
     segment) gives each program the first chunk and the chunk count that ``map_bound.warm_from_bound_ref`` says —
     one chunk of warm-up, a few, or the whole prefix — for every (sequence, segment, head)."""
     from linattn.ops.hopper.map_bound import warm_from_bound_ref
-    src = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a",
-                                 a_dtype="bfloat16", async_dots=True, warm=True, stsm=True,
+    src = hopper.compiled_kernel(16, 16, 128, 128, 128, 128 ** -0.5, threads=256, target="sm_90a", warm=True,
                                  warm_planned=True).get_kernel_source()
     consumer = src[src.index("tl::warpgroup_reg_alloc<240>();"):]
     body = consumer[consumer.index("wv = 0;"):consumer.index(";", consumer.index("int chunks")) + 1]
@@ -102,59 +101,6 @@ extern "C" void prologue(int by, int T, int L, int LC, int BS, const float* ctl,
         assert (c0.value, chunks.value) == (s * LC - w, LC + w), (by, s, hv, kind[by // HV // S, hv])
     first = torch.arange(B * S)[:, None] % S > 0          # the segments that can warm up at all
     assert (warm == 1).any() and ((warm >= 2) & (warm <= 4) & ~from_start).any() and (from_start & first).any()
-
-
-def test_the_blocked_step_4_computes_the_blocks_below_the_diagonal(tmp_path):
-    """The pre-pass's step 4 with ``step4_blocked`` (threads 0–63, 2 × 4 accumulators each): from A_10 / A_32 stored
-    transposed, T_00 / T_22 in T_lo / T_hi and each solving thread's column of T_dd in its registers, it writes
-    Y1 = A_10 T_00 and T_10 = −T_11 Y1 (and the same for the second half) where the Parallel form does."""
-    from linattn.ops.hopper import prepass
-    D = prepass.D
-    src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True, min_blocks=8,
-                                  tma_keys=True, a_row_pad=4, t_row_pad=8, step4_blocked=True).get_kernel_source()
-    first = block_from(src, "if (((int)threadIdx.x) < 64) {\n    if (((((int)threadIdx.x) & 31) >> 4) == 1)")
-    rest = src[src.index(first) + len(first):]
-    second = block_from(rest, "if (((int)threadIdx.x) < 64)")
-    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src))
-    decls = "".join(f"  char* {n} = shmem + {offsets[n]};\n" for n in ("Ao", "Ad", "Tq", "Y1"))
-    lib = build(f"""
-extern "C" void phase1(int tid, char* shmem, float* x) {{
-  struct {{ int x; }} threadIdx = {{tid}};
-{decls}  float z[8]; float zt[8]; float av[2];
-  {first}
-}}
-extern "C" void phase2(int tid, char* shmem) {{
-  struct {{ int x; }} threadIdx = {{tid}};
-{decls}  float z[8]; float zt[8]; float av[2];
-  {second}
-}}""", tmp_path, "step4")
-    rng = np.random.default_rng(1)
-    shmem = np.zeros(64 * 1024, dtype=np.uint8)
-
-    def view(name, shape):
-        return shared_view(shmem, offsets, name, shape)
-    pad_a, pad_t = 4, 8
-    Ad, Ao = view("Ad", (4, D + 1, D + pad_a)), view("Ao", (2, D, D + pad_a))
-    Tq = view("Tq", (2, 2 * D, 2 * D + pad_t))
-    tri = lambda: np.tril(rng.standard_normal((D, D)), -1).astype(np.float32) + np.eye(D, dtype=np.float32)  # noqa
-    A10 = [rng.standard_normal((D, D)).astype(np.float32) for _ in range(2)]
-    Tdd = [tri() for _ in range(4)]
-    for h in range(2):
-        Ao[h, :, :D] = A10[h].T                         # step 2's transposed store: Ao[h, m, i] = A_10[i, m]
-        Tq[h, :D, :D] = Tdd[2 * h]                      # T_00 / T_22 where step 3 left them
-        Tq[h, D:, D:2 * D] = Tdd[2 * h + 1]             # T_11 / T_33
-    x = np.zeros((128, D), dtype=np.float32)
-    for tx in range(4 * D):                             # the solving threads' registers: their column of T_dd
-        x[tx] = Tdd[tx // D][:, tx % D]
-    for tx in range(128):
-        lib.phase1(tx, ptr(shmem), ptr(x[tx]))
-    for tx in range(128):
-        lib.phase2(tx, ptr(shmem))
-    for h in range(2):
-        y1 = A10[h] @ Tdd[2 * h]
-        np.testing.assert_allclose(view("Y1", (2, D, D))[h], y1, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(Tq[h, D:, :D], -Tdd[2 * h + 1] @ y1, rtol=1e-4, atol=1e-4)
-        np.testing.assert_array_equal(Ad[2 * h + 1, :D, :D], Tdd[2 * h + 1].T)   # T_11 transposed in place
 
 
 MMA_EMULATION = r"""
@@ -193,19 +139,15 @@ inline void __sync_thread_partial(int, int) { block_barrier->arrive_and_wait(); 
 """
 
 
-@pytest.mark.parametrize("t_hi_row_pad", [None, 4])
-def test_the_mma_step_4_computes_the_blocks_below_the_diagonal(tmp_path, t_hi_row_pad):
-    """The pre-pass's step 4 with ``step4_mma`` (one warp per half, m16n8k8 tf32 mma.sync): from A_10 / A_32 stored
+def test_the_mma_step_4_computes_the_blocks_below_the_diagonal(tmp_path):
+    """The pre-pass's step 4 (one warp per half, m16n8k8 tf32 mma.sync): from A_10 / A_32 stored
     untransposed and T_00, T_11 / T_22, T_33 in T_lo / T_hi it writes Y1 = A_10 T_00 and T_10 = −T_11 Y1 (and the
     second half's). The generated CUDA runs on the CPU with the mma emulated (``MMA_EMULATION``: the PTX fragment
     layouts, tf32 truncation), one thread per lane; the results equal float64 products of the tf32-truncated
-    operands, so every fragment index is the one the layouts need. With ``t_hi_row_pad`` (T_HI_ROW_PAD) T_hi's rows
-    are 36 words apart, T_lo's 40."""
+    operands, so every fragment index is the one the layouts need. T_hi's rows are 36 words apart, T_lo's 40."""
     from linattn.ops.hopper import prepass
     D = prepass.D
-    src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True, min_blocks=7,
-                                  tma_keys=True, a_row_pad=4, t_row_pad=8, a_before_stores=True,
-                                  step4_mma=True, t_hi_row_pad=t_hi_row_pad).get_kernel_source()
+    src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a").get_kernel_source()
     first = block_from(src, "if (((int)threadIdx.x) < 64) {\n    #pragma unroll\n    for (int e = 0;")
     rest = src[src.index(first) + len(first):]
     assert rest.lstrip().startswith("__syncthreads();")
@@ -243,8 +185,8 @@ extern "C" void step4(char* shmem) {{
         return (np.ascontiguousarray(a, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(
             np.float32).astype(np.float64)
     Ao, Y1 = view("Ao", (2, D, D + 4)), view("Y1", (2, D, D + 8))
-    flat = view("Tq", (2 * 2 * D * (2 * D + 8),))        # T_lo's rows 40 words apart, T_hi's 40 or 36
-    strides = [2 * D + 8, 2 * D + (8 if t_hi_row_pad is None else t_hi_row_pad)]
+    flat = view("Tq", (2 * 2 * D * (2 * D + 8),))        # T_lo's rows 40 words apart, T_hi's 36
+    strides = [2 * D + 8, 2 * D + 4]
     Tq = [np.lib.stride_tricks.as_strided(flat[h * 2 * D * (2 * D + 8):], (2 * D, 2 * D), (4 * strides[h], 4))
           for h in range(2)]
     tri = lambda: np.tril(rng.standard_normal((D, D)), -1).astype(np.float32) + np.eye(D, dtype=np.float32)  # noqa
@@ -260,3 +202,20 @@ extern "C" void step4(char* shmem) {{
         np.testing.assert_allclose(Y1[h, :, :D], y1, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(Tq[h][D:, :D], -(tf32(Tdd[2 * h + 1]) @ tf32(Y1[h, :, :D])), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(Tq[h][D:, D:2 * D], Tdd[2 * h + 1])          # T_11 read, not written
+
+
+def test_the_source_snapshot_tool_builds_the_default_launches_kernels():
+    """``tests/ops/hopper_sources.py`` (the CPU proof that a refactor leaves the default kernels' CUDA byte for byte
+    as it was) names every default configuration and builds one walk's and one pre-pass's source through the
+    launchers, with the uniform-warpgroup rewrite where the walk applies it; the launchers' no-op launch leaves
+    nothing behind."""
+    from . import hopper_sources
+    names = [name for name, _ in hopper_sources.configurations()]
+    assert len(names) == len(set(names)) and len(names) == 73
+    assert {"walk_H16_HV16_K128_V128_BV128_beta-float32_planned-warm_lean_h0",
+            "prepass_H2_HV8_K128_beta-float32_segments2"} <= set(names)
+    built = dict(hopper_sources.sources("walk_H16_HV16_K64_V64_BV64_beta-float32_affine_skip-m_lean,"
+                                        "prepass_H16_HV16_K64_beta-float32_segments1"))
+    walk, pre = built.values()
+    assert "gdn_chunk_fwd" in walk and "linattn_warpgroup" in walk and "gdn_prepass" in pre
+    assert "linattn_warpgroup" not in pre

@@ -1,7 +1,7 @@
 """The TileLang pre-pass of the Hopper forward (linattn/ops/hopper/prepass.py): its blocked solve's twin against a
-dense solve, its twin's outputs (gc and β head-major per segment, A_inv) against the Triton pre-pass's, the forward
-around both twins against the float64 recurrence, its input checks, and its compile for sm_90a where TileLang and
-nvcc are installed (the kernel runs only on the GPU: benchmarks/hopper_fwd_check.py --prepass)."""
+dense solve, its twin's outputs (gc and β head-major per segment, A_inv) against the Triton pre-pass stage's, the
+forward around the twins against the float64 recurrence, its input checks, and its compile for sm_90a where TileLang
+and nvcc are installed (the kernel runs only on the GPU: benchmarks/hopper_fwd_check.py --prepass)."""
 from __future__ import annotations
 
 import functools
@@ -60,13 +60,15 @@ def test_blocked_inverse_is_the_dense_inverse(case):
 @pytest.mark.parametrize("T,S", [(200, 1), (256, 4)])
 def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
     """What the fused kernel reads: gc and β head-major per segment (Tp-padded with zeros) and A_inv — the twin of
-    the TileLang pre-pass against forward.run_prepass on the Triton pre-pass (interpreter, fp32 inputs)."""
+    the TileLang pre-pass against the Triton pre-pass's gc and A_inv laid out the same way (interpreter, fp32
+    inputs)."""
+    from linattn.ops.common.fused_prepass import fused_prepass
     x = {n: t.float() for n, t in inputs(2, T, 1, 2, 16, 16).items()}
-    gc_tr, beta_tr, a_inv, no_bound = hopper_fwd.run_prepass(x["k"], x["v"], x["g"], x["beta"], S, "triton",
-                                                             torch.float32)
+    gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], write_wy=False, store_dtype=torch.float32)
+    gc_tr, beta_tr = (hopper.head_major(t.reshape(2 * S, T // S, 2)) for t in (gc, x["beta"]))
     gc_hm, beta_hm, a_inv_tl, bound = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S,
                                                                  a_inv_dtype=torch.float32, beta_in_a_inv=False)
-    assert no_bound is None and bound.shape == (2 * S, 2, -(-T // S // 64)) and bound.dtype == torch.float32
+    assert bound.shape == (2 * S, 2, -(-T // S // 64)) and bound.dtype == torch.float32
     assert gc_hm.shape == (2 * S, 2, hopper.padded_length(T // S)) and beta_hm.dtype == x["beta"].dtype
     assert torch.allclose(gc_hm, gc_tr, atol=1e-6, rtol=0)
     assert torch.equal(beta_hm, beta_tr)
@@ -81,35 +83,73 @@ def test_twin_outputs_are_the_triton_prepass_outputs_per_segment(T, S):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("beta_in_a_inv", [False, True], ids=["a_inv", "a_inv_beta"])
 @pytest.mark.parametrize("T,segments", [(200, None), (256, 4)])
-def test_forward_on_the_tilelang_prepass_twin_equals_the_triton_prepass(monkeypatch, T, segments, beta_in_a_inv):
-    """forward_hopper(prepass="tilelang") around the twins of both kernels (fp32 inputs, the pre-pass twin's A_inv
-    left in fp32 so that only the layout is tested; weak gates so that the segments' entering states matter): o and
-    the final state equal the float64 recurrence and the forward on the Triton pre-pass — also with β folded into
-    A_inv (prepass.BETA_IN_A_INV: the kernel's X then has no β), which the Triton pre-pass never does."""
-    monkeypatch.setattr(prepass, "BETA_IN_A_INV", beta_in_a_inv)
+def test_forward_on_the_tilelang_prepass_twin_is_the_recurrence(monkeypatch, T, segments):
+    """forward_hopper around the twins of both kernels (fp32 inputs, the pre-pass twin's A_inv diag(β) left in fp32
+    so that only the layout is tested; weak gates so that the segments' entering states matter): o and the final
+    state equal the float64 recurrence, unsegmented and in four segments."""
     monkeypatch.setattr(hopper_fwd, "chunk_fwd_hopper_hm", twins.chunk_fwd_hopper_hm_ref)
     monkeypatch.setattr(hopper_fwd, "prepass_hopper",
                         functools.partial(prepass.prepass_hopper_ref, a_inv_dtype=torch.float32))
     x = inputs(2, T, 1, 2, 16, 16)
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [0.25, x["initial_state"].float()]
     ro, rht = gated_delta_rule_reference(**x, scale=0.25)
-    o, ht = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.bfloat16, segments=segments, BV=16,
-                                      prepass="tilelang")
-    o_tr, ht_tr = hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, segments=segments, BV=16,
-                                            prepass="triton")
+    o, ht = hopper_fwd.forward_hopper(*args, segments=segments, BV=16)
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
-    assert rel(o, o_tr) < 1e-5 and rel(ht, ht_tr) < 1e-5
+
+
+def full_forgets(g: torch.Tensor) -> torch.Tensor:
+    """``g`` with full forgets: −inf at one token of every head, −3e38 at two more (their sum overflows to −inf)."""
+    g = g.clone()
+    T = g.shape[1]
+    g[:, T // 3] = -float("inf")
+    g[:, T // 2] = g[:, T // 2 + 1] = -3e38
+    return g
+
+
+@pytest.mark.parametrize("T,S", [(200, 1), (256, 2)])
+def test_full_forgets_give_the_recurrences_finite_answer(T, S):
+    """A log decay of −inf (or −3e38 twice) is a valid full forget: the pre-pass twin reads it as the floor
+    (LOG_DECAY_FLOOR, whose e^g is already 0 in fp32), so its outputs are finite and bitwise those of the gates
+    clamped there, and the walk's twin on them gives the float64 recurrence's answer (its state restarts at the
+    forget)."""
+    x = inputs(2, T, 1, 2, 16, 16)
+    x["g"] = full_forgets(x["g"])
+    pre = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], S, a_inv_dtype=torch.float64)
+    clamped = prepass.prepass_hopper_ref(x["k"], x["g"].clamp_min(prepass.LOG_DECAY_FLOOR), x["beta"], S,
+                                         a_inv_dtype=torch.float64)
+    assert all(torch.isfinite(t).all() for t in pre) and all(torch.equal(a, b) for a, b in zip(pre, clamped))
+    ro, rht = gated_delta_rule_reference(**x, scale=0.25)
+    assert torch.isfinite(ro).all() and torch.isfinite(rht).all()
+    whole = prepass.prepass_hopper_ref(x["k"], x["g"], x["beta"], 1, a_inv_dtype=torch.float64)
+    o, ht = twins.chunk_fwd_hopper_hm_ref(x["q"], x["k"], x["v"], *whole[:3], 0.25, x["initial_state"])
+    assert rel(o, ro) < 1e-12 and rel(ht, rht) < 1e-12
+
+
+ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not hopper.tilelang_available() or
+                               torch.cuda.get_device_capability()[0] != 9,
+                               reason="the Hopper pre-pass runs on sm_90 only")
+
+
+@ON_HOPPER
+def test_full_forgets_in_the_prepass_on_the_gpu():
+    """The TileLang pre-pass with −inf and −3e38 gates: every output finite and bitwise those of the gates clamped
+    at LOG_DECAY_FLOOR (one max per token where the kernel reads g), and the walk on them within the bf16 bound of
+    the float64 recurrence."""
+    x = {n: t.cuda() for n, t in inputs(2, 1000, 2, 4, 128, 128).items()}
+    x["g"] = full_forgets(x["g"])
+    low = {n: t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float() for n, t in x.items()}
+    pre = prepass.prepass_hopper(low["k"], low["g"], low["beta"])
+    clamped = prepass.prepass_hopper(low["k"], low["g"].clamp_min(prepass.LOG_DECAY_FLOOR), low["beta"])
+    assert all(torch.isfinite(t.float()).all() for t in pre) and all(torch.equal(a, b) for a, b in zip(pre, clamped))
+    from linattn.ops.hopper.walk_launch import chunk_fwd_hopper_hm
+    o, ht = chunk_fwd_hopper_hm(low["q"], low["k"], low["v"], *pre[:3], 128 ** -0.5, low["initial_state"], BV=128)
+    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
+    assert rel(o, ro) < 1e-2 and rel(ht, rht) < 1e-2, (rel(o, ro), rel(ht, rht))
 
 
 def test_inputs_the_prepass_does_not_take_say_why():
     x = {n: t.float() for n, t in inputs(1, 128, 1, 2, 16, 16).items()}
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [0.25, None]
-    with pytest.raises(ValueError, match="bf16 A_inv"):
-        hopper_fwd.forward_hopper(*args, a_inv_dtype=torch.float32, prepass="tilelang")
-    with pytest.raises(ValueError, match="prepass must be one of"):
-        hopper_fwd.forward_hopper(*args, prepass="cuda")
     with pytest.raises(TypeError, match="bf16 keys"):
         prepass.prepass_hopper(x["k"], x["g"], x["beta"])
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -121,86 +161,40 @@ def test_inputs_the_prepass_does_not_take_say_why():
 @pytest.mark.skipif(not hopper.tilelang_available() or shutil.which("nvcc") is None,
                     reason="TileLang (optional) and nvcc compile the Hopper pre-pass")
 def test_prepass_compiles_for_sm90a():
-    """K Kᵀ as one bf16 wgmma, the quadrant's two dots at tf32 on mma.sync, A_inv written by TMA, and the column
-    solve as straight-line FMAs on shared memory (no shuffles in it)."""
+    """The pre-pass's sm_90a source, step by step: the keys by TMA, K Kᵀ as one bf16 wgmma, A's elements from
+    registers then its blocks branch-free, the column solve as straight-line FMAs (no shuffles) beside the map bound,
+    step 4 and the quadrant's two dots at tf32 on mma.sync, A_inv diag(β) from registers written by TMA; its padded
+    layouts and its launch bounds."""
     src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a").get_kernel_source()
-    assert src.count("wgmma_ss<") == 1 and "tma_store" in src
-    assert src.count("mma_sync<tl::DataType::kTensorFloat32") == 4
+    # 1. the key tile by two TMA boxes (64 columns each) behind one mbarrier, not per-thread loads; each gate read
+    # as max(g, −104) (LOG_DECAY_FLOOR)
+    assert src.count("tma_load(k_desc") == 1 and "arrive_and_expect_tx(16384)" in src
+    assert src.count(", -0x1.ap+6f/*-1.040000e+02*/)") == 1 and "= max(g[" in src
+    # 2. one wgmma; the elements from registers alone (β_i, gc_i per row and gc_j per column loaded once)
+    assert src.count("wgmma_ss<") == 1
+    assert "Gr[i_1] = ((float*)gcs)[" in src and "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in src
+    # 3. the column solve: FMAs on shared memory, no shuffles; meanwhile the two idle warps' map bound, one token
+    # each, from the diagonal blocks' diagonals (rows 20 words apart in 17-row blocks: Ad[340 d + 21 i]), summed
+    # by warp shuffles; after the barrier one thread adds the halves and writes it
     solve = src[src.index("if (((int)threadIdx.x) < 64) {\n    #pragma unroll"):]
     solve = solve[:solve.index("__syncthreads()")]
-    assert "shfl" not in solve and "x[i_4] = (x[i_4] - " in solve
-    # BETA_IN_A_INV's kernel: A_inv's three written quadrants times β, read per column pair in the store loop
-    beta = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", beta_in_a=True).get_kernel_source()
-    assert beta.count("(float2*)(((float*)bs)") == 3 and "(float2*)(((float*)bs)" not in src
-    # the map bound: the two warps the solve leaves idle, one token each, from the diagonal blocks' diagonals
-    # (Ad[17 i] = β_i ‖k_i‖²), summed by warp shuffles; after the barrier one thread adds the halves and writes it
+    assert "shfl" not in solve and re.search(r"x\[i_\d\] = \(x\[i_\d\] - ", solve)
     terms = src[src.index("} else {\n    bl[0] = tl::warp_reduce_sum("):]
-    assert "((float*)Ad)[((((int)threadIdx.x) * 17) - 1088)]" in terms.split("\n")[1]
+    assert "* 340) + ((((int)threadIdx.x) & 15) * 21)) - 1360)]" in terms.split("\n")[1]
     written = terms[terms.index("__syncthreads();"):]
     assert written.index("if (((int)threadIdx.x) == 64) {") < written.index("bound[") < \
         written.index("__syncthreads", 1)
-    # A's blocks stored branch-free: each block under its own predicate, the exponent −∞ above the diagonal
-    blocks = src[src.index("float a = "):src.index("__syncthreads", src.index("float a = "))]
-    assert "exp2f(" in blocks and ": -CUDART_INF_F)" in blocks and "else" not in blocks
-    # MIN_BLOCKS_PER_SM: the registers fitted for that many resident programs; 1 leaves ptxas its own count
-    assert "__launch_bounds__(128, 1)" in src
-    fitted = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", min_blocks=8).get_kernel_source()
-    assert "__launch_bounds__(128, 8)" in fitted
-    # TMA_KEYS: the key tile by two TMA boxes (64 columns each) behind one mbarrier, not per-thread loads
-    assert "tma_load(k_desc" not in src
-    tma = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", tma_keys=True).get_kernel_source()
-    assert tma.count("tma_load(k_desc") == 1 and "arrive_and_expect_tx(16384)" in tma
-    # A_ROW_PAD: the 16-blocks' rows 20 words apart (17 padded rows per diagonal block: 340), the diagonal 21 apart
-    padded = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", a_row_pad=4).get_kernel_source()
-    assert "(((int)threadIdx.x) * 17) - 1088)]" not in padded
-    assert "* 340) + ((((int)threadIdx.x) & 15) * 21)) - 1360)]" in padded
-    assert padded.count("__syncthreads()") == src.count("__syncthreads()")     # a layout only: the same barriers
-    # T_ROW_PAD: T_lo, T_hi and Y2 in linear layouts, rows 40 words apart: step 5's B operands read at k·40 + n (no
-    # swizzle), and one barrier fewer (step 4's store of T_10 next to its reads of T_11 is provably disjoint now)
-    t_pad = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a", t_row_pad=8).get_kernel_source()
-    b_loads = re.findall(r"B_local(?:_1)?\[j_\d\] = \(\(float\*\)(Tq|Y2)\)\[([^;]*)\];", t_pad)
-    assert len(b_loads) == 2 and all("* 40)" in index and "& 1) * 16)" not in index for _, index in b_loads)
-    assert t_pad.count("__syncthreads()") == src.count("__syncthreads()") - 1
-    # STEP4_BLOCKED: step 4 on threads 0–63 only, 2 × 4 accumulators each; per m one 8-byte read of A's column (A_10
-    # / A_32 stored transposed, T_11 / T_33 transposed into Ad[1], Ad[3] from the solving threads' registers) and
-    # one 16-byte read of T's row (of Y1 in the second product); the other two warps wait at the barrier between
-    # the products, and no barrier sits inside the branch (only 64 threads would reach it)
-    kw = dict(target="sm_90a", beta_in_a=True, min_blocks=8, tma_keys=True, a_row_pad=4, t_row_pad=8)
-    plain = prepass.compiled_kernel(16, 16, 128, "float32", **kw).get_kernel_source()
-    blocked = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, **kw).get_kernel_source()
-    step4 = blocked[blocked.index("if (((int)threadIdx.x) < 64) {", blocked.index("bound[")):]
-    first, second = step4.split("__syncthreads();", 1)
-    second = second[:second.index("}\n  }")]
-    assert "*(float2*)(((float*)Ao)" in first and "*(float4*)(((float*)Tq)" in first and "(float*)Y1)" in first
-    assert "*(float2*)(((float*)Ad)" in second and "*(float4*)(((float*)Y1)" in second and "(float*)Tq)" in second
-    assert "__syncthreads" not in second and "*(float4*)(((float*)Ad)" in first   # T_11ᵀ written before the barrier
-    assert blocked.count("__syncthreads()") == plain.count("__syncthreads()")
-    # A_BEFORE_STORES: step 2's elements computed in K Kᵀ's registers from registers alone (β_i, gc_i per row and gc_j
-    # per column loaded once, after the dot), then stored to A's blocks in a loop of their own; the barrier before
-    # those stores (A's blocks reuse the keys' shared memory) and no other
-    split = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, a_before_stores=True,
-                                    **kw).get_kernel_source()
-    elements = split[split.index("float Gcol[16];"):]
-    elements = elements[elements.index("warpgroup_wait<0>()"):elements.index("float a = ")]
-    loop = elements[elements.index("KK[i_3] = "):]
-    assert "Gr[i_1] = ((float*)gcs)[" in elements
-    assert "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in elements
-    assert "((float*)" not in loop.split(";")[0] and "Gcol[" in loop and loop.count("__syncthreads()") == 1
-    assert split.count("__syncthreads()") == blocked.count("__syncthreads()")
-    # T_HI_ROW_PAD: step 5's second dot reads T_hi by ldmatrix at rows 36 words apart, its first T_lo one word per
-    # lane at rows 40 apart; a layout only (the same barriers)
-    t_hi = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, a_before_stores=True, t_hi_row_pad=4,
-                                   **kw).get_kernel_source()
-    ldmatrix = re.findall(r"ptx_ldmatrix_x4\(\(&\(\(\(float\*\)(\w+)\)\[([^;]*)\]\)\)", t_hi)
+    # 4 and 5: two m16n8k8 sites in step 4, four in step 5's two 32 × 32 dots; step 5 reads T_hi by ldmatrix at
+    # rows 36 words apart, T_lo one word per lane at rows 40 apart
+    assert src.count("mma_sync<tl::DataType::kTensorFloat32") == 6
+    ldmatrix = re.findall(r"ptx_ldmatrix_x4\(\(&\(\(\(float\*\)(\w+)\)\[([^;]*)\]\)\)", src)
     assert [(buf, "* 36)" in index, "+ 1280)" in index) for buf, index in ldmatrix] == [("Ahl", True, False),
                                                                                        ("Tq", True, True)]
-    assert re.search(r"B_local\[j_1\] = \(\(float\*\)Tq\)\[[^;]*\* 40\)", t_hi)
-    assert t_hi.count("__syncthreads()") == split.count("__syncthreads()")
-    # STEP6_BETA: step 6's β per column from registers, loaded once (4 pairs a thread), not reloaded per store
-    s6 = prepass.compiled_kernel(16, 16, 128, "float32", step4_blocked=True, a_before_stores=True, step6_beta=True,
-                                 **kw).get_kernel_source()
-    loads = re.findall(r"\*\(float2\*\)\((B[lh]) \+ \(i_\d+ \* 2\)\) = \*\(float2\*\)\(\(\(float\*\)bs\)", s6)
+    assert re.search(r"B_local\[j_1\] = \(\(float\*\)Tq\)\[[^;]*\* 40\)", src)
+    # 6. β per column from registers, loaded once (4 pairs a thread), not reloaded per store; A_inv by TMA
+    loads = re.findall(r"\*\(float2\*\)\((B[lh]) \+ \(i_\d+ \* 2\)\) = \*\(float2\*\)\(\(\(float\*\)bs\)", src)
     assert loads == ["Bl", "Bh"]
-    loop = s6[s6.index(";", s6.index("(Bh + (i_")):s6.index("tl::tma_store(a_inv_desc")]
+    loop = src[src.index(";", src.index("(Bh + (i_")):src.index("tl::tma_store(a_inv_desc")]
     assert "bs)" not in loop and loop.count("(Bl + ") == 2 and loop.count("(Bh + ") == 1
-    assert s6.count("__syncthreads()") == split.count("__syncthreads()")
+    # the registers fitted for 7 resident programs
+    assert "__launch_bounds__(128, 7)" in src

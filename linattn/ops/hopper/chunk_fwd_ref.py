@@ -11,60 +11,60 @@ import torch
 
 from . import chunk_fwd
 from .chunk_fwd import BT
+from .prepass import LOG_DECAY_FLOOR
 
 
 def chunk_fwd_hopper_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          scale: float, initial_state: Optional[torch.Tensor],
                          operand_dtype: torch.dtype = torch.bfloat16,
-                         round_a_inv: bool = False, deferred_decay: bool = False, fold_p_decay: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         round_a_inv: bool = False, deferred_decay: bool = True, fold_p_decay: bool = True,
+                         decay_limit: float = chunk_fwd.DEFERRED_DECAY_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's PyTorch twin, chunk by chunk in fp32 (float64 for float64 inputs), rounding to
     ``operand_dtype`` exactly where the kernel does: the state as the operand of K S and Q S, P, V_new as P V_new's
-    operand, and the decayed V_new of the state update (A_inv X stays in the working precision, which the kernel
-    runs at tf32; with ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With
-    ``operand_dtype`` the working dtype nothing is rounded: the algebra alone, equal to the token-by-token
-    reference. ``deferred_decay``, ``fold_p_decay``: the state kept over its decay and P's decays folded into o's
-    rows and V_d, as the kernel's switches of those names do (:func:`_walk_ref`; the fold with the scale in P's
-    place, as the kernel's stsm). g: the log decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o
-    ``[B, T, HV, V]`` in v's dtype and the final state ``[B, HV, K, V]`` in the working dtype."""
+    operand, and the decayed V_new of the state update (A_inv X stays in the working precision; with
+    ``round_a_inv``, the kernel's bf16 A_inv, A_inv and X are rounded too). With ``operand_dtype`` the working dtype
+    nothing is rounded: the algebra alone, equal to the token-by-token reference. ``deferred_decay``,
+    ``fold_p_decay``: the state kept over its decay and P's decays folded into o's rows and V_d, as the kernel does
+    (:func:`_walk_ref`; off: the plain algebra, for tests that the two agree), renormalising where the state's
+    scale would pass ``decay_limit`` e-folds (the kernel's :data:`chunk_fwd.DEFERRED_DECAY_LIMIT`). g: the log
+    decays (not their cumulative sums); A_inv comes from ``kkt_solve_ref``. Returns o ``[B, T, HV, V]`` in v's dtype
+    and the final state ``[B, HV, K, V]`` in the working dtype."""
     from ..gated_delta import torch_chunk as tc
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t) if operand_dtype == work else (lambda t: t.to(operand_dtype).to(work))
     HV = v.shape[2]
     kc = tc.to_chunks(k.to(work).repeat_interleave(HV // q.shape[2], 2), BT)
+    g = g.clamp_min(LOG_DECAY_FLOOR)        # as the pre-pass reads it
     gc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
     a_inv = tc.kkt_solve_ref(kc, tc.to_chunks(beta.to(work), BT), gc)
     return _walk_ref(q, k, v, gc, beta, a_inv if not round_a_inv else rnd(a_inv), scale, initial_state, work, rnd,
                      rnd if round_a_inv else (lambda t: t), scale_in_p=fold_p_decay and deferred_decay,
-                     deferred_decay=deferred_decay, fold_p_decay=fold_p_decay)
+                     deferred_decay=deferred_decay, fold_p_decay=fold_p_decay, decay_limit=decay_limit)
 
 
 def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
                             beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
                             initial_state: Optional[torch.Tensor], affine: bool = False,
                             skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
-                            beta_in_a_inv: bool = False, warm_bound: Optional[torch.Tensor] = None,
-                            warm_threshold: Optional[float] = None, lean: bool = False, warm_subset: int = 0,
-                            out: Optional[tuple[torch.Tensor, torch.Tensor]] = None, **launch
+                            beta_in_a_inv: bool = True, warm_bound: Optional[torch.Tensor] = None,
+                            warm_threshold: Optional[float] = None, lean: bool = False,
+                            deferred_decay: bool = True, fold_p_decay: bool = True, **launch
                             ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; of the launch options only ``stsm``
-    counts: the kernel then rounds P with the scale in it; and, as the kernel does, ``chunk_fwd.DEFERRED_DECAY`` and
-    ``chunk_fwd.FOLD_P_DECAY``, or ``deferred_decay`` and ``fold_p_decay`` given among them), from the pre-pass's gc, β (head-major) and A_inv instead
-    of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the GPU.
-    Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16), nowhere for fp32 and float64 ones.
+    """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; ``launch``, the kernel's tile and
+    pipeline keywords BV, threads, num_stages, changes no value), from the pre-pass's gc, β (head-major) and A_inv
+    instead of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the
+    GPU. Rounds where the kernel does for bf16 inputs (X too when A_inv is bf16; P with the scale in it), nowhere for
+    fp32 and float64 ones. ``beta_in_a_inv``: A_inv is A_inv diag(β), as the kernel's (the pre-pass's), and X has no
+    β; False: the plain A_inv, X = β ⊙ (V − Γ ⊙ K S), for references built from it. ``deferred_decay``,
+    ``fold_p_decay``: as the kernel (:func:`_walk_ref`; off: the plain algebra).
     ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: those maps' M written as
     zeros (the affine walk's negligible maps); ``warm_chunks``: the warm walk (one walk per segment and value head,
     from warm_chunks chunks before the segment); ``warm_bound``, ``warm_threshold``: the warm walk that plans its
-    warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'); ``beta_in_a_inv``: A_inv is A_inv
-    diag(β), and X has no β. ``lean`` (the kernel's): the affine walk's maps flagged 2 come back NaN (the kernel
-    leaves them unwritten: whatever the buffer held), and the warm walks return the sequences' final states
-    ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up is above zero from zero.
-    ``warm_subset`` (with warm_chunks and lean): only those programs' rows of o and final states are written, into
-    ``out`` or into new tensors full of NaN (the kernel's are uninitialised), the rest left as they were."""
+    warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'). ``lean`` (the kernel's): the affine
+    walk's maps flagged 2 come back NaN (the kernel leaves them unwritten: whatever the buffer held), and the warm
+    walks return the sequences' final states ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up
+    is above zero from zero."""
     from ..gated_delta import torch_chunk as tc
-    scale_in_p = bool(launch.get("stsm")) and a_inv.dtype == torch.bfloat16    # the kernel's stsm (bf16 A_inv)
-    deferred = launch.get("deferred_decay", chunk_fwd.DEFERRED_DECAY)
-    fold = launch.get("fold_p_decay", chunk_fwd.FOLD_P_DECAY)       # _walk_ref applies the kernel's condition
     if warm_bound is not None:
         from .map_bound import warm_from_bound_ref
         warm_chunks, from_start = warm_from_bound_ref(warm_bound, q.shape[1] // gc_hm.shape[2], warm_threshold)
@@ -79,10 +79,9 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     elif warm_chunks is not None and lean:       # the lean kernel starts a warm-up from zero, whatever h0 holds
         initial_state = torch.where(warm_chunks[..., None, None] > 0, 0.0, initial_state)
     if warm_chunks is not None:
-        o, ht = _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p,
-                               beta_in_a_inv, deferred, fold)
-        ht = ht.view(q.shape[0], -1, *ht.shape[1:])[:, -1] if lean else ht
-        return _subset_of(o, ht, warm_chunks, warm_subset, out) if warm_subset else (o, ht)
+        o, ht = _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, beta_in_a_inv,
+                               deferred_decay, fold_p_decay)
+        return o, (ht.view(q.shape[0], -1, *ht.shape[1:])[:, -1] if lean else ht)
     B, T, H, K = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
@@ -98,8 +97,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                         torch.zeros(B, v.shape[2], K, v.shape[3] - K, dtype=work, device=q.device)], -1)
     rnd_x = rnd if a_inv.dtype == torch.bfloat16 else (lambda t: t)
     beta = torch.ones_like(gc) if beta_in_a_inv else beta_hm[..., :T].transpose(1, 2)
-    o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, scale_in_p,
-                     deferred, fold)
+    o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, True,
+                     deferred_decay, fold_p_decay)
     if affine and skip_m is not None:
         S = S.clone()
         S[skip_m.int() != 0, :, :K] = 0
@@ -107,21 +106,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return (None if affine else o), S
 
 
-def _subset_of(o, ht, warm_chunks, warm_subset, out):
-    """The lean warm walk's ``warm_subset`` written into ``out`` (or NaN-filled tensors): the rows of o of the
-    segments whose warm-up is above zero (1) or not (2), and the final states their last segments end."""
-    o_out, ht_out = out if out is not None else (torch.full_like(o, float("nan")), torch.full_like(ht, float("nan")))
-    B, T, HV, _ = o.shape
-    S = warm_chunks.shape[0] // B
-    active = (warm_chunks > 0) if warm_subset == 1 else (warm_chunks == 0)        # [B·S, HV]
-    rows = active.view(B, S, 1, HV).expand(B, S, T // S, HV).reshape(B, T, HV)
-    o_out[rows] = o[rows]
-    last = active.view(B, S, HV)[:, -1]
-    ht_out[last] = ht[last]
-    return o_out, ht_out
-
-
-def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, scale_in_p, beta_in_a_inv,
+def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, beta_in_a_inv,
                    deferred_decay, fold_p_decay):
     """The warm kernel's twin: for each segment s and value head, the plain walk over the rows from warm_chunks
     chunks before the segment to its end, from initial_state, keeping o of the segment's own rows."""
@@ -142,7 +127,7 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
             oo, ht = chunk_fwd_hopper_hm_ref(q[sl][:, :, ih:ih + 1], k[sl][:, :, ih:ih + 1], v[sl][:, :, hv:hv + 1],
                                              gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
                                              a_inv[sl][:, :, hv:hv + 1], scale, initial_state[ibs:ibs + 1, hv:hv + 1],
-                                             stsm=scale_in_p, beta_in_a_inv=beta_in_a_inv,
+                                             beta_in_a_inv=beta_in_a_inv,
                                              deferred_decay=deferred_decay, fold_p_decay=fold_p_decay)
             o[b, s * L:r1, hv] = oo[0, r1 - r0 - L:, 0]
             row.append(ht[0, 0])
@@ -151,13 +136,13 @@ def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_ch
 
 
 def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, scale_in_p=False,
-              deferred_decay=False, fold_p_decay=False):
+              deferred_decay=False, fold_p_decay=False, decay_limit=chunk_fwd.DEFERRED_DECAY_LIMIT):
     """The kernel's chunk loop in PyTorch: gc ``[B, HV, NT, BT]`` chunk-local cumulative decays, a_inv
     ``[B, HV, NT, BT, BT]``; rnd rounds the kernel's bf16 dot operands, rnd_x the right operand X of A_inv X;
-    ``scale_in_p``: the scale multiplies P before its rounding and Γ (the kernel's stsm), else o at the end.
+    ``scale_in_p``: the scale multiplies P before its rounding and Γ (as the kernel), else o at the end.
     ``deferred_decay``: S holds the state over a = e^la (per sequence and head), Γ and ρ carry a's factor, and S is
-    multiplied only where la + ln γ falls below −``chunk_fwd.DEFERRED_DECAY_LIMIT`` (the kernel's
-    ``deferred_decay``; without rounding the same algebra). ``fold_p_decay`` (with both): in the chunks that do
+    multiplied only where la + ln γ falls below −``decay_limit`` (the kernel's deferred decay; without rounding the
+    same algebra). ``fold_p_decay`` (with both): in the chunks that do
     not renormalise, o = Γ a scale ⊙ (Q S + P V_d) with P the masked Q Kᵀ alone, rounded, and V_d = ρ / (a γ) ⊙
     V_new, rounded, the update's operand."""
     from ..gated_delta import torch_chunk as tc
@@ -185,7 +170,7 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
             out = scale * (gam[..., None] * (Qc @ Sb) + P @ rnd(Vn))
         if deferred_decay:
             # S over a γ where that stays within the limit (ρ then carries 1 / (a γ)); else S renormalised
-            renorm = la + g_last < -chunk_fwd.DEFERRED_DECAY_LIMIT
+            renorm = la + g_last < -decay_limit
             rho = (torch.where(renorm, g_last, -la)[..., None] - Gc).exp()
             S = torch.where(renorm[..., None, None], (la + g_last).exp()[..., None, None] * S, S)
             la = torch.where(renorm, torch.zeros_like(la), la + g_last)

@@ -1,12 +1,12 @@
-"""The walk kernel's warpgroup index made warp-uniform in TileLang's generated CUDA (``chunk_fwd.UNIFORM_WARPGROUP``).
+"""The walk kernel's warpgroup index made warp-uniform in TileLang's generated CUDA (``chunk_fwd.compiled_kernel``).
 
 Why: TileLang writes the consumer warpgroup's index as ``(((int)threadIdx.x) >> 7)`` wherever a fragment layout or
 a wgmma operand depends on it. ptxas cannot tell that this value is the same in every lane of a warp, so it keeps it
 in a per-thread register, and everything derived from it too: each of the walk's 40 wgmma per chunk then takes its
 shared-memory descriptor from per-thread registers, moved to uniform registers by two R2UR, and the descriptor
 arithmetic runs per thread. Broadcast from lane 0 (``__shfl_sync``, as CUTLASS's ``canonical_warp_group_idx``
-does), ptxas knows the index is uniform and keeps that arithmetic in uniform registers: at B=8 T=4096 H=16's launch
-(sm_90a, ptxas 13.0) the consumer loop's 1027 SASS instructions per chunk become 891 (R2UR 84 → 4).
+does), ptxas knows the index is uniform and keeps that arithmetic in uniform registers (the R2UR moves and the
+per-thread descriptor arithmetic leave the chunk loop).
 
 How: the kernel is compiled with a marker attribute (so TileLang's disk cache keys it apart from the plain kernel),
 and while it compiles, a CUDA post-processing callback (TileLang's ``tilelang_callback_cuda_postproc``, chained to

@@ -1,9 +1,8 @@
-"""The fused walk's launchers (``chunk_fwd.py``'s kernel, issue 4): the compiled kernel for a launch's options
-(:func:`walk_kernel`, :func:`warm_kernel`, with the module switches of ``chunk_fwd`` applied; ``prepared.py`` takes
-the same ones) and the calls that take tensors, check them, allocate o and the final state and launch
-(:func:`chunk_fwd_hopper_hm`: the plain walk, phase A's affine walk, phase C's warm walks). Everything of
-``chunk_fwd`` is read through the module at call time, so switches and stand-ins set there (tests,
-``benchmarks/host_hopper.py``) apply here too.
+"""The fused walk's launchers (``chunk_fwd.py``'s kernel): the compiled kernel for a launch's options
+(:func:`walk_kernel`, :func:`warm_kernel`; ``prepared.py`` takes the same ones) and the calls that take tensors,
+check them, allocate o and the final state and launch (:func:`chunk_fwd_hopper_hm`: the plain walk, phase A's affine
+walk, phase C's warm walks). Everything of ``chunk_fwd`` is read through the module at call time, so stand-ins set
+there (tests, ``benchmarks/host_hopper.py``) apply here too.
 """
 from __future__ import annotations
 
@@ -20,39 +19,24 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
-                use_initial_state: bool, beta_dtype: torch.dtype, a_dtype: torch.dtype, async_dots: bool,
-                affine: bool, tma_o: bool, stsm: bool, beta_in_a_inv: bool, min_blocks: int, lean: bool):
-    """The compiled kernel of :func:`chunk_fwd_hopper_hm`'s plain walk (no warm-ups, no roles), or of its affine
-    walk (phase A), for these launch options, with the module's switches applied (:func:`schedule_switches`,
-    :func:`instruction_switches`); ``lean``: phase A's lean maps (affine with skip_m only)."""
-    tma_store = tma_o and not affine                # the affine walk stores no o
-    return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, None,
-                                     use_initial_state, _dtype_name(beta_dtype), _dtype_name(a_dtype), async_dots,
-                                     affine, tma_store, False, stsm, beta_in_a_inv,
-                                     *chunk_fwd.schedule_switches(async_dots, stsm, tma_store),
-                                     min_blocks=min_blocks, **chunk_fwd.instruction_switches(stsm, not affine),
-                                     lean=lean)
+                use_initial_state: bool, beta_dtype: torch.dtype, affine: bool, lean: bool,
+                target: Optional[str] = None):
+    """The compiled kernel of :func:`chunk_fwd_hopper_hm`'s plain walk (no warm-ups), or of its affine walk
+    (phase A); ``lean``: phase A's lean maps (affine with skip_m only); ``target``: the compile target (None: the
+    GPU's; "sm_90a" compiles without one, as the tests do)."""
+    return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), threads, num_stages, target, use_initial_state,
+                                     _dtype_name(beta_dtype), affine, lean=lean)
 
 
 def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
-                use_initial_state: bool, beta_dtype: torch.dtype, a_dtype: torch.dtype, async_dots: bool,
-                stsm: bool, beta_in_a_inv: bool, threshold: Optional[float], min_blocks: int, lean: bool,
-                warm_subset: int = 0, head_split: int = 0, split_cap: float = 0.375, target: Optional[str] = None):
+                use_initial_state: bool, beta_dtype: torch.dtype, threshold: Optional[float], lean: bool,
+                target: Optional[str] = None):
     """The compiled kernel of the warm walk (phase C with ``warm_chunks``, or, ``threshold`` given, the walk that
-    plans its warm-ups from the chunk bounds), o stored by TMA, with the module's switches applied (those of
-    :func:`walk_kernel` and :func:`chunk_fwd.warmup_switch`);
-    ``warm_subset``, ``head_split``, ``split_cap``: :func:`chunk_fwd.build_kernel`'s; ``target``: the compile
-    target (None: the GPU's; "sm_90a" compiles without one, as the tests do)."""
+    plans its warm-ups from the chunk bounds); ``target`` as :func:`walk_kernel`'s."""
     planned = threshold is not None
-    return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), "bfloat16", threads, num_stages, target,
-                                     use_initial_state, _dtype_name(beta_dtype), _dtype_name(a_dtype), async_dots,
-                                     False, True, True, stsm, beta_in_a_inv,
-                                     *chunk_fwd.schedule_switches(async_dots, stsm, True), planned,
-                                     float(threshold) if planned else -30.0, min_blocks,
-                                     **chunk_fwd.instruction_switches(stsm, True), lean=lean,
-                                     warm_subset=warm_subset, head_split=head_split,
-                                     split_cap=float(split_cap) if head_split else 0.375,
-                                     state_only_warmups=chunk_fwd.warmup_switch(async_dots, stsm, head_split))
+    return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), threads, num_stages, target, use_initial_state,
+                                     _dtype_name(beta_dtype), False, True, planned,
+                                     float(threshold) if planned else -30.0, lean)
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
@@ -67,43 +51,31 @@ def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torc
 
 def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor,
                         beta_hm: torch.Tensor, a_inv: torch.Tensor, scale: float,
-                        initial_state: Optional[torch.Tensor], BV: int = 64, threads: int = 128,
-                        num_stages: int = 2, async_dots: bool = False, affine: bool = False,
-                        roles: bool = False, tma_o: bool = False, skip_m: Optional[torch.Tensor] = None,
-                        warm_chunks: Optional[torch.Tensor] = None, stsm: bool = False,
-                        beta_in_a_inv: bool = False, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                        warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None,
-                        min_blocks: int = 1, lean: bool = False, warm_subset: int = 0, head_split: int = 0,
-                        split_cap: float = 0.375) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        initial_state: Optional[torch.Tensor], *, BV: int = 128, threads: int = 256,
+                        num_stages: int = 2, affine: bool = False, skip_m: Optional[torch.Tensor] = None,
+                        warm_chunks: Optional[torch.Tensor] = None, warm_bound: Optional[torch.Tensor] = None,
+                        warm_threshold: Optional[float] = None, lean: bool = False
+                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
-    num_stages: the depth of the chunk loop's load pipeline; async_dots, tma_o, stsm: see :func:`build_kernel`;
-    min_blocks: the programs per SM the registers are split for (``forward.TWO_PER_SM_LAUNCH``).
-    A_inv's dtype (fp32 or bf16) picks the A_inv X dot; ``beta_in_a_inv``: A_inv is A_inv diag(β) (the TileLang
-    pre-pass's with ``prepass.BETA_IN_A_INV``; β is then not read). ``affine`` (no initial state): each sequence's
-    state map [M | N] ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None (:func:`build_kernel`).
-    ``roles``
-    (experimental, bf16 A_inv): the role-split kernel (``chunk_fwd_roles.py``: 512 threads, its own pipeline;
-    ``threads``, ``num_stages`` and ``async_dots`` do not apply), for the affine walk too. In the affine walk
-    ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the maps whose M is negligible
-    (``forward.segment_flags``): their M is written as zeros without a walk (2: the whole map, M and N).
+    num_stages: the depth of the chunk loop's load pipeline (the defaults: ``forward.LAUNCH``'s). A_inv ``[B, T, HV,
+    64]`` bf16 is the pre-pass's A_inv diag(β) (``prepass.prepass_hopper``): β is not read. ``affine`` (no initial
+    state): each sequence's state map [M | N] ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None
+    (:func:`chunk_fwd.build_kernel`). In the affine walk ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the
+    maps whose M is negligible (``forward.segment_flags``): their M is written as zeros without a walk (2: the whole
+    map, M and N).
 
     ``warm_chunks`` ``[B·S, HV]`` (int): the segmented forward's phase C with warm-ups (:func:`build_kernel`'s
     ``warm``): q, k, v, a_inv whole ``[B, T, ...]``, gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of
     64), initial_state ``[B·S, HV, K, V]`` the state each walk starts from; segment s's walk starts
     warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read). Returns o ``[B, T, HV, V]`` and each
-    segment's final state ``[B·S, HV, K, V]``. ``out``: (o, final state) to write into, contiguous, of those shapes
-    (not with ``affine``; with ``warm_chunks`` only with ``warm_subset``). ``warm_subset`` (with ``warm_chunks`` and
-    ``lean``): 1 only the segments whose warm-up is above zero walk, 2 only the others (``chunk_fwd.build_kernel``):
-    two launches into one ``out``, the first of which needs no entering state from the scan.
+    segment's final state ``[B·S, HV, K, V]``.
 
     ``warm_bound`` ``[B·S, HV, L/64]`` fp32 (the pre-pass's chunk bounds, log2) instead of ``warm_chunks``: the
     warm walk that finds each segment's warm-up itself (:func:`build_kernel`'s ``warm_planned``; twin
     ``map_bound.warm_from_bound_ref``): the fewest chunks before the segment whose bounds sum below
     ``warm_threshold``, else the whole prefix from ``initial_state`` ``[B, HV, K, V]`` (the sequences' own, or
-    None). ``head_split`` (with ``warm_bound`` and ``lean``; ``forward.SPLIT_HEADS``): 1 only the heads that warm up
-    within ``split_cap`` of a segment walk, 2 only the others, each whole (:func:`chunk_fwd.build_kernel`): two
-    launches, at two V tiles, into one ``out``.
+    None).
 
     ``lean`` (:func:`build_kernel`'s; ``forward.LEAN_SEGMENTS``): with ``skip_m`` in the affine walk, the maps
     flagged 2 are left unwritten; with ``warm_chunks`` or ``warm_bound`` the final state returned is the
@@ -117,23 +89,15 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise ValueError(f"V = {V}" + (f" and K = {K}" if affine else "") + f" must be multiples of BV = {BV}")
     if beta_hm.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
-    if a_inv.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"a_inv must be fp32 or bf16, got {a_inv.dtype}")
-    if warm_subset and (warm_chunks is None or not lean):
-        raise ValueError("warm_subset: only with warm_chunks and lean")
-    if head_split not in chunk_fwd.HEAD_SPLITS or (head_split and (warm_bound is None or not lean)):
-        raise ValueError(f"head_split must be one of {chunk_fwd.HEAD_SPLITS}, and above 0 only with warm_bound and "
-                         f"lean, got {head_split}")
-    if head_split and not 0 < split_cap <= 1:
-        raise ValueError(f"split_cap is a fraction of a segment's chunks in (0, 1], got {split_cap}")
+    if a_inv.dtype != torch.bfloat16:
+        raise TypeError(f"a_inv must be the pre-pass's bf16 A_inv diag(β), got {a_inv.dtype}")
     if warm_chunks is not None or warm_bound is not None:
-        if out is not None and not (warm_subset or head_split):
-            raise ValueError("out: not with warm_chunks or warm_bound (but with warm_subset or head_split)")
         if (warm_chunks is None) == (warm_bound is None) or (warm_bound is not None) != (warm_threshold is not None):
             raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
+        if affine:
+            raise ValueError("warm_chunks is phase C's walk: not with affine")
         return _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads,
-                          num_stages, async_dots, roles, affine, stsm, beta_in_a_inv, warm_bound, warm_threshold,
-                          min_blocks, lean, warm_subset, out, head_split, split_cap)
+                          num_stages, warm_bound, warm_threshold, lean)
     if affine and initial_state is not None:
         raise ValueError("the affine walk starts from [I | 0]: no initial state")
     Tp = chunk_fwd.padded_length(T)
@@ -142,33 +106,14 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                          f"{list(beta_hm.shape)}")
     if skip_m is not None and not affine:
         raise ValueError("skip_m applies to the affine walk (affine=True)")
-    if out is not None and (affine or out[0].shape != v.shape or out[0].dtype != v.dtype or
-                            out[1].shape != (B, HV, K, V) or out[1].dtype != torch.float32 or
-                            not (out[0].is_contiguous() and out[1].is_contiguous())):
-        raise ValueError(f"out must be a contiguous o {list(v.shape)} {v.dtype} and a contiguous final state "
-                         f"{[B, HV, K, V]} fp32 (not with affine)")
     if skip_m is not None and skip_m.shape != (B, HV):
         raise ValueError(f"skip_m must be [B, HV] = {[B, HV]}, got {list(skip_m.shape)}")
-    if roles:
-        if a_inv.dtype != torch.bfloat16:
-            raise TypeError(f"the role-split kernel takes a bf16 a_inv, got {a_inv.dtype}")
-        if beta_in_a_inv or min_blocks > 1:
-            raise ValueError("the role-split kernel reads β itself and runs one program per SM: not with "
-                             "beta_in_a_inv or min_blocks")
-        from .chunk_fwd_roles import compiled_kernel_roles
-        kernel = compiled_kernel_roles(H, HV, K, V, BV, float(scale), initial_state is not None,
-                                       _dtype_name(beta_hm.dtype), affine)
-    else:
-        kernel = walk_kernel(H, HV, K, V, BV, scale, threads, num_stages, initial_state is not None, beta_hm.dtype,
-                             a_inv.dtype, async_dots, affine, tma_o, stsm, beta_in_a_inv, min_blocks,
-                             lean and affine and skip_m is not None)      # elsewhere the same kernel
+    kernel = walk_kernel(H, HV, K, V, BV, scale, threads, num_stages, initial_state is not None, beta_hm.dtype,
+                         affine, lean and affine and skip_m is not None)      # elsewhere lean is the same kernel
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
-    if out is not None:          # o and the final state into the caller's tensors (views of larger ones)
-        o, ht = out
-    else:
-        o = v if affine else torch.empty_like(v)
-        ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
+    o = v if affine else torch.empty_like(v)
+    ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
     args = [q.contiguous(), k.contiguous(), v, gc_hm.contiguous(), beta_hm.contiguous(), a_inv.contiguous(), h0]
     # skip_m: read only by the affine walk (zeros there: every M walked); a placeholder elsewhere
     args.append(skip_m.to(torch.int32).contiguous() if skip_m is not None else
@@ -187,15 +132,12 @@ def state_arg(initial_state: Optional[torch.Tensor], shape: tuple, device) -> to
 
 
 def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, BV, threads, num_stages,
-               async_dots, roles, affine, stsm, beta_in_a_inv, bound=None, threshold=None, min_blocks=1, lean=False,
-               warm_subset=0, out=None, head_split=0, split_cap=0.375):
+               bound=None, threshold=None, lean=False):
     """:func:`chunk_fwd_hopper_hm` with ``warm_chunks``, or ``bound`` and ``threshold`` (the walk that plans its
     warm-ups; dtypes and BV checked there): the layouts, then the warm kernel."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NB, L = gc_hm.shape[0], gc_hm.shape[2]
-    if roles or affine:
-        raise ValueError("warm_chunks is phase C's walk: not with roles or affine")
     if L % BT or T % L or NB != B * (T // L):
         raise ValueError(f"gc must be per segment [B·S, HV, L] with L a multiple of {BT} dividing T = {T} and "
                          f"B·S = {B}·T/L, got {list(gc_hm.shape)}")
@@ -220,18 +162,10 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
         if warm_chunks.shape != (NB, HV):
             raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
         h0, ctl = state_arg(initial_state, (NB, HV, K, V), q.device), warm_chunks.to(torch.int32).contiguous()
-    if out is not None:          # warm_subset, head_split: the other launch writes the rest of o and ht
-        o, ht = out
-        if o.shape != v.shape or o.dtype != v.dtype or ht.shape != (B, HV, K, V) or ht.dtype != torch.float32 or \
-                not (o.is_contiguous() and ht.is_contiguous()):
-            raise ValueError(f"out must be a contiguous o {list(v.shape)} {v.dtype} and a contiguous final state "
-                             f"{[B, HV, K, V]} fp32")
-    else:
-        o = torch.empty_like(v)
-        ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
+    o = torch.empty_like(v)
+    ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
     kernel = warm_kernel(H, HV, K, V, BV, scale, threads, num_stages, not planned or initial_state is not None,
-                         beta_hm.dtype, a_inv.dtype, async_dots, stsm, beta_in_a_inv, threshold if planned else None,
-                         min_blocks, lean, warm_subset, head_split, split_cap)
+                         beta_hm.dtype, threshold if planned else None, lean)
     chunk_fwd.launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(),
                                beta_hm.contiguous(), a_inv.contiguous(), h0, ctl, o, ht)
     return o, ht
