@@ -59,14 +59,14 @@ def test_forced_paths_reach_their_triton_forward(monkeypatch):
 def test_a_hopper_forward_that_does_not_compile_falls_back_to_triton(monkeypatch):
     """A Hopper plan whose kernels fail to compile: the call warns, records the failure (so every later call's plan
     says why not) and returns the Triton split's result."""
-    from linattn.ops.hopper import chunk_fwd
+    from linattn.ops.hopper import chunk_fwd, compile
     from linattn.ops.hopper import forward as hopper_fwd
 
     from .hopper_twins import hand_plan
 
     def does_not_compile(*args, **kwargs):
         raise chunk_fwd.HopperCompileError("no sm_90a here")
-    monkeypatch.setattr(chunk_fwd, "COMPILE_FAILED", None)
+    monkeypatch.setattr(compile, "_compile_failure", None)
     monkeypatch.setattr(hopper_fwd, "forward_hopper", does_not_compile)
     monkeypatch.setattr(dispatch, "choose_forward_path",
                         lambda *a, **kw: dispatch.ForwardChoice("hopper", "test", hand_plan()))
@@ -74,7 +74,7 @@ def test_a_hopper_forward_that_does_not_compile_falls_back_to_triton(monkeypatch
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
     with pytest.warns(RuntimeWarning, match="did not compile"):
         o, ht = dispatch.run_forward(*args, 0.25, None, None, None, "triton")
-    assert chunk_fwd.COMPILE_FAILED == "no sm_90a here"
+    assert chunk_fwd.compile_failed() == "no sm_90a here"
     from linattn.ops.gated_delta.triton_chunk import forward_split
     o_split, ht_split = forward_split(*args, 0.25, None, None, None)
     assert torch.equal(o, o_split) and torch.equal(ht, ht_split)

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 import linattn
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import chunk_fwd_ref as twins
@@ -38,20 +37,6 @@ def gpu_inputs(B, T, H, HV, K, V, seed=0):
     """:func:`inputs` on the GPU as the op takes them: q, k, v in bf16, the gates, β and the initial state fp32."""
     return {n: (t if n in ("q", "k", "v") else t.float()).cuda()
             for n, t in inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, seed=seed).items()}
-
-
-def op_outputs_off_and_on(monkeypatch, module, switch: str, x: dict) -> list:
-    """(o, final state) of the public op ("auto", no grad) on the GPU inputs ``x`` with ``module.switch`` off, then
-    on: for the switches that must change no value (compare them bitwise)."""
-    import linattn
-    from linattn.ops.gated_delta import triton_chunk
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(module, switch, on)
-        with torch.no_grad():
-            outs.append(linattn.chunk_gated_delta_rule(**x, output_final_state=True))
-    return outs
 
 
 def rel(a, b):
@@ -143,108 +128,39 @@ def off_boundary(x: torch.Tensor, elements: int = 1) -> torch.Tensor:
 
 
 def test_inputs_off_a_16_byte_boundary_take_the_triton_paths(monkeypatch):
-    """hopper_plan: with the device and dtype gates passed (as on an sm_90 GPU with TileLang), the Hopper launch for
-    aligned inputs; None (the Triton paths) where q, v or one of the others starts off a 16-byte boundary."""
-    from linattn.ops.hopper import forward as hopper_forward
-    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(hopper, "unsupported_reason", lambda q, v, cu_seqlens: None)
-    monkeypatch.setattr(triton_chunk, "num_sms", lambda device: 132)
-    monkeypatch.setattr(hopper_forward, "plan", lambda *a, **kw: dict(hopper_forward.LAUNCH))
-
-    class OnGpu:
-        """A CPU tensor as hopper_plan sees it on the GPU: the device gate passes; shape, dtype and address its."""
-        def __init__(self, t):
-            self.t, self.shape, self.dtype, self.device = t, t.shape, t.dtype, torch.device("cuda", 0)
-
-        def data_ptr(self):
-            return self.t.data_ptr()
+    """plan.plan_inputs: with the device and dtype gates passed (as on an sm_90 GPU with TileLang), a plan for
+    aligned inputs; None (the Triton paths), with the reason, where q, v or one of the others starts off a 16-byte
+    boundary."""
+    from linattn.ops.hopper import plan as hopper_plan
+    x = inputs(8, 64, 16, 16, 64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(hopper_plan, "unsupported_reason", lambda q, v, cu_seqlens: None)
+    monkeypatch.setattr(hopper_plan, "num_sms", lambda device: 132)
     others = [x["k"], x["g"].float(), x["beta"].float(), x["initial_state"].float()]
     assert hopper.misaligned(x["q"], x["v"], *others, None) is None
-    assert triton_chunk.hopper_plan(OnGpu(x["q"]), OnGpu(x["v"]), None, 1, others=tuple(others)) == \
-        hopper_forward.LAUNCH
+    found, _ = hopper_plan.plan_inputs(x["q"], x["v"], tuple(others), None, None)
+    assert found is not None
     for i in range(len(others)):
         moved = list(others)
         moved[i] = off_boundary(others[i])
         assert torch.equal(moved[i], others[i]) and moved[i].is_contiguous()
         assert hopper.misaligned(x["q"], x["v"], *moved) == 2 + i
-        assert triton_chunk.hopper_plan(OnGpu(x["q"]), OnGpu(x["v"]), None, 1, others=tuple(moved)) is None
-    assert triton_chunk.hopper_plan(OnGpu(off_boundary(x["q"])), OnGpu(x["v"]), None, 1) is None
+        found, why = hopper_plan.plan_inputs(x["q"], x["v"], tuple(moved), None, None)
+        assert found is None and "16-byte" in why
+    assert hopper_plan.plan_inputs(off_boundary(x["q"]), x["v"], (), None, None)[0] is None
     assert hopper.misaligned(off_boundary(x["v"], 8)) is None          # 8 bf16 elements: 16 bytes on
 
 
 @pytest.mark.interpreter
-def test_hopper_forward_path_falls_back_where_the_kernel_cannot_run(monkeypatch):
-    """triton_chunk.FORWARD_PATH = "hopper" on inputs the kernel does not take (here: CPU tensors under the
-    interpreter) runs the "auto" path: the same output and final state."""
+def test_hopper_forward_path_falls_back_where_the_kernel_cannot_run():
+    """The forced "hopper" path on inputs the kernel does not take (here: CPU tensors under the interpreter) runs
+    the "auto" path: the same output and final state."""
+    from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
     x = inputs(2, 70, 1, 2, 16, 16, dtype=torch.float32)
     args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
     kw = dict(initial_state=x["initial_state"].float(), output_final_state=True, backend="triton")
     o_auto, ht_auto = linattn.chunk_gated_delta_rule(*args, **kw)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "hopper")
-    o_h, ht_h = linattn.chunk_gated_delta_rule(*args, **kw)
+    o_h, ht_h = chunk_gated_delta_rule_on_path("hopper", *args, **kw)
     assert torch.equal(o_h, o_auto) and torch.equal(ht_h, ht_auto)
-
-
-def test_hopper_launch_needs_programs_that_fill_the_card():
-    """The "auto" path takes the Hopper forward only where its programs fill the SMs: BV=128 first, then 64 (more
-    programs), else None (the Triton paths, which split long sequences). Issue 4's rows on 132 SMs."""
-    from linattn.ops.hopper.forward import LAUNCH, hopper_launch
-    assert hopper_launch(8, 16, 128, 132) == LAUNCH                  # B=8 T=4096 H=16: 128 programs
-    assert hopper_launch(4, 32, 128, 132) == LAUNCH                  # 4×8192 HV=32
-    assert hopper_launch(2, 32, 128, 132) == dict(LAUNCH, BV=64)     # 2×16384 H=32: 64 at BV=128, 128 at 64
-    assert hopper_launch(1, 16, 128, 132) is None                    # B=1 H=16: 32 programs at most
-    assert hopper_launch(1, 8, 128, 132) is None
-    assert hopper_launch(16, 16, 64, 132) == dict(LAUNCH, BV=64)     # K = V = 64: BV=128 does not divide V
-    assert hopper_launch(4, 16, 256, 132) == LAUNCH                  # V = 256: two tiles per head
-
-
-def test_hopper_plan_decides_cpu_and_fp32_without_the_hopper_modules(monkeypatch):
-    """hopper_plan answers None for CPU, fp16 and fp32 inputs before importing anything of ops/hopper."""
-    x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
-    for path in ("auto", "hopper"):
-        monkeypatch.setattr(triton_chunk, "FORWARD_PATH", path)
-        assert triton_chunk.hopper_plan(x["q"], x["v"], None, 1) is None
-        assert triton_chunk.hopper_plan(x["q"].float(), x["v"].float(), None, 1) is None
-
-
-def test_segment_count_fills_the_card_with_views():
-    """The segmented Hopper forward (FORWARD_PATH = "hopper" where the plain kernel cannot fill the SMs): the fewest
-    power-of-two segments per sequence that fill the card, dividing T's chunks, ≥ MIN_SEGMENT_CHUNKS each."""
-    from linattn.ops.hopper.forward import segment_count
-    assert segment_count(1, 16, 128, 32768, 132) == 8          # 16 → 128 programs of BV=128
-    assert segment_count(1, 8, 128, 32768, 132) == 16          # 2/8 heads
-    assert segment_count(1, 16, 128, 131072, 132) == 8
-    assert segment_count(1, 16, 128, 4096, 132) == 4           # 64 chunks: 4 segments of 16 chunks
-    assert segment_count(1, 16, 128, 4096 + 64, 132) is None   # 65 chunks: no equal segments
-    assert segment_count(1, 16, 128, 1000, 132) is None        # T not a multiple of 64
-    assert segment_count(1, 1, 128, 2048, 132) is None         # 32 chunks: 2 segments of 16 cannot fill 132 SMs
-
-
-def test_plan_takes_segments_where_the_kernel_alone_cannot_fill_the_card(monkeypatch):
-    """hopper.forward.plan (what hopper_plan runs on sm_90): the unsegmented kernel where it fills the SMs, else the
-    segmented forward (under "auto" only with SEGMENTED_AUTO; below MIN_SEGMENTED_HEAD_TOKENS rows without its
-    levers, with SMALL_SEGMENTED), else None under "auto" and the unsegmented kernel at its fitted launch when
-    forced."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    from linattn.ops.hopper.forward import LAUNCH, plan
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)                           # its own test below
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", False)
-    assert plan(1, 16, 128, 32768, 132, False) is None                                     # "auto": no segments
-    assert plan(1, 16, 128, 32768, 132, True) == dict(LAUNCH, segments=8)                  # forced: segments
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", True)
-    for forced in (False, True):
-        assert plan(8, 16, 128, 4096, 132, forced) == LAUNCH                               # fills: no segments
-        assert plan(1, 16, 128, 32768, 132, forced) == dict(LAUNCH, segments=8)            # 8 × 16 programs
-        assert plan(1, 8, 128, 32768, 132, forced) == dict(LAUNCH, segments=16)            # 2¹⁸ rows: enough work
-    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", False)
-    assert plan(1, 16, 128, 4096, 132, False) is None                                      # 2¹⁶ rows: the split
-    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", True)
-    small = dict(LAUNCH, BV=64, segments=4, skip_maps=False, warm_up=False)     # 2¹⁶ rows: host-bound, 4 launches
-    assert plan(1, 16, 128, 4096, 132, False) == small
-    assert plan(1, 16, 128, 4096, 132, True) == dict(LAUNCH, BV=64, segments=4)            # 4 × 16 × 2 programs
-    assert plan(1, 16, 128, 1000, 132, False) is None                                      # T: no equal segments
-    assert plan(1, 16, 128, 1000, 132, True) == LAUNCH
-    assert plan(1, 16, 192, 1000, 132, True) == dict(LAUNCH, BV=64)
 
 
 def warm_up_capture_replay(call):
@@ -263,22 +179,6 @@ def warm_up_capture_replay(call):
     return warm, captured
 
 
-def test_plan_under_capture_picks_by_gpu_time(monkeypatch):
-    """Under CUDA graph capture, with SEGMENTED_WHEN_CAPTURED, "auto" segments small shapes too, with the levers
-    (the host's cost is paid once); without the flag, or eagerly, the small shape keeps the split."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    from linattn.ops.hopper.forward import LAUNCH, plan
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", True)
-    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", False)
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", False)
-    assert plan(1, 16, 128, 4096, 132, False, capturing=True) is None
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
-    assert plan(1, 16, 128, 4096, 132, False, capturing=False) is None
-    assert plan(1, 16, 128, 4096, 132, False, capturing=True) == dict(LAUNCH, BV=64, segments=4)
-    assert plan(1, 16, 128, 1000, 132, False, capturing=True) is None                      # T: no equal segments
-
-
 @pytest.mark.parametrize("threads", [256, 128, 384])
 def test_consumer_registers_fit_what_the_program_holds_at_launch(threads):
     """setmaxnreg.inc takes registers from the program's own pool and waits until it holds enough, so the split
@@ -293,103 +193,31 @@ def test_consumer_registers_fit_what_the_program_holds_at_launch(threads):
     assert hopper.consumer_registers(256) == 240
 
 
-def test_plan_takes_the_two_launch_segmented_forward_for_small_shapes(monkeypatch):
-    """SMALL_PLAN_IN_WALK: below MIN_SEGMENTED_HEAD_TOKENS "auto" segments with the warm-ups planned in the walk
-    (before SMALL_SEGMENTED's four launches); larger shapes and the forced path keep the levers."""
+@ON_HOPPER
+def test_a_captured_small_call_replays_the_two_launch_forward(monkeypatch):
+    """B=1 T=4096 H=16 through the op takes the two-launch plan (the planned warm walk) eagerly and under capture
+    alike (nothing in it waits on the host), and the replay writes the eager call's numbers bitwise, within the bf16
+    bound of the float64 recurrence. The eager call runs the plain forward, the warm-up its prepared call (which
+    records the route), and the capture takes the route: forward_hopper sees two calls, not three."""
     from linattn.ops.hopper import forward as hopper_fwd
-    from linattn.ops.hopper.forward import LAUNCH, plan
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_AUTO", True)
-    monkeypatch.setattr(hopper_fwd, "SMALL_SEGMENTED", True)
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", True)
-    assert plan(1, 16, 128, 4096, 132, False) == dict(LAUNCH, BV=64, segments=4, plan_in_walk=True)
-    assert plan(1, 16, 128, 4096, 132, True) == dict(LAUNCH, BV=64, segments=4)
-    assert plan(1, 16, 128, 32768, 132, False) == dict(LAUNCH, segments=8)
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)
-    assert plan(1, 16, 128, 4096, 132, False)["warm_up"] is False                          # SMALL_SEGMENTED's
-
-
-def small_call_recording_plans(monkeypatch, plan_in_walk: bool, when_captured: bool, seed: int = 0):
-    """B=1 T=4096 H=16 through the op ("auto") with SMALL_PLAN_IN_WALK and SEGMENTED_WHEN_CAPTURED set: (the inputs,
-    the list that collects the keywords of every forward_hopper call, the call)."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", plan_in_walk)
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", when_captured)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    x = gpu_inputs(1, 4096, 16, 16, 128, 128, seed=seed)
+    from linattn.ops.hopper import prepared, route
+    monkeypatch.setattr(route, "_routes", {})       # no route nor prepared call from an earlier test
+    monkeypatch.setattr(prepared, "_prepared", {})
+    x = gpu_inputs(1, 4096, 16, 16, 128, 128, seed=5)
     plans = []
     real = hopper_fwd.forward_hopper
-    monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda *a, **kw: plans.append(kw) or real(*a, **kw))
-    return x, plans, lambda: linattn.chunk_gated_delta_rule(**x, output_final_state=True)
-
-
-@ON_HOPPER
-def test_a_captured_small_call_takes_the_segmented_forward(monkeypatch):
-    """B=1 T=4096 H=16 through the op captured in a CUDA graph, with SEGMENTED_WHEN_CAPTURED: the replay runs the
-    segmented forward with its levers, bitwise what the same plan writes eagerly, and the eager call keeps the
-    split."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    # eager small calls: the split
-    x, plans, call = small_call_recording_plans(monkeypatch, plan_in_walk=False, when_captured=True)
-    with torch.no_grad():
-        eager = call()
-        assert plans == []                                                 # eager: the split
-        small = hopper_fwd.MIN_SEGMENTED_HEAD_TOKENS
-        monkeypatch.setattr(hopper_fwd, "MIN_SEGMENTED_HEAD_TOKENS", 0)   # the same plan eagerly (its kernels warm)
-        want = call()
-        assert plans[-1].get("segments") == 4 and "skip_maps" not in plans[-1]
-        monkeypatch.setattr(hopper_fwd, "MIN_SEGMENTED_HEAD_TOKENS", small)
-        _, captured = warm_up_capture_replay(call)
-    assert len(plans) == 2 and plans[0] == plans[1]                        # the capture took the segmented plan
-    assert all(torch.equal(a, b) for a, b in zip(captured, want))
-    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
-    for o, ht in (captured, eager):       # the core issue's bf16 bound (the split's error is the smaller)
-        assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
-
-
-@ON_HOPPER
-@pytest.mark.parametrize("routes", [False, True], ids=["plain", "routed"])
-def test_a_captured_small_call_replays_the_two_launch_forward(monkeypatch, routes):
-    """SMALL_PLAN_IN_WALK (SEGMENTED_WHEN_CAPTURED off): B=1 T=4096 H=16 through the op takes the two-launch plan
-    eagerly and under capture alike (nothing in it waits on the host), and the replay writes the eager call's
-    numbers bitwise, within the bf16 bound of the float64 recurrence. With routes (prepared_route.ROUTES) the eager
-    call runs the plain forward, the warm-up its prepared call (which records the route), and the capture takes the
-    route: forward_hopper sees two calls, not three."""
-    from linattn.ops.gated_delta import prepared_route
-    from linattn.ops.hopper import prepared
-    monkeypatch.setattr(prepared_route, "ROUTES", routes)
-    monkeypatch.setattr(prepared_route, "_routes", {})     # no route nor prepared call from an earlier test
-    monkeypatch.setattr(prepared, "_prepared", {})
-    x, plans, call = small_call_recording_plans(monkeypatch, plan_in_walk=True, when_captured=False, seed=5)
-    with torch.no_grad():
-        eager = call()
-        _, captured = warm_up_capture_replay(call)
-    assert len(plans) == (2 if routes else 3) and plans[0].get("plan_in_walk") is True
-    assert all(plan == plans[0] for plan in plans)
-    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
-    ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
-    assert rel(eager[0], ro) < 5e-3 and rel(eager[1], rht) < 5e-3
-
-
-@ON_HOPPER
-def test_a_capture_whose_segmented_kernels_never_ran_eagerly(monkeypatch):
-    """What a user's warm-up leaves (torch.compile's CUDA graphs too): eager calls of a small shape run the split,
-    so under SEGMENTED_WHEN_CAPTURED the segmented forward's kernels are first built, loaded and launched inside the
-    capture. The capture must succeed and replay within the bf16 bound. Meaningful only in a process where no
-    Hopper kernel of this shape ran before: run it alone first (``-k never_ran_eagerly``)."""
-    from linattn.ops.hopper import forward as hopper_fwd
-    monkeypatch.setattr(hopper_fwd, "SMALL_PLAN_IN_WALK", False)              # eager small calls: the split
-    monkeypatch.setattr(hopper_fwd, "SEGMENTED_WHEN_CAPTURED", True)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
-    x = gpu_inputs(1, 2048, 32, 32, 128, 128, seed=1)
+    monkeypatch.setattr(hopper_fwd, "forward_hopper", lambda plan, *a, **kw: plans.append(plan) or real(plan, *a, **kw))
 
     def call():
         return linattn.chunk_gated_delta_rule(**x, output_final_state=True)
     with torch.no_grad():
-        eager, captured = warm_up_capture_replay(call)                     # the warm-up: the split
+        eager = call()
+        _, captured = warm_up_capture_replay(call)
+    assert len(plans) == 2 and plans[0].planned_walk and plans[0].segments == 4
+    assert all(plan == plans[0] for plan in plans)
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
-    for o, ht in (captured, eager):
-        assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
-    assert not torch.equal(captured[0], eager[0])                          # two paths, not one twice
+    assert rel(eager[0], ro) < 5e-3 and rel(eager[1], rht) < 5e-3
 
 
 @ON_HOPPER
@@ -399,50 +227,25 @@ def test_the_two_launch_segmented_forward_on_the_gpu(slow_heads):
     recurrence and, where every head forgets, close to the five-launch segmented forward (the same warm-ups, up to
     where a sum in another order crosses the threshold). With slow heads (g/256: no warm-up within the sequence)
     their segments walk from the sequence's start, and the result is still the recurrence's."""
+    import dataclasses
+
     from linattn.ops.hopper import forward as hopper_fwd
+    from linattn.ops.hopper import plan as hopper_plan
     x = gpu_inputs(1, 4096, 16, 16, 128, 128, seed=3)
     if slow_heads:
         x["g"][..., ::2] /= 256
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128 ** -0.5, x["initial_state"]]
-    launch = hopper_fwd.plan(1, 16, 128, 4096, torch.cuda.get_device_properties(0).multi_processor_count, True)
-    assert launch["segments"] == 4
+    planned = hopper_plan.plan(1, 16, 128, 4096, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert planned.segments == 4 and planned.planned_walk
     with torch.no_grad():
-        o2, ht2 = hopper_fwd.forward_hopper(*args, plan_in_walk=True, **launch)
-        o5, ht5 = hopper_fwd.forward_hopper(*args, **launch)
+        o2, ht2 = hopper_fwd.forward_hopper(planned, *args)
+        o5, ht5 = hopper_fwd.forward_hopper(dataclasses.replace(planned, planned_walk=False), *args)
     ro, rht = gated_delta_rule_reference(**x, scale=128 ** -0.5)
     assert rel(o2, ro) < 5e-3 and rel(ht2, rht) < 5e-3
     if not slow_heads:      # the same warm-ups; slow heads take maps in one and the whole prefix in the other, two
         assert rel(o2, o5) < 1e-3 and rel(ht2, ht5) < 1e-3      # bf16 roundings as far from each other as from float64
     else:
         assert rel(o5, ro) < 5e-3
-
-
-@pytest.mark.interpreter
-def test_a_kernel_that_does_not_compile_sends_the_op_to_triton_once(monkeypatch):
-    """Where TileLang imports but cannot build the kernel (no CUDA toolkit, ...), the op warns once, returns the
-    Triton forward's result, and turns the Hopper path away from then on (unsupported_reason says why)."""
-    from linattn.ops.hopper import compile as hopper_compile
-    from linattn.ops.hopper import forward as hopper_fwd
-    monkeypatch.setattr(hopper_compile, "_compile_failure", None)  # this process's state, as a fresh process's
-    calls = []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        raise hopper.HopperCompileError("nvcc: not found")
-
-    x = inputs(1, 70, 1, 2, 16, 16, dtype=torch.float32)
-    args = [x[n].float() for n in ("q", "k", "v", "g", "beta")]
-    kw = dict(initial_state=x["initial_state"].float(), output_final_state=True, backend="triton")
-    o_ref, ht_ref = linattn.chunk_gated_delta_rule(*args, **kw)
-    monkeypatch.setattr(triton_chunk, "hopper_plan",
-                        lambda *a, **kw: None if hopper.compile_failed() else dict(hopper_fwd.LAUNCH))
-    monkeypatch.setattr(hopper_fwd, "forward_hopper", failing)
-    with pytest.warns(RuntimeWarning, match="did not compile"):
-        o, ht = linattn.chunk_gated_delta_rule(*args, **kw)
-    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
-    assert "nvcc" in hopper.compile_failed() and len(calls) == 1
-    o2, _ = linattn.chunk_gated_delta_rule(*args, **kw)            # no second attempt, no second warning
-    assert torch.equal(o2, o_ref) and len(calls) == 1
 
 
 def test_launcher_calls_the_executable_only_where_it_can():

@@ -47,7 +47,7 @@ def test_lean_twin_writes_only_the_last_segments_final_states():
     from linattn.ops.hopper.prepass import prepass_hopper_ref
     x = three_heads()
     q, k, v, g, beta = (x[n].float() for n in ("q", "k", "v", "g", "beta"))
-    pre = prepass_hopper_ref(k, g, beta, S, torch.float32, False)[:3]
+    pre = prepass_hopper_ref(k, g, beta, S, torch.float32)[:3]
     warm = torch.full((S, 3), 2, dtype=torch.int32)
     warm[0] = 0
     h0 = torch.zeros(S, 3, 16, 16)
@@ -63,7 +63,7 @@ def test_lean_kernels_guard_their_reads_and_writes():
     """sm_90a source: phase A's lean kernel writes a map only where its flag is not 2; the lean warm walk reads h0
     only where the warm-up is zero, and both warm walks write the final state only from a sequence's last segment
     (segment index T/L − 1), where the plain kernels read and write unconditionally."""
-    variants = dict(KERNEL_VARIANTS, warm=dict(warm=True, async_o=True, async_ax=True))
+    variants = dict(KERNEL_VARIANTS, warm=dict(warm=True))
     last = "% (T / L)) == ((T / L) - 1)) {"
     for name, guards in (("affine", ["if (ctl[((int64_t)((int)blockIdx.y))] != 2) {"]),
                          ("warm", ["if (0 < ctl[((int64_t)((int)blockIdx.y))]) {", last]),

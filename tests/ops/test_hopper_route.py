@@ -95,7 +95,8 @@ def test_bad_inputs_and_gradients_take_the_plain_route(routed):
     assert route.run(route.lookup(*moved), *moved[:5], None) is None
     # the pre-processing keywords and packed sequences never look a route up: the plain route, its checks included
     with pytest.raises(ValueError, match="A_log"):
-        linattn.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, A_log=torch.zeros(HV), backend="triton")
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, A_log=torch.zeros(HV + 1),
+                                       dt_bias=torch.zeros(HV), backend="triton")
 
 
 def test_a_routable_call_traces_without_a_graph_break():

@@ -61,8 +61,7 @@ def test_the_map_norm_bound_holds_for_the_exact_map():
     for key_scale, beta_scale in ((1.0, 1.0), (1.4, 2.0)):
         x = inputs(2, 256, 1, 2, 16, 16)
         k, beta = x["k"] * key_scale, x["beta"] * beta_scale
-        gc_hm, beta_hm, a_inv, _ = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64,
-                                                      beta_in_a_inv=False)
+        gc_hm, beta_hm, a_inv, _ = prepass_hopper_ref(k, x["g"], beta, 4, a_inv_dtype=torch.float64)
         _, mn = twins.chunk_fwd_hopper_hm_ref(_seg(x["q"], 4), _seg(k, 4), _seg(x["v"], 4), gc_hm, beta_hm,
                                                _seg(a_inv, 4), 0.25, None, affine=True)
         norms = torch.linalg.matrix_norm(mn[..., :16], ord=2)                   # [B·S, HV]

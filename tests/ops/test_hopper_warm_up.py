@@ -144,13 +144,13 @@ def test_warm_twin_keeps_each_segments_rows():
     x = three_heads()
     q, k, v, g, beta = (x[n].float() for n in ("q", "k", "v", "g", "beta"))
     h0 = x["initial_state"].float()
-    whole = twins.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, 1, torch.float32, False)[:3],
+    whole = twins.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, 1, torch.float32)[:3],
                                            0.25, h0)
     L = LC * 64
     h_in = [h0[0]] + [gated_delta_rule_reference(**{n: t[:, :s * L] for n, t in x.items() if n != "initial_state"},
                                                  scale=0.25, initial_state=x["initial_state"])[1][0].float()
                       for s in range(1, S)]
-    o, ht = twins.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32, False)[:3],
+    o, ht = twins.chunk_fwd_hopper_hm_ref(q, k, v, *prepass_hopper_ref(k, g, beta, S, torch.float32)[:3],
                                            0.25, torch.stack(h_in), warm_chunks=torch.zeros(S, 3, dtype=torch.int32))
     assert rel(o, whole[0]) < 1e-5 and rel(ht[-1], whole[1][0]) < 1e-5
 

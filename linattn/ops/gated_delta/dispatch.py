@@ -99,7 +99,7 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         try:
             return hopper_forward.forward_hopper(choice.plan, q, k, v, g, beta, scale, initial_state, cu_seqlens)
         except chunk_fwd.HopperCompileError as e:       # unsupported_reason says so to every later call
-            chunk_fwd.COMPILE_FAILED = str(e)
+            chunk_fwd.mark_compile_failed(str(e))
             warnings.warn(f"linattn: the Hopper forward (TileLang) did not compile here, so the Triton forward runs "
                           f"instead: {e}", RuntimeWarning, stacklevel=2)
             num_sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1

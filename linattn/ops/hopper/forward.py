@@ -19,7 +19,6 @@ from .chunk_fwd import BT
 from .map_bound import SegmentPlan, segment_plan
 from .plan import (
     DEFAULT,
-    KERNEL_OPTIONS,
     HopperPlan,
     HopperPlanConfig,
     fitted_launch,
@@ -84,7 +83,7 @@ def forward_plain(plan: HopperPlan, q: torch.Tensor, k: torch.Tensor, v: torch.T
     T, S = q.shape[1], plan.segments
     if S > 1 and T % (BT * S):
         raise ValueError(f"{S} segments need T a multiple of {BT * S}, got T={T}")
-    launch = dict(fitted_launch(v.shape[3], plan.kernel_launch), **KERNEL_OPTIONS)
+    launch = fitted_launch(v.shape[3], plan.kernel_launch)
     gc_hm, beta_hm, a_inv, bound = prepass_hopper(k, g, beta, S)
     if S == 1:
         return chunk_fwd_hopper_hm(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, **launch)

@@ -76,11 +76,6 @@ class CacheLimits:
 
 CACHE_LIMITS = CacheLimits()
 
-# The walk's options that are decided (the asynchronous first dots, o stored by TMA, stores by stmatrix, A_inv with
-# β folded in): passed explicitly until the kernel builder takes them as its only code path
-KERNEL_OPTIONS = dict(async_dots=True, tma_o=True, stsm=True, beta_in_a_inv=True)
-
-
 @dataclass(frozen=True)
 class HopperPlan:
     """How the Hopper forward runs one call: the walk's ``launch`` (BV, threads, num_stages), ``segments`` per

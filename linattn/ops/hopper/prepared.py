@@ -20,7 +20,7 @@ import torch
 from ..common.seq_parallel import affine_scan_launcher
 from . import chunk_fwd, map_bound, prepass, walk_launch
 from . import plan as plan_module
-from .plan import KERNEL_OPTIONS, HopperPlan, fitted_launch, map_slots, scan_options, warm_up_max
+from .plan import HopperPlan, fitted_launch, map_slots, scan_options, warm_up_max
 
 
 def signature(q, k, v, g, beta, scale, initial_state, plan: HopperPlan) -> tuple:
@@ -149,22 +149,17 @@ def compiled_walks(H: int, HV: int, K: int, V: int, scale: float, launch: dict, 
                    beta_dtype: torch.dtype) -> dict:
     """The compiled kernels the plain forward launches for this signature (cached since its call), by role:
     "prepass", "walk" (unsegmented), "planned" (the warm walk that plans its warm-ups), "affine" (phase A), "warm"
-    (phase C); ``launch``: the walk's keywords with ``plan.KERNEL_OPTIONS``. The one place that names the
-    kernel builders' positional options."""
+    (phase C); ``launch``: the walk's BV, threads and num_stages. The one place that names the kernel builders'
+    positional options."""
     BV, threads, stages = launch["BV"], launch["threads"], launch["num_stages"]
-    async_dots, tma_o, stsm, beta_in_a = (launch[name] for name in ("async_dots", "tma_o", "stsm", "beta_in_a_inv"))
-    bf16 = torch.bfloat16
     walk = functools.partial(walk_launch.walk_kernel, H, HV, K, V)
     warm = functools.partial(walk_launch.warm_kernel, H, HV, K, V, BV, scale, threads, stages)
     return dict(
-        prepass=lambda: prepass.prepass_kernel(H, HV, K, beta_dtype, beta_in_a),
-        walk=lambda: walk(BV, scale, threads, stages, has_state, beta_dtype, bf16, async_dots, False, tma_o, stsm,
-                          beta_in_a, 1, False),
-        planned=lambda threshold: warm(has_state, beta_dtype, bf16, async_dots, stsm, beta_in_a, threshold,
-                                                 1, True),
-        affine=lambda: walk(fitted_launch(K, launch)["BV"], scale, threads, stages, False, beta_dtype, bf16,
-                            async_dots, True, tma_o, stsm, beta_in_a, 1, True),
-        warm=lambda: warm(True, beta_dtype, bf16, async_dots, stsm, beta_in_a, None, 1, True, 0),
+        prepass=lambda: prepass.prepass_kernel(H, HV, K, beta_dtype),
+        walk=lambda: walk(BV, scale, threads, stages, has_state, beta_dtype, False, False),
+        planned=lambda threshold: warm(has_state, beta_dtype, threshold, True),
+        affine=lambda: walk(fitted_launch(K, launch)["BV"], scale, threads, stages, False, beta_dtype, True, True),
+        warm=lambda: warm(True, beta_dtype, None, True),
     )
 
 
@@ -175,7 +170,7 @@ def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     S, config = plan.segments, plan.config
-    launch = dict(fitted_launch(V, plan.kernel_launch), **KERNEL_OPTIONS)
+    launch = fitted_launch(V, plan.kernel_launch)
     kernels = compiled_walks(H, HV, K, V, scale, launch, has_state, beta_dtype)
     BT, bf16, f32, i32 = chunk_fwd.BT, torch.bfloat16, torch.float32, torch.int32
     BS, L = B * S, T // S
