@@ -16,7 +16,8 @@ with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum
 
     recompute   KS = K S_b,  W = V − Γ⊙KS,  X = β⊙W,  V_new = T bf16(X),  P = Q Kᵀ ⊙ D (inclusive)
     chain       dV_new = scale·Pᵀ dO + (ρ⊙K) bf16(dS);  Y = Tᵀ bf16(dV_new)
-                dS_in = γ dS + scale·Qᵀ(Γ⊙dO) − Kᵀ bf16(βΓ⊙Y)           (three dependent GEMMs)
+                dS_in = γ dS + scale·Qᵀ(Γ⊙dO) − Kᵀ bf16(βΓ⊙Y)           (three dependent GEMMs; Γ⊙dO as
+                                                                         bf16 hi + lo, two products)
     local       dv = β⊙Y,  dA = −Y V_newᵀ (strict; = −Tᵀ dT Tᵀ since T X = V_new),  dKD = β⊙dA⊙D
                 dP = scale·(dO V_newᵀ)⊙D,  dq = dP K + scale·Γ⊙(dO S_bᵀ)
                 dk = dPᵀ Q + dKD K + dKDᵀ K + bf16(ρ⊙V_new) bf16(dS)ᵀ − bf16(βΓ⊙Y) S_bᵀ
@@ -186,7 +187,12 @@ def reverse_chain_ref(Qc, Kc, Gc, bt, Tc, dOc, dS, scale: float, rnd):
     dVn_state = rnd(rho[..., None] * Kc) @ rnd(dS)                            # C1
     dVn = scale * P.transpose(-1, -2) @ dOc + dVn_state
     Y = Tc.transpose(-1, -2) @ rnd(dVn)                                       # C2
-    dS_in = (Gc[..., -1].exp()[..., None, None] * dS + scale * Qc.transpose(-1, -2) @ rnd(gam[..., None] * dOc)
+    # Γ⊙dO as two bf16 operands (hi + lo): dO is an input, exact in bf16, and one rounding of Γ⊙dO alone made
+    # dh0's error 6-20× the rounded baseline's (bwd-design.md §7); off the chain, +2.1 MFLOP per chunk
+    gdo = gam[..., None] * dOc
+    gdo_hi = rnd(gdo)
+    qdo = Qc.transpose(-1, -2) @ gdo_hi + Qc.transpose(-1, -2) @ rnd(gdo - gdo_hi)
+    dS_in = (Gc[..., -1].exp()[..., None, None] * dS + scale * qdo
              - Kc.transpose(-1, -2) @ rnd((bt * gam)[..., None] * Y))         # C3
     return dVn, Y, dS_in, dVn_state
 
@@ -306,7 +312,8 @@ def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedF
     if do.shape != v.shape:
         raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     work = _work_dtype(q)
-    rnd, B, T, H, K = rounder(work, operand_dtype), *q.shape
+    rnd = rounder(work, operand_dtype)
+    B, T, H, K = q.shape
     rnd_da = _da_rounder(da_operands, rnd)
     HV, V = v.shape[2:]
     x = _Chunks(_expand_heads(q, HV, work), _expand_heads(k, HV, work), tc.to_chunks(v.to(work), BT),
