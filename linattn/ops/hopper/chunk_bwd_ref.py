@@ -15,14 +15,14 @@ with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum
 γ = e^{G_C}, S_b the bf16 state entering the chunk, dS the gradient of the state leaving it):
 
     recompute   KS = K S_b,  W = V − Γ⊙KS,  X = β⊙W,  V_new = T bf16(X),  P = Q Kᵀ ⊙ D (inclusive)
-    chain       dV_new = scale·Pᵀ dO + (ρ⊙K) bf16(dS);  Y = Tᵀ bf16(dV_new)
+    chain       dV_new = scale·Pᵀ dO + ρ⊙(K dS) (dS as bf16 hi + lo);  Y = Tᵀ bf16(dV_new)
                 dS_in = γ dS + scale·Qᵀ(Γ⊙dO) − Kᵀ bf16(βΓ⊙Y)           (three dependent GEMMs; Γ⊙dO as
                                                                          bf16 hi + lo, two products)
     local       dv = β⊙Y,  dA = −Y V_newᵀ (strict; = −Tᵀ dT Tᵀ since T X = V_new),  dKD = β⊙dA⊙D
                 dP = scale·(dO V_newᵀ)⊙D,  dq = dP K + scale·Γ⊙(dO S_bᵀ)
                 dk = dPᵀ Q + dKD K + dKDᵀ K + bf16(ρ⊙V_new) bf16(dS)ᵀ − bf16(βΓ⊙Y) S_bᵀ
                 dβ = rowsum(Y⊙W) + rowsum(dA⊙KKᵀ⊙D)
-                dG = the Γ, D and ρ terms (:func:`_decay_gradient`), dg = reverse cumsum of dG in the chunk
+                dg = reverse cumsum of the Γ and D terms of dG, plus the ρ and γ terms (:func:`_decay_gradient`)
 
 Rounding: ``operand_dtype`` (bf16 for the kernel, None for none) rounds each dot operand the kernel forms in bf16;
 ``da_operands`` the two operands of dA = −Y V_newᵀ ("bf16", "tf32" — the kernel's choice — or "exact").
@@ -184,7 +184,11 @@ def reverse_chain_ref(Qc, Kc, Gc, bt, Tc, dOc, dS, scale: float, rnd):
     Linear in (dO, dS) column by column, so the affine walk of :func:`reverse_maps_ref` runs it on [I | 0]."""
     gam, rho = Gc.exp(), (Gc[..., -1:] - Gc).exp()
     P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
-    dVn_state = rnd(rho[..., None] * Kc) @ rnd(dS)                            # C1
+    # C1: ρ scales the product's rows (K stays the exact input), and dS is two bf16 operands, hi + lo, back to
+    # back into one accumulator: dS as one bf16 operand made dg's and dh0's errors 2.3× and 2.0× the rounded
+    # baseline's at slow decay (bwd-design.md §7)
+    dS_hi = rnd(dS)
+    dVn_state = rho[..., None] * (Kc @ dS_hi + Kc @ rnd(dS - dS_hi))
     dVn = scale * P.transpose(-1, -2) @ dOc + dVn_state
     Y = Tc.transpose(-1, -2) @ rnd(dVn)                                       # C2
     # Γ⊙dO as two bf16 operands (hi + lo): dO is an input, exact in bf16, and one rounding of Γ⊙dO alone made
@@ -224,21 +228,23 @@ def reverse_chunk_ref(Qc, Kc, Vc, dOc, Gc, bt, Tc, Sb, dS, scale: float, rnd, rn
     dk = (rnd(dP).transpose(-1, -2) @ Qc + rnd(dKD) @ Kc + rnd(dKD).transpose(-1, -2) @ Kc
           + rnd(rho[..., None] * Vn) @ dS_b.transpose(-1, -2) - bgY @ Sb.transpose(-1, -2))
     dbeta = (Y * W).sum(-1) + (dA * KKt * D_strict).sum(-1)
-    dG = _decay_gradient(Qc, Gc, bt, Y, KS, Vn, dq_state, dVn_state, dP.tril(-1) * QKt, dKD * KKt, Sb, dS, scale)
-    return ChunkGrads(dq, dk, bt[..., None] * Y, dbeta, tc.chunk_local_cumsum_bwd_ref(dG), dS_in)
+    dg = _decay_gradient(Qc, Gc, bt, Y, KS, Vn, dq_state, dVn_state, dP.tril(-1) * QKt, dKD * KKt, Sb, dS, scale)
+    return ChunkGrads(dq, dk, bt[..., None] * Y, dbeta, dg, dS_in)
 
 
 def _decay_gradient(Qc, Gc, bt, Y, KS, Vn, dq_state, dVn_state, dlogD_p, dlogD_a, Sb, dS, scale: float):
-    """dG of one chunk: Γ in o (scale Γ q·(dO S_bᵀ)) and in X (−βΓ Y·KS), D in P and in A (rowsum − colsum of
-    dlogD, the diagonal left out: it cancels exactly), ρ in the update (t_i = V_new_i·(ρ⊙K dS)_i: −t_i at i,
-    +Σt at the last row) and γ (γ Σ S_b⊙dS at the last row)."""
+    """dg of one chunk (after its reverse cumsum) from dG: Γ in o (scale Γ q·(dO S_bᵀ)) and in X (−βΓ Y·KS), D in
+    P and in A (rowsum − colsum of dlogD, the diagonal left out: it cancels exactly), then the update's ρ and γ,
+    added after the cumsum so that nothing cancels: t_i = V_new_i·(ρ⊙K dS)_i reaches G_C as +t_i and G_i as −t_i,
+    so row i keeps Σ_{j<i} t_j (an exclusive cumsum; summed before the reverse cumsum, the last token's t_C and
+    −t_C would cancel at O(1) where the true dg is e^{−100} small), and γ Σ S_b⊙dS reaches every row."""
     gam = Gc.exp()
     dG = scale * gam * (Qc * dq_state).sum(-1) - bt * gam * (Y * KS).sum(-1)
     dG = dG + _rowsum_minus_colsum(dlogD_p) + _rowsum_minus_colsum(dlogD_a)
     t = (Vn * dVn_state).sum(-1)
-    dG = dG - t
-    dG[..., -1] += t.sum(-1) + Gc[..., -1].exp() * (Sb * dS).sum((-1, -2))
-    return dG
+    before = torch.nn.functional.pad(t.cumsum(-1)[..., :-1], (1, 0))
+    d_gamma = Gc[..., -1].exp() * (Sb * dS).sum((-1, -2))
+    return tc.chunk_local_cumsum_bwd_ref(dG) + before + d_gamma[..., None]
 
 
 class _Chunks(NamedTuple):
