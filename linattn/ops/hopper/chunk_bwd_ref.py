@@ -20,7 +20,7 @@ with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum
                                                                          bf16 hi + lo, two products)
     local       dv = β⊙Y,  dA = −Y V_newᵀ (strict; = −Tᵀ dT Tᵀ since T X = V_new),  dKD = β⊙dA⊙D
                 dP = scale·(dO V_newᵀ)⊙D,  dq = dP K + scale·Γ⊙(dO S_bᵀ)
-                dk = dPᵀ Q + dKD K + dKDᵀ K + bf16(ρ⊙V_new) bf16(dS)ᵀ − bf16(βΓ⊙Y) S_bᵀ
+                dk = dPᵀ Q + dKD K + dKDᵀ K + ρ⊙(bf16(V_new) bf16(dS)ᵀ) − bf16(βΓ⊙Y) S_bᵀ
                 dβ = rowsum(Y⊙W) + rowsum(dA⊙KKᵀ⊙D)
                 dg = reverse cumsum of the Γ and D terms of dG, plus the ρ and γ terms (:func:`_decay_gradient`)
 
@@ -180,7 +180,7 @@ class ChunkGrads(NamedTuple):
 
 
 def reverse_chain_ref(Qc, Kc, Gc, bt, Tc, dOc, dS, scale: float, rnd):
-    """The dS chain of one chunk, the part that needs no state: (dV_new, Y = Tᵀ bf16(dV_new), dS_in, (ρ⊙K) dS_b).
+    """The dS chain of one chunk, the part that needs no state: (dV_new, Y = Tᵀ bf16(dV_new), dS_in, ρ⊙(K dS)).
     Linear in (dO, dS) column by column, so the affine walk of :func:`reverse_maps_ref` runs it on [I | 0]."""
     gam, rho = Gc.exp(), (Gc[..., -1:] - Gc).exp()
     P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
@@ -226,7 +226,7 @@ def reverse_chunk_ref(Qc, Kc, Vc, dOc, Gc, bt, Tc, Sb, dS, scale: float, rnd, rn
     dA = -(rnd_da(Y) @ rnd_da(Vn).transpose(-1, -2)).tril(-1)
     dKD = bt[..., :, None] * dA * D_strict
     dk = (rnd(dP).transpose(-1, -2) @ Qc + rnd(dKD) @ Kc + rnd(dKD).transpose(-1, -2) @ Kc
-          + rnd(rho[..., None] * Vn) @ dS_b.transpose(-1, -2) - bgY @ Sb.transpose(-1, -2))
+          + rho[..., None] * (Vn_b @ dS_b.transpose(-1, -2)) - bgY @ Sb.transpose(-1, -2))
     dbeta = (Y * W).sum(-1) + (dA * KKt * D_strict).sum(-1)
     dg = _decay_gradient(Qc, Gc, bt, Y, KS, Vn, dq_state, dVn_state, dP.tril(-1) * QKt, dKD * KKt, Sb, dS, scale)
     return ChunkGrads(dq, dk, bt[..., None] * Y, dbeta, dg, dS_in)
