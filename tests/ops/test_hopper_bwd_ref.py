@@ -8,9 +8,13 @@ reference's autograd, gradients through (o·do).sum() + (ht·dht).sum():
 * the kernel's bf16 rounding points: every gradient within 2× the error of the chunked computation in PyTorch with
   every stage's output rounded to bf16 (benchmarks/gpu_check_core.py's baseline), on the case of the repeated token
   too (where bf16 operands of dA fail it);
-* determinism: the same inputs give the same bits.
+* determinism: the same inputs give the same bits;
+* the first TileLang kernel of the walk (chunk_bwd.py) compiles for sm_90a (where TileLang and nvcc are installed).
 """
 from __future__ import annotations
+
+import re
+import shutil
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from linattn.ops.gated_delta import torch_chunk as tc
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_bwd_ref as bwd
+from linattn.ops.hopper import chunk_fwd
 
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 # float64 twin against the float64 reference: both exact algebra, so the error is float64 rounding (≈1e-15 relative
@@ -186,3 +191,23 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="multiple"):
         bwd.forward_for_backward_ref(x["q"].repeat(1, 1, 2, 1), x["k"].repeat(1, 1, 2, 1), x["v"].repeat(1, 1, 3, 1),
                                      x["g"].repeat(1, 1, 3), x["beta"].repeat(1, 1, 3), 1.0, None)
+
+
+COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which("nvcc") is None,
+                              reason="TileLang (optional) and nvcc compile the Hopper kernels")
+
+
+@COMPILES
+def test_reverse_walk_kernel_compiles_for_sm90a(tmp_path):
+    """The first TileLang reverse walk (chunk_bwd.py; it has never run: no GPU here) compiles for sm_90a at
+    K = V = 64 with GVA: its dots on wgmma (19 sites, bf16) and dA's on tf32 mma.sync, its shared memory within the
+    227 KB of a CTA, and ptxas spilling nothing. (At K = V = 128 it needs 393 KB and spills: bwd-design.md §4.)"""
+    from linattn.ops.hopper import chunk_bwd
+    from linattn.ops.hopper.cubin import compile_sm90a
+    source = chunk_bwd.compiled_kernel(1, 2, 64, 64, 0.125).get_kernel_source()
+    assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 19
+    assert "tl::mma_sync<tl::DataType::kTensorFloat32" in source
+    offsets = [int(n) for n in re.findall(r"\(char\*\)buf_dyn_shmem \+ (\d+)\)", source)]
+    assert max(offsets) + 16 * 1024 <= 227 * 1024          # the last buffer is at most 16 KB (64 × 64 fp32)
+    report = compile_sm90a(source, tmp_path)[1]
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
