@@ -3,7 +3,8 @@ reference's autograd, gradients through (o·do).sum() + (ht·dht).sum():
 
 * the algebra: the twin in float64 without rounding equals the reference to float64 rounding, on odd lengths
   (T = 1, 63, 64, 65, 200), GVA, with and without h0 and dht, at a strong decay (g ≈ −100 per token);
-* the sequence-parallel variant ([Mᵀ | D] maps, their scan, the stitched walks) equals the unsegmented walk;
+* the sequence-parallel variant ([Mᵀ | D] maps, their scan, the stitched walks) equals the unsegmented walk, and
+  its reverse warm-ups stay within their 2⁻³⁰ bound;
 * the recompute of h from sparse checkpoints gives the forward's states bit for bit;
 * the kernel's bf16 rounding points: every gradient within 2× the error of the chunked computation in PyTorch with
   every stage's output rounded to bf16 (benchmarks/gpu_check_core.py's baseline), on the case of the repeated token
@@ -108,6 +109,28 @@ def test_segments_equal_the_unsegmented_walk(segments, T, decay):
     cut = twin_grads(x, 32 ** -0.5, True, True, segments=segments)
     errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, cut, whole)}
     assert max(errors.values()) < EXACT_TOL, errors
+
+
+def test_reverse_warm_ups_within_their_bound():
+    """Segments whose dS comes from reverse warm-ups (the chain from zero w chunks after the segment, w from the
+    forward's chunk norm bounds, threshold 2⁻³⁰) instead of maps and scan: at g ≈ −0.35 per token (a chunk's bound
+    ≈ −32) one chunk suffices, so three of the four segments truncate, and the gradients stay within 2⁻³⁰ of the
+    exact ones (relative to the largest) — while differing from them (the truncation happened)."""
+    from linattn.ops.hopper.map_bound import chunk_bounds_ref
+    x = make_inputs(1, 448, 1, 2, 32, seed=3)
+    x["g"] = -0.35 * (1 + 0.1 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(4),
+                                            dtype=torch.float64))
+    bound = chunk_bounds_ref(x["k"], x["g"], x["beta"])                    # [B, HV, 7]
+    cuts = bwd.segment_cuts(7, 4)
+    warm = bwd.reverse_warm_ups_ref(bound, cuts)
+    assert warm[:3].max() == 1 and warm[3].max() == 0
+    _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["h0"], 2,
+                                               None)
+    args = (x["q"], x["k"], x["v"], x["do"], x["dht"], saved, 32 ** -0.5)
+    exact = bwd.chunk_bwd_hopper_ref(*args, 1, None, "exact")
+    warmed = bwd.chunk_bwd_hopper_ref(*args, 4, None, "exact", warm_bound=bound)
+    errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, warmed, exact)}
+    assert max(errors.values()) < 2.0 ** -30 and errors["dk"] > 0, errors
 
 
 def test_recompute_gives_the_forward_states_bitwise():

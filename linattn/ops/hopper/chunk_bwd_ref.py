@@ -9,6 +9,8 @@ fp32 states every ``checkpoint_every`` chunks. The backward then runs
     recompute  :func:`recompute_states_ref`  bf16 h of every chunk from the checkpoints, parallel over checkpoints
     maps       :func:`reverse_maps_ref`      per segment [Mᵀ | D]: the reverse walk of [I | 0] with [0 | dO]
     scan       :func:`reverse_scan_ref`      dS leaving every segment, from dht, in segment order
+      or warm  :func:`reverse_warm_ref`      instead of both: each segment's dS from a chain walk started from zero
+                                             w chunks after it, w from the chunks' norm bounds (no maps, no scan)
     walk       :func:`reverse_walk_ref`      per chunk in reverse (:func:`reverse_chunk_ref`): dq, dk, dv, dg, dβ
 
 with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum of g, Γ = e^G, ρ = e^{G_C − G},
@@ -39,6 +41,8 @@ from ..gated_delta import torch_chunk as tc
 BT = 64
 CHECKPOINT_EVERY = 8        # fp32 states kept by the forward: 8 KB per chunk·head at K = V = 128, a quarter of bf16 h
 DA_OPERANDS = ("exact", "tf32", "bf16")
+# A reverse warm-up ends where the skipped chunks' map has norm below 2^this (``map_bound.py``'s bound; ‖Mᵀ‖ = ‖M‖)
+NEGLIGIBLE_LOG2 = -30.0
 
 
 class SavedForward(NamedTuple):
@@ -298,6 +302,46 @@ def reverse_scan_ref(Mt: torch.Tensor, D: torch.Tensor, dht: torch.Tensor) -> to
     return torch.stack(outs[::-1])
 
 
+def reverse_warm_ups_ref(bound: torch.Tensor, cuts: list[tuple[int, int]], threshold: float = NEGLIGIBLE_LOG2
+                         ) -> torch.Tensor:
+    """``[S, B, HV]`` int64: per segment the fewest w ≥ 1 chunks after it whose bounds (``bound [B, HV, NT]``, the
+    forward's chunk sums in log2 units: ``map_bound.chunk_bounds``) sum, nearest first in fp32, below
+    ``threshold``; where none do, every chunk to the sequence's end (the walk then starts from dht: exact). The last
+    segment's is 0."""
+    NT = bound.shape[-1]
+    warm = []
+    for _, end in cuts:
+        w = torch.full(bound.shape[:2], NT - end, dtype=torch.int64, device=bound.device)
+        run = torch.zeros(bound.shape[:2], dtype=torch.float32, device=bound.device)
+        found = torch.zeros(bound.shape[:2], dtype=torch.bool, device=bound.device)
+        for j in range(1, NT - end + 1):
+            run = run + bound[..., end + j - 1].float()
+            hit = ~found & (run < threshold)
+            w = w.masked_fill(hit, j)
+            found |= hit
+        warm.append(w)
+    return torch.stack(warm)
+
+
+def reverse_warm_ref(x: _Chunks, cuts: list[tuple[int, int]], warm: torch.Tensor, dht: torch.Tensor, scale: float,
+                     rnd) -> torch.Tensor:
+    """The gradients of the states leaving each segment ``[S, B, HV, K, V]`` from reverse warm-ups: for segment s
+    and each head, the chain alone (no state needed) from zero at w chunks after the segment's end, or from dht where
+    w reaches the sequence's end. Its error is the skipped chunks' map applied to the true gradient there: below
+    2^threshold of its norm."""
+    NT = x.k.shape[2]
+    outs = []
+    for (_, end), w in zip(cuts, warm):
+        top = end + int(w.max())
+        dS = dht if top == NT else torch.zeros_like(dht)
+        for c in reversed(range(end, top)):
+            dS = torch.where((c >= end + w)[..., None, None], torch.zeros_like(dS), dS)   # not yet started: zero
+            dS = reverse_chain_ref(x.q[:, :, c], x.k[:, :, c], x.gc[:, :, c], x.beta[:, :, c], x.a_inv[:, :, c],
+                                   x.do[:, :, c], dS, scale, rnd)[2]
+        outs.append(dS)
+    return torch.stack(outs)
+
+
 def segment_cuts(NT: int, segments: int) -> list[tuple[int, int]]:
     """[first, end) chunks of each of ``segments`` segments: ⌈NT / segments⌉ chunks each, the last one shorter."""
     if segments < 1:
@@ -308,9 +352,11 @@ def segment_cuts(NT: int, segments: int) -> list[tuple[int, int]]:
 
 def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedForward, scale: float,
                          segments: int = 1, operand_dtype: Optional[torch.dtype] = torch.bfloat16,
-                         da_operands: str = "tf32") -> tuple[torch.Tensor, ...]:
+                         da_operands: str = "tf32", warm_bound: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, ...]:
     """The Hopper backward's twin: recompute h from the checkpoints, then (``segments`` > 1) the reverse maps and
-    their scan, then the fused reverse walk per segment. q, k ``[B, T, H, K]``; v, do ``[B, T, HV, V]``; dht
+    their scan (with ``warm_bound``, the chunks' norm bounds ``[B, HV, NT]``: the reverse warm-ups instead), then the
+    fused reverse walk per segment. q, k ``[B, T, H, K]``; v, do ``[B, T, HV, V]``; dht
     ``[B, HV, K, V]`` or None; saved: :func:`forward_for_backward_ref`'s. Returns dq, dk ``[B, T, H, K]`` (the G
     value heads of a group added in head order), dv ``[B, T, HV, V]``, dg, dβ ``[B, T, HV]`` and dh0
     ``[B, HV, K, V]``, all in the working dtype (fp32; float64 for float64 q)."""
@@ -329,7 +375,12 @@ def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedF
     h = recompute_states_ref(k, v, saved, rnd)
     dS_last = dht.to(work) if dht is not None else x.v.new_zeros(B, HV, K, V)
     cuts = segment_cuts(NT, segments)
-    dS_out = reverse_scan_ref(*reverse_maps_ref(x, cuts, scale, rnd), dS_last) if len(cuts) > 1 else dS_last[None]
+    if len(cuts) == 1:
+        dS_out = dS_last[None]
+    elif warm_bound is not None:
+        dS_out = reverse_warm_ref(x, cuts, reverse_warm_ups_ref(warm_bound, cuts), dS_last, scale, rnd)
+    else:
+        dS_out = reverse_scan_ref(*reverse_maps_ref(x, cuts, scale, rnd), dS_last)
     grads, dh0 = [], None
     for (first, end), dS in reversed(list(zip(cuts, dS_out))):
         seg_grads, dh0 = reverse_walk_ref(x, h, dS, first, end, scale, rnd, rnd_da)
