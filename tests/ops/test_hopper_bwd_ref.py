@@ -227,10 +227,39 @@ def test_reverse_walk_kernel_compiles_for_sm90a(tmp_path):
     227 KB of a CTA, and ptxas spilling nothing. (At K = V = 128 it needs 393 KB and spills: bwd-design.md §4.)"""
     from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a
-    source = chunk_bwd.compiled_kernel(1, 2, 64, 64, 0.125).get_kernel_source()
+    source = chunk_bwd.compiled_kernel(1, 2, 64, 64, 0.125, "sm_90a").get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 19
     assert "tl::mma_sync<tl::DataType::kTensorFloat32" in source
     offsets = [int(n) for n in re.findall(r"\(char\*\)buf_dyn_shmem \+ (\d+)\)", source)]
     assert max(offsets) + 16 * 1024 <= 227 * 1024          # the last buffer is at most 16 KB (64 × 64 fp32)
     report = compile_sm90a(source, tmp_path)[1]
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+
+
+ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not chunk_fwd.tilelang_available()
+                               or torch.cuda.get_device_capability()[0] != 9, reason="the kernel runs on sm_90 only")
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("case", BF16_CASES[:1] + BF16_CASES[2:], ids=[c[0] for c in BF16_CASES[:1] + BF16_CASES[2:]])
+def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case):
+    """On the GPU (K = V = 64, the size the kernel fits): the kernel's gradients from the twin's saved tensors and
+    recomputed h, each within 2× the rounded baseline's error against float64, as the twin's are."""
+    from linattn.ops.hopper import chunk_bwd
+    _, T, H, HV, K, decay, repeated = case
+    x = make_inputs(1, T, H, HV, K, decay, repeated)
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
+    exact = {n: t.double() for n, t in low.items()}
+    scale = K ** -0.5
+    ref = reference_grads(exact, scale, use_dht=True)
+    _, _, saved = bwd.forward_for_backward_ref(low["q"], low["k"], low["v"], low["g"], low["beta"], scale, low["h0"])
+    h = bwd.recompute_states_ref(low["k"], low["v"], saved, bwd.rounder(torch.float32, torch.bfloat16))
+    cuda = lambda t: t.cuda()
+    dq, dk, dv, dg, dbeta, dh0 = (t.cpu() for t in chunk_bwd.chunk_bwd_hopper(
+        *map(cuda, (low["q"], low["k"], low["v"], low["do"], saved.gc, saved.beta, saved.a_inv,
+                    h.to(torch.bfloat16), low["dht"])), scale))
+    got = [bwd.group_sum(dq.float(), H), bwd.group_sum(dk.float(), H), dv.float(),
+           dg[:, :, :T].transpose(1, 2), dbeta[:, :, :T].transpose(1, 2), dh0]
+    base = rounded_baseline(low, scale)
+    ratios = {n: rel_l2(a, c) / rel_l2(b, c) for n, a, b, c in zip(GRADS, got, base, ref)}
+    assert max(ratios.values()) <= 2.0, ratios

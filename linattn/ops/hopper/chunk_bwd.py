@@ -14,8 +14,11 @@ recompute's states entering each chunk); dht ``[B, HV, K, V]`` fp32. Outputs: dq
 head (the GVA sum is a later step), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[B, HV, Lp]`` fp32, dh0 ``[B, HV, K, V]`` fp32.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
+from typing import Optional
 
-from .chunk_fwd import BT, compile_prim_func
+import torch
+
+from .chunk_fwd import BT, compile_prim_func, launcher
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 
@@ -210,6 +213,33 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 2
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, target: str = "sm_90a"):
-    """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target``."""
+def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, target: Optional[str] = None):
+    """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target`` (None: this GPU;
+    "sm_90a" without one)."""
     return compile_prim_func(build_kernel(H, HV, K, V, scale), target)
+
+
+def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
+                     beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
+                     scale: float) -> tuple[torch.Tensor, ...]:
+    """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, HV, NT, K, V]`` bf16 or its
+    ``[B, HV, NT·K, V]`` view). Returns dq, dk ``[B, T, HV, K]`` bf16 per value head, dv ``[B, T, HV, V]`` bf16,
+    dg, dβ ``[B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = -(-T // BT)
+    if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
+        raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
+                         f"{tuple(beta.shape)}")
+    if h.numel() != B * HV * NT * K * V:
+        raise ValueError(f"h must hold [B, HV, chunks, K, V] = {(B, HV, NT, K, V)} values, got {tuple(h.shape)}")
+    dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
+    dq, dk = (q.new_empty(B, T, HV, K) for _ in range(2))
+    dv = torch.empty_like(v)
+    dg, dbeta = torch.empty_like(gc), torch.empty_like(gc)
+    dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
+    kernel = compiled_kernel(H, HV, K, V, scale)
+    launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
+                     beta.float().contiguous(), a_inv.contiguous(), h.reshape(B, HV, NT * K, V).contiguous(), dht,
+                     dq, dk, dv, dg, dbeta, dh0)
+    return dq, dk, dv, dg, dbeta, dh0
