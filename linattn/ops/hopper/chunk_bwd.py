@@ -14,6 +14,7 @@ recompute's states entering each chunk); dht ``[B, HV, K, V]`` fp32. Outputs: dq
 head (the GVA sum is a later step), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[B, HV, Lp]`` fp32, dh0 ``[B, HV, K, V]`` fp32.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
+import types
 from typing import Optional
 
 import torch
@@ -38,6 +39,159 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 2
         for j in T.Parallel(BT):
             for i in T.serial(BT):
                 out[j] = out[j] - Ms[i, j]
+
+    @T.macro
+    def recompute(t, rows):
+        """The chunk's forward recomputed (K S, X, V_new, P) and γ Σ h⊙dS with the dS leaving it."""
+        Qs, Ks, Vs, As, Hs, gcs, bs, Xs, Vns, Vnf, Ps, dS, KS, Vn, QK, hdS, hdS_rows, hrs = (
+            t.Qs, t.Ks, t.Vs, t.As, t.Hs, t.gcs, t.bs, t.Xs, t.Vns, t.Vnf, t.Ps, t.dS, t.KS, t.Vn, t.QK, t.hdS,
+            t.hdS_rows, t.hrs)
+        # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D
+        T.gemm(Ks, Hs, KS, clear_accum=True)
+        for i, j in T.Parallel(BT, V):
+            Xs[i, j] = T.cast(bs[i] * (T.cast(Vs[i, j], acc) - T.exp(gcs[i]) * KS[i, j]), bf)
+        T.gemm(As, Xs, Vn, clear_accum=True)
+        for i, j in T.Parallel(BT, V):
+            Vns[i, j] = T.cast(Vn[i, j], bf)
+            Vnf[i, j] = Vn[i, j]
+        T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(BT, BT):
+            Ps[i, j] = T.cast(QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows), gcs[i] - gcs[j], NEG)),
+                              bf)
+        # γ Σ h⊙dS with the dS leaving the chunk, before the chain replaces it
+        for i, j in T.Parallel(K, V):
+            hdS[i, j] = T.cast(Hs[i, j], acc) * dS[i, j]
+        T.reduce_sum(hdS, hdS_rows, dim=1)
+        T.copy(hdS_rows, hrs)
+
+    @T.macro
+    def chain(t, g_last):
+        """The dS chain: C1 (dS hi + lo), C2, C3 into dS."""
+        Qs, Ks, dOs, As, gcs, bs, dVns, Ysn, Gh, Gl, Yf, dSh, dSl, Ps, dS, KdS, dVn, Y = (
+            t.Qs, t.Ks, t.dOs, t.As, t.gcs, t.bs, t.dVns, t.Ysn, t.Gh, t.Gl, t.Yf, t.dSh, t.dSl, t.Ps, t.dS, t.KdS,
+            t.dVn, t.Y)
+        # the chain: C1 (dS hi + lo), C2, C3 into dS
+        T.gemm(Ks, dSh, KdS, clear_accum=True)
+        T.gemm(Ks, dSl, KdS)
+        T.gemm(Ps, dOs, dVn, transpose_A=True, clear_accum=True)
+        for i, j in T.Parallel(BT, V):
+            KdS[i, j] = KdS[i, j] * T.exp(g_last - gcs[i])
+            dVn[i, j] = dVn[i, j] * scale + KdS[i, j]
+            dVns[i, j] = T.cast(dVn[i, j], bf)
+        T.gemm(As, dVns, Y, transpose_A=True, clear_accum=True)
+        for i, j in T.Parallel(BT, V):
+            Ysn[i, j] = T.cast(-bs[i] * T.exp(gcs[i]) * Y[i, j], bf)
+            Yf[i, j] = Y[i, j]
+            Gh[i, j] = T.cast(scale * T.exp(gcs[i]) * T.cast(dOs[i, j], acc), bf)
+            Gl[i, j] = T.cast(scale * T.exp(gcs[i]) * T.cast(dOs[i, j], acc) - T.cast(Gh[i, j], acc), bf)
+        for i, j in T.Parallel(K, V):
+            dS[i, j] = dS[i, j] * T.exp(g_last)
+        T.gemm(Qs, Gh, dS, transpose_A=True)
+        T.gemm(Qs, Gl, dS, transpose_A=True)
+        T.gemm(Ks, Ysn, dS, transpose_A=True)
+
+    @T.macro
+    def x_terms(t):
+        """The update's ρ term t and the X terms of dG and dβ."""
+        Vs, gcs, bs, dGs, ts, dbs, KS, Vn, KdS, Y, tmpV, rowsV = (
+            t.Vs, t.gcs, t.bs, t.dGs, t.ts, t.dbs, t.KS, t.Vn, t.KdS, t.Y, t.tmpV, t.rowsV)
+        # t_i = V_new_i · (ρ ⊙ K dS)_i; β's X term rowsum(Y ⊙ W) and Γ's X term rowsum(Y ⊙ KS)
+        for i, j in T.Parallel(BT, V):
+            tmpV[i, j] = Vn[i, j] * KdS[i, j]
+        T.reduce_sum(tmpV, rowsV, dim=1)
+        for i in T.Parallel(BT):
+            ts[i] = rowsV[i]
+        for i, j in T.Parallel(BT, V):
+            tmpV[i, j] = Y[i, j] * KS[i, j]
+        T.reduce_sum(tmpV, rowsV, dim=1)
+        for i in T.Parallel(BT):
+            dGs[i] = -bs[i] * T.exp(gcs[i]) * rowsV[i]
+            dbs[i] = -T.exp(gcs[i]) * rowsV[i]
+        for i, j in T.Parallel(BT, V):
+            tmpV[i, j] = Y[i, j] * T.cast(Vs[i, j], acc)
+        T.reduce_sum(tmpV, rowsV, dim=1)
+        for i in T.Parallel(BT):
+            dbs[i] = dbs[i] + rowsV[i]
+
+    @T.macro
+    def q_side(t, rows, ib, ihv, c):
+        """The q side, dq written."""
+        Qs, Ks, dOs, Hs, gcs, Vns, dPs, dLs, dGs, QK, dP, dqS, dqf, tmpK, rowsK, rowsB = (
+            t.Qs, t.Ks, t.dOs, t.Hs, t.gcs, t.Vns, t.dPs, t.dLs, t.dGs, t.QK, t.dP, t.dqS, t.dqf, t.tmpK, t.rowsK,
+            t.rowsB)
+        # the q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ)
+        T.gemm(dOs, Vns, dP, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(BT, BT):
+            dP[i, j] = dP[i, j] * scale * T.exp(T.if_then_else((i >= j) & (i < rows), gcs[i] - gcs[j], NEG))
+            dPs[i, j] = T.cast(dP[i, j], bf)
+            dP[i, j] = T.if_then_else(i > j, dP[i, j] * QK[i, j], 0.0)   # dlogD of P, diagonal left out
+        T.reduce_sum(dP, rowsB, dim=1)
+        T.copy(dP, dLs)
+        for i in T.Parallel(BT):
+            dGs[i] = dGs[i] + rowsB[i]
+        column_sums_out(dLs, dGs)
+        T.gemm(dOs, Hs, dqS, transpose_B=True, clear_accum=True)
+        T.gemm(dPs, Ks, dqf, clear_accum=True)
+        for i, j in T.Parallel(BT, K):
+            tmpK[i, j] = T.cast(Qs[i, j], acc) * dqS[i, j]
+            dqf[i, j] = dqf[i, j] + scale * T.exp(gcs[i]) * dqS[i, j]
+        T.reduce_sum(tmpK, rowsK, dim=1)
+        for i in T.Parallel(BT):
+            dGs[i] = dGs[i] + scale * T.exp(gcs[i]) * rowsK[i]
+        T.copy(dqf, t.dq[ib, c * BT:(c + 1) * BT, ihv, 0:K])
+
+    @T.macro
+    def k_side(t, rows, g_last, ib, ihv, c):
+        """The k side, dk and dv written."""
+        Qs, Ks, Hs, gcs, bs, Vns, Ysn, Vnf, Yf, dSh, dPs, dKDs, KKs, dLs, dGs, dbs, Y, QK, dA, dkf, tmpK, rowsA = (
+            t.Qs, t.Ks, t.Hs, t.gcs, t.bs, t.Vns, t.Ysn, t.Vnf, t.Yf, t.dSh, t.dPs, t.dKDs, t.KKs, t.dLs, t.dGs,
+            t.dbs, t.Y, t.QK, t.dA, t.dkf, t.tmpK, t.rowsA)
+        # the k side: dA = −Y V_newᵀ (tf32), dKD = β dA ⊙ D, dk
+        T.gemm(Yf, Vnf, dA, transpose_B=True, clear_accum=True)
+        T.gemm(Ks, Ks, QK, transpose_B=True, clear_accum=True)            # K Kᵀ
+        T.copy(QK, KKs)
+        for i, j in T.Parallel(BT, BT):
+            dA[i, j] = T.if_then_else((i > j) & (i < rows), -dA[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
+            dKDs[i, j] = T.cast(bs[i] * dA[i, j], bf)
+            dA[i, j] = dA[i, j] * KKs[i, j]
+        T.reduce_sum(dA, rowsA, dim=1)
+        for i, j in T.Parallel(BT, BT):
+            dLs[i, j] = dA[i, j] * bs[i]
+        for i in T.Parallel(BT):
+            dbs[i] = dbs[i] + rowsA[i]
+            dGs[i] = dGs[i] + bs[i] * rowsA[i]
+        column_sums_out(dLs, dGs)
+        T.gemm(Vns, dSh, tmpK, transpose_B=True, clear_accum=True)
+        T.gemm(dPs, Qs, dkf, transpose_A=True, clear_accum=True)
+        T.gemm(dKDs, Ks, dkf)
+        T.gemm(dKDs, Ks, dkf, transpose_A=True)
+        T.gemm(Ysn, Hs, dkf, transpose_B=True)
+        for i, j in T.Parallel(BT, K):
+            dkf[i, j] = dkf[i, j] + T.exp(g_last - gcs[i]) * tmpK[i, j]
+        T.copy(dkf, t.dk[ib, c * BT:(c + 1) * BT, ihv, 0:K])
+        for i, j in T.Parallel(BT, V):
+            Y[i, j] = Y[i, j] * bs[i]
+        T.copy(Y, t.dv[ib, c * BT:(c + 1) * BT, ihv, 0:V])
+
+    @T.macro
+    def finish(t, g_last, ib, ihv, c):
+        """Dg and dβ written; the gradient entering the chunk as the next one's C1 operands."""
+        dSh, dSl, dGs, ts, dbs, dS, hrs = (
+            t.dSh, t.dSl, t.dGs, t.ts, t.dbs, t.dS, t.hrs)
+        # dg: reverse cumsum of dG, then Σ_{j<i} t_j and γ Σ h⊙dS on every row
+        T.cumsum(dGs, dim=0, reverse=True)
+        T.cumsum(ts, dim=0)
+        gam_sum = T.alloc_var(acc, init=0.0)
+        for kk in T.serial(K):
+            gam_sum = gam_sum + hrs[kk]
+        for i in T.Parallel(BT):
+            dGs[i] = dGs[i] + T.if_then_else(i > 0, ts[T.max(i, 1) - 1], 0.0) + T.exp(g_last) * gam_sum
+        T.copy(dGs, t.dg[ib, ihv, c * BT:(c + 1) * BT])
+        T.copy(dbs, t.dbeta[ib, ihv, c * BT:(c + 1) * BT])
+        # the gradient entering this chunk, as the next chunk's C1 operands
+        for i, j in T.Parallel(K, V):
+            dSh[i, j] = T.cast(dS[i, j], bf)
+            dSl[i, j] = T.cast(dS[i, j] - T.cast(T.cast(dS[i, j], bf), acc), bf)
 
     @T.prim_func
     def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
@@ -78,6 +232,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 2
             hdS, hdS_rows = T.alloc_fragment((K, V), acc), T.alloc_fragment((K,), acc)
             hrs = T.alloc_shared((K,), acc)
 
+            t = types.SimpleNamespace(Qs=Qs, Ks=Ks, Vs=Vs, dOs=dOs, As=As, Hs=Hs, gcs=gcs, bs=bs, Xs=Xs, Vns=Vns,
+                                      dVns=dVns, Ysn=Ysn, Gh=Gh, Gl=Gl, Vnf=Vnf, Yf=Yf, dSh=dSh, dSl=dSl, Ps=Ps,
+                                      dPs=dPs, dKDs=dKDs, KKs=KKs, dLs=dLs, dGs=dGs, ts=ts, dbs=dbs, dS=dS, KS=KS,
+                                      Vn=Vn, KdS=KdS, dVn=dVn, Y=Y, tmpV=tmpV, QK=QK, dP=dP, dA=dA, dqS=dqS, dqf=dqf,
+                                      dkf=dkf, tmpK=tmpK, rowsV=rowsV, rowsK=rowsK, rowsB=rowsB, rowsA=rowsA,
+                                      hdS=hdS, hdS_rows=hdS_rows, hrs=hrs, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta)
             T.copy(dht[ib, ihv, 0:K, 0:V], dS)
             for i, j in T.Parallel(K, V):
                 dSh[i, j] = T.cast(dS[i, j], bf)
@@ -94,119 +254,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 2
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
                 rows = T.min(BT, Tn - c * BT)
                 g_last = gcs[rows - 1]
-                # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D
-                T.gemm(Ks, Hs, KS, clear_accum=True)
-                for i, j in T.Parallel(BT, V):
-                    Xs[i, j] = T.cast(bs[i] * (T.cast(Vs[i, j], acc) - T.exp(gcs[i]) * KS[i, j]), bf)
-                T.gemm(As, Xs, Vn, clear_accum=True)
-                for i, j in T.Parallel(BT, V):
-                    Vns[i, j] = T.cast(Vn[i, j], bf)
-                    Vnf[i, j] = Vn[i, j]
-                T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):
-                    Ps[i, j] = T.cast(QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows), gcs[i] - gcs[j], NEG)),
-                                      bf)
-                # γ Σ h⊙dS with the dS leaving the chunk, before the chain replaces it
-                for i, j in T.Parallel(K, V):
-                    hdS[i, j] = T.cast(Hs[i, j], acc) * dS[i, j]
-                T.reduce_sum(hdS, hdS_rows, dim=1)
-                T.copy(hdS_rows, hrs)
-                # the chain: C1 (dS hi + lo), C2, C3 into dS
-                T.gemm(Ks, dSh, KdS, clear_accum=True)
-                T.gemm(Ks, dSl, KdS)
-                T.gemm(Ps, dOs, dVn, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(BT, V):
-                    KdS[i, j] = KdS[i, j] * T.exp(g_last - gcs[i])
-                    dVn[i, j] = dVn[i, j] * scale + KdS[i, j]
-                    dVns[i, j] = T.cast(dVn[i, j], bf)
-                T.gemm(As, dVns, Y, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(BT, V):
-                    Ysn[i, j] = T.cast(-bs[i] * T.exp(gcs[i]) * Y[i, j], bf)
-                    Yf[i, j] = Y[i, j]
-                    Gh[i, j] = T.cast(scale * T.exp(gcs[i]) * T.cast(dOs[i, j], acc), bf)
-                    Gl[i, j] = T.cast(scale * T.exp(gcs[i]) * T.cast(dOs[i, j], acc) - T.cast(Gh[i, j], acc), bf)
-                for i, j in T.Parallel(K, V):
-                    dS[i, j] = dS[i, j] * T.exp(g_last)
-                T.gemm(Qs, Gh, dS, transpose_A=True)
-                T.gemm(Qs, Gl, dS, transpose_A=True)
-                T.gemm(Ks, Ysn, dS, transpose_A=True)
-                # t_i = V_new_i · (ρ ⊙ K dS)_i; β's X term rowsum(Y ⊙ W) and Γ's X term rowsum(Y ⊙ KS)
-                for i, j in T.Parallel(BT, V):
-                    tmpV[i, j] = Vn[i, j] * KdS[i, j]
-                T.reduce_sum(tmpV, rowsV, dim=1)
-                for i in T.Parallel(BT):
-                    ts[i] = rowsV[i]
-                for i, j in T.Parallel(BT, V):
-                    tmpV[i, j] = Y[i, j] * KS[i, j]
-                T.reduce_sum(tmpV, rowsV, dim=1)
-                for i in T.Parallel(BT):
-                    dGs[i] = -bs[i] * T.exp(gcs[i]) * rowsV[i]
-                    dbs[i] = -T.exp(gcs[i]) * rowsV[i]
-                for i, j in T.Parallel(BT, V):
-                    tmpV[i, j] = Y[i, j] * T.cast(Vs[i, j], acc)
-                T.reduce_sum(tmpV, rowsV, dim=1)
-                for i in T.Parallel(BT):
-                    dbs[i] = dbs[i] + rowsV[i]
-                # the q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ)
-                T.gemm(dOs, Vns, dP, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):
-                    dP[i, j] = dP[i, j] * scale * T.exp(T.if_then_else((i >= j) & (i < rows), gcs[i] - gcs[j], NEG))
-                    dPs[i, j] = T.cast(dP[i, j], bf)
-                    dP[i, j] = T.if_then_else(i > j, dP[i, j] * QK[i, j], 0.0)   # dlogD of P, diagonal left out
-                T.reduce_sum(dP, rowsB, dim=1)
-                T.copy(dP, dLs)
-                for i in T.Parallel(BT):
-                    dGs[i] = dGs[i] + rowsB[i]
-                column_sums_out(dLs, dGs)
-                T.gemm(dOs, Hs, dqS, transpose_B=True, clear_accum=True)
-                T.gemm(dPs, Ks, dqf, clear_accum=True)
-                for i, j in T.Parallel(BT, K):
-                    tmpK[i, j] = T.cast(Qs[i, j], acc) * dqS[i, j]
-                    dqf[i, j] = dqf[i, j] + scale * T.exp(gcs[i]) * dqS[i, j]
-                T.reduce_sum(tmpK, rowsK, dim=1)
-                for i in T.Parallel(BT):
-                    dGs[i] = dGs[i] + scale * T.exp(gcs[i]) * rowsK[i]
-                T.copy(dqf, dq[ib, c * BT:(c + 1) * BT, ihv, 0:K])
-                # the k side: dA = −Y V_newᵀ (tf32), dKD = β dA ⊙ D, dk
-                T.gemm(Yf, Vnf, dA, transpose_B=True, clear_accum=True)
-                T.gemm(Ks, Ks, QK, transpose_B=True, clear_accum=True)            # K Kᵀ
-                T.copy(QK, KKs)
-                for i, j in T.Parallel(BT, BT):
-                    dA[i, j] = T.if_then_else((i > j) & (i < rows), -dA[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
-                    dKDs[i, j] = T.cast(bs[i] * dA[i, j], bf)
-                    dA[i, j] = dA[i, j] * KKs[i, j]
-                T.reduce_sum(dA, rowsA, dim=1)
-                for i, j in T.Parallel(BT, BT):
-                    dLs[i, j] = dA[i, j] * bs[i]
-                for i in T.Parallel(BT):
-                    dbs[i] = dbs[i] + rowsA[i]
-                    dGs[i] = dGs[i] + bs[i] * rowsA[i]
-                column_sums_out(dLs, dGs)
-                T.gemm(Vns, dSh, tmpK, transpose_B=True, clear_accum=True)
-                T.gemm(dPs, Qs, dkf, transpose_A=True, clear_accum=True)
-                T.gemm(dKDs, Ks, dkf)
-                T.gemm(dKDs, Ks, dkf, transpose_A=True)
-                T.gemm(Ysn, Hs, dkf, transpose_B=True)
-                for i, j in T.Parallel(BT, K):
-                    dkf[i, j] = dkf[i, j] + T.exp(g_last - gcs[i]) * tmpK[i, j]
-                T.copy(dkf, dk[ib, c * BT:(c + 1) * BT, ihv, 0:K])
-                for i, j in T.Parallel(BT, V):
-                    Y[i, j] = Y[i, j] * bs[i]
-                T.copy(Y, dv[ib, c * BT:(c + 1) * BT, ihv, 0:V])
-                # dg: reverse cumsum of dG, then Σ_{j<i} t_j and γ Σ h⊙dS on every row
-                T.cumsum(dGs, dim=0, reverse=True)
-                T.cumsum(ts, dim=0)
-                gam_sum = T.alloc_var(acc, init=0.0)
-                for kk in T.serial(K):
-                    gam_sum = gam_sum + hrs[kk]
-                for i in T.Parallel(BT):
-                    dGs[i] = dGs[i] + T.if_then_else(i > 0, ts[T.max(i, 1) - 1], 0.0) + T.exp(g_last) * gam_sum
-                T.copy(dGs, dg[ib, ihv, c * BT:(c + 1) * BT])
-                T.copy(dbs, dbeta[ib, ihv, c * BT:(c + 1) * BT])
-                # the gradient entering this chunk, as the next chunk's C1 operands
-                for i, j in T.Parallel(K, V):
-                    dSh[i, j] = T.cast(dS[i, j], bf)
-                    dSl[i, j] = T.cast(dS[i, j] - T.cast(T.cast(dS[i, j], bf), acc), bf)
+                recompute(t, rows)
+                chain(t, g_last)
+                x_terms(t)
+                q_side(t, rows, ib, ihv, c)
+                k_side(t, rows, g_last, ib, ihv, c)
+                finish(t, g_last, ib, ihv, c)
             T.copy(dS, dh0[ib, ihv, 0:K, 0:V])
 
     return gdn_chunk_bwd
