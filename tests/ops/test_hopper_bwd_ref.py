@@ -1,0 +1,265 @@
+"""The Hopper backward's PyTorch twin (linattn/ops/hopper/chunk_bwd_ref.py) against the float64 token-by-token
+reference's autograd, gradients through (o·do).sum() + (ht·dht).sum():
+
+* the algebra: the twin in float64 without rounding equals the reference to float64 rounding, on odd lengths
+  (T = 1, 63, 64, 65, 200), GVA, with and without h0 and dht, at a strong decay (g ≈ −100 per token);
+* the sequence-parallel variant ([Mᵀ | D] maps, their scan, the stitched walks) equals the unsegmented walk, and
+  its reverse warm-ups stay within their 2⁻³⁰ bound;
+* the recompute of h from sparse checkpoints gives the forward's states bit for bit;
+* the kernel's bf16 rounding points: every gradient within 2× the error of the chunked computation in PyTorch with
+  every stage's output rounded to bf16 (benchmarks/gpu_check_core.py's baseline), on the case of the repeated token
+  too (where bf16 operands of dA fail it);
+* determinism: the same inputs give the same bits;
+* the first TileLang kernel of the walk (chunk_bwd.py) compiles for sm_90a (where TileLang and nvcc are installed).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.ops.gated_delta import torch_chunk as tc
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.hopper import chunk_bwd_ref as bwd
+from linattn.ops.hopper import chunk_fwd
+
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+# float64 twin against the float64 reference: both exact algebra, so the error is float64 rounding (≈1e-15 relative
+# to the largest gradient; 5e-13 for dg at g ≈ −100, whose gradients mix magnitudes e^{±100} apart before masking)
+EXACT_TOL = 1e-11
+
+
+def make_inputs(B, T, H, HV, K, decay="anchor", repeated=False, seed=0) -> dict:
+    """float64 inputs: unit-norm q, k, Gaussian v, do, dht, h0; β uniform; g the anchors' gates (logsigmoid / 16),
+    ``slow`` (logsigmoid / 1024) or ``strong`` (−100 − U[0, 1) per token). ``repeated``: one q and one k for every
+    token (the case that punishes bf16 operands of dA)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
+    if repeated:
+        q, k = q[:, :1].expand_as(q).clone(), k[:, :1].expand_as(k).clone()
+    if decay == "strong":
+        g = -100 - torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+    else:
+        g = F.logsigmoid(r(B, T, HV)) / {"anchor": 16, "slow": 1024}[decay]
+    return dict(q=q, k=k, v=r(B, T, HV, K), g=g, beta=torch.rand(B, T, HV, generator=gen, dtype=torch.float64),
+                h0=r(B, HV, K, K) * 0.1, do=r(B, T, HV, K), dht=r(B, HV, K, K))
+
+
+def reference_grads(x: dict, scale: float, use_dht: bool) -> list[torch.Tensor]:
+    """dq, dk, dv, dg, dβ, dh0 of the float64 reference's autograd (h0 always passed: zeros stand for None)."""
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")]
+    o, ht = gated_delta_rule_reference(*leaves[:5], scale, leaves[5])
+    loss = (o * x["do"]).sum() + ((ht * x["dht"]).sum() if use_dht else 0)
+    return list(torch.autograd.grad(loss, leaves))
+
+
+def twin_grads(x: dict, scale: float, use_h0: bool, use_dht: bool, segments: int = 1, checkpoint_every: int = 2,
+               operand_dtype=None, da_operands: str = "exact") -> list[torch.Tensor]:
+    """The forward twin's saved tensors, then the backward twin, in x's dtypes (float64, or bf16 q, k, v, β, do)."""
+    _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], scale,
+                                               x["h0"] if use_h0 else None, checkpoint_every, operand_dtype)
+    return list(bwd.chunk_bwd_hopper_ref(x["q"], x["k"], x["v"], x["do"], x["dht"] if use_dht else None, saved,
+                                         scale, segments, operand_dtype, da_operands))
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# (id, B, T, H, HV, K, h0, dht, decay): odd lengths around the chunk (1, 63, 64, 65, 200 = 3 chunks + 8), GVA
+# (HV = 2H), each of h0 and dht on and off, and the strong decay under which exp must never see G_i alone
+EXACT_CASES = [
+    ("T1", 1, 1, 1, 1, 32, True, True, "anchor"),
+    ("T63_no_h0_no_dht", 1, 63, 1, 1, 32, False, False, "anchor"),
+    ("T64_gva_K64", 1, 64, 1, 2, 64, True, False, "anchor"),
+    ("T65_B2_gva", 2, 65, 1, 2, 32, False, True, "anchor"),
+    ("T200_gva", 1, 200, 2, 4, 32, True, True, "anchor"),
+    ("T200_gva_K64_strong", 1, 200, 1, 2, 64, True, True, "strong"),
+]
+
+
+@pytest.mark.parametrize("case", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
+def test_float64_twin_equals_reference_autograd(case):
+    _, B, T, H, HV, K, use_h0, use_dht, decay = case
+    x = make_inputs(B, T, H, HV, K, decay)
+    if not use_h0:
+        x["h0"] = torch.zeros_like(x["h0"])
+    scale = K ** -0.5
+    ref = reference_grads(x, scale, use_dht)
+    got = twin_grads(x, scale, use_h0, use_dht)
+    errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, got, ref)}
+    assert max(errors.values()) < EXACT_TOL, errors
+
+
+@pytest.mark.parametrize("segments", [2, 4])
+@pytest.mark.parametrize("T,decay", [(200, "anchor"), (300, "strong"), (65, "anchor")])
+def test_segments_equal_the_unsegmented_walk(segments, T, decay):
+    """[Mᵀ | D] per segment, the reverse scan and the stitched walks: the unsegmented walk's gradients in float64
+    (T = 300: 5 chunks in segments of 3 + 2 and 2 + 2 + 1; T = 65: 2 chunks, at most 2 segments)."""
+    x = make_inputs(1, T, 1, 2, 32, decay, seed=1)
+    whole = twin_grads(x, 32 ** -0.5, True, True, segments=1)
+    cut = twin_grads(x, 32 ** -0.5, True, True, segments=segments)
+    errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, cut, whole)}
+    assert max(errors.values()) < EXACT_TOL, errors
+
+
+def test_reverse_warm_ups_within_their_bound():
+    """Segments whose dS comes from reverse warm-ups (the chain from zero w chunks after the segment, w from the
+    forward's chunk norm bounds, threshold 2⁻³⁰) instead of maps and scan: at g ≈ −0.35 per token (a chunk's bound
+    ≈ −32) one chunk suffices, so three of the four segments truncate, and the gradients stay within 2⁻³⁰ of the
+    exact ones (relative to the largest) — while differing from them (the truncation happened)."""
+    from linattn.ops.hopper.map_bound import chunk_bounds_ref
+    x = make_inputs(1, 448, 1, 2, 32, seed=3)
+    x["g"] = -0.35 * (1 + 0.1 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(4),
+                                            dtype=torch.float64))
+    bound = chunk_bounds_ref(x["k"], x["g"], x["beta"])                    # [B, HV, 7]
+    cuts = bwd.segment_cuts(7, 4)
+    warm = bwd.reverse_warm_ups_ref(bound, cuts)
+    assert warm[:3].max() == 1 and warm[3].max() == 0
+    _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["h0"], 2,
+                                               None)
+    args = (x["q"], x["k"], x["v"], x["do"], x["dht"], saved, 32 ** -0.5)
+    exact = bwd.chunk_bwd_hopper_ref(*args, 1, None, "exact")
+    warmed = bwd.chunk_bwd_hopper_ref(*args, 4, None, "exact", warm_bound=bound)
+    errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, warmed, exact)}
+    assert max(errors.values()) < 2.0 ** -30 and errors["dk"] > 0, errors
+
+
+def test_recompute_gives_the_forward_states_bitwise():
+    """h from checkpoints every 3 chunks (5 chunks: the last interval part padding) equals, bit for bit, the
+    bf16-rounded state the forward walk entered every chunk with (its checkpoints at every chunk)."""
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float())
+         for n, t in make_inputs(1, 300, 1, 2, 32).items()}
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, x["h0"])
+    every_chunk = bwd.forward_for_backward_ref(*args, checkpoint_every=1)[2].checkpoints
+    saved = bwd.forward_for_backward_ref(*args, checkpoint_every=3)[2]
+    rnd = bwd.rounder(torch.float32, torch.bfloat16)
+    assert saved.checkpoints.shape[2] == 2
+    assert torch.equal(bwd.recompute_states_ref(x["k"], x["v"], saved, rnd), rnd(every_chunk))
+
+
+def rounded_baseline(x: dict, scale: float) -> list[torch.Tensor]:
+    """The gradients PyTorch computes from the same bf16 inputs with every stage's output rounded to bf16 (A_inv, W,
+    U, V_new, dV_new), fp32 arithmetic: ``gpu_check_core.rounded_twin``'s error floor, on the CPU."""
+    r = lambda t: t.to(torch.bfloat16).float()
+    B, T, H, K = x["q"].shape
+    G = x["v"].shape[2] // H
+    q, k = (r(x[n]).repeat_interleave(G, 2) for n in ("q", "k"))
+    qc, kc, vc, bc, doc = (tc.to_chunks(t) for t in (q, k, r(x["v"]), r(x["beta"]), r(x["do"])))
+    gc = tc.chunk_local_cumsum_ref(tc.to_chunks(x["g"].float()))
+    A_inv = r(tc.kkt_solve_ref(kc, bc, gc))
+    w, u = (r(t) for t in tc.wy_ref(A_inv, kc, vc, bc, gc))
+    h, vn, _ = tc.state_pass_fwd_ref(w, u, kc, gc, x["h0"].float())
+    dh, dvn, dh0 = tc.state_pass_bwd_ref(qc, kc, w, gc, doc, x["dht"].float(), scale)
+    dq, dk, dv, dbeta, dgc = tc.local_bwd_ref(qc, kc, vc, bc, gc, A_inv, w, h, r(vn), doc, dh, r(dvn), scale)
+    chunks = lambda t: tc.from_chunks(t, T)
+    return [bwd.group_sum(chunks(dq), H), bwd.group_sum(chunks(dk), H), chunks(dv),
+            chunks(tc.chunk_local_cumsum_bwd_ref(dgc)), chunks(dbeta), dh0]
+
+
+# (id, T, H, HV, K, decay, repeated)
+BF16_CASES = [
+    ("T200_gva_K64", 200, 2, 4, 64, "anchor", False),
+    ("T256_K128", 256, 1, 1, 128, "anchor", False),
+    ("T200_K64_slow_decay", 200, 2, 2, 64, "slow", False),
+    ("T128_K64_repeated_token", 128, 1, 1, 64, "anchor", True),
+]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
+def test_bf16_rounding_within_twice_the_rounded_baseline(case):
+    _, T, H, HV, K, decay, repeated = case
+    x = make_inputs(1, T, H, HV, K, decay, repeated)
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
+    exact = {n: t.double() for n, t in low.items()}         # the ground truth of the inputs the kernel sees
+    scale = K ** -0.5
+    ref = reference_grads(exact, scale, use_dht=True)
+    got = twin_grads(low, scale, True, True, operand_dtype=torch.bfloat16, da_operands="tf32")
+    base = rounded_baseline(low, scale)
+    ratios = {n: rel_l2(a, c) / rel_l2(b, c) for n, a, b, c in zip(GRADS, got, base, ref)}
+    assert max(ratios.values()) <= 2.0, ratios
+
+
+def test_bitwise_deterministic():
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float())
+         for n, t in make_inputs(1, 200, 1, 2, 32).items()}
+    runs = [twin_grads(x, 32 ** -0.5, True, True, segments=2, operand_dtype=torch.bfloat16, da_operands="tf32")
+            for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_round_tf32_keeps_ten_mantissa_bits_ties_away():
+    x = torch.tensor([1 + 2 ** -11, 1 + 2 ** -12, -(1 + 3 * 2 ** -11), 1 + 2 ** -10], dtype=torch.float32)
+    expect = torch.tensor([1 + 2 ** -10, 1, -(1 + 2 * 2 ** -10), 1 + 2 ** -10], dtype=torch.float32)
+    assert torch.equal(bwd.round_tf32(x), expect)
+
+
+def test_bad_arguments_raise():
+    x = make_inputs(1, 64, 1, 1, 32)
+    _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 1.0, None, 2, None)
+    with pytest.raises(ValueError, match="da_operands"):
+        bwd.chunk_bwd_hopper_ref(x["q"], x["k"], x["v"], x["do"], None, saved, 1.0, da_operands="fp8")
+    with pytest.raises(ValueError, match="segments"):
+        bwd.chunk_bwd_hopper_ref(x["q"], x["k"], x["v"], x["do"], None, saved, 1.0, segments=0)
+    with pytest.raises(ValueError, match="do must"):
+        bwd.chunk_bwd_hopper_ref(x["q"], x["k"], x["v"], x["do"][:, :32], None, saved, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        bwd.forward_for_backward_ref(x["q"].repeat(1, 1, 2, 1), x["k"].repeat(1, 1, 2, 1), x["v"].repeat(1, 1, 3, 1),
+                                     x["g"].repeat(1, 1, 3), x["beta"].repeat(1, 1, 3), 1.0, None)
+
+
+COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which("nvcc") is None,
+                              reason="TileLang (optional) and nvcc compile the Hopper kernels")
+
+
+@COMPILES
+def test_reverse_walk_kernel_compiles_for_sm90a(tmp_path):
+    """The first TileLang reverse walk (chunk_bwd.py; it has never run: no GPU here) compiles for sm_90a at
+    K = V = 64 with GVA: its dots on wgmma (19 sites, bf16) and dA's on tf32 mma.sync, its shared memory within the
+    227 KB of a CTA, and ptxas spilling nothing. (At K = V = 128 it needs 393 KB and spills: bwd-design.md §4.)"""
+    from linattn.ops.hopper import chunk_bwd
+    from linattn.ops.hopper.cubin import compile_sm90a
+    source = chunk_bwd.compiled_kernel(1, 2, 64, 64, 0.125, "sm_90a").get_kernel_source()
+    assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 19
+    assert "tl::mma_sync<tl::DataType::kTensorFloat32" in source
+    offsets = [int(n) for n in re.findall(r"\(char\*\)buf_dyn_shmem \+ (\d+)\)", source)]
+    assert max(offsets) + 16 * 1024 <= 227 * 1024          # the last buffer is at most 16 KB (64 × 64 fp32)
+    report = compile_sm90a(source, tmp_path)[1]
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+
+
+ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not chunk_fwd.tilelang_available()
+                               or torch.cuda.get_device_capability()[0] != 9, reason="the kernel runs on sm_90 only")
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("case", BF16_CASES[:1] + BF16_CASES[2:], ids=[c[0] for c in BF16_CASES[:1] + BF16_CASES[2:]])
+def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case):
+    """On the GPU (K = V = 64, the size the kernel fits): the kernel's gradients from the twin's saved tensors and
+    recomputed h, each within 2× the rounded baseline's error against float64, as the twin's are."""
+    from linattn.ops.hopper import chunk_bwd
+    _, T, H, HV, K, decay, repeated = case
+    x = make_inputs(1, T, H, HV, K, decay, repeated)
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
+    exact = {n: t.double() for n, t in low.items()}
+    scale = K ** -0.5
+    ref = reference_grads(exact, scale, use_dht=True)
+    _, _, saved = bwd.forward_for_backward_ref(low["q"], low["k"], low["v"], low["g"], low["beta"], scale, low["h0"])
+    h = bwd.recompute_states_ref(low["k"], low["v"], saved, bwd.rounder(torch.float32, torch.bfloat16))
+    cuda = lambda t: t.cuda()
+    dq, dk, dv, dg, dbeta, dh0 = (t.cpu() for t in chunk_bwd.chunk_bwd_hopper(
+        *map(cuda, (low["q"], low["k"], low["v"], low["do"], saved.gc, saved.beta, saved.a_inv,
+                    h.to(torch.bfloat16), low["dht"])), scale))
+    got = [bwd.group_sum(dq.float(), H), bwd.group_sum(dk.float(), H), dv.float(),
+           dg[:, :, :T].transpose(1, 2), dbeta[:, :, :T].transpose(1, 2), dh0]
+    base = rounded_baseline(low, scale)
+    ratios = {n: rel_l2(a, c) / rel_l2(b, c) for n, a, b, c in zip(GRADS, got, base, ref)}
+    assert max(ratios.values()) <= 2.0, ratios
