@@ -42,11 +42,6 @@ from .launch import launch
 from .varlen import chunk_bounds
 from .wy import wy_tiles
 
-# num_warps of the launch, read at call time: at 4 ptxas spills 284 bytes per thread on sm_90 (bf16, K = V = 128,
-# STORE_P), at 8 none (benchmarks/compile_all.py), yet 4 is faster on the H200 (run 11: B=8 T=4096 H=16 1.13 ms
-# at 4 warps, 1.86 at 8; B=1 0.146 / 0.240)
-PREPASS_WARPS = 4
-
 
 @triton.jit(do_not_specialize=["T"])
 def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H: tl.constexpr,
@@ -140,12 +135,13 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if write_wy else None
     p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None
     NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
+    # 4 warps: 8 spill less (none at K = V = 128) but run slower
     launch(fused_prepass_kernel, (NT, B * HV),
            g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
            BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
            INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
            STORE_A_INV=not write_wy, MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
-           num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
+           num_warps=4, **launch_options("fused_prepass"))
     if not write_wy:
         return gc, a_inv
     return (gc, w, u) if q is None else (gc, w, u, p)

@@ -117,7 +117,7 @@ def fused_recurrent_fwd_ref(q, k, v, g, beta, scale: float, h0: Optional[torch.T
 
 def one_step_ref(q, k, v, g, beta, scale: float, S: torch.Tensor) -> torch.Tensor:
     """One token per sequence, ``S`` ``[N, HV, K, V]`` updated in place: twin of the kernel's ONE_STEP path
-    (``recurrent_kernels.DECODE_ONE_STEP``) and the torch backend's decode step. q, k ``[N, HV, K]``, v
+    (``recurrent_kernels.one_step_path``) and the torch backend's decode step. q, k ``[N, HV, K]``, v
     ``[N, HV, V]``, g, beta ``[N, HV]`` (prepared, grouped heads expanded, S's dtype). Returns o ``[N, HV, V]``.
 
     Both reductions over K read the entering state S, so it is read once and written once:
@@ -125,8 +125,7 @@ def one_step_ref(q, k, v, g, beta, scale: float, S: torch.Tensor) -> torch.Tenso
         u = β (v − e^g Sᵀk),    o = scale·(e^g Sᵀq + (q·k) u),    S ← e^g S + k uᵀ
 
     (o = scale·S_newᵀq expanded). On a CPU this is 3 passes over the state (one bmm reading it, the in-place scale
-    and rank-1 update) instead of the token loop's ≈ 8 with four fresh state-sized temporaries (docs/performance.md,
-    after run 16)."""
+    and rank-1 update) instead of the token loop's ≈ 8 with four fresh state-sized temporaries."""
     N, HV, K, V = S.shape
     S3 = S.view(N * HV, K, V)
     qS, kS = (torch.stack((q, k), 2).view(N * HV, 2, K) @ S3).view(N, HV, 2, V).unbind(2)
