@@ -15,6 +15,12 @@ import torch
 BACKENDS = ("reference", "torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
+# The floor every path clamps a token's log decay g to where it first reads it: e^g for g ≤ −104 underflows to 0 in
+# fp32 (and in every product of decays that includes it), so a gate below the floor — −inf, a full forget, included —
+# contributes exactly the zeros it would in exact arithmetic, while the chunk-local sums of gates stay finite (G_i −
+# G_j of two −inf sums would be NaN). Finite gates ≥ the floor pass unchanged, bit for bit. dg is 0 below the floor
+# (the true derivative, e^g·(…), is 0 there).
+MIN_LOG_DECAY = -104.0
 
 
 @functools.cache
@@ -223,6 +229,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gate_from_raw(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Qwen3-Next's decay: g = −exp(A_log) · softplus(g_raw + dt_bias), in fp32 (fp64 for fp64 inputs)."""
+    """Qwen3-Next's decay: g = −exp(A_log) · softplus(g_raw + dt_bias), in fp32 (fp64 for fp64 inputs), at least
+    :data:`MIN_LOG_DECAY` (exp(A_log) overflows to inf from A_log ≈ 88.7 in fp32)."""
     dt = torch.float64 if g_raw.dtype == torch.float64 else torch.float32
-    return -A_log.to(dt).exp() * torch.nn.functional.softplus(g_raw.to(dt) + dt_bias.to(dt))
+    gate = -A_log.to(dt).exp() * torch.nn.functional.softplus(g_raw.to(dt) + dt_bias.to(dt))
+    return gate.clamp_min(MIN_LOG_DECAY)

@@ -44,10 +44,14 @@ from types import MappingProxyType
 from typing import Iterator, Mapping
 
 import torch
+import triton.language as tl
 
+from ..utils import MIN_LOG_DECAY as _MIN_LOG_DECAY
 from ..utils import triton_interpret  # noqa: F401  (re-exported for launchers: the INTERPRET constexpr of dot.py)
 
 CHUNK = 64
+# utils.MIN_LOG_DECAY as the constexpr the kernels that first read g floor it with (a kernel reads a global only so)
+MIN_LOG_DECAY = tl.constexpr(_MIN_LOG_DECAY)
 
 # Extra Triton launch options per kernel (key: the kernel's name without "_kernel"); a kernel not listed launches
 # with Triton's defaults. Only "maxnreg" (a cap on registers per thread) and "num_stages" (software pipelining of the

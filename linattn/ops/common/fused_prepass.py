@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..utils import cdiv
-from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
+from . import CHUNK, MIN_LOG_DECAY, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
 from .dot import dot
 from .kkt_solve import a_inv_tile, kkt_inverse, merge_precision
 from .launch import launch
@@ -60,7 +60,8 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk
 
     # 1. gc = cumsum(g) in fp32: read BT gates, write BT fp32 (the tail of the last chunk is masked)
     o_g = (bos + o_t) * HV + i_hv
-    b_gc = tl.cumsum(tl.load(g + o_g, mask=m_t, other=0).to(tl.float32), axis=0)
+    b_g = tl.load(g + o_g, mask=m_t, other=0).to(tl.float32)
+    b_gc = tl.cumsum(tl.where(b_g < MIN_LOG_DECAY, MIN_LOG_DECAY, b_g), axis=0)   # floored as cumsum.py does
     tl.store(gc + o_g, b_gc, mask=m_t)
     # the solve reads gc back in 16-row slices: a CTA barrier makes this program's stores visible to its threads
     tl.debug_barrier()

@@ -26,7 +26,7 @@ from ..common.state_pass import state_pass_fwd
 from ..common.state_pass_bwd import state_pass_bwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
-from ..utils import cdiv
+from ..utils import MIN_LOG_DECAY, cdiv
 
 
 def recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, num_chunks,
@@ -97,5 +97,6 @@ def chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale: float, initial_st
     if HV != H:
         # value heads i·G .. i·G + G − 1 read query/key head i: sum their shares in a fixed order
         dq, dk = dq.view(B, T, H, HV // H, K).sum(3), dk.view(B, T, H, HV // H, K).sum(3)
+    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)     # gates below the floor (common/cumsum.py) do not move the output
     return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype),
             dh0.to(initial_state.dtype) if initial_state is not None else None)

@@ -1,0 +1,135 @@
+"""Gates at the edge of their range, on every CPU-testable path: a −inf log decay (a full forget) and huge finite
+ones (−3e38: the chunk-local sums overflow to −inf) must give the float64 reference's finite answer, forward and
+backward (issue 46, item 1). Every path floors each gate at ``utils.MIN_LOG_DECAY`` where it first reads it.
+
+Paths: the torch backend, the Triton split and walk forwards and the Triton backward (fp32 under the interpreter),
+the recurrent op (both backends), the decode step (both backends) and gated linear attention. The reference
+(token by token in float64) handles −inf exactly; its gradient is compared where it is finite, and dg at a gate
+below the floor is 0 (the true derivative e^g·(…) is 0 there). The bf16/fp16 GPU cases are in
+benchmarks/gpu_check_edges.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.gated_linear.reference import gated_linear_attention_reference
+from linattn.ops.utils import MIN_LOG_DECAY, gate_from_raw
+
+# relative RMS against float64: fp32 forward and gradients (the kernels' own fp32 bounds elsewhere in tests/ops)
+TOL = {"o": 1e-5, "grad": 1e-4}
+B, T, H, HV, K, V = 1, 37, 1, 2, 16, 16
+# gate edits: (token, value head, value); −3e38 twice in one head makes its chunk-local sum overflow to −inf
+GATES = {"neg-inf": [(20, 0, float("-inf"))], "huge-twice": [(5, 1, -3e38), (30, 1, -3e38)]}
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(gates, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, HV, generator=gen) + 2.0)
+    beta = torch.rand(B, T, HV, generator=gen)
+    h0 = torch.randn(B, HV, K, V, generator=gen)
+    for t, hv, value in gates:
+        g[0, t, hv] = value
+    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, K, V, generator=gen)
+    return [q, k, v, g, beta], h0, do, dht
+
+
+def grads(fn, xs, h0, do, dht, dtype=None):
+    """(o, final state, [dq, dk, dv, dg, dbeta, dh0]) of ``fn`` on copies of the inputs (in ``dtype``)."""
+    leaves = [x.to(dtype or x.dtype).clone().requires_grad_() for x in (*xs, h0)]
+    o, ht = fn(*leaves[:5], initial_state=leaves[5])
+    loss = (o * do.to(o.dtype)).sum() + (ht * dht.to(ht.dtype)).sum()
+    return o.detach(), ht.detach(), torch.autograd.grad(loss, leaves)
+
+
+def check(fn, reference, gates, backward=True):
+    xs, h0, do, dht = make(gates)
+    o, ht, dx = grads(fn, xs, h0, do, dht) if backward else (*fn(*xs, initial_state=h0), None)
+    ro, rht, rdx = grads(reference, xs, h0, do, dht, torch.float64)
+    first = min(t for t, _, _ in gates)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_rms(o[:, :first], ro[:, :first]) <= TOL["o"], "tokens before the edge gate"
+    assert rel_rms(o, ro) <= TOL["o"] and rel_rms(ht, rht) <= TOL["o"]
+    if not backward:
+        return
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), dx, rdx):
+        assert torch.isfinite(got).all(), name
+        finite = torch.isfinite(want)
+        if name == "dg":
+            for t, hv, _ in gates:
+                assert got[0, t, hv] == 0, "dg at a gate below the floor"
+                finite[0, t, hv] = False
+        assert rel_rms(got[finite], want[finite]) <= TOL["grad"], f"{name}: {rel_rms(got[finite], want[finite]):.2e}"
+
+
+def gdn_reference(q, k, v, g, beta, initial_state):
+    return gated_delta_rule_reference(q, k, v, g, beta, K ** -0.5, initial_state)
+
+
+def gla_reference(q, k, v, g, beta, initial_state):
+    return gated_linear_attention_reference(q, k, v, g, beta, K ** -0.5, initial_state)
+
+
+def op(fn, **kw):
+    return lambda *x, initial_state: fn(*x, scale=K ** -0.5, initial_state=initial_state, output_final_state=True,
+                                        **kw)
+
+
+@pytest.mark.parametrize("gates", GATES.values(), ids=GATES.keys())
+def test_torch_backend(gates):
+    check(op(linattn.chunk_gated_delta_rule, backend="torch"), gdn_reference, gates)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["split", "walk"])
+@pytest.mark.parametrize("gates", GATES.values(), ids=GATES.keys())
+def test_triton_chunked(monkeypatch, path, gates):
+    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", path)
+    check(op(linattn.chunk_gated_delta_rule, backend="triton"), gdn_reference, gates, backward=path == "split")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("gates", GATES.values(), ids=GATES.keys())
+def test_recurrent(backend, gates):
+    check(op(linattn.fused_recurrent_gated_delta_rule, backend=backend), gdn_reference, gates)
+
+
+@pytest.mark.parametrize("gates", GATES.values(), ids=GATES.keys())
+def test_gated_linear_attention(gates):
+    check(op(linattn.gated_linear_attention), gla_reference, gates)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_step(backend):
+    """Four decode steps of one token each over a pool, a −inf gate at the second and −3e38 at the third."""
+    xs, h0, _, _ = make([(1, 0, float("-inf")), (2, 1, -3e38)])
+    q, k, v, g, beta = (x[:, :4] for x in xs)
+    pool = h0.clone()
+    outs = [linattn.gated_delta_rule_decode(*(x[:, t:t + 1] for x in (q, k, v, g, beta)), pool, backend=backend)[0]
+            for t in range(4)]
+    ro, rht = gated_delta_rule_reference(q, k, v, g, beta, K ** -0.5, h0)
+    o = torch.cat(outs, 1)
+    assert torch.isfinite(o).all() and torch.isfinite(pool).all()
+    assert rel_rms(o, ro) <= TOL["o"] and rel_rms(pool, rht) <= TOL["o"]
+
+
+def test_raw_gate_is_floored():
+    """−exp(A_log)·softplus(g + dt_bias) overflows to −inf from A_log ≈ 88.7 in fp32: floored, finite gates kept."""
+    g_raw = torch.randn(2, 5, 2)
+    gate = gate_from_raw(g_raw, torch.tensor([89.0, 0.5]), torch.zeros(2))
+    assert torch.isfinite(gate).all() and (gate[..., 0] == MIN_LOG_DECAY).all()
+    assert torch.equal(gate[..., 1], -torch.tensor(0.5).exp() * F.softplus(g_raw[..., 1]))
