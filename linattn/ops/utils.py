@@ -7,6 +7,7 @@ deep inside a kernel (or, worse, a silently wrong answer).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Optional
 
@@ -167,6 +168,8 @@ def check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens,
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 (None for K ** -0.5 = {K ** -0.5:.4g}), got {scale}")
 
     N = B
     if cu_seqlens is not None:

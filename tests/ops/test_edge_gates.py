@@ -133,3 +133,18 @@ def test_raw_gate_is_floored():
     gate = gate_from_raw(g_raw, torch.tensor([89.0, 0.5]), torch.zeros(2))
     assert torch.isfinite(gate).all() and (gate[..., 0] == MIN_LOG_DECAY).all()
     assert torch.equal(gate[..., 1], -torch.tensor(0.5).exp() * F.softplus(g_raw[..., 1]))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 0.0, -0.25])
+def test_non_finite_or_non_positive_scale_is_refused(scale):
+    """Every op refuses a scale that is not a finite number > 0 (issue 46, item 3), before any work."""
+    xs, h0, _, _ = make([])
+    q, k, v, g, beta = xs
+    calls = [lambda: linattn.chunk_gated_delta_rule(*xs, scale=scale, backend="torch"),
+             lambda: linattn.fused_recurrent_gated_delta_rule(*xs, scale=scale, backend="torch"),
+             lambda: linattn.gated_linear_attention(*xs, scale=scale),
+             lambda: linattn.gated_delta_rule_decode(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], h0.clone(),
+                                                     scale=scale, backend="torch")]
+    for call in calls:
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            call()
