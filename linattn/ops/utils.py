@@ -235,5 +235,9 @@ def gate_from_raw(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tenso
     """Qwen3-Next's decay: g = −exp(A_log) · softplus(g_raw + dt_bias), in fp32 (fp64 for fp64 inputs), at least
     :data:`MIN_LOG_DECAY` (exp(A_log) overflows to inf from A_log ≈ 88.7 in fp32)."""
     dt = torch.float64 if g_raw.dtype == torch.float64 else torch.float32
-    gate = -A_log.to(dt).exp() * torch.nn.functional.softplus(g_raw.to(dt) + dt_bias.to(dt))
-    return gate.clamp_min(MIN_LOG_DECAY)
+    a, sp = A_log.to(dt), torch.nn.functional.softplus(g_raw.to(dt) + dt_bias.to(dt))
+    floored = (-a.exp() * sp).detach() < MIN_LOG_DECAY        # NaN compares False: it stays NaN
+    # floored elements take the floor and no gradient; their exp(A_log) (inf from ≈ 88.7) leaves the graph, since
+    # autograd would multiply the zero gradient by it (0 · inf = NaN)
+    a = torch.where(floored, 0.0, a)
+    return torch.where(floored, MIN_LOG_DECAY, -a.exp() * sp)

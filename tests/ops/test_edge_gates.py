@@ -148,3 +148,22 @@ def test_non_finite_or_non_positive_scale_is_refused(scale):
     for call in calls:
         with pytest.raises(ValueError, match="scale must be a finite number > 0"):
             call()
+
+
+@pytest.mark.interpreter
+def test_fused_preprocess_floors_the_raw_gate():
+    """The Triton pre-processing (common/preprocess.py) computes the floored gate utils.gate_from_raw does, and
+    its gradient is 0 where the gate is floored (A_log = 89: exp(A_log) is inf in fp32), finite elsewhere."""
+    from linattn.ops.common.preprocess import preprocess
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 9, 1, 16, generator=gen), torch.randn(1, 9, 1, 16, generator=gen)
+    g_raw, beta = torch.randn(1, 9, 2, generator=gen).requires_grad_(), torch.rand(1, 9, 2, generator=gen)
+    A_log, dt_bias = torch.tensor([89.0, 0.5]).requires_grad_(), torch.zeros(2).requires_grad_()
+    _, _, gate, _ = preprocess(q, k, g_raw, beta, A_log, dt_bias, False, False)
+    assert torch.allclose(gate, gate_from_raw(g_raw, A_log, dt_bias), rtol=1e-6, atol=0)
+    assert (gate[..., 0] == MIN_LOG_DECAY).all()
+    dg_raw, dA_log, ddt_bias = torch.autograd.grad(gate.sum(), (g_raw, A_log, dt_bias))
+    want = torch.autograd.grad(gate_from_raw(g_raw, A_log, dt_bias).sum(), (g_raw, A_log, dt_bias))
+    assert (dg_raw[..., 0] == 0).all() and dA_log[0] == 0 and ddt_bias[0] == 0
+    for got, ref in zip((dg_raw, dA_log, ddt_bias), want):
+        assert torch.isfinite(got).all() and torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
