@@ -9,10 +9,9 @@ dS is the gradient of the state *leaving* the current chunk. Walking the chunks 
 
 One program per (V tile, sequence, value head) holds a K × BV tile of dS in fp32 registers for the whole walk;
 the V tiles are independent because every update is column-wise in V. Per chunk it reads q, k, w (BT×K), dO and
-dv_local (BT×BV) and the gates, and writes dh (K×BV, fp32, or bf16: ``dh_dtype``) and dV_new (BT×BV, fp32). K is
-one tile (≤ 256), so BV shrinks as K grows to bound the registers the carried state takes. dh is only read by
-local_bwd_dqk: storing it in bf16 rounds what that stage reads, never the dS the walk carries, so dV_new and dh0
-are the same either way.
+dv_local (BT×BV) and the gates, and writes dh (K×BV) and dV_new (BT×BV), fp32. K is one tile (≤ 256), so BV
+shrinks as K grows to bound the registers the carried state takes. dh stays fp32: in bf16 it rounded only what
+local_bwd_dqk reads, but made the backward slower at long sequences.
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh
     """Chunk i_t of the reverse walk: store dS leaving it to dh, write its dV_new, return dS entering it."""
     DT = k.dtype.element_ty
     p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))  # rounded on the way out (dh_dtype)
+    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
 
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -107,9 +106,9 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
                    dot_prec: str | None = None, block_v: int | None = None):
     """Reverse pass. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``; gc ``[B, T, HV]`` fp32; do, dv_local
     ``[B, T, HV, V]``; dht ``[N, HV, K, V]``. With cu_seqlens (B == 1), chunk_offsets ``[N + 1]`` gives each
-    sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk, in
-    ``dh_dtype``: fp32 or bf16), dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``
-    (fp32). ``block_v`` (None: the rule below) is for benchmarks."""
+    sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk),
+    dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``, all fp32. ``block_v`` (None: the rule below) is for
+    benchmarks."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
