@@ -76,7 +76,7 @@ def eager_call(*tensors) -> bool:
     """True when a public op may call its implementation directly instead of through its ``torch.library`` custom op.
 
     The custom ops exist for tracing (torch.compile, export, fake tensors); an eager call through one pays tens of µs
-    of Python dispatch (a mutating op about 80 µs: docs/performance.md, "Host overhead"). The direct call is taken
+    of Python dispatch (a mutating op more: docs/performance.md, "Host overhead"). The direct call is taken
     only when nothing can observe the difference: not compiling, no ``__torch_dispatch__`` mode or functorch
     transform active, and every tensor argument a plain ``torch.Tensor`` (not a FakeTensor, DTensor or other
     subclass). ``tensors`` may hold None.

@@ -7,8 +7,7 @@
     g = max(−exp(A_log) · softplus(g_raw + dt_bias), MIN_LOG_DECAY)  (fp32)
     β = sigmoid(b)                                                    (b's dtype)
 
-each only when its flag asks for it. In PyTorch that is ~20 ATen kernels (≈ 240–500 µs per call at B=1 T=4096 H=16
-K=V=128 on the H200, docs/performance.md); here it is :func:`preprocess_fwd_kernel` and, for the gradient,
+each only when its flag asks for it. In PyTorch that is ~20 ATen kernels, each a pass over memory; here it is :func:`preprocess_fwd_kernel` and, for the gradient,
 :func:`preprocess_bwd_kernel` (the chain rule back to q, k, g_raw, b, A_log, dt_bias), wrapped in
 :class:`Preprocess`. Twin: :func:`preprocess_ref` (utils' ``l2norm`` / ``gate_from_raw``; its gradients come from
 PyTorch autograd). The torch and reference backends, and every traced call (torch.compile fuses the PyTorch ops

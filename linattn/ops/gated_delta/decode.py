@@ -129,8 +129,8 @@ def decode_ref(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bia
              else torch.arange(B, device=q.device))
     live = slots >= 0
     # the gather copies (the pool is written back only where live); a negative slot starts from zero. index_select
-    # and index_copy_ rather than pool[idx]: on a CPU advanced indexing moved the state at ≈ 3 GB/s (0.7 ms of a
-    # 1.4 ms step at B=1 HV=32 K=V=128)
+    # and index_copy_ rather than pool[idx]: on a CPU advanced indexing moves the state slowly (half of a step's
+    # time)
     h0 = state_pool.index_select(0, slots.clamp(min=0)).to(qp.dtype)
     rows = live.nonzero().squeeze(1)
     if rows.numel() < B:

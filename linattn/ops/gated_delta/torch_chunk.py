@@ -16,8 +16,8 @@ a reverse pass over chunks carries dS, everything else is parallel over chunks.
 The backend runs the stages on blocks of a few chunks at a time (:func:`block_chunks`), carrying the state
 between blocks: the same numbers (tested to 1e-6), because every stage is independent per chunk apart from the
 carried state. Why: on a CPU, whole-sequence temporaries (32 MB for one [HV=16, T=4096, 128] fp32 tensor) are fresh
-mmap'd memory at every allocation, and the page faults cost more than the arithmetic (a 32 MB bmm 16.5 ms into a
-new tensor, 6.1 ms into an existing one). Blocks of ≤ 4 MB are recycled by the allocator and stay in cache, which
+mmap'd memory at every allocation, and the page faults cost more than the arithmetic (a bmm into a new tensor
+takes more than twice as long as into an existing one). Blocks of ≤ 4 MB are recycled by the allocator and stay in cache, which
 halves the CPU forward + backward at long sequences.
 """
 from __future__ import annotations
