@@ -167,3 +167,26 @@ def test_fused_preprocess_floors_the_raw_gate():
     assert (dg_raw[..., 0] == 0).all() and dA_log[0] == 0 and ddt_bias[0] == 0
     for got, ref in zip((dg_raw, dA_log, ddt_bias), want):
         assert torch.isfinite(got).all() and torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_recurrent_in_op_gate_at_a_huge_a_log(backend):
+    """The recurrent op with the gate computed in the op (A_log = 89: exp(A_log) is inf in fp32) gives the chunked
+    torch backend's answer, finite gradients, and no gradient to the floored head's A_log and dt_bias."""
+    xs, h0, do, dht = make([])
+    q, k, v, g_raw, beta = xs
+    gate = dict(A_log=torch.tensor([89.0, 0.5]), dt_bias=torch.zeros(HV))
+    runs = {}
+    for name, fn, be in (("recurrent", linattn.fused_recurrent_gated_delta_rule, backend),
+                         ("chunk", linattn.chunk_gated_delta_rule, "torch")):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g_raw, beta, gate["A_log"], gate["dt_bias"])]
+        o, ht = fn(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], initial_state=h0, output_final_state=True,
+                   use_qk_l2norm_in_kernel=True, backend=be)
+        runs[name] = (o, ht, torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves))
+    (o, ht, grads), (ro, rht, rgrads) = runs["recurrent"], runs["chunk"]
+    assert rel_rms(o, ro) <= TOL["o"] and rel_rms(ht, rht) <= TOL["o"]
+    assert all(torch.isfinite(d).all() for d in grads)
+    assert grads[5][0] == 0 and grads[6][0] == 0 and (grads[3][..., 0] == 0).all()
+    for got, want in zip(grads, rgrads):
+        assert rel_rms(got, want) <= TOL["grad"]

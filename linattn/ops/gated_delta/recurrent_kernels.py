@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import launch_options
+from ..common import MIN_LOG_DECAY, launch_options
 from ..utils import cdiv, next_power_of_2
 
 # Gate: g = −exp(A_log) · softplus(g_raw + dt_bias); softplus(x) = x above this threshold (torch's default).
@@ -59,6 +59,7 @@ def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
         b_x = b_g + b_dt
         # both branches are evaluated; exp overflowing to inf in the unused one is harmless (where picks x)
         b_g = -b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
+        b_g = tl.where(b_g < MIN_LOG_DECAY, MIN_LOG_DECAY, b_g)   # e^{A_log} is inf from A_log ≈ 88.7 (utils)
     b_beta = tl.load(p_beta).to(tl.float32)
     if USE_BETA_SIGMOID:
         b_beta = tl.sigmoid(b_beta)
