@@ -9,8 +9,8 @@ times, at HV = 32, H = 16, K = V = 128, q/k/v bf16, fused gate / β sigmoid / q-
   bandwidth of the same number of bytes (torch ``copy_`` in this script, same run);
 * eager call latency at B = 1 (with and without the host-side slot check);
 * a BV / num_warps (/ register cap) sweep of the kernel's tiles at B = 64 and 256, and at B = 64 with 4 tokens
-  (to tune ``pick_tiles``), one- and two-warp tiles included, and at one token the ONE_STEP path
-  (``recurrent_kernels.DECODE_ONE_STEP``) at the tiles it frees registers for (``--sweep-only``: this alone);
+  (to tune ``pick_tiles``), one- and two-warp tiles included; one token runs the kernel's ONE_STEP path
+  (``recurrent_kernels.one_step_path``) with tiles of its own (``--sweep-only``: this alone);
 * fla's ``fused_recurrent_gated_delta_rule`` on the same inputs if fla is importable (fp32 state, gate and β
   precomputed since its call takes them so; it reads initial_state and writes a new final state: same bytes).
 
@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import time
-from unittest import mock
 
 import torch
 
@@ -154,7 +153,7 @@ def copy_bandwidth(nbytes):
     return gbs, 2 * nbytes / gbs / 1e3
 
 
-def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_step=None, layout="kv"):
+def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, layout="kv"):
     """µs per step of ``gated_delta_rule_decode`` (or, with BV, the kernel at that tile) over a pool in ``layout``
     ("kv" K-major, "vk" V-major)."""
     gate = gate_params()
@@ -172,13 +171,11 @@ def time_decode(B, Tq, pool_dtype, BV=None, num_warps=None, maxnreg=None, one_st
         fn = lambda: rk.fused_recurrent_fwd(tc["q"], tc["k"], tc["v"], tc["g"], tc["beta"], K ** -0.5, pool, pool,
                                             None, None, slots, gate["A_log"], gate["dt_bias"], True, True,
                                             BV=BV, num_warps=num_warps, state_vk=layout == "vk")
+    table = dict(common.LAUNCH_OPTIONS)
     if maxnreg is not None:
-        common.LAUNCH_OPTIONS["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
-    try:
-        with mock.patch.object(rk, "DECODE_ONE_STEP", rk.DECODE_ONE_STEP if one_step is None else one_step):
-            return graph_time_us(fn), t, pool, slots, gate
-    finally:
-        common.LAUNCH_OPTIONS.pop("fused_recurrent_fwd", None)
+        table["fused_recurrent_fwd"] = dict(maxnreg=maxnreg)
+    with common.launch_options_override(table):
+        return graph_time_us(fn), t, pool, slots, gate
 
 
 def sweep_point(state_bytes, rec, *args, **kwargs):
@@ -284,7 +281,6 @@ def main():
     if a.layout_sweep:
         # the same tiles over a K-major and a V-major pool: a K-major bf16 tile of 32 columns reads 64-byte pieces
         # of rows (half a 128-byte line), a V-major one whole 256-byte rows (the 8 KB slice is one contiguous block).
-        # Run 20 (H200): V-major bf16 one token fastest at BV=16 / 1 warp, fp32 at 32 / 1; 4 tokens fp32 at 8 / 1
         # (pick_tiles' state_vk rules)
         tiles = {(torch.bfloat16, 1): [(32, 1), (64, 2), (16, 1), (32, 2), (64, 4), (128, 4), (8, 1)],
                  (torch.float32, 1): [(64, 2), (32, 1), (64, 4), (128, 4), (16, 1), (32, 2)],
@@ -303,14 +299,12 @@ def main():
         # 255 registers (sm_90 ptxas: bf16 BV=64 → 168 registers + 748 spill bytes; fp32 BV=64 → 700); and one- or
         # two-warp tiles, whose reductions over K stay inside a warp (2 barriers per step instead of 16) and whose
         # small register files let more programs share an SM (fp32 BV=16 at 1 warp: 8 per SM, 64 KB of state in
-        # flight per SM against 48 KB for today's BV=32 at 4 warps). Tq = 4 too: multi-token steps are bound by
-        # those reductions' latency (B=64: 49.7 µs per token against 77 for one token, run 11)
+        # flight per SM against 48 KB for BV=32 at 4 warps). Tq = 4 too: multi-token steps are bound by those
+        # reductions' latency
         narrow = [(8, 1, None), (16, 1, None), (16, 2, None), (32, 2, None)]
-        # and at one token the ONE_STEP path (rk.DECODE_ONE_STEP) at the tiles sm_90 ptxas fits more programs per
-        # SM with it: bf16 BV=32 / 4 warps 128 registers (four per SM; the loop: 146, three), BV=64 / 8 warps 136
-        # (loop 182), caps 128 / 168 with the spills in docs/performance.md after run 15; fp32 BV=32 / 4 warps 127
-        # (four per SM: 64 KB of state in flight against the loop's 154 registers, three, 48 KB); run 17's one- and
-        # two-warp tiles (pick_tiles' ONE_STEP rule: one warp per 4096 values) and the 4-warp tiles before it
+        # and at one token (the ONE_STEP path) the tiles sm_90 ptxas fits more programs per SM with: bf16 BV=32 /
+        # 4 warps 128 registers (four per SM), BV=64 / 8 warps 136; fp32 BV=32 / 4 warps 127; the one- and two-warp
+        # tiles of pick_tiles' ONE_STEP rule (one warp per 4096 values)
         one_step = {torch.float32: [(64, 2, None), (32, 1, None), (32, 4, None), (128, 4, None), (64, 4, 168),
                                     (64, 8, 128)],
                     torch.bfloat16: [(32, 1, None), (64, 2, None), (16, 1, None), (64, 4, None), (32, 4, None),
@@ -321,11 +315,11 @@ def main():
                                    + [(64, 4, 168), (128, 8, 128)] + narrow)):
             for B, Tq in ((64, 1), (256, 1), (64, 4)):
                 state_bytes = B * HV * K * V * pool_dtype.itemsize * 2
-                runs = [(t, False) for t in tiles] + ([(t, True) for t in one_step[pool_dtype]] if Tq == 1 else [])
-                for (BV, nw, maxnreg), one in runs:
+                runs = tiles + (one_step[pool_dtype] if Tq == 1 else [])
+                for BV, nw, maxnreg in dict.fromkeys(runs):
                     sweep.append(sweep_point(state_bytes, dict(pool=str(pool_dtype)[6:], B=B, Tq=Tq, BV=BV,
-                                                               num_warps=nw, maxnreg=maxnreg, one_step=one),
-                                             B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg, one_step=one))
+                                                               num_warps=nw, maxnreg=maxnreg, one_step=Tq == 1),
+                                             B, Tq, pool_dtype, BV=BV, num_warps=nw, maxnreg=maxnreg))
 
     with open(os.path.join(a.out, "bench_decode.json"), "w") as fh:
         json.dump(dict(meta=meta, checks=checks, timings=timings, eager=eager, sweep=sweep), fh, indent=1)

@@ -1,17 +1,15 @@
 """GPU timing of every kernel of the chunked op under register caps and loop-pipelining depths
-(``common.LAUNCH_OPTIONS``: ``maxnreg``, ``num_stages``).
+(``common.launch_options_override`` over ``common.LAUNCH_OPTIONS``: ``maxnreg``, ``num_stages``).
 
     python benchmarks/bench_launch_options.py [--quick] [--out DIR]
 
 Why (sm_90 ptxas, benchmarks/compile_all.py, bf16 K = V = 128): every kernel compiles to ~255 registers per
 thread, so an SM holds 8 warps of any of them (two programs at 4 warps, one at 8) — 1/8 of its 64 warp slots —
-and the parallel kernels are latency-bound (run 11: the pre-pass takes ≈ 36 µs per program, for ~6000
-instructions). A cap of 168 registers fits three programs of 4 warps per SM, 128 fits four, at the price of spills
+and the parallel kernels are latency-bound (the pre-pass takes tens of µs per program, for ~6000 instructions).
+A cap of 168 registers fits three programs of 4 warps per SM, 128 fits four, at the price of spills
 (pre-pass 284 → 1756 / 4528 bytes per thread; kkt_solve 0 → 680 / 2208; wy 0 → 928 / 1400; dv 0 → 1072 / 1808).
 local_bwd_dqk pipelines its inner loops 3 deep by default (176 KB of shared memory at 4 warps, 192 at 8: one
-program per SM); num_stages = 1 takes it to 64 / 80 KB. Prediction: a cap that doubles residency takes the
-parallel kernels 1.3–1.8× faster where spills stay under ~2 KB; nothing for the sequential kernels at B=1 (one
-program per SM either way).
+program per SM); num_stages = 1 takes it to 64 / 80 KB.
 
 Per shape (bf16, B=1 and B=8 at T=4096 H=16): each kernel alone (do_bench median ms; the sequential kernels only
 where their grid exceeds one wave) at Triton's defaults and at the option sets of :data:`VARIANTS` (num_stages only
@@ -96,34 +94,26 @@ def tensors(out):
 
 
 def sweep(shape):
-    """Each kernel at Triton's own launch options ("defaults") and at each variant; the module's LAUNCH_OPTIONS
-    (the op's chosen options) are restored after."""
-    saved, rows = dict(common.LAUNCH_OPTIONS), []
-    try:
-        return _sweep(shape, rows)
-    finally:
-        common.LAUNCH_OPTIONS.clear()
-        common.LAUNCH_OPTIONS.update(saved)
-
-
-def _sweep(shape, rows):
+    """Each kernel at Triton's own launch options ("defaults") and at each variant; the op's chosen options
+    (common.LAUNCH_OPTIONS) apply again after."""
+    rows = []
     for name, call in kernels(*shape).items():
         if name in SEQUENTIAL and shape[0] * shape[3] * 2 <= 132:  # one wave: one program per SM at any width
             continue
-        common.LAUNCH_OPTIONS.clear()
-        ref = tensors(call())
-        row = dict(kernel=name, shape=shape, default_ms=triton.testing.do_bench(call))
+        with common.launch_options_override({}):
+            ref = tensors(call())
+            row = dict(kernel=name, shape=shape, default_ms=triton.testing.do_bench(call))
         for label, opts in VARIANTS.items():
             if "num_stages" in opts and name not in LOOPED:
                 row[label] = dict(error="n/a (no tile loops)")
                 continue
-            common.LAUNCH_OPTIONS[name] = opts
             try:
-                out = tensors(call())
-                row[label] = dict(ms=triton.testing.do_bench(call), diff=max(rel(a, b) for a, b in zip(out, ref)))
+                with common.launch_options_override({name: opts}):
+                    out = tensors(call())
+                    row[label] = dict(ms=triton.testing.do_bench(call),
+                                      diff=max(rel(a, b) for a, b in zip(out, ref)))
             except Exception as e:  # a variant that does not compile or launch is a cell, not the end
                 row[label] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
-        common.LAUNCH_OPTIONS.clear()
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

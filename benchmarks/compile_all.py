@@ -12,10 +12,8 @@ Two steps in two processes (the interpreter replaces the kernels that the compil
 
     python benchmarks/compile_all.py [--dtype bf16|fp32|fp16] [--B 1 --H 16 --HV 16 --D 128] [--gate]
     python benchmarks/compile_all.py --decode fp32|bf16 --B 64 --H 16 --HV 32     # one serving step instead
-    python benchmarks/compile_all.py --warps 8        # the pre-pass and the backward kernels at 8 warps
     python benchmarks/compile_all.py --forward split  # force a forward path (default "auto": the op's own pick)
-    python benchmarks/compile_all.py --set common.kkt_solve.MERGE_PREC_BF16=tf32x3   # a string setting of linattn.ops
-    python benchmarks/compile_all.py --launch-options '{"local_bwd_dqk": {"num_stages": 1}}'   # common.LAUNCH_OPTIONS
+    python benchmarks/compile_all.py --launch-options '{"local_bwd_dqk": {"num_stages": 1}}'   # over the defaults
 
 Launch plans depend on B·HV (tiles chosen to fill 132 SMs), not on T; the default is the issue-4 table's first row.
 """
@@ -40,8 +38,6 @@ def record(a) -> list:
     import torch
     import triton.runtime.interpreter as interp
 
-    import linattn
-
     launches, seen = [], set()
 
     def intercept(self, *args, grid, warmup, **kwargs):
@@ -63,7 +59,7 @@ def record(a) -> list:
         consts.update({k: v for k, v in kwargs.items() if k in names})  # the constexprs (launch options are not)
         if "INTERPRET" in consts:
             consts["INTERPRET"] = False  # the compile step builds the GPU kernel
-        options = {k: kwargs[k] for k in ("maxnreg", "num_stages") if k in kwargs}  # common.LAUNCH_OPTIONS
+        options = {k: kwargs[k] for k in ("maxnreg", "num_stages") if k in kwargs}  # common.launch_options
         key = (fn.__module__, fn.__name__, json.dumps(consts, sort_keys=True, default=str), num_warps,
                json.dumps(options, sort_keys=True))
         if key not in seen:
@@ -75,20 +71,17 @@ def record(a) -> list:
     from linattn.ops import common
     from linattn.ops.gated_delta import triton_chunk
     triton_chunk.FORWARD_PATH = a.forward
-    for assignment in a.set:  # "common.kkt_solve.MERGE_PREC_BF16=tf32x3": a string setting of a linattn.ops module
-        target, value = assignment.split("=", 1)
-        module, name = target.rsplit(".", 1)
-        mod = importlib.import_module("linattn.ops." + module)
-        if not isinstance(getattr(mod, name, None), str):
-            raise SystemExit(f"--set: linattn.ops.{module} has no string setting {name}")
-        setattr(mod, name, value)
-    common.LAUNCH_OPTIONS.update(json.loads(a.launch_options))
-    if a.warps:
-        # the launch widths the op reads at call time (fused_prepass.PREPASS_WARPS, local_bwd_utils.BWD_WARPS)
-        from linattn.ops.common import fused_prepass
-        from linattn.ops.common.local_bwd_utils import BWD_WARPS
-        fused_prepass.PREPASS_WARPS = a.warps
-        BWD_WARPS.update(dict.fromkeys(BWD_WARPS, a.warps))
+    table = {**common.LAUNCH_OPTIONS, **json.loads(a.launch_options)}
+    with common.launch_options_override(table):
+        run_op(a)
+    return launches
+
+
+def run_op(a) -> None:
+    """One forward + backward of the op (or one decode step) on the Triton backend, for the record step."""
+    import torch
+
+    import linattn
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     T = 256
     q = torch.randn(a.B, T, a.H, a.D, dtype=dt, requires_grad=True)
@@ -106,10 +99,9 @@ def record(a) -> list:
                                         A_log=torch.zeros(a.HV), dt_bias=torch.zeros(a.HV),
                                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                         backend="triton")
-        return launches
+        return
     o, _ = linattn.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="triton", **extra)
     torch.autograd.grad(o.float().sum(), (q, k, v, g, beta))
-    return launches
 
 
 def compile_all(launches: list, top_ops: int = 0) -> None:
@@ -147,14 +139,11 @@ def main():
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--gate", action="store_true", help="in-op gate, beta sigmoid and q/k L2 norm (pre-processing)")
     ap.add_argument("--decode", choices=("fp32", "bf16"), help="instead: one decode step over a pool of this dtype")
-    ap.add_argument("--warps", type=int, help="launch width of the pre-pass and the backward kernels (default: the "
-                                              "op's own, PREPASS_WARPS and BWD_WARPS)")
     ap.add_argument("--forward", choices=("auto", "walk", "split"), default="auto",
                     help="the op's forward path (triton_chunk.FORWARD_PATH)")
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="a module setting under linattn.ops, e.g. common.split_fwd.OUTPUT_PREC_BF16=bf16x3")
     ap.add_argument("--launch-options", default="{}",
-                    help='common.LAUNCH_OPTIONS as JSON, e.g. \'{"local_bwd_dqk": {"num_stages": 1, "maxnreg": 168}}\'')
+                    help='launch options over common.LAUNCH_OPTIONS, as JSON, e.g. '
+                         '\'{"local_bwd_dqk": {"num_stages": 1, "maxnreg": 168}}\'')
     ap.add_argument("--ops", type=int, default=0, metavar="N", help="also print each kernel's N most frequent SASS "
                                                                     "opcodes (static counts)")
     ap.add_argument("--record-only", action="store_true", help=argparse.SUPPRESS)

@@ -22,9 +22,7 @@ from compile_walk import compile_kernel, walk_consts  # noqa: E402  (this folder
 
 from linattn.ops.common import block_size, dot_precision
 from linattn.ops.common.fused_fwd import fused_dot_precisions, fused_fwd_kernel
-from linattn.ops.common.local_bwd_utils import bwd_dot_precision
 from linattn.ops.common.state_pass import state_pass_fwd_kernel
-from linattn.ops.common.state_pass_bwd import state_pass_bwd_kernel
 
 
 def kernels(d: int, BV: int, stages: int, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -36,10 +34,7 @@ def kernels(d: int, BV: int, stages: int, dtype: torch.dtype = torch.bfloat16) -
     fwd = dict(H=16, HV=16, K=d, V=d, BT=64, BK=bk, BV=BV, DOT_PREC=dot_precision(dtype), USE_DECAY=True,
                USE_DELTA=True, FROM_A_INV=False, USE_INITIAL_STATE=False, IS_VARLEN=False, INTERPRET=False,
                NUM_STAGES=stages)
-    bwd = dict(H=16, HV=16, K=d, V=d, BT=64, BK=bk, BV=BV, DOT_PREC=bwd_dot_precision(dtype, None),
-               IS_VARLEN=False, INTERPRET=False, NUM_STAGES=stages)
-    return {"walk": (fused_fwd_kernel, walk), "state_pass_fwd": (state_pass_fwd_kernel, fwd),
-            "state_pass_bwd": (state_pass_bwd_kernel, bwd)}
+    return {"walk": (fused_fwd_kernel, walk), "state_pass_fwd": (state_pass_fwd_kernel, fwd)}
 
 
 def main():

@@ -23,8 +23,8 @@ from linattn.ops.common.local_bwd_dqk import local_bwd_dqk_kernel  # noqa: F401 
 from linattn.ops.common.local_bwd_utils import bwd_dot_precision
 from linattn.ops.common.output import output_fwd_kernel  # noqa: F401  (compiled by tests through this module)
 from linattn.ops.common.split_fwd import output_precision
-from linattn.ops.common.state_pass import STATE_PASS_STAGES, state_pass_fwd_kernel  # noqa: F401  (likewise)
-from linattn.ops.common.state_pass_bwd import BWD_STAGES, state_pass_bwd_kernel  # noqa: F401  (likewise)
+from linattn.ops.common.state_pass import state_pass_fwd_kernel  # noqa: F401  (likewise)
+from linattn.ops.common.state_pass_bwd import state_pass_bwd_kernel  # noqa: F401  (likewise)
 from linattn.ops.gated_delta.recurrent_kernels import fused_recurrent_fwd_kernel  # noqa: F401  (likewise)
 
 INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
@@ -34,8 +34,7 @@ INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments", "state
 
 def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4, bf16_args: tuple = ()):
     """Compile ``kernel`` for sm_90 with the given constexprs; return sm90.Resources. ``bf16_args``: pointer
-    arguments stored in bf16 instead of fp32 (the split forward's h and v_new with ``split_fwd.STORE_BF16``, the
-    backward's with ``triton_bwd.RECOMPUTE_STORE_BF16`` / ``DH_STORE_BF16``)."""
+    arguments stored in bf16 instead of fp32 (the split forward's and the backward recompute's h and v_new)."""
     def arg_type(name: str) -> str:
         if name in INT_ARGS:
             return "i32"
@@ -78,17 +77,17 @@ def state_pass_consts(d: int, BV: int, from_a_inv: bool = False) -> dict:
     ``from_a_inv`` it reads A_inv and the values (then pass bf16_args=("u",) to compile_kernel)."""
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV, DOT_PREC=dot_precision(torch.bfloat16),
                 USE_DECAY=True, USE_DELTA=True, FROM_A_INV=from_a_inv, USE_INITIAL_STATE=False, IS_VARLEN=False,
-                INTERPRET=False, NUM_STAGES=STATE_PASS_STAGES)
+                INTERPRET=False, NUM_STAGES=3)
 
 
 def state_pass_bwd_consts(d: int, BV: int) -> dict:
     """Constexprs of the backward's reverse walk at K = V = d for bf16 inputs (its launch: 4 warps)."""
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV,
-                DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False, INTERPRET=False, NUM_STAGES=BWD_STAGES)
+                DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False)
 
 
 def dqk_consts(d: int) -> dict:
-    """Constexprs of the backward's dq/dk stage at K = V = d for bf16 inputs (its launch: BWD_WARPS["dqk"])."""
+    """Constexprs of the backward's dq/dk stage at K = V = d for bf16 inputs (its launch: 8 warps)."""
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 64), BV=block_size(d, 64),
                 DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False)
 

@@ -7,6 +7,7 @@ deep inside a kernel (or, worse, a silently wrong answer).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Optional
 
@@ -15,6 +16,12 @@ import torch
 BACKENDS = ("reference", "torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
+# The floor every path clamps a token's log decay g to where it first reads it: e^g for g ≤ −104 underflows to 0 in
+# fp32 (and in every product of decays that includes it), so a gate below the floor — −inf, a full forget, included —
+# contributes exactly the zeros it would in exact arithmetic, while the chunk-local sums of gates stay finite (G_i −
+# G_j of two −inf sums would be NaN). Finite gates ≥ the floor pass unchanged, bit for bit. dg is 0 below the floor
+# (the true derivative, e^g·(…), is 0 there).
+MIN_LOG_DECAY = -104.0
 
 
 @functools.cache
@@ -69,7 +76,7 @@ def eager_call(*tensors) -> bool:
     """True when a public op may call its implementation directly instead of through its ``torch.library`` custom op.
 
     The custom ops exist for tracing (torch.compile, export, fake tensors); an eager call through one pays tens of µs
-    of Python dispatch (a mutating op about 80 µs: docs/performance.md, "Host overhead"). The direct call is taken
+    of Python dispatch (a mutating op more: docs/performance.md, "Host overhead"). The direct call is taken
     only when nothing can observe the difference: not compiling, no ``__torch_dispatch__`` mode or functorch
     transform active, and every tensor argument a plain ``torch.Tensor`` (not a FakeTensor, DTensor or other
     subclass). ``tensors`` may hold None.
@@ -161,6 +168,8 @@ def check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens,
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 (None for K ** -0.5 = {K ** -0.5:.4g}), got {scale}")
 
     N = B
     if cu_seqlens is not None:
@@ -223,6 +232,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gate_from_raw(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Qwen3-Next's decay: g = −exp(A_log) · softplus(g_raw + dt_bias), in fp32 (fp64 for fp64 inputs)."""
+    """Qwen3-Next's decay: g = −exp(A_log) · softplus(g_raw + dt_bias), in fp32 (fp64 for fp64 inputs), at least
+    :data:`MIN_LOG_DECAY` (exp(A_log) overflows to inf from A_log ≈ 88.7 in fp32)."""
     dt = torch.float64 if g_raw.dtype == torch.float64 else torch.float32
-    return -A_log.to(dt).exp() * torch.nn.functional.softplus(g_raw.to(dt) + dt_bias.to(dt))
+    a, sp = A_log.to(dt), torch.nn.functional.softplus(g_raw.to(dt) + dt_bias.to(dt))
+    floored = (-a.exp() * sp).detach() < MIN_LOG_DECAY        # NaN compares False: it stays NaN
+    # floored elements take the floor and no gradient; their exp(A_log) (inf from ≈ 88.7) leaves the graph, since
+    # autograd would multiply the zero gradient by it (0 · inf = NaN)
+    a = torch.where(floored, 0.0, a)
+    return torch.where(floored, MIN_LOG_DECAY, -a.exp() * sp)

@@ -140,14 +140,13 @@ def test_gradcheck_float64_many_chunks(monkeypatch, one_chunk_blocks):
     """A chunk of 4 tokens so that 11 tokens cross two chunk boundaries inside gradcheck; and with the backend's
     blocks one chunk each, so the state and dS cross block boundaries too."""
     from linattn.ops.gated_delta import torch_chunk
-    if one_chunk_blocks:
-        monkeypatch.setattr(torch_chunk, "BLOCK_BYTES", 1)
+    blocks = dict(block_bytes=1) if one_chunk_blocks else {}
     fwd, bwd = torch_chunk.chunk_gated_delta_rule_fwd_torch, torch_chunk.chunk_gated_delta_rule_bwd_torch
     from linattn.ops.gated_delta import chunk as chunk_mod
     monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_fwd_torch",
-                        lambda *a: fwd(*a, chunk_size=4))
+                        lambda *a: fwd(*a, chunk_size=4, **blocks))
     monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_bwd_torch",
-                        lambda *a: bwd(*a, chunk_size=4))
+                        lambda *a: bwd(*a, chunk_size=4, **blocks))
     c = Case("tiny", T=11, H=1, HV=1, K=4, V=3, B=1, h0=True, lengths=(6, 5))
     tensors, kw = make_inputs(c, dtype=torch.float64)
     names = list(tensors)
@@ -160,12 +159,16 @@ def test_gradcheck_float64_many_chunks(monkeypatch, one_chunk_blocks):
 def test_blocked_backend_equals_whole_sequence(monkeypatch):
     """The backend's blocks of chunks (torch_chunk.block_chunks; 1, 2 and 3 chunks here, 3 not dividing the 5
     chunks) give what the stages give on the whole sequence at once: outputs, final state, every gradient."""
+    from linattn.ops.gated_delta import chunk as chunk_mod
     from linattn.ops.gated_delta import torch_chunk
     tensors, kw = make_inputs(Case("blocks", T=300, H=2, HV=4, K=16, V=24, B=2, h0=True))
     results = {}
-    for per_chunk in (None, 1, 2, 3):  # None: one block (BLOCK_BYTES far above the sequence's h)
+    fwd, bwd = torch_chunk.chunk_gated_delta_rule_fwd_torch, torch_chunk.chunk_gated_delta_rule_bwd_torch
+    for per_chunk in (None, 1, 2, 3):  # None: one block (block_bytes far above the sequence's h)
         h_bytes = 4 * 16 * 24 * 4   # h of one chunk (HV·K·V fp32 values; the backend runs one sequence at a time)
-        monkeypatch.setattr(torch_chunk, "BLOCK_BYTES", 1 << 40 if per_chunk is None else per_chunk * h_bytes)
+        blocks = 1 << 40 if per_chunk is None else per_chunk * h_bytes
+        monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_fwd_torch", lambda *a, n=blocks: fwd(*a, block_bytes=n))
+        monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_bwd_torch", lambda *a, n=blocks: bwd(*a, block_bytes=n))
         xs, o, ht = run(tensors, kw, "torch")
         grads = torch.autograd.grad((o * o.detach()).sum() + (ht * ht.detach()).sum(), list(xs.values()))
         results[per_chunk] = [o, ht, *grads]

@@ -359,10 +359,12 @@ def test_decode_tiles_by_token_count_and_layout(nh, state_bytes, one_token, one_
 @pytest.mark.interpreter
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-gate-norm"])
-def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused):
-    """recurrent_kernels.DECODE_ONE_STEP (one token, no intermediates: the state tile kept in the pool's dtype, o
-    from the entering state) against the reference and the token loop it replaces; a negative slot included."""
+def test_one_step_path_matches_the_token_loop(pool_dtype, fused):
+    """The decode step's ONE_STEP path (one token, no intermediates: the state tile kept in the pool's dtype, o
+    from the entering state) against the reference and the token loop (the same token asked with intermediate
+    states, which takes the loop); a negative slot included."""
     from linattn.ops.gated_delta import recurrent_kernels as rk
+    assert rk.one_step_path(1, None, None) and not rk.one_step_path(1, None, torch.empty(0))
     pool0 = torch.randn(5, HV, K, V).to(pool_dtype)
     slots = torch.tensor([4, -1, 0])
     t = make_tokens(3, 1, gate_in_op=fused, l2norm_qk=fused)
@@ -370,11 +372,9 @@ def test_one_step_path_matches_the_token_loop(monkeypatch, pool_dtype, fused):
     flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True) if fused else {}
     got = {}
     for one_step in (False, True):
-        monkeypatch.setattr(rk, "DECODE_ONE_STEP", one_step)
-        assert rk.one_step_path(1, None, None) == one_step
         pool = pool0.clone()
         o, _ = linattn.gated_delta_rule_decode(**t, state_pool=pool, state_indices=slots, backend="triton",
-                                               **gate, **flags)
+                                               output_intermediate_states=not one_step, **gate, **flags)
         got[one_step] = (o, pool)
     h0 = torch.stack([pool0[4].float(), torch.zeros(HV, K, V), pool0[0].float()])
     ro, rht = reference(t, h0, (gate["A_log"], gate["dt_bias"]) if fused else None, l2norm_qk=fused)

@@ -90,7 +90,7 @@ def test_prepass_matches_twin(case):
 
 
 def test_prepass_writes_a_inv_instead_of_w_and_u(case):
-    """write_wy=False (the split path's pre-pass under split_fwd.WY_FORM = "state_pass"): gc and the chunks'
+    """write_wy=False (the split path's pre-pass from WY_IN_STATE_PASS_MIN_PAIRS pairs on): gc and the chunks'
     inverses in kkt_solve's layout, nothing else."""
     _, x, _, ci, _, ref, dtype = case
     out = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, write_wy=False)

@@ -1,5 +1,5 @@
 """``common/launch.py``: the compiled kernel's runner stands in for Triton's JIT launcher only where it launches the
-same compiled kernel: the same key, aligned tensors, unspecialised 32-bit integers, and only with FAST_LAUNCH."""
+same compiled kernel: the same key, aligned tensors, unspecialised 32-bit integers."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +37,6 @@ class FakeJit:
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
     monkeypatch.setattr(launch_mod, "_compiled", {})
 
 
@@ -72,15 +71,6 @@ def test_what_triton_would_specialise_goes_through_the_jit_launcher(fast):
     assert kernel.calls[-1][0] == "runner"
 
 
-def test_off_means_the_jit_launcher_every_time(monkeypatch):
-    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
-    monkeypatch.setattr(launch_mod, "_compiled", {})
-    kernel, x = FakeJit(), torch.zeros(8)
-    for _ in range(3):
-        launch_mod.launch(kernel, (1,), x, 5, None, BLOCK=16, FLAG=True)
-    assert [c[0] for c in kernel.calls] == ["jit"] * 3
-
-
 def test_a_bound_launch_takes_the_runner_without_the_key(fast, monkeypatch):
     """BoundLaunch: the first call through launch() (the JIT path), then the compiled runner straight, its grid and
     constexprs fixed, without launch()'s signature and key (a prepared call's arguments keep their kinds)."""
@@ -94,10 +84,9 @@ def test_a_bound_launch_takes_the_runner_without_the_key(fast, monkeypatch):
     assert kernel.calls[1][1:] == ((3, 1, 1), (x, 6, None, 16, True))
 
 
-def test_a_bound_launch_keeps_the_jit_path_where_launch_would(fast, monkeypatch):
+def test_a_bound_launch_keeps_the_jit_path_where_launch_would(fast):
     """A misaligned tensor among the foreign ones (the caller's own are aligned by construction), or a first launch
-    launch() would not cache (a 64-bit integer), goes through launch(); with FAST_LAUNCH off every call is a JIT
-    one."""
+    launch() would not cache (a 64-bit integer), goes through launch()."""
     kernel, x = FakeJit(), torch.zeros(16)
     wide = launch_mod.BoundLaunch(kernel, (1,), BLOCK=16, FLAG=True)
     wide(x, 2 ** 31, None)
@@ -108,9 +97,6 @@ def test_a_bound_launch_keeps_the_jit_path_where_launch_would(fast, monkeypatch)
     bound(x[1:], 5, None)                     # a foreign tensor not 16-byte aligned: the JIT path again
     bound(x, 5, None)
     assert [c[0] for c in kernel.calls[2:]] == ["jit", "jit", "runner"]
-    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
-    bound(x, 5, None)
-    assert kernel.calls[-1][0] == "jit"
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -132,7 +118,8 @@ def test_a_real_kernel_launches_through_it(fast):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_split_forward_launches_through_it(fast, monkeypatch, dtype):
     """The split forward's three kernels (pre-pass, state pass, output) take the runner from the second call on,
-    with o and the final state bitwise those of the JIT launcher (None arguments and launch options included)."""
+    with o and the final state bitwise those of the first, JIT-launched call (None arguments and launch options
+    included)."""
     from linattn import chunk_gated_delta_rule
     from linattn.ops.common.fused_prepass import fused_prepass_kernel
     from linattn.ops.common.output import output_fwd_kernel
@@ -149,9 +136,7 @@ def test_the_split_forward_launches_through_it(fast, monkeypatch, dtype):
 
     def run():
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", False)
-    want = run()
-    monkeypatch.setattr(launch_mod, "FAST_LAUNCH", True)
+    want = run()                              # the first launch under each key: the JIT launcher
     first, second = run(), run()
     launched = {key[0] for key in launch_mod._compiled}
     assert {fused_prepass_kernel, state_pass_fwd_kernel, output_fwd_kernel} <= launched

@@ -3,7 +3,7 @@
 The interpreter always runs the while loop (it cannot take range() of a runtime bound), so the numerics of every
 NUM_STAGES are the CPU tests' of the kernels themselves; what only a compile shows is checked here: with
 NUM_STAGES = 2 each kernel compiles for an H200 and Triton pipelines its loads (cp.async in the PTX), while
-NUM_STAGES = 0 (the while loop) has none. Speed and GPU numerics: benchmarks/bench_pipelining.py.
+NUM_STAGES = 0 (the while loop) has none.
 """
 from __future__ import annotations
 
@@ -37,8 +37,6 @@ def test_bad_num_stages_is_a_value_error(bad):
         fused_fwd(q, k, w, u, gc, 0.25, None, torch.float32, num_stages=bad)
     with pytest.raises(ValueError, match="num_stages"):
         state_pass_fwd(k, w, u, gc, None, num_stages=bad)
-    with pytest.raises(ValueError, match="num_stages"):
-        state_pass_bwd(q, k, w, gc, u, u, torch.zeros(1, 1, 16, 16), 0.25, num_stages=bad)
 
 
 def test_bad_block_v_is_a_value_error():
@@ -59,12 +57,13 @@ def test_num_stages_keeps_the_result_in_the_interpreter():
 
 
 def test_pipelined_loops_compile_for_h200():
-    """Each sequential kernel at BV = 16 (bf16, K = V = 128) compiles for sm_90 at NUM_STAGES 0 and 2, in a process
+    """Each pipelined sequential kernel (the forward walks; the reverse walk is never pipelined) at BV = 16 (bf16,
+    K = V = 128) compiles for sm_90 at NUM_STAGES 0 and 2, in a process
     without the interpreter; only NUM_STAGES = 2 issues cp.async (Triton pipelines scf.for, never scf.while)."""
     res = compile_for_h200("import compile_sequential as c",
                            "{(n, s): tuple(c.compile_kernel(kern, consts))[:4] for s in (0, 2) "
                            "for n, (kern, consts) in c.kernels(128, 16, s).items()}")
-    assert {n for n, _ in res} == {"walk", "state_pass_fwd", "state_pass_bwd"}
+    assert {n for n, _ in res} == {"walk", "state_pass_fwd"}
     for (name, stages), (regs, _, shared, cp_async) in res.items():
         assert 0 < regs <= 255, (name, stages, regs)
         assert (cp_async > 0) == (stages == 2), (name, stages, cp_async)
@@ -84,47 +83,27 @@ def test_sass_counts_show_the_walks_dots_on_tensor_cores():
 
 def test_compile_all_records_every_kernel_of_the_op():
     """benchmarks/compile_all.py's record step (launches intercepted under the interpreter) sees every kernel of a
-    forward + backward, and the launch widths follow PREPASS_WARPS / BWD_WARPS (set by --warps 8 here)."""
+    forward + backward at the launchers' widths: 8 warps for dq/dk and the WY backward, 4 for the rest."""
     import json
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "compile_all.py", "--record-only", "--H", "2", "--HV", "4", "--D", "32",
-                           "--warps", "8", "--forward", "walk"], cwd=root / "benchmarks", env=env, capture_output=True,
-                          text=True)
+                           "--forward", "walk"], cwd=root / "benchmarks", env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     widths = {x["name"]: x["num_warps"] for x in json.loads(done.stdout.strip().splitlines()[-1])}
-    widened = {"fused_prepass_kernel", "local_bwd_dv_kernel", "state_pass_bwd_kernel", "local_bwd_dqk_kernel",
-               "local_bwd_wy_kernel"}
-    assert set(widths) == widened | {"fused_fwd_kernel", "chunk_local_cumsum_kernel", "kkt_solve_kernel",
-                                     "wy_kernel", "state_pass_fwd_kernel"}
-    assert {n: w for n, w in widths.items() if n in widened} == dict.fromkeys(widened, 8)
-    assert widths["fused_fwd_kernel"] == 4
+    assert set(widths) == {"fused_prepass_kernel", "local_bwd_dv_kernel", "state_pass_bwd_kernel",
+                           "local_bwd_dqk_kernel", "local_bwd_wy_kernel", "fused_fwd_kernel",
+                           "chunk_local_cumsum_kernel", "kkt_solve_kernel", "wy_kernel", "state_pass_fwd_kernel"}
+    wide = {"local_bwd_dqk_kernel", "local_bwd_wy_kernel"}
+    assert {n: w for n, w in widths.items() if n in wide} == dict.fromkeys(wide, 8)
+    assert all(w == 4 for n, w in widths.items() if n not in wide), widths
 
 
-def test_compile_all_settings_reach_the_recorded_launches():
-    """compile_all.py --set MODULE.NAME=VALUE changes a module setting before the record step (here the solve's
-    merge precision and the split's output precision, on the split path "auto" picks at B=1 HV=4); an unknown
-    setting is refused."""
-    import json
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = lambda *extra: subprocess.run([sys.executable, "compile_all.py", "--record-only", "--H", "2", "--HV", "4",
-                                         "--D", "32", *extra], cwd=root / "benchmarks", env=env, capture_output=True,
-                                        text=True)
-    done = run("--set", "common.kkt_solve.MERGE_PREC_BF16=tf32x3", "--set", "common.split_fwd.OUTPUT_PREC_BF16=tf32")
-    assert done.returncode == 0, done.stderr[-3000:]
-    consts = {x["name"]: x["consts"] for x in json.loads(done.stdout.strip().splitlines()[-1])}
-    assert consts["kkt_solve_kernel"]["MERGE_PREC"] == "tf32x3"
-    assert consts["fused_prepass_kernel"]["MERGE_PREC"] == "tf32x3"
-    assert consts["output_fwd_kernel"]["OUT_PREC"] == "tf32"
-    bad = run("--set", "common.kkt_solve.NO_SUCH=1")
-    assert bad.returncode != 0 and "no string setting NO_SUCH" in bad.stderr + bad.stdout
-
-
-def test_launch_options_reach_the_launches_and_are_checked(monkeypatch):
-    """common.LAUNCH_OPTIONS: compile_all's record step sees a kernel's options (so its sm_90 compile uses them),
-    the interpreter runs the op to the same result with them, and an option other than maxnreg / num_stages is
-    refused with the allowed ones named."""
+def test_launch_options_reach_the_launches_and_are_checked():
+    """Launch options over common.LAUNCH_OPTIONS (compile_all --launch-options, common.launch_options_override):
+    compile_all's record step sees a kernel's options (so its sm_90 compile uses them), the interpreter runs the op
+    to the same result with them, an option other than maxnreg / num_stages is refused with the allowed ones named,
+    and the defaults come back after the block."""
     import json
 
     import linattn
@@ -144,9 +123,12 @@ def test_launch_options_reach_the_launches_and_are_checked(monkeypatch):
     args = (q, k, torch.randn(1, 70, 2, 32), torch.nn.functional.logsigmoid(torch.randn(1, 70, 2)),
             torch.rand(1, 70, 2))
     plain = linattn.chunk_gated_delta_rule(*args, backend="triton")[0]
-    monkeypatch.setattr(common, "LAUNCH_OPTIONS", dict(common.LAUNCH_OPTIONS))  # the defaults come back after
-    common.LAUNCH_OPTIONS.update(opts)
-    assert torch.equal(linattn.chunk_gated_delta_rule(*args, backend="triton")[0], plain)
-    common.LAUNCH_OPTIONS["fused_prepass"] = {"num_warps": 8}
-    with pytest.raises(ValueError, match="maxnreg"):
-        linattn.chunk_gated_delta_rule(*args, backend="triton")
+    with common.launch_options_override({**common.LAUNCH_OPTIONS, **opts}):
+        assert common.launch_options("local_bwd_dqk") == {"num_stages": 1}
+        assert torch.equal(linattn.chunk_gated_delta_rule(*args, backend="triton")[0], plain)
+    assert common.launch_options("local_bwd_dqk") == {} and common.launch_options("kkt_solve") == {"maxnreg": 168}
+    with common.launch_options_override({"fused_prepass": {"num_warps": 8}}):
+        with pytest.raises(ValueError, match="maxnreg"):
+            linattn.chunk_gated_delta_rule(*args, backend="triton")
+    with pytest.raises(TypeError):
+        common.LAUNCH_OPTIONS["kkt_solve"] = {}          # the defaults are read-only

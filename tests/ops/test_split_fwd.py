@@ -32,9 +32,9 @@ CASES = [
 ]
 
 
-def run(x, offsets, L, store=None, wu_store=torch.float32, form="prepass"):
-    """split_fwd after the pre-pass: W and U written by the pre-pass (form "prepass") or A_inv for the state pass
-    ("state_pass", split_fwd.WY_FORM)."""
+def run(x, offsets, L, store=None, form="prepass"):
+    """split_fwd after the pre-pass: W and U written by the pre-pass (form "prepass", the op's below
+    split_fwd.WY_IN_STATE_PASS_MIN_PAIRS pairs) or A_inv for the state pass ("state_pass", from there on)."""
     scale = x["q"].shape[-1] ** -0.5
     ci = co = None
     if offsets:
@@ -43,7 +43,7 @@ def run(x, offsets, L, store=None, wu_store=torch.float32, form="prepass"):
         gc, a_inv = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, write_wy=False)
         wy = [a_inv, x["beta"], x["v"]]
     else:
-        gc, *wy = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci, store_dtype=wu_store)
+        gc, *wy = fused_prepass(x["g"], x["k"], x["v"], x["beta"], x["cu_seqlens"], ci)
     return split_fwd(x["q"], x["k"], wy, gc, scale, x["initial_state"], torch.float32, x["cu_seqlens"],
                      offsets, ci, co, segment_chunks=L, store=store)
 
@@ -77,28 +77,23 @@ def test_bad_segment_length_is_refused():
         run(x, offsets, 0)
 
 
-def test_bad_wy_form_and_list_are_refused(monkeypatch):
-    from linattn.ops.common import split_fwd as SF
+def test_bad_wy_list_is_refused():
     x, offsets = make_inputs(Case("x", T=70, B=1), torch.float32)
     gc, w, u = fused_prepass(x["g"], x["k"], x["v"], x["beta"])
     with pytest.raises(ValueError, match=r"\[w, u\] or \[a_inv, beta, v\]"):
         split_fwd(x["q"], x["k"], [w], gc, 1.0, None, torch.float32, None, None, None, None)
-    monkeypatch.setattr(SF, "WY_FORM", "auto")
+
+
+def test_wy_form_follows_the_pairs():
+    """The pre-pass writes A_inv for the state pass from WY_IN_STATE_PASS_MIN_PAIRS (sequence, value head) pairs
+    on, W and U below, for every input dtype."""
+    from linattn.ops.common import split_fwd as SF
     n = SF.WY_IN_STATE_PASS_MIN_PAIRS
     assert SF.wy_in_state_pass(1, n, torch.bfloat16) and SF.wy_in_state_pass(n // 8, 8, torch.float32)
-    assert not SF.wy_in_state_pass(1, n - 1, torch.bfloat16)
-    monkeypatch.setattr(SF, "WY_FORM", "state_pass")
-    assert SF.wy_in_state_pass(1, 1, torch.bfloat16)
-    monkeypatch.setattr(SF, "WU_STORE_BF16", "bf16")   # bf16 W and U exist only in the pre-pass form
-    assert not SF.wy_in_state_pass(1, n, torch.bfloat16) and SF.wy_in_state_pass(1, n, torch.float32)
-    monkeypatch.setattr(SF, "WY_FORM", "prepass")
-    assert not SF.wy_in_state_pass(1, n, torch.float32)
-    monkeypatch.setattr(SF, "WY_FORM", "both")
-    with pytest.raises(ValueError, match="split_fwd.WY_FORM must be one of"):
-        SF.wy_in_state_pass(1, n, torch.float32)
+    assert not SF.wy_in_state_pass(1, n - 1, torch.bfloat16) and not SF.wy_in_state_pass(n - 1, 1, torch.float16)
 
 
-# h and V_new stored in bf16 (split_fwd.STORE_BF16 = "bf16" for bf16 inputs; here forced with ``store`` on fp32
+# h and V_new stored in bf16 (split_fwd.store_dtype: bf16 for bf16 inputs; here forced with ``store`` on fp32
 # inputs, whose bf16 dots the interpreter cannot run): the state pass rounds only what it writes, so the final
 # state is bitwise the fp32 store's, and o carries one bf16 rounding of h and V_new (the interpreter rounds toward
 # zero: ≤ 2^-8 per element).
@@ -129,48 +124,29 @@ def test_state_pass_stores_h_and_v_new_in_the_dtype_asked():
         state_pass_fwd(x["k"], w, u, gc, None, store_dtype=torch.float16)
 
 
-def test_store_settings():
+def test_store_dtypes():
+    """h and V_new in bf16 for bf16 inputs only; W and U always fp32; the pre-pass refuses other store dtypes."""
     from linattn.ops.common import split_fwd as SF
-    for fn in (SF.store_dtype, SF.wu_store_dtype):
-        assert fn(torch.bfloat16, "bf16") == torch.bfloat16
-        assert fn(torch.float16, "bf16") == fn(torch.float32, "bf16") == torch.float32
-        assert fn(torch.bfloat16, "fp32") == torch.float32
-    with pytest.raises(ValueError, match="store must be one of"):
-        SF.store_dtype(torch.bfloat16, "fp16")
-    with pytest.raises(ValueError, match="W/U store must be one of"):
-        SF.wu_store_dtype(torch.bfloat16, "fp16")
-
-
-# W and U written in bf16 (split_fwd.WU_STORE_BF16 = "bf16"; forced here on fp32 inputs): unlike h, W enters the
-# state recurrence, so the final state moves too; both stay within one bf16 rounding (toward zero under the
-# interpreter: measured 3.0e-3 on o and on the state over these 3-chunk sequences) of the fp32 store's.
-@pytest.mark.parametrize("case, L", [CASES[1], (CASES[3][0], None)], ids=["T130_B2_GVA_h0-L2", "varlen-unsegmented"])
-def test_bf16_w_u_store(case, L):
-    torch.manual_seed(0)
-    x, offsets = make_inputs(case, torch.float32)
-    o, ht = run(x, offsets, L)
-    ob, htb = run(x, offsets, L, wu_store=torch.bfloat16)
-    assert 1e-5 < rel_rms(ob, o) <= 2.0 ** -8 and rel_rms(htb, ht) <= 2.0 ** -8
+    assert SF.store_dtype(torch.bfloat16) == torch.bfloat16
+    assert SF.store_dtype(torch.float16) == SF.store_dtype(torch.float32) == torch.float32
+    assert all(SF.wu_store_dtype(d) == torch.float32 for d in (torch.bfloat16, torch.float16, torch.float32))
+    x, _ = make_inputs(Case("x", T=70, B=1), torch.float32)
     with pytest.raises(ValueError, match="store_dtype must be"):
         fused_prepass(x["g"], x["k"], x["v"], x["beta"], store_dtype=torch.float16)
 
 
 def test_bf16_stores_compile_for_h200():
     """The GPU side the interpreter skips, compiled for sm_90 (K = V = 128): the output kernel with bf16 q, k, h and
-    V_new (Q S one bf16 MMA, P V_new a split P against bf16 V_new); the state pass storing h and V_new in bf16 and
-    reading bf16 W and U; the pre-pass writing bf16 W and U; the segmented split's phase A (the walk's affine
-    mode) on bf16 W and U."""
+    V_new (Q S one bf16 MMA, P V_new a split P against bf16 V_new); the state pass storing h and V_new in bf16, from
+    W and U and from A_inv."""
     from tests.ops.sm90_compile import compile_for_h200
     res = compile_for_h200(
         "import compile_walk as c",
         "[tuple(c.compile_kernel(c.output_fwd_kernel, c.output_consts(128), bf16_args=('h', 'v_new')))[:4], "
         "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64), "
-        "bf16_args=('h', 'v_new', 'w', 'u')))[:4], "
+        "bf16_args=('h', 'v_new')))[:4], "
         "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64, from_a_inv=True), "
-        "bf16_args=('h', 'v_new', 'u')))[:4], "
-        "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, False), bf16_args=('w', 'u')))[:4], "
-        "tuple(c.compile_kernel(c.fused_fwd_kernel, dict(c.walk_consts(128, 16, False), AFFINE=True, "
-        "SEGMENTED=True), bf16_args=('w', 'u')))[:4]]")
+        "bf16_args=('h', 'v_new', 'u')))[:4]]")
     for regs, _, _, _ in res:
         assert 0 < regs <= 255, res
 
@@ -199,7 +175,7 @@ def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch, form,
     monkeypatch.setattr(triton_chunk, "fused_prepass", watched_prepass)
     monkeypatch.setattr(SF, "output_fwd", watched_output)
     monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
-    monkeypatch.setattr(SF, "WY_FORM", form)
+    monkeypatch.setattr(triton_chunk, "wy_in_state_pass", lambda *a: form == "state_pass")  # the form at any size
     x, offsets = make_inputs(CASES[0][0], torch.float32)
     o, ht = triton_chunk.chunk_gated_delta_rule_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                            x["q"].shape[-1] ** -0.5, x["initial_state"],
@@ -212,9 +188,8 @@ def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch, form,
 
 def test_v_tile_fill_rule():
     """common.fill_tile_v: the widest V tile whose programs fill the SMs; the A_inv state pass counts 90% as full
-    (state_pass.A_INV_MIN_FILL: 2×16384 H=32 on 132 SMs runs 128 programs of 64 columns, not 256 of 32)."""
+    (2×16384 H=32 on 132 SMs runs 128 programs of 64 columns, not 256 of 32)."""
     from linattn.ops.common import fill_tile_v
-    from linattn.ops.common.state_pass import A_INV_MIN_FILL
-    assert fill_tile_v(64, 128, 64, 132) == 32 and fill_tile_v(64, 128, 64, 132, A_INV_MIN_FILL) == 64
-    assert fill_tile_v(128, 128, 64, 132) == 64 and fill_tile_v(16, 128, 64, 132, A_INV_MIN_FILL) == 16
-    assert fill_tile_v(64, 128, 32, 132, A_INV_MIN_FILL) == 32   # the cap holds
+    assert fill_tile_v(64, 128, 64, 132) == 32 and fill_tile_v(64, 128, 64, 132, 0.9) == 64
+    assert fill_tile_v(128, 128, 64, 132) == 64 and fill_tile_v(16, 128, 64, 132, 0.9) == 16
+    assert fill_tile_v(64, 128, 32, 132, 0.9) == 32   # the cap holds

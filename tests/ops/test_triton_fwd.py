@@ -179,30 +179,28 @@ PREC_TOL = {"tf32x3": 1e-5, "bf16x3": 1e-4}
 def test_stage_kkt_solve_merge_precisions(stage_case, prec):
     x, _, (ci, _), _, ref, dtype = stage_case
     if dtype == torch.float32:
-        pytest.skip("fp32 inputs merge at common.FP32_PRODUCT_PRECISION, not merge_prec (kkt_solve.merge_precision)")
+        pytest.skip("fp32 inputs merge at \"ieee\" whatever merge_prec asks (kkt_solve.merge_precision)")
     A_inv = kkt_solve(x["k"], x["beta"], f32(ref["gc"]), x["v"].shape[2], x["cu_seqlens"], ci, merge_prec=prec)
     assert torch.isfinite(A_inv).all() and rel_rms(A_inv, ref["A_inv"]) <= PREC_TOL[prec]
 
 
-def test_merge_and_output_precision_settings(monkeypatch):
+def test_merge_and_output_precisions():
+    """The products of fp32 intermediates per input dtype: the solve's merges "bf16x3" for bf16, "ieee" for fp16
+    and (whatever the override) fp32; the split's output dots "bf16x3" for bf16, dot_precision otherwise; unknown
+    precisions refused."""
+    from linattn.ops import common
     from linattn.ops.common import kkt_solve as KS
     from linattn.ops.common import split_fwd as SF
-    assert KS.merge_precision(torch.float32, "bf16x3") == "ieee"
-    assert KS.merge_precision(torch.bfloat16) == KS.MERGE_PREC_BF16
+    assert KS.merge_precision(torch.float32, "bf16x3") == "ieee" and KS.merge_precision(torch.float32) == "ieee"
+    assert KS.merge_precision(torch.bfloat16) == "bf16x3"
     assert KS.merge_precision(torch.float16) == "ieee" and KS.merge_precision(torch.float16, "bf16x3") == "bf16x3"
-    monkeypatch.setattr(KS, "MERGE_PREC_BF16", "tf64")
     with pytest.raises(ValueError, match="merge precision"):
-        KS.merge_precision(torch.bfloat16)
-    # fp32 inputs: common.FP32_PRODUCT_PRECISION, whatever the override, checked against each kernel's own choices
-    from linattn.ops import common
-    monkeypatch.setattr(common, "FP32_PRODUCT_PRECISION", "tf32x3")
-    assert KS.merge_precision(torch.float32, "bf16x3") == "tf32x3"
-    monkeypatch.setattr(common, "FP32_PRODUCT_PRECISION", "bf16x3")  # a merge precision, not an inverse one
-    assert KS.merge_precision(torch.float32) == "bf16x3"
+        KS.merge_precision(torch.bfloat16, "tf64")
     with pytest.raises(ValueError, match="inverse_prec must be one of"):  # local_bwd_wy's check
-        common.product_precision(torch.float32, "tf32x3", None, ("ieee", "tf32x3"), "inverse_prec")
-    monkeypatch.setattr(SF, "OUTPUT_PREC_BF16", "bf16x3")
+        common.product_precision(torch.bfloat16, "tf32x3", "bf16x3", ("ieee", "tf32x3"), "inverse_prec")
     assert SF.output_precision(torch.bfloat16) == "bf16x3" and SF.output_precision(torch.float16) == "tf32x3"
+    assert SF.output_precision(torch.float32) == common.dot_precision(torch.float32) == "tf32x3"
+    assert common.dot_precision(torch.bfloat16) == "tf32"
     x, _ = make_inputs(Case("p", T=8), torch.float32)
     with pytest.raises(ValueError, match="dot_prec"):
         output_fwd(x["q"], x["k"], x["v"].float(), torch.zeros(2, 1, 2, 32, 32), None, 1.0, torch.float32,

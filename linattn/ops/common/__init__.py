@@ -25,8 +25,8 @@ The backward (twins in ``torch_chunk.py`` and ``torch_chunk_bwd_parts.py``): ``l
 Precision policy (one place, :func:`dot_precision`): every ``tl.dot`` accumulates in fp32. A dot whose operands
 are both *inputs* (Q Kᵀ, K Kᵀ) runs in the input dtype, so 16-bit inputs feed the tensor cores directly and the
 products are exact. A dot that touches an fp32 *intermediate* (A_inv, W, U, V_new, the state) runs on fp32
-operands at ``dot_precision(input dtype)``: ``"tf32x3"`` for fp32 inputs (:data:`FP32_DOT_PRECISION`;
-errors ≈ 4e-7 against float64, run 16), ``"tf32"`` for bf16 inputs (11-bit operands: 8× finer than bf16, which
+operands at ``dot_precision(input dtype)``: ``"tf32x3"`` for fp32 inputs (three tf32 MMAs per product on the
+tensor cores, errors ≈ 4e-7 against float64; "ieee" would run them on FMA units and spill), ``"tf32"`` for bf16 inputs (11-bit operands: 8× finer than bf16, which
 keeps the bf16 output error near 2e-3) and ``"tf32x3"`` for fp16 inputs (fp16 already has tf32's mantissa; plain
 tf32 made fp16 errors 3–5× the rounded-PyTorch baseline). The small 16×16 block merges of the triangular solve
 (~1% of the FLOPs) and the WY backward's inverse products follow :func:`product_precision` instead.
@@ -37,76 +37,71 @@ bits: kernels that must run bf16 on the CPU pass ``INTERPRET=triton_interpret()`
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from contextvars import ContextVar
+from types import MappingProxyType
+from typing import Iterator, Mapping
 
 import torch
+import triton.language as tl
 
+from ..utils import MIN_LOG_DECAY as _MIN_LOG_DECAY
 from ..utils import triton_interpret  # noqa: F401  (re-exported for launchers: the INTERPRET constexpr of dot.py)
 
 CHUNK = 64
+# utils.MIN_LOG_DECAY as the constexpr the kernels that first read g floor it with (a kernel reads a global only so)
+MIN_LOG_DECAY = tl.constexpr(_MIN_LOG_DECAY)
 
-# dot_precision's answer for fp32 inputs. "ieee" ran those dots on FMA units; on sm_90 it compiled the walks to 32
-# registers and tens of KB of spills per thread (docs/performance.md run 10) and made fp32 slow: 86 ms forward at
-# B=8 T=4096 H=16 (bf16 1.4; SDPA in fp32 12), fwd+bwd 367 ms (run 15). "tf32x3" (three tf32 MMAs per product on the
-# tensor cores, ≈ 2^-22 per product) measured in run 16 (bench_pipelining.py table 4), ieee → tf32x3: forward 86.2 →
-# 6.4 ms on the walk and 54.3 → 5.6 on the split at B=8, 2.86 → 0.93 at B=1; fwd+bwd 367 → 23.6 at B=8, 26.3 → 3.7
-# at B=1; every error against float64 at the anchor 1.4–4.2e-7 → 2.1–5.0e-7 (o 2.5e-7 → 3.6e-7, final state
-# 1.37e-7 → 2.1e-7), two orders below any 16-bit input's. The switch rule written before the run (every error
-# ≤ 1e-5 and ≥ 3× faster) holds, so tf32x3 is the default; "ieee" stays selectable for bit-level studies.
-FP32_DOT_PRECISION = "tf32x3"
-# The precision product_precision gives fp32 inputs: the triangular solve's 16×16 block merges
-# (kkt_solve.merge_precision) and the WY backward's two inverse products dA = Tᵀ dT Tᵀ (local_bwd_wy). Still "ieee"
-# after run 16 switched the other dots: on sm_90 (benchmarks/compile_all.py --dtype fp32 --B 8) the WY backward then
-# compiles to 2156 FFMA and 3.4 KB of spills per thread, kkt_solve to 522 FFMA. For 16-bit inputs run 12 measured
-# the same products at tf32x3 (WY backward 2.11 → 1.50 ms at B=8 T=4096 H=16, gradients unchanged to two digits).
-# Run 17 timed "tf32x3" for fp32 (bench_pipelining.py table 4; prediction fwd+bwd 23.3 → ≈ 22.7 ms at B=8, forward
-# unchanged): forward 5.49 → 6.71 ms at B=8 and 0.927 → 1.064 at B=1, fwd+bwd 22.87 → 23.85 — slower, errors the
-# same (≤ 5.7e-7). The solve's merges, not the WY backward, decide it (forward only runs the solve; ptxas: 268
-# shuffles at tf32x3 against 28 for the sixteen 16×16 merge dots of that time): stays "ieee".
-FP32_PRODUCT_PRECISION = "ieee"
-
-
-# Extra Triton launch options per kernel (key: the kernel's name without "_kernel"), read at every launch; empty means
-# Triton's defaults. Only "maxnreg" (a cap on registers per thread) and "num_stages" (software pipelining of the
-# kernel's for loops) are allowed. Why they exist: every kernel of the chunked op compiles to ~255 registers, so an
-# SM holds 8 warps of it whatever the width (sm_90 ptxas, benchmarks/compile_all.py), and local_bwd_dqk's default
-# 3-stage pipelining takes 176–192 KB of shared memory (one program per SM). A cap or fewer stages trade spills
-# for residency, which only the GPU can price: benchmarks/bench_launch_options.py sweeps them (bench_decode.py does
-# for the decode step's kernel, "fused_recurrent_fwd").
+# Extra Triton launch options per kernel (key: the kernel's name without "_kernel"); a kernel not listed launches
+# with Triton's defaults. Only "maxnreg" (a cap on registers per thread) and "num_stages" (software pipelining of the
+# kernel's for loops) are allowed. Every kernel of the chunked op compiles to ~255 registers, so an SM holds 8 warps
+# of it whatever the width; these three trade spills for residency where the GPU measured a gain (docs/decisions.md),
+# every other kernel is as fast or faster at Triton's defaults. Read-only: a sweep passes its own table through
+# :func:`launch_options_override` (benchmarks/bench_launch_options.py).
 LAUNCH_OPTION_KEYS = ("maxnreg", "num_stages")
-# Defaults from the H200 sweep (run 12, bench_launch_options.py; outputs bitwise equal to the uncapped ones):
-# output_fwd's tile loops unpipelined and capped at 168 registers 0.142 → 0.083 ms at B=1 T=4096 H=16, 1.029 → 0.549
-# at B=8; kkt_solve at 168 0.089 → 0.073, 0.668 → 0.524; fused_prepass at 168 0.147 → 0.136, 1.125 → 1.011. Every
-# other kernel was as fast or faster at the defaults (local_bwd_dqk 1.68 → 3.12 ms at 168 registers, the walks and
-# state passes 1.5–2× slower), so they keep them.
-LAUNCH_OPTIONS: dict[str, dict] = {
-    "output_fwd": {"num_stages": 1, "maxnreg": 168},
-    "kkt_solve": {"maxnreg": 168},
-    "fused_prepass": {"maxnreg": 168},
-}
+LAUNCH_OPTIONS: Mapping[str, Mapping[str, int]] = MappingProxyType({
+    "output_fwd": MappingProxyType({"num_stages": 1, "maxnreg": 168}),
+    "kkt_solve": MappingProxyType({"maxnreg": 168}),
+    "fused_prepass": MappingProxyType({"maxnreg": 168}),
+})
+_launch_table: ContextVar[Mapping[str, Mapping[str, int]]] = ContextVar("linattn_launch_options", default=LAUNCH_OPTIONS)
+
+
+@contextlib.contextmanager
+def launch_options_override(table: Mapping[str, Mapping[str, int]]) -> Iterator[None]:
+    """Launch every kernel inside the ``with`` block with ``table`` (same form as :data:`LAUNCH_OPTIONS`) instead of
+    the defaults: the way a benchmark sweeps register caps and loop stages. Scoped to the block and the thread."""
+    token = _launch_table.set(MappingProxyType({k: MappingProxyType(dict(v)) for k, v in table.items()}))
+    try:
+        yield
+    finally:
+        _launch_table.reset(token)
 
 
 def launch_options(kernel: str) -> dict:
-    """The extra launch options of ``kernel`` (see :data:`LAUNCH_OPTIONS`), checked."""
-    opts = LAUNCH_OPTIONS.get(kernel, {})
+    """The extra launch options of ``kernel`` (:data:`LAUNCH_OPTIONS`, or the table of an enclosing
+    :func:`launch_options_override`), checked."""
+    opts = dict(_launch_table.get().get(kernel, {}))
     bad = set(opts) - set(LAUNCH_OPTION_KEYS)
     if bad:
-        raise ValueError(f"LAUNCH_OPTIONS[{kernel!r}] may set only {LAUNCH_OPTION_KEYS}, got {sorted(bad)}")
+        raise ValueError(f"launch options of {kernel!r} may set only {LAUNCH_OPTION_KEYS}, got {sorted(bad)}")
     return opts
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of the dots on fp32 intermediates for inputs of ``dtype`` (see the module docstring)."""
-    if dtype == torch.float16:
-        return "tf32x3"  # tf32's 10-bit mantissa is fp16's own: plain tf32 made fp16 errors 3-5x the baseline (run 1)
-    return FP32_DOT_PRECISION if dtype == torch.float32 else "tf32"
+    # bf16's 8-bit mantissa is well under tf32's 10; fp16 already has tf32's mantissa, so plain tf32 would round
+    # its products as coarsely as the inputs (fp16 errors 3-5x the rounded-PyTorch baseline)
+    return "tf32" if dtype == torch.bfloat16 else "tf32x3"
 
 
 def product_precision(dtype: torch.dtype, setting: str, override, allowed: tuple, name: str) -> str:
-    """Precision of a kernel's products of fp32 intermediates that a module setting picks for 16-bit inputs
-    (kkt_solve.MERGE_PREC_BF16, local_bwd_wy.INVERSE_DOT_PREC): :data:`FP32_PRODUCT_PRECISION` for fp32 inputs,
-    else ``override`` (benchmarks, tests) or ``setting``; a value outside ``allowed`` is refused, naming ``name``."""
-    prec = FP32_PRODUCT_PRECISION if dtype == torch.float32 else (override or setting)
+    """Precision of a kernel's small products of fp32 intermediates (the solve's block merges, the WY backward's
+    inverse products): "ieee" for fp32 inputs (on sm_90 "tf32x3" adds hundreds of shuffles to the solve and is
+    slower), else ``override`` (benchmarks, tests) or the kernel's ``setting`` for 16-bit inputs; a value outside
+    ``allowed`` is refused, naming ``name``."""
+    prec = "ieee" if dtype == torch.float32 else (override or setting)
     if prec not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {prec!r}")
     return prec
@@ -114,8 +109,7 @@ def product_precision(dtype: torch.dtype, setting: str, override, allowed: tuple
 
 def check_store_dtype(who: str, dtype: torch.dtype, name: str = "store_dtype") -> None:
     """Refuse a dtype for stored fp32 intermediates other than fp32 or bf16 (``state_pass_fwd``'s h and V_new, the
-    pre-pass's W and U: ``split_fwd.STORE_BF16`` / ``WU_STORE_BF16``; the reverse walk's dh:
-    ``triton_bwd.DH_STORE_BF16``), naming ``who``'s argument ``name``."""
+    pre-pass's W and U, the reverse walk's dh), naming ``who``'s argument ``name``."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"{who} {name} must be torch.float32 or torch.bfloat16, got {dtype}")
 
@@ -131,10 +125,8 @@ def block_size(d: int, cap: int) -> int:
 def loop_stages(num_stages, setting: int, programs: int, sms: int) -> int:
     """NUM_STAGES of a sequential kernel's chunk loop (fused_fwd, state_pass, state_pass_bwd): ``num_stages`` when
     given (benchmarks), else the launcher's module ``setting`` when its grid of ``programs`` fits one wave of one
-    program per SM, else 0. 0 is the unpipelined while loop; n >= 1 a tl.range loop. Measured on the H200 (run
-    11): pipelining pays when each SM runs one latency-bound walk (walk −26%, forward state pass −40% at B=1
-    T=4096 H=16), and costs when the extra shared memory leaves fewer programs resident per SM (walk +6% … +42%
-    at B=8)."""
+    program per SM, else 0. 0 is the unpipelined while loop; n >= 1 a tl.range loop. Pipelining pays when each SM
+    runs one latency-bound walk, and costs when the extra shared memory leaves fewer programs resident per SM."""
     stages = (setting if programs <= sms else 0) if num_stages is None else num_stages
     if not isinstance(stages, int) or stages < 0:
         raise ValueError(f"num_stages must be an int >= 0 (0: the unpipelined while loop), got {stages!r}")
@@ -159,8 +151,7 @@ def fill_tile_v(NHV: int, V: int, cap: int, sms: int, min_fill: float = 1.0) -> 
     order) for NHV (sequence, value head) pairs on ``sms`` SMs: the widest of 64, 32, 16 (at most ``cap``, and
     at most V's power-of-two cover) whose NHV·cdiv(V, BV) programs fill the SMs (at least ``min_fill`` · sms of
     them), else 16. The walk is sequential, so narrower tiles are the one way to put more SMs on a few long
-    sequences; wider tiles do less redundant work per column once the SMs are full (H200, bench_pipelining.py,
-    docs/performance.md run 11)."""
+    sequences; wider tiles do less redundant work per column once the SMs are full."""
     widest = min(cap, 64, max(16, 1 << (max(V, 1) - 1).bit_length()))
     BV = 16
     for bv in (64, 32):

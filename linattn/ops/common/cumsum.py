@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..utils import cdiv
-from . import CHUNK
+from . import CHUNK, MIN_LOG_DECAY
 from .varlen import chunk_bounds
 
 
@@ -27,14 +27,17 @@ def chunk_local_cumsum_kernel(g, gc, cu_seqlens, chunk_indices, T, HV: tl.conste
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < eos - bos
     o_g = (bos + o_t) * HV + i_hv
-    # read BT gates (any float dtype), sum in fp32, write BT fp32 values; the tail of the last chunk is masked
+    # read BT gates (any float dtype), floor them at MIN_LOG_DECAY (a select: NaN stays NaN), sum in fp32, write BT
+    # fp32 values; the tail of the last chunk is masked
     b_g = tl.load(g + o_g, mask=m_t, other=0).to(tl.float32)
+    b_g = tl.where(b_g < MIN_LOG_DECAY, MIN_LOG_DECAY, b_g)
     tl.store(gc + o_g, tl.cumsum(b_g, axis=0), mask=m_t)
 
 
 def chunk_local_cumsum(g: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                        chunk_indices: Optional[torch.Tensor] = None, chunk_size: int = CHUNK) -> torch.Tensor:
-    """Chunk-local cumulative sum of ``g [B, T, HV]``; returns fp32 ``[B, T, HV]``.
+    """Chunk-local cumulative sum of ``g [B, T, HV]``, each gate floored at ``utils.MIN_LOG_DECAY``; returns fp32
+    ``[B, T, HV]``.
 
     With ``cu_seqlens`` (B == 1), ``chunk_indices`` from :func:`varlen.chunk_tables` says which chunk each program
     handles, so chunks restart at every sequence boundary.

@@ -19,11 +19,10 @@ The order inside a chunk — V_new, then O from the entering S, then the update 
 read the S that entered the chunk.
 
 P = Q Kᵀ ⊙ D ⊙ causal does not depend on S. Without LOAD_P it is recomputed here for each V slice (2·BT²·K FLOPs per
-slice, ≈ 24% of the walk's tensor-core work at the default precisions, docs/performance.md run 8). With LOAD_P
-(``p`` given, from ``fused_prepass`` with queries) the walk instead reads the chunk's P [BT, BT] fp32 (16 KB per
-chunk and head; the V slices of one head read the same tile, mostly from L2) and skips that dot and its mask; Q
-is still read for Q S and K for the state update. The default since the GPU measured it (triton_chunk.py,
-``PRECOMPUTE_QK``; run 9: walk −27% at B=1 T=4096 H=16).
+slice, about a quarter of the walk's tensor-core work). With LOAD_P (``p`` given, from ``fused_prepass`` with
+queries; the op's default) the walk instead reads the chunk's P [BT, BT] fp32 (16 KB per chunk and head; the V
+slices of one head read the same tile, mostly from L2) and skips that dot and its mask; Q is still read for Q S and
+K for the state update.
 
 Modes (constexpr flags of the same kernel, driven by ``seq_parallel.py`` for intra-card sequence parallelism):
 SEGMENTED walks a chunk range [i_c0, i_c1) of a sequence from a per-segment initial state; AFFINE skips Q and the
@@ -35,15 +34,14 @@ for fp32 inputs); W S, Q S, P V_new and Kᵀ V_new touch fp32 intermediates: the
 at DOT_PREC, the state dots (W S, Kᵀ V_new) at STATE_PREC, both from :func:`fused_dot_precisions` (bf16: tf32x3 / tf32, chosen by measurement).
 Every dot goes through ``common/dot.py``'s ``dot``, which also offers split-bf16 "bf16x3" (three bf16 MMAs; two for
 Q S of bf16 inputs, whose Q is not split) and keeps bf16 products right under the interpreter (INTERPRET).
-"bf16x3" in this kernel faults on the H200 with Triton 3.6 (illegal memory access, docs/performance.md run 8) while
-the helper alone passed its GPU test at M=32 (mma.sync, not wgmma); ``launch_walk`` refuses it on CUDA until the
-cause is found (benchmarks/bf16x3_walk_ab.py bisects it).
+"bf16x3" in this kernel faults on sm_90 with Triton 3.6 (illegal memory access) while the helper alone passes its
+GPU test at M=32 (mma.sync, not wgmma): ``launch_walk`` refuses it on CUDA.
 
-Load pipelining (NUM_STAGES, :data:`WALK_STAGES`): the chunk loop was a ``while`` loop, which Triton never
-software-pipelines, so each chunk waited for its own loads before its dots (≈ 8 µs per chunk at B=1 T=4096 H=16
-BV=16, run 9: latency, not bandwidth or tensor cores). NUM_STAGES ≥ 1 compiles the same steps as a ``tl.range``
-loop; at 2 Triton prefetches the next chunk's tiles with cp.async while this chunk computes (sm_90 compile, no
-GPU: shared memory 45 → 103 KB at BV=16, spills 1920 → 1772 bytes/thread; at BV=64 164 KB and 6472 bytes).
+Load pipelining (NUM_STAGES): a ``while`` loop is never software-pipelined, so each chunk waits for its own loads
+before its dots (the walk is latency-bound where few programs run). NUM_STAGES ≥ 1 compiles the same steps as a
+``tl.range`` loop; at 2 (the launcher's choice for a one-wave grid) Triton prefetches the next chunk's tiles with
+cp.async while this chunk computes; grids of several waves keep the while loop, whose smaller shared memory keeps
+more programs resident.
 """
 from __future__ import annotations
 
@@ -65,12 +63,6 @@ from . import (
     triton_interpret,
 )
 from .dot import DOT_PRECISIONS, dot
-
-# Stages of the walk's chunk loop when its grid is one wave (common.loop_stages; 0 otherwise): n >= 1 is a
-# tl.range loop with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py): at B=1 T=4096 H=16
-# BV=16 the walk takes 0.536 / 0.553 / 0.399 / 0.408 ms at 0 / 1 / 2 / 3 (prediction was ~0.3), T=32768 4.23 →
-# 3.13 ms; at B=8 (BV=64, two programs per SM) 1.44 / 1.38 / 2.05 ms: the extra shared memory costs residency.
-WALK_STAGES = 2
 
 
 @triton.jit
@@ -192,7 +184,7 @@ def fused_fwd_kernel(q, k, w, u, gc, p, o, h0, ht, scale, cu_seqlens, segments, 
 
     if INTERPRET or NUM_STAGES == 0:
         # a while loop: the interpreter cannot take range() of a runtime bound (numpy >= 2 refuses int() of its
-        # 1-element arrays), and NUM_STAGES = 0 keeps the loop every measurement so far was made with
+        # 1-element arrays), and NUM_STAGES = 0 (a grid of more than one wave) is never software-pipelined
         i_c = i_c0
         while i_c < i_c1:
             b_h = _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i_v, H, HV, K, V, BT,
@@ -218,9 +210,8 @@ def fused_dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
     """(DOT_PREC, STATE_PREC) of the sequential kernel for inputs of ``dtype``.
 
     bf16 runs the two output dots (Q S, P V_new) at ``"tf32x3"`` and the two state dots (W S, Kᵀ V_new) at tf32:
-    the cheapest split that meets the bf16 rule (anchor o ≤ 2e-3 with margin). Measured on the H200 (run 2,
-    B=2 T=300 H=4 K=V=128, o relative L2): all tf32 2.0003e-3; state dots tf32x3 1.957e-3; output dots tf32x3
-    1.736e-3; all four 1.701e-3; rounding floor 1.657e-3. Other dtypes follow ``dot_precision``."""
+    the cheapest split that meets the bf16 rule (anchor o ≤ 2e-3 with margin; all tf32 sits at the edge).
+    Other dtypes follow ``dot_precision``."""
     if dtype == torch.bfloat16:
         return "tf32x3", "tf32"
     return dot_precision(dtype), dot_precision(dtype)
@@ -231,9 +222,7 @@ def fused_fwd_config(K: int, V: int, NHV: int, num_sms: int) -> tuple[int, int, 
 
     The whole K extent stays in registers (BK = next power of two ≥ K). BV is the one lever on parallelism: the
     walk is sequential, so BV is the widest of 64, 32, 16 whose NHV·cdiv(V, BV) programs fill the SMs (16 if none
-    does). Measured on the H200 (run 2), sequential kernel, K = V = 128: B=1 T=4096 H=16 0.70 / 0.42 / 0.34 ms at
-    BV = 64 / 32 / 16; B=8 0.88 / 1.07 / 1.65 ms. Beyond K = 128, BV ≤ 32 keeps the fp32 state tile at ≤ 8192
-    values. 4 warps measured faster than 8 (and than 2 at B=1)."""
+    does). Beyond K = 128, BV ≤ 32 keeps the fp32 state tile at ≤ 8192 values. 4 warps are faster than 8 and 2."""
     BK = block_size(K, 256)
     return BK, fill_tile_v(NHV, V, 64 if BK <= 128 else 32, num_sms), 4
 
@@ -247,20 +236,19 @@ def launch_walk(q, k, w, u, gc, o, h0, ht, scale: float, cu_seqlens, BV: int, nu
     heads × BV slices of the walked state's columns (V, or K + V with ``affine``). The tensors are as the kernel
     describes; seq_parallel.py drives the segmented and affine modes. ``p`` (``[B, T, HV, chunk_size]`` fp32 from
     ``fused_prepass`` with queries, or None) sets LOAD_P; the affine mode has no output and ignores it.
-    ``num_stages``: the chunk loop's pipelining (None: :data:`WALK_STAGES` when the grid is one wave, else 0)."""
+    ``num_stages``: the chunk loop's pipelining (None: 2 when the grid is one wave, else 0)."""
     B, T, H, K = q.shape
     HV, V = u.shape[2], u.shape[3]
     for name, prec in (("dot_prec", dot_prec), ("state_prec", state_prec)):
         if prec is not None and prec not in DOT_PRECISIONS:
             raise ValueError(f"{name} must be one of {DOT_PRECISIONS} or None, got {prec!r}")
         if prec == "bf16x3" and q.device.type == "cuda":
-            # measured 2026-11-29 (H200, Triton 3.6, benchmarks/walk_precision_probe.py): every walk variant with
-            # a bf16x3 dot (output or state dots) faults with an illegal memory access, while the same `dot`
-            # helper passed tests/ops/test_dot.py there at M=32 (mma.sync, not wgmma); refuse it until understood
+            # every walk variant with a bf16x3 dot faults on sm_90 (Triton 3.6, illegal memory access), while the
+            # same `dot` helper passes tests/ops/test_dot.py there at M=32 (mma.sync, not wgmma)
             raise ValueError(f"{name}='bf16x3' is not available on CUDA yet: the sequential kernel faults with it "
                              "on sm_90 (Triton 3.6); use 'tf32x3', 'tf32' or 'ieee'")
     grid = (cdiv(K + V if affine else V, BV), num_segments * HV)
-    stages = loop_stages(num_stages, WALK_STAGES, grid[0] * grid[1], num_sms(q.device))
+    stages = loop_stages(num_stages, 2, grid[0] * grid[1], num_sms(q.device))
     load_p = p is not None and not affine
     if load_p and (p.shape != (B, T, HV, chunk_size) or p.dtype != torch.float32):
         raise ValueError(f"p must be [B, T, HV, chunk_size] = {[B, T, HV, chunk_size]} fp32 (fused_prepass with q), "
@@ -295,7 +283,7 @@ def fused_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor
         p: ``[B, T, HV, chunk_size]`` fp32 P = Q Kᵀ ⊙ D ⊙ causal of every chunk (``fused_prepass`` with q), or
             None: the walk computes P itself. Given, it is read instead (LOAD_P); the result is the same up to fp32
             rounding.
-        num_stages: the chunk loop's pipelining (None: :data:`WALK_STAGES`; benchmarks).
+        num_stages: the chunk loop's pipelining (None: 2 when the grid is one wave, else 0; benchmarks).
     Returns:
         o ``[B, T, HV, V]`` in ``out_dtype``, final state ``[N, HV, K, V]`` fp32.
     """

@@ -35,17 +35,12 @@ import triton
 import triton.language as tl
 
 from ..utils import cdiv
-from . import CHUNK, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
+from . import CHUNK, MIN_LOG_DECAY, block_size, check_store_dtype, dot_precision, launch_options, triton_interpret
 from .dot import dot
 from .kkt_solve import a_inv_tile, kkt_inverse, merge_precision
 from .launch import launch
 from .varlen import chunk_bounds
 from .wy import wy_tiles
-
-# num_warps of the launch, read at call time: at 4 ptxas spills 284 bytes per thread on sm_90 (bf16, K = V = 128,
-# STORE_P), at 8 none (benchmarks/compile_all.py), yet 4 is faster on the H200 (run 11: B=8 T=4096 H=16 1.13 ms
-# at 4 warps, 1.86 at 8; B=1 0.146 / 0.240)
-PREPASS_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -65,7 +60,8 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk
 
     # 1. gc = cumsum(g) in fp32: read BT gates, write BT fp32 (the tail of the last chunk is masked)
     o_g = (bos + o_t) * HV + i_hv
-    b_gc = tl.cumsum(tl.load(g + o_g, mask=m_t, other=0).to(tl.float32), axis=0)
+    b_g = tl.load(g + o_g, mask=m_t, other=0).to(tl.float32)
+    b_gc = tl.cumsum(tl.where(b_g < MIN_LOG_DECAY, MIN_LOG_DECAY, b_g), axis=0)   # floored as cumsum.py does
     tl.store(gc + o_g, b_gc, mask=m_t)
     # the solve reads gc back in 16-row slices: a CTA barrier makes this program's stores visible to its threads
     tl.debug_barrier()
@@ -140,12 +136,13 @@ def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     u = torch.empty(B, T, HV, V, dtype=store_dtype, device=k.device) if write_wy else None
     p = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=k.device) if q is not None else None
     NT = chunk_indices.shape[0] if cu_seqlens is not None else cdiv(T, chunk_size)
+    # 4 warps: 8 spill less (none at K = V = 128) but run slower
     launch(fused_prepass_kernel, (NT, B * HV),
            g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V, BT=chunk_size,
            BK=block_size(K, 64), BV=block_size(V, 64), DOT_PREC=dot_prec or dot_precision(k.dtype),
            INPUT_PREC=dot_precision(k.dtype), IS_VARLEN=cu_seqlens is not None, STORE_P=q is not None,
            STORE_A_INV=not write_wy, MERGE_PREC=merge_precision(k.dtype), INTERPRET=triton_interpret(),
-           num_warps=PREPASS_WARPS, **launch_options("fused_prepass"))
+           num_warps=4, **launch_options("fused_prepass"))
     if not write_wy:
         return gc, a_inv
     return (gc, w, u) if q is None else (gc, w, u, p)

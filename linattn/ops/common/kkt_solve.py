@@ -12,7 +12,7 @@ Method (exact, no iteration to convergence). Split the chunk into four 16-row bl
   2. forward substitution on the four diagonal blocks at once: T_ii = (I + A_ii)⁻¹, 15 row steps in registers;
   3. merges, by halves: (T10, T32) = −(T11, T33) (A10, A32) (T00, T22) in one
      [2, 16, 16] pair of dots, then the quadrant X = −T_hi A_hl T_lo in two 32×32 dots, fp32 × fp32 at
-     :data:`MERGE_PREC_BF16` for bf16 inputs ("ieee" for fp16, ``FP32_PRODUCT_PRECISION`` for fp32 inputs).
+     :func:`merge_precision` ("bf16x3" for bf16 inputs, "ieee" for fp16 and fp32).
 Powers-of-A series ((I − A)(I + A²)(I + A⁴)…) would be cheaper but cancel catastrophically when |A_ij| ≈ 1
 (entries of A³² reach C(63, 31) ≈ 1e18 while the inverse stays O(1)); substitution does not.
 Per chunk it reads BT·K keys, 2·BT gates/betas and writes BT·BT fp32; the ~2·BT²·K FLOPs are ~5% of the forward.
@@ -30,20 +30,15 @@ from . import CHUNK, block_size, dot_precision, launch_options, product_precisio
 from .dot import DOT_PRECISIONS, dot
 from .varlen import chunk_bounds
 
-# Precision of the block merges' fp32 products (step 3) for bf16 inputs: "bf16x3" (common/dot.py: each fp32
-# factor split into two bf16 parts, three bf16 MMAs, ≈ 2^-16 per product). Run 13 (B=8 T=4096 H=16, bf16): solve
-# 0.522 → 0.493 ms, pre-pass 0.902 → 0.842, fwd+bwd 8.65 → 8.54 (the backward recomputes A_inv), every output and
-# gradient's error vs float64 unchanged to two digits; "ieee" (FMA units, 552 FFMA of ~3800 SASS instructions) was
-# the default before, "tf32x3" is slower than both (0.60 ms: 352 extra shuffles). fp16 and fp32 inputs merge at
-# "ieee": at bf16x3 an fp16 case without decay (g = 0) carried a 1.0e-5 final-state error where the fp32-product
-# path has 2.5e-7 (tests/ops/test_triton_fwd.py) — invisible under bf16's own rounding, not under fp16's.
-MERGE_PREC_BF16 = "bf16x3"
-
 
 def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
-    """The block merges' precision for inputs of ``dtype``: ``common.FP32_PRODUCT_PRECISION`` for fp32, else
-    ``override`` (benchmarks, tests) or :data:`MERGE_PREC_BF16` for bf16 and "ieee" for fp16; checked."""
-    setting = MERGE_PREC_BF16 if dtype == torch.bfloat16 else "ieee"
+    """The block merges' precision for inputs of ``dtype``, else ``override`` (benchmarks, tests); checked.
+
+    bf16: "bf16x3" (``dot.py``: each fp32 factor split into two bf16 parts, three bf16 MMAs, ≈ 2^-16 per product),
+    faster than "ieee" on FMA units and than "tf32x3" (its shuffles), every error unchanged under bf16's rounding.
+    fp16 and fp32: "ieee" (``common.product_precision``): at "bf16x3" an fp16 case without decay carries a 1e-5
+    final-state error where the fp32-product path has 2.5e-7 — invisible under bf16's rounding, not under fp16's."""
+    setting = "bf16x3" if dtype == torch.bfloat16 else "ieee"
     return product_precision(dtype, setting, override, DOT_PRECISIONS, "kkt_solve merge precision")
 
 
@@ -99,22 +94,14 @@ def _invert_diag_blocks(b_A, o_r):
     return tl.split(tl.permute(tl.reshape(b_N, (2, 2, 16, 16)), (0, 2, 3, 1)))
 
 
-# How step 3 merges the inverted diagonal blocks, by halves (since run 17): first both halves of the chunk at once,
+# How step 3 merges the inverted diagonal blocks, by halves: first both halves of the chunk at once,
 # T_{2p+1,2p} = −T_{2p+1,2p+1} A_{2p+1,2p} T_{2p,2p} for p = 0, 1 as two dots of [2, 16, 16] stacks, then the
 # lower-left 32×32 quadrant X = −T_hi A_hl T_lo as two 32×32 dots (T_lo, T_hi: the inverted halves), with A's
 # quadrant A_hl and the two blocks A10, A32 built in step 1 as one 32×32 and one [2, 16, 16] dot. On 4 warps each of
-# these dots spreads its result over the warps; the sixteen 16×16 merge dots before it (and the six 16×16 dots of
-# step 1) gave every warp the whole 16×16 result. Same products, associated differently (T30 = −(T32 Y + T33 Z)
-# instead of −T33 (Z + A32 T20), Y and Z the sums inside T20 and T30). sm_90 ptxas (bf16, 168-register cap,
-# pointers 16-byte aligned as at a real launch): kkt_solve HMMA 152 → 84, shuffles 100 → 36, SASS 2784 → 2248, no
-# spills either way; the fused pre-pass 4000 → 3184 instructions, spills 180 → 56 bytes (with the two gate helpers
-# since merged into :func:`_gate`: kkt_solve 2256, the pre-pass 3168 / 16). My prediction before the
-# compile was the solve 0.265 → ≈ 0.18 ms at B=8 T=4096 H=16; after a compile without the alignment (which showed
-# 4072 → 4032 instructions), −5%. Run 17 (bench_split_precision.py):
-# kkt_solve 0.283 → 0.268 ms at B=8, 0.046 → 0.041 at B=1, 0.284 → 0.269 at T=32768; the pre-pass 0.601 → 0.589,
-# 0.087 → 0.084, 0.609 → 0.601; the split forward unchanged within 0.3% (1.385 / 1.385); every error ratio against
-# the rounded-PyTorch baseline identical to two digits (bf16), fp16 within 2× of its baseline. Uncapped registers
-# (255, 832 spill bytes) were slower: pre-pass 0.652 at B=8.
+# these dots spreads its result over the warps, where sixteen 16×16 merge dots would give every warp the whole
+# 16×16 result (about half the HMMAs and a third of the shuffles on sm_90). Same products as the block-by-block
+# merge, associated differently (T30 = −(T32 Y + T33 Z) instead of −T33 (Z + A32 T20), Y and Z the sums inside
+# T20 and T30).
 @triton.jit
 def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,

@@ -1,21 +1,16 @@
 """Launching a Triton kernel for less host time: the compiled kernel's own runner instead of the JIT launcher.
 
-``kernel[grid](*args, **constexprs)`` costs ≈ 30–40 µs of host time on the H200's hosts (run 23–24's cProfile):
-Triton binds the arguments, computes each one's specialisation and the cache key, then calls the compiled kernel.
-Where a call site launches the same compiled kernel every time, the returned ``CompiledKernel``'s runner
-(``compiled[grid](*all_params)``) does only the last step.
+``kernel[grid](*args, **constexprs)`` costs tens of µs of host time per launch: Triton binds the arguments,
+computes each one's specialisation and the cache key, then calls the compiled kernel. Where a call site launches the
+same compiled kernel every time, the returned ``CompiledKernel``'s runner (``compiled[grid](*all_params)``) does
+only the last step.
 
-:func:`launch`, while :data:`FAST_LAUNCH` is on (off: every launch is the plain JIT one), keys each launch by what
-Triton specialises on (the constexprs, num_warps, each tensor's dtype and device, which arguments are None), takes
+:func:`launch` keys each launch by what Triton specialises on (the constexprs, num_warps, each tensor's dtype and device, which arguments are None), takes
 the first launch under a key on the JIT path and caches the compiled kernel it returns; later launches under that
 key take the runner. What the key leaves out must not vary: every other integer argument must be in the kernel's
 ``do_not_specialize`` and fit in 32 bits, and every tensor must be 16-byte aligned (Triton specialises pointers on
 it); a launch that breaks either takes the JIT path. Under the interpreter (``TRITON_INTERPRET=1``) the JIT path
 returns no compiled kernel, so every launch takes it.
-
-On since run 26 (H200, ``benchmarks/op_time_check.py --fast-launch-ab``, host µs per call off / on, outputs bitwise
-equal): B=1 T=32768 H=16 265 / 233 and 471 / 426 on two machines, H=2 HV=8 266 / 293 and 473 / 445 (one of four
-slower: host time moves ±30 µs between runs of one process); predicted ≈ 50 (two launches at ≈ 25 each).
 """
 from __future__ import annotations
 
@@ -23,7 +18,6 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-FAST_LAUNCH = True
 _compiled: dict[Hashable, Any] = {}
 
 
@@ -49,13 +43,10 @@ def _signature(kernel, args: tuple) -> tuple[tuple, bool]:
 
 
 def launch(kernel, grid: tuple, *args, num_warps: int = 4, **constexprs) -> Optional[tuple]:
-    """``kernel[grid](*args, num_warps=num_warps, **constexprs)``; with :data:`FAST_LAUNCH`, after the first launch
+    """``kernel[grid](*args, num_warps=num_warps, **constexprs)``; after the first launch
     under the same key, through the compiled kernel's runner (the module's docstring). ``args``: the kernel's
     leading non-constexpr parameters, positionally; ``constexprs``: every later parameter, by name. Returns the
     key's (compiled kernel, constexprs in the kernel's order) once there is one, else None."""
-    if not FAST_LAUNCH:
-        kernel[grid](*args, num_warps=num_warps, **constexprs)
-        return None
     kinds, same = _signature(kernel, args)
     key = (kernel, kinds, num_warps, tuple(constexprs.items()))
     entry = _compiled.get(key)
@@ -78,9 +69,8 @@ class BoundLaunch:
     integer's value class): a prepared call, whose signature fixes them. Its calls take :func:`launch` until that
     returns the compiled kernel, then its runner straight, with only the alignment of the tensors at positions
     ``foreign`` checked (the caller's own allocations come 16-byte aligned from the caching allocator; a misaligned
-    foreign tensor takes :func:`launch` again: Triton would specialise on it). Run 31 put ≈ 26 µs of host time on
-    each Triton launch on the H200's host, of which :func:`_signature` and the key are ≈ 5–7 µs (CPU profile,
-    ``benchmarks/host_hopper.py``)."""
+    foreign tensor takes :func:`launch` again: Triton would specialise on it). It skips :func:`_signature` and the
+    key, a fifth to a quarter of a launch's host time."""
 
     def __init__(self, kernel, grid: tuple, num_warps: int = 4, foreign: tuple = (), **constexprs):
         self.kernel, self.grid, self.num_warps, self.constexprs = kernel, tuple(grid), num_warps, constexprs
@@ -89,7 +79,7 @@ class BoundLaunch:
         self.tail: tuple = ()
 
     def __call__(self, *args) -> None:
-        if self.runner is not None and FAST_LAUNCH and all(
+        if self.runner is not None and all(
                 args[i] is None or args[i].data_ptr() % 16 == 0 for i in self.foreign):
             self.runner(*args, *self.tail)
             return

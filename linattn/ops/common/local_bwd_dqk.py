@@ -16,8 +16,8 @@ and subtracted, so dg keeps its relative accuracy where it is tiny (strong decay
 The row/column sums of dP ⊙ Q Kᵀ are q·(dP K) and k·(dPᵀ Q), sums over K, so each K tile adds its share and Q Kᵀ
 is never formed. dP needs all of V and is recomputed by every K tile (a BT×BV×BT dot per V tile, small next to the
 BT×BV×BK dots for dq/dk/dW). Per program: reads q, k (BT×BK), h and dh (BK×V), V_new, dO, dV_new (BT×V), A_inv
-(BT×BT) and the gates; writes dq, dk (BT×BK, fp32) and its share of dβ, dg (BT) and dA_inv (BT×BT, fp32). h, dh and
-V_new are fp32, or bf16 for bf16 inputs (triton_bwd.RECOMPUTE_STORE_BF16, DH_STORE_BF16).
+(BT×BT) and the gates; writes dq, dk (BT×BK, fp32) and its share of dβ, dg (BT) and dA_inv (BT×BT, fp32). dh is
+fp32; h and V_new are fp32, or bf16 for bf16 inputs (the recompute stores them as the split forward does).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import triton.language as tl
 from ..utils import cdiv
 from . import launch_options
 from .kkt_solve import a_inv_tile
-from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
+from .local_bwd_utils import bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
 BT = 64
@@ -47,10 +47,10 @@ def _load_state_tile(s, i_n, i_hv, i_k, i_v, HV: tl.constexpr, K: tl.constexpr, 
 @triton.jit(do_not_specialize=["T", "NT", "NTB"])
 def local_bwd_dqk_kernel(
     q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, dq, dk, dbeta, dg, dA_inv, cu_seqlens, chunk_indices, scale,
-    h0, dht, T, NT, NTB,
+    h0, T, NT, NTB,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_H0: tl.constexpr, EXACT_DHT: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_H0: tl.constexpr,
 ):
     # NTB: tokens of the whole batch (B·T), the stride between the K-tile partials of dβ, dg and dA_inv
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -84,8 +84,7 @@ def local_bwd_dqk_kernel(
         p_vn = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        # h, dh and V_new arrive as stored: fp32, or bf16 (triton_bwd's RECOMPUTE_STORE_BF16 / DH_STORE_BF16); a
-        # bf16 tile meets bf16 dO in a bf16 MMA (mdot: both operands in the input dtype, exact products)
+        # h and V_new arrive as stored: fp32, or bf16 for bf16 inputs; a bf16 tile meets bf16 dO in a bf16 MMA (mdot: both operands in the input dtype, exact products)
         b_h = tl.load(p_h, boundary_check=(0, 1), padding_option="zero")           # hᵀ tile [BV, BK]
         b_dh = tl.load(p_dh, boundary_check=(0, 1), padding_option="zero")
         b_vn = tl.load(p_vn, boundary_check=(0, 1), padding_option="zero")
@@ -96,24 +95,15 @@ def local_bwd_dqk_kernel(
         b_dqd += mdot(b_do, b_h, DT, DOT_PREC)
         b_dkd += mdot(b_vn, b_dh, DT, DOT_PREC)
         b_dw -= mdot(b_dvn, b_h, DT, DOT_PREC)
-        # h and dh stored in bf16 (triton_bwd's stores): the first chunk's h is the initial state and the last
-        # chunk's dh is dh_T, both given in fp32 — add back what their rounding took (r = exact − stored, a term
-        # ≈ 2^-9 of theirs, at DOT_PREC), so that a sequence of one chunk is exact, as with fp32 stores
+        # h stored in bf16: the first chunk's h is the initial state, given in fp32 — add back what its rounding
+        # took (r = exact − stored, a term ≈ 2^-9 of h's, at DOT_PREC), so that a sequence of one chunk is exact,
+        # as with fp32 stores
         if EXACT_H0:
             if i_t == 0:
                 b_r = _load_state_tile(h0, i_n, i_hv, i_k, i_v, HV, K, V, BK, BV) - b_h.to(tl.float32)
                 b_dqd += mdot(b_do, b_r, DT, DOT_PREC)
                 b_dw -= mdot(b_dvn, b_r, DT, DOT_PREC)
                 b_hdh += tl.sum(b_r * b_dh.to(tl.float32), 0)
-        if EXACT_DHT:
-            if (i_t + 1) * BT >= T:
-                b_rd = _load_state_tile(dht, i_n, i_hv, i_k, i_v, HV, K, V, BK, BV) - b_dh.to(tl.float32)
-                b_dkd += mdot(b_vn, b_rd, DT, DOT_PREC)
-                b_hx = b_h.to(tl.float32)
-                if EXACT_H0:
-                    if i_t == 0:  # one chunk: Σ h ⊙ dh with both exact
-                        b_hx = _load_state_tile(h0, i_n, i_hv, i_k, i_v, HV, K, V, BK, BV)
-                b_hdh += tl.sum(b_hx * b_rd, 0)
 
     p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
@@ -172,11 +162,11 @@ def local_bwd_dqk_kernel(
 
 def local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float,
                   cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                  dot_prec: str | None = None, h0: torch.Tensor | None = None, dht: torch.Tensor | None = None):
+                  dot_prec: str | None = None, h0: torch.Tensor | None = None):
     """q, k ``[B, T, H, K]``; beta ``[B, T, HV]``; gc ``[B, T, HV]`` fp32; A_inv ``[B, T, HV, 64]`` fp32; h, dh
-    ``[B, NT, HV, K, V]`` fp32 or bf16; v_new (fp32 or bf16), do, dv_new ``[B, T, HV, V]``. h0, dht: the initial
-    state and the final state's gradient ``[N, HV, K, V]`` fp32 (or None): given with h (dh) stored in bf16, the
-    first chunk of each sequence uses h0 and the last one dht as they are, not their stored rounding.
+    ``[B, NT, HV, K, V]`` (h fp32 or bf16, dh fp32); v_new (fp32 or bf16), do, dv_new ``[B, T, HV, V]``. h0: the
+    initial state ``[N, HV, K, V]`` fp32 (or None): given with h stored in bf16, the first chunk of each sequence
+    uses h0 as it is, not its stored rounding.
 
     Returns dq, dk ``[B, T, HV, K]`` fp32 (per value head; dk still lacks the K Kᵀ term), and the per-K-tile
     partials dbeta, dg ``[NK, B, T, HV]`` and dA_inv ``[NK, B, T, HV, 64]`` (fp32), summed in local_bwd_wy.py."""
@@ -192,10 +182,10 @@ def local_bwd_dqk(q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, scale: float,
     dA_inv = torch.empty(NK, B, T, HV, BT, **f32)
     local_bwd_dqk_kernel[(NK, NT, B * HV)](
         q, k, beta, gc, A_inv, h, v_new, do, dh, dv_new, dq, dk, dbeta, dg, dA_inv, cu_seqlens, chunk_indices,
-        scale, h0, dht, T, cdiv(T, BT), B * T,
+        scale, h0, T, cdiv(T, BT), B * T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
-        EXACT_H0=h0 is not None and h.dtype != torch.float32, EXACT_DHT=dht is not None and dh.dtype != torch.float32,
-        num_warps=BWD_WARPS["dqk"],
+        EXACT_H0=h0 is not None and h.dtype != torch.float32,
+        num_warps=8,
         **launch_options("local_bwd_dqk"),
     )
     return dq, dk, dbeta, dg, dA_inv

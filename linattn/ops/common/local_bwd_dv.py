@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..utils import cdiv
 from . import launch_options
-from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
+from .local_bwd_utils import bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
 BT = 64
@@ -50,8 +50,7 @@ def local_bwd_dv_kernel(
         b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
         b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
         # inputs only: one 16-bit MMA (exact products) for 16-bit inputs; fp32 inputs at DOT_PREC like every other
-        # dot of theirs (tf32x3 since run 16: at "ieee" this dot alone compiled to 2080 FFMA on sm_90; run 17: fp32
-        # fwd+bwd 23.56 → 22.87 ms at B=8 T=4096 H=16, dv's error against float64 4.8e-7 → 5.6e-7)
+        # dot of theirs (tf32x3: at "ieee" this dot alone compiles to ~2000 FFMA on sm_90)
         b_Pt += mdot(b_k, tl.trans(b_q), k.dtype.element_ty, DOT_PREC)
     b_Pt = b_Pt * b_decay * scale
 
@@ -77,7 +76,7 @@ def local_bwd_dv(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, do: torch.T
     BV = min(64, max(16, triton.next_power_of_2(V)))
     local_bwd_dv_kernel[(NT, B * HV)](
         q, k, gc, do, dv, cu_seqlens, chunk_indices, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=BWD_WARPS["dv"],
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None, num_warps=4,
         **launch_options("local_bwd_dv"),
     )
     return dv

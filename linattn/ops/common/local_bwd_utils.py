@@ -2,10 +2,11 @@
 
 The backward follows the forward's policy (``common/__init__.py``): a dot whose operands are both inputs (Q Kᵀ)
 runs in the input dtype; a dot that touches an fp32 intermediate (the state, A_inv, V_new, dS, any gate-scaled
-operand) runs on fp32 operands at ``dot_precision(dtype)``: ``"ieee"`` for fp32, ``"tf32"`` for bf16, ``"tf32x3"``
-for fp16 inputs.
+operand) runs on fp32 operands at ``dot_precision(dtype)``: ``"tf32"`` for bf16, ``"tf32x3"`` for fp16 and fp32
+inputs. Each kernel's launch width is its launcher's: 8 warps for dq/dk and the WY backward (4 spill kilobytes per
+thread on sm_90), 4 for dv_local and the reverse walk (8 measured slower there).
 ``dot_prec="input"`` instead rounds those operands to the 16-bit input dtype (full tensor-core rate, ~8× coarser
-operands); benchmarks/gpu_check_bwd.py measures both so the faster one can be chosen where it stays accurate.
+operands): benchmarks/gpu_check_bwd.py measures its error beside the default's.
 Every dot accumulates in fp32.
 """
 from __future__ import annotations
@@ -19,15 +20,6 @@ import triton.language as tl
 from . import dot_precision
 
 DOT_PRECISIONS = ("ieee", "tf32", "input")
-
-# num_warps of each backward kernel's launch, read at call time. At 4 warps ptxas spills 13 KB (dq/dk), 7.7 KB (WY)
-# and 5.7 KB (reverse walk, BV=64) per thread on sm_90 for bf16 K = V = 128; at 8 warps 1.9 / 1.0 / 1.0 KB
-# (benchmarks/compile_all.py, docs/performance.md run 10). Timed on the H200 (run 11, bench_pipelining.py, 4 → 8
-# warps): dq/dk 3.82 → 1.69 ms and WY 3.66 → 1.96 ms at B=8 T=4096 H=16 (B=1: 0.49 → 0.23, 0.44 → 0.26); dv_local
-# 0.231 → 0.285 (slower); the reverse walk at BV=64 1.21 → 1.17 (B=8), 0.62 → 0.57 (B=1, but BV=16 at 4 warps is
-# 0.42 and 8 warps was not timed there), so it stays at 4.
-BWD_WARPS = {"dv": 4, "state_pass": 4, "dqk": 8, "wy": 8}
-
 
 def bwd_dot_precision(dtype: torch.dtype, dot_prec: Optional[str] = None) -> str:
     """The ``DOT_PREC`` constexpr for inputs of ``dtype``: ``dot_prec`` if given, else the forward's policy."""

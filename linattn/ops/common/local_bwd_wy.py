@@ -21,17 +21,10 @@ import triton.language as tl
 from ..utils import cdiv
 from . import launch_options, product_precision
 from .kkt_solve import a_inv_tile
-from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
+from .local_bwd_utils import bwd_dot_precision, mdot
 from .varlen import chunk_bounds
 
 BT = 64
-# Precision of the two BT×BT×BT products dA = Tᵀ dT Tᵀ for 16-bit inputs (fp32 inputs: always "ieee"). "ieee" runs
-# them on FMA units: 2 × 64³ FMAs per program, 2108 FFMA instructions in the sm_90 SASS of this kernel (bf16, 8
-# warps; the rest of the kernel has ~1000), and WY is the slowest backward stage (1.96 ms at B=8 T=4096 H=16, run
-# 11). "tf32x3" (three tf32 MMAs, about fp32's accuracy) replaced it after run 12 (bench_bwd_precision.py): every
-# gradient's error against float64 the same to two digits at three cases in bf16 and fp16, the WY kernel 2.107 →
-# 1.499 ms at B=8 T=4096 H=16 (0.279 → 0.204 at B=1), the op's forward + backward 9.61 → 9.00 ms.
-INVERSE_DOT_PREC = "tf32x3"
 
 
 @triton.jit(do_not_specialize=["T", "NTB"])
@@ -85,7 +78,7 @@ def local_bwd_wy_kernel(
         tl.store(p_dv, (b_beta[:, None] * b_dvb).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
     # T = (I + A)⁻¹ ⇒ dA = −Tᵀ dT Tᵀ on the strict lower triangle (fp32 operands: T's entries carry the whole
-    # chunk; INV_PREC: "ieee", or "tf32x3" on tensor cores, INVERSE_DOT_PREC)
+    # chunk; INV_PREC: "ieee", or "tf32x3" on tensor cores, the default for 16-bit inputs)
     b_dA = tl.dot(tl.dot(tl.trans(b_A), b_dAi, input_precision=INV_PREC), tl.trans(b_A), input_precision=INV_PREC)
     b_dAD = tl.where(m_strict, -b_dA, 0.) * tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float('-inf')))
     b_dKKt = b_dAD * b_beta[:, None]
@@ -118,7 +111,9 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
     ``[NK, B, T, HV, 64]``, dbeta_p and dg_p ``[NK, B, T, HV]``; dk ``[B, T, HV, K]`` fp32, completed IN PLACE
     (it is local_bwd_dqk's own output, never a user tensor).
 
-    ``inverse_prec`` overrides :data:`INVERSE_DOT_PREC` ("ieee" or "tf32x3"; benchmarks).
+    ``inverse_prec``: the two inverse products dA = Tᵀ dT Tᵀ for 16-bit inputs, "tf32x3" (None, the default: three
+    tf32 MMAs, about fp32's accuracy; on FMA units these 2 × 64³ products make WY the slowest backward stage) or
+    "ieee" (benchmarks); fp32 inputs always "ieee".
 
     Returns dk (the same tensor), dv ``[B, T, HV, V]`` in v's dtype, dbeta and dg ``[B, T, HV]`` fp32."""
     B, T, H, K = k.shape
@@ -127,7 +122,7 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
     BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     # only precisions with fp32's accuracy: T's entries carry the whole chunk
-    inv_prec = product_precision(k.dtype, INVERSE_DOT_PREC, inverse_prec, ("ieee", "tf32x3"), "inverse_prec")
+    inv_prec = product_precision(k.dtype, "tf32x3", inverse_prec, ("ieee", "tf32x3"), "inverse_prec")
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     dg = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
@@ -135,6 +130,6 @@ def local_bwd_wy(k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk,
         k, v, beta, gc, A_inv, dv_new, dA_inv_p, dbeta_p, dg_p, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
         T, B * T, HV=HV, H=H, K=K, V=V, NK=dA_inv_p.shape[0], BT=BT, BK=BK, BV=BV,
         DOT_PREC=bwd_dot_precision(k.dtype, dot_prec), INV_PREC=inv_prec, IS_VARLEN=cu_seqlens is not None,
-        num_warps=BWD_WARPS["wy"], **launch_options("local_bwd_wy"),
+        num_warps=8, **launch_options("local_bwd_wy"),
     )
     return dk, dv, dbeta, dg

@@ -4,11 +4,10 @@
 (the way Qwen3-Next calls it) turns its raw inputs into the core's inputs::
 
     q̂ = q · rsqrt(Σq² + 1e-6)     k̂ = k · rsqrt(Σk² + 1e-6)      (fp32 math, output in q's dtype)
-    g = −exp(A_log) · softplus(g_raw + dt_bias)                       (fp32)
+    g = max(−exp(A_log) · softplus(g_raw + dt_bias), MIN_LOG_DECAY)  (fp32)
     β = sigmoid(b)                                                    (b's dtype)
 
-each only when its flag asks for it. In PyTorch that is ~20 ATen kernels (≈ 240–500 µs per call at B=1 T=4096 H=16
-K=V=128 on the H200, docs/performance.md); here it is :func:`preprocess_fwd_kernel` and, for the gradient,
+each only when its flag asks for it. In PyTorch that is ~20 ATen kernels, each a pass over memory; here it is :func:`preprocess_fwd_kernel` and, for the gradient,
 :func:`preprocess_bwd_kernel` (the chain rule back to q, k, g_raw, b, A_log, dt_bias), wrapped in
 :class:`Preprocess`. Twin: :func:`preprocess_ref` (utils' ``l2norm`` / ``gate_from_raw``; its gradients come from
 PyTorch autograd). The torch and reference backends, and every traced call (torch.compile fuses the PyTorch ops
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..utils import gate_from_raw, l2norm, next_power_of_2
+from . import MIN_LOG_DECAY
 
 L2NORM_EPS = 1e-6
 _EPS = tl.constexpr(L2NORM_EPS)  # kernels may read a global only as a constexpr (the interpreter does not check)
@@ -79,7 +79,9 @@ def preprocess_fwd_kernel(q, k, qn, kn, g, A_log, dt_bias, gn, beta, betan, NTOK
                 b_a = tl.load(A_log + o_hv, mask=o_hv < HV, other=0).to(tl.float32)
                 b_dt = tl.load(dt_bias + o_hv, mask=o_hv < HV, other=0).to(tl.float32)
                 b_u = tl.load(g + o_g, mask=m_g, other=0).to(tl.float32) + b_dt[None, :]
-                tl.store(gn + o_g, -tl.exp(b_a)[None, :] * _softplus(b_u), mask=m_g)
+                b_gate = -tl.exp(b_a)[None, :] * _softplus(b_u)
+                # floored at MIN_LOG_DECAY: exp(A_log) overflows to inf from A_log ≈ 88.7 (a select: NaN stays NaN)
+                tl.store(gn + o_g, tl.where(b_gate < MIN_LOG_DECAY, MIN_LOG_DECAY, b_gate), mask=m_g)
             if BETA_SIGMOID:
                 b_b = tl.load(beta + o_g, mask=m_g, other=0).to(tl.float32)
                 tl.store(betan + o_g, tl.sigmoid(b_b), mask=m_g)
@@ -125,9 +127,12 @@ def preprocess_bwd_kernel(q, k, dqn, dkn, dq, dk, g, A_log, dt_bias, dgn, dg, dp
                 b_dt = tl.load(dt_bias + o_hv, mask=m_hv, other=0).to(tl.float32)
                 b_u = tl.load(g + o_g, mask=m_g, other=0).to(tl.float32) + b_dt[None, :]
                 b_dgn = tl.load(dgn + o_g, mask=m_g, other=0).to(tl.float32)
-                b_dg = -b_e[None, :] * tl.sigmoid(b_u) * b_dgn
+                b_gate = -b_e[None, :] * _softplus(b_u)
+                # below the floor the gate is the constant MIN_LOG_DECAY: no gradient (selects, as e may be inf)
+                b_floored = b_gate < MIN_LOG_DECAY
+                b_dg = tl.where(b_floored, 0., -b_e[None, :] * tl.sigmoid(b_u) * b_dgn)
                 tl.store(dg + o_g, b_dg, mask=m_g)
-                b_da = tl.sum(-b_e[None, :] * _softplus(b_u) * b_dgn, axis=0)
+                b_da = tl.sum(tl.where(b_floored, 0., b_gate * b_dgn), axis=0)
                 tl.store(dpart + i_b * HV + o_hv, b_da, mask=m_hv)
                 tl.store(dpart + (NB + i_b) * HV + o_hv, tl.sum(b_dg, axis=0), mask=m_hv)
             if BETA_SIGMOID:

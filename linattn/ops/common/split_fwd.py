@@ -32,97 +32,44 @@ from .varlen import chunk_tables
 from .wy import wy_fwd
 
 # phase A's chunk (two dots over the K + V columns of [M | N]) against a chunk of the state pass (the same two
-# dots over V columns), per column slice. First estimate 1.0 (about equal work per program); run 12 measured the
-# planned segments slower than none at both shapes it chose them for (1×32768 H=2 HV=8: 2.33 vs 2.20 ms forward;
-# K = V = 64 H=16: 2.02 vs 1.91), which the model matches from ≈ 1.7 up, so 2.0: it splits only when far fewer
-# programs than SMs walk very long sequences (e.g. HV = 1).
+# dots over V columns), per column slice: 2.0 splits only when far fewer programs than SMs walk very long sequences
+# (e.g. HV = 1); planned segments at 1.0 measured slower than none.
 AFFINE_COST = 2.0
 
-# The output kernel's two fp32 products (Q S, P V_new) for bf16 inputs: "bf16x3" (common/dot.py: Q stays bf16,
-# so Q S is two bf16 MMAs and P V_new three, ≈ 2^-16 per product). Run 12 (bench_split_precision.py, H200):
-# anchor o 1.731e-3 against float64 as at "tf32x3" (the walk's output precision; "tf32": 1.994e-3, at the bf16
-# goal's edge), every gradient unchanged; output kernel 0.981 → 0.397 ms at B=8 T=4096 H=16 (0.141 → 0.063 at
-# B=1), split forward 2.508 → 1.916 (0.421 → 0.339); gpu_check_core's K=60 V=100, K=128 V=256 and varlen cases
-# in bf16 within 2× of the baseline at it. Other dtypes: ``dot_precision``.
-OUTPUT_PREC_BF16 = "bf16x3"
-
-
-# The dtype the split forward stores h and V_new in for bf16 inputs: "bf16" (since run 15) or "fp32". They are the
-# two largest intermediates (h: K·V per chunk and value head) and are only read by the output kernel: the state
-# pass keeps the state it carries in fp32 registers, so bf16 storage rounds what o reads (≈ 2^-9 relative, once,
-# not compounding over chunks) and leaves the final state unchanged. Count at B=8 T=4096 H=16 K=V=128: the state
-# pass writes h 537 MB + V_new 268 MB in fp32 of its ≈ 1.5 GB, the output kernel reads them of its ≈ 1.2 GB.
-# Run 15 (bench_split_precision.py, H200; prediction in brackets): state pass 0.615 → 0.499 ms (≈ 0.50), output
-# kernel 0.398 → 0.288 (≈ 0.28), split forward 1.623 → 1.394 (≈ 1.39) at B=8 T=4096 H=16; 2.253 → 2.045 at
-# B=1 T=32768, 0.309 → 0.284 at B=1 T=4096; fwd+bwd 7.53 → 7.29. o's error 1.73e-3 → 2.43e-3 against float64
-# (≈ 2.0e-3 predicted; the rounded-PyTorch baseline: 2.86e-3), the final state and every gradient bitwise as
-# before. The split path's extra memory halves (h). Other input dtypes: fp32.
-STORE_BF16 = "bf16"
-# The dtype the split path's pre-pass writes W and U in for bf16 inputs, "fp32" or "bf16" (what fla does). Unlike
-# h, W enters the state recurrence (V_new = U − W S), so its rounding reaches the final state and carries across
-# chunks. Bytes at B=8 T=4096 H=16: 537 MB written by the pre-pass, read by the state pass. Run 15, on top of
-# STORE_BF16 (prediction: pre-pass 0.61 → ≈ 0.53 ms, state pass −0.08): pre-pass 0.615 → 0.562, state pass 0.499
-# → 0.478, split forward 1.394 → 1.322 at B=8 — but the state pass is *slower* where it is latency-bound (B=1
-# T=32768: 1.125 → 1.330 ms, split forward 2.045 → 2.194; B=1 T=4096: 0.154 → 0.175), and the final state's error
-# nearly doubles (1.05e-3 → 1.98e-3, o 2.43e-3 → 2.97e-3). Mixed speed for a doubled state error: stays "fp32".
-WU_STORE_BF16 = "fp32"
-STORES = ("fp32", "bf16")
-# Where the split path forms the WY products: "state_pass" — the pre-pass writes each chunk's inverse A_inv and
-# the state pass computes V_new = A_inv (β ⊙ V − βΓ ⊙ (K S)) from it and the values (state_pass.py, FROM_A_INV) —
-# or "prepass" (W and U written by the pre-pass, read by the state pass; the only form until run 18); "auto" (the
-# default): "state_pass" from WY_IN_STATE_PASS_MIN_PAIRS (sequences × value heads) on, else "prepass". Count at B=8
-# T=4096 H=16 K=V=128 bf16: the pre-pass writes 134 MB (A_inv) instead of 805 (W, U fp32) and skips two
-# [64, 64] × [64, 128] dots per chunk; the state pass reads A_inv 134 MB and V 134 MB instead of 805 MB and runs
-# one more dot on its chain ([64, 64] × [64, BV]). ncu (run 18) had the pre-pass bound by L1 / shared-memory
-# wavefronts (80%, DRAM 22%) and the state pass by load latency (long scoreboard, DRAM 39%). Prediction (written
-# before timing it): pre-pass 0.589 → ≈ 0.28 ms (kkt_solve alone: 0.268), state pass 0.505 → ≈ 0.40, split forward
-# 1.385 → ≈ 0.97 at B=8; at B=1 T=32768 (latency-bound state pass) pre-pass −0.3, state pass +≈ 0.2.
-# Measured (run 18, benchmarks/bench_wy_form.py, H200, split forward ms prepass → state_pass form; pre-pass, state
-# pass): B=8 T=4096 H=16 1.365 → 1.042 (0.586 → 0.277, 0.499 → 0.485: the state pass missed its prediction —
-# 255 registers, spill requests 0.28 → 0.94 M under ncu), 4×8192 HV=32 2.638 → 2.032, 2×16384 H=HV=32 3.137 →
-# 2.608, fp32 B=8 5.139 → 4.233; but where few (sequence, head) pairs walk long sequences the third dot on the
-# chain costs more than the pre-pass saves: B=1 T=4096 H=16 0.276 → 0.278, T=32768 2.028 → 2.182 (state pass
-# 1.133 → 1.604), T=131072 8.01 → 8.67, 1×32768 HV=8 1.582 → 1.911. Every error against float64 the same to two
-# digits (five cases, bf16). Wins from 64 pairs, loses at 16 and below: the threshold is 64 (32 not measured).
-WY_FORM = "auto"
-WY_FORMS = ("auto", "state_pass", "prepass")
+# From this many (sequence, value head) pairs the pre-pass writes each chunk's inverse A_inv and the state pass
+# forms V_new = A_inv (β ⊙ V − βΓ ⊙ (K S)) from it (state_pass.py, FROM_A_INV); below, the pre-pass writes W and U.
+# The A_inv form writes a sixth of the bytes (at K = V = 128) and skips two dots per chunk in the pre-pass, but puts
+# a third dot on the state pass's sequential chain: that pays once the pairs fill the SMs, not where a few pairs
+# walk long sequences.
 WY_IN_STATE_PASS_MIN_PAIRS = 64
 
 
-def stored_dtype(dtype: torch.dtype, mode: str, name: str) -> torch.dtype:
-    """The dtype an intermediate is stored in for inputs of ``dtype`` under a store setting ``mode`` (one of
-    :data:`STORES`: "bf16" applies to bf16 inputs only), refusing any other value with the setting's ``name``."""
-    if mode not in STORES:
-        raise ValueError(f"{name} must be one of {STORES}, got {mode!r}")
-    return torch.bfloat16 if mode == "bf16" and dtype == torch.bfloat16 else torch.float32
+def store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the split forward stores h and V_new in for inputs of ``dtype``: bf16 for bf16 inputs, else fp32.
+    Both are only read by the output kernel (the state pass carries its state in fp32 registers), so bf16 storage
+    rounds what o reads once, not compounding over chunks, and leaves the final state unchanged; it halves the
+    bytes of the two largest intermediates."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.dtype:
-    """The dtype the split forward stores h and V_new in for inputs of ``dtype`` (:data:`STORE_BF16`, or
-    ``override``; checked)."""
-    return stored_dtype(dtype, override or STORE_BF16, "split_fwd store")
-
-
-def wu_store_dtype(dtype: torch.dtype, override: Optional[str] = None) -> torch.dtype:
-    """The dtype the split path's pre-pass writes W and U in for inputs of ``dtype`` (:data:`WU_STORE_BF16`, or
-    ``override``; checked)."""
-    return stored_dtype(dtype, override or WU_STORE_BF16, "split_fwd W/U store")
+def wu_store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the split path's pre-pass writes W and U in: fp32 for every input dtype. W enters the state
+    recurrence (V_new = U − W S), so a bf16 W would carry its rounding across chunks (the final state's error
+    doubles) for a mixed speed-up."""
+    return torch.float32
 
 
 def wy_in_state_pass(num_sequences: int, HV: int, dtype: torch.dtype) -> bool:
     """Whether the split path's pre-pass writes A_inv for the state pass instead of W and U, for ``num_sequences``
-    sequences of ``HV`` value heads (:data:`WY_FORM`, checked; "auto": from :data:`WY_IN_STATE_PASS_MIN_PAIRS`
-    pairs); W and U stored in bf16 (:data:`WU_STORE_BF16`) keep the pre-pass form."""
-    if WY_FORM not in WY_FORMS:
-        raise ValueError(f"split_fwd.WY_FORM must be one of {WY_FORMS}, got {WY_FORM!r}")
-    if wu_store_dtype(dtype) != torch.float32 or WY_FORM == "prepass":
-        return False
-    return WY_FORM == "state_pass" or num_sequences * HV >= WY_IN_STATE_PASS_MIN_PAIRS
+    sequences of ``HV`` value heads: from :data:`WY_IN_STATE_PASS_MIN_PAIRS` pairs on (every input dtype)."""
+    return num_sequences * HV >= WY_IN_STATE_PASS_MIN_PAIRS
 
 
 def output_precision(dtype: torch.dtype) -> str:
-    """The split forward's output-kernel precision for inputs of ``dtype``."""
-    return OUTPUT_PREC_BF16 if dtype == torch.bfloat16 else dot_precision(dtype)
+    """The split forward's output-kernel precision for inputs of ``dtype``: "bf16x3" for bf16 (``dot.py``: Q stays
+    bf16, so Q S is two bf16 MMAs and P V_new three, ≈ 2^-16 per product; as accurate as "tf32x3" and the output
+    kernel twice as fast, where "tf32" puts o's error at the bf16 goal's edge), ``dot_precision`` otherwise."""
+    return "bf16x3" if dtype == torch.bfloat16 else dot_precision(dtype)
 
 
 def segment_offsets(offsets: list[int], L: int, chunk_size: int) -> list[int]:

@@ -50,20 +50,6 @@ from .dot import dot
 from .kkt_solve import a_inv_tile
 from .launch import launch
 
-# Stages of the chunk loop when the grid is one wave (common.loop_stages; 0 otherwise): n >= 1 is tl.range
-# with num_stages = n, 0 the while loop. H200, run 11 (bench_pipelining.py), BV=16: B=1 T=4096 H=16 0.282 /
-# 0.319 / 0.175 / 0.161 ms at 0 / 1 / 2 / 3; T=32768 2.21 / 2.51 / 1.35 / 1.22; at B=8 (BV=64) all within 8%.
-STATE_PASS_STAGES = 3
-# num_warps of the launch: 4. At 8, ptxas spills less (236 instead of 1908 bytes per thread at BV=64, 0 instead of
-# 268 at BV=16, benchmarks/compile_all.py), but run 12 timed it 7–58% slower at all eight shapes of
-# bench_forward_paths.py and hit an illegal memory access at K=128 V=256 (not investigated), so 8 is not offered.
-STATE_PASS_WARPS = 4
-# The V tile's fill rule with A_inv (FROM_A_INV; common.fill_tile_v's min_fill): wider tiles once this fraction of
-# the SMs has a program. Run 18 (bench_wy_form.py --bv-sweep, bf16, K=V=128, state pass ms at BV 16 / 32 / 64):
-# 2×16384 H=HV=32 (128 programs at 64 on 132 SMs) 2.49 / 1.48 / 1.26; B=8 T=4096 H=16 1.22 / 0.73 / 0.49; 4×8192
-# HV=32 2.43 / 1.47 / 0.97. With the full rule 2×16384 took 32: 0.9 takes 64 there (not measured for the W/U form).
-A_INV_MIN_FILL = 0.9
-
 
 @triton.jit
 def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H: tl.constexpr,
@@ -107,10 +93,9 @@ def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i
         tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
 
     # S ← e^{G_C} S + Kᵀ (e^{G_C − G} ⊙ V_new): the decay scales V_new's rows ([BT, BV]) instead of K's columns
-    # ([BK, BT]), so K is loaded in the input dtype and widened only as the dot's operand (``dot``). Run 18: the
-    # state pass 0.499 → 0.449 ms at B=8 T=4096 H=16 (W/U form), 1.133 → 0.792 at B=1 T=32768 (sm_90 spills
-    # 92 → 0 bytes); split-bf16 ("bf16x3") key dots here, K a bf16 operand, faulted on the H200 (illegal memory
-    # access at B=8, as in the walk: fused_fwd.py) and are not offered
+    # ([BK, BT]), so K is loaded in the input dtype and widened only as the dot's operand (``dot``): no spills on
+    # sm_90. Split-bf16 ("bf16x3") key dots here fault on sm_90 (illegal memory access, as in the walk:
+    # fused_fwd.py) and are not offered
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T_seq), (1, H * K), (0, i_c * BT), (BK, BT), (0, 1))
     b_kt = tl.load(p_k, boundary_check=(0, 1))
     if USE_DECAY:
@@ -156,7 +141,7 @@ def state_pass_fwd_kernel(k, w, u, a_inv, beta, gc, h, v_new, h0, ht, cu_seqlens
     NT_seq = tl.cdiv(T_seq, BT)
     if INTERPRET or NUM_STAGES == 0:
         # a while loop: the interpreter cannot take range() of a runtime bound (numpy >= 2 refuses int() of its
-        # 1-element arrays), and NUM_STAGES = 0 keeps the loop every GPU measurement so far was made with
+        # 1-element arrays), and NUM_STAGES = 0 (a grid of more than one wave) is never software-pipelined
         i_c = 0
         while i_c < NT_seq:
             b_h = _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV,
@@ -164,7 +149,7 @@ def state_pass_fwd_kernel(k, w, u, a_inv, beta, gc, h, v_new, h0, ht, cu_seqlens
             i_c += 1
     else:
         # a for loop Triton can software-pipeline: the next chunks' W, U, K and gates arrive (cp.async) while this
-        # chunk's dots run (fused_fwd.WALK_STAGES); int32 bound: block-pointer offsets must be 32-bit
+        # chunk's dots run; int32 bound: block-pointer offsets must be 32-bit
         for i_c in tl.range(0, NT_seq.to(tl.int32), num_stages=NUM_STAGES):
             b_h = _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i_h, i_hv, i_v, H, HV,
                               K, V, BT, BK, BV, DOT_PREC, USE_DECAY, USE_DELTA, FROM_A_INV, INTERPRET)
@@ -192,8 +177,8 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
         initial_state: ``[N, HV, K, V]`` (any float dtype; read as fp32) or None (zeros).
         cu_seqlens, chunk_offsets, num_chunks: varlen offsets ``[N + 1]``, :func:`varlen.chunk_tables`
             chunk_offsets and NT_total; or None.
-        num_stages, block_v: the loop's pipelining (None: :data:`STATE_PASS_STAGES` when the grid is one wave, else
-            0) and the V tile (None: ``common.fill_tile_v``, at most 64, 32 beyond K = 128), for benchmarks.
+        num_stages, block_v: the loop's pipelining (None: 3 stages when the grid is one wave, else 0) and the V
+            tile (None: ``common.fill_tile_v``, at most 64, 32 beyond K = 128), for benchmarks.
         store_dtype: the dtype h and v_new are written in, fp32 or bf16 (``split_fwd.store_dtype``: half the
             bytes of the two largest intermediates; the final state is fp32 and unchanged by it).
     Returns:
@@ -214,14 +199,16 @@ def state_pass_fwd(k: torch.Tensor, w: Optional[torch.Tensor], u: torch.Tensor, 
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device)
     BK = block_size(K, 256)
     sms = num_sms(k.device)
+    # from A_inv the wider V tiles pay from 90% of the SMs filled (their third dot on the chain is per column)
     BV = state_tile_v(block_v, fill_tile_v(N * HV, V, 64 if BK <= 128 else 32, sms,
-                                           A_INV_MIN_FILL if a_inv is not None else 1.0))
+                                           0.9 if a_inv is not None else 1.0))
     grid = (cdiv(V, BV), N * HV)
-    stages = loop_stages(num_stages, STATE_PASS_STAGES, grid[0] * grid[1], sms)
+    # a one-wave grid is latency-bound: three stages of prefetch hide the next chunks' loads
+    stages = loop_stages(num_stages, 3, grid[0] * grid[1], sms)
     launch(state_pass_fwd_kernel, grid,
            k, w, u, a_inv, beta, gc, h, v_new, initial_state, ht, cu_seqlens, chunk_offsets, T, NT, H=H, HV=HV, K=K,
            V=V, BT=chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(k.dtype), USE_DECAY=gc is not None,
            USE_DELTA=delta, FROM_A_INV=a_inv is not None, USE_INITIAL_STATE=initial_state is not None,
-           IS_VARLEN=is_varlen, INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=STATE_PASS_WARPS,
+           IS_VARLEN=is_varlen, INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=4,
            **launch_options("state_pass_fwd"))
     return h, v_new, ht

@@ -9,10 +9,9 @@ dS is the gradient of the state *leaving* the current chunk. Walking the chunks 
 
 One program per (V tile, sequence, value head) holds a K × BV tile of dS in fp32 registers for the whole walk;
 the V tiles are independent because every update is column-wise in V. Per chunk it reads q, k, w (BT×K), dO and
-dv_local (BT×BV) and the gates, and writes dh (K×BV, fp32, or bf16: ``dh_dtype``) and dV_new (BT×BV, fp32). K is
-one tile (≤ 256), so BV shrinks as K grows to bound the registers the carried state takes. dh is only read by
-local_bwd_dqk: storing it in bf16 rounds what that stage reads, never the dS the walk carries, so dV_new and dh0
-are the same either way.
+dv_local (BT×BV) and the gates, and writes dh (K×BV) and dV_new (BT×BV), fp32. K is one tile (≤ 256), so BV
+shrinks as K grows to bound the registers the carried state takes. dh stays fp32: in bf16 it rounded only what
+local_bwd_dqk reads, but made the backward slower at long sequences.
 """
 from __future__ import annotations
 
@@ -21,15 +20,10 @@ import triton
 import triton.language as tl
 
 from ..utils import cdiv
-from . import check_store_dtype, fill_tile_v, launch_options, loop_stages, num_sms, state_tile_v, triton_interpret
-from .local_bwd_utils import BWD_WARPS, bwd_dot_precision, mdot
+from . import fill_tile_v, launch_options, num_sms, state_tile_v
+from .local_bwd_utils import bwd_dot_precision, mdot
 
 BT = 64
-# Stages of the reverse walk's chunk loop when its grid is one wave (0: the while loop; n >= 1: a tl.range loop
-# with num_stages = n; see fused_fwd.WALK_STAGES). Stays 0: unlike the forward walks, pipelining measured slower
-# at every shape and tile (H200, run 11: B=1 T=4096 H=16 BV=16 0.417 / 0.449 / 0.499 ms at 0 / 1 / 2; B=8 BV=64
-# 1.21 / 1.33 / 1.56), probably because the loads it would hide are not what this walk waits on (not verified).
-BWD_STAGES = 0
 
 
 @triton.jit
@@ -39,7 +33,7 @@ def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh
     """Chunk i_t of the reverse walk: store dS leaving it to dh, write its dV_new, return dS entering it."""
     DT = k.dtype.element_ty
     p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))  # rounded on the way out (dh_dtype)
+    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
 
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -77,7 +71,7 @@ def state_pass_bwd_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -95,20 +89,12 @@ def state_pass_bwd_kernel(
     p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
     b_dh = tl.load(p_dht, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 
-    if INTERPRET or NUM_STAGES == 0:
-        # a while loop: the interpreter cannot take a range with a runtime bound, and NUM_STAGES = 0 keeps the
-        # loop every GPU measurement so far was made with (never software-pipelined)
-        i_t = NT - 1
-        while i_t >= 0:
-            b_dh = _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh, T, i_h, i_hv, i_v,
-                              H, HV, K, V, BT, BK, BV, DOT_PREC)
-            i_t -= 1
-    else:
-        # a for loop over j = 0 … NT−1 visiting chunk NT−1−j, so Triton can prefetch the next chunks' q, k, w, dO,
-        # dv_local and gates (cp.async) while this chunk's dots run (fused_fwd.py, WALK_STAGES)
-        for j in tl.range(0, NT, num_stages=NUM_STAGES):
-            b_dh = _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, NT - 1 - j, bos, boh, T, i_h,
-                              i_hv, i_v, H, HV, K, V, BT, BK, BV, DOT_PREC)
+    # a while loop, never software-pipelined: prefetching the next chunks measured slower at every shape and tile
+    i_t = NT - 1
+    while i_t >= 0:
+        b_dh = _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh, T, i_h, i_hv, i_v,
+                          H, HV, K, V, BT, BK, BV, DOT_PREC)
+        i_t -= 1
 
     p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
     tl.store(p_dh0, b_dh, boundary_check=(0, 1))
@@ -117,33 +103,29 @@ def state_pass_bwd_kernel(
 def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.Tensor, do: torch.Tensor,
                    dv_local: torch.Tensor, dht: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
                    chunk_offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                   dot_prec: str | None = None, num_stages: int | None = None, block_v: int | None = None,
-                   dh_dtype: torch.dtype = torch.float32):
+                   dot_prec: str | None = None, block_v: int | None = None):
     """Reverse pass. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]``; gc ``[B, T, HV]`` fp32; do, dv_local
     ``[B, T, HV, V]``; dht ``[N, HV, K, V]``. With cu_seqlens (B == 1), chunk_offsets ``[N + 1]`` gives each
-    sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk, in
-    ``dh_dtype``: fp32 or bf16, ``triton_bwd.DH_STORE_BF16``), dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``
-    (fp32). ``num_stages`` (None: :data:`BWD_STAGES`) and ``block_v`` (None: the rule below) exist for
-    benchmarks/bench_pipelining.py."""
-    check_store_dtype("state_pass_bwd", dh_dtype, "dh_dtype")
+    sequence's first chunk and num_chunks the total. Returns dh ``[B, NT, HV, K, V]`` (dS leaving each chunk),
+    dv_new ``[B, T, HV, V]`` and dh0 ``[N, HV, K, V]``, all fp32. ``block_v`` (None: the rule below) is for
+    benchmarks."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     NT = num_chunks if cu_seqlens is not None else cdiv(T, BT)
-    dh = torch.empty(B, NT, HV, K, V, dtype=dh_dtype, device=q.device)
+    dh = torch.empty(B, NT, HV, K, V, dtype=torch.float32, device=q.device)
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     # the carried dS tile is BK × BV fp32: keep it at ≤ 8K elements (64 registers a thread at 4 warps); within
-    # that, as narrow as it takes to fill the SMs (B=1 T=4096 H=16: 0.625 ms at BV=64, 0.417 at 16; run 11)
+    # that, as narrow as it takes to fill the SMs (the walk is latency-bound where few programs run)
     sms = num_sms(q.device)
     BV = state_tile_v(block_v, fill_tile_v(N * HV, V, max(16, 8192 // BK), sms))
     grid = (cdiv(V, BV), N * HV)
-    stages = loop_stages(num_stages, BWD_STAGES, grid[0] * grid[1], sms)
     state_pass_bwd_kernel[grid](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
-        INTERPRET=triton_interpret(), NUM_STAGES=stages, num_warps=BWD_WARPS["state_pass"],
+        num_warps=4,
         **launch_options("state_pass_bwd"),
     )
     return dh, dv_new, dh0

@@ -13,9 +13,8 @@ is a valid ``initial_state``. Or ``"vk"``, V-major ``[P, HV, V, K]`` (row j hold
 "K-last" layout of FlashInfer's bf16-state decode): a prefill's final state goes in as
 ``final_state.transpose(-1, -2)``, and intermediate states come back in the pool's layout. Why both: the kernel
 tiles V, so a K-major tile reads rows of BV values (64 bytes for the bf16 pool's 32-column tile, half a 128-byte
-line), while a V-major tile reads whole rows of K values (256 bytes at K = 128 in bf16) whatever the tile. Measured
-(H200, run 20, HV=32 K=V=128, one token, B=64): a bf16 pool is fastest V-major (38.9 µs against 47.0 K-major: use
-``"vk"`` for bf16 pools), an fp32 pool K-major (72.4 against 74.6); docs/decode.md has the table.
+line), while a V-major tile reads whole rows of K values (256 bytes at K = 128 in bf16) whatever the tile: a bf16
+pool is fastest V-major (use ``"vk"`` for bf16 pools), an fp32 pool K-major; docs/decode.md has the table.
 
 Slots: ``state_indices[b]`` is the pool row of sequence b. A negative slot means "no state": the sequence starts
 from a zero state and nothing is written back (its outputs, and intermediate states if asked, are still
@@ -130,8 +129,8 @@ def decode_ref(q, k, v, g, beta, scale, state_pool, state_indices, A_log, dt_bia
              else torch.arange(B, device=q.device))
     live = slots >= 0
     # the gather copies (the pool is written back only where live); a negative slot starts from zero. index_select
-    # and index_copy_ rather than pool[idx]: on a CPU advanced indexing moved the state at ≈ 3 GB/s (0.7 ms of a
-    # 1.4 ms step at B=1 HV=32 K=V=128)
+    # and index_copy_ rather than pool[idx]: on a CPU advanced indexing moves the state slowly (half of a step's
+    # time)
     h0 = state_pool.index_select(0, slots.clamp(min=0)).to(qp.dtype)
     rows = live.nonzero().squeeze(1)
     if rows.numel() < B:

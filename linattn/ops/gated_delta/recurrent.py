@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import (
+    MIN_LOG_DECAY,
     check_gated_delta_inputs,
     compute_dtype,
     dispatch_forward,
@@ -43,14 +44,15 @@ def load_recurrent_kernels():
 # ----------------------------------------------------------------------------------------------------------------
 def prepare_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm: bool, use_beta_sigmoid: bool):
     """The fused pre-processing, in fp32 (fp64 for fp64 input), as the kernels' ``_prepare_token`` does it:
-    q, k ← x·rsqrt(Σx² + 1e-6); g ← −exp(A_log)·softplus(g + dt_bias); β ← sigmoid(β). Scale is not applied."""
+    q, k ← x·rsqrt(Σx² + 1e-6); g ← max(−exp(A_log)·softplus(g + dt_bias), MIN_LOG_DECAY); β ← sigmoid(β). Scale
+    is not applied."""
     cd = compute_dtype(q)
     q, k, g, beta = (x.to(cd) for x in (q, k, g, beta))
     if use_qk_l2norm:
         q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + 1e-6)
     if A_log is not None:
-        g = -A_log.to(cd).exp() * F.softplus(g + dt_bias.to(cd))
+        g = (-A_log.to(cd).exp() * F.softplus(g + dt_bias.to(cd))).clamp_min(MIN_LOG_DECAY)
     if use_beta_sigmoid:
         beta = beta.sigmoid()
     return q, k, g, beta
@@ -62,7 +64,8 @@ def prepare_bwd_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm: bool, use_beta
     heads already) → gradients of the raw inputs and of A_log, dt_bias (None when not used).
 
     L2 norm y = x·r, r = (Σx² + ε)^{-1/2}:  dx = r·(dy − y·Σ(dy·y)).
-    Gate g = −e^{A}·softplus(x + b):  dx = dg·(−e^{A}·σ(x + b)),  db = Σ dx,  dA = Σ dg·g.
+    Gate g = −e^{A}·softplus(x + b):  dx = dg·(−e^{A}·σ(x + b)),  db = Σ dx,  dA = Σ dg·g; all 0 where the gate
+    is floored at MIN_LOG_DECAY (selects: e^{A} may be inf).
     Sigmoid β = σ(x):  dx = dβ·β(1 − β)."""
     cd = compute_dtype(q)
     q, k, g_raw, b_raw = (x.to(cd) for x in (q, k, g, beta))
@@ -77,8 +80,9 @@ def prepare_bwd_ref(q, k, g, beta, A_log, dt_bias, use_qk_l2norm: bool, use_beta
         a = A_log.to(cd).exp()
         x = g_raw + dt_bias.to(cd)
         g_val = -a * F.softplus(x)
-        dA_log = (dg * g_val).flatten(0, 1).sum(0).to(A_log.dtype)
-        dg = dg * (-a * x.sigmoid())
+        floored = g_val < MIN_LOG_DECAY
+        dA_log = torch.where(floored, 0.0, dg * g_val).flatten(0, 1).sum(0).to(A_log.dtype)
+        dg = torch.where(floored, 0.0, dg * (-a * x.sigmoid()))
         ddt_bias = dg.flatten(0, 1).sum(0).to(dt_bias.dtype)
     if use_beta_sigmoid:
         s = b_raw.sigmoid()
@@ -117,7 +121,7 @@ def fused_recurrent_fwd_ref(q, k, v, g, beta, scale: float, h0: Optional[torch.T
 
 def one_step_ref(q, k, v, g, beta, scale: float, S: torch.Tensor) -> torch.Tensor:
     """One token per sequence, ``S`` ``[N, HV, K, V]`` updated in place: twin of the kernel's ONE_STEP path
-    (``recurrent_kernels.DECODE_ONE_STEP``) and the torch backend's decode step. q, k ``[N, HV, K]``, v
+    (``recurrent_kernels.one_step_path``) and the torch backend's decode step. q, k ``[N, HV, K]``, v
     ``[N, HV, V]``, g, beta ``[N, HV]`` (prepared, grouped heads expanded, S's dtype). Returns o ``[N, HV, V]``.
 
     Both reductions over K read the entering state S, so it is read once and written once:
@@ -125,8 +129,7 @@ def one_step_ref(q, k, v, g, beta, scale: float, S: torch.Tensor) -> torch.Tenso
         u = β (v − e^g Sᵀk),    o = scale·(e^g Sᵀq + (q·k) u),    S ← e^g S + k uᵀ
 
     (o = scale·S_newᵀq expanded). On a CPU this is 3 passes over the state (one bmm reading it, the in-place scale
-    and rank-1 update) instead of the token loop's ≈ 8 with four fresh state-sized temporaries (docs/performance.md,
-    after run 16)."""
+    and rank-1 update) instead of the token loop's ≈ 8 with four fresh state-sized temporaries."""
     N, HV, K, V = S.shape
     S3 = S.view(N * HV, K, V)
     qS, kS = (torch.stack((q, k), 2).view(N * HV, 2, K) @ S3).view(N, HV, 2, V).unbind(2)

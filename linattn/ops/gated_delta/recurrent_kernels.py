@@ -26,41 +26,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import launch_options
+from ..common import MIN_LOG_DECAY, launch_options
 from ..utils import cdiv, next_power_of_2
 
 # Gate: g = −exp(A_log) · softplus(g_raw + dt_bias); softplus(x) = x above this threshold (torch's default).
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
-# A decode step (one token per sequence, no intermediate states) on the ONE_STEP path: the kernel keeps the state
-# tile in the pool's dtype and widens it element by element, instead of the token loop's fp32 copy of the tile.
-# Why: the step is one load and one store of the state per program, so its speed is the state bytes in flight per
-# SM, and registers cap the programs per SM: a bf16 BV=64 tile compiles to 255 registers on the loop (two programs,
-# 32 KB in flight) where the fp32 pool's BV=32 tile takes 154 (three, 48 KB) — about the bf16 pool's 72% of the fp32
-# time instead of 50% (docs/performance.md runs 11 and 14). Predicted bf16 B=64 55.4 → ≈ 45 µs, fp32 76.4 → ≈ 70.
-# Measured (run 16, bench_decode.py's sweep, HV=32 K=V=128, CUDA graphs, the tiles pick_tiles chooses), loop →
-# ONE_STEP: bf16 B=64 54.0 → 52.9 µs, B=256 201.8 → 193.7; fp32 B=64 77.2 → 76.5, B=256 293.4 → 294.5. A 2–4% gain
-# for bf16 pools, none for fp32: the prediction missed — registers per program were not what held the bf16 pool at
-# 2.5 TB/s (the fp32 pool reaches 3.5). On, since no row got slower beyond noise; other tiles did not do better
-# (bf16 B=64 best 52.9 at the default tile; B=256 188.9 at BV=32 / 2 warps / maxnreg 168). Run 17 found what did
-# hold it (Nsight Compute, pick_tiles below): the cross-warp reductions' shared-memory traffic; its own tiles for
-# this path (one warp per 4096 values) then gave bf16 B=64 46.9 µs, B=256 178.4, fp32 72.5 / 275.2 (90–93% of copy).
-DECODE_ONE_STEP = True
-
-
-# The ONE_STEP path holds its K × BV tile in registers from the load to the store. Streaming it instead (removed
-# after run 20: DECODE_STREAM_BLOCK, the tile read in row blocks by a cp.async-pipelined loop for the reductions,
-# then again for the update and the store) compiled to 72 registers instead of 255 (bf16 one-warp 32-column tile,
-# 16-row blocks, 4 stages, sm_90) but measured slower than the held tile at every tile, layout and pool dtype (H200,
-# run 20, bench_decode.py --sweep-only --layout-sweep, HV=32 K=V=128, CUDA graphs, µs, best tile each, held →
-# streamed): bf16 pool K-major B=64 47.0 → 50.3, B=256 180.0 → 193.1; fp32 pool K-major B=64 72.4 → 101.0, B=256
-# 274.2 → 380.1; V-major streamed slower still (bf16 B=64 65.9 against 38.9 held). The lower register count did
-# not buy bandwidth, as neither did the register caps of runs 11 and 16 nor the state reload of run 19.
 
 
 def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
-    """Whether a forward launch takes the kernel's ONE_STEP path (:data:`DECODE_ONE_STEP`)."""
-    return DECODE_ONE_STEP and T == 1 and cu_seqlens is None and intermediate_states is None
+    """Whether a forward launch takes the kernel's ONE_STEP path: a decode step (one token per sequence, no
+    intermediate states). That path keeps the state tile in the pool's dtype and widens it element by element
+    instead of the token loop's fp32 copy, and holds the tile in registers from its load to its store (a streamed
+    tile needs fewer registers but measured slower at every tile and layout): the step is one load and one store of
+    the state per program, bound by the cross-warp reductions over K, so it gets tiles of its own (:func:`pick_tiles`)."""
+    return T == 1 and cu_seqlens is None and intermediate_states is None
 
 
 @triton.jit
@@ -79,6 +59,7 @@ def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
         b_x = b_g + b_dt
         # both branches are evaluated; exp overflowing to inf in the unused one is harmless (where picks x)
         b_g = -b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
+        b_g = tl.where(b_g < MIN_LOG_DECAY, MIN_LOG_DECAY, b_g)   # e^{A_log} is inf from A_log ≈ 88.7 (utils)
     b_beta = tl.load(p_beta).to(tl.float32)
     if USE_BETA_SIGMOID:
         b_beta = tl.sigmoid(b_beta)
@@ -327,35 +308,24 @@ def pick_tiles(num_programs_nh: int, K: int, V: int, device: torch.device, state
     of state (whole cache lines: 32 fp32 or 64 bf16 values, ``state_bytes`` per value) when there are enough
     (sequence, head) pairs to fill the machine, narrower tiles (more programs, more loads in flight) when there
     are few, e.g. decode at batch 1. One warp per 4 KB of state slice (32 registers per thread, 4 warps for a
-    128 × 32 fp32 or 128 × 64 bf16 slice). Measured on the H200 (HV=32, K=V=128, CUDA graphs): fp32 B=64 BV=32
-    4 warps 76.9 µs vs 8 warps 89.2; bf16 B=64 BV=64 4 warps 55.3 vs 8 warps 70.6 (B=256: 201.0 vs 261.7).
+    128 × 32 fp32 or 128 × 64 bf16 slice; 8 warps measure slower).
     ``multi_token`` (T > 1): one-warp tiles of 8 to 32 columns by pool dtype and layout (see below); ``one_step``
     (the ONE_STEP path): one warp per 4096 state values, the columns by pool dtype and layout (see below);
-    ``state_vk``: the states are V-major (``[*, HV, V, K]``), which has tiles of its own (run 20, below). Cached: a
+    ``state_vk``: the states are V-major (``[*, HV, V, K]``), which has tiles of its own (below). Cached: a
     launch plan per shape, so a decode step pays one dict lookup instead of the arithmetic (the key has only whether
     T > 1: kernels never specialise on T)."""
     BK = next_power_of_2(K)
     fp32 = state_bytes == 4
     if one_step:
-        # ONE_STEP, K-major: bf16 slices of 32 columns, fp32 of 64, one warp per 4096 values. Nsight Compute on the
-        # H200 (run 17, B=64, the 128-byte tiles below) found the bf16 step bound by the shared-memory traffic of the
-        # cross-warp reductions over K (LSU wavefronts 61% of peak, shared 50%; DRAM 37%), which scale with values,
-        # not bytes: fewer warps per program, fewer cross-warp rounds. Sweep (µs, B=64 / 256, HV=32 K=V=128, CUDA
-        # graphs): bf16 53.5 / 195.8 at BV=64 / 4 warps → 47.1 / 178.0 at BV=32 / 1 warp (64 / 2: 49.9 / 185.8);
-        # fp32 77.4 / 295.7 at BV=32 / 4 warps → 73.4 / 275.7 at BV=64 / 2 warps (32 / 1: 75.6 / 294.0).
-        # V-major (a program's slice is BV whole rows of K values, one contiguous block): narrower one-warp tiles.
-        # NVIDIA H200, run 20 (2026-11-30, bench_decode.py --sweep-only --layout-sweep, µs, B=64 / 256): bf16
-        # BV=16 / 1 warp 38.9 / 146.6 (BV=32 / 1 warp 41.8 / 157.9; the best K-major tile, BV=32 / 1 warp, 47.0 /
-        # 180.0): the fastest decode measured, 54% of the fp32 K-major time; fp32 BV=32 / 1 warp 74.6 / 283.7 (BV=64
-        # / 2 warps 77.4 / 294.0; K-major BV=64 / 2 warps 72.4 / 274.2, still the fastest fp32 pool)
+        # ONE_STEP, K-major: bf16 slices of 32 columns, fp32 of 64, one warp per 4096 values. The bf16 step is
+        # bound by the shared-memory traffic of the cross-warp reductions over K, which scales with values, not
+        # bytes: fewer warps per program, fewer cross-warp rounds. V-major (a program's slice is BV whole rows of K
+        # values, one contiguous block): narrower one-warp tiles; a bf16 V-major pool is the fastest decode.
         BV = (32 if fp32 else 16) if state_vk else (64 if fp32 else 32)
     elif multi_token:
         # several tokens per sequence: the step is a chain of dependent reductions over K per token, so latency,
         # not bytes, sets the time; one-warp programs (reductions by shuffles, no cross-warp barrier), many per SM,
-        # hide it best. H200, run 12, B=64 Tq=4: fp32 BV=16 133.9 µs vs 200.8 at BV=32 / 4 warps, bf16 BV=16 98.9
-        # vs 147.4 at BV=64 / 4 warps. Run 20 (2026-11-30, B=64 Tq=4, all one warp): K-major fp32 BV=32 121.2 vs
-        # 134.6 at BV=16; K-major bf16 BV=16 97.3 (BV=32 99.0); V-major fp32 BV=8 115.7 (BV=16 132.7); V-major bf16
-        # BV=16 78.5 (BV=8 90.7, BV=32 90.6)
+        # hide it best
         BV = (8 if fp32 else 16) if state_vk else (32 if fp32 else 16)
     else:
         BV = 128 // state_bytes
@@ -378,11 +348,9 @@ def fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, int
     final_state: ``[*, HV, K, V]`` or None (they may be the same tensor: the decode pool, updated in place);
     sequence n reads and writes row ``state_indices[n]`` (or n), skipped when negative. intermediate_states:
     ``[B, T, HV, K, V]`` or None. ``state_vk``: the states (all three) are V-major, ``[*, HV, V, K]`` (the decode
-    pool's ``state_layout="vk"``), with tiles of their own (pick_tiles, measured in run 20: a bf16 V-major pool is
-    the fastest decode, 16 columns on one warp for one token). BV / num_warps override the tile heuristic
-    (benchmarks); a register cap comes from ``common.LAUNCH_OPTIONS["fused_recurrent_fwd"]`` (a bf16 BV=64 tile
-    takes 255 registers, two programs per SM, and compiles to 168 with 748 spill bytes at maxnreg 168, three per
-    SM)."""
+    pool's ``state_layout="vk"``), with tiles of their own (:func:`pick_tiles`). BV / num_warps override the tile
+    heuristic (benchmarks); launch options (a register cap) come from ``common.launch_options("fused_recurrent_fwd")``
+    (none by default; ``common.launch_options_override`` for a sweep)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1

@@ -14,12 +14,11 @@ The backward is written out by hand (not autograd), stage by stage, so it is the
 a reverse pass over chunks carries dS, everything else is parallel over chunks.
 
 The backend runs the stages on blocks of a few chunks at a time (:func:`block_chunks`), carrying the state
-between blocks: the same numbers (bitwise in the runs measured; tested to 1e-6), because every stage is independent
-per chunk apart from the carried state. Why: on a CPU, whole-sequence temporaries (32 MB for one [HV=16, T=4096, 128] fp32 tensor) are fresh
-mmap'd memory at every allocation, and the page faults cost more than the arithmetic (a 32 MB bmm 16.5 ms into a
-new tensor, 6.1 ms into an existing one). Blocks of ≤ 4 MB are recycled by the allocator and stay in cache:
-B=1 T=4096 H=16 K=V=128 fp32 on two cores, the public op's forward 324 → 242 ms and forward + backward 1968 → 996
-(docs/performance.md, after run 16; measured in a VM whose page faults are slow, so less on bare metal).
+between blocks: the same numbers (tested to 1e-6), because every stage is independent per chunk apart from the
+carried state. Why: on a CPU, whole-sequence temporaries (32 MB for one [HV=16, T=4096, 128] fp32 tensor) are fresh
+mmap'd memory at every allocation, and the page faults cost more than the arithmetic (a bmm into a new tensor
+takes more than twice as long as into an existing one). Blocks of ≤ 4 MB are recycled by the allocator and stay in cache, which
+halves the CPU forward + backward at long sequences.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..utils import compute_dtype
+from ..utils import MIN_LOG_DECAY, compute_dtype
 
 CHUNK = 64
 # the largest per-block tensor the backend allows itself (h of one block: B·HV·chunks·K·V values): see above
@@ -75,8 +74,9 @@ def decay_matrix(gc: torch.Tensor, strict: bool) -> torch.Tensor:
 # forward stages
 # ----------------------------------------------------------------------------------------------------------------
 def chunk_local_cumsum_ref(g: torch.Tensor) -> torch.Tensor:
-    """G = cumulative sum of g inside each chunk. g: ``[B, HV, NT, C]``."""
-    return g.cumsum(-1)
+    """G = cumulative sum of g inside each chunk, each gate floored at ``utils.MIN_LOG_DECAY`` (so that a −inf gate
+    gives finite sums whose decays are exactly 0). g: ``[B, HV, NT, C]``."""
+    return g.clamp_min(MIN_LOG_DECAY).cumsum(-1)
 
 
 def kkt_solve_ref(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
@@ -122,14 +122,14 @@ def output_fwd_ref(q, k, v_new, h, gc, scale: float):
     return scale * (o_inter + qk_decay_ref(q, k, gc) @ v_new)
 
 
-def block_chunks(k: torch.Tensor, v: torch.Tensor) -> int:
+def block_chunks(k: torch.Tensor, v: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> int:
     """Chunks per block for the backend: on a CPU as many as keep one block's h (``B·HV·n·K·V`` values) ≤
-    BLOCK_BYTES; elsewhere all of them (a GPU's caching allocator has no page faults to avoid, and every block is
+    ``block_bytes``; elsewhere all of them (a GPU's caching allocator has no page faults to avoid, and every block is
     another round of kernel launches: the float64 ground truth of the GPU checks runs here)."""
     B, HV, NT, _, K = k.shape
     if k.device.type != "cpu":
         return NT
-    return max(1, min(NT, BLOCK_BYTES // (B * HV * K * v.shape[-1] * k.element_size())))
+    return max(1, min(NT, block_bytes // (B * HV * K * v.shape[-1] * k.element_size())))
 
 
 def forward_blocks(k, v, g, beta, h0: torch.Tensor, block: int):
@@ -271,8 +271,10 @@ def sequence_spans(B: int, T: int, offsets: Optional[list[int]]) -> list[tuple[i
     return [(0, bos, eos) for bos, eos in zip(offsets[:-1], offsets[1:])]
 
 
-def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets, chunk_size=CHUNK):
-    """Forward of the torch backend. q, k ``[B, T, H, K]`` ... as the public op; offsets: host list or None.
+def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets, chunk_size=CHUNK,
+                                     block_bytes=BLOCK_BYTES):
+    """Forward of the torch backend. q, k ``[B, T, H, K]`` ... as the public op; offsets: host list or None;
+    block_bytes: the size of one block of chunks' h (:func:`block_chunks`; tests make it small).
     Returns o ``[B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` (fp32; fp64 for fp64 input)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -289,15 +291,16 @@ def chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, off
         x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta)]
         x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
         qc, kc, vc, gch, bc = (to_chunks(t, chunk_size).contiguous() for t in x)
-        oc, ht, _ = chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None], block=block_chunks(kc, vc))
+        oc, ht, _ = chunk_fwd_ref(qc, kc, vc, gch, bc, scale, h0[None], block=block_chunks(kc, vc, block_bytes))
         o[b:b + 1, bos:eos] = from_chunks(oc, eos - bos).to(v.dtype)
         finals.append(ht[0])
     return o, torch.stack(finals)
 
 
 def chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht,
-                                     chunk_size=CHUNK):
+                                     chunk_size=CHUNK, block_bytes=BLOCK_BYTES):
     """Backward of the torch backend: returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without initial_state).
+    chunk_size, block_bytes: as the forward's.
     Gradients of grouped query/key heads are summed over the value heads that read them."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -319,11 +322,13 @@ def chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, off
         x = [t[b:b + 1, bos:eos].to(cd) for t in (q, k, v, g, beta, do)]
         x[0], x[1] = x[0].repeat_interleave(G, 2), x[1].repeat_interleave(G, 2)
         qc, kc, vc, gch, bc, doc = (to_chunks(t, chunk_size).contiguous() for t in x)
-        grads = chunk_bwd_ref(qc, kc, vc, gch, bc, scale, h0[None], doc, dht_n[None], block=block_chunks(kc, vc))
+        grads = chunk_bwd_ref(qc, kc, vc, gch, bc, scale, h0[None], doc, dht_n[None],
+                              block=block_chunks(kc, vc, block_bytes))
         for dst, src in zip((dq, dk, dv, dg, dbeta), grads[:5]):
             dst[b:b + 1, bos:eos] = from_chunks(src, L)
         dh0s.append(grads[5][0])
     dq = dq.view(B, T, H, G, K).sum(3)
     dk = dk.view(B, T, H, G, K).sum(3)
     dh0 = torch.stack(dh0s).to(initial_state.dtype) if initial_state is not None else None
+    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)     # the floor's derivative: gates below it do not move the output
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0)

@@ -27,7 +27,7 @@ from ..gated_delta.torch_chunk import (
     state_pass_fwd_ref,
     to_chunks,
 )
-from ..utils import compute_dtype
+from ..utils import MIN_LOG_DECAY, compute_dtype
 
 
 def gla_forward_blocks(k, v, g, beta, h0: torch.Tensor, block: int):
@@ -142,4 +142,5 @@ def gla_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht, chun
     dq, dk, dv, dg, dbeta = grads
     dq, dk = dq.view(B, T, H, G, K).sum(3), dk.view(B, T, H, G, K).sum(3)
     dh0 = torch.stack(dh0s).to(initial_state.dtype) if initial_state is not None else None
+    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)     # gates below the floor (chunk_local_cumsum_ref) do not move o
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0

@@ -1,0 +1,200 @@
+"""GPU check of the edges (issue 46): gates at the end of their range and NaN causality, on every GPU path.
+
+Gate cases (item 1): a −inf log decay (a full forget) at one token, and −3e38 at two tokens of one head (the
+chunk-local sums overflow); each path must give the float64 reference's finite answer, forward and backward.
+Every path floors g at ``linattn.ops.utils.MIN_LOG_DECAY`` where it first reads it; dg is 0 below the floor.
+NaN cases (item 4): a NaN in one token's k, v, g or β must not reach any output before that token, nor another
+sequence; outputs before it must equal the clean run's.
+
+Paths: the op's Triton forward forced to "split", "walk" and "hopper" (the Hopper forward through the op; inputs it
+does not take fall back to Triton, marked in the table), the Triton backward, the torch backend on the GPU, the
+recurrent op, the decode step (token by token over a pool) and gated linear attention; bf16 and fp16 inputs.
+
+    python benchmarks/gpu_check_edges.py
+
+Columns: finite (o, final state, every gradient), o_err / ht_err (relative L2 against float64), clean_err (the same
+path on the same inputs with the edge gates replaced by ordinary ones: the path's own error level), dg0 (dg at the
+edge tokens is exactly 0), grad_err (worst relative L2 of a gradient against float64 autograd, where the latter is
+finite), before_eq (NaN cases: max |o − o_clean| over tokens before the NaN and over the other sequence; 0 passes).
+PASS: finite, o_err and ht_err ≤ 2 × max(clean_err, the rounding floor), dg0; NaN cases: before_eq == 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import linattn  # noqa: E402
+from linattn.ops.gated_delta import triton_chunk  # noqa: E402
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference  # noqa: E402
+from linattn.ops.gated_linear.reference import gated_linear_attention_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+B, T, H, HV, K, V = 2, 300, 4, 8, 128, 128
+EDGE_T = 100
+GATES = {"g=-inf": [(EDGE_T, 0, float("-inf"))], "g=-3e38 x2": [(70, 1, -3e38), (130, 1, -3e38)]}
+NANS = ("k", "v", "g", "beta")
+SCALE = K ** -0.5
+
+
+def rel(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def inputs(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, HV, generator=gen) + 2.0)
+    beta = torch.rand(B, T, HV, generator=gen)
+    h0 = torch.randn(B, HV, K, V, generator=gen)
+    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, K, V, generator=gen)
+    x = dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g, beta=beta)
+    return {n: t.to(DEV) for n, t in x.items()}, h0.to(DEV), do.to(DEV, dtype), dht.to(DEV)
+
+
+@contextlib.contextmanager
+def forward_path(path):
+    old = triton_chunk.FORWARD_PATH
+    triton_chunk.FORWARD_PATH = path
+    try:
+        yield
+    finally:
+        triton_chunk.FORWARD_PATH = old
+
+
+def op_call(fn, path=None, **kw):
+    def call(x, h0):
+        with forward_path(path) if path else contextlib.nullcontext():
+            return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=SCALE, initial_state=h0,
+                      output_final_state=True, **kw)
+    return call
+
+
+def decode_call(x, h0):
+    pool = h0.clone()
+    outs = [linattn.gated_delta_rule_decode(*(x[n][:, t:t + 1] for n in ("q", "k", "v", "g", "beta")), pool,
+                                            scale=SCALE, backend="triton")[0] for t in range(T)]
+    return torch.cat(outs, 1), pool
+
+
+PATHS = {  # name: (call, has a backward, reference)
+    "triton split": (op_call(linattn.chunk_gated_delta_rule, "split", backend="triton"), True, "gdn"),
+    "triton walk": (op_call(linattn.chunk_gated_delta_rule, "walk", backend="triton"), False, "gdn"),
+    "hopper": (op_call(linattn.chunk_gated_delta_rule, "hopper", backend="triton"), False, "gdn"),
+    "torch": (op_call(linattn.chunk_gated_delta_rule, backend="torch"), True, "gdn"),
+    "recurrent": (op_call(linattn.fused_recurrent_gated_delta_rule, backend="triton"), True, "gdn"),
+    "decode": (decode_call, False, "gdn"),
+    "gla": (op_call(linattn.gated_linear_attention), True, "gla"),
+}
+
+
+def hopper_runs(x):
+    """Whether the forced "hopper" path really runs the Hopper forward for these inputs (else the Triton one)."""
+    try:
+        from linattn.ops.hopper import chunk_fwd
+        return chunk_fwd.unsupported_reason(x["q"], x["v"], None) is None
+    except Exception:
+        return False
+
+
+def reference(kind, x, h0, do, dht):
+    """(o, ht, grads) of the float64 reference, autograd through the token loop."""
+    leaves = [x[n].double().cpu().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    h = h0.double().cpu().requires_grad_()
+    fn = gated_delta_rule_reference if kind == "gdn" else gated_linear_attention_reference
+    o, ht = fn(*leaves, SCALE, h)
+    grads = torch.autograd.grad((o * do.double().cpu()).sum() + (ht * dht.double().cpu()).sum(), leaves + [h])
+    return o.detach(), ht.detach(), grads
+
+
+def run(call, backward, x, h0, do, dht):
+    if not backward:
+        with torch.no_grad():
+            o, ht = call(x, h0)
+        return o, ht, None
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    h = h0.clone().requires_grad_()
+    o, ht = call(leaves, h)
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), [*leaves.values(), h])
+    return o.detach(), ht.detach(), grads
+
+
+def gate_row(name, dtype, case, edits):
+    call, backward, kind = PATHS[name]
+    x, h0, do, dht = inputs(dtype)
+    clean = run(call, False, x, h0, do, dht)
+    rclean = reference(kind, x, h0, do, dht)
+    for t, hv, value in edits:
+        x["g"][0, t, hv] = value
+    o, ht, grads = run(call, backward, x, h0, do, dht)
+    ro, rht, rgrads = reference(kind, x, h0, do, dht)
+    floor = rel(ro.to(dtype), ro)
+    finite = bool(torch.isfinite(o).all() and torch.isfinite(ht).all()
+                  and (grads is None or all(torch.isfinite(d).all() for d in grads)))
+    row = dict(path=name, dtype=str(dtype)[6:], case=case, finite=finite, o_err=rel(o, ro), ht_err=rel(ht, rht),
+               clean_err=max(rel(clean[0], rclean[0]), rel(clean[1], rclean[1])), floor=floor)
+    ok = finite and max(row["o_err"], row["ht_err"]) <= 2 * max(row["clean_err"], floor)
+    if grads is not None:
+        dg0 = all(grads[3][0, t, hv].item() == 0 for t, hv, _ in edits)
+        errs = []
+        for d, rd in zip(grads, rgrads):
+            m = torch.isfinite(rd)
+            errs.append(rel(d.cpu()[m], rd[m]))
+        row.update(dg0=dg0, grad_err=max(errs))
+        ok = ok and dg0
+    row["PASS"] = ok
+    return row
+
+
+def nan_row(name, dtype, field):
+    call, _, _ = PATHS[name]
+    x, h0, do, dht = inputs(dtype)
+    clean = run(call, False, x, h0, do, dht)[0]
+    x[field][0, EDGE_T] = float("nan")
+    o = run(call, False, x, h0, do, dht)[0]
+    diff = max((o[0, :EDGE_T].float() - clean[0, :EDGE_T].float()).abs().max().item(),
+               (o[1].float() - clean[1].float()).abs().max().item())   # NaN compares as NaN: reported as is
+    return dict(path=name, dtype=str(dtype)[6:], case=f"NaN in {field}", before_eq=diff, PASS=diff == 0)
+
+
+def main():
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for name in PATHS:
+            if name == "hopper" and not hopper_runs(inputs(dtype)[0]):
+                rows.append(dict(path=name, dtype=str(dtype)[6:], case="(falls back to Triton: not run)"))
+                continue
+            for case, edits in GATES.items():
+                try:
+                    rows.append(gate_row(name, dtype, case, edits))
+                except Exception as e:   # a path that fails is a row, not the end of the check
+                    rows.append(dict(path=name, dtype=str(dtype)[6:], case=case, error=f"{type(e).__name__}: {e}"))
+                print(rows[-1], flush=True)
+            for field in NANS:
+                try:
+                    rows.append(nan_row(name, dtype, field))
+                except Exception as e:
+                    rows.append(dict(path=name, dtype=str(dtype)[6:], case=f"NaN in {field}",
+                                     error=f"{type(e).__name__}: {e}"))
+                print(rows[-1], flush=True)
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (interpreter)"
+    print(f"\n{card}, B={B} T={T} H={H} HV={HV} K=V={K}, edge token {EDGE_T}")
+    cols = ("path", "dtype", "case", "finite", "o_err", "ht_err", "clean_err", "floor", "dg0", "grad_err",
+            "before_eq", "PASS", "error")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        cells = [f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
