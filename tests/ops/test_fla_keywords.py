@@ -1,10 +1,9 @@
 """fla 0.6's keywords on linattn's public ops (issue 46, item 5): each honoured with fla's meaning (checked against
 the same call in linattn's explicit arguments) or rejected with a message saying what to do instead.
 
-WAITS FOR THE WIRING: these tests pass once ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` take
-fla's keywords (the keyword-only arguments and the few lines that call ``resolve_fla_keywords``, written out in
-/work/notes/fla-compat.md); before that every call with an fla keyword raises TypeError. The same semantics run against
-fla's own layer and reference in tests/integrations/test_fla.py.
+``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` take fla's keywords as keyword-only arguments
+and hand them to ``ops/gated_delta/fla_keywords.py``. The same semantics run against fla's own layer and reference in
+tests/integrations/test_fla.py.
 """
 import pytest
 import torch

@@ -2,7 +2,7 @@
 with the whole V tile, every step of :func:`chunk_bwd_ref.reverse_chunk_ref` in the same order and precision (dS
 and Γ⊙dO as bf16 hi + lo, dA's operands fp32 on tf32 dots). Written for the CPU compile check only: it has never run
 on a GPU, so nothing about its results is known yet (its twin is ``chunk_bwd_ref.py``; the plan and the budgets are
-/work/notes/bwd-design.md). Not warp-specialised by hand (TileLang adds its producer warpgroup: 384 threads) and no
+docs/backward.md). Not warp-specialised by hand (TileLang adds its producer warpgroup: 384 threads) and no
 shared buffer aliased. ptxas 13 for sm_90a: at K = V = 64, 168 registers, no spill, 208 KB of shared memory; at
 K = V = 128, 393 KB of shared memory (no sm_90 CTA holds it), 852 bytes of spill stores and every wgmma serialised
 for want of registers (C7512). So the compile test builds K = V = 64, and K = V = 128 waits for the design's §4
@@ -24,13 +24,12 @@ from .chunk_fwd import BT, compile_prim_func, launcher
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 
 
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 256):
-    """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic)."""
+def step_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
+    """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
+    finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
-    B, Tn, Lp, TK = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("TK")
-    G = HV // H
 
     @T.macro
     def column_sums_out(Ms, out):
@@ -193,6 +192,19 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 2
             dSh[i, j] = T.cast(dS[i, j], bf)
             dSl[i, j] = T.cast(dS[i, j] - T.cast(T.cast(dS[i, j], bf), acc), bf)
 
+    return types.SimpleNamespace(column_sums_out=column_sums_out, recompute=recompute, chain=chain, x_terms=x_terms, q_side=q_side, k_side=k_side, finish=finish)
+
+
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 256):
+    """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic)."""
+    import tilelang.language as T
+
+    acc, bf = "float32", "bfloat16"
+    B, Tn, Lp, TK = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("TK")
+    G = HV // H
+
+    m = step_macros(K, V, scale)
+
     @T.prim_func
     def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
                       v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
@@ -254,12 +266,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 2
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
                 rows = T.min(BT, Tn - c * BT)
                 g_last = gcs[rows - 1]
-                recompute(t, rows)
-                chain(t, g_last)
-                x_terms(t)
-                q_side(t, rows, ib, ihv, c)
-                k_side(t, rows, g_last, ib, ihv, c)
-                finish(t, g_last, ib, ihv, c)
+                m.recompute(t, rows)
+                m.chain(t, g_last)
+                m.x_terms(t)
+                m.q_side(t, rows, ib, ihv, c)
+                m.k_side(t, rows, g_last, ib, ihv, c)
+                m.finish(t, g_last, ib, ihv, c)
             T.copy(dS, dh0[ib, ihv, 0:K, 0:V])
 
     return gdn_chunk_bwd

@@ -1,6 +1,6 @@
 """The Hopper backward's PyTorch twin: the fused reverse walk (one program per segment and value head, dS in fp32
 registers) chunk by chunk, with the kernel's bf16 rounding points as options, and its sequence-parallel variant.
-The design, with FLOPs, bytes and budgets: /work/notes/bwd-design.md (to move into docs/architecture.md).
+The design, with FLOPs, bytes and budgets: docs/backward.md (to move into docs/architecture.md).
 
 What the training forward saves (:class:`SavedForward`, from :func:`forward_for_backward_ref`): gc and β head-major,
 each chunk's T = (I + A)⁻¹ *without* β (the backward needs Tᵀ dV_new unscaled: dβ would otherwise divide by β), and

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from ..utils import MIN_LOG_DECAY
 from .chunk_fwd import ACC, BT, DTYPE, padded_length
 from .compile import compile_prim_func, launcher
 from .map_bound import LOG2E
@@ -42,7 +43,7 @@ D = 16            # the diagonal blocks' size: four per chunk
 # Each token's log decay is read as max(g, LOG_DECAY_FLOOR): a full forget (g = −inf, or −3e38 whose cumulative sum
 # overflows) would otherwise make gc_i − gc_j = −inf − (−inf) = NaN. e^−104 underflows to 0 in fp32, so any g below
 # the floor already contributes exactly the zeros the floor does, and every g at or above it is read unchanged
-LOG_DECAY_FLOOR = -104.0
+LOG_DECAY_FLOOR = MIN_LOG_DECAY
 THREADS = 2 * BT  # one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for the map bound
 
 
