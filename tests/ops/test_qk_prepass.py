@@ -20,22 +20,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import linattn
 from linattn.ops.common import CHUNK
 from linattn.ops.common import seq_parallel as sp
 from linattn.ops.common.fused_fwd import fused_fwd
 from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.varlen import chunk_tables
 from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from tests.ops.sm90_compile import compile_for_h200
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms, twin
-
-
-@pytest.fixture(autouse=True)
-def walk_forward(monkeypatch):
-    """This file tests the walk forward (triton_chunk.FORWARD_PATH = "walk"); the default is the split path."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
@@ -202,9 +196,9 @@ OP_PARAMS = [(c, L, d) for c, L in OP_CASES for d in (torch.float32, torch.float
 
 @pytest.mark.parametrize("c,L,dtype", OP_PARAMS, ids=[f"{c.id}-{str(d)[6:]}" for c, _, d in OP_PARAMS])
 def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
-    """linattn.chunk_gated_delta_rule(backend="triton") with PRECOMPUTE_QK on (L: segments forced through the
-    planner): the walk receives the pre-pass's p, and o / the final state match the float64 reference (fp32) and
-    the forward with the flag off."""
+    """The public op on the walk (backend="triton", L: segments forced through the planner): the walk receives the
+    pre-pass's p, and o / the final state match the float64 reference (fp32) and the walk that recomputes Q Kᵀ
+    (p withheld from it)."""
     torch.manual_seed(0)
     x, offsets = make_inputs(c, dtype)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
@@ -212,17 +206,19 @@ def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
               backend="triton")
     if L is not None:
         monkeypatch.setattr(sp, "plan_segments", lambda *a, **k: L)
-    monkeypatch.setattr(triton_chunk, "PRECOMPUTE_QK", False)    # the recomputing path, for comparison
-    o0, ht0 = linattn.chunk_gated_delta_rule(*args, **kw)
     seen, walk_fn = [], triton_chunk.fused_fwd_seq_parallel
+
+    def recomputing(*a, p=None, **k):       # the walk without the pre-pass's p, for comparison
+        return walk_fn(*a, p=None, **k)
 
     def spy(*a, p=None, **k):
         seen.append(p)
         return walk_fn(*a, p=p, **k)
 
+    monkeypatch.setattr(triton_chunk, "fused_fwd_seq_parallel", recomputing)
+    o0, ht0 = chunk_gated_delta_rule_on_path("walk", *args, **kw)
     monkeypatch.setattr(triton_chunk, "fused_fwd_seq_parallel", spy)
-    monkeypatch.setattr(triton_chunk, "PRECOMPUTE_QK", True)
-    o, ht = linattn.chunk_gated_delta_rule(*args, **kw)
+    o, ht = chunk_gated_delta_rule_on_path("walk", *args, **kw)
     B, T = x["q"].shape[:2]
     assert len(seen) == 1 and seen[0] is not None and seen[0].shape == (B, T, c.HV, CHUNK), "p did not reach the walk"
     assert o.dtype == dtype and ht.dtype == torch.float32

@@ -174,7 +174,6 @@ def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch, form,
 
     monkeypatch.setattr(triton_chunk, "fused_prepass", watched_prepass)
     monkeypatch.setattr(SF, "output_fwd", watched_output)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
     monkeypatch.setattr(triton_chunk, "wy_in_state_pass", lambda *a: form == "state_pass")  # the form at any size
     x, offsets = make_inputs(CASES[0][0], torch.float32)
     o, ht = triton_chunk.chunk_gated_delta_rule_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"],
