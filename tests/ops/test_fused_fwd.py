@@ -101,8 +101,8 @@ def test_prepass_compiles_for_h200():
     backend's layouts, which the interpreter skips: the fused pre-pass without p (the split path's) compiles for
     sm_90 (bf16, K = V = 128)."""
     res = compile_for_h200(
-        "import compile_walk as c",
-        "[tuple(c.compile_kernel(c.fused_prepass_kernel, dict(c.prepass_consts(128, False), STORE_A_INV=a)))[:4] "
+        "import sm90 as c; from linattn.ops.common.fused_prepass import fused_prepass_kernel",
+        "[tuple(c.compile_kernel(fused_prepass_kernel, dict(c.prepass_consts(128, False), STORE_A_INV=a)))[:4] "
         "for a in (False, True)]")
     for regs, _, _, _ in res:
         assert 0 < regs <= 255, res

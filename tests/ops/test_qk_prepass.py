@@ -236,9 +236,11 @@ def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
 def test_p_kernels_compile_for_h200():
     """The walk with LOAD_P (BV = 16) and the pre-pass with STORE_P compile for sm_90 (bf16, K = V = 128) in a
     process without the interpreter, which skips the GPU backend's layouts. Spills are reported, not bounded: the
-    walk spills without p too (benchmarks/compile_walk.py prints the table)."""
-    resources = compile_for_h200("import compile_walk as c",
-                                 "[tuple(c.compile_kernel(c.fused_fwd_kernel, c.walk_consts(128, 16, True)))[:4], "
-                                 "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, True)))[:4]]")
+    walk spills without p too (benchmarks/compile_all.py reports every launch's)."""
+    resources = compile_for_h200("import sm90 as c; "
+                                 "from linattn.ops.common.fused_fwd import fused_fwd_kernel; "
+                                 "from linattn.ops.common.fused_prepass import fused_prepass_kernel",
+                                 "[tuple(c.compile_kernel(fused_fwd_kernel, c.walk_consts(128, 16, True)))[:4], "
+                                 "tuple(c.compile_kernel(fused_prepass_kernel, c.prepass_consts(128, True)))[:4]]")
     for regs, _, _, _ in resources:
         assert 0 < regs <= 255, resources
