@@ -30,6 +30,7 @@ from ..utils import (
     host_offsets,
     select_backend,
 )
+from .fla_keywords import fla_keywords_given, resolve_fla_keywords
 from .reference import gated_delta_rule_reference
 
 
@@ -348,8 +349,8 @@ def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    beta: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
@@ -359,6 +360,13 @@ def fused_recurrent_gated_delta_rule(
     dt_bias: Optional[torch.Tensor] = None,
     use_beta_sigmoid_in_kernel: bool = False,
     backend: Optional[str] = None,
+    *,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    use_gate_in_kernel: Optional[bool] = None,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: Optional[bool] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated delta rule, recurrent form: a drop-in for fla's ``fused_recurrent_gated_delta_rule``, with a backward.
 
@@ -373,8 +381,10 @@ def fused_recurrent_gated_delta_rule(
         q (torch.Tensor): queries of shape ``[B, T, H, K]``.
         k (torch.Tensor): keys of shape ``[B, T, H, K]``.
         v (torch.Tensor): values of shape ``[B, T, HV, V]``; grouped value heads if ``HV > H`` (``HV % H == 0``).
-        g (torch.Tensor): log decays of shape ``[B, T, HV]``; raw gate logits when ``A_log``/``dt_bias`` are given.
-        beta (torch.Tensor): write strengths of shape ``[B, T, HV]``; logits if ``use_beta_sigmoid_in_kernel``.
+        g (torch.Tensor): log decays of shape ``[B, T, HV]``; raw gate logits when ``A_log``/``dt_bias`` are given;
+            None: no decay (g = 0, as fla).
+        beta (torch.Tensor): write strengths of shape ``[B, T, HV]``; logits if ``use_beta_sigmoid_in_kernel``;
+            None: ones (as fla).
         scale (float): query scale; default ``K ** -0.5``.
         initial_state (torch.Tensor): ``[N, HV, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``).
         output_final_state (bool): also return the final state ``[N, HV, K, V]`` (fp32).
@@ -383,10 +393,24 @@ def fused_recurrent_gated_delta_rule(
         A_log, dt_bias (torch.Tensor): ``[HV]``; if given, ``g ← −exp(A_log) · softplus(g + dt_bias)`` (fused).
         use_beta_sigmoid_in_kernel (bool): ``beta ← sigmoid(beta)`` (fused).
         backend (str): ``"triton"`` (default on CUDA), ``"torch"`` (default elsewhere) or ``"reference"``.
+        gk, gv, use_gate_in_kernel, allow_neg_eigval, state_v_first, transpose_state_layout: fla 0.6's keywords,
+            honoured with fla's meaning where linattn can (``fla_keywords.py``; the table is in docs/api.md), else
+            rejected with a message saying what to do (gk / gv: per-channel decays are not supported).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (fp64 for fp64 inputs) or None.
     """
+    if g is None or beta is None or fla_keywords_given(A_log, dt_bias, use_gate_in_kernel=use_gate_in_kernel,
+                                                       allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                                                       transpose_state_layout=transpose_state_layout, gk=gk, gv=gv):
+        fla = resolve_fla_keywords("fused_recurrent_gated_delta_rule", q, v, g, beta, initial_state, A_log, dt_bias,
+                                   use_beta_sigmoid_in_kernel, cu_seqlens=cu_seqlens, gk=gk, gv=gv,
+                                   use_gate_in_kernel=use_gate_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                                   state_v_first=state_v_first, transpose_state_layout=transpose_state_layout)
+        o, ht = fused_recurrent_gated_delta_rule(q, k, v, fla.g, fla.beta, scale, fla.initial_state,
+                                                 output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, fla.A_log,
+                                                 fla.dt_bias, fla.use_beta_sigmoid_in_kernel, backend)
+        return o, fla.final_state(ht)
     scale, _ = check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias)
     backend = select_backend(backend, q.device)
     use_qk_l2norm, use_beta_sigmoid = bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel)
