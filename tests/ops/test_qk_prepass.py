@@ -3,9 +3,10 @@
 The pre-pass's p against its float64 twin ``torch_chunk.qk_decay_ref`` (and its other outputs unchanged by q);
 the walk fed p against the walk that computes P itself and against the float64 twins (fed the twin's own W, U, gc,
 with p from the pre-pass on the same inputs, so the layout contract between the two kernels is checked too); the
-segmented walk (seq_parallel.py, phase C reads p) the same way; then the public op with ``PRECOMPUTE_QK`` forced on
-against the float64 reference. A deliberately wrong p (the diagonal dropped, what a strict mask would give) must
-fail each check: that proves the walk and phase C read p rather than recomputing P.
+segmented walk (seq_parallel.py, phase C reads p) the same way; then the public op on the walk (which always reads
+the pre-pass's p) against the float64 reference and the walk with p withheld. A deliberately wrong p (the diagonal
+dropped, what a strict mask would give) must fail each check: that proves the walk and phase C read p rather than
+recomputing P.
 
 bf16 inputs are checked for p and the walk: Q Kᵀ goes through ``dot.dot``, which widens bf16 operands under the
 interpreter (exact products, as the GPU's bf16 MMA). The rest of the bf16 pre-pass (K Kᵀ in ``kkt_solve``) still
@@ -42,8 +43,8 @@ TOLERANCES = {
     # pre-pass accumulates BK = 64 tiles) and p's own rounding. Measured ≤ 7.5e-7 (0 where P is diagonal: T = 1,
     # strong decay)
     "vs_recomputed": 2e-6,
-    # whole forward through the public op, fp32 vs float64 reference (the core bound); fp16: vs the forward with
-    # PRECOMPUTE_QK off, which may differ by a rounding step of fp16's o (2^-11) in a few elements
+    # whole forward through the public op, fp32 vs float64 reference (the core bound); fp16: vs the walk with p
+    # withheld, which may differ by a rounding step of fp16's o (2^-11) in a few elements
     "forward_fp32": 1e-5,
     "forward_fp16_vs_off": 1e-3,
 }
@@ -183,7 +184,7 @@ def test_bad_p_shape():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the public op with PRECOMPUTE_QK on (the default) against it off
+# the public op on the walk (p from the pre-pass) against the walk with p withheld (recomputing Q Kᵀ)
 # ----------------------------------------------------------------------------------------------------------------
 OP_CASES = [
     (Case("T1", T=1), None),
@@ -228,9 +229,9 @@ def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
         ro, rht = gated_delta_rule_reference(*args, c.K ** -0.5, x["initial_state"], offsets)
         assert rel_rms(o, ro) <= TOLERANCES["forward_fp32"], f"o: {rel_rms(o, ro):.2e}"
         assert rel_rms(ht, rht) <= TOLERANCES["forward_fp32"], f"ht: {rel_rms(ht, rht):.2e}"
-        assert rel_rms(o, o0) <= TOLERANCES["vs_recomputed"], f"o vs flag off: {rel_rms(o, o0):.2e}"
+        assert rel_rms(o, o0) <= TOLERANCES["vs_recomputed"], f"o vs p withheld: {rel_rms(o, o0):.2e}"
     else:
-        assert rel_rms(o, o0) <= TOLERANCES["forward_fp16_vs_off"], f"o vs flag off: {rel_rms(o, o0):.2e}"
+        assert rel_rms(o, o0) <= TOLERANCES["forward_fp16_vs_off"], f"o vs p withheld: {rel_rms(o, o0):.2e}"
 
 
 def test_p_kernels_compile_for_h200():
