@@ -69,8 +69,6 @@ def record(a) -> list:
 
     interp.InterpretedFunction.run = intercept
     from linattn.ops import common
-    from linattn.ops.gated_delta import triton_chunk
-    triton_chunk.FORWARD_PATH = a.forward
     table = {**common.LAUNCH_OPTIONS, **json.loads(a.launch_options)}
     with common.launch_options_override(table):
         run_op(a)
@@ -82,6 +80,7 @@ def run_op(a) -> None:
     import torch
 
     import linattn
+    from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     T = 256
     q = torch.randn(a.B, T, a.H, a.D, dtype=dt, requires_grad=True)
@@ -100,7 +99,8 @@ def run_op(a) -> None:
                                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                         backend="triton")
         return
-    o, _ = linattn.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="triton", **extra)
+    o, _ = chunk_gated_delta_rule_on_path(a.forward, q, k, v, g, beta, output_final_state=True, backend="triton",
+                                          **extra)
     torch.autograd.grad(o.float().sum(), (q, k, v, g, beta))
 
 
@@ -140,7 +140,7 @@ def main():
     ap.add_argument("--gate", action="store_true", help="in-op gate, beta sigmoid and q/k L2 norm (pre-processing)")
     ap.add_argument("--decode", choices=("fp32", "bf16"), help="instead: one decode step over a pool of this dtype")
     ap.add_argument("--forward", choices=("auto", "walk", "split"), default="auto",
-                    help="the op's forward path (triton_chunk.FORWARD_PATH)")
+                    help="the op's forward path (chunk_gated_delta_rule_on_path)")
     ap.add_argument("--launch-options", default="{}",
                     help='launch options over common.LAUNCH_OPTIONS, as JSON, e.g. '
                          '\'{"local_bwd_dqk": {"num_stages": 1, "maxnreg": 168}}\'')

@@ -20,7 +20,7 @@ PASS: finite, o_err and ht_err ≤ 2 × max(clean_err, the rounding floor), dg0;
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 
 import torch
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import linattn  # noqa: E402
-from linattn.ops.gated_delta import triton_chunk  # noqa: E402
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path  # noqa: E402
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference  # noqa: E402
 from linattn.ops.gated_linear.reference import gated_linear_attention_reference  # noqa: E402
 
@@ -60,21 +60,14 @@ def inputs(dtype, seed=0):
     return {n: t.to(DEV) for n, t in x.items()}, h0.to(DEV), do.to(DEV, dtype), dht.to(DEV)
 
 
-@contextlib.contextmanager
-def forward_path(path):
-    old = triton_chunk.FORWARD_PATH
-    triton_chunk.FORWARD_PATH = path
-    try:
-        yield
-    finally:
-        triton_chunk.FORWARD_PATH = old
-
-
 def op_call(fn, path=None, **kw):
+    """``fn`` on the inputs; ``path``: the chunked op with its forward forced there (chunk_gated_delta_rule_on_path)."""
+    if path is not None:
+        fn = functools.partial(chunk_gated_delta_rule_on_path, path)
+
     def call(x, h0):
-        with forward_path(path) if path else contextlib.nullcontext():
-            return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=SCALE, initial_state=h0,
-                      output_final_state=True, **kw)
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=SCALE, initial_state=h0, output_final_state=True,
+                  **kw)
     return call
 
 

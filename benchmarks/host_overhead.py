@@ -170,19 +170,6 @@ def decode_case():
     return calls, steps
 
 
-def on_path(path: str, fn):
-    """``fn`` with the chunked op's forward path forced to ``path`` (triton_chunk.FORWARD_PATH) for the call."""
-    from linattn.ops.gated_delta import triton_chunk
-
-    def call():
-        previous, triton_chunk.FORWARD_PATH = triton_chunk.FORWARD_PATH, path
-        try:
-            return fn()
-        finally:
-            triton_chunk.FORWARD_PATH = previous
-    return call
-
-
 def chunk_case(T: int):
     q, k, v = rand(1, T, H, K), rand(1, T, H, K), rand(1, T, H, V)
     g = torch.nn.functional.logsigmoid(rand(1, T, H, dtype=torch.float32))
@@ -203,9 +190,9 @@ def chunk_case(T: int):
         "prep: gate_from_raw": lambda: gate_from_raw(g, A_log, dt_bias),
         "prep: beta.sigmoid()": lambda: beta.sigmoid(),
         "fused_prepass launcher": lambda: fp_mod.fused_prepass(g, k, v, beta),
-        "launchers, split path (pre-pass, state pass, output)": on_path("split", lambda: chunk_mod._fwd_impl(*op_args)),
-        "launchers, walk path (prepass + fused_fwd)": on_path("walk", lambda: chunk_mod._fwd_impl(*op_args)),
-        "custom op (dispatch + launchers)": lambda: chunk_mod._fwd_op(*op_args),
+        "launchers, split path (pre-pass, state pass, output)": lambda: chunk_mod._fwd_impl(*op_args, "split"),
+        "launchers, walk path (prepass + fused_fwd)": lambda: chunk_mod._fwd_impl(*op_args, "walk"),
+        "custom op (dispatch + launchers)": lambda: chunk_mod._fwd_op(*op_args, "auto"),
     }
     return calls, steps
 

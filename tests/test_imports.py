@@ -6,10 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1] / "linattn"
-EVAL = "linattn.eval"
 
 
 def module_name(path: Path) -> str:
@@ -96,15 +93,9 @@ def test_a_cycle_is_found():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycle_outside_eval():
-    found = [c for c in cycles(import_graph()) if not all(m.startswith(EVAL) for m in c)]
+def test_no_import_cycle():
+    found = cycles(import_graph())
     assert not found, f"import cycles: {found}"
-
-
-def test_no_import_cycle_in_eval():
-    found = [c for c in cycles(import_graph()) if all(m.startswith(EVAL) for m in c)]
-    if found:
-        pytest.xfail(f"the eval cycle (the eval helper's fix): {found}")
 
 
 # the PyTorch twins the Hopper stages are tested against: no dispatch in them

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import asdict
 from types import MappingProxyType, ModuleType
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ _MODULES = {
     "split_fwd": "linattn.ops.common.split_fwd",
     "seq_parallel": "linattn.ops.common.seq_parallel",
     "triton_chunk": "linattn.ops.gated_delta.triton_chunk",
+    "dispatch": "linattn.ops.gated_delta.dispatch",
     "hopper.forward": "linattn.ops.hopper.forward",
     "hopper.plan": "linattn.ops.hopper.plan",
     "hopper.chunk_fwd": "linattn.ops.hopper.chunk_fwd",
@@ -42,9 +44,20 @@ def module_constants(module: ModuleType) -> dict:
             if name.isupper() and not name.startswith("_") and (value is None or _plain(value) is not None)}
 
 
+def hopper_settings() -> dict:
+    """The Hopper forward's configuration: whether TileLang is installed (found, not imported), whether its kernels
+    failed to compile in this process (the reason, or None), its plan's tunables (``plan.DEFAULT``) and its caches'
+    limits (``plan.CACHE_LIMITS``)."""
+    from .hopper import compile as hopper_compile
+    from .hopper import plan as hopper_plan
+    return {"tilelang_installed": importlib.util.find_spec("tilelang") is not None,
+            "compile_failed": hopper_compile.compile_failed(),
+            "PLAN": asdict(hopper_plan.DEFAULT), "CACHE_LIMITS": asdict(hopper_plan.CACHE_LIMITS)}
+
+
 def triton_settings() -> Optional[dict]:
-    """The chunked op's Triton and Hopper constants as plain values, by module, or None where Triton is not
-    importable. ``HOPPER`` says whether the optional TileLang package is installed here."""
+    """The chunked op's Triton and Hopper constants as plain values, by module, plus ``HOPPER``
+    (:func:`hopper_settings`), or None where Triton is not importable."""
     if importlib.util.find_spec("triton") is None:
         return None
     out = {}
@@ -54,5 +67,5 @@ def triton_settings() -> Optional[dict]:
         except ImportError:
             continue
         out[label] = module_constants(module)
-    out["HOPPER"] = {"tilelang_installed": importlib.util.find_spec("tilelang") is not None}   # found, not imported
+    out["HOPPER"] = hopper_settings()
     return out

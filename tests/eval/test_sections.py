@@ -171,73 +171,49 @@ def test_busy_machine_warning():
 
 
 def test_environment_records_the_triton_settings(monkeypatch):
-    """The report's environment carries the Triton path's module settings as they are at collection time."""
+    """The report's environment carries every module's settings as they are at collection time (values set to
+    something other than their defaults, so a recorded value cannot be a hard-coded default), and the Hopper forward's
+    plan tunables, cache limits and compile state, every field of each."""
+    from dataclasses import fields, replace
+    from types import MappingProxyType
+
     from linattn.eval.environment import collect
-    from linattn.ops import common
-    from linattn.ops.gated_delta import triton_chunk
-    assert collect(CPU)["linattn_settings"]["FORWARD_PATH"] == "auto"
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
+    from linattn.ops import common, settings
+    from linattn.ops.gated_delta import dispatch
+    from linattn.ops.hopper import compile as hopper_compile
+    from linattn.ops.hopper import plan as hopper_plan
+    recorded = collect(CPU)["linattn_settings"]
+    assert set(settings._MODULES) | {"HOPPER"} == set(recorded), "a settings module did not import"
+    assert recorded["dispatch"]["WALK_MIN_PAIRS"] == {"bfloat16": None, "float16": 128, "float32": None}
+    monkeypatch.setattr(dispatch, "WALK_MIN_PAIRS", MappingProxyType({torch.float16: 7}))
     monkeypatch.setattr(common, "LAUNCH_OPTIONS", {"wy": {"maxnreg": 168}})
-    settings = collect(CPU)["linattn_settings"]
-    assert settings["FORWARD_PATH"] == "walk" and settings["LAUNCH_OPTIONS"] == {"wy": {"maxnreg": 168}}
-    assert set(settings["BWD_WARPS"]) == {"dv", "state_pass", "dqk", "wy"}
-    from linattn.ops.hopper import forward as hopper
-    # the opposites of today's defaults, so that a recorded value cannot be a hard-coded default
-    monkeypatch.setattr(hopper, "SEGMENTED_AUTO", not hopper.SEGMENTED_AUTO)
-    monkeypatch.setattr(hopper, "PREPASS", "triton" if hopper.PREPASS == "tilelang" else "tilelang")
-    monkeypatch.setattr(hopper, "SKIP_NEGLIGIBLE_MAPS", not hopper.SKIP_NEGLIGIBLE_MAPS)
-    monkeypatch.setattr(hopper, "WARM_UP", not hopper.WARM_UP)
-    monkeypatch.setattr(hopper, "WARM_UP_MAX_FRACTION", hopper.WARM_UP_MAX_FRACTION / 2)
-    monkeypatch.setattr(hopper, "SMALL_SEGMENTED", not hopper.SMALL_SEGMENTED)
-    monkeypatch.setattr(hopper, "SEGMENTED_WHEN_CAPTURED", not hopper.SEGMENTED_WHEN_CAPTURED)
-    monkeypatch.setattr(hopper, "SMALL_PLAN_IN_WALK", not hopper.SMALL_PLAN_IN_WALK)
-    monkeypatch.setattr(hopper, "TWO_PER_SM", not hopper.TWO_PER_SM)
-    from linattn.ops.hopper import chunk_fwd as hopper_kernel
-    monkeypatch.setattr(hopper_kernel, "EXECUTION_BACKEND", "cython")
-    from linattn.ops.hopper import prepass as hopper_prepass
-    monkeypatch.setattr(hopper_prepass, "BETA_IN_A_INV", not hopper_prepass.BETA_IN_A_INV)
-    monkeypatch.setattr(hopper_prepass, "TMA_KEYS", not hopper_prepass.TMA_KEYS)
-    monkeypatch.setattr(hopper_prepass, "A_ROW_PAD", 4 - hopper_prepass.A_ROW_PAD)
-    monkeypatch.setattr(hopper_prepass, "T_ROW_PAD", 8 - hopper_prepass.T_ROW_PAD)
-    monkeypatch.setattr(hopper_prepass, "STEP4_BLOCKED", not hopper_prepass.STEP4_BLOCKED)
-    monkeypatch.setattr(hopper_kernel, "ASYNC_O_STORE", not hopper_kernel.ASYNC_O_STORE)
-    monkeypatch.setattr(hopper_kernel, "ASYNC_AX", not hopper_kernel.ASYNC_AX)
-    monkeypatch.setattr(hopper_kernel, "DEFERRED_DECAY", not hopper_kernel.DEFERRED_DECAY)
-    monkeypatch.setattr(hopper_kernel, "DEFERRED_DECAY_LIMIT", hopper_kernel.DEFERRED_DECAY_LIMIT / 2)
-    monkeypatch.setattr(hopper_kernel, "FOLD_P_DECAY", not hopper_kernel.FOLD_P_DECAY)
-    monkeypatch.setattr(hopper_kernel, "UNIFORM_WARPGROUP", not hopper_kernel.UNIFORM_WARPGROUP)
-    monkeypatch.setattr(hopper, "LEAN_SEGMENTS", not hopper.LEAN_SEGMENTS)
-    from linattn.ops.hopper import varlen as hopper_varlen
-    monkeypatch.setattr(hopper_varlen, "VARLEN_BY_PADDING", not hopper_varlen.VARLEN_BY_PADDING)
-    monkeypatch.setattr(hopper_varlen, "MAX_PADDED_FRACTION", hopper_varlen.MAX_PADDED_FRACTION / 2)
-    from linattn.ops.common import launch
-    monkeypatch.setattr(launch, "FAST_LAUNCH", not launch.FAST_LAUNCH)
-    recorded = collect(CPU)["linattn_settings"]["HOPPER"]
-    assert recorded["SEGMENTED_AUTO"] is hopper.SEGMENTED_AUTO and recorded["LAUNCH"] == hopper.LAUNCH
-    assert recorded["PREPASS"] == hopper.PREPASS
-    assert recorded["SKIP_NEGLIGIBLE_MAPS"] is hopper.SKIP_NEGLIGIBLE_MAPS and recorded["WARM_UP"] is hopper.WARM_UP
-    assert recorded["WARM_UP_MAX_FRACTION"] == hopper.WARM_UP_MAX_FRACTION
-    assert recorded["SMALL_SEGMENTED"] is hopper.SMALL_SEGMENTED
-    assert recorded["SEGMENTED_WHEN_CAPTURED"] is hopper.SEGMENTED_WHEN_CAPTURED
-    assert recorded["SMALL_PLAN_IN_WALK"] is hopper.SMALL_PLAN_IN_WALK and recorded["TWO_PER_SM"] is hopper.TWO_PER_SM
-    assert recorded["BETA_IN_A_INV"] is hopper_prepass.BETA_IN_A_INV
-    assert recorded["PREPASS_TMA_KEYS"] is hopper_prepass.TMA_KEYS
-    assert recorded["PREPASS_A_ROW_PAD"] == hopper_prepass.A_ROW_PAD
-    assert recorded["PREPASS_T_ROW_PAD"] == hopper_prepass.T_ROW_PAD
-    assert recorded["PREPASS_STEP4_BLOCKED"] is hopper_prepass.STEP4_BLOCKED
-    assert recorded["ASYNC_O_STORE"] is hopper_kernel.ASYNC_O_STORE
-    assert recorded["ASYNC_AX"] is hopper_kernel.ASYNC_AX
-    assert recorded["DEFERRED_DECAY"] is hopper_kernel.DEFERRED_DECAY
-    assert recorded["DEFERRED_DECAY_LIMIT"] == hopper_kernel.DEFERRED_DECAY_LIMIT
-    assert recorded["FOLD_P_DECAY"] is hopper_kernel.FOLD_P_DECAY
-    assert recorded["UNIFORM_WARPGROUP"] is hopper_kernel.UNIFORM_WARPGROUP
-    assert recorded["LEAN_SEGMENTS"] is hopper.LEAN_SEGMENTS
-    assert recorded["VARLEN_BY_PADDING"] is hopper_varlen.VARLEN_BY_PADDING
-    assert recorded["VARLEN_MAX_PADDED_FRACTION"] == hopper_varlen.MAX_PADDED_FRACTION
-    assert collect(CPU)["linattn_settings"]["FAST_LAUNCH"] is launch.FAST_LAUNCH
-    assert recorded["NEGLIGIBLE_M_LOG2"] == hopper.NEGLIGIBLE_M_LOG2 and recorded["EXECUTION_BACKEND"] == "cython"
+    plan = replace(hopper_plan.DEFAULT, fill_fraction=hopper_plan.DEFAULT.fill_fraction / 2,
+                   min_segment_chunks=hopper_plan.DEFAULT.min_segment_chunks + 1,
+                   min_segmented_head_tokens=hopper_plan.DEFAULT.min_segmented_head_tokens * 2,
+                   negligible_m_log2=hopper_plan.DEFAULT.negligible_m_log2 - 1,
+                   warm_up_max_fraction=hopper_plan.DEFAULT.warm_up_max_fraction / 2,
+                   scan_bv=2 * hopper_plan.DEFAULT.scan_bv,
+                   scan_precision="tf32x3" if hopper_plan.DEFAULT.scan_precision == "tf32" else "tf32",
+                   max_padded_fraction=hopper_plan.DEFAULT.max_padded_fraction / 2,
+                   BV=192 - hopper_plan.DEFAULT.BV, threads=384 - hopper_plan.DEFAULT.threads,
+                   num_stages=hopper_plan.DEFAULT.num_stages + 1)
+    cached = hopper_plan.CACHE_LIMITS
+    limits = replace(cached, prepared=cached.prepared + 1, routes=cached.routes + 2,
+                     scratch_bytes=cached.scratch_bytes // 2)
+    assert all(getattr(plan, f.name) != getattr(hopper_plan.DEFAULT, f.name) for f in fields(plan))
+    assert all(getattr(limits, f.name) != getattr(cached, f.name) for f in fields(limits))
+    monkeypatch.setattr(hopper_plan, "DEFAULT", plan)
+    monkeypatch.setattr(hopper_plan, "CACHE_LIMITS", limits)
+    monkeypatch.setattr(hopper_compile, "_compile_failure", "no sm_90a here")
+    settings_now = collect(CPU)["linattn_settings"]
+    assert settings_now["dispatch"]["WALK_MIN_PAIRS"] == {"float16": 7}
+    assert settings_now["common"]["LAUNCH_OPTIONS"] == {"wy": {"maxnreg": 168}}
+    recorded = settings_now["HOPPER"]
+    assert recorded["PLAN"] == {f.name: getattr(plan, f.name) for f in fields(plan)}
+    assert recorded["CACHE_LIMITS"] == {f.name: getattr(limits, f.name) for f in fields(limits)}
+    assert recorded["compile_failed"] == "no sm_90a here"
     assert isinstance(recorded["tilelang_installed"], bool)
-    json.dumps(recorded)                                    # the report writes it as JSON
+    json.dumps(settings_now)                                # the report writes it as JSON
 
 
 def test_share_splits_the_remaining_time():

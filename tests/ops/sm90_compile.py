@@ -1,5 +1,5 @@
 """Compile kernels for an H200 (sm_90) from a test: in a child process without TRITON_INTERPRET (the interpreter
-replaces the kernels), through the benchmarks' compile helpers (benchmarks/sm90.py and the scripts using it)."""
+replaces the kernels), through the benchmarks' compile helpers (benchmarks/sm90.py)."""
 from __future__ import annotations
 
 import os

@@ -143,7 +143,7 @@ def test_gradcheck_float64_many_chunks(monkeypatch, one_chunk_blocks):
     blocks = dict(block_bytes=1) if one_chunk_blocks else {}
     fwd, bwd = torch_chunk.chunk_gated_delta_rule_fwd_torch, torch_chunk.chunk_gated_delta_rule_bwd_torch
     from linattn.ops.gated_delta import chunk as chunk_mod
-    monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_fwd_torch",
+    monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_fwd_torch",      # dispatch.run_forward imports it per call
                         lambda *a: fwd(*a, chunk_size=4, **blocks))
     monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_bwd_torch",
                         lambda *a: bwd(*a, chunk_size=4, **blocks))
@@ -167,7 +167,8 @@ def test_blocked_backend_equals_whole_sequence(monkeypatch):
     for per_chunk in (None, 1, 2, 3):  # None: one block (block_bytes far above the sequence's h)
         h_bytes = 4 * 16 * 24 * 4   # h of one chunk (HV·K·V fp32 values; the backend runs one sequence at a time)
         blocks = 1 << 40 if per_chunk is None else per_chunk * h_bytes
-        monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_fwd_torch", lambda *a, n=blocks: fwd(*a, block_bytes=n))
+        monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_fwd_torch",
+                            lambda *a, n=blocks: fwd(*a, block_bytes=n))
         monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_bwd_torch", lambda *a, n=blocks: bwd(*a, block_bytes=n))
         xs, o, ht = run(tensors, kw, "torch")
         grads = torch.autograd.grad((o * o.detach()).sum() + (ht * ht.detach()).sum(), list(xs.values()))

@@ -411,7 +411,7 @@ def test_one_step_path_compiles_for_h200_with_fewer_registers():
     fewer registers than the token loop (128 against 146 with triton 3.6: four programs per SM instead of three)."""
     from tests.ops.sm90_compile import compile_for_h200
     (one_regs, one_spill, _, _), (loop_regs, _, _, _) = compile_for_h200(
-        "import compile_walk as c",
-        "[tuple(c.compile_kernel(c.fused_recurrent_fwd_kernel, c.decode_consts(32, one), "
+        "import sm90 as c; from linattn.ops.gated_delta.recurrent_kernels import fused_recurrent_fwd_kernel",
+        "[tuple(c.compile_kernel(fused_recurrent_fwd_kernel, c.decode_consts(32, one), "
         "bf16_args=('h0', 'ht')))[:4] for one in (True, False)]")
     assert 0 < one_regs < loop_regs and one_spill == 0, (one_regs, loop_regs)

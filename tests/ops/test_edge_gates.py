@@ -10,12 +10,14 @@ benchmarks/gpu_check_edges.py.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import linattn
-from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_linear.reference import gated_linear_attention_reference
 from linattn.ops.utils import MIN_LOG_DECAY, gate_from_raw
@@ -95,9 +97,9 @@ def test_torch_backend(gates):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("path", ["split", "walk"])
 @pytest.mark.parametrize("gates", GATES.values(), ids=GATES.keys())
-def test_triton_chunked(monkeypatch, path, gates):
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", path)
-    check(op(linattn.chunk_gated_delta_rule, backend="triton"), gdn_reference, gates, backward=path == "split")
+def test_triton_chunked(path, gates):
+    check(op(functools.partial(chunk_gated_delta_rule_on_path, path), backend="triton"), gdn_reference, gates,
+          backward=path == "split")
 
 
 @pytest.mark.interpreter

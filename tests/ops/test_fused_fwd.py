@@ -22,17 +22,10 @@ from linattn.ops.common import CHUNK
 from linattn.ops.common.fused_fwd import fused_fwd
 from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.varlen import chunk_tables
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages, chunk_gated_delta_rule_fwd_triton
 from tests.ops.sm90_compile import compile_for_h200
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms, twin
-
-
-@pytest.fixture(autouse=True)
-def walk_forward(monkeypatch):
-    """This file tests the walk forward (triton_chunk.FORWARD_PATH = "walk"); the default is the split path."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
 
 pytestmark = pytest.mark.interpreter
 
@@ -108,8 +101,8 @@ def test_prepass_compiles_for_h200():
     backend's layouts, which the interpreter skips: the fused pre-pass without p (the split path's) compiles for
     sm_90 (bf16, K = V = 128)."""
     res = compile_for_h200(
-        "import compile_walk as c",
-        "[tuple(c.compile_kernel(c.fused_prepass_kernel, dict(c.prepass_consts(128, False), STORE_A_INV=a)))[:4] "
+        "import sm90 as c; from linattn.ops.common.fused_prepass import fused_prepass_kernel",
+        "[tuple(c.compile_kernel(fused_prepass_kernel, dict(c.prepass_consts(128, False), STORE_A_INV=a)))[:4] "
         "for a in (False, True)]")
     for regs, _, _, _ in res:
         assert 0 < regs <= 255, res
@@ -129,7 +122,7 @@ def test_fused_forward_matches_reference_and_unfused(case):
     c, x, offsets, _, scale, _, dtype = case
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     before = [t.clone() for t in args]
-    o, ht = chunk_gated_delta_rule_fwd_triton(*args, scale, x["initial_state"], x["cu_seqlens"], offsets)
+    o, ht = chunk_gated_delta_rule_fwd_triton(*args, scale, x["initial_state"], x["cu_seqlens"], offsets, path="walk")
     assert all(torch.equal(a, b) for a, b in zip(args, before)), "an input was modified"
     assert o.dtype == dtype and ht.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()

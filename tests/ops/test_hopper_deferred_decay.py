@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import linattn
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import chunk_fwd as hopper
 from linattn.ops.hopper import chunk_fwd_ref as twins
@@ -137,13 +136,12 @@ def test_the_folded_kernel_forms_p_without_exps_beside_the_update():
 @ON_HOPPER
 @pytest.mark.parametrize("gates", ["drawn", "mixed", "slow"])
 @pytest.mark.parametrize("B,T", [(8, 1024), (1, 16384), (1, 4096)], ids=["unsegmented", "segmented", "two_launch"])
-def test_deferred_decay_through_the_op_on_the_gpu(monkeypatch, gates, B, T):
+def test_deferred_decay_through_the_op_on_the_gpu(gates, B, T):
     """bf16 H=16 K=V=128 through the op ("auto": the unsegmented kernel at 8 × 1024, the five-launch segmented
     forward at 1 × 16384, the two-launch one at 1 × 4096): as accurate against the float64 recurrence as the
     kernel's twin with its rounding points and the plain algebra's twin (within 15%; all within 1e-2, where the bf16
     error is 2–4e-3). Gates as drawn (≈ −0.2 per token), mixed (one head forgetting within a chunk, one barely:
     both branches in one launch) and slow (/ 64: few renormalisations)."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "auto")
     x = gpu_inputs(B, T, 16, 16, 128, 128, seed=6)
     if gates == "mixed":
         x = mixed_gates(x)

@@ -31,7 +31,7 @@ BAD = [
     ("cu_decreasing", lambda x: x.update(cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError, "non-decreasing"),
     ("cu_batch", lambda x: x.update(cu_seqlens=torch.tensor([0, 4, 8]), **{k: torch.cat([v, v]) for k, v in
                                                                        inputs().items()}), ValueError, "B == 1"),
-    ("A_log_alone", lambda x: x.update(A_log=torch.zeros(4)), ValueError, "A_log and dt_bias go together"),
+    ("dt_bias_alone", lambda x: x.update(dt_bias=torch.zeros(4)), ValueError, "A_log and dt_bias go together"),
     ("A_log_shape", lambda x: x.update(A_log=torch.zeros(3), dt_bias=torch.zeros(3)), ValueError, "A_log must be"),
     ("backend_name", lambda x: x.update(backend="cuda"), ValueError, "backend must be one of"),
     ("empty_T", lambda x: x.update(**inputs(T=0)), ValueError, "at least one token"),

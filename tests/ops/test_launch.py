@@ -116,16 +116,14 @@ def test_a_real_kernel_launches_through_it(fast):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the runner exists only for compiled kernels (a GPU)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_split_forward_launches_through_it(fast, monkeypatch, dtype):
+def test_the_split_forward_launches_through_it(fast, dtype):
     """The split forward's three kernels (pre-pass, state pass, output) take the runner from the second call on,
     with o and the final state bitwise those of the first, JIT-launched call (None arguments and launch options
     included)."""
-    from linattn import chunk_gated_delta_rule
     from linattn.ops.common.fused_prepass import fused_prepass_kernel
     from linattn.ops.common.output import output_fwd_kernel
     from linattn.ops.common.state_pass import state_pass_fwd_kernel
-    from linattn.ops.gated_delta import triton_chunk
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
+    from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
     gen = torch.Generator().manual_seed(0)
     B, T, H, K = 1, 300, 2, 64
     q, k, v = (torch.randn(B, T, H, K, generator=gen).to("cuda", dtype) for _ in range(3))
@@ -135,7 +133,7 @@ def test_the_split_forward_launches_through_it(fast, monkeypatch, dtype):
     h0 = torch.randn(B, H, K, K, generator=gen).cuda()
 
     def run():
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        return chunk_gated_delta_rule_on_path("split", q, k, v, g, beta, initial_state=h0, output_final_state=True)
     want = run()                              # the first launch under each key: the JIT launcher
     first, second = run(), run()
     launched = {key[0] for key in launch_mod._compiled}

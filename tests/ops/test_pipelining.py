@@ -60,9 +60,9 @@ def test_pipelined_loops_compile_for_h200():
     """Each pipelined sequential kernel (the forward walks; the reverse walk is never pipelined) at BV = 16 (bf16,
     K = V = 128) compiles for sm_90 at NUM_STAGES 0 and 2, in a process
     without the interpreter; only NUM_STAGES = 2 issues cp.async (Triton pipelines scf.for, never scf.while)."""
-    res = compile_for_h200("import compile_sequential as c",
+    res = compile_for_h200("import sm90 as c",
                            "{(n, s): tuple(c.compile_kernel(kern, consts))[:4] for s in (0, 2) "
-                           "for n, (kern, consts) in c.kernels(128, 16, s).items()}")
+                           "for n, (kern, consts) in c.sequential_kernels(128, 16, s).items()}")
     assert {n for n, _ in res} == {"walk", "state_pass_fwd"}
     for (name, stages), (regs, _, shared, cp_async) in res.items():
         assert 0 < regs <= 255, (name, stages, regs)
@@ -74,8 +74,8 @@ def test_pipelined_loops_compile_for_h200():
 
 def test_sass_counts_show_the_walks_dots_on_tensor_cores():
     """sm90.sass_counts reads the cubin's SASS: the bf16 walk's dots are tensor-core MMAs, its totals add up."""
-    sass = compile_for_h200("import compile_sequential as c",
-                            "c.compile_kernel(*c.kernels(128, 16, 0)['walk']).sass")
+    sass = compile_for_h200("import sm90 as c",
+                            "c.compile_kernel(*c.sequential_kernels(128, 16, 0)['walk']).sass")
     assert sass["total"] > 0 and sass["HGMMA"] + sass["HMMA"] > 0, sass
     assert sum(v for k, v in sass.items() if k not in ("total", "ops")) <= sass["total"], sass
     assert sum(sass["ops"].values()) == sass["total"] and sass["ops"].get("HGMMA", 0) == sass["HGMMA"], sass

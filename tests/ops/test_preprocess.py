@@ -197,8 +197,8 @@ def test_traced_call_keeps_the_pytorch_preprocessing(monkeypatch):
 
 def test_kernels_compile_for_h200():
     """Compile both kernels for sm_90 in a process without the interpreter; ptxas must report no spills."""
-    resources = compile_for_h200("import compile_preprocess as c; from linattn.ops.common import preprocess as P",
-                                 "[tuple(c.compile_kernel(kern, 'bf16', 60, 8))[:4] for kern in "
+    resources = compile_for_h200("import sm90 as c; from linattn.ops.common import preprocess as P",
+                                 "[tuple(c.compile_preprocess_kernel(kern, 'bf16', 60, 8))[:4] for kern in "
                                  "(P.preprocess_fwd_kernel, P.preprocess_bwd_kernel)]")
     for regs, spills, _, _ in resources:
         assert regs <= 255 and spills == 0, resources

@@ -3,9 +3,10 @@
 The pre-pass's p against its float64 twin ``torch_chunk.qk_decay_ref`` (and its other outputs unchanged by q);
 the walk fed p against the walk that computes P itself and against the float64 twins (fed the twin's own W, U, gc,
 with p from the pre-pass on the same inputs, so the layout contract between the two kernels is checked too); the
-segmented walk (seq_parallel.py, phase C reads p) the same way; then the public op with ``PRECOMPUTE_QK`` forced on
-against the float64 reference. A deliberately wrong p (the diagonal dropped, what a strict mask would give) must
-fail each check: that proves the walk and phase C read p rather than recomputing P.
+segmented walk (seq_parallel.py, phase C reads p) the same way; then the public op on the walk (which always reads
+the pre-pass's p) against the float64 reference and the walk with p withheld. A deliberately wrong p (the diagonal
+dropped, what a strict mask would give) must fail each check: that proves the walk and phase C read p rather than
+recomputing P.
 
 bf16 inputs are checked for p and the walk: Q Kᵀ goes through ``dot.dot``, which widens bf16 operands under the
 interpreter (exact products, as the GPU's bf16 MMA). The rest of the bf16 pre-pass (K Kᵀ in ``kkt_solve``) still
@@ -20,22 +21,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import linattn
 from linattn.ops.common import CHUNK
 from linattn.ops.common import seq_parallel as sp
 from linattn.ops.common.fused_fwd import fused_fwd
 from linattn.ops.common.fused_prepass import fused_prepass
 from linattn.ops.common.varlen import chunk_tables
 from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from tests.ops.sm90_compile import compile_for_h200
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms, twin
-
-
-@pytest.fixture(autouse=True)
-def walk_forward(monkeypatch):
-    """This file tests the walk forward (triton_chunk.FORWARD_PATH = "walk"); the default is the split path."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
@@ -48,8 +43,8 @@ TOLERANCES = {
     # pre-pass accumulates BK = 64 tiles) and p's own rounding. Measured ≤ 7.5e-7 (0 where P is diagonal: T = 1,
     # strong decay)
     "vs_recomputed": 2e-6,
-    # whole forward through the public op, fp32 vs float64 reference (the core bound); fp16: vs the forward with
-    # PRECOMPUTE_QK off, which may differ by a rounding step of fp16's o (2^-11) in a few elements
+    # whole forward through the public op, fp32 vs float64 reference (the core bound); fp16: vs the walk with p
+    # withheld, which may differ by a rounding step of fp16's o (2^-11) in a few elements
     "forward_fp32": 1e-5,
     "forward_fp16_vs_off": 1e-3,
 }
@@ -189,7 +184,7 @@ def test_bad_p_shape():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the public op with PRECOMPUTE_QK on (the default) against it off
+# the public op on the walk (p from the pre-pass) against the walk with p withheld (recomputing Q Kᵀ)
 # ----------------------------------------------------------------------------------------------------------------
 OP_CASES = [
     (Case("T1", T=1), None),
@@ -202,9 +197,9 @@ OP_PARAMS = [(c, L, d) for c, L in OP_CASES for d in (torch.float32, torch.float
 
 @pytest.mark.parametrize("c,L,dtype", OP_PARAMS, ids=[f"{c.id}-{str(d)[6:]}" for c, _, d in OP_PARAMS])
 def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
-    """linattn.chunk_gated_delta_rule(backend="triton") with PRECOMPUTE_QK on (L: segments forced through the
-    planner): the walk receives the pre-pass's p, and o / the final state match the float64 reference (fp32) and
-    the forward with the flag off."""
+    """The public op on the walk (backend="triton", L: segments forced through the planner): the walk receives the
+    pre-pass's p, and o / the final state match the float64 reference (fp32) and the walk that recomputes Q Kᵀ
+    (p withheld from it)."""
     torch.manual_seed(0)
     x, offsets = make_inputs(c, dtype)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
@@ -212,17 +207,19 @@ def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
               backend="triton")
     if L is not None:
         monkeypatch.setattr(sp, "plan_segments", lambda *a, **k: L)
-    monkeypatch.setattr(triton_chunk, "PRECOMPUTE_QK", False)    # the recomputing path, for comparison
-    o0, ht0 = linattn.chunk_gated_delta_rule(*args, **kw)
     seen, walk_fn = [], triton_chunk.fused_fwd_seq_parallel
+
+    def recomputing(*a, p=None, **k):       # the walk without the pre-pass's p, for comparison
+        return walk_fn(*a, p=None, **k)
 
     def spy(*a, p=None, **k):
         seen.append(p)
         return walk_fn(*a, p=p, **k)
 
+    monkeypatch.setattr(triton_chunk, "fused_fwd_seq_parallel", recomputing)
+    o0, ht0 = chunk_gated_delta_rule_on_path("walk", *args, **kw)
     monkeypatch.setattr(triton_chunk, "fused_fwd_seq_parallel", spy)
-    monkeypatch.setattr(triton_chunk, "PRECOMPUTE_QK", True)
-    o, ht = linattn.chunk_gated_delta_rule(*args, **kw)
+    o, ht = chunk_gated_delta_rule_on_path("walk", *args, **kw)
     B, T = x["q"].shape[:2]
     assert len(seen) == 1 and seen[0] is not None and seen[0].shape == (B, T, c.HV, CHUNK), "p did not reach the walk"
     assert o.dtype == dtype and ht.dtype == torch.float32
@@ -232,17 +229,19 @@ def test_public_op_precompute_qk(c, L, dtype, monkeypatch):
         ro, rht = gated_delta_rule_reference(*args, c.K ** -0.5, x["initial_state"], offsets)
         assert rel_rms(o, ro) <= TOLERANCES["forward_fp32"], f"o: {rel_rms(o, ro):.2e}"
         assert rel_rms(ht, rht) <= TOLERANCES["forward_fp32"], f"ht: {rel_rms(ht, rht):.2e}"
-        assert rel_rms(o, o0) <= TOLERANCES["vs_recomputed"], f"o vs flag off: {rel_rms(o, o0):.2e}"
+        assert rel_rms(o, o0) <= TOLERANCES["vs_recomputed"], f"o vs p withheld: {rel_rms(o, o0):.2e}"
     else:
-        assert rel_rms(o, o0) <= TOLERANCES["forward_fp16_vs_off"], f"o vs flag off: {rel_rms(o, o0):.2e}"
+        assert rel_rms(o, o0) <= TOLERANCES["forward_fp16_vs_off"], f"o vs p withheld: {rel_rms(o, o0):.2e}"
 
 
 def test_p_kernels_compile_for_h200():
     """The walk with LOAD_P (BV = 16) and the pre-pass with STORE_P compile for sm_90 (bf16, K = V = 128) in a
     process without the interpreter, which skips the GPU backend's layouts. Spills are reported, not bounded: the
-    walk spills without p too (benchmarks/compile_walk.py prints the table)."""
-    resources = compile_for_h200("import compile_walk as c",
-                                 "[tuple(c.compile_kernel(c.fused_fwd_kernel, c.walk_consts(128, 16, True)))[:4], "
-                                 "tuple(c.compile_kernel(c.fused_prepass_kernel, c.prepass_consts(128, True)))[:4]]")
+    walk spills without p too (benchmarks/compile_all.py reports every launch's)."""
+    resources = compile_for_h200("import sm90 as c; "
+                                 "from linattn.ops.common.fused_fwd import fused_fwd_kernel; "
+                                 "from linattn.ops.common.fused_prepass import fused_prepass_kernel",
+                                 "[tuple(c.compile_kernel(fused_fwd_kernel, c.walk_consts(128, 16, True)))[:4], "
+                                 "tuple(c.compile_kernel(fused_prepass_kernel, c.prepass_consts(128, True)))[:4]]")
     for regs, _, _, _ in resources:
         assert 0 < regs <= 255, resources

@@ -29,16 +29,9 @@ from linattn.ops.common import CHUNK
 from linattn.ops.common import seq_parallel as sp
 from linattn.ops.common.fused_fwd import fused_fwd
 from linattn.ops.gated_delta import torch_chunk as tc
-from linattn.ops.gated_delta import triton_chunk
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_triton
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms, twin
-
-
-@pytest.fixture(autouse=True)
-def walk_forward(monkeypatch):
-    """This file tests the walk forward (triton_chunk.FORWARD_PATH = "walk"); the default is the split path."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
 
 pytestmark = pytest.mark.interpreter
 
@@ -313,12 +306,13 @@ def test_segmented_fwd_ref_matches_unsegmented_twin():
 # the whole forward through the planner
 # ----------------------------------------------------------------------------------------------------------------
 def test_forward_segmented(case, monkeypatch):
-    """chunk_gated_delta_rule_fwd_triton with the planner forced to split: equals the unsegmented forward and
-    (fp32) the float64 reference; inputs are left untouched."""
+    """chunk_gated_delta_rule_fwd_triton(path="walk") with the planner forced to split: equals the unsegmented
+    forward and (fp32) the float64 reference; inputs are left untouched."""
     c, x, offsets, scale, _, _, dtype = case
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     before = [t.clone() for t in args]
-    run = lambda: chunk_gated_delta_rule_fwd_triton(*args, scale, x["initial_state"], x["cu_seqlens"], offsets)
+    run = lambda: chunk_gated_delta_rule_fwd_triton(*args, scale, x["initial_state"], x["cu_seqlens"], offsets,
+                                                   path="walk")
     monkeypatch.setattr(sp, "plan_segments", lambda *a, **kw: None)
     o0, ht0 = run()
     monkeypatch.setattr(sp, "plan_segments", lambda *a, **kw: c.L)

@@ -141,11 +141,13 @@ def test_bf16_stores_compile_for_h200():
     W and U and from A_inv."""
     from tests.ops.sm90_compile import compile_for_h200
     res = compile_for_h200(
-        "import compile_walk as c",
-        "[tuple(c.compile_kernel(c.output_fwd_kernel, c.output_consts(128), bf16_args=('h', 'v_new')))[:4], "
-        "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64), "
+        "import sm90 as c; "
+        "from linattn.ops.common.output import output_fwd_kernel; "
+        "from linattn.ops.common.state_pass import state_pass_fwd_kernel",
+        "[tuple(c.compile_kernel(output_fwd_kernel, c.output_consts(128), bf16_args=('h', 'v_new')))[:4], "
+        "tuple(c.compile_kernel(state_pass_fwd_kernel, c.state_pass_consts(128, 64), "
         "bf16_args=('h', 'v_new')))[:4], "
-        "tuple(c.compile_kernel(c.state_pass_fwd_kernel, c.state_pass_consts(128, 64, from_a_inv=True), "
+        "tuple(c.compile_kernel(state_pass_fwd_kernel, c.state_pass_consts(128, 64, from_a_inv=True), "
         "bf16_args=('h', 'v_new', 'u')))[:4]]")
     for regs, _, _, _ in res:
         assert 0 < regs <= 255, res
@@ -174,7 +176,6 @@ def test_split_forward_frees_w_and_u_before_the_output_kernel(monkeypatch, form,
 
     monkeypatch.setattr(triton_chunk, "fused_prepass", watched_prepass)
     monkeypatch.setattr(SF, "output_fwd", watched_output)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
     monkeypatch.setattr(triton_chunk, "wy_in_state_pass", lambda *a: form == "state_pass")  # the form at any size
     x, offsets = make_inputs(CASES[0][0], torch.float32)
     o, ht = triton_chunk.chunk_gated_delta_rule_fwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"],

@@ -286,11 +286,13 @@ def test_bf16_backward_stores_compile_for_h200():
     dq/dk reading bf16 h and V_new (two of its V-loop dots become bf16 MMAs and its pipelined tiles shrink)."""
     from tests.ops.sm90_compile import compile_for_h200
     res = compile_for_h200(
-        "import compile_walk as c",
-        "[tuple(c.compile_kernel(c.state_pass_bwd_kernel, c.state_pass_bwd_consts(128, 64), num_warps=4))[:4], "
-        "tuple(c.compile_kernel(c.local_bwd_dqk_kernel, c.dqk_consts(128), num_warps=8, "
+        "import sm90 as c; "
+        "from linattn.ops.common.state_pass_bwd import state_pass_bwd_kernel; "
+        "from linattn.ops.common.local_bwd_dqk import local_bwd_dqk_kernel",
+        "[tuple(c.compile_kernel(state_pass_bwd_kernel, c.state_pass_bwd_consts(128, 64), num_warps=4))[:4], "
+        "tuple(c.compile_kernel(local_bwd_dqk_kernel, c.dqk_consts(128), num_warps=8, "
         "bf16_args=('h', 'v_new')))[:4], "
-        "tuple(c.compile_kernel(c.local_bwd_dqk_kernel, c.dqk_consts(128), num_warps=8))[:4]]")
+        "tuple(c.compile_kernel(local_bwd_dqk_kernel, c.dqk_consts(128), num_warps=8))[:4]]")
     (walk_regs, _, _, _), (regs, _, shared, _), (_, _, shared_fp32, _) = res
     assert 0 < walk_regs <= 255 and 0 < regs <= 255, res
     assert shared < shared_fp32, res  # the bf16 tiles take less shared memory
@@ -382,18 +384,9 @@ def test_float64_is_refused():
                                           x["do"], x["dht"])
 
 
-def _triton_forward_available() -> bool:
-    try:
-        from linattn.ops.gated_delta import triton_chunk
-    except ImportError:
-        return False
-    return hasattr(triton_chunk, "chunk_gated_delta_rule_fwd_triton")
-
-
 PUBLIC_CASES = [E2E_CASES[9], E2E_CASES[10]]   # varlen (GVA, empty and 1-token sequences); no h0, dh_T = 0
 
 
-@pytest.mark.skipif(not _triton_forward_available(), reason="the Triton forward (triton_chunk.py) is not there yet")
 @pytest.mark.parametrize("case", PUBLIC_CASES, ids=_ids(PUBLIC_CASES))
 def test_public_api_gradients(case):
     """linattn.chunk_gated_delta_rule(backend="triton"): autograd reaches every input, as the reference's does."""

@@ -13,6 +13,7 @@ cross product.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -26,8 +27,9 @@ from linattn.ops.common.output import output_fwd
 from linattn.ops.common.state_pass import state_pass_fwd
 from linattn.ops.common.varlen import chunk_tables, chunk_tables_ref
 from linattn.ops.common.wy import wy_fwd
+from linattn.ops.gated_delta import dispatch, triton_chunk
 from linattn.ops.gated_delta import torch_chunk as tc
-from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_delta.triton_chunk import chunk_gated_delta_rule_fwd_stages
 
@@ -292,11 +294,17 @@ FWD_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", FWD_CASES, ids=[c.id for c in FWD_CASES])
 def test_forward_matches_reference_and_torch(case, dtype):
+    check_forward(case, dtype, "auto")
+
+
+def check_forward(case, dtype, forward_path):
+    """The public op's triton backend on ``forward_path`` against the float64 reference (and the torch backend's
+    error for fp16 / bf16), inputs untouched."""
     x, offsets = make_inputs(case, dtype)
     kw = dict(output_final_state=True, cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"])
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     before = [t.clone() for t in args]
-    o, ht = linattn.chunk_gated_delta_rule(*args, **kw, backend="triton")
+    o, ht = chunk_gated_delta_rule_on_path(forward_path, *args, **kw, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(args, before)), "an input was modified"
     assert o.dtype == dtype and ht.dtype == torch.float32
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
@@ -313,11 +321,12 @@ def test_forward_matches_reference_and_torch(case, dtype):
         assert err_h <= max(f * rel_rms(tht, rht), floor), f"final state: {err_h:.2e} vs torch {rel_rms(tht, rht):.2e}"
 
 
-def triton_op(x: dict):
-    """(o, final state) of the public op on the Triton backend for make_inputs' tensors."""
-    return linattn.chunk_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
-                                          cu_seqlens=x["cu_seqlens"], initial_state=x["initial_state"],
-                                          backend="triton")
+def triton_op(x: dict, forward_path="auto"):
+    """(o, final state) of the public op on the Triton backend for make_inputs' tensors, forward on
+    ``forward_path``."""
+    return chunk_gated_delta_rule_on_path(forward_path, *(x[n] for n in ("q", "k", "v", "g", "beta")),
+                                          output_final_state=True, cu_seqlens=x["cu_seqlens"],
+                                          initial_state=x["initial_state"], backend="triton")
 
 
 def test_float64_inputs_are_refused():
@@ -333,15 +342,13 @@ WALK_CASES = [FWD_CASES[i] for i in (0, 2, 4, 5, 7)]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", WALK_CASES, ids=[c.id for c in WALK_CASES])
-def test_walk_forward_matches_reference_and_torch(case, dtype, monkeypatch):
-    assert triton_chunk.forward_path(case.B, case.HV, dtype) == "split"  # so the test above ran the split path
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "walk")
-    test_forward_matches_reference_and_torch(case, dtype)
+def test_walk_forward_matches_reference_and_torch(case, dtype):
+    assert dispatch.triton_path(case.B, case.HV, dtype).path == "split"  # so the test above ran the split path
+    check_forward(case, dtype, "walk")
     # and against the split path on the same inputs (both fp32 state; o differs by the output dtype's rounding)
     x, _ = make_inputs(case, dtype)
-    o_w, h_w = triton_op(x)
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "split")
-    o_s, h_s = triton_op(x)
+    o_w, h_w = triton_op(x, "walk")
+    o_s, h_s = triton_op(x, "split")
     assert rel_rms(h_s, h_w) <= TOLERANCES["forward_fp32"]
     assert rel_rms(o_s, o_w) <= (TOLERANCES["forward_fp32"] if dtype == torch.float32 else 2.0 ** -10)
 
@@ -354,13 +361,14 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
     ("auto", 4, 32, FP32, "split"), ("auto", 128, 64, FP32, "split"), ("auto", 127, 1, FP16, "split"),
     ("auto", 8, 16, BF16, "split"), ("auto", 64, 64, BF16, "split"), ("walk", 1, 1, BF16, "walk"),
     ("split", 64, 64, FP16, "split"), ("hopper", 8, 16, FP16, "walk"), ("hopper", 8, 16, BF16, "split")])
-def test_forward_path_rule(setting, N, HV, dtype, expected, monkeypatch):
-    """"auto": bf16 always the split (its bf16x3 output kernel, run 12) and so fp32 (tf32x3 dots, run 16); fp16
-    the walk once N·HV ≥ 128 (run 12's crossover with the tf32x3 output), else the split; "walk" / "split" as
-    set; "hopper" resolves as "auto" (what runs where the Hopper kernel does not take the inputs)."""
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", setting)
-    assert triton_chunk.WALK_MIN_PAIRS == {BF16: None, FP16: 128, FP32: None}
-    assert triton_chunk.forward_path(N, HV, dtype) == expected
+def test_forward_path_rule(setting, N, HV, dtype, expected):
+    """"auto": bf16 always the split (its bf16x3 output kernel) and so fp32 (tf32x3 dots); fp16 the walk once
+    N·HV ≥ 128 (the crossover with the tf32x3 output), else the split; "walk" / "split" as forced; "hopper" on CPU
+    tensors resolves as "auto" (what runs where the Hopper kernel does not take the inputs)."""
+    assert dict(dispatch.WALK_MIN_PAIRS) == {BF16: None, FP16: 128, FP32: None}
+    q, v = torch.zeros(N, 1, 1, 1, dtype=dtype), torch.zeros(N, 1, HV, 1, dtype=dtype)
+    g = beta = torch.zeros(N, 1, HV)
+    assert dispatch.choose_forward_path(q, q, v, g, beta, None, None, None, "triton", setting).path == expected
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -377,15 +385,18 @@ def test_auto_forward_path_reaches_both_paths(varlen, monkeypatch):
         monkeypatch.setattr(triton_chunk, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
     outs = []
     for pairs in (5, 4):  # 2 sequences × 2 value heads = 4 pairs: split below 5, walk at 4
-        monkeypatch.setitem(triton_chunk.WALK_MIN_PAIRS, torch.float32, pairs)
+        walk_from = MappingProxyType({**dispatch.WALK_MIN_PAIRS, torch.float32: pairs})
+        monkeypatch.setattr(dispatch, "WALK_MIN_PAIRS", walk_from)
         outs.append(linattn.chunk_gated_delta_rule(*args, **kw))
     assert calls == ["split_fwd", "fused_fwd_seq_parallel"]
     assert rel_rms(outs[0][0], outs[1][0]) <= TOLERANCES["forward_fp32"]
     assert rel_rms(outs[0][1], outs[1][1]) <= TOLERANCES["forward_fp32"]
 
 
-def test_unknown_forward_path_is_refused(monkeypatch):
-    monkeypatch.setattr(triton_chunk, "FORWARD_PATH", "fused")
+def test_unknown_forward_path_is_refused():
     x, _ = make_inputs(Case("x", T=8), torch.float32)
-    with pytest.raises(ValueError, match="FORWARD_PATH"):
-        linattn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="triton")
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match="forward_path"):
+        chunk_gated_delta_rule_on_path("fused", *args, backend="triton")
+    with pytest.raises(ValueError, match="path must be"):
+        triton_chunk.chunk_gated_delta_rule_fwd_triton(*args, 1.0, None, None, None, path="fused")

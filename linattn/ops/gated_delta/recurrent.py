@@ -381,8 +381,10 @@ def fused_recurrent_gated_delta_rule(
         q (torch.Tensor): queries of shape ``[B, T, H, K]``.
         k (torch.Tensor): keys of shape ``[B, T, H, K]``.
         v (torch.Tensor): values of shape ``[B, T, HV, V]``; grouped value heads if ``HV > H`` (``HV % H == 0``).
-        g (torch.Tensor): log decays of shape ``[B, T, HV]``; raw gate logits when ``A_log``/``dt_bias`` are given.
-        beta (torch.Tensor): write strengths of shape ``[B, T, HV]``; logits if ``use_beta_sigmoid_in_kernel``.
+        g (torch.Tensor): log decays of shape ``[B, T, HV]``; raw gate logits when ``A_log``/``dt_bias`` are given;
+            None: no decay (g = 0, as fla).
+        beta (torch.Tensor): write strengths of shape ``[B, T, HV]``; logits if ``use_beta_sigmoid_in_kernel``;
+            None: ones (as fla).
         scale (float): query scale; default ``K ** -0.5``.
         initial_state (torch.Tensor): ``[N, HV, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``).
         output_final_state (bool): also return the final state ``[N, HV, K, V]`` (fp32).
@@ -391,6 +393,9 @@ def fused_recurrent_gated_delta_rule(
         A_log, dt_bias (torch.Tensor): ``[HV]``; if given, ``g ← −exp(A_log) · softplus(g + dt_bias)`` (fused).
         use_beta_sigmoid_in_kernel (bool): ``beta ← sigmoid(beta)`` (fused).
         backend (str): ``"triton"`` (default on CUDA), ``"torch"`` (default elsewhere) or ``"reference"``.
+        gk, gv, use_gate_in_kernel, allow_neg_eigval, state_v_first, transpose_state_layout: fla 0.6's keywords,
+            honoured with fla's meaning where linattn can (``fla_keywords.py``; the table is in docs/api.md), else
+            rejected with a message saying what to do (gk / gv: per-channel decays are not supported).
 
         gk, gv, use_gate_in_kernel, allow_neg_eigval, state_v_first, transpose_state_layout: fla 0.6's keywords,
             honoured with fla's meaning where linattn can (``fla_keywords.py``; g and beta may then be omitted as

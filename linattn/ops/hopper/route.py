@@ -24,7 +24,6 @@ from typing import Callable, Optional
 import torch
 
 from ..utils import eager_call
-from . import plan as plan_module
 from .chunk_fwd import misaligned
 
 _routes: dict[tuple, Callable] = {}
@@ -70,6 +69,7 @@ def remember(q, k, v, g, beta, scale, initial_state, backend, forward_path) -> N
     if call is None or not servable((q, k, v, g, beta, initial_state)):
         return
     _served.call = None
+    from . import plan as plan_module  # here, not at import: the plan imports triton, optional on CPU machines
     if len(_routes) >= plan_module.CACHE_LIMITS.routes:
         _routes.clear()
     _routes[key(q, k, v, g, beta, scale, initial_state, backend, forward_path)] = call
