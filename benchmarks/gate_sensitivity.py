@@ -14,15 +14,8 @@ op's eager do_bench median, its CUDA graph replay (GPU time alone) and FlashQLA'
 
 ``--phases``: instead, where the op's GPU time goes at each gate draw: every kernel's µs per call (the profiler's
 self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which launch grew (the segmented
-forward's phase A, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
-kernel's start, end and stream: how the launches overlap). ``--overlap-warm``, ``--map-wave-fill``,
-``--split-heads``: with ``forward.OVERLAP_WARM``, ``forward.MAP_WAVE_FILL``, ``forward.SPLIT_HEADS`` on; ``--serial``
-(with ``--split-heads``): its two walks one after the other on the caller's stream (what the overlap buys);
-``--narrow-first`` (with ``--split-heads``): ``forward.SPLIT_HEADS_NARROW_FIRST`` on. The trace files' names end
-in the switches that were on (``trace-2-16384-32-32-mixed-split-heads-narrow-first.json``).
-``--plan-block N``: ``map_bound.BLOCK`` = N (the plan's chunks per step, 32 by default: each row of its tiles in one
-warp; run 34's plan used 64 at B=1 T=32768 H=16, 32 at H=2 HV=8, 128 at T=131072); ``--plan-warps N``:
-``map_bound.PLAN_WARPS`` = N (16 by default).
+forward's warm-ups, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
+kernel's start, end and stream: how the launches overlap).
 """
 from __future__ import annotations
 
@@ -85,9 +78,9 @@ def row(B, T, H, HV, gates, theirs):
 PROFILED_CALLS = 20
 
 
-def phases(B, T, H, HV, gates, trace=False, tag=""):
+def phases(B, T, H, HV, gates, trace=False):
     """{kernel name: µs of GPU time per call} of the op at ``gates``, largest first; ``trace``: the profiled calls'
-    chrome trace written to ``$OUT/trace-B-T-H-HV-gates{tag}.json``."""
+    chrome trace written to ``$OUT/trace-B-T-H-HV-gates.json``."""
     from torch.profiler import ProfilerActivity, profile
     ours = op_at(B, T, H, HV, gates)[0]
     with torch.no_grad():
@@ -98,7 +91,7 @@ def phases(B, T, H, HV, gates, trace=False, tag=""):
                 ours()
             torch.cuda.synchronize()
     if trace:
-        prof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp")) / f"trace-{B}-{T}-{H}-{HV}-{gates}{tag}.json"))
+        prof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp")) / f"trace-{B}-{T}-{H}-{HV}-{gates}.json"))
     per_kernel = {}
     for event in prof.key_averages():
         # self time: only a kernel has its own device time (an op's total would count its kernels again)
@@ -110,34 +103,12 @@ def phases(B, T, H, HV, gates, trace=False, tag=""):
     return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 
-# the flags that switch hopper.forward's settings on (``--serial`` replaces its stream fork instead)
-SWITCH_FLAGS = (("--overlap-warm", "OVERLAP_WARM"), ("--map-wave-fill", "MAP_WAVE_FILL"),
-                ("--split-heads", "SPLIT_HEADS"), ("--narrow-first", "SPLIT_HEADS_NARROW_FIRST"))
-
-
-def trace_tag(argv) -> str:
-    """The trace files' suffix naming the switches a run had on (run 41 lost the split walks' traces to a plain
-    run's of the same name)."""
-    flags = [flag for flag, _ in SWITCH_FLAGS] + ["--serial"]
-    return "".join(flag[1:] for flag in flags if flag in argv)
-
-
 def main(argv):
     shapes = [tuple(int(x) for x in a.split(",")) for a in argv if "," in a]
-    from linattn.ops.hopper import forward, map_bound
-    for flag, switch in SWITCH_FLAGS:
-        if flag in argv:
-            setattr(forward, switch, True)
-    if "--serial" in argv:
-        forward.critical_fork = lambda device: forward.no_fork()
-    if "--plan-block" in argv:
-        map_bound.BLOCK = int(argv[argv.index("--plan-block") + 1])
-    if "--plan-warps" in argv:
-        map_bound.PLAN_WARPS = int(argv[argv.index("--plan-warps") + 1])
     if "--phases" in argv:
         for shape in shapes:
             for gates in GATES:
-                kernels = phases(*shape, gates, trace="--trace" in argv, tag=trace_tag(argv))
+                kernels = phases(*shape, gates, trace="--trace" in argv)
                 print(f"\n{shape} {gates}: {sum(kernels.values()):.1f} µs per call")
                 for name, us in kernels.items():
                     print(f"  {us:8.1f}  {name}")
