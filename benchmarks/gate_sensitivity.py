@@ -2,7 +2,7 @@
 draws of the decay g on the same q, k, v and β (bench_anchors' inputs, seed 2):
 
     anchors  bench_anchors' own gates (logsigmoid(randn) / 16: mean ≈ −0.05, every head forgets within a segment)
-    mixed    per-head rates as a Mamba-style initialisation draws them (hopper_fwd_check.mixed_gates: some heads forget
+    mixed    per-head rates as a Mamba-style initialisation draws them (gpu_timing.mixed_gates: some heads forget
              within a chunk, others keep their state over a whole segment)
     slow     the anchors' gates / 65536 (no head forgets: the segmented forwards' worst case)
 
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
-from hopper_fwd_check import bench, graph_ms, mixed_gates  # this folder is on sys.path
+from gpu_timing import bench, graph_ms, mixed_gates  # this folder is on sys.path
 
 from linattn import chunk_gated_delta_rule
 

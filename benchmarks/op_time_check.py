@@ -1,5 +1,5 @@
 """One shape through the public op as bench_anchors times it (its own inputs: bf16 with requires_grad, seed 2; no
-grad, do_bench median), with the host µs per call beside it (``hopper_fwd_check.host_us``): whether a figure is the
+grad, do_bench median), with the host µs per call beside it (``gpu_timing.host_us``): whether a figure is the
 GPU's or the host's. Needs ``.anchors/bench_anchors.py`` (the carry of every device call):
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/op_time_check.py 1,32768,16,16 [1,4096,16,16 ...]
@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from hopper_fwd_check import bench, graph_ms, host_profile, host_us, mixed_gates  # this folder is on sys.path
+from gpu_timing import bench, graph_ms, host_profile, host_us, mixed_gates  # this folder is on sys.path
 
 from linattn.ops.common import seq_parallel
 from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
@@ -102,7 +102,7 @@ def check(B, T, H, HV, K=128, V=None, graph=False):
 
 
 def profile(B, T, H, HV, K=128, V=None, calls=200):
-    """Print where ``calls`` calls' host time goes, by function (``hopper_fwd_check.host_profile``)."""
+    """Print where ``calls`` calls' host time goes, by function (``gpu_timing.host_profile``)."""
     xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
     print(f"--- host profile {B, T, H, HV}: {calls} calls ---")
     print(host_profile(calls=calls, fn=lambda: chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)))

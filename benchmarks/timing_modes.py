@@ -28,7 +28,7 @@ import sys
 import torch
 import triton
 from gate_sensitivity import flash_qla_forward, op_at  # this folder is on sys.path
-from hopper_fwd_check import bench
+from gpu_timing import bench
 
 CALLS = 20
 REPS = 30

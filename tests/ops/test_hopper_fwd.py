@@ -1,7 +1,8 @@
 """The Hopper forward's walk (linattn/ops/hopper/chunk_fwd.py): its PyTorch twin against the float64
 reference (the algebra the TileLang kernel implements: V_new from each chunk's inverse, the decay on V_new's rows,
 the inclusive causal mask), the twin's bf16 rounding points, and the kernel's compile for sm_90a where TileLang is
-installed (it is an optional dependency; the kernel itself runs only on the GPU: benchmarks/hopper_fwd_check.py)."""
+installed (it is an optional dependency; the kernel itself runs only on the GPU:
+benchmarks/gpu_check_core.py --forward-path hopper)."""
 from __future__ import annotations
 
 import re

@@ -1,7 +1,7 @@
 """The TileLang pre-pass of the Hopper forward (linattn/ops/hopper/prepass.py): its blocked solve's twin against a
 dense solve, its twin's outputs (gc and β head-major per segment, A_inv) against the Triton pre-pass stage's, the
 forward around the twins against the float64 recurrence, its input checks, and its compile for sm_90a where TileLang
-and nvcc are installed (the kernel runs only on the GPU: benchmarks/hopper_fwd_check.py --prepass)."""
+and nvcc are installed (the kernel runs only on the GPU: benchmarks/gpu_check_core.py --forward-path hopper)."""
 from __future__ import annotations
 
 import functools

@@ -3,7 +3,7 @@
 ``chunk_gated_delta_rule``'s "auto" path runs it on sm_90 for bf16 inputs it takes (``compile.unsupported_reason``);
 ``walk_launch.py`` holds the calls that take tensors and launch it (``chunk_fwd_hopper_hm``), ``forward.py`` chains
 it after the pre-pass (``prepass.py``), ``compile.py`` compiles it; ``chunk_fwd_ref.py`` is its PyTorch twin.
-benchmarks/hopper_fwd_check.py checks and times it on the GPU; ``tests/ops/hopper_sources.py`` builds the CUDA of
+benchmarks/gpu_check_core.py --forward-path hopper checks it on the GPU; ``tests/ops/hopper_sources.py`` builds the CUDA of
 every configuration the forward launches on the CPU.
 
 Why (docs/architecture.md): the Triton split forward writes every chunk's state h (32 KB per chunk and head in

@@ -1,6 +1,5 @@
 """A TileLang kernel's generated CUDA compiled for sm_90a without a GPU, with TileLang's headers, as TileLang itself
-compiles it: what the tests' ptxas checks (spills, serialised wgmma) and ``benchmarks/walk_sass_count.py``'s SASS
-counts read. Needs TileLang (optional) and nvcc on PATH."""
+compiles it: what the tests' ptxas checks (spills, serialised wgmma) read. Needs TileLang (optional) and nvcc on PATH."""
 from __future__ import annotations
 
 import shutil

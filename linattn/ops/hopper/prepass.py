@@ -4,7 +4,7 @@ Why not the Triton pre-pass: its solve is bound by a 15-step substitution chain 
 whose every step is two cross-lane reductions. Here each of 64 threads solves one column of one diagonal 16 × 16
 block in registers, reading A's row from shared memory (a broadcast): 120 FMAs, no shuffles; the blocks cut the
 chain of a whole 64-row column 17-fold, and the merges run on tensor cores. FlashQLA's kkt_solve (read, not copied)
-blocks the same way. benchmarks/hopper_fwd_check.py --prepass checks and times it on the GPU.
+blocks the same way. benchmarks/gpu_check_core.py --forward-path hopper checks the forward on it on the GPU.
 
 One program per (chunk, sequence, value head), 128 threads (:func:`prepass_steps`, in order):
 
