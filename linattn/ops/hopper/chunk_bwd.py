@@ -24,9 +24,8 @@ from .chunk_fwd import BT, compile_prim_func, launcher
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 
 
-def step_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
-    """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
-    finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
+def _recompute_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
+    """The chunk's recompute, the dS chain and the X terms as TileLang macros (and the column-sum helper)."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
@@ -112,6 +111,16 @@ def step_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
         for i in T.Parallel(BT):
             dbs[i] = dbs[i] + rowsV[i]
 
+    return types.SimpleNamespace(column_sums_out=column_sums_out, recompute=recompute, chain=chain, x_terms=x_terms)
+
+
+def _gradient_macros(K: int, V: int, scale: float, column_sums_out=None) -> types.SimpleNamespace:
+    """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
+    :func:`_recompute_macros`."""
+    import tilelang.language as T
+
+    acc, bf = "float32", "bfloat16"
+
     @T.macro
     def q_side(t, rows, ib, ihv, c):
         """The q side, dq written."""
@@ -192,7 +201,14 @@ def step_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
             dSh[i, j] = T.cast(dS[i, j], bf)
             dSl[i, j] = T.cast(dS[i, j] - T.cast(T.cast(dS[i, j], bf), acc), bf)
 
-    return types.SimpleNamespace(column_sums_out=column_sums_out, recompute=recompute, chain=chain, x_terms=x_terms, q_side=q_side, k_side=k_side, finish=finish)
+    return types.SimpleNamespace(q_side=q_side, k_side=k_side, finish=finish)
+
+
+def step_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
+    """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
+    finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
+    first = _recompute_macros(K, V, scale)
+    return types.SimpleNamespace(**vars(first), **vars(_gradient_macros(K, V, scale, first.column_sums_out)))
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 256):
