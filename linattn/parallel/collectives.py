@@ -97,20 +97,25 @@ def halo_range(plan: ShardPlan, rank: int, length: Optional[int]) -> tuple[int, 
     return lo, a
 
 
+def _pieces_others_need(plan: ShardPlan, length: Optional[int]) -> list[tuple[int, int, int]]:
+    """(rank, lo, hi) for every piece of this rank's shard (local token offsets) that another rank's halo holds."""
+    pieces = []
+    for r in range(plan.world):
+        if r == plan.rank:
+            continue
+        r_lo, r_hi = halo_range(plan, r, length)
+        pieces += [(r, p_lo - plan.start, p_hi - plan.start) for owner, p_lo, p_hi in plan.sources(r_lo, r_hi)
+                   if owner == plan.rank]
+    return pieces
+
+
 class _FetchPreceding(torch.autograd.Function):
     """``x`` ``[B, T_r, ...]`` → ``[B, L + T_r, ...]``: the L halo tokens from their owners, then ``x``."""
 
     @staticmethod
     def forward(ctx, x, plan: ShardPlan, length: Optional[int]):
         lo, hi = halo_range(plan, plan.rank, length)
-        sends, recvs = [], []
-        for r in range(plan.world):
-            if r == plan.rank:
-                continue
-            r_lo, r_hi = halo_range(plan, r, length)
-            for owner, p_lo, p_hi in plan.sources(r_lo, r_hi):
-                if owner == plan.rank:
-                    sends.append((r, x[:, p_lo - plan.start:p_hi - plan.start]))
+        sends = [(r, x[:, p_lo:p_hi]) for r, p_lo, p_hi in _pieces_others_need(plan, length)]
         pieces = plan.sources(lo, hi)
         bufs = [x.new_empty(x.shape[0], p_hi - p_lo, *x.shape[2:]) for _, p_lo, p_hi in pieces]
         recvs = [(owner, buf) for (owner, _, _), buf in zip(pieces, bufs)]
@@ -127,16 +132,9 @@ class _FetchPreceding(torch.autograd.Function):
         for owner, p_lo, p_hi in plan.sources(lo, hi):
             sends.append((owner, grad[:, off:off + p_hi - p_lo]))
             off += p_hi - p_lo
-        recvs, targets = [], []
-        for r in range(plan.world):
-            if r == plan.rank:
-                continue
-            r_lo, r_hi = halo_range(plan, r, length)
-            for owner, p_lo, p_hi in plan.sources(r_lo, r_hi):
-                if owner == plan.rank:
-                    buf = grad.new_empty(grad.shape[0], p_hi - p_lo, *grad.shape[2:])
-                    recvs.append((r, buf))
-                    targets.append((p_lo - plan.start, p_hi - plan.start))
+        pieces = _pieces_others_need(plan, length)
+        recvs = [(r, grad.new_empty(grad.shape[0], p_hi - p_lo, *grad.shape[2:])) for r, p_lo, p_hi in pieces]
+        targets = [(p_lo, p_hi) for _, p_lo, p_hi in pieces]
         exchange(plan, sends, recvs)
         for (_, buf), (t_lo, t_hi) in zip(recvs, targets):
             grad_x[:, t_lo:t_hi] += buf
