@@ -156,9 +156,9 @@ def main():
             record = dict(case=name, error=f"{type(error).__name__}: {str(error)[:200]}")
         print(json.dumps(record), flush=True)
         records.append(record)
+        with open(a.out, "w") as fh:      # after every case: a run cut at its limit keeps what it reached
+            json.dump(records, fh, indent=1)
         torch.cuda.empty_cache()
-    with open(a.out, "w") as fh:
-        json.dump(records, fh, indent=1)
 
 
 if __name__ == "__main__":
