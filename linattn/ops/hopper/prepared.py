@@ -81,9 +81,9 @@ def scratch(owner: Callable, make: Callable, device: torch.device, nbytes: int) 
       gets new tensors, so two calls' launches never interleave on one set;
     * a call under CUDA graph capture allocates as before, so a graph never shares memory with the eager calls;
     * what a call returns is never kept.
-    Kept sets are bounded by ``plan.CACHE_LIMITS.scratch_bytes`` per device, least recently used first out (a set larger than
-    that is never kept); threads share their stream's set, so no thread leaves one behind. A set that goes goes back
-    to the caching allocator on the stream that used it."""
+    Kept sets are bounded by ``plan.CACHE_LIMITS.scratch_bytes`` per device, least recently used first out (a set
+    larger than that is never kept); threads share their stream's set, so no thread leaves one behind. A set that
+    goes goes back to the caching allocator on the stream that used it."""
     cuda, limit = device.type == "cuda", plan_module.CACHE_LIMITS.scratch_bytes
     if nbytes > limit or (cuda and torch.cuda.is_current_stream_capturing()):
         yield make(device)
