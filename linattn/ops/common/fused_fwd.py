@@ -63,6 +63,7 @@ from . import (
     triton_interpret,
 )
 from .dot import DOT_PRECISIONS, dot
+from .finite import dead_rows, nan_rows, zero_rows
 
 
 @triton.jit
@@ -105,13 +106,17 @@ def _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i
                                     (1, 0))
             b_P = tl.load(p_P, boundary_check=(0,))
         else:
+            # (the mask is a select: a non-finite key never reaches an earlier row, finite.py)
             m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
             b_P = dot(b_q, b_kt, INPUT_PREC, INTERPRET)
-            b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
+            b_P = tl.where(m_P, b_P * tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf"))), 0.)
         # Q stays in the input dtype: dot widens it to fp32 only where Triton's precisions need matching dtypes
         # (bf16x3 multiplies a bf16 Q as it is, which saves the fp32 copy's registers)
         b_o = dot(b_q, b_h, DOT_PREC, INTERPRET) * tl.exp(b_gc)[:, None]
-        b_o = (b_o + dot(b_P, b_v, DOT_PREC, INTERPRET)) * scale
+        # P V_new with V_new's rows from its first non-finite row on zeroed and o's rows from there NaN (finite.py);
+        # the state update below reads V_new as it is: the state leaving the chunk is NaN then, as it should be
+        m_dead = dead_rows(b_v)
+        b_o = nan_rows((b_o + dot(b_P, zero_rows(b_v, m_dead), DOT_PREC, INTERPRET)) * scale, m_dead)
         p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                                 (1, 0))
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))

@@ -79,8 +79,9 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk
                                      (BK, BT), (0, 1))
             b_P += dot(tl.load(p_q, boundary_check=(0, 1)), tl.load(p_kt, boundary_check=(0, 1)), INPUT_PREC,
                        INTERPRET)
+        # (the mask is a select: a non-finite key never reaches an earlier row, finite.py)
         m_P = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-        b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        b_P = tl.where(m_P, b_P * tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf"))), 0.)
         p_p = tl.make_block_ptr(p + (bos * HV + i_hv) * BT, (T_seq, BT), (HV * BT, 1), (i_c * BT, 0), (BT, BT),
                                 (1, 0))
         tl.store(p_p, b_P, boundary_check=(0,))

@@ -28,6 +28,7 @@ import triton.language as tl
 from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options, product_precision, triton_interpret
 from .dot import DOT_PRECISIONS, dot
+from .finite import nan_rows, nonfinite
 from .varlen import chunk_bounds
 
 
@@ -43,13 +44,13 @@ def merge_precision(dtype: torch.dtype, override: Optional[str] = None) -> str:
 
 
 @triton.jit
-def _gate(b_A, gc, beta, bos, T_seq, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
+def _gate(b_A, gc, beta, bos, T_seq, o_end, o_i, o_j, i_hv, HV: tl.constexpr, USE_DECAY: tl.constexpr):
     """b_A ← β_i · b_A ⊙ e^{G_i − G_j} where row > column, 0 elsewhere and where masked, for one block [R, C] of the
     chunk on rows o_i [R] and columns o_j [C], or a stack of them [S, R, C] (o_i [S, R], o_j [S, C]): a diagonal
     block keeps its strict lower triangle, a block below the diagonal all of itself. The gate difference is masked
-    before exp, so no overflow."""
+    before exp, so no overflow. Rows from o_end on (the chunk's first non-finite row, ``finite.py``) are 0 too."""
     o_r, o_c = tl.expand_dims(o_i, -1), tl.expand_dims(o_j, -2)
-    m_i = o_i < T_seq
+    m_i = (o_i < T_seq) & (o_i < o_end)
     m_A = tl.expand_dims(m_i, -1) & (o_c < T_seq) & (o_r > o_c)
     b_beta = tl.load(beta + (bos + o_i) * HV + i_hv, mask=m_i, other=0).to(tl.float32)
     if USE_DECAY:
@@ -106,7 +107,8 @@ def _invert_diag_blocks(b_A, o_r):
 def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
                        USE_DECAY: tl.constexpr, MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
-    """Steps 1–3 (the module docstring): (T_lo, X, T_hi), the 32×32 quadrants of (I + A)⁻¹ below the diagonal."""
+    """Steps 1–3 (the module docstring): (T_lo, X, T_hi), the 32×32 quadrants of (I + A)⁻¹ below the diagonal, and
+    the chunk's first row (sequence-local) whose β, G or key is non-finite (the chunk's end when none is)."""
     o_r = tl.arange(0, 16)
     o_32 = tl.arange(0, 32)
     o_h = tl.arange(0, 2)[:, None] * 32 + o_r[None, :]  # [2, 16]: rows of block 0 of each half (chunk-local)
@@ -136,11 +138,21 @@ def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
         b_klo = tl.load(p_q, boundary_check=(0, 1))
         b_khi = tl.load(tl.advance(p_q, (32, 0)), boundary_check=(0, 1))
         b_Ahl += tl.dot(b_khi, tl.trans(b_klo), input_precision=DOT_PREC)
+    # the chunk's first row whose β, G or ‖k‖² (the diagonal of K Kᵀ) is non-finite: A's rows from there are 0, so
+    # the substitution and the merges see finite values only, and kkt_inverse sets the inverse's rows from there to
+    # NaN (finite.py); padded rows load as 0
+    o_c = i_c * BT + tl.arange(0, BT)
+    m_c = o_c < T_seq
+    b_kk = tl.reshape(tl.sum(tl.where((o_r[:, None] == o_r[None, :])[None, :, :], b_Ad, 0.), 2), (BT,))
+    b_bad = nonfinite(b_kk) | nonfinite(tl.load(beta + (bos + o_c) * HV + i_hv, mask=m_c, other=0).to(tl.float32))
+    if USE_DECAY:
+        b_bad = b_bad | nonfinite(tl.load(gc + (bos + o_c) * HV + i_hv, mask=m_c, other=0))
+    o_end = tl.min(tl.where(b_bad, o_c, i_c * BT + BT), axis=0)
     # β_i and the decay e^{G_i − G_j}, masked before exp
     o_d = i_c * BT + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]
-    b_Ad = _gate(b_Ad, gc, beta, bos, T_seq, o_d, o_d, i_hv, HV, USE_DECAY)
-    b_As = _gate(b_As, gc, beta, bos, T_seq, i_c * BT + o_h + 16, i_c * BT + o_h, i_hv, HV, USE_DECAY)
-    b_Ahl = _gate(b_Ahl, gc, beta, bos, T_seq, i_c * BT + 32 + o_32, i_c * BT + o_32, i_hv, HV, USE_DECAY)
+    b_Ad = _gate(b_Ad, gc, beta, bos, T_seq, o_end, o_d, o_d, i_hv, HV, USE_DECAY)
+    b_As = _gate(b_As, gc, beta, bos, T_seq, o_end, i_c * BT + o_h + 16, i_c * BT + o_h, i_hv, HV, USE_DECAY)
+    b_Ahl = _gate(b_Ahl, gc, beta, bos, T_seq, o_end, i_c * BT + 32 + o_32, i_c * BT + o_32, i_hv, HV, USE_DECAY)
 
     # 2. the diagonal blocks by forward substitution (padded rows have A = 0, so their inverse rows are e_r)
     b_Tf, b_Ts = _invert_diag_blocks(b_Ad, o_r)  # (T00, T22), (T11, T33)
@@ -155,7 +167,7 @@ def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
     b_Tlo = cat_rows(cat_cols(b_T00, b_0), cat_cols(b_T10, b_T11))
     b_Thi = cat_rows(cat_cols(b_T22, b_0), cat_cols(b_T32, b_T33))
     b_X = -dot(b_Thi, dot(b_Ahl, b_Tlo, MERGE_PREC, INTERPRET), MERGE_PREC, INTERPRET)
-    return b_Tlo, b_X, b_Thi
+    return b_Tlo, b_X, b_Thi, o_end
 
 
 @triton.jit
@@ -174,11 +186,13 @@ def kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl
                 MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Steps 1–3 for chunk i_c of the sequence at bos: (I + A)⁻¹ as one [BT, BT] fp32 register tile (zero above
     the diagonal). Shared by :func:`kkt_solve_kernel` and the fused pre-pass (``fused_prepass.py``), which keeps it
-    in registers instead of writing A_inv."""
+    in registers instead of writing A_inv. Rows from the chunk's first non-finite β, G or key on are NaN, the rows
+    before exact (``finite.py``)."""
     tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
-    b_Tlo, b_X, b_Thi = _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC,
-                                           USE_DECAY, MERGE_PREC, INTERPRET)
-    return cat_rows(cat_cols(b_Tlo, tl.zeros([32, 32], dtype=tl.float32)), cat_cols(b_X, b_Thi))
+    b_Tlo, b_X, b_Thi, o_end = _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK,
+                                                  DOT_PREC, USE_DECAY, MERGE_PREC, INTERPRET)
+    b_T = cat_rows(cat_cols(b_Tlo, tl.zeros([32, 32], dtype=tl.float32)), cat_cols(b_X, b_Thi))
+    return nan_rows(b_T, i_c * BT + tl.arange(0, BT) >= o_end)
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -23,6 +23,7 @@ import triton.language as tl
 from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
 from .dot import DOT_PRECISIONS, dot
+from .finite import dead_rows, nan_rows, zero_rows
 from .launch import launch
 from .varlen import chunk_bounds
 
@@ -63,13 +64,15 @@ def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T
         b_gc = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
         b_o *= tl.exp(b_gc)[:, None]
         b_P *= tl.exp(tl.where(m_P, b_gc[:, None] - b_gc[None, :], float("-inf")))
-    else:
-        b_P = tl.where(m_P, b_P, 0.)
+    # the mask is a select (after the decay's too): a non-finite key never reaches an earlier row (finite.py)
+    b_P = tl.where(m_P, b_P, 0.)
 
     p_v = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
     b_v = tl.load(p_v, boundary_check=(0, 1))  # fp32, or bf16 (kept: dot() skips the split of a bf16 operand)
-    b_o = (b_o + dot(b_P, b_v, OUT_PREC, INTERPRET)) * scale
+    # P V_new with V_new's rows from its first non-finite row on zeroed, and o's rows from there NaN (finite.py)
+    m_dead = dead_rows(b_v)
+    b_o = nan_rows((b_o + dot(b_P, zero_rows(b_v, m_dead), OUT_PREC, INTERPRET)) * scale, m_dead)
     p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))

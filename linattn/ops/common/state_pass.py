@@ -47,6 +47,7 @@ from . import (
     triton_interpret,
 )
 from .dot import dot
+from .finite import from_first, nan_rows, nonfinite, nonfinite_rows, zero_rows
 from .kkt_solve import a_inv_tile
 from .launch import launch
 
@@ -79,9 +80,15 @@ def _chunk_step(k, w, u, a_inv, beta, gc, h, v_new, b_h, i_c, bos, boh, T_seq, i
                 b_bg = b_beta * tl.exp(tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0))
             p_kr = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, 0), (BT, BK),
                                      (1, 0))
-            b_ks = dot(tl.load(p_kr, boundary_check=(0, 1)), b_h, DOT_PREC, INTERPRET)
+            b_kr = tl.load(p_kr, boundary_check=(0, 1))
+            b_ks = dot(b_kr, b_h, DOT_PREC, INTERPRET)
             b_a = tl.load(a_inv_tile(a_inv, bos, i_c, i_hv, T_seq, HV, BT), boundary_check=(0, 1))
-            b_v = tl.dot(b_a, b_v * b_beta[:, None] - b_ks * b_bg[:, None], input_precision=DOT_PREC)
+            # rows from the first non-finite value, β, βΓ or key on are zeroed before the product and NaN in V_new
+            # (finite.py); found from the inputs alone (a NaN state makes every row NaN anyway), off the chain
+            b_vb = b_v * b_beta[:, None]
+            m_dead = from_first(nonfinite_rows(b_vb) | nonfinite_rows(b_kr) | nonfinite(b_bg))
+            b_v = nan_rows(tl.dot(b_a, zero_rows(b_vb - b_ks * b_bg[:, None], m_dead), input_precision=DOT_PREC),
+                           m_dead)
         else:
             # V_new = U − W S (padded rows of W and U load as 0, so their V_new is 0)
             p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T_seq, K), (HV * K, 1), (i_c * BT, 0), (BT, BK),

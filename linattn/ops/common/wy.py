@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options
+from .finite import dead_rows, nan_rows, zero_rows
 from .kkt_solve import a_inv_tile
 from .varlen import chunk_bounds
 
@@ -49,7 +50,9 @@ def wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.co
              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              DOT_PREC: tl.constexpr):
     """Write W = b_A (βΓ ⊙ K) and U = b_A (β ⊙ V) of chunk i_c, given its inverse b_A [BT, BT] fp32 and the row
-    scales b_beta, b_bg [BT] in registers. Shared by :func:`wy_kernel` and the fused pre-pass."""
+    scales b_beta, b_bg [BT] in registers. Shared by :func:`wy_kernel` and the fused pre-pass. Causal under
+    non-finite inputs (``finite.py``): a tile's rows from its first non-finite row on are zeroed before the dot and
+    are NaN in W and U; b_A's NaN rows (``kkt_inverse``) give NaN rows."""
     # W = A_inv (βΓ ⊙ K): read BT×BK keys, write BT×BK fp32 per tile
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
@@ -57,7 +60,8 @@ def wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.co
         p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T_seq, K), (HV * K, 1), (i_c * BT, i_k * BK),
                                 (BT, BK), (1, 0))
         b_kb = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32) * b_bg[:, None]
-        b_w = tl.dot(b_A, b_kb, input_precision=DOT_PREC)
+        m_dead = dead_rows(b_kb)
+        b_w = nan_rows(tl.dot(b_A, zero_rows(b_kb, m_dead), input_precision=DOT_PREC), m_dead)
         tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
 
     # U = A_inv (β ⊙ V): read BT×BV values, write BT×BV fp32 per tile
@@ -67,7 +71,8 @@ def wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.co
         p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV),
                                 (BT, BV), (1, 0))
         b_vb = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-        b_u = tl.dot(b_A, b_vb, input_precision=DOT_PREC)
+        m_dead = dead_rows(b_vb)
+        b_u = nan_rows(tl.dot(b_A, zero_rows(b_vb, m_dead), input_precision=DOT_PREC), m_dead)
         tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
 
 

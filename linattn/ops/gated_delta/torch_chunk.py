@@ -10,6 +10,15 @@ is tested against it. Tensors live in a *chunked layout*: ``[B, HV, NT, C, d]`` 
     V_new = U − W S,    O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new]
     S ← e^{G_C} S + (K ⊙ e^{G_C − G})ᵀ V_new
 
+Causality under NaN and Inf (what the Triton kernels do too): row i of T, W, U, V_new and O reads rows j ≤ i of the
+chunk, but a product over the chunk's tokens multiplies the later rows by exact zeros, and NaN · 0 = NaN. So every
+such product is a :func:`causal_matmul` (rows of the right operand from its first non-finite row on are zeroed
+before the product, the result's rows from there set to NaN), masks are selects (``decay_matrix``, ``masked_fill``),
+and the solve runs on A with the rows from the first non-finite β, G or ‖k‖² zeroed, its inverse's rows from there
+set to NaN (:func:`kkt_solve_ref`). A non-finite value at token t then reaches the outputs at t and after, and the
+state leaving the chunk, exactly as in the token loop (``reference.py``; per row: a NaN in one entry of v poisons the
+whole row here).
+
 The backward is written out by hand (not autograd), stage by stage, so it is the twin of the Triton backward:
 a reverse pass over chunks carries dS, everything else is parallel over chunks.
 
@@ -58,6 +67,18 @@ def from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     return x.reshape(B, NT * C, HV, *x.shape[4:])[:, :T]
 
 
+def dead_rows(bad: torch.Tensor) -> torch.Tensor:
+    """``[..., C]`` bool: true from the first true of ``bad`` on (the rows a non-finite row feeds)."""
+    return bad.cumsum(-1) > 0
+
+
+def causal_matmul(L: torch.Tensor, Z: torch.Tensor) -> torch.Tensor:
+    """L Z for a lower-triangular L ``[..., C, C]``, computed so that a non-finite row j of Z reaches rows ≥ j only:
+    the rows of Z from its first non-finite row on are zeroed before the product and set to NaN after it."""
+    dead = dead_rows((~torch.isfinite(Z)).any(-1))[..., None]
+    return (L @ Z.masked_fill(dead, 0)).masked_fill(dead, float("nan"))
+
+
 def _causal(C: int, device, strict: bool) -> torch.Tensor:
     return torch.ones(C, C, dtype=torch.bool, device=device).tril(-1 if strict else 0)
 
@@ -80,17 +101,23 @@ def chunk_local_cumsum_ref(g: torch.Tensor) -> torch.Tensor:
 
 
 def kkt_solve_ref(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
-    """T = (I + A)⁻¹ with A = strict_lower(diag(β) K Kᵀ ⊙ D). Returns ``[B, HV, NT, C, C]`` (unit lower)."""
+    """T = (I + A)⁻¹ with A = strict_lower(diag(β) K Kᵀ ⊙ D). Returns ``[B, HV, NT, C, C]`` (unit lower).
+    Rows of T from the first row whose β, G or ‖k‖² is non-finite on are NaN; the rows before are exact (the solve
+    runs on A with those rows zeroed, so nothing non-finite enters the substitution)."""
     C = k.shape[-2]
-    A = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay_matrix(gc, strict=True)
+    kkt = k @ k.transpose(-1, -2)
+    bad = ~(torch.isfinite(beta) & torch.isfinite(gc) & torch.isfinite(kkt.diagonal(dim1=-2, dim2=-1)))
+    dead = dead_rows(bad)[..., None]
+    A = (beta[..., :, None] * kkt * decay_matrix(gc, strict=True)).masked_fill(dead | ~_causal(C, k.device, True), 0)
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
-    return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    A_inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    return A_inv.masked_fill(dead, float("nan"))
 
 
 def wy_ref(A_inv, k, v, beta, gc):
-    """W = T diag(βΓ) K and U = T diag(β) V."""
-    w = A_inv @ (k * (beta * gc.exp())[..., None])
-    u = A_inv @ (v * beta[..., None])
+    """W = T diag(βΓ) K and U = T diag(β) V (causal products: :func:`causal_matmul`)."""
+    w = causal_matmul(A_inv, k * (beta * gc.exp())[..., None])
+    u = causal_matmul(A_inv, v * beta[..., None])
     return w, u
 
 
@@ -112,14 +139,16 @@ def state_pass_fwd_ref(w, u, k, gc, h0: torch.Tensor):
 
 def qk_decay_ref(q, k, gc):
     """P = Q Kᵀ ⊙ D ⊙ causal (inclusive diagonal), ``[B, HV, NT, C, C]``: the state-free part of the output, also
-    stored by the pre-pass for the walk (``fused_prepass.py``, q given). The scale is not folded in."""
-    return (q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)
+    stored by the pre-pass for the walk (``fused_prepass.py``, q given). The scale is not folded in. The mask is a
+    select: a non-finite key never reaches an earlier row."""
+    C = q.shape[-2]
+    return ((q @ k.transpose(-1, -2)) * decay_matrix(gc, strict=False)).masked_fill(~_causal(C, q.device, False), 0)
 
 
 def output_fwd_ref(q, k, v_new, h, gc, scale: float):
     """O = scale·[diag(Γ) Q S + (Q Kᵀ ⊙ D ⊙ causal) V_new]."""
     o_inter = (q * gc.exp()[..., None]) @ h
-    return scale * (o_inter + qk_decay_ref(q, k, gc) @ v_new)
+    return scale * (o_inter + causal_matmul(qk_decay_ref(q, k, gc), v_new))
 
 
 def block_chunks(k: torch.Tensor, v: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> int:

@@ -1,0 +1,51 @@
+"""Causality under NaN and Inf: a non-finite value at token t reaches no output before t.
+
+Row i of a chunk's T = (I + A)⁻¹, W, U, V_new and O reads rows j ≤ i only, but the products over the chunk's tokens
+(T Z for the WY form and V_new from A_inv, P V_new for the output) multiply the later rows of Z by exact zeros of
+row i, and NaN · 0 = NaN: one non-finite row of Z would reach every earlier row of its chunk. So the kernels zero
+the rows of Z from its first non-finite row on before such a product and set the result's rows from there to NaN
+(:func:`dead_rows`, :func:`zero_rows`, :func:`nan_rows`), and mask with selects, never with a multiply by 0. The
+state leaving the chunk then becomes NaN on its own (its product over the tokens reads the NaN rows), as the token
+loop's does. Twin: ``torch_chunk.causal_matmul``. On finite inputs the selects change nothing; their cost is a
+compare and a row reduction on tiles already in registers.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def nonfinite(x):
+    """Elementwise: NaN, +inf or −inf."""
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
+def nonfinite_rows(x):
+    """[R] bool of x [R, C]: the rows that hold a non-finite value."""
+    return tl.sum(nonfinite(x.to(tl.float32)).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def from_first(bad):
+    """[R] bool: true from the first true row of ``bad`` [R] on (the rows a non-finite row feeds)."""
+    return tl.cumsum(bad.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def dead_rows(x):
+    """[R] bool of x [R, C]: true from its first row that holds a non-finite value on."""
+    return from_first(nonfinite_rows(x))
+
+
+@triton.jit
+def zero_rows(x, dead):
+    """x [R, C] with the rows where ``dead`` [R] is true set to 0 (a select: NaN and Inf go too)."""
+    return tl.where(dead[:, None], 0., x)
+
+
+@triton.jit
+def nan_rows(x, dead):
+    """x [R, C] with the rows where ``dead`` [R] is true set to NaN."""
+    return tl.where(dead[:, None], float("nan"), x)

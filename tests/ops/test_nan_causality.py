@@ -1,0 +1,155 @@
+"""Causality under NaN and Inf (issue 46, item 4): a non-finite value in one token's q, k, v, g or β reaches exactly
+the outputs the float64 reference (a token loop) makes non-finite: o at that token and after it in the same
+sequence (only at that token for q), the value heads that read it, and their final states; never an earlier token
+of its chunk (NaN · 0 in a masked chunk product), another head, or another sequence.
+
+Every chunked forward on the CPU: the torch backend, the Triton split forward (W and U from the pre-pass; A_inv
+formed in the state pass; segments stitched through affine maps), the Triton walk (plain and segmented), the
+unfused stages the backward recomputes (fp32 under the interpreter) and gated linear attention. The pattern is
+compared per (token, value head) row: a row is non-finite when any of its entries is (a NaN in one entry of v
+poisons only that column in the reference, whole V tiles in the kernels). Rows the reference leaves finite must
+also match its values. The backward must not crash. bf16 and the Hopper forward are checked on the GPU
+(benchmarks/gpu_check_edges.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.ops.common import split_fwd as split_module
+from linattn.ops.common.seq_parallel import fused_fwd_seq_parallel
+from linattn.ops.gated_delta import triton_chunk
+from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+from linattn.ops.gated_linear.chunk import gated_linear_attention
+from linattn.ops.gated_linear.reference import gated_linear_attention_reference
+
+B, H, HV, K, V = 2, 1, 2, 16, 16
+T = 150                      # three chunks: the plant sits in the second, after its first tokens
+T0 = 70
+# (name, tensor, index into it, value); q and k planted in key head 0 (both value heads read it), the rest in value
+# head 1 (head 0 must stay finite); k and v in one entry only
+PLANTS = {
+    "q-nan": ("q", (1, T0, 0, 3), float("nan")),
+    "k-nan": ("k", (1, T0, 0, 5), float("nan")),
+    "k-inf": ("k", (1, T0, 0, 5), float("-inf")),
+    "v-nan": ("v", (1, T0, 1, 2), float("nan")),
+    "v-inf": ("v", (1, T0, 1, 2), float("inf")),
+    "g-nan": ("g", (1, T0, 1), float("nan")),
+    "g-inf": ("g", (1, T0, 1), float("inf")),
+    "beta-nan": ("beta", (1, T0, 1), float("nan")),
+}
+TOL = 1e-5   # relative RMS against float64 on the rows the reference leaves finite (fp32, as test_edge_gates.py)
+
+
+def make(plant, seqlens=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    b = 1 if seqlens else B
+    t = sum(seqlens) if seqlens else T
+    x = dict(q=torch.randn(b, t, H, K, generator=gen), k=F.normalize(torch.randn(b, t, H, K, generator=gen), dim=-1),
+             v=torch.randn(b, t, HV, V, generator=gen),
+             g=F.logsigmoid(torch.randn(b, t, HV, generator=gen) + 2.0) / 8,    # weak decay: the state matters
+             beta=torch.rand(b, t, HV, generator=gen))
+    name, index, value = plant
+    x[name][index] = value
+    h0 = torch.randn(len(seqlens) if seqlens else b, HV, K, V, generator=gen)
+    return x, h0
+
+
+def reference(x, h0, offsets=None):
+    o, ht = gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, h0, offsets)
+    return o, ht
+
+
+def assert_same_pattern(o, ht, ro, rht):
+    bad, rbad = ~torch.isfinite(o).all(-1), ~torch.isfinite(ro).all(-1)
+    assert rbad.any(), "the plant must reach some output"
+    leaked = bad & ~rbad
+    assert not leaked.any(), f"non-finite outside the reference's cone at (b, t, head) {leaked.nonzero().tolist()[:8]}"
+    missed = rbad & ~bad
+    assert not missed.any(), f"finite where the reference is not at {missed.nonzero().tolist()[:8]}"
+    hbad, rhbad = ~torch.isfinite(ht).flatten(2).all(-1), ~torch.isfinite(rht).flatten(2).all(-1)
+    assert torch.equal(hbad, rhbad), f"final states non-finite at {hbad.nonzero().tolist()}, " \
+                                     f"want {rhbad.nonzero().tolist()}"
+    keep = ~rbad
+    err = ((o[keep].double() - ro[keep]).norm() / ro[keep].norm()).item()
+    assert err <= TOL, f"finite rows differ from the reference: {err:.2e}"
+
+
+def run_op(x, h0, backend, path="auto", cu_seqlens=None):
+    return chunk_gated_delta_rule_on_path(path, x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0,
+                                          output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+
+
+PATHS = ["torch", pytest.param("split", marks=pytest.mark.interpreter),
+         pytest.param("walk", marks=pytest.mark.interpreter)]
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+@pytest.mark.parametrize("path", PATHS)
+def test_forward_confines_the_plant(path, plant):
+    x, h0 = make(PLANTS[plant])
+    o, ht = run_op(x, h0, "torch" if path == "torch" else "triton", "auto" if path == "torch" else path)
+    assert_same_pattern(o, ht, *reference(x, h0))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_varlen_plant_stays_in_its_sequence(path):
+    seqlens = [T, 90]        # the plant is in the first sequence (token T0); the second shares its last chunk's row
+    plant = ("v", (0, T0, 1, 2), float("nan"))
+    x, h0 = make(plant, seqlens)
+    offsets = [0, seqlens[0], sum(seqlens)]
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    o, ht = run_op(x, h0, "torch" if path == "torch" else "triton", "auto" if path == "torch" else path, cu)
+    assert_same_pattern(o, ht, *reference(x, h0, offsets))
+
+
+def _split_segmented(q, k, v, g, beta, scale, h0, cu_seqlens, offsets):
+    gc, *wy = triton_chunk.fused_prepass(g, k, v, beta, cu_seqlens, None)
+    return split_module.split_fwd(q, k, wy, gc, scale, h0, v.dtype, None, None, None, None, segment_chunks=1)
+
+
+def _walk_segmented(q, k, v, g, beta, scale, h0, cu_seqlens, offsets):
+    gc, w, u, p = triton_chunk.fwd_prepass(q, k, v, g, beta)
+    return fused_fwd_seq_parallel(q, k, w, u, gc, scale, h0, v.dtype, segment_chunks=1, p=p)
+
+
+def _stages(q, k, v, g, beta, scale, h0, cu_seqlens, offsets):
+    st = triton_chunk.chunk_gated_delta_rule_fwd_stages(q, k, v, g, beta, scale, h0, cu_seqlens, offsets)
+    return st.o, st.final_state
+
+
+# the Triton forwards the op's dispatch reaches only at larger shapes, and the stages of the backward's recompute
+VARIANTS = {"split-a-inv": triton_chunk.forward_split, "split-segmented": _split_segmented,
+            "walk-segmented": _walk_segmented, "stages": _stages}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("plant", ["q-nan", "k-nan", "v-nan", "g-nan", "beta-nan"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_triton_variants_confine_the_plant(variant, plant, monkeypatch):
+    if variant == "split-a-inv":     # A_inv formed in the state pass (split_fwd.wy_in_state_pass) at any pair count
+        monkeypatch.setattr(split_module, "WY_IN_STATE_PASS_MIN_PAIRS", 1)
+    x, h0 = make(PLANTS[plant])
+    o, ht = VARIANTS[variant](x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, h0, None, None)
+    assert_same_pattern(o, ht, *reference(x, h0))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_backward_runs(path):
+    """The backward of a forward with a NaN does not crash, and the gradients of the other batch row are finite."""
+    x, h0 = make(PLANTS["v-nan"])
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = run_op(leaves, h0, "torch" if path == "torch" else "triton", "auto" if path == "torch" else path)
+    ((o * torch.randn_like(o)).sum() + ht.sum()).backward()
+    for n, t in leaves.items():
+        assert t.grad is not None and torch.isfinite(t.grad[0]).all(), n
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_gated_linear_attention_confines_the_plant(plant):
+    x, h0 = make(PLANTS[plant])
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o, ht = gated_linear_attention(*args, initial_state=h0, output_final_state=True)
+    assert_same_pattern(o, ht, *gated_linear_attention_reference(*args, K ** -0.5, h0))
