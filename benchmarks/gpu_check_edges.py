@@ -3,8 +3,12 @@
 Gate cases (item 1): a −inf log decay (a full forget) at one token, and −3e38 at two tokens of one head (the
 chunk-local sums overflow); each path must give the float64 reference's finite answer, forward and backward.
 Every path floors g at ``linattn.ops.utils.MIN_LOG_DECAY`` where it first reads it; dg is 0 below the floor.
-NaN cases (item 4): a NaN in one token's k, v, g or β must not reach any output before that token, nor another
-sequence; outputs before it must equal the clean run's.
+NaN cases (item 4): a NaN (or Inf) in one token's q, k, v, g or β, planted in one head of the first sequence, must
+make exactly the outputs the float64 reference makes non-finite (per (token, value head) row: o at that token and
+after it, only at it for q, in the value heads that read it, and their final states): never an earlier token of its
+chunk (NaN · 0 in a masked chunk product), another head or another sequence; every row the reference leaves finite
+must equal the clean run's exactly; the backward (paths that have one) must run, with finite gradients in the other
+sequence.
 
 Paths: the op's Triton forward forced to "split", "walk" and "hopper" (the Hopper forward through the op; inputs it
 does not take fall back to Triton, marked in the table), the Triton backward, the torch backend on the GPU, the
@@ -15,8 +19,11 @@ recurrent op, the decode step (token by token over a pool) and gated linear atte
 Columns: finite (o, final state, every gradient), o_err / ht_err (relative L2 against float64), clean_err (the same
 path on the same inputs with the edge gates replaced by ordinary ones: the path's own error level), dg0 (dg at the
 edge tokens is exactly 0), grad_err (worst relative L2 of a gradient against float64 autograd, where the latter is
-finite), before_eq (NaN cases: max |o − o_clean| over tokens before the NaN and over the other sequence; 0 passes).
-PASS: finite, o_err and ht_err ≤ 2 × max(clean_err, the rounding floor), dg0; NaN cases: before_eq == 0.
+finite); NaN cases: cone (the non-finite rows of o and of the final state are the reference's), before_eq (max
+|o − o_clean| over the rows the reference leaves finite; 0 passes), grads_ok (the backward ran and the other
+sequence's gradients are finite; blank without a backward).
+PASS: finite, o_err and ht_err ≤ 2 × max(clean_err, the rounding floor), dg0; NaN cases: cone, before_eq == 0,
+grads_ok.
 """
 from __future__ import annotations
 
@@ -38,7 +45,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 B, T, H, HV, K, V = 2, 300, 4, 8, 128, 128
 EDGE_T = 100
 GATES = {"g=-inf": [(EDGE_T, 0, float("-inf"))], "g=-3e38 x2": [(70, 1, -3e38), (130, 1, -3e38)]}
-NANS = ("k", "v", "g", "beta")
+# NaN cases: the tensor, the planted element (sequence 0, token EDGE_T; key head 1 for q and k, which value heads 2
+# and 3 read; value head 1 otherwise; one entry of q, k and v) and its value
+NANS = {"NaN in q": ("q", (0, EDGE_T, 1, 5), float("nan")), "NaN in k": ("k", (0, EDGE_T, 1, 5), float("nan")),
+        "NaN in v": ("v", (0, EDGE_T, 1, 5), float("nan")), "Inf in v": ("v", (0, EDGE_T, 1, 5), float("inf")),
+        "NaN in g": ("g", (0, EDGE_T, 1), float("nan")), "NaN in beta": ("beta", (0, EDGE_T, 1), float("nan"))}
 SCALE = K ** -0.5
 
 
@@ -147,15 +158,28 @@ def gate_row(name, dtype, case, edits):
     return row
 
 
-def nan_row(name, dtype, field):
-    call, _, _ = PATHS[name]
+def nan_row(name, dtype, case):
+    call, backward, kind = PATHS[name]
+    field, index, value = NANS[case]
     x, h0, do, dht = inputs(dtype)
     clean = run(call, False, x, h0, do, dht)[0]
-    x[field][0, EDGE_T] = float("nan")
-    o = run(call, False, x, h0, do, dht)[0]
-    diff = max((o[0, :EDGE_T].float() - clean[0, :EDGE_T].float()).abs().max().item(),
-               (o[1].float() - clean[1].float()).abs().max().item())   # NaN compares as NaN: reported as is
-    return dict(path=name, dtype=str(dtype)[6:], case=f"NaN in {field}", before_eq=diff, PASS=diff == 0)
+    x[field][index] = value
+    o, ht, _ = run(call, False, x, h0, do, dht)
+    fn = gated_delta_rule_reference if kind == "gdn" else gated_linear_attention_reference
+    ro, rht = fn(*(x[n].double().cpu() for n in ("q", "k", "v", "g", "beta")), SCALE, h0.double().cpu())
+    rbad = ~torch.isfinite(ro).all(-1)                                   # [B, T, HV]
+    cone = bool(torch.equal(~torch.isfinite(o.cpu()).all(-1), rbad)
+                and torch.equal(~torch.isfinite(ht.cpu()).flatten(2).all(-1), ~torch.isfinite(rht).flatten(2).all(-1)))
+    keep = ~rbad
+    diff = (o.cpu()[keep].float() - clean.cpu()[keep].float()).abs().max().item()  # NaN compares as NaN: reported
+    row = dict(path=name, dtype=str(dtype)[6:], case=case, cone=cone, before_eq=diff)
+    ok = cone and diff == 0
+    if backward:
+        grads = run(call, True, x, h0, do, dht)[2]
+        row["grads_ok"] = all(bool(torch.isfinite(d[1]).all()) for d in grads)
+        ok = ok and row["grads_ok"]
+    row["PASS"] = ok
+    return row
 
 
 def main():
@@ -171,17 +195,16 @@ def main():
                 except Exception as e:   # a path that fails is a row, not the end of the check
                     rows.append(dict(path=name, dtype=str(dtype)[6:], case=case, error=f"{type(e).__name__}: {e}"))
                 print(rows[-1], flush=True)
-            for field in NANS:
+            for case in NANS:
                 try:
-                    rows.append(nan_row(name, dtype, field))
+                    rows.append(nan_row(name, dtype, case))
                 except Exception as e:
-                    rows.append(dict(path=name, dtype=str(dtype)[6:], case=f"NaN in {field}",
-                                     error=f"{type(e).__name__}: {e}"))
+                    rows.append(dict(path=name, dtype=str(dtype)[6:], case=case, error=f"{type(e).__name__}: {e}"))
                 print(rows[-1], flush=True)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (interpreter)"
     print(f"\n{card}, B={B} T={T} H={H} HV={HV} K=V={K}, edge token {EDGE_T}")
     cols = ("path", "dtype", "case", "finite", "o_err", "ht_err", "clean_err", "floor", "dg0", "grad_err",
-            "before_eq", "PASS", "error")
+            "cone", "before_eq", "grads_ok", "PASS", "error")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
