@@ -169,9 +169,12 @@ def test_prepass_compiles_for_sm90a():
     layouts and its launch bounds."""
     src = prepass.compiled_kernel(16, 16, 128, "float32", target="sm_90a").get_kernel_source()
     # 1. the key tile by two TMA boxes (64 columns each) behind one mbarrier, not per-thread loads; each gate read
-    # as max(g, −104) (LOG_DECAY_FLOOR)
+    # as g < −104 ? −104 : g (LOG_DECAY_FLOOR), a select that keeps a NaN gate NaN (max(g, −104) would drop it)
     assert src.count("tma_load(k_desc") == 1 and "arrive_and_expect_tx(16384)" in src
-    assert src.count(", -0x1.ap+6f/*-1.040000e+02*/)") == 1 and "= max(g[" in src
+    assert "if ((gi < -0x1.ap+6f/*-1.040000e+02*/)) {" in src and "max(g[" not in src
+    # 2. the chunk's first non-finite row (gc, β ‖k‖²) by a shared atomic min on the diagonal's bad elements; gc's
+    # rows from it rewritten as NaN; A_inv's rows from it NaN
+    assert src.count("AtomicMin(") == 1 and "isfinite(" in src and "] = CUDART_NAN_F;" in src
     # 2. one wgmma; the elements from registers alone (β_i, gc_i per row and gc_j per column loaded once)
     assert src.count("wgmma_ss<") == 1
     assert "Gr[i_1] = ((float*)gcs)[" in src and "*(float2*)(Gcol + (i_2 * 2)) = *(float2*)(((float*)gcs)" in src

@@ -32,6 +32,13 @@ O = scale · Γ ⊙ Q S_b + P bf16(V_new). e^x is ex2.approx (fast math). Reads 
 Q, K (BT × K), V (BT × BV), A_inv (BT × BT), gc (head-major, :func:`head_major`, so that a chunk's 64 values are one
 contiguous copy); writes O (BT × BV) by TMA. Shapes are compiled per (H, HV, K, V, BV, scale); B and T are symbolic
 (a new T costs no compile).
+
+Causality under NaN and Inf (``common/finite.py``): the pre-pass sets gc to NaN from a chunk's first row whose gc,
+β or key is non-finite, and A_inv diag(β)'s rows from there to NaN. Here a row whose Γ is not finite has X = 0 (A_inv
+X would multiply it by the zeros of every earlier row), and one whose ρ is not finite V_d = 0 (the same for P V_d);
+those rows' o is NaN through Γ, and the state through ln a += ln γ (the chunk's last gc is NaN). A chunk with such a
+row never renormalises (the comparison with NaN is false). A non-finite v is not found (a row reduction across the
+warps per chunk): it still reaches the earlier rows of its chunk.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import math
@@ -351,7 +358,8 @@ def chunk_step_macro(kernel):
         T.wait_wgmma(2 if store_output and outputs else 0)     # K S done (X needs only it)
         for i, j in T.Parallel(BT, BV):
             vij = t.Vr[i, j] * t.v_on if affine else t.Vr[i, j]
-            t.KS[i, j] = vij - t.Gam[i] * t.KS[i, j]
+            # 0 on a row whose Γ is not finite: the rows a non-finite gc, β or key feeds (the module docstring)
+            t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), vij - t.Gam[i] * t.KS[i, j], 0.0)
         T.copy(t.KS, t.Xs)
         if store_output:
             T.wgmma_gemm(t.As, t.Xs, t.Vn, clear_accum=True)
@@ -377,8 +385,8 @@ def chunk_step_macro(kernel):
             else:               # P without its decays; no V_new tile
                 form_p(t.QK, t.Ps, t.Gsc, t.gcs, False)
                 T.wait_wgmma(0)
-        for i, j in T.Parallel(BT, BV):
-            t.Vn[i, j] = t.Vn[i, j] * t.Rho[i]
+        for i, j in T.Parallel(BT, BV):      # 0 on a row whose ρ is not finite (the module docstring)
+            t.Vn[i, j] = T.if_then_else(T.isfinite(t.Rho[i]), t.Vn[i, j] * t.Rho[i], 0.0)
         T.copy(t.Vn, t.Vds)
 
     @T.macro

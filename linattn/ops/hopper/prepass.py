@@ -26,6 +26,12 @@ operand), the chunk's map bound (``map_bound.py``: the two warps idle in step 3 
 ‖k_i‖², kept on the diagonal blocks' unused diagonals), and gc and β straight into the layout the walk loads
 (``chunk_fwd.head_major``'s ``[B·S, HV, Lp]``, per segment when the forward is cut into S segments, which both
 kernels take as B·S sequences): no head-major copies.
+
+Causality under NaN and Inf (``common/finite.py``): the chunk's first row whose gc, β or β_i ‖k_i‖² is non-finite
+(found in step 2 from K Kᵀ's diagonal, a shared atomic min on the rare bad row) ends A: its rows from there are 0,
+so the solve sees finite values only; A_inv diag(β)'s rows from there are NaN (its columns there 0), gc's rows from
+there NaN (so the walk finds the rows a bad token feeds from gc alone, and the chunk's last gc, the state's decay,
+is NaN), and the chunk's map bound +inf (its map is unbounded: never negligible).
 Twin: :func:`prepass_hopper_ref`.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
@@ -45,6 +51,7 @@ D = 16            # the diagonal blocks' size: four per chunk
 # the floor already contributes exactly the zeros the floor does, and every g at or above it is read unchanged
 LOG_DECAY_FLOOR = MIN_LOG_DECAY
 THREADS = 2 * BT  # one warpgroup: K Kᵀ's wgmma, 64 solving threads and two warps for the map bound
+NAN = float("nan")  # the rows a non-finite input feeds (T.float32(NAN): TileLang takes the constant from here)
 
 
 def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32"):
@@ -87,6 +94,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32"):
             bs = T.alloc_shared((BT,), ACC)
             bl = T.alloc_local((1,), ACC)
             bparts = T.alloc_shared((2,), ACC)    # the map bound's sums over the chunk's two halves
+            first_bad = T.alloc_shared((1,), "int32")   # the chunk's first non-finite row (BT: none)
             # A's blocks. A diagonal block's rows are read by 16 threads at once (one per column): the padded block
             # stride (17 rows) puts the two blocks a warp reads in different banks
             Ad = T.alloc_shared((4, D + 1, D + a_row_pad), ACC)
@@ -117,20 +125,22 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32"):
                                    + i * (stride_lo + h * (stride_hi - stride_lo)) + j)
             T.annotate_layout(layouts)
 
-            steps.load_chunk(k, g, beta, gc_hm, beta_hm, Ks, gs, gcs, bs, ib, ih, ihv, c)
-            steps.form_a(Ks, KK, gcs, bs, Gr, Br, Gcol, Ad, Ao, Ahl, Tq)
             tx = T.get_thread_binding()
+            steps.load_chunk(k, g, beta, gc_hm, beta_hm, Ks, gs, gcs, bs, first_bad, tx, ib, ih, ihv, c)
+            steps.form_a(Ks, KK, gcs, bs, Gr, Br, Gcol, Ad, Ao, Ahl, Tq, first_bad, gc_hm, ib, ihv, c)
+            fb = first_bad[0]
             steps.solve_diagonal_blocks(tx, Ad, Tq, x, bl, bparts)
             T.sync_threads()
             if tx == 4 * D:
-                bound[ib, ihv, c] = gcs[BT - 1] * LOG2E + bparts[0] + bparts[1]
+                bound[ib, ihv, c] = T.if_then_else(fb < BT, T.infinity(ACC),
+                                                   gcs[BT - 1] * LOG2E + bparts[0] + bparts[1])
             # 4. the blocks below the diagonal blocks, both halves at once: Y1 = A_10 T_00, then T_10 = −T_11 Y1
             steps.below_diagonal_blocks(tx, Ao, Tq, Y1, af, bf, cf)
             # 5. the lower-left quadrant X = −T_hi (A_hl T_lo) on tensor cores
             T.gemm(Ahl[:, 0:2 * D], Tq[0, :, 0:2 * D], Z2, clear_accum=True)
             T.copy(Z2, Y2[:, 0:2 * D])
             T.gemm(Tq[1, :, 0:2 * D], Y2[:, 0:2 * D], Z2, clear_accum=True)
-            steps.store_a_inv(a_inv, Tq, Z2, bs, Bl, Bh, Out, ib, ihv, c)
+            steps.store_a_inv(a_inv, Tq, Z2, bs, Bl, Bh, Out, fb, ib, ihv, c)
 
     return gdn_prepass
 
@@ -142,14 +152,17 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
     import tilelang.language as T
 
     @T.macro
-    def load_chunk(k, g, beta, gc_hm, beta_hm, Ks, gs, gcs, bs, ib, ih, ihv, c):
-        """1. keys, gates (at least :data:`LOG_DECAY_FLOOR`) and βs of the chunk (past the sequence's end: zero keys,
-        g = 0, β = 0). The key tile by TMA
+    def load_chunk(k, g, beta, gc_hm, beta_hm, Ks, gs, gcs, bs, first_bad, tx, ib, ih, ihv, c):
+        """1. keys, gates (at least :data:`LOG_DECAY_FLOOR`, by a select: a NaN stays NaN) and βs of the chunk (past
+        the sequence's end: zero keys, g = 0, β = 0). The key tile by TMA
         (one bulk copy per 64 columns and an mbarrier wait; rows past the end come back as zeros), not through the
         L1 / shared pipe that bounds the pre-pass; gc and β written in the walk's head-major layout."""
         TC.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks, prefer_instruction="tma")
+        if tx == 0:
+            first_bad[0] = BT
         for i in T.Parallel(BT):
-            gs[i] = T.if_then_else(c * BT + i < Tn, T.max(g[ib, c * BT + i, ihv], LOG_DECAY_FLOOR), 0.0)
+            gi = g[ib, c * BT + i, ihv]
+            gs[i] = T.if_then_else(c * BT + i < Tn, T.if_then_else(gi < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, gi), 0.0)
             bs[i] = T.if_then_else(c * BT + i < Tn, T.cast(beta[ib, c * BT + i, ihv], ACC), 0.0)
         T.cumsum(gs, gcs, dim=0)
         # rows from T to Tp (the padding of the last chunk) are zero
@@ -160,14 +173,16 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
                                                               T.cast(0.0, beta_dtype))
 
     @T.macro
-    def form_a(Ks, KK, gcs, bs, Gr, Br, Gcol, Ad, Ao, Ahl, Tq):
+    def form_a(Ks, KK, gcs, bs, Gr, Br, Gcol, Ad, Ao, Ahl, Tq, first_bad, gc_hm, ib, ihv, c):
         """2. A = strictly_lower(β_i (K Kᵀ)_ij e^{gc_i − gc_j}), into its blocks. Branch-free: the exponent is −∞
         above the diagonal (where gc_i − gc_j can be large and positive), so e^… = 0 there, and 0 on it, so the
         diagonal blocks' own diagonals, which the solve never reads, keep β_i ‖k_i‖² for the map bound. Each store
         goes to the one block holding (i, j) under its own predicate (no else: an if / elif chain compiles to
         branches around every element). Two loops over K Kᵀ's registers, A's elements first (in place), then their
         stores: in one loop nvcc, unable to tell the blocks' stores from gcs and bs (one shared buffer), reloads β_i,
-        gc_i and gc_j after every store."""
+        gc_i and gc_j after every store. Rows from the chunk's first non-finite gc, β or β_i ‖k_i‖² on are 0 (the
+        module docstring): that row, a shared atomic min of the rows that have one (none: no atomic), goes to
+        ``first_bad``, and gc's rows from it are rewritten as NaN."""
         T.gemm(Ks, Ks, KK, transpose_B=True, clear_accum=True)
         # β_i and gc_i in K Kᵀ's row layout, gc_j in its column layout (a thread's 2 rows and 16 columns), so the
         # elements read registers only (no load in the exponent's select: nvcc branches around loads)
@@ -177,7 +192,15 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
         for j in T.Parallel(BT):     # a loop of its own: Gcol takes the columns' layout
             Gcol[j] = gcs[j]
         for i, j in T.Parallel(BT, BT):
-            KK[i, j] = Br[i] * KK[i, j] * T.exp2(T.Select(i >= j, (Gr[i] - Gcol[j]) * LOG2E, -T.infinity(ACC)))
+            if i == j:
+                if (not T.isfinite(Br[i] * KK[i, j])) or (not T.isfinite(Gr[i])):
+                    T.atomic_min(first_bad[0], i)
+        T.sync_threads()
+        fb = first_bad[0]
+        for i, j in T.Parallel(BT, BT):
+            KK[i, j] = T.if_then_else((i < fb) & (i >= j),
+                                      Br[i] * KK[i, j] * T.exp2(T.Select(i >= j, (Gr[i] - Gcol[j]) * LOG2E,
+                                                                         -T.infinity(ACC))), 0.0)
         for i, j in T.Parallel(BT, BT):
             a = KK[i, j]
             if i // D == j // D:
@@ -188,6 +211,9 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
                 Ahl[i - 2 * D, j] = a
         for h, i, j in T.Parallel(2, 2 * D, 2 * D):
             Tq[h, i, j] = 0.0                    # the quadrants above the blocks stay zero
+        for i in T.Parallel(BT):
+            if (i >= fb) and (c * BT + i < Tn):
+                gc_hm[ib, ihv, c * BT + i] = T.float32(NAN)
         # every thread's A before the column solves, which only 64 threads run
         T.sync_threads()
 
@@ -256,19 +282,23 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
                         Tq[h, D + g + 8 * r, 8 * ni + 2 * t + e] = -cf[4 * ni + 2 * r + e]
 
     @T.macro
-    def store_a_inv(a_inv, Tq, Z2, bs, Bl, Bh, Out, ib, ihv, c):
+    def store_a_inv(a_inv, Tq, Z2, bs, Bl, Bh, Out, fb, ib, ihv, c):
         """6. A_inv diag(β) = [[T_lo, 0], [X, T_hi]] diag(β) in bf16, rows past the sequence's end not written. The
         columns' β in X's column layout, loaded once (between the stores to Out nvcc would reload them from shared
-        memory: one buffer)."""
+        memory: one buffer). Rows from ``fb`` (the chunk's first non-finite row) on are NaN, columns from it 0."""
         for j in T.Parallel(2 * D):
             Bl[j] = bs[j]
         for j in T.Parallel(2 * D):      # loops of their own: each fragment takes the columns' layout
             Bh[j] = bs[2 * D + j]
+        for j in T.Parallel(2 * D):      # in registers: the columns from fb on are 0 (their β may be NaN)
+            Bl[j] = T.if_then_else(j < fb, Bl[j], 0.0)
+        for j in T.Parallel(2 * D):
+            Bh[j] = T.if_then_else(2 * D + j < fb, Bh[j], 0.0)
         for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
-            Out[i, j] = Tq[0, i, j] * Bl[j]
-            Out[i, 2 * D + j] = 0.0
-            Out[2 * D + i, j] = -Z2[i, j] * Bl[j]
-            Out[2 * D + i, 2 * D + j] = Tq[1, i, j] * Bh[j]
+            Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j] * Bl[j], T.float32(NAN))
+            Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
+            Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j] * Bl[j], T.float32(NAN))
+            Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j] * Bh[j], T.float32(NAN))
         T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
 
     return types.SimpleNamespace(load_chunk=load_chunk, form_a=form_a, solve_diagonal_blocks=solve_diagonal_blocks,
