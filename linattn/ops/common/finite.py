@@ -6,8 +6,14 @@ row i, and NaN · 0 = NaN: one non-finite row of Z would reach every earlier row
 the rows of Z from its first non-finite row on before such a product and set the result's rows from there to NaN
 (:func:`dead_rows`, :func:`zero_rows`, :func:`nan_rows`), and mask with selects, never with a multiply by 0. The
 state leaving the chunk then becomes NaN on its own (its product over the tokens reads the NaN rows), as the token
-loop's does. Twin: ``torch_chunk.causal_matmul``. On finite inputs the selects change nothing; their cost is a
-compare and a row reduction on tiles already in registers.
+loop's does. Twin: ``torch_chunk.causal_matmul``.
+
+Where the inputs are first read, the row reductions run: the solve (the first non-finite β, G or ‖k‖², from
+[BT] vectors), the V tiles of U (the pre-pass, ``wy.py``) and of V_new from A_inv (``state_pass.py``, off the
+sequential chain). So every stored W, U and V_new has its non-finite rows *closed downward* (each row after a
+non-finite row is non-finite), and the output products downstream (``output.py``, the walk) need only elementwise
+selects: V_new's non-finite entries zeroed before P V_new and o NaN there. On finite inputs the selects change
+nothing; their cost is a compare per element, and a row reduction where the inputs are read.
 """
 from __future__ import annotations
 

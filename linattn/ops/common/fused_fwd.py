@@ -63,7 +63,7 @@ from . import (
     triton_interpret,
 )
 from .dot import DOT_PRECISIONS, dot
-from .finite import dead_rows, nan_rows, zero_rows
+from .finite import nonfinite
 
 
 @triton.jit
@@ -113,10 +113,11 @@ def _fused_chunk(q, k, w, u, gc, p, o, b_h, scale, i_c, bos, T_seq, i_h, i_hv, i
         # Q stays in the input dtype: dot widens it to fp32 only where Triton's precisions need matching dtypes
         # (bf16x3 multiplies a bf16 Q as it is, which saves the fp32 copy's registers)
         b_o = dot(b_q, b_h, DOT_PREC, INTERPRET) * tl.exp(b_gc)[:, None]
-        # P V_new with V_new's rows from its first non-finite row on zeroed and o's rows from there NaN (finite.py);
-        # the state update below reads V_new as it is: the state leaving the chunk is NaN then, as it should be
-        m_dead = dead_rows(b_v)
-        b_o = nan_rows((b_o + dot(b_P, zero_rows(b_v, m_dead), DOT_PREC, INTERPRET)) * scale, m_dead)
+        # P V_new with V_new's non-finite entries zeroed and o NaN there: V_new's non-finite rows are closed
+        # downward (finite.py); the state update below reads V_new as it is, so the state leaving the chunk is NaN
+        m_bad = nonfinite(b_v)
+        b_pv = dot(b_P, tl.where(m_bad, 0., b_v).to(b_v.dtype), DOT_PREC, INTERPRET)
+        b_o = tl.where(m_bad, float("nan"), (b_o + b_pv) * scale)
         p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                                 (1, 0))
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))

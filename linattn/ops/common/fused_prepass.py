@@ -88,8 +88,8 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk
 
     # 3. (I + A)⁻¹ as one [BT, BT] register tile (reads BT×K keys, BT gates and betas); K Kᵀ runs on the inputs
     #    (INPUT_PREC), W and U on the fp32 inverse (DOT_PREC)
-    b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True, MERGE_PREC,
-                      INTERPRET)
+    b_A, m_dead = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, INPUT_PREC, True,
+                              MERGE_PREC, INTERPRET)
 
     if STORE_A_INV:
         # 4'. write A_inv [BT, BT] fp32 (the chunk's rows; zeros above the diagonal included): the state pass forms
@@ -100,7 +100,8 @@ def fused_prepass_kernel(g, k, v, beta, q, gc, w, u, p, a_inv, cu_seqlens, chunk
         # 4. W = A_inv (βΓ ⊙ K), U = A_inv (β ⊙ V): read BT×(K + V) inputs, write BT×(K + V) fp32
         b_beta = tl.load(beta + o_g, mask=m_t, other=0).to(tl.float32)
         b_bg = b_beta * tl.exp(b_gc)
-        wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
+        wy_tiles(b_A, m_dead, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV,
+                 DOT_PREC)
 
 
 def fused_prepass(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,

@@ -186,13 +186,14 @@ def kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl
                 MERGE_PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Steps 1–3 for chunk i_c of the sequence at bos: (I + A)⁻¹ as one [BT, BT] fp32 register tile (zero above
     the diagonal). Shared by :func:`kkt_solve_kernel` and the fused pre-pass (``fused_prepass.py``), which keeps it
-    in registers instead of writing A_inv. Rows from the chunk's first non-finite β, G or key on are NaN, the rows
-    before exact (``finite.py``)."""
+    in registers instead of writing A_inv; and the [BT] mask of the rows from the chunk's first non-finite β, G or
+    key on, where the inverse's rows are NaN (the rows before are exact: ``finite.py``)."""
     tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
     b_Tlo, b_X, b_Thi, o_end = _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK,
                                                   DOT_PREC, USE_DECAY, MERGE_PREC, INTERPRET)
     b_T = cat_rows(cat_cols(b_Tlo, tl.zeros([32, 32], dtype=tl.float32)), cat_cols(b_X, b_Thi))
-    return nan_rows(b_T, i_c * BT + tl.arange(0, BT) >= o_end)
+    m_dead = i_c * BT + tl.arange(0, BT) >= o_end
+    return nan_rows(b_T, m_dead), m_dead
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -206,8 +207,8 @@ def kkt_solve_kernel(k, beta, gc, A_inv, cu_seqlens, chunk_indices, T, H: tl.con
     i_h = i_hv // (HV // H)
     _, i_c, bos, eos = chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, IS_VARLEN)
     T_seq = eos - bos
-    b_A = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC,
-                      INTERPRET)
+    b_A, _ = kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK, DOT_PREC, USE_DECAY, MERGE_PREC,
+                         INTERPRET)
     # the chunk's rows (rows past eos are not written), zeros above the diagonal included
     tl.store(a_inv_tile(A_inv, bos, i_c, i_hv, T_seq, HV, BT), b_A, boundary_check=(0, 1))
 

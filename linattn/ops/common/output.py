@@ -23,7 +23,7 @@ import triton.language as tl
 from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options, triton_interpret
 from .dot import DOT_PRECISIONS, dot
-from .finite import dead_rows, nan_rows, zero_rows
+from .finite import nonfinite
 from .launch import launch
 from .varlen import chunk_bounds
 
@@ -70,9 +70,11 @@ def output_fwd_kernel(q, k, v_new, h, gc, o, scale, cu_seqlens, chunk_indices, T
     p_v = tl.make_block_ptr(v_new + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
     b_v = tl.load(p_v, boundary_check=(0, 1))  # fp32, or bf16 (kept: dot() skips the split of a bf16 operand)
-    # P V_new with V_new's rows from its first non-finite row on zeroed, and o's rows from there NaN (finite.py)
-    m_dead = dead_rows(b_v)
-    b_o = nan_rows((b_o + dot(b_P, zero_rows(b_v, m_dead), OUT_PREC, INTERPRET)) * scale, m_dead)
+    # P V_new with V_new's non-finite entries zeroed and o NaN there: V_new's non-finite rows are closed downward
+    # (finite.py), so o's rows from the first one on are NaN and the rows before never see it
+    m_bad = nonfinite(b_v)
+    b_pv = dot(b_P, tl.where(m_bad, 0., b_v).to(b_v.dtype), OUT_PREC, INTERPRET)
+    b_o = tl.where(m_bad, float("nan"), (b_o + b_pv) * scale)
     p_o = tl.make_block_ptr(o + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV), (BT, BV),
                             (1, 0))
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))

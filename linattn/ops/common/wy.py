@@ -42,17 +42,21 @@ def wy_kernel(k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.c
     else:
         b_bg = b_beta
 
-    wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
+    # the rows from the chunk's first non-finite β, G or key on: kkt_solve made A_inv's rows NaN there
+    wy_tiles(b_A, dead_rows(b_A), b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV,
+             DOT_PREC)
 
 
 @triton.jit
-def wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+def wy_tiles(b_A, m_dead, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              DOT_PREC: tl.constexpr):
     """Write W = b_A (βΓ ⊙ K) and U = b_A (β ⊙ V) of chunk i_c, given its inverse b_A [BT, BT] fp32 and the row
     scales b_beta, b_bg [BT] in registers. Shared by :func:`wy_kernel` and the fused pre-pass. Causal under
-    non-finite inputs (``finite.py``): a tile's rows from its first non-finite row on are zeroed before the dot and
-    are NaN in W and U; b_A's NaN rows (``kkt_inverse``) give NaN rows."""
+    non-finite inputs (``finite.py``): ``m_dead`` [BT] marks the rows from the chunk's first non-finite β, G or key
+    on, where b_A's rows are NaN (``kkt_inverse``); the K tiles' rows there are zeroed before the dot (no other row
+    of βΓ ⊙ K can be non-finite), and the V tiles' rows from there or from their own first non-finite row on are
+    zeroed before it and NaN in U: W's and U's non-finite rows are closed downward."""
     # W = A_inv (βΓ ⊙ K): read BT×BK keys, write BT×BK fp32 per tile
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
@@ -60,8 +64,7 @@ def wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.co
         p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T_seq, K), (HV * K, 1), (i_c * BT, i_k * BK),
                                 (BT, BK), (1, 0))
         b_kb = tl.load(p_k, boundary_check=(0, 1)).to(tl.float32) * b_bg[:, None]
-        m_dead = dead_rows(b_kb)
-        b_w = nan_rows(tl.dot(b_A, zero_rows(b_kb, m_dead), input_precision=DOT_PREC), m_dead)
+        b_w = tl.dot(b_A, zero_rows(b_kb, m_dead), input_precision=DOT_PREC)
         tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
 
     # U = A_inv (β ⊙ V): read BT×BV values, write BT×BV fp32 per tile
@@ -71,8 +74,8 @@ def wy_tiles(b_A, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H: tl.co
         p_u = tl.make_block_ptr(u + (bos * HV + i_hv) * V, (T_seq, V), (HV * V, 1), (i_c * BT, i_v * BV),
                                 (BT, BV), (1, 0))
         b_vb = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-        m_dead = dead_rows(b_vb)
-        b_u = nan_rows(tl.dot(b_A, zero_rows(b_vb, m_dead), input_precision=DOT_PREC), m_dead)
+        m_v = m_dead | dead_rows(b_vb)
+        b_u = nan_rows(tl.dot(b_A, zero_rows(b_vb, m_v), input_precision=DOT_PREC), m_v)
         tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
 
 
