@@ -35,8 +35,10 @@ def nonfinite_rows(x):
 
 @triton.jit
 def from_first(bad):
-    """[R] bool: true from the first true row of ``bad`` [R] on (the rows a non-finite row feeds)."""
-    return tl.cumsum(bad.to(tl.int32), axis=0) > 0
+    """[R] bool: true from the first true row of ``bad`` [R] on (the rows a non-finite row feeds). A min and a
+    compare, not a cumulative sum: the scan cost the pre-pass 76 bytes of spill on sm_90 (maxnreg 168)."""
+    o_r = tl.arange(0, bad.shape[0])
+    return o_r >= tl.min(tl.where(bad, o_r, bad.shape[0]), axis=0)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options, product_precision, triton_interpret
 from .dot import DOT_PRECISIONS, dot
-from .finite import nan_rows, nonfinite
+from .finite import nonfinite
 from .varlen import chunk_bounds
 
 
@@ -139,17 +139,21 @@ def _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr,
         b_khi = tl.load(tl.advance(p_q, (32, 0)), boundary_check=(0, 1))
         b_Ahl += tl.dot(b_khi, tl.trans(b_klo), input_precision=DOT_PREC)
     # the chunk's first row whose β, G or ‖k‖² (the diagonal of K Kᵀ) is non-finite: A's rows from there are 0, so
-    # the substitution and the merges see finite values only, and kkt_inverse sets the inverse's rows from there to
-    # NaN (finite.py); padded rows load as 0
-    o_c = i_c * BT + tl.arange(0, BT)
-    m_c = o_c < T_seq
-    b_kk = tl.reshape(tl.sum(tl.where((o_r[:, None] == o_r[None, :])[None, :, :], b_Ad, 0.), 2), (BT,))
-    b_bad = nonfinite(b_kk) | nonfinite(tl.load(beta + (bos + o_c) * HV + i_hv, mask=m_c, other=0).to(tl.float32))
-    if USE_DECAY:
-        b_bad = b_bad | nonfinite(tl.load(gc + (bos + o_c) * HV + i_hv, mask=m_c, other=0))
-    o_end = tl.min(tl.where(b_bad, o_c, i_c * BT + BT), axis=0)
-    # β_i and the decay e^{G_i − G_j}, masked before exp
+    # the substitution and the merges see finite values only (the inverse's rows there are unit rows), and gc's rows
+    # from there are rewritten as NaN: what the later stages find the rows a bad token feeds by (finite.py). Padded
+    # rows load as 0; a finite chunk stores nothing (the mask is empty)
+    # (in the diagonal blocks' [4, 16] row layout: no layout change)
     o_d = i_c * BT + tl.arange(0, 4)[:, None] * 16 + o_r[None, :]
+    m_d = o_d < T_seq
+    b_kk = tl.sum(tl.where((o_r[:, None] == o_r[None, :])[None, :, :], b_Ad, 0.), 2)
+    b_bad = nonfinite(b_kk) | nonfinite(tl.load(beta + (bos + o_d) * HV + i_hv, mask=m_d, other=0).to(tl.float32))
+    if USE_DECAY:
+        b_bad = b_bad | nonfinite(tl.load(gc + (bos + o_d) * HV + i_hv, mask=m_d, other=0))
+    o_end = tl.min(tl.min(tl.where(b_bad, o_d, i_c * BT + BT), axis=1), axis=0)
+    if USE_DECAY:
+        # rows ≥ o_end of gc are read below only under masks that drop them: no barrier needed
+        tl.store(gc + (bos + o_d) * HV + i_hv, tl.full([4, 16], float("nan"), tl.float32), mask=m_d & (o_d >= o_end))
+    # β_i and the decay e^{G_i − G_j}, masked before exp
     b_Ad = _gate(b_Ad, gc, beta, bos, T_seq, o_end, o_d, o_d, i_hv, HV, USE_DECAY)
     b_As = _gate(b_As, gc, beta, bos, T_seq, o_end, i_c * BT + o_h + 16, i_c * BT + o_h, i_hv, HV, USE_DECAY)
     b_Ahl = _gate(b_Ahl, gc, beta, bos, T_seq, o_end, i_c * BT + 32 + o_32, i_c * BT + o_32, i_hv, HV, USE_DECAY)
@@ -187,13 +191,13 @@ def kkt_inverse(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H: tl.constexpr, HV: tl
     """Steps 1–3 for chunk i_c of the sequence at bos: (I + A)⁻¹ as one [BT, BT] fp32 register tile (zero above
     the diagonal). Shared by :func:`kkt_solve_kernel` and the fused pre-pass (``fused_prepass.py``), which keeps it
     in registers instead of writing A_inv; and the [BT] mask of the rows from the chunk's first non-finite β, G or
-    key on, where the inverse's rows are NaN (the rows before are exact: ``finite.py``)."""
+    key on, where the inverse's rows are unit rows and gc is rewritten as NaN (the rows before are exact:
+    ``finite.py``)."""
     tl.static_assert(BT == 64, "the block merge is written for 4 blocks of 16 rows")
     b_Tlo, b_X, b_Thi, o_end = _inverse_by_halves(k, beta, gc, bos, T_seq, i_c, i_h, i_hv, H, HV, K, BT, BK,
                                                   DOT_PREC, USE_DECAY, MERGE_PREC, INTERPRET)
     b_T = cat_rows(cat_cols(b_Tlo, tl.zeros([32, 32], dtype=tl.float32)), cat_cols(b_X, b_Thi))
-    m_dead = i_c * BT + tl.arange(0, BT) >= o_end
-    return nan_rows(b_T, m_dead), m_dead
+    return b_T, i_c * BT + tl.arange(0, BT) >= o_end
 
 
 @triton.jit(do_not_specialize=["T"])

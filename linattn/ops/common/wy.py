@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..utils import cdiv
 from . import CHUNK, block_size, dot_precision, launch_options
-from .finite import dead_rows, nan_rows, zero_rows
+from .finite import dead_rows, from_first, nan_rows, nonfinite, zero_rows
 from .kkt_solve import a_inv_tile
 from .varlen import chunk_bounds
 
@@ -38,13 +38,14 @@ def wy_kernel(k, v, beta, gc, A_inv, w, u, cu_seqlens, chunk_indices, T, H: tl.c
     b_A = tl.load(a_inv_tile(A_inv, bos, i_c, i_hv, T_seq, HV, BT), boundary_check=(0, 1))
     b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0).to(tl.float32)
     if USE_DECAY:
-        b_bg = b_beta * tl.exp(tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0))
+        b_gc = tl.load(gc + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+        b_bg = b_beta * tl.exp(b_gc)
+        # the rows from the chunk's first non-finite β, G or key on: kkt_solve rewrote gc's rows there as NaN
+        m_dead = nonfinite(b_gc)
     else:
         b_bg = b_beta
-
-    # the rows from the chunk's first non-finite β, G or key on: kkt_solve made A_inv's rows NaN there
-    wy_tiles(b_A, dead_rows(b_A), b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV,
-             DOT_PREC)
+        m_dead = from_first(nonfinite(b_beta))     # (no gc to read them from: keys are not checked)
+    wy_tiles(b_A, m_dead, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, H, HV, K, V, BT, BK, BV, DOT_PREC)
 
 
 @triton.jit
@@ -54,9 +55,9 @@ def wy_tiles(b_A, m_dead, b_beta, b_bg, k, v, w, u, bos, T_seq, i_c, i_h, i_hv, 
     """Write W = b_A (βΓ ⊙ K) and U = b_A (β ⊙ V) of chunk i_c, given its inverse b_A [BT, BT] fp32 and the row
     scales b_beta, b_bg [BT] in registers. Shared by :func:`wy_kernel` and the fused pre-pass. Causal under
     non-finite inputs (``finite.py``): ``m_dead`` [BT] marks the rows from the chunk's first non-finite β, G or key
-    on, where b_A's rows are NaN (``kkt_inverse``); the K tiles' rows there are zeroed before the dot (no other row
-    of βΓ ⊙ K can be non-finite), and the V tiles' rows from there or from their own first non-finite row on are
-    zeroed before it and NaN in U: W's and U's non-finite rows are closed downward."""
+    on (``kkt_inverse``): b_A's rows there are unit rows, and the tiles' rows there are zeroed before the dots (no
+    other row of βΓ ⊙ K can be non-finite), W's rows there are 0, U's NaN, and so are U's rows from the V tile's own
+    first non-finite row on: U's non-finite rows are closed downward, and V_new = U − W S's with them."""
     # W = A_inv (βΓ ⊙ K): read BT×BK keys, write BT×BK fp32 per tile
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T_seq, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
