@@ -8,7 +8,7 @@ make exactly the outputs the float64 reference makes non-finite (per (token, val
 after it, only at it for q, in the value heads that read it, and their final states): never an earlier token of its
 chunk (NaN · 0 in a masked chunk product), another head or another sequence; every row the reference leaves finite
 must equal the clean run's exactly; the backward (paths that have one) must run, with finite gradients in the other
-sequence.
+sequence; and packed: the two sequences in one row (cu_seqlens), the NaN in the first.
 
 Paths: the op's Triton forward forced to "split", "walk" and "hopper" (the Hopper forward through the op; inputs it
 does not take fall back to Triton, marked in the table), the Triton backward, the torch backend on the GPU, the
@@ -182,6 +182,37 @@ def nan_row(name, dtype, case):
     return row
 
 
+# the packed case: the two batch rows as two sequences of one row (cu_seqlens), the NaN in v of the first; the chunked
+# GDN paths (forward path, keywords)
+VARLEN_PATHS = {"triton split": ("split", dict(backend="triton")), "triton walk": ("walk", dict(backend="triton")),
+                "hopper": ("hopper", dict(backend="triton")), "torch": ("auto", dict(backend="torch"))}
+
+
+def nan_varlen_row(name, dtype):
+    """"NaN in v, packed": the NaN must stay in its sequence (the second must equal its clean run exactly)."""
+    path, kw = VARLEN_PATHS[name]
+    x, h0, _, _ = inputs(dtype)
+    x = {n: t.reshape(1, B * T, *t.shape[2:]) for n, t in x.items()}
+    offsets = [b * T for b in range(B + 1)]
+    cu = torch.tensor(offsets, dtype=torch.int32, device=DEV)
+
+    def call(x):
+        with torch.no_grad():
+            return chunk_gated_delta_rule_on_path(path, x["q"], x["k"], x["v"], x["g"], x["beta"], scale=SCALE,
+                                                  initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
+    clean = call(x)[0]
+    x["v"][0, EDGE_T, 1, 5] = float("nan")
+    o, ht = call(x)
+    ro, rht = gated_delta_rule_reference(*(x[n].double().cpu() for n in ("q", "k", "v", "g", "beta")), SCALE,
+                                         h0.double().cpu(), offsets)
+    rbad = ~torch.isfinite(ro).all(-1)
+    cone = bool(torch.equal(~torch.isfinite(o.cpu()).all(-1), rbad)
+                and torch.equal(~torch.isfinite(ht.cpu()).flatten(2).all(-1), ~torch.isfinite(rht).flatten(2).all(-1)))
+    diff = (o.cpu()[~rbad].float() - clean.cpu()[~rbad].float()).abs().max().item()
+    return dict(path=name, dtype=str(dtype)[6:], case="NaN in v, packed", cone=cone, before_eq=diff,
+                PASS=cone and diff == 0)
+
+
 def main():
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -200,6 +231,13 @@ def main():
                     rows.append(nan_row(name, dtype, case))
                 except Exception as e:
                     rows.append(dict(path=name, dtype=str(dtype)[6:], case=case, error=f"{type(e).__name__}: {e}"))
+                print(rows[-1], flush=True)
+            if name in VARLEN_PATHS:
+                try:
+                    rows.append(nan_varlen_row(name, dtype))
+                except Exception as e:
+                    rows.append(dict(path=name, dtype=str(dtype)[6:], case="NaN in v, packed",
+                                     error=f"{type(e).__name__}: {e}"))
                 print(rows[-1], flush=True)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (interpreter)"
     print(f"\n{card}, B={B} T={T} H={H} HV={HV} K=V={K}, edge token {EDGE_T}")
