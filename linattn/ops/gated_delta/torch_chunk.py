@@ -75,8 +75,10 @@ def dead_rows(bad: torch.Tensor) -> torch.Tensor:
 def causal_matmul(L: torch.Tensor, Z: torch.Tensor) -> torch.Tensor:
     """L Z for a lower-triangular L ``[..., C, C]``, computed so that a non-finite row j of Z reaches rows ≥ j only:
     the rows of Z from its first non-finite row on are zeroed before the product and set to NaN after it."""
-    dead = dead_rows((~torch.isfinite(Z)).any(-1))[..., None]
-    return (L @ Z.masked_fill(dead, 0)).masked_fill(dead, float("nan"))
+    # a row sum is non-finite iff an entry is (or the sum overflows); where / an added poison column cost a fraction
+    # of masked_fill's two passes on a CPU (no host sync: the backend also runs on CUDA)
+    dead = dead_rows(~torch.isfinite(Z.sum(-1)))[..., None]
+    return L @ torch.where(dead, 0.0, Z) + torch.where(dead, float("nan"), 0.0)
 
 
 def _causal(C: int, device, strict: bool) -> torch.Tensor:
@@ -108,10 +110,10 @@ def kkt_solve_ref(k: torch.Tensor, beta: torch.Tensor, gc: torch.Tensor) -> torc
     kkt = k @ k.transpose(-1, -2)
     bad = ~(torch.isfinite(beta) & torch.isfinite(gc) & torch.isfinite(kkt.diagonal(dim1=-2, dim2=-1)))
     dead = dead_rows(bad)[..., None]
-    A = (beta[..., :, None] * kkt * decay_matrix(gc, strict=True)).masked_fill(dead | ~_causal(C, k.device, True), 0)
+    A = torch.where(dead | ~_causal(C, k.device, True), 0.0, beta[..., :, None] * kkt * decay_matrix(gc, strict=True))
     eye = torch.eye(C, dtype=k.dtype, device=k.device)
     A_inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-    return A_inv.masked_fill(dead, float("nan"))
+    return A_inv + torch.where(dead, float("nan"), 0.0)
 
 
 def wy_ref(A_inv, k, v, beta, gc):
