@@ -90,7 +90,7 @@ def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | 
 
 INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
 INT_ARGS = {"T", "NT", "NTB", "NSEG", "L"}
-INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments", "state_indices"}
+INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments", "segment_first", "state_indices"}
 
 
 def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4, bf16_args: tuple = ()):
