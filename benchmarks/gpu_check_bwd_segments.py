@@ -4,11 +4,12 @@ time and accuracy of the segmented walks against the unsegmented ones.
 Part 1, accuracy (B=1 T=4096 H=HV=16, K=V=128, bf16, anchors' gates logsigmoid(randn)/16): every gradient of the
 backward planned (the reverse planner splits this row) and unsegmented against the torch backend in float64 on the
 same rounded inputs, and planned against unsegmented.
-Part 2, per long row (bf16, K=V=128): the planned segment lengths of both walks; do_bench medians (ms) of the whole
-backward unsegmented (segment_chunks = the chunk count) and planned; the relative L2 difference of every gradient
-planned vs unsegmented; then the two walks alone — the reverse walk (state_pass_bwd vs its segmented form) and the
-recompute's state pass (state_pass_fwd vs segmented_state_pass) — unsegmented and at forced segment lengths, the
-figures that calibrate the planners' costs (seq_parallel_bwd.REVERSE_MAP_COST, split_fwd.AFFINE_COST).
+Part 2, per row (bf16, K=V=128; B=1 T=4096 H=16 and the three long rows of issue 45): the planned segment lengths
+of both walks; do_bench medians (ms) of the whole backward unsegmented (segment_chunks = the chunk count) and
+planned; the relative L2 difference of every gradient planned vs unsegmented; then the two walks alone — the
+reverse walk (state_pass_bwd vs its segmented form) and the recompute's state pass (state_pass_fwd vs
+segmented_state_pass) — unsegmented and at forced segment lengths, the figures that calibrate the planners' costs
+(seq_parallel_bwd.REVERSE_MAP_COST, split_fwd.AFFINE_COST).
 
 JSON goes to --out after each part; the table is printed last. One device call, about 3-5 minutes (compiles
 included):
@@ -42,7 +43,8 @@ from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-ROWS = [  # (name, B, T, H, HV, K = V)
+ROWS = [  # (name, B, T, H, HV, K = V); the first is short, but the reverse planner splits it (L = 8)
+    ("B1_T4096_H16", 1, 4096, 16, 16, 128),
     ("B1_T32768_H16", 1, 32768, 16, 16, 128),
     ("B1_T131072_H16", 1, 131072, 16, 16, 128),
     ("B1_T32768_H2_HV8", 1, 32768, 2, 8, 128),
