@@ -51,31 +51,35 @@ def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh
     p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
-    b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
-    b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero")
     if MAPS:
         # column c of the widened dS [Mᵀ | D]: c < K is a column of Mᵀ (no dO, no dv_local), c ≥ K column c − K
         # of D (dO's and dv_local's column c − K); a BV slice may straddle the two, so the mask is per element
         o_u = i_v * BV + tl.arange(0, BV) - K
         m_u = m_t[:, None] & ((o_u >= 0) & (o_u < V))[None, :]
         o_tu = ((bos + o_t) * HV + i_hv)[:, None] * V + o_u[None, :]
-        b_do = tl.load(do + o_tu, mask=m_u, other=0)
-        b_dv = tl.load(dv_local + o_tu, mask=m_u, other=0)
     else:
         p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV),
                                  (1, 0))
         p_dvl = tl.make_block_ptr(dv_local + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV),
                                   (BT, BV), (1, 0))
+        p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV),
+                                  (BT, BV), (1, 0))
+    b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
+    b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
+    b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero")
+    if MAPS:
+        b_do = tl.load(do + o_tu, mask=m_u, other=0)
+    else:
         b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
-        b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
 
     # dV_new = dv_local + (K ⊙ e^{G_C − G}) dS; masked rows get exponent −inf, so padding stays 0
     b_k_decay = b_k * tl.exp(tl.where(m_t, b_g_last - b_g, float('-inf')))[:, None]
+    if MAPS:
+        b_dv = tl.load(dv_local + o_tu, mask=m_u, other=0)
+    else:
+        b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
     b_dv += mdot(b_k_decay, b_dh, DT, DOT_PREC)
     if not MAPS:
-        p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV),
-                                  (BT, BV), (1, 0))
         tl.store(p_dvn, b_dv, boundary_check=(0, 1))
 
     # dS ← e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new (Γ ≤ 1: G is a cumsum of g ≤ 0)
