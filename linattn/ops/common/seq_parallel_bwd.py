@@ -40,9 +40,11 @@ from .local_bwd_utils import bwd_dot_precision
 from .seq_parallel import SegmentLayout, affine_scan, plan_segments, segment_layout
 from .state_pass_bwd import BT, state_pass_bwd, state_pass_bwd_kernel, widest_tile_v
 
-# phase A' per chunk and column slice, relative to a chunk of the plain reverse walk: the same three dots on the
-# carried tile, without the walk's two stores per chunk (dh, dv_new). The planner widens A' by (K + V) / V itself.
-REVERSE_MAP_COST = 1.0
+# phase A' per chunk and column slice, relative to a chunk of the plain reverse walk (the planner widens A' by
+# (K + V) / V itself): the same three dots on the carried tile without the walk's two stores (≈ 0.65 of its bytes),
+# costed above 1 as the forward's phase A measured dearer than its bytes. 1.5 splits the issue-45 rows (predicted
+# ≥ 1.9× shorter walks) and leaves mid-size rows that 1.0 would split (B=2 T=4096 H=16, B=4 T=8192 HV=8) unsplit
+REVERSE_MAP_COST = 1.5
 
 
 def split_tile_v(K: int, V: int) -> int:
