@@ -11,7 +11,8 @@ The shapes are tiny, so the planner would never split them: the cases force segm
 weak (g/64: about e^-1.6 per 2-chunk segment), so Mᵀ carries dS across segments; with the usual gates the state
 forgets within a chunk and a wrong map would go unseen. The grid is what a segment can get wrong: a boundary
 inside a sequence (T = 200: four chunks, the last partial), dO and dv_local columns in the widened tile's tail with
-a BV slice straddling Mᵀ and D (K = 24 + V = 20 in one 64-wide slice; K = 60, V = 40), GVA (HV = 2·H), varlen
+a BV slice straddling Mᵀ and D (K = 24 + V = 20 in one 64-wide slice; K = 60, V = 40), K = 160 (the walk alone:
+32-wide segment tiles, the scan in row blocks), GVA (HV = 2·H), varlen
 sequences shorter than a segment (1 and 64 tokens, an empty one) next to split ones, with and without dht and the
 initial state. bf16 is measured on the GPU (benchmarks/gpu_check_bwd_segments.py).
 """
@@ -54,6 +55,9 @@ CASES = [
     dict(id="varlen-70-5-noh0-dht0-L1", B=1, T=75, H=1, HV=1, K=16, V=32, offsets=[0, 70, 75], h0=False, dht=False,
          L=1),
 ]
+
+# the walk alone also at K = 160 (BK = 256: the segments' tile is 32 wide and the scan multiplies in row blocks)
+WALK_CASES = CASES + [dict(id="T130-K160-V48-L1", B=1, T=130, H=1, HV=1, K=160, V=48, L=1)]
 
 
 def _ids(cases):
@@ -158,7 +162,7 @@ def test_reverse_scan_vs_twin(nseg, with_dht):
 # the segmented walk against the unsegmented one
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+@pytest.mark.parametrize("case", WALK_CASES, ids=_ids(WALK_CASES))
 def test_segmented_walk_equals_unsegmented(case, dtype):
     x = make(case, dtype)
     _, args = _walk_inputs(x, dtype)
