@@ -58,10 +58,15 @@ def reference_grads(x: dict, scale: float, use_dht: bool) -> list[torch.Tensor]:
 
 
 def twin_grads(x: dict, scale: float, use_h0: bool, use_dht: bool, segments: int = 1, checkpoint_every: int = 2,
-               operand_dtype=None, da_operands: str = "exact") -> list[torch.Tensor]:
-    """The forward twin's saved tensors, then the backward twin, in x's dtypes (float64, or bf16 q, k, v, β, do)."""
+               operand_dtype=None, da_operands: str = "exact", BV: int = 0) -> list[torch.Tensor]:
+    """The forward twin's saved tensors, then the backward twin, in x's dtypes (float64, or bf16 q, k, v, β, do);
+    ``BV`` > 0: the V-sliced walk (unsegmented) and the sum of its partials."""
     _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], scale,
                                                x["h0"] if use_h0 else None, checkpoint_every, operand_dtype)
+    if BV:
+        parts = bwd.chunk_bwd_v_slices_ref(x["q"], x["k"], x["v"], x["do"], x["dht"] if use_dht else None, saved,
+                                           scale, BV, operand_dtype, da_operands)
+        return list(bwd.sum_partials_ref(parts, x["q"].shape[2]))
     return list(bwd.chunk_bwd_hopper_ref(x["q"], x["k"], x["v"], x["do"], x["dht"] if use_dht else None, saved,
                                          scale, segments, operand_dtype, da_operands))
 
@@ -109,6 +114,31 @@ def test_segments_equal_the_unsegmented_walk(segments, T, decay):
     cut = twin_grads(x, 32 ** -0.5, True, True, segments=segments)
     errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, cut, whole)}
     assert max(errors.values()) < EXACT_TOL, errors
+
+
+# (id, T, H, HV, K, BV, decay): halves and quarters of V, GVA, a partial last chunk, the strong decay
+SLICE_CASES = [
+    ("T200_gva_halves", 200, 1, 2, 32, 16, "anchor"),
+    ("T130_K128_halves", 130, 1, 1, 128, 64, "anchor"),
+    ("T200_gva_K64_quarters_strong", 200, 1, 2, 64, 16, "strong"),
+]
+
+
+@pytest.mark.parametrize("case", SLICE_CASES, ids=[c[0] for c in SLICE_CASES])
+def test_v_slices_sum_to_the_whole_walk(case):
+    """The V-sliced walk (one program per V slice, no exchange) and the sum of its partials equal the whole-V walk in
+    float64, every gradient: the reverse step is column-separable in V."""
+    _, T, H, HV, K, BV, decay = case
+    x = make_inputs(1, T, H, HV, K, decay, seed=5)
+    scale = K ** -0.5
+    _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["h0"], 2, None)
+    args = (x["q"], x["k"], x["v"], x["do"], x["dht"], saved, scale)
+    whole = bwd.chunk_bwd_hopper_ref(*args, 1, None, "exact")
+    parts = bwd.chunk_bwd_v_slices_ref(*args, BV, None, "exact")
+    assert parts.dq.shape[0] == K // BV
+    sliced = bwd.sum_partials_ref(parts, H)
+    errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, sliced, whole)}
+    assert max(errors.values()) < 1e-12, errors
 
 
 def test_reverse_warm_ups_within_their_bound():
@@ -174,15 +204,19 @@ BF16_CASES = [
 ]
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole_V", "V_halves"])
 @pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
-def test_bf16_rounding_within_twice_the_rounded_baseline(case):
+def test_bf16_rounding_within_twice_the_rounded_baseline(case, sliced):
+    """The twin at the kernel's rounding points, whole-V and V-halved (the kernel's programs: each half rounds its
+    own partial dP and dKD to bf16), within 2× the rounded baseline's error."""
     _, T, H, HV, K, decay, repeated = case
     x = make_inputs(1, T, H, HV, K, decay, repeated)
     low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
     exact = {n: t.double() for n, t in low.items()}         # the ground truth of the inputs the kernel sees
     scale = K ** -0.5
     ref = reference_grads(exact, scale, use_dht=True)
-    got = twin_grads(low, scale, True, True, operand_dtype=torch.bfloat16, da_operands="tf32")
+    got = twin_grads(low, scale, True, True, operand_dtype=torch.bfloat16, da_operands="tf32",
+                     BV=K // 2 if sliced else 0)
     base = rounded_baseline(low, scale)
     ratios = {n: rel_l2(a, c) / rel_l2(b, c) for n, a, b, c in zip(GRADS, got, base, ref)}
     assert max(ratios.values()) <= 2.0, ratios
