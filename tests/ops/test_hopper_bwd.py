@@ -10,8 +10,12 @@ The kernel's numbers on the GPU: tests/ops/test_hopper_bwd_ref.py (ON_HOPPER), b
 """
 from __future__ import annotations
 
-import re
+import ast
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +88,7 @@ def test_bad_states_gates_and_device_raise():
             backward.chunk_gated_delta_rule_bwd_hopper(**x)
 
 
+ROOT = Path(__file__).resolve().parents[2]
 COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which("nvcc") is None,
                               reason="TileLang (optional) and nvcc compile the Hopper kernels")
 CTA_SHARED = 227 * 1024
@@ -92,16 +97,26 @@ CTA_SHARED = 227 * 1024
 @COMPILES
 @pytest.mark.parametrize("K,BV", [(128, 64), (64, 64), (64, 32)])
 def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
-    """The walk (V = K, GVA) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync), its dynamic shared memory
-    within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising no wgmma (C7512)."""
+    """The walk (V = K, two value heads per qk head) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
+    its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising
+    no wgmma (C7512)."""
     from linattn.ops.hopper import chunk_bwd
-    from linattn.ops.hopper.cubin import compile_sm90a
-    kernel = chunk_bwd.compiled_kernel(1, 2, K, K, K ** -0.5, BV, "sm_90a")
+    from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
+    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a")     # gpu_check_hopper_bwd's cases
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20 and "mma_sync" not in source
-    # the launch's arguments end with grid, block and then the dynamic shared memory in bytes
-    shared = int(re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);", kernel.get_host_source())[-1])
-    assert shared <= CTA_SHARED, shared
+    assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
     report = compile_sm90a(source, tmp_path)[1]
-    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
-    assert "C7512" not in report, report
+    ptxas = ptxas_summary(report)
+    assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0 and not ptxas["wgmma_serialised"], report
+
+
+@COMPILES
+def test_gpu_script_smoke_builds_every_kernel():
+    """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every walk the GPU script launches compiles for
+    sm_90a without a spill (its cases' kernels are the compile test's, cached by TileLang)."""
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
+    assert len(rows) == 7 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
