@@ -35,12 +35,17 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     acc, bf = "float32", "bfloat16"
 
     @T.macro
-    def column_sums_out(Ms, out):
-        """out_j −= Σ_i M_ij, one thread per column from shared memory (a fragment's reduction over its rows does not
-        lower in TileLang 0.1.15 for the dots' accumulator layouts)."""
+    def column_sums_out(Ms, sums, sums_s, out):
+        """out_j −= Σ_i M_ij: per column a sum in registers (the fragment ``sums``, one thread per column and its
+        replicas) from shared memory, then through ``sums_s`` (shared) into out, once per column. (A fragment's
+        reduction over its rows does not lower in TileLang 0.1.15 for the dots' accumulator layouts.)"""
         for j in T.Parallel(BT):
-            for i in T.serial(BT):
-                out[j] = out[j] - Ms[i, j]
+            sums[j] = 0.0
+            for i in T.unroll(BT):
+                sums[j] = sums[j] + Ms[i, j]
+        T.copy(sums, sums_s)
+        for j in T.Parallel(BT):
+            out[j] = out[j] - sums_s[j]
 
     @T.macro
     def recompute(t, rows):
@@ -122,11 +127,9 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> typ
             t.dP[i, j] = t.dP[i, j] * scale * T.exp(T.if_then_else((i >= j) & (i < rows), t.gcs[i] - t.gcs[j], NEG))
             t.dPs[i, j] = T.cast(t.dP[i, j], bf)
             t.dP[i, j] = T.if_then_else(i > j, t.dP[i, j] * t.QK[i, j], 0.0)   # dlogD of P, diagonal left out
-        T.reduce_sum(t.dP, t.rowsB, dim=1)
-        T.copy(t.dP, t.dLs)
+        T.reduce_sum(t.dP, t.rowsB, dim=1)     # dP keeps dlogD of P: its column sums leave with A's (k_side)
         for i in T.Parallel(BT):
             t.dGs[i] = t.dGs[i] + t.rowsB[i]
-        column_sums_out(t.dLs, t.dGs)
         T.gemm(t.dOs, t.Hs, t.dqS, transpose_B=True, clear_accum=True)
         T.gemm(t.dPs, t.Ks, t.dqf, clear_accum=True)
         for i, j in T.Parallel(BT, K):     # Q ⊙ (dO h_bᵀ) in place: no third BT × K fragment
@@ -147,12 +150,12 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> typ
             t.dKDs[i, j] = T.cast(t.bs[i] * t.dA[i, j], bf)
             t.dA[i, j] = t.dA[i, j] * t.QK[i, j]
         T.reduce_sum(t.dA, t.rowsA, dim=1)
-        for i, j in T.Parallel(BT, BT):
-            t.dLs[i, j] = t.dA[i, j] * t.bs[i]
+        for i, j in T.Parallel(BT, BT):     # dlogD of P and A (the same accumulator layout), one store
+            t.dLs[i, j] = t.dP[i, j] + t.dA[i, j] * t.bs[i]
         for i in T.Parallel(BT):
             t.dbs[i] = t.dbs[i] + t.rowsA[i]
             t.dGs[i] = t.dGs[i] + t.bs[i] * t.rowsA[i]
-        column_sums_out(t.dLs, t.dGs)
+        column_sums_out(t.dLs, t.cols, t.cols_s, t.dGs)     # P's and A's column sums, one pass
         # the update's term ρ ⊙ (V_new dS_hiᵀ) first, its rows scaled in the accumulator, then the rest added to it
         # (one BT × K fragment)
         T.gemm(t.Vns, t.dSh, t.dkf, transpose_B=True, clear_accum=True)
@@ -214,12 +217,12 @@ def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
         Xs=((BT, BV), bf), Vns=((BT, BV), bf), dVns=((BT, BV), bf), Ysn=((BT, BV), bf), Yb=((BT, BV), bf),
         Gh=((BT, BV), bf), Gl=((BT, BV), bf), dSh=((K, BV), bf), dSl=((K, BV), bf),
         Ps=((BT, BT), bf), dPs=((BT, BT), bf), dKDs=((BT, BT), bf),
-        dLs=((BT, BT), acc),        # dlogD of P, then of A: their column sums read from here
-        dGs=((BT,), acc), ts=((BT,), acc), dbs=((BT,), acc), hrs=((K,), acc))
+        dLs=((BT, BT), acc),        # dlogD of P plus that of A: their column sums read from here
+        dGs=((BT,), acc), ts=((BT,), acc), dbs=((BT,), acc), hrs=((K,), acc), cols_s=((BT,), acc))
     fragments = dict(
         dS=(K, BV), KS=(BT, BV), Vn=(BT, BV), KdS=(BT, BV), dVn=(BT, BV), Y=(BT, BV), tmpV=(BT, BV),
         QK=(BT, BT), dP=(BT, BT), dA=(BT, BT), dqS=(BT, K), dqf=(BT, K), dkf=(BT, K),
-        rowsV=(BT,), rowsK=(BT,), rowsB=(BT,), rowsA=(BT,), hdS=(K, BV), hdS_rows=(K,))
+        rowsV=(BT,), rowsK=(BT,), rowsB=(BT,), rowsA=(BT,), cols=(BT,), hdS=(K, BV), hdS_rows=(K,))
     tiles = {n: T.alloc_shared(shape, dtype) for n, (shape, dtype) in shared.items()}
     tiles.update({n: T.alloc_fragment(shape, acc) for n, shape in fragments.items()})
     return types.SimpleNamespace(**tiles, **program)
