@@ -12,6 +12,8 @@ fp32 states every ``checkpoint_every`` chunks. The backward then runs
       or warm  :func:`reverse_warm_ref`      instead of both: each segment's dS from a chain walk started from zero
                                              w chunks after it, w from the chunks' norm bounds (no maps, no scan)
     walk       :func:`reverse_walk_ref`      per chunk in reverse (:func:`reverse_chunk_ref`): dq, dk, dv, dg, dβ
+      or per V slice  :func:`chunk_bwd_v_slices_ref` the kernel's programs (unsegmented): the walk on each slice
+                      of V alone, partials of dq, dk, dg, dβ that :func:`sum_partials_ref` adds
 
 with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum of g, Γ = e^G, ρ = e^{G_C − G},
 γ = e^{G_C}, S_b the bf16 state entering the chunk, dS the gradient of the state leaving it):
@@ -27,7 +29,8 @@ with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum
                 dg = reverse cumsum of the Γ and D terms of dG, plus the ρ and γ terms (:func:`_decay_gradient`)
 
 Rounding: ``operand_dtype`` (bf16 for the kernel, None for none) rounds each dot operand the kernel forms in bf16;
-``da_operands`` the two operands of dA = −Y V_newᵀ ("bf16", "tf32" — the kernel's choice — or "exact").
+``da_operands`` the two operands of dA = −Y V_newᵀ ("bf16" — the kernel's choice: no shared memory for fp32 copies at
+K = 128 —, "tf32" or "exact").
 Layout inside: ``[B, HV, NT, BT, d]`` chunks (``torch_chunk.to_chunks``); q, k expanded to the value heads.
 """
 from __future__ import annotations
@@ -353,7 +356,7 @@ def segment_cuts(NT: int, segments: int) -> list[tuple[int, int]]:
 
 def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedForward, scale: float,
                          segments: int = 1, operand_dtype: Optional[torch.dtype] = torch.bfloat16,
-                         da_operands: str = "tf32", warm_bound: Optional[torch.Tensor] = None
+                         da_operands: str = "bf16", warm_bound: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, ...]:
     """The Hopper backward's twin: recompute h from the checkpoints, then (``segments`` > 1) the reverse maps and
     their scan (with ``warm_bound``, the chunks' norm bounds ``[B, HV, NT]``: the reverse warm-ups instead), then the
@@ -403,7 +406,7 @@ class SlicePartials(NamedTuple):
 
 
 def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedForward, scale: float, BV: int,
-                           operand_dtype: Optional[torch.dtype] = torch.bfloat16, da_operands: str = "tf32"
+                           operand_dtype: Optional[torch.dtype] = torch.bfloat16, da_operands: str = "bf16"
                            ) -> SlicePartials:
     """The unsegmented walk run once per V slice of width ``BV`` (the kernel's programs: one per sequence, value
     head and slice), each slice's walk reading only its columns of v, dO, h and dht. The reverse step is
