@@ -1,6 +1,7 @@
 """GPU check of the Hopper backward (linattn/ops/hopper/backward.py, issue 45): accuracy, determinism, then time.
 
-(a) accuracy, bf16, with h0 and dht: relative L2 of every gradient against float64 autograd of the token-by-token
+(a) the walk alone against its PyTorch twin on the same inputs (each raw output, partials included); then
+    accuracy, bf16, with h0 and dht: relative L2 of every gradient against float64 autograd of the token-by-token
     reference on the same rounded inputs, beside the Triton backward's error and the rounded PyTorch baseline's
     (gpu_check_core.rounded_twin: every stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline);
     then a bitwise repeat (two runs, the same bits).
@@ -113,6 +114,36 @@ def check_case(case) -> dict:
     return row
 
 
+def twin_case(case) -> dict:
+    """The walk alone against its twin (``chunk_bwd_ref.chunk_bwd_v_slices_ref``, fp32 on the GPU, the kernel's
+    rounding points) on the same recomputed gc, T and h: relative L2 of each raw output (the partials before any
+    sum), so that a wrong output of the kernel shows apart from the host chain around it."""
+    from gpu_check_core import rel
+
+    from linattn.ops.hopper import backward, chunk_bwd
+    from linattn.ops.hopper import chunk_bwd_ref as bwd
+    name, B, T, H, HV, K, V, BV, decay = case
+    BV = BV or min(V, 64)
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    scale = K ** -0.5
+    gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
+    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
+                                     backward.head_major_chunks(low["beta"].float()), a_inv, h, dht, scale, BV)
+    # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros; its
+    # "checkpoints" are h itself, one per chunk
+    pad = (0, got[3].shape[-1] - T)
+    saved = bwd.SavedForward(torch.nn.functional.pad(gc.transpose(1, 2), pad, mode="replicate"),
+                             torch.nn.functional.pad(low["beta"].float().transpose(1, 2), pad), a_inv.float(),
+                             h.transpose(1, 2).float(), 1)
+    twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], dht, saved, scale, BV)
+    tokens = lambda x: x[..., :T].transpose(-1, -2)       # [NV, B, HV, Lp] → [NV, B, T, HV]
+    outputs = dict(dq_partials=(got[0], twin.dq), dk_partials=(got[1], twin.dk), dv=(got[2], twin.dv),
+                   dg_partials=(tokens(got[3]), twin.dg), dbeta_partials=(tokens(got[4]), twin.dbeta),
+                   dh0=(got[5], twin.dh0))
+    return dict(case=name, rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
+                nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
+
+
 def repeat_case(case) -> dict:
     """Two runs of the Hopper backward on the same inputs: every output bit for bit equal."""
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
@@ -158,6 +189,9 @@ def time_row(row) -> dict:
 
 def print_tables(results: dict) -> None:
     print(f"\ndevice: {results.get('device')}")
+    print("\nthe walk against its twin on the same gc, T, h (rel L2 of each raw output; ≈ 1e-3 is rounding):")
+    for r in results["twin"]:
+        print(f"{r['case']:<28}{r.get('rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}")
     print(f"\n{'case':<28}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64; hopper/triton; hopper/base)")
     for r in results["accuracy"]:
         if "error" in r:
@@ -192,7 +226,7 @@ def main(argv=None) -> dict:
         return dict(smoke=smoke())
     out = Path(args.out) / "hopper_bwd.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = dict(device=torch.cuda.get_device_name(), accuracy=[], repeat=[], timing=[])
+    results = dict(device=torch.cuda.get_device_name(), twin=[], accuracy=[], repeat=[], timing=[])
 
     def step(key, fn, item, label):
         try:
@@ -203,6 +237,8 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(results, indent=1))
         print(json.dumps(results[key][-1]), flush=True)
 
+    for case in CASES:
+        step("twin", twin_case, case, "case")
     for case in CASES:
         step("accuracy", check_case, case, "case")
     step("repeat", repeat_case, CASES[0], "case")
