@@ -95,14 +95,15 @@ CTA_SHARED = 227 * 1024
 
 
 @COMPILES
+@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlap"])
 @pytest.mark.parametrize("K,BV", [(128, 64), (64, 64), (64, 32)])
-def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
+def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV, overlap):
     """The walk (V = K, two value heads per qk head) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
     its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising
-    no wgmma (C7512)."""
+    no wgmma (C7512); with the dots waited for at their issue and left running (``overlap``, the A/B)."""
     from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
-    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a")     # gpu_check_hopper_bwd's cases
+    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, overlap, "sm_90a")  # gpu_check_hopper_bwd's
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20 and "mma_sync" not in source
     assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
@@ -119,4 +120,4 @@ def test_gpu_script_smoke_builds_every_kernel():
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 7 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
+    assert len(rows) == 10 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
