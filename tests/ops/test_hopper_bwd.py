@@ -121,3 +121,34 @@ def test_gpu_script_smoke_builds_every_kernel():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
     assert len(rows) == 10 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
+
+
+def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, overlap=False):
+    """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding): the host chain's stand-in walk."""
+    T = q.shape[1]
+    pad = (0, gc.shape[-1] - T)
+    saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
+                             h.transpose(1, 2).float(), 1)
+    p = bwd.chunk_bwd_v_slices_ref(q, k, v, do, dht, saved, scale, BV, None, "exact")
+    head_major = lambda x: torch.stack([backward.head_major_chunks(s) for s in x.unbind(0)])
+    return p.dq, p.dk, p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
+
+
+@pytest.mark.interpreter
+def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypatch):
+    """The host chain (Triton recompute, layouts, partial sums, the gate floor's mask, output dtypes) with the walk
+    replaced by its twin, fp32 under the interpreter (the dtype and device checks lifted): the float64 reference's
+    gradients up to the bf16 h and T the recompute stores (GVA, T = 100, V halves). An O(1) layout error fails."""
+    from linattn.ops.hopper import chunk_bwd
+
+    from .test_hopper_bwd_ref import reference_grads, rel_l2
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    x = make_inputs(1, 100, 1, 2, 32, seed=2)
+    ref = reference_grads(x, 0.3, use_dht=True)
+    low = {n: t.float() for n, t in x.items()}
+    got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
+                                                     low["h0"], low["do"], low["dht"], BV=16)
+    assert all(t.dtype == torch.float32 for t in got)
+    errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, got, ref)}
+    assert max(errors.values()) < 2e-2, errors
