@@ -25,12 +25,14 @@ from linattn.ops.hopper import chunk_bwd_ref as bwd
 
 from .test_hopper_bwd_ref import GRADS, make_inputs, max_rel
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # the Triton recompute: the interpreter on the CPU
+
 
 @pytest.mark.interpreter
 def test_recompute_gives_the_twins_saved_tensors():
     """gc, T and h from the Triton stages (fp32 inputs under the interpreter) against the forward twin's (checkpoints
     at every chunk: the states entering each chunk): the same tensors up to h's and T's bf16 rounding."""
-    x = {n: t.float() for n, t in make_inputs(1, 150, 1, 2, 32).items()}
+    x = {n: t.float().to(DEVICE) for n, t in make_inputs(1, 150, 1, 2, 32).items()}
     gc, a_inv, h = backward.recompute(x["k"], x["v"], x["g"], x["beta"], x["h0"])
     _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 1.0, x["h0"], 1, None)
     assert h.dtype == a_inv.dtype == torch.bfloat16 and h.shape == (1, 3, 2, 32, 32)
@@ -144,7 +146,7 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
     from .test_hopper_bwd_ref import reference_grads, rel_l2
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
     monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
-    x = make_inputs(1, 100, 1, 2, 32, seed=2)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 32, seed=2).items()}
     ref = reference_grads(x, 0.3, use_dht=True)
     low = {n: t.float() for n, t in x.items()}
     got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
