@@ -7,7 +7,7 @@
     then a bitwise repeat (two runs, the same bits).
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
     and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
-    over the T/64 chunks each program walks), the reductions, the whole Hopper backward and the Triton backward;
+    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and the Triton backward;
     and the walk with chunk_bwd's ``overlap`` (its A/B: dots left running; checked against the twin in (a)).
     The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
 
@@ -186,7 +186,8 @@ def time_row(row) -> dict:
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
         walk=triton.testing.do_bench(walk),
-        reductions=triton.testing.do_bench(lambda: backward.sum_partials(dq_p, dk_p, dg_p, db_p, H, T)),
+        reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
+            dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
         hopper=triton.testing.do_bench(lambda: backward.chunk_gated_delta_rule_bwd_hopper(
             q, k, v, g, beta, scale, h0, do, dht)),
         triton=triton.testing.do_bench(lambda: chunk_gated_delta_rule_bwd_triton(

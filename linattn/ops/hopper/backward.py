@@ -107,7 +107,15 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         q, k, v, do, head_major_chunks(gc), head_major_chunks(beta.float()), a_inv, h, dht, scale,
         BV or min(V, chunk_bwd.BV_DEFAULT))
     del h
-    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, T)
-    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)     # gates below the floor (common/cumsum.py) do not move the output
-    return (dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype),
-            dh0.to(initial_state.dtype) if initial_state is not None else None)
+    dq, dk, dg, dbeta = gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
+    return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
+
+
+def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
+                            qk_dtype: torch.dtype, H: int) -> tuple[torch.Tensor, ...]:
+    """The reductions after the walk: :func:`sum_partials`, dg zero where the gate is below the floor
+    (``common/cumsum.py``: such gates do not move the output), and the gradients in their inputs' dtypes (dq, dk
+    ``qk_dtype``, dg g's, dβ ``beta_dtype``)."""
+    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, g.shape[1])
+    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)
+    return dq.to(qk_dtype), dk.to(qk_dtype), dg.to(g.dtype), dbeta.to(beta_dtype)
