@@ -7,8 +7,9 @@
     then a bitwise repeat (two runs, the same bits).
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
     and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
-    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and the Triton backward;
-    and the walk with chunk_bwd's ``overlap`` (its A/B: dots left running; checked against the twin in (a)).
+    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
+    the Triton backward; and the walk with chunk_bwd's ``overlap`` (its A/B: dots left running; checked against the
+    twin in (a)).
     The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
 
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, ≈ 3-5 min with compiles
