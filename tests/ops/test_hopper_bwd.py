@@ -44,6 +44,7 @@ def test_recompute_gives_the_twins_saved_tensors():
     assert max_rel(h.transpose(1, 2), saved.checkpoints) < 2 ** -7
 
 
+@pytest.mark.interpreter
 def test_sum_partials_equals_the_twins_sum():
     """The twin's V-sliced partials in the walk's layouts (dg, dβ head-major and padded to whole chunks), added by
     the host: the twin's own sums, to float64 rounding (GVA: 4 value heads on 2 qk heads, T = 100 not a multiple
@@ -52,11 +53,23 @@ def test_sum_partials_equals_the_twins_sum():
     _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["h0"], 2, None)
     parts = bwd.chunk_bwd_v_slices_ref(x["q"], x["k"], x["v"], x["do"], x["dht"], saved, 0.2, 16, None, "exact")
     head_major = lambda p: torch.stack([backward.head_major_chunks(s) for s in p.unbind(0)])
-    dq, dk, dg, dbeta = backward.sum_partials(parts.dq, parts.dk, head_major(parts.dg), head_major(parts.dbeta),
-                                              2, 100)
+    dq, dk, dg, dbeta = backward.sum_partials(parts.dq.to(DEVICE), parts.dk.to(DEVICE), head_major(parts.dg),
+                                              head_major(parts.dbeta), 2, 100, torch.float64)
     twin = bwd.sum_partials_ref(parts, 2)
-    errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, (dq, dk, twin[2], dg, dbeta, twin[5]), twin)}
+    errors = {n: max_rel(a.cpu(), b) for n, a, b in zip(GRADS, (dq, dk, twin[2], dg, dbeta, twin[5]), twin)}
     assert max(errors.values()) < 1e-14, errors
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("NV,H,HV,K", [(2, 2, 4, 32), (1, 1, 1, 48), (2, 1, 4, 16)], ids=["halves_gva", "one", "gva4"])
+def test_partial_sum_equals_its_twin(NV, H, HV, K):
+    """common/partial_sum.py: the slices' and the group's partials added in the twin's order, the same fp32 bits;
+    rows past a program's block masked (B·T·H not a multiple of the rows per program; K = 48 not a power of two)."""
+    from linattn.ops.common.partial_sum import partial_sum, partial_sum_ref
+    parts = torch.randn(NV, 2, 37, HV, K, device=DEVICE)
+    assert torch.equal(partial_sum(parts, H, torch.float32), partial_sum_ref(parts, H, torch.float32))
+    with pytest.raises(ValueError, match="multiple"):
+        partial_sum(parts, 3, torch.float32)
 
 
 def _inputs(B=1, T=70, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16):

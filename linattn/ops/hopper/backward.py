@@ -6,8 +6,9 @@ chain around the fused reverse walk (``chunk_bwd.py``). Not wired into the op's 
                 ``[B, NT, HV, K, V]``, the walk's layout); gc, β head-major, T in bf16
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence, value head, V slice): dv, dh0, and
                 partials of dq, dk (per slice and value head), dg, dβ (per slice)
-    reductions  the partials added over the slices, then over the value heads of each qk head (torch's sum over
-                dims: a fixed order, no atomics, the same bits every run)
+    reductions  the partials added over the slices, then over the value heads of each qk head, in a fixed order
+                (``common/partial_sum.py`` for dq, dk: one pass to the output dtype; torch's sum for dg, dβ): no
+                atomics, the same bits every run
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
 forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU.
@@ -20,6 +21,7 @@ import torch
 
 from ..common.cumsum import chunk_local_cumsum
 from ..common.kkt_solve import kkt_solve
+from ..common.partial_sum import partial_sum
 from ..common.state_pass import state_pass_fwd
 from ..utils import MIN_LOG_DECAY, cdiv
 from .chunk_fwd import BT
@@ -73,13 +75,13 @@ def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x.transpose(1, 2), (0, cdiv(T, BT) * BT - T)).contiguous()
 
 
-def sum_partials(dq, dk, dg, dbeta, H: int, T: int) -> tuple[torch.Tensor, ...]:
-    """The walk's partials added: dq, dk ``[NV, B, T, HV, K]`` over the slices and the G value heads of each qk head
-    → ``[B, T, H, K]`` fp32; dg, dβ ``[NV, B, HV, Lp]`` over the slices → ``[B, T, HV]`` fp32."""
-    NV, B, _, HV, K = dq.shape
-    group = lambda x: x.view(NV, B, T, H, HV // H, K).sum((0, 4))
+def sum_partials(dq, dk, dg, dbeta, H: int, T: int, qk_dtype: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, ...]:
+    """The walk's partials added: dq, dk ``[NV, B, T, HV, K]`` over the slices, then the G value heads of each qk
+    head → ``[B, T, H, K]`` in ``qk_dtype`` (``common/partial_sum.py``: one pass, fixed order); dg, dβ
+    ``[NV, B, HV, Lp]`` over the slices → ``[B, T, HV]`` fp32."""
     tokens = lambda x: x.sum(0)[..., :T].transpose(1, 2)
-    return group(dq), group(dk), tokens(dg), tokens(dbeta)
+    return partial_sum(dq, H, qk_dtype), partial_sum(dk, H, qk_dtype), tokens(dg), tokens(dbeta)
 
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
@@ -116,6 +118,6 @@ def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dty
     """The reductions after the walk: :func:`sum_partials`, dg zero where the gate is below the floor
     (``common/cumsum.py``: such gates do not move the output), and the gradients in their inputs' dtypes (dq, dk
     ``qk_dtype``, dg g's, dβ ``beta_dtype``)."""
-    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, g.shape[1])
+    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, g.shape[1], qk_dtype)
     dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)
-    return dq.to(qk_dtype), dk.to(qk_dtype), dg.to(g.dtype), dbeta.to(beta_dtype)
+    return dq, dk, dg.to(g.dtype), dbeta.to(beta_dtype)
