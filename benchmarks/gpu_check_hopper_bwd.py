@@ -1,0 +1,269 @@
+"""GPU check of the Hopper backward (linattn/ops/hopper/backward.py, issue 45): accuracy, determinism, then time.
+
+(a) the walk alone against its PyTorch twin on the same inputs (each raw output, partials included); then
+    accuracy, bf16, with h0 and dht: relative L2 of every gradient against float64 autograd of the token-by-token
+    reference on the same rounded inputs, beside the Triton backward's error and the rounded PyTorch baseline's
+    (gpu_check_core.rounded_twin: every stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline);
+    then a bitwise repeat (two runs, the same bits).
+(b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
+    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
+    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
+    the Triton backward; and the walk with chunk_bwd's ``overlap`` (its A/B: dots left running; checked against the
+    twin in (a)).
+    The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
+
+    python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, ≈ 3-5 min with compiles
+    python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
+
+Writes hopper_bwd.json under --out after every case (a run cut short keeps what it reached); prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors')
+CASES = [
+    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16),
+    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16),
+    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16),
+    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16),
+    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024),
+]
+ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
+    (2, 8, 4096, 16, 16),
+    (3, 1, 32768, 16, 16),
+    (7, 1, 32768, 2, 8),
+]
+# chunk_bwd's overlap A/B (dots left running): checked against the twin on these cases, timed at these rows
+OVERLAP_CASES = CASES[:2]
+OVERLAP_ROWS = (2, 3)
+
+
+def kernel_configs() -> list[tuple]:
+    """(H, HV, K, V, scale, BV, overlap) of every walk this script launches."""
+    config = lambda H, HV, K, V, BV, overlap: (H, HV, K, V, K ** -0.5, BV or min(V, 64), overlap)
+    configs = [config(H, HV, K, V, BV, False) for _, _, _, H, HV, K, V, BV, _ in CASES]
+    configs += [config(H, HV, K, V, BV, True) for _, _, _, H, HV, K, V, BV, _ in OVERLAP_CASES]
+    configs += [config(H, HV, 128, 128, 64, False) for _, _, _, H, HV in ROWS]
+    configs += [config(H, HV, 128, 128, 64, True) for row, _, _, H, HV in ROWS if row in OVERLAP_ROWS]
+    return list(dict.fromkeys(configs))
+
+
+def smoke() -> list[dict]:
+    """Build every walk for sm_90a without a GPU and report its shared memory and ptxas figures."""
+    from linattn.ops.hopper import backward, chunk_bwd  # noqa: F401  (the host chain imports)
+    from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
+    out = []
+    for config in kernel_configs():
+        t0 = time.time()
+        kernel = chunk_bwd.compiled_kernel(*config, target="sm_90a")
+        with tempfile.TemporaryDirectory() as d:
+            report = compile_sm90a(kernel.get_kernel_source(), Path(d))[1]
+        row = dict(config=config, shared_bytes=launch_shared_bytes(kernel), compile_s=round(time.time() - t0, 1),
+                   **ptxas_summary(report))
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+def bf16_inputs(name, B, T, H, HV, K, V, decay):
+    """gpu_check_core.make's inputs (unit-norm q, k; h0), q, k, v, β and do rounded to bf16, and their float64
+    ground-truth copies; do and dht fresh normals."""
+    import zlib
+
+    from gpu_check_core import make
+    x = make(B, T, H, HV, K, V, B, seed=zlib.crc32(name.encode()) % 1000, decay=decay)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x["do"] = torch.randn(B, T, HV, V, device="cuda", dtype=torch.float64, generator=gen)
+    dht = torch.randn(B, HV, K, V, device="cuda", dtype=torch.float64, generator=gen).float()
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
+    exact = {n: t.double() for n, t in low.items()}
+    return low, exact, dht
+
+
+def check_case(case) -> dict:
+    """Errors of the Hopper and Triton backwards and of the rounded baseline against float64 autograd."""
+    from gpu_check_core import grads_of, rel, rounded_twin
+
+    from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+    from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
+    from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
+    name, B, T, H, HV, K, V, BV, decay = case
+    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    scale = K ** -0.5
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")]
+    ref = grads_of(lambda **a: gated_delta_rule_reference(
+        **{n: a[n] for n in ("q", "k", "v", "g", "beta")}, scale=scale, initial_state=a["initial_state"]),
+        {n: t for n, t in exact.items() if n != "do"}, exact["do"], dht.double())[2:]
+    t0 = time.time()
+    hop = chunk_gated_delta_rule_bwd_hopper(*args, scale, low["initial_state"], low["do"], dht, BV)
+    torch.cuda.synchronize()
+    first_s = time.time() - t0
+    tri = chunk_gated_delta_rule_bwd_triton(*args, scale, low["initial_state"], None, None, low["do"], dht)
+    base = rounded_twin(low, torch.bfloat16, scale, low["do"].double(), dht.double())[2:]
+    row = dict(case=name, B=B, T=T, H=H, HV=HV, K=K, V=V, BV=BV, first_call_s=round(first_s, 1),
+               nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in hop))
+    for label, grads in (("hopper", hop), ("triton", tri), ("base", base)):
+        row[label] = {n: rel(a, b) for n, a, b in zip(GRADS, grads, ref)}
+    row["vs_triton"] = {n: row["hopper"][n] / max(row["triton"][n], 1e-30) for n in GRADS}
+    row["vs_base"] = {n: row["hopper"][n] / max(row["base"][n], 1e-30) for n in GRADS}
+    return row
+
+
+def twin_case(case, overlap: bool = False) -> dict:
+    """The walk alone against its twin (``chunk_bwd_ref.chunk_bwd_v_slices_ref``, fp32 on the GPU, the kernel's
+    rounding points) on the same recomputed gc, T and h: relative L2 of each raw output (the partials before any
+    sum), so that a wrong output of the kernel shows apart from the host chain around it."""
+    from gpu_check_core import rel
+
+    from linattn.ops.hopper import backward, chunk_bwd
+    from linattn.ops.hopper import chunk_bwd_ref as bwd
+    name, B, T, H, HV, K, V, BV, decay = case
+    BV = BV or min(V, 64)
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    scale = K ** -0.5
+    gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
+    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
+                                     backward.head_major_chunks(low["beta"].float()), a_inv, h, dht, scale, BV,
+                                     overlap)
+    # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros; its
+    # "checkpoints" are h itself, one per chunk
+    pad = (0, got[3].shape[-1] - T)
+    saved = bwd.SavedForward(torch.nn.functional.pad(gc.transpose(1, 2), pad, mode="replicate"),
+                             torch.nn.functional.pad(low["beta"].float().transpose(1, 2), pad), a_inv.float(),
+                             h.transpose(1, 2).float(), 1)
+    twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], dht, saved, scale, BV)
+    tokens = lambda x: x[..., :T].transpose(-1, -2)       # [NV, B, HV, Lp] → [NV, B, T, HV]
+    outputs = dict(dq_partials=(got[0], twin.dq), dk_partials=(got[1], twin.dk), dv=(got[2], twin.dv),
+                   dg_partials=(tokens(got[3]), twin.dg), dbeta_partials=(tokens(got[4]), twin.dbeta),
+                   dh0=(got[5], twin.dh0))
+    return dict(case=name + (" overlap" if overlap else ""), rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
+                nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
+
+
+def repeat_case(case) -> dict:
+    """Two runs of the Hopper backward on the same inputs: every output bit for bit equal."""
+    from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
+    name, B, T, H, HV, K, V, BV, decay = case
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
+    runs = [chunk_gated_delta_rule_bwd_hopper(*args) for _ in range(2)]
+    return dict(case=name, bitwise_equal={n: bool(torch.equal(a, b)) for n, a, b in zip(GRADS, *runs)})
+
+
+def time_row(row) -> dict:
+    """do_bench medians (ms) of the backward's parts and of the whole, Hopper and Triton, at one anchor row."""
+    import triton
+
+    from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
+    from linattn.ops.hopper import backward, chunk_bwd
+    index, B, T, H, HV = row
+    K = V = 128
+    scale = K ** -0.5
+    torch.manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
+    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
+    h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
+    gc, a_inv, h = backward.recompute(k, v, g, beta, h0)
+    gc_hm, beta_hm = backward.head_major_chunks(gc), backward.head_major_chunks(beta.float())
+    walk = lambda overlap=False: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64,
+                                                            overlap)
+    dq_p, dk_p, _, dg_p, db_p, _ = walk()
+    ms = dict(
+        recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
+        walk=triton.testing.do_bench(walk),
+        reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
+            dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
+        hopper=triton.testing.do_bench(lambda: backward.chunk_gated_delta_rule_bwd_hopper(
+            q, k, v, g, beta, scale, h0, do, dht)),
+        triton=triton.testing.do_bench(lambda: chunk_gated_delta_rule_bwd_triton(
+            q, k, v, g, beta, scale, h0, None, None, do, dht)))
+    if index in OVERLAP_ROWS:
+        ms["walk_overlap"] = triton.testing.do_bench(lambda: walk(True))
+    chunks = -(-T // 64)
+    return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
+                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks)
+
+
+def print_tables(results: dict) -> None:
+    print(f"\ndevice: {results.get('device')}")
+    print("\nthe walk against its twin on the same gc, T, h (rel L2 of each raw output; ≈ 1e-3 is rounding):")
+    for r in results["twin"]:
+        print(f"{r['case']:<28}{r.get('rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}")
+    print(f"\n{'case':<28}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64; hopper/triton; hopper/base)")
+    for r in results["accuracy"]:
+        if "error" in r:
+            print(f"{r['case']:<28}ERROR {r['error'][:200]}")
+            continue
+        print(f"{r['case']:<28}" + "".join(f"{r['hopper'][n]:9.1e}" for n in GRADS) + "   hopper")
+        print(f"{'':<28}" + "".join(f"{r['triton'][n]:9.1e}" for n in GRADS) + "   triton")
+        print(f"{'':<28}" + "".join(f"{r['base'][n]:9.1e}" for n in GRADS) + "   rounded baseline")
+        print(f"{'':<28}" + "".join(f"{r['vs_triton'][n]:9.2f}" for n in GRADS) + "   hopper / triton")
+        print(f"{'':<28}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
+              + f"   hopper / base (goal ≤ 2; worst {max(r['vs_base'].values()):.2f})")
+    for r in results["repeat"]:
+        print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}{'hopper':>9}"
+          f"{'triton':>9}{'walk ovl':>10}   (ms, do_bench medians; walk ovl: the overlap A/B's walk)")
+    for r in results["timing"]:
+        if "error" in r:
+            print(f"{r['row']:<5}ERROR {r['error'][:200]}")
+            continue
+        ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
+              f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}"
+              f"{ms.get('walk_overlap', float('nan')):10.3f}")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="CPU: build every kernel for sm_90a (no GPU run)")
+    ap.add_argument("--skip-timing", action="store_true")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        return dict(smoke=smoke())
+    out = Path(args.out) / "hopper_bwd.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = dict(device=torch.cuda.get_device_name(), twin=[], accuracy=[], repeat=[], timing=[])
+
+    def step(key, fn, item, label):
+        try:
+            results[key].append(fn(item))
+        except Exception as e:      # keep the other parts: one failure is a row of the table
+            traceback.print_exc()
+            results[key].append({label: item[0], "error": f"{type(e).__name__}: {e}"})
+        out.write_text(json.dumps(results, indent=1))
+        print(json.dumps(results[key][-1]), flush=True)
+
+    for case in CASES:
+        step("twin", twin_case, case, "case")
+    for case in OVERLAP_CASES:
+        step("twin", lambda c: twin_case(c, overlap=True), case, "case")
+    for case in CASES:
+        step("accuracy", check_case, case, "case")
+    step("repeat", repeat_case, CASES[0], "case")
+    if not args.skip_timing:
+        for row in ROWS:
+            step("timing", time_row, row, "row")
+    print_tables(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
