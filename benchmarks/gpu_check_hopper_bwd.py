@@ -8,8 +8,7 @@
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
     and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
     over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
-    the Triton backward; and the walk with chunk_bwd's ``overlap`` (its A/B: dots left running; checked against the
-    twin in (a)).
+    the Triton backward.
     The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
 
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, ≈ 3-5 min with compiles
@@ -46,18 +45,13 @@ ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
     (3, 1, 32768, 16, 16),
     (7, 1, 32768, 2, 8),
 ]
-# chunk_bwd's overlap A/B (dots left running): checked against the twin on these cases, timed at these rows
-OVERLAP_CASES = CASES[:2]
-OVERLAP_ROWS = (2, 3)
 
 
 def kernel_configs() -> list[tuple]:
-    """(H, HV, K, V, scale, BV, overlap) of every walk this script launches."""
-    config = lambda H, HV, K, V, BV, overlap: (H, HV, K, V, K ** -0.5, BV or min(V, 64), overlap)
-    configs = [config(H, HV, K, V, BV, False) for _, _, _, H, HV, K, V, BV, _ in CASES]
-    configs += [config(H, HV, K, V, BV, True) for _, _, _, H, HV, K, V, BV, _ in OVERLAP_CASES]
-    configs += [config(H, HV, 128, 128, 64, False) for _, _, _, H, HV in ROWS]
-    configs += [config(H, HV, 128, 128, 64, True) for row, _, _, H, HV in ROWS if row in OVERLAP_ROWS]
+    """(H, HV, K, V, scale, BV) of every walk this script launches."""
+    config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
+    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _ in CASES]
+    configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS]
     return list(dict.fromkeys(configs))
 
 
@@ -122,7 +116,7 @@ def check_case(case) -> dict:
     return row
 
 
-def twin_case(case, overlap: bool = False) -> dict:
+def twin_case(case) -> dict:
     """The walk alone against its twin (``chunk_bwd_ref.chunk_bwd_v_slices_ref``, fp32 on the GPU, the kernel's
     rounding points) on the same recomputed gc, T and h: relative L2 of each raw output (the partials before any
     sum), so that a wrong output of the kernel shows apart from the host chain around it."""
@@ -136,8 +130,7 @@ def twin_case(case, overlap: bool = False) -> dict:
     scale = K ** -0.5
     gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
     got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
-                                     backward.head_major_chunks(low["beta"].float()), a_inv, h, dht, scale, BV,
-                                     overlap)
+                                     backward.head_major_chunks(low["beta"].float()), a_inv, h, dht, scale, BV)
     # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros; its
     # "checkpoints" are h itself, one per chunk
     pad = (0, got[3].shape[-1] - T)
@@ -149,7 +142,7 @@ def twin_case(case, overlap: bool = False) -> dict:
     outputs = dict(dq_partials=(got[0], twin.dq), dk_partials=(got[1], twin.dk), dv=(got[2], twin.dv),
                    dg_partials=(tokens(got[3]), twin.dg), dbeta_partials=(tokens(got[4]), twin.dbeta),
                    dh0=(got[5], twin.dh0))
-    return dict(case=name + (" overlap" if overlap else ""), rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
+    return dict(case=name, rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
                 nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
 
 
@@ -181,8 +174,7 @@ def time_row(row) -> dict:
     h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
     gc, a_inv, h = backward.recompute(k, v, g, beta, h0)
     gc_hm, beta_hm = backward.head_major_chunks(gc), backward.head_major_chunks(beta.float())
-    walk = lambda overlap=False: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64,
-                                                            overlap)
+    walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_p, dk_p, _, dg_p, db_p, _ = walk()
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
@@ -193,8 +185,6 @@ def time_row(row) -> dict:
             q, k, v, g, beta, scale, h0, do, dht)),
         triton=triton.testing.do_bench(lambda: chunk_gated_delta_rule_bwd_triton(
             q, k, v, g, beta, scale, h0, None, None, do, dht)))
-    if index in OVERLAP_ROWS:
-        ms["walk_overlap"] = triton.testing.do_bench(lambda: walk(True))
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
                 ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks)
@@ -219,15 +209,14 @@ def print_tables(results: dict) -> None:
     for r in results["repeat"]:
         print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
     print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}{'hopper':>9}"
-          f"{'triton':>9}{'walk ovl':>10}   (ms, do_bench medians; walk ovl: the overlap A/B's walk)")
+          f"{'triton':>9}   (ms, do_bench medians)")
     for r in results["timing"]:
         if "error" in r:
             print(f"{r['row']:<5}ERROR {r['error'][:200]}")
             continue
         ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
         print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
-              f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}"
-              f"{ms.get('walk_overlap', float('nan')):10.3f}")
+              f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
 
 
 def main(argv=None) -> dict:
@@ -235,10 +224,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="CPU: build every kernel for sm_90a (no GPU run)")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--timing-only", action="store_true", help="only part (b), e.g. after (a) ran in another process")
+    ap.add_argument("--rows", default=",".join(str(r[0]) for r in ROWS), help="anchor rows to time, e.g. 2,3")
     args = ap.parse_args(argv)
     if args.smoke:
         return dict(smoke=smoke())
-    out = Path(args.out) / "hopper_bwd.json"
+    out = Path(args.out) / ("hopper_bwd_timing.json" if args.timing_only else "hopper_bwd.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     results = dict(device=torch.cuda.get_device_name(), twin=[], accuracy=[], repeat=[], timing=[])
 
@@ -251,16 +242,17 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(results, indent=1))
         print(json.dumps(results[key][-1]), flush=True)
 
-    for case in CASES:
-        step("twin", twin_case, case, "case")
-    for case in OVERLAP_CASES:
-        step("twin", lambda c: twin_case(c, overlap=True), case, "case")
-    for case in CASES:
-        step("accuracy", check_case, case, "case")
-    step("repeat", repeat_case, CASES[0], "case")
+    if not args.timing_only:
+        for case in CASES:
+            step("twin", twin_case, case, "case")
+        for case in CASES:
+            step("accuracy", check_case, case, "case")
+        step("repeat", repeat_case, CASES[0], "case")
     if not args.skip_timing:
+        rows = {int(r) for r in args.rows.split(",")}
         for row in ROWS:
-            step("timing", time_row, row, "row")
+            if row[0] in rows:
+                step("timing", time_row, row, "row")
     print_tables(results)
     return results
 

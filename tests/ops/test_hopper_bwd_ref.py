@@ -254,12 +254,10 @@ ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not chunk_fwd.ti
 
 
 @ON_HOPPER
-@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlap"])
 @pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
-def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case, overlap):
+def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case):
     """On the GPU: the kernel's gradients (V halves, the host's sums of their partials) from the twin's saved
-    tensors and recomputed h, each within 2× the rounded baseline's error against float64, as the twin's are; both
-    variants of chunk_bwd's ``overlap`` A/B."""
+    tensors and recomputed h, each within 2× the rounded baseline's error against float64, as the twin's are."""
     from linattn.ops.hopper import backward, chunk_bwd
     _, T, H, HV, K, decay, repeated = case
     x = make_inputs(1, T, H, HV, K, decay, repeated)
@@ -272,7 +270,7 @@ def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case, overlap):
     cuda = lambda t: t.cuda()
     dq, dk, dv, dg, dbeta, dh0 = chunk_bwd.chunk_bwd_hopper(
         *map(cuda, (low["q"], low["k"], low["v"], low["do"], saved.gc, saved.beta, saved.a_inv.to(torch.bfloat16),
-                    h.transpose(1, 2).to(torch.bfloat16), low["dht"])), scale, K // 2, overlap)
+                    h.transpose(1, 2).to(torch.bfloat16), low["dht"])), scale, K // 2)
     dq, dk, dg, dbeta = backward.sum_partials(dq, dk, dg, dbeta, H, T)
     got = [t.cpu().float() for t in (dq, dk, dv, dg, dbeta, dh0)]
     base = rounded_baseline(low, scale)

@@ -30,13 +30,12 @@ NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i �
 BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
 
 
-def _recompute_macros(K: int, BV: int, scale: float, overlap: bool) -> types.SimpleNamespace:
+def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     """The chunk's recompute, the dS chain and the X terms as TileLang macros (and the column-sum helper), on a
-    slice of ``BV`` value columns (``overlap``: :func:`build_kernel`'s)."""
+    slice of ``BV`` value columns."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
-    dot = T.wgmma_gemm if overlap else T.gemm       # issued and left running, or waited for
 
     @T.macro
     def column_sums_out(Ms, sums, sums_s, out):
@@ -61,18 +60,14 @@ def _recompute_macros(K: int, BV: int, scale: float, overlap: bool) -> types.Sim
         T.reduce_sum(t.hdS, t.hdS_rows, dim=1)
         T.copy(t.hdS_rows, t.hrs)
         # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D; and the chain's C1 = K [dS_hi; dS_lo],
-        # which reads only the chunk's keys and the dS leaving it (overlap: the four dots issued back to back)
-        dot(t.Ks, t.Hs, t.KS, clear_accum=True)
-        dot(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
-        dot(t.Ks, t.dSh, t.KdS, clear_accum=True)
-        dot(t.Ks, t.dSl, t.KdS)
-        if overlap:
-            T.wait_wgmma(3)                 # K S (wgmma groups complete in order)
+        # which reads only the chunk's keys and the dS leaving it
+        T.gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
+        T.gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
+        T.gemm(t.Ks, t.dSh, t.KdS, clear_accum=True)
+        T.gemm(t.Ks, t.dSl, t.KdS)
         for i, j in T.Parallel(BT, BV):
             t.Xs[i, j] = T.cast(t.bs[i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.gcs[i]) * t.KS[i, j]), bf)
-        dot(t.As, t.Xs, t.Vn, clear_accum=True)
-        if overlap:
-            T.wait_wgmma(3)                 # Q Kᵀ; C1 and V_new may still run
+        T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
         for i, j in T.Parallel(BT, BT):
             t.Ps[i, j] = T.cast(t.QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows), t.gcs[i] - t.gcs[j], NEG)),
                                 bf)
@@ -80,9 +75,7 @@ def _recompute_macros(K: int, BV: int, scale: float, overlap: bool) -> types.Sim
     @T.macro
     def chain(t, g_last):
         """The dS chain after C1 (:func:`recompute` issues it): Pᵀ dO, C2, C3 into dS; Y's bf16 copy for dA."""
-        dot(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
-        if overlap:
-            T.wait_wgmma(0)
+        T.gemm(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
         T.copy(t.Vn, t.Vns)
         for i, j in T.Parallel(BT, BV):
             t.KdS[i, j] = t.KdS[i, j] * T.exp(g_last - t.gcs[i])
@@ -96,8 +89,8 @@ def _recompute_macros(K: int, BV: int, scale: float, overlap: bool) -> types.Sim
             t.Gl[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc) - T.cast(t.Gh[i, j], acc), bf)
         for i, j in T.Parallel(K, BV):
             t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
-        dot(t.Qs, t.Gh, t.dS, transpose_A=True)
-        dot(t.Qs, t.Gl, t.dS, transpose_A=True)
+        T.gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
+        T.gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
         T.gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)     # waits for all three
 
     @T.macro
@@ -124,17 +117,15 @@ def _recompute_macros(K: int, BV: int, scale: float, overlap: bool) -> types.Sim
     return types.SimpleNamespace(column_sums_out=column_sums_out, recompute=recompute, chain=chain, x_terms=x_terms)
 
 
-def _gradient_macros(K: int, BV: int, scale: float, overlap: bool, column_sums_out=None) -> types.SimpleNamespace:
+def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> types.SimpleNamespace:
     """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
     :func:`_recompute_macros`.
 
-    A staged input's slot goes back to the producer right after its last use in program order, which for a dot
-    left running is its issue: each input's last dot here waits (T.gemm), except K's, whose next load the producer
-    issues only after q's and h's (their slots are released later, after dots that wait)."""
+    A staged input's slot goes back to the producer right after its last use in program order (every dot here
+    waits for its result), so the next chunk's loads stream in under the later steps."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
-    dot = T.wgmma_gemm if overlap else T.gemm
 
     @T.macro
     def q_side(t, rows, c):
@@ -147,7 +138,7 @@ def _gradient_macros(K: int, BV: int, scale: float, overlap: bool, column_sums_o
         T.reduce_sum(t.dP, t.rowsB, dim=1)     # dP keeps dlogD of P: its column sums leave with A's (k_side)
         for i in T.Parallel(BT):
             t.dGs[i] = t.dGs[i] + t.rowsB[i]
-        dot(t.dPs, t.Ks, t.dqf, clear_accum=True)
+        T.gemm(t.dPs, t.Ks, t.dqf, clear_accum=True)
         T.gemm(t.dOs, t.Hs, t.dqS, transpose_B=True, clear_accum=True)     # dO's last use: waits for both
         for i, j in T.Parallel(BT, K):     # Q ⊙ (dO h_bᵀ) in place: no third BT × K fragment
             t.dqf[i, j] = t.dqf[i, j] + scale * T.exp(t.gcs[i]) * t.dqS[i, j]
@@ -160,7 +151,7 @@ def _gradient_macros(K: int, BV: int, scale: float, overlap: bool, column_sums_o
     @T.macro
     def k_side(t, rows, g_last, c):
         """The k side: dA = −Y V_newᵀ (bf16 operands), dKD = β dA ⊙ D, dk (partial); dv written."""
-        dot(t.Yb, t.Vns, t.dA, transpose_B=True, clear_accum=True)
+        T.gemm(t.Yb, t.Vns, t.dA, transpose_B=True, clear_accum=True)
         T.gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)            # K Kᵀ, in dA's layout
         for i, j in T.Parallel(BT, BT):
             t.dA[i, j] = T.if_then_else((i > j) & (i < rows), -t.dA[i, j] * T.exp(t.gcs[i] - t.gcs[j]), 0.0)
@@ -178,8 +169,8 @@ def _gradient_macros(K: int, BV: int, scale: float, overlap: bool, column_sums_o
         T.gemm(t.Vns, t.dSh, t.dkf, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(BT, K):
             t.dkf[i, j] = T.exp(g_last - t.gcs[i]) * t.dkf[i, j]
-        dot(t.dKDs, t.Ks, t.dkf)
-        dot(t.dKDs, t.Ks, t.dkf, transpose_A=True)
+        T.gemm(t.dKDs, t.Ks, t.dkf)
+        T.gemm(t.dKDs, t.Ks, t.dkf, transpose_A=True)
         T.gemm(t.dPs, t.Qs, t.dkf, transpose_A=True)       # q's last use: waits for the three
         T.gemm(t.Ysn, t.Hs, t.dkf, transpose_B=True)       # h's
         T.copy(t.dkf, t.dk[t.iv, t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
@@ -197,14 +188,18 @@ def _gradient_macros(K: int, BV: int, scale: float, overlap: bool, column_sums_o
     @T.macro
     def finish(t, g_last, c):
         """dg and dβ (partials) written; the gradient entering the chunk as the next one's C1 operands."""
-        # dg: reverse cumsum of dG, then Σ_{j<i} t_j and γ Σ h⊙dS on every row
-        T.cumsum(t.dGs, dim=0, reverse=True)
-        T.cumsum(t.ts, dim=0)
+        # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j + γ Σ h⊙dS: one select per term in a fixed order (T.cumsum on shared
+        # memory runs on threads 0–31 only, which here belong to the producer warpgroup)
         gam_sum = T.alloc_var(acc, init=0.0)
         for kk in T.serial(K):
             gam_sum = gam_sum + t.hrs[kk]
         for i in T.Parallel(BT):
-            t.dGs[i] = t.dGs[i] + T.if_then_else(i > 0, t.ts[T.max(i, 1) - 1], 0.0) + T.exp(g_last) * gam_sum
+            t.cols[i] = 0.0
+            for j in T.unroll(BT):
+                t.cols[i] = t.cols[i] + T.if_then_else(j >= i, t.dGs[j], t.ts[j])
+        T.copy(t.cols, t.cols_s)
+        for i in T.Parallel(BT):
+            t.dGs[i] = t.cols_s[i] + T.exp(g_last) * gam_sum
         T.copy(t.dGs, t.dg[t.iv, t.ib, t.ihv, c * BT:(c + 1) * BT])
         T.copy(t.dbs, t.dbeta[t.iv, t.ib, t.ihv, c * BT:(c + 1) * BT])
         split_state(t)
@@ -212,12 +207,12 @@ def _gradient_macros(K: int, BV: int, scale: float, overlap: bool, column_sums_o
     return types.SimpleNamespace(q_side=q_side, k_side=k_side, finish=finish, split_state=split_state)
 
 
-def step_macros(K: int, BV: int, scale: float, overlap: bool) -> types.SimpleNamespace:
+def step_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
     finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
-    first = _recompute_macros(K, BV, scale, overlap)
+    first = _recompute_macros(K, BV, scale)
     return types.SimpleNamespace(**vars(first),
-                                 **vars(_gradient_macros(K, BV, scale, overlap, first.column_sums_out)))
+                                 **vars(_gradient_macros(K, BV, scale, first.column_sums_out)))
 
 
 def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
@@ -246,12 +241,9 @@ def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
     return types.SimpleNamespace(**tiles, **program)
 
 
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, overlap: bool = False,
-                 threads: int = 256):
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256):
     """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V.
-    ``overlap``: independent dots issued back to back and waited for where their results are read (C1 beside K S,
-    Q Kᵀ and V_new; dO h_bᵀ beside dP; dA beside K Kᵀ; three of dk's four products), else every dot waited for at
-    its issue — an A/B for the GPU (the same arithmetic)."""
+    Every dot is waited for at its issue."""
     import tilelang.language as T
 
     if V % BV:
@@ -260,7 +252,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G, NV = HV // H, V // BV
 
-    m = step_macros(K, BV, scale, overlap)
+    m = step_macros(K, BV, scale)
 
     @T.prim_func
     def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
@@ -307,16 +299,16 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, overlap: bool = False,
+def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
                     target: Optional[str] = None):
     """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target`` (None: this GPU;
     "sm_90a" without one)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV, overlap), target)
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV), target)
 
 
 def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                      beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
-                     scale: float, BV: int = BV_DEFAULT, overlap: bool = False) -> tuple[torch.Tensor, ...]:
+                     scale: float, BV: int = BV_DEFAULT) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
     Returns the partials dq, dk ``[NV, B, T, HV, K]`` fp32, dv ``[B, T, HV, V]`` bf16, the partials dg, dβ
     ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the partials)."""
@@ -337,7 +329,7 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     dv = torch.empty_like(v)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel = compiled_kernel(H, HV, K, V, scale, BV, overlap)
+    kernel = compiled_kernel(H, HV, K, V, scale, BV)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
                      beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0)
     return dq, dk, dv, dg, dbeta, dh0
