@@ -9,6 +9,10 @@ path and its reason, :func:`run_forward` runs it. Read top to bottom:
                                  (sequence × value head) pairs, where the walk measured ahead of the split
       split                      the split Triton forward (``triton_chunk.forward_split``): everything else
 
+The backward (:func:`choose_backward_path`, :func:`run_backward`): the torch twin's on backend "torch"; on
+"triton", the Hopper backward (``hopper/backward.py``) for bf16 equal-length sequences on sm_90 from
+HOPPER_BWD_MIN_PAIRS (sequence × value head) pairs, else the Triton backward (``triton_bwd.py``).
+
 ``forward_path`` ("auto" for the public op) forces one of "split", "walk" or "hopper" for tests and debugging
 (``chunk.chunk_gated_delta_rule_on_path``); a forced "hopper" still falls back to the Triton paths where the Hopper
 kernels cannot take the inputs. The Hopper package is asked through two calls, ``plan.plan_inputs`` and
@@ -30,6 +34,11 @@ FORWARD_PATHS = get_args(ForwardPath)
 # split keeps only the state update on the sequential chain, so it wins where the pairs do not fill the SMs, and for
 # bf16 and fp32 everywhere measured; fp16 (output dots at tf32x3) keeps the walk where the pairs fill the card
 WALK_MIN_PAIRS = MappingProxyType({torch.bfloat16: None, torch.float16: 128, torch.float32: None})
+
+# The Hopper backward from this many (sequence × value head) pairs. Its reverse walk is unsegmented, one program per
+# (pair, half of V) walking the whole sequence, so with few pairs most SMs idle: on an H100 it takes 3.1 ms against
+# the Triton backward's 6.7 at 128 pairs (B=8, T=4096) but 9.5 against 9.1 at 16 (B=1, T=32768)
+HOPPER_BWD_MIN_PAIRS = 64
 
 
 class ForwardChoice(NamedTuple):
@@ -115,3 +124,53 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     triton_chunk = _triton_chunk()
     run = triton_chunk.forward_walk if choice.path == "walk" else triton_chunk.forward_split
     return run(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets)
+
+
+def hopper_backward_blocker(B: int, HV: int, K: int, V: int, do_dtype: torch.dtype, g_dtype: torch.dtype
+                            ) -> Optional[str]:
+    """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
+    ``hopper.compile.unsupported_reason`` says of the device, q's dtype and packed sequences."""
+    from ..hopper.backward import SIZES
+    if K not in SIZES or V not in SIZES:
+        return f"K and V in {SIZES} only, got K={K}, V={V}"
+    if do_dtype != torch.bfloat16 or g_dtype != torch.float32:
+        return f"bf16 dO and fp32 g only, got {do_dtype}, {g_dtype}"
+    if B * HV < HOPPER_BWD_MIN_PAIRS:
+        return f"{B * HV} < {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs"
+    return None
+
+
+def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
+                         cu_seqlens: Optional[torch.Tensor], backend: str) -> tuple[str, str]:
+    """The backward for these saved inputs on ``backend``: ("torch" | "hopper" | "triton", why)."""
+    if backend != "triton":
+        return "torch", f"backend={backend!r}"
+    if q.device.type != "cuda":
+        return "triton", "Hopper backward: not a CUDA call"
+    reason = _hopper()[2].unsupported_reason(q, v, cu_seqlens) or \
+        hopper_backward_blocker(q.shape[0], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype)
+    if reason is None:
+        return "hopper", f"{q.shape[0] * v.shape[2]} ≥ {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs"
+    return "triton", f"Hopper backward: {reason}"
+
+
+def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
+                 cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]], do: torch.Tensor,
+                 dht: torch.Tensor, backend: str) -> tuple:
+    """dq, dk, dv, dg, dbeta, dh0 (None without initial_state) from the path :func:`choose_backward_path` picks. A
+    Hopper backward that does not compile here warns once and leaves the Triton backward to every later call."""
+    path, _ = choose_backward_path(q, v, g, do, cu_seqlens, backend)
+    if path == "torch":
+        from .torch_chunk import chunk_gated_delta_rule_bwd_torch
+        return chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
+    if path == "hopper":
+        from ..hopper.backward import chunk_gated_delta_rule_bwd_hopper
+        _, _, chunk_fwd = _hopper()
+        try:
+            return chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, initial_state, do, dht)
+        except chunk_fwd.HopperCompileError as e:
+            chunk_fwd.mark_compile_failed(str(e))
+            warnings.warn(f"linattn: the Hopper backward (TileLang) did not compile here, so the Triton backward "
+                          f"runs instead: {e}", RuntimeWarning, stacklevel=2)
+    from .triton_bwd import chunk_gated_delta_rule_bwd_triton  # lazy: triton is optional on CPU machines
+    return chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets, do, dht)
