@@ -267,16 +267,17 @@ def test_bad_segment_length_is_refused():
 # the planner
 # ----------------------------------------------------------------------------------------------------------------
 # (id, chunks per sequence, HV, expected L) at K = V = 128 on 132 SMs (264 slots of two programs). The unsplit
-# walk takes BV = 16 where its pairs cannot fill the SMs (HV = 16: 128 programs, one wave); the segments run
-# BV = 64. B=1 T=32768 HV=16 (512 chunks): L = 64 gives phase C' 16·2·8 = 256 programs, one wave: 64; phase A'
-# 512 programs, two waves: 1.5·64·2 = 192; phase B' 8: 264 against 512 unsplit, the cheapest candidate (L = 32:
-# 64 + 1.5·32·4 + 16 = 272). B=8 T=4096 H=16 fills the card unsplit (BV = 64, 256 programs): no split saves 10%;
-# B=2 T=4096 H=16 (L = 16 would cost 16 + 1.5·16·2 + 4 = 68 against 64·0.9) stays unsplit.
+# walk takes BV = 16 where its pairs cannot fill the SMs; the segments run BV = 64 and phase A' costs
+# REVERSE_MAP_COST = 4 chunks. B=1 T=32768 HV=8 (512 chunks, 64 programs unsplit: 512): L = 32 gives phase C'
+# 8·2·16 = 256 programs, one wave: 32; phase A' 512 programs, two waves: 4·32·2 = 256; phase B' 16: 304 against
+# 512·0.9. At HV = 16 the same split costs twice the programs, so no L saves 10% (B=1 T=32768: L = 64 costs
+# 64 + 4·64·2 + 8 = 584 against 512).
 PLAN_CASES = [
-    ("B1_T32768_HV16", [512], 16, 64),
-    ("B1_T131072_HV16", [2048], 16, 256),
+    ("B1_T32768_HV16", [512], 16, None),
+    ("B1_T131072_HV16", [2048], 16, None),
     ("B1_T32768_H2_HV8", [512], 8, 32),
-    ("B1_T4096_HV16", [64], 16, 8),
+    ("B1_T32768_HV4", [512], 4, 32),
+    ("B1_T4096_HV16", [64], 16, None),
     ("B2_T4096_HV16", [64] * 2, 16, None),
     ("B8_T4096_HV16_fills_the_card", [64] * 8, 16, None),
     ("B4_T8192_HV32_fills_the_card", [128] * 4, 32, None),

@@ -41,10 +41,10 @@ from .seq_parallel import SegmentLayout, affine_scan, plan_segments, segment_lay
 from .state_pass_bwd import BT, state_pass_bwd, state_pass_bwd_kernel, widest_tile_v
 
 # phase A' per chunk and column slice, relative to a chunk of the plain reverse walk (the planner widens A' by
-# (K + V) / V itself): the same three dots on the carried tile without the walk's two stores (≈ 0.65 of its bytes),
-# costed above 1 as the forward's phase A measured dearer than its bytes. 1.5 splits the issue-45 rows (predicted
-# ≥ 1.9× shorter walks) and leaves mid-size rows that 1.0 would split (B=2 T=4096 H=16, B=4 T=8192 HV=8) unsplit
-REVERSE_MAP_COST = 1.5
+# (K + V) / V itself). The model counts chunks, not the tile width, and the unsplit walk's narrow tiles (BV = 16)
+# run a chunk far cheaper than the segments' BV = 64: on an H100 a split walk was no faster at HV = 16 (B=1,
+# T=4096 to 131072) and 1.8× faster at HV = 8 (B=1 T=32768). 4.0 splits the latter and none of the former.
+REVERSE_MAP_COST = 4.0
 
 
 def split_tile_v(K: int, V: int) -> int:
