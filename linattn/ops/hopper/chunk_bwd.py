@@ -10,7 +10,7 @@ adds in a fixed order. At K = V = 128 the whole-V program needs 393 KB of shared
 CTA (218 368 B; ptxas: 168 registers, no spill). Not warp-specialised by hand (TileLang adds its producer
 warpgroup: 384 threads), loads single-buffered. Per chunk and program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16
 wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB); writes the dq, dk partials 64 KB, dv 8 KB.
-It has not run on a GPU yet: benchmarks/gpu_check_hopper_bwd.py checks it against the twin first.
+benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
 
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
