@@ -131,12 +131,14 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
 @COMPILES
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every walk the GPU script launches compiles for
-    sm_90a without a spill (its cases' kernels are the compile test's, cached by TileLang)."""
+    sm_90a without a spill (its cases' kernels are the compile test's, cached by TileLang): seven walks, the five
+    accuracy cases' and the timing rows' two (H = HV = 16; H = 2, HV = 8), which the segmented cases and rows
+    reuse."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 8 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
+    assert len(rows) == 7 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 
 def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
