@@ -250,7 +250,7 @@ def test_segment_length_forced_and_planned():
     assert length(2) == 2 and length(4) is None and length(9, T=250) is None
     plan = lambda B, T, HV: segments.plan_walk_segments(B, T, HV, 128, 128, 64, 132)
     assert plan(1, 32768, 16) == 128 and plan(1, 32768, 8) == 64
-    assert plan(8, 4096, 16) is None and plan(1, 32768 - 64 + 1, 16) is None
+    assert plan(8, 4096, 16) is None and plan(1, 32768 - 64 + 1, 16) is None and plan(1, 0, 16) is None
     for T in (4096, 32768, 131072, 64 * 509, 64 * 600):
         L = plan(1, T, 16)
         assert L is None or (T // 64) % L == 0 and L >= segments.MIN_SEGMENT_CHUNKS

@@ -68,9 +68,9 @@ def plan_walk_segments(B: int, T: int, HV: int, K: int, V: int, BV: int, sms: in
     divisor L of NT = T/64 (T a multiple of 64; 2 … MAX_SEGMENTS segments of at least MIN_SEGMENT_CHUNKS chunks)
     by :func:`walk_cost_us`, if it saves SPLIT_MARGIN of the unsegmented cost; ties go to the longer L (fewer
     maps and scan steps). Cached: host time on every backward call."""
-    if T % CHUNK:
-        return None
     NT = T // CHUNK
+    if T % CHUNK or NT < 2 * MIN_SEGMENT_CHUNKS:
+        return None
     best_cost, best = SPLIT_MARGIN * walk_cost_us(B, NT, HV, K, V, BV, NT, sms), None
     for S in range(2, min(MAX_SEGMENTS, NT // MIN_SEGMENT_CHUNKS) + 1):
         if NT % S:
