@@ -131,7 +131,9 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
 @COMPILES
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every walk the GPU script launches compiles for
-    sm_90a without a spill (its cases' kernels are the compile test's, cached by TileLang)."""
+    sm_90a without a spill (its cases' kernels are the compile test's, cached by TileLang): seven walks, the five
+    accuracy cases' and the timing rows' two (H = HV = 16; H = 2, HV = 8), which the segmented cases and rows
+    reuse."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -168,3 +170,87 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
     assert all(t.dtype == torch.float32 for t in got)
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, got, ref)}
     assert max(errors.values()) < 2e-2, errors
+
+
+def _wy_from_bf16_t(k, v, beta, gc, a_inv):
+    """segments.py's W from the T the walk reads (bf16-rounded): the maps and the walk then carry one operator."""
+    from linattn.ops.common.wy import wy_fwd
+    return wy_fwd(k, v, beta, gc, a_inv.bfloat16().float())
+
+
+def _host_chain(x: dict, scale: float, segment_chunks, BV: int = 16) -> tuple[torch.Tensor, ...]:
+    """The host chain on x's fp32 copies (the twin walk and the lifted checks patched in by the caller)."""
+    low = {n: t.float() for n, t in x.items()}
+    return backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], scale,
+                                                      low["h0"], low["do"], low["dht"], BV=BV,
+                                                      segment_chunks=segment_chunks)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_segments", [2, 4])
+def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, num_segments):
+    """hopper/segments.py: the walk (its twin) on segment views from the dS_out of the Triton maps and reverse scan,
+    fp32 under the interpreter (two sequences of 4 chunks, GVA, initial state and dht). With the maps' W formed
+    from the walk's bf16 T, both chains carry the same operator: the unsegmented gradients up to fp32 rounding. As
+    shipped (W from the fp32 T) they differ by T's bf16 rounding, and are as close to the float64 reference as
+    the unsegmented chain. A segment out of place, a wrong dS_out or a dh0 from the wrong segment is O(1)."""
+    from linattn.ops.hopper import chunk_bwd, segments
+
+    from .test_hopper_bwd_ref import reference_grads, rel_l2
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(2, 256, 1, 2, 32, seed=3).items()}
+    whole = _host_chain(x, 0.3, None)
+    split = _host_chain(x, 0.3, 4 // num_segments)
+    ref = reference_grads(x, 0.3, use_dht=True)
+    assert all(t.dtype == torch.float32 for t in split) and split[5].is_contiguous()
+    errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, ref)}
+    limits = {n: 1.5 * rel_l2(a, b) + 1e-6 for n, a, b in zip(GRADS, whole, ref)}
+    assert all(errors[n] < limits[n] for n in GRADS), (errors, limits)
+    assert max(errors.values()) < 2e-2, errors
+    with monkeypatch.context() as m:
+        m.setattr(segments, "wy_fwd", _wy_from_bf16_t)
+        same_t = _host_chain(x, 0.3, 4 // num_segments)
+    errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, same_t, whole)}
+    assert max(errors.values()) < 2e-6, errors
+
+
+@pytest.mark.interpreter
+def test_segments_without_dht_start_from_zero(monkeypatch):
+    """No dht: the last segment walks from zeros, as the unsegmented walk does (one sequence, 2 segments; the
+    maps' W from the walk's bf16 T, as above)."""
+    from linattn.ops.hopper import chunk_bwd, segments
+
+    from .test_hopper_bwd_ref import rel_l2
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    monkeypatch.setattr(segments, "wy_fwd", _wy_from_bf16_t)
+    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 128, 1, 1, 32, seed=4).items()}
+    x["dht"] = None
+    low = {n: t.float() for n, t in x.items() if t is not None}
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, low["h0"], low["do"], None]
+    whole = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16)
+    split = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1)
+    errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_segment_length_forced_and_planned():
+    """segment_chunks: bad values raise, ≥ T/64 walks unsegmented; the planner (its estimates): segments that fill
+    the card at B=1 T=32768 (4 × 32 programs at HV=16, 8 × 16 at HV=8), none where the unsegmented walk already
+    fills it (B=8 T=4096) or T is not a multiple of 64, and L always a divisor of T/64."""
+    from linattn.ops.hopper import segments
+    cpu = torch.device("cpu")
+    length = lambda chunks, T=256: segments.segment_length(chunks, 1, T, 16, 128, 128, 64, cpu)
+    for bad, match in [(0, ">= 1"), (1.5, ">= 1"), (True, ">= 1"), (3, "multiple")]:
+        with pytest.raises(ValueError, match=match):
+            length(bad)
+    with pytest.raises(ValueError, match="multiple"):
+        length(2, T=250)
+    assert length(2) == 2 and length(4) is None and length(9, T=250) is None
+    plan = lambda B, T, HV: segments.plan_walk_segments(B, T, HV, 128, 128, 64, 132)
+    assert plan(1, 32768, 16) == 128 and plan(1, 32768, 8) == 64
+    assert plan(8, 4096, 16) is None and plan(1, 32768 - 64 + 1, 16) is None and plan(1, 0, 16) is None
+    for T in (4096, 32768, 131072, 64 * 509, 64 * 600):
+        L = plan(1, T, 16)
+        assert L is None or (T // 64) % L == 0 and L >= segments.MIN_SEGMENT_CHUNKS

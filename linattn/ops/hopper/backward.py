@@ -1,12 +1,15 @@
-"""The Hopper backward of the chunked gated delta rule (issue 45), unsegmented, equal-length sequences: the host
-chain around the fused reverse walk (``chunk_bwd.py``). The op's backward runs it where
+"""The Hopper backward of the chunked gated delta rule (issue 45), equal-length sequences: the host chain around
+the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). The op's backward runs it where
 ``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS pairs).
 
     recompute   gc = chunk-local cumsum of g, T = (I + A)⁻¹ (``kkt_solve``: β inside A, none on the right: the
                 walk needs T without diag(β)), h = bf16 state entering each chunk (the Triton state pass from T,
                 ``[B, NT, HV, K, V]``, the walk's layout); gc, β head-major, T in bf16
-    walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence, value head, V slice): dv, dh0, and
-                partials of dq, dk (per slice and value head), dg, dβ (per slice)
+    segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
+                Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment
+    walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice): dv, dh0,
+                and partials of dq, dk (per slice and value head), dg, dβ (per slice); segments are views of the
+                sequences, walked from their dS_out
     reductions  the partials added over the slices, then over the value heads of each qk head, in a fixed order
                 (``common/partial_sum.py`` for dq, dk: one pass to the output dtype; torch's sum for dg, dβ): no
                 atomics, the same bits every run
@@ -25,6 +28,7 @@ from ..common.kkt_solve import kkt_solve
 from ..common.partial_sum import partial_sum
 from ..common.state_pass import state_pass_fwd
 from ..utils import MIN_LOG_DECAY, cdiv
+from . import segments
 from .chunk_fwd import BT
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
@@ -63,10 +67,20 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
 def recompute(k, v, g, beta, initial_state):
     """The forward's stages the walk reads: gc ``[B, T, HV]`` fp32, T ``[B, T, HV, 64]`` bf16 (without β on the
     right) and h ``[B, NT, HV, K, V]`` bf16 (the Triton state pass from T: no W, U written)."""
+    gc, a_inv = solve(k, g, beta, v.shape[2])
+    return gc, a_inv.to(torch.bfloat16), states(k, v, gc, a_inv, beta, initial_state)
+
+
+def solve(k, g, beta, HV: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gc ``[B, T, HV]`` and T = A_inv ``[B, T, HV, 64]``, both fp32 (``kkt_solve``'s, which the segments' W
+    reads before the walk's bf16 copy is made)."""
     gc = chunk_local_cumsum(g, None, None)
-    a_inv = kkt_solve(k, beta, gc, v.shape[2], None, None)
-    h, _, _ = state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)
-    return gc, a_inv.to(torch.bfloat16), h
+    return gc, kkt_solve(k, beta, gc, HV, None, None)
+
+
+def states(k, v, gc, a_inv, beta, initial_state) -> torch.Tensor:
+    """h ``[B, NT, HV, K, V]`` bf16: the states entering every chunk (the Triton state pass from the fp32 T)."""
+    return state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)[0]
 
 
 def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +100,8 @@ def sum_partials(dq, dk, dg, dbeta, H: int, T: int, qk_dtype: torch.dtype = torc
 
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
-                                      do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None):
+                                      do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
+                                      segment_chunks: Optional[int] = None):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
 
     Args:
@@ -95,6 +110,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         initial_state: ``[B, HV, K, V]`` or None. do: ``[B, T, HV, V]`` bf16, the output's gradient.
         dht: ``[B, HV, K, V]``, the final state's gradient, or None (zeros).
         BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
+        segment_chunks: walk in segments of this many chunks (``segments.py``; an int dividing T/64, T a multiple
+            of 64; ≥ T/64 walks unsegmented): tests and benchmarks. None: ``segments.plan_walk_segments``.
     Returns:
         dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
         and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
@@ -103,15 +120,26 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     from . import chunk_bwd
     check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
     B, T, H, K = q.shape
-    V = v.shape[3]
+    HV, V = v.shape[2:]
+    BV = BV or min(V, chunk_bwd.BV_DEFAULT)
+    L = segments.segment_length(segment_chunks, B, T, HV, K, V, BV, q.device)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    gc, a_inv, h = recompute(k, v, g, beta, initial_state)
+    gc, a_inv = solve(k, g, beta, HV)
+    # the segments' W and dv_local are made and dropped before h exists (the walk's inputs are the peak)
+    dS_out = segments.segment_state_grads(q, k, v, beta, gc, a_inv, do, dht, scale, L) if L else dht
+    h = states(k, v, gc, a_inv, beta, initial_state)
+    a_inv = a_inv.to(torch.bfloat16)
+    S = cdiv(T, BT) // L if L else 1
+    seg = lambda x: segments.as_segments(x, S)
     dq_p, dk_p, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
-        q, k, v, do, head_major_chunks(gc), head_major_chunks(beta.float()), a_inv, h, dht, scale,
-        BV or min(V, chunk_bwd.BV_DEFAULT))
+        seg(q), seg(k), seg(v), seg(do), head_major_chunks(seg(gc)), head_major_chunks(seg(beta.float())),
+        seg(a_inv), seg(h), dS_out, scale, BV)
     del h
+    dq_p, dk_p = (p.view(p.shape[0], B, T, HV, K) for p in (dq_p, dk_p))
+    dg_p, dbeta_p = (segments.head_major_from_segments(p, B) for p in (dg_p, dbeta_p))
     dq, dk, dg, dbeta = gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
-    return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
+    dh0 = dh0.view(B, S, HV, K, V)[:, 0].contiguous()     # each sequence's first segment's
+    return dq, dk, dv.view(B, T, HV, V), dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
 
 
 def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
