@@ -11,7 +11,8 @@ path and its reason, :func:`run_forward` runs it. Read top to bottom:
 
 The backward (:func:`choose_backward_path`, :func:`run_backward`): the torch twin's on backend "torch"; on
 "triton", the Hopper backward (``hopper/backward.py``) for bf16 equal-length sequences on sm_90 from
-HOPPER_BWD_MIN_PAIRS (sequence × value head) pairs, else the Triton backward (``triton_bwd.py``).
+HOPPER_BWD_MIN_PAIRS (sequence × value head) pairs or from HOPPER_BWD_LONG (fewer pairs of long sequences: its walk in
+segments), else the Triton backward (``triton_bwd.py``).
 
 ``forward_path`` ("auto" for the public op) forces one of "split", "walk" or "hopper" for tests and debugging
 (``chunk.chunk_gated_delta_rule_on_path``); a forced "hopper" still falls back to the Triton paths where the Hopper
@@ -35,10 +36,11 @@ FORWARD_PATHS = get_args(ForwardPath)
 # bf16 and fp32 everywhere measured; fp16 (output dots at tf32x3) keeps the walk where the pairs fill the card
 WALK_MIN_PAIRS = MappingProxyType({torch.bfloat16: None, torch.float16: 128, torch.float32: None})
 
-# The Hopper backward from this many (sequence × value head) pairs. Its reverse walk is unsegmented, one program per
-# (pair, half of V) walking the whole sequence, so with few pairs most SMs idle: on an H100 it takes 3.1 ms against
-# the Triton backward's 6.7 at 128 pairs (B=8, T=4096) but 9.5 against 9.1 at 16 (B=1, T=32768)
+# The Hopper backward from this many (sequence × value head) pairs, or from HOPPER_BWD_LONG = (pairs, tokens) where
+# its walk runs in segments (hopper/segments.py). With fewer pairs or shorter sequences the Triton backward wins: its
+# state recompute is sequence-parallel, the Hopper backward's is not (docs/performance.md, the Hopper backward)
 HOPPER_BWD_MIN_PAIRS = 64
+HOPPER_BWD_LONG = (16, 16384)
 
 
 class ForwardChoice(NamedTuple):
@@ -126,8 +128,8 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return run(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets)
 
 
-def hopper_backward_blocker(B: int, HV: int, K: int, V: int, do_dtype: torch.dtype, g_dtype: torch.dtype
-                            ) -> Optional[str]:
+def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: torch.dtype,
+                            g_dtype: torch.dtype) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.compile.unsupported_reason`` says of the device, q's dtype and packed sequences."""
     from ..hopper.backward import SIZES
@@ -135,8 +137,10 @@ def hopper_backward_blocker(B: int, HV: int, K: int, V: int, do_dtype: torch.dty
         return f"K and V in {SIZES} only, got K={K}, V={V}"
     if do_dtype != torch.bfloat16 or g_dtype != torch.float32:
         return f"bf16 dO and fp32 g only, got {do_dtype}, {g_dtype}"
-    if B * HV < HOPPER_BWD_MIN_PAIRS:
-        return f"{B * HV} < {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs"
+    pairs, (long_pairs, long_tokens) = B * HV, HOPPER_BWD_LONG
+    if pairs < HOPPER_BWD_MIN_PAIRS and (pairs < long_pairs or T < long_tokens):
+        return (f"{pairs} < {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs, and not {long_pairs} pairs of "
+                f"{long_tokens} tokens or more")
     return None
 
 
@@ -148,9 +152,9 @@ def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: 
     if q.device.type != "cuda":
         return "triton", "Hopper backward: not a CUDA call"
     reason = _hopper()[2].unsupported_reason(q, v, cu_seqlens) or \
-        hopper_backward_blocker(q.shape[0], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype)
+        hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype)
     if reason is None:
-        return "hopper", f"{q.shape[0] * v.shape[2]} ≥ {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs"
+        return "hopper", f"{q.shape[0] * v.shape[2]} (sequence, head) pairs of {q.shape[1]} tokens"
     return "triton", f"Hopper backward: {reason}"
 
 

@@ -1,6 +1,6 @@
 """The Hopper backward of the chunked gated delta rule (issue 45), equal-length sequences: the host chain around
 the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). The op's backward runs it where
-``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS pairs).
+``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS pairs or HOPPER_BWD_LONG).
 
     recompute   gc = chunk-local cumsum of g, T = (I + A)⁻¹ (``kkt_solve``: β inside A, none on the right: the
                 walk needs T without diag(β)), h = bf16 state entering each chunk (the Triton state pass from T,
