@@ -48,26 +48,51 @@ GOAL_SPEEDUP = 1.25
 K = 128
 
 
-def time_row(impls, B, T, H, HV):
-    """One record per implementation at one row: ``fwd_ms`` (and ``first_call_s``), or ``error``."""
+def sdpa(q, k, v):
+    """Causal flash SDPA, as bench_anchors times it (a tuple, like the other implementations' outputs)."""
+    return (F.scaled_dot_product_attention(q, k, v, is_causal=True),)
+
+
+def time_training(fn, xs) -> dict:
+    """bench_anchors' fwd+bwd figures of one implementation: ``fwdbwd_ms`` (forward + ``torch.autograd.grad``
+    over every input, do_bench median) and ``peak_extra_MB`` (peak allocation of one fwd+bwd over the inputs')."""
+    o = fn(*xs)[0]
+    do = torch.randn_like(o)
+    record = dict(fwdbwd_ms=bench(lambda: torch.autograd.grad(fn(*xs)[0], xs, do)))
+    del o
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.grad(fn(*xs)[0], xs, do)
+    record["peak_extra_MB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return record
+
+
+def time_row(impls, B, T, H, HV, train: bool = False):
+    """One record per implementation at one row: ``fwd_ms`` (and ``first_call_s``), or with ``train`` the
+    :func:`time_training` figures, or ``error``."""
     records = []
     for name, fn in list(impls.items()) + [("sdpa_flash", None)]:
         record = dict(impl=name, B=B, T=T, H=H, HV=HV, K=K)
         try:
             if fn is None:
-                q = torch.randn(B, HV, T, K, device="cuda", dtype=torch.bfloat16)
-                k, v = torch.randn_like(q), torch.randn_like(q)
-                with torch.no_grad():
-                    record["fwd_ms"] = bench(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v,
-                                                                                                  is_causal=True))
+                q = torch.randn(B, HV, T, K, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+                k, v = torch.randn_like(q, requires_grad=train), torch.randn_like(q, requires_grad=train)
+                if train:
+                    record.update(time_training(sdpa, [q, k, v]))
+                else:
+                    with torch.no_grad():
+                        record["fwd_ms"] = bench(lambda q=q, k=k, v=v: sdpa(q, k, v))
             else:
                 xs = make_inputs(B, T, H, HV, K, K, torch.bfloat16, seed=2, requires_grad=True)
                 start = time.time()
                 fn(*xs, K ** -0.5)
                 torch.cuda.synchronize()
                 record["first_call_s"] = time.time() - start
-                with torch.no_grad():
-                    record["fwd_ms"] = bench(lambda fn=fn, xs=xs: fn(*xs, K ** -0.5))
+                if train:
+                    record.update(time_training(lambda *x, fn=fn: fn(*x, K ** -0.5), xs))
+                else:
+                    with torch.no_grad():
+                        record["fwd_ms"] = bench(lambda fn=fn, xs=xs: fn(*xs, K ** -0.5))
         except Exception as error:  # one implementation's failure is a record, not the end of the table
             record["error"] = f"{type(error).__name__}: {str(error)[:200]}"
         print(json.dumps(record), flush=True)
@@ -80,9 +105,10 @@ def cell(ms):
     return "n/a" if ms is None else f"{ms:.3f}"
 
 
-def table(records, rows):
-    """Issue 4's table as markdown: each implementation's ms, the goal, linattn / FlashQLA and / floor."""
-    by = {(r["impl"], r["B"], r["T"], r["H"], r["HV"]): r.get("fwd_ms") for r in records}
+def table(records, rows, key: str = "fwd_ms"):
+    """Issue 4's table as markdown: each implementation's ms (``key``), the goal, linattn / FlashQLA and / floor
+    (the floor is the forward's)."""
+    by = {(r["impl"], r["B"], r["T"], r["H"], r["HV"]): r.get(key) for r in records}
     lines = ["| row | B, T, Hqk, Hv | linattn | FlashQLA | fla | SDPA | goal | linattn / FlashQLA | floor | / floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -107,17 +133,25 @@ def main():
                     help="issue 4's rows to time, in this order (all seven by default)")
     ap.add_argument("--impl", action="append", default=[],
                     help="more implementations as MODULE:FUNCTION (bench_anchors' --impl), beside linattn's op")
+    ap.add_argument("--train", action="store_true",
+                    help="forward + backward (ms) and its peak extra memory (MB) instead of the forward, as "
+                         "bench_anchors measures them (issue 45's table)")
+    ap.add_argument("--skip", action="append", default=[], help="an implementation to leave out (e.g. fla)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    impls = load_impls([LINATTN, *args.impl])
+    impls = {n: f for n, f in load_impls([LINATTN, *args.impl]).items() if n not in args.skip}
     print("impls:", list(impls), flush=True)
     records = []
+    out = Path(os.environ.get("OUT", ".")) / ("train_table.json" if args.train else "forward_table.json")
     for row in args.rows:
-        records += time_row(impls, *ROWS[row][0])
-    out = Path(os.environ.get("OUT", "."))
-    (out / "forward_table.json").write_text(json.dumps(records, indent=1))
+        records += time_row(impls, *ROWS[row][0], train=args.train)
+        out.write_text(json.dumps(records, indent=1))
     print()
-    print(table(records, args.rows))
+    print(table(records, args.rows, "fwdbwd_ms" if args.train else "fwd_ms"))
+    if args.train:
+        print("\npeak extra MB during fwd+bwd (goal: linattn's ≤ FlashQLA's)")
+        for r in records:
+            print(f"{r['B']},{r['T']},{r['H']},{r['HV']}  {r['impl']:<32} {r.get('peak_extra_MB', float('nan')):9.0f}")
 
 
 if __name__ == "__main__":

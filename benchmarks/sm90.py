@@ -90,7 +90,7 @@ def compile_sm90(kernel, consts: dict, arg_type, num_warps: int, maxnreg: int | 
 
 INPUT_ARGS = {"q", "k", "v", "o", "beta", "do"}  # in the input dtype; g and the intermediates are fp32
 INT_ARGS = {"T", "NT", "NTB", "NSEG", "L"}
-INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments", "state_indices"}
+INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets", "segments", "segment_first", "state_indices"}
 
 
 def compile_kernel(kernel, consts: dict, dtype: str = "bf16", num_warps: int = 4, bf16_args: tuple = ()):
@@ -141,10 +141,11 @@ def state_pass_consts(d: int, BV: int, from_a_inv: bool = False) -> dict:
                 INTERPRET=False, NUM_STAGES=3)
 
 
-def state_pass_bwd_consts(d: int, BV: int) -> dict:
-    """Constexprs of the backward's reverse walk at K = V = d for bf16 inputs (its launch: 4 warps)."""
+def state_pass_bwd_consts(d: int, BV: int, maps: bool = False) -> dict:
+    """Constexprs of the backward's reverse walk at K = V = d for bf16 inputs (its launch: 4 warps); ``maps``: its
+    MAPS mode (phase A' of the sequence-parallel walk, seq_parallel_bwd.py)."""
     return dict(H=16, HV=16, K=d, V=d, BT=64, BK=block_size(d, 256), BV=BV,
-                DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False)
+                DOT_PREC=bwd_dot_precision(torch.bfloat16), IS_VARLEN=False, MAPS=maps)
 
 
 def dqk_consts(d: int) -> dict:

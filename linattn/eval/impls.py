@@ -134,8 +134,8 @@ def _flashqla() -> Callable:
 def _flashqla_modes(shape) -> tuple:
     """FlashQLA 0.1.3 runs a batch of one sequence (its ``k.shape[0] == 1``) long enough to split with its own
     intra-card sequence parallelism, a kernel set of its own (warm-up chunks, initial-state correction) compiled on
-    first use: run 14 saw B=1 T=32768 compile for 67 s (forward) after T=4096 had compiled, and T=131072 then hit
-    the cache. Its choice comes from a calibrated model; the proxy here is its fallback heuristic's 128-chunk
+    first use: on an H200, B=1 T=32768 compiles for 67 s (forward) after T=4096 has compiled, and T=131072 then
+    hits the cache. Its choice comes from a calibrated model; the proxy here is its fallback heuristic's 128-chunk
     threshold, which matches those three shapes."""
     return ("intra_cp",) if shape.B == 1 and -(-shape.T // 64) >= 128 else ()
 

@@ -142,11 +142,9 @@ def test_gradcheck_float64_many_chunks(monkeypatch, one_chunk_blocks):
     from linattn.ops.gated_delta import torch_chunk
     blocks = dict(block_bytes=1) if one_chunk_blocks else {}
     fwd, bwd = torch_chunk.chunk_gated_delta_rule_fwd_torch, torch_chunk.chunk_gated_delta_rule_bwd_torch
-    from linattn.ops.gated_delta import chunk as chunk_mod
-    monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_fwd_torch",      # dispatch.run_forward imports it per call
-                        lambda *a: fwd(*a, chunk_size=4, **blocks))
-    monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_bwd_torch",
-                        lambda *a: bwd(*a, chunk_size=4, **blocks))
+    # dispatch.run_forward and run_backward import them per call
+    monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_fwd_torch", lambda *a: fwd(*a, chunk_size=4, **blocks))
+    monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_bwd_torch", lambda *a: bwd(*a, chunk_size=4, **blocks))
     c = Case("tiny", T=11, H=1, HV=1, K=4, V=3, B=1, h0=True, lengths=(6, 5))
     tensors, kw = make_inputs(c, dtype=torch.float64)
     names = list(tensors)
@@ -159,7 +157,6 @@ def test_gradcheck_float64_many_chunks(monkeypatch, one_chunk_blocks):
 def test_blocked_backend_equals_whole_sequence(monkeypatch):
     """The backend's blocks of chunks (torch_chunk.block_chunks; 1, 2 and 3 chunks here, 3 not dividing the 5
     chunks) give what the stages give on the whole sequence at once: outputs, final state, every gradient."""
-    from linattn.ops.gated_delta import chunk as chunk_mod
     from linattn.ops.gated_delta import torch_chunk
     tensors, kw = make_inputs(Case("blocks", T=300, H=2, HV=4, K=16, V=24, B=2, h0=True))
     results = {}
@@ -169,7 +166,8 @@ def test_blocked_backend_equals_whole_sequence(monkeypatch):
         blocks = 1 << 40 if per_chunk is None else per_chunk * h_bytes
         monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_fwd_torch",
                             lambda *a, n=blocks: fwd(*a, block_bytes=n))
-        monkeypatch.setattr(chunk_mod, "chunk_gated_delta_rule_bwd_torch", lambda *a, n=blocks: bwd(*a, block_bytes=n))
+        monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_bwd_torch",
+                            lambda *a, n=blocks: bwd(*a, block_bytes=n))
         xs, o, ht = run(tensors, kw, "torch")
         grads = torch.autograd.grad((o * o.detach()).sum() + (ht * ht.detach()).sum(), list(xs.values()))
         results[per_chunk] = [o, ht, *grads]

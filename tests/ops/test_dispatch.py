@@ -78,3 +78,27 @@ def test_a_hopper_forward_that_does_not_compile_falls_back_to_triton(monkeypatch
     from linattn.ops.gated_delta.triton_chunk import forward_split
     o_split, ht_split = forward_split(*args, 0.25, None, None, None)
     assert torch.equal(o, o_split) and torch.equal(ht, ht_split)
+
+
+def test_the_backward_choice_and_its_reason():
+    """The torch backend's backward is the twin's; CPU calls on the triton backend take the Triton backward and say
+    why; the Hopper backward's own limits (K, V sizes, dtypes of dO and g, and too few (sequence, head) pairs or too
+    short sequences for the walk) each name themselves, and a call within all of them is taken."""
+    x = inputs(1, 64, 1, 2, 16, 16)
+    q, v, g = x["q"], x["v"], x["g"]
+    assert dispatch.choose_backward_path(q, v, g, v, None, "torch") == ("torch", "backend='torch'")
+    path, reason = dispatch.choose_backward_path(q, v, g, v, None, "triton")
+    assert path == "triton" and "not a CUDA call" in reason
+    bf16, f32 = torch.bfloat16, torch.float32
+    blocker = dispatch.hopper_backward_blocker
+    T = 4096
+    assert "K and V" in blocker(8, T, 16, 96, 128, bf16, f32)
+    assert "fp32 g" in blocker(8, T, 16, 128, 128, bf16, bf16) and "bf16 dO" in blocker(8, T, 16, 128, 128, f32, f32)
+    pairs = dispatch.HOPPER_BWD_MIN_PAIRS
+    assert "pairs" in blocker(1, T, pairs - 1, 128, 128, bf16, f32)
+    assert blocker(1, T, pairs, 128, 128, bf16, f32) is None and blocker(8, T, 16, 64, 64, bf16, f32) is None
+    # fewer pairs of long sequences: the segmented walk
+    long_pairs, long_tokens = dispatch.HOPPER_BWD_LONG
+    assert blocker(1, long_tokens, long_pairs, 128, 128, bf16, f32) is None
+    assert "pairs" in blocker(1, long_tokens - 64, long_pairs, 128, 128, bf16, f32)
+    assert "pairs" in blocker(1, 8 * long_tokens, long_pairs - 1, 128, 128, bf16, f32)

@@ -15,7 +15,8 @@ import torch
 
 from linattn.ops.common import CHUNK
 from linattn.ops.common.fused_prepass import fused_prepass
-from linattn.ops.common.split_fwd import segment_offsets, split_fwd
+from linattn.ops.common.seq_parallel import segment_offsets
+from linattn.ops.common.split_fwd import split_fwd
 from linattn.ops.common.varlen import chunk_tables
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from tests.ops.test_triton_fwd import Case, make_inputs, rel_rms

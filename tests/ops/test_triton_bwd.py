@@ -424,7 +424,7 @@ def test_backward_drops_each_intermediate_after_its_last_reader(monkeypatch):
 
     watch("recompute_forward", triton_bwd.recompute_forward, [("w", 2), ("v_new", 3), ("h", 4)])
     watch("local_bwd_dv", triton_bwd.local_bwd_dv, [("dv_local", None)])
-    watch("state_pass_bwd", triton_bwd.state_pass_bwd, [("dh", 0)])
+    watch("state_pass_bwd_seq_parallel", triton_bwd.state_pass_bwd_seq_parallel, [("dh", 0)])
     watch("local_bwd_dqk", triton_bwd.local_bwd_dqk, [])
     watch("local_bwd_wy", triton_bwd.local_bwd_wy, [])
     x = make_inputs(KERNEL_CASES[0], torch.float32)

@@ -23,7 +23,7 @@ chosen by :func:`plan_segments` (the model is in :func:`_plan_segments`' docstri
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -34,6 +34,7 @@ from ..utils import cdiv
 from . import CHUNK, block_size
 from .fused_fwd import fused_fwd, fused_fwd_config, launch_walk, num_sms
 from .launch import BoundLaunch, launch
+from .varlen import chunk_tables
 
 OCCUPANCY = 2             # programs of the walk one SM holds at once: 255 registers × 128 threads each (ptxas,
                           # sm_90, K = 128, every BV), so the 64K-register file takes two
@@ -48,24 +49,27 @@ SPLIT_MARGIN = 0.9        # split only when the model predicts at least a 10% sa
 # the planner
 # ----------------------------------------------------------------------------------------------------------------
 def plan_segments(chunks: list[int], HV: int, K: int, V: int, BV: int, sms: int, occupancy: int = OCCUPANCY,
-                  min_chunks: int = MIN_SEGMENT_CHUNKS, affine_cost: float = AFFINE_COST) -> Optional[int]:
+                  min_chunks: int = MIN_SEGMENT_CHUNKS, affine_cost: float = AFFINE_COST,
+                  split_bv: Optional[int] = None) -> Optional[int]:
     """Segment length L (in chunks) for sequences of ``chunks`` chunks each, or None for no split: see
     :func:`_plan_segments`. Cached per argument set: the search is host time on every forward call, a cache hit
     almost none."""
-    return _plan_segments(tuple(chunks), HV, K, V, BV, sms, occupancy, min_chunks, affine_cost)
+    return _plan_segments(tuple(chunks), HV, K, V, BV, sms, occupancy, min_chunks, affine_cost, split_bv or BV)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_segments(chunks: tuple, HV: int, K: int, V: int, BV: int, sms: int, occupancy: int, min_chunks: int,
-                   affine_cost: float) -> Optional[int]:
+                   affine_cost: float, split_bv: int) -> Optional[int]:
     """Segment length L (in chunks) for sequences of ``chunks`` chunks each, or None for no split.
 
     Model, in units of one chunk of the walk: ``occupancy·sms`` programs run at once; a phase whose programs each
     walk c chunks takes c · waves, waves = ceil(programs / (occupancy·sms)). Without a split that is
-    NT_max · waves(P) with P = HV·cdiv(V, BV)·N. With segments of L chunks (a sequence shorter than L keeps one):
+    NT_max · waves(P) with P = HV·cdiv(V, BV)·N. With segments of L chunks (a sequence shorter than L keeps one),
+    whose phases A and C run V tiles of ``split_bv`` columns (the backward's: as wide as its registers allow, since
+    the segments fill the SMs; the forward's: BV):
 
-        phase C  L · waves(P_L)             P_L = HV·cdiv(V, BV)·Σ_n cdiv(NT_n, L)
-        phase A  affine_cost · L · waves(P_L · cdiv(K+V, BV) / cdiv(V, BV))   (AFFINE_COST for the walk)
+        phase C  L · waves(P_L)             P_L = HV·cdiv(V, split_bv)·Σ_n cdiv(NT_n, L)
+        phase A  affine_cost · L · waves(P_L · cdiv(K+V, split_bv) / cdiv(V, split_bv))   (AFFINE_COST for the walk)
         phase B  SCAN_COST · cdiv(NT_max, L)
 
     and L ranges over cdiv(NT_max, j), j = 2 … min(MAX_SEGMENTS, NT_max // min_chunks). The cheapest wins if it
@@ -76,10 +80,10 @@ def _plan_segments(chunks: tuple, HV: int, K: int, V: int, BV: int, sms: int, oc
     """
     nt_max = max(chunks, default=0)
     slots = occupancy * sms
-    per_seq = HV * cdiv(V, BV)
-    widen = cdiv(K + V, BV) / cdiv(V, BV)
+    per_seq = HV * cdiv(V, split_bv)
+    widen = cdiv(K + V, split_bv) / cdiv(V, split_bv)
     waves = lambda p: -(-p // slots)
-    unsplit = nt_max * waves(per_seq * len(chunks))
+    unsplit = nt_max * waves(HV * cdiv(V, BV) * len(chunks))
     best_cost, best = SPLIT_MARGIN * unsplit, None
     for j in range(2, min(MAX_SEGMENTS, nt_max // min_chunks) + 1):
         L = -(-nt_max // j)
@@ -100,6 +104,42 @@ def _segment_tables(offsets: tuple, L: int, chunk_size: int, device: str) -> tup
         first.append(len(seg))
     both = torch.tensor([x for s in seg for x in s] + first, dtype=torch.int32).to(device)
     return both[:3 * len(seg)].view(-1, 3), both[3 * len(seg):]
+
+
+def segment_offsets(offsets: list[int], L: int, chunk_size: int) -> list[int]:
+    """Token offsets of every segment of L chunks, sequence by sequence (``segment_tables``' order); a sequence of
+    at most L chunks, empty included, is one segment."""
+    out = [0]
+    for bos, eos in zip(offsets[:-1], offsets[1:]):
+        nt = -(-(eos - bos) // chunk_size)
+        out += [bos + c * chunk_size for c in range(L, nt, L)] + [eos]
+    return out
+
+
+class SegmentLayout(NamedTuple):
+    """The segments of L chunks of a batch, as pseudo-sequences a per-sequence kernel walks (chunk-aligned: their
+    chunks are the real ones in the same global order). Cached (:func:`segment_layout`): callers must not write
+    into the tensors."""
+    cu_seqlens: torch.Tensor         # [N + 1] int64: the sequences' token offsets (the flat layout's, B > 1 too)
+    seg_cu_seqlens: torch.Tensor     # [NS + 1] int64: the segments' token offsets
+    seg_chunk_offsets: torch.Tensor  # [NS + 1] int32: each segment's first global chunk (varlen.chunk_tables')
+    segment_first: torch.Tensor      # [N + 1] int32: each sequence's first segment (segment_tables')
+    num_segments: int                # NS
+
+
+def segment_layout(offsets: list[int], L: int, chunk_size: int, device) -> SegmentLayout:
+    """The :class:`SegmentLayout` of sequences at token ``offsets`` (host list, [N + 1]) cut into segments of L
+    chunks: built once per batch layout and split (a training step's repeated shapes hit the cache)."""
+    return _segment_layout(tuple(offsets), L, chunk_size, str(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _segment_layout(offsets: tuple, L: int, chunk_size: int, device: str) -> SegmentLayout:
+    seg = segment_offsets(list(offsets), L, chunk_size)
+    both = torch.tensor(list(offsets) + seg, dtype=torch.int64).to(device)
+    first = segment_tables(list(offsets), L, chunk_size, device)[1]
+    return SegmentLayout(both[:len(offsets)], both[len(offsets):], chunk_tables(seg, chunk_size, device)[1], first,
+                         len(seg) - 1)
 
 
 def segment_tables(offsets: list[int], L: int, chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +169,7 @@ def _map_tiles(p_mn, o_k, o_v, m_kk, m_kv, K: tl.constexpr, V: tl.constexpr):
 def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
                        IS_VARLEN: tl.constexpr, HAS_SKIP: tl.constexpr, SKIP_WRITES: tl.constexpr,
-                       DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                       DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, REVERSE: tl.constexpr):
     # grid (cdiv(V, BV), N·HV): one program walks the segments of one (sequence, value head) for a BV slice of V.
     # Per segment it reads M_s [K, K] and N_s [K, BV] (fp32, mn [NS, HV, K, K + V]) and writes h_in [K, BV]; where
     # skip [NS, HV] is 2 (HAS_SKIP: a map the Hopper forward's phase A did not walk, [M_s | N_s] = 0) it reads
@@ -138,6 +178,8 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
     # re-read), and with PREFETCH the next step's M and N are loaded before this step's product and store (the
     # compiler cannot move a load above a store to h_in itself: the two might alias), so the L2 latency of the
     # 64 KB map overlaps the product instead of heading each step.
+    # REVERSE (the backward's phase B', seq_parallel_bwd.py): the same steps from the sequence's last segment back,
+    # h_in[last] = h0 and h_in[s − 1] = M_s h_in[s] + N_s, with [M_sᵀ | D_s] in mn and dht in h0.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -155,30 +197,39 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
         b_h = tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0).to(tl.float32)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    tl.store(h_in + (i_s0 * HV + i_hv).to(tl.int64) * K * V + o_kv, b_h, mask=m_kv)
+    # step j maps segment i_s to the next one, i_s + STEP, for j < n_steps
+    if REVERSE:
+        i_s = i_s1 - 1
+        STEP: tl.constexpr = -1
+    else:
+        i_s = i_s0
+        STEP: tl.constexpr = 1
+    n_steps = i_s1 - i_s0 - 1
+    tl.store(h_in + (i_s * HV + i_hv).to(tl.int64) * K * V + o_kv, b_h, mask=m_kv)
     m_kk = (o_k[:, None] < K) & (o_k[None, :] < K)
     if PREFETCH:
-        # step i_s0's map (nothing where no step follows, or where its map is skipped: a masked load reads nothing)
-        wanted = i_s0 < i_s1 - 1
+        # the first step's map (nothing where no step follows, or where its map is skipped: a masked load reads
+        # nothing)
+        wanted = n_steps > 0
         if HAS_SKIP:
-            wanted = wanted & (tl.load(skip + i_s0 * HV + i_hv, mask=wanted, other=2) != 2)
-        b_m, b_nv = _map_tiles(mn + (i_s0 * HV + i_hv).to(tl.int64) * K * (K + V), o_k, o_v, m_kk & wanted,
+            wanted = wanted & (tl.load(skip + i_s * HV + i_hv, mask=wanted, other=2) != 2)
+        b_m, b_nv = _map_tiles(mn + (i_s * HV + i_hv).to(tl.int64) * K * (K + V), o_k, o_v, m_kk & wanted,
                                m_kv & wanted, K, V)
 
-    i_s = i_s0
-    while i_s < i_s1 - 1:
+    j = 0
+    while j < n_steps:
         p_mn = mn + (i_s * HV + i_hv).to(tl.int64) * K * (K + V)
-        p_h = h_in + ((i_s + 1) * HV + i_hv).to(tl.int64) * K * V
+        p_h = h_in + ((i_s + STEP) * HV + i_hv).to(tl.int64) * K * V
         skipped = False
         if HAS_SKIP:
             skipped = tl.load(skip + i_s * HV + i_hv) == 2
         if PREFETCH:
             # this step's map came with the last step; the next one's loads go out before this step's product
             b_m_now, b_nv_now = b_m, b_nv
-            wanted = i_s + 1 < i_s1 - 1
+            wanted = j + 1 < n_steps
             if HAS_SKIP:
-                wanted = wanted & (tl.load(skip + (i_s + 1) * HV + i_hv, mask=wanted, other=2) != 2)
-            b_m, b_nv = _map_tiles(p_mn + HV * K * (K + V), o_k, o_v, m_kk & wanted, m_kv & wanted, K, V)
+                wanted = wanted & (tl.load(skip + (i_s + STEP) * HV + i_hv, mask=wanted, other=2) != 2)
+            b_m, b_nv = _map_tiles(p_mn + STEP * HV * K * (K + V), o_k, o_v, m_kk & wanted, m_kv & wanted, K, V)
         if skipped:
             b_h = tl.zeros([BK, BV], dtype=tl.float32)
             if not SKIP_WRITES:
@@ -205,7 +256,8 @@ def affine_scan_kernel(mn, h0, h_in, segment_first, skip, NSEG, HV: tl.constexpr
             # the next segment reads back the whole state this program just wrote: a CTA barrier makes it visible
             tl.debug_barrier()
             b_h = tl.load(p_h + o_kv, mask=m_kv, other=0)
-        i_s += 1
+        i_s += STEP
+        j += 1
 
 
 SCAN_PRECISIONS = ("tf32x3", "tf32")
@@ -214,7 +266,7 @@ SCAN_PRECISIONS = ("tf32x3", "tf32")
 def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int, num_seqs: int,
                 segment_first: Optional[torch.Tensor] = None, nseg: int = 1, BV: int = 32,
                 skip: Optional[torch.Tensor] = None, skip_writes: bool = False, precision: str = "tf32x3",
-                whole_map: bool = False, num_warps: int = 4) -> torch.Tensor:
+                whole_map: bool = False, num_warps: int = 4, reverse: bool = False) -> torch.Tensor:
     """State entering every segment: h_in ``[NS, HV, K, V]`` fp32 from mn ``[NS, HV, K, K + V]`` (phase A) and
     initial_state ``[N, HV, K, V]`` or None, over ``num_seqs`` sequences whose segments are listed by
     segment_first ``[N + 1]`` (varlen) or are ``nseg`` consecutive ones each. ``skip`` ``[NS, HV]`` int32: where 2,
@@ -223,19 +275,22 @@ def affine_scan(mn: torch.Tensor, initial_state: Optional[torch.Tensor], V: int,
     walk, starts such a segment from zero itself: ``forward.LEAN_SEGMENTS``). ``precision``: the products' (tf32x3,
     ≈ fp32; or tf32, one product, where the maps themselves carry bf16 operands' rounding, as the Hopper forward's
     do). ``whole_map`` (K ≤ 128): each step's M_s as one tile, the state kept in registers between steps and the
-    next step's map loaded during this step's product (``num_warps`` then 8 keeps two maps in registers)."""
+    next step's map loaded during this step's product (``num_warps`` then 8 keeps two maps in registers).
+    ``reverse``: the scan from each sequence's last segment back (h_in[last] = initial_state, h_in[s − 1] =
+    M_s h_in[s] + N_s): the backward's gradients of the states leaving the segments (``seq_parallel_bwd.py``)."""
     NS, HV, K = mn.shape[:3]
     if skip is not None and (skip.shape != (NS, HV) or skip.dtype != torch.int32):
         raise ValueError(f"skip must be int32 [NS, HV] = {[NS, HV]}, got {skip.dtype} {list(skip.shape)}")
     grid, constexprs = _scan_launch(HV, K, V, num_seqs, BV, initial_state is not None, segment_first is not None,
-                                    skip is not None, skip_writes, precision, whole_map, num_warps)
+                                    skip is not None, skip_writes, precision, whole_map, num_warps, reverse)
     h_in = torch.empty(NS, HV, K, V, dtype=torch.float32, device=mn.device)
     launch(affine_scan_kernel, grid, mn, initial_state, h_in, segment_first, skip, nseg, **constexprs)
     return h_in
 
 
 def _scan_launch(HV: int, K: int, V: int, num_seqs: int, BV: int, has_state: bool, varlen: bool, has_skip: bool,
-                 skip_writes: bool, precision: str, whole_map: bool, num_warps: int) -> tuple[tuple, dict]:
+                 skip_writes: bool, precision: str, whole_map: bool, num_warps: int, reverse: bool = False
+                 ) -> tuple[tuple, dict]:
     """affine_scan_kernel's grid and constexprs (num_warps among them); the options checked."""
     if precision not in SCAN_PRECISIONS:
         raise ValueError(f"precision must be one of {SCAN_PRECISIONS}, got {precision!r}")
@@ -245,7 +300,7 @@ def _scan_launch(HV: int, K: int, V: int, num_seqs: int, BV: int, has_state: boo
     return (cdiv(V, BV), num_seqs * HV), dict(
         HV=HV, K=K, V=V, BK=BK, BV=BV, BR=BK if whole_map else min(BK, 32), USE_INITIAL_STATE=has_state,
         IS_VARLEN=varlen, HAS_SKIP=has_skip, SKIP_WRITES=has_skip and skip_writes, DOT_PREC=precision,
-        PREFETCH=whole_map, num_warps=num_warps)
+        PREFETCH=whole_map, REVERSE=reverse, num_warps=num_warps)
 
 
 def affine_scan_launcher(NS: int, HV: int, K: int, V: int, num_seqs: int, nseg: int, BV: int, has_state: bool,

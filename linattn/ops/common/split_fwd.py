@@ -17,7 +17,6 @@ sequence). The split is planned by ``seq_parallel.plan_segments`` with phase A c
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -26,9 +25,8 @@ from ..utils import cdiv
 from . import CHUNK, dot_precision, num_sms
 from .fused_fwd import fused_fwd_config, launch_walk
 from .output import output_fwd
-from .seq_parallel import affine_scan, plan_segments, segment_tables
+from .seq_parallel import affine_scan, plan_segments, segment_layout, segment_tables
 from .state_pass import state_pass_fwd
-from .varlen import chunk_tables
 from .wy import wy_fwd
 
 # phase A's chunk (two dots over the K + V columns of [M | N]) against a chunk of the state pass (the same two
@@ -72,25 +70,61 @@ def output_precision(dtype: torch.dtype) -> str:
     return "bf16x3" if dtype == torch.bfloat16 else dot_precision(dtype)
 
 
-def segment_offsets(offsets: list[int], L: int, chunk_size: int) -> list[int]:
-    """Token offsets of every segment of L chunks, sequence by sequence (``segment_tables``' order); a sequence of
-    at most L chunks, empty included, is one segment."""
-    out = [0]
-    for bos, eos in zip(offsets[:-1], offsets[1:]):
-        nt = -(-(eos - bos) // chunk_size)
-        out += [bos + c * chunk_size for c in range(L, nt, L)] + [eos]
-    return out
+def state_pass_plan(chunks: list[int], HV: int, K: int, V: int, sms: int, segment_chunks: Optional[int] = None
+                    ) -> tuple[Optional[int], int, int]:
+    """(L, BV, num_warps) of the state pass over sequences of ``chunks`` chunks: L the segment length in chunks
+    (``segment_chunks`` when given, ≥ 1; else ``seq_parallel.plan_segments`` with phase A costed at
+    :data:`AFFINE_COST`), None for no split (also when L covers the longest sequence); BV and num_warps phase A's
+    (``fused_fwd_config``). The split forward and the backward's recompute both plan here."""
+    if segment_chunks is not None and segment_chunks < 1:
+        raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
+    _, BV, num_warps = fused_fwd_config(K, V, len(chunks) * HV, sms)
+    L = segment_chunks or plan_segments(chunks, HV, K, V, BV, sms, affine_cost=AFFINE_COST)
+    return (None if L is None or L >= max(chunks, default=0) else L), BV, num_warps
 
 
-@functools.lru_cache(maxsize=16)
-def _segment_layout(offsets: tuple, L: int, chunk_size: int, device: str
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(offsets, segment offsets) as int64 tensors on ``device`` and the segments' first global chunks
-    (``chunk_tables``' chunk_offsets of the pseudo-sequences): built once per batch layout and split (a training
-    step's repeated shapes hit the cache). Callers must not write into them."""
-    seg = segment_offsets(list(offsets), L, chunk_size)
-    both = torch.tensor(list(offsets) + seg, dtype=torch.int64).to(device)
-    return both[:len(offsets)], both[len(offsets):], chunk_tables(seg, chunk_size, device)[1]
+def segmented_state_pass(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor,
+                         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], flat: list[int],
+                         L: int, BV: int, num_warps: int, store: torch.dtype, chunk_size: int = CHUNK
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``state_pass_fwd`` with the sequences cut into segments of L chunks: phases A and B (``seq_parallel.py``:
+    the segments' affine maps, then the scan giving each its true entering state), phase C the state pass over the
+    segments as pseudo-sequences (module docstring).
+
+    Args: k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and u ``[B, T, HV, V]`` fp32 (the WY form: phase A walks W and
+        U); gc ``[B, T, HV]`` fp32; initial_state ``[N, HV, K, V]`` or None; cu_seqlens ``[N + 1]`` or None; flat:
+        the host token offsets of the N sequences (cu_seqlens', or ``b·T``); L, BV, num_warps: from
+        :func:`state_pass_plan`; store: the dtype of h and v_new.
+    Returns: h ``[B, NT, HV, K, V]``, v_new ``[B, T, HV, V]`` (both ``store``) and the final state
+        ``[N, HV, K, V]`` fp32, as ``state_pass_fwd`` returns them.
+    """
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    N = len(flat) - 1
+    layout = segment_layout(flat, L, chunk_size, k.device)
+    if cu_seqlens is None:
+        # the walk indexes equal sequences by position: give it the flat layout's tables instead
+        k1, w1, u1, gc1 = (t.reshape(1, B * T, *t.shape[2:]) for t in (k, w, u, gc))
+    else:
+        k1, w1, u1, gc1 = k, w, u, gc
+    cu_flat = cu_seqlens if cu_seqlens is not None else layout.cu_seqlens
+    segments = segment_tables(flat, L, chunk_size, k.device)[0]
+    mn = torch.empty(layout.num_segments, HV, K, K + V, dtype=torch.float32, device=k.device)
+    # phase A reads no queries (k stands in for q's shape and dtype)
+    launch_walk(k1, k1, w1, u1, gc1, None, None, mn, 1.0, cu_flat, BV=BV, num_warps=num_warps, dot_prec=None,
+                state_prec=None, chunk_size=chunk_size, num_segments=layout.num_segments, segments=segments, nseg=1,
+                seg_len=L, segmented=True, affine=True)
+    h_in = affine_scan(mn, initial_state, V, N, layout.segment_first, 1, BV=BV)
+    del mn
+    # phase C: the state pass over the segments as pseudo-sequences (chunk-aligned: same chunks, same order)
+    NT_total = sum(-(-(e - b) // chunk_size) for b, e in zip(flat[:-1], flat[1:]))
+    h, v_new, seg_final = state_pass_fwd(k1, w1, u1, gc1, h_in, layout.seg_cu_seqlens, layout.seg_chunk_offsets,
+                                         NT_total, store_dtype=store)
+    final_state = seg_final[(layout.segment_first[1:] - 1).long()]
+    if cu_seqlens is None:
+        h = h.view(B, cdiv(T, chunk_size), HV, K, V)
+        v_new = v_new.view(B, T, HV, V)
+    return h, v_new, final_state
 
 
 def split_fwd(q: torch.Tensor, k: torch.Tensor, wy: list, gc: torch.Tensor, scale: float,
@@ -124,48 +158,19 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, wy: list, gc: torch.Tensor, scal
         offsets = cu_seqlens.tolist()
     flat = offsets if cu_seqlens is not None else [b * T for b in range(B + 1)]
     chunks = [-(-(e - b) // chunk_size) for b, e in zip(flat[:-1], flat[1:])]
-    N, NT_total = len(chunks), sum(chunks)
-    if segment_chunks is not None and segment_chunks < 1:
-        raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
-    sms = num_sms(q.device)
-    _, BV, num_warps = fused_fwd_config(K, V, N * HV, sms)
-    L = segment_chunks or plan_segments(chunks, HV, K, V, BV, sms, affine_cost=AFFINE_COST)
+    L, BV, num_warps = state_pass_plan(chunks, HV, K, V, num_sms(q.device), segment_chunks)
     store = store or store_dtype(q.dtype)
-    if L is None or L >= max(chunks, default=0):
+    if L is None:
         h, v_new, final_state = state_pass_fwd(k, w, u, gc, initial_state, cu_seqlens, chunk_offsets,
-                                               NT_total if cu_seqlens is not None else None, store_dtype=store,
+                                               sum(chunks) if cu_seqlens is not None else None, store_dtype=store,
                                                a_inv=a_inv, beta=beta)
-        del w, u, a_inv  # their last reader
-        o = output_fwd(q, k, v_new, h, gc, scale, out_dtype, cu_seqlens, chunk_indices, dot_prec=out_prec)
-        return o, final_state
-
-    if from_a_inv:
-        # phase A walks the segments with W and U (seq_parallel.py): form them (rare: few, very long sequences)
-        w, u = wy_fwd(k, u, beta, gc, a_inv, cu_seqlens, chunk_indices)
-        del a_inv
-    # phases A and B (seq_parallel.py): every segment's entering state
-    segments, segment_first = segment_tables(flat, L, chunk_size, q.device)
-    NS = segments.shape[0]
-    if cu_seqlens is None:
-        # the walk indexes equal sequences by position: give it the flat layout's tables instead
-        q1, k1, w1, u1, gc1 = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, u, gc))
     else:
-        q1, k1, w1, u1, gc1 = q, k, w, u, gc
-    cu_flat, seg_cu, seg_chunk_offsets = _segment_layout(tuple(flat), L, chunk_size, str(q.device))
-    cu_flat = cu_seqlens if cu_seqlens is not None else cu_flat
-    mn = torch.empty(NS, HV, K, K + V, dtype=torch.float32, device=q.device)
-    launch_walk(q1, k1, w1, u1, gc1, None, None, mn, scale, cu_flat, BV=BV, num_warps=num_warps, dot_prec=None,
-                state_prec=None, chunk_size=chunk_size, num_segments=NS, segments=segments, nseg=1, seg_len=L,
-                segmented=True, affine=True)
-    h_in = affine_scan(mn, initial_state, V, N, segment_first, 1, BV=BV)
-
-    # phase C: the state pass over the segments as pseudo-sequences (chunk-aligned: same chunks, same order)
-    h, v_new, seg_final = state_pass_fwd(k1, w1, u1, gc1, h_in, seg_cu, seg_chunk_offsets, NT_total,
-                                         store_dtype=store)
-    del w, u, w1, u1  # their last reader
-    final_state = seg_final[(segment_first[1:] - 1).long()]
-    if cu_seqlens is None:
-        h = h.view(B, cdiv(T, chunk_size), HV, K, V)
-        v_new = v_new.view(B, T, HV, V)
+        if from_a_inv:
+            # phase A walks the segments with W and U (seq_parallel.py): form them (rare: few, very long sequences)
+            w, u = wy_fwd(k, u, beta, gc, a_inv, cu_seqlens, chunk_indices)
+            a_inv = None
+        h, v_new, final_state = segmented_state_pass(k, w, u, gc, initial_state, cu_seqlens, flat, L, BV, num_warps,
+                                                     store, chunk_size)
+    del w, u, a_inv  # their last reader
     o = output_fwd(q, k, v_new, h, gc, scale, out_dtype, cu_seqlens, chunk_indices, dot_prec=out_prec)
     return o, final_state

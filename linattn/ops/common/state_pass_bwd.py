@@ -12,6 +12,11 @@ the V tiles are independent because every update is column-wise in V. Per chunk 
 dv_local (BT×BV) and the gates, and writes dh (K×BV) and dV_new (BT×BV), fp32. K is one tile (≤ 256), so BV
 shrinks as K grows to bound the registers the carried state takes. dh stays fp32: in bf16 it rounded only what
 local_bwd_dqk reads, but made the backward slower at long sequences.
+
+The walk is linear in (dS, dO, dv_local) column by column, so the MAPS mode (phase A' of the sequence-parallel
+walk, ``seq_parallel_bwd.py``) runs it on the widened K × (K + V) gradient [I | 0] with dO and dv_local shifted
+into its last V columns, storing nothing per chunk: what leaves a segment's first chunk is [M_sᵀ | D_s],
+dS_in = M_sᵀ dS_out + D_s over the segment.
 """
 from __future__ import annotations
 
@@ -29,11 +34,14 @@ BT = 64
 @triton.jit
 def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh, T, i_h, i_hv, i_v,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Chunk i_t of the reverse walk: store dS leaving it to dh, write its dV_new, return dS entering it."""
+               BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, MAPS: tl.constexpr):
+    """Chunk i_t of the reverse walk: store dS leaving it to dh, write its dV_new, return dS entering it (with
+    MAPS: no stores, dO and dv_local read into columns K.. of the widened dS)."""
     DT = k.dtype.element_ty
-    p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
+    if not MAPS:
+        p_dh = tl.make_block_ptr(dh + ((boh + i_t) * HV + i_hv) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV),
+                                 (1, 0))
+        tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
 
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -43,19 +51,36 @@ def _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh
     p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_w = tl.make_block_ptr(w + (bos * HV + i_hv) * K, (T, K), (HV * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    p_dvl = tl.make_block_ptr(dv_local + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+    if MAPS:
+        # column c of the widened dS [Mᵀ | D]: c < K is a column of Mᵀ (no dO, no dv_local), c ≥ K column c − K
+        # of D (dO's and dv_local's column c − K); a BV slice may straddle the two, so the mask is per element
+        o_u = i_v * BV + tl.arange(0, BV) - K
+        m_u = m_t[:, None] & ((o_u >= 0) & (o_u < V))[None, :]
+        o_tu = ((bos + o_t) * HV + i_hv)[:, None] * V + o_u[None, :]
+    else:
+        p_do = tl.make_block_ptr(do + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV), (BT, BV),
+                                 (1, 0))
+        p_dvl = tl.make_block_ptr(dv_local + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV),
+                                  (BT, BV), (1, 0))
+        p_dvn = tl.make_block_ptr(dv_new + (bos * HV + i_hv) * V, (T, V), (HV * V, 1), (i_t * BT, i_v * BV),
+                                  (BT, BV), (1, 0))
     b_q = tl.load(p_q, boundary_check=(0, 1), padding_option="zero")
     b_k = tl.load(p_k, boundary_check=(0, 1), padding_option="zero")
     b_w = tl.load(p_w, boundary_check=(0, 1), padding_option="zero")
-    b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
+    if MAPS:
+        b_do = tl.load(do + o_tu, mask=m_u, other=0)
+    else:
+        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero")
 
     # dV_new = dv_local + (K ⊙ e^{G_C − G}) dS; masked rows get exponent −inf, so padding stays 0
     b_k_decay = b_k * tl.exp(tl.where(m_t, b_g_last - b_g, float('-inf')))[:, None]
-    b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
+    if MAPS:
+        b_dv = tl.load(dv_local + o_tu, mask=m_u, other=0)
+    else:
+        b_dv = tl.load(p_dvl, boundary_check=(0, 1), padding_option="zero")
     b_dv += mdot(b_k_decay, b_dh, DT, DOT_PREC)
-    tl.store(p_dvn, b_dv, boundary_check=(0, 1))
+    if not MAPS:
+        tl.store(p_dvn, b_dv, boundary_check=(0, 1))
 
     # dS ← e^{G_C} dS + scale·(diag(Γ) Q)ᵀ dO − Wᵀ dV_new (Γ ≤ 1: G is a cumsum of g ≤ 0)
     b_q_decay = b_q * (scale * tl.exp(tl.where(m_t, b_g, float('-inf'))))[:, None]
@@ -71,8 +96,15 @@ def state_pass_bwd_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr, MAPS: tl.constexpr,
 ):
+    # grid (cdiv(VS, BV), N·HV). MAPS (phase A' of seq_parallel_bwd.py, each "sequence" a segment): the walked dS
+    # is the widened K × (K + V) [Mᵀ | D], starting from [I | 0] instead of dht; nothing is stored per chunk, and
+    # the dS leaving the first chunk goes to dh0 [N, HV, K, K + V]
+    if MAPS:
+        VS: tl.constexpr = K + V
+    else:
+        VS: tl.constexpr = V
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -86,18 +118,28 @@ def state_pass_bwd_kernel(
         NT = tl.cdiv(T, BT)
         boh = i_n.to(tl.int64) * NT
 
-    p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-    b_dh = tl.load(p_dht, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    if MAPS:
+        o_k, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+        b_dh = ((o_k[:, None] == o_c[None, :]) & (o_k[:, None] < K)).to(tl.float32)
+    else:
+        p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        b_dh = tl.load(p_dht, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 
     # a while loop, never software-pipelined: prefetching the next chunks measured slower at every shape and tile
     i_t = NT - 1
     while i_t >= 0:
         b_dh = _bwd_chunk(q, k, w, gc, do, dv_local, dh, dv_new, b_dh, scale, i_t, bos, boh, T, i_h, i_hv, i_v,
-                          H, HV, K, V, BT, BK, BV, DOT_PREC)
+                          H, HV, K, V, BT, BK, BV, DOT_PREC, MAPS)
         i_t -= 1
 
-    p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+    p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * VS, (K, VS), (VS, 1), (0, i_v * BV), (BK, BV), (1, 0))
     tl.store(p_dh0, b_dh, boundary_check=(0, 1))
+
+
+def widest_tile_v(K: int) -> int:
+    """The widest V tile of the reverse walk at key dimension K: the carried dS tile is BK × BV fp32, kept at ≤ 8K
+    elements (64 registers a thread at 4 warps)."""
+    return min(64, max(16, 8192 // max(16, triton.next_power_of_2(K))))
 
 
 def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.Tensor, do: torch.Tensor,
@@ -117,14 +159,14 @@ def state_pass_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gc: torch.
     dv_new = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
-    # the carried dS tile is BK × BV fp32: keep it at ≤ 8K elements (64 registers a thread at 4 warps); within
-    # that, as narrow as it takes to fill the SMs (the walk is latency-bound where few programs run)
+    # within the widest tile, as narrow as it takes to fill the SMs (the walk is latency-bound where few programs run)
     sms = num_sms(q.device)
-    BV = state_tile_v(block_v, fill_tile_v(N * HV, V, max(16, 8192 // BK), sms))
+    BV = state_tile_v(block_v, fill_tile_v(N * HV, V, widest_tile_v(K), sms))
     grid = (cdiv(V, BV), N * HV)
     state_pass_bwd_kernel[grid](
         q, k, w, gc, do, dv_local, dht, dh, dv_new, dh0, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=bwd_dot_precision(q.dtype, dot_prec), IS_VARLEN=cu_seqlens is not None,
+        MAPS=False,
         num_warps=4,
         **launch_options("state_pass_bwd"),
     )

@@ -26,10 +26,9 @@ from ..utils import (
     l2norm,
     select_backend,
 )
-from .dispatch import ForwardPath, run_forward
+from .dispatch import ForwardPath, run_backward, run_forward
 from .fla_keywords import fla_keywords_given, resolve_fla_keywords
 from .reference import gated_delta_rule_reference
-from .torch_chunk import chunk_gated_delta_rule_bwd_torch
 
 
 def _preprocess_impl():
@@ -63,13 +62,8 @@ def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
             initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
             dht: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor]:
-    offsets = host_offsets(cu_seqlens, q.shape[1])
-    if backend == "triton":
-        from .triton_bwd import chunk_gated_delta_rule_bwd_triton  # lazy: triton is optional on CPU machines
-        grads = chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets, do,
-                                                  dht)
-    else:
-        grads = chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
+    grads = run_backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, host_offsets(cu_seqlens, q.shape[1]),
+                         do, dht, backend)
     dh0 = grads[5] if grads[5] is not None else torch.zeros_like(dht)
     return (*grads[:5], dh0)
 

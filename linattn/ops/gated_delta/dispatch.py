@@ -9,6 +9,11 @@ path and its reason, :func:`run_forward` runs it. Read top to bottom:
                                  (sequence × value head) pairs, where the walk measured ahead of the split
       split                      the split Triton forward (``triton_chunk.forward_split``): everything else
 
+The backward (:func:`choose_backward_path`, :func:`run_backward`): the torch twin's on backend "torch"; on
+"triton", the Hopper backward (``hopper/backward.py``) for bf16 equal-length sequences on sm_90 from
+HOPPER_BWD_MIN_PAIRS (sequence × value head) pairs or from HOPPER_BWD_LONG (fewer pairs of long sequences: its walk in
+segments), else the Triton backward (``triton_bwd.py``).
+
 ``forward_path`` ("auto" for the public op) forces one of "split", "walk" or "hopper" for tests and debugging
 (``chunk.chunk_gated_delta_rule_on_path``); a forced "hopper" still falls back to the Triton paths where the Hopper
 kernels cannot take the inputs. The Hopper package is asked through two calls, ``plan.plan_inputs`` and
@@ -30,6 +35,12 @@ FORWARD_PATHS = get_args(ForwardPath)
 # split keeps only the state update on the sequential chain, so it wins where the pairs do not fill the SMs, and for
 # bf16 and fp32 everywhere measured; fp16 (output dots at tf32x3) keeps the walk where the pairs fill the card
 WALK_MIN_PAIRS = MappingProxyType({torch.bfloat16: None, torch.float16: 128, torch.float32: None})
+
+# The Hopper backward from this many (sequence × value head) pairs, or from HOPPER_BWD_LONG = (pairs, tokens) where
+# its walk runs in segments (hopper/segments.py). With fewer pairs or shorter sequences the Triton backward wins: its
+# state recompute is sequence-parallel, the Hopper backward's is not (docs/performance.md, the Hopper backward)
+HOPPER_BWD_MIN_PAIRS = 64
+HOPPER_BWD_LONG = (16, 16384)
 
 
 class ForwardChoice(NamedTuple):
@@ -115,3 +126,55 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     triton_chunk = _triton_chunk()
     run = triton_chunk.forward_walk if choice.path == "walk" else triton_chunk.forward_split
     return run(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets)
+
+
+def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: torch.dtype,
+                            g_dtype: torch.dtype) -> Optional[str]:
+    """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
+    ``hopper.compile.unsupported_reason`` says of the device, q's dtype and packed sequences."""
+    from ..hopper.backward import SIZES
+    if K not in SIZES or V not in SIZES:
+        return f"K and V in {SIZES} only, got K={K}, V={V}"
+    if do_dtype != torch.bfloat16 or g_dtype != torch.float32:
+        return f"bf16 dO and fp32 g only, got {do_dtype}, {g_dtype}"
+    pairs, (long_pairs, long_tokens) = B * HV, HOPPER_BWD_LONG
+    if pairs < HOPPER_BWD_MIN_PAIRS and (pairs < long_pairs or T < long_tokens):
+        return (f"{pairs} < {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs, and not {long_pairs} pairs of "
+                f"{long_tokens} tokens or more")
+    return None
+
+
+def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
+                         cu_seqlens: Optional[torch.Tensor], backend: str) -> tuple[str, str]:
+    """The backward for these saved inputs on ``backend``: ("torch" | "hopper" | "triton", why)."""
+    if backend != "triton":
+        return "torch", f"backend={backend!r}"
+    if q.device.type != "cuda":
+        return "triton", "Hopper backward: not a CUDA call"
+    reason = _hopper()[2].unsupported_reason(q, v, cu_seqlens) or \
+        hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype)
+    if reason is None:
+        return "hopper", f"{q.shape[0] * v.shape[2]} (sequence, head) pairs of {q.shape[1]} tokens"
+    return "triton", f"Hopper backward: {reason}"
+
+
+def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
+                 cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]], do: torch.Tensor,
+                 dht: torch.Tensor, backend: str) -> tuple:
+    """dq, dk, dv, dg, dbeta, dh0 (None without initial_state) from the path :func:`choose_backward_path` picks. A
+    Hopper backward that does not compile here warns once and leaves the Triton backward to every later call."""
+    path, _ = choose_backward_path(q, v, g, do, cu_seqlens, backend)
+    if path == "torch":
+        from .torch_chunk import chunk_gated_delta_rule_bwd_torch
+        return chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
+    if path == "hopper":
+        from ..hopper.backward import chunk_gated_delta_rule_bwd_hopper
+        _, _, chunk_fwd = _hopper()
+        try:
+            return chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, initial_state, do, dht)
+        except chunk_fwd.HopperCompileError as e:
+            chunk_fwd.mark_compile_failed(str(e))
+            warnings.warn(f"linattn: the Hopper backward (TileLang) did not compile here, so the Triton backward "
+                          f"runs instead: {e}", RuntimeWarning, stacklevel=2)
+    from .triton_bwd import chunk_gated_delta_rule_bwd_triton  # lazy: triton is optional on CPU machines
+    return chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets, do, dht)

@@ -1,17 +1,22 @@
-"""Hopper backward (TileLang), first cut: the unsegmented fused reverse walk, one program per (sequence, value head)
-with the whole V tile, every step of :func:`chunk_bwd_ref.reverse_chunk_ref` in the same order and precision (dS
-and Γ⊙dO as bf16 hi + lo, dA's operands fp32 on tf32 dots). Written for the CPU compile check only: it has never run
-on a GPU, so nothing about its results is known yet (its twin is ``chunk_bwd_ref.py``; the plan and the budgets are
-docs/backward.md). Not warp-specialised by hand (TileLang adds its producer warpgroup: 384 threads) and no
-shared buffer aliased. ptxas 13 for sm_90a: at K = V = 64, 168 registers, no spill, 208 KB of shared memory; at
-K = V = 128, 393 KB of shared memory (no sm_90 CTA holds it), 852 bytes of spill stores and every wgmma serialised
-for want of registers (C7512). So the compile test builds K = V = 64, and K = V = 128 waits for the design's §4
-(BV = 64 in a 2-CTA cluster). dA's tf32 dots lower to mma.sync, the rest to wgmma.
+"""Hopper backward (TileLang): the unsegmented fused reverse walk, one program per (sequence, value head, V slice of
+``BV`` columns), every step of :func:`chunk_bwd_ref.reverse_chunk_ref` in the same order and precision on its
+slice (dS and Γ⊙dO as bf16 hi + lo, dA = −Y V_newᵀ on bf16 operands). Its twin is
+:func:`chunk_bwd_ref.chunk_bwd_v_slices_ref`; the host chain around it is ``backward.py``; the design, docs/backward.md.
+
+Why slices: the reverse step is column-separable in V (the chain's C1–C3 are left products, and every other
+gradient is a sum over V of the slices' contributions), so the programs of one head's slices need no exchange.
+Each writes its columns of dv and dh0 (complete) and partials of dq, dk (per value head), dg and dβ that the host
+adds in a fixed order. At K = V = 128 the whole-V program needs 393 KB of shared memory; a BV = 64 slice fits one
+CTA (218 368 B; ptxas: 168 registers, no spill). Not warp-specialised by hand (TileLang adds its producer
+warpgroup: 384 threads), loads single-buffered. Per chunk and program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16
+wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB); writes the dq, dk partials 64 KB, dv 8 KB.
+benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
 
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
-head-major (Lp = chunks · 64); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, HV, chunks · K, V]`` bf16 (the
-recompute's states entering each chunk); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk ``[B, T, HV, K]`` bf16 per value
-head (the GVA sum is a later step), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[B, HV, Lp]`` fp32, dh0 ``[B, HV, K, V]`` fp32.
+head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
+bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
+``[NV, B, T, HV, K]`` fp32 partials per slice and value head, dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
+fp32 partials, dh0 ``[B, HV, K, V]`` fp32 (NV = V / BV).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import types
@@ -22,305 +27,309 @@ import torch
 from .chunk_fwd import BT, compile_prim_func, launcher
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
+BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
 
 
-def _recompute_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
-    """The chunk's recompute, the dS chain and the X terms as TileLang macros (and the column-sum helper)."""
+def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
+    """The chunk's recompute, the dS chain and the X terms as TileLang macros (and the column-sum helper), on a
+    slice of ``BV`` value columns."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
 
     @T.macro
-    def column_sums_out(Ms, out):
-        """out_j −= Σ_i M_ij, one thread per column from shared memory (a fragment's reduction over its rows does not
-        lower in TileLang 0.1.15 for the dots' accumulator layouts)."""
+    def column_sums_out(Ms, sums, sums_s, out):
+        """out_j −= Σ_i M_ij: per column a sum in registers (the fragment ``sums``, one thread per column and its
+        replicas) from shared memory, then through ``sums_s`` (shared) into out, once per column. (A fragment's
+        reduction over its rows does not lower in TileLang 0.1.15 for the dots' accumulator layouts.)"""
         for j in T.Parallel(BT):
-            for i in T.serial(BT):
-                out[j] = out[j] - Ms[i, j]
+            sums[j] = 0.0
+            for i in T.unroll(BT):
+                sums[j] = sums[j] + Ms[i, j]
+        T.copy(sums, sums_s)
+        for j in T.Parallel(BT):
+            out[j] = out[j] - sums_s[j]
 
     @T.macro
     def recompute(t, rows):
-        """The chunk's forward recomputed (K S, X, V_new, P) and γ Σ h⊙dS with the dS leaving it."""
-        Qs, Ks, Vs, As, Hs, gcs, bs, Xs, Vns, Vnf, Ps, dS, KS, Vn, QK, hdS, hdS_rows, hrs = (
-            t.Qs, t.Ks, t.Vs, t.As, t.Hs, t.gcs, t.bs, t.Xs, t.Vns, t.Vnf, t.Ps, t.dS, t.KS, t.Vn, t.QK, t.hdS,
-            t.hdS_rows, t.hrs)
-        # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D
-        T.gemm(Ks, Hs, KS, clear_accum=True)
-        for i, j in T.Parallel(BT, V):
-            Xs[i, j] = T.cast(bs[i] * (T.cast(Vs[i, j], acc) - T.exp(gcs[i]) * KS[i, j]), bf)
-        T.gemm(As, Xs, Vn, clear_accum=True)
-        for i, j in T.Parallel(BT, V):
-            Vns[i, j] = T.cast(Vn[i, j], bf)
-            Vnf[i, j] = Vn[i, j]
-        T.gemm(Qs, Ks, QK, transpose_B=True, clear_accum=True)
+        """The chunk's forward recomputed (K S, X, V_new, P) and γ Σ h⊙dS with the dS leaving it (this slice's)."""
+        # γ Σ h⊙dS with the dS leaving the chunk, before the chain replaces it (first:
+        # its K × BV fragment is dead before the dots' accumulators are live)
+        for i, j in T.Parallel(K, BV):
+            t.hdS[i, j] = T.cast(t.Hs[i, j], acc) * t.dS[i, j]
+        T.reduce_sum(t.hdS, t.hdS_rows, dim=1)
+        T.copy(t.hdS_rows, t.hrs)
+        # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D; and the chain's C1 = K [dS_hi; dS_lo],
+        # which reads only the chunk's keys and the dS leaving it
+        T.gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
+        T.gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
+        T.gemm(t.Ks, t.dSh, t.KdS, clear_accum=True)
+        T.gemm(t.Ks, t.dSl, t.KdS)
+        for i, j in T.Parallel(BT, BV):
+            t.Xs[i, j] = T.cast(t.bs[i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.gcs[i]) * t.KS[i, j]), bf)
+        T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
         for i, j in T.Parallel(BT, BT):
-            Ps[i, j] = T.cast(QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows), gcs[i] - gcs[j], NEG)),
-                              bf)
-        # γ Σ h⊙dS with the dS leaving the chunk, before the chain replaces it
-        for i, j in T.Parallel(K, V):
-            hdS[i, j] = T.cast(Hs[i, j], acc) * dS[i, j]
-        T.reduce_sum(hdS, hdS_rows, dim=1)
-        T.copy(hdS_rows, hrs)
+            t.Ps[i, j] = T.cast(t.QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows), t.gcs[i] - t.gcs[j], NEG)),
+                                bf)
 
     @T.macro
     def chain(t, g_last):
-        """The dS chain: C1 (dS hi + lo), C2, C3 into dS."""
-        Qs, Ks, dOs, As, gcs, bs, dVns, Ysn, Gh, Gl, Yf, dSh, dSl, Ps, dS, KdS, dVn, Y = (
-            t.Qs, t.Ks, t.dOs, t.As, t.gcs, t.bs, t.dVns, t.Ysn, t.Gh, t.Gl, t.Yf, t.dSh, t.dSl, t.Ps, t.dS, t.KdS,
-            t.dVn, t.Y)
-        # the chain: C1 (dS hi + lo), C2, C3 into dS
-        T.gemm(Ks, dSh, KdS, clear_accum=True)
-        T.gemm(Ks, dSl, KdS)
-        T.gemm(Ps, dOs, dVn, transpose_A=True, clear_accum=True)
-        for i, j in T.Parallel(BT, V):
-            KdS[i, j] = KdS[i, j] * T.exp(g_last - gcs[i])
-            dVn[i, j] = dVn[i, j] * scale + KdS[i, j]
-            dVns[i, j] = T.cast(dVn[i, j], bf)
-        T.gemm(As, dVns, Y, transpose_A=True, clear_accum=True)
-        for i, j in T.Parallel(BT, V):
-            Ysn[i, j] = T.cast(-bs[i] * T.exp(gcs[i]) * Y[i, j], bf)
-            Yf[i, j] = Y[i, j]
-            Gh[i, j] = T.cast(scale * T.exp(gcs[i]) * T.cast(dOs[i, j], acc), bf)
-            Gl[i, j] = T.cast(scale * T.exp(gcs[i]) * T.cast(dOs[i, j], acc) - T.cast(Gh[i, j], acc), bf)
-        for i, j in T.Parallel(K, V):
-            dS[i, j] = dS[i, j] * T.exp(g_last)
-        T.gemm(Qs, Gh, dS, transpose_A=True)
-        T.gemm(Qs, Gl, dS, transpose_A=True)
-        T.gemm(Ks, Ysn, dS, transpose_A=True)
+        """The dS chain after C1 (:func:`recompute` issues it): Pᵀ dO, C2, C3 into dS; Y's bf16 copy for dA."""
+        T.gemm(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
+        T.copy(t.Vn, t.Vns)
+        for i, j in T.Parallel(BT, BV):
+            t.KdS[i, j] = t.KdS[i, j] * T.exp(g_last - t.gcs[i])
+            t.dVn[i, j] = t.dVn[i, j] * scale + t.KdS[i, j]
+            t.dVns[i, j] = T.cast(t.dVn[i, j], bf)
+        T.gemm(t.As, t.dVns, t.Y, transpose_A=True, clear_accum=True)
+        for i, j in T.Parallel(BT, BV):
+            t.Ysn[i, j] = T.cast(-t.bs[i] * T.exp(t.gcs[i]) * t.Y[i, j], bf)
+            t.Yb[i, j] = T.cast(t.Y[i, j], bf)
+            t.Gh[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc), bf)
+            t.Gl[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc) - T.cast(t.Gh[i, j], acc), bf)
+        for i, j in T.Parallel(K, BV):
+            t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
+        T.gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
+        T.gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
+        T.gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)     # waits for all three
 
     @T.macro
     def x_terms(t):
-        """The update's ρ term t and the X terms of dG and dβ."""
-        Vs, gcs, bs, dGs, ts, dbs, KS, Vn, KdS, Y, tmpV, rowsV = (
-            t.Vs, t.gcs, t.bs, t.dGs, t.ts, t.dbs, t.KS, t.Vn, t.KdS, t.Y, t.tmpV, t.rowsV)
+        """The update's ρ term t and the X terms of dG and dβ (this slice's shares)."""
         # t_i = V_new_i · (ρ ⊙ K dS)_i; β's X term rowsum(Y ⊙ W) and Γ's X term rowsum(Y ⊙ KS)
-        for i, j in T.Parallel(BT, V):
-            tmpV[i, j] = Vn[i, j] * KdS[i, j]
-        T.reduce_sum(tmpV, rowsV, dim=1)
+        for i, j in T.Parallel(BT, BV):
+            t.tmpV[i, j] = t.Vn[i, j] * t.KdS[i, j]
+        T.reduce_sum(t.tmpV, t.rowsV, dim=1)
         for i in T.Parallel(BT):
-            ts[i] = rowsV[i]
-        for i, j in T.Parallel(BT, V):
-            tmpV[i, j] = Y[i, j] * KS[i, j]
-        T.reduce_sum(tmpV, rowsV, dim=1)
+            t.ts[i] = t.rowsV[i]
+        for i, j in T.Parallel(BT, BV):
+            t.tmpV[i, j] = t.Y[i, j] * t.KS[i, j]
+        T.reduce_sum(t.tmpV, t.rowsV, dim=1)
         for i in T.Parallel(BT):
-            dGs[i] = -bs[i] * T.exp(gcs[i]) * rowsV[i]
-            dbs[i] = -T.exp(gcs[i]) * rowsV[i]
-        for i, j in T.Parallel(BT, V):
-            tmpV[i, j] = Y[i, j] * T.cast(Vs[i, j], acc)
-        T.reduce_sum(tmpV, rowsV, dim=1)
+            t.dGs[i] = -t.bs[i] * T.exp(t.gcs[i]) * t.rowsV[i]
+            t.dbs[i] = -T.exp(t.gcs[i]) * t.rowsV[i]
+        for i, j in T.Parallel(BT, BV):
+            t.tmpV[i, j] = t.Y[i, j] * T.cast(t.Vs[i, j], acc)
+        T.reduce_sum(t.tmpV, t.rowsV, dim=1)
         for i in T.Parallel(BT):
-            dbs[i] = dbs[i] + rowsV[i]
+            t.dbs[i] = t.dbs[i] + t.rowsV[i]
 
     return types.SimpleNamespace(column_sums_out=column_sums_out, recompute=recompute, chain=chain, x_terms=x_terms)
 
 
-def _gradient_macros(K: int, V: int, scale: float, column_sums_out=None) -> types.SimpleNamespace:
+def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> types.SimpleNamespace:
     """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
-    :func:`_recompute_macros`."""
+    :func:`_recompute_macros`.
+
+    A staged input's slot goes back to the producer right after its last use in program order (every dot here
+    waits for its result), so the next chunk's loads stream in under the later steps."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
 
     @T.macro
-    def q_side(t, rows, ib, ihv, c):
-        """The q side, dq written."""
-        Qs, Ks, dOs, Hs, gcs, Vns, dPs, dLs, dGs, QK, dP, dqS, dqf, tmpK, rowsK, rowsB = (
-            t.Qs, t.Ks, t.dOs, t.Hs, t.gcs, t.Vns, t.dPs, t.dLs, t.dGs, t.QK, t.dP, t.dqS, t.dqf, t.tmpK, t.rowsK,
-            t.rowsB)
-        # the q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ)
-        T.gemm(dOs, Vns, dP, transpose_B=True, clear_accum=True)
+    def q_side(t, rows, c):
+        """The q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ) (this slice's partial)."""
+        T.gemm(t.dOs, t.Vns, t.dP, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(BT, BT):
-            dP[i, j] = dP[i, j] * scale * T.exp(T.if_then_else((i >= j) & (i < rows), gcs[i] - gcs[j], NEG))
-            dPs[i, j] = T.cast(dP[i, j], bf)
-            dP[i, j] = T.if_then_else(i > j, dP[i, j] * QK[i, j], 0.0)   # dlogD of P, diagonal left out
-        T.reduce_sum(dP, rowsB, dim=1)
-        T.copy(dP, dLs)
+            t.dP[i, j] = t.dP[i, j] * scale * T.exp(T.if_then_else((i >= j) & (i < rows), t.gcs[i] - t.gcs[j], NEG))
+            t.dPs[i, j] = T.cast(t.dP[i, j], bf)
+            t.dP[i, j] = T.if_then_else(i > j, t.dP[i, j] * t.QK[i, j], 0.0)   # dlogD of P, diagonal left out
+        T.reduce_sum(t.dP, t.rowsB, dim=1)     # dP keeps dlogD of P: its column sums leave with A's (k_side)
         for i in T.Parallel(BT):
-            dGs[i] = dGs[i] + rowsB[i]
-        column_sums_out(dLs, dGs)
-        T.gemm(dOs, Hs, dqS, transpose_B=True, clear_accum=True)
-        T.gemm(dPs, Ks, dqf, clear_accum=True)
-        for i, j in T.Parallel(BT, K):
-            tmpK[i, j] = T.cast(Qs[i, j], acc) * dqS[i, j]
-            dqf[i, j] = dqf[i, j] + scale * T.exp(gcs[i]) * dqS[i, j]
-        T.reduce_sum(tmpK, rowsK, dim=1)
+            t.dGs[i] = t.dGs[i] + t.rowsB[i]
+        T.gemm(t.dPs, t.Ks, t.dqf, clear_accum=True)
+        T.gemm(t.dOs, t.Hs, t.dqS, transpose_B=True, clear_accum=True)     # dO's last use: waits for both
+        for i, j in T.Parallel(BT, K):     # Q ⊙ (dO h_bᵀ) in place: no third BT × K fragment
+            t.dqf[i, j] = t.dqf[i, j] + scale * T.exp(t.gcs[i]) * t.dqS[i, j]
+            t.dqS[i, j] = T.cast(t.Qs[i, j], acc) * t.dqS[i, j]
+        T.reduce_sum(t.dqS, t.rowsK, dim=1)
         for i in T.Parallel(BT):
-            dGs[i] = dGs[i] + scale * T.exp(gcs[i]) * rowsK[i]
-        T.copy(dqf, t.dq[ib, c * BT:(c + 1) * BT, ihv, 0:K])
+            t.dGs[i] = t.dGs[i] + scale * T.exp(t.gcs[i]) * t.rowsK[i]
+        T.copy(t.dqf, t.dq[t.iv, t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
 
     @T.macro
-    def k_side(t, rows, g_last, ib, ihv, c):
-        """The k side, dk and dv written."""
-        Qs, Ks, Hs, gcs, bs, Vns, Ysn, Vnf, Yf, dSh, dPs, dKDs, KKs, dLs, dGs, dbs, Y, QK, dA, dkf, tmpK, rowsA = (
-            t.Qs, t.Ks, t.Hs, t.gcs, t.bs, t.Vns, t.Ysn, t.Vnf, t.Yf, t.dSh, t.dPs, t.dKDs, t.KKs, t.dLs, t.dGs,
-            t.dbs, t.Y, t.QK, t.dA, t.dkf, t.tmpK, t.rowsA)
-        # the k side: dA = −Y V_newᵀ (tf32), dKD = β dA ⊙ D, dk
-        T.gemm(Yf, Vnf, dA, transpose_B=True, clear_accum=True)
-        T.gemm(Ks, Ks, QK, transpose_B=True, clear_accum=True)            # K Kᵀ
-        T.copy(QK, KKs)
+    def k_side(t, rows, g_last, c):
+        """The k side: dA = −Y V_newᵀ (bf16 operands), dKD = β dA ⊙ D, dk (partial); dv written."""
+        T.gemm(t.Yb, t.Vns, t.dA, transpose_B=True, clear_accum=True)
+        T.gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)            # K Kᵀ, in dA's layout
         for i, j in T.Parallel(BT, BT):
-            dA[i, j] = T.if_then_else((i > j) & (i < rows), -dA[i, j] * T.exp(gcs[i] - gcs[j]), 0.0)
-            dKDs[i, j] = T.cast(bs[i] * dA[i, j], bf)
-            dA[i, j] = dA[i, j] * KKs[i, j]
-        T.reduce_sum(dA, rowsA, dim=1)
-        for i, j in T.Parallel(BT, BT):
-            dLs[i, j] = dA[i, j] * bs[i]
+            t.dA[i, j] = T.if_then_else((i > j) & (i < rows), -t.dA[i, j] * T.exp(t.gcs[i] - t.gcs[j]), 0.0)
+            t.dKDs[i, j] = T.cast(t.bs[i] * t.dA[i, j], bf)
+            t.dA[i, j] = t.dA[i, j] * t.QK[i, j]
+        T.reduce_sum(t.dA, t.rowsA, dim=1)
+        for i, j in T.Parallel(BT, BT):     # dlogD of P and A (the same accumulator layout), one store
+            t.dLs[i, j] = t.dP[i, j] + t.dA[i, j] * t.bs[i]
         for i in T.Parallel(BT):
-            dbs[i] = dbs[i] + rowsA[i]
-            dGs[i] = dGs[i] + bs[i] * rowsA[i]
-        column_sums_out(dLs, dGs)
-        T.gemm(Vns, dSh, tmpK, transpose_B=True, clear_accum=True)
-        T.gemm(dPs, Qs, dkf, transpose_A=True, clear_accum=True)
-        T.gemm(dKDs, Ks, dkf)
-        T.gemm(dKDs, Ks, dkf, transpose_A=True)
-        T.gemm(Ysn, Hs, dkf, transpose_B=True)
+            t.dbs[i] = t.dbs[i] + t.rowsA[i]
+            t.dGs[i] = t.dGs[i] + t.bs[i] * t.rowsA[i]
+        column_sums_out(t.dLs, t.cols, t.cols_s, t.dGs)     # P's and A's column sums, one pass
+        # the update's term ρ ⊙ (V_new dS_hiᵀ) first, its rows scaled in the accumulator, then the rest added to it
+        # (one BT × K fragment)
+        T.gemm(t.Vns, t.dSh, t.dkf, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(BT, K):
-            dkf[i, j] = dkf[i, j] + T.exp(g_last - gcs[i]) * tmpK[i, j]
-        T.copy(dkf, t.dk[ib, c * BT:(c + 1) * BT, ihv, 0:K])
-        for i, j in T.Parallel(BT, V):
-            Y[i, j] = Y[i, j] * bs[i]
-        T.copy(Y, t.dv[ib, c * BT:(c + 1) * BT, ihv, 0:V])
+            t.dkf[i, j] = T.exp(g_last - t.gcs[i]) * t.dkf[i, j]
+        T.gemm(t.dKDs, t.Ks, t.dkf)
+        T.gemm(t.dKDs, t.Ks, t.dkf, transpose_A=True)
+        T.gemm(t.dPs, t.Qs, t.dkf, transpose_A=True)       # q's last use: waits for the three
+        T.gemm(t.Ysn, t.Hs, t.dkf, transpose_B=True)       # h's
+        T.copy(t.dkf, t.dk[t.iv, t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+        for i, j in T.Parallel(BT, BV):
+            t.Y[i, j] = t.Y[i, j] * t.bs[i]
+        T.copy(t.Y, t.dv[t.ib, c * BT:(c + 1) * BT, t.ihv, t.iv * BV:(t.iv + 1) * BV])
 
     @T.macro
-    def finish(t, g_last, ib, ihv, c):
-        """Dg and dβ written; the gradient entering the chunk as the next one's C1 operands."""
-        dSh, dSl, dGs, ts, dbs, dS, hrs = (
-            t.dSh, t.dSl, t.dGs, t.ts, t.dbs, t.dS, t.hrs)
-        # dg: reverse cumsum of dG, then Σ_{j<i} t_j and γ Σ h⊙dS on every row
-        T.cumsum(dGs, dim=0, reverse=True)
-        T.cumsum(ts, dim=0)
+    def split_state(t):
+        """dS as the C1 operands bf16 hi + lo."""
+        for i, j in T.Parallel(K, BV):
+            t.dSh[i, j] = T.cast(t.dS[i, j], bf)
+            t.dSl[i, j] = T.cast(t.dS[i, j] - T.cast(T.cast(t.dS[i, j], bf), acc), bf)
+
+    @T.macro
+    def finish(t, g_last, c):
+        """dg and dβ (partials) written; the gradient entering the chunk as the next one's C1 operands."""
+        # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j + γ Σ h⊙dS: one select per term in a fixed order (T.cumsum on shared
+        # memory runs on threads 0–31 only, which here belong to the producer warpgroup)
         gam_sum = T.alloc_var(acc, init=0.0)
         for kk in T.serial(K):
-            gam_sum = gam_sum + hrs[kk]
+            gam_sum = gam_sum + t.hrs[kk]
         for i in T.Parallel(BT):
-            dGs[i] = dGs[i] + T.if_then_else(i > 0, ts[T.max(i, 1) - 1], 0.0) + T.exp(g_last) * gam_sum
-        T.copy(dGs, t.dg[ib, ihv, c * BT:(c + 1) * BT])
-        T.copy(dbs, t.dbeta[ib, ihv, c * BT:(c + 1) * BT])
-        # the gradient entering this chunk, as the next chunk's C1 operands
-        for i, j in T.Parallel(K, V):
-            dSh[i, j] = T.cast(dS[i, j], bf)
-            dSl[i, j] = T.cast(dS[i, j] - T.cast(T.cast(dS[i, j], bf), acc), bf)
+            t.cols[i] = 0.0
+            for j in T.unroll(BT):
+                t.cols[i] = t.cols[i] + T.if_then_else(j >= i, t.dGs[j], t.ts[j])
+        T.copy(t.cols, t.cols_s)
+        for i in T.Parallel(BT):
+            t.dGs[i] = t.cols_s[i] + T.exp(g_last) * gam_sum
+        T.copy(t.dGs, t.dg[t.iv, t.ib, t.ihv, c * BT:(c + 1) * BT])
+        T.copy(t.dbs, t.dbeta[t.iv, t.ib, t.ihv, c * BT:(c + 1) * BT])
+        split_state(t)
 
-    return types.SimpleNamespace(q_side=q_side, k_side=k_side, finish=finish)
+    return types.SimpleNamespace(q_side=q_side, k_side=k_side, finish=finish, split_state=split_state)
 
 
-def step_macros(K: int, V: int, scale: float) -> types.SimpleNamespace:
+def step_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
     finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
-    first = _recompute_macros(K, V, scale)
-    return types.SimpleNamespace(**vars(first), **vars(_gradient_macros(K, V, scale, first.column_sums_out)))
+    first = _recompute_macros(K, BV, scale)
+    return types.SimpleNamespace(**vars(first),
+                                 **vars(_gradient_macros(K, BV, scale, first.column_sums_out)))
 
 
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, threads: int = 256):
-    """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic)."""
+def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
+    """The program's shared tiles and register fragments (call inside the kernel), with ``program``'s indices and
+    outputs beside them (a TileLang macro sees only its arguments). Shared memory at K = 128,
+    BV = 64: the chunk's inputs 72.5 KB, the bf16 operands formed on chip 112 KB (dS hi + lo 32), dlogD 16 KB fp32."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
-    B, Tn, Lp, TK = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("TK")
-    G = HV // H
+    shared = dict(
+        # inputs of one chunk (TMA; rows past T arrive as zeros)
+        Qs=((BT, K), bf), Ks=((BT, K), bf), Vs=((BT, BV), bf), dOs=((BT, BV), bf), As=((BT, BT), bf),
+        Hs=((K, BV), bf), gcs=((BT,), acc), bs=((BT,), acc),
+        # operands formed on chip
+        Xs=((BT, BV), bf), Vns=((BT, BV), bf), dVns=((BT, BV), bf), Ysn=((BT, BV), bf), Yb=((BT, BV), bf),
+        Gh=((BT, BV), bf), Gl=((BT, BV), bf), dSh=((K, BV), bf), dSl=((K, BV), bf),
+        Ps=((BT, BT), bf), dPs=((BT, BT), bf), dKDs=((BT, BT), bf),
+        dLs=((BT, BT), acc),        # dlogD of P plus that of A: their column sums read from here
+        dGs=((BT,), acc), ts=((BT,), acc), dbs=((BT,), acc), hrs=((K,), acc), cols_s=((BT,), acc))
+    fragments = dict(
+        dS=(K, BV), KS=(BT, BV), Vn=(BT, BV), KdS=(BT, BV), dVn=(BT, BV), Y=(BT, BV), tmpV=(BT, BV),
+        QK=(BT, BT), dP=(BT, BT), dA=(BT, BT), dqS=(BT, K), dqf=(BT, K), dkf=(BT, K),
+        rowsV=(BT,), rowsK=(BT,), rowsB=(BT,), rowsA=(BT,), cols=(BT,), hdS=(K, BV), hdS_rows=(K,))
+    tiles = {n: T.alloc_shared(shape, dtype) for n, (shape, dtype) in shared.items()}
+    tiles.update({n: T.alloc_fragment(shape, acc) for n, shape in fragments.items()})
+    return types.SimpleNamespace(**tiles, **program)
 
-    m = step_macros(K, V, scale)
+
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256):
+    """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V.
+    Every dot is waited for at its issue."""
+    import tilelang.language as T
+
+    if V % BV:
+        raise ValueError(f"BV ({BV}) must divide V ({V})")
+    acc, bf = "float32", "bfloat16"
+    B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
+    G, NV = HV // H, V // BV
+
+    m = step_macros(K, BV, scale)
 
     @T.prim_func
     def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
                       v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
                       gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
-                      a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, HV, TK, V), bf),
+                      a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
                       dht: T.Tensor((B, HV, K, V), acc),
-                      dq: T.Tensor((B, Tn, HV, K), bf), dk: T.Tensor((B, Tn, HV, K), bf),
-                      dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((B, HV, Lp), acc),
-                      dbeta: T.Tensor((B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc)):
-        with T.Kernel(B * HV, threads=threads) as bh:
+                      dq: T.Tensor((NV, B, Tn, HV, K), acc), dk: T.Tensor((NV, B, Tn, HV, K), acc),
+                      dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
+                      dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc)):
+        with T.Kernel(NV, B * HV, threads=threads) as (iv, bh):
             ib, ihv = bh // HV, bh % HV
             ih = ihv // G
+            v0 = iv * BV
             chunks = T.ceildiv(Tn, BT)
-            # inputs of one chunk (TMA; rows past T arrive as zeros)
-            Qs, Ks = T.alloc_shared((BT, K), bf), T.alloc_shared((BT, K), bf)
-            Vs, dOs = T.alloc_shared((BT, V), bf), T.alloc_shared((BT, V), bf)
-            As, Hs = T.alloc_shared((BT, BT), bf), T.alloc_shared((K, V), bf)
-            gcs, bs = T.alloc_shared((BT,), acc), T.alloc_shared((BT,), acc)
-            # operands formed on chip
-            Xs, Vns, dVns = T.alloc_shared((BT, V), bf), T.alloc_shared((BT, V), bf), T.alloc_shared((BT, V), bf)
-            Ysn, Gh, Gl = T.alloc_shared((BT, V), bf), T.alloc_shared((BT, V), bf), T.alloc_shared((BT, V), bf)
-            Vnf, Yf = T.alloc_shared((BT, V), acc), T.alloc_shared((BT, V), acc)      # dA's tf32 operands
-            dSh, dSl = T.alloc_shared((K, V), bf), T.alloc_shared((K, V), bf)
-            Ps, dPs, dKDs = T.alloc_shared((BT, BT), bf), T.alloc_shared((BT, BT), bf), T.alloc_shared((BT, BT), bf)
-            KKs = T.alloc_shared((BT, BT), acc)     # K Kᵀ for dA's loop (the tf32 dot's accumulator has its own layout)
-            dLs = T.alloc_shared((BT, BT), acc)     # dlogD of P, then of A: their column sums read from here
-            dGs, ts, dbs = T.alloc_shared((BT,), acc), T.alloc_shared((BT,), acc), T.alloc_shared((BT,), acc)
-            # accumulators
-            dS = T.alloc_fragment((K, V), acc)
-            KS, Vn, KdS = T.alloc_fragment((BT, V), acc), T.alloc_fragment((BT, V), acc), T.alloc_fragment((BT, V), acc)
-            dVn, Y, tmpV = T.alloc_fragment((BT, V), acc), T.alloc_fragment((BT, V), acc), T.alloc_fragment((BT, V), acc)
-            QK, dP, dA = T.alloc_fragment((BT, BT), acc), T.alloc_fragment((BT, BT), acc), T.alloc_fragment((BT, BT), acc)
-            dqS, dqf = T.alloc_fragment((BT, K), acc), T.alloc_fragment((BT, K), acc)
-            dkf, tmpK = T.alloc_fragment((BT, K), acc), T.alloc_fragment((BT, K), acc)
-            rowsV, rowsK, rowsB = T.alloc_fragment((BT,), acc), T.alloc_fragment((BT,), acc), T.alloc_fragment((BT,), acc)
-            rowsA = T.alloc_fragment((BT,), acc)    # in dA's (tf32) layout
-            hdS, hdS_rows = T.alloc_fragment((K, V), acc), T.alloc_fragment((K,), acc)
-            hrs = T.alloc_shared((K,), acc)
-
-            t = types.SimpleNamespace(Qs=Qs, Ks=Ks, Vs=Vs, dOs=dOs, As=As, Hs=Hs, gcs=gcs, bs=bs, Xs=Xs, Vns=Vns,
-                                      dVns=dVns, Ysn=Ysn, Gh=Gh, Gl=Gl, Vnf=Vnf, Yf=Yf, dSh=dSh, dSl=dSl, Ps=Ps,
-                                      dPs=dPs, dKDs=dKDs, KKs=KKs, dLs=dLs, dGs=dGs, ts=ts, dbs=dbs, dS=dS, KS=KS,
-                                      Vn=Vn, KdS=KdS, dVn=dVn, Y=Y, tmpV=tmpV, QK=QK, dP=dP, dA=dA, dqS=dqS, dqf=dqf,
-                                      dkf=dkf, tmpK=tmpK, rowsV=rowsV, rowsK=rowsK, rowsB=rowsB, rowsA=rowsA,
-                                      hdS=hdS, hdS_rows=hdS_rows, hrs=hrs, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta)
-            T.copy(dht[ib, ihv, 0:K, 0:V], dS)
-            for i, j in T.Parallel(K, V):
-                dSh[i, j] = T.cast(dS[i, j], bf)
-                dSl[i, j] = T.cast(dS[i, j] - T.cast(T.cast(dS[i, j], bf), acc), bf)
+            t = alloc_tiles(K, BV, iv=iv, ib=ib, ihv=ihv, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta)
+            T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
+            m.split_state(t)
             for cr in T.Pipelined(chunks, num_stages=1):
                 c = chunks - 1 - cr
-                T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], Ks)
-                T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], Qs)
-                T.copy(v[ib, c * BT:(c + 1) * BT, ihv, 0:V], Vs)
-                T.copy(do[ib, c * BT:(c + 1) * BT, ihv, 0:V], dOs)
-                T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], As)
-                T.copy(h[ib, ihv, c * K:(c + 1) * K, 0:V], Hs)
-                T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], gcs)
-                T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], bs)
+                # single-buffered loads in the order this step last reads each buffer (T at C2, V in the X terms,
+                # dO on the q side, q, h, k on the k side, gc and β in the finish): TileLang's producer issues them
+                # in this order, each once its slot is released (after its last use: every dot here waits for
+                # its result), so the next chunk's T, v, dO stream in under the q and k sides
+                T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], t.As)
+                T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.Vs)
+                T.copy(do[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.dOs)
+                T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Qs)
+                T.copy(h[ib, c, ihv, 0:K, v0:v0 + BV], t.Hs)
+                T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Ks)
+                T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], t.gcs)
+                T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], t.bs)
                 rows = T.min(BT, Tn - c * BT)
-                g_last = gcs[rows - 1]
+                g_last = t.gcs[rows - 1]
                 m.recompute(t, rows)
                 m.chain(t, g_last)
                 m.x_terms(t)
-                m.q_side(t, rows, ib, ihv, c)
-                m.k_side(t, rows, g_last, ib, ihv, c)
-                m.finish(t, g_last, ib, ihv, c)
-            T.copy(dS, dh0[ib, ihv, 0:K, 0:V])
+                m.q_side(t, rows, c)
+                m.k_side(t, rows, g_last, c)
+                m.finish(t, g_last, c)
+            T.copy(t.dS, dh0[ib, ihv, 0:K, v0:v0 + BV])
 
     return gdn_chunk_bwd
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, target: Optional[str] = None):
+def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
+                    target: Optional[str] = None):
     """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target`` (None: this GPU;
     "sm_90a" without one)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale), target)
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV), target)
 
 
 def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                      beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
-                     scale: float) -> tuple[torch.Tensor, ...]:
-    """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, HV, NT, K, V]`` bf16 or its
-    ``[B, HV, NT·K, V]`` view). Returns dq, dk ``[B, T, HV, K]`` bf16 per value head, dv ``[B, T, HV, V]`` bf16,
-    dg, dβ ``[B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32."""
+                     scale: float, BV: int = BV_DEFAULT) -> tuple[torch.Tensor, ...]:
+    """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
+    Returns the partials dq, dk ``[NV, B, T, HV, K]`` fp32, dv ``[B, T, HV, V]`` bf16, the partials dg, dβ
+    ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the partials)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
+    if V % BV:
+        raise ValueError(f"BV ({BV}) must divide V ({V})")
+    NV = V // BV
     if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
         raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
                          f"{tuple(beta.shape)}")
-    if h.numel() != B * HV * NT * K * V:
-        raise ValueError(f"h must hold [B, HV, chunks, K, V] = {(B, HV, NT, K, V)} values, got {tuple(h.shape)}")
+    if h.shape != (B, NT, HV, K, V) or h.dtype != torch.bfloat16:
+        raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
+                         f"{tuple(h.shape)}")
     dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
-    dq, dk = (q.new_empty(B, T, HV, K) for _ in range(2))
+    dq, dk = (q.new_empty(NV, B, T, HV, K, dtype=torch.float32) for _ in range(2))
     dv = torch.empty_like(v)
-    dg, dbeta = torch.empty_like(gc), torch.empty_like(gc)
+    dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel = compiled_kernel(H, HV, K, V, scale)
+    kernel = compiled_kernel(H, HV, K, V, scale, BV)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
-                     beta.float().contiguous(), a_inv.contiguous(), h.reshape(B, HV, NT * K, V).contiguous(), dht,
-                     dq, dk, dv, dg, dbeta, dh0)
+                     beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0)
     return dq, dk, dv, dg, dbeta, dh0

@@ -12,6 +12,8 @@ fp32 states every ``checkpoint_every`` chunks. The backward then runs
       or warm  :func:`reverse_warm_ref`      instead of both: each segment's dS from a chain walk started from zero
                                              w chunks after it, w from the chunks' norm bounds (no maps, no scan)
     walk       :func:`reverse_walk_ref`      per chunk in reverse (:func:`reverse_chunk_ref`): dq, dk, dv, dg, dβ
+      or per V slice  :func:`chunk_bwd_v_slices_ref` the kernel's programs (unsegmented): the walk on each slice
+                      of V alone, partials of dq, dk, dg, dβ that :func:`sum_partials_ref` adds
 
 with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum of g, Γ = e^G, ρ = e^{G_C − G},
 γ = e^{G_C}, S_b the bf16 state entering the chunk, dS the gradient of the state leaving it):
@@ -27,11 +29,13 @@ with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum
                 dg = reverse cumsum of the Γ and D terms of dG, plus the ρ and γ terms (:func:`_decay_gradient`)
 
 Rounding: ``operand_dtype`` (bf16 for the kernel, None for none) rounds each dot operand the kernel forms in bf16;
-``da_operands`` the two operands of dA = −Y V_newᵀ ("bf16", "tf32" — the kernel's choice — or "exact").
+``da_operands`` the two operands of dA = −Y V_newᵀ ("bf16" — the kernel's choice: no shared memory for fp32 copies at
+K = 128 —, "tf32" or "exact").
 Layout inside: ``[B, HV, NT, BT, d]`` chunks (``torch_chunk.to_chunks``); q, k expanded to the value heads.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -352,7 +356,7 @@ def segment_cuts(NT: int, segments: int) -> list[tuple[int, int]]:
 
 def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedForward, scale: float,
                          segments: int = 1, operand_dtype: Optional[torch.dtype] = torch.bfloat16,
-                         da_operands: str = "tf32", warm_bound: Optional[torch.Tensor] = None
+                         da_operands: str = "bf16", warm_bound: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, ...]:
     """The Hopper backward's twin: recompute h from the checkpoints, then (``segments`` > 1) the reverse maps and
     their scan (with ``warm_bound``, the chunks' norm bounds ``[B, HV, NT]``: the reverse warm-ups instead), then the
@@ -388,6 +392,60 @@ def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedF
     dq, dk, dv, dbeta, dg = (tc.from_chunks(torch.stack([getattr(c, n) for c in grads], 2), T)
                              for n in ("dq", "dk", "dv", "dbeta", "dg"))
     return group_sum(dq, H), group_sum(dk, H), dv, dg, dbeta, dh0
+
+
+class SlicePartials(NamedTuple):
+    """The V-sliced walk's outputs (:func:`chunk_bwd_v_slices_ref`), NV = V / BV slices. dv and dh0 are complete
+    (each slice writes its own columns); dq, dk, dg, dβ are per-slice partials that :func:`sum_partials_ref` adds."""
+    dq: torch.Tensor        # [NV, B, T, HV, K] per value head
+    dk: torch.Tensor        # [NV, B, T, HV, K]
+    dv: torch.Tensor        # [B, T, HV, V]
+    dg: torch.Tensor        # [NV, B, T, HV]
+    dbeta: torch.Tensor     # [NV, B, T, HV]
+    dh0: torch.Tensor       # [B, HV, K, V]
+
+
+def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedForward, scale: float, BV: int,
+                           operand_dtype: Optional[torch.dtype] = torch.bfloat16, da_operands: str = "bf16"
+                           ) -> SlicePartials:
+    """The unsegmented walk run once per V slice of width ``BV`` (the kernel's programs: one per sequence, value
+    head and slice), each slice's walk reading only its columns of v, dO, h and dht. The reverse step is
+    column-separable in V: KS, X, V_new, dV_new, Y and the dS chain (left products) live in one slice, and every
+    other gradient is a sum over V of the slices' contributions (dP = scale (dO V_newᵀ) ⊙ D and dA = −Y V_newᵀ
+    are, and dq, dk, dβ, dg are linear in them and in the slices' own row sums, t and γ Σ h⊙dS included), so the
+    slices need no exchange: :func:`sum_partials_ref` of the partials is the whole-V walk (float64: to rounding).
+    Arguments as :func:`chunk_bwd_hopper_ref`'s."""
+    _check(q, k, v, saved.checkpoint_every)
+    V = v.shape[-1]
+    if BV < 1 or V % BV:
+        raise ValueError(f"BV must divide V = {V}, got {BV}")
+    work = _work_dtype(q)
+    rnd = rounder(work, operand_dtype)
+    rnd_da = _da_rounder(da_operands, rnd)
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    x = _Chunks(_expand_heads(q, HV, work), _expand_heads(k, HV, work), tc.to_chunks(v.to(work), BT),
+                tc.to_chunks(do.to(work), BT), _head_major_chunks(saved.gc.to(work)),
+                _head_major_chunks(saved.beta.to(work)), tc.to_chunks(saved.a_inv.to(work), BT))
+    h = recompute_states_ref(k, v, saved, rnd)
+    dS_last = dht.to(work) if dht is not None else x.v.new_zeros(B, HV, K, V)
+    slices = []
+    for v0 in range(0, V, BV):
+        cols = slice(v0, v0 + BV)
+        xs = x._replace(v=x.v[..., cols], do=x.do[..., cols])
+        grads, dh0 = reverse_walk_ref(xs, h[..., cols], dS_last[..., cols], 0, x.k.shape[2], scale, rnd, rnd_da)
+        slices.append(([tc.from_chunks(torch.stack([getattr(c, n) for c in grads], 2), T)
+                        for n in ("dq", "dk", "dv", "dg", "dbeta")], dh0))
+    part = lambda i: torch.stack([s[0][i] for s in slices])
+    return SlicePartials(part(0), part(1), torch.cat([s[0][2] for s in slices], -1), part(3), part(4),
+                         torch.cat([s[1] for s in slices], -1))
+
+
+def sum_partials_ref(p: SlicePartials, H: int) -> tuple[torch.Tensor, ...]:
+    """dq, dk ``[B, T, H, K]``, dv, dg, dβ ``[B, T, HV]``, dh0 from :class:`SlicePartials`: the slices added in
+    slice order, then the value heads of each group in head order (the host's fixed-order reductions)."""
+    total = lambda x: functools.reduce(torch.add, x.unbind(0))
+    return (group_sum(total(p.dq), H), group_sum(total(p.dk), H), p.dv, total(p.dg), total(p.dbeta), p.dh0)
 
 
 def group_sum(x: torch.Tensor, H: int) -> torch.Tensor:

@@ -28,3 +28,19 @@ def compile_sm90a(source: str, directory: Path, nvcc: str | None = None) -> tupl
                              *[f"-I{p}" for p in tilelang_includes()], "-Xptxas", "-v", "-o", str(cubin), str(cu)],
                             capture_output=True, text=True, check=True)
     return cubin, result.stdout + result.stderr
+
+
+def launch_shared_bytes(kernel) -> int:
+    """The dynamic shared memory (bytes) a compiled TileLang kernel launches with: the last integer literal of the
+    launch arguments in its host source (tvm_ffi's: grid, block, then the shared bytes)."""
+    import re
+    return int(re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);", kernel.get_host_source())[-1])
+
+
+def ptxas_summary(report: str) -> dict:
+    """Registers, spill store and load bytes, and whether any wgmma is serialised (C7512), from ptxas's report."""
+    import re
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    registers = re.search(r"Used (\d+) registers", report)
+    return dict(registers=int(registers[1]) if registers else None, spill_stores=int(spills[1]) if spills else None,
+                spill_loads=int(spills[2]) if spills else None, wgmma_serialised="C7512" in report)

@@ -1,0 +1,408 @@
+"""GPU check of the Hopper backward (linattn/ops/hopper/backward.py, issue 45): accuracy, determinism, then time.
+
+(a) the walk alone against its PyTorch twin on the same inputs (each raw output, partials included); then
+    accuracy, bf16, with h0 and dht: relative L2 of every gradient against float64 autograd of the token-by-token
+    reference on the same rounded inputs, beside the Triton backward's error and the rounded PyTorch baseline's
+    (gpu_check_core.rounded_twin: every stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline);
+    then a bitwise repeat (two runs, the same bits).
+(b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
+    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
+    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
+    the Triton backward.
+    The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
+(c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
+    T=32768, H=2, HV=8) and 1 (B=1, T=4096, H=HV=16), the segmented backward at the planner's L (or T/256 where
+    it plans none): its parts (W + dv_local, the Triton maps, maps + reverse scan, the walk on the segment views,
+    the sums), the whole against the unsegmented Hopper backward and the Triton backward, the whole at forced
+    S = 2, 4, 8, 16 segments (calibrates segments.py's estimates), and every gradient's relative L2 segmented vs
+    unsegmented. Part (a) checks segmented cases against float64 too (the "_seg" cases).
+
+    python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, ≈ 3-5 min with compiles
+    python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
+    python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
+
+Writes hopper_bwd.json (hopper_bwd_segments.json with --segments) under --out after every case (a run cut short
+keeps what it reached), printing each row's JSON as it goes and a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors')
+CASES = [
+    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16),
+    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16),
+    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16),
+    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16),
+    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024),
+]
+# part (a)'s cases walked in segments (the last field: segment_chunks): S = 4, 2 and 8 segments, their walks
+# already among CASES' kernels
+SEGMENTED_CASES = [
+    (("B2_T512_GVA_K128_seg", 2, 512, 2, 4, 128, 128, None, 1 / 16), 2),
+    (("B2_T512_GVA_K64_seg", 2, 512, 2, 4, 64, 64, None, 1 / 16), 4),
+    (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024), 2),
+]
+SEGMENT_ROWS = [(3, 1, 32768, 16, 16), (4, 1, 131072, 16, 16), (7, 1, 32768, 2, 8), (1, 1, 4096, 16, 16)]
+ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
+    (2, 8, 4096, 16, 16),
+    (3, 1, 32768, 16, 16),
+    (7, 1, 32768, 2, 8),
+]
+
+
+def kernel_configs() -> list[tuple]:
+    """(H, HV, K, V, scale, BV) of every walk this script launches."""
+    config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
+    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _ in CASES]
+    configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _), _ in SEGMENTED_CASES]
+    configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
+    return list(dict.fromkeys(configs))
+
+
+def smoke() -> list[dict]:
+    """Build every walk for sm_90a without a GPU and report its shared memory and ptxas figures."""
+    from linattn.ops.hopper import backward, chunk_bwd  # noqa: F401  (the host chain imports)
+    from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
+    out = []
+    for config in kernel_configs():
+        t0 = time.time()
+        kernel = chunk_bwd.compiled_kernel(*config, target="sm_90a")
+        with tempfile.TemporaryDirectory() as d:
+            report = compile_sm90a(kernel.get_kernel_source(), Path(d))[1]
+        row = dict(config=config, shared_bytes=launch_shared_bytes(kernel), compile_s=round(time.time() - t0, 1),
+                   **ptxas_summary(report))
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+def bf16_inputs(name, B, T, H, HV, K, V, decay):
+    """gpu_check_core.make's inputs (unit-norm q, k; h0), q, k, v, β and do rounded to bf16, and their float64
+    ground-truth copies; do and dht fresh normals."""
+    import zlib
+
+    from gpu_check_core import make
+    x = make(B, T, H, HV, K, V, B, seed=zlib.crc32(name.encode()) % 1000, decay=decay)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x["do"] = torch.randn(B, T, HV, V, device="cuda", dtype=torch.float64, generator=gen)
+    dht = torch.randn(B, HV, K, V, device="cuda", dtype=torch.float64, generator=gen).float()
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
+    exact = {n: t.double() for n, t in low.items()}
+    return low, exact, dht
+
+
+def check_case(case, segment_chunks: Optional[int] = None) -> dict:
+    """Errors of the Hopper and Triton backwards and of the rounded baseline against float64 autograd; with
+    ``segment_chunks``, the Hopper backward's walk in segments, and its gradients' distance to the unsegmented
+    one's (``vs_unsegmented``, relative L2)."""
+    from gpu_check_core import grads_of, rel, rounded_twin
+
+    from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+    from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
+    from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
+    name, B, T, H, HV, K, V, BV, decay = case
+    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    scale = K ** -0.5
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")]
+    ref = grads_of(lambda **a: gated_delta_rule_reference(
+        **{n: a[n] for n in ("q", "k", "v", "g", "beta")}, scale=scale, initial_state=a["initial_state"]),
+        {n: t for n, t in exact.items() if n != "do"}, exact["do"], dht.double())[2:]
+    t0 = time.time()
+    hop = chunk_gated_delta_rule_bwd_hopper(*args, scale, low["initial_state"], low["do"], dht, BV,
+                                            segment_chunks=segment_chunks)
+    torch.cuda.synchronize()
+    first_s = time.time() - t0
+    whole = chunk_gated_delta_rule_bwd_hopper(*args, scale, low["initial_state"], low["do"], dht, BV,
+                                              segment_chunks=-(-T // 64)) if segment_chunks else None
+    tri = chunk_gated_delta_rule_bwd_triton(*args, scale, low["initial_state"], None, None, low["do"], dht)
+    base = rounded_twin(low, torch.bfloat16, scale, low["do"].double(), dht.double())[2:]
+    row = dict(case=name, B=B, T=T, H=H, HV=HV, K=K, V=V, BV=BV, segment_chunks=segment_chunks,
+               first_call_s=round(first_s, 1), nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in hop))
+    if whole is not None:
+        row["vs_unsegmented"] = {n: rel(a, b) for n, a, b in zip(GRADS, hop, whole)}
+    for label, grads in (("hopper", hop), ("triton", tri), ("base", base)):
+        row[label] = {n: rel(a, b) for n, a, b in zip(GRADS, grads, ref)}
+    row["vs_triton"] = {n: row["hopper"][n] / max(row["triton"][n], 1e-30) for n in GRADS}
+    row["vs_base"] = {n: row["hopper"][n] / max(row["base"][n], 1e-30) for n in GRADS}
+    return row
+
+
+def twin_case(case) -> dict:
+    """The walk alone against its twin (``chunk_bwd_ref.chunk_bwd_v_slices_ref``, fp32 on the GPU, the kernel's
+    rounding points) on the same recomputed gc, T and h: relative L2 of each raw output (the partials before any
+    sum), so that a wrong output of the kernel shows apart from the host chain around it."""
+    from gpu_check_core import rel
+
+    from linattn.ops.hopper import backward, chunk_bwd
+    from linattn.ops.hopper import chunk_bwd_ref as bwd
+    name, B, T, H, HV, K, V, BV, decay = case
+    BV = BV or min(V, 64)
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    scale = K ** -0.5
+    gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
+    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
+                                     backward.head_major_chunks(low["beta"].float()), a_inv, h, dht, scale, BV)
+    # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros; its
+    # "checkpoints" are h itself, one per chunk
+    pad = (0, got[3].shape[-1] - T)
+    saved = bwd.SavedForward(torch.nn.functional.pad(gc.transpose(1, 2), pad, mode="replicate"),
+                             torch.nn.functional.pad(low["beta"].float().transpose(1, 2), pad), a_inv.float(),
+                             h.transpose(1, 2).float(), 1)
+    twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], dht, saved, scale, BV)
+    tokens = lambda x: x[..., :T].transpose(-1, -2)       # [NV, B, HV, Lp] → [NV, B, T, HV]
+    outputs = dict(dq_partials=(got[0], twin.dq), dk_partials=(got[1], twin.dk), dv=(got[2], twin.dv),
+                   dg_partials=(tokens(got[3]), twin.dg), dbeta_partials=(tokens(got[4]), twin.dbeta),
+                   dh0=(got[5], twin.dh0))
+    return dict(case=name, rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
+                nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
+
+
+def repeat_case(case, segment_chunks: Optional[int] = None) -> dict:
+    """Two runs of the Hopper backward on the same inputs (walked in segments of ``segment_chunks``, or as
+    planned): every output bit for bit equal."""
+    from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
+    name, B, T, H, HV, K, V, BV, decay = case
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
+    runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks) for _ in range(2)]
+    return dict(case=name, segment_chunks=segment_chunks,
+                bitwise_equal={n: bool(torch.equal(a, b)) for n, a, b in zip(GRADS, *runs)})
+
+
+def time_row(row) -> dict:
+    """do_bench medians (ms) of the backward's parts and of the whole, Hopper and Triton, at one anchor row."""
+    import triton
+
+    from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
+    from linattn.ops.hopper import backward, chunk_bwd
+    index, B, T, H, HV = row
+    K = V = 128
+    scale = K ** -0.5
+    torch.manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
+    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
+    h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
+    gc, a_inv, h = backward.recompute(k, v, g, beta, h0)
+    gc_hm, beta_hm = backward.head_major_chunks(gc), backward.head_major_chunks(beta.float())
+    walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
+    dq_p, dk_p, _, dg_p, db_p, _ = walk()
+    ms = dict(
+        recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
+        walk=triton.testing.do_bench(walk),
+        reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
+            dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
+        hopper=triton.testing.do_bench(lambda: backward.chunk_gated_delta_rule_bwd_hopper(
+            q, k, v, g, beta, scale, h0, do, dht)),
+        triton=triton.testing.do_bench(lambda: chunk_gated_delta_rule_bwd_triton(
+            q, k, v, g, beta, scale, h0, None, None, do, dht)))
+    chunks = -(-T // 64)
+    return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
+                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks)
+
+
+def row_inputs(B, T, H, HV, K=128, V=128) -> dict:
+    """Timing inputs (bf16 unit-norm q, k; the anchors' gates; h0 and dht), seeded."""
+    torch.manual_seed(0)
+    unit = lambda: torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    q, k = unit(), unit()
+    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
+    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
+    h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
+    return dict(q=q, k=k, v=v, g=g, beta=beta, scale=K ** -0.5, initial_state=h0, do=do, dht=dht)
+
+
+def segment_parts_ms(x: dict, L: int) -> dict:
+    """do_bench medians (ms) of the segmented backward's parts at segments of L chunks, run as
+    ``backward.chunk_gated_delta_rule_bwd_hopper`` runs them (the same calls on the same views)."""
+    import triton
+
+    from linattn.ops.common import CHUNK
+    from linattn.ops.common.local_bwd_dv import local_bwd_dv
+    from linattn.ops.common.seq_parallel import segment_layout
+    from linattn.ops.common.seq_parallel_bwd import reverse_maps, segment_grads
+    from linattn.ops.common.wy import wy_fwd
+    from linattn.ops.hopper import backward, chunk_bwd, segments
+    q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    S = T // CHUNK // L
+    gc, a_inv = backward.solve(k, g, beta, HV)
+    prep = lambda: (wy_fwd(k, v, beta, gc, a_inv)[0], local_bwd_dv(q, k, gc, do, scale))
+    w, dv_local = prep()
+    layout = segment_layout([b * T for b in range(B + 1)], L, CHUNK, q.device)
+    flat = [t.view(1, B * T, *t.shape[2:]) for t in (q, k, w, gc, do, dv_local)]
+    dS_out = segment_grads(*flat, dht, scale, layout)
+    h = backward.states(k, v, gc, a_inv, beta, x["initial_state"])
+    seg = lambda t: segments.as_segments(t, S)
+    walk_args = (seg(q), seg(k), seg(v), seg(do), backward.head_major_chunks(seg(gc)),
+                 backward.head_major_chunks(seg(beta.float())), seg(a_inv.bfloat16()), seg(h), dS_out, scale, 64)
+    walk = lambda: chunk_bwd.chunk_bwd_hopper(*walk_args)
+    dq_p, dk_p, _, dg_p, db_p, _ = walk()
+
+    def sums():
+        parts = [p.view(p.shape[0], B, T, HV, K) for p in (dq_p, dk_p)]
+        parts += [segments.head_major_from_segments(p, B) for p in (dg_p, db_p)]
+        return backward.gradients_from_partials(*parts, g, beta.dtype, q.dtype, H)
+    return dict(solve=triton.testing.do_bench(lambda: backward.solve(k, g, beta, HV)),
+                states=triton.testing.do_bench(lambda: backward.states(k, v, gc, a_inv, beta, x["initial_state"])),
+                w_dv_local=triton.testing.do_bench(prep),
+                maps=triton.testing.do_bench(lambda: reverse_maps(*flat, scale, layout)),
+                maps_scan=triton.testing.do_bench(lambda: segment_grads(*flat, dht, scale, layout)),
+                walk=triton.testing.do_bench(walk), sums=triton.testing.do_bench(sums))
+
+
+def time_segments(row) -> dict:
+    """Part (c) at one anchor row: the segmented Hopper backward (the planner's L, else T/256) by parts, the whole
+    at that L, unsegmented, at forced S = 2, 4, 8, 16, and the Triton backward's; gradients' relative L2 segmented
+    vs unsegmented."""
+    import triton
+    from gpu_check_core import rel
+
+    from linattn.ops.common import num_sms
+    from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
+    from linattn.ops.hopper import backward, segments
+    index, B, T, H, HV = row
+    x = row_inputs(B, T, H, HV)
+    NT = T // 64
+    planned = segments.plan_walk_segments(B, T, HV, 128, 128, 64, num_sms(x["q"].device))
+    L = planned or NT // 4
+    hopper = lambda chunks: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=chunks)
+    split, whole = hopper(L), hopper(NT)
+    ms = segment_parts_ms(x, L)
+    ms.update(segmented=triton.testing.do_bench(lambda: hopper(L)),
+              unsegmented=triton.testing.do_bench(lambda: hopper(NT)),
+              triton=triton.testing.do_bench(lambda: chunk_gated_delta_rule_bwd_triton(
+                  x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], None, None, x["do"],
+                  x["dht"])))
+    by_segments = {S: triton.testing.do_bench(lambda S=S: hopper(NT // S)) for S in (2, 4, 8, 16) if NT % S == 0}
+    model_ms = {S: segments.walk_cost_us(B, NT, HV, 128, 128, 64, NT // S, num_sms(x["q"].device)) / 1000
+                for S in (1, 2, 4, 8, 16) if NT % S == 0}
+    return dict(row=index, B=B, T=T, H=H, HV=HV, planned_L=planned, L=L, segments=NT // L,
+                walk_programs=B * (NT // L) * HV * 2, ms=ms, whole_ms_by_segments=by_segments,
+                model_walk_ms_by_segments=model_ms,
+                segmented_vs_unsegmented={n: rel(a, b) for n, a, b in zip(GRADS, split, whole)})
+
+
+def print_segment_table(results: dict) -> None:
+    print(f"\ndevice: {results.get('device')}")
+    print("segmented Hopper backward (ms, do_bench medians; maps+scan includes the maps):")
+    print(f"{'row':<5}{'B,T,H,HV':<18}{'L':>5}{'S':>4}{'solve':>8}{'states':>8}{'W+dvl':>8}{'maps':>8}"
+          f"{'+scan':>8}{'walk':>8}{'sums':>8}{'seg':>9}{'unseg':>9}{'triton':>9}  max rel L2 seg/unseg")
+    for r in results["segments"]:
+        if "error" in r:
+            print(f"{r['row']:<5}ERROR {r['error'][:200]}")
+            continue
+        ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+        print(f"{r['row']:<5}{shape:<18}{r['L']:>5}{r['segments']:>4}" + "".join(
+            f"{ms[n]:8.3f}" for n in ("solve", "states", "w_dv_local", "maps", "maps_scan", "walk", "sums"))
+            + "".join(f"{ms[n]:9.3f}" for n in ("segmented", "unsegmented", "triton"))
+            + f"  {max(r['segmented_vs_unsegmented'].values()):.1e}")
+    print("whole Hopper backward by forced segment count S (ms), beside the planner's modelled walk (ms, S = 1: "
+          "unsegmented):")
+    for r in results["segments"]:
+        if "error" not in r:
+            print(f"{r['row']:<5}measured {r['whole_ms_by_segments']}  model walk {r['model_walk_ms_by_segments']}")
+
+
+def print_tables(results: dict) -> None:
+    print(f"\ndevice: {results.get('device')}")
+    print("\nthe walk against its twin on the same gc, T, h (rel L2 of each raw output; ≈ 1e-3 is rounding):")
+    for r in results["twin"]:
+        print(f"{r['case']:<28}{r.get('rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}")
+    print(f"\n{'case':<28}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64; hopper/triton; hopper/base)")
+    for r in results["accuracy"]:
+        if "error" in r:
+            print(f"{r['case']:<28}ERROR {r['error'][:200]}")
+            continue
+        print(f"{r['case']:<28}" + "".join(f"{r['hopper'][n]:9.1e}" for n in GRADS) + "   hopper")
+        print(f"{'':<28}" + "".join(f"{r['triton'][n]:9.1e}" for n in GRADS) + "   triton")
+        print(f"{'':<28}" + "".join(f"{r['base'][n]:9.1e}" for n in GRADS) + "   rounded baseline")
+        print(f"{'':<28}" + "".join(f"{r['vs_triton'][n]:9.2f}" for n in GRADS) + "   hopper / triton")
+        print(f"{'':<28}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
+              + f"   hopper / base (goal ≤ 2; worst {max(r['vs_base'].values()):.2f})")
+        if r.get("vs_unsegmented"):
+            print(f"{'':<28}" + "".join(f"{r['vs_unsegmented'][n]:9.1e}" for n in GRADS)
+                  + f"   segments of {r['segment_chunks']} chunks vs unsegmented (rel L2)")
+    for r in results["repeat"]:
+        print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}{'hopper':>9}"
+          f"{'triton':>9}   (ms, do_bench medians)")
+    for r in results["timing"]:
+        if "error" in r:
+            print(f"{r['row']:<5}ERROR {r['error'][:200]}")
+            continue
+        ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
+              f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="CPU: build every kernel for sm_90a (no GPU run)")
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--timing-only", action="store_true", help="only part (b), e.g. after (a) ran in another process")
+    ap.add_argument("--rows", default=None, help="anchor rows to time, e.g. 2,3 (default: all of the part's)")
+    ap.add_argument("--segments", action="store_true", help="only part (c), the segmented backward's rows")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        return dict(smoke=smoke())
+    name = "hopper_bwd_segments" if args.segments else "hopper_bwd_timing" if args.timing_only else "hopper_bwd"
+    out = Path(args.out) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = dict(device=torch.cuda.get_device_name(), twin=[], accuracy=[], repeat=[], timing=[], segments=[])
+
+    def step(key, fn, item, label):
+        try:
+            results[key].append(fn(item))
+        except Exception as e:      # keep the other parts: one failure is a row of the table
+            traceback.print_exc()
+            results[key].append({label: item[0], "error": f"{type(e).__name__}: {e}"})
+        out.write_text(json.dumps(results, indent=1))
+        print(json.dumps(results[key][-1]), flush=True)
+
+    if args.segments:
+        rows = {int(r) for r in (args.rows or ",".join(str(r[0]) for r in SEGMENT_ROWS)).split(",")}
+        for row in SEGMENT_ROWS:
+            if row[0] in rows:
+                step("segments", time_segments, row, "row")
+        print_segment_table(results)
+        return results
+    if not args.timing_only:
+        for case in CASES:
+            step("twin", twin_case, case, "case")
+        for case in CASES:
+            step("accuracy", check_case, case, "case")
+        for case, chunks in SEGMENTED_CASES:
+            step("accuracy", lambda c, L=chunks: check_case(c, L), case, "case")
+        step("repeat", repeat_case, CASES[0], "case")
+        step("repeat", lambda c: repeat_case(c, SEGMENTED_CASES[0][1]), SEGMENTED_CASES[0][0], "case")
+    if not args.skip_timing:
+        rows = {int(r) for r in (args.rows or ",".join(str(r[0]) for r in ROWS)).split(",")}
+        for row in ROWS:
+            if row[0] in rows:
+                step("timing", time_row, row, "row")
+    print_tables(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The Hopper backward of the chunked gated delta rule (issue 45), equal-length sequences: the host chain around
+the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). The op's backward runs it where
+``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS pairs or HOPPER_BWD_LONG).
+
+    recompute   gc = chunk-local cumsum of g, T = (I + A)⁻¹ (``kkt_solve``: β inside A, none on the right: the
+                walk needs T without diag(β)), h = bf16 state entering each chunk (the Triton state pass from T,
+                ``[B, NT, HV, K, V]``, the walk's layout); gc, β head-major, T in bf16
+    segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
+                Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment
+    walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice): dv, dh0,
+                and partials of dq, dk (per slice and value head), dg, dβ (per slice); segments are views of the
+                sequences, walked from their dS_out
+    reductions  the partials added over the slices, then over the value heads of each qk head, in a fixed order
+                (``common/partial_sum.py`` for dq, dk: one pass to the output dtype; torch's sum for dg, dβ): no
+                atomics, the same bits every run
+
+Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
+forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..common.cumsum import chunk_local_cumsum
+from ..common.kkt_solve import kkt_solve
+from ..common.partial_sum import partial_sum
+from ..common.state_pass import state_pass_fwd
+from ..utils import MIN_LOG_DECAY, cdiv
+from . import segments
+from .chunk_fwd import BT
+
+SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
+
+
+def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
+    """ValueError / TypeError for inputs :func:`chunk_gated_delta_rule_bwd_hopper` cannot take (shapes and dtypes
+    first, the device last)."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, HV, V], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if HV % H:
+        raise ValueError(f"HV = {HV} must be a multiple of H = {H}")
+    if K not in SIZES or V not in SIZES:
+        raise ValueError(f"the Hopper backward takes K and V in {SIZES}, got K={K}, V={V}")
+    if any(x.dtype != torch.bfloat16 for x in (q, k, v, do)):
+        raise TypeError(f"the Hopper backward takes bf16 q, k, v and do, got {q.dtype}, {k.dtype}, {v.dtype}, "
+                        f"{do.dtype}")
+    if do.shape != v.shape:
+        raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
+    if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
+        raise ValueError(f"g and beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if g.dtype != torch.float32:
+        raise TypeError(f"g must be float32 (log decays), got {g.dtype}")
+    for name, x in (("initial_state", initial_state), ("dht", dht)):
+        if x is not None and x.shape != (B, HV, K, V):
+            raise ValueError(f"{name} must be [B, HV, K, V] = {(B, HV, K, V)} (no varlen), got {tuple(x.shape)}")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError(f"the Hopper backward runs on an sm_90 GPU, got a tensor on {q.device}")
+
+
+def recompute(k, v, g, beta, initial_state):
+    """The forward's stages the walk reads: gc ``[B, T, HV]`` fp32, T ``[B, T, HV, 64]`` bf16 (without β on the
+    right) and h ``[B, NT, HV, K, V]`` bf16 (the Triton state pass from T: no W, U written)."""
+    gc, a_inv = solve(k, g, beta, v.shape[2])
+    return gc, a_inv.to(torch.bfloat16), states(k, v, gc, a_inv, beta, initial_state)
+
+
+def solve(k, g, beta, HV: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gc ``[B, T, HV]`` and T = A_inv ``[B, T, HV, 64]``, both fp32 (``kkt_solve``'s, which the segments' W
+    reads before the walk's bf16 copy is made)."""
+    gc = chunk_local_cumsum(g, None, None)
+    return gc, kkt_solve(k, beta, gc, HV, None, None)
+
+
+def states(k, v, gc, a_inv, beta, initial_state) -> torch.Tensor:
+    """h ``[B, NT, HV, K, V]`` bf16: the states entering every chunk (the Triton state pass from the fp32 T)."""
+    return state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)[0]
+
+
+def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, HV]`` → ``[B, HV, NT·64]`` zero-padded, in x's dtype (the walk's gc and β, fp32: one TMA copy per
+    chunk)."""
+    T = x.shape[1]
+    return torch.nn.functional.pad(x.transpose(1, 2), (0, cdiv(T, BT) * BT - T)).contiguous()
+
+
+def sum_partials(dq, dk, dg, dbeta, H: int, T: int, qk_dtype: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, ...]:
+    """The walk's partials added: dq, dk ``[NV, B, T, HV, K]`` over the slices, then the G value heads of each qk
+    head → ``[B, T, H, K]`` in ``qk_dtype`` (``common/partial_sum.py``: one pass, fixed order); dg, dβ
+    ``[NV, B, HV, Lp]`` over the slices → ``[B, T, HV]`` fp32."""
+    tokens = lambda x: x.sum(0)[..., :T].transpose(1, 2)
+    return partial_sum(dq, H, qk_dtype), partial_sum(dk, H, qk_dtype), tokens(dg), tokens(dbeta)
+
+
+def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
+                                      do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
+                                      segment_chunks: Optional[int] = None):
+    """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16; v: ``[B, T, HV, V]`` bf16 (K, V in :data:`SIZES`); g: ``[B, T, HV]`` fp32 log
+            decays; beta: ``[B, T, HV]`` (as given to the forward). scale: the query scale.
+        initial_state: ``[B, HV, K, V]`` or None. do: ``[B, T, HV, V]`` bf16, the output's gradient.
+        dht: ``[B, HV, K, V]``, the final state's gradient, or None (zeros).
+        BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
+        segment_chunks: walk in segments of this many chunks (``segments.py``; an int dividing T/64, T a multiple
+            of 64; ≥ T/64 walks unsegmented): tests and benchmarks. None: ``segments.plan_walk_segments``.
+    Returns:
+        dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
+        and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
+        ``triton_bwd.chunk_gated_delta_rule_bwd_triton``.
+    """
+    from . import chunk_bwd
+    check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    BV = BV or min(V, chunk_bwd.BV_DEFAULT)
+    L = segments.segment_length(segment_chunks, B, T, HV, K, V, BV, q.device)
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    gc, a_inv = solve(k, g, beta, HV)
+    # the segments' W and dv_local are made and dropped before h exists (the walk's inputs are the peak)
+    dS_out = segments.segment_state_grads(q, k, v, beta, gc, a_inv, do, dht, scale, L) if L else dht
+    h = states(k, v, gc, a_inv, beta, initial_state)
+    a_inv = a_inv.to(torch.bfloat16)
+    S = cdiv(T, BT) // L if L else 1
+    seg = lambda x: segments.as_segments(x, S)
+    dq_p, dk_p, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
+        seg(q), seg(k), seg(v), seg(do), head_major_chunks(seg(gc)), head_major_chunks(seg(beta.float())),
+        seg(a_inv), seg(h), dS_out, scale, BV)
+    del h
+    dq_p, dk_p = (p.view(p.shape[0], B, T, HV, K) for p in (dq_p, dk_p))
+    dg_p, dbeta_p = (segments.head_major_from_segments(p, B) for p in (dg_p, dbeta_p))
+    dq, dk, dg, dbeta = gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
+    dh0 = dh0.view(B, S, HV, K, V)[:, 0].contiguous()     # each sequence's first segment's
+    return dq, dk, dv.view(B, T, HV, V), dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
+
+
+def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
+                            qk_dtype: torch.dtype, H: int) -> tuple[torch.Tensor, ...]:
+    """The reductions after the walk: :func:`sum_partials`, dg zero where the gate is below the floor
+    (``common/cumsum.py``: such gates do not move the output), and the gradients in their inputs' dtypes (dq, dk
+    ``qk_dtype``, dg g's, dβ ``beta_dtype``)."""
+    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, g.shape[1], qk_dtype)
+    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)
+    return dq, dk, dg.to(g.dtype), dbeta.to(beta_dtype)
