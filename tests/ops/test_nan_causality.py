@@ -3,13 +3,13 @@ the outputs the float64 reference (a token loop) makes non-finite: o at that tok
 sequence (only at that token for q), the value heads that read it, and their final states; never an earlier token
 of its chunk (NaN · 0 in a masked chunk product), another head, or another sequence.
 
-Every chunked forward on the CPU: the torch backend, the Triton split forward (W and U from the pre-pass; A_inv
-formed in the state pass; segments stitched through affine maps), the Triton walk (plain and segmented), the
-unfused stages the backward recomputes (fp32 under the interpreter) and gated linear attention. The pattern is
-compared per (token, value head) row: a row is non-finite when any of its entries is (a NaN in one entry of v
-poisons only that column in the reference, whole V tiles in the kernels). Rows the reference leaves finite must
-also match its values. The backward must not crash. bf16 and the Hopper forward are checked on the GPU
-(benchmarks/gpu_check_edges.py).
+Every chunked forward, on the GPU where there is one (else the CPU, Triton under the interpreter): the torch
+backend, the Triton split forward (W and U from the pre-pass; A_inv formed in the state pass; segments stitched
+through affine maps), the Triton walk (plain and segmented), the unfused stages the backward recomputes (fp32) and
+gated linear attention. The pattern is compared per (token, value head) row: a row is non-finite when any of its
+entries is (a NaN in one entry of v poisons only that column in the reference, whole V tiles in the kernels). Rows
+the reference leaves finite must also match its values (the float64 reference runs on the CPU). The backward must
+not crash. bf16 and the Hopper forward are checked on the GPU (benchmarks/gpu_check_edges.py).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ PLANTS = {
     "g-inf": ("g", (1, T0, 1), float("inf")),
     "beta-nan": ("beta", (1, T0, 1), float("nan")),
 }
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # the Triton paths: the interpreter on the CPU
 TOL = 1e-5   # relative RMS against float64 on the rows the reference leaves finite (fp32, as test_edge_gates.py)
 
 
@@ -54,15 +55,21 @@ def make(plant, seqlens=None, seed=0):
     name, index, value = plant
     x[name][index] = value
     h0 = torch.randn(len(seqlens) if seqlens else b, HV, K, V, generator=gen)
-    return x, h0
+    return {n: t.to(DEVICE) for n, t in x.items()}, h0.to(DEVICE)
+
+
+def on_cpu(x, h0):
+    """The float64 references run on the CPU (a token loop: no gain from the device)."""
+    return {n: t.cpu() for n, t in x.items()}, h0.cpu()
 
 
 def reference(x, h0, offsets=None):
-    o, ht = gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, h0, offsets)
-    return o, ht
+    x, h0 = on_cpu(x, h0)
+    return gated_delta_rule_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, h0, offsets)
 
 
 def assert_same_pattern(o, ht, ro, rht):
+    o, ht = o.cpu(), ht.cpu()
     bad, rbad = ~torch.isfinite(o).all(-1), ~torch.isfinite(ro).all(-1)
     assert rbad.any(), "the plant must reach some output"
     leaked = bad & ~rbad
@@ -100,7 +107,7 @@ def test_varlen_plant_stays_in_its_sequence(path):
     plant = ("v", (0, T0, 1, 2), float("nan"))
     x, h0 = make(plant, seqlens)
     offsets = [0, seqlens[0], sum(seqlens)]
-    cu = torch.tensor(offsets, dtype=torch.int32)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
     o, ht = run_op(x, h0, "torch" if path == "torch" else "triton", "auto" if path == "torch" else path, cu)
     assert_same_pattern(o, ht, *reference(x, h0, offsets))
 
@@ -155,6 +162,7 @@ def test_backward_runs(path, plant):
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_gated_linear_attention_confines_the_plant(plant):
     x, h0 = make(PLANTS[plant])
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    o, ht = gated_linear_attention(*args, initial_state=h0, output_final_state=True)
-    assert_same_pattern(o, ht, *gated_linear_attention_reference(*args, K ** -0.5, h0))
+    names = ("q", "k", "v", "g", "beta")
+    o, ht = gated_linear_attention(*(x[n] for n in names), initial_state=h0, output_final_state=True)
+    cx, ch0 = on_cpu(x, h0)
+    assert_same_pattern(o, ht, *gated_linear_attention_reference(*(cx[n] for n in names), K ** -0.5, ch0))
