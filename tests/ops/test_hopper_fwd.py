@@ -333,6 +333,14 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
                                                  "*(float2*)(Of + ", "wait_wgmma<0>()", "bfloat16_t*)Vns)")]
     assert order == sorted(order) and "warpgroup_wait" not in src[issue:order[-2]]
     assert src.index("*(uint1*)(Vr + ") < src.index("wait_wgmma<2>()")
+    # a non-finite v: per element one add (Σ |v|) and nothing else; the atomic only on the branch taken where that
+    # sum is not finite, a barrier between it and the read of the first bad row (the barrier before A_inv X); no
+    # barrier of its own (the atomic is a call the planner does not see): 13 in the loop, as without it
+    sum_at, atom = src.index("Vsum[0] = (Vsum[0] + fabsf("), src.index("linattn_atomic_min((")
+    assert sum_at < src.index("if (!isfinite(Vsum[0]))") < atom < src.index("int bad = ")
+    assert "__sync_thread_partial" in src[atom:src.index("int bad = ")] and src.count("linattn_atomic_min((") == 1
+    loop = src[src.index("for (int c_1 = 0;"):]
+    assert loop.count("__sync_thread_partial") == 13, loop.count("__sync_thread_partial")
     # phase A: the state's three dots (K S, A_inv X, the update), no query loads, no output; the maps' skip (skip_m,
     # the kernel's ctl: 1 the M tiles, 2 every tile): producer and consumers both take their loop count from it; the
     # output walk never reads it

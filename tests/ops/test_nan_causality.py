@@ -24,6 +24,9 @@ from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.gated_linear.chunk import gated_linear_attention
 from linattn.ops.gated_linear.reference import gated_linear_attention_reference
+from linattn.ops.hopper import forward as hopper_forward
+
+from .hopper_twins import hand_plan, use_twins
 
 B, H, HV, K, V = 2, 1, 2, 16, 16
 T = 150                      # three chunks: the plant sits in the second, after its first tokens
@@ -44,10 +47,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # the Triton paths: 
 TOL = 1e-5   # relative RMS against float64 on the rows the reference leaves finite (fp32, as test_edge_gates.py)
 
 
-def make(plant, seqlens=None, seed=0):
+def make(plant, seqlens=None, seed=0, t=T):
     gen = torch.Generator().manual_seed(seed)
     b = 1 if seqlens else B
-    t = sum(seqlens) if seqlens else T
+    t = sum(seqlens) if seqlens else t
     x = dict(q=torch.randn(b, t, H, K, generator=gen), k=F.normalize(torch.randn(b, t, H, K, generator=gen), dim=-1),
              v=torch.randn(b, t, HV, V, generator=gen),
              g=F.logsigmoid(torch.randn(b, t, HV, generator=gen) + 2.0) / 8,    # weak decay: the state matters
@@ -166,3 +169,24 @@ def test_gated_linear_attention_confines_the_plant(plant):
     o, ht = gated_linear_attention(*(x[n] for n in names), initial_state=h0, output_final_state=True)
     cx, ch0 = on_cpu(x, h0)
     assert_same_pattern(o, ht, *gated_linear_attention_reference(*(cx[n] for n in names), K ** -0.5, ch0))
+
+
+# the Hopper forward around its kernels' twins (the kernels' selects, chunk_fwd.py's module docstring): unsegmented,
+# the five-launch segmented forward (maps, scan, warm walk) and the planned warm walk, 4 segments of one chunk
+HOPPER_PLANS = {"one": (hand_plan(1), T), "segmented": (hand_plan(4), 256),
+                "planned": (hand_plan(4, planned_walk=True), 256)}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+@pytest.mark.parametrize("plan", [pytest.param(p, marks=pytest.mark.interpreter) if p != "one" else p
+                                  for p in HOPPER_PLANS])
+def test_hopper_twin_confines_the_plant(plan, plant, monkeypatch):
+    """The twins take non-finite inputs as the kernels do (a non-finite v: X 0 there, o NaN from its row on, the
+    state dead through ln a), so the pattern is the reference's: in one walk, through phase A's maps and the scan
+    (a NaN map makes every later entering state NaN), and through the warm walks (the gates are weak: no map is
+    negligible, so every warm-up reaches back to the sequence's start)."""
+    hand, t = HOPPER_PLANS[plan]
+    use_twins(monkeypatch)
+    x, h0 = make(PLANTS[plant], t=t)
+    o, ht = hopper_forward.forward_hopper(hand, x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, h0)
+    assert_same_pattern(o, ht, *reference(x, h0))

@@ -37,8 +37,12 @@ Causality under NaN and Inf (``common/finite.py``): the pre-pass sets gc to NaN 
 β or key is non-finite, and A_inv diag(β)'s rows from there to NaN. Here a row whose Γ is not finite has X = 0 (A_inv
 X would multiply it by the zeros of every earlier row), and one whose ρ is not finite V_d = 0 (the same for P V_d);
 those rows' o is NaN through Γ, and the state through ln a += ln γ (the chunk's last gc is NaN). A chunk with such a
-row never renormalises (the comparison with NaN is false). A non-finite v is not found (a row reduction across the
-warps per chunk): it still reaches the earlier rows of its chunk.
+row never renormalises (the comparison with NaN is false). A non-finite v is found in the walk: each thread sums
+the magnitudes of its elements of V's tile (one add per element; the sum is not finite iff one of them is, or it
+overflows), and only where that sum is not finite does it zero X there and send the rows to a shared atomic min,
+read after the barrier before A_inv X. From that row on o is NaN (through Γ) and the state dead: ln a NaN (then
+every later chunk's Γ and ρ are NaN, and the final state e^{ln a} S' too), or S' NaN where the chunk renormalises.
+The walk's V tiles are separate programs: the rows are poisoned in the tiles that hold the non-finite v.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import math
@@ -66,6 +70,11 @@ ACC = "float32"
 # |S'| ≤ e^40 |S| ≈ 2.4e17 |S|, far inside fp32's and bf16's range (3.4e38) for any state the op's inputs can build,
 # and ρ's factor 1 / (a γ) ≤ e^40
 DEFERRED_DECAY_LIMIT = 40.0
+# the walk's shared atomic min (x_and_v_new), a plain CUDA call
+ATOMIC_MIN_SOURCE = """
+__device__ __forceinline__ int linattn_atomic_min(void* slot, int value) { return atomicMin((int*)slot, value); }
+"""
+NAN = float("nan")  # the rows a non-finite input feeds (T.float32(NAN): TileLang takes the constant from here)
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
@@ -132,6 +141,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
                       o: T.Tensor((B, Tn, HV, V), dtype),
                       ht: T.Tensor((B if warm and lean else NB, HV, K, W), ACC)):
         with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
+            T.import_source(ATOMIC_MIN_SOURCE)
             if warm_planned:
                 # the warpgroups' register split asked for explicitly (TileLang's own, 24 / 240 at one program per
                 # SM, is left out when the producer stores to a local, as warm_planned's does; the consumers then
@@ -177,6 +187,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
                     S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
             else:
                 walk.load_initial_state(S, h0, ctl, ib, ibn, ihv, iv, c0)
+            tiles.vbad[0] = BT
             v0 = iv * BV                              # V's first column for this tile
             if affine:
                 # N's tiles read V shifted by K; M's read V's first tile and zero it (v_on)
@@ -224,12 +235,17 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         Gsc = T.alloc_fragment((BT,), ACC)      # gc_i + ln(scale), P's rows' exponents
         # ln a, the state's scale (S = a S') at the chunk's start, the same in every thread
         la = T.alloc_var(ACC, init=0.0)
+        Vsum = T.alloc_local((1,), ACC)         # Σ |v| over the thread's elements of V's tile
         Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
         Xs = T.alloc_shared((BT, BV), dtype)       # X, A_inv X's right operand
         Ps = T.alloc_shared((BT, BT), dtype)
         Vns = T.alloc_shared((BT, BV), dtype)
         Vds = T.alloc_shared((BT, BV), dtype)
         Os = T.alloc_shared((BT, BV), dtype)       # o's tile for its TMA store
+        # the first row whose v (this tile's) is not finite, as i − cr·BT (row i of chunk cr): a shared atomic min
+        # of the rows that have one (x_and_v_new), never reset: a later chunk's keys are smaller, and an earlier
+        # chunk's key (or the initial BT) reads as a row ≥ BT (none) in a later chunk
+        vbad = T.alloc_shared((1,), "int32")
         S = T.alloc_fragment((K, BV), ACC)
         KS = T.alloc_fragment((BT, BV), ACC)
         QK = T.alloc_fragment((BT, BT), ACC)
@@ -241,7 +257,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         # tile is, TMA writes it permuted and the reads spread over the banks
         T.annotate_layout({Vs: tilelang.layout.make_swizzled_layout(Vs)})
         return StepTiles(Qs=Qs, Ks=Ks, Vs=Vs, As=As, gcs=gcs, Gam=Gam, Rho=Rho, Gsc=Gsc, Ss=Ss, Xs=Xs, Ps=Ps,
-                         Vns=Vns, Vds=Vds, Os=Os, S=S, KS=KS, QK=QK, Vn=Vn, Of=Of, Vr=Vr, la=la)
+                         Vns=Vns, Vds=Vds, Os=Os, vbad=vbad, S=S, KS=KS, QK=QK, Vn=Vn, Of=Of, Vr=Vr, la=la, Vsum=Vsum)
 
     @T.macro
     def load_initial_state(S, h0, ctl, ib, ibn, ihv, iv, c0):
@@ -348,18 +364,33 @@ def chunk_step_macro(kernel):
                 t.Gsc[i] = t.gcs[i] + log_scale
 
     @T.macro
-    def x_and_v_new(t, outputs):
+    def x_and_v_new(t, cr, outputs):
         """X = V − Γ ⊙ K S in K S's registers (V's tile read into registers while K S runs), to shared memory by
         stmatrix, then V_new = A_inv X issued; with o's steps to come it is left running while P and o's factors
         are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups complete in order). A_inv's slot is
         handed back at this issue, safe for the reason Q's is (the producer refills nothing of chunk c + 2 before
-        K's slot, released last)."""
+        K's slot, released last).
+
+        A non-finite v (the module docstring): where a thread's Σ |v| is not finite (rare: a branch around the
+        rest), X's element is 0 there and its row goes to ``vbad`` (an atomic min), read after the barrier before
+        A_inv X: Γ's rows from the first such row on NaN (o's), and la NaN (the state's). The atomic is a call the
+        barrier planner does not see (T.atomic_min adds two barriers per chunk: it takes the atomic for a write
+        that may alias every shared tile): the barrier TileLang puts before X's stmatrix orders it before the
+        read, and the key needs no reset (``vbad``)."""
+        la = t.la.buffer
         T.copy(t.Vs, t.Vr)
         T.wait_wgmma(2 if store_output and outputs else 0)     # K S done (X needs only it)
+        t.Vsum[0] = 0.0
         for i, j in T.Parallel(BT, BV):
             vij = t.Vr[i, j] * t.v_on if affine else t.Vr[i, j]
             # 0 on a row whose Γ is not finite: the rows a non-finite gc, β or key feeds (the module docstring)
             t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), vij - t.Gam[i] * t.KS[i, j], 0.0)
+            t.Vsum[0] = t.Vsum[0] + T.abs(T.cast(t.Vr[i, j], ACC))   # (|v| · 0 would be folded to 0)
+        if not T.isfinite(t.Vsum[0]):
+            for i, j in T.Parallel(BT, BV):
+                if not T.isfinite(T.cast(t.Vr[i, j], ACC)):
+                    t.KS[i, j] = 0.0
+                    T.call_extern("int32", "linattn_atomic_min", t.vbad.data, i - cr * BT)
         T.copy(t.KS, t.Xs)
         if store_output:
             T.wgmma_gemm(t.As, t.Xs, t.Vn, clear_accum=True)
@@ -367,6 +398,12 @@ def chunk_step_macro(kernel):
         else:
             T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
             T.wait_wgmma(0)
+        # after the barrier before A_inv X: every atomic of the chunk is in. Γ is read by o's scale alone from here
+        # and la by the state's update alone (a chunk that renormalises multiplies S' by e^la: NaN too)
+        bad = t.vbad[0] + cr * BT
+        for i in T.Parallel(BT):
+            t.Gam[i] = T.if_then_else(i < bad, t.Gam[i], T.float32(NAN))
+        la = T.if_then_else(bad < BT, T.float32(NAN), la)
 
     @T.macro
     def p_and_v_d(t, renorm, outputs):
@@ -399,7 +436,7 @@ def chunk_step_macro(kernel):
         # whether this chunk renormalises S' (la + ln γ below the limit)
         renorm = la + g_last < -DEFERRED_DECAY_LIMIT
         row_factors(t, g_last, renorm, outputs)
-        x_and_v_new(t, outputs)
+        x_and_v_new(t, cr, outputs)
         p_and_v_d(t, renorm, outputs)
         # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
         write_o = not warm or cr >= t.chunks - t.Lc

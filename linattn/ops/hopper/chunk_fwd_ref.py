@@ -144,7 +144,9 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
     multiplied only where la + ln γ falls below −``decay_limit`` (the kernel's deferred decay; without rounding the
     same algebra). ``fold_p_decay`` (with both): in the chunks that do
     not renormalise, o = Γ a scale ⊙ (Q S + P V_d) with P the masked Q Kᵀ alone, rounded, and V_d = ρ / (a γ) ⊙
-    V_new, rounded, the update's operand."""
+    V_new, rounded, the update's operand. Non-finite inputs as the kernel takes them (its module docstring): X 0
+    where Γ or v is not finite, V_d 0 where ρ is; a non-finite v makes o NaN from its row on and the state NaN
+    (la, or S without ``deferred_decay``). The kernel does so per V tile, the twin per row (every column)."""
     from ..gated_delta import torch_chunk as tc
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -160,7 +162,11 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
         g_last = Gc[..., -1]
         Sb = rnd(S)
         gam = (Gc + la[..., None]).exp()
-        X = bt[..., None] * (Vc - gam[..., None] * (Kc @ Sb))
+        # the kernel's selects (its module docstring): X = 0 where Γ or v is not finite; o's rows from the chunk's
+        # first non-finite v on NaN, and the state dead from there (la NaN)
+        v_ok = torch.isfinite(Vc)
+        v_dead = (~v_ok).any(-1).cummax(-1).values                  # [B, HV, BT]: rows from the first on
+        X = torch.where(torch.isfinite(gam)[..., None] & v_ok, bt[..., None] * (Vc - gam[..., None] * (Kc @ Sb)), 0.0)
         Vn = a_inv[:, :, c] @ rnd_x(X)
         if scale_in_p:
             P = rnd(scale * tc.qk_decay_ref(Qc, Kc, Gc))
@@ -172,16 +178,17 @@ def _walk_ref(q, k, v, gc, beta, a_inv, scale, initial_state, work, rnd, rnd_x, 
             # S over a γ where that stays within the limit (ρ then carries 1 / (a γ)); else S renormalised
             renorm = la + g_last < -decay_limit
             rho = (torch.where(renorm, g_last, -la)[..., None] - Gc).exp()
+            la = torch.where(v_dead[..., -1], float("nan"), la)
             S = torch.where(renorm[..., None, None], (la + g_last).exp()[..., None, None] * S, S)
             la = torch.where(renorm, torch.zeros_like(la), la + g_last)
         else:
             rho = (g_last[..., None] - Gc).exp()
-            S = g_last.exp()[..., None, None] * S
-        Vd = rnd(rho[..., None] * Vn)
+            S = torch.where(v_dead[..., -1, None, None], float("nan"), g_last.exp()[..., None, None] * S)
+        Vd = torch.where(torch.isfinite(rho)[..., None], rnd(rho[..., None] * Vn), 0.0)
         if fold_p_decay:
             masked = rnd((Qc @ Kc.transpose(-1, -2)).tril())
             folded = (scale * gam)[..., None] * (Qc @ Sb + masked @ Vd)
             out = torch.where(renorm[..., None, None], out, folded)
-        outs.append(out)
+        outs.append(torch.where(v_dead[..., None], float("nan"), out))
         S = S + Kc.transpose(-1, -2) @ Vd
     return tc.from_chunks(torch.stack(outs, 2), T).to(v.dtype), la.exp()[..., None, None] * S

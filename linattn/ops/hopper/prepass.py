@@ -372,19 +372,28 @@ def prepass_hopper_ref(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seg
     HV = g.shape[2]
     work = torch.float64 if a_inv_dtype == torch.float64 else torch.float32   # float64: a reference A_inv
     kc = tc.to_chunks(k.to(work).repeat_interleave(HV // H, 2), BT)
-    g = g.clamp_min(LOG_DECAY_FLOOR)                                              # as the kernel reads it
+    g = torch.where(g < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, g)                      # as the kernel reads it (NaN stays)
     gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g.to(work), BT))
     bc = tc.to_chunks(beta.to(work), BT)
-    a_inv = tc.kkt_solve_ref(kc, bc, gcc)                                         # [B, HV, NT, BT, BT]
+    # the kernel's rows from each chunk's first non-finite gc, β or β ‖k‖² on (the module docstring): the solve
+    # on finite values (those rows of A 0), then gc and A_inv's rows NaN there and A_inv diag(β)'s columns 0
+    dead = (~torch.isfinite(gcc) | ~torch.isfinite(bc) | ~torch.isfinite(bc * kc.square().sum(-1))).cummax(-1).values
+    a_inv = tc.kkt_solve_ref(torch.where(dead[..., None], 0.0, kc), torch.where(dead, 0.0, bc),
+                             torch.where(dead, 0.0, gcc))                          # [B, HV, NT, BT, BT]
     if beta_in_a_inv:
-        a_inv = a_inv * bc[..., None, :]                                          # A_inv diag(β)
+        a_inv = a_inv * torch.where(dead, 0.0, bc)[..., None, :]                  # A_inv diag(β)
+    a_inv = torch.where(dead[..., None], float("nan"), a_inv)
+    gcc = torch.where(dead, float("nan"), gcc)
     a_inv = tc.from_chunks(a_inv, T).to(a_inv_dtype)                            # [B, T, HV, BT]
     gc = tc.from_chunks(gcc, T)                                                  # [B, T, HV]
 
     def per_segment(x: torch.Tensor) -> torch.Tensor:
         return head_major(x.reshape(B * segments, T // segments, HV))
 
-    return per_segment(gc), per_segment(beta), a_inv, chunk_bounds_ref(k, g, beta, segments).float()
+    # a chunk with such a row: its map bound +inf (never negligible), as the kernel's
+    unbounded = dead.any(-1).view(B, HV, segments, -1).transpose(1, 2).reshape(B * segments, HV, -1)
+    bound = torch.where(unbounded, float("inf"), chunk_bounds_ref(k, g, beta, segments).float())
+    return per_segment(gc), per_segment(beta), a_inv, bound
 
 
 def blocked_inverse_ref(a: torch.Tensor) -> torch.Tensor:
