@@ -190,3 +190,22 @@ def test_hopper_twin_confines_the_plant(plan, plant, monkeypatch):
     x, h0 = make(PLANTS[plant], t=t)
     o, ht = hopper_forward.forward_hopper(hand, x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, h0)
     assert_same_pattern(o, ht, *reference(x, h0))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("plan", ["segmented", "planned"])
+def test_hopper_twin_warm_ups_carry_a_nonfinite_v_and_never_leak_it(plan, monkeypatch):
+    """Heads that forget fast: the segmented forwards start segments from warm-ups instead of maps. Nothing before
+    the plant (v, token 70, segment 1) turns NaN; the next segment's warm-up covers the plant and carries the dead
+    state into it (NaN throughout). The pre-pass does not read v, so a warm-up that starts past the plant (segment
+    3's) starts clean: its rows and the final state stay finite where the reference's are NaN (the known limit,
+    docs in chunk_fwd.py)."""
+    hand, t = HOPPER_PLANS[plan]
+    use_twins(monkeypatch)
+    x, h0 = make(PLANTS["v-nan"], t=t)
+    x["g"] = x["g"] * 200
+    o, ht = hopper_forward.forward_hopper(hand, x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, h0)
+    ro, _ = reference(x, h0)
+    bad, rbad = ~torch.isfinite(o.cpu()).all(-1), ~torch.isfinite(ro).all(-1)
+    assert not (bad & ~rbad).any()
+    assert bad[1, T0:192, 1].all() and rbad[1, 192:, 1].all()

@@ -42,7 +42,10 @@ the magnitudes of its elements of V's tile (one add per element; the sum is not 
 overflows), and only where that sum is not finite does it zero X there and send the rows to a shared atomic min,
 read after the barrier before A_inv X. From that row on o is NaN (through Γ) and the state dead: ln a NaN (then
 every later chunk's Γ and ρ are NaN, and the final state e^{ln a} S' too), or S' NaN where the chunk renormalises.
-The walk's V tiles are separate programs: the rows are poisoned in the tiles that hold the non-finite v.
+The walk's V tiles are separate programs: the rows are poisoned in the tiles that hold the non-finite v. The
+segmented forward carries it through a NaN map (phase A) or a warm-up that covers it; the pre-pass does not read v,
+so a warm-up that starts past it (a head that forgets fast) starts clean: later segments' rows and the final state
+stay finite there where the token loop's are NaN (never NaN before it).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import math
