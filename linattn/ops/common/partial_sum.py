@@ -1,12 +1,16 @@
-"""The Hopper backward's last reduction (``hopper/backward.py``): the reverse walk's fp32 partials of dq or dk, one
-per V slice and value head, added over the slices and over the G value heads of each qk head, in that fixed order,
-and stored once in the output dtype:
+"""The Hopper backward's reductions (``hopper/backward.py``) in one launch: the reverse walk's partials, one per V
+slice (and, for dq and dk, per value head), added in a fixed order and stored once in the gradients' dtypes:
 
-    out[b, t, h, :] = Σ_s Σ_g parts[s, b, t, h·G + g, :]          read NV·G·K fp32, write K per row
+    dq[b, t, h, :] = Σ_s Σ_g dq_parts[s, b, t, h·G + g, :]      slices outer, the G value heads inner (dk the same)
+    dg[b, t, j]    = Σ_s dg_parts[s, b, j, t], 0 where g[b, t, j] < MIN_LOG_DECAY (such gates do not move the
+                     output: ``common/cumsum.py``);   dβ[b, t, j] = Σ_s dβ_parts[s, b, j, t]
 
-One pass instead of torch's sum (fp32 written) and cast (read back): at row 2 (B=8, T=4096, H=16, K=128, NV=2)
-1.07 GB read and 134 MB written instead of ≈ 1.74 GB moved. Deterministic (no atomics; the same order every run).
-Twin: :func:`partial_sum_ref`.
+The gates' partials come head-major (``[NV, B, HV, Lp]``, the walk's TMA layout) and leave token-major
+(``[B, T, HV]``). Programs ``[0, P)`` add dq's rows, ``[P, 2P)`` dk's, the rest the gates' tiles: one launch where
+the host chain ran eight (two row sums; sums, compare, masked copy and casts of dg and dβ), which is
+what counts where the backward is host-bound (B = 1, T = 4096). Bytes at row 2 (B = 8, T = 4096, H = HV = 16,
+K = 128, NV = 2): dq and dk read 1.07 GB of fp32 partials (0.54 GB of bf16 ones) and write 268 MB; the gates move
+8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
 """
 from __future__ import annotations
 
@@ -14,49 +18,140 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import cdiv
+from ..utils import MIN_LOG_DECAY, cdiv
 
-ROW_ELEMENTS = 4096     # values summed per program (rows × K): 16 KB of fp32 per partial read, a few per SM
+TILE_ELEMENTS = 4096    # values summed per program (rows × K, or tokens × HV): 16 KB of fp32 per partial read
+ROW_PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)    # float64: the CPU tests' exact sums
+GATE_PARTIAL_DTYPES = (torch.float32, torch.float64)
 
 
 @triton.jit
-def partial_sum_kernel(parts, out, rows, slice_stride, NV: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-                       BK: tl.constexpr, BR: tl.constexpr):
-    """BR output rows (b, t, h flattened) × K: each the sum of its NV·G partial rows, slices outer, heads inner."""
-    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+def _sum_rows(parts, out, i_p, rows, slice_stride, NV: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+              BK: tl.constexpr, BR: tl.constexpr, ACC: tl.constexpr):
+    """BR output rows (b, t, h flattened) × K: each the sum of its NV·G partial rows in ACC, slices outer, heads
+    inner; read NV·G·K partials, write K per row."""
+    o_r = i_p * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m = (o_r < rows)[:, None] & (o_k < K)[None, :]
-    acc = tl.zeros([BR, BK], dtype=parts.dtype.element_ty)         # fp32 (float64 for float64 partials)
+    acc = tl.zeros([BR, BK], dtype=ACC)
     for s in tl.static_range(NV):
         for g in tl.static_range(G):
             # row (b·T + t)·HV + h·G + g of slice s: the flattened output row times G, plus g
-            off = s * slice_stride + (o_r.to(tl.int64)[:, None] * G + g) * K + o_k[None, :]
-            acc += tl.load(parts + off, mask=m, other=0.)
+            off = s * slice_stride.to(tl.int64) + (o_r.to(tl.int64)[:, None] * G + g) * K + o_k[None, :]
+            acc += tl.load(parts + off, mask=m, other=0.).to(ACC)
     tl.store(out + o_r.to(tl.int64)[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
 
 
-def partial_sum(parts: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """``parts [NV, B, T, HV, K]`` fp32 (or float64: summed in it) → ``[B, T, H, K]`` in ``dtype``: the slices
-    added, then the HV / H value heads of each qk head (:func:`partial_sum_ref`'s order)."""
-    NV, B, T, HV, K = parts.shape
-    if parts.dtype not in (torch.float32, torch.float64) or HV % H:
-        raise ValueError(f"parts must be fp32 [NV, B, T, HV, K] with HV a multiple of H = {H}, got {parts.dtype} "
-                         f"{tuple(parts.shape)}")
-    parts = parts.contiguous()
-    out = torch.empty(B, T, H, K, dtype=dtype, device=parts.device)
-    BK = triton.next_power_of_2(K)
-    BR = max(1, ROW_ELEMENTS // BK)
+@triton.jit
+def _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tiles_per_sequence, slice_stride,
+               NV: tl.constexpr, HV: tl.constexpr, BH: tl.constexpr, BTOK: tl.constexpr, FLOOR: tl.constexpr):
+    """BTOK tokens × HV heads of one sequence: dg and dβ added over the slices (read head-major, coalesced along the
+    tokens; written token-major), dg zeroed where the gate is below FLOOR."""
+    i_b, i_t = i_p // tiles_per_sequence, i_p % tiles_per_sequence
+    o_t = i_t * BTOK + tl.arange(0, BTOK)
+    o_h = tl.arange(0, BH)
+    m = (o_t < T)[:, None] & (o_h < HV)[None, :]
+    p_in = (i_b * HV + o_h[None, :]).to(tl.int64) * Lp + o_t[:, None]
+    b_dg = tl.zeros([BTOK, BH], dtype=dg_parts.dtype.element_ty)
+    b_db = tl.zeros([BTOK, BH], dtype=dbeta_parts.dtype.element_ty)
+    for s in tl.static_range(NV):
+        b_dg += tl.load(dg_parts + s * slice_stride.to(tl.int64) + p_in, mask=m, other=0.)
+        b_db += tl.load(dbeta_parts + s * slice_stride.to(tl.int64) + p_in, mask=m, other=0.)
+    p_out = (i_b * T + o_t[:, None]).to(tl.int64) * HV + o_h[None, :]
+    b_g = tl.load(g + p_out, mask=m, other=0.)
+    b_dg = tl.where(b_g < FLOOR, 0., b_dg)     # NaN compares False: a NaN gate keeps its (NaN) gradient
+    tl.store(dg + p_out, b_dg.to(dg.dtype.element_ty), mask=m)
+    tl.store(dbeta + p_out, b_db.to(dbeta.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def partial_sums_kernel(dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, rows, row_programs,
+                        row_slice_stride, T, Lp, tiles_per_sequence, gate_slice_stride, NV: tl.constexpr,
+                        G: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                        BH: tl.constexpr, BTOK: tl.constexpr, ACC: tl.constexpr, FLOOR: tl.constexpr):
+    """One program: BR rows of dq, or of dk, or BTOK tokens of dg and dβ (module docstring)."""
+    i_p = tl.program_id(0)
+    if i_p < row_programs:
+        _sum_rows(dq_parts, dq, i_p, rows, row_slice_stride, NV, G, K, BK, BR, ACC)
+    elif i_p < 2 * row_programs:
+        _sum_rows(dk_parts, dk, i_p - row_programs, rows, row_slice_stride, NV, G, K, BK, BR, ACC)
+    else:
+        _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - 2 * row_programs, T, Lp, tiles_per_sequence,
+                   gate_slice_stride, NV, HV, BH, BTOK, FLOOR)
+
+
+def _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H: int) -> None:
+    if dq_parts.dim() != 5 or dk_parts.shape != dq_parts.shape or dk_parts.dtype != dq_parts.dtype:
+        raise ValueError(f"dq and dk partials must be [NV, B, T, HV, K] of one shape and dtype, got "
+                         f"{tuple(dq_parts.shape)} {dq_parts.dtype}, {tuple(dk_parts.shape)} {dk_parts.dtype}")
+    NV, B, T, HV, K = dq_parts.shape
+    if dq_parts.dtype not in ROW_PARTIAL_DTYPES or HV % H:
+        raise ValueError(f"dq, dk partials must be one of {ROW_PARTIAL_DTYPES} with HV = {HV} a multiple of H = {H}, "
+                         f"got {dq_parts.dtype}")
+    if (dg_parts.dim() != 4 or dg_parts.shape[:3] != (NV, B, HV) or dg_parts.shape[3] < T
+            or dbeta_parts.shape != dg_parts.shape):
+        raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp ≥ T] = [{NV}, {B}, {HV}, ≥ {T}], got "
+                         f"{tuple(dg_parts.shape)}, {tuple(dbeta_parts.shape)}")
+    if dg_parts.dtype not in GATE_PARTIAL_DTYPES or dbeta_parts.dtype != dg_parts.dtype:
+        raise ValueError(f"dg and dbeta partials must be one of {GATE_PARTIAL_DTYPES}, got {dg_parts.dtype}, "
+                         f"{dbeta_parts.dtype}")
+    if g.shape != (B, T, HV):
+        raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
+
+
+def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch.Tensor, dbeta_parts: torch.Tensor,
+                 g: torch.Tensor, H: int, qk_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The walk's partials added in one launch (module docstring; :func:`partial_sums_ref`'s order).
+
+    Args:
+        dq_parts, dk_parts: ``[NV, B, T, HV, K]`` fp32 or bf16 (summed in fp32; float64: in float64).
+        dg_parts, dbeta_parts: ``[NV, B, HV, Lp]`` head-major, Lp ≥ T, fp32 (or float64).
+        g: ``[B, T, HV]`` the log decays (dg is zero where they are below ``MIN_LOG_DECAY``).
+        H: the qk heads (HV a multiple of H). qk_dtype, beta_dtype: dq, dk's and dβ's dtypes.
+    Returns:
+        dq, dk ``[B, T, H, K]`` in ``qk_dtype``; dg ``[B, T, HV]`` in g's dtype; dβ ``[B, T, HV]`` in ``beta_dtype``.
+    """
+    _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H)
+    NV, B, T, HV, K = dq_parts.shape
+    Lp = dg_parts.shape[3]
+    dq_parts, dk_parts, dg_parts, dbeta_parts, g = (x.contiguous() for x in (dq_parts, dk_parts, dg_parts,
+                                                                            dbeta_parts, g))
+    dq, dk = (torch.empty(B, T, H, K, dtype=qk_dtype, device=g.device) for _ in range(2))
+    dg = torch.empty(B, T, HV, dtype=g.dtype, device=g.device)
+    dbeta = torch.empty(B, T, HV, dtype=beta_dtype, device=g.device)
+    BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
+    BR, BTOK = max(1, TILE_ELEMENTS // BK), max(1, TILE_ELEMENTS // BH)
     rows = B * T * H
-    partial_sum_kernel[(cdiv(rows, BR),)](parts, out, rows, parts[0].numel(), NV, HV // H, K, BK, BR)
-    return out
+    row_programs, tiles_per_sequence = cdiv(rows, BR), cdiv(T, BTOK)
+    ACC = tl.float64 if dq_parts.dtype == torch.float64 else tl.float32
+    partial_sums_kernel[(2 * row_programs + B * tiles_per_sequence,)](
+        dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, rows, row_programs, dq_parts[0].numel(), T,
+        Lp, tiles_per_sequence, dg_parts[0].numel(), NV, HV // H, K, HV, BK, BR, BH, BTOK, ACC, MIN_LOG_DECAY)
+    return dq, dk, dg, dbeta
 
 
-def partial_sum_ref(parts: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`partial_sum` in PyTorch, the same order of additions, in the partials' dtype."""
-    NV, B, T, HV, K = parts.shape
-    grouped = parts.view(NV, B, T, H, HV // H, K)
-    total = None
-    for s in range(NV):
-        for g in range(HV // H):
-            total = grouped[s, :, :, :, g] if total is None else total + grouped[s, :, :, :, g]
-    return total.to(dtype)
+def partial_sums_ref(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch.Tensor,
+                     dbeta_parts: torch.Tensor, g: torch.Tensor, H: int, qk_dtype: torch.dtype,
+                     beta_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`partial_sums` in PyTorch: the same additions in the same order and precision (fp32; float64 for
+    float64 partials), the same mask and casts."""
+    _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H)
+    NV, B, T, HV, K = dq_parts.shape
+    acc = torch.float64 if dq_parts.dtype == torch.float64 else torch.float32
+
+    def rows(parts: torch.Tensor) -> torch.Tensor:
+        grouped = parts.view(NV, B, T, H, HV // H, K)
+        total = torch.zeros(B, T, H, K, dtype=acc, device=parts.device)
+        for s in range(NV):
+            for j in range(HV // H):
+                total = total + grouped[s, :, :, :, j].to(acc)
+        return total.to(qk_dtype)
+
+    def gates(parts: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros_like(parts[0])
+        for s in range(NV):
+            total = total + parts[s]
+        return total[..., :T].transpose(1, 2)
+
+    dg = gates(dg_parts).masked_fill(g < MIN_LOG_DECAY, 0)
+    return rows(dq_parts), rows(dk_parts), dg.to(g.dtype), gates(dbeta_parts).to(beta_dtype)

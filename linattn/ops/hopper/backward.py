@@ -6,9 +6,9 @@ chain around the fused reverse walk (``chunk_bwd.py``). The op's backward runs i
                 walk needs T without diag(β)), h = bf16 state entering each chunk (the Triton state pass from T,
                 ``[B, NT, HV, K, V]``, the walk's layout); gc, β head-major, T in bf16
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence, value head, V slice): dv, dh0, and
-                partials of dq, dk (per slice and value head), dg, dβ (per slice)
-    reductions  the partials added over the slices, then over the value heads of each qk head, in a fixed order
-                (``common/partial_sum.py`` for dq, dk: one pass to the output dtype; torch's sum for dg, dβ): no
+                partials of dq, dk (per slice and value head; fp32 or bf16), dg, dβ (per slice)
+    reductions  ``common/partial_sum.py``, one launch: the partials added over the slices, then over the value heads
+                of each qk head, in a fixed order, dg masked below the gate floor, every gradient in its dtype: no
                 atomics, the same bits every run
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
@@ -22,9 +22,9 @@ import torch
 
 from ..common.cumsum import chunk_local_cumsum
 from ..common.kkt_solve import kkt_solve
-from ..common.partial_sum import partial_sum
+from ..common.partial_sum import partial_sums
 from ..common.state_pass import state_pass_fwd
-from ..utils import MIN_LOG_DECAY, cdiv
+from ..utils import cdiv
 from .chunk_fwd import BT
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
@@ -76,17 +76,9 @@ def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x.transpose(1, 2), (0, cdiv(T, BT) * BT - T)).contiguous()
 
 
-def sum_partials(dq, dk, dg, dbeta, H: int, T: int, qk_dtype: torch.dtype = torch.float32
-                 ) -> tuple[torch.Tensor, ...]:
-    """The walk's partials added: dq, dk ``[NV, B, T, HV, K]`` over the slices, then the G value heads of each qk
-    head → ``[B, T, H, K]`` in ``qk_dtype`` (``common/partial_sum.py``: one pass, fixed order); dg, dβ
-    ``[NV, B, HV, Lp]`` over the slices → ``[B, T, HV]`` fp32."""
-    tokens = lambda x: x.sum(0)[..., :T].transpose(1, 2)
-    return partial_sum(dq, H, qk_dtype), partial_sum(dk, H, qk_dtype), tokens(dg), tokens(dbeta)
-
-
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
-                                      do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None):
+                                      do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
+                                      dqk_partial_dtype: torch.dtype = torch.float32):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
 
     Args:
@@ -95,6 +87,7 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         initial_state: ``[B, HV, K, V]`` or None. do: ``[B, T, HV, V]`` bf16, the output's gradient.
         dht: ``[B, HV, K, V]``, the final state's gradient, or None (zeros).
         BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
+        dqk_partial_dtype: the dtype of the walk's dq, dk partials (``chunk_bwd.PARTIAL_DTYPES``: fp32, bf16).
     Returns:
         dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
         and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
@@ -102,13 +95,14 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     """
     from . import chunk_bwd
     check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
+    chunk_bwd.partial_dtype_name(dqk_partial_dtype)
     B, T, H, K = q.shape
     V = v.shape[3]
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc, a_inv, h = recompute(k, v, g, beta, initial_state)
     dq_p, dk_p, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
         q, k, v, do, head_major_chunks(gc), head_major_chunks(beta.float()), a_inv, h, dht, scale,
-        BV or min(V, chunk_bwd.BV_DEFAULT))
+        BV or min(V, chunk_bwd.BV_DEFAULT), dqk_partial_dtype)
     del h
     dq, dk, dg, dbeta = gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
     return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
@@ -116,9 +110,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
 
 def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
                             qk_dtype: torch.dtype, H: int) -> tuple[torch.Tensor, ...]:
-    """The reductions after the walk: :func:`sum_partials`, dg zero where the gate is below the floor
-    (``common/cumsum.py``: such gates do not move the output), and the gradients in their inputs' dtypes (dq, dk
-    ``qk_dtype``, dg g's, dβ ``beta_dtype``)."""
-    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, g.shape[1], qk_dtype)
-    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)
-    return dq, dk, dg.to(g.dtype), dbeta.to(beta_dtype)
+    """The reductions after the walk, one launch (``common/partial_sum.partial_sums``): dq, dk ``[B, T, H, K]`` in
+    ``qk_dtype`` from the partials ``[NV, B, T, HV, K]``; dg (g's dtype, zero where the gate is below the floor:
+    such gates do not move the output) and dβ (``beta_dtype``) ``[B, T, HV]`` from the head-major partials
+    ``[NV, B, HV, Lp]``."""
+    return partial_sums(dq_p, dk_p, dg_p, dbeta_p, g, H, qk_dtype, beta_dtype)
