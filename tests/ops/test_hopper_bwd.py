@@ -2,10 +2,12 @@
 
 * the recompute (Triton stages, interpreter, fp32) gives the twin's gc, T (without β) and states entering each
   chunk, in the layouts the walk reads;
-* the host's sums of the walk's partials (head-major dg, dβ; per-slice, per-value-head dq, dk) equal the twin's;
+* the host's sums of the walk's partials (head-major dg, dβ; per-slice, per-value-head dq, dk), one launch, equal
+  the twin's (the same bits as the host ops they replace where the order is the same);
 * bad inputs raise clear errors;
-* the walk compiles for sm_90a at K = V = 128 (BV = 64) and K = V = 64 (BV = 64, 32): shared memory within the
-  227 KB of a CTA, no spill, no serialised wgmma (where TileLang and nvcc are installed).
+* the walk compiles for sm_90a at K = V = 128 (BV = 64) and K = V = 64 (BV = 64, 32), its dq, dk partials in fp32
+  or bf16: shared memory within the 227 KB of a CTA, no spill, no serialised wgmma (where TileLang and nvcc are
+  installed).
 The kernel's numbers on the GPU: tests/ops/test_hopper_bwd_ref.py (ON_HOPPER), benchmarks/gpu_check_hopper_bwd.py.
 """
 from __future__ import annotations
@@ -154,6 +156,11 @@ def test_bad_inputs_raise(change, error, match):
         backward.chunk_gated_delta_rule_bwd_hopper(**_inputs(**change))
 
 
+def test_bad_partial_dtype_raises():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        backward.chunk_gated_delta_rule_bwd_hopper(**_inputs(), dqk_partial_dtype=torch.float16)
+
+
 def test_bad_states_gates_and_device_raise():
     x = _inputs()
     for name, bad, match in [("g", x["g"].double(), "float32"), ("beta", x["beta"][:, :5], "g and beta"),
@@ -173,17 +180,22 @@ CTA_SHARED = 227 * 1024
 
 
 @COMPILES
-@pytest.mark.parametrize("K,BV", [(128, 64), (64, 64), (64, 32)])
-def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
-    """The walk (V = K, two value heads per qk head) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
-    its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising
-    no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D runs on threads 0–31, the producer
-    warpgroup's in this warp-specialised kernel, so its scan would never run (the dg bug the GPU found)."""
+@pytest.mark.parametrize("K,BV,partials", [(128, 64, torch.float32), (64, 64, torch.float32), (64, 32, torch.float32),
+                                           (128, 64, torch.bfloat16), (64, 32, torch.bfloat16)],
+                         ids=["K128", "K64", "K64_BV32", "K128_bf16_partials", "K64_BV32_bf16_partials"])
+def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV, partials):
+    """The walk (V = K, two value heads per qk head; dq, dk partials stored in fp32 or bf16) for sm_90a: its 20 dots
+    on bf16 wgmma (none on mma.sync), its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and
+    ptxas spilling nothing and serialising no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D
+    runs on threads 0–31, the producer warpgroup's in this warp-specialised kernel, so its scan would never run
+    (the dg bug the GPU found)."""
     from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
-    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a")  # gpu_check_hopper_bwd's
+    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a", partials)  # gpu_check_hopper_bwd's
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20 and "mma_sync" not in source
+    partial_type = {torch.float32: "float*", torch.bfloat16: "bfloat16_t*"}[partials]
+    assert f"{partial_type} __restrict__ dq" in source and f"{partial_type} __restrict__ dk" in source
     assert "tl::CumSum" not in source
     assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
     report = compile_sm90a(source, tmp_path)[1]
@@ -194,30 +206,35 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
 @COMPILES
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every walk the GPU script launches compiles for
-    sm_90a without a spill (its cases' kernels are the compile test's, cached by TileLang)."""
+    sm_90a without a spill, within a CTA's shared memory (its cases' kernels are the compile test's, cached by
+    TileLang): 7 with fp32 dq, dk partials for parts (a) and (b), 8 more for (c)'s fp32 against bf16."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 7 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
+    assert len(rows) == 15 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 
-def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
-    """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding): the host chain's stand-in walk."""
+def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, dqk_partial_dtype):
+    """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding but the partials'): the host chain's
+    stand-in walk."""
     T = q.shape[1]
     pad = (0, gc.shape[-1] - T)
     saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
                              h.transpose(1, 2).float(), 1)
     p = bwd.chunk_bwd_v_slices_ref(q, k, v, do, dht, saved, scale, BV, None, "exact")
     head_major = lambda x: torch.stack([backward.head_major_chunks(s) for s in x.unbind(0)])
-    return p.dq, p.dk, p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
+    return (p.dq.to(dqk_partial_dtype), p.dk.to(dqk_partial_dtype), p.dv, head_major(p.dg), head_major(p.dbeta),
+            p.dh0)
 
 
 @pytest.mark.interpreter
-def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypatch):
+@pytest.mark.parametrize("dqk_partial_dtype", [torch.float32, torch.bfloat16], ids=["fp32_partials", "bf16_partials"])
+def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypatch, dqk_partial_dtype):
     """The host chain (Triton recompute, layouts, partial sums, the gate floor's mask, output dtypes) with the walk
-    replaced by its twin, fp32 under the interpreter (the dtype and device checks lifted): the float64 reference's
-    gradients up to the bf16 h and T the recompute stores (GVA, T = 100, V halves). An O(1) layout error fails."""
+    replaced by its twin, fp32 under the interpreter (the dtype and device checks lifted; dq, dk partials in fp32 or
+    bf16): the float64 reference's gradients up to the bf16 h and T the recompute stores (GVA, T = 100, V halves).
+    An O(1) layout error fails."""
     from linattn.ops.hopper import chunk_bwd
 
     from .test_hopper_bwd_ref import reference_grads, rel_l2
@@ -227,7 +244,8 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
     ref = reference_grads(x, 0.3, use_dht=True)
     low = {n: t.float() for n, t in x.items()}
     got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
-                                                     low["h0"], low["do"], low["dht"], BV=16)
+                                                     low["h0"], low["do"], low["dht"], BV=16,
+                                                     dqk_partial_dtype=dqk_partial_dtype)
     assert all(t.dtype == torch.float32 for t in got)
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, got, ref)}
     assert max(errors.values()) < 2e-2, errors

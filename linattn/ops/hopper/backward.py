@@ -94,8 +94,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         ``triton_bwd.chunk_gated_delta_rule_bwd_triton``.
     """
     from . import chunk_bwd
-    check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
     chunk_bwd.partial_dtype_name(dqk_partial_dtype)
+    check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
     B, T, H, K = q.shape
     V = v.shape[3]
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
