@@ -125,6 +125,23 @@ def test_partial_sums_keep_the_previous_order():
     assert torch.equal(dg, tokens(dg_p).masked_fill(g < MIN_LOG_DECAY, 0)) and torch.equal(dbeta, tokens(db_p))
 
 
+def test_partial_sums_compile_for_h200_like_a_row_sum():
+    """The one launch for sm_90 (row 5's sizes: G = 2, HV = 32; fp32 and bf16 partials): no spill, and registers
+    of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate programs' transpose
+    costs the row sums no occupancy."""
+    from tests.ops.sm90_compile import compile_for_h200
+    kinds = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dg_parts": "*fp32", "dbeta_parts": "*fp32",
+             "g": "*fp32", "dg": "*fp32"}
+    for parts in ("*fp32", "*bf16"):
+        types = {**kinds, "dq_parts": parts, "dk_parts": parts}
+        consts = ("dict(NV=2, G=2, K=128, HV=32, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
+                  "BTOK=p.GATE_ELEMENTS // 32, ACC=tl.float32, FLOOR=-104.0)")     # the launcher's tiles
+        registers, spills = compile_for_h200(
+            "import sm90, triton.language as tl; from linattn.ops.common import partial_sum as p",
+            f"tuple(sm90.compile_sm90(p.partial_sums_kernel, {consts}, lambda n: {types!r}.get(n, 'i32'), 4)[:2])")
+        assert spills == 0 and registers <= 64, (parts, registers, spills)
+
+
 def test_partial_sums_reject_bad_partials():
     from linattn.ops.common.partial_sum import partial_sums
     dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 1, 37, 1, 2, 16, torch.float32)

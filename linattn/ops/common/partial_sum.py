@@ -7,7 +7,7 @@ slice (and, for dq and dk, per value head), added in a fixed order and stored on
 
 The gates' partials come head-major (``[NV, B, HV, Lp]``, the walk's TMA layout) and leave token-major
 (``[B, T, HV]``). Programs ``[0, P)`` add dq's rows, ``[P, 2P)`` dk's, the rest the gates' tiles: one launch where
-the host chain ran eight (two row sums; sums, compare, masked copy and casts of dg and dβ), which is
+the host chain ran seven or eight (two row sums; sums, compare, masked copy of dg; dβ's sum and cast), which is
 what counts where the backward is host-bound (B = 1, T = 4096). Bytes at row 2 (B = 8, T = 4096, H = HV = 16,
 K = 128, NV = 2): dq and dk read 1.07 GB of fp32 partials (0.54 GB of bf16 ones) and write 268 MB; the gates move
 8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
@@ -20,7 +20,10 @@ import triton.language as tl
 
 from ..utils import MIN_LOG_DECAY, cdiv
 
-TILE_ELEMENTS = 4096    # values summed per program (rows × K, or tokens × HV): 16 KB of fp32 per partial read
+ROW_ELEMENTS = 4096     # dq, dk values summed per program (rows × K): 16 KB of fp32 per partial read
+# dg, dβ values per program (HV × tokens): a larger tile and its on-chip transpose raise the kernel's registers for
+# every program (172 per thread at 4096 against 48, sm_90), and the row sums' occupancy with them
+GATE_ELEMENTS = 1024
 ROW_PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)    # float64: the CPU tests' exact sums
 GATE_PARTIAL_DTYPES = (torch.float32, torch.float64)
 
@@ -45,23 +48,25 @@ def _sum_rows(parts, out, i_p, rows, slice_stride, NV: tl.constexpr, G: tl.const
 @triton.jit
 def _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tiles_per_sequence, slice_stride,
                NV: tl.constexpr, HV: tl.constexpr, BH: tl.constexpr, BTOK: tl.constexpr, FLOOR: tl.constexpr):
-    """BTOK tokens × HV heads of one sequence: dg and dβ added over the slices (read head-major, coalesced along the
-    tokens; written token-major), dg zeroed where the gate is below FLOOR."""
+    """HV heads × BTOK tokens of one sequence: dg and dβ added over the slices as read (head-major: each head's
+    tokens contiguous), transposed once on chip and written token-major (each token's heads contiguous), dg zeroed
+    where the gate is below FLOOR."""
     i_b, i_t = i_p // tiles_per_sequence, i_p % tiles_per_sequence
-    o_t = i_t * BTOK + tl.arange(0, BTOK)
     o_h = tl.arange(0, BH)
-    m = (o_t < T)[:, None] & (o_h < HV)[None, :]
-    p_in = (i_b * HV + o_h[None, :]).to(tl.int64) * Lp + o_t[:, None]
-    b_dg = tl.zeros([BTOK, BH], dtype=dg_parts.dtype.element_ty)
-    b_db = tl.zeros([BTOK, BH], dtype=dbeta_parts.dtype.element_ty)
+    o_t = i_t * BTOK + tl.arange(0, BTOK)
+    m_in = (o_h < HV)[:, None] & (o_t < T)[None, :]
+    p_in = (i_b * HV + o_h[:, None]).to(tl.int64) * Lp + o_t[None, :]
+    b_dg = tl.zeros([BH, BTOK], dtype=dg_parts.dtype.element_ty)
+    b_db = tl.zeros([BH, BTOK], dtype=dbeta_parts.dtype.element_ty)
     for s in tl.static_range(NV):
-        b_dg += tl.load(dg_parts + s * slice_stride.to(tl.int64) + p_in, mask=m, other=0.)
-        b_db += tl.load(dbeta_parts + s * slice_stride.to(tl.int64) + p_in, mask=m, other=0.)
+        b_dg += tl.load(dg_parts + s * slice_stride.to(tl.int64) + p_in, mask=m_in, other=0.)
+        b_db += tl.load(dbeta_parts + s * slice_stride.to(tl.int64) + p_in, mask=m_in, other=0.)
+    m_out = (o_t < T)[:, None] & (o_h < HV)[None, :]
     p_out = (i_b * T + o_t[:, None]).to(tl.int64) * HV + o_h[None, :]
-    b_g = tl.load(g + p_out, mask=m, other=0.)
-    b_dg = tl.where(b_g < FLOOR, 0., b_dg)     # NaN compares False: a NaN gate keeps its (NaN) gradient
-    tl.store(dg + p_out, b_dg.to(dg.dtype.element_ty), mask=m)
-    tl.store(dbeta + p_out, b_db.to(dbeta.dtype.element_ty), mask=m)
+    b_g = tl.load(g + p_out, mask=m_out, other=0.)
+    b_dg = tl.where(b_g < FLOOR, 0., tl.trans(b_dg))     # NaN compares False: a NaN gate keeps its NaN gradient
+    tl.store(dg + p_out, b_dg.to(dg.dtype.element_ty), mask=m_out)
+    tl.store(dbeta + p_out, tl.trans(b_db).to(dbeta.dtype.element_ty), mask=m_out)
 
 
 @triton.jit
@@ -120,7 +125,7 @@ def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch
     dg = torch.empty(B, T, HV, dtype=g.dtype, device=g.device)
     dbeta = torch.empty(B, T, HV, dtype=beta_dtype, device=g.device)
     BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
-    BR, BTOK = max(1, TILE_ELEMENTS // BK), max(1, TILE_ELEMENTS // BH)
+    BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
     rows = B * T * H
     row_programs, tiles_per_sequence = cdiv(rows, BR), cdiv(T, BTOK)
     ACC = tl.float64 if dq_parts.dtype == torch.float64 else tl.float32
