@@ -134,7 +134,7 @@ def test_partial_sums_compile_for_h200_like_a_row_sum():
              "g": "*fp32", "dg": "*fp32"}
     for parts in ("*fp32", "*bf16"):
         types = {**kinds, "dq_parts": parts, "dk_parts": parts}
-        consts = ("dict(NV=2, G=2, K=128, HV=32, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
+        consts = ("dict(NV=2, G=2, K=128, HV=32, BT=p.BT, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
                   "BTOK=p.GATE_ELEMENTS // 32, ACC=tl.float32, FLOOR=-104.0)")     # the launcher's tiles
         registers, spills = compile_for_h200(
             "import sm90, triton.language as tl; from linattn.ops.common import partial_sum as p",

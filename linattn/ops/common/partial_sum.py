@@ -19,11 +19,13 @@ import triton
 import triton.language as tl
 
 from ..utils import MIN_LOG_DECAY, cdiv
+from .launch import launch
 
 ROW_ELEMENTS = 4096     # dq, dk values summed per program (rows × K): 16 KB of fp32 per partial read
 # dg, dβ values per program (HV × tokens): a larger tile and its on-chip transpose raise the kernel's registers for
 # every program (172 per thread at 4096 against 48, sm_90), and the row sums' occupancy with them
 GATE_ELEMENTS = 1024
+BT = 64                 # the walk's chunk: its head-major rows Lp hold whole chunks
 ROW_PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)    # float64: the CPU tests' exact sums
 GATE_PARTIAL_DTYPES = (torch.float32, torch.float64)
 
@@ -40,7 +42,7 @@ def _sum_rows(parts, out, i_p, rows, slice_stride, NV: tl.constexpr, G: tl.const
     for s in tl.static_range(NV):
         for g in tl.static_range(G):
             # row (b·T + t)·HV + h·G + g of slice s: the flattened output row times G, plus g
-            off = s * slice_stride.to(tl.int64) + (o_r.to(tl.int64)[:, None] * G + g) * K + o_k[None, :]
+            off = s * slice_stride + (o_r.to(tl.int64)[:, None] * G + g) * K + o_k[None, :]
             acc += tl.load(parts + off, mask=m, other=0.).to(ACC)
     tl.store(out + o_r.to(tl.int64)[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
 
@@ -59,8 +61,8 @@ def _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tiles_per_sequen
     b_dg = tl.zeros([BH, BTOK], dtype=dg_parts.dtype.element_ty)
     b_db = tl.zeros([BH, BTOK], dtype=dbeta_parts.dtype.element_ty)
     for s in tl.static_range(NV):
-        b_dg += tl.load(dg_parts + s * slice_stride.to(tl.int64) + p_in, mask=m_in, other=0.)
-        b_db += tl.load(dbeta_parts + s * slice_stride.to(tl.int64) + p_in, mask=m_in, other=0.)
+        b_dg += tl.load(dg_parts + s * slice_stride + p_in, mask=m_in, other=0.)
+        b_db += tl.load(dbeta_parts + s * slice_stride + p_in, mask=m_in, other=0.)
     m_out = (o_t < T)[:, None] & (o_h < HV)[None, :]
     p_out = (i_b * T + o_t[:, None]).to(tl.int64) * HV + o_h[None, :]
     b_g = tl.load(g + p_out, mask=m_out, other=0.)
@@ -69,20 +71,27 @@ def _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tiles_per_sequen
     tl.store(dbeta + p_out, tl.trans(b_db).to(dbeta.dtype.element_ty), mask=m_out)
 
 
-@triton.jit
-def partial_sums_kernel(dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, rows, row_programs,
-                        row_slice_stride, T, Lp, tiles_per_sequence, gate_slice_stride, NV: tl.constexpr,
-                        G: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                        BH: tl.constexpr, BTOK: tl.constexpr, ACC: tl.constexpr, FLOOR: tl.constexpr):
-    """One program: BR rows of dq, or of dk, or BTOK tokens of dg and dβ (module docstring)."""
+@triton.jit(do_not_specialize=["B", "T", "NT"])
+def partial_sums_kernel(dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, NT,
+                        NV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BTOK: tl.constexpr, ACC: tl.constexpr,
+                        FLOOR: tl.constexpr):
+    """One program: BR rows of dq, or of dk, or BTOK tokens of dg and dβ (module docstring). The sizes come as B, T
+    and NT (Lp = NT·BT) and every stride is formed here from them and the constexprs, so that the compiler knows
+    each slice's offset a multiple of K or BT (vector loads) while B, T, NT stay unspecialised (one compiled
+    kernel per configuration: ``launch.py``)."""
     i_p = tl.program_id(0)
+    rows = B * T * (HV // G)
+    row_programs = tl.cdiv(rows, BR)
+    row_slice_stride = rows.to(tl.int64) * G * K
     if i_p < row_programs:
         _sum_rows(dq_parts, dq, i_p, rows, row_slice_stride, NV, G, K, BK, BR, ACC)
     elif i_p < 2 * row_programs:
         _sum_rows(dk_parts, dk, i_p - row_programs, rows, row_slice_stride, NV, G, K, BK, BR, ACC)
     else:
-        _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - 2 * row_programs, T, Lp, tiles_per_sequence,
-                   gate_slice_stride, NV, HV, BH, BTOK, FLOOR)
+        Lp = NT * BT
+        _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - 2 * row_programs, T, Lp, tl.cdiv(T, BTOK),
+                   B.to(tl.int64) * HV * Lp, NV, HV, BH, BTOK, FLOOR)
 
 
 def _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H: int) -> None:
@@ -94,9 +103,9 @@ def _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H: int) -> None:
         raise ValueError(f"dq, dk partials must be one of {ROW_PARTIAL_DTYPES} with HV = {HV} a multiple of H = {H}, "
                          f"got {dq_parts.dtype}")
     if (dg_parts.dim() != 4 or dg_parts.shape[:3] != (NV, B, HV) or dg_parts.shape[3] < T
-            or dbeta_parts.shape != dg_parts.shape):
-        raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp ≥ T] = [{NV}, {B}, {HV}, ≥ {T}], got "
-                         f"{tuple(dg_parts.shape)}, {tuple(dbeta_parts.shape)}")
+            or dg_parts.shape[3] % BT or dbeta_parts.shape != dg_parts.shape):
+        raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp] = [{NV}, {B}, {HV}, Lp], Lp ≥ T = {T} in "
+                         f"whole chunks of {BT}, got {tuple(dg_parts.shape)}, {tuple(dbeta_parts.shape)}")
     if dg_parts.dtype not in GATE_PARTIAL_DTYPES or dbeta_parts.dtype != dg_parts.dtype:
         raise ValueError(f"dg and dbeta partials must be one of {GATE_PARTIAL_DTYPES}, got {dg_parts.dtype}, "
                          f"{dbeta_parts.dtype}")
@@ -110,7 +119,7 @@ def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch
 
     Args:
         dq_parts, dk_parts: ``[NV, B, T, HV, K]`` fp32 or bf16 (summed in fp32; float64: in float64).
-        dg_parts, dbeta_parts: ``[NV, B, HV, Lp]`` head-major, Lp ≥ T, fp32 (or float64).
+        dg_parts, dbeta_parts: ``[NV, B, HV, Lp]`` head-major, Lp ≥ T in whole chunks of 64, fp32 (or float64).
         g: ``[B, T, HV]`` the log decays (dg is zero where they are below ``MIN_LOG_DECAY``).
         H: the qk heads (HV a multiple of H). qk_dtype, beta_dtype: dq, dk's and dβ's dtypes.
     Returns:
@@ -126,12 +135,10 @@ def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch
     dbeta = torch.empty(B, T, HV, dtype=beta_dtype, device=g.device)
     BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
     BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
-    rows = B * T * H
-    row_programs, tiles_per_sequence = cdiv(rows, BR), cdiv(T, BTOK)
-    ACC = tl.float64 if dq_parts.dtype == torch.float64 else tl.float32
-    partial_sums_kernel[(2 * row_programs + B * tiles_per_sequence,)](
-        dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, rows, row_programs, dq_parts[0].numel(), T,
-        Lp, tiles_per_sequence, dg_parts[0].numel(), NV, HV // H, K, HV, BK, BR, BH, BTOK, ACC, MIN_LOG_DECAY)
+    grid = (2 * cdiv(B * T * H, BR) + B * cdiv(T, BTOK),)
+    launch(partial_sums_kernel, grid, dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, Lp // BT,
+           NV=NV, G=HV // H, K=K, HV=HV, BT=BT, BK=BK, BR=BR, BH=BH, BTOK=BTOK,
+           ACC=tl.float64 if dq_parts.dtype == torch.float64 else tl.float32, FLOOR=MIN_LOG_DECAY)
     return dq, dk, dg, dbeta
 
 
