@@ -1,14 +1,15 @@
 """GPU check of the Hopper backward (linattn/ops/hopper/backward.py, issue 45): accuracy, determinism, then time.
 
 (a) the walk alone against its PyTorch twin on the same inputs (each raw output, partials included); then
-    accuracy, bf16, with h0 and dht: relative L2 of every gradient against float64 autograd of the token-by-token
-    reference on the same rounded inputs, beside the Triton backward's error and the rounded PyTorch baseline's
-    (gpu_check_core.rounded_twin: every stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline);
-    then a bitwise repeat (two runs, the same bits).
+    accuracy, bf16, with h0 and dht (GVA, K = 64 and 128, T = 65 to 1000, slow decay, a repeated token): relative
+    L2 of every gradient against float64 autograd of the token-by-token reference on the same rounded inputs,
+    beside the Triton backward's error and the rounded PyTorch baseline's (gpu_check_core.rounded_twin: every
+    stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline); then a bitwise repeat (two runs, the same
+    bits).
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
     and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
-    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
-    the Triton backward.
+    over the T/64 chunks each program walks), the reductions (one launch: sums, mask, casts), the whole Hopper
+    backward and the Triton backward.
     The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
 (c) with ``--partials`` (instead of (a) and (b)): the walk's dq, dk partials stored in fp32 against bf16
     (``dqk_partial_dtype``): the walk against its twin (which rounds its partials the same way) and every
@@ -37,13 +38,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors')
+# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors'),
+# repeated (one q and one k for every token: the case that punishes bf16 operands of dA and bf16 dq, dk partials;
+# the twin puts dk at 1.8× the rounded baseline with fp32 partials)
 CASES = [
-    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16),
-    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16),
-    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16),
-    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16),
-    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024),
+    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16, False),
+    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16, False),
+    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16, False),
+    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16, False),
+    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024, False),
+    ("B1_T256_K128_repeated_token", 1, 256, 1, 2, 128, 128, None, 1 / 16, True),
 ]
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
     (2, 8, 4096, 16, 16),
@@ -61,9 +65,9 @@ PARTIALS = {"float32": torch.float32, "bfloat16": torch.bfloat16}     # (c)'s dt
 def kernel_configs() -> list[tuple]:
     """(H, HV, K, V, scale, BV, dq/dk partial dtype) of every walk this script launches ((a), (b) and (c))."""
     config = lambda H, HV, K, V, BV, partials="float32": (H, HV, K, V, K ** -0.5, BV or min(V, 64), partials)
-    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _ in CASES]
+    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _, _ in CASES]
     configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS]
-    configs += [config(H, HV, K, V, BV, "bfloat16") for _, _, _, H, HV, K, V, BV, _ in CASES]
+    configs += [config(H, HV, K, V, BV, "bfloat16") for _, _, _, H, HV, K, V, BV, _, _ in CASES]
     configs += [config(H, HV, 128, 128, 64, p) for _, _, _, H, HV in PARTIAL_ROWS for p in PARTIALS]
     return list(dict.fromkeys(configs))
 
@@ -85,13 +89,15 @@ def smoke() -> list[dict]:
     return out
 
 
-def bf16_inputs(name, B, T, H, HV, K, V, decay):
-    """gpu_check_core.make's inputs (unit-norm q, k; h0), q, k, v, β and do rounded to bf16, and their float64
-    ground-truth copies; do and dht fresh normals."""
+def bf16_inputs(name, B, T, H, HV, K, V, decay, repeated=False):
+    """gpu_check_core.make's inputs (unit-norm q, k; h0; ``repeated``: the first token's q and k for every token),
+    q, k, v, β and do rounded to bf16, and their float64 ground-truth copies; do and dht fresh normals."""
     import zlib
 
     from gpu_check_core import make
     x = make(B, T, H, HV, K, V, B, seed=zlib.crc32(name.encode()) % 1000, decay=decay)
+    if repeated:
+        x["q"], x["k"] = (x[n][:, :1].expand_as(x[n]).clone() for n in ("q", "k"))
     gen = torch.Generator(device="cuda").manual_seed(7)
     x["do"] = torch.randn(B, T, HV, V, device="cuda", dtype=torch.float64, generator=gen)
     dht = torch.randn(B, HV, K, V, device="cuda", dtype=torch.float64, generator=gen).float()
@@ -108,8 +114,8 @@ def check_case(case, partials: str = "float32") -> dict:
     from linattn.ops.gated_delta.reference import gated_delta_rule_reference
     from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
-    name, B, T, H, HV, K, V, BV, decay = case
-    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
+    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     scale = K ** -0.5
     args = [low[n] for n in ("q", "k", "v", "g", "beta")]
     ref = grads_of(lambda **a: gated_delta_rule_reference(
@@ -140,9 +146,9 @@ def twin_case(case, partials: str = "float32") -> dict:
 
     from linattn.ops.hopper import backward, chunk_bwd
     from linattn.ops.hopper import chunk_bwd_ref as bwd
-    name, B, T, H, HV, K, V, BV, decay = case
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
     BV = BV or min(V, 64)
-    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     scale = K ** -0.5
     gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
     got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
@@ -167,8 +173,8 @@ def twin_case(case, partials: str = "float32") -> dict:
 def repeat_case(case) -> dict:
     """Two runs of the Hopper backward on the same inputs: every output bit for bit equal."""
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
-    name, B, T, H, HV, K, V, BV, decay = case
-    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
     runs = [chunk_gated_delta_rule_bwd_hopper(*args) for _ in range(2)]
     return dict(case=name, bitwise_equal={n: bool(torch.equal(a, b)) for n, a, b in zip(GRADS, *runs)})
