@@ -5,9 +5,8 @@
 * the host's sums of the walk's partials (head-major dg, dβ; per-slice, per-value-head dq, dk), one launch, equal
   the twin's (the same bits as the host ops they replace where the order is the same);
 * bad inputs raise clear errors;
-* the walk compiles for sm_90a at K = V = 128 (BV = 64) and K = V = 64 (BV = 64, 32), its dq, dk partials in fp32
-  or bf16: shared memory within the 227 KB of a CTA, no spill, no serialised wgmma (where TileLang and nvcc are
-  installed).
+* the walk compiles for sm_90a at K = V = 128 (BV = 64) and K = V = 64 (BV = 64, 32): shared memory within the
+  227 KB of a CTA, no spill, no serialised wgmma (where TileLang and nvcc are installed).
 The kernel's numbers on the GPU: tests/ops/test_hopper_bwd_ref.py (ON_HOPPER), benchmarks/gpu_check_hopper_bwd.py.
 """
 from __future__ import annotations
@@ -63,7 +62,7 @@ def test_gradients_from_partials_equal_the_twins_sum():
     assert max(errors.values()) < 1e-14, errors
 
 
-def _walk_partials(NV, B, T, H, HV, K, dqk_dtype, seed=0):
+def _walk_partials(NV, B, T, H, HV, K, seed=0):
     """Random partials in the walk's layouts (dg, dβ head-major, padded to whole chunks with values the sums must
     not read) and gates with every fifth one below the floor."""
     from linattn.ops.utils import MIN_LOG_DECAY
@@ -72,23 +71,19 @@ def _walk_partials(NV, B, T, H, HV, K, dqk_dtype, seed=0):
     Lp = -(-T // 64) * 64
     g = -r(B, T, HV).abs()
     g.view(-1)[::5] = MIN_LOG_DECAY - 1
-    return [t.to(DEVICE) for t in (r(NV, B, T, HV, K).to(dqk_dtype), r(NV, B, T, HV, K).to(dqk_dtype),
-                                   r(NV, B, HV, Lp), r(NV, B, HV, Lp), g)]
+    return [t.to(DEVICE) for t in (r(NV, B, T, HV, K), r(NV, B, T, HV, K), r(NV, B, HV, Lp), r(NV, B, HV, Lp), g)]
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("NV,H,HV,K,dqk_dtype", [
-    (2, 2, 4, 32, torch.float32), (1, 1, 1, 48, torch.float32), (4, 1, 4, 16, torch.float32),
-    (2, 2, 4, 32, torch.bfloat16), (2, 1, 3, 48, torch.bfloat16)],
-    ids=["halves_gva", "one_K48", "quarters_gva4", "halves_gva_bf16", "halves_hv3_K48_bf16"])
-def test_partial_sums_equal_their_twin(NV, H, HV, K, dqk_dtype):
-    """common/partial_sum.py's one launch against its twin, the same fp32 bits: dq, dk (fp32 or bf16 partials,
-    summed in fp32) and dg, dβ (head-major → token-major, dg zero below the gate floor); rows and tokens past a
-    program's block masked (B·T·H not a multiple of its rows, T = 37 of a 64-wide padded row; K = 48, HV = 3 not
-    powers of two)."""
+@pytest.mark.parametrize("NV,H,HV,K", [(2, 2, 4, 32), (1, 1, 1, 48), (4, 1, 4, 16), (2, 1, 3, 48)],
+                         ids=["halves_gva", "one_K48", "quarters_gva4", "halves_hv3_K48"])
+def test_partial_sums_equal_their_twin(NV, H, HV, K):
+    """common/partial_sum.py's one launch against its twin, the same fp32 bits: dq, dk and dg, dβ (head-major →
+    token-major, dg zero below the gate floor); rows and tokens past a program's block masked (B·T·H not a multiple
+    of its rows, T = 37 of a 64-wide padded row; K = 48, HV = 3 not powers of two)."""
     from linattn.ops.common.partial_sum import partial_sums, partial_sums_ref
     from linattn.ops.utils import MIN_LOG_DECAY
-    args = _walk_partials(NV, 2, 37, H, HV, K, dqk_dtype)
+    args = _walk_partials(NV, 2, 37, H, HV, K)
     got = partial_sums(*args, H, torch.float32, torch.float32)
     twin = partial_sums_ref(*args, H, torch.float32, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(got, twin))
@@ -101,7 +96,7 @@ def test_partial_sums_cast_to_the_gradients_dtypes():
     """bf16 dq, dk and dβ: the twin's, to one bf16 unit in the last place (the interpreter rounds fp32 → bf16 by
     truncation, the GPU to nearest even); dg stays in g's dtype."""
     from linattn.ops.common.partial_sum import partial_sums, partial_sums_ref
-    args = _walk_partials(2, 2, 37, 2, 4, 32, torch.bfloat16)
+    args = _walk_partials(2, 2, 37, 2, 4, 32)
     got = partial_sums(*args, 2, torch.bfloat16, torch.bfloat16)
     twin = partial_sums_ref(*args, 2, torch.bfloat16, torch.bfloat16)
     assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
@@ -116,7 +111,7 @@ def test_partial_sums_keep_the_previous_order():
     kernel, slices outer and heads inner; torch's sum over the slices, slice to T, transpose and mask for dg, dβ)."""
     from linattn.ops.common.partial_sum import partial_sums
     from linattn.ops.utils import MIN_LOG_DECAY
-    dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 2, 37, 2, 4, 32, torch.float32, seed=1)
+    dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 2, 37, 2, 4, 32, seed=1)
     dq, dk, dg, dbeta = partial_sums(dq_p, dk_p, dg_p, db_p, g, 2, torch.float32, torch.float32)
     rows = lambda p: (p[0].view(2, 37, 2, 2, 32)[..., 0, :] + p[0].view(2, 37, 2, 2, 32)[..., 1, :]
                       + p[1].view(2, 37, 2, 2, 32)[..., 0, :] + p[1].view(2, 37, 2, 2, 32)[..., 1, :])
@@ -126,27 +121,25 @@ def test_partial_sums_keep_the_previous_order():
 
 
 def test_partial_sums_compile_for_h200_like_a_row_sum():
-    """The one launch for sm_90 (row 5's sizes: G = 2, HV = 32; fp32 and bf16 partials): no spill, and registers
+    """The one launch for sm_90 (row 5's sizes: G = 2, HV = 32): no spill, and registers
     of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate programs' transpose
     costs the row sums no occupancy."""
     from tests.ops.sm90_compile import compile_for_h200
-    kinds = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dg_parts": "*fp32", "dbeta_parts": "*fp32",
-             "g": "*fp32", "dg": "*fp32"}
-    for parts in ("*fp32", "*bf16"):
-        types = {**kinds, "dq_parts": parts, "dk_parts": parts}
-        consts = ("dict(NV=2, G=2, K=128, HV=32, BT=p.BT, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
-                  "BTOK=p.GATE_ELEMENTS // 32, ACC=tl.float32, FLOOR=-104.0)")     # the launcher's tiles
-        registers, spills = compile_for_h200(
-            "import sm90, triton.language as tl; from linattn.ops.common import partial_sum as p",
-            f"tuple(sm90.compile_sm90(p.partial_sums_kernel, {consts}, lambda n: {types!r}.get(n, 'i32'), 4)[:2])")
-        assert spills == 0 and registers <= 64, (parts, registers, spills)
+    types = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dq_parts": "*fp32", "dk_parts": "*fp32",
+             "dg_parts": "*fp32", "dbeta_parts": "*fp32", "g": "*fp32", "dg": "*fp32"}
+    consts = ("dict(NV=2, G=2, K=128, HV=32, BT=p.BT, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
+              "BTOK=p.GATE_ELEMENTS // 32, FLOOR=-104.0)")     # the launcher's tiles
+    registers, spills = compile_for_h200(
+        "import sm90; from linattn.ops.common import partial_sum as p",
+        f"tuple(sm90.compile_sm90(p.partial_sums_kernel, {consts}, lambda n: {types!r}.get(n, 'i32'), 4)[:2])")
+    assert spills == 0 and registers <= 64, (registers, spills)
 
 
 def test_partial_sums_reject_bad_partials():
     from linattn.ops.common.partial_sum import partial_sums
-    dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 1, 37, 1, 2, 16, torch.float32)
+    dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 1, 37, 1, 2, 16)
     for bad, match in [(dict(H=3), "multiple"), (dict(dk_p=dk_p[:, :, :5]), "one shape"),
-                       (dict(dq_p=dq_p.half(), dk_p=dk_p.half()), "partials must be one of"),
+                       (dict(dq_p=dq_p.bfloat16(), dk_p=dk_p.bfloat16()), "partials must be one of"),
                        (dict(dg_p=dg_p[..., :30]), "Lp"), (dict(db_p=db_p.bfloat16()), "dbeta partials"),
                        (dict(g=g[:, :5]), "g must")]:
         x = {**dict(dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, g=g, H=1), **bad}
@@ -173,11 +166,6 @@ def test_bad_inputs_raise(change, error, match):
         backward.chunk_gated_delta_rule_bwd_hopper(**_inputs(**change))
 
 
-def test_bad_partial_dtype_raises():
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        backward.chunk_gated_delta_rule_bwd_hopper(**_inputs(), dqk_partial_dtype=torch.float16)
-
-
 def test_bad_states_gates_and_device_raise():
     x = _inputs()
     for name, bad, match in [("g", x["g"].double(), "float32"), ("beta", x["beta"][:, :5], "g and beta"),
@@ -197,22 +185,17 @@ CTA_SHARED = 227 * 1024
 
 
 @COMPILES
-@pytest.mark.parametrize("K,BV,partials", [(128, 64, torch.float32), (64, 64, torch.float32), (64, 32, torch.float32),
-                                           (128, 64, torch.bfloat16), (64, 32, torch.bfloat16)],
-                         ids=["K128", "K64", "K64_BV32", "K128_bf16_partials", "K64_BV32_bf16_partials"])
-def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV, partials):
-    """The walk (V = K, two value heads per qk head; dq, dk partials stored in fp32 or bf16) for sm_90a: its 20 dots
-    on bf16 wgmma (none on mma.sync), its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and
-    ptxas spilling nothing and serialising no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D
-    runs on threads 0–31, the producer warpgroup's in this warp-specialised kernel, so its scan would never run
-    (the dg bug the GPU found)."""
+@pytest.mark.parametrize("K,BV", [(128, 64), (64, 64), (64, 32)])
+def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
+    """The walk (V = K, two value heads per qk head) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
+    its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising
+    no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D runs on threads 0–31, the producer
+    warpgroup's in this warp-specialised kernel, so its scan would never run (the dg bug the GPU found)."""
     from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
-    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a", partials)  # gpu_check_hopper_bwd's
+    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a")  # gpu_check_hopper_bwd's
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20 and "mma_sync" not in source
-    partial_type = {torch.float32: "float*", torch.bfloat16: "bfloat16_t*"}[partials]
-    assert f"{partial_type} __restrict__ dq" in source and f"{partial_type} __restrict__ dk" in source
     assert "tl::CumSum" not in source
     assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
     report = compile_sm90a(source, tmp_path)[1]
@@ -223,35 +206,30 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV, partials):
 @COMPILES
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every walk the GPU script launches compiles for
-    sm_90a without a spill, within a CTA's shared memory (its cases' kernels are the compile test's, cached by
-    TileLang): 7 with fp32 dq, dk partials for parts (a) and (b), 8 more for (c)'s fp32 against bf16."""
+    sm_90a without a spill (its cases' kernels are the compile test's, cached by TileLang)."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 15 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
+    assert len(rows) == 7 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 
-def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, dqk_partial_dtype):
-    """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding but the partials'): the host chain's
-    stand-in walk."""
+def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
+    """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding): the host chain's stand-in walk."""
     T = q.shape[1]
     pad = (0, gc.shape[-1] - T)
     saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
                              h.transpose(1, 2).float(), 1)
     p = bwd.chunk_bwd_v_slices_ref(q, k, v, do, dht, saved, scale, BV, None, "exact")
     head_major = lambda x: torch.stack([backward.head_major_chunks(s) for s in x.unbind(0)])
-    return (p.dq.to(dqk_partial_dtype), p.dk.to(dqk_partial_dtype), p.dv, head_major(p.dg), head_major(p.dbeta),
-            p.dh0)
+    return p.dq, p.dk, p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dqk_partial_dtype", [torch.float32, torch.bfloat16], ids=["fp32_partials", "bf16_partials"])
-def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypatch, dqk_partial_dtype):
+def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypatch):
     """The host chain (Triton recompute, layouts, partial sums, the gate floor's mask, output dtypes) with the walk
-    replaced by its twin, fp32 under the interpreter (the dtype and device checks lifted; dq, dk partials in fp32 or
-    bf16): the float64 reference's gradients up to the bf16 h and T the recompute stores (GVA, T = 100, V halves).
-    An O(1) layout error fails."""
+    replaced by its twin, fp32 under the interpreter (the dtype and device checks lifted): the float64 reference's
+    gradients up to the bf16 h and T the recompute stores (GVA, T = 100, V halves). An O(1) layout error fails."""
     from linattn.ops.hopper import chunk_bwd
 
     from .test_hopper_bwd_ref import reference_grads, rel_l2
@@ -261,8 +239,7 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
     ref = reference_grads(x, 0.3, use_dht=True)
     low = {n: t.float() for n, t in x.items()}
     got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
-                                                     low["h0"], low["do"], low["dht"], BV=16,
-                                                     dqk_partial_dtype=dqk_partial_dtype)
+                                                     low["h0"], low["do"], low["dht"], BV=16)
     assert all(t.dtype == torch.float32 for t in got)
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, got, ref)}
     assert max(errors.values()) < 2e-2, errors

@@ -8,7 +8,7 @@ reference's autograd, gradients through (o·do).sum() + (ht·dht).sum():
 * the recompute of h from sparse checkpoints gives the forward's states bit for bit;
 * the kernel's bf16 rounding points: every gradient within 2× the error of the chunked computation in PyTorch with
   every stage's output rounded to bf16 (benchmarks/gpu_check_core.py's baseline), on the case of the repeated token
-  too, whole-V with tf32 operands of dA and V-halved with the kernel's bf16 ones (dq, dk partials fp32 or bf16);
+  too, whole-V with tf32 operands of dA and V-halved with the kernel's bf16 ones;
 * the V-sliced walk (the kernel's programs) sums to the whole-V walk;
 * determinism: the same inputs give the same bits;
 * on an sm_90 GPU, the TileLang walk (chunk_bwd.py) from the twin's saved tensors within the same bound.
@@ -56,16 +56,14 @@ def reference_grads(x: dict, scale: float, use_dht: bool) -> list[torch.Tensor]:
 
 
 def twin_grads(x: dict, scale: float, use_h0: bool, use_dht: bool, segments: int = 1, checkpoint_every: int = 2,
-               operand_dtype=None, da_operands: str = "exact", BV: int = 0, dqk_partial_dtype=None
-               ) -> list[torch.Tensor]:
+               operand_dtype=None, da_operands: str = "exact", BV: int = 0) -> list[torch.Tensor]:
     """The forward twin's saved tensors, then the backward twin, in x's dtypes (float64, or bf16 q, k, v, β, do);
-    ``BV`` > 0: the V-sliced walk (unsegmented, its dq, dk partials rounded to ``dqk_partial_dtype``) and the sum
-    of its partials."""
+    ``BV`` > 0: the V-sliced walk (unsegmented) and the sum of its partials."""
     _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], scale,
                                                x["h0"] if use_h0 else None, checkpoint_every, operand_dtype)
     if BV:
         parts = bwd.chunk_bwd_v_slices_ref(x["q"], x["k"], x["v"], x["do"], x["dht"] if use_dht else None, saved,
-                                           scale, BV, operand_dtype, da_operands, dqk_partial_dtype)
+                                           scale, BV, operand_dtype, da_operands)
         return list(bwd.sum_partials_ref(parts, x["q"].shape[2]))
     return list(bwd.chunk_bwd_hopper_ref(x["q"], x["k"], x["v"], x["do"], x["dht"] if use_dht else None, saved,
                                          scale, segments, operand_dtype, da_operands))
@@ -204,13 +202,12 @@ BF16_CASES = [
 ]
 
 
-@pytest.mark.parametrize("sliced,dqk_partial_dtype", [(False, None), (True, None), (True, torch.bfloat16)],
-                         ids=["whole_V", "V_halves", "V_halves_bf16_partials"])
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole_V", "V_halves"])
 @pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
-def test_bf16_rounding_within_twice_the_rounded_baseline(case, sliced, dqk_partial_dtype):
+def test_bf16_rounding_within_twice_the_rounded_baseline(case, sliced):
     """The twin at the kernel's rounding points, whole-V (dA on tf32 operands) and V-halved as the kernel runs it
-    (each half rounds its own partial dP and dKD to bf16; dA on bf16 operands; its dq, dk partials stored in fp32
-    or bf16), within 2× the rounded baseline's error."""
+    (each half rounds its own partial dP and dKD to bf16; dA on bf16 operands), within 2× the rounded baseline's
+    error."""
     _, T, H, HV, K, decay, repeated = case
     x = make_inputs(1, T, H, HV, K, decay, repeated)
     low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
@@ -218,7 +215,7 @@ def test_bf16_rounding_within_twice_the_rounded_baseline(case, sliced, dqk_parti
     scale = K ** -0.5
     ref = reference_grads(exact, scale, use_dht=True)
     got = twin_grads(low, scale, True, True, operand_dtype=torch.bfloat16, da_operands="bf16" if sliced else "tf32",
-                     BV=K // 2 if sliced else 0, dqk_partial_dtype=dqk_partial_dtype)
+                     BV=K // 2 if sliced else 0)
     base = rounded_baseline(low, scale)
     ratios = {n: rel_l2(a, c) / rel_l2(b, c) for n, a, b, c in zip(GRADS, got, base, ref)}
     assert max(ratios.values()) <= 2.0, ratios
@@ -257,12 +254,10 @@ ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not chunk_fwd.ti
 
 
 @ON_HOPPER
-@pytest.mark.parametrize("dqk_partial_dtype", [torch.float32, torch.bfloat16], ids=["fp32_partials", "bf16_partials"])
 @pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
-def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case, dqk_partial_dtype):
-    """On the GPU: the kernel's gradients (V halves, the host's sums of their partials, fp32 or bf16 dq, dk
-    partials) from the twin's saved tensors and recomputed h, each within 2× the rounded baseline's error against
-    float64, as the twin's are."""
+def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case):
+    """On the GPU: the kernel's gradients (V halves, the host's sums of their partials) from the twin's saved
+    tensors and recomputed h, each within 2× the rounded baseline's error against float64, as the twin's are."""
     from linattn.ops.hopper import backward, chunk_bwd
     _, T, H, HV, K, decay, repeated = case
     x = make_inputs(1, T, H, HV, K, decay, repeated)
@@ -275,7 +270,7 @@ def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case, dqk_partial
     cuda = lambda t: t.cuda()
     dq, dk, dv, dg, dbeta, dh0 = chunk_bwd.chunk_bwd_hopper(
         *map(cuda, (low["q"], low["k"], low["v"], low["do"], saved.gc, saved.beta, saved.a_inv.to(torch.bfloat16),
-                    h.transpose(1, 2).to(torch.bfloat16), low["dht"])), scale, K // 2, dqk_partial_dtype)
+                    h.transpose(1, 2).to(torch.bfloat16), low["dht"])), scale, K // 2)
     dq, dk, dg, dbeta = backward.gradients_from_partials(dq, dk, dg, dbeta, low["g"].cuda(), torch.float32,
                                                          torch.float32, H)
     got = [t.cpu().float() for t in (dq, dk, dv, dg, dbeta, dh0)]

@@ -9,7 +9,7 @@ The gates' partials come head-major (``[NV, B, HV, Lp]``, the walk's TMA layout)
 (``[B, T, HV]``). Programs ``[0, P)`` add dq's rows, ``[P, 2P)`` dk's, the rest the gates' tiles: one launch where
 the host chain ran seven or eight (two row sums; sums, compare, masked copy of dg; dβ's sum and cast), which is
 what counts where the backward is host-bound (B = 1, T = 4096). Bytes at row 2 (B = 8, T = 4096, H = HV = 16,
-K = 128, NV = 2): dq and dk read 1.07 GB of fp32 partials (0.54 GB of bf16 ones) and write 268 MB; the gates move
+K = 128, NV = 2): dq and dk read 1.07 GB of fp32 partials and write 268 MB; the gates move
 8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
 """
 from __future__ import annotations
@@ -26,24 +26,23 @@ ROW_ELEMENTS = 4096     # dq, dk values summed per program (rows × K): 16 KB of
 # every program (172 per thread at 4096 against 48, sm_90), and the row sums' occupancy with them
 GATE_ELEMENTS = 1024
 BT = 64                 # the walk's chunk: its head-major rows Lp hold whole chunks
-ROW_PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)    # float64: the CPU tests' exact sums
-GATE_PARTIAL_DTYPES = (torch.float32, torch.float64)
+SUM_DTYPES = (torch.float32, torch.float64)     # the partials summed in their dtype; float64: the CPU tests' exact sums
 
 
 @triton.jit
 def _sum_rows(parts, out, i_p, rows, slice_stride, NV: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-              BK: tl.constexpr, BR: tl.constexpr, ACC: tl.constexpr):
-    """BR output rows (b, t, h flattened) × K: each the sum of its NV·G partial rows in ACC, slices outer, heads
-    inner; read NV·G·K partials, write K per row."""
+              BK: tl.constexpr, BR: tl.constexpr):
+    """BR output rows (b, t, h flattened) × K: each the sum of its NV·G partial rows in their dtype, slices outer,
+    heads inner; read NV·G·K partials, write K per row."""
     o_r = i_p * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m = (o_r < rows)[:, None] & (o_k < K)[None, :]
-    acc = tl.zeros([BR, BK], dtype=ACC)
+    acc = tl.zeros([BR, BK], dtype=parts.dtype.element_ty)     # fp32 (float64 for float64 partials)
     for s in tl.static_range(NV):
         for g in tl.static_range(G):
             # row (b·T + t)·HV + h·G + g of slice s: the flattened output row times G, plus g
             off = s * slice_stride + (o_r.to(tl.int64)[:, None] * G + g) * K + o_k[None, :]
-            acc += tl.load(parts + off, mask=m, other=0.).to(ACC)
+            acc += tl.load(parts + off, mask=m, other=0.)
     tl.store(out + o_r.to(tl.int64)[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
 
 
@@ -74,7 +73,7 @@ def _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tiles_per_sequen
 @triton.jit(do_not_specialize=["B", "T", "NT"])
 def partial_sums_kernel(dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, NT,
                         NV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BTOK: tl.constexpr, ACC: tl.constexpr,
+                        BK: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BTOK: tl.constexpr,
                         FLOOR: tl.constexpr):
     """One program: BR rows of dq, or of dk, or BTOK tokens of dg and dβ (module docstring). The sizes come as B, T
     and NT (Lp = NT·BT) and every stride is formed here from them and the constexprs, so that the compiler knows
@@ -85,9 +84,9 @@ def partial_sums_kernel(dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg
     row_programs = tl.cdiv(rows, BR)
     row_slice_stride = rows.to(tl.int64) * G * K
     if i_p < row_programs:
-        _sum_rows(dq_parts, dq, i_p, rows, row_slice_stride, NV, G, K, BK, BR, ACC)
+        _sum_rows(dq_parts, dq, i_p, rows, row_slice_stride, NV, G, K, BK, BR)
     elif i_p < 2 * row_programs:
-        _sum_rows(dk_parts, dk, i_p - row_programs, rows, row_slice_stride, NV, G, K, BK, BR, ACC)
+        _sum_rows(dk_parts, dk, i_p - row_programs, rows, row_slice_stride, NV, G, K, BK, BR)
     else:
         Lp = NT * BT
         _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - 2 * row_programs, T, Lp, tl.cdiv(T, BTOK),
@@ -99,15 +98,15 @@ def _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H: int) -> None:
         raise ValueError(f"dq and dk partials must be [NV, B, T, HV, K] of one shape and dtype, got "
                          f"{tuple(dq_parts.shape)} {dq_parts.dtype}, {tuple(dk_parts.shape)} {dk_parts.dtype}")
     NV, B, T, HV, K = dq_parts.shape
-    if dq_parts.dtype not in ROW_PARTIAL_DTYPES or HV % H:
-        raise ValueError(f"dq, dk partials must be one of {ROW_PARTIAL_DTYPES} with HV = {HV} a multiple of H = {H}, "
+    if dq_parts.dtype not in SUM_DTYPES or HV % H:
+        raise ValueError(f"dq, dk partials must be one of {SUM_DTYPES} with HV = {HV} a multiple of H = {H}, "
                          f"got {dq_parts.dtype}")
     if (dg_parts.dim() != 4 or dg_parts.shape[:3] != (NV, B, HV) or dg_parts.shape[3] < T
             or dg_parts.shape[3] % BT or dbeta_parts.shape != dg_parts.shape):
         raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp] = [{NV}, {B}, {HV}, Lp], Lp ≥ T = {T} in "
                          f"whole chunks of {BT}, got {tuple(dg_parts.shape)}, {tuple(dbeta_parts.shape)}")
-    if dg_parts.dtype not in GATE_PARTIAL_DTYPES or dbeta_parts.dtype != dg_parts.dtype:
-        raise ValueError(f"dg and dbeta partials must be one of {GATE_PARTIAL_DTYPES}, got {dg_parts.dtype}, "
+    if dg_parts.dtype not in SUM_DTYPES or dbeta_parts.dtype != dg_parts.dtype:
+        raise ValueError(f"dg and dbeta partials must be one of {SUM_DTYPES}, got {dg_parts.dtype}, "
                          f"{dbeta_parts.dtype}")
     if g.shape != (B, T, HV):
         raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
@@ -118,7 +117,7 @@ def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch
     """The walk's partials added in one launch (module docstring; :func:`partial_sums_ref`'s order).
 
     Args:
-        dq_parts, dk_parts: ``[NV, B, T, HV, K]`` fp32 or bf16 (summed in fp32; float64: in float64).
+        dq_parts, dk_parts: ``[NV, B, T, HV, K]`` fp32 (or float64: summed in it).
         dg_parts, dbeta_parts: ``[NV, B, HV, Lp]`` head-major, Lp ≥ T in whole chunks of 64, fp32 (or float64).
         g: ``[B, T, HV]`` the log decays (dg is zero where they are below ``MIN_LOG_DECAY``).
         H: the qk heads (HV a multiple of H). qk_dtype, beta_dtype: dq, dk's and dβ's dtypes.
@@ -137,26 +136,24 @@ def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch
     BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
     grid = (2 * cdiv(B * T * H, BR) + B * cdiv(T, BTOK),)
     launch(partial_sums_kernel, grid, dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, Lp // BT,
-           NV=NV, G=HV // H, K=K, HV=HV, BT=BT, BK=BK, BR=BR, BH=BH, BTOK=BTOK,
-           ACC=tl.float64 if dq_parts.dtype == torch.float64 else tl.float32, FLOOR=MIN_LOG_DECAY)
+           NV=NV, G=HV // H, K=K, HV=HV, BT=BT, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
     return dq, dk, dg, dbeta
 
 
 def partial_sums_ref(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch.Tensor,
                      dbeta_parts: torch.Tensor, g: torch.Tensor, H: int, qk_dtype: torch.dtype,
                      beta_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """:func:`partial_sums` in PyTorch: the same additions in the same order and precision (fp32; float64 for
-    float64 partials), the same mask and casts."""
+    """:func:`partial_sums` in PyTorch: the same additions in the same order and in the partials' dtype, the same
+    mask and casts."""
     _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H)
     NV, B, T, HV, K = dq_parts.shape
-    acc = torch.float64 if dq_parts.dtype == torch.float64 else torch.float32
 
     def rows(parts: torch.Tensor) -> torch.Tensor:
         grouped = parts.view(NV, B, T, H, HV // H, K)
-        total = torch.zeros(B, T, H, K, dtype=acc, device=parts.device)
+        total = torch.zeros(B, T, H, K, dtype=parts.dtype, device=parts.device)
         for s in range(NV):
             for j in range(HV // H):
-                total = total + grouped[s, :, :, :, j].to(acc)
+                total = total + grouped[s, :, :, :, j]
         return total.to(qk_dtype)
 
     def gates(parts: torch.Tensor) -> torch.Tensor:

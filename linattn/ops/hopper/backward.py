@@ -6,7 +6,7 @@ chain around the fused reverse walk (``chunk_bwd.py``). The op's backward runs i
                 walk needs T without diag(β)), h = bf16 state entering each chunk (the Triton state pass from T,
                 ``[B, NT, HV, K, V]``, the walk's layout); gc, β head-major, T in bf16
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence, value head, V slice): dv, dh0, and
-                partials of dq, dk (per slice and value head; fp32 or bf16), dg, dβ (per slice)
+                partials of dq, dk (per slice and value head), dg, dβ (per slice)
     reductions  ``common/partial_sum.py``, one launch: the partials added over the slices, then over the value heads
                 of each qk head, in a fixed order, dg masked below the gate floor, every gradient in its dtype: no
                 atomics, the same bits every run
@@ -77,8 +77,7 @@ def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
-                                      do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
-                                      dqk_partial_dtype: torch.dtype = torch.float32):
+                                      do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
 
     Args:
@@ -87,14 +86,12 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         initial_state: ``[B, HV, K, V]`` or None. do: ``[B, T, HV, V]`` bf16, the output's gradient.
         dht: ``[B, HV, K, V]``, the final state's gradient, or None (zeros).
         BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
-        dqk_partial_dtype: the dtype of the walk's dq, dk partials (``chunk_bwd.PARTIAL_DTYPES``: fp32, bf16).
     Returns:
         dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
         and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
         ``triton_bwd.chunk_gated_delta_rule_bwd_triton``.
     """
     from . import chunk_bwd
-    chunk_bwd.partial_dtype_name(dqk_partial_dtype)
     check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
     B, T, H, K = q.shape
     V = v.shape[3]
@@ -102,7 +99,7 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     gc, a_inv, h = recompute(k, v, g, beta, initial_state)
     dq_p, dk_p, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
         q, k, v, do, head_major_chunks(gc), head_major_chunks(beta.float()), a_inv, h, dht, scale,
-        BV or min(V, chunk_bwd.BV_DEFAULT), dqk_partial_dtype)
+        BV or min(V, chunk_bwd.BV_DEFAULT))
     del h
     dq, dk, dg, dbeta = gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
     return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None

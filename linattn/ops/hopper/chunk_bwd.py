@@ -9,14 +9,13 @@ Each writes its columns of dv and dh0 (complete) and partials of dq, dk (per val
 adds in a fixed order. At K = V = 128 the whole-V program needs 393 KB of shared memory; a BV = 64 slice fits one
 CTA (218 368 B; ptxas: 168 registers, no spill). Not warp-specialised by hand (TileLang adds its producer
 warpgroup: 384 threads), loads single-buffered. Per chunk and program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16
-wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB); writes the dq, dk partials 64 KB
-(32 KB as bf16: ``dqk_partial_dtype``), dv 8 KB.
+wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB); writes the dq, dk partials 64 KB, dv 8 KB.
 benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
 
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
 bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
-``[NV, B, T, HV, K]`` fp32 (or bf16) partials per slice and value head, dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
+``[NV, B, T, HV, K]`` fp32 partials per slice and value head, dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
 fp32 partials, dh0 ``[B, HV, K, V]`` fp32 (NV = V / BV).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
@@ -29,9 +28,6 @@ from .chunk_fwd import BT, compile_prim_func, launcher
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
-# the dtypes the dq, dk partials can be stored in: fp32, or bf16 (half the walk's partial writes and the reduction's
-# reads, one more rounding of each partial)
-PARTIAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
@@ -245,24 +241,14 @@ def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
     return types.SimpleNamespace(**tiles, **program)
 
 
-def partial_dtype_name(dqk_partial_dtype: torch.dtype) -> str:
-    """TileLang's name of the dq, dk partials' dtype; a ValueError for one the walk does not store."""
-    if dqk_partial_dtype not in PARTIAL_DTYPES:
-        raise ValueError(f"the dq, dk partials are float32 or bfloat16, got {dqk_partial_dtype}")
-    return PARTIAL_DTYPES[dqk_partial_dtype]
-
-
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256,
-                 dqk_partial_dtype: torch.dtype = torch.float32):
-    """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V;
-    ``dqk_partial_dtype`` (:data:`PARTIAL_DTYPES`) the dtype the dq, dk partials are stored in (the fp32
-    accumulators rounded once, to nearest even). Every dot is waited for at its issue."""
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256):
+    """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V.
+    Every dot is waited for at its issue."""
     import tilelang.language as T
 
     if V % BV:
         raise ValueError(f"BV ({BV}) must divide V ({V})")
     acc, bf = "float32", "bfloat16"
-    pdt = partial_dtype_name(dqk_partial_dtype)
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G, NV = HV // H, V // BV
 
@@ -274,7 +260,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                       gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                       a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
                       dht: T.Tensor((B, HV, K, V), acc),
-                      dq: T.Tensor((NV, B, Tn, HV, K), pdt), dk: T.Tensor((NV, B, Tn, HV, K), pdt),
+                      dq: T.Tensor((NV, B, Tn, HV, K), acc), dk: T.Tensor((NV, B, Tn, HV, K), acc),
                       dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
                       dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc)):
         with T.Kernel(NV, B * HV, threads=threads) as (iv, bh):
@@ -314,26 +300,23 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
 
 @functools.lru_cache(maxsize=32)
 def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
-                    target: Optional[str] = None, dqk_partial_dtype: torch.dtype = torch.float32):
+                    target: Optional[str] = None):
     """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target`` (None: this GPU;
     "sm_90a" without one)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV, dqk_partial_dtype=dqk_partial_dtype), target)
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV), target)
 
 
 def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                      beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
-                     scale: float, BV: int = BV_DEFAULT, dqk_partial_dtype: torch.dtype = torch.float32
-                     ) -> tuple[torch.Tensor, ...]:
+                     scale: float, BV: int = BV_DEFAULT) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
-    Returns the partials dq, dk ``[NV, B, T, HV, K]`` in ``dqk_partial_dtype`` (fp32 or bf16), dv
-    ``[B, T, HV, V]`` bf16, the partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32
-    (``backward.py`` adds the partials)."""
+    Returns the partials dq, dk ``[NV, B, T, HV, K]`` fp32, dv ``[B, T, HV, V]`` bf16, the partials dg, dβ
+    ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the partials)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
     if V % BV:
         raise ValueError(f"BV ({BV}) must divide V ({V})")
-    partial_dtype_name(dqk_partial_dtype)
     NV = V // BV
     if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
         raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
@@ -342,11 +325,11 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
         raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
                          f"{tuple(h.shape)}")
     dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
-    dq, dk = (q.new_empty(NV, B, T, HV, K, dtype=dqk_partial_dtype) for _ in range(2))
+    dq, dk = (q.new_empty(NV, B, T, HV, K, dtype=torch.float32) for _ in range(2))
     dv = torch.empty_like(v)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel = compiled_kernel(H, HV, K, V, scale, BV, dqk_partial_dtype=dqk_partial_dtype)
+    kernel = compiled_kernel(H, HV, K, V, scale, BV)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
                      beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0)
     return dq, dk, dv, dg, dbeta, dh0

@@ -406,16 +406,15 @@ class SlicePartials(NamedTuple):
 
 
 def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedForward, scale: float, BV: int,
-                           operand_dtype: Optional[torch.dtype] = torch.bfloat16, da_operands: str = "bf16",
-                           dqk_partial_dtype: Optional[torch.dtype] = None) -> SlicePartials:
+                           operand_dtype: Optional[torch.dtype] = torch.bfloat16, da_operands: str = "bf16"
+                           ) -> SlicePartials:
     """The unsegmented walk run once per V slice of width ``BV`` (the kernel's programs: one per sequence, value
     head and slice), each slice's walk reading only its columns of v, dO, h and dht. The reverse step is
     column-separable in V: KS, X, V_new, dV_new, Y and the dS chain (left products) live in one slice, and every
     other gradient is a sum over V of the slices' contributions (dP = scale (dO V_newᵀ) ⊙ D and dA = −Y V_newᵀ
     are, and dq, dk, dβ, dg are linear in them and in the slices' own row sums, t and γ Σ h⊙dS included), so the
     slices need no exchange: :func:`sum_partials_ref` of the partials is the whole-V walk (float64: to rounding).
-    ``dqk_partial_dtype``: the dtype the kernel stores the dq, dk partials in (each partial rounded to it, kept in
-    the working dtype; None: not rounded). The other arguments as :func:`chunk_bwd_hopper_ref`'s."""
+    Arguments as :func:`chunk_bwd_hopper_ref`'s."""
     _check(q, k, v, saved.checkpoint_every)
     V = v.shape[-1]
     if BV < 1 or V % BV:
@@ -438,8 +437,7 @@ def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: Save
         slices.append(([tc.from_chunks(torch.stack([getattr(c, n) for c in grads], 2), T)
                         for n in ("dq", "dk", "dv", "dg", "dbeta")], dh0))
     part = lambda i: torch.stack([s[0][i] for s in slices])
-    stored = rounder(work, dqk_partial_dtype)
-    return SlicePartials(stored(part(0)), stored(part(1)), torch.cat([s[0][2] for s in slices], -1), part(3), part(4),
+    return SlicePartials(part(0), part(1), torch.cat([s[0][2] for s in slices], -1), part(3), part(4),
                          torch.cat([s[1] for s in slices], -1))
 
 
