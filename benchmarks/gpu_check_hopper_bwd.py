@@ -1,14 +1,15 @@
 """GPU check of the Hopper backward (linattn/ops/hopper/backward.py, issue 45): accuracy, determinism, then time.
 
 (a) the walk alone against its PyTorch twin on the same inputs (each raw output, partials included); then
-    accuracy, bf16, with h0 and dht: relative L2 of every gradient against float64 autograd of the token-by-token
-    reference on the same rounded inputs, beside the Triton backward's error and the rounded PyTorch baseline's
-    (gpu_check_core.rounded_twin: every stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline);
-    then a bitwise repeat (two runs, the same bits).
+    accuracy, bf16, with h0 and dht (GVA, K = 64 and 128, T = 65 to 1000, slow decay, a repeated token): relative
+    L2 of every gradient against float64 autograd of the token-by-token reference on the same rounded inputs,
+    beside the Triton backward's error and the rounded PyTorch baseline's (gpu_check_core.rounded_twin: every
+    stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline); then a bitwise repeat (two runs, the same
+    bits).
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
     and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
-    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
-    the Triton backward.
+    over the T/64 chunks each program walks), the reductions (one launch: sums, mask, casts), the whole Hopper
+    backward and the Triton backward.
     The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
 (c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
     T=32768, H=2, HV=8) and 1 (B=1, T=4096, H=HV=16), the segmented backward at the planner's L (or T/256 where
@@ -41,20 +42,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors')
+# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors'),
+# repeated (one q and one k for every token: the case that punishes bf16 operands of dA; the twin puts dk at 1.8×
+# the rounded baseline)
 CASES = [
-    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16),
-    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16),
-    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16),
-    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16),
-    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024),
+    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16, False),
+    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16, False),
+    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16, False),
+    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16, False),
+    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024, False),
+    ("B1_T256_K128_repeated_token", 1, 256, 1, 2, 128, 128, None, 1 / 16, True),
 ]
 # part (a)'s cases walked in segments (the last field: segment_chunks): S = 4, 2 and 8 segments, their walks
 # already among CASES' kernels
 SEGMENTED_CASES = [
-    (("B2_T512_GVA_K128_seg", 2, 512, 2, 4, 128, 128, None, 1 / 16), 2),
-    (("B2_T512_GVA_K64_seg", 2, 512, 2, 4, 64, 64, None, 1 / 16), 4),
-    (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024), 2),
+    (("B2_T512_GVA_K128_seg", 2, 512, 2, 4, 128, 128, None, 1 / 16, False), 2),
+    (("B2_T512_GVA_K64_seg", 2, 512, 2, 4, 64, 64, None, 1 / 16, False), 4),
+    (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024, False), 2),
 ]
 SEGMENT_ROWS = [(3, 1, 32768, 16, 16), (4, 1, 131072, 16, 16), (7, 1, 32768, 2, 8), (1, 1, 4096, 16, 16)]
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
@@ -67,8 +71,8 @@ ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
 def kernel_configs() -> list[tuple]:
     """(H, HV, K, V, scale, BV) of every walk this script launches."""
     config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
-    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _ in CASES]
-    configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _), _ in SEGMENTED_CASES]
+    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _, _ in CASES]
+    configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in SEGMENTED_CASES]
     configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
     return list(dict.fromkeys(configs))
 
@@ -90,13 +94,15 @@ def smoke() -> list[dict]:
     return out
 
 
-def bf16_inputs(name, B, T, H, HV, K, V, decay):
-    """gpu_check_core.make's inputs (unit-norm q, k; h0), q, k, v, β and do rounded to bf16, and their float64
-    ground-truth copies; do and dht fresh normals."""
+def bf16_inputs(name, B, T, H, HV, K, V, decay, repeated=False):
+    """gpu_check_core.make's inputs (unit-norm q, k; h0; ``repeated``: the first token's q and k for every token),
+    q, k, v, β and do rounded to bf16, and their float64 ground-truth copies; do and dht fresh normals."""
     import zlib
 
     from gpu_check_core import make
     x = make(B, T, H, HV, K, V, B, seed=zlib.crc32(name.encode()) % 1000, decay=decay)
+    if repeated:
+        x["q"], x["k"] = (x[n][:, :1].expand_as(x[n]).clone() for n in ("q", "k"))
     gen = torch.Generator(device="cuda").manual_seed(7)
     x["do"] = torch.randn(B, T, HV, V, device="cuda", dtype=torch.float64, generator=gen)
     dht = torch.randn(B, HV, K, V, device="cuda", dtype=torch.float64, generator=gen).float()
@@ -114,8 +120,8 @@ def check_case(case, segment_chunks: Optional[int] = None) -> dict:
     from linattn.ops.gated_delta.reference import gated_delta_rule_reference
     from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
-    name, B, T, H, HV, K, V, BV, decay = case
-    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
+    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     scale = K ** -0.5
     args = [low[n] for n in ("q", "k", "v", "g", "beta")]
     ref = grads_of(lambda **a: gated_delta_rule_reference(
@@ -149,9 +155,9 @@ def twin_case(case) -> dict:
 
     from linattn.ops.hopper import backward, chunk_bwd
     from linattn.ops.hopper import chunk_bwd_ref as bwd
-    name, B, T, H, HV, K, V, BV, decay = case
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
     BV = BV or min(V, 64)
-    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     scale = K ** -0.5
     gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
     got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
@@ -175,8 +181,8 @@ def repeat_case(case, segment_chunks: Optional[int] = None) -> dict:
     """Two runs of the Hopper backward on the same inputs (walked in segments of ``segment_chunks``, or as
     planned): every output bit for bit equal."""
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
-    name, B, T, H, HV, K, V, BV, decay = case
-    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
     runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks) for _ in range(2)]
     return dict(case=name, segment_chunks=segment_chunks,

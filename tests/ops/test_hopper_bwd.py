@@ -2,7 +2,8 @@
 
 * the recompute (Triton stages, interpreter, fp32) gives the twin's gc, T (without β) and states entering each
   chunk, in the layouts the walk reads;
-* the host's sums of the walk's partials (head-major dg, dβ; per-slice, per-value-head dq, dk) equal the twin's;
+* the host's sums of the walk's partials (head-major dg, dβ; per-slice, per-value-head dq, dk), one launch, equal
+  the twin's (the same bits as the host ops they replace where the order is the same);
 * bad inputs raise clear errors;
 * the walk compiles for sm_90a at K = V = 128 (BV = 64) and K = V = 64 (BV = 64, 32): shared memory within the
   227 KB of a CTA, no spill, no serialised wgmma (where TileLang and nvcc are installed).
@@ -45,31 +46,105 @@ def test_recompute_gives_the_twins_saved_tensors():
 
 
 @pytest.mark.interpreter
-def test_sum_partials_equals_the_twins_sum():
+def test_gradients_from_partials_equal_the_twins_sum():
     """The twin's V-sliced partials in the walk's layouts (dg, dβ head-major and padded to whole chunks), added by
-    the host: the twin's own sums, to float64 rounding (GVA: 4 value heads on 2 qk heads, T = 100 not a multiple
-    of 64)."""
+    the host's one launch: the twin's own sums, to float64 rounding (GVA: 4 value heads on 2 qk heads, T = 100 not
+    a multiple of 64)."""
     x = make_inputs(2, 100, 2, 4, 32)
     _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["h0"], 2, None)
     parts = bwd.chunk_bwd_v_slices_ref(x["q"], x["k"], x["v"], x["do"], x["dht"], saved, 0.2, 16, None, "exact")
     head_major = lambda p: torch.stack([backward.head_major_chunks(s) for s in p.unbind(0)])
-    dq, dk, dg, dbeta = backward.sum_partials(parts.dq.to(DEVICE), parts.dk.to(DEVICE), head_major(parts.dg),
-                                              head_major(parts.dbeta), 2, 100, torch.float64)
+    dq, dk, dg, dbeta = backward.gradients_from_partials(
+        parts.dq.to(DEVICE), parts.dk.to(DEVICE), head_major(parts.dg).to(DEVICE), head_major(parts.dbeta).to(DEVICE),
+        x["g"].to(DEVICE), torch.float64, torch.float64, 2)
     twin = bwd.sum_partials_ref(parts, 2)
     errors = {n: max_rel(a.cpu(), b) for n, a, b in zip(GRADS, (dq, dk, twin[2], dg, dbeta, twin[5]), twin)}
     assert max(errors.values()) < 1e-14, errors
 
 
+def _walk_partials(NV, B, T, H, HV, K, seed=0):
+    """Random partials in the walk's layouts (dg, dβ head-major, padded to whole chunks with values the sums must
+    not read) and gates with every fifth one below the floor."""
+    from linattn.ops.utils import MIN_LOG_DECAY
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    Lp = -(-T // 64) * 64
+    g = -r(B, T, HV).abs()
+    g.view(-1)[::5] = MIN_LOG_DECAY - 1
+    return [t.to(DEVICE) for t in (r(NV, B, T, HV, K), r(NV, B, T, HV, K), r(NV, B, HV, Lp), r(NV, B, HV, Lp), g)]
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("NV,H,HV,K", [(2, 2, 4, 32), (1, 1, 1, 48), (2, 1, 4, 16)], ids=["halves_gva", "one", "gva4"])
-def test_partial_sum_equals_its_twin(NV, H, HV, K):
-    """common/partial_sum.py: the slices' and the group's partials added in the twin's order, the same fp32 bits;
-    rows past a program's block masked (B·T·H not a multiple of the rows per program; K = 48 not a power of two)."""
-    from linattn.ops.common.partial_sum import partial_sum, partial_sum_ref
-    parts = torch.randn(NV, 2, 37, HV, K, device=DEVICE)
-    assert torch.equal(partial_sum(parts, H, torch.float32), partial_sum_ref(parts, H, torch.float32))
-    with pytest.raises(ValueError, match="multiple"):
-        partial_sum(parts, 3, torch.float32)
+@pytest.mark.parametrize("NV,H,HV,K", [(2, 2, 4, 32), (1, 1, 1, 48), (4, 1, 4, 16), (2, 1, 3, 48)],
+                         ids=["halves_gva", "one_K48", "quarters_gva4", "halves_hv3_K48"])
+def test_partial_sums_equal_their_twin(NV, H, HV, K):
+    """common/partial_sum.py's one launch against its twin, the same fp32 bits: dq, dk and dg, dβ (head-major →
+    token-major, dg zero below the gate floor); rows and tokens past a program's block masked (B·T·H not a multiple
+    of its rows, T = 37 of a 64-wide padded row; K = 48, HV = 3 not powers of two)."""
+    from linattn.ops.common.partial_sum import partial_sums, partial_sums_ref
+    from linattn.ops.utils import MIN_LOG_DECAY
+    args = _walk_partials(NV, 2, 37, H, HV, K)
+    got = partial_sums(*args, H, torch.float32, torch.float32)
+    twin = partial_sums_ref(*args, H, torch.float32, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(got, twin))
+    g = args[4]
+    assert (got[2][g < MIN_LOG_DECAY] == 0).all() and (got[2][g >= MIN_LOG_DECAY] != 0).all()
+
+
+@pytest.mark.interpreter
+def test_partial_sums_cast_to_the_gradients_dtypes():
+    """bf16 dq, dk and dβ: the twin's, to one bf16 unit in the last place (the interpreter rounds fp32 → bf16 by
+    truncation, the GPU to nearest even); dg stays in g's dtype."""
+    from linattn.ops.common.partial_sum import partial_sums, partial_sums_ref
+    args = _walk_partials(2, 2, 37, 2, 4, 32)
+    got = partial_sums(*args, 2, torch.bfloat16, torch.bfloat16)
+    twin = partial_sums_ref(*args, 2, torch.bfloat16, torch.bfloat16)
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+    assert torch.equal(got[2], twin[2])
+    for a, b in zip(got[:2] + got[3:], twin[:2] + twin[3:]):
+        assert ((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs()).all()
+
+
+@pytest.mark.interpreter
+def test_partial_sums_keep_the_previous_order():
+    """fp32 partials of two slices: the one launch gives the bits of the host ops it replaces (the row sums'
+    kernel, slices outer and heads inner; torch's sum over the slices, slice to T, transpose and mask for dg, dβ)."""
+    from linattn.ops.common.partial_sum import partial_sums
+    from linattn.ops.utils import MIN_LOG_DECAY
+    dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 2, 37, 2, 4, 32, seed=1)
+    dq, dk, dg, dbeta = partial_sums(dq_p, dk_p, dg_p, db_p, g, 2, torch.float32, torch.float32)
+    rows = lambda p: (p[0].view(2, 37, 2, 2, 32)[..., 0, :] + p[0].view(2, 37, 2, 2, 32)[..., 1, :]
+                      + p[1].view(2, 37, 2, 2, 32)[..., 0, :] + p[1].view(2, 37, 2, 2, 32)[..., 1, :])
+    tokens = lambda p: p.sum(0)[..., :37].transpose(1, 2)
+    assert torch.equal(dq, rows(dq_p)) and torch.equal(dk, rows(dk_p))
+    assert torch.equal(dg, tokens(dg_p).masked_fill(g < MIN_LOG_DECAY, 0)) and torch.equal(dbeta, tokens(db_p))
+
+
+def test_partial_sums_compile_for_h200_like_a_row_sum():
+    """The one launch for sm_90 (row 5's sizes: G = 2, HV = 32): no spill, and registers
+    of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate programs' transpose
+    costs the row sums no occupancy."""
+    from tests.ops.sm90_compile import compile_for_h200
+    types = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dq_parts": "*fp32", "dk_parts": "*fp32",
+             "dg_parts": "*fp32", "dbeta_parts": "*fp32", "g": "*fp32", "dg": "*fp32"}
+    consts = ("dict(NV=2, G=2, K=128, HV=32, BT=p.BT, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
+              "BTOK=p.GATE_ELEMENTS // 32, FLOOR=-104.0)")     # the launcher's tiles
+    registers, spills = compile_for_h200(
+        "import sm90; from linattn.ops.common import partial_sum as p",
+        f"tuple(sm90.compile_sm90(p.partial_sums_kernel, {consts}, lambda n: {types!r}.get(n, 'i32'), 4)[:2])")
+    assert spills == 0 and registers <= 64, (registers, spills)
+
+
+def test_partial_sums_reject_bad_partials():
+    from linattn.ops.common.partial_sum import partial_sums
+    dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 1, 37, 1, 2, 16)
+    for bad, match in [(dict(H=3), "multiple"), (dict(dk_p=dk_p[:, :, :5]), "one shape"),
+                       (dict(dq_p=dq_p.bfloat16(), dk_p=dk_p.bfloat16()), "partials must be one of"),
+                       (dict(dg_p=dg_p[..., :30]), "Lp"), (dict(db_p=db_p.bfloat16()), "dbeta partials"),
+                       (dict(g=g[:, :5]), "g must")]:
+        x = {**dict(dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, g=g, H=1), **bad}
+        with pytest.raises(ValueError, match=match):
+            partial_sums(x["dq_p"], x["dk_p"], x["dg_p"], x["db_p"], x["g"], x["H"], torch.float32, torch.float32)
 
 
 def _inputs(B=1, T=70, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16):

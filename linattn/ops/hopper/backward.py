@@ -10,8 +10,8 @@ the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segmen
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice): dv, dh0,
                 and partials of dq, dk (per slice and value head), dg, dβ (per slice); segments are views of the
                 sequences, walked from their dS_out
-    reductions  the partials added over the slices, then over the value heads of each qk head, in a fixed order
-                (``common/partial_sum.py`` for dq, dk: one pass to the output dtype; torch's sum for dg, dβ): no
+    reductions  ``common/partial_sum.py``, one launch: the partials added over the slices, then over the value heads
+                of each qk head, in a fixed order, dg masked below the gate floor, every gradient in its dtype: no
                 atomics, the same bits every run
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
@@ -25,9 +25,9 @@ import torch
 
 from ..common.cumsum import chunk_local_cumsum
 from ..common.kkt_solve import kkt_solve
-from ..common.partial_sum import partial_sum
+from ..common.partial_sum import partial_sums
 from ..common.state_pass import state_pass_fwd
-from ..utils import MIN_LOG_DECAY, cdiv
+from ..utils import cdiv
 from . import segments
 from .chunk_fwd import BT
 
@@ -90,15 +90,6 @@ def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x.transpose(1, 2), (0, cdiv(T, BT) * BT - T)).contiguous()
 
 
-def sum_partials(dq, dk, dg, dbeta, H: int, T: int, qk_dtype: torch.dtype = torch.float32
-                 ) -> tuple[torch.Tensor, ...]:
-    """The walk's partials added: dq, dk ``[NV, B, T, HV, K]`` over the slices, then the G value heads of each qk
-    head → ``[B, T, H, K]`` in ``qk_dtype`` (``common/partial_sum.py``: one pass, fixed order); dg, dβ
-    ``[NV, B, HV, Lp]`` over the slices → ``[B, T, HV]`` fp32."""
-    tokens = lambda x: x.sum(0)[..., :T].transpose(1, 2)
-    return partial_sum(dq, H, qk_dtype), partial_sum(dk, H, qk_dtype), tokens(dg), tokens(dbeta)
-
-
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
                                       segment_chunks: Optional[int] = None):
@@ -144,9 +135,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
 
 def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
                             qk_dtype: torch.dtype, H: int) -> tuple[torch.Tensor, ...]:
-    """The reductions after the walk: :func:`sum_partials`, dg zero where the gate is below the floor
-    (``common/cumsum.py``: such gates do not move the output), and the gradients in their inputs' dtypes (dq, dk
-    ``qk_dtype``, dg g's, dβ ``beta_dtype``)."""
-    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, g.shape[1], qk_dtype)
-    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)
-    return dq, dk, dg.to(g.dtype), dbeta.to(beta_dtype)
+    """The reductions after the walk, one launch (``common/partial_sum.partial_sums``): dq, dk ``[B, T, H, K]`` in
+    ``qk_dtype`` from the partials ``[NV, B, T, HV, K]``; dg (g's dtype, zero where the gate is below the floor:
+    such gates do not move the output) and dβ (``beta_dtype``) ``[B, T, HV]`` from the head-major partials
+    ``[NV, B, HV, Lp]``."""
+    return partial_sums(dq_p, dk_p, dg_p, dbeta_p, g, H, qk_dtype, beta_dtype)
