@@ -2,9 +2,11 @@
 chain around the fused reverse walk (``chunk_bwd.py``). The op's backward runs it where
 ``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS pairs).
 
-    recompute   gc = chunk-local cumsum of g, T = (I + A)⁻¹ (``kkt_solve``: β inside A, none on the right: the
-                walk needs T without diag(β)), h = bf16 state entering each chunk (the Triton state pass from T,
-                ``[B, NT, HV, K, V]``, the walk's layout); gc, β head-major, T in bf16
+    recompute   on the Hopper forward's kernels: the pre-pass (``prepass.py``, ``beta_in_a_inv=False``) gives gc =
+                chunk-local cumsum of g and β head-major and T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
+                the walk needs T without diag(β)); the forward walk's ``store_states`` build (``chunk_fwd.py``,
+                ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each chunk ``[B, NT, HV, K,
+                V]``, the walk's layout: two launches
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence, value head, V slice): dv, dh0, and
                 partials of dq, dk (per slice and value head), dg, dβ (per slice)
     reductions  the partials added over the slices, then over the value heads of each qk head, in a fixed order
@@ -20,12 +22,12 @@ from typing import Optional
 
 import torch
 
-from ..common.cumsum import chunk_local_cumsum
-from ..common.kkt_solve import kkt_solve
+from ..common import num_sms
 from ..common.partial_sum import partial_sum
-from ..common.state_pass import state_pass_fwd
 from ..utils import MIN_LOG_DECAY, cdiv
+from . import prepass, walk_launch
 from .chunk_fwd import BT
+from .plan import DEFAULT, hopper_launch
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
 
@@ -60,13 +62,24 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
         raise ValueError(f"the Hopper backward runs on an sm_90 GPU, got a tensor on {q.device}")
 
 
-def recompute(k, v, g, beta, initial_state):
-    """The forward's stages the walk reads: gc ``[B, T, HV]`` fp32, T ``[B, T, HV, 64]`` bf16 (without β on the
-    right) and h ``[B, NT, HV, K, V]`` bf16 (the Triton state pass from T: no W, U written)."""
-    gc = chunk_local_cumsum(g, None, None)
-    a_inv = kkt_solve(k, beta, gc, v.shape[2], None, None)
-    h, _, _ = state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)
-    return gc, a_inv.to(torch.bfloat16), h
+def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
+    """The forward's stages the walk reads, in its layouts: gc and β head-major ``[B, HV, NT·64]`` fp32
+    (zero-padded), T ``[B, T, HV, 64]`` bf16 (without β on the right) — the pre-pass — and h ``[B, NT, HV, K, V]``
+    bf16, the state entering each chunk — the forward walk's states build from T and β, its programs one per
+    sequence, value head and V tile of the forward's launch (BV = 64 where 128 leaves the card idle)."""
+    B, T = k.shape[:2]
+    HV, V = v.shape[2:]
+    gc_hm, beta_hm, t_inv, _ = prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)
+    gc_hm, beta_hm = whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T)
+    launch = hopper_launch(B, HV, V, num_sms(k.device)) or DEFAULT.launch(64)
+    h, _ = walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, t_inv, initial_state, **launch)
+    return gc_hm, beta_hm, t_inv, h
+
+
+def whole_chunks(x_hm: torch.Tensor, T: int) -> torch.Tensor:
+    """Head-major ``[B, HV, Tp]`` (the pre-pass's, Tp = T rounded up to 8) → ``[B, HV, NT·64]``, zero-padded: the
+    walk's rows (its dg, dβ partials have them too)."""
+    return torch.nn.functional.pad(x_hm, (0, cdiv(T, BT) * BT - x_hm.shape[-1]))
 
 
 def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
@@ -105,10 +118,9 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     B, T, H, K = q.shape
     V = v.shape[3]
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    gc, a_inv, h = recompute(k, v, g, beta, initial_state)
+    gc_hm, beta_hm, t_inv, h = recompute(k, v, g, beta, initial_state)
     dq_p, dk_p, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
-        q, k, v, do, head_major_chunks(gc), head_major_chunks(beta.float()), a_inv, h, dht, scale,
-        BV or min(V, chunk_bwd.BV_DEFAULT))
+        q, k, v, do, gc_hm, beta_hm, t_inv, h, dht, scale, BV or min(V, chunk_bwd.BV_DEFAULT))
     del h
     dq, dk, dg, dbeta = gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
     return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
