@@ -5,11 +5,17 @@
     reference on the same rounded inputs, beside the Triton backward's error and the rounded PyTorch baseline's
     (gpu_check_core.rounded_twin: every stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline);
     then a bitwise repeat (two runs, the same bits).
+    The recompute's two routes on the same inputs: h, T and gc of the Hopper forward's kernels (the pre-pass
+    without β on T, the walk's states build: ``backward.recompute``) against the Triton route it replaced
+    (:func:`triton_recompute`: chunk-local cumsum, kkt_solve, the Triton state pass from T), max abs difference and
+    relative L2; and the states walk against its twin (``chunk_fwd_ref.chunk_states_hopper_ref``) on the same
+    pre-pass outputs.
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
-    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
-    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
-    the Triton backward.
-    The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
+    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute (and the Triton route's, with h of both routes
+    compared), the fused walk alone (and µs per chunk: walk ms over the T/64 chunks each program walks), the
+    reductions (sums, mask, casts), the whole Hopper backward and the Triton backward.
+    The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs; so is the states walk (one
+    program per sequence, value head and V tile of 128 where those fill the card, else 64).
 
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, ≈ 3-5 min with compiles
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
@@ -47,6 +53,9 @@ ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
 ]
 
 
+SMS = 132    # an H100's or H200's SMs: the recompute's launch (backward.recompute) is planned for them
+
+
 def kernel_configs() -> list[tuple]:
     """(H, HV, K, V, scale, BV) of every walk this script launches."""
     config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
@@ -55,14 +64,42 @@ def kernel_configs() -> list[tuple]:
     return list(dict.fromkeys(configs))
 
 
+def recompute_configs() -> list[tuple]:
+    """("states", H, HV, K, V, BV) of every states walk and ("prepass", H, HV, K) of every pre-pass (β in bf16, T
+    without β) the recompute launches here (every case and row has an initial state)."""
+    from linattn.ops.hopper.plan import DEFAULT, hopper_launch
+    shapes = [(B, H, HV, K, V) for _, B, _, H, HV, K, V, _, _ in CASES]
+    shapes += [(B, H, HV, 128, 128) for _, B, _, H, HV in ROWS]
+    configs = [("states", H, HV, K, V, (hopper_launch(B, HV, V, SMS) or DEFAULT.launch(64))["BV"])
+               for B, H, HV, K, V in shapes]
+    configs += [("prepass", H, HV, K) for _, H, HV, K, _ in shapes]
+    return list(dict.fromkeys(configs))
+
+
+def compiled_for_sm90a(config: tuple):
+    """The kernel of a :func:`kernel_configs` or :func:`recompute_configs` entry, compiled for sm_90a."""
+    import torch
+
+    from linattn.ops.hopper import chunk_bwd, prepass, walk_launch
+    from linattn.ops.hopper.plan import DEFAULT
+    if config[0] == "states":
+        H, HV, K, V, BV = config[1:]
+        return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, DEFAULT.num_stages, True, torch.float32,
+                                         "sm_90a")
+    if config[0] == "prepass":
+        return prepass.compiled_kernel(*config[1:], "bfloat16", "sm_90a", beta_in_a_inv=False)
+    return chunk_bwd.compiled_kernel(*config, target="sm_90a")
+
+
 def smoke() -> list[dict]:
-    """Build every walk for sm_90a without a GPU and report its shared memory and ptxas figures."""
-    from linattn.ops.hopper import backward, chunk_bwd  # noqa: F401  (the host chain imports)
+    """Build every kernel (the walks, the recompute's states walks and pre-passes) for sm_90a without a GPU and
+    report its shared memory and ptxas figures."""
+    from linattn.ops.hopper import backward  # noqa: F401  (the host chain imports)
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
     out = []
-    for config in kernel_configs():
+    for config in kernel_configs() + recompute_configs():
         t0 = time.time()
-        kernel = chunk_bwd.compiled_kernel(*config, target="sm_90a")
+        kernel = compiled_for_sm90a(config)
         with tempfile.TemporaryDirectory() as d:
             report = compile_sm90a(kernel.get_kernel_source(), Path(d))[1]
         row = dict(config=config, shared_bytes=launch_shared_bytes(kernel), compile_s=round(time.time() - t0, 1),
@@ -128,15 +165,14 @@ def twin_case(case) -> dict:
     BV = BV or min(V, 64)
     low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
     scale = K ** -0.5
-    gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
-    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
-                                     backward.head_major_chunks(low["beta"].float()), a_inv, h, dht, scale, BV)
-    # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros; its
-    # "checkpoints" are h itself, one per chunk
-    pad = (0, got[3].shape[-1] - T)
-    saved = bwd.SavedForward(torch.nn.functional.pad(gc.transpose(1, 2), pad, mode="replicate"),
-                             torch.nn.functional.pad(low["beta"].float().transpose(1, 2), pad), a_inv.float(),
-                             h.transpose(1, 2).float(), 1)
+    gc_hm, beta_hm, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
+    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], gc_hm, beta_hm, a_inv, h, dht, scale,
+                                     BV)
+    # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros (as the
+    # recompute does); its "checkpoints" are h itself, one per chunk
+    pad = (0, gc_hm.shape[-1] - T)
+    saved = bwd.SavedForward(torch.nn.functional.pad(gc_hm[..., :T], pad, mode="replicate"), beta_hm,
+                             a_inv.float(), h.transpose(1, 2).float(), 1)
     twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], dht, saved, scale, BV)
     tokens = lambda x: x[..., :T].transpose(-1, -2)       # [NV, B, HV, Lp] → [NV, B, T, HV]
     outputs = dict(dq_partials=(got[0], twin.dq), dk_partials=(got[1], twin.dk), dv=(got[2], twin.dv),
@@ -144,6 +180,45 @@ def twin_case(case) -> dict:
                    dh0=(got[5], twin.dh0))
     return dict(case=name, rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
                 nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
+
+
+def triton_recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
+    """The recompute's former route, for the A/B alone: gc (the Triton chunk-local cumsum), T (``kkt_solve``, β
+    inside A only) and h (the Triton state pass from T and β, bf16), in ``backward.recompute``'s layouts."""
+    from linattn.ops.common.cumsum import chunk_local_cumsum
+    from linattn.ops.common.kkt_solve import kkt_solve
+    from linattn.ops.common.state_pass import state_pass_fwd
+    from linattn.ops.hopper.backward import head_major_chunks
+    gc = chunk_local_cumsum(g, None, None)
+    a_inv = kkt_solve(k, beta, gc, v.shape[2], None, None)
+    h, _, _ = state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)
+    return head_major_chunks(gc), head_major_chunks(beta.float()), a_inv.to(torch.bfloat16), h
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Max abs difference and relative L2 of a against b."""
+    from gpu_check_core import rel
+    return dict(max_abs=(a.float() - b.float()).abs().max().item(), rel_l2=rel(a.float(), b.float()))
+
+
+def route_differences(new: tuple, old: tuple) -> dict:
+    """:func:`difference` of gc, β, T and h between two recomputes (``backward.recompute``'s layouts)."""
+    return {name: difference(a, b) for name, a, b in zip(("gc", "beta", "T", "h"), new, old)}
+
+
+def recompute_case(case) -> dict:
+    """The recompute on the Hopper forward's kernels against the Triton route, and its states walk against the
+    states twin on the same pre-pass outputs (h max abs difference, relative L2)."""
+    from linattn.ops.hopper import backward
+    from linattn.ops.hopper.chunk_fwd_ref import chunk_states_hopper_ref
+    name, B, T, H, HV, K, V, BV, decay = case
+    low, _, _ = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    args = [low[n] for n in ("k", "v", "g", "beta", "initial_state")]
+    new = backward.recompute(*args)
+    h_twin, _ = chunk_states_hopper_ref(low["k"], low["v"], *new[:3], low["initial_state"])
+    return dict(case=name, new_vs_triton=route_differences(new, triton_recompute(*args)),
+                h_vs_twin=difference(new[3], h_twin),
+                nonfinite=int((~torch.isfinite(new[3].float())).sum()))
 
 
 def repeat_case(case) -> dict:
@@ -172,12 +247,13 @@ def time_row(row) -> dict:
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
     beta = torch.rand(B, T, HV, device="cuda").bfloat16()
     h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
-    gc, a_inv, h = backward.recompute(k, v, g, beta, h0)
-    gc_hm, beta_hm = backward.head_major_chunks(gc), backward.head_major_chunks(beta.float())
+    gc_hm, beta_hm, a_inv, h = backward.recompute(k, v, g, beta, h0)
+    differences = route_differences((gc_hm, beta_hm, a_inv, h), triton_recompute(k, v, g, beta, h0))
     walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_p, dk_p, _, dg_p, db_p, _ = walk()
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
+        recompute_triton=triton.testing.do_bench(lambda: triton_recompute(k, v, g, beta, h0)),
         walk=triton.testing.do_bench(walk),
         reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
             dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
@@ -187,7 +263,7 @@ def time_row(row) -> dict:
             q, k, v, g, beta, scale, h0, None, None, do, dht)))
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
-                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks)
+                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, recompute_new_vs_triton=differences)
 
 
 def print_tables(results: dict) -> None:
@@ -208,14 +284,24 @@ def print_tables(results: dict) -> None:
               + f"   hopper / base (goal ≤ 2; worst {max(r['vs_base'].values()):.2f})")
     for r in results["repeat"]:
         print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
-    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}{'hopper':>9}"
-          f"{'triton':>9}   (ms, do_bench medians)")
+    print("\nthe recompute: Hopper kernels vs the Triton route (max abs / rel L2), and h vs the states twin:")
+    for r in results["recompute"] + results["timing"]:
+        label = r.get("case", f"row {r.get('row')}")
+        if "error" in r:
+            print(f"{label:<28}ERROR {r['error'][:200]}")
+            continue
+        diffs = r.get("new_vs_triton", r.get("recompute_new_vs_triton"))
+        print(f"{label:<28}" + "  ".join(f"{n} {d['max_abs']:.1e} / {d['rel_l2']:.1e}" for n, d in diffs.items())
+              + (f"   h vs twin {r['h_vs_twin']['max_abs']:.1e} / {r['h_vs_twin']['rel_l2']:.1e}, nonfinite "
+                 f"{r['nonfinite']}" if "h_vs_twin" in r else ""))
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'(triton)':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}"
+          f"{'hopper':>9}{'triton':>9}   (ms, do_bench medians)")
     for r in results["timing"]:
         if "error" in r:
             print(f"{r['row']:<5}ERROR {r['error'][:200]}")
             continue
         ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
-        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
+        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['recompute_triton']:10.3f}{ms['walk']:9.3f}"
               f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
 
 
@@ -231,7 +317,7 @@ def main(argv=None) -> dict:
         return dict(smoke=smoke())
     out = Path(args.out) / ("hopper_bwd_timing.json" if args.timing_only else "hopper_bwd.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = dict(device=torch.cuda.get_device_name(), twin=[], accuracy=[], repeat=[], timing=[])
+    results = dict(device=torch.cuda.get_device_name(), twin=[], recompute=[], accuracy=[], repeat=[], timing=[])
 
     def step(key, fn, item, label):
         try:
@@ -245,6 +331,8 @@ def main(argv=None) -> dict:
     if not args.timing_only:
         for case in CASES:
             step("twin", twin_case, case, "case")
+        for case in CASES:
+            step("recompute", recompute_case, case, "case")
         for case in CASES:
             step("accuracy", check_case, case, "case")
         step("repeat", repeat_case, CASES[0], "case")

@@ -53,6 +53,8 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
         raise ValueError(f"g and beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
     if g.dtype != torch.float32:
         raise TypeError(f"g must be float32 (log decays), got {g.dtype}")
+    if beta.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"beta must be bf16 or float32 (the pre-pass reads it as given), got {beta.dtype}")
     for name, x in (("initial_state", initial_state), ("dht", dht)):
         if x is not None and x.shape != (B, HV, K, V):
             raise ValueError(f"{name} must be [B, HV, K, V] = {(B, HV, K, V)} (no varlen), got {tuple(x.shape)}")
@@ -78,13 +80,14 @@ def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
 
 def whole_chunks(x_hm: torch.Tensor, T: int) -> torch.Tensor:
     """Head-major ``[B, HV, Tp]`` (the pre-pass's, Tp = T rounded up to 8) → ``[B, HV, NT·64]``, zero-padded: the
-    walk's rows (its dg, dβ partials have them too)."""
-    return torch.nn.functional.pad(x_hm, (0, cdiv(T, BT) * BT - x_hm.shape[-1]))
+    walk's rows (its dg, dβ partials have them too); x_hm itself where T is a multiple of 64."""
+    pad = cdiv(T, BT) * BT - x_hm.shape[-1]
+    return torch.nn.functional.pad(x_hm, (0, pad)) if pad else x_hm
 
 
 def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
-    """``[B, T, HV]`` → ``[B, HV, NT·64]`` zero-padded, in x's dtype (the walk's gc and β, fp32: one TMA copy per
-    chunk)."""
+    """``[B, T, HV]`` → ``[B, HV, NT·64]`` zero-padded, in x's dtype: token-major gates, β or dg, dβ in the walk's
+    layout (:func:`recompute`'s; the twins' tensors in tests and benchmarks/gpu_check_hopper_bwd.py)."""
     T = x.shape[1]
     return torch.nn.functional.pad(x.transpose(1, 2), (0, cdiv(T, BT) * BT - T)).contiguous()
 
