@@ -289,7 +289,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
 
     @T.macro
     def store_final_state(t, ht, ctl, ib, ibn, ihv, iv):
-        """The final state S = a S' (phase A: the map), after the last store of o has read its tile."""
+        """The final state S = a S' (phase A: the map), after the last store of o (or h) has read its tile."""
         S = t.S
         if store_output or store_states:
             T.tma_store_wait()      # the last store read the tile before the program ends
@@ -374,11 +374,11 @@ def chunk_step_macro(kernel):
 
     @T.macro
     def x_and_v_new(t, outputs):
-        """X = V − Γ ⊙ K S (the states' walk: β ⊙ (V − Γ ⊙ K S)) in K S's registers (V's tile read into registers while K S runs), to shared memory by
-        stmatrix, then V_new = A_inv X issued; with o's steps to come it is left running while P and o's factors
-        are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups complete in order). A_inv's slot is
-        handed back at this issue, safe for the reason Q's is (the producer refills nothing of chunk c + 2 before
-        K's slot, released last)."""
+        """X = V − Γ ⊙ K S (the states' walk: β ⊙ (V − Γ ⊙ K S)) in K S's registers (V's tile read into registers
+        while K S runs), to shared memory by stmatrix, then V_new = A_inv X issued; with o's steps to come it is left
+        running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups
+        complete in order). A_inv's slot is handed back at this issue, safe for the reason Q's is (the producer
+        refills nothing of chunk c + 2 before K's slot, released last)."""
         T.copy(t.Vs, t.Vr)
         T.wait_wgmma(2 if store_output and outputs else 0)     # K S done (X needs only it)
         for i, j in T.Parallel(BT, BV):
