@@ -28,7 +28,7 @@ from linattn.ops.hopper import backward, chunk_fwd, prepass, walk_launch
 from linattn.ops.hopper import chunk_bwd_ref as bwd
 from linattn.ops.hopper import chunk_fwd_ref as fwd_twins
 
-from .test_hopper_bwd_ref import GRADS, make_inputs, max_rel, rel_l2
+from .test_hopper_bwd_ref import GRADS, ON_HOPPER, make_inputs, max_rel, rel_l2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # the Triton recompute: the interpreter on the CPU
 
@@ -136,6 +136,23 @@ def test_sum_partials_equals_the_twins_sum():
     twin = bwd.sum_partials_ref(parts, 2)
     errors = {n: max_rel(a.cpu(), b) for n, a, b in zip(GRADS, (dq, dk, twin[2], dg, dbeta, twin[5]), twin)}
     assert max(errors.values()) < 1e-14, errors
+
+
+@ON_HOPPER
+def test_recompute_kernels_match_their_twins_on_the_gpu():
+    """On the GPU: backward.recompute's gc, β and T against the pre-pass twin's, and its h against the states twin's
+    on the kernels' own gc, β and T (GVA, T = 300: a partial last chunk), within bf16 rounding (the kernels' fp32
+    sums run in another order, so a few bf16 operands round the other way)."""
+    x = make_inputs(2, 300, 2, 4, 128, seed=5)
+    low = {n: (t.to(torch.bfloat16) if n in ("k", "v", "beta") else t.float()).cuda() for n, t in x.items()}
+    gc_hm, beta_hm, t_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["h0"])
+    assert gc_hm.shape == beta_hm.shape == (2, 4, 320) and h.shape == (2, 5, 4, 128, 128)
+    gc_twin, beta_twin, t_twin, _ = prepass.prepass_hopper_ref(low["k"], low["g"], low["beta"], beta_in_a_inv=False)
+    assert max_rel(gc_hm[..., :300], gc_twin[..., :300]) < 1e-5 and not gc_hm[..., 300:].any()
+    assert torch.equal(beta_hm[..., :300], beta_twin[..., :300].float()) and not beta_hm[..., 300:].any()
+    assert rel_l2(t_inv, t_twin) < 2 ** -8
+    h_twin, _ = fwd_twins.chunk_states_hopper_ref(low["k"], low["v"], gc_hm, beta_hm, t_inv, low["h0"])
+    assert torch.isfinite(h.float()).all() and rel_l2(h, h_twin) < 2 ** -8
 
 
 @pytest.mark.interpreter
