@@ -64,15 +64,22 @@ def kernel_configs() -> list[tuple]:
     return list(dict.fromkeys(configs))
 
 
-def recompute_configs() -> list[tuple]:
-    """("states", H, HV, K, V, BV) of every states walk and ("prepass", H, HV, K) of every pre-pass (β in bf16, T
-    without β) the recompute launches here (every case and row has an initial state)."""
+def recompute_launch(B: int, HV: int, V: int, sms: int = SMS) -> dict:
+    """The states walk's launch ``backward.recompute`` takes (BV 128 where its programs fill the card, else 64)."""
     from linattn.ops.hopper.plan import DEFAULT, hopper_launch
+    return hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
+
+
+def recompute_configs() -> list[tuple]:
+    """("states", H, HV, K, V, BV, num_stages) of every states walk (the recompute's, and at the timed rows its
+    3-stage variant) and ("prepass", H, HV, K) of every pre-pass (β in bf16, T without β) this script launches
+    (every case and row has an initial state)."""
     shapes = [(B, H, HV, K, V) for _, B, _, H, HV, K, V, _, _ in CASES]
-    shapes += [(B, H, HV, 128, 128) for _, B, _, H, HV in ROWS]
-    configs = [("states", H, HV, K, V, (hopper_launch(B, HV, V, SMS) or DEFAULT.launch(64))["BV"])
-               for B, H, HV, K, V in shapes]
-    configs += [("prepass", H, HV, K) for _, H, HV, K, _ in shapes]
+    rows = [(B, H, HV, 128, 128) for _, B, _, H, HV in ROWS]
+    states = lambda B, H, HV, K, V, stages: ("states", H, HV, K, V, recompute_launch(B, HV, V)["BV"],
+                                            stages or recompute_launch(B, HV, V)["num_stages"])
+    configs = [states(*shape, None) for shape in shapes + rows] + [states(*row, 3) for row in rows]
+    configs += [("prepass", H, HV, K) for _, H, HV, K, _ in shapes + rows]
     return list(dict.fromkeys(configs))
 
 
@@ -83,9 +90,8 @@ def compiled_for_sm90a(config: tuple):
     from linattn.ops.hopper import chunk_bwd, prepass, walk_launch
     from linattn.ops.hopper.plan import DEFAULT
     if config[0] == "states":
-        H, HV, K, V, BV = config[1:]
-        return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, DEFAULT.num_stages, True, torch.float32,
-                                         "sm_90a")
+        H, HV, K, V, BV, stages = config[1:]
+        return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, stages, True, torch.float32, "sm_90a")
     if config[0] == "prepass":
         return prepass.compiled_kernel(*config[1:], "bfloat16", "sm_90a", beta_in_a_inv=False)
     return chunk_bwd.compiled_kernel(*config, target="sm_90a")
@@ -236,7 +242,7 @@ def time_row(row) -> dict:
     import triton
 
     from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
-    from linattn.ops.hopper import backward, chunk_bwd
+    from linattn.ops.hopper import backward, chunk_bwd, prepass, walk_launch
     index, B, T, H, HV = row
     K = V = 128
     scale = K ** -0.5
@@ -249,11 +255,18 @@ def time_row(row) -> dict:
     h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
     gc_hm, beta_hm, a_inv, h = backward.recompute(k, v, g, beta, h0)
     differences = route_differences((gc_hm, beta_hm, a_inv, h), triton_recompute(k, v, g, beta, h0))
+    launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
+    states = lambda stages: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, a_inv, h0,
+                                                            **dict(launch, num_stages=stages))[0]
+    deeper = 3   # the 3-stage load pipeline (A/B; the recompute runs the forward's 2)
     walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_p, dk_p, _, dg_p, db_p, _ = walk()
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
         recompute_triton=triton.testing.do_bench(lambda: triton_recompute(k, v, g, beta, h0)),
+        recompute_prepass=triton.testing.do_bench(lambda: prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)),
+        recompute_states=triton.testing.do_bench(lambda: states(launch["num_stages"])),
+        recompute_states_3_stages=triton.testing.do_bench(lambda: states(deeper)),
         walk=triton.testing.do_bench(walk),
         reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
             dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
@@ -263,7 +276,8 @@ def time_row(row) -> dict:
             q, k, v, g, beta, scale, h0, None, None, do, dht)))
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
-                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, recompute_new_vs_triton=differences)
+                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, recompute_new_vs_triton=differences,
+                states_BV=launch["BV"], states_3_stages_same_bits=bool(torch.equal(states(deeper), h)))
 
 
 def print_tables(results: dict) -> None:
@@ -303,6 +317,9 @@ def print_tables(results: dict) -> None:
         ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
         print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['recompute_triton']:10.3f}{ms['walk']:9.3f}"
               f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
+        print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states walk {ms['recompute_states']:.3f} "
+              f"(BV {r['states_BV']}; 3 stages: {ms['recompute_states_3_stages']:.3f}, same bits: "
+              f"{r['states_3_stages_same_bits']})")
 
 
 def main(argv=None) -> dict:
