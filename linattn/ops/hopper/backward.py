@@ -53,8 +53,6 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
         raise ValueError(f"g and beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
     if g.dtype != torch.float32:
         raise TypeError(f"g must be float32 (log decays), got {g.dtype}")
-    if beta.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"beta must be bf16 or float32 (the pre-pass reads it as given), got {beta.dtype}")
     for name, x in (("initial_state", initial_state), ("dht", dht)):
         if x is not None and x.shape != (B, HV, K, V):
             raise ValueError(f"{name} must be [B, HV, K, V] = {(B, HV, K, V)} (no varlen), got {tuple(x.shape)}")
@@ -71,6 +69,8 @@ def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
     sequence, value head and V tile of the forward's launch (BV = 64 where 128 leaves the card idle)."""
     B, T = k.shape[:2]
     HV, V = v.shape[2:]
+    if beta.dtype not in (torch.bfloat16, torch.float32):    # the pre-pass reads bf16 or fp32 β
+        beta = beta.float()
     gc_hm, beta_hm, t_inv, _ = prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)
     gc_hm, beta_hm = whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T)
     launch = hopper_launch(B, HV, V, num_sms(k.device)) or DEFAULT.launch(64)
