@@ -17,7 +17,7 @@
     The walk is unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs; so is the states walk (one
     program per sequence, value head and V tile of 128 where those fill the card, else 64).
 
-    python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, 26 kernels compiled first
+    python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, 23 TileLang kernels compiled first
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # or (a) and (b) in two calls
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
