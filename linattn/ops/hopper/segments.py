@@ -8,9 +8,10 @@ the gradient entering it. ``common/seq_parallel_bwd.segment_grads`` gives every 
 maps [M_sᵀ | D_s], and B', the reverse scan from dht) from the Triton reverse walk's inputs: W (``common/wy.py``)
 and dv_local = scale·Pᵀ dO (``common/local_bwd_dv.py``), formed only when segmenting.
 
-With T a multiple of 64·L a segment is a view: q ``[B, T, H, K]`` → ``[B·S, T/S, H, K]`` (likewise k, v, do, gc, β,
+With T a multiple of 64·L a segment is a view: q ``[B, T, H, K]`` → ``[B·S, T/S, H, K]`` (likewise k, v, do and
 T = A_inv) and h ``[B, NT, HV, K, V]`` → ``[B·S, NT/S, HV, K, V]``, segment s of sequence b at b·S + s, the order of
-``segment_layout``'s segments. The walk, unchanged, runs on the views with dht = dS_out: its chunks are the same
+``segment_layout``'s segments; the head-major gc and β ``[B, HV, NT·64]`` take one small copy each
+(:func:`head_major_as_segments`). The walk, unchanged, runs on the views with dht = dS_out: its chunks are the same
 chunks (gc is the chunk-local cumsum, h the state entering each chunk), its partials come back in the viewed layout
 (dq, dk, dv reshape to ``[.., B, T, ..]`` as views; the head-major dg, dβ need one small transpose), its dh0 of
 segment s is the gradient entering s, and sequence b's dh0 is its first segment's. Other T (a partial last chunk)
