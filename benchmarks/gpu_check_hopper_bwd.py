@@ -1,15 +1,23 @@
 """GPU check of the Hopper backward (linattn/ops/hopper/backward.py, issue 45): accuracy, determinism, then time.
 
 (a) the walk alone against its PyTorch twin on the same inputs (each raw output, partials included); then
-    accuracy, bf16, with h0 and dht: relative L2 of every gradient against float64 autograd of the token-by-token
-    reference on the same rounded inputs, beside the Triton backward's error and the rounded PyTorch baseline's
-    (gpu_check_core.rounded_twin: every stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline);
-    then a bitwise repeat (two runs, the same bits).
+    accuracy, bf16, with h0 and dht (GVA, K = 64 and 128, T = 65 to 1000, slow decay, a repeated token): relative
+    L2 of every gradient against float64 autograd of the token-by-token reference on the same rounded inputs,
+    beside the Triton backward's error and the rounded PyTorch baseline's (gpu_check_core.rounded_twin: every
+    stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline); then a bitwise repeat (two runs, the same
+    bits).
+    The recompute's two routes on the same inputs: h, T and gc of the Hopper forward's kernels (the pre-pass
+    without β on T, the walk's states build: ``backward.recompute``) against the Triton route it replaced
+    (:func:`triton_recompute`: chunk-local cumsum, kkt_solve, the Triton state pass from T), max abs difference and
+    relative L2; and the states walk against its twin (``chunk_fwd_ref.chunk_states_hopper_ref``) on the same
+    pre-pass outputs.
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
-    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute, the fused walk alone (and µs per chunk: walk ms
-    over the T/64 chunks each program walks), the reductions (sums, mask, casts), the whole Hopper backward and
-    the Triton backward.
-    The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs.
+    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute (and the Triton route's, with h of both routes
+    compared), the fused walk alone (and µs per chunk: walk ms
+    over the T/64 chunks each program walks), the reductions (one launch: sums, mask, casts), the whole Hopper
+    backward and the Triton backward.
+    The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs;
+    so is the states walk (one program per sequence, value head and V tile of 128 where those fill the card, else 64).
 (c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
     T=32768, H=2, HV=8) and 1 (B=1, T=4096, H=HV=16), the segmented backward at the planner's L (or T/256 where
     it plans none): its parts (W + dv_local, the Triton maps, maps + reverse scan, the walk on the segment views,
@@ -17,7 +25,8 @@
     S = 2, 4, 8, 16 segments (calibrates segments.py's estimates), and every gradient's relative L2 segmented vs
     unsegmented. Part (a) checks segmented cases against float64 too (the "_seg" cases).
 
-    python benchmarks/gpu_check_hopper_bwd.py --out $OUT       # on an H100/H200, ≈ 3-5 min with compiles
+    python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a); ≈ 25 TileLang kernels compiled first
+    python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
 
@@ -41,20 +50,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors')
+# name, B, T, H, HV, K, V, BV (None: the host's default), gate decay (gpu_check_core.make's: 1/16 the anchors'),
+# repeated (one q and one k for every token: the case that punishes bf16 operands of dA; the twin puts dk at 1.8×
+# the rounded baseline)
 CASES = [
-    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16),
-    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16),
-    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16),
-    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16),
-    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024),
+    ("B2_T300_GVA_K128", 2, 300, 2, 4, 128, 128, None, 1 / 16, False),
+    ("B2_T300_GVA_K64", 2, 300, 2, 4, 64, 64, None, 1 / 16, False),
+    ("B2_T300_GVA_K64_BV32", 2, 300, 2, 4, 64, 64, 32, 1 / 16, False),
+    ("B1_T65_K128", 1, 65, 1, 2, 128, 128, None, 1 / 16, False),
+    ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024, False),
+    ("B1_T256_K128_repeated_token", 1, 256, 1, 2, 128, 128, None, 1 / 16, True),
 ]
 # part (a)'s cases walked in segments (the last field: segment_chunks): S = 4, 2 and 8 segments, their walks
 # already among CASES' kernels
 SEGMENTED_CASES = [
-    (("B2_T512_GVA_K128_seg", 2, 512, 2, 4, 128, 128, None, 1 / 16), 2),
-    (("B2_T512_GVA_K64_seg", 2, 512, 2, 4, 64, 64, None, 1 / 16), 4),
-    (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024), 2),
+    (("B2_T512_GVA_K128_seg", 2, 512, 2, 4, 128, 128, None, 1 / 16, False), 2),
+    (("B2_T512_GVA_K64_seg", 2, 512, 2, 4, 64, 64, None, 1 / 16, False), 4),
+    (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024, False), 2),
 ]
 SEGMENT_ROWS = [(3, 1, 32768, 16, 16), (4, 1, 131072, 16, 16), (7, 1, 32768, 2, 8), (1, 1, 4096, 16, 16)]
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
@@ -64,23 +76,60 @@ ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
 ]
 
 
+SMS = 132    # an H100's or H200's SMs: the recompute's launch (backward.recompute) is planned for them
+
+
 def kernel_configs() -> list[tuple]:
     """(H, HV, K, V, scale, BV) of every walk this script launches."""
     config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
-    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _ in CASES]
-    configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _), _ in SEGMENTED_CASES]
+    configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _, _ in CASES]
+    configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in SEGMENTED_CASES]
     configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
     return list(dict.fromkeys(configs))
 
 
+def recompute_launch(B: int, HV: int, V: int, sms: int = SMS) -> dict:
+    """The states walk's launch ``backward.recompute`` takes (BV 128 where its programs fill the card, else 64)."""
+    from linattn.ops.hopper.plan import DEFAULT, hopper_launch
+    return hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
+
+
+def recompute_configs() -> list[tuple]:
+    """("states", H, HV, K, V, BV, num_stages) of every states walk (the recompute's, and at the timed rows its
+    3-stage variant) and ("prepass", H, HV, K) of every pre-pass (β in bf16, T without β) this script launches
+    (every case and row has an initial state)."""
+    shapes = [(B, H, HV, K, V) for _, B, _, H, HV, K, V, _, _, _ in CASES]
+    rows = [(B, H, HV, 128, 128) for _, B, _, H, HV in ROWS]
+    states = lambda B, H, HV, K, V, stages: ("states", H, HV, K, V, recompute_launch(B, HV, V)["BV"],
+                                            stages or recompute_launch(B, HV, V)["num_stages"])
+    configs = [states(*shape, None) for shape in shapes + rows] + [states(*row, 3) for row in rows]
+    configs += [("prepass", H, HV, K) for _, H, HV, K, _ in shapes + rows]
+    return list(dict.fromkeys(configs))
+
+
+def compiled_for_sm90a(config: tuple):
+    """The kernel of a :func:`kernel_configs` or :func:`recompute_configs` entry, compiled for sm_90a."""
+    import torch
+
+    from linattn.ops.hopper import chunk_bwd, prepass, walk_launch
+    from linattn.ops.hopper.plan import DEFAULT
+    if config[0] == "states":
+        H, HV, K, V, BV, stages = config[1:]
+        return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, stages, True, torch.float32, "sm_90a")
+    if config[0] == "prepass":
+        return prepass.compiled_kernel(*config[1:], "bfloat16", "sm_90a", beta_in_a_inv=False)
+    return chunk_bwd.compiled_kernel(*config, target="sm_90a")
+
+
 def smoke() -> list[dict]:
-    """Build every walk for sm_90a without a GPU and report its shared memory and ptxas figures."""
-    from linattn.ops.hopper import backward, chunk_bwd  # noqa: F401  (the host chain imports)
+    """Build every kernel (the walks, the recompute's states walks and pre-passes) for sm_90a without a GPU and
+    report its shared memory and ptxas figures."""
+    from linattn.ops.hopper import backward  # noqa: F401  (the host chain imports)
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
     out = []
-    for config in kernel_configs():
+    for config in kernel_configs() + recompute_configs():
         t0 = time.time()
-        kernel = chunk_bwd.compiled_kernel(*config, target="sm_90a")
+        kernel = compiled_for_sm90a(config)
         with tempfile.TemporaryDirectory() as d:
             report = compile_sm90a(kernel.get_kernel_source(), Path(d))[1]
         row = dict(config=config, shared_bytes=launch_shared_bytes(kernel), compile_s=round(time.time() - t0, 1),
@@ -90,13 +139,15 @@ def smoke() -> list[dict]:
     return out
 
 
-def bf16_inputs(name, B, T, H, HV, K, V, decay):
-    """gpu_check_core.make's inputs (unit-norm q, k; h0), q, k, v, β and do rounded to bf16, and their float64
-    ground-truth copies; do and dht fresh normals."""
+def bf16_inputs(name, B, T, H, HV, K, V, decay, repeated=False):
+    """gpu_check_core.make's inputs (unit-norm q, k; h0; ``repeated``: the first token's q and k for every token),
+    q, k, v, β and do rounded to bf16, and their float64 ground-truth copies; do and dht fresh normals."""
     import zlib
 
     from gpu_check_core import make
     x = make(B, T, H, HV, K, V, B, seed=zlib.crc32(name.encode()) % 1000, decay=decay)
+    if repeated:
+        x["q"], x["k"] = (x[n][:, :1].expand_as(x[n]).clone() for n in ("q", "k"))
     gen = torch.Generator(device="cuda").manual_seed(7)
     x["do"] = torch.randn(B, T, HV, V, device="cuda", dtype=torch.float64, generator=gen)
     dht = torch.randn(B, HV, K, V, device="cuda", dtype=torch.float64, generator=gen).float()
@@ -114,8 +165,8 @@ def check_case(case, segment_chunks: Optional[int] = None) -> dict:
     from linattn.ops.gated_delta.reference import gated_delta_rule_reference
     from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
-    name, B, T, H, HV, K, V, BV, decay = case
-    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
+    low, exact, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     scale = K ** -0.5
     args = [low[n] for n in ("q", "k", "v", "g", "beta")]
     ref = grads_of(lambda **a: gated_delta_rule_reference(
@@ -149,19 +200,18 @@ def twin_case(case) -> dict:
 
     from linattn.ops.hopper import backward, chunk_bwd
     from linattn.ops.hopper import chunk_bwd_ref as bwd
-    name, B, T, H, HV, K, V, BV, decay = case
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
     BV = BV or min(V, 64)
-    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     scale = K ** -0.5
-    gc, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
-    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], backward.head_major_chunks(gc),
-                                     backward.head_major_chunks(low["beta"].float()), a_inv, h, dht, scale, BV)
-    # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros; its
-    # "checkpoints" are h itself, one per chunk
-    pad = (0, got[3].shape[-1] - T)
-    saved = bwd.SavedForward(torch.nn.functional.pad(gc.transpose(1, 2), pad, mode="replicate"),
-                             torch.nn.functional.pad(low["beta"].float().transpose(1, 2), pad), a_inv.float(),
-                             h.transpose(1, 2).float(), 1)
+    gc_hm, beta_hm, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
+    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], gc_hm, beta_hm, a_inv, h, dht, scale,
+                                     BV)
+    # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros (as the
+    # recompute does); its "checkpoints" are h itself, one per chunk
+    pad = (0, gc_hm.shape[-1] - T)
+    saved = bwd.SavedForward(torch.nn.functional.pad(gc_hm[..., :T], pad, mode="replicate"), beta_hm,
+                             a_inv.float(), h.transpose(1, 2).float(), 1)
     twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], dht, saved, scale, BV)
     tokens = lambda x: x[..., :T].transpose(-1, -2)       # [NV, B, HV, Lp] → [NV, B, T, HV]
     outputs = dict(dq_partials=(got[0], twin.dq), dk_partials=(got[1], twin.dk), dv=(got[2], twin.dv),
@@ -171,12 +221,51 @@ def twin_case(case) -> dict:
                 nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
 
 
+def triton_recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
+    """The recompute's former route, for the A/B alone: gc (the Triton chunk-local cumsum), T (``kkt_solve``, β
+    inside A only) and h (the Triton state pass from T and β, bf16), in ``backward.recompute``'s layouts."""
+    from linattn.ops.common.cumsum import chunk_local_cumsum
+    from linattn.ops.common.kkt_solve import kkt_solve
+    from linattn.ops.common.state_pass import state_pass_fwd
+    from linattn.ops.hopper.backward import head_major_chunks
+    gc = chunk_local_cumsum(g, None, None)
+    a_inv = kkt_solve(k, beta, gc, v.shape[2], None, None)
+    h, _, _ = state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)
+    return head_major_chunks(gc), head_major_chunks(beta.float()), a_inv.to(torch.bfloat16), h
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Max abs difference and relative L2 of a against b."""
+    from gpu_check_core import rel
+    return dict(max_abs=(a.float() - b.float()).abs().max().item(), rel_l2=rel(a.float(), b.float()))
+
+
+def route_differences(new: tuple, old: tuple) -> dict:
+    """:func:`difference` of gc, β, T and h between two recomputes (``backward.recompute``'s layouts)."""
+    return {name: difference(a, b) for name, a, b in zip(("gc", "beta", "T", "h"), new, old)}
+
+
+def recompute_case(case) -> dict:
+    """The recompute on the Hopper forward's kernels against the Triton route, and its states walk against the
+    states twin on the same pre-pass outputs (h max abs difference, relative L2)."""
+    from linattn.ops.hopper import backward
+    from linattn.ops.hopper.chunk_fwd_ref import chunk_states_hopper_ref
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
+    low, _, _ = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
+    args = [low[n] for n in ("k", "v", "g", "beta", "initial_state")]
+    new = backward.recompute(*args)
+    h_twin, _ = chunk_states_hopper_ref(low["k"], low["v"], *new[:3], low["initial_state"])
+    return dict(case=name, new_vs_triton=route_differences(new, triton_recompute(*args)),
+                h_vs_twin=difference(new[3], h_twin),
+                nonfinite=int((~torch.isfinite(new[3].float())).sum()))
+
+
 def repeat_case(case, segment_chunks: Optional[int] = None) -> dict:
     """Two runs of the Hopper backward on the same inputs (walked in segments of ``segment_chunks``, or as
     planned): every output bit for bit equal."""
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
-    name, B, T, H, HV, K, V, BV, decay = case
-    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay)
+    name, B, T, H, HV, K, V, BV, decay, repeated = case
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
     runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks) for _ in range(2)]
     return dict(case=name, segment_chunks=segment_chunks,
@@ -188,7 +277,7 @@ def time_row(row) -> dict:
     import triton
 
     from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
-    from linattn.ops.hopper import backward, chunk_bwd
+    from linattn.ops.hopper import backward, chunk_bwd, prepass, walk_launch
     index, B, T, H, HV = row
     K = V = 128
     scale = K ** -0.5
@@ -199,12 +288,20 @@ def time_row(row) -> dict:
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
     beta = torch.rand(B, T, HV, device="cuda").bfloat16()
     h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
-    gc, a_inv, h = backward.recompute(k, v, g, beta, h0)
-    gc_hm, beta_hm = backward.head_major_chunks(gc), backward.head_major_chunks(beta.float())
+    gc_hm, beta_hm, a_inv, h = backward.recompute(k, v, g, beta, h0)
+    differences = route_differences((gc_hm, beta_hm, a_inv, h), triton_recompute(k, v, g, beta, h0))
+    launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
+    states = lambda stages: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, a_inv, h0,
+                                                            **dict(launch, num_stages=stages))[0]
+    deeper = 3   # the 3-stage load pipeline (A/B; the recompute runs the forward's 2)
     walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_p, dk_p, _, dg_p, db_p, _ = walk()
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
+        recompute_triton=triton.testing.do_bench(lambda: triton_recompute(k, v, g, beta, h0)),
+        recompute_prepass=triton.testing.do_bench(lambda: prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)),
+        recompute_states=triton.testing.do_bench(lambda: states(launch["num_stages"])),
+        recompute_states_3_stages=triton.testing.do_bench(lambda: states(deeper)),
         walk=triton.testing.do_bench(walk),
         reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
             dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
@@ -214,7 +311,8 @@ def time_row(row) -> dict:
             q, k, v, g, beta, scale, h0, None, None, do, dht)))
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
-                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks)
+                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, recompute_new_vs_triton=differences,
+                states_BV=launch["BV"], states_3_stages_same_bits=bool(torch.equal(states(deeper), h)))
 
 
 def row_inputs(B, T, H, HV, K=128, V=128) -> dict:
@@ -244,16 +342,18 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     B, T, H, K = q.shape
     HV = v.shape[2]
     S = T // CHUNK // L
-    gc, a_inv = backward.solve(k, g, beta, HV)
+    gc_hm, beta_hm, t_inv = backward.solve(k, g, beta)
+    gc, a_inv = backward.token_major(gc_hm, T), t_inv.float()
     prep = lambda: (wy_fwd(k, v, beta, gc, a_inv)[0], local_bwd_dv(q, k, gc, do, scale))
     w, dv_local = prep()
     layout = segment_layout([b * T for b in range(B + 1)], L, CHUNK, q.device)
     flat = [t.view(1, B * T, *t.shape[2:]) for t in (q, k, w, gc, do, dv_local)]
     dS_out = segment_grads(*flat, dht, scale, layout)
-    h = backward.states(k, v, gc, a_inv, beta, x["initial_state"])
+    h = backward.states(k, v, gc_hm, beta_hm, t_inv, x["initial_state"])
     seg = lambda t: segments.as_segments(t, S)
-    walk_args = (seg(q), seg(k), seg(v), seg(do), backward.head_major_chunks(seg(gc)),
-                 backward.head_major_chunks(seg(beta.float())), seg(a_inv.bfloat16()), seg(h), dS_out, scale, 64)
+    hm_seg = lambda t: segments.head_major_as_segments(t, S)
+    walk_args = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out, scale,
+                 64)
     walk = lambda: chunk_bwd.chunk_bwd_hopper(*walk_args)
     dq_p, dk_p, _, dg_p, db_p, _ = walk()
 
@@ -261,8 +361,9 @@ def segment_parts_ms(x: dict, L: int) -> dict:
         parts = [p.view(p.shape[0], B, T, HV, K) for p in (dq_p, dk_p)]
         parts += [segments.head_major_from_segments(p, B) for p in (dg_p, db_p)]
         return backward.gradients_from_partials(*parts, g, beta.dtype, q.dtype, H)
-    return dict(solve=triton.testing.do_bench(lambda: backward.solve(k, g, beta, HV)),
-                states=triton.testing.do_bench(lambda: backward.states(k, v, gc, a_inv, beta, x["initial_state"])),
+    return dict(solve=triton.testing.do_bench(lambda: backward.solve(k, g, beta)),
+                states=triton.testing.do_bench(lambda: backward.states(k, v, gc_hm, beta_hm, t_inv,
+                                                                       x["initial_state"])),
                 w_dv_local=triton.testing.do_bench(prep),
                 maps=triton.testing.do_bench(lambda: reverse_maps(*flat, scale, layout)),
                 maps_scan=triton.testing.do_bench(lambda: segment_grads(*flat, dht, scale, layout)),
@@ -343,15 +444,28 @@ def print_tables(results: dict) -> None:
                   + f"   segments of {r['segment_chunks']} chunks vs unsegmented (rel L2)")
     for r in results["repeat"]:
         print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
-    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}{'hopper':>9}"
-          f"{'triton':>9}   (ms, do_bench medians)")
+    print("\nthe recompute: Hopper kernels vs the Triton route (max abs / rel L2), and h vs the states twin:")
+    for r in results["recompute"] + results["timing"]:
+        label = r.get("case", f"row {r.get('row')}")
+        if "error" in r:
+            print(f"{label:<28}ERROR {r['error'][:200]}")
+            continue
+        diffs = r.get("new_vs_triton", r.get("recompute_new_vs_triton"))
+        print(f"{label:<28}" + "  ".join(f"{n} {d['max_abs']:.1e} / {d['rel_l2']:.1e}" for n, d in diffs.items())
+              + (f"   h vs twin {r['h_vs_twin']['max_abs']:.1e} / {r['h_vs_twin']['rel_l2']:.1e}, nonfinite "
+                 f"{r['nonfinite']}" if "h_vs_twin" in r else ""))
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'(triton)':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}"
+          f"{'hopper':>9}{'triton':>9}   (ms, do_bench medians)")
     for r in results["timing"]:
         if "error" in r:
             print(f"{r['row']:<5}ERROR {r['error'][:200]}")
             continue
         ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
-        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
+        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['recompute_triton']:10.3f}{ms['walk']:9.3f}"
               f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
+        print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states walk {ms['recompute_states']:.3f} "
+              f"(BV {r['states_BV']}; 3 stages: {ms['recompute_states_3_stages']:.3f}, same bits: "
+              f"{r['states_3_stages_same_bits']})")
 
 
 def main(argv=None) -> dict:
@@ -368,7 +482,8 @@ def main(argv=None) -> dict:
     name = "hopper_bwd_segments" if args.segments else "hopper_bwd_timing" if args.timing_only else "hopper_bwd"
     out = Path(args.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = dict(device=torch.cuda.get_device_name(), twin=[], accuracy=[], repeat=[], timing=[], segments=[])
+    results = dict(device=torch.cuda.get_device_name(), twin=[], recompute=[], accuracy=[], repeat=[], timing=[],
+                   segments=[])
 
     def step(key, fn, item, label):
         try:
@@ -389,6 +504,8 @@ def main(argv=None) -> dict:
     if not args.timing_only:
         for case in CASES:
             step("twin", twin_case, case, "case")
+        for case in CASES:
+            step("recompute", recompute_case, case, "case")
         for case in CASES:
             step("accuracy", check_case, case, "case")
         for case, chunks in SEGMENTED_CASES:

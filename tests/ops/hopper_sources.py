@@ -1,11 +1,14 @@
-"""The CUDA source TileLang generates for every Hopper kernel the default forward launches, built on the CPU.
+"""The CUDA source TileLang generates for every Hopper kernel the default forward and the Hopper backward's recompute
+launch, built on the CPU.
 
-Each configuration is launched through the same entry points the forward uses (``walk_launch.chunk_fwd_hopper_hm``
-and ``prepass.prepass_hopper``) with small CPU tensors of the right shapes; ``tilelang.compile`` is replaced by a
+Each configuration is launched through the same entry points the forward and the recompute use
+(``walk_launch.chunk_fwd_hopper_hm``, ``walk_launch.chunk_states_hopper`` and ``prepass.prepass_hopper``) with small
+CPU tensors of the right shapes; ``tilelang.compile`` is replaced by a
 lowering for sm_90a (the same passes and pass configs, no nvcc) that keeps the generated CUDA, after the
 uniform-warpgroup rewrite where the launch applies it, and the launch itself by a no-op. So what is recorded is
 what a GPU would compile, for the keyword sets the forward passes (``forward.LAUNCH``, ``fitted_launch``'s BV=64,
-the affine walk with ``skip_m``, the warm walks, the planned warm walk, the pre-pass).
+the affine walk with ``skip_m``, the warm walks, the planned warm walk, the pre-pass; the recompute's states walk
+and its pre-pass without β on T).
 
     python tests/ops/hopper_sources.py write DIR      # one .cu per configuration, named by its parameters
     python tests/ops/hopper_sources.py compare DIR    # byte-compare today's sources with DIR's
@@ -78,7 +81,8 @@ def configurations() -> Iterator[tuple[str, Callable[[], None]]]:
     for H, HV, K, V in SHAPES:
         shape = f"H{H}_HV{HV}_K{K}_V{V}"
         # β's dtype changes only the signature of the tensor the walk ignores: both at the first shape
-        for beta_dtype in (torch.float32, torch.bfloat16) if (H, HV, K, V) == SHAPES[0] else (torch.float32,):
+        beta_dtypes = (torch.float32, torch.bfloat16) if (H, HV, K, V) == SHAPES[0] else (torch.float32,)
+        for beta_dtype in beta_dtypes:
             bt = str(beta_dtype).removeprefix("torch.")
             for BV in (128, 64):
                 if V % BV:
@@ -132,6 +136,34 @@ def configurations() -> Iterator[tuple[str, Callable[[], None]]]:
                                            torch.zeros(1, T, HV, dtype=beta_dtype), segments)
 
                 yield f"prepass_H{H}_HV{HV}_K{K}_beta-{bt}_segments{segments}", pre
+        yield from recompute_configurations(H, HV, K, V, beta_dtypes)
+
+
+def recompute_configurations(H: int, HV: int, K: int, V: int, beta_dtypes: tuple
+                             ) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(name, a call that launches it) for the Hopper backward's recompute at one shape: the states walk (β fp32,
+    as ``backward.recompute`` passes it) at each BV, with and without h0, and the pre-pass without β on T for each
+    of ``beta_dtypes``."""
+    from linattn.ops.hopper import prepass, walk_launch
+    shape = f"H{H}_HV{HV}_K{K}_V{V}"
+    for BV in (128, 64):
+        if V % BV:
+            continue
+        for h0 in (True, False):
+            def states(H=H, HV=HV, K=K, V=V, BV=BV, h0=h0):
+                _, k, v, gc, b, t = _walk_inputs(H, HV, K, V, torch.float32)
+                walk_launch.chunk_states_hopper(k, v, gc, b, t, torch.zeros(1, HV, K, V) if h0 else None, BV=BV,
+                                                threads=LAUNCH["threads"], num_stages=LAUNCH["num_stages"])
+
+            yield f"states_{shape}_BV{BV}_{'h0' if h0 else 'no-h0'}", states
+
+    for beta_dtype in beta_dtypes:
+        def pre(H=H, HV=HV, K=K, beta_dtype=beta_dtype):
+            T = 64 * SEGMENTS
+            prepass.prepass_hopper(torch.zeros(1, T, H, K, dtype=torch.bfloat16), torch.zeros(1, T, HV),
+                                   torch.zeros(1, T, HV, dtype=beta_dtype), beta_in_a_inv=False)
+
+        yield f"prepass_H{H}_HV{HV}_K{K}_beta-{str(beta_dtype).removeprefix('torch.')}_no-beta-in-T", pre
 
 
 def sources(only: str = "") -> Iterator[tuple[str, str]]:

@@ -206,16 +206,19 @@ extern "C" void step4(char* shmem) {{
 
 def test_the_source_snapshot_tool_builds_the_default_launches_kernels():
     """``tests/ops/hopper_sources.py`` (the CPU proof that a refactor leaves the default kernels' CUDA byte for byte
-    as it was) names every default configuration and builds one walk's and one pre-pass's source through the
-    launchers, with the uniform-warpgroup rewrite where the walk applies it; the launchers' no-op launch leaves
-    nothing behind."""
+    as it was) names every default configuration (the forward's 73, the backward recompute's 19) and builds one
+    walk's, one pre-pass's and one states walk's source through the launchers, with the uniform-warpgroup rewrite
+    where the walk applies it; the launchers' no-op launch leaves nothing behind."""
     from . import hopper_sources
     names = [name for name, _ in hopper_sources.configurations()]
-    assert len(names) == len(set(names)) and len(names) == 73
+    assert len(names) == len(set(names)) and len(names) == 92
     assert {"walk_H16_HV16_K128_V128_BV128_beta-float32_planned-warm_lean_h0",
-            "prepass_H2_HV8_K128_beta-float32_segments2"} <= set(names)
+            "prepass_H2_HV8_K128_beta-float32_segments2", "states_H16_HV16_K128_V128_BV128_h0",
+            "prepass_H16_HV16_K128_beta-bfloat16_no-beta-in-T"} <= set(names)
     built = dict(hopper_sources.sources("walk_H16_HV16_K64_V64_BV64_beta-float32_affine_skip-m_lean,"
-                                        "prepass_H16_HV16_K64_beta-float32_segments1"))
-    walk, pre = built.values()
+                                        "prepass_H16_HV16_K64_beta-float32_segments1,"
+                                        "states_H16_HV16_K64_V64_BV64_h0"))
+    walk, pre, states = built.values()
     assert "gdn_chunk_fwd" in walk and "linattn_warpgroup" in walk and "gdn_prepass" in pre
     assert "linattn_warpgroup" not in pre
+    assert "linattn_warpgroup" in states and "tma_store(o_desc" in states and "q_desc" not in states

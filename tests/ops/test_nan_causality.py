@@ -209,3 +209,26 @@ def test_hopper_twin_warm_ups_carry_a_nonfinite_v_and_never_leak_it(plan, monkey
     bad, rbad = ~torch.isfinite(o.cpu()).all(-1), ~torch.isfinite(ro).all(-1)
     assert not (bad & ~rbad).any()
     assert bad[1, T0:192, 1].all() and rbad[1, 192:, 1].all()
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_hopper_states_twin_confines_the_plant(plant):
+    """The Hopper backward's recompute (its pre-pass without β on T, the states walk; twins, fp32): the state
+    entering each chunk and the final state are non-finite exactly where the reference's (the token loop over the
+    sequence up to that chunk) are, per (sequence, value head), and equal to it elsewhere. A non-finite v needs no
+    search there: it makes the state's columns it lies in non-finite, as the reference's."""
+    from linattn.ops.hopper.chunk_fwd_ref import chunk_states_hopper_ref
+    from linattn.ops.hopper.prepass import prepass_hopper_ref
+    x, h0 = on_cpu(*make(PLANTS[plant]))
+    gc_hm, beta_hm, t_inv, _ = prepass_hopper_ref(x["k"], x["g"], x["beta"], a_inv_dtype=torch.float32,
+                                                  beta_in_a_inv=False)
+    h, ht = chunk_states_hopper_ref(x["k"], x["v"], gc_hm, beta_hm, t_inv, h0)
+    entering = [h0.double()] + [gated_delta_rule_reference(*(x[n][:, :c * 64] for n in ("q", "k", "v", "g", "beta")),
+                                                           K ** -0.5, h0)[1] for c in range(1, h.shape[1])]
+    states = torch.cat([h.transpose(0, 1), ht[None]]).flatten(3)      # [NT + 1, B, HV, K·V]
+    ref = torch.stack(entering + [reference(x, h0)[1]]).flatten(3)
+    bad, rbad = ~torch.isfinite(states).all(-1), ~torch.isfinite(ref).all(-1)
+    assert torch.equal(bad, rbad), f"non-finite at {bad.nonzero().tolist()}, want {rbad.nonzero().tolist()}"
+    assert rbad.any() or plant.startswith("q"), "the plant must reach some state"
+    err = ((states[~rbad].double() - ref[~rbad]).norm() / ref[~rbad].norm()).item()
+    assert err <= TOL, f"finite states differ from the reference: {err:.2e}"

@@ -37,10 +37,10 @@ FORWARD_PATHS = get_args(ForwardPath)
 WALK_MIN_PAIRS = MappingProxyType({torch.bfloat16: None, torch.float16: 128, torch.float32: None})
 
 # The Hopper backward from this many (sequence × value head) pairs, or from HOPPER_BWD_LONG = (pairs, tokens) where
-# its walk runs in segments (hopper/segments.py). With fewer pairs or shorter sequences the Triton backward wins: its
-# state recompute is sequence-parallel, the Hopper backward's is not (docs/performance.md, the Hopper backward)
+# its walk runs in segments (hopper/segments.py); shorter sequences with few pairs are not measured ahead of the Triton
+# backward (docs/performance.md, the Hopper backward)
 HOPPER_BWD_MIN_PAIRS = 64
-HOPPER_BWD_LONG = (16, 16384)
+HOPPER_BWD_LONG = (8, 16384)
 
 
 class ForwardChoice(NamedTuple):

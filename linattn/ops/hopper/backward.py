@@ -2,16 +2,18 @@
 the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). The op's backward runs it where
 ``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS pairs or HOPPER_BWD_LONG).
 
-    recompute   gc = chunk-local cumsum of g, T = (I + A)⁻¹ (``kkt_solve``: β inside A, none on the right: the
-                walk needs T without diag(β)), h = bf16 state entering each chunk (the Triton state pass from T,
-                ``[B, NT, HV, K, V]``, the walk's layout); gc, β head-major, T in bf16
+    recompute   on the Hopper forward's kernels: the pre-pass (``prepass.py``, ``beta_in_a_inv=False``) gives gc =
+                chunk-local cumsum of g and β head-major and T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
+                the walk needs T without diag(β)); the forward walk's ``store_states`` build (``chunk_fwd.py``,
+                ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each chunk ``[B, NT, HV, K,
+                V]``, the walk's layout: two launches
     segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
                 Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice): dv, dh0,
                 and partials of dq, dk (per slice and value head), dg, dβ (per slice); segments are views of the
                 sequences, walked from their dS_out
-    reductions  the partials added over the slices, then over the value heads of each qk head, in a fixed order
-                (``common/partial_sum.py`` for dq, dk: one pass to the output dtype; torch's sum for dg, dβ): no
+    reductions  ``common/partial_sum.py``, one launch: the partials added over the slices, then over the value heads
+                of each qk head, in a fixed order, dg masked below the gate floor, every gradient in its dtype: no
                 atomics, the same bits every run
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
@@ -23,13 +25,12 @@ from typing import Optional
 
 import torch
 
-from ..common.cumsum import chunk_local_cumsum
-from ..common.kkt_solve import kkt_solve
-from ..common.partial_sum import partial_sum
-from ..common.state_pass import state_pass_fwd
-from ..utils import MIN_LOG_DECAY, cdiv
-from . import segments
+from ..common import num_sms
+from ..common.partial_sum import partial_sums
+from ..utils import cdiv
+from . import prepass, segments, walk_launch
 from .chunk_fwd import BT
+from .plan import DEFAULT, hopper_launch
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
 
@@ -64,39 +65,48 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
         raise ValueError(f"the Hopper backward runs on an sm_90 GPU, got a tensor on {q.device}")
 
 
-def recompute(k, v, g, beta, initial_state):
-    """The forward's stages the walk reads: gc ``[B, T, HV]`` fp32, T ``[B, T, HV, 64]`` bf16 (without β on the
-    right) and h ``[B, NT, HV, K, V]`` bf16 (the Triton state pass from T: no W, U written)."""
-    gc, a_inv = solve(k, g, beta, v.shape[2])
-    return gc, a_inv.to(torch.bfloat16), states(k, v, gc, a_inv, beta, initial_state)
+def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
+    """The forward's stages the walk reads, in its layouts: :func:`solve` then :func:`states`."""
+    gc_hm, beta_hm, t_inv = solve(k, g, beta)
+    return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, initial_state)
 
 
-def solve(k, g, beta, HV: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gc ``[B, T, HV]`` and T = A_inv ``[B, T, HV, 64]``, both fp32 (``kkt_solve``'s, which the segments' W
-    reads before the walk's bf16 copy is made)."""
-    gc = chunk_local_cumsum(g, None, None)
-    return gc, kkt_solve(k, beta, gc, HV, None, None)
+def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
+    """The pre-pass (``prepass_hopper(beta_in_a_inv=False)``): gc and β head-major ``[B, HV, NT·64]`` fp32
+    (zero-padded) and T = (I + A)⁻¹ ``[B, T, HV, 64]`` bf16 (without β on the right)."""
+    T = k.shape[1]
+    if beta.dtype not in (torch.bfloat16, torch.float32):    # the pre-pass reads bf16 or fp32 β
+        beta = beta.float()
+    gc_hm, beta_hm, t_inv, _ = prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)
+    return whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T), t_inv
 
 
-def states(k, v, gc, a_inv, beta, initial_state) -> torch.Tensor:
-    """h ``[B, NT, HV, K, V]`` bf16: the states entering every chunk (the Triton state pass from the fp32 T)."""
-    return state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)[0]
+def states(k, v, gc_hm, beta_hm, t_inv, initial_state) -> torch.Tensor:
+    """h ``[B, NT, HV, K, V]`` bf16, the state entering each chunk: the forward walk's states build from T and β,
+    its programs one per sequence, value head and V tile of the forward's launch (BV = 64 where 128 leaves the card
+    idle)."""
+    B, HV, V = k.shape[0], *v.shape[2:]
+    launch = hopper_launch(B, HV, V, num_sms(k.device)) or DEFAULT.launch(64)
+    return walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, t_inv, initial_state, **launch)[0]
+
+
+def whole_chunks(x_hm: torch.Tensor, T: int) -> torch.Tensor:
+    """Head-major ``[B, HV, Tp]`` (the pre-pass's, Tp = T rounded up to 8) → ``[B, HV, NT·64]``, zero-padded: the
+    walk's rows (its dg, dβ partials have them too); x_hm itself where T is a multiple of 64."""
+    pad = cdiv(T, BT) * BT - x_hm.shape[-1]
+    return torch.nn.functional.pad(x_hm, (0, pad)) if pad else x_hm
+
+
+def token_major(x_hm: torch.Tensor, T: int) -> torch.Tensor:
+    """Head-major ``[B, HV, ≥ T]`` → ``[B, T, HV]`` contiguous (the segments' Triton stages read gc so)."""
+    return x_hm[..., :T].transpose(1, 2).contiguous()
 
 
 def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
-    """``[B, T, HV]`` → ``[B, HV, NT·64]`` zero-padded, in x's dtype (the walk's gc and β, fp32: one TMA copy per
-    chunk)."""
+    """``[B, T, HV]`` → ``[B, HV, NT·64]`` zero-padded, in x's dtype: token-major gates, β or dg, dβ in the walk's
+    layout (:func:`recompute`'s; the twins' tensors in tests and benchmarks/gpu_check_hopper_bwd.py)."""
     T = x.shape[1]
     return torch.nn.functional.pad(x.transpose(1, 2), (0, cdiv(T, BT) * BT - T)).contiguous()
-
-
-def sum_partials(dq, dk, dg, dbeta, H: int, T: int, qk_dtype: torch.dtype = torch.float32
-                 ) -> tuple[torch.Tensor, ...]:
-    """The walk's partials added: dq, dk ``[NV, B, T, HV, K]`` over the slices, then the G value heads of each qk
-    head → ``[B, T, H, K]`` in ``qk_dtype`` (``common/partial_sum.py``: one pass, fixed order); dg, dβ
-    ``[NV, B, HV, Lp]`` over the slices → ``[B, T, HV]`` fp32."""
-    tokens = lambda x: x.sum(0)[..., :T].transpose(1, 2)
-    return partial_sum(dq, H, qk_dtype), partial_sum(dk, H, qk_dtype), tokens(dg), tokens(dbeta)
 
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
@@ -124,16 +134,16 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)
     L = segments.segment_length(segment_chunks, B, T, HV, K, V, BV, q.device)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    gc, a_inv = solve(k, g, beta, HV)
+    gc_hm, beta_hm, t_inv = solve(k, g, beta)
     # the segments' W and dv_local are made and dropped before h exists (the walk's inputs are the peak)
-    dS_out = segments.segment_state_grads(q, k, v, beta, gc, a_inv, do, dht, scale, L) if L else dht
-    h = states(k, v, gc, a_inv, beta, initial_state)
-    a_inv = a_inv.to(torch.bfloat16)
+    dS_out = segments.segment_state_grads(q, k, v, beta, token_major(gc_hm, T), t_inv.float(), do, dht, scale,
+                                          L) if L else dht
+    h = states(k, v, gc_hm, beta_hm, t_inv, initial_state)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
+    hm_seg = lambda x: segments.head_major_as_segments(x, S)
     dq_p, dk_p, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
-        seg(q), seg(k), seg(v), seg(do), head_major_chunks(seg(gc)), head_major_chunks(seg(beta.float())),
-        seg(a_inv), seg(h), dS_out, scale, BV)
+        seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out, scale, BV)
     del h
     dq_p, dk_p = (p.view(p.shape[0], B, T, HV, K) for p in (dq_p, dk_p))
     dg_p, dbeta_p = (segments.head_major_from_segments(p, B) for p in (dg_p, dbeta_p))
@@ -144,9 +154,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
 
 def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
                             qk_dtype: torch.dtype, H: int) -> tuple[torch.Tensor, ...]:
-    """The reductions after the walk: :func:`sum_partials`, dg zero where the gate is below the floor
-    (``common/cumsum.py``: such gates do not move the output), and the gradients in their inputs' dtypes (dq, dk
-    ``qk_dtype``, dg g's, dβ ``beta_dtype``)."""
-    dq, dk, dg, dbeta = sum_partials(dq_p, dk_p, dg_p, dbeta_p, H, g.shape[1], qk_dtype)
-    dg = dg.masked_fill(g < MIN_LOG_DECAY, 0)
-    return dq, dk, dg.to(g.dtype), dbeta.to(beta_dtype)
+    """The reductions after the walk, one launch (``common/partial_sum.partial_sums``): dq, dk ``[B, T, H, K]`` in
+    ``qk_dtype`` from the partials ``[NV, B, T, HV, K]``; dg (g's dtype, zero where the gate is below the floor:
+    such gates do not move the output) and dβ (``beta_dtype``) ``[B, T, HV]`` from the head-major partials
+    ``[NV, B, HV, Lp]``."""
+    return partial_sums(dq_p, dk_p, dg_p, dbeta_p, g, H, qk_dtype, beta_dtype)

@@ -111,12 +111,15 @@ def _head_major_chunks(x: torch.Tensor) -> torch.Tensor:
 def state_step_ref(S, Kc, Vc, Gc, bt, Tc, rnd):
     """The forward's state step on one chunk (the walk's arithmetic, ``chunk_fwd_ref._walk_ref``'s with T and β
     apart): S_b = bf16(S), X = β⊙(V − Γ⊙K S_b), V_new = T bf16(X), S ← γ S + Kᵀ bf16(ρ⊙V_new). Returns (S_b,
-    V_new, the state leaving the chunk)."""
+    V_new, the state leaving the chunk). Non-finite decays as the walk takes them (``chunk_fwd``'s module docstring):
+    X 0 on a row whose Γ is not finite, V_d 0 on one whose ρ is (the state is NaN then through γ)."""
     Sb = rnd(S)
-    X = bt[..., None] * (Vc - Gc.exp()[..., None] * (Kc @ Sb))
+    gam = Gc.exp()
+    X = torch.where(torch.isfinite(gam)[..., None], bt[..., None] * (Vc - gam[..., None] * (Kc @ Sb)), 0.0)
     Vn = Tc @ rnd(X)
     rho = (Gc[..., -1:] - Gc).exp()
-    return Sb, Vn, Gc[..., -1].exp()[..., None, None] * S + Kc.transpose(-1, -2) @ rnd(rho[..., None] * Vn)
+    Vd = torch.where(torch.isfinite(rho)[..., None], rnd(rho[..., None] * Vn), 0.0)
+    return Sb, Vn, Gc[..., -1].exp()[..., None, None] * S + Kc.transpose(-1, -2) @ Vd
 
 
 def forward_for_backward_ref(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],

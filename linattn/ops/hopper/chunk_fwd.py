@@ -46,6 +46,8 @@ The walk's V tiles are separate programs: the rows are poisoned in the tiles tha
 segmented forward carries it through a NaN map (phase A) or a warm-up that covers it; the pre-pass does not read v,
 so a warm-up that starts past it (a head that forgets fast) starts clean: later segments' rows and the final state
 stay finite there where the token loop's are NaN (never NaN before it).
+The states' walk (``store_states``) keeps the selects on Γ and ρ and does without the search for a non-finite v:
+it forms no o, and such a v makes the state's columns it lies in non-finite from its chunk on, as the token loop's.
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import math
@@ -82,7 +84,8 @@ NAN = float("nan")  # the rows a non-finite input feeds (T.float32(NAN): TileLan
 
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
                  use_initial_state: bool = True, beta_dtype: str = "float32", affine: bool = False,
-                 warm: bool = False, warm_planned: bool = False, threshold: float = -30.0, lean: bool = False):
+                 warm: bool = False, warm_planned: bool = False, threshold: float = -30.0, lean: bool = False,
+                 store_states: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. A_inv is bf16 with β folded into its columns
     (A_inv diag(β), the pre-pass's), so X = V − Γ ⊙ (K S) and β is not read (its tensor, in ``beta_dtype``, is
@@ -111,13 +114,23 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     2 is not written at all (the scan reads none of it). In the warm walk ht is ``[B, HV, K, V]``, the sequences'
     final states, written by each sequence's last segment alone; and without ``warm_planned`` a segment whose
     warm-up w is above zero starts from zero instead of reading h0 (the scan leaves those entering states
-    unwritten: ``seq_parallel.affine_scan(skip_writes=True)``)."""
+    unwritten: ``seq_parallel.affine_scan(skip_writes=True)``).
+
+    ``store_states``: the Hopper backward's recompute (``backward.py``), unsegmented: the state walk alone (the
+    state's three dots: q not read, no o), writing the bf16 state entering each chunk into h ``[B, NT, HV, K, V]``
+    (the ``o`` argument; the layout ``chunk_bwd`` reads) by TMA from the tile K S reads, and the final state into
+    ht. A_inv is the plain T = (I + A)⁻¹ (the pre-pass's ``beta_in_a_inv=False``) and β is read: X = β ⊙ (V − Γ ⊙
+    (K S)), the backward's own recompute of X (``chunk_bwd``), and no deferred decay (every chunk renormalises, S ←
+    γ S + Kᵀ V_d): the stored h is S itself, the state ``chunk_bwd_ref.state_step_ref`` walks. The scale is not
+    used."""
     import tilelang.language as T
 
     if affine and K % BV:
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
     if affine and warm:
         raise ValueError("warm is phase C's walk (affine is phase A's)")
+    if store_states and (affine or warm):
+        raise ValueError("store_states is the unsegmented walk: not with affine or warm")
     B = T.symbolic("B")
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
@@ -128,9 +141,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     # ctl: per (program sequence, value head) the affine walk's skip flag (skip_m) or the warm walk's w; with
     # warm_planned the chunk bounds it finds w from
     ctl_shape, ctl_dtype = ((NB, HV, T.symbolic("LC")), ACC) if warm_planned else ((NB, HV), "int32")
+    # o: the output, or (store_states) h, the bf16 state entering each of the NT chunks
+    o_shape = (B, T.symbolic("NT"), HV, K, V) if store_states else (B, Tn, HV, V)
     kernel = types.SimpleNamespace(H=H, HV=HV, K=K, BV=BV, scale=scale, Tn=Tn, Lg=Lg, affine=affine, warm=warm,
                                    warm_planned=warm_planned, threshold=threshold, lean=lean,
-                                   use_initial_state=use_initial_state, store_output=not affine)
+                                   use_initial_state=use_initial_state, store_output=not (affine or store_states),
+                                   store_states=store_states, beta_dtype=beta_dtype)
     chunk_step = chunk_step_macro(kernel)
     W = K + V if affine else V                      # the state's columns: [M | N] in phase A
     walk = walk_macros(kernel)
@@ -141,7 +157,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
                       v: T.Tensor((B, Tn, HV, V), dtype), gc: T.Tensor((NB, HV, Lg), ACC),
                       beta: T.Tensor((NB, HV, Lg), beta_dtype), a_inv: T.Tensor((B, Tn, HV, BT), dtype),
                       h0: T.Tensor((B if warm_planned else NB, HV, K, V), ACC), ctl: T.Tensor(ctl_shape, ctl_dtype),
-                      o: T.Tensor((B, Tn, HV, V), dtype),
+                      o: T.Tensor(o_shape, dtype),
                       ht: T.Tensor((B if warm and lean else NB, HV, K, W), ACC)):
         with T.Kernel(T.ceildiv(W, BV), NB * HV, threads=threads) as (iv, bh):
             T.import_source(ATOMIC_MIN_SOURCE)
@@ -190,7 +206,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
                     S[i, j] = T.if_then_else((iv * BV + j == i) & (chunks > 0), 1.0, 0.0)
             else:
                 walk.load_initial_state(S, h0, ctl, ib, ibn, ihv, iv, c0)
-            tiles.vbad[0] = BT
+            if not store_states:              # the walk's search for a non-finite v (chunk_step_macro)
+                tiles.vbad[0] = BT
             v0 = iv * BV                              # V's first column for this tile
             if affine:
                 # N's tiles read V shifted by K; M's read V's first tile and zero it (v_on)
@@ -200,7 +217,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
                               v_on=v_on if affine else None)
             for cr in T.Pipelined(chunks, num_stages=num_stages):
                 c = c0 + cr                           # the chunk, in the whole sequence
-                walk.load_chunk(t, q, k, v, gc, a_inv, ib, ih, ihv, c, v0, nseg if warm else None)
+                walk.load_chunk(t, q, k, v, gc, beta, a_inv, ib, ih, ihv, c, v0, nseg if warm else None)
                 if warm:
                     # a warm-up's chunk (its o written by nobody) runs the state's steps alone: one branch around
                     # the whole step, so that no dot is left running where the two paths join
@@ -209,7 +226,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
                     else:
                         chunk_step(t, c, cr, False)
                 else:
-                    chunk_step(t, c, cr, True)
+                    chunk_step(t, c, cr, not kernel.store_states)      # the states' walk: the state's dots alone
             walk.store_final_state(t, ht, ctl, ib, ibn, ihv, iv)
 
     return gdn_chunk_fwd
@@ -222,7 +239,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
     import tilelang.language as T
 
     K, BV, warm, lean, affine = kernel.K, kernel.BV, kernel.warm, kernel.lean, kernel.affine
-    store_output, Tn, Lg, dtype = kernel.store_output, kernel.Tn, kernel.Lg, DTYPE
+    store_output, store_states, Tn, Lg, dtype = kernel.store_output, kernel.store_states, kernel.Tn, kernel.Lg, DTYPE
 
     @T.macro
     def alloc_tiles():
@@ -238,7 +255,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         Gsc = T.alloc_fragment((BT,), ACC)      # gc_i + ln(scale), P's rows' exponents
         # ln a, the state's scale (S = a S') at the chunk's start, the same in every thread
         la = T.alloc_var(ACC, init=0.0)
-        Vsum = T.alloc_local((1,), ACC)         # Σ |v| over the thread's elements of V's tile
+        Vsum = None if store_states else T.alloc_local((1,), ACC)  # Σ |v| over the thread's elements of V's tile
         Ss = T.alloc_shared((K, BV), dtype)        # bf16 state, the B operand of K S and Q S
         Xs = T.alloc_shared((BT, BV), dtype)       # X, A_inv X's right operand
         Ps = T.alloc_shared((BT, BT), dtype)
@@ -248,7 +265,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         # the first row whose v (this tile's) is not finite, as i − cr·BT (row i of chunk cr): a shared atomic min
         # of the rows that have one (x_and_v_new), never reset: a later chunk's keys are smaller, and an earlier
         # chunk's key (or the initial BT) reads as a row ≥ BT (none) in a later chunk
-        vbad = T.alloc_shared((1,), "int32")
+        vbad = None if store_states else T.alloc_shared((1,), "int32")
         S = T.alloc_fragment((K, BV), ACC)
         KS = T.alloc_fragment((BT, BV), ACC)
         QK = T.alloc_fragment((BT, BT), ACC)
@@ -259,8 +276,12 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         # rows put those 8 rows in the same banks (an 8-way conflict on every read). Swizzled, as a dot operand's
         # tile is, TMA writes it permuted and the reads spread over the banks
         T.annotate_layout({Vs: tilelang.layout.make_swizzled_layout(Vs)})
+        # the states' walk reads β per chunk (its X = β ⊙ (V − Γ ⊙ K S)), per row beside Γ
+        bs = T.alloc_shared((BT,), kernel.beta_dtype) if store_states else None
+        Bet = T.alloc_fragment((BT,), ACC) if store_states else None
         return StepTiles(Qs=Qs, Ks=Ks, Vs=Vs, As=As, gcs=gcs, Gam=Gam, Rho=Rho, Gsc=Gsc, Ss=Ss, Xs=Xs, Ps=Ps,
-                         Vns=Vns, Vds=Vds, Os=Os, vbad=vbad, S=S, KS=KS, QK=QK, Vn=Vn, Of=Of, Vr=Vr, la=la, Vsum=Vsum)
+                         Vns=Vns, Vds=Vds, Os=Os, vbad=vbad, S=S, KS=KS, QK=QK, Vn=Vn, Of=Of, Vr=Vr, la=la,
+                         Vsum=Vsum, bs=bs, Bet=Bet)
 
     @T.macro
     def load_initial_state(S, h0, ctl, ib, ibn, ihv, iv, c0):
@@ -281,8 +302,9 @@ def walk_macros(kernel) -> types.SimpleNamespace:
             T.clear(S)
 
     @T.macro
-    def load_chunk(t, q, k, v, gc, a_inv, ib, ih, ihv, c, v0, nseg):
-        """Chunk c's tiles, each one TMA copy from the producer: K first (see :func:`chunk_step`)."""
+    def load_chunk(t, q, k, v, gc, beta, a_inv, ib, ih, ihv, c, v0, nseg):
+        """Chunk c's tiles, each one TMA copy from the producer: K first (see :func:`chunk_step`); β only in the
+        states' walk."""
         # gc per program sequence: a warm walk's chunk lies in its segment or an earlier one
         gr = ib * nseg + c // t.Lc if warm else ib
         gcol = (c % t.Lc) * BT if warm else c * BT
@@ -292,12 +314,14 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.Vs)
         T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], t.As)
         T.copy(gc[gr, ihv, gcol:gcol + BT], t.gcs)
+        if store_states:
+            T.copy(beta[gr, ihv, gcol:gcol + BT], t.bs)
 
     @T.macro
     def store_final_state(t, ht, ctl, ib, ibn, ihv, iv):
-        """The final state S = a S' (phase A: the map), after the last store of o has read its tile."""
+        """The final state S = a S' (phase A: the map), after the last store of o (or h) has read its tile."""
         S = t.S
-        if store_output:
+        if store_output or store_states:
             T.tma_store_wait()      # the last store read the tile before the program ends
         for i, j in T.Parallel(K, BV):      # S = a S'
             S[i, j] = S[i, j] * T.exp(t.la)
@@ -329,13 +353,18 @@ def chunk_step_macro(kernel):
 
     ``outputs`` (a Python bool): o's dots and element-wise steps too; False for a warm-up's chunk (the state's three
     dots alone, each waited for inside this step: a dot left running where two branches join made ptxas serialise
-    every wgmma of the kernel)."""
+    every wgmma of the kernel) and in the states' walk (``store_states``: the bf16 state out by TMA, β in X, every
+    chunk renormalised)."""
     import tilelang.language as T
 
     K, BV, Tn, affine = kernel.K, kernel.BV, kernel.Tn, kernel.affine
-    warm, store_output = kernel.warm, kernel.store_output
+    warm, store_output, store_states = kernel.warm, kernel.store_output, kernel.store_states
     log_scale = math.log(kernel.scale)
     form_p, scale_o_tile, store_o = o_tile_macros(kernel)
+    # the walk's search for a non-finite v (x_and_v_new). The states' walk does without it: its value columns
+    # are independent (no o, no P), so such a v makes the state's columns it lies in non-finite from its chunk on,
+    # through A_inv X and Kᵀ V_d, as the token loop's (the twin, chunk_fwd_ref.chunk_states_hopper_ref, the same)
+    finds_bad_v = not store_states
 
     @T.macro
     def issue_dots(t, outputs):
@@ -347,6 +376,8 @@ def chunk_step_macro(kernel):
         the producer loads each chunk's K first and Ks is released last, after the synchronous state update: the
         producer cannot refill Qs for chunk c + 2 before chunk c is done. Keep it so (K first, the update
         synchronous) when reordering the dots."""
+        if store_states:
+            T.tma_store_wait()      # the previous chunk's h store has read the tile
         T.copy(t.S, t.Ss)
         T.wgmma_gemm(t.Ks, t.Ss, t.KS, clear_accum=True)
         if store_output and outputs:
@@ -354,46 +385,61 @@ def chunk_step_macro(kernel):
             T.wgmma_gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
 
     @T.macro
+    def store_state(t, c):
+        """The states' walk: S_b, the bf16 state entering chunk c that K S reads, out to h by TMA, not waited for
+        (the wait comes before the next chunk writes the tile)."""
+        T.tma_copy(t.Ss, t.o[t.ib, c, t.ihv, 0:K, t.iv * BV:(t.iv + 1) * BV])
+
+    @T.macro
     def row_factors(t, g_last, renorm, outputs):
         """Γ = e^{gc} a and ρ = e^{gc_last − gc} / (a γ) (or, where the chunk renormalises, e^{gc_last − gc}) per
-        row while the dots run: 2 exps per row instead of per element; P's row exponents gc + ln scale."""
+        row while the dots run: 2 exps per row instead of per element; P's row exponents gc + ln scale; β beside Γ
+        in the states' walk (every chunk renormalises there)."""
         la = t.la.buffer
         for i in T.Parallel(BT):
             t.Gam[i] = T.exp(t.gcs[i] + la)
+            if store_states:
+                t.Bet[i] = T.cast(t.bs[i], ACC)
         for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout
-            t.Rho[i] = T.exp(T.if_then_else(renorm, g_last, -la) - t.gcs[i])
+            t.Rho[i] = T.exp((g_last if store_states else T.if_then_else(renorm, g_last, -la)) - t.gcs[i])
         if store_output and outputs:
             for i in T.Parallel(BT):    # and Gsc QK's
                 t.Gsc[i] = t.gcs[i] + log_scale
 
     @T.macro
     def x_and_v_new(t, cr, outputs):
-        """X = V − Γ ⊙ K S in K S's registers (V's tile read into registers while K S runs), to shared memory by
-        stmatrix, then V_new = A_inv X issued; with o's steps to come it is left running while P and o's factors
-        are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups complete in order). A_inv's slot is
-        handed back at this issue, safe for the reason Q's is (the producer refills nothing of chunk c + 2 before
-        K's slot, released last).
+        """X = V − Γ ⊙ K S (the states' walk: β ⊙ (V − Γ ⊙ K S)) in K S's registers (V's tile read into registers
+        while K S runs), to shared memory by stmatrix, then V_new = A_inv X issued; with o's steps to come it is left
+        running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups
+        complete in order). A_inv's slot is handed back at this issue, safe for the reason Q's is (the producer
+        refills nothing of chunk c + 2 before K's slot, released last).
 
         A non-finite v (the module docstring): where a thread's Σ |v| is not finite (rare: a branch around the
         rest), X's element is 0 there and its row goes to ``vbad`` (an atomic min), read after the barrier before
         A_inv X: Γ's rows from the first such row on NaN (o's), and la NaN (the state's). The atomic is a call the
         barrier planner does not see (T.atomic_min adds two barriers per chunk: it takes the atomic for a write
         that may alias every shared tile): the barrier TileLang puts before X's stmatrix orders it before the
-        read, and the key needs no reset (``vbad``)."""
+        read, and the key needs no reset (``vbad``). The states' walk does without it (``finds_bad_v``)."""
         la = t.la.buffer
         T.copy(t.Vs, t.Vr)
         T.wait_wgmma(2 if store_output and outputs else 0)     # K S done (X needs only it)
-        t.Vsum[0] = 0.0
+        if finds_bad_v:
+            t.Vsum[0] = 0.0
         for i, j in T.Parallel(BT, BV):
             vij = t.Vr[i, j] * t.v_on if affine else t.Vr[i, j]
             # 0 on a row whose Γ is not finite: the rows a non-finite gc, β or key feeds (the module docstring)
-            t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), vij - t.Gam[i] * t.KS[i, j], 0.0)
-            t.Vsum[0] = t.Vsum[0] + T.abs(T.cast(t.Vr[i, j], ACC))   # (|v| · 0 would be folded to 0)
-        if not T.isfinite(t.Vsum[0]):
-            for i, j in T.Parallel(BT, BV):
-                if not T.isfinite(T.cast(t.Vr[i, j], ACC)):
-                    t.KS[i, j] = 0.0
-                    T.call_extern("int32", "linattn_atomic_min", t.vbad.data, i - cr * BT)
+            if store_states:
+                t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), t.Bet[i] * (vij - t.Gam[i] * t.KS[i, j]), 0.0)
+            else:
+                t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), vij - t.Gam[i] * t.KS[i, j], 0.0)
+            if finds_bad_v:
+                t.Vsum[0] = t.Vsum[0] + T.abs(T.cast(t.Vr[i, j], ACC))   # (|v| · 0 would be folded to 0)
+        if finds_bad_v:
+            if not T.isfinite(t.Vsum[0]):
+                for i, j in T.Parallel(BT, BV):
+                    if not T.isfinite(T.cast(t.Vr[i, j], ACC)):
+                        t.KS[i, j] = 0.0
+                        T.call_extern("int32", "linattn_atomic_min", t.vbad.data, i - cr * BT)
         T.copy(t.KS, t.Xs)
         if store_output:
             T.wgmma_gemm(t.As, t.Xs, t.Vn, clear_accum=True)
@@ -401,12 +447,13 @@ def chunk_step_macro(kernel):
         else:
             T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
             T.wait_wgmma(0)
-        # after the barrier before A_inv X: every atomic of the chunk is in. Γ is read by o's scale alone from here
-        # and la by the state's update alone (a chunk that renormalises multiplies S' by e^la: NaN too)
-        bad = t.vbad[0] + cr * BT
-        for i in T.Parallel(BT):
-            t.Gam[i] = T.if_then_else(i < bad, t.Gam[i], T.float32(NAN))
-        la = T.if_then_else(bad < BT, T.float32(NAN), la)
+        if finds_bad_v:
+            # after the barrier before A_inv X: every atomic of the chunk is in. Γ is read by o's scale alone from
+            # here and la by the state's update alone (a chunk that renormalises multiplies S' by e^la: NaN too)
+            bad = t.vbad[0] + cr * BT
+            for i in T.Parallel(BT):
+                t.Gam[i] = T.if_then_else(i < bad, t.Gam[i], T.float32(NAN))
+            la = T.if_then_else(bad < BT, T.float32(NAN), la)
 
     @T.macro
     def p_and_v_d(t, renorm, outputs):
@@ -435,9 +482,12 @@ def chunk_step_macro(kernel):
         :class:`StepTiles`)."""
         la = t.la.buffer    # the one-element buffer of T.alloc_var (t.la reads it): assignments below store into it
         issue_dots(t, outputs)
+        if store_states:
+            store_state(t, c)
         g_last = gcs_last(t.gcs, Tn, c)
-        # whether this chunk renormalises S' (la + ln γ below the limit)
-        renorm = la + g_last < -DEFERRED_DECAY_LIMIT
+        # whether this chunk renormalises S' (la + ln γ below the limit); every chunk in the states' walk, whose h
+        # is the state itself
+        renorm = True if store_states else la + g_last < -DEFERRED_DECAY_LIMIT
         row_factors(t, g_last, renorm, outputs)
         x_and_v_new(t, cr, outputs)
         p_and_v_d(t, renorm, outputs)
@@ -552,13 +602,13 @@ def affine_walk_chunks(tile_in_m, skip, chunks):
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
                     target: Optional[str] = None, use_initial_state: bool = True, beta_dtype: str = "float32",
                     affine: bool = False, warm: bool = False, warm_planned: bool = False, threshold: float = -30.0,
-                    lean: bool = False):
+                    lean: bool = False, store_states: bool = False):
     """The compiled kernel (cached per static configuration; the arguments :func:`build_kernel`'s, ``target`` as
     :func:`compile_prim_func`'s), its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
     (``uniform_warpgroup.py``: the wgmma descriptors then live in uniform registers; no value changes)."""
     from . import uniform_warpgroup as uniform
     func = build_kernel(H, HV, K, V, BV, scale, threads, num_stages, use_initial_state, beta_dtype, affine, warm,
-                        warm_planned, threshold, lean)
+                        warm_planned, threshold, lean, store_states)
     with uniform.rewriting():
         return compile_prim_func(uniform.marked(func), target)
 

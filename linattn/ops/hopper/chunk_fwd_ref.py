@@ -86,10 +86,7 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     rnd = (lambda t: t.to(q.dtype).to(work)) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
     gc = gc_hm[..., :T].transpose(1, 2).to(work)
-    g = gc.clone()               # back to per-token decays, so that padding the last chunk repeats its last gc
-    g[:, 1:] -= gc[:, :-1]
-    g[:, ::BT] = gc[:, ::BT]
-    gcc = tc.chunk_local_cumsum_ref(tc.to_chunks(g, BT))
+    gcc = _chunk_cumsums(gc_hm, T, work)
     S0 = initial_state
     if affine:
         v = torch.cat([torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=v.device), v], -1)
@@ -104,6 +101,45 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         S[skip_m.int() != 0, :, :K] = 0
         S[skip_m.int() == 2] = float("nan") if lean else 0
     return (None if affine else o), S
+
+
+def chunk_states_hopper_ref(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor,
+                            t_inv: torch.Tensor, initial_state: Optional[torch.Tensor], **launch
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of ``walk_launch.chunk_states_hopper``, the walk's ``store_states`` build (same arguments and
+    results; ``launch`` changes no value): per chunk ``chunk_bwd_ref.state_step_ref`` — h = S_b = bf16(S),
+    X = β ⊙ (V − Γ ⊙ K S_b) rounded, V_new = T X, S ← γ S + Kᵀ bf16(ρ ⊙ V_new) —, rounding where the kernel does for
+    bf16 k, nowhere for fp32 and float64 ones. Returns h ``[B, NT, HV, K, V]`` (bf16 for bf16 k, else the working
+    dtype) and the final state ``[B, HV, K, V]`` in the working dtype."""
+    from ..gated_delta import torch_chunk as tc
+    from .chunk_bwd_ref import state_step_ref
+    B, T, H, K = k.shape
+    HV = v.shape[2]
+    work = torch.float64 if k.dtype == torch.float64 else torch.float32
+    rounds = k.dtype in (torch.bfloat16, torch.float16)
+    rnd = (lambda t: t.to(k.dtype).to(work)) if rounds else (lambda t: t)
+    kc = tc.to_chunks(k.to(work).repeat_interleave(HV // H, 2), BT)
+    vc, tc_inv = tc.to_chunks(v.to(work), BT), tc.to_chunks(t_inv.to(work), BT)
+    bc = tc.to_chunks(beta_hm[..., :T].transpose(1, 2).to(work), BT)
+    gcc = _chunk_cumsums(gc_hm, T, work)
+    S = (initial_state.to(work) if initial_state is not None
+         else torch.zeros(B, HV, K, v.shape[3], dtype=work, device=k.device))
+    hs = []
+    for c in range(kc.shape[2]):
+        Sb, _, S = state_step_ref(S, kc[:, :, c], vc[:, :, c], gcc[:, :, c], bc[:, :, c], tc_inv[:, :, c], rnd)
+        hs.append(Sb)
+    return torch.stack(hs, 1).to(k.dtype if rounds else work), S
+
+
+def _chunk_cumsums(gc_hm: torch.Tensor, T: int, work: torch.dtype) -> torch.Tensor:
+    """Head-major chunk-local cumulative decays ``[B, HV, Tp]`` → ``[B, HV, NT, 64]`` in ``work``, the last chunk
+    padded with its last value (its rows past T decay nothing): back to per-token decays, chunked, summed again."""
+    from ..gated_delta import torch_chunk as tc
+    gc = gc_hm[..., :T].transpose(1, 2).to(work)
+    g = gc.clone()
+    g[:, 1:] -= gc[:, :-1]
+    g[:, ::BT] = gc[:, ::BT]
+    return tc.chunk_local_cumsum_ref(tc.to_chunks(g, BT))
 
 
 def _warm_walk_ref(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks, beta_in_a_inv,

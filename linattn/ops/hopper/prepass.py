@@ -54,12 +54,13 @@ THREADS = 2 * BT  # one warpgroup: K Kᵀ's wgmma, 64 solving threads and two wa
 NAN = float("nan")  # the rows a non-finite input feeds (T.float32(NAN): TileLang takes the constant from here)
 
 
-def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32"):
+def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", beta_in_a_inv: bool = True):
     """The TileLang prim_func of the pre-pass for these static sizes (B and T symbolic: with segments, the caller
     passes B·S sequences of T/S tokens as views). ``beta_dtype``: β as given (widened on load, written head-major in
     its own dtype). A_inv is written as A_inv diag(β) (each column scaled by its token's β): the walk's X is then
     V − Γ ⊙ (K S), one multiply per element and β's load per chunk fewer, at the same rounding (β ∈ [0, 1] scales
-    before the bf16 rounding)."""
+    before the bf16 rounding). Without ``beta_in_a_inv`` it is the plain T = (I + A)⁻¹, β only inside A: the
+    backward's (``backward.py``; it needs Tᵀ dV_new without β, docs/backward.md §1)."""
     import tilelang
     import tilelang.language as T
 
@@ -67,7 +68,7 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32"):
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # T padded to a multiple of 8 (chunk_fwd.padded_length)
     NC = T.symbolic("NC")   # ⌈T/64⌉: the chunks
-    steps = prepass_steps(K, Tn, Tp, beta_dtype)
+    steps = prepass_steps(K, Tn, Tp, beta_dtype, beta_in_a_inv)
     # 7 programs per SM (``__launch_bounds__(128, 7)``: 72 registers, 20 bytes of spill): the pre-pass is bound by
     # its shared-memory wavefronts, not by latency, and 7 fit the registers best (docs/decisions.md)
     programs_per_sm = 7
@@ -145,9 +146,9 @@ def build_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32"):
     return gdn_prepass
 
 
-def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
-    """The pre-pass's steps (TileLang macros over its static sizes and the symbolic T and Tp), in the order
-    :func:`build_kernel` runs them."""
+def prepass_steps(K: int, Tn, Tp, beta_dtype: str, beta_in_a_inv: bool = True) -> types.SimpleNamespace:
+    """The pre-pass's steps (TileLang macros over its static sizes and the symbolic T and Tp, and
+    :func:`build_kernel`'s ``beta_in_a_inv``), in the order :func:`build_kernel` runs them."""
     import tilelang.cuda.language as TC  # T.copy with CUDA lowering hints
     import tilelang.language as T
 
@@ -283,22 +284,31 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
 
     @T.macro
     def store_a_inv(a_inv, Tq, Z2, bs, Bl, Bh, Out, fb, ib, ihv, c):
-        """6. A_inv diag(β) = [[T_lo, 0], [X, T_hi]] diag(β) in bf16, rows past the sequence's end not written. The
-        columns' β in X's column layout, loaded once (between the stores to Out nvcc would reload them from shared
-        memory: one buffer). Rows from ``fb`` (the chunk's first non-finite row) on are NaN, columns from it 0."""
-        for j in T.Parallel(2 * D):
-            Bl[j] = bs[j]
-        for j in T.Parallel(2 * D):      # loops of their own: each fragment takes the columns' layout
-            Bh[j] = bs[2 * D + j]
-        for j in T.Parallel(2 * D):      # in registers: the columns from fb on are 0 (their β may be NaN)
-            Bl[j] = T.if_then_else(j < fb, Bl[j], 0.0)
-        for j in T.Parallel(2 * D):
-            Bh[j] = T.if_then_else(2 * D + j < fb, Bh[j], 0.0)
-        for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
-            Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j] * Bl[j], T.float32(NAN))
-            Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
-            Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j] * Bl[j], T.float32(NAN))
-            Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j] * Bh[j], T.float32(NAN))
+        """6. A_inv diag(β) = [[T_lo, 0], [X, T_hi]] diag(β) in bf16 (without ``beta_in_a_inv``: no diag(β)), rows
+        past the sequence's end not written. The columns' β in X's column layout, loaded once (between the stores
+        to Out nvcc would reload them from shared memory: one buffer). Rows from ``fb`` (the chunk's first
+        non-finite row) on are NaN, columns from it 0 (without β they are already: A's rows and columns from fb are
+        0, so the inverse is lower triangular with unit rows there)."""
+        if beta_in_a_inv:
+            for j in T.Parallel(2 * D):
+                Bl[j] = bs[j]
+            for j in T.Parallel(2 * D):      # loops of their own: each fragment takes the columns' layout
+                Bh[j] = bs[2 * D + j]
+            for j in T.Parallel(2 * D):      # in registers: the columns from fb on are 0 (their β may be NaN)
+                Bl[j] = T.if_then_else(j < fb, Bl[j], 0.0)
+            for j in T.Parallel(2 * D):
+                Bh[j] = T.if_then_else(2 * D + j < fb, Bh[j], 0.0)
+            for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
+                Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j] * Bl[j], T.float32(NAN))
+                Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
+                Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j] * Bl[j], T.float32(NAN))
+                Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j] * Bh[j], T.float32(NAN))
+        else:
+            for i, j in T.Parallel(2 * D, 2 * D):
+                Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j], T.float32(NAN))
+                Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
+                Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j], T.float32(NAN))
+                Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j], T.float32(NAN))
         T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
 
     return types.SimpleNamespace(load_chunk=load_chunk, form_a=form_a, solve_diagonal_blocks=solve_diagonal_blocks,
@@ -306,14 +316,15 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str) -> types.SimpleNamespace:
 
 
 @functools.lru_cache(maxsize=64)
-def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", target: Optional[str] = None):
+def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", target: Optional[str] = None,
+                    beta_in_a_inv: bool = True):
     """The compiled pre-pass (cached per static configuration); ``target`` as ``compile.compile_prim_func``'s."""
-    return compile_prim_func(build_kernel(H, HV, K, beta_dtype), target)
+    return compile_prim_func(build_kernel(H, HV, K, beta_dtype, beta_in_a_inv), target)
 
 
-def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype):
+def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a_inv: bool = True):
     """The compiled pre-pass :func:`prepass_hopper` launches."""
-    return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."))
+    return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."), beta_in_a_inv=beta_in_a_inv)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:
@@ -326,15 +337,16 @@ def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) 
         raise ValueError(f"{segments} segments need T a multiple of {BT * segments}, got T={T}")
 
 
-def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int = 1,
+                   beta_in_a_inv: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gc ``[B·S, HV, Lp]`` fp32, β ``[B·S, HV, Lp]`` in β's dtype, A_inv diag(β) ``[B, T, HV, 64]`` bf16) for the
     fused kernel (``walk_launch.chunk_fwd_hopper_hm``) from bf16 keys ``[B, T, H, K]``, log decays g and β ``[B, T, HV]``,
     and the map bound's chunk sums ``[B·S, HV, L/64]`` fp32 (``map_bound.chunk_bounds``'s, for the segmented
     forward's plan: the two warps the solve leaves idle sum them from β_i ‖k_i‖², kept on A's diagonal blocks).
     ``segments`` = S cuts every sequence into S segments of L = T/S tokens (T a multiple of 64·S), which the fused
     kernel takes as B·S sequences: gc and β come per segment (gc is chunk-local, so it holds for them as it is), and
-    A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T."""
+    A_inv viewed as ``[B·S, L, HV, 64]`` is theirs. Lp = ``padded_length(L)``; S = 1: L = T. Without
+    ``beta_in_a_inv`` A_inv is the plain T = (I + A)⁻¹ (the backward's, :func:`build_kernel`)."""
     _check(k, g, beta, segments)
     if k.dtype != torch.bfloat16:
         raise TypeError(f"the Hopper pre-pass takes bf16 keys, got {k.dtype}")
@@ -342,7 +354,7 @@ def prepass_hopper(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segment
         raise TypeError(f"beta must be bf16 or fp32, got {beta.dtype}")
     B, T, H, K = k.shape
     HV = g.shape[2]
-    kernel = prepass_kernel(H, HV, K, beta.dtype)
+    kernel = prepass_kernel(H, HV, K, beta.dtype, beta_in_a_inv)
     BS, L = B * segments, T // segments         # the segments as sequences of their own: views, no copies
     Lp = padded_length(L)
     # every row below Lp is written (the chunks cover each segment, rounded up to 64 rows): no memsets

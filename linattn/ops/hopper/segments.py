@@ -8,9 +8,10 @@ the gradient entering it. ``common/seq_parallel_bwd.segment_grads`` gives every 
 maps [M_sᵀ | D_s], and B', the reverse scan from dht) from the Triton reverse walk's inputs: W (``common/wy.py``)
 and dv_local = scale·Pᵀ dO (``common/local_bwd_dv.py``), formed only when segmenting.
 
-With T a multiple of 64·L a segment is a view: q ``[B, T, H, K]`` → ``[B·S, T/S, H, K]`` (likewise k, v, do, gc, β,
+With T a multiple of 64·L a segment is a view: q ``[B, T, H, K]`` → ``[B·S, T/S, H, K]`` (likewise k, v, do and
 T = A_inv) and h ``[B, NT, HV, K, V]`` → ``[B·S, NT/S, HV, K, V]``, segment s of sequence b at b·S + s, the order of
-``segment_layout``'s segments. The walk, unchanged, runs on the views with dht = dS_out: its chunks are the same
+``segment_layout``'s segments; the head-major gc and β ``[B, HV, NT·64]`` take one small copy each
+(:func:`head_major_as_segments`). The walk, unchanged, runs on the views with dht = dS_out: its chunks are the same
 chunks (gc is the chunk-local cumsum, h the state entering each chunk), its partials come back in the viewed layout
 (dq, dk, dv reshape to ``[.., B, T, ..]`` as views; the head-major dg, dβ need one small transpose), its dh0 of
 segment s is the gradient entering s, and sequence b's dh0 is its first segment's. Other T (a partial last chunk)
@@ -103,6 +104,15 @@ def as_segments(x: torch.Tensor, S: int) -> torch.Tensor:
     return x.view(x.shape[0] * S, x.shape[1] // S, *x.shape[2:])
 
 
+def head_major_as_segments(x: torch.Tensor, S: int) -> torch.Tensor:
+    """Head-major ``[B, HV, N]`` → ``[B·S, HV, N/S]`` (segment s of sequence b at b·S + s; one copy, x itself at
+    S = 1): the walk's gc and β for its segment views."""
+    if S == 1:
+        return x
+    B, HV, N = x.shape
+    return x.view(B, HV, S, N // S).transpose(1, 2).reshape(B * S, HV, N // S)
+
+
 def head_major_from_segments(x: torch.Tensor, B: int) -> torch.Tensor:
     """The walk's head-major partials ``[NV, B·S, HV, Ls]`` → ``[NV, B, HV, S·Ls]`` (sequence-major tokens; the
     identity at S = 1)."""
@@ -117,8 +127,8 @@ def segment_state_grads(q, k, v, beta, gc, a_inv, do, dht: Optional[torch.Tensor
                         ) -> torch.Tensor:
     """dS_out ``[B·S, HV, K, V]`` fp32, the gradient of the state leaving every segment of L chunks (the last
     segment's of sequence b is dht[b], zeros without dht), segment s of b at b·S + s: W (``wy_fwd``, its U
-    unused) and dv_local (``local_bwd_dv``) from gc and the fp32 A_inv (``kkt_solve``'s), then
-    ``segment_grads``. Tensors ``[B, T, ...]`` contiguous, as the Triton backward takes them."""
+    unused) and dv_local (``local_bwd_dv``) from gc and T (the pre-pass's bf16 values in fp32: the walk's own
+    operator), then ``segment_grads``. Tensors ``[B, T, ...]`` contiguous, as the Triton backward takes them."""
     B, T = q.shape[:2]
     w, _ = wy_fwd(k, v, beta, gc, a_inv)
     dv_local = local_bwd_dv(q, k, gc, do, scale)

@@ -1,7 +1,7 @@
 """The fused walk's launchers (``chunk_fwd.py``'s kernel): the compiled kernel for a launch's options
-(:func:`walk_kernel`, :func:`warm_kernel`; ``prepared.py`` takes the same ones) and the calls that take tensors,
-check them, allocate o and the final state and launch (:func:`chunk_fwd_hopper_hm`: the plain walk, phase A's affine
-walk, phase C's warm walks). Everything of ``chunk_fwd`` is read through the module at call time, so stand-ins set
+(:func:`walk_kernel`, :func:`warm_kernel`, :func:`states_kernel`; ``prepared.py`` takes the same ones) and the calls
+that take tensors, check them, allocate o and the final state and launch (:func:`chunk_fwd_hopper_hm`: the plain
+walk, phase A's affine walk, phase C's warm walks; :func:`chunk_states_hopper`: the backward's states). Everything of ``chunk_fwd`` is read through the module at call time, so stand-ins set
 there (tests, ``benchmarks/host_hopper.py``) apply here too.
 """
 from __future__ import annotations
@@ -37,6 +37,14 @@ def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), threads, num_stages, target, use_initial_state,
                                      _dtype_name(beta_dtype), False, True, planned,
                                      float(threshold) if planned else -30.0, lean)
+
+
+def states_kernel(H: int, HV: int, K: int, V: int, BV: int, threads: int, num_stages: int, use_initial_state: bool,
+                  beta_dtype: torch.dtype, target: Optional[str] = None):
+    """The compiled kernel of :func:`chunk_states_hopper` (the walk's ``store_states`` build; no scale: it forms no
+    output); ``target`` as :func:`walk_kernel`'s."""
+    return chunk_fwd.compiled_kernel(H, HV, K, V, BV, 1.0, threads, num_stages, target, use_initial_state,
+                                     _dtype_name(beta_dtype), store_states=True)
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
@@ -169,3 +177,37 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
     chunk_fwd.launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), gc_hm.contiguous(),
                                beta_hm.contiguous(), a_inv.contiguous(), h0, ctl, o, ht)
     return o, ht
+
+
+def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor,
+                        t_inv: torch.Tensor, initial_state: Optional[torch.Tensor], *, BV: int = 128,
+                        threads: int = 256, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Hopper backward's recompute of the states (``backward.recompute``): h ``[B, NT, HV, K, V]`` bf16, the
+    state entering each chunk (``chunk_bwd``'s layout), and the final state ``[B, HV, K, V]`` fp32, from bf16 k
+    ``[B, T, H, K]``, v ``[B, T, HV, V]``, the pre-pass's gc and β head-major ``[B, HV, Lp]`` (Lp ≥ T, a multiple
+    of 8: ``padded_length(T)`` or whole chunks) and its plain T = (I + A)⁻¹ ``[B, T, HV, 64]`` bf16
+    (``prepass_hopper(beta_in_a_inv=False)``): the walk's ``store_states`` build, unsegmented (one program per
+    sequence, value head and V tile of ``BV``). Twin: ``chunk_fwd_ref.chunk_states_hopper_ref``."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or t_inv.dtype != torch.bfloat16:
+        raise TypeError(f"the Hopper states walk takes bf16 k, v and T, got {k.dtype}, {v.dtype}, {t_inv.dtype}")
+    if beta_hm.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
+    if V % BV:
+        raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
+    Lp = gc_hm.shape[-1]
+    if gc_hm.shape != (B, HV, Lp) or beta_hm.shape != gc_hm.shape or Lp < T or Lp % 8:
+        raise ValueError(f"gc and beta must be head-major [B, HV, Lp] with B, HV = {B}, {HV} and Lp ≥ T = {T} a "
+                         f"multiple of 8, got {list(gc_hm.shape)} and {list(beta_hm.shape)}")
+    if t_inv.shape != (B, T, HV, BT):
+        raise ValueError(f"T must be [B, T, HV, 64] = {[B, T, HV, BT]}, got {list(t_inv.shape)}")
+    kernel = states_kernel(H, HV, K, V, BV, threads, num_stages, initial_state is not None, beta_hm.dtype)
+    h = torch.empty(B, -(-T // BT), HV, K, V, dtype=torch.bfloat16, device=k.device)
+    ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=k.device)
+    k = k.contiguous()
+    ctl = torch.empty(B, HV, dtype=torch.int32, device=k.device)       # read by no states walk: a placeholder
+    # q is not read: k stands in for it
+    chunk_fwd.launcher(kernel)(k, k, v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(), t_inv.contiguous(),
+                               state_arg(initial_state, (B, HV, K, V), k.device), ctl, h, ht)
+    return h, ht
