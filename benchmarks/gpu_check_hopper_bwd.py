@@ -6,16 +6,12 @@
     beside the Triton backward's error and the rounded PyTorch baseline's (gpu_check_core.rounded_twin: every
     stage's output rounded to bf16; the bound is Hopper ≤ 2 × baseline); then a bitwise repeat (two runs, the same
     bits).
-    The recompute's two routes on the same inputs: h, T and gc of the Hopper forward's kernels (the pre-pass
-    without β on T, the walk's states build: ``backward.recompute``) against the Triton route it replaced
-    (:func:`triton_recompute`: chunk-local cumsum, kkt_solve, the Triton state pass from T), max abs difference and
-    relative L2; and the states walk against its twin (``chunk_fwd_ref.chunk_states_hopper_ref``) on the same
-    pre-pass outputs.
+    The recompute (``backward.recompute``: the pre-pass without β on T, the walk's states build): its states walk
+    against its twin (``chunk_fwd_ref.chunk_states_hopper_ref``) on the same pre-pass outputs.
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
-    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute (and the Triton route's, with h of both routes
-    compared), the fused walk alone (and µs per chunk: walk ms
-    over the T/64 chunks each program walks), the reductions (one launch: sums, mask, casts), the whole Hopper
-    backward and the Triton backward.
+    and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute (pre-pass and states walk), the fused walk alone
+    (and µs per chunk: walk ms over the T/64 chunks each program walks), the reductions (one launch: sums, mask,
+    casts), the whole Hopper backward and the Triton backward.
     The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs;
     so is the states walk (one program per sequence, value head and V tile of 128 where those fill the card, else 64).
 (c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
@@ -95,14 +91,13 @@ def recompute_launch(B: int, HV: int, V: int, sms: int = SMS) -> dict:
 
 
 def recompute_configs() -> list[tuple]:
-    """("states", H, HV, K, V, BV, num_stages) of every states walk (the recompute's, and at the timed rows its
-    3-stage variant) and ("prepass", H, HV, K) of every pre-pass (β in bf16, T without β) this script launches
-    (every case and row has an initial state)."""
+    """("states", H, HV, K, V, BV, num_stages) of every states walk (the recompute's) and ("prepass", H, HV, K) of
+    every pre-pass (β in bf16, T without β) this script launches (every case and row has an initial state)."""
     shapes = [(B, H, HV, K, V) for _, B, _, H, HV, K, V, _, _, _ in CASES]
     rows = [(B, H, HV, 128, 128) for _, B, _, H, HV in ROWS]
-    states = lambda B, H, HV, K, V, stages: ("states", H, HV, K, V, recompute_launch(B, HV, V)["BV"],
-                                            stages or recompute_launch(B, HV, V)["num_stages"])
-    configs = [states(*shape, None) for shape in shapes + rows] + [states(*row, 3) for row in rows]
+    states = lambda B, H, HV, K, V: ("states", H, HV, K, V, recompute_launch(B, HV, V)["BV"],
+                                     recompute_launch(B, HV, V)["num_stages"])
+    configs = [states(*shape) for shape in shapes + rows]
     configs += [("prepass", H, HV, K) for _, H, HV, K, _ in shapes + rows]
     return list(dict.fromkeys(configs))
 
@@ -221,33 +216,15 @@ def twin_case(case) -> dict:
                 nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
 
 
-def triton_recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
-    """The recompute's former route, for the A/B alone: gc (the Triton chunk-local cumsum), T (``kkt_solve``, β
-    inside A only) and h (the Triton state pass from T and β, bf16), in ``backward.recompute``'s layouts."""
-    from linattn.ops.common.cumsum import chunk_local_cumsum
-    from linattn.ops.common.kkt_solve import kkt_solve
-    from linattn.ops.common.state_pass import state_pass_fwd
-    from linattn.ops.hopper.backward import head_major_chunks
-    gc = chunk_local_cumsum(g, None, None)
-    a_inv = kkt_solve(k, beta, gc, v.shape[2], None, None)
-    h, _, _ = state_pass_fwd(k, None, v, gc, initial_state, store_dtype=torch.bfloat16, a_inv=a_inv, beta=beta)
-    return head_major_chunks(gc), head_major_chunks(beta.float()), a_inv.to(torch.bfloat16), h
-
-
 def difference(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Max abs difference and relative L2 of a against b."""
     from gpu_check_core import rel
     return dict(max_abs=(a.float() - b.float()).abs().max().item(), rel_l2=rel(a.float(), b.float()))
 
 
-def route_differences(new: tuple, old: tuple) -> dict:
-    """:func:`difference` of gc, β, T and h between two recomputes (``backward.recompute``'s layouts)."""
-    return {name: difference(a, b) for name, a, b in zip(("gc", "beta", "T", "h"), new, old)}
-
-
 def recompute_case(case) -> dict:
-    """The recompute on the Hopper forward's kernels against the Triton route, and its states walk against the
-    states twin on the same pre-pass outputs (h max abs difference, relative L2)."""
+    """The recompute's states walk against the states twin on the same pre-pass outputs (h max abs difference,
+    relative L2)."""
     from linattn.ops.hopper import backward
     from linattn.ops.hopper.chunk_fwd_ref import chunk_states_hopper_ref
     name, B, T, H, HV, K, V, BV, decay, repeated = case
@@ -255,8 +232,7 @@ def recompute_case(case) -> dict:
     args = [low[n] for n in ("k", "v", "g", "beta", "initial_state")]
     new = backward.recompute(*args)
     h_twin, _ = chunk_states_hopper_ref(low["k"], low["v"], *new[:3], low["initial_state"])
-    return dict(case=name, new_vs_triton=route_differences(new, triton_recompute(*args)),
-                h_vs_twin=difference(new[3], h_twin),
+    return dict(case=name, h_vs_twin=difference(new[3], h_twin),
                 nonfinite=int((~torch.isfinite(new[3].float())).sum()))
 
 
@@ -289,19 +265,14 @@ def time_row(row) -> dict:
     beta = torch.rand(B, T, HV, device="cuda").bfloat16()
     h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
     gc_hm, beta_hm, a_inv, h = backward.recompute(k, v, g, beta, h0)
-    differences = route_differences((gc_hm, beta_hm, a_inv, h), triton_recompute(k, v, g, beta, h0))
     launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
-    states = lambda stages: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, a_inv, h0,
-                                                            **dict(launch, num_stages=stages))[0]
-    deeper = 3   # the 3-stage load pipeline (A/B; the recompute runs the forward's 2)
+    states = lambda: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, a_inv, h0, **launch)[0]
     walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_p, dk_p, _, dg_p, db_p, _ = walk()
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
-        recompute_triton=triton.testing.do_bench(lambda: triton_recompute(k, v, g, beta, h0)),
         recompute_prepass=triton.testing.do_bench(lambda: prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)),
-        recompute_states=triton.testing.do_bench(lambda: states(launch["num_stages"])),
-        recompute_states_3_stages=triton.testing.do_bench(lambda: states(deeper)),
+        recompute_states=triton.testing.do_bench(states),
         walk=triton.testing.do_bench(walk),
         reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
             dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
@@ -311,8 +282,7 @@ def time_row(row) -> dict:
             q, k, v, g, beta, scale, h0, None, None, do, dht)))
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
-                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, recompute_new_vs_triton=differences,
-                states_BV=launch["BV"], states_3_stages_same_bits=bool(torch.equal(states(deeper), h)))
+                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, states_BV=launch["BV"])
 
 
 def row_inputs(B, T, H, HV, K=128, V=128) -> dict:
@@ -444,28 +414,24 @@ def print_tables(results: dict) -> None:
                   + f"   segments of {r['segment_chunks']} chunks vs unsegmented (rel L2)")
     for r in results["repeat"]:
         print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
-    print("\nthe recompute: Hopper kernels vs the Triton route (max abs / rel L2), and h vs the states twin:")
-    for r in results["recompute"] + results["timing"]:
-        label = r.get("case", f"row {r.get('row')}")
+    print("\nthe recompute's h against the states twin (max abs / rel L2):")
+    for r in results["recompute"]:
         if "error" in r:
-            print(f"{label:<28}ERROR {r['error'][:200]}")
+            print(f"{r['case']:<28}ERROR {r['error'][:200]}")
             continue
-        diffs = r.get("new_vs_triton", r.get("recompute_new_vs_triton"))
-        print(f"{label:<28}" + "  ".join(f"{n} {d['max_abs']:.1e} / {d['rel_l2']:.1e}" for n, d in diffs.items())
-              + (f"   h vs twin {r['h_vs_twin']['max_abs']:.1e} / {r['h_vs_twin']['rel_l2']:.1e}, nonfinite "
-                 f"{r['nonfinite']}" if "h_vs_twin" in r else ""))
-    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'(triton)':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}"
+        d = r["h_vs_twin"]
+        print(f"{r['case']:<28}{d['max_abs']:.1e} / {d['rel_l2']:.1e}, nonfinite {r['nonfinite']}")
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}"
           f"{'hopper':>9}{'triton':>9}   (ms, do_bench medians)")
     for r in results["timing"]:
         if "error" in r:
             print(f"{r['row']:<5}ERROR {r['error'][:200]}")
             continue
         ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
-        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['recompute_triton']:10.3f}{ms['walk']:9.3f}"
+        print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
               f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
         print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states walk {ms['recompute_states']:.3f} "
-              f"(BV {r['states_BV']}; 3 stages: {ms['recompute_states_3_stages']:.3f}, same bits: "
-              f"{r['states_3_stages_same_bits']})")
+              f"(BV {r['states_BV']})")
 
 
 def main(argv=None) -> dict:
