@@ -379,6 +379,36 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
     assert max(errors.values()) < 2e-2, errors
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("edge", [((37, 1, float("-inf")),), ((20, 0, -3e38), (21, 0, -3e38))],
+                         ids=["minus_inf", "overflowing_pair"])
+def test_host_chain_takes_gates_at_the_end_of_their_range(monkeypatch, edge):
+    """Issue 46 item 1 on the Hopper backward's host chain (the twins for its kernels, fp32): a −inf gate, or two
+    at −3e38 whose chunk sum overflows, give finite gradients at the float64 reference's (its autograd through
+    e^−inf = 0), dg = 0 at those gates (below the floor)."""
+    from linattn.ops.hopper import chunk_bwd
+
+    from .test_hopper_bwd_ref import reference_grads
+    use_recompute_twins(monkeypatch)
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 32, seed=2).items()}
+    for t, hv, value in edge:
+        x["g"][0, t, hv] = value
+    ref = reference_grads(x, 0.3, use_dht=True)
+    low = {n: t.float() for n, t in x.items()}
+    got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
+                                                     low["h0"], low["do"], low["dht"], BV=16)
+    assert all(torch.isfinite(t).all() for t in got)
+    for t, hv, _ in edge:
+        assert got[3][0, t, hv] == 0
+    finite = [torch.isfinite(r) for r in ref]
+    for t, hv, _ in edge:
+        finite[3][0, t, hv] = False
+    errors = {n: rel_l2(a[m], b[m]) for n, a, b, m in zip(GRADS, got, ref, finite)}
+    assert max(errors.values()) < 2e-2, errors
+
+
 def _host_chain(x: dict, scale: float, segment_chunks, BV: int = 16) -> tuple[torch.Tensor, ...]:
     """The host chain on x's fp32 copies (the twin walk and the lifted checks patched in by the caller)."""
     low = {n: t.float() for n, t in x.items()}
