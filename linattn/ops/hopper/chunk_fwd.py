@@ -357,14 +357,11 @@ def chunk_step_macro(kernel):
     chunk renormalised)."""
     import tilelang.language as T
 
-    K, BV, Tn, affine = kernel.K, kernel.BV, kernel.Tn, kernel.affine
+    K, BV, Tn = kernel.K, kernel.BV, kernel.Tn
     warm, store_output, store_states = kernel.warm, kernel.store_output, kernel.store_states
     log_scale = math.log(kernel.scale)
     form_p, scale_o_tile, store_o = o_tile_macros(kernel)
-    # the walk's search for a non-finite v (x_and_v_new). The states' walk does without it: its value columns
-    # are independent (no o, no P), so such a v makes the state's columns it lies in non-finite from its chunk on,
-    # through A_inv X and Kᵀ V_d, as the token loop's (the twin, chunk_fwd_ref.chunk_states_hopper_ref, the same)
-    finds_bad_v = not store_states
+    x_and_v_new = x_and_v_new_macro(kernel)
 
     @T.macro
     def issue_dots(t, outputs):
@@ -405,55 +402,6 @@ def chunk_step_macro(kernel):
         if store_output and outputs:
             for i in T.Parallel(BT):    # and Gsc QK's
                 t.Gsc[i] = t.gcs[i] + log_scale
-
-    @T.macro
-    def x_and_v_new(t, cr, outputs):
-        """X = V − Γ ⊙ K S (the states' walk: β ⊙ (V − Γ ⊙ K S)) in K S's registers (V's tile read into registers
-        while K S runs), to shared memory by stmatrix, then V_new = A_inv X issued; with o's steps to come it is left
-        running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups
-        complete in order). A_inv's slot is handed back at this issue, safe for the reason Q's is (the producer
-        refills nothing of chunk c + 2 before K's slot, released last).
-
-        A non-finite v (the module docstring): where a thread's Σ |v| is not finite (rare: a branch around the
-        rest), X's element is 0 there and its row goes to ``vbad`` (an atomic min), read after the barrier before
-        A_inv X: Γ's rows from the first such row on NaN (o's), and la NaN (the state's). The atomic is a call the
-        barrier planner does not see (T.atomic_min adds two barriers per chunk: it takes the atomic for a write
-        that may alias every shared tile): the barrier TileLang puts before X's stmatrix orders it before the
-        read, and the key needs no reset (``vbad``). The states' walk does without it (``finds_bad_v``)."""
-        la = t.la.buffer
-        T.copy(t.Vs, t.Vr)
-        T.wait_wgmma(2 if store_output and outputs else 0)     # K S done (X needs only it)
-        if finds_bad_v:
-            t.Vsum[0] = 0.0
-        for i, j in T.Parallel(BT, BV):
-            vij = t.Vr[i, j] * t.v_on if affine else t.Vr[i, j]
-            # 0 on a row whose Γ is not finite: the rows a non-finite gc, β or key feeds (the module docstring)
-            if store_states:
-                t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), t.Bet[i] * (vij - t.Gam[i] * t.KS[i, j]), 0.0)
-            else:
-                t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), vij - t.Gam[i] * t.KS[i, j], 0.0)
-            if finds_bad_v:
-                t.Vsum[0] = t.Vsum[0] + T.abs(T.cast(t.Vr[i, j], ACC))   # (|v| · 0 would be folded to 0)
-        if finds_bad_v:
-            if not T.isfinite(t.Vsum[0]):
-                for i, j in T.Parallel(BT, BV):
-                    if not T.isfinite(T.cast(t.Vr[i, j], ACC)):
-                        t.KS[i, j] = 0.0
-                        T.call_extern("int32", "linattn_atomic_min", t.vbad.data, i - cr * BT)
-        T.copy(t.KS, t.Xs)
-        if store_output:
-            T.wgmma_gemm(t.As, t.Xs, t.Vn, clear_accum=True)
-            T.wait_wgmma(1)
-        else:
-            T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
-            T.wait_wgmma(0)
-        if finds_bad_v:
-            # after the barrier before A_inv X: every atomic of the chunk is in. Γ is read by o's scale alone from
-            # here and la by the state's update alone (a chunk that renormalises multiplies S' by e^la: NaN too)
-            bad = t.vbad[0] + cr * BT
-            for i in T.Parallel(BT):
-                t.Gam[i] = T.if_then_else(i < bad, t.Gam[i], T.float32(NAN))
-            la = T.if_then_else(bad < BT, T.float32(NAN), la)
 
     @T.macro
     def p_and_v_d(t, renorm, outputs):
@@ -523,6 +471,69 @@ def chunk_step_macro(kernel):
 
     return chunk_step
 
+
+def x_and_v_new_macro(kernel):
+    """The chunk step's X and V_new (:func:`chunk_step_macro`; a TileLang macro over ``kernel``'s static sizes and
+    flags)."""
+    import tilelang.language as T
+
+    BV, affine = kernel.BV, kernel.affine
+    store_output, store_states = kernel.store_output, kernel.store_states
+    # the walk's search for a non-finite v. The states' walk does without it: its value columns are independent
+    # (no o, no P), so such a v makes the state's columns it lies in non-finite from its chunk on, through A_inv X
+    # and Kᵀ V_d, as the token loop's (the twin, chunk_fwd_ref.chunk_states_hopper_ref, the same)
+    finds_bad_v = not store_states
+
+    @T.macro
+    def x_and_v_new(t, cr, outputs):
+        """X = V − Γ ⊙ K S (the states' walk: β ⊙ (V − Γ ⊙ K S)) in K S's registers (V's tile read into registers
+        while K S runs), to shared memory by stmatrix, then V_new = A_inv X issued; with o's steps to come it is left
+        running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups
+        complete in order). A_inv's slot is handed back at this issue, safe for the reason Q's is (the producer
+        refills nothing of chunk c + 2 before K's slot, released last).
+
+        A non-finite v (the module docstring): where a thread's Σ |v| is not finite (rare: a branch around the
+        rest), X's element is 0 there and its row goes to ``vbad`` (an atomic min), read after the barrier before
+        A_inv X: Γ's rows from the first such row on NaN (o's), and la NaN (the state's). The atomic is a call the
+        barrier planner does not see (T.atomic_min adds two barriers per chunk: it takes the atomic for a write
+        that may alias every shared tile): the barrier TileLang puts before X's stmatrix orders it before the
+        read, and the key needs no reset (``vbad``). The states' walk does without it (``finds_bad_v``)."""
+        la = t.la.buffer
+        T.copy(t.Vs, t.Vr)
+        T.wait_wgmma(2 if store_output and outputs else 0)     # K S done (X needs only it)
+        if finds_bad_v:
+            t.Vsum[0] = 0.0
+        for i, j in T.Parallel(BT, BV):
+            vij = t.Vr[i, j] * t.v_on if affine else t.Vr[i, j]
+            # 0 on a row whose Γ is not finite: the rows a non-finite gc, β or key feeds (the module docstring)
+            if store_states:
+                t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), t.Bet[i] * (vij - t.Gam[i] * t.KS[i, j]), 0.0)
+            else:
+                t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), vij - t.Gam[i] * t.KS[i, j], 0.0)
+            if finds_bad_v:
+                t.Vsum[0] = t.Vsum[0] + T.abs(T.cast(t.Vr[i, j], ACC))   # (|v| · 0 would be folded to 0)
+        if finds_bad_v:
+            if not T.isfinite(t.Vsum[0]):
+                for i, j in T.Parallel(BT, BV):
+                    if not T.isfinite(T.cast(t.Vr[i, j], ACC)):
+                        t.KS[i, j] = 0.0
+                        T.call_extern("int32", "linattn_atomic_min", t.vbad.data, i - cr * BT)
+        T.copy(t.KS, t.Xs)
+        if store_output:
+            T.wgmma_gemm(t.As, t.Xs, t.Vn, clear_accum=True)
+            T.wait_wgmma(1)
+        else:
+            T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
+            T.wait_wgmma(0)
+        if finds_bad_v:
+            # after the barrier before A_inv X: every atomic of the chunk is in. Γ is read by o's scale alone from
+            # here and la by the state's update alone (a chunk that renormalises multiplies S' by e^la: NaN too)
+            bad = t.vbad[0] + cr * BT
+            for i in T.Parallel(BT):
+                t.Gam[i] = T.if_then_else(i < bad, t.Gam[i], T.float32(NAN))
+            la = T.if_then_else(bad < BT, T.float32(NAN), la)
+
+    return x_and_v_new
 
 def o_tile_macros(kernel) -> tuple:
     """(form_p, scale_o_tile, store_o): the chunk step's macros on P and o's tile, over ``kernel``'s sizes."""
