@@ -219,6 +219,45 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str, beta_in_a_inv: bool = True) -
         T.sync_threads()
 
     @T.macro
+    def store_a_inv(a_inv, Tq, Z2, bs, Bl, Bh, Out, fb, ib, ihv, c):
+        """6. A_inv diag(β) = [[T_lo, 0], [X, T_hi]] diag(β) in bf16 (without ``beta_in_a_inv``: no diag(β)), rows
+        past the sequence's end not written. The columns' β in X's column layout, loaded once (between the stores
+        to Out nvcc would reload them from shared memory: one buffer). Rows from ``fb`` (the chunk's first
+        non-finite row) on are NaN, columns from it 0 (without β they are already: A's rows and columns from fb are
+        0, so the inverse is lower triangular with unit rows there)."""
+        if beta_in_a_inv:
+            for j in T.Parallel(2 * D):
+                Bl[j] = bs[j]
+            for j in T.Parallel(2 * D):      # loops of their own: each fragment takes the columns' layout
+                Bh[j] = bs[2 * D + j]
+            for j in T.Parallel(2 * D):      # in registers: the columns from fb on are 0 (their β may be NaN)
+                Bl[j] = T.if_then_else(j < fb, Bl[j], 0.0)
+            for j in T.Parallel(2 * D):
+                Bh[j] = T.if_then_else(2 * D + j < fb, Bh[j], 0.0)
+            for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
+                Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j] * Bl[j], T.float32(NAN))
+                Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
+                Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j] * Bl[j], T.float32(NAN))
+                Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j] * Bh[j], T.float32(NAN))
+        else:
+            for i, j in T.Parallel(2 * D, 2 * D):
+                Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j], T.float32(NAN))
+                Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
+                Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j], T.float32(NAN))
+                Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j], T.float32(NAN))
+        T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
+
+    solve = solve_macros()
+    return types.SimpleNamespace(load_chunk=load_chunk, form_a=form_a, solve_diagonal_blocks=solve.diagonal_blocks,
+                                 below_diagonal_blocks=solve.below_diagonal_blocks, store_a_inv=store_a_inv)
+
+
+def solve_macros() -> types.SimpleNamespace:
+    """Steps 3–5 of the pre-pass, the blocked solve (TileLang macros; :func:`prepass_steps` hands them on):
+    ``diagonal_blocks`` and ``below_diagonal_blocks``, with the 16 × 16 products they share."""
+    import tilelang.language as T
+
+    @T.macro
     def solve_diagonal_blocks(tx, Ad, Tq, x, bl, bparts):
         """3. T_dd = (I + A_dd)⁻¹: thread (d, col) solves (I + A_dd) x = e_col by forward substitution, x_i = δ_i,col
         − Σ_{j<i} A_ij x_j (zero above col, so one formula for every row), x in registers. Meanwhile the two warps
@@ -282,37 +321,7 @@ def prepass_steps(K: int, Tn, Tp, beta_dtype: str, beta_in_a_inv: bool = True) -
                     for e in T.vectorized(2):
                         Tq[h, D + g + 8 * r, 8 * ni + 2 * t + e] = -cf[4 * ni + 2 * r + e]
 
-    @T.macro
-    def store_a_inv(a_inv, Tq, Z2, bs, Bl, Bh, Out, fb, ib, ihv, c):
-        """6. A_inv diag(β) = [[T_lo, 0], [X, T_hi]] diag(β) in bf16 (without ``beta_in_a_inv``: no diag(β)), rows
-        past the sequence's end not written. The columns' β in X's column layout, loaded once (between the stores
-        to Out nvcc would reload them from shared memory: one buffer). Rows from ``fb`` (the chunk's first
-        non-finite row) on are NaN, columns from it 0 (without β they are already: A's rows and columns from fb are
-        0, so the inverse is lower triangular with unit rows there)."""
-        if beta_in_a_inv:
-            for j in T.Parallel(2 * D):
-                Bl[j] = bs[j]
-            for j in T.Parallel(2 * D):      # loops of their own: each fragment takes the columns' layout
-                Bh[j] = bs[2 * D + j]
-            for j in T.Parallel(2 * D):      # in registers: the columns from fb on are 0 (their β may be NaN)
-                Bl[j] = T.if_then_else(j < fb, Bl[j], 0.0)
-            for j in T.Parallel(2 * D):
-                Bh[j] = T.if_then_else(2 * D + j < fb, Bh[j], 0.0)
-            for i, j in T.Parallel(2 * D, 2 * D):    # quadrant by quadrant, in X's register layout
-                Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j] * Bl[j], T.float32(NAN))
-                Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
-                Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j] * Bl[j], T.float32(NAN))
-                Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j] * Bh[j], T.float32(NAN))
-        else:
-            for i, j in T.Parallel(2 * D, 2 * D):
-                Out[i, j] = T.if_then_else(i < fb, Tq[0, i, j], T.float32(NAN))
-                Out[i, 2 * D + j] = T.if_then_else(i < fb, 0.0, T.float32(NAN))
-                Out[2 * D + i, j] = T.if_then_else(2 * D + i < fb, -Z2[i, j], T.float32(NAN))
-                Out[2 * D + i, 2 * D + j] = T.if_then_else(2 * D + i < fb, Tq[1, i, j], T.float32(NAN))
-        T.copy(Out, a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT])
-
-    return types.SimpleNamespace(load_chunk=load_chunk, form_a=form_a, solve_diagonal_blocks=solve_diagonal_blocks,
-                                 below_diagonal_blocks=below_diagonal_blocks, store_a_inv=store_a_inv)
+    return types.SimpleNamespace(diagonal_blocks=solve_diagonal_blocks, below_diagonal_blocks=below_diagonal_blocks)
 
 
 @functools.lru_cache(maxsize=64)
