@@ -312,7 +312,7 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     B, T, H, K = q.shape
     HV = v.shape[2]
     S = T // CHUNK // L
-    gc_hm, beta_hm, t_inv = backward.solve(k, g, beta)
+    gc_hm, beta_hm, t_inv, _ = backward.solve(k, g, beta)
     gc, a_inv = backward.token_major(gc_hm, T), t_inv.float()
     prep = lambda: (wy_fwd(k, v, beta, gc, a_inv)[0], local_bwd_dv(q, k, gc, do, scale))
     w, dv_local = prep()

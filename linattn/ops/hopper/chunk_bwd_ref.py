@@ -349,6 +349,29 @@ def reverse_warm_ref(x: _Chunks, cuts: list[tuple[int, int]], warm: torch.Tensor
     return torch.stack(outs)
 
 
+def reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv, bound, dht: Optional[torch.Tensor], scale: float,
+                                segments: int, operand_dtype: Optional[torch.dtype] = torch.bfloat16) -> torch.Tensor:
+    """The twin of ``chunk_bwd.reverse_warm_ups_hopper`` (its layouts and contract): dS_out ``[B·S, HV, K, V]``
+    (the working dtype), segment s of sequence b at b·S + s, from the whole sequences' q, k ``[B, T, H, K]``, do
+    ``[B, T, HV, V]``, gc, β ``[B, HV, NT·64]`` head-major, T ``[B, T, HV, 64]`` (without β), the chunk bounds
+    ``bound [B, HV, NT]`` and dht; ``segments`` = S divides NT. w as the kernel finds it
+    (:func:`reverse_warm_ups_ref`: fp32 sums, nearest first), then :func:`reverse_warm_ref`."""
+    work = _work_dtype(q)
+    rnd = rounder(work, operand_dtype)
+    B, T, H, K = q.shape
+    HV, V = do.shape[2:]
+    NT = bound.shape[-1]
+    if NT % segments:
+        raise ValueError(f"segments ({segments}) must divide the {NT} chunks")
+    x = _Chunks(_expand_heads(q, HV, work), _expand_heads(k, HV, work), None, tc.to_chunks(do.to(work), BT),
+                _head_major_chunks(gc.to(work)), _head_major_chunks(beta.to(work)),
+                tc.to_chunks(a_inv.to(work), BT))
+    cuts = segment_cuts(NT, segments)
+    dS_last = dht.to(work) if dht is not None else x.do.new_zeros(B, HV, K, V)
+    dS_out = reverse_warm_ref(x, cuts, reverse_warm_ups_ref(bound, cuts), dS_last, scale, rnd)    # [S, B, HV, K, V]
+    return dS_out.transpose(0, 1).reshape(B * segments, HV, K, V)
+
+
 def segment_cuts(NT: int, segments: int) -> list[tuple[int, int]]:
     """[first, end) chunks of each of ``segments`` segments: ⌈NT / segments⌉ chunks each, the last one shorter."""
     if segments < 1:
@@ -409,22 +432,15 @@ class SlicePartials(NamedTuple):
 
 
 def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedForward, scale: float, BV: int,
-                           operand_dtype: Optional[torch.dtype] = torch.bfloat16, da_operands: str = "bf16",
-                           warm_bound: Optional[torch.Tensor] = None, segments: int = 1) -> SlicePartials:
+                           operand_dtype: Optional[torch.dtype] = torch.bfloat16, da_operands: str = "bf16"
+                           ) -> SlicePartials:
     """The unsegmented walk run once per V slice of width ``BV`` (the kernel's programs: one per sequence, value
     head and slice), each slice's walk reading only its columns of v, dO, h and dht. The reverse step is
     column-separable in V: KS, X, V_new, dV_new, Y and the dS chain (left products) live in one slice, and every
     other gradient is a sum over V of the slices' contributions (dP = scale (dO V_newᵀ) ⊙ D and dA = −Y V_newᵀ
     are, and dq, dk, dβ, dg are linear in them and in the slices' own row sums, t and γ Σ h⊙dS included), so the
     slices need no exchange: :func:`sum_partials_ref` of the partials is the whole-V walk (float64: to rounding).
-    Arguments as :func:`chunk_bwd_hopper_ref`'s.
-
-    With ``warm_bound`` (the chunk bounds ``[B, HV, NT]``): the kernel's warm build (``chunk_bwd.build_kernel``'s
-    ``warm``), ``segments`` segments of :func:`segment_cuts` walked from the dS of their reverse warm-ups
-    (:func:`reverse_warm_ups_ref`: the kernel's fp32 sums, nearest first; :func:`reverse_warm_ref`: the chain from
-    zero, or from dht where the warm-up reaches the sequence's end); dh0 is then ``[B·S, HV, K, V]``, the gradient
-    entering each segment (segment s of sequence b at b·S + s). The chain is column-separable too, so the warm-ups
-    run on the whole V here."""
+    Arguments as :func:`chunk_bwd_hopper_ref`'s."""
     _check(q, k, v, saved.checkpoint_every)
     V = v.shape[-1]
     if BV < 1 or V % BV:
@@ -439,23 +455,13 @@ def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: Save
                 _head_major_chunks(saved.beta.to(work)), tc.to_chunks(saved.a_inv.to(work), BT))
     h = recompute_states_ref(k, v, saved, rnd)
     dS_last = dht.to(work) if dht is not None else x.v.new_zeros(B, HV, K, V)
-    cuts = segment_cuts(x.k.shape[2], segments)
-    if warm_bound is not None:
-        dS_out = reverse_warm_ref(x, cuts, reverse_warm_ups_ref(warm_bound, cuts), dS_last, scale, rnd)
-    elif len(cuts) == 1:
-        dS_out = dS_last[None]
-    else:
-        raise ValueError("segments > 1 in the V-sliced walk take reverse warm-ups: pass warm_bound")
     slices = []
     for v0 in range(0, V, BV):
         cols = slice(v0, v0 + BV)
         xs = x._replace(v=x.v[..., cols], do=x.do[..., cols])
-        grads, entering = [], []
-        for (first, end), dS in reversed(list(zip(cuts, dS_out))):
-            seg_grads, dh0 = reverse_walk_ref(xs, h[..., cols], dS[..., cols], first, end, scale, rnd, rnd_da)
-            grads, entering = seg_grads + grads, [dh0] + entering
+        grads, dh0 = reverse_walk_ref(xs, h[..., cols], dS_last[..., cols], 0, x.k.shape[2], scale, rnd, rnd_da)
         slices.append(([tc.from_chunks(torch.stack([getattr(c, n) for c in grads], 2), T)
-                        for n in ("dq", "dk", "dv", "dg", "dbeta")], torch.stack(entering, 1).flatten(0, 1)))
+                        for n in ("dq", "dk", "dv", "dg", "dbeta")], dh0))
     part = lambda i: torch.stack([s[0][i] for s in slices])
     return SlicePartials(part(0), part(1), torch.cat([s[0][2] for s in slices], -1), part(3), part(4),
                          torch.cat([s[1] for s in slices], -1))
