@@ -12,6 +12,11 @@ warpgroup: 384 threads), loads single-buffered. Per chunk and program at K = 128
 wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB); writes the dq, dk partials 64 KB, dv 8 KB.
 benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
 
+The reverse warm-ups (:func:`build_warm_kernel`, launched by :func:`reverse_warm_ups_hopper`; twin
+``chunk_bwd_ref.reverse_warm_ups_hopper_ref``) give the segmented walk's dS_out without maps or scan: per segment the
+dS chain alone (the step's P, C1, Pᵀ dO, C2, C3: 8 dots, 7.3 MFLOP; reads T, dO, q, k, gc, β: 48.5 KB per chunk) over
+the w chunks after it, w found in-kernel from the pre-pass's chunk bounds (docs/backward.md §5).
+
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
 bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
