@@ -73,8 +73,9 @@ SEGMENTED_CASES = [
     (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024, False), 2),
 ]
 SEGMENT_ROWS = [(3, 1, 32768, 16, 16), (4, 1, 131072, 16, 16), (7, 1, 32768, 2, 8), (1, 1, 4096, 16, 16)]
-# part (d): SEGMENTED_CASES' cases again, dS_out from the reverse warm-ups (the slow decay's reach the end: exact)
-WARM_CASES = SEGMENTED_CASES
+# part (d): SEGMENTED_CASES' cases again, dS_out from the reverse warm-ups (the slow decay's reach the end: exact),
+# and the anchors' own gates (16× the others': a chunk's bound ≈ −75, so w = 1 and every warm-up truncates)
+WARM_CASES = SEGMENTED_CASES + [(("B2_T512_GVA_K128_fast_decay_seg", 2, 512, 2, 4, 128, 128, None, 1.0, False), 2)]
 WARM_ROWS = SEGMENT_ROWS[:3]
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
     (2, 8, 4096, 16, 16),
