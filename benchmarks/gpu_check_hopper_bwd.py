@@ -21,13 +21,21 @@
     S = 2, 4, 8, 16 segments (calibrates segments.py's estimates), and every gradient's relative L2 segmented vs
     unsegmented. Part (a) checks segmented cases against float64 too (the "_seg" cases).
 
+(d) --warm (segment_method="warm": the reverse warm-ups, ``chunk_bwd.reverse_warm_ups_hopper``, instead of the
+    maps and scan): the warm-ups kernel against its twin (dS_out, rel L2); the warm path's accuracy against float64
+    on small cases (as part (a)'s, beside the maps'); then at rows 3, 4, 7, at the anchors' gates and at gates /
+    1024 (every warm-up reaches the end): the whole segmented backward with maps vs with warm-ups (ms), the
+    warm-ups alone and W + maps + scan alone (ms), w per segment (min/max over heads), and gradients warm vs maps
+    (rel L2).
+
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a); ≈ 25 TileLang kernels compiled first
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
+    python benchmarks/gpu_check_hopper_bwd.py --warm --out $OUT       # part (d) alone
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
 
-Writes hopper_bwd.json (hopper_bwd_segments.json with --segments) under --out after every case (a run cut short
-keeps what it reached), printing each row's JSON as it goes and a table last.
+Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm) under --out
+after every case (a run cut short keeps what it reached), printing each row's JSON as it goes and a table last.
 """
 from __future__ import annotations
 
@@ -65,6 +73,10 @@ SEGMENTED_CASES = [
     (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024, False), 2),
 ]
 SEGMENT_ROWS = [(3, 1, 32768, 16, 16), (4, 1, 131072, 16, 16), (7, 1, 32768, 2, 8), (1, 1, 4096, 16, 16)]
+# part (d): SEGMENTED_CASES' cases again, dS_out from the reverse warm-ups (the slow decay's reach the end: exact),
+# and the anchors' own gates (16× the others': a chunk's bound ≈ −75, so w = 1 and every warm-up truncates)
+WARM_CASES = SEGMENTED_CASES + [(("B2_T512_GVA_K128_fast_decay_seg", 2, 512, 2, 4, 128, 128, None, 1.0, False), 2)]
+WARM_ROWS = SEGMENT_ROWS[:3]
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
     (2, 8, 4096, 16, 16),
     (3, 1, 32768, 16, 16),
@@ -76,12 +88,15 @@ SMS = 132    # an H100's or H200's SMs: the recompute's launch (backward.recompu
 
 
 def kernel_configs() -> list[tuple]:
-    """(H, HV, K, V, scale, BV) of every walk this script launches."""
+    """(H, HV, K, V, scale, BV) of every walk this script launches, and ("warm", H, HV, K, V, scale, BV) of every
+    reverse warm-ups kernel."""
     config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
     configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _, _ in CASES]
     configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in SEGMENTED_CASES]
     configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
-    return list(dict.fromkeys(configs))
+    warm = [("warm",) + config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in WARM_CASES]
+    warm += [("warm",) + config(H, HV, 128, 128, 64) for _, _, _, H, HV in WARM_ROWS]
+    return list(dict.fromkeys(configs + warm))
 
 
 def recompute_launch(B: int, HV: int, V: int, sms: int = SMS) -> dict:
@@ -113,12 +128,14 @@ def compiled_for_sm90a(config: tuple):
         return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, stages, True, torch.float32, "sm_90a")
     if config[0] == "prepass":
         return prepass.compiled_kernel(*config[1:], "bfloat16", "sm_90a", beta_in_a_inv=False)
+    if config[0] == "warm":
+        return chunk_bwd.compiled_warm_kernel(*config[1:], target="sm_90a")
     return chunk_bwd.compiled_kernel(*config, target="sm_90a")
 
 
 def smoke() -> list[dict]:
-    """Build every kernel (the walks, the recompute's states walks and pre-passes) for sm_90a without a GPU and
-    report its shared memory and ptxas figures."""
+    """Build every kernel (the walks, the reverse warm-ups, the recompute's states walks and pre-passes) for sm_90a
+    without a GPU and report its shared memory and ptxas figures."""
     from linattn.ops.hopper import backward  # noqa: F401  (the host chain imports)
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
     out = []
@@ -151,10 +168,10 @@ def bf16_inputs(name, B, T, H, HV, K, V, decay, repeated=False):
     return low, exact, dht
 
 
-def check_case(case, segment_chunks: Optional[int] = None) -> dict:
+def check_case(case, segment_chunks: Optional[int] = None, segment_method: str = "maps") -> dict:
     """Errors of the Hopper and Triton backwards and of the rounded baseline against float64 autograd; with
-    ``segment_chunks``, the Hopper backward's walk in segments, and its gradients' distance to the unsegmented
-    one's (``vs_unsegmented``, relative L2)."""
+    ``segment_chunks``, the Hopper backward's walk in segments (dS_out by ``segment_method``), and its gradients'
+    distance to the unsegmented one's (``vs_unsegmented``, relative L2)."""
     from gpu_check_core import grads_of, rel, rounded_twin
 
     from linattn.ops.gated_delta.reference import gated_delta_rule_reference
@@ -169,7 +186,7 @@ def check_case(case, segment_chunks: Optional[int] = None) -> dict:
         {n: t for n, t in exact.items() if n != "do"}, exact["do"], dht.double())[2:]
     t0 = time.time()
     hop = chunk_gated_delta_rule_bwd_hopper(*args, scale, low["initial_state"], low["do"], dht, BV,
-                                            segment_chunks=segment_chunks)
+                                            segment_chunks=segment_chunks, segment_method=segment_method)
     torch.cuda.synchronize()
     first_s = time.time() - t0
     whole = chunk_gated_delta_rule_bwd_hopper(*args, scale, low["initial_state"], low["do"], dht, BV,
@@ -177,6 +194,7 @@ def check_case(case, segment_chunks: Optional[int] = None) -> dict:
     tri = chunk_gated_delta_rule_bwd_triton(*args, scale, low["initial_state"], None, None, low["do"], dht)
     base = rounded_twin(low, torch.bfloat16, scale, low["do"].double(), dht.double())[2:]
     row = dict(case=name, B=B, T=T, H=H, HV=HV, K=K, V=V, BV=BV, segment_chunks=segment_chunks,
+               segment_method=segment_method,
                first_call_s=round(first_s, 1), nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in hop))
     if whole is not None:
         row["vs_unsegmented"] = {n: rel(a, b) for n, a, b in zip(GRADS, hop, whole)}
@@ -236,15 +254,16 @@ def recompute_case(case) -> dict:
                 nonfinite=int((~torch.isfinite(new[3].float())).sum()))
 
 
-def repeat_case(case, segment_chunks: Optional[int] = None) -> dict:
+def repeat_case(case, segment_chunks: Optional[int] = None, segment_method: str = "maps") -> dict:
     """Two runs of the Hopper backward on the same inputs (walked in segments of ``segment_chunks``, or as
-    planned): every output bit for bit equal."""
+    planned; dS_out by ``segment_method``): every output bit for bit equal."""
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
     name, B, T, H, HV, K, V, BV, decay, repeated = case
     low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
-    runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks) for _ in range(2)]
-    return dict(case=name, segment_chunks=segment_chunks,
+    runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks, segment_method=segment_method)
+            for _ in range(2)]
+    return dict(case=name, segment_chunks=segment_chunks, segment_method=segment_method,
                 bitwise_equal={n: bool(torch.equal(a, b)) for n, a, b in zip(GRADS, *runs)})
 
 
@@ -312,7 +331,7 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     B, T, H, K = q.shape
     HV = v.shape[2]
     S = T // CHUNK // L
-    gc_hm, beta_hm, t_inv = backward.solve(k, g, beta)
+    gc_hm, beta_hm, t_inv, _ = backward.solve(k, g, beta)
     gc, a_inv = backward.token_major(gc_hm, T), t_inv.float()
     prep = lambda: (wy_fwd(k, v, beta, gc, a_inv)[0], local_bwd_dv(q, k, gc, do, scale))
     w, dv_local = prep()
@@ -370,6 +389,86 @@ def time_segments(row) -> dict:
                 walk_programs=B * (NT // L) * HV * 2, ms=ms, whole_ms_by_segments=by_segments,
                 model_walk_ms_by_segments=model_ms,
                 segmented_vs_unsegmented={n: rel(a, b) for n, a, b in zip(GRADS, split, whole)})
+
+
+def warm_twin_case(item) -> dict:
+    """The reverse warm-ups kernel against its twin (``chunk_bwd_ref.reverse_warm_ups_hopper_ref``, fp32 on the GPU,
+    the kernel's rounding points) on the same pre-pass outputs: dS_out's relative L2, and the twin's w per segment."""
+    from gpu_check_core import rel
+
+    from linattn.ops.hopper import backward, chunk_bwd
+    from linattn.ops.hopper import chunk_bwd_ref as bwd
+    (name, B, T, H, HV, K, V, BV, decay, repeated), L = item
+    BV = BV or min(V, 64)
+    low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
+    scale = K ** -0.5
+    gc_hm, beta_hm, t_inv, bound = backward.solve(low["k"], low["g"], low["beta"])
+    S = -(-T // 64) // L
+    got = chunk_bwd.reverse_warm_ups_hopper(low["q"], low["k"], low["do"], gc_hm, beta_hm, t_inv, bound, dht, scale,
+                                            S, BV)
+    twin = bwd.reverse_warm_ups_hopper_ref(low["q"], low["k"], low["do"], gc_hm, beta_hm, t_inv, bound, dht, scale, S)
+    warm = bwd.reverse_warm_ups_ref(bound, bwd.segment_cuts(bound.shape[-1], S))
+    return dict(case=name, segments=S, ds_out_rel_l2=rel(got, twin), nonfinite=int((~torch.isfinite(got)).sum()),
+                w_min=[int(w.min()) for w in warm], w_max=[int(w.max()) for w in warm])
+
+
+def time_warm(item) -> dict:
+    """Part (d) at one anchor row and gate scale (``decay``: the anchors' gates divided by it): the segmented
+    backward at the planner's L (else T/256) with the maps and with the warm-ups (whole, ms), the warm-ups alone and
+    W + dv_local + maps + scan alone (ms), the warm-ups' w per segment (min/max over value heads, from the chunk
+    bounds as the kernel finds it), and the gradients warm vs maps (relative L2)."""
+    import triton
+    from gpu_check_core import rel
+
+    from linattn.ops.common import num_sms
+    from linattn.ops.hopper import backward, chunk_bwd, segments
+    from linattn.ops.hopper import chunk_bwd_ref as bwd
+    (index, B, T, H, HV), decay = item
+    x = row_inputs(B, T, H, HV)
+    x["g"] = x["g"] / decay
+    q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
+    NT = T // 64
+    L = segments.plan_walk_segments(B, T, HV, 128, 128, 64, num_sms(q.device)) or NT // 4
+    S = NT // L
+    hopper = lambda method: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=L, segment_method=method)
+    maps, warm = hopper("maps"), hopper("warm")
+    gc_hm, beta_hm, t_inv, bound = backward.solve(k, g, beta)
+    w = bwd.reverse_warm_ups_ref(bound, bwd.segment_cuts(NT, S))             # [S, B, HV]
+    ms = dict(maps=triton.testing.do_bench(lambda: hopper("maps")),
+              warm=triton.testing.do_bench(lambda: hopper("warm")),
+              warm_ups=triton.testing.do_bench(lambda: chunk_bwd.reverse_warm_ups_hopper(
+                  q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, S, 64)),
+              w_maps_scan=triton.testing.do_bench(lambda: segments.segment_state_grads(
+                  q, k, v, beta, backward.token_major(gc_hm, T), t_inv.float(), do, dht, scale, L)))
+    return dict(row=index, B=B, T=T, H=H, HV=HV, gates_divided_by=decay, L=L, segments=S, ms=ms,
+                w_min=[int(t.min()) for t in w], w_max=[int(t.max()) for t in w],
+                warm_vs_maps={n: rel(a, b) for n, a, b in zip(GRADS, warm, maps)})
+
+
+def print_warm_table(results: dict) -> None:
+    print(f"\ndevice: {results.get('device')}")
+    print("the reverse warm-ups kernel against its twin (dS_out rel L2; ≈ 1e-3 is rounding), twin's w per segment:")
+    for r in results["warm_twin"]:
+        print(f"{r['case']:<32}{r.get('ds_out_rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}  "
+              f"w min {r.get('w_min')} max {r.get('w_max')}")
+    print(f"\n{'case':<32}" + "".join(f"{n:>9}" for n in GRADS) + "   (hopper / rounded baseline vs float64)")
+    for r in results["accuracy"]:
+        if "error" in r:
+            print(f"{r['case']:<32}ERROR {r['error'][:200]}")
+            continue
+        print(f"{r['case'] + ' ' + r['segment_method']:<32}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
+              + f"   worst {max(r['vs_base'].values()):.2f}; vs unsegmented "
+              f"{max(r['vs_unsegmented'].values()):.1e}")
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'L':>6}{'S':>4}{'maps':>9}{'warm':>9}{'warm-ups':>10}"
+          f"{'W+maps+scan':>13}  w min/max per segment; max rel L2 warm/maps   (ms, do_bench medians)")
+    for r in results["warm"]:
+        if "error" in r:
+            print(f"{r['row']:<5}ERROR {r['error'][:200]}")
+            continue
+        ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+        print(f"{r['row']:<5}{shape:<18}{r['gates_divided_by']:>6}{r['L']:>6}{r['segments']:>4}{ms['maps']:9.3f}"
+              f"{ms['warm']:9.3f}{ms['warm_ups']:10.3f}{ms['w_maps_scan']:13.3f}  {r['w_min']}/{r['w_max']}; "
+              f"{max(r['warm_vs_maps'].values()):.1e}")
 
 
 def print_segment_table(results: dict) -> None:
@@ -442,14 +541,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--timing-only", action="store_true", help="only part (b), e.g. after (a) ran in another process")
     ap.add_argument("--rows", default=None, help="anchor rows to time, e.g. 2,3 (default: all of the part's)")
     ap.add_argument("--segments", action="store_true", help="only part (c), the segmented backward's rows")
+    ap.add_argument("--warm", action="store_true", help="only part (d), the reverse warm-ups against the maps")
     args = ap.parse_args(argv)
     if args.smoke:
         return dict(smoke=smoke())
-    name = "hopper_bwd_segments" if args.segments else "hopper_bwd_timing" if args.timing_only else "hopper_bwd"
+    name = ("hopper_bwd_segments" if args.segments else "hopper_bwd_warm" if args.warm
+            else "hopper_bwd_timing" if args.timing_only else "hopper_bwd")
     out = Path(args.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     results = dict(device=torch.cuda.get_device_name(), twin=[], recompute=[], accuracy=[], repeat=[], timing=[],
-                   segments=[])
+                   segments=[], warm_twin=[], warm=[])
 
     def step(key, fn, item, label):
         try:
@@ -466,6 +567,20 @@ def main(argv=None) -> dict:
             if row[0] in rows:
                 step("segments", time_segments, row, "row")
         print_segment_table(results)
+        return results
+    if args.warm:
+        for item in WARM_CASES:
+            step("warm_twin", warm_twin_case, item, "case")
+        for case, chunks in WARM_CASES:
+            step("accuracy", lambda c, L=chunks: check_case(c, L, "maps"), case, "case")
+            step("accuracy", lambda c, L=chunks: check_case(c, L, "warm"), case, "case")
+        step("repeat", lambda c: repeat_case(c, WARM_CASES[0][1], "warm"), WARM_CASES[0][0], "case")
+        rows = {int(r) for r in (args.rows or ",".join(str(r[0]) for r in WARM_ROWS)).split(",")}
+        for decay in (1, 1024):
+            for row in WARM_ROWS:
+                if row[0] in rows:
+                    step("warm", time_warm, (row, decay), "row")
+        print_warm_table(results)
         return results
     if not args.timing_only:
         for case in CASES:

@@ -300,6 +300,26 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
 
 
 @COMPILES
+@pytest.mark.parametrize("K,BV", [(128, 64), (64, 64)])
+def test_reverse_warm_ups_compile_for_sm90a(tmp_path, K, BV):
+    """The reverse warm-ups (``chunk_bwd.build_warm_kernel``) for sm_90a: the chain's 8 dots alone (P, C1 hi + lo,
+    Pᵀ dO, C2, C3's three) on bf16 wgmma, no h or v loaded, no gradient but dS_out stored; its shared memory within
+    the walk's 218 368 B at K = 128, BV = 64 (the walk's tiles, those the chain reads), no spill, no serialised
+    wgmma."""
+    from linattn.ops.hopper import chunk_bwd
+    from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
+    kernel = chunk_bwd.compiled_warm_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a")
+    source = kernel.get_kernel_source()
+    assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 8 and "mma_sync" not in source
+    loads = set(re.findall(r"tma_load\((\w+)_desc", source))
+    assert loads == {"a_inv", "do", "q", "k", "gc", "beta"} and "tl::CumSum" not in source, loads
+    assert launch_shared_bytes(kernel) <= 218368, launch_shared_bytes(kernel)
+    report = compile_sm90a(source, tmp_path)[1]
+    ptxas = ptxas_summary(report)
+    assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0 and not ptxas["wgmma_serialised"], report
+
+
+@COMPILES
 @pytest.mark.parametrize("K,BV", [(128, 128), (128, 64), (64, 64)])
 def test_recompute_states_walk_compiles_for_sm90a(tmp_path, K, BV):
     """The recompute's states walk (the forward walk's ``store_states`` build, ``walk_launch.states_kernel``) for
@@ -336,14 +356,16 @@ def test_recompute_prepass_compiles_for_sm90a(tmp_path):
 @COMPILES
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every kernel the GPU script launches — the reverse
-    walks of the accuracy cases and timing rows (the segmented cases and rows reuse them), the states walks, the
-    pre-passes without β on T — compiles for sm_90a without a spill (kernels the compile tests built are cached
+    walks of the accuracy cases and timing rows (the segmented cases and rows reuse them), the reverse warm-ups of
+    part (d)'s cases and rows, the states walks, the pre-passes without β on T — compiles for sm_90a without a
+    spill (kernels the compile tests built are cached
     by TileLang)."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 20 and all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
+    assert len(rows) == 25 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
+    assert all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 
 def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
@@ -458,6 +480,47 @@ def test_segments_without_dht_start_from_zero(monkeypatch):
     split = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1)
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
     assert max(errors.values()) < 1e-5, errors
+
+
+def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
+    """chunk_bwd.reverse_warm_ups_hopper's contract computed by its twin (no rounding): the host chain's stand-in."""
+    return bwd.reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv.float(), bound, dht, scale, segments, None)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("decay", ["fast", "slow"])
+def test_warm_segments_host_chain_equals_the_maps(monkeypatch, decay):
+    """segment_method="warm" (the reverse warm-ups' twin for dS_out, the pre-pass twin's chunk bounds) against the
+    maps and scan, fp32 under the interpreter (two sequences of 4 chunks in 4 segments, GVA, h0 and dht; the
+    recompute's twins, the twin walk). Slow decay (the anchors' gates / 1024): every warm-up reaches the end, the
+    gradients equal the maps' to fp32 rounding; fast decay (g ≈ −0.4 per token): the warm-ups stop after one chunk
+    (truncated, error ≤ 2⁻³⁰ of ‖dS‖), equal to fp32 rounding too. A wrong w, a warm-up from the wrong chunk or a
+    dS_out out of place is O(1)."""
+    from linattn.ops.hopper import chunk_bwd
+    from linattn.ops.hopper.map_bound import chunk_bounds_ref
+
+    from .test_hopper_bwd_ref import rel_l2
+    use_recompute_twins(monkeypatch)
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    calls = []
+    monkeypatch.setattr(chunk_bwd, "reverse_warm_ups_hopper", lambda *a: calls.append(a[-2]) or _twin_warm_ups(*a))
+    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(2, 256, 1, 2, 32, "slow" if decay == "slow" else "anchor",
+                                                   seed=3).items()}
+    if decay == "fast":
+        x["g"] = -0.4 - 0.05 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(8),
+                                          dtype=torch.float64).to(DEVICE)
+    warm = bwd.reverse_warm_ups_ref(chunk_bounds_ref(x["k"], x["g"], x["beta"]), bwd.segment_cuts(4, 4))
+    assert (warm[:3].max() == 1) if decay == "fast" else all(int(w.min()) == 3 - s for s, w in enumerate(warm))
+    low = {n: t.float() for n, t in x.items()}
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, low["h0"], low["do"], low["dht"]]
+    maps = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1)
+    warmed = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1, segment_method="warm")
+    assert calls == [4] and all(t.dtype == torch.float32 for t in warmed) and warmed[5].shape == x["h0"].shape
+    errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, warmed, maps)}
+    assert max(errors.values()) < 2e-6, errors
+    with pytest.raises(ValueError, match="segment_method"):
+        backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1, segment_method="scan")
 
 
 def test_segment_length_forced_and_planned():

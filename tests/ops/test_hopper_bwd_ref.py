@@ -161,6 +161,54 @@ def test_reverse_warm_ups_within_their_bound():
     assert max(errors.values()) < 2.0 ** -30 and errors["dk"] > 0, errors
 
 
+def exact_segment_state_grads(x: dict, scale: float, segments: int) -> torch.Tensor:
+    """``[B·S, HV, K, V]``: the float64 reference's gradient of the loss (o·dO + ht·dht) with respect to the state
+    leaving each of ``segments`` equal segments (autograd through the token recurrence from that state on; the last
+    segment's is dht)."""
+    B, T = x["q"].shape[:2]
+    L = T // segments
+    out = []
+    for b in range(B):
+        for s in range(1, segments):
+            head = [x[n][b:b + 1, :s * L] for n in ("q", "k", "v", "g", "beta")]
+            tail = [x[n][b:b + 1, s * L:] for n in ("q", "k", "v", "g", "beta", "do")]
+            state = gated_delta_rule_reference(*head, scale, x["h0"][b:b + 1])[1].detach().requires_grad_()
+            o, ht = gated_delta_rule_reference(*tail[:5], scale, state)
+            loss = (o * tail[5]).sum() + (ht * x["dht"][b:b + 1]).sum()
+            out.append(torch.autograd.grad(loss, state)[0][0])
+        out.append(x["dht"][b])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("decay", ["fast", "slow"])
+def test_warm_ups_twin_gives_the_segments_state_gradients(decay):
+    """``reverse_warm_ups_hopper_ref`` (the warm-ups kernel's contract: whole sequences, head-major gc and β, bounds
+    [B, HV, NT], dS_out [B·S, HV, K, V]) in float64 against the reference's gradient of the state leaving each
+    segment (autograd, an independent path). Fast decay (g ≈ −0.35 per token, a chunk's bound ≈ −32): w = 1, every
+    segment but the last truncated, within 2⁻³⁰ of ‖dS‖ and not equal; slow decay (the anchors' gates / 1024):
+    no w below −30, every warm-up reaches the sequence's end and starts from dht: exact."""
+    from linattn.ops.hopper.map_bound import chunk_bounds_ref
+    x = make_inputs(2, 512, 1, 2, 32, "slow" if decay == "slow" else "anchor", seed=6)
+    if decay == "fast":
+        x["g"] = -0.35 * (1 + 0.1 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(7),
+                                                dtype=torch.float64))
+    scale = 32 ** -0.5
+    _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["h0"], 2, None)
+    bound = chunk_bounds_ref(x["k"], x["g"], x["beta"])                     # [B, HV, 8]
+    warm = bwd.reverse_warm_ups_ref(bound, bwd.segment_cuts(8, 4))
+    assert (warm[:3].max() == 1) if decay == "fast" else all(int(w.min()) == 8 - 2 * (s + 1)
+                                                              for s, w in enumerate(warm))
+    got = bwd.reverse_warm_ups_hopper_ref(x["q"], x["k"], x["do"], saved.gc, saved.beta, saved.a_inv, bound,
+                                          x["dht"], scale, 4, None)
+    exact = exact_segment_state_grads(x, scale, 4)
+    assert got.shape == exact.shape == (8, 2, 32, 32)
+    error = max_rel(got, exact)
+    if decay == "fast":
+        assert 0 < error < 2.0 ** -30, error
+    else:
+        assert error < EXACT_TOL, error
+
+
 def test_recompute_gives_the_forward_states_bitwise():
     """h from checkpoints every 3 chunks (5 chunks: the last interval part padding) equals, bit for bit, the
     bf16-rounded state the forward walk entered every chunk with (its checkpoints at every chunk)."""
@@ -280,11 +328,13 @@ def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case):
 
 
 @ON_HOPPER
+@pytest.mark.parametrize("method", ["maps", "warm"])
 @pytest.mark.parametrize("chunks", [1, 2], ids=["S4", "S2"])
-def test_segmented_hopper_backward_within_twice_the_rounded_baseline(chunks):
+def test_segmented_hopper_backward_within_twice_the_rounded_baseline(chunks, method):
     """On the GPU: the Hopper backward walked in segments (hopper/segments.py; two sequences of 4 chunks, GVA,
-    h0 and dht), each gradient within 2× the rounded baseline's error against float64, and within bf16 rounding
-    of the unsegmented backward's (the maps carry the fp32 T, the walk its bf16 copy)."""
+    h0 and dht; dS_out from the maps and scan, or from the reverse warm-ups), each gradient within 2× the rounded
+    baseline's error against float64, and within bf16 rounding of the unsegmented backward's (the maps carry the
+    fp32 T, the walk its bf16 copy)."""
     from linattn.ops.hopper import backward
     x = make_inputs(2, 256, 2, 4, 64)
     low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
@@ -293,7 +343,8 @@ def test_segmented_hopper_backward_within_twice_the_rounded_baseline(chunks):
     ref = reference_grads(exact, scale, use_dht=True)
     args = [low[n].cuda() for n in ("q", "k", "v", "g", "beta")] + [scale, low["h0"].cuda(), low["do"].cuda(),
                                                                     low["dht"].cuda()]
-    split = [t.cpu().float() for t in backward.chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=chunks)]
+    split = [t.cpu().float() for t in backward.chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=chunks,
+                                                                                 segment_method=method)]
     whole = [t.cpu().float() for t in backward.chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=4)]
     base = rounded_baseline(low, scale)
     ratios = {n: rel_l2(a, c) / rel_l2(b, c) for n, a, b, c in zip(GRADS, split, base, ref)}

@@ -8,7 +8,8 @@ the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segmen
                 ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each chunk ``[B, NT, HV, K,
                 V]``, the walk's layout: two launches
     segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
-                Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment
+                Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment (or, with
+                ``segment_method="warm"``, the reverse warm-ups ``chunk_bwd.reverse_warm_ups_hopper``, one launch)
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice): dv, dh0,
                 and partials of dq, dk (per slice and value head), dg, dβ (per slice); segments are views of the
                 sequences, walked from their dS_out
@@ -21,7 +22,7 @@ forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import torch
 
@@ -33,6 +34,8 @@ from .chunk_fwd import BT
 from .plan import DEFAULT, hopper_launch
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
+SegmentMethod = Literal["maps", "warm"]
+SEGMENT_METHODS = get_args(SegmentMethod)
 
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
@@ -67,18 +70,19 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
 
 def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
     """The forward's stages the walk reads, in its layouts: :func:`solve` then :func:`states`."""
-    gc_hm, beta_hm, t_inv = solve(k, g, beta)
+    gc_hm, beta_hm, t_inv, _ = solve(k, g, beta)
     return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, initial_state)
 
 
 def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
     """The pre-pass (``prepass_hopper(beta_in_a_inv=False)``): gc and β head-major ``[B, HV, NT·64]`` fp32
-    (zero-padded) and T = (I + A)⁻¹ ``[B, T, HV, 64]`` bf16 (without β on the right)."""
+    (zero-padded), T = (I + A)⁻¹ ``[B, T, HV, 64]`` bf16 (without β on the right) and the chunks' map bounds
+    ``[B, HV, NT]`` fp32 (log2 units: the reverse warm-ups' plan)."""
     T = k.shape[1]
     if beta.dtype not in (torch.bfloat16, torch.float32):    # the pre-pass reads bf16 or fp32 β
         beta = beta.float()
-    gc_hm, beta_hm, t_inv, _ = prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)
-    return whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T), t_inv
+    gc_hm, beta_hm, t_inv, bound = prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)
+    return whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T), t_inv, bound
 
 
 def states(k, v, gc_hm, beta_hm, t_inv, initial_state) -> torch.Tensor:
@@ -111,7 +115,7 @@ def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
-                                      segment_chunks: Optional[int] = None):
+                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps"):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
 
     Args:
@@ -122,22 +126,33 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
         segment_chunks: walk in segments of this many chunks (``segments.py``; an int dividing T/64, T a multiple
             of 64; ≥ T/64 walks unsegmented): tests and benchmarks. None: ``segments.plan_walk_segments``.
+        segment_method: where the walk is segmented, how each segment's dS_out is found: "maps" (the Triton maps
+            and reverse scan: exact) or "warm" (the reverse warm-ups: within 2⁻³⁰ of ‖dS‖, exact where a warm-up
+            reaches the sequence's end). "maps" until the GPU's A/B (benchmarks/gpu_check_hopper_bwd.py --warm)
+            decides.
     Returns:
         dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
         and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
         ``triton_bwd.chunk_gated_delta_rule_bwd_triton``.
     """
     from . import chunk_bwd
+    if segment_method not in SEGMENT_METHODS:
+        raise ValueError(f"segment_method must be one of {SEGMENT_METHODS}, got {segment_method!r}")
     check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)
     L = segments.segment_length(segment_chunks, B, T, HV, K, V, BV, q.device)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    gc_hm, beta_hm, t_inv = solve(k, g, beta)
+    gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
     # the segments' W and dv_local are made and dropped before h exists (the walk's inputs are the peak)
-    dS_out = segments.segment_state_grads(q, k, v, beta, token_major(gc_hm, T), t_inv.float(), do, dht, scale,
-                                          L) if L else dht
+    if not L:
+        dS_out = dht
+    elif segment_method == "warm":
+        dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, BV)
+    else:
+        dS_out = segments.segment_state_grads(q, k, v, beta, token_major(gc_hm, T), t_inv.float(), do, dht, scale,
+                                              L)
     h = states(k, v, gc_hm, beta_hm, t_inv, initial_state)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)

@@ -12,6 +12,11 @@ warpgroup: 384 threads), loads single-buffered. Per chunk and program at K = 128
 wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB); writes the dq, dk partials 64 KB, dv 8 KB.
 benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
 
+The reverse warm-ups (:func:`build_warm_kernel`, launched by :func:`reverse_warm_ups_hopper`; twin
+``chunk_bwd_ref.reverse_warm_ups_hopper_ref``) give the segmented walk's dS_out without maps or scan: per segment the
+dS chain alone (the step's P, C1, Pᵀ dO, C2, C3: 8 dots, 7.3 MFLOP; reads T, dO, q, k, gc, β: 48.5 KB per chunk) over
+the w chunks after it, w found in-kernel from the pre-pass's chunk bounds (docs/backward.md §5).
+
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
 bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
@@ -24,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from .chunk_bwd_ref import NEGLIGIBLE_LOG2
 from .chunk_fwd import BT, compile_prim_func, launcher
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
@@ -51,32 +57,37 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
             out[j] = out[j] - sums_s[j]
 
     @T.macro
-    def recompute(t, rows):
-        """The chunk's forward recomputed (K S, X, V_new, P) and γ Σ h⊙dS with the dS leaving it (this slice's)."""
-        # γ Σ h⊙dS with the dS leaving the chunk, before the chain replaces it (first:
-        # its K × BV fragment is dead before the dots' accumulators are live)
-        for i, j in T.Parallel(K, BV):
-            t.hdS[i, j] = T.cast(t.Hs[i, j], acc) * t.dS[i, j]
-        T.reduce_sum(t.hdS, t.hdS_rows, dim=1)
-        T.copy(t.hdS_rows, t.hrs)
-        # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D; and the chain's C1 = K [dS_hi; dS_lo],
-        # which reads only the chunk's keys and the dS leaving it
-        T.gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
+    def recompute(t, rows, outputs):
+        """The chunk's forward recomputed (K S, X, V_new, P) and γ Σ h⊙dS with the dS leaving it (this slice's).
+        ``outputs`` (a Python bool) False: a warm-up's chunk, P and C1 alone (the chain reads no state)."""
+        if outputs:
+            # γ Σ h⊙dS with the dS leaving the chunk, before the chain replaces it (first:
+            # its K × BV fragment is dead before the dots' accumulators are live)
+            for i, j in T.Parallel(K, BV):
+                t.hdS[i, j] = T.cast(t.Hs[i, j], acc) * t.dS[i, j]
+            T.reduce_sum(t.hdS, t.hdS_rows, dim=1)
+            T.copy(t.hdS_rows, t.hrs)
+            # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D; and the chain's C1 = K [dS_hi;
+            # dS_lo], which reads only the chunk's keys and the dS leaving it
+            T.gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
         T.gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
         T.gemm(t.Ks, t.dSh, t.KdS, clear_accum=True)
         T.gemm(t.Ks, t.dSl, t.KdS)
-        for i, j in T.Parallel(BT, BV):
-            t.Xs[i, j] = T.cast(t.bs[i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.gcs[i]) * t.KS[i, j]), bf)
-        T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
+        if outputs:
+            for i, j in T.Parallel(BT, BV):
+                t.Xs[i, j] = T.cast(t.bs[i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.gcs[i]) * t.KS[i, j]), bf)
+            T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
         for i, j in T.Parallel(BT, BT):
             t.Ps[i, j] = T.cast(t.QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows), t.gcs[i] - t.gcs[j], NEG)),
                                 bf)
 
     @T.macro
-    def chain(t, g_last):
-        """The dS chain after C1 (:func:`recompute` issues it): Pᵀ dO, C2, C3 into dS; Y's bf16 copy for dA."""
+    def chain(t, g_last, outputs):
+        """The dS chain after C1 (:func:`recompute` issues it): Pᵀ dO, C2, C3 into dS; with ``outputs`` V_new's and
+        Y's bf16 copies for the q and k sides."""
         T.gemm(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
-        T.copy(t.Vn, t.Vns)
+        if outputs:
+            T.copy(t.Vn, t.Vns)
         for i, j in T.Parallel(BT, BV):
             t.KdS[i, j] = t.KdS[i, j] * T.exp(g_last - t.gcs[i])
             t.dVn[i, j] = t.dVn[i, j] * scale + t.KdS[i, j]
@@ -84,7 +95,8 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
         T.gemm(t.As, t.dVns, t.Y, transpose_A=True, clear_accum=True)
         for i, j in T.Parallel(BT, BV):
             t.Ysn[i, j] = T.cast(-t.bs[i] * T.exp(t.gcs[i]) * t.Y[i, j], bf)
-            t.Yb[i, j] = T.cast(t.Y[i, j], bf)
+            if outputs:
+                t.Yb[i, j] = T.cast(t.Y[i, j], bf)
             t.Gh[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc), bf)
             t.Gl[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc) - T.cast(t.Gh[i, j], acc), bf)
         for i, j in T.Parallel(K, BV):
@@ -210,9 +222,29 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> typ
 def step_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
     finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
+    import tilelang.language as T
+
     first = _recompute_macros(K, BV, scale)
-    return types.SimpleNamespace(**vars(first),
-                                 **vars(_gradient_macros(K, BV, scale, first.column_sums_out)))
+    second = _gradient_macros(K, BV, scale, first.column_sums_out)
+
+    @T.macro
+    def full_step(t, rows, g_last, c):
+        """One chunk's whole reverse step."""
+        first.recompute(t, rows, True)
+        first.chain(t, g_last, True)
+        first.x_terms(t)
+        second.q_side(t, rows, c)
+        second.k_side(t, rows, g_last, c)
+        second.finish(t, g_last, c)
+
+    @T.macro
+    def chain_step(t, rows, g_last):
+        """A warm-up's chunk: the dS chain alone (P and C1, then Pᵀ dO, C2, C3), dS split for the next C1."""
+        first.recompute(t, rows, False)
+        first.chain(t, g_last, False)
+        second.split_state(t)
+
+    return types.SimpleNamespace(**vars(first), **vars(second), full_step=full_step, chain_step=chain_step)
 
 
 def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
@@ -287,15 +319,83 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], t.bs)
                 rows = T.min(BT, Tn - c * BT)
                 g_last = t.gcs[rows - 1]
-                m.recompute(t, rows)
-                m.chain(t, g_last)
-                m.x_terms(t)
-                m.q_side(t, rows, c)
-                m.k_side(t, rows, g_last, c)
-                m.finish(t, g_last, c)
+                m.full_step(t, rows, g_last, c)
             T.copy(t.dS, dh0[ib, ihv, 0:K, v0:v0 + BV])
 
     return gdn_chunk_bwd
+
+
+def build_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256,
+                      threshold: float = NEGLIGIBLE_LOG2):
+    """The TileLang prim_func of the reverse warm-ups (docs/backward.md §5; twin ``chunk_bwd_ref.reverse_warm_ref``
+    with ``reverse_warm_ups_ref``'s w): dS_out ``[B·S, HV, K, V]`` fp32, the gradient of the state leaving every
+    segment, for the walk in segments (``segments.py``) instead of the maps and the reverse scan. One program per
+    (segment, value head, V slice); S = dS_out's rows / B, each segment NT/S chunks (NT = ⌈T/64⌉ a multiple of S).
+    q, k, do, gc, β and T are the whole sequences' (a warm-up crosses segment boundaries); ``bound`` the pre-pass's
+    chunk bounds ``[B, HV, NT]`` fp32 (log2 units). The program of segment s finds its warm-up w itself, as
+    ``chunk_fwd``'s ``warm_planned`` does forwards: the fewest chunks after the segment whose bounds, added in fp32
+    nearest first, sum below ``threshold`` (the map from there to the segment's end has norm < 2^threshold), else
+    every chunk to the sequence's end. It starts at chunk end + w − 1, from dht where that is the sequence's last
+    chunk (exact; w = 0 for the last segment), else from zero, and runs the dS chain alone (P, C1, Pᵀ dO, C2, C3:
+    no state, no value, no gradient but dS) over the w chunks.
+
+    A kernel of its own, not a branch of the walk: at K = V = 128 the walk's step uses the 168 registers a thread
+    has at 384 threads, and a chain-only branch inside its chunk loop made ptxas spill (340 B) and serialise every
+    wgmma; a second pipelined loop after the warm-up's is not warp-specialised by TileLang 0.1.15."""
+    import tilelang.language as T
+
+    if V % BV:
+        raise ValueError(f"BV ({BV}) must divide V ({V})")
+    acc, bf = "float32", "bfloat16"
+    B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
+    BS = T.symbolic("BS")
+    G, NV = HV // H, V // BV
+
+    m = step_macros(K, BV, scale)
+
+    @T.prim_func
+    def gdn_chunk_bwd_warm(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
+                           do: T.Tensor((B, Tn, HV, V), bf), gc: T.Tensor((B, HV, Lp), acc),
+                           beta: T.Tensor((B, HV, Lp), acc), a_inv: T.Tensor((B, Tn, HV, BT), bf),
+                           dht: T.Tensor((B, HV, K, V), acc), bound: T.Tensor((B, HV, NT), acc),
+                           ds_out: T.Tensor((BS, HV, K, V), acc)):
+        with T.Kernel(NV, BS * HV, threads=threads) as (iv, bh):
+            ibn, ihv = bh // HV, bh % HV              # the program's segment, value head
+            ih = ihv // G
+            v0 = iv * BV
+            # truncating divisions: every index is ≥ 0 (floor divisions on symbolic sizes expand to sign tests)
+            nseg = T.truncdiv(BS, B)
+            ib = T.truncdiv(ibn, nseg)
+            last = T.ceildiv(Tn, BT)
+            end = (T.truncmod(ibn, nseg) + 1) * T.truncdiv(last, nseg)
+            # w: the bounds of the chunks after the segment summed nearest first until the sum falls below the
+            # threshold, else to the sequence's end. Every thread runs the same loads and adds: the same w
+            wv = T.alloc_var("int32", init=0)
+            run = T.alloc_var(acc, init=0.0)
+            while (wv < last - end) and ((wv == 0) or (run >= threshold)):
+                run = run + bound[ib, ihv, end + wv]
+                wv = wv + 1
+            t = alloc_tiles(K, BV)
+            if end + wv == last:                      # from the sequence's end: dht, exact
+                T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
+            else:                                     # a warm-up that ends earlier: from zero
+                T.clear(t.dS)
+            m.split_state(t)
+            for cr in T.Pipelined(wv, num_stages=1):
+                c = end + wv - 1 - cr
+                # the chain's loads, in the order it last reads each (T at C2, the rest at C3)
+                T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], t.As)
+                T.copy(do[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.dOs)
+                T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Qs)
+                T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Ks)
+                T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], t.gcs)
+                T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], t.bs)
+                rows = T.min(BT, Tn - c * BT)
+                g_last = t.gcs[rows - 1]
+                m.chain_step(t, rows, g_last)
+            T.copy(t.dS, ds_out[ibn, ihv, 0:K, v0:v0 + BV])
+
+    return gdn_chunk_bwd_warm
 
 
 @functools.lru_cache(maxsize=32)
@@ -333,3 +433,37 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
                      beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+@functools.lru_cache(maxsize=32)
+def compiled_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
+                         target: Optional[str] = None):
+    """:func:`build_warm_kernel` compiled by TileLang for ``target`` (None: this GPU; "sm_90a" without one)."""
+    return compile_prim_func(build_warm_kernel(H, HV, K, V, scale, BV), target)
+
+
+def reverse_warm_ups_hopper(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
+                            beta: torch.Tensor, a_inv: torch.Tensor, bound: torch.Tensor, dht: Optional[torch.Tensor],
+                            scale: float, segments: int, BV: int = BV_DEFAULT) -> torch.Tensor:
+    """Launch the reverse warm-ups (:func:`build_warm_kernel`) on an sm_90 GPU: dS_out ``[B·S, HV, K, V]`` fp32, the
+    gradient of the state leaving each of ``segments`` = S segments of every sequence (segment s of sequence b at
+    b·S + s), from the whole sequences' q, k ``[B, T, H, K]``, do ``[B, T, HV, V]`` bf16, gc, β ``[B, HV, NT·64]``
+    fp32 head-major, T ``[B, T, HV, 64]`` bf16 (without β), the pre-pass's chunk bounds ``bound [B, HV, NT]`` fp32
+    and dht ``[B, HV, K, V]`` (None: zeros). S divides NT = ⌈T/64⌉."""
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    NT = -(-T // BT)
+    if V % BV:
+        raise ValueError(f"BV ({BV}) must divide V ({V})")
+    if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
+        raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
+                         f"{tuple(beta.shape)}")
+    if bound.shape != (B, HV, NT) or not isinstance(segments, int) or segments < 1 or NT % segments:
+        raise ValueError(f"the warm-ups need bound [B, HV, chunks] = {(B, HV, NT)} and segments dividing {NT} "
+                         f"chunks, got {tuple(bound.shape)} and {segments!r}")
+    dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
+    ds_out = torch.empty(B * segments, HV, K, V, dtype=torch.float32, device=q.device)
+    kernel = compiled_warm_kernel(H, HV, K, V, scale, BV)
+    launcher(kernel)(q.contiguous(), k.contiguous(), do.contiguous(), gc.contiguous(), beta.float().contiguous(),
+                     a_inv.contiguous(), dht, bound.float().contiguous(), ds_out)
+    return ds_out

@@ -349,6 +349,29 @@ def reverse_warm_ref(x: _Chunks, cuts: list[tuple[int, int]], warm: torch.Tensor
     return torch.stack(outs)
 
 
+def reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv, bound, dht: Optional[torch.Tensor], scale: float,
+                                segments: int, operand_dtype: Optional[torch.dtype] = torch.bfloat16) -> torch.Tensor:
+    """The twin of ``chunk_bwd.reverse_warm_ups_hopper`` (its layouts and contract): dS_out ``[B·S, HV, K, V]``
+    (the working dtype), segment s of sequence b at b·S + s, from the whole sequences' q, k ``[B, T, H, K]``, do
+    ``[B, T, HV, V]``, gc, β ``[B, HV, NT·64]`` head-major, T ``[B, T, HV, 64]`` (without β), the chunk bounds
+    ``bound [B, HV, NT]`` and dht; ``segments`` = S divides NT. w as the kernel finds it
+    (:func:`reverse_warm_ups_ref`: fp32 sums, nearest first), then :func:`reverse_warm_ref`."""
+    work = _work_dtype(q)
+    rnd = rounder(work, operand_dtype)
+    B, T, H, K = q.shape
+    HV, V = do.shape[2:]
+    NT = bound.shape[-1]
+    if NT % segments:
+        raise ValueError(f"segments ({segments}) must divide the {NT} chunks")
+    x = _Chunks(_expand_heads(q, HV, work), _expand_heads(k, HV, work), None, tc.to_chunks(do.to(work), BT),
+                _head_major_chunks(gc.to(work)), _head_major_chunks(beta.to(work)),
+                tc.to_chunks(a_inv.to(work), BT))
+    cuts = segment_cuts(NT, segments)
+    dS_last = dht.to(work) if dht is not None else x.do.new_zeros(B, HV, K, V)
+    dS_out = reverse_warm_ref(x, cuts, reverse_warm_ups_ref(bound, cuts), dS_last, scale, rnd)    # [S, B, HV, K, V]
+    return dS_out.transpose(0, 1).reshape(B * segments, HV, K, V)
+
+
 def segment_cuts(NT: int, segments: int) -> list[tuple[int, int]]:
     """[first, end) chunks of each of ``segments`` segments: ⌈NT / segments⌉ chunks each, the last one shorter."""
     if segments < 1:

@@ -17,9 +17,15 @@ chunks (gc is the chunk-local cumsum, h the state entering each chunk), its part
 segment s is the gradient entering s, and sequence b's dh0 is its first segment's. Other T (a partial last chunk)
 walk unsegmented: the segments would not be equal views, and padding would copy every input (decisions).
 
+Or (``segment_method="warm"``, :func:`warm_state_grads`) every dS_out comes from a reverse warm-up
+(``chunk_bwd.reverse_warm_ups_hopper``, one launch): the dS chain alone from zero, w chunks after the segment,
+w found in-kernel from the pre-pass's chunk bounds (their sum below −30: error ≤ 2⁻³⁰ of ‖dS‖), or from dht where
+the warm-up reaches the sequence's end (exact); no W, dv_local, maps or scan. The maps stay the default until the
+GPU's A/B (benchmarks/gpu_check_hopper_bwd.py --warm) decides.
+
 :func:`plan_walk_segments` picks L among the divisors of NT with a cost model in µs whose constants are estimates
-(benchmarks/gpu_check_hopper_bwd.py --segments measures what calibrates them). Everything is a fixed-order
-computation: deterministic.
+(benchmarks/gpu_check_hopper_bwd.py --segments measures what calibrates them); the warm-ups take the same L.
+Everything is a fixed-order computation: deterministic.
 """
 from __future__ import annotations
 
@@ -136,3 +142,13 @@ def segment_state_grads(q, k, v, beta, gc, a_inv, do, dht: Optional[torch.Tensor
     flat = lambda t: t.view(1, B * T, *t.shape[2:])
     dht = dht.float().contiguous() if dht is not None else None
     return segment_grads(flat(q), flat(k), flat(w), flat(gc), flat(do), flat(dv_local), dht, scale, layout)
+
+
+def warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht: Optional[torch.Tensor], scale: float, L: int,
+                     BV: int) -> torch.Tensor:
+    """dS_out ``[B·S, HV, K, V]`` fp32 (as :func:`segment_state_grads`) from the reverse warm-ups
+    (``chunk_bwd.reverse_warm_ups_hopper``): the whole sequences' q, k, do ``[B, T, ...]`` bf16, the pre-pass's gc,
+    β head-major ``[B, HV, NT·64]``, T ``[B, T, HV, 64]`` bf16 and chunk bounds ``[B, HV, NT]``; S = NT / L."""
+    from . import chunk_bwd
+    NT = bound.shape[-1]
+    return chunk_bwd.reverse_warm_ups_hopper(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, NT // L, BV)
