@@ -15,7 +15,7 @@ does not take fall back to Triton, marked in the table), "hopper fwd+bwd" (the H
 threshold lowered for these shapes), the Triton backward, the torch backend on the GPU, the
 recurrent op, the decode step (token by token over a pool) and gated linear attention; bf16 and fp16 inputs.
 
-    python benchmarks/gpu_check_edges.py
+    python benchmarks/gpu_check_edges.py [--paths "hopper fwd+bwd,triton split"] [--dtypes bf16]
 
 Columns: finite (o, final state, every gradient), o_err / ht_err (relative L2 against float64), clean_err (the same
 path on the same inputs with the edge gates replaced by ordinary ones: the path's own error level), dg0 (dg at the
@@ -28,6 +28,7 @@ grads_ok.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -90,6 +91,9 @@ def decode_call(x, h0):
     outs = [linattn.gated_delta_rule_decode(*(x[n][:, t:t + 1] for n in ("q", "k", "v", "g", "beta")), pool,
                                             scale=SCALE, backend="triton")[0] for t in range(T)]
     return torch.cat(outs, 1), pool
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def hopper_backward_call():
@@ -231,10 +235,18 @@ def nan_varlen_row(name, dtype):
                 PASS=cone and diff == 0)
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated path names (default: all)")
+    ap.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16, fp16")
+    args = ap.parse_args(argv)
+    names = args.paths.split(",")
+    unknown = [n for n in names if n not in PATHS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"unknown path or dtype {unknown}; paths: {list(PATHS)}, dtypes: {list(DTYPES)}")
     rows = []
-    for dtype in (torch.bfloat16, torch.float16):
-        for name in PATHS:
+    for dtype in (DTYPES[d] for d in args.dtypes.split(",")):
+        for name in names:
             if name.startswith("hopper") and not hopper_runs(inputs(dtype)[0]):
                 rows.append(dict(path=name, dtype=str(dtype)[6:], case="(falls back to Triton: not run)"))
                 continue
