@@ -42,6 +42,12 @@ def use_recompute_twins(monkeypatch) -> None:
     monkeypatch.setattr(walk_launch, "chunk_states_hopper", fwd_twins.chunk_states_hopper_ref)
 
 
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """Token-major ``[..., T, HV]`` (the twins' dg, dβ partials) → the walk's head-major ``[..., HV, NT·64]``,
+    zero-padded to whole chunks."""
+    return backward.whole_chunks(x.transpose(-1, -2).contiguous(), x.shape[-2])
+
+
 def recurrence_states(x: dict, chunks: int) -> torch.Tensor:
     """The float64 recurrence's state entering each chunk ``[B, chunks, HV, K, V]``: its final state after the first
     64·c tokens (h0 at c = 0)."""
@@ -132,7 +138,6 @@ def test_gradients_from_partials_equal_the_twins_sum():
     x = make_inputs(2, 100, 2, 4, 32)
     _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["h0"], 2, None)
     parts = bwd.chunk_bwd_v_slices_ref(x["q"], x["k"], x["v"], x["do"], x["dht"], saved, 0.2, 16, None, "exact")
-    head_major = lambda p: torch.stack([backward.head_major_chunks(s) for s in p.unbind(0)])
     dq, dk, dg, dbeta = backward.gradients_from_partials(
         parts.dq.to(DEVICE), parts.dk.to(DEVICE), head_major(parts.dg).to(DEVICE), head_major(parts.dbeta).to(DEVICE),
         x["g"].to(DEVICE), torch.float64, torch.float64, 2)
@@ -375,7 +380,6 @@ def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
     saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
                              h.transpose(1, 2).float(), 1)
     p = bwd.chunk_bwd_v_slices_ref(q, k, v, do, dht, saved, scale, BV, None, "exact")
-    head_major = lambda x: torch.stack([backward.head_major_chunks(s) for s in x.unbind(0)])
     return p.dq, p.dk, p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
 
 

@@ -106,13 +106,6 @@ def token_major(x_hm: torch.Tensor, T: int) -> torch.Tensor:
     return x_hm[..., :T].transpose(1, 2).contiguous()
 
 
-def head_major_chunks(x: torch.Tensor) -> torch.Tensor:
-    """``[B, T, HV]`` → ``[B, HV, NT·64]`` zero-padded, in x's dtype: token-major gates, β or dg, dβ in the walk's
-    layout (:func:`recompute`'s; the twins' tensors in tests and benchmarks/gpu_check_hopper_bwd.py)."""
-    T = x.shape[1]
-    return torch.nn.functional.pad(x.transpose(1, 2), (0, cdiv(T, BT) * BT - T)).contiguous()
-
-
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
                                       segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps"):
