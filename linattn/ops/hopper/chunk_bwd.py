@@ -398,6 +398,15 @@ def build_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = B
     return gdn_chunk_bwd_warm
 
 
+def _check_slices_and_gates(B: int, HV: int, V: int, NT: int, BV: int, gc: torch.Tensor, beta: torch.Tensor) -> None:
+    """The launchers' common checks: BV divides V; gc and β head-major ``[B, HV, NT·64]``."""
+    if V % BV:
+        raise ValueError(f"BV ({BV}) must divide V ({V})")
+    if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
+        raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
+                         f"{tuple(beta.shape)}")
+
+
 @functools.lru_cache(maxsize=32)
 def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
                     target: Optional[str] = None):
@@ -415,12 +424,8 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
-    if V % BV:
-        raise ValueError(f"BV ({BV}) must divide V ({V})")
+    _check_slices_and_gates(B, HV, V, NT, BV, gc, beta)
     NV = V // BV
-    if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
-        raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
-                         f"{tuple(beta.shape)}")
     if h.shape != (B, NT, HV, K, V) or h.dtype != torch.bfloat16:
         raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
                          f"{tuple(h.shape)}")
@@ -453,11 +458,7 @@ def reverse_warm_ups_hopper(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, 
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     NT = -(-T // BT)
-    if V % BV:
-        raise ValueError(f"BV ({BV}) must divide V ({V})")
-    if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
-        raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
-                         f"{tuple(beta.shape)}")
+    _check_slices_and_gates(B, HV, V, NT, BV, gc, beta)
     if bound.shape != (B, HV, NT) or not isinstance(segments, int) or segments < 1 or NT % segments:
         raise ValueError(f"the warm-ups need bound [B, HV, chunks] = {(B, HV, NT)} and segments dividing {NT} "
                          f"chunks, got {tuple(bound.shape)} and {segments!r}")
