@@ -445,6 +445,19 @@ def time_warm(item) -> dict:
                 warm_vs_maps={n: rel(a, b) for n, a, b in zip(GRADS, warm, maps)})
 
 
+def measured(rows: list, label: str, width: int):
+    """The rows that were measured; each that failed printed as one line (its ``label`` field, then the error)."""
+    for r in rows:
+        if "error" in r:
+            print(f"{r[label]:<{width}}ERROR {r['error'][:200]}")
+        else:
+            yield r
+
+
+def row_shape(r: dict) -> str:
+    return f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+
+
 def print_warm_table(results: dict) -> None:
     print(f"\ndevice: {results.get('device')}")
     print("the reverse warm-ups kernel against its twin (dS_out rel L2; ≈ 1e-3 is rounding), twin's w per segment:")
@@ -452,20 +465,14 @@ def print_warm_table(results: dict) -> None:
         print(f"{r['case']:<32}{r.get('ds_out_rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}  "
               f"w min {r.get('w_min')} max {r.get('w_max')}")
     print(f"\n{'case':<32}" + "".join(f"{n:>9}" for n in GRADS) + "   (hopper / rounded baseline vs float64)")
-    for r in results["accuracy"]:
-        if "error" in r:
-            print(f"{r['case']:<32}ERROR {r['error'][:200]}")
-            continue
+    for r in measured(results["accuracy"], "case", 32):
         print(f"{r['case'] + ' ' + r['segment_method']:<32}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
               + f"   worst {max(r['vs_base'].values()):.2f}; vs unsegmented "
               f"{max(r['vs_unsegmented'].values()):.1e}")
     print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'L':>6}{'S':>4}{'maps':>9}{'warm':>9}{'warm-ups':>10}"
           f"{'W+maps+scan':>13}  w min/max per segment; max rel L2 warm/maps   (ms, do_bench medians)")
-    for r in results["warm"]:
-        if "error" in r:
-            print(f"{r['row']:<5}ERROR {r['error'][:200]}")
-            continue
-        ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+    for r in measured(results["warm"], "row", 5):
+        ms, shape = r["ms"], row_shape(r)
         print(f"{r['row']:<5}{shape:<18}{r['gates_divided_by']:>6}{r['L']:>6}{r['segments']:>4}{ms['maps']:9.3f}"
               f"{ms['warm']:9.3f}{ms['warm_ups']:10.3f}{ms['w_maps_scan']:13.3f}  {r['w_min']}/{r['w_max']}; "
               f"{max(r['warm_vs_maps'].values()):.1e}")
@@ -476,11 +483,8 @@ def print_segment_table(results: dict) -> None:
     print("segmented Hopper backward (ms, do_bench medians; maps+scan includes the maps):")
     print(f"{'row':<5}{'B,T,H,HV':<18}{'L':>5}{'S':>4}{'solve':>8}{'states':>8}{'W+dvl':>8}{'maps':>8}"
           f"{'+scan':>8}{'walk':>8}{'sums':>8}{'seg':>9}{'unseg':>9}{'triton':>9}  max rel L2 seg/unseg")
-    for r in results["segments"]:
-        if "error" in r:
-            print(f"{r['row']:<5}ERROR {r['error'][:200]}")
-            continue
-        ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+    for r in measured(results["segments"], "row", 5):
+        ms, shape = r["ms"], row_shape(r)
         print(f"{r['row']:<5}{shape:<18}{r['L']:>5}{r['segments']:>4}" + "".join(
             f"{ms[n]:8.3f}" for n in ("solve", "states", "w_dv_local", "maps", "maps_scan", "walk", "sums"))
             + "".join(f"{ms[n]:9.3f}" for n in ("segmented", "unsegmented", "triton"))
@@ -498,10 +502,7 @@ def print_tables(results: dict) -> None:
     for r in results["twin"]:
         print(f"{r['case']:<28}{r.get('rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}")
     print(f"\n{'case':<28}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64; hopper/triton; hopper/base)")
-    for r in results["accuracy"]:
-        if "error" in r:
-            print(f"{r['case']:<28}ERROR {r['error'][:200]}")
-            continue
+    for r in measured(results["accuracy"], "case", 28):
         print(f"{r['case']:<28}" + "".join(f"{r['hopper'][n]:9.1e}" for n in GRADS) + "   hopper")
         print(f"{'':<28}" + "".join(f"{r['triton'][n]:9.1e}" for n in GRADS) + "   triton")
         print(f"{'':<28}" + "".join(f"{r['base'][n]:9.1e}" for n in GRADS) + "   rounded baseline")
@@ -514,19 +515,13 @@ def print_tables(results: dict) -> None:
     for r in results["repeat"]:
         print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
     print("\nthe recompute's h against the states twin (max abs / rel L2):")
-    for r in results["recompute"]:
-        if "error" in r:
-            print(f"{r['case']:<28}ERROR {r['error'][:200]}")
-            continue
+    for r in measured(results["recompute"], "case", 28):
         d = r["h_vs_twin"]
         print(f"{r['case']:<28}{d['max_abs']:.1e} / {d['rel_l2']:.1e}, nonfinite {r['nonfinite']}")
     print(f"\n{'row':<5}{'B,T,H,HV':<18}{'recompute':>10}{'walk':>9}{'µs/chunk':>10}{'reduce':>9}"
           f"{'hopper':>9}{'triton':>9}   (ms, do_bench medians)")
-    for r in results["timing"]:
-        if "error" in r:
-            print(f"{r['row']:<5}ERROR {r['error'][:200]}")
-            continue
-        ms, shape = r["ms"], f"{r['B']},{r['T']},{r['H']},{r['HV']}"
+    for r in measured(results["timing"], "row", 5):
+        ms, shape = r["ms"], row_shape(r)
         print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
               f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
         print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states walk {ms['recompute_states']:.3f} "
