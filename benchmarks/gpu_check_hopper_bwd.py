@@ -547,6 +547,11 @@ def main(argv=None) -> dict:
     results = dict(device=torch.cuda.get_device_name(), twin=[], recompute=[], accuracy=[], repeat=[], timing=[],
                    segments=[], warm_twin=[], warm=[])
 
+    def chosen(table: list) -> list:
+        """The rows of ``table`` that --rows names (all of them without it)."""
+        names = {int(r) for r in args.rows.split(",")} if args.rows else {r[0] for r in table}
+        return [r for r in table if r[0] in names]
+
     def step(key, fn, item, label):
         try:
             results[key].append(fn(item))
@@ -557,10 +562,8 @@ def main(argv=None) -> dict:
         print(json.dumps(results[key][-1]), flush=True)
 
     if args.segments:
-        rows = {int(r) for r in (args.rows or ",".join(str(r[0]) for r in SEGMENT_ROWS)).split(",")}
-        for row in SEGMENT_ROWS:
-            if row[0] in rows:
-                step("segments", time_segments, row, "row")
+        for row in chosen(SEGMENT_ROWS):
+            step("segments", time_segments, row, "row")
         print_segment_table(results)
         return results
     if args.warm:
@@ -570,11 +573,9 @@ def main(argv=None) -> dict:
             step("accuracy", lambda c, L=chunks: check_case(c, L, "maps"), case, "case")
             step("accuracy", lambda c, L=chunks: check_case(c, L, "warm"), case, "case")
         step("repeat", lambda c: repeat_case(c, WARM_CASES[0][1], "warm"), WARM_CASES[0][0], "case")
-        rows = {int(r) for r in (args.rows or ",".join(str(r[0]) for r in WARM_ROWS)).split(",")}
         for decay in (1, 1024):
-            for row in WARM_ROWS:
-                if row[0] in rows:
-                    step("warm", time_warm, (row, decay), "row")
+            for row in chosen(WARM_ROWS):
+                step("warm", time_warm, (row, decay), "row")
         print_warm_table(results)
         return results
     if not args.timing_only:
@@ -589,10 +590,8 @@ def main(argv=None) -> dict:
         step("repeat", repeat_case, CASES[0], "case")
         step("repeat", lambda c: repeat_case(c, SEGMENTED_CASES[0][1]), SEGMENTED_CASES[0][0], "case")
     if not args.skip_timing:
-        rows = {int(r) for r in (args.rows or ",".join(str(r[0]) for r in ROWS)).split(",")}
-        for row in ROWS:
-            if row[0] in rows:
-                step("timing", time_row, row, "row")
+        for row in chosen(ROWS):
+            step("timing", time_row, row, "row")
     print_tables(results)
     return results
 
