@@ -228,7 +228,7 @@ def test_partial_sums_compile_for_h200_like_a_row_sum():
     from tests.ops.sm90_compile import compile_for_h200
     types = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dq_parts": "*fp32", "dk_parts": "*fp32",
              "dg_parts": "*fp32", "dbeta_parts": "*fp32", "g": "*fp32", "dg": "*fp32"}
-    consts = ("dict(NV=2, G=2, K=128, HV=32, BT=p.BT, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
+    consts = ("dict(NV=2, G=2, K=128, HV=32, BT=p.CHUNK, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
               "BTOK=p.GATE_ELEMENTS // 32, FLOOR=-104.0)")     # the launcher's tiles
     registers, spills = compile_for_h200(
         "import sm90; from linattn.ops.common import partial_sum as p",

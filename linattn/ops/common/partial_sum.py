@@ -19,13 +19,13 @@ import triton
 import triton.language as tl
 
 from ..utils import MIN_LOG_DECAY, cdiv
+from . import CHUNK
 from .launch import launch
 
 ROW_ELEMENTS = 4096     # dq, dk values summed per program (rows × K): 16 KB of fp32 per partial read
 # dg, dβ values per program (HV × tokens): a larger tile and its on-chip transpose raise the kernel's registers for
 # every program (172 per thread at 4096 against 48, sm_90), and the row sums' occupancy with them
 GATE_ELEMENTS = 1024
-BT = 64                 # the walk's chunk: its head-major rows Lp hold whole chunks
 SUM_DTYPES = (torch.float32, torch.float64)     # the partials summed in their dtype; float64: the CPU tests' exact sums
 
 
@@ -102,9 +102,9 @@ def _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H: int) -> None:
         raise ValueError(f"dq, dk partials must be one of {SUM_DTYPES} with HV = {HV} a multiple of H = {H}, "
                          f"got {dq_parts.dtype}")
     if (dg_parts.dim() != 4 or dg_parts.shape[:3] != (NV, B, HV) or dg_parts.shape[3] < T
-            or dg_parts.shape[3] % BT or dbeta_parts.shape != dg_parts.shape):
+            or dg_parts.shape[3] % CHUNK or dbeta_parts.shape != dg_parts.shape):
         raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp] = [{NV}, {B}, {HV}, Lp], Lp ≥ T = {T} in "
-                         f"whole chunks of {BT}, got {tuple(dg_parts.shape)}, {tuple(dbeta_parts.shape)}")
+                         f"whole chunks of {CHUNK}, got {tuple(dg_parts.shape)}, {tuple(dbeta_parts.shape)}")
     if dg_parts.dtype not in SUM_DTYPES or dbeta_parts.dtype != dg_parts.dtype:
         raise ValueError(f"dg and dbeta partials must be one of {SUM_DTYPES}, got {dg_parts.dtype}, "
                          f"{dbeta_parts.dtype}")
@@ -135,8 +135,8 @@ def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch
     BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
     BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
     grid = (2 * cdiv(B * T * H, BR) + B * cdiv(T, BTOK),)
-    launch(partial_sums_kernel, grid, dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, Lp // BT,
-           NV=NV, G=HV // H, K=K, HV=HV, BT=BT, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
+    launch(partial_sums_kernel, grid, dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, Lp // CHUNK,
+           NV=NV, G=HV // H, K=K, HV=HV, BT=CHUNK, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
     return dq, dk, dg, dbeta
 
 
