@@ -2,10 +2,17 @@
 
 The body is a module-level function ``fn(rank, world, *args)``; an exception on any rank fails the test with that
 rank's traceback. Each worker uses one thread: the CI machine has 2 cores shared by all the processes.
+
+A worker whose body passed on every rank destroys its process group and leaves with ``os._exit(0)``, skipping the
+interpreter's teardown: a C++ thread of torch.distributed still joinable there can abort the process
+(std::terminate, SIGABRT) after every check has passed. For an abort anywhere else faulthandler prints each thread's
+Python stack.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import tempfile
 import traceback
 
@@ -15,6 +22,7 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank: int, world: int, store_path: str, fn, args) -> None:
+    faulthandler.enable()
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     store = dist.FileStore(store_path, world)
@@ -28,6 +36,9 @@ def _worker(rank: int, world: int, store_path: str, fn, args) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world: int, *args) -> None:
