@@ -1,6 +1,7 @@
 """GPU check of the Hopper backward (linattn/ops/hopper/backward.py, issue 45): accuracy, determinism, then time.
 
-(a) the walk alone against its PyTorch twin on the same inputs (each raw output, partials included); then
+(a) the walk alone against its PyTorch twin on the same inputs (each raw output: dq, dk per value head with the
+    slices added in the walk's cluster, the dg, dβ partials); then
     accuracy, bf16, with h0 and dht (GVA, K = 64 and 128, T = 65 to 1000, slow decay, a repeated token): relative
     L2 of every gradient against float64 autograd of the token-by-token reference on the same rounded inputs,
     beside the Triton backward's error and the rounded PyTorch baseline's (gpu_check_core.rounded_twin: every
@@ -11,7 +12,8 @@
 (b) time (triton.testing.do_bench medians) at the anchor rows 2 (B=8, T=4096, H=HV=16), 3 (B=1, T=32768, H=HV=16)
     and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute (pre-pass and states walk), the fused walk alone
     (and µs per chunk: walk ms over the T/64 chunks each program walks), the reductions (one launch: sums, mask,
-    casts), the whole Hopper backward and the Triton backward.
+    casts), the whole Hopper backward and the Triton backward; the Hopper backward's peak memory over its inputs
+    and outputs' (torch.cuda.max_memory_allocated around one call, MiB).
     The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs;
     so is the states walk (one program per sequence, value head and V tile of 128 where those fill the card, else 64).
 (c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
@@ -207,8 +209,9 @@ def check_case(case, segment_chunks: Optional[int] = None, segment_method: str =
 
 def twin_case(case) -> dict:
     """The walk alone against its twin (``chunk_bwd_ref.chunk_bwd_v_slices_ref``, fp32 on the GPU, the kernel's
-    rounding points) on the same recomputed gc, T and h: relative L2 of each raw output (the partials before any
-    sum), so that a wrong output of the kernel shows apart from the host chain around it."""
+    rounding points) on the same recomputed gc, T and h: relative L2 of each raw output (dq, dk per value head, the
+    slices added in the walk; dg, dβ per slice, before the host's sums), so that a wrong output of the kernel — a
+    slice's tile missed or added twice by the cluster's exchange — shows apart from the host chain around it."""
     from gpu_check_core import rel
 
     from linattn.ops.hopper import backward, chunk_bwd
@@ -227,7 +230,7 @@ def twin_case(case) -> dict:
                              a_inv.float(), h.transpose(1, 2).float(), 1)
     twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], dht, saved, scale, BV)
     tokens = lambda x: x[..., :T].transpose(-1, -2)       # [NV, B, HV, Lp] → [NV, B, T, HV]
-    outputs = dict(dq_partials=(got[0], twin.dq), dk_partials=(got[1], twin.dk), dv=(got[2], twin.dv),
+    outputs = dict(dq_heads=(got[0], twin.dq), dk_heads=(got[1], twin.dk), dv=(got[2], twin.dv),
                    dg_partials=(tokens(got[3]), twin.dg), dbeta_partials=(tokens(got[4]), twin.dbeta),
                    dh0=(got[5], twin.dh0))
     return dict(case=name, rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
@@ -283,25 +286,41 @@ def time_row(row) -> dict:
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
     beta = torch.rand(B, T, HV, device="cuda").bfloat16()
     h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
+    # first, while only the inputs are allocated (the first call also compiles: one call before it)
+    backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, h0, do, dht)
+    peak = peak_memory_mib(lambda: backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, h0, do, dht))
     gc_hm, beta_hm, a_inv, h = backward.recompute(k, v, g, beta, h0)
     launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
     states = lambda: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, a_inv, h0, **launch)[0]
     walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
-    dq_p, dk_p, _, dg_p, db_p, _ = walk()
+    dq_h, dk_h, _, dg_p, db_p, _ = walk()
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
         recompute_prepass=triton.testing.do_bench(lambda: prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)),
         recompute_states=triton.testing.do_bench(states),
         walk=triton.testing.do_bench(walk),
         reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
-            dq_p, dk_p, dg_p, db_p, g, beta.dtype, q.dtype, H)),
+            dq_h, dk_h, dg_p, db_p, g, beta.dtype, q.dtype, H)),
         hopper=triton.testing.do_bench(lambda: backward.chunk_gated_delta_rule_bwd_hopper(
             q, k, v, g, beta, scale, h0, do, dht)),
         triton=triton.testing.do_bench(lambda: chunk_gated_delta_rule_bwd_triton(
             q, k, v, g, beta, scale, h0, None, None, do, dht)))
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
-                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, states_BV=launch["BV"])
+                ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, states_BV=launch["BV"], peak_MiB=peak)
+
+
+def peak_memory_mib(fn) -> dict:
+    """One call of ``fn`` (a backward): ``extra`` its peak allocation over what was allocated before it (MiB: the
+    inputs excluded, its gradients and every intermediate included), ``outputs`` what its results hold."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    del out
+    return dict(extra=round((peak - before) / 2 ** 20, 1), outputs=round((after - before) / 2 ** 20, 1))
 
 
 def row_inputs(B, T, H, HV, K=128, V=128) -> dict:
@@ -344,10 +363,10 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     walk_args = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out, scale,
                  64)
     walk = lambda: chunk_bwd.chunk_bwd_hopper(*walk_args)
-    dq_p, dk_p, _, dg_p, db_p, _ = walk()
+    dq_h, dk_h, _, dg_p, db_p, _ = walk()
 
     def sums():
-        parts = [p.view(p.shape[0], B, T, HV, K) for p in (dq_p, dk_p)]
+        parts = [p.view(B, T, HV, K) for p in (dq_h, dk_h)]
         parts += [segments.head_major_from_segments(p, B) for p in (dg_p, db_p)]
         return backward.gradients_from_partials(*parts, g, beta.dtype, q.dtype, H)
     return dict(solve=triton.testing.do_bench(lambda: backward.solve(k, g, beta)),
@@ -525,7 +544,8 @@ def print_tables(results: dict) -> None:
         print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
               f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
         print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states walk {ms['recompute_states']:.3f} "
-              f"(BV {r['states_BV']})")
+              f"(BV {r['states_BV']}); Hopper backward's peak over its inputs {r['peak_MiB']['extra']:.0f} MiB "
+              f"(its gradients {r['peak_MiB']['outputs']:.0f})")
 
 
 def main(argv=None) -> dict:

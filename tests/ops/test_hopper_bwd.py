@@ -4,12 +4,12 @@
   backward twin's gc, T (without β) and states entering each chunk, in the layouts the walk reads; the states
   twin equals the float64 recurrence's state at every chunk start, and the old route's (the Triton state pass,
   interpreter) within bf16 rounding;
-* the host's sums of the walk's partials (head-major dg, dβ; per-slice, per-value-head dq, dk), one launch, equal
-  the twin's (the same bits as the host ops they replace where the order is the same);
+* the host's sums of what the walk leaves (head-major dg, dβ per slice; dq, dk per value head), one launch, equal
+  the twin's, bit for bit;
 * bad inputs raise clear errors;
 * the walk compiles for sm_90a at K = V = 128 (BV = 64) and K = V = 64 (BV = 64, 32): shared memory within the
-  227 KB of a CTA, no spill, no serialised wgmma; so do the recompute's states walk and its pre-pass (where
-  TileLang and nvcc are installed).
+  227 KB of a CTA, no spill, no serialised wgmma, the slices of a head one cluster exchanging dq, dk through their
+  flags; so do the recompute's states walk and its pre-pass (where TileLang and nvcc are installed).
 The kernel's numbers on the GPU: tests/ops/test_hopper_bwd_ref.py (ON_HOPPER), benchmarks/gpu_check_hopper_bwd.py.
 """
 from __future__ import annotations
@@ -132,9 +132,9 @@ def test_new_recompute_gives_the_old_state_pass_h():
 
 @pytest.mark.interpreter
 def test_gradients_from_partials_equal_the_twins_sum():
-    """The twin's V-sliced partials in the walk's layouts (dg, dβ head-major and padded to whole chunks), added by
-    the host's one launch: the twin's own sums, to float64 rounding (GVA: 4 value heads on 2 qk heads, T = 100 not
-    a multiple of 64)."""
+    """The twin's V-sliced walk's outputs in the walk's layouts (dq, dk per value head; dg, dβ head-major and padded
+    to whole chunks), added by the host's one launch: the twin's own sums, to float64 rounding (GVA: 4 value heads
+    on 2 qk heads, T = 100 not a multiple of 64)."""
     x = make_inputs(2, 100, 2, 4, 32)
     _, _, saved = bwd.forward_for_backward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["h0"], 2, None)
     parts = bwd.chunk_bwd_v_slices_ref(x["q"], x["k"], x["v"], x["do"], x["dht"], saved, 0.2, 16, None, "exact")
@@ -147,15 +147,15 @@ def test_gradients_from_partials_equal_the_twins_sum():
 
 
 def _walk_partials(NV, B, T, H, HV, K, seed=0):
-    """Random partials in the walk's layouts (dg, dβ head-major, padded to whole chunks with values the sums must
-    not read) and gates with every fifth one below the floor."""
+    """Random outputs in the walk's layouts (dq, dk per value head; dg, dβ per slice, head-major, padded to whole
+    chunks with values the sums must not read) and gates with every fifth one below the floor."""
     from linattn.ops.utils import MIN_LOG_DECAY
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)
     Lp = -(-T // 64) * 64
     g = -r(B, T, HV).abs()
     g.view(-1)[::5] = MIN_LOG_DECAY - 1
-    return [t.to(DEVICE) for t in (r(NV, B, T, HV, K), r(NV, B, T, HV, K), r(NV, B, HV, Lp), r(NV, B, HV, Lp), g)]
+    return [t.to(DEVICE) for t in (r(B, T, HV, K), r(B, T, HV, K), r(NV, B, HV, Lp), r(NV, B, HV, Lp), g)]
 
 
 @ON_HOPPER
@@ -176,12 +176,13 @@ def test_recompute_kernels_match_their_twins_on_the_gpu():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("NV,H,HV,K", [(2, 2, 4, 32), (1, 1, 1, 48), (4, 1, 4, 16), (2, 1, 3, 48)],
-                         ids=["halves_gva", "one_K48", "quarters_gva4", "halves_hv3_K48"])
+@pytest.mark.parametrize("NV,H,HV,K", [(2, 2, 4, 32), (1, 1, 1, 48), (4, 1, 4, 16), (2, 1, 3, 48), (2, 2, 2, 32)],
+                         ids=["halves_gva", "one_K48", "quarters_gva4", "halves_hv3_K48", "halves_no_gva"])
 def test_partial_sums_equal_their_twin(NV, H, HV, K):
-    """common/partial_sum.py's one launch against its twin, the same fp32 bits: dq, dk and dg, dβ (head-major →
-    token-major, dg zero below the gate floor); rows and tokens past a program's block masked (B·T·H not a multiple
-    of its rows, T = 37 of a 64-wide padded row; K = 48, HV = 3 not powers of two)."""
+    """common/partial_sum.py's one launch against its twin, the same fp32 bits: dq, dk (the group's value heads
+    added; without GVA the walk's own) and dg, dβ (head-major → token-major, dg zero below the gate floor); rows
+    and tokens past a program's block masked (B·T·H not a multiple of its rows, T = 37 of a 64-wide padded row;
+    K = 48, HV = 3 not powers of two)."""
     from linattn.ops.common.partial_sum import partial_sums, partial_sums_ref
     from linattn.ops.utils import MIN_LOG_DECAY
     args = _walk_partials(NV, 2, 37, H, HV, K)
@@ -207,18 +208,22 @@ def test_partial_sums_cast_to_the_gradients_dtypes():
 
 
 @pytest.mark.interpreter
-def test_partial_sums_keep_the_previous_order():
-    """fp32 partials of two slices: the one launch gives the bits of the host ops it replaces (the row sums'
-    kernel, slices outer and heads inner; torch's sum over the slices, slice to T, transpose and mask for dg, dβ)."""
+def test_partial_sums_add_the_heads_in_order():
+    """dq, dk per value head (two per qk head): the bits of head 0 + head 1 (no zero added first: its sign of zero
+    would differ), dg and dβ the bits of torch's sum over the slices, slice to T, transpose and mask. Without GVA
+    the walk's dq, dk are the gradients: returned as they are, no copy, in their dtype."""
     from linattn.ops.common.partial_sum import partial_sums
     from linattn.ops.utils import MIN_LOG_DECAY
-    dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 2, 37, 2, 4, 32, seed=1)
-    dq, dk, dg, dbeta = partial_sums(dq_p, dk_p, dg_p, db_p, g, 2, torch.float32, torch.float32)
-    rows = lambda p: (p[0].view(2, 37, 2, 2, 32)[..., 0, :] + p[0].view(2, 37, 2, 2, 32)[..., 1, :]
-                      + p[1].view(2, 37, 2, 2, 32)[..., 0, :] + p[1].view(2, 37, 2, 2, 32)[..., 1, :])
+    dq_h, dk_h, dg_p, db_p, g = _walk_partials(2, 2, 37, 2, 4, 32, seed=1)
+    dq_h[0, 0, 0] = dq_h[0, 0, 1] = -0.0
+    dq, dk, dg, dbeta = partial_sums(dq_h, dk_h, dg_p, db_p, g, 2, torch.float32, torch.float32)
+    rows = lambda p: p.view(2, 37, 2, 2, 32)[..., 0, :] + p.view(2, 37, 2, 2, 32)[..., 1, :]
     tokens = lambda p: p.sum(0)[..., :37].transpose(1, 2)
-    assert torch.equal(dq, rows(dq_p)) and torch.equal(dk, rows(dk_p))
+    assert torch.equal(dq, rows(dq_h)) and torch.equal(dk, rows(dk_h)) and dq[0, 0, 0].signbit().all()
     assert torch.equal(dg, tokens(dg_p).masked_fill(g < MIN_LOG_DECAY, 0)) and torch.equal(dbeta, tokens(db_p))
+    own = _walk_partials(2, 2, 37, 2, 2, 32, seed=2)
+    dq, dk, _, _ = partial_sums(*own, 2, torch.float32, torch.float32)
+    assert dq is own[0] and dk is own[1]
 
 
 def test_partial_sums_compile_for_h200_like_a_row_sum():
@@ -226,7 +231,7 @@ def test_partial_sums_compile_for_h200_like_a_row_sum():
     of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate programs' transpose
     costs the row sums no occupancy."""
     from tests.ops.sm90_compile import compile_for_h200
-    types = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dq_parts": "*fp32", "dk_parts": "*fp32",
+    types = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dq_heads": "*fp32", "dk_heads": "*fp32",
              "dg_parts": "*fp32", "dbeta_parts": "*fp32", "g": "*fp32", "dg": "*fp32"}
     consts = ("dict(NV=2, G=2, K=128, HV=32, BT=p.CHUNK, BK=128, BR=p.ROW_ELEMENTS // 128, BH=32, "
               "BTOK=p.GATE_ELEMENTS // 32, FLOOR=-104.0)")     # the launcher's tiles
@@ -239,8 +244,8 @@ def test_partial_sums_compile_for_h200_like_a_row_sum():
 def test_partial_sums_reject_bad_partials():
     from linattn.ops.common.partial_sum import partial_sums
     dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 1, 37, 1, 2, 16)
-    for bad, match in [(dict(H=3), "multiple"), (dict(dk_p=dk_p[:, :, :5]), "one shape"),
-                       (dict(dq_p=dq_p.bfloat16(), dk_p=dk_p.bfloat16()), "partials must be one of"),
+    for bad, match in [(dict(H=3), "multiple"), (dict(dk_p=dk_p[:, :5]), "one shape"),
+                       (dict(dq_p=dq_p.bfloat16(), dk_p=dk_p.bfloat16()), "per value head must be one of"),
                        (dict(dg_p=dg_p[..., :30]), "Lp"), (dict(db_p=db_p.bfloat16()), "dbeta partials"),
                        (dict(g=g[:, :5]), "g must")]:
         x = {**dict(dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, g=g, H=1), **bad}
@@ -286,18 +291,29 @@ CTA_SHARED = 227 * 1024
 
 
 @COMPILES
-@pytest.mark.parametrize("K,BV", [(128, 64), (64, 64), (64, 32)])
-def test_reverse_walk_compiles_for_sm90a(tmp_path, K, BV):
-    """The walk (V = K, two value heads per qk head) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
+@pytest.mark.parametrize("H,K,BV", [(2, 128, 64), (4, 128, 64), (2, 64, 64), (2, 64, 32)],
+                         ids=["K128_gva", "K128", "K64_gva_one_slice", "K64_gva_BV32"])
+def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
+    """The walk (V = K, four value heads on H qk heads) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
     its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising
     no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D runs on threads 0–31, the producer
-    warpgroup's in this warp-specialised kernel, so its scan would never run (the dg bug the GPU found)."""
+    warpgroup's in this warp-specialised kernel, so its scan would never run (the dg bug the GPU found).
+    The slices' exchange: NV = V / BV slices launched as one cluster; each of dq, dk awaited NV − 1 times by the
+    chunk's owner (one call in an unrolled loop) and published once by every other slice; stored in fp32 per value
+    head with GVA, in bf16 (the gradient itself) without; one slice: no cluster, no exchange."""
     from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
-    kernel = chunk_bwd.compiled_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a")  # gpu_check_hopper_bwd's
+    kernel = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")  # gpu_check_hopper_bwd's
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20 and "mma_sync" not in source
     assert "tl::CumSum" not in source
+    NV = K // BV
+    clusters = re.findall(r'"cluster_dims": \[(\d+), 1, 1\]', kernel.prim_func.script())
+    assert clusters == ([] if NV == 1 else [str(NV)]), clusters
+    exchanges = 2 if NV > 1 else 0
+    assert source.count("linattn_warp_await((") == source.count("linattn_warp_publish((") == exchanges
+    stored = "bfloat16_t* __restrict__ dq" if H == 4 else "float* __restrict__ dq"
+    assert stored in source, stored
     assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
     report = compile_sm90a(source, tmp_path)[1]
     ptxas = ptxas_summary(report)
@@ -380,7 +396,8 @@ def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
     saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
                              h.transpose(1, 2).float(), 1)
     p = bwd.chunk_bwd_v_slices_ref(q, k, v, do, dht, saved, scale, BV, None, "exact")
-    return p.dq, p.dk, p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
+    qk_dtype = q.dtype if v.shape[2] == q.shape[2] else torch.float32      # the walk's dq, dk (G = 1: the gradients)
+    return p.dq.to(qk_dtype), p.dk.to(qk_dtype), p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
 
 
 @pytest.mark.interpreter

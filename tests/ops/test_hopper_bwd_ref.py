@@ -124,8 +124,9 @@ SLICE_CASES = [
 
 @pytest.mark.parametrize("case", SLICE_CASES, ids=[c[0] for c in SLICE_CASES])
 def test_v_slices_sum_to_the_whole_walk(case):
-    """The V-sliced walk (one program per V slice, no exchange) and the sum of its partials equal the whole-V walk in
-    float64, every gradient: the reverse step is column-separable in V."""
+    """The V-sliced walk (one program per V slice, its chain alone; dq, dk added over the slices per chunk) and the
+    sum of its partials equal the whole-V walk in float64, every gradient: the reverse step is column-separable in
+    V."""
     _, T, H, HV, K, BV, decay = case
     x = make_inputs(1, T, H, HV, K, decay, seed=5)
     scale = K ** -0.5
@@ -133,10 +134,25 @@ def test_v_slices_sum_to_the_whole_walk(case):
     args = (x["q"], x["k"], x["v"], x["do"], x["dht"], saved, scale)
     whole = bwd.chunk_bwd_hopper_ref(*args, 1, None, "exact")
     parts = bwd.chunk_bwd_v_slices_ref(*args, BV, None, "exact")
-    assert parts.dq.shape[0] == K // BV
+    assert parts.dg.shape[0] == K // BV and parts.dq.shape == x["v"].shape[:3] + (K,)
     sliced = bwd.sum_partials_ref(parts, H)
     errors = {n: max_rel(a, b) for n, a, b in zip(GRADS, sliced, whole)}
     assert max(errors.values()) < 1e-12, errors
+
+
+def test_slice_sum_follows_the_walks_owners():
+    """slice_sum_ref adds a chunk's slices as the walk's cluster does: at step s (chunks from the last) slice
+    s mod NV first, then the others cyclically — fp32 bits per chunk (NV = 3, T = 200: 4 chunks, the last partial;
+    a fixed slice order gives other bits on some chunk)."""
+    gen = torch.Generator().manual_seed(3)
+    parts = torch.randn(3, 2, 200, 2, 16, generator=gen) * torch.logspace(-4, 4, 16)
+    got = bwd.slice_sum_ref(parts)
+    for c, owner in enumerate((0, 2, 1, 0)):      # steps 3, 2, 1, 0
+        rows = slice(64 * c, 64 * c + 64)
+        order = [(owner + i) % 3 for i in range(3)]
+        assert torch.equal(got[:, rows], parts[order[0], :, rows] + parts[order[1], :, rows] + parts[order[2], :, rows])
+    fixed = parts[0] + parts[1] + parts[2]
+    assert not torch.equal(got, fixed) and torch.allclose(got, fixed, rtol=1e-5, atol=1e-3)
 
 
 def test_reverse_warm_ups_within_their_bound():
@@ -304,8 +320,9 @@ ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or not chunk_fwd.ti
 @ON_HOPPER
 @pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
 def test_reverse_walk_kernel_within_twice_the_rounded_baseline(case):
-    """On the GPU: the kernel's gradients (V halves, the host's sums of their partials) from the twin's saved
-    tensors and recomputed h, each within 2× the rounded baseline's error against float64, as the twin's are."""
+    """On the GPU: the kernel's gradients (V halves added in the walk, the host's sums of the rest) from the twin's
+    saved tensors and recomputed h, each within 2× the rounded baseline's error against float64, as the twin's
+    are."""
     from linattn.ops.hopper import backward, chunk_bwd
     _, T, H, HV, K, decay, repeated = case
     x = make_inputs(1, T, H, HV, K, decay, repeated)

@@ -21,7 +21,7 @@ The fused forward the public op runs (docs/architecture.md, "Fused forward"), tw
 
 The backward (twins in ``torch_chunk.py`` and ``torch_chunk_bwd_parts.py``): ``local_bwd_dv.py``,
 ``state_pass_bwd.py``, ``local_bwd_dqk.py``, ``local_bwd_wy.py``, and their shared dot in ``local_bwd_utils.py``;
-``partial_sum.py`` adds the Hopper backward's per-slice partials of dq, dk, dg, dβ in one launch (twin beside it).
+``partial_sum.py`` adds the Hopper backward's per-head dq, dk and per-slice dg, dβ in one launch (twin beside it).
 
 Precision policy (one place, :func:`dot_precision`): every ``tl.dot`` accumulates in fp32. A dot whose operands
 are both *inputs* (Q Kᵀ, K Kᵀ) runs in the input dtype, so 16-bit inputs feed the tensor cores directly and the

@@ -1,16 +1,18 @@
-"""The Hopper backward's reductions (``hopper/backward.py``) in one launch: the reverse walk's partials, one per V
-slice (and, for dq and dk, per value head), added in a fixed order and stored once in the gradients' dtypes:
+"""The Hopper backward's reductions (``hopper/backward.py``) in one launch: what the reverse walk leaves per V slice
+(dg, dβ) and per value head (dq, dk: the walk adds its slices itself), added in a fixed order and stored once in the
+gradients' dtypes:
 
-    dq[b, t, h, :] = Σ_s Σ_g dq_parts[s, b, t, h·G + g, :]      slices outer, the G value heads inner (dk the same)
+    dq[b, t, h, :] = Σ_g dq_heads[b, t, h·G + g, :]      the G value heads of a qk head in head order, from head 0
+                                                          (dk the same; G = 1: the walk's own dq, dk, no launch part)
     dg[b, t, j]    = Σ_s dg_parts[s, b, j, t], 0 where g[b, t, j] < MIN_LOG_DECAY (such gates do not move the
                      output: ``common/cumsum.py``);   dβ[b, t, j] = Σ_s dβ_parts[s, b, j, t]
 
 The gates' partials come head-major (``[NV, B, HV, Lp]``, the walk's TMA layout) and leave token-major
-(``[B, T, HV]``). Programs ``[0, P)`` add dq's rows, ``[P, 2P)`` dk's, the rest the gates' tiles: one launch where
-the host chain ran seven or eight (two row sums; sums, compare, masked copy of dg; dβ's sum and cast), which is
-what counts where the backward is host-bound (B = 1, T = 4096). Bytes at row 2 (B = 8, T = 4096, H = HV = 16,
-K = 128, NV = 2): dq and dk read 1.07 GB of fp32 partials and write 268 MB; the gates move
-8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
+(``[B, T, HV]``). Programs ``[0, P)`` add dq's rows, ``[P, 2P)`` dk's (none where G = 1), the rest the gates'
+tiles: one launch where the host chain ran seven or eight (two row sums; sums, compare, masked copy of dg; dβ's sum
+and cast), which is what counts where the backward is host-bound (B = 1, T = 4096). Bytes at row 5 (B = 4,
+T = 8192, H = 16, HV = 32, K = 128): dq and dk read 1.07 GB of fp32 per value head and write 268 MB; at row 2
+(G = 1) the gates alone, 8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
 """
 from __future__ import annotations
 
@@ -30,19 +32,17 @@ SUM_DTYPES = (torch.float32, torch.float64)     # the partials summed in their d
 
 
 @triton.jit
-def _sum_rows(parts, out, i_p, rows, slice_stride, NV: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-              BK: tl.constexpr, BR: tl.constexpr):
-    """BR output rows (b, t, h flattened) × K: each the sum of its NV·G partial rows in their dtype, slices outer,
-    heads inner; read NV·G·K partials, write K per row."""
+def _sum_rows(heads, out, i_p, rows, G: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """BR output rows (b, t, h flattened) × K: each the sum of its G value heads' rows in their dtype, in head order
+    from head 0; read G·K values, write K per row."""
     o_r = i_p * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m = (o_r < rows)[:, None] & (o_k < K)[None, :]
-    acc = tl.zeros([BR, BK], dtype=parts.dtype.element_ty)     # fp32 (float64 for float64 partials)
-    for s in tl.static_range(NV):
-        for g in tl.static_range(G):
-            # row (b·T + t)·HV + h·G + g of slice s: the flattened output row times G, plus g
-            off = s * slice_stride + (o_r.to(tl.int64)[:, None] * G + g) * K + o_k[None, :]
-            acc += tl.load(parts + off, mask=m, other=0.)
+    # row (b·T + t)·HV + h·G + g: the flattened output row times G, plus g
+    first = o_r.to(tl.int64)[:, None] * G * K + o_k[None, :]
+    acc = tl.load(heads + first, mask=m, other=0.)     # fp32 (float64 for float64 heads)
+    for g in tl.static_range(1, G):
+        acc += tl.load(heads + first + g * K, mask=m, other=0.)
     tl.store(out + o_r.to(tl.int64)[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
 
 
@@ -71,39 +71,43 @@ def _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tiles_per_sequen
 
 
 @triton.jit(do_not_specialize=["B", "T", "NT"])
-def partial_sums_kernel(dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, NT,
+def partial_sums_kernel(dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, NT,
                         NV: tl.constexpr, G: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr,
                         BK: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BTOK: tl.constexpr,
                         FLOOR: tl.constexpr):
-    """One program: BR rows of dq, or of dk, or BTOK tokens of dg and dβ (module docstring). The sizes come as B, T
-    and NT (Lp = NT·BT) and every stride is formed here from them and the constexprs, so that the compiler knows
-    each slice's offset a multiple of K or BT (vector loads) while B, T, NT stay unspecialised (one compiled
-    kernel per configuration: ``launch.py``)."""
+    """One program: BR rows of dq, or of dk (G > 1), or BTOK tokens of dg and dβ (module docstring). The sizes come
+    as B, T and NT (Lp = NT·BT) and every stride is formed here from them and the constexprs, so that the compiler
+    knows each slice's offset a multiple of BT (vector loads) while B, T, NT stay unspecialised (one compiled kernel
+    per configuration: ``launch.py``)."""
     i_p = tl.program_id(0)
-    rows = B * T * (HV // G)
-    row_programs = tl.cdiv(rows, BR)
-    row_slice_stride = rows.to(tl.int64) * G * K
-    if i_p < row_programs:
-        _sum_rows(dq_parts, dq, i_p, rows, row_slice_stride, NV, G, K, BK, BR)
-    elif i_p < 2 * row_programs:
-        _sum_rows(dk_parts, dk, i_p - row_programs, rows, row_slice_stride, NV, G, K, BK, BR)
+    Lp = NT * BT
+    gate_slice_stride = B.to(tl.int64) * HV * Lp
+    if G > 1:
+        rows = B * T * (HV // G)
+        row_programs = tl.cdiv(rows, BR)
+        if i_p < row_programs:
+            _sum_rows(dq_heads, dq, i_p, rows, G, K, BK, BR)
+        elif i_p < 2 * row_programs:
+            _sum_rows(dk_heads, dk, i_p - row_programs, rows, G, K, BK, BR)
+        else:
+            _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - 2 * row_programs, T, Lp, tl.cdiv(T, BTOK),
+                       gate_slice_stride, NV, HV, BH, BTOK, FLOOR)
     else:
-        Lp = NT * BT
-        _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - 2 * row_programs, T, Lp, tl.cdiv(T, BTOK),
-                   B.to(tl.int64) * HV * Lp, NV, HV, BH, BTOK, FLOOR)
+        _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tl.cdiv(T, BTOK), gate_slice_stride, NV, HV, BH,
+                   BTOK, FLOOR)
 
 
-def _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H: int) -> None:
-    if dq_parts.dim() != 5 or dk_parts.shape != dq_parts.shape or dk_parts.dtype != dq_parts.dtype:
-        raise ValueError(f"dq and dk partials must be [NV, B, T, HV, K] of one shape and dtype, got "
-                         f"{tuple(dq_parts.shape)} {dq_parts.dtype}, {tuple(dk_parts.shape)} {dk_parts.dtype}")
-    NV, B, T, HV, K = dq_parts.shape
-    if dq_parts.dtype not in SUM_DTYPES or HV % H:
-        raise ValueError(f"dq, dk partials must be one of {SUM_DTYPES} with HV = {HV} a multiple of H = {H}, "
-                         f"got {dq_parts.dtype}")
-    if (dg_parts.dim() != 4 or dg_parts.shape[:3] != (NV, B, HV) or dg_parts.shape[3] < T
-            or dg_parts.shape[3] % CHUNK or dbeta_parts.shape != dg_parts.shape):
-        raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp] = [{NV}, {B}, {HV}, Lp], Lp ≥ T = {T} in "
+def _check(dq_heads, dk_heads, dg_parts, dbeta_parts, g, H: int) -> None:
+    if dq_heads.dim() != 4 or dk_heads.shape != dq_heads.shape or dk_heads.dtype != dq_heads.dtype:
+        raise ValueError(f"dq and dk must be [B, T, HV, K] of one shape and dtype, got {tuple(dq_heads.shape)} "
+                         f"{dq_heads.dtype}, {tuple(dk_heads.shape)} {dk_heads.dtype}")
+    B, T, HV, K = dq_heads.shape
+    if HV % H or (HV != H and dq_heads.dtype not in SUM_DTYPES):
+        raise ValueError(f"dq, dk per value head must be one of {SUM_DTYPES} with HV = {HV} a multiple of H = {H}, "
+                         f"got {dq_heads.dtype}")
+    if dg_parts.dim() != 4 or dg_parts.shape[1:3] != (B, HV) or dg_parts.shape[3] < T \
+            or dg_parts.shape[3] % CHUNK or dbeta_parts.shape != dg_parts.shape:
+        raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp] = [NV, {B}, {HV}, Lp], Lp ≥ T = {T} in "
                          f"whole chunks of {CHUNK}, got {tuple(dg_parts.shape)}, {tuple(dbeta_parts.shape)}")
     if dg_parts.dtype not in SUM_DTYPES or dbeta_parts.dtype != dg_parts.dtype:
         raise ValueError(f"dg and dbeta partials must be one of {SUM_DTYPES}, got {dg_parts.dtype}, "
@@ -112,48 +116,54 @@ def _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H: int) -> None:
         raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
 
 
-def partial_sums(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch.Tensor, dbeta_parts: torch.Tensor,
+def partial_sums(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch.Tensor, dbeta_parts: torch.Tensor,
                  g: torch.Tensor, H: int, qk_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The walk's partials added in one launch (module docstring; :func:`partial_sums_ref`'s order).
+    """The walk's per-head dq, dk and per-slice dg, dβ added in one launch (module docstring; :func:`partial_sums_ref`'s
+    order).
 
     Args:
-        dq_parts, dk_parts: ``[NV, B, T, HV, K]`` fp32 (or float64: summed in it).
+        dq_heads, dk_heads: ``[B, T, HV, K]``, per value head: fp32 (or float64: summed in it) where HV > H; where
+            HV = H the gradients themselves (returned in ``qk_dtype``, cast only if they are not in it).
         dg_parts, dbeta_parts: ``[NV, B, HV, Lp]`` head-major, Lp ≥ T in whole chunks of 64, fp32 (or float64).
         g: ``[B, T, HV]`` the log decays (dg is zero where they are below ``MIN_LOG_DECAY``).
         H: the qk heads (HV a multiple of H). qk_dtype, beta_dtype: dq, dk's and dβ's dtypes.
     Returns:
         dq, dk ``[B, T, H, K]`` in ``qk_dtype``; dg ``[B, T, HV]`` in g's dtype; dβ ``[B, T, HV]`` in ``beta_dtype``.
     """
-    _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H)
-    NV, B, T, HV, K = dq_parts.shape
-    Lp = dg_parts.shape[3]
-    dq_parts, dk_parts, dg_parts, dbeta_parts, g = (x.contiguous() for x in (dq_parts, dk_parts, dg_parts,
+    _check(dq_heads, dk_heads, dg_parts, dbeta_parts, g, H)
+    B, T, HV, K = dq_heads.shape
+    NV, Lp = dg_parts.shape[0], dg_parts.shape[3]
+    dq_heads, dk_heads, dg_parts, dbeta_parts, g = (x.contiguous() for x in (dq_heads, dk_heads, dg_parts,
                                                                             dbeta_parts, g))
-    dq, dk = (torch.empty(B, T, H, K, dtype=qk_dtype, device=g.device) for _ in range(2))
+    G = HV // H
+    if G == 1:
+        dq, dk = dq_heads.to(qk_dtype), dk_heads.to(qk_dtype)
+    else:
+        dq, dk = (torch.empty(B, T, H, K, dtype=qk_dtype, device=g.device) for _ in range(2))
     dg = torch.empty(B, T, HV, dtype=g.dtype, device=g.device)
     dbeta = torch.empty(B, T, HV, dtype=beta_dtype, device=g.device)
     BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
     BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
-    grid = (2 * cdiv(B * T * H, BR) + B * cdiv(T, BTOK),)
-    launch(partial_sums_kernel, grid, dq_parts, dk_parts, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T, Lp // CHUNK,
-           NV=NV, G=HV // H, K=K, HV=HV, BT=CHUNK, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
+    grid = ((2 * cdiv(B * T * H, BR) if G > 1 else 0) + B * cdiv(T, BTOK),)
+    launch(partial_sums_kernel, grid, dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T,
+           Lp // CHUNK, NV=NV, G=G, K=K, HV=HV, BT=CHUNK, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
     return dq, dk, dg, dbeta
 
 
-def partial_sums_ref(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: torch.Tensor,
+def partial_sums_ref(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch.Tensor,
                      dbeta_parts: torch.Tensor, g: torch.Tensor, H: int, qk_dtype: torch.dtype,
                      beta_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """:func:`partial_sums` in PyTorch: the same additions in the same order and in the partials' dtype, the same
+    """:func:`partial_sums` in PyTorch: the same additions in the same order and in the inputs' dtype, the same
     mask and casts."""
-    _check(dq_parts, dk_parts, dg_parts, dbeta_parts, g, H)
-    NV, B, T, HV, K = dq_parts.shape
+    _check(dq_heads, dk_heads, dg_parts, dbeta_parts, g, H)
+    NV, B, HV, _ = dg_parts.shape
+    T, K = dq_heads.shape[1], dq_heads.shape[3]
 
-    def rows(parts: torch.Tensor) -> torch.Tensor:
-        grouped = parts.view(NV, B, T, H, HV // H, K)
-        total = torch.zeros(B, T, H, K, dtype=parts.dtype, device=parts.device)
-        for s in range(NV):
-            for j in range(HV // H):
-                total = total + grouped[s, :, :, :, j]
+    def rows(heads: torch.Tensor) -> torch.Tensor:
+        grouped = heads.view(B, T, H, HV // H, K)
+        total = grouped[:, :, :, 0]
+        for j in range(1, HV // H):
+            total = total + grouped[:, :, :, j]
         return total.to(qk_dtype)
 
     def gates(parts: torch.Tensor) -> torch.Tensor:
@@ -163,4 +173,4 @@ def partial_sums_ref(dq_parts: torch.Tensor, dk_parts: torch.Tensor, dg_parts: t
         return total[..., :T].transpose(1, 2)
 
     dg = gates(dg_parts).masked_fill(g < MIN_LOG_DECAY, 0)
-    return rows(dq_parts), rows(dk_parts), dg.to(g.dtype), gates(dbeta_parts).to(beta_dtype)
+    return rows(dq_heads), rows(dk_heads), dg.to(g.dtype), gates(dbeta_parts).to(beta_dtype)

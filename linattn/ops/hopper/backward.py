@@ -10,12 +10,13 @@ the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segmen
     segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
                 Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment (or, with
                 ``segment_method="warm"``, the reverse warm-ups ``chunk_bwd.reverse_warm_ups_hopper``, one launch)
-    walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice): dv, dh0,
-                and partials of dq, dk (per slice and value head), dg, dβ (per slice); segments are views of the
-                sequences, walked from their dS_out
-    reductions  ``common/partial_sum.py``, one launch: the partials added over the slices, then over the value heads
-                of each qk head, in a fixed order, dg masked below the gate floor, every gradient in its dtype: no
-                atomics, the same bits every run
+    walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice), the
+                slices of a head one thread-block cluster: dv, dh0, dq and dk per value head (the slices' tiles
+                added in the walk, in a fixed order, fp32; the gradients themselves where HV = H), and partials of
+                dg, dβ (per slice); segments are views of the sequences, walked from their dS_out
+    reductions  ``common/partial_sum.py``, one launch: dg, dβ added over the slices (dg masked below the gate
+                floor), dq, dk over the value heads of each qk head (HV > H), in a fixed order, every gradient in
+                its dtype: no atomics, the same bits every run
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
 forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU.
@@ -150,20 +151,20 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
     hm_seg = lambda x: segments.head_major_as_segments(x, S)
-    dq_p, dk_p, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
+    dq, dk, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
         seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out, scale, BV)
     del h
-    dq_p, dk_p = (p.view(p.shape[0], B, T, HV, K) for p in (dq_p, dk_p))
+    dq, dk = (x.view(B, T, HV, K) for x in (dq, dk))
     dg_p, dbeta_p = (segments.head_major_from_segments(p, B) for p in (dg_p, dbeta_p))
-    dq, dk, dg, dbeta = gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
+    dq, dk, dg, dbeta = gradients_from_partials(dq, dk, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
     dh0 = dh0.view(B, S, HV, K, V)[:, 0].contiguous()     # each sequence's first segment's
     return dq, dk, dv.view(B, T, HV, V), dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
 
 
-def gradients_from_partials(dq_p, dk_p, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
+def gradients_from_partials(dq_heads, dk_heads, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
                             qk_dtype: torch.dtype, H: int) -> tuple[torch.Tensor, ...]:
     """The reductions after the walk, one launch (``common/partial_sum.partial_sums``): dq, dk ``[B, T, H, K]`` in
-    ``qk_dtype`` from the partials ``[NV, B, T, HV, K]``; dg (g's dtype, zero where the gate is below the floor:
-    such gates do not move the output) and dβ (``beta_dtype``) ``[B, T, HV]`` from the head-major partials
-    ``[NV, B, HV, Lp]``."""
-    return partial_sums(dq_p, dk_p, dg_p, dbeta_p, g, H, qk_dtype, beta_dtype)
+    ``qk_dtype`` from the walk's per value head ``[B, T, HV, K]`` (the gradients themselves where HV = H); dg (g's
+    dtype, zero where the gate is below the floor: such gates do not move the output) and dβ (``beta_dtype``)
+    ``[B, T, HV]`` from the head-major partials ``[NV, B, HV, Lp]``."""
+    return partial_sums(dq_heads, dk_heads, dg_p, dbeta_p, g, H, qk_dtype, beta_dtype)

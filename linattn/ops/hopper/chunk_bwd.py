@@ -34,6 +34,26 @@ from .chunk_fwd import BT, compile_prim_func, launcher
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
+FLAG_WARPS = 32     # a flag per warp of a program (1024 threads at most): the exchange is per warp
+# The slices' exchange of dq, dk tiles (:func:`_exchange_macro`), per warp: a fragment's element → thread map is the
+# same in every slice's program, so warp w of the owner reads only what warp w of each other slice wrote.
+# publish: every lane's tile stores made visible at GPU scope, then the warp's flag set (release);
+# await: every lane spins on its warp's flag (acquire) until the step is there
+EXCHANGE_SOURCE = """
+__device__ __forceinline__ void linattn_warp_publish(int* flags, int step) {
+  __threadfence();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(flags + (threadIdx.x >> 5)), "r"(step) : "memory");
+  }
+}
+__device__ __forceinline__ void linattn_warp_await(int* flags, int step) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags + (threadIdx.x >> 5)) : "memory");
+  } while (seen < step);
+}
+"""
 
 
 def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
@@ -129,7 +149,41 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     return types.SimpleNamespace(column_sums_out=column_sums_out, recompute=recompute, chain=chain, x_terms=x_terms)
 
 
-def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> types.SimpleNamespace:
+def _exchange_macro(K: int, slices: int):
+    """The slices' sum of a dq or dk tile (``slices`` = NV programs of one sequence and value head, one cluster) as a
+    TileLang macro: at step s (the loop's count) slice o = s mod NV owns the chunk; every other slice stores its
+    fp32 tile in the scratch ring's slot o (at its place in the cyclic order o+1, o+2, ... after the owner) and
+    publishes it; the owner awaits them, adds them in that order to its own tile, ((p_o + p_{o+1}) + p_{o+2}) + ...,
+    and stores the sum. Slot o's tiles are written again NV steps later, after the owner has read them: every other
+    slice owns one of the NV − 1 steps between, where it awaited the owner's tile of that step (written after the
+    owner's read). The owners alternate, so the adds and loads fall on every slice alike. One slice: a store."""
+    import tilelang.language as T
+
+    @T.macro
+    def sum_out(t, tile, out, which, c, step):
+        """``tile`` (this slice's BT × K fp32 fragment) summed over the slices into ``out``'s chunk ``c``;
+        ``which``: 0 for dq, 1 for dk (their own scratch and flags)."""
+        if slices == 1:
+            T.copy(tile, out[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+        else:
+            owner = T.truncmod(step, slices)
+            if t.iv == owner:
+                for place in T.unroll(slices - 1):      # one tile at a time: the adds in the cyclic order
+                    T.call_extern("handle", "linattn_warp_await",
+                                  T.address_of(t.flags[t.ib, t.ihv, which, owner, place, 0]), step + 1)
+                    for i, j in T.Parallel(BT, K):
+                        tile[i, j] = tile[i, j] + t.scratch[t.ib, t.ihv, which, owner, place, i, j]
+                T.copy(tile, out[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+            else:
+                place = T.truncmod(t.iv - owner + slices, slices) - 1
+                T.copy(tile, t.scratch[t.ib, t.ihv, which, owner, place, 0:BT, 0:K])
+                T.call_extern("handle", "linattn_warp_publish", T.address_of(t.flags[t.ib, t.ihv, which, owner, place, 0]),
+                              step + 1)
+
+    return sum_out
+
+
+def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, slices: int = 1) -> types.SimpleNamespace:
     """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
     :func:`_recompute_macros`.
 
@@ -138,9 +192,10 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> typ
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
+    sum_out = _exchange_macro(K, slices)
 
     @T.macro
-    def q_side(t, rows, c):
+    def q_side(t, rows, c, step):
         """The q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ) (this slice's partial)."""
         T.gemm(t.dOs, t.Vns, t.dP, transpose_B=True, clear_accum=True)
         for i, j in T.Parallel(BT, BT):
@@ -158,10 +213,10 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> typ
         T.reduce_sum(t.dqS, t.rowsK, dim=1)
         for i in T.Parallel(BT):
             t.dGs[i] = t.dGs[i] + scale * T.exp(t.gcs[i]) * t.rowsK[i]
-        T.copy(t.dqf, t.dq[t.iv, t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+        sum_out(t, t.dqf, t.dq, 0, c, step)
 
     @T.macro
-    def k_side(t, rows, g_last, c):
+    def k_side(t, rows, g_last, c, step):
         """The k side: dA = −Y V_newᵀ (bf16 operands), dKD = β dA ⊙ D, dk (partial); dv written."""
         T.gemm(t.Yb, t.Vns, t.dA, transpose_B=True, clear_accum=True)
         T.gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)            # K Kᵀ, in dA's layout
@@ -185,7 +240,7 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> typ
         T.gemm(t.dKDs, t.Ks, t.dkf, transpose_A=True)
         T.gemm(t.dPs, t.Qs, t.dkf, transpose_A=True)       # q's last use: waits for the three
         T.gemm(t.Ysn, t.Hs, t.dkf, transpose_B=True)       # h's
-        T.copy(t.dkf, t.dk[t.iv, t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+        sum_out(t, t.dkf, t.dk, 1, c, step)
         for i, j in T.Parallel(BT, BV):
             t.Y[i, j] = t.Y[i, j] * t.bs[i]
         T.copy(t.Y, t.dv[t.ib, c * BT:(c + 1) * BT, t.ihv, t.iv * BV:(t.iv + 1) * BV])
@@ -219,22 +274,22 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None) -> typ
     return types.SimpleNamespace(q_side=q_side, k_side=k_side, finish=finish, split_state=split_state)
 
 
-def step_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
+def step_macros(K: int, BV: int, scale: float, slices: int = 1) -> types.SimpleNamespace:
     """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
     finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
     import tilelang.language as T
 
     first = _recompute_macros(K, BV, scale)
-    second = _gradient_macros(K, BV, scale, first.column_sums_out)
+    second = _gradient_macros(K, BV, scale, first.column_sums_out, slices)
 
     @T.macro
-    def full_step(t, rows, g_last, c):
-        """One chunk's whole reverse step."""
+    def full_step(t, rows, g_last, c, step):
+        """One chunk's whole reverse step (the ``step``-th of the walk)."""
         first.recompute(t, rows, True)
         first.chain(t, g_last, True)
         first.x_terms(t)
-        second.q_side(t, rows, c)
-        second.k_side(t, rows, g_last, c)
+        second.q_side(t, rows, c, step)
+        second.k_side(t, rows, g_last, c, step)
         second.finish(t, g_last, c)
 
     @T.macro
@@ -284,7 +339,12 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G, NV = HV // H, V // BV
 
-    m = step_macros(K, BV, scale)
+    m = step_macros(K, BV, scale, NV)
+    qk_out = bf if G == 1 else acc
+    # the exchange's ring (fp32 tiles) and flags per (sequence, value head): dq's and dk's, a slot per owner, a place
+    # per other slice; one slice needs none (a placeholder of one element)
+    ring = (B, HV, 2, NV, NV - 1) if NV > 1 else (1,)
+    scratch_shape, flags_shape = (ring + (BT, K), ring + (FLAG_WARPS,)) if NV > 1 else (ring, ring)
 
     @T.prim_func
     def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
@@ -292,15 +352,18 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                       gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                       a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
                       dht: T.Tensor((B, HV, K, V), acc),
-                      dq: T.Tensor((NV, B, Tn, HV, K), acc), dk: T.Tensor((NV, B, Tn, HV, K), acc),
+                      dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
                       dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
-                      dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc)):
-        with T.Kernel(NV, B * HV, threads=threads) as (iv, bh):
+                      dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc),
+                      scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32")):
+        with T.Kernel(NV, B * HV, threads=threads, cluster_dims=NV) as (iv, bh):
+            T.import_source(EXCHANGE_SOURCE)
             ib, ihv = bh // HV, bh % HV
             ih = ihv // G
             v0 = iv * BV
             chunks = T.ceildiv(Tn, BT)
-            t = alloc_tiles(K, BV, iv=iv, ib=ib, ihv=ihv, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta)
+            t = alloc_tiles(K, BV, iv=iv, ib=ib, ihv=ihv, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta,
+                            scratch=scratch, flags=flags)
             T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
             m.split_state(t)
             for cr in T.Pipelined(chunks, num_stages=1):
@@ -319,7 +382,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], t.bs)
                 rows = T.min(BT, Tn - c * BT)
                 g_last = t.gcs[rows - 1]
-                m.full_step(t, rows, g_last, c)
+                m.full_step(t, rows, g_last, c, cr)
             T.copy(t.dS, dh0[ib, ihv, 0:K, v0:v0 + BV])
 
     return gdn_chunk_bwd
@@ -419,8 +482,10 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
                      beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
                      scale: float, BV: int = BV_DEFAULT) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
-    Returns the partials dq, dk ``[NV, B, T, HV, K]`` fp32, dv ``[B, T, HV, V]`` bf16, the partials dg, dβ
-    ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the partials)."""
+    Returns dq, dk ``[B, T, HV, K]`` (the slices added: fp32 per value head where G = HV / H > 1, for the host to
+    add over each group; the gradients themselves in q's dtype where G = 1), dv ``[B, T, HV, V]`` bf16, the
+    partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the
+    partials)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
@@ -430,14 +495,27 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
         raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
                          f"{tuple(h.shape)}")
     dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
-    dq, dk = (q.new_empty(NV, B, T, HV, K, dtype=torch.float32) for _ in range(2))
+    dq, dk = (q.new_empty(B, T, HV, K, dtype=q.dtype if HV == H else torch.float32) for _ in range(2))
     dv = torch.empty_like(v)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
+    scratch, flags = exchange_buffers(B, HV, K, NV, q.device)
     kernel = compiled_kernel(H, HV, K, V, scale, BV)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
-                     beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0)
+                     beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
+                     scratch, flags)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def exchange_buffers(B: int, HV: int, K: int, NV: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walk's exchange ring ``[B, HV, 2, NV, NV − 1, 64, K]`` fp32 (uninitialised: every tile is written before
+    it is read) and its flags ``[B, HV, 2, NV, NV − 1, FLAG_WARPS]`` int32, zero (the walk's steps count from 1);
+    one element each where one slice needs no exchange. 16 MiB and 64 KiB at B = 8, HV = 16, K = 128, NV = 2."""
+    if NV == 1:
+        return torch.empty(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+    ring = (B, HV, 2, NV, NV - 1)
+    return (torch.empty(*ring, BT, K, dtype=torch.float32, device=device),
+            torch.zeros(*ring, FLAG_WARPS, dtype=torch.int32, device=device))
 
 
 @functools.lru_cache(maxsize=32)

@@ -13,7 +13,8 @@ fp32 states every ``checkpoint_every`` chunks. The backward then runs
                                              w chunks after it, w from the chunks' norm bounds (no maps, no scan)
     walk       :func:`reverse_walk_ref`      per chunk in reverse (:func:`reverse_chunk_ref`): dq, dk, dv, dg, dβ
       or per V slice  :func:`chunk_bwd_v_slices_ref` the kernel's programs (unsegmented): the walk on each slice
-                      of V alone, partials of dq, dk, dg, dβ that :func:`sum_partials_ref` adds
+                      of V alone; dq, dk added over the slices in the kernel's order (:func:`slice_sum_ref`),
+                      partials of dg, dβ, all of which :func:`sum_partials_ref` adds
 
 with one segment the maps and the scan drop out. Per chunk (G chunk-local cumsum of g, Γ = e^G, ρ = e^{G_C − G},
 γ = e^{G_C}, S_b the bf16 state entering the chunk, dS the gradient of the state leaving it):
@@ -422,9 +423,10 @@ def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedF
 
 class SlicePartials(NamedTuple):
     """The V-sliced walk's outputs (:func:`chunk_bwd_v_slices_ref`), NV = V / BV slices. dv and dh0 are complete
-    (each slice writes its own columns); dq, dk, dg, dβ are per-slice partials that :func:`sum_partials_ref` adds."""
-    dq: torch.Tensor        # [NV, B, T, HV, K] per value head
-    dk: torch.Tensor        # [NV, B, T, HV, K]
+    (each slice writes its own columns); dq, dk are per value head, the slices added (:func:`slice_sum_ref`); dg, dβ
+    are per-slice partials. :func:`sum_partials_ref` adds the rest."""
+    dq: torch.Tensor        # [B, T, HV, K] per value head
+    dk: torch.Tensor        # [B, T, HV, K]
     dv: torch.Tensor        # [B, T, HV, V]
     dg: torch.Tensor        # [NV, B, T, HV]
     dbeta: torch.Tensor     # [NV, B, T, HV]
@@ -439,8 +441,9 @@ def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: Save
     column-separable in V: KS, X, V_new, dV_new, Y and the dS chain (left products) live in one slice, and every
     other gradient is a sum over V of the slices' contributions (dP = scale (dO V_newᵀ) ⊙ D and dA = −Y V_newᵀ
     are, and dq, dk, dβ, dg are linear in them and in the slices' own row sums, t and γ Σ h⊙dS included), so the
-    slices need no exchange: :func:`sum_partials_ref` of the partials is the whole-V walk (float64: to rounding).
-    Arguments as :func:`chunk_bwd_hopper_ref`'s."""
+    slices' chains need no exchange: their dq, dk tiles added per chunk (the kernel does so in its cluster,
+    :func:`slice_sum_ref`'s order) and :func:`sum_partials_ref` of the rest is the whole-V walk (float64: to
+    rounding). Arguments as :func:`chunk_bwd_hopper_ref`'s."""
     _check(q, k, v, saved.checkpoint_every)
     V = v.shape[-1]
     if BV < 1 or V % BV:
@@ -463,15 +466,31 @@ def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: Save
         slices.append(([tc.from_chunks(torch.stack([getattr(c, n) for c in grads], 2), T)
                         for n in ("dq", "dk", "dv", "dg", "dbeta")], dh0))
     part = lambda i: torch.stack([s[0][i] for s in slices])
-    return SlicePartials(part(0), part(1), torch.cat([s[0][2] for s in slices], -1), part(3), part(4),
-                         torch.cat([s[1] for s in slices], -1))
+    return SlicePartials(slice_sum_ref(part(0)), slice_sum_ref(part(1)), torch.cat([s[0][2] for s in slices], -1),
+                         part(3), part(4), torch.cat([s[1] for s in slices], -1))
+
+
+def slice_sum_ref(parts: torch.Tensor) -> torch.Tensor:
+    """``[NV, B, T, HV, K]`` → ``[B, T, HV, K]``: the slices' dq (or dk) added as the walk adds them, chunk by chunk:
+    at its step s (chunks counted from the sequence's last, s = NT − 1 − c) slice o = s mod NV owns the chunk and
+    adds the others to its tile in the cyclic order o + 1, o + 2, ... (mod NV): ((p_o + p_{o+1}) + p_{o+2}) + ..."""
+    NV, T = parts.shape[0], parts.shape[2]
+    NT = -(-T // BT)
+    out = torch.empty_like(parts[0])
+    for c in range(NT):
+        rows, owner = slice(c * BT, (c + 1) * BT), (NT - 1 - c) % NV
+        total = parts[owner, :, rows]
+        for i in range(1, NV):
+            total = total + parts[(owner + i) % NV, :, rows]
+        out[:, rows] = total
+    return out
 
 
 def sum_partials_ref(p: SlicePartials, H: int) -> tuple[torch.Tensor, ...]:
-    """dq, dk ``[B, T, H, K]``, dv, dg, dβ ``[B, T, HV]``, dh0 from :class:`SlicePartials`: the slices added in
-    slice order, then the value heads of each group in head order (the host's fixed-order reductions)."""
+    """dq, dk ``[B, T, H, K]``, dv, dg, dβ ``[B, T, HV]``, dh0 from :class:`SlicePartials`: dq, dk's value heads of
+    each group added in head order, dg, dβ's slices in slice order (the host's fixed-order reductions)."""
     total = lambda x: functools.reduce(torch.add, x.unbind(0))
-    return (group_sum(total(p.dq), H), group_sum(total(p.dk), H), p.dv, total(p.dg), total(p.dbeta), p.dh0)
+    return group_sum(p.dq, H), group_sum(p.dk, H), p.dv, total(p.dg), total(p.dbeta), p.dh0
 
 
 def group_sum(x: torch.Tensor, H: int) -> torch.Tensor:
