@@ -321,6 +321,37 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
 
 
 @COMPILES
+@pytest.mark.parametrize("H,K,BV", [(2, 128, 64), (4, 128, 64), (2, 64, 64), (2, 64, 32)],
+                         ids=["K128_gva", "K128", "K64_gva_one_slice", "K64_gva_BV32"])
+def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, BV):
+    """chunk_bwd_hopper's tensors (CPU stand-ins; the launch recorded, not run) against the compiled walk's
+    parameters, which the launch checks on the GPU: every dtype, and every shape with one value per symbolic size —
+    dq, dk bf16 without GVA, fp32 with; the exchange ring and its zeroed flags per (sequence, value head), or one
+    element each for one slice."""
+    from linattn.ops.hopper import chunk_bwd
+    compiled = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")
+    launched = []
+    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args: compiled)
+    monkeypatch.setattr(chunk_bwd, "launcher", lambda kernel: lambda *args: launched.extend(args))
+    B, T, NT = 2, 100, 2
+    bf = torch.bfloat16
+    q, k = (torch.zeros(B, T, H, K, dtype=bf) for _ in range(2))
+    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
+    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
+    out = chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
+                                     torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV)
+    assert len(launched) == len(compiled.params) and out[0] is launched[9] and out[1] is launched[10]
+    sizes = {}
+    for i, (x, param) in enumerate(zip(launched, compiled.params)):
+        assert x.dtype == getattr(torch, str(param.dtype)), (i, x.dtype, param.dtype)
+        assert len(x.shape) == len(param.shape), (i, tuple(x.shape), param.shape)
+        for n, dim in zip(x.shape, param.shape):
+            assert n == sizes.setdefault(str(dim), n) if not str(dim).isdigit() else n == int(str(dim)), (i, param)
+    assert out[0].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
+    assert launched[-1].numel() == (1 if BV == K else B * 4 * 2 * 2 * 1 * chunk_bwd.FLAG_WARPS)
+
+
+@COMPILES
 @pytest.mark.parametrize("K,BV", [(128, 64), (64, 64)])
 def test_reverse_warm_ups_compile_for_sm90a(tmp_path, K, BV):
     """The reverse warm-ups (``chunk_bwd.build_warm_kernel``) for sm_90a: the chain's 8 dots alone (P, C1 hi + lo,

@@ -41,7 +41,7 @@ FLAG_WARPS = 32     # a flag per warp of a program (1024 threads at most): the e
 # await: every lane spins on its warp's flag (acquire) until the step is there
 EXCHANGE_SOURCE = """
 __device__ __forceinline__ void linattn_warp_publish(int* flags, int step) {
-  __threadfence();
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
   __syncwarp();
   if ((threadIdx.x & 31) == 0) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(flags + (threadIdx.x >> 5)), "r"(step) : "memory");
