@@ -4,12 +4,20 @@ slice (dS and Γ⊙dO as bf16 hi + lo, dA = −Y V_newᵀ on bf16 operands). Its
 :func:`chunk_bwd_ref.chunk_bwd_v_slices_ref`; the host chain around it is ``backward.py``; the design, docs/backward.md.
 
 Why slices: the reverse step is column-separable in V (the chain's C1–C3 are left products, and every other
-gradient is a sum over V of the slices' contributions), so the programs of one head's slices need no exchange.
-Each writes its columns of dv and dh0 (complete) and partials of dq, dk (per value head), dg and dβ that the host
-adds in a fixed order. At K = V = 128 the whole-V program needs 393 KB of shared memory; a BV = 64 slice fits one
-CTA (218 368 B; ptxas: 168 registers, no spill). Not warp-specialised by hand (TileLang adds its producer
-warpgroup: 384 threads), loads single-buffered. Per chunk and program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16
-wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB); writes the dq, dk partials 64 KB, dv 8 KB.
+gradient is a sum over V of the slices' contributions), so the chains of one head's slices need no exchange.
+Each writes its columns of dv and dh0 (complete) and partials of dg and dβ that the host adds in a fixed order.
+At K = V = 128 the whole-V program needs 393 KB of shared memory; a BV = 64 slice fits one CTA (218 368 B; ptxas:
+168 registers, no spill). Not warp-specialised by hand (TileLang adds its producer warpgroup: 384 threads), loads
+single-buffered. Per chunk and program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16 wgmma dots; reads q, k 32 KB,
+v, dO 16, T 8, h 16 (72.5 KB); writes dv 8 KB, and dq, dk as below.
+
+dq and dk are added over the slices in the walk, in fp32 and a fixed order (:func:`_exchange_macro`): the NV
+slices of a (sequence, value head) are one thread-block cluster, launched together, and each chunk's owner
+(slice step mod NV) awaits the others' BT × K tiles in a ring in global memory (L2; per warp, flags with release
+and acquire), adds them to its own and stores the sum: fp32 per value head where G = HV / H > 1 (the host adds the
+group), the gradient itself in q's dtype where G = 1. No shared memory for the exchange (the step uses 213 KB of
+the 227), no atomics, no fp32 partials (1 GB at B = 8, T = 4096, H = HV = 16). Per chunk and head (two slices):
+one 64 KB fp32 pair of tiles through L2 and dq, dk stored once (32 KB in bf16) where the partials wrote 128 KB.
 benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
 
 The reverse warm-ups (:func:`build_warm_kernel`, launched by :func:`reverse_warm_ups_hopper`; twin
@@ -20,8 +28,8 @@ the w chunks after it, w found in-kernel from the pre-pass's chunk bounds (docs/
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
 bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
-``[NV, B, T, HV, K]`` fp32 partials per slice and value head, dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
-fp32 partials, dh0 ``[B, HV, K, V]`` fp32 (NV = V / BV).
+``[B, T, HV, K]`` (fp32 per value head; bf16 where HV = H), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
+fp32 partials, dh0 ``[B, HV, K, V]`` fp32 (NV = V / BV); the exchange's ring and flags (:func:`exchange_buffers`).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import types
@@ -151,12 +159,19 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
 
 def _exchange_macro(K: int, slices: int):
     """The slices' sum of a dq or dk tile (``slices`` = NV programs of one sequence and value head, one cluster) as a
-    TileLang macro: at step s (the loop's count) slice o = s mod NV owns the chunk; every other slice stores its
-    fp32 tile in the scratch ring's slot o (at its place in the cyclic order o+1, o+2, ... after the owner) and
-    publishes it; the owner awaits them, adds them in that order to its own tile, ((p_o + p_{o+1}) + p_{o+2}) + ...,
-    and stores the sum. Slot o's tiles are written again NV steps later, after the owner has read them: every other
-    slice owns one of the NV − 1 steps between, where it awaited the owner's tile of that step (written after the
-    owner's read). The owners alternate, so the adds and loads fall on every slice alike. One slice: a store."""
+    TileLang macro. At step s (the loop's count) slice o = s mod NV owns the chunk: every other slice stores its fp32
+    tile in the ring's slot o, at its place in the cyclic order o + 1, o + 2, ... after the owner, and publishes it
+    (the flag of each of its warps set to s + 1; flags start at zero every launch); the owner awaits them, adds them
+    in that order to its own tile, ((p_o + p_{o+1}) + p_{o+2}) + ..., and stores the sum. The owners alternate, so
+    the loads and adds fall on every slice alike.
+
+    Safe reuse: slot o's tiles are written again NV steps later, after the owner read them — each other slice owns
+    one of the NV − 1 steps between, where it awaited the owner's tile of that step, written after that read.
+    No deadlock: an owner at step s awaits only tiles of step s, which the others publish without waiting in that
+    step before; the cluster launches the NV programs together (an owner spinning on a slice that no SM holds yet
+    could otherwise keep every SM busy waiting). Only the consumer warps take part (each warp alone: the same
+    fragment layout in every slice, so warp w reads only what warp w of the others wrote), never TileLang's producer
+    warpgroup, which runs ahead on its own barriers. One slice: a plain store."""
     import tilelang.language as T
 
     @T.macro
@@ -168,7 +183,7 @@ def _exchange_macro(K: int, slices: int):
         else:
             owner = T.truncmod(step, slices)
             if t.iv == owner:
-                for place in T.unroll(slices - 1):      # one tile at a time: the adds in the cyclic order
+                for place in T.unroll(slices - 1):      # one tile at a time: all NV − 1 loaded at once spilled
                     T.call_extern("handle", "linattn_warp_await",
                                   T.address_of(t.flags[t.ib, t.ihv, which, owner, place, 0]), step + 1)
                     for i, j in T.Parallel(BT, K):
