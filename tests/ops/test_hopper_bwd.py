@@ -290,28 +290,32 @@ COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which
 CTA_SHARED = 227 * 1024
 
 
+WALKS = [(2, 128, 64, True), (2, 128, 64, False), (4, 128, 64, True), (2, 64, 64, True), (2, 64, 32, True)]
+WALK_IDS = ["K128_gva", "K128_gva_inline_sums", "K128", "K64_gva_one_slice", "K64_gva_BV32"]
+
+
 @COMPILES
-@pytest.mark.parametrize("H,K,BV", [(2, 128, 64), (4, 128, 64), (2, 64, 64), (2, 64, 32)],
-                         ids=["K128_gva", "K128", "K64_gva_one_slice", "K64_gva_BV32"])
-def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
+@pytest.mark.parametrize("H,K,BV,deferred", WALKS, ids=WALK_IDS)
+def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV, deferred):
     """The walk (V = K, four value heads on H qk heads) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
     its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising
     no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D runs on threads 0–31, the producer
     warpgroup's in this warp-specialised kernel, so its scan would never run (the dg bug the GPU found).
-    The slices' exchange: NV = V / BV slices launched as one cluster; each of dq, dk awaited NV − 1 times by the
-    chunk's owner (one call in an unrolled loop) and published once by every other slice; stored in fp32 per value
-    head with GVA, in bf16 (the gradient itself) without; one slice: no cluster, no exchange."""
+    The slices' exchange: NV = V / BV slices launched as one cluster; at the exchange points each of dq, dk awaited
+    by the chunk's owner (one call in a loop over the others) and published by every other slice; deferred, one
+    publish a step and the owner's await at the next step's start and after the walk; dq, dk stored in fp32 per
+    value head with GVA, in bf16 (the gradient itself) without; one slice: no cluster, no exchange."""
     from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
-    kernel = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")  # gpu_check_hopper_bwd's
+    kernel = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a", deferred)  # gpu_check_hopper_bwd's
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20 and "mma_sync" not in source
     assert "tl::CumSum" not in source
     NV = K // BV
     clusters = re.findall(r'"cluster_dims": \[(\d+), 1, 1\]', kernel.prim_func.script())
     assert clusters == ([] if NV == 1 else [str(NV)]), clusters
-    exchanges = 2 if NV > 1 else 0
-    assert source.count("linattn_warp_await((") == source.count("linattn_warp_publish((") == exchanges
+    awaits, publishes = (0, 0) if NV == 1 else (2, 1) if deferred else (2, 2)
+    assert source.count("linattn_warp_await((") == awaits and source.count("linattn_warp_publish((") == publishes
     stored = "bfloat16_t* __restrict__ dq" if H == 4 else "float* __restrict__ dq"
     assert stored in source, stored
     assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
@@ -321,17 +325,16 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
 
 
 @COMPILES
-@pytest.mark.parametrize("H,K,BV", [(2, 128, 64), (4, 128, 64), (2, 64, 64), (2, 64, 32)],
-                         ids=["K128_gva", "K128", "K64_gva_one_slice", "K64_gva_BV32"])
-def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, BV):
+@pytest.mark.parametrize("H,K,BV,deferred", WALKS, ids=WALK_IDS)
+def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, BV, deferred):
     """chunk_bwd_hopper's tensors (CPU stand-ins; the launch recorded, not run) against the compiled walk's
     parameters, which the launch checks on the GPU: every dtype, and every shape with one value per symbolic size —
     dq, dk bf16 without GVA, fp32 with; the exchange ring and its zeroed flags per (sequence, value head), or one
     element each for one slice."""
     from linattn.ops.hopper import chunk_bwd
-    compiled = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")
+    compiled = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a", deferred)
     launched = []
-    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args: compiled)
+    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args, deferred_sums: {deferred: compiled}[deferred_sums])
     monkeypatch.setattr(chunk_bwd, "launcher", lambda kernel: lambda *args: launched.extend(args))
     B, T, NT = 2, 100, 2
     bf = torch.bfloat16
@@ -339,7 +342,7 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
     v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
     gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
     out = chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
-                                     torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV)
+                                     torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, deferred)
     assert len(launched) == len(compiled.params) and out[0] is launched[9] and out[1] is launched[10]
     sizes = {}
     for i, (x, param) in enumerate(zip(launched, compiled.params)):
@@ -348,7 +351,8 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
         for n, dim in zip(x.shape, param.shape):
             assert n == sizes.setdefault(str(dim), n) if not str(dim).isdigit() else n == int(str(dim)), (i, param)
     assert out[0].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
-    assert launched[-1].numel() == (1 if BV == K else B * 4 * 2 * 2 * 1 * chunk_bwd.FLAG_WARPS)
+    flags = B * 4 * (2 * 2 if deferred else 2 * 2 * 1) * chunk_bwd.FLAG_WARPS    # deferred: NV², else 2 · NV (NV − 1)
+    assert launched[-1].numel() == (1 if BV == K else flags)
 
 
 @COMPILES
