@@ -420,7 +420,8 @@ def test_gpu_script_smoke_builds_every_kernel():
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 25 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
+    assert len(rows) == 27 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
+    assert sum(r["config"][0] == "inline" for r in rows) == 2, rows
     assert all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 
