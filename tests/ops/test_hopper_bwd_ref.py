@@ -368,3 +368,27 @@ def test_segmented_hopper_backward_within_twice_the_rounded_baseline(chunks, met
     assert max(ratios.values()) <= 2.0, ratios
     distance = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
     assert max(distance.values()) < 1e-2, distance
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("H,HV,K,BV", [(1, 2, 128, 64), (2, 2, 128, 64), (2, 4, 64, 32)],
+                         ids=["gva_K128", "K128", "gva_K64_BV32"])
+def test_walk_slice_sums_equal_the_twins_order_on_the_gpu(H, HV, K, BV):
+    """On the GPU: the walk's dq, dk with the slices added in its cluster (both placements of the sums: at the
+    exchange points and one step late) — the same bits from both and from a second run (a tile read stale or
+    before it landed would differ) — and within the bf16 walk's rounding of the twin's (rel L2 < 1e-2; a tile
+    missed or added twice is O(1)). T = 300: five chunks, the last partial, each slice owning some."""
+    from linattn.ops.hopper import chunk_bwd
+    x = make_inputs(2, 300, H, HV, K, seed=7)
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "beta", "do") else t.float()) for n, t in x.items()}
+    scale = K ** -0.5
+    _, _, saved = bwd.forward_for_backward_ref(low["q"], low["k"], low["v"], low["g"], low["beta"], scale, low["h0"])
+    h = bwd.recompute_states_ref(low["k"], low["v"], saved, bwd.rounder(torch.float32, torch.bfloat16))
+    inputs = [t.cuda() for t in (low["q"], low["k"], low["v"], low["do"], saved.gc, saved.beta,
+                                 saved.a_inv.to(torch.bfloat16), h.transpose(1, 2).to(torch.bfloat16), low["dht"])]
+    runs = [chunk_bwd.chunk_bwd_hopper(*inputs, scale, BV, deferred) for deferred in (True, False, True)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], low["dht"], saved, scale, BV)
+    errors = {n: rel_l2(a.cpu().float(), b) for n, a, b in zip(("dq", "dk"), runs[0][:2], (twin.dq, twin.dk))}
+    assert max(errors.values()) < 1e-2, errors
