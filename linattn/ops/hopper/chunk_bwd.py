@@ -228,9 +228,9 @@ def _exchange_macros(K: int, slices: int, deferred: bool) -> types.SimpleNamespa
 
     @T.macro
     def sum_previous(t, step, chunks):
-        """Deferred: at step ``step``'s start (``chunks``: after the walk), the previous step's owner adds its dq and
-        dk tiles from the ring, its own first, and stores them (chunk chunks − step), through dqf and dkf (free
-        there, and laid out as the tiles were written)."""
+        """Deferred: at step ``step``'s start (``chunks``: after the walk), the previous step's owner awaits the
+        slices' dq and dk tiles of that step, adds them from the ring (its own first) and stores the sums (chunk
+        chunks − step), through dqf and dkf (free there, and laid out as the tiles were written)."""
         if deferred and slices > 1:
             if step > 0:
                 owner = T.truncmod(step - 1, slices)
