@@ -599,3 +599,61 @@ def test_segment_length_forced_and_planned():
     for T in (4096, 32768, 131072, 64 * 509, 64 * 600):
         L = plan(1, T, 16)
         assert L is None or (T // 64) % L == 0 and L >= segments.MIN_SEGMENT_CHUNKS
+
+
+def _exchange_events(NV: int, steps: int, deferred: bool, iv: int):
+    """Slice ``iv``'s exchange operations in program order, as ``chunk_bwd._exchange_macros`` places them (slot =
+    step mod NV = the step's owner): ("write", ring index, step), ("publish", flag index, value), ("await", flag
+    index, value), ("read", ring index, (step, writer)) — the ring index and flag index as the kernel forms them."""
+    for step in range(steps + (1 if deferred else 0)):
+        owner = step % NV
+        if deferred and step > 0 and iv == (step - 1) % NV:            # sum_previous at the step's start
+            prev = (step - 1) % NV
+            yield from (("await", (prev, (prev + p) % NV), step) for p in range(1, NV))
+            for which in (0, 1):
+                yield from (("read", (which, prev, (prev + p) % NV), (step - 1, (prev + p) % NV)) for p in range(NV))
+        if step == steps:
+            return
+        for which in (0, 1):                                              # sum_out at the q and k sides
+            if deferred:
+                yield "write", (which, owner, iv), step
+            elif iv == owner:
+                for place in range(NV - 1):
+                    yield "await", (which, owner, place), step + 1
+                    yield "read", (which, owner, place), (step, (owner + place + 1) % NV)
+            else:
+                place = (iv - owner + NV) % NV - 1
+                yield "write", (which, owner, place), step
+                yield "publish", (which, owner, place), step + 1
+        if deferred:
+            yield "publish", (owner, iv), step + 1                          # publish at the step's end
+
+
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "inline"])
+@pytest.mark.parametrize("NV", [2, 3, 4])
+def test_exchange_protocol_reads_each_tile_once_written_and_never_deadlocks(NV, deferred):
+    """The slices' exchange of dq, dk tiles (chunk_bwd._exchange_macros) as a model: NV slices run their operations
+    in program order, interleaved at random (1000 schedules of 7 steps), an await blocking until its flag holds the
+    value. Every read finds the tile of the step and slice the sum expects (never one overwritten by a later step or
+    not yet written: the ring's reuse argument), every slice finishes (no deadlock), and each step's tiles are read
+    by its owner alone. A slot reused one step early, or a publish before its write, fails here."""
+    import random
+    rng = random.Random(NV * 2 + deferred)
+    for _ in range(1000):
+        programs = [list(_exchange_events(NV, 7, deferred, iv)) for iv in range(NV)]
+        at, ring, flags, reads = [0] * NV, {}, {}, []
+        while any(a < len(p) for a, p in zip(at, programs)):
+            ready = [iv for iv in range(NV) if at[iv] < len(programs[iv]) and (
+                programs[iv][at[iv]][0] != "await" or flags.get(programs[iv][at[iv]][1], 0) >= programs[iv][at[iv]][2])]
+            assert ready, "deadlock"
+            iv = rng.choice(ready)
+            kind, index, value = programs[iv][at[iv]]
+            at[iv] += 1
+            if kind == "write":
+                ring[index] = (value, iv)
+            elif kind == "publish":
+                flags[index] = value
+            elif kind == "read":
+                assert ring.get(index) == value, (kind, index, value, ring.get(index))
+                reads.append((value[0], iv))
+        assert sorted(reads) == sorted((s, s % NV) for s in range(7) for _ in range(2 * (NV if deferred else NV - 1)))
