@@ -6,6 +6,7 @@
   interpreter) within bf16 rounding;
 * the host's sums of what the walk leaves (head-major dg, dβ per slice; dq, dk per value head), one launch, equal
   the twin's, bit for bit;
+* the slices' exchange of dq, dk (the walk's cluster), modelled: every read finds its tile, no deadlock;
 * bad inputs raise clear errors;
 * the walk compiles for sm_90a at K = V = 128 (BV = 64) and K = V = 64 (BV = 64, 32): shared memory within the
   227 KB of a CTA, no spill, no serialised wgmma, the slices of a head one cluster exchanging dq, dk through their
