@@ -327,6 +327,7 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     from linattn.ops.common.seq_parallel_bwd import reverse_maps, segment_grads
     from linattn.ops.common.wy import wy_fwd
     from linattn.ops.hopper import backward, chunk_bwd, segments
+    from linattn.ops.utils import flat_offsets
     q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -335,7 +336,7 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     gc, a_inv = backward.token_major(gc_hm, T), t_inv.float()
     prep = lambda: (wy_fwd(k, v, beta, gc, a_inv)[0], local_bwd_dv(q, k, gc, do, scale))
     w, dv_local = prep()
-    layout = segment_layout([b * T for b in range(B + 1)], L, CHUNK, q.device)
+    layout = segment_layout(flat_offsets(B, T), L, CHUNK, q.device)
     flat = [t.view(1, B * T, *t.shape[2:]) for t in (q, k, w, gc, do, dv_local)]
     dS_out = segment_grads(*flat, dht, scale, layout)
     h = backward.states(k, v, gc_hm, beta_hm, t_inv, x["initial_state"])

@@ -38,6 +38,23 @@ SegmentMethod = Literal["maps", "warm"]
 SEGMENT_METHODS = get_args(SegmentMethod)
 
 
+def size_limit(K: int, V: int) -> Optional[str]:
+    """Why the walk does not take heads of these sizes (None: it does): it is compiled and checked for K and V in
+    :data:`SIZES`. The dispatch routes on it, :func:`check_inputs` raises it."""
+    if K not in SIZES or V not in SIZES:
+        return f"takes K and V in {SIZES} only, got K={K}, V={V}"
+    return None
+
+
+def dtype_limit(g: torch.dtype, **operands: torch.dtype) -> Optional[str]:
+    """Why the walk does not take these dtypes (None: it does): bf16 ``operands`` (named as the caller knows them;
+    the walk's wgmma operands) and float32 g (log decays). The dispatch routes on it, :func:`check_inputs` raises it."""
+    if g != torch.float32 or any(dtype != torch.bfloat16 for dtype in operands.values()):
+        got = ", ".join(f"{name} {dtype}" for name, dtype in operands.items())
+        return f"takes bf16 {', '.join(operands)} and float32 g only, got {got}, g {g}"
+    return None
+
+
 def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
     """ValueError / TypeError for inputs :func:`chunk_gated_delta_rule_bwd_hopper` cannot take (shapes and dtypes
     first, the device last)."""
@@ -48,17 +65,14 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
     HV, V = v.shape[2:]
     if HV % H:
         raise ValueError(f"HV = {HV} must be a multiple of H = {H}")
-    if K not in SIZES or V not in SIZES:
-        raise ValueError(f"the Hopper backward takes K and V in {SIZES}, got K={K}, V={V}")
-    if any(x.dtype != torch.bfloat16 for x in (q, k, v, do)):
-        raise TypeError(f"the Hopper backward takes bf16 q, k, v and do, got {q.dtype}, {k.dtype}, {v.dtype}, "
-                        f"{do.dtype}")
+    if (reason := size_limit(K, V)) is not None:
+        raise ValueError(f"the Hopper backward {reason}")
+    if (reason := dtype_limit(g.dtype, q=q.dtype, k=k.dtype, v=v.dtype, do=do.dtype)) is not None:
+        raise TypeError(f"the Hopper backward {reason}")
     if do.shape != v.shape:
         raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
         raise ValueError(f"g and beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
-    if g.dtype != torch.float32:
-        raise TypeError(f"g must be float32 (log decays), got {g.dtype}")
     for name, x in (("initial_state", initial_state), ("dht", dht)):
         if x is not None and x.shape != (B, HV, K, V):
             raise ValueError(f"{name} must be [B, HV, K, V] = {(B, HV, K, V)} (no varlen), got {tuple(x.shape)}")
