@@ -134,11 +134,19 @@ def test_backward_on_segmented_states_equals_the_unsegmented_recompute(monkeypat
     dht, walk unsegmented) with the states recomputed in 4 segments (a hand plan: the shapes are too small to need
     them) against the same chain on the unsegmented recompute: every gradient within :data:`BOUND` (relative L2),
     both within 2e-2 of the float64 reference (the bf16 T). Anchors' gates walk the maps (1-chunk segments), fast
-    gates warm up."""
+    gates warm up (one chunk, from zero: the entering state's e^−25 share is below fp32's rounding there, so those
+    gradients come out bitwise the unsegmented ones)."""
     from linattn.ops.hopper import chunk_bwd
 
     from .test_hopper_bwd_ref import reference_grads
     use_twins(monkeypatch)
+    warm_ups = []
+
+    def phase_c(*args, warm_chunks=None, **kwargs):
+        warm_ups.append(warm_chunks)
+        return twins.chunk_states_hopper_ref(*args, warm_chunks=warm_chunks, **kwargs)
+
+    monkeypatch.setattr(walk_launch, "chunk_states_hopper", phase_c)
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
     monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
     x = gated_inputs(decay, 2, 256, 2, 32, seed=3)
@@ -149,6 +157,7 @@ def test_backward_on_segmented_states_equals_the_unsegmented_recompute(monkeypat
     monkeypatch.setattr(backward, "plan", lambda *a: None)
     whole = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=4)
     assert len(segmented) == 1 and all(t.dtype == torch.float32 for t in split)
+    assert warm_ups[1] is None and int(warm_ups[0].max()) == (1 if decay == "fast" else 0), warm_ups
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
     assert max(errors.values()) < BOUND, errors
     ref = reference_grads({n: t.double() for n, t in x.items()}, 0.3, use_dht=True)

@@ -1,7 +1,8 @@
 """The fused walk's launchers (``chunk_fwd.py``'s kernel): the compiled kernel for a launch's options
 (:func:`walk_kernel`, :func:`warm_kernel`, :func:`states_kernel`; ``prepared.py`` takes the same ones) and the calls
 that take tensors, check them, allocate o and the final state and launch (:func:`chunk_fwd_hopper_hm`: the plain
-walk, phase A's affine walk, phase C's warm walks; :func:`chunk_states_hopper`: the backward's states). Everything of ``chunk_fwd`` is read through the module at call time, so stand-ins set
+walk, phase A's affine walk, phase C's warm walks; :func:`chunk_states_hopper`: the backward's states, unsegmented
+or phase C of their segments). Everything of ``chunk_fwd`` is read through the module at call time, so stand-ins set
 there (tests, ``benchmarks/host_hopper.py``) apply here too.
 """
 from __future__ import annotations
