@@ -6,8 +6,9 @@ the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segmen
                 chunk-local cumsum of g and β head-major and T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
                 the walk needs T without diag(β)); the forward walk's ``store_states`` build (``chunk_fwd.py``,
                 ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each chunk ``[B, NT, HV, K,
-                V]``, the walk's layout: two launches, or five where the forward's plan cuts the sequences into
-                segments (``segmented_states``: the segmented forward's plan, maps, scan and warm walk)
+                V]``, the walk's layout: two launches, or five (and three small copies) where the forward's plan
+                cuts the sequences into segments (``segmented_states``: the segmented forward's plan, maps, scan and
+                warm walk)
     segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
                 Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment (or, with
                 ``segment_method="warm"``, the reverse warm-ups ``chunk_bwd.reverse_warm_ups_hopper``, one launch)
@@ -116,9 +117,9 @@ def segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, num_segm
         C     each segment's states walk from h_in, or from zero w chunks before it (a warm-up: the state's dots,
               no h stored), h stored at the segment's own chunks               chunk_states_hopper(warm_chunks=)
 
-    The flags, the maps' skips and the warm-ups are the forward's (``config``), so h equals the unsegmented walk's
-    within fp32 rounding where a map is walked and 2^negligible_m_log2 of the state where a warm-up or a skipped map
-    stands for it. k, v and T are viewed as ``[B·S, L, ...]``; gc, β ``[B, HV, NT·64]`` and the chunk bounds ``[B,
+    The flags, the maps' skips and the warm-ups are the forward's (``config``), so h equals the unsegmented walk's up
+    to the maps' rounding (bf16 dot operands, the scan's tf32: the forward's) where a map is walked, and within
+    2^negligible_m_log2 of the state where a warm-up or a skipped map stands for it. k, v and T are viewed as ``[B·S, L, ...]``; gc, β ``[B, HV, NT·64]`` and the chunk bounds ``[B,
     HV, NT]`` take one copy each into per-segment rows. ``launch``: phase C's (the plan's), BV = 64 for phase A
     where the plan's does not divide K."""
     B, T, H, K = k.shape
