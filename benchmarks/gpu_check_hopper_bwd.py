@@ -321,9 +321,9 @@ def time_row(row) -> dict:
     beta = torch.rand(B, T, HV, device="cuda").bfloat16()
     h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
     gc_hm, beta_hm, a_inv, bound = backward.solve(k, g, beta)
-    h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0)
+    h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)
     launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
-    states = lambda: backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0)      # segmented where the plan says
+    states = lambda: backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)  # the plan's segments
     walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_p, dk_p, _, dg_p, db_p, _ = walk()
     ms = dict(
@@ -595,19 +595,12 @@ def time_states(item) -> dict:
 
 
 def whole_backward_ms(x: dict, backward) -> dict:
-    """The whole Hopper backward (do_bench median, ms) with its states as ``backward.states`` plans them and with
-    the unsegmented states walk (the plan answered None for the states alone)."""
+    """The whole Hopper backward (do_bench median, ms) with its states in the plan's segments and unsegmented."""
     import triton
     args = {n: x[n] for n in ("q", "k", "v", "g", "beta", "scale", "initial_state", "do", "dht")}
-    run = lambda: backward.chunk_gated_delta_rule_bwd_hopper(**args)
-    ms = dict(backward_segmented_states=triton.testing.do_bench(run))
-    planned = backward.plan
-    backward.plan = lambda *a: None
-    try:
-        ms["backward_unsegmented_states"] = triton.testing.do_bench(run)
-    finally:
-        backward.plan = planned
-    return ms
+    run = lambda segmented: backward.chunk_gated_delta_rule_bwd_hopper(**args, segment_states=segmented)
+    return dict(backward_segmented_states=triton.testing.do_bench(lambda: run(True)),
+                backward_unsegmented_states=triton.testing.do_bench(lambda: run(False)))
 
 
 def print_states_table(results: dict) -> None:

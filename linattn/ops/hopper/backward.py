@@ -84,10 +84,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
         raise ValueError(f"the Hopper backward runs on an sm_90 GPU, got a tensor on {q.device}")
 
 
-def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
+def recompute(k, v, g, beta, initial_state, segmented_states: bool = False) -> tuple[torch.Tensor, ...]:
     """The forward's stages the walk reads, in its layouts: :func:`solve` then :func:`states`."""
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
-    return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
+    return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segmented_states)
 
 
 def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
@@ -101,16 +101,16 @@ def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
     return whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T), t_inv, bound
 
 
-def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state) -> torch.Tensor:
+def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segmented: bool = False) -> torch.Tensor:
     """h ``[B, NT, HV, K, V]`` bf16, the state entering each chunk, from :func:`solve`'s outputs: the forward walk's
-    states build from T and β, laid out as the forward's plan lays out its walk (``plan.plan``): unsegmented where
-    one program per sequence, value head and V tile fills the card (BV = 64 where 128 leaves it idle and no
-    segmentation fills it), else in the plan's segments (:func:`segmented_states`; its five launches whatever
-    ``planned_walk`` says: the backward's walk outweighs their host time, and the two-launch walk would walk whole
-    prefixes for the heads that keep their state)."""
+    states build from T and β, one program per sequence, value head and V tile (BV = 64 where 128 leaves the card
+    idle). ``segmented``: laid out as the forward's plan lays out its walk (``plan.plan``), in the plan's segments
+    where it cuts the sequences (:func:`segmented_states`; its five launches whatever ``planned_walk`` says: the
+    backward's walk outweighs their host time, and the two-launch walk would walk whole prefixes for the heads
+    that keep their state). Off until the GPU checks and times it (``gpu_check_hopper_bwd.py --states``)."""
     B, T, HV, V = k.shape[0], k.shape[1], *v.shape[2:]
     sms = num_sms(k.device)
-    chosen = plan(B, HV, V, T, sms)
+    chosen = plan(B, HV, V, T, sms) if segmented else None
     if chosen is not None and chosen.segments > 1:
         return segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, chosen.segments,
                                 chosen.kernel_launch, chosen.config)
@@ -167,7 +167,8 @@ def token_major(x_hm: torch.Tensor, T: int) -> torch.Tensor:
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
-                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps"):
+                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps",
+                                      segment_states: bool = False):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
 
     Args:
@@ -182,6 +183,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
             and reverse scan: exact) or "warm" (the reverse warm-ups: within 2⁻³⁰ of ‖dS‖, exact where a warm-up
             reaches the sequence's end). "maps" until the GPU's A/B (benchmarks/gpu_check_hopper_bwd.py --warm)
             decides.
+        segment_states: the recompute's states in the forward's segments where its plan cuts the sequences
+            (:func:`states`' ``segmented``), until the GPU's check (``gpu_check_hopper_bwd.py --states``) decides.
     Returns:
         dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
         and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
@@ -205,7 +208,7 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     else:
         dS_out = segments.segment_state_grads(q, k, v, beta, token_major(gc_hm, T), t_inv.float(), do, dht, scale,
                                               L)
-    h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
+    h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segment_states)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
     hm_seg = lambda x: segments.head_major_as_segments(x, S)
