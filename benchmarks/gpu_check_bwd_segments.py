@@ -40,6 +40,7 @@ from linattn.ops.common.state_pass_bwd import state_pass_bwd  # noqa: E402
 from linattn.ops.common.wy import wy_fwd  # noqa: E402
 from linattn.ops.gated_delta.torch_chunk import chunk_gated_delta_rule_bwd_torch  # noqa: E402
 from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton, recompute_forward  # noqa: E402
+from linattn.ops.utils import flat_offsets  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -111,7 +112,7 @@ def walk_timings(inp, do, dht, nt: int, sweep) -> dict:
     q, k, v, g, beta, scale, h0 = inp
     B, T, H, K = q.shape
     HV = v.shape[2]
-    offsets = [b * T for b in range(B + 1)]
+    offsets = flat_offsets(B, T)
     gc, A_inv, w, _, _ = recompute_forward(k, v, g, beta, h0, None, None, None, nt)
     dv_local = local_bwd_dv(q, k, gc, do, scale, None, None, None)
     walk = (q, k, w, gc, do, dv_local, dht, scale, None, None, nt)

@@ -44,6 +44,7 @@ import linattn  # noqa: E402
 from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path  # noqa: E402
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference  # noqa: E402
 from linattn.ops.gated_linear.reference import gated_linear_attention_reference  # noqa: E402
+from linattn.ops.utils import flat_offsets  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 B, T, H, HV, K, V = 2, 300, 4, 8, 128, 128
@@ -215,7 +216,7 @@ def nan_varlen_row(name, dtype):
     path, kw = VARLEN_PATHS[name]
     x, h0, _, _ = inputs(dtype)
     x = {n: t.reshape(1, B * T, *t.shape[2:]) for n, t in x.items()}
-    offsets = [b * T for b in range(B + 1)]
+    offsets = flat_offsets(B, T)
     cu = torch.tensor(offsets, dtype=torch.int32, device=DEV)
 
     def call(x):

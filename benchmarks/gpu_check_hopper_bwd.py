@@ -32,13 +32,23 @@
     warm-ups alone and W + maps + scan alone (ms), w per segment (min/max over heads), and gradients warm vs maps
     (rel L2).
 
+(e) --states (``backward.segmented_states``: the recompute's states walk in the forward's segments, plan → phase A
+    (maps of the states walk's operator, β in X) → scan → phase C (the warm states walk)): on small cases at row 3's
+    heads (H = HV = 16, K = V = 128) phase A's maps and phase C's h against their twins, and the segmented h against
+    the unsegmented kernel's and against the float64 states twin; then at rows 3 and 4, at the anchors' gates and at
+    gates / 1024 (every head walks its maps): h unsegmented vs segmented (ms, and the parts: copies, plan, phase A,
+    scan, phase C), h's relative L2 segmented vs unsegmented and each against float64, the plan's flags; at the
+    anchors' gates the whole backward with segmented vs unsegmented states (ms). A table last.
+
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a); ≈ 25 TileLang kernels compiled first
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
     python benchmarks/gpu_check_hopper_bwd.py --warm --out $OUT       # part (d) alone
+    python benchmarks/gpu_check_hopper_bwd.py --states --out $OUT     # part (e) alone, ≈ 3-5 min
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
 
-Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm) under --out
+Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm,
+hopper_bwd_states.json with --states) under --out
 after every case (a run cut short keeps what it reached), printing each row's JSON as it goes and a table last.
 """
 from __future__ import annotations
@@ -81,6 +91,9 @@ SEGMENT_ROWS = [(3, 1, 32768, 16, 16), (4, 1, 131072, 16, 16), (7, 1, 32768, 2, 
 # and the anchors' own gates (16× the others': a chunk's bound ≈ −75, so w = 1 and every warm-up truncates)
 WARM_CASES = SEGMENTED_CASES + [(("B2_T512_GVA_K128_fast_decay_seg", 2, 512, 2, 4, 128, 128, None, 1.0, False), 2)]
 WARM_ROWS = SEGMENT_ROWS[:3]
+# part (e): name, B, T, gates divided by, segments (H = HV = 16, K = V = 128: row 3's kernels); and its rows
+STATES_CASES = [("B2_T2048_S4", 2, 2048, 1, 4), ("B1_T4096_S8_slow", 1, 4096, 1024, 8)]
+STATES_ROWS = SEGMENT_ROWS[:2]
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
     (2, 8, 4096, 16, 16),
     (3, 1, 32768, 16, 16),
@@ -106,20 +119,36 @@ def kernel_configs() -> list[tuple]:
 
 
 def recompute_launch(B: int, HV: int, V: int, sms: int = SMS) -> dict:
-    """The states walk's launch ``backward.recompute`` takes (BV 128 where its programs fill the card, else 64)."""
+    """The unsegmented states walk's launch (``backward.states``: BV 128 where its programs fill the card, else
+    64)."""
     from linattn.ops.hopper.plan import DEFAULT, hopper_launch
     return hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
 
 
+def states_segments(B: int, T: int, HV: int, V: int = 128, sms: int = SMS) -> int:
+    """The segments ``backward.states`` cuts each sequence into (the forward's plan; 1: unsegmented)."""
+    from linattn.ops.hopper.plan import plan
+    chosen = plan(B, HV, V, T, sms)
+    return chosen.segments if chosen is not None else 1
+
+
 def recompute_configs() -> list[tuple]:
-    """("states", H, HV, K, V, BV, num_stages) of every states walk (the recompute's) and ("prepass", H, HV, K) of
-    every pre-pass (β in bf16, T without β) this script launches (every case and row has an initial state)."""
+    """("states", H, HV, K, V, BV, num_stages) of every unsegmented states walk (the recompute's),
+    ("states_warm" / "states_maps", H, HV, K, V, BV) of its segments' phases C and A where the forward's plan cuts
+    a row into segments, and ("prepass", H, HV, K) of every pre-pass (β in bf16, T without β) this script launches
+    (every case and row has an initial state)."""
+    from linattn.ops.hopper.plan import plan
     shapes = [(B, H, HV, K, V) for _, B, _, H, HV, K, V, _, _, _ in CASES]
     rows = [(B, H, HV, 128, 128) for _, B, _, H, HV in ROWS]
     states = lambda B, H, HV, K, V: ("states", H, HV, K, V, recompute_launch(B, HV, V)["BV"],
                                      recompute_launch(B, HV, V)["num_stages"])
     configs = [states(*shape) for shape in shapes + rows]
     configs += [("prepass", H, HV, K) for _, H, HV, K, _ in shapes + rows]
+    for B, T, H, HV in [r[1:] for r in ROWS + SEGMENT_ROWS]:      # where backward.states takes the segments
+        chosen = plan(B, HV, 128, T, SMS)
+        if chosen is not None and chosen.segments > 1:
+            BV = chosen.kernel_launch["BV"]
+            configs += [("states_warm", H, HV, 128, 128, BV), ("states_maps", H, HV, 128, 128, BV)]
     return list(dict.fromkeys(configs))
 
 
@@ -134,6 +163,14 @@ def compiled_for_sm90a(config: tuple):
         return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, stages, True, torch.float32, "sm_90a")
     if config[0] == "prepass":
         return prepass.compiled_kernel(*config[1:], "bfloat16", "sm_90a", beta_in_a_inv=False)
+    if config[0] == "states_warm":
+        H, HV, K, V, BV = config[1:]
+        return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, DEFAULT.num_stages, True, torch.float32,
+                                         "sm_90a", warm=True)
+    if config[0] == "states_maps":
+        H, HV, K, V, BV = config[1:]
+        return walk_launch.walk_kernel(H, HV, K, V, BV, 1.0, DEFAULT.threads, DEFAULT.num_stages, False,
+                                       torch.float32, True, True, "sm_90a", beta_in_a_inv=False)
     if config[0] == "warm":
         return chunk_bwd.compiled_warm_kernel(*config[1:], target="sm_90a")
     if config[0] == "inline":
@@ -283,7 +320,7 @@ def time_row(row) -> dict:
     import triton
 
     from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
-    from linattn.ops.hopper import backward, chunk_bwd, prepass, walk_launch
+    from linattn.ops.hopper import backward, chunk_bwd, prepass
     index, B, T, H, HV = row
     K = V = 128
     scale = K ** -0.5
@@ -297,9 +334,10 @@ def time_row(row) -> dict:
     # first, while only the inputs are allocated (the first call also compiles: one call before it)
     backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, h0, do, dht)
     peak = peak_memory_mib(lambda: backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, h0, do, dht))
-    gc_hm, beta_hm, a_inv, h = backward.recompute(k, v, g, beta, h0)
+    gc_hm, beta_hm, a_inv, bound = backward.solve(k, g, beta)
+    h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)
     launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
-    states = lambda: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, a_inv, h0, **launch)[0]
+    states = lambda: backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)  # the plan's segments
     walk = lambda deferred=chunk_bwd.DEFERRED_SUMS: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h,
                                                                                 dht, scale, 64, deferred)
     dq_h, dk_h, _, dg_p, db_p, _ = walk()
@@ -320,7 +358,8 @@ def time_row(row) -> dict:
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
                 ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, states_BV=launch["BV"], peak_MiB=peak,
-                deferred_sums=chunk_bwd.DEFERRED_SUMS, sums_variants_bitwise_equal=variants_equal)
+                deferred_sums=chunk_bwd.DEFERRED_SUMS, sums_variants_bitwise_equal=variants_equal,
+                states_segments=states_segments(B, T, HV))
 
 
 def peak_memory_mib(fn) -> dict:
@@ -359,18 +398,19 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     from linattn.ops.common.seq_parallel_bwd import reverse_maps, segment_grads
     from linattn.ops.common.wy import wy_fwd
     from linattn.ops.hopper import backward, chunk_bwd, segments
+    from linattn.ops.utils import flat_offsets
     q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
     B, T, H, K = q.shape
     HV = v.shape[2]
     S = T // CHUNK // L
-    gc_hm, beta_hm, t_inv, _ = backward.solve(k, g, beta)
+    gc_hm, beta_hm, t_inv, bound = backward.solve(k, g, beta)
     gc, a_inv = backward.token_major(gc_hm, T), t_inv.float()
     prep = lambda: (wy_fwd(k, v, beta, gc, a_inv)[0], local_bwd_dv(q, k, gc, do, scale))
     w, dv_local = prep()
-    layout = segment_layout([b * T for b in range(B + 1)], L, CHUNK, q.device)
+    layout = segment_layout(flat_offsets(B, T), L, CHUNK, q.device)
     flat = [t.view(1, B * T, *t.shape[2:]) for t in (q, k, w, gc, do, dv_local)]
     dS_out = segment_grads(*flat, dht, scale, layout)
-    h = backward.states(k, v, gc_hm, beta_hm, t_inv, x["initial_state"])
+    h = backward.states(k, v, gc_hm, beta_hm, t_inv, bound, x["initial_state"])
     seg = lambda t: segments.as_segments(t, S)
     hm_seg = lambda t: segments.head_major_as_segments(t, S)
     walk_args = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out, scale,
@@ -383,7 +423,7 @@ def segment_parts_ms(x: dict, L: int) -> dict:
         parts += [segments.head_major_from_segments(p, B) for p in (dg_p, db_p)]
         return backward.gradients_from_partials(*parts, g, beta.dtype, q.dtype, H)
     return dict(solve=triton.testing.do_bench(lambda: backward.solve(k, g, beta)),
-                states=triton.testing.do_bench(lambda: backward.states(k, v, gc_hm, beta_hm, t_inv,
+                states=triton.testing.do_bench(lambda: backward.states(k, v, gc_hm, beta_hm, t_inv, bound,
                                                                        x["initial_state"])),
                 w_dv_local=triton.testing.do_bench(prep),
                 maps=triton.testing.do_bench(lambda: reverse_maps(*flat, scale, layout)),
@@ -477,6 +517,146 @@ def time_warm(item) -> dict:
                 warm_vs_maps={n: rel(a, b) for n, a, b in zip(GRADS, warm, maps)})
 
 
+def states_inputs(B: int, T: int, decay: float) -> dict:
+    """Part (e)'s inputs at row 3's heads (H = HV = 16, K = V = 128): :func:`row_inputs` with the gates divided by
+    ``decay``, and :func:`backward.solve`'s outputs on them."""
+    from linattn.ops.hopper import backward
+    x = row_inputs(B, T, 16, 16)
+    x["g"] = x["g"] / decay
+    x["solved"] = backward.solve(x["k"], x["g"], x["beta"])
+    return x
+
+
+def states_errors(split: torch.Tensor, whole: torch.Tensor, x: dict) -> dict:
+    """h's relative L2 segmented vs unsegmented, and each against the float64 states twin on the same pre-pass
+    outputs (k, v, h0 in float64: no rounding but T's bf16)."""
+    from gpu_check_core import rel
+
+    from linattn.ops.hopper.chunk_fwd_ref import chunk_states_hopper_ref
+    gc_hm, beta_hm, t_inv, _ = x["solved"]
+    exact = chunk_states_hopper_ref(x["k"].double(), x["v"].double(), gc_hm, beta_hm, t_inv,
+                                    x["initial_state"].double())[0]
+    errors = dict(segmented_vs_unsegmented=rel(split.float(), whole.float()),
+                  unsegmented_vs_float64=rel(whole.double(), exact), segmented_vs_float64=rel(split.double(), exact),
+                  nonfinite=int((~torch.isfinite(split.float())).sum()))
+    del exact
+    torch.cuda.empty_cache()
+    return errors
+
+
+def states_twin_case(case) -> dict:
+    """Part (e)'s kernels against their twins (fp32 on the GPU, the kernels' rounding points) on the same inputs:
+    phase A with β in X ([M | N] of every segment, none skipped), phase C's warm states walk from random entering
+    states with warm-ups drawn per segment and head in 0 … L/64 (segment 0: 0), so that both starts run; then the
+    segmented h (as ``backward.states`` runs it, the plan's flags) against the unsegmented kernel's and float64."""
+    from gpu_check_core import rel
+
+    from linattn.ops.hopper import backward, segments, walk_launch
+    from linattn.ops.hopper.chunk_fwd_ref import chunk_fwd_hopper_hm_ref, chunk_states_hopper_ref
+    from linattn.ops.hopper.plan import DEFAULT
+    name, B, T, decay, S = case
+    x = states_inputs(B, T, decay)
+    k, v, h0 = x["k"], x["v"], x["initial_state"]
+    gc_hm, beta_hm, t_inv, bound = x["solved"]
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    view = lambda t: segments.as_segments(t, S)
+    gc_s, beta_s = (segments.head_major_as_segments(t, S) for t in (gc_hm, beta_hm))
+    maps_args = (view(k), view(k), view(v), gc_s, beta_s, view(t_inv), 1.0, None)
+    maps_kw = dict(affine=True, skip_m=torch.zeros(B * S, HV, dtype=torch.int32, device="cuda"), lean=True,
+                   beta_in_a_inv=False)
+    mn = walk_launch.chunk_fwd_hopper_hm(*maps_args, **maps_kw, BV=128)[1]
+    mn_twin = chunk_fwd_hopper_hm_ref(*maps_args, **maps_kw)[1]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    later = (torch.arange(B * S, device="cuda") % S > 0)[:, None]
+    warm = (torch.randint(0, T // 64 // S + 1, (B * S, HV), device="cuda", generator=gen) * later).int()
+    h_in = torch.randn(B * S, HV, K, V, device="cuda", generator=gen) * 0.1
+    h_c = walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, h_in, warm_chunks=warm, BV=128)[0]
+    h_c_twin = chunk_states_hopper_ref(k, v, gc_s, beta_s, t_inv, h_in, warm_chunks=warm)[0]
+    split = backward.segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, h0, S, DEFAULT.launch(128))
+    whole = walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, t_inv, h0, **DEFAULT.launch(64))[0]
+    return dict(case=name, B=B, T=T, segments=S, gates_divided_by=decay, maps_vs_twin=rel(mn, mn_twin),
+                phase_c_vs_twin=rel(h_c.float(), h_c_twin.float()), warm_ups_drawn=int((warm > 0).sum()),
+                **states_errors(split, whole, x))
+
+
+def time_states(item) -> dict:
+    """Part (e) at one row and gate scale: h unsegmented (the walk at BV 128 where it fills the card, else 64) and
+    in the plan's segments (ms, do_bench medians; the parts as ``backward.segmented_states`` runs them), h's errors
+    (:func:`states_errors`), the plan's flags; at the anchors' gates also the whole backward with the segmented and
+    with the unsegmented states (ms)."""
+    import triton
+
+    from linattn.ops.common import num_sms, seq_parallel
+    from linattn.ops.hopper import backward, forward, segments, walk_launch
+    from linattn.ops.hopper.plan import fitted_launch, plan, scan_options
+    (index, B, T, H, HV), decay = item
+    x = states_inputs(B, T, decay)
+    k, v, h0 = x["k"], x["v"], x["initial_state"]
+    gc_hm, beta_hm, t_inv, bound = x["solved"]
+    K, V = k.shape[3], v.shape[3]
+    chosen = plan(B, HV, V, T, num_sms(k.device))
+    S, launch, config = chosen.segments, chosen.kernel_launch, chosen.config
+    whole_launch = recompute_launch(B, HV, V, num_sms(k.device))
+    unsegmented = lambda: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, t_inv, h0, **whole_launch)[0]
+    segmented = lambda: backward.segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, h0, S, launch, config)
+    row = dict(row=index, B=B, T=T, H=H, HV=HV, gates_divided_by=decay, segments=S, BV=launch["BV"],
+               unsegmented_BV=whole_launch["BV"], **states_errors(segmented(), unsegmented(), x))
+    view = lambda t: segments.as_segments(t, S)
+    copies = lambda: [segments.head_major_as_segments(t, S) for t in (gc_hm, beta_hm, bound)]
+    gc_s, beta_s, bound_s = copies()
+    flags = forward.segment_flags(bound_s, S, k.device, B, config)
+    phase_a = lambda: walk_launch.chunk_fwd_hopper_hm(
+        view(k), view(k), view(v), gc_s, beta_s, view(t_inv), 1.0, None, affine=True, skip_m=flags.skip_m, lean=True,
+        beta_in_a_inv=False, **fitted_launch(K, launch))[1]
+    mn = phase_a()
+    scan = lambda: seq_parallel.affine_scan(mn, h0, V, B, nseg=S, BV=config.scan_bv, skip=flags.skip_m,
+                                            skip_writes=True, **scan_options(K, config))
+    h_in = scan()
+    phase_c = lambda: walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, h_in, warm_chunks=flags.warm,
+                                                      **launch)[0]
+    row["ms"] = dict(unsegmented=triton.testing.do_bench(unsegmented), segmented=triton.testing.do_bench(segmented),
+                     copies=triton.testing.do_bench(copies),
+                     plan=triton.testing.do_bench(lambda: forward.segment_flags(bound_s, S, k.device, B, config)),
+                     phase_a=triton.testing.do_bench(phase_a), scan=triton.testing.do_bench(scan),
+                     phase_c=triton.testing.do_bench(phase_c))
+    row["flags"] = dict(mapped_heads=int(flags.walk.sum()), skipped_m=int((flags.skip_m == 1).sum()),
+                        of=B * S * HV, max_warm_up=int(flags.warm.max()))
+    if decay == 1:
+        row["ms"].update(whole_backward_ms(x, backward))
+    return row
+
+
+def whole_backward_ms(x: dict, backward) -> dict:
+    """The whole Hopper backward (do_bench median, ms) with its states in the plan's segments and unsegmented."""
+    import triton
+    args = {n: x[n] for n in ("q", "k", "v", "g", "beta", "scale", "initial_state", "do", "dht")}
+    run = lambda segmented: backward.chunk_gated_delta_rule_bwd_hopper(**args, segment_states=segmented)
+    return dict(backward_segmented_states=triton.testing.do_bench(lambda: run(True)),
+                backward_unsegmented_states=triton.testing.do_bench(lambda: run(False)))
+
+
+def print_states_table(results: dict) -> None:
+    print(f"\ndevice: {results.get('device')}")
+    print("part (e) kernels against their twins (rel L2; ≈ 1e-3 is rounding), then h (rel L2):")
+    for r in measured(results["states_twin"], "case", 22):
+        print(f"{r['case']:<22}maps {r['maps_vs_twin']:.1e}  phase C {r['phase_c_vs_twin']:.1e} "
+              f"({r['warm_ups_drawn']} warm-ups)  seg/unseg {r['segmented_vs_unsegmented']:.1e}  vs float64: "
+              f"unseg {r['unsegmented_vs_float64']:.2e} seg {r['segmented_vs_float64']:.2e}  "
+              f"nonfinite {r['nonfinite']}")
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'S':>4}{'unseg':>8}{'seg':>8}{'copies':>8}{'plan':>8}{'A':>8}"
+          f"{'scan':>8}{'C':>8}{'bwd seg':>9}{'bwd unseg':>10}  h rel L2 seg/unseg; vs float64 unseg, seg; flags"
+          "   (ms, do_bench medians)")
+    for r in measured(results["states"], "row", 5):
+        ms = r["ms"]
+        print(f"{r['row']:<5}{row_shape(r):<18}{r['gates_divided_by']:>6}{r['segments']:>4}"
+              + "".join(f"{ms[n]:8.3f}" for n in ("unsegmented", "segmented", "copies", "plan", "phase_a", "scan",
+                                                   "phase_c"))
+              + f"{ms.get('backward_segmented_states', float('nan')):9.3f}"
+              + f"{ms.get('backward_unsegmented_states', float('nan')):10.3f}"
+              + f"  {r['segmented_vs_unsegmented']:.1e}; {r['unsegmented_vs_float64']:.2e}, "
+              f"{r['segmented_vs_float64']:.2e}; {r['flags']}")
+
+
 def measured(rows: list, label: str, width: int):
     """The rows that were measured; each that failed printed as one line (its ``label`` field, then the error)."""
     for r in rows:
@@ -557,9 +737,9 @@ def print_tables(results: dict) -> None:
         ms, shape = r["ms"], row_shape(r)
         print(f"{r['row']:<5}{shape:<18}{ms['recompute']:10.3f}{ms['walk']:9.3f}"
               f"{r['walk_us_per_chunk']:10.2f}{ms['reductions']:9.3f}{ms['hopper']:9.3f}{ms['triton']:9.3f}")
-        print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states walk {ms['recompute_states']:.3f} "
-              f"(BV {r['states_BV']}); Hopper backward's peak over its inputs {r['peak_MiB']['extra']:.0f} MiB "
-              f"(its gradients {r['peak_MiB']['outputs']:.0f})")
+        print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states {ms['recompute_states']:.3f} "
+              f"({r['states_segments']} segments; unsegmented at BV {r['states_BV']}); Hopper backward's peak over its "
+              f"inputs {r['peak_MiB']['extra']:.0f} MiB (its gradients {r['peak_MiB']['outputs']:.0f})")
         print(f"{'':<23}walk with the other slice sums (deferred {not r['deferred_sums']}) "
               f"{ms['walk_other_sums']:.3f}; bits equal {r['sums_variants_bitwise_equal']}")
 
@@ -573,15 +753,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default=None, help="anchor rows to time, e.g. 2,3 (default: all of the part's)")
     ap.add_argument("--segments", action="store_true", help="only part (c), the segmented backward's rows")
     ap.add_argument("--warm", action="store_true", help="only part (d), the reverse warm-ups against the maps")
+    ap.add_argument("--states", action="store_true", help="only part (e), the states recompute in segments")
     args = ap.parse_args(argv)
     if args.smoke:
         return dict(smoke=smoke())
     name = ("hopper_bwd_segments" if args.segments else "hopper_bwd_warm" if args.warm
+            else "hopper_bwd_states" if args.states
             else "hopper_bwd_timing" if args.timing_only else "hopper_bwd")
     out = Path(args.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     results = dict(device=torch.cuda.get_device_name(), twin=[], recompute=[], accuracy=[], repeat=[], timing=[],
-                   segments=[], warm_twin=[], warm=[])
+                   segments=[], warm_twin=[], warm=[], states_twin=[], states=[])
 
     def chosen(table: list) -> list:
         """The rows of ``table`` that --rows names (all of them without it)."""
@@ -597,6 +779,14 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(results, indent=1))
         print(json.dumps(results[key][-1]), flush=True)
 
+    if args.states:
+        for case in STATES_CASES:
+            step("states_twin", states_twin_case, case, "case")
+        for decay in (1, 1024):
+            for row in chosen(STATES_ROWS):
+                step("states", time_states, (row, decay), "row")
+        print_states_table(results)
+        return results
     if args.segments:
         for row in chosen(SEGMENT_ROWS):
             step("segments", time_segments, row, "row")

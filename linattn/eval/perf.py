@@ -160,8 +160,8 @@ def roofline(cost: dict, median_ms: float, tokens: int, peaks: tuple) -> dict:
 def planned_calls(steady_s: float, warmup: int, reps: int, budget_s: float, min_reps: int = 3) -> tuple[int, int]:
     """(warm-up calls, timed calls) that fit ``budget_s`` for calls of ``steady_s`` each: warm-up gets a third of
     the budget, the timed calls the whole budget (at least ``min_reps``). On a GPU this is what bounds a row: the
-    host enqueues calls far faster than the device runs them, so a clock read between enqueues says nothing (SDPA
-    forward + backward at T = 131072 ran all 100 calls, 45 s, against a 20 s row budget on the H200 before this)."""
+    host enqueues calls far faster than the device runs them, so a clock read between enqueues says nothing: a
+    fixed count of slow calls (SDPA forward + backward at T = 131072, 0.45 s each) would overrun the row's budget."""
     per = max(steady_s, 1e-6)
     return min(warmup, int(budget_s / 3 / per)), min(reps, max(min_reps, int(budget_s / per)))
 

@@ -220,6 +220,12 @@ def host_offsets(cu_seqlens: Optional[torch.Tensor], T: int) -> Optional[list[in
     return None if cu_seqlens is None else check_cu_seqlens_values(cu_seqlens, T)
 
 
+def flat_offsets(B: int, T: int) -> list[int]:
+    """``[0, T, 2T, …, B·T]``: the token offsets of ``B`` equal-length sequences of ``T`` tokens laid end to end, the
+    ``cu_seqlens`` of a ``[B, T, ...]`` batch viewed as ``[1, B·T, ...]``."""
+    return [b * T for b in range(B + 1)]
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of the torch paths' arithmetic and of every state: fp64 for fp64 inputs, else fp32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

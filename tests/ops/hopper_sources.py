@@ -7,8 +7,8 @@ CPU tensors of the right shapes; ``tilelang.compile`` is replaced by a
 lowering for sm_90a (the same passes and pass configs, no nvcc) that keeps the generated CUDA, after the
 uniform-warpgroup rewrite where the launch applies it, and the launch itself by a no-op. So what is recorded is
 what a GPU would compile, for the keyword sets the forward passes (``forward.LAUNCH``, ``fitted_launch``'s BV=64,
-the affine walk with ``skip_m``, the warm walks, the planned warm walk, the pre-pass; the recompute's states walk
-and its pre-pass without β on T).
+the affine walk with ``skip_m``, the warm walks, the planned warm walk, the pre-pass; the recompute's states walk,
+its segments' phases A and C, and its pre-pass without β on T).
 
     python tests/ops/hopper_sources.py write DIR      # one .cu per configuration, named by its parameters
     python tests/ops/hopper_sources.py compare DIR    # byte-compare today's sources with DIR's
@@ -142,8 +142,9 @@ def configurations() -> Iterator[tuple[str, Callable[[], None]]]:
 def recompute_configurations(H: int, HV: int, K: int, V: int, beta_dtypes: tuple
                              ) -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, a call that launches it) for the Hopper backward's recompute at one shape: the states walk (β fp32,
-    as ``backward.recompute`` passes it) at each BV, with and without h0, and the pre-pass without β on T for each
-    of ``beta_dtypes``."""
+    as ``backward.recompute`` passes it) at each BV, with and without h0, its segments' phase C (the warm states
+    walk) and phase A (the affine walk with β in X, lean maps), and the pre-pass without β on T for each of
+    ``beta_dtypes``."""
     from linattn.ops.hopper import prepass, walk_launch
     shape = f"H{H}_HV{HV}_K{K}_V{V}"
     for BV in (128, 64):
@@ -156,6 +157,25 @@ def recompute_configurations(H: int, HV: int, K: int, V: int, beta_dtypes: tuple
                                                 threads=LAUNCH["threads"], num_stages=LAUNCH["num_stages"])
 
             yield f"states_{shape}_BV{BV}_{'h0' if h0 else 'no-h0'}", states
+
+        def warm_states(H=H, HV=HV, K=K, V=V, BV=BV):
+            _, k, v, gc, b, t = _walk_inputs(H, HV, K, V, torch.float32)
+            T = k.shape[1]
+            gc, b = (x.new_zeros(SEGMENTS, HV, T // SEGMENTS) for x in (gc, b))
+            walk_launch.chunk_states_hopper(k, v, gc, b, t, torch.zeros(SEGMENTS, HV, K, V), BV=BV,
+                                            threads=LAUNCH["threads"], num_stages=LAUNCH["num_stages"],
+                                            warm_chunks=torch.zeros(SEGMENTS, HV, dtype=torch.int32))
+
+        def states_maps(H=H, HV=HV, K=K, V=V, BV=BV):
+            _, k, v, gc, b, t = _walk_inputs(H, HV, K, V, torch.float32)
+            walk_launch.chunk_fwd_hopper_hm(k, k, v, gc, b, t, 1.0, None, affine=True,
+                                            skip_m=torch.zeros(1, HV, dtype=torch.int32), lean=True,
+                                            beta_in_a_inv=False, BV=BV, threads=LAUNCH["threads"],
+                                            num_stages=LAUNCH["num_stages"])
+
+        yield f"states_{shape}_BV{BV}_warm_lean", warm_states
+        if K % BV == 0:
+            yield f"states_{shape}_BV{BV}_maps_lean", states_maps
 
     for beta_dtype in beta_dtypes:
         def pre(H=H, HV=HV, K=K, beta_dtype=beta_dtype):

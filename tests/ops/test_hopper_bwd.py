@@ -275,8 +275,9 @@ def test_bad_inputs_raise(change, error, match):
 
 def test_bad_states_gates_and_device_raise():
     x = _inputs()
-    for name, bad, match in [("g", x["g"].double(), "float32"), ("beta", x["beta"][:, :5], "g and beta"),
-                             ("do", x["do"][:, :5], "do must"), ("initial_state", x["initial_state"][0], "no varlen"),
+    for name, bad, match in [("g", x["g"].double(), r"float32 g .*g torch\.float64"),
+                             ("beta", x["beta"][:, :5], "g and beta"), ("do", x["do"][:, :5], "do must"),
+                             ("initial_state", x["initial_state"][0], "no varlen"),
                              ("dht", x["dht"][..., :5], "dht must"), ("scale", 0.0, "scale")]:
         with pytest.raises((ValueError, TypeError), match=match):
             backward.chunk_gated_delta_rule_bwd_hopper(**{**x, name: bad})
@@ -414,15 +415,16 @@ def test_recompute_prepass_compiles_for_sm90a(tmp_path):
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every kernel the GPU script launches — the reverse
     walks of the accuracy cases and timing rows (the segmented cases and rows reuse them), the reverse warm-ups of
-    part (d)'s cases and rows, the states walks, the pre-passes without β on T — compiles for sm_90a without a
-    spill (kernels the compile tests built are cached
-    by TileLang)."""
+    part (d)'s cases and rows, the states walks (unsegmented, and the segments' phases A and C where the plan cuts a
+    row), the pre-passes without β on T — compiles for sm_90a without a spill (kernels the compile tests built are
+    cached by TileLang)."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 27 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
+    assert len(rows) == 33 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
     assert sum(r["config"][0] == "inline" for r in rows) == 2, rows
+    assert sum(r["config"][0] in ("states_warm", "states_maps") for r in rows) == 6, rows
     assert all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 

@@ -27,7 +27,7 @@ from linattn.ops.common.seq_parallel import affine_scan, segment_layout
 from linattn.ops.common.state_pass_bwd import state_pass_bwd
 from linattn.ops.gated_delta import torch_chunk as tc
 from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton, recompute_forward
-from linattn.ops.utils import triton_available, triton_interpret
+from linattn.ops.utils import flat_offsets, triton_available, triton_interpret
 from tests.ops.test_triton_bwd import SCALE, _varlen, make_inputs, reference_grads, rel_rms, twin_pipeline
 
 pytestmark = [
@@ -73,7 +73,7 @@ def make(case, dtype):
 
 def _offsets(x):
     B, T = x["q"].shape[:2]
-    return x["offsets"] if x["offsets"] is not None else [b * T for b in range(B + 1)]
+    return x["offsets"] if x["offsets"] is not None else flat_offsets(B, T)
 
 
 def _walk_inputs(x, dtype):

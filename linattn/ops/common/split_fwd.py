@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..utils import cdiv
+from ..utils import cdiv, flat_offsets
 from . import CHUNK, dot_precision, num_sms
 from .fused_fwd import fused_fwd_config, launch_walk
 from .output import output_fwd
@@ -156,7 +156,7 @@ def split_fwd(q: torch.Tensor, k: torch.Tensor, wy: list, gc: torch.Tensor, scal
     HV, V = u.shape[2], u.shape[3]
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
-    flat = offsets if cu_seqlens is not None else [b * T for b in range(B + 1)]
+    flat = offsets if cu_seqlens is not None else flat_offsets(B, T)
     chunks = [-(-(e - b) // chunk_size) for b, e in zip(flat[:-1], flat[1:])]
     L, BV, num_warps = state_pass_plan(chunks, HV, K, V, num_sms(q.device), segment_chunks)
     store = store or store_dtype(q.dtype)

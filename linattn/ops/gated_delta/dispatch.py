@@ -131,12 +131,13 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: torch.dtype,
                             g_dtype: torch.dtype) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
-    ``hopper.compile.unsupported_reason`` says of the device, q's dtype and packed sequences."""
-    from ..hopper.backward import SIZES
-    if K not in SIZES or V not in SIZES:
-        return f"K and V in {SIZES} only, got K={K}, V={V}"
-    if do_dtype != torch.bfloat16 or g_dtype != torch.float32:
-        return f"bf16 dO and fp32 g only, got {do_dtype}, {g_dtype}"
+    ``hopper.compile.unsupported_reason`` says of the device, q's dtype and packed sequences: the walk's own size and
+    dtype limits (``hopper.backward.size_limit``, ``dtype_limit``), then :data:`HOPPER_BWD_MIN_PAIRS` and
+    :data:`HOPPER_BWD_LONG`."""
+    from ..hopper.backward import dtype_limit, size_limit
+    static = size_limit(K, V) or dtype_limit(g_dtype, dO=do_dtype)
+    if static is not None:
+        return static
     pairs, (long_pairs, long_tokens) = B * HV, HOPPER_BWD_LONG
     if pairs < HOPPER_BWD_MIN_PAIRS and (pairs < long_pairs or T < long_tokens):
         return (f"{pairs} < {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs, and not {long_pairs} pairs of "

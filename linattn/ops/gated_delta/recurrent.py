@@ -172,7 +172,7 @@ def fused_recurrent_bwd_ref(q, k, v, g, beta, scale: float, h0: Optional[torch.T
         dbeta[:, t] = (u * dbu).sum(-1).view(N, HV)
         dv[:, t] = du.view(N, HV, V)
         dS.baddbmm_(kt[..., None], du[:, None], alpha=-1)                         # dS' = dS − k duᵀ
-        # ⟨dS', S'⟩ (vecdot: a [1, K·V] @ [K·V, 1] bmm took 2 ms here, 9× vecdot, on a CPU)
+        # ⟨dS', S'⟩ by vecdot, 9× faster on a CPU than a [1, K·V] @ [K·V, 1] bmm
         dg[:, t] = torch.linalg.vecdot(dS.view(NH, K * V), Sp.view(NH, K * V)).view(N, HV)
         dS.mul_(eg[..., None])
     return dq, dk, dv, dg, dbeta, dS.view(N, HV, K, V)

@@ -29,10 +29,6 @@ import triton.language as tl
 from ..common import MIN_LOG_DECAY, launch_options
 from ..utils import cdiv, next_power_of_2
 
-# Gate: g = −exp(A_log) · softplus(g_raw + dt_bias); softplus(x) = x above this threshold (torch's default).
-SOFTPLUS_THRESHOLD = 20.0
-L2NORM_EPS = 1e-6
-
 
 def one_step_path(T: int, cu_seqlens, intermediate_states) -> bool:
     """Whether a forward launch takes the kernel's ONE_STEP path: a decode step (one token per sequence, no
@@ -51,13 +47,14 @@ def _prepare_token(p_q, p_k, p_g, p_beta, b_A, b_dt, m_k, scale,
     b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32)
     b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
     if USE_QK_L2NORM:
-        # the whole K row is in this program, so the norm needs no communication
+        # the whole K row is in this program, so the norm needs no communication; eps 1e-6 as fla and transformers
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     b_g = tl.load(p_g).to(tl.float32)
     if USE_GATE_IN_KERNEL:
         b_x = b_g + b_dt
-        # both branches are evaluated; exp overflowing to inf in the unused one is harmless (where picks x)
+        # g = −exp(A_log)·softplus(x), softplus(x) = x above 20 (torch's threshold); both branches are evaluated,
+        # and exp overflowing to inf in the unused one is harmless (where picks x)
         b_g = -b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
         b_g = tl.where(b_g < MIN_LOG_DECAY, MIN_LOG_DECAY, b_g)   # e^{A_log} is inf from A_log ≈ 88.7 (utils)
     b_beta = tl.load(p_beta).to(tl.float32)

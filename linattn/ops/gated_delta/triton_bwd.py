@@ -27,7 +27,7 @@ from ..common.split_fwd import segmented_state_pass, state_pass_plan, store_dtyp
 from ..common.state_pass import state_pass_fwd
 from ..common.varlen import chunk_tables
 from ..common.wy import wy_fwd
-from ..utils import MIN_LOG_DECAY, cdiv
+from ..utils import MIN_LOG_DECAY, cdiv, flat_offsets
 
 
 def recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, num_chunks,
@@ -48,7 +48,7 @@ def recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices, c
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     if offsets is None:
-        offsets = cu_seqlens.tolist() if cu_seqlens is not None else [b * T for b in range(B + 1)]
+        offsets = cu_seqlens.tolist() if cu_seqlens is not None else flat_offsets(B, T)
     chunks = [-(-(e - b) // CHUNK) for b, e in zip(offsets[:-1], offsets[1:])]
     store = store or store_dtype(k.dtype)
     gc = chunk_local_cumsum(g, cu_seqlens, chunk_indices)
@@ -96,7 +96,7 @@ def chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale: float, initial_st
         chunk_indices, chunk_offsets = chunk_tables(offsets, CHUNK, q.device)
         num_chunks = chunk_indices.shape[0]
     else:
-        offsets = [b * T for b in range(B + 1)]
+        offsets = flat_offsets(B, T)
         chunk_indices = chunk_offsets = None
         num_chunks = cdiv(T, CHUNK)
     gc, A_inv, w, v_new, h = recompute_forward(k, v, g, beta, initial_state, cu_seqlens, chunk_indices,

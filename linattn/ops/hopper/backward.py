@@ -6,7 +6,9 @@ the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segmen
                 chunk-local cumsum of g and β head-major and T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
                 the walk needs T without diag(β)); the forward walk's ``store_states`` build (``chunk_fwd.py``,
                 ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each chunk ``[B, NT, HV, K,
-                V]``, the walk's layout: two launches
+                V]``, the walk's layout: two launches, or five (and three small copies) where the forward's plan
+                cuts the sequences into segments (``segmented_states``: the segmented forward's plan, maps, scan and
+                warm walk)
     segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
                 Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment (or, with
                 ``segment_method="warm"``, the reverse warm-ups ``chunk_bwd.reverse_warm_ups_hopper``, one launch)
@@ -27,16 +29,33 @@ from typing import Literal, Optional, get_args
 
 import torch
 
-from ..common import num_sms
+from ..common import num_sms, seq_parallel
 from ..common.partial_sum import partial_sums
 from ..utils import cdiv
-from . import prepass, segments, walk_launch
+from . import forward, prepass, segments, walk_launch
 from .chunk_fwd import BT
-from .plan import DEFAULT, hopper_launch
+from .plan import DEFAULT, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
 SegmentMethod = Literal["maps", "warm"]
 SEGMENT_METHODS = get_args(SegmentMethod)
+
+
+def size_limit(K: int, V: int) -> Optional[str]:
+    """Why the walk does not take heads of these sizes (None: it does): it is compiled and checked for K and V in
+    :data:`SIZES`. The dispatch routes on it, :func:`check_inputs` raises it."""
+    if K not in SIZES or V not in SIZES:
+        return f"takes K and V in {SIZES} only, got K={K}, V={V}"
+    return None
+
+
+def dtype_limit(g: torch.dtype, **operands: torch.dtype) -> Optional[str]:
+    """Why the walk does not take these dtypes (None: it does): bf16 ``operands`` (named as the caller knows them;
+    the walk's wgmma operands) and float32 g (log decays). The dispatch routes on it, :func:`check_inputs` raises it."""
+    if g != torch.float32 or any(dtype != torch.bfloat16 for dtype in operands.values()):
+        got = ", ".join(f"{name} {dtype}" for name, dtype in operands.items())
+        return f"takes bf16 {', '.join(operands)} and float32 g only, got {got}, g {g}"
+    return None
 
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
@@ -49,17 +68,14 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
     HV, V = v.shape[2:]
     if HV % H:
         raise ValueError(f"HV = {HV} must be a multiple of H = {H}")
-    if K not in SIZES or V not in SIZES:
-        raise ValueError(f"the Hopper backward takes K and V in {SIZES}, got K={K}, V={V}")
-    if any(x.dtype != torch.bfloat16 for x in (q, k, v, do)):
-        raise TypeError(f"the Hopper backward takes bf16 q, k, v and do, got {q.dtype}, {k.dtype}, {v.dtype}, "
-                        f"{do.dtype}")
+    if (reason := size_limit(K, V)) is not None:
+        raise ValueError(f"the Hopper backward {reason}")
+    if (reason := dtype_limit(g.dtype, q=q.dtype, k=k.dtype, v=v.dtype, do=do.dtype)) is not None:
+        raise TypeError(f"the Hopper backward {reason}")
     if do.shape != v.shape:
         raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
         raise ValueError(f"g and beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
-    if g.dtype != torch.float32:
-        raise TypeError(f"g must be float32 (log decays), got {g.dtype}")
     for name, x in (("initial_state", initial_state), ("dht", dht)):
         if x is not None and x.shape != (B, HV, K, V):
             raise ValueError(f"{name} must be [B, HV, K, V] = {(B, HV, K, V)} (no varlen), got {tuple(x.shape)}")
@@ -69,10 +85,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
         raise ValueError(f"the Hopper backward runs on an sm_90 GPU, got a tensor on {q.device}")
 
 
-def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
+def recompute(k, v, g, beta, initial_state, segmented_states: bool = False) -> tuple[torch.Tensor, ...]:
     """The forward's stages the walk reads, in its layouts: :func:`solve` then :func:`states`."""
-    gc_hm, beta_hm, t_inv, _ = solve(k, g, beta)
-    return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, initial_state)
+    gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
+    return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segmented_states)
 
 
 def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
@@ -86,13 +102,56 @@ def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
     return whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T), t_inv, bound
 
 
-def states(k, v, gc_hm, beta_hm, t_inv, initial_state) -> torch.Tensor:
-    """h ``[B, NT, HV, K, V]`` bf16, the state entering each chunk: the forward walk's states build from T and β,
-    its programs one per sequence, value head and V tile of the forward's launch (BV = 64 where 128 leaves the card
-    idle)."""
-    B, HV, V = k.shape[0], *v.shape[2:]
-    launch = hopper_launch(B, HV, V, num_sms(k.device)) or DEFAULT.launch(64)
+def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segmented: bool = False) -> torch.Tensor:
+    """h ``[B, NT, HV, K, V]`` bf16, the state entering each chunk, from :func:`solve`'s outputs: the forward walk's
+    states build from T and β, one program per sequence, value head and V tile (BV = 64 where 128 leaves the card
+    idle). ``segmented``: laid out as the forward's plan lays out its walk (``plan.plan``), in the plan's segments
+    where it cuts the sequences (:func:`segmented_states`; its five launches whatever ``planned_walk`` says: the
+    backward's walk outweighs their host time, and the two-launch walk would walk whole prefixes for the heads
+    that keep their state). Off until the GPU checks and times it (``gpu_check_hopper_bwd.py --states``)."""
+    B, T, HV, V = k.shape[0], k.shape[1], *v.shape[2:]
+    sms = num_sms(k.device)
+    chosen = plan(B, HV, V, T, sms) if segmented else None
+    if chosen is not None and chosen.segments > 1:
+        return segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, chosen.segments,
+                                chosen.kernel_launch, chosen.config)
+    launch = hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
     return walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, t_inv, initial_state, **launch)[0]
+
+
+def segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, num_segments: int, launch: dict,
+                     config: HopperPlanConfig = DEFAULT) -> torch.Tensor:
+    """h as :func:`states` gives it, each sequence cut into S = ``num_segments`` segments of L = T/S tokens (T a
+    multiple of 64·S), on the segmented forward's machinery (``forward.segmented_walk``) with the states walk's
+    operator (T without β, X = β ⊙ (V − Γ ⊙ K S)):
+
+        plan  per segment and head: negligible maps, warm-ups, heads that walk their maps   forward.segment_flags
+        A     [M_s | N_s] = affine walk of the mapped heads' segments          chunk_fwd_hopper_hm(affine=True,
+                                                                                   beta_in_a_inv=False)
+        B     h_in(s+1) = M_s h_in(s) + N_s, fp32                              seq_parallel.affine_scan
+        C     each segment's states walk from h_in, or from zero w chunks before it (a warm-up: the state's dots,
+              no h stored), h stored at the segment's own chunks               chunk_states_hopper(warm_chunks=)
+
+    The flags, the maps' skips and the warm-ups are the forward's (``config``), so h equals the unsegmented walk's up
+    to the maps' rounding (bf16 dot operands, the scan's tf32: the forward's) where a map is walked, and within
+    2^negligible_m_log2 of the state where a warm-up or a skipped map stands for it. k, v and T are viewed as ``[B·S, L, ...]``; gc, β ``[B, HV, NT·64]`` and the chunk bounds ``[B,
+    HV, NT]`` take one copy each into per-segment rows. ``launch``: phase C's (the plan's), BV = 64 for phase A
+    where the plan's does not divide K."""
+    B, T, H, K = k.shape
+    V, S = v.shape[3], num_segments
+    if S < 2 or T % (BT * S):
+        raise ValueError(f"{S} segments need S ≥ 2 and T a multiple of {BT * S}, got T={T}")
+    view = lambda x: segments.as_segments(x, S)
+    gc_s, beta_s, bound_s = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm, bound))
+    flags = forward.segment_flags(bound_s, S, k.device, B, config)
+    # k stands in for q, which the affine walk does not read; the scale shapes no map
+    _, mn = walk_launch.chunk_fwd_hopper_hm(view(k), view(k), view(v), gc_s, beta_s, view(t_inv), 1.0, None,
+                                            affine=True, skip_m=flags.skip_m, lean=True, beta_in_a_inv=False,
+                                            **fitted_launch(K, launch))
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    h_in = seq_parallel.affine_scan(mn, h0, V, B, nseg=S, BV=config.scan_bv, skip=flags.skip_m, skip_writes=True,
+                                    **scan_options(K, config))
+    return walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, h_in, warm_chunks=flags.warm, **launch)[0]
 
 
 def whole_chunks(x_hm: torch.Tensor, T: int) -> torch.Tensor:
@@ -109,7 +168,8 @@ def token_major(x_hm: torch.Tensor, T: int) -> torch.Tensor:
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
-                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps"):
+                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps",
+                                      segment_states: bool = False):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
 
     Args:
@@ -124,6 +184,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
             and reverse scan: exact) or "warm" (the reverse warm-ups: within 2⁻³⁰ of ‖dS‖, exact where a warm-up
             reaches the sequence's end). "maps" until the GPU's A/B (benchmarks/gpu_check_hopper_bwd.py --warm)
             decides.
+        segment_states: the recompute's states in the forward's segments where its plan cuts the sequences
+            (:func:`states`' ``segmented``), until the GPU's check (``gpu_check_hopper_bwd.py --states``) decides.
     Returns:
         dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
         and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
@@ -147,7 +209,7 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
     else:
         dS_out = segments.segment_state_grads(q, k, v, beta, token_major(gc_hm, T), t_inv.float(), do, dht, scale,
                                               L)
-    h = states(k, v, gc_hm, beta_hm, t_inv, initial_state)
+    h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segment_states)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
     hm_seg = lambda x: segments.head_major_as_segments(x, S)

@@ -197,14 +197,14 @@ def reverse_chain_ref(Qc, Kc, Gc, bt, Tc, dOc, dS, scale: float, rnd):
     gam, rho = Gc.exp(), (Gc[..., -1:] - Gc).exp()
     P = rnd(tc.qk_decay_ref(Qc, Kc, Gc))
     # C1: ρ scales the product's rows (K stays the exact input), and dS is two bf16 operands, hi + lo, back to
-    # back into one accumulator: dS as one bf16 operand made dg's and dh0's errors 2.3× and 2.0× the rounded
-    # baseline's at slow decay (bwd-design.md §7)
+    # back into one accumulator: dS as one bf16 operand puts dg's and dh0's errors at 2.3× and 2.0× the rounded
+    # baseline's at slow decay (docs/backward.md §7)
     dS_hi = rnd(dS)
     dVn_state = rho[..., None] * (Kc @ dS_hi + Kc @ rnd(dS - dS_hi))
     dVn = scale * P.transpose(-1, -2) @ dOc + dVn_state
     Y = Tc.transpose(-1, -2) @ rnd(dVn)                                       # C2
-    # Γ⊙dO as two bf16 operands (hi + lo): dO is an input, exact in bf16, and one rounding of Γ⊙dO alone made
-    # dh0's error 6-20× the rounded baseline's (bwd-design.md §7); off the chain, +2.1 MFLOP per chunk
+    # Γ⊙dO as two bf16 operands (hi + lo): dO is an input, exact in bf16, and one rounding of Γ⊙dO alone puts
+    # dh0's error at 6-20× the rounded baseline's (docs/backward.md §7); off the chain, +2.1 MFLOP per chunk
     gdo = gam[..., None] * dOc
     gdo_hi = rnd(gdo)
     qdo = Qc.transpose(-1, -2) @ gdo_hi + Qc.transpose(-1, -2) @ rnd(gdo - gdo_hi)

@@ -85,7 +85,7 @@ NAN = float("nan")  # the rows a non-finite input feeds (T.float32(NAN): TileLan
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
                  use_initial_state: bool = True, beta_dtype: str = "float32", affine: bool = False,
                  warm: bool = False, warm_planned: bool = False, threshold: float = -30.0, lean: bool = False,
-                 store_states: bool = False):
+                 store_states: bool = False, beta_in_a_inv: bool = True):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. A_inv is bf16 with β folded into its columns
     (A_inv diag(β), the pre-pass's), so X = V − Γ ⊙ (K S) and β is not read (its tensor, in ``beta_dtype``, is
@@ -116,21 +116,29 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     warm-up w is above zero starts from zero instead of reading h0 (the scan leaves those entering states
     unwritten: ``seq_parallel.affine_scan(skip_writes=True)``).
 
-    ``store_states``: the Hopper backward's recompute (``backward.py``), unsegmented: the state walk alone (the
-    state's three dots: q not read, no o), writing the bf16 state entering each chunk into h ``[B, NT, HV, K, V]``
-    (the ``o`` argument; the layout ``chunk_bwd`` reads) by TMA from the tile K S reads, and the final state into
-    ht. A_inv is the plain T = (I + A)⁻¹ (the pre-pass's ``beta_in_a_inv=False``) and β is read: X = β ⊙ (V − Γ ⊙
-    (K S)), the backward's own recompute of X (``chunk_bwd``), and no deferred decay (every chunk renormalises, S ←
-    γ S + Kᵀ V_d): the stored h is S itself, the state ``chunk_bwd_ref.state_step_ref`` walks. The scale is not
-    used."""
+    ``store_states``: the Hopper backward's recompute (``backward.py``): the state walk alone (the state's three
+    dots: q not read, no o), writing the bf16 state entering each chunk into h ``[B, NT, HV, K, V]`` (the ``o``
+    argument; the layout ``chunk_bwd`` reads) by TMA from the tile K S reads, and the final state into ht. A_inv is
+    the plain T = (I + A)⁻¹ (the pre-pass's ``beta_in_a_inv=False``) and β is read: X = β ⊙ (V − Γ ⊙ (K S)), the
+    backward's own recompute of X (``chunk_bwd``), and no deferred decay (every chunk renormalises, S ← γ S + Kᵀ V_d):
+    the stored h is S itself, the state ``chunk_bwd_ref.state_step_ref`` walks. The scale is not used. With ``warm``
+    (and ``lean``) it is phase C of the states in segments (``backward.segmented_states``): each segment's program
+    starts as the warm walk's and stores h at the global index of its own chunks alone (a warm-up's chunk runs the
+    same three dots and stores nothing), ht the sequences' final states.
+
+    ``beta_in_a_inv`` False (the affine walk; ``store_states`` always reads β so): A_inv is the plain T and
+    X = β ⊙ (V − Γ ⊙ K S), β read per chunk, the operator the states walk applies: phase A of the states in
+    segments walks the maps of that operator."""
     import tilelang.language as T
 
     if affine and K % BV:
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
     if affine and warm:
         raise ValueError("warm is phase C's walk (affine is phase A's)")
-    if store_states and (affine or warm):
-        raise ValueError("store_states is the unsegmented walk: not with affine or warm")
+    if store_states and (affine or warm_planned):
+        raise ValueError("store_states is the unsegmented walk or phase C's (warm): not with affine or warm_planned")
+    if not (beta_in_a_inv or affine or store_states):
+        raise ValueError("β in X (beta_in_a_inv=False) is built for the affine walk and the states walk")
     B = T.symbolic("B")
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
@@ -146,7 +154,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     kernel = types.SimpleNamespace(H=H, HV=HV, K=K, BV=BV, scale=scale, Tn=Tn, Lg=Lg, affine=affine, warm=warm,
                                    warm_planned=warm_planned, threshold=threshold, lean=lean,
                                    use_initial_state=use_initial_state, store_output=not (affine or store_states),
-                                   store_states=store_states, beta_dtype=beta_dtype)
+                                   store_states=store_states, beta_in_x=store_states or not beta_in_a_inv,
+                                   beta_dtype=beta_dtype)
     chunk_step = chunk_step_macro(kernel)
     W = K + V if affine else V                      # the state's columns: [M | N] in phase A
     walk = walk_macros(kernel)
@@ -218,9 +227,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
             for cr in T.Pipelined(chunks, num_stages=num_stages):
                 c = c0 + cr                           # the chunk, in the whole sequence
                 walk.load_chunk(t, q, k, v, gc, beta, a_inv, ib, ih, ihv, c, v0, nseg if warm else None)
-                if warm:
+                if warm and not store_states:
                     # a warm-up's chunk (its o written by nobody) runs the state's steps alone: one branch around
-                    # the whole step, so that no dot is left running where the two paths join
+                    # the whole step, so that no dot is left running where the two paths join (the states' walk runs
+                    # those steps on every chunk: its branch is around h's store alone, in chunk_step)
                     if cr >= chunks - Lc:
                         chunk_step(t, c, cr, True)
                     else:
@@ -240,6 +250,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
 
     K, BV, warm, lean, affine = kernel.K, kernel.BV, kernel.warm, kernel.lean, kernel.affine
     store_output, store_states, Tn, Lg, dtype = kernel.store_output, kernel.store_states, kernel.Tn, kernel.Lg, DTYPE
+    beta_in_x = kernel.beta_in_x
 
     @T.macro
     def alloc_tiles():
@@ -276,9 +287,9 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         # rows put those 8 rows in the same banks (an 8-way conflict on every read). Swizzled, as a dot operand's
         # tile is, TMA writes it permuted and the reads spread over the banks
         T.annotate_layout({Vs: tilelang.layout.make_swizzled_layout(Vs)})
-        # the states' walk reads β per chunk (its X = β ⊙ (V − Γ ⊙ K S)), per row beside Γ
-        bs = T.alloc_shared((BT,), kernel.beta_dtype) if store_states else None
-        Bet = T.alloc_fragment((BT,), ACC) if store_states else None
+        # the states' walk and the affine walk of its maps read β per chunk (X = β ⊙ (V − Γ ⊙ K S)), per row beside Γ
+        bs = T.alloc_shared((BT,), kernel.beta_dtype) if beta_in_x else None
+        Bet = T.alloc_fragment((BT,), ACC) if beta_in_x else None
         return StepTiles(Qs=Qs, Ks=Ks, Vs=Vs, As=As, gcs=gcs, Gam=Gam, Rho=Rho, Gsc=Gsc, Ss=Ss, Xs=Xs, Ps=Ps,
                          Vns=Vns, Vds=Vds, Os=Os, vbad=vbad, S=S, KS=KS, QK=QK, Vn=Vn, Of=Of, Vr=Vr, la=la,
                          Vsum=Vsum, bs=bs, Bet=Bet)
@@ -303,8 +314,8 @@ def walk_macros(kernel) -> types.SimpleNamespace:
 
     @T.macro
     def load_chunk(t, q, k, v, gc, beta, a_inv, ib, ih, ihv, c, v0, nseg):
-        """Chunk c's tiles, each one TMA copy from the producer: K first (see :func:`chunk_step`); β only in the
-        states' walk."""
+        """Chunk c's tiles, each one TMA copy from the producer: K first (see :func:`chunk_step`); β only where X
+        takes it (``beta_in_x``)."""
         # gc per program sequence: a warm walk's chunk lies in its segment or an earlier one
         gr = ib * nseg + c // t.Lc if warm else ib
         gcol = (c % t.Lc) * BT if warm else c * BT
@@ -314,7 +325,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.Vs)
         T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], t.As)
         T.copy(gc[gr, ihv, gcol:gcol + BT], t.gcs)
-        if store_states:
+        if beta_in_x:
             T.copy(beta[gr, ihv, gcol:gcol + BT], t.bs)
 
     @T.macro
@@ -359,6 +370,7 @@ def chunk_step_macro(kernel):
 
     K, BV, Tn = kernel.K, kernel.BV, kernel.Tn
     warm, store_output, store_states = kernel.warm, kernel.store_output, kernel.store_states
+    beta_in_x = kernel.beta_in_x
     log_scale = math.log(kernel.scale)
     form_p, scale_o_tile, store_o = o_tile_macros(kernel)
     x_and_v_new = x_and_v_new_macro(kernel)
@@ -382,20 +394,21 @@ def chunk_step_macro(kernel):
             T.wgmma_gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
 
     @T.macro
-    def store_state(t, c):
-        """The states' walk: S_b, the bf16 state entering chunk c that K S reads, out to h by TMA, not waited for
-        (the wait comes before the next chunk writes the tile)."""
-        T.tma_copy(t.Ss, t.o[t.ib, c, t.ihv, 0:K, t.iv * BV:(t.iv + 1) * BV])
+    def store_state(t, c, write):
+        """The states' walk: S_b, the bf16 state entering chunk c that K S reads, out to h by TMA where ``write``
+        (not in a warm-up's chunk), not waited for (the wait comes before the next chunk writes the tile)."""
+        if write:
+            T.tma_copy(t.Ss, t.o[t.ib, c, t.ihv, 0:K, t.iv * BV:(t.iv + 1) * BV])
 
     @T.macro
     def row_factors(t, g_last, renorm, outputs):
         """Γ = e^{gc} a and ρ = e^{gc_last − gc} / (a γ) (or, where the chunk renormalises, e^{gc_last − gc}) per
         row while the dots run: 2 exps per row instead of per element; P's row exponents gc + ln scale; β beside Γ
-        in the states' walk (every chunk renormalises there)."""
+        where X takes it (every chunk renormalises in the states' walk)."""
         la = t.la.buffer
         for i in T.Parallel(BT):
             t.Gam[i] = T.exp(t.gcs[i] + la)
-            if store_states:
+            if beta_in_x:
                 t.Bet[i] = T.cast(t.bs[i], ACC)
         for i in T.Parallel(BT):    # a loop of its own: Rho takes Vn's layout
             t.Rho[i] = T.exp((g_last if store_states else T.if_then_else(renorm, g_last, -la)) - t.gcs[i])
@@ -429,9 +442,11 @@ def chunk_step_macro(kernel):
         """Chunk c's steps (``t``: the program's tiles, indices, loop bounds and the deferred decay's log scale la,
         :class:`StepTiles`)."""
         la = t.la.buffer    # the one-element buffer of T.alloc_var (t.la reads it): assignments below store into it
+        # the warm-up's chunks write no o and no h (a Python True elsewhere: no run-time branch)
+        write_o = not warm or cr >= t.chunks - t.Lc
         issue_dots(t, outputs)
         if store_states:
-            store_state(t, c)
+            store_state(t, c, write_o)
         g_last = gcs_last(t.gcs, Tn, c)
         # whether this chunk renormalises S' (la + ln γ below the limit); every chunk in the states' walk, whose h
         # is the state itself
@@ -439,8 +454,6 @@ def chunk_step_macro(kernel):
         row_factors(t, g_last, renorm, outputs)
         x_and_v_new(t, cr, outputs)
         p_and_v_d(t, renorm, outputs)
-        # the warm-up's chunks write no o (a Python True elsewhere: no run-time branch)
-        write_o = not warm or cr >= t.chunks - t.Lc
         if not outputs:
             T.sync_threads()        # V_d's tile, stored by every consumer, before the update reads it
         elif store_output:
@@ -477,7 +490,7 @@ def x_and_v_new_macro(kernel):
     flags)."""
     import tilelang.language as T
 
-    BV, affine = kernel.BV, kernel.affine
+    BV, affine, beta_in_x = kernel.BV, kernel.affine, kernel.beta_in_x
     store_output, store_states = kernel.store_output, kernel.store_states
     # the walk's search for a non-finite v. The states' walk does without it: its value columns are independent
     # (no o, no P), so such a v makes the state's columns it lies in non-finite from its chunk on, through A_inv X
@@ -486,7 +499,7 @@ def x_and_v_new_macro(kernel):
 
     @T.macro
     def x_and_v_new(t, cr, outputs):
-        """X = V − Γ ⊙ K S (the states' walk: β ⊙ (V − Γ ⊙ K S)) in K S's registers (V's tile read into registers
+        """X = V − Γ ⊙ K S (``beta_in_x``: β ⊙ (V − Γ ⊙ K S)) in K S's registers (V's tile read into registers
         while K S runs), to shared memory by stmatrix, then V_new = A_inv X issued; with o's steps to come it is left
         running while P and o's factors are formed (Q S and Q Kᵀ, issued before it, are done then: wgmma groups
         complete in order). A_inv's slot is handed back at this issue, safe for the reason Q's is (the producer
@@ -506,7 +519,7 @@ def x_and_v_new_macro(kernel):
         for i, j in T.Parallel(BT, BV):
             vij = t.Vr[i, j] * t.v_on if affine else t.Vr[i, j]
             # 0 on a row whose Γ is not finite: the rows a non-finite gc, β or key feeds (the module docstring)
-            if store_states:
+            if beta_in_x:
                 t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), t.Bet[i] * (vij - t.Gam[i] * t.KS[i, j]), 0.0)
             else:
                 t.KS[i, j] = T.if_then_else(T.isfinite(t.Gam[i]), vij - t.Gam[i] * t.KS[i, j], 0.0)
@@ -613,13 +626,13 @@ def affine_walk_chunks(tile_in_m, skip, chunks):
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
                     target: Optional[str] = None, use_initial_state: bool = True, beta_dtype: str = "float32",
                     affine: bool = False, warm: bool = False, warm_planned: bool = False, threshold: float = -30.0,
-                    lean: bool = False, store_states: bool = False):
+                    lean: bool = False, store_states: bool = False, beta_in_a_inv: bool = True):
     """The compiled kernel (cached per static configuration; the arguments :func:`build_kernel`'s, ``target`` as
     :func:`compile_prim_func`'s), its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
     (``uniform_warpgroup.py``: the wgmma descriptors then live in uniform registers; no value changes)."""
     from . import uniform_warpgroup as uniform
     func = build_kernel(H, HV, K, V, BV, scale, threads, num_stages, use_initial_state, beta_dtype, affine, warm,
-                        warm_planned, threshold, lean, store_states)
+                        warm_planned, threshold, lean, store_states, beta_in_a_inv)
     with uniform.rewriting():
         return compile_prim_func(uniform.marked(func), target)
 

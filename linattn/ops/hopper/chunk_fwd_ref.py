@@ -104,14 +104,18 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
 
 def chunk_states_hopper_ref(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor,
-                            t_inv: torch.Tensor, initial_state: Optional[torch.Tensor], **launch
+                            t_inv: torch.Tensor, initial_state: Optional[torch.Tensor],
+                            warm_chunks: Optional[torch.Tensor] = None, **launch
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of ``walk_launch.chunk_states_hopper``, the walk's ``store_states`` build (same arguments and
     results; ``launch`` changes no value): per chunk ``chunk_bwd_ref.state_step_ref`` — h = S_b = bf16(S),
     X = β ⊙ (V − Γ ⊙ K S_b) rounded, V_new = T X, S ← γ S + Kᵀ bf16(ρ ⊙ V_new) —, rounding where the kernel does for
     bf16 k, nowhere for fp32 and float64 ones. Returns h ``[B, NT, HV, K, V]`` (bf16 for bf16 k, else the working
-    dtype) and the final state ``[B, HV, K, V]`` in the working dtype."""
+    dtype) and the final state ``[B, HV, K, V]`` in the working dtype. ``warm_chunks``: phase C of the states in
+    segments (:func:`_warm_states_ref`)."""
     from ..gated_delta import torch_chunk as tc
+    if warm_chunks is not None:
+        return _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, initial_state, warm_chunks)
     from .chunk_bwd_ref import state_step_ref
     B, T, H, K = k.shape
     HV = v.shape[2]
@@ -129,6 +133,34 @@ def chunk_states_hopper_ref(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tenso
         Sb, _, S = state_step_ref(S, kc[:, :, c], vc[:, :, c], gcc[:, :, c], bc[:, :, c], tc_inv[:, :, c], rnd)
         hs.append(Sb)
     return torch.stack(hs, 1).to(k.dtype if rounds else work), S
+
+
+def _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, initial_state, warm_chunks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of the states walk's phase C (``chunk_states_hopper(warm_chunks=)``): for each segment s and value
+    head, the unsegmented twin over the chunks from warm_chunks chunks before the segment to its end, from zero
+    where that is above 0 (the lean kernel reads no entering state there), else from initial_state, keeping h of
+    the segment's own chunks; the final state is each sequence's last segment's."""
+    B, T, H, _ = k.shape
+    NB, HV, L = gc_hm.shape
+    S, G, Lc = NB // B, HV // H, L // BT
+    gc_all, beta_all = (x.view(B, S, HV, L).transpose(1, 2).reshape(B, HV, T) for x in (gc_hm, beta_hm))
+    hs, finals = [[None] * S for _ in range(B)], []
+    for ibs in range(NB):
+        b, s = divmod(ibs, S)
+        row, last = [], []
+        for hv in range(HV):
+            w = int(warm_chunks[ibs, hv])
+            r0, r1, ih = (s * Lc - w) * BT, (s + 1) * L, hv // G
+            h0 = initial_state[ibs:ibs + 1, hv:hv + 1]
+            h, ht = chunk_states_hopper_ref(k[b:b + 1, r0:r1, ih:ih + 1], v[b:b + 1, r0:r1, hv:hv + 1],
+                                            gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
+                                            t_inv[b:b + 1, r0:r1, hv:hv + 1], torch.zeros_like(h0) if w else h0)
+            row.append(h[0, w:, 0])
+            last.append(ht[0, 0])
+        hs[b][s] = torch.stack(row, 1)                      # [Lc, HV, K, V]
+        if s == S - 1:
+            finals.append(torch.stack(last))
+    return torch.stack([torch.cat(seq, 0) for seq in hs]), torch.stack(finals)
 
 
 def _chunk_cumsums(gc_hm: torch.Tensor, T: int, work: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""Compiling and launching the Hopper forward's TileLang kernels (``chunk_fwd.py``'s walk, ``prepass.py``), and
-whether the Hopper forward can take an input at all (:func:`unsupported_reason`). A compile failure is recorded once
-per process (:func:`mark_compile_failed`): from then on the op keeps to its Triton paths."""
+"""Compiling and launching the Hopper TileLang kernels (the forward's walk, ``chunk_fwd.py``, and pre-pass,
+``prepass.py``; the backward's reverse walk and warm-ups, ``chunk_bwd.py``), and whether they can take an input at all
+(:func:`unsupported_reason`). A compile failure is recorded once per process (:func:`mark_compile_failed`): from then
+on the op keeps to its Triton paths."""
 import functools
 from typing import Optional
 
@@ -20,7 +21,8 @@ def tilelang_available() -> bool:
 
 class HopperCompileError(RuntimeError):
     """TileLang could not build the kernel on this machine (a CUDA toolkit it needs missing, an incompatible
-    TileLang, ...): the op then runs its Triton forward (``triton_chunk``), see :func:`mark_compile_failed`."""
+    TileLang, ...): the op then runs its Triton forward (``triton_chunk``) or backward (``triton_bwd``), see
+    :func:`mark_compile_failed`."""
 
 
 # The first compile error of this process (:func:`mark_compile_failed`), process-wide fallback state
@@ -54,8 +56,8 @@ def launcher(kernel):
 
 
 def compile_prim_func(func, target: Optional[str] = None):
-    """Compile a TileLang prim_func of the Hopper forward (``chunk_fwd``, ``prepass``) with TileLang's default launcher
-    (tvm_ffi in 0.1.15; its "cython" launcher costs more host time per launch).
+    """Compile a TileLang prim_func of the Hopper kernels (``chunk_fwd``, ``prepass``, ``chunk_bwd``) with TileLang's
+    default launcher (tvm_ffi in 0.1.15; its "cython" launcher costs more host time per launch).
     ``target``: None for the current GPU, or an arch such as "sm_90a" to compile without one (the CPU compile
     checks). Fast math: e^x as ex2.approx (relative error ≈ 2⁻²², far below the bf16 rounding of every operand it
     scales). Any failure is a :class:`HopperCompileError` (the op then keeps to its Triton paths)."""
@@ -76,8 +78,9 @@ def _cuda_major(index: Optional[int]) -> int:
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Optional[str]:
     """Why the Hopper forward cannot take these inputs (None: it can): bf16 on an sm_90 GPU with TileLang
-    installed, K and V multiples of 64 up to 256 and 128 (the TMA boxes), equal-length sequences (packed ones go
-    through ``varlen.py``'s padding, which asks with ``cu_seqlens`` None)."""
+    installed, K and V multiples of 64, K up to 128 and V up to 256 (the TMA boxes), equal-length sequences (packed
+    ones go through ``varlen.py``'s padding, which asks with ``cu_seqlens`` None). The backward asks it too, then
+    ``backward.size_limit`` and ``dtype_limit``."""
     if q.dtype != torch.bfloat16:
         return f"takes bf16 inputs, got {q.dtype}"
     if q.device.type != "cuda" or _cuda_major(q.device.index) != 9:

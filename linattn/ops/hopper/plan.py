@@ -76,6 +76,7 @@ class CacheLimits:
 
 CACHE_LIMITS = CacheLimits()
 
+
 @dataclass(frozen=True)
 class HopperPlan:
     """How the Hopper forward runs one call: the walk's ``launch`` (BV, threads, num_stages), ``segments`` per

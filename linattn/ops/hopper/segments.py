@@ -39,7 +39,7 @@ from ..common.local_bwd_dv import local_bwd_dv
 from ..common.seq_parallel import segment_layout
 from ..common.seq_parallel_bwd import segment_grads, split_tile_v
 from ..common.wy import wy_fwd
-from ..utils import cdiv
+from ..utils import cdiv, flat_offsets
 
 WALK_CHUNK_US = 14.0       # one chunk step of a walk program (H100, K = V = 128, BV = 64: 7.3 ms / 512 chunks at
                            # B=1 T=32768 H=HV=16, and 28 µs per step with two programs queued per SM at B=8 T=4096)
@@ -138,7 +138,7 @@ def segment_state_grads(q, k, v, beta, gc, a_inv, do, dht: Optional[torch.Tensor
     B, T = q.shape[:2]
     w, _ = wy_fwd(k, v, beta, gc, a_inv)
     dv_local = local_bwd_dv(q, k, gc, do, scale)
-    layout = segment_layout([b * T for b in range(B + 1)], L, CHUNK, q.device)
+    layout = segment_layout(flat_offsets(B, T), L, CHUNK, q.device)
     flat = lambda t: t.view(1, B * T, *t.shape[2:])
     dht = dht.float().contiguous() if dht is not None else None
     return segment_grads(flat(q), flat(k), flat(w), flat(gc), flat(do), flat(dv_local), dht, scale, layout)

@@ -1,7 +1,8 @@
 """The fused walk's launchers (``chunk_fwd.py``'s kernel): the compiled kernel for a launch's options
 (:func:`walk_kernel`, :func:`warm_kernel`, :func:`states_kernel`; ``prepared.py`` takes the same ones) and the calls
 that take tensors, check them, allocate o and the final state and launch (:func:`chunk_fwd_hopper_hm`: the plain
-walk, phase A's affine walk, phase C's warm walks; :func:`chunk_states_hopper`: the backward's states). Everything of ``chunk_fwd`` is read through the module at call time, so stand-ins set
+walk, phase A's affine walk, phase C's warm walks; :func:`chunk_states_hopper`: the backward's states, unsegmented
+or phase C of their segments). Everything of ``chunk_fwd`` is read through the module at call time, so stand-ins set
 there (tests, ``benchmarks/host_hopper.py``) apply here too.
 """
 from __future__ import annotations
@@ -20,12 +21,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
                 use_initial_state: bool, beta_dtype: torch.dtype, affine: bool, lean: bool,
-                target: Optional[str] = None):
+                target: Optional[str] = None, beta_in_a_inv: bool = True):
     """The compiled kernel of :func:`chunk_fwd_hopper_hm`'s plain walk (no warm-ups), or of its affine walk
     (phase A); ``lean``: phase A's lean maps (affine with skip_m only); ``target``: the compile target (None: the
-    GPU's; "sm_90a" compiles without one, as the tests do)."""
+    GPU's; "sm_90a" compiles without one, as the tests do); ``beta_in_a_inv`` False: the affine walk of the states
+    walk's operator (plain T, β in X)."""
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), threads, num_stages, target, use_initial_state,
-                                     _dtype_name(beta_dtype), affine, lean=lean)
+                                     _dtype_name(beta_dtype), affine, lean=lean, beta_in_a_inv=beta_in_a_inv)
 
 
 def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
@@ -40,11 +42,12 @@ def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
 
 
 def states_kernel(H: int, HV: int, K: int, V: int, BV: int, threads: int, num_stages: int, use_initial_state: bool,
-                  beta_dtype: torch.dtype, target: Optional[str] = None):
+                  beta_dtype: torch.dtype, target: Optional[str] = None, warm: bool = False):
     """The compiled kernel of :func:`chunk_states_hopper` (the walk's ``store_states`` build; no scale: it forms no
-    output); ``target`` as :func:`walk_kernel`'s."""
+    output); ``warm``: phase C of the states in segments (lean: warmed segments start from zero, ht the sequences'
+    final states); ``target`` as :func:`walk_kernel`'s."""
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, 1.0, threads, num_stages, target, use_initial_state,
-                                     _dtype_name(beta_dtype), store_states=True)
+                                     _dtype_name(beta_dtype), warm=warm, lean=warm, store_states=True)
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
@@ -62,7 +65,7 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         initial_state: Optional[torch.Tensor], *, BV: int = 128, threads: int = 256,
                         num_stages: int = 2, affine: bool = False, skip_m: Optional[torch.Tensor] = None,
                         warm_chunks: Optional[torch.Tensor] = None, warm_bound: Optional[torch.Tensor] = None,
-                        warm_threshold: Optional[float] = None, lean: bool = False
+                        warm_threshold: Optional[float] = None, lean: bool = False, beta_in_a_inv: bool = True
                         ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
@@ -71,7 +74,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     state): each sequence's state map [M | N] ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None
     (:func:`chunk_fwd.build_kernel`). In the affine walk ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the
     maps whose M is negligible (``forward.segment_flags``): their M is written as zeros without a walk (2: the whole
-    map, M and N).
+    map, M and N). ``beta_in_a_inv`` False (affine only): a_inv is the plain T (``prepass_hopper(beta_in_a_inv=
+    False)``) and β is read, X = β ⊙ (V − Γ ⊙ K S): the maps of the states walk's operator
+    (``backward.segmented_states``).
 
     ``warm_chunks`` ``[B·S, HV]`` (int): the segmented forward's phase C with warm-ups (:func:`build_kernel`'s
     ``warm``): q, k, v, a_inv whole ``[B, T, ...]``, gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of
@@ -98,7 +103,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     if beta_hm.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
     if a_inv.dtype != torch.bfloat16:
-        raise TypeError(f"a_inv must be the pre-pass's bf16 A_inv diag(β), got {a_inv.dtype}")
+        raise TypeError(f"a_inv must be the pre-pass's bf16 A_inv, got {a_inv.dtype}")
+    if not (beta_in_a_inv or affine):
+        raise ValueError("beta_in_a_inv=False (β in X) is the affine walk's: pass affine=True")
     if warm_chunks is not None or warm_bound is not None:
         if (warm_chunks is None) == (warm_bound is None) or (warm_bound is not None) != (warm_threshold is not None):
             raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
@@ -117,7 +124,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     if skip_m is not None and skip_m.shape != (B, HV):
         raise ValueError(f"skip_m must be [B, HV] = {[B, HV]}, got {list(skip_m.shape)}")
     kernel = walk_kernel(H, HV, K, V, BV, scale, threads, num_stages, initial_state is not None, beta_hm.dtype,
-                         affine, lean and affine and skip_m is not None)      # elsewhere lean is the same kernel
+                         affine, lean and affine and skip_m is not None,      # elsewhere lean is the same kernel
+                         beta_in_a_inv=beta_in_a_inv)
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     o = v if affine else torch.empty_like(v)
@@ -181,13 +189,20 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
 
 def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor,
                         t_inv: torch.Tensor, initial_state: Optional[torch.Tensor], *, BV: int = 128,
-                        threads: int = 256, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                        threads: int = 256, num_stages: int = 2, warm_chunks: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Hopper backward's recompute of the states (``backward.recompute``): h ``[B, NT, HV, K, V]`` bf16, the
     state entering each chunk (``chunk_bwd``'s layout), and the final state ``[B, HV, K, V]`` fp32, from bf16 k
     ``[B, T, H, K]``, v ``[B, T, HV, V]``, the pre-pass's gc and β head-major ``[B, HV, Lp]`` (Lp ≥ T, a multiple
     of 8: ``padded_length(T)`` or whole chunks) and its plain T = (I + A)⁻¹ ``[B, T, HV, 64]`` bf16
     (``prepass_hopper(beta_in_a_inv=False)``): the walk's ``store_states`` build, unsegmented (one program per
-    sequence, value head and V tile of ``BV``). Twin: ``chunk_fwd_ref.chunk_states_hopper_ref``."""
+    sequence, value head and V tile of ``BV``). Twin: ``chunk_fwd_ref.chunk_states_hopper_ref``.
+
+    ``warm_chunks`` ``[B·S, HV]`` (int): phase C of the states in segments (``backward.segmented_states``; the
+    build's ``warm``, lean): gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of 64), initial_state
+    ``[B·S, HV, K, V]`` the state entering each segment (the scan's), read only where the segment's warm-up is 0;
+    segment s's program starts warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read), from zero
+    where that is above 0, and stores h at its own chunks. The final state returned is the sequences'."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or t_inv.dtype != torch.bfloat16:
@@ -196,18 +211,45 @@ def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, b
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
     if V % BV:
         raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
-    Lp = gc_hm.shape[-1]
-    if gc_hm.shape != (B, HV, Lp) or beta_hm.shape != gc_hm.shape or Lp < T or Lp % 8:
-        raise ValueError(f"gc and beta must be head-major [B, HV, Lp] with B, HV = {B}, {HV} and Lp ≥ T = {T} a "
-                         f"multiple of 8, got {list(gc_hm.shape)} and {list(beta_hm.shape)}")
     if t_inv.shape != (B, T, HV, BT):
         raise ValueError(f"T must be [B, T, HV, 64] = {[B, T, HV, BT]}, got {list(t_inv.shape)}")
-    kernel = states_kernel(H, HV, K, V, BV, threads, num_stages, initial_state is not None, beta_hm.dtype)
+    warm = warm_chunks is not None
+    NB = _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, V)
+    kernel = states_kernel(H, HV, K, V, BV, threads, num_stages, initial_state is not None, beta_hm.dtype,
+                           warm=warm)
     h = torch.empty(B, -(-T // BT), HV, K, V, dtype=torch.bfloat16, device=k.device)
     ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=k.device)
     k = k.contiguous()
-    ctl = torch.empty(B, HV, dtype=torch.int32, device=k.device)       # read by no states walk: a placeholder
+    # the warm-ups of phase C, or a placeholder the unsegmented walk never reads
+    ctl = (warm_chunks.to(torch.int32).contiguous() if warm else
+           torch.empty(B, HV, dtype=torch.int32, device=k.device))
     # q is not read: k stands in for it
     chunk_fwd.launcher(kernel)(k, k, v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(), t_inv.contiguous(),
-                               state_arg(initial_state, (B, HV, K, V), k.device), ctl, h, ht)
+                               state_arg(initial_state, (NB, HV, K, V), k.device), ctl, h, ht)
     return h, ht
+
+
+def _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, V) -> int:
+    """ValueError unless gc, β, the initial state (and ``warm_chunks``) have :func:`chunk_states_hopper`'s shapes:
+    whole sequences, or (``warm_chunks`` given) B·S segments of L tokens. Returns the program sequences (B or
+    B·S)."""
+    if warm_chunks is None:
+        Lp = gc_hm.shape[-1]
+        if gc_hm.shape != (B, HV, Lp) or beta_hm.shape != gc_hm.shape or Lp < T or Lp % 8:
+            raise ValueError(f"gc and beta must be head-major [B, HV, Lp] with B, HV = {B}, {HV} and Lp ≥ T = {T} "
+                             f"a multiple of 8, got {list(gc_hm.shape)} and {list(beta_hm.shape)}")
+        if initial_state is not None and initial_state.shape != (B, HV, K, V):
+            raise ValueError(f"initial_state must be [B, HV, K, V] = {[B, HV, K, V]}, got "
+                             f"{list(initial_state.shape)}")
+        return B
+    NB, L = gc_hm.shape[0], gc_hm.shape[-1]
+    if gc_hm.dim() != 3 or L % BT or T % L or NB != B * (T // L) or gc_hm.shape[1] != HV or \
+            beta_hm.shape != gc_hm.shape:
+        raise ValueError(f"gc and beta must be per segment [B·S, HV, L] with L a multiple of {BT} dividing T = {T} "
+                         f"and B·S = {B}·T/L, HV = {HV}, got {list(gc_hm.shape)} and {list(beta_hm.shape)}")
+    if initial_state is None or initial_state.shape != (NB, HV, K, V):
+        raise ValueError(f"the segments' walk needs each segment's entering state [B·S, HV, K, V] = "
+                         f"{[NB, HV, K, V]}, got {None if initial_state is None else list(initial_state.shape)}")
+    if warm_chunks.shape != (NB, HV):
+        raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
+    return NB
