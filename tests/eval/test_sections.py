@@ -10,7 +10,7 @@ from linattn.eval.cases import Case, Shape, correctness_cases, profile
 from linattn.eval.context import Context, run_with_timeout
 from linattn.eval.impls import Impl, build, parse_impls
 
-from .virtual_clock import STUCK_S, VirtualClock, stuck
+from .virtual_clock import STUCK_S, VirtualClock, never_returns
 
 CPU = torch.device("cpu")
 TOL = {"fp32_rel_l2": 1e-4}  # what the torch backend reaches on abnormal-but-finite inputs, with margin (~2e-7)
@@ -85,7 +85,7 @@ def test_robustness_finite_case_runs_and_hang_is_reported():
     assert rec["status"] == "pass" and rec["rel_l2"] < TOL["fp32_rel_l2"]
     import threading
     gate, clock = threading.Event(), VirtualClock()
-    status, _ = run_with_timeout(stuck(gate, clock), timeout_s=0.1, clock=clock)
+    status, _ = run_with_timeout(never_returns(gate, clock), timeout_s=0.1, clock=clock)
     gate.set()
     assert status == "hang"
     assert run_with_timeout(lambda: 1 / 0, 1, clock=clock)[0] == "error"
@@ -306,7 +306,7 @@ def test_robustness_flags_one_error_on_every_case():
 def _stuck(gate, clock):
     """An implementation whose call does not return until ``gate`` is set (a hang, or an endless first autotune);
     it has run for STUCK_S of ``clock`` when first checked."""
-    return Impl("stuck", "gdn", stuck(gate, clock), native={"l2norm"})
+    return Impl("stuck", "gdn", never_returns(gate, clock), native={"l2norm"})
 
 
 def test_mixed_precision_survives_a_call_that_never_returns():

@@ -1,9 +1,9 @@
 """A virtual clock for the eval's time budget: the tests' scheduling does not depend on the machine's speed.
 
-Everything in ``linattn.eval`` that reads time reads :attr:`Context.clock` (the CLI passes its ``clock`` on). A test
-gives it a :class:`VirtualClock`, which moves only when told: by the test itself, or by a stand-in op that charges a
-fixed number of seconds per call (:class:`Costed`, :class:`SlowCompiler`, :func:`stuck`), so a slow or loaded
-machine changes how long a test takes, never which units fit or time out.
+Everything in ``linattn.eval`` that budgets, times or times out work reads :attr:`Context.clock` (the CLI passes its
+``clock`` on). A test gives it a :class:`VirtualClock`, which moves only when told: by the test itself, or by a
+stand-in op that charges a fixed number of seconds per call (:class:`Costed`, :class:`SlowCompiler`,
+:func:`never_returns`), so a slow or loaded machine changes how long a test takes, never which units fit or time out.
 """
 import functools
 import threading
@@ -13,7 +13,7 @@ from linattn.eval import cli as eval_cli
 from linattn.eval import decode, impls
 
 OP_S = 0.02  # virtual seconds each call of an implementation costs in a whole `linattn eval` run (run_eval)
-STUCK_S = 100.0  # virtual seconds a stuck call has run when it is first checked (Stuck)
+STUCK_S = 100.0  # virtual seconds a stuck call has run when it is first checked (never_returns)
 
 
 class VirtualClock:
@@ -62,7 +62,7 @@ class SlowCompiler:
         return self.fn(x)
 
 
-def stuck(gate: threading.Event, clock: VirtualClock, seconds: float = STUCK_S):
+def never_returns(gate: threading.Event, clock: VirtualClock, seconds: float = STUCK_S):
     """A call that does not return until ``gate`` is set (a hang, or an endless first autotune): it has run for
     ``seconds`` of ``clock`` as soon as it starts (more than any test's time-out, so one expires at once). A
     function, not an object: mixed precision deep-copies its model, and with it an object's gate."""
