@@ -131,3 +131,17 @@ def test_packed_sequences_keep_the_triton_backward_until_the_padded_one_is_measu
     # the decision's inputs are the padded batch's (N sequences of Tp rows), not the packed row's (B = 1, ΣT)
     two = [0, 9000, 18000]
     assert blocker(1, 18000, 16, 128, 128, bf16, f32) is None and "pairs" in packed(two)
+
+
+def test_run_backward_hands_packed_sequences_to_the_hopper_backward(monkeypatch):
+    """Where the choice is the Hopper backward, run_backward passes cu_seqlens and its host offsets on (the padded
+    backward's inputs), so turning ``packed_by_padding`` on needs no other change."""
+    from linattn.ops.hopper import backward
+    monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args: ("hopper", "test"))
+    seen = {}
+    monkeypatch.setattr(backward, "chunk_gated_delta_rule_bwd_hopper", lambda *args, **kw: seen.update(kw) or "grads")
+    x = inputs(1, 70, 1, 2, 16, 16)
+    cu, offsets = torch.tensor([0, 30, 70]), [0, 30, 70]
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    assert dispatch.run_backward(*args, 0.25, None, cu, offsets, x["v"], None, "triton") == "grads"
+    assert seen["cu_seqlens"] is cu and seen["offsets"] == offsets
