@@ -221,7 +221,7 @@ def backward_packed(q, k, v, g, beta, scale: float, initial_state: Optional[torc
     N, total, Tp = len(offsets) - 1, q.shape[1], varlen.padded_rows(offsets)
     batch = [varlen.to_padded(x, cu_seqlens, N, Tp) for x in (q, k, v, g, beta, do)]
     *grads, dh0 = backward_equal_lengths(*batch[:5], scale, initial_state, batch[5], dht, **options)
-    del batch
+    del batch           # the padded inputs freed before the gradients are copied out
     return (*(varlen.from_padded(x, cu_seqlens, total) for x in grads), dh0)
 
 
