@@ -8,8 +8,9 @@ lifted), the padding copies and partial sums under the Triton interpreter.
   rounding) and the float64 reference's autograd over the packed sequences (the host chain's bound: the pre-pass
   twin's bf16 T); padding with a nonzero gate must fail (the negative control);
 * sequences of one length take the view path: no copy in or out, the batch backward's bits;
-* bad packed inputs raise a clear ValueError / TypeError before any kernel; inputs are never modified.
-The kernels' numbers on the GPU: benchmarks/gpu_check_hopper_bwd.py --varlen.
+* bad packed inputs raise a clear ValueError / TypeError before any kernel; inputs are never modified;
+* on an sm_90 GPU, the kernels: packed = each sequence alone, within bf16 rounding.
+The kernels' numbers and times on the GPU: benchmarks/gpu_check_hopper_bwd.py --varlen.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 from linattn.ops.hopper import backward, chunk_bwd, varlen
 
 from .test_hopper_bwd import DEVICE, _twin_walk, use_recompute_twins
-from .test_hopper_bwd_ref import GRADS, make_inputs, rel_l2
+from .test_hopper_bwd_ref import GRADS, ON_HOPPER, make_inputs, rel_l2
 from .test_hopper_varlen import offsets_of
 
 # a partial last chunk (100), shorter than one chunk (37), exactly two chunks (128), empty (0), a single row (1)
@@ -184,3 +185,36 @@ def test_good_packed_inputs_reach_the_device_check():
     with pytest.raises(ValueError, match="sm_90"):
         backward.chunk_gated_delta_rule_bwd_hopper(**x)
     assert all(torch.equal(x[n], t) for n, t in before.items())
+
+
+@ON_HOPPER
+def test_packed_kernels_equal_each_sequence_alone_on_the_gpu():
+    """On the GPU, bf16 (GVA, K = V = 64, h0 and dht): the padded backward's gradients within bf16 rounding of the
+    Hopper backward run on each sequence alone (the same kernels on the same rows: a row out of place, a chunk
+    decayed by the padding or a dh0 from the wrong sequence is O(1)), every one finite, and the float64 reference's
+    within the bound the per-sequence runs meet themselves (twice their error)."""
+    offsets = offsets_of(LENGTHS)
+    x = packed_inputs(LENGTHS, H=2, HV=4, K=64, seed=5)
+    low = {n: (t.bfloat16() if n in ("q", "k", "v", "beta", "do") else t.float()).cuda() for n, t in x.items()}
+    scale = 64 ** -0.5
+    got = backward.chunk_gated_delta_rule_bwd_hopper(*(low[n] for n in NAMES), scale, low["h0"], low["do"],
+                                                     low["dht"], cu_seqlens=torch.tensor(offsets, device="cuda"))
+    assert all(torch.isfinite(t.float()).all() for t in got)
+    rows, dh0 = [[] for _ in GRADS[:5]], []
+    for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
+        if bos == eos:
+            dh0.append(low["dht"][n])
+            continue
+        # copies: a view from an odd row would start β (bf16, 4 heads) off the kernels' 16-byte boundary
+        one = [low[m][:, bos:eos].clone() for m in (*NAMES, "do")]
+        grads = backward.chunk_gated_delta_rule_bwd_hopper(*one[:5], scale, low["h0"][n:n + 1], one[5],
+                                                           low["dht"][n:n + 1])
+        for i in range(5):
+            rows[i].append(grads[i])
+        dh0.append(grads[5][0])
+    alone = [torch.cat(r, 1) for r in rows] + [torch.stack(dh0)]
+    distance = {n: rel_l2(a.float(), b.float()) for n, a, b in zip(GRADS, got, alone)}
+    assert max(distance.values()) < 1e-2, distance
+    ref = packed_reference({n: t.double().cpu() for n, t in low.items()}, scale, offsets)
+    ratios = {n: rel_l2(a.cpu(), c) / max(rel_l2(b.cpu(), c), 1e-30) for n, a, b, c in zip(GRADS, got, alone, ref)}
+    assert max(ratios.values()) <= 2.0, ratios
