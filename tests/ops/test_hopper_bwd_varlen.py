@@ -69,7 +69,7 @@ def per_sequence(x: dict, scale: float, offsets: list[int]) -> list[torch.Tensor
             dh0.append(x["dht"][n].float())
             continue
         one = {**{m: x[m][:, bos:eos] for m in (*NAMES, "do")}, "h0": x["h0"][n:n + 1], "dht": x["dht"][n:n + 1]}
-        grads = hopper(one, 0.3)
+        grads = hopper(one, scale)
         for name, t in zip(GRADS[:5], grads):
             rows[name].append(t)
         dh0.append(grads[5][0])
@@ -125,12 +125,13 @@ def test_padding_with_a_nonzero_gate_fails(monkeypatch):
 @pytest.mark.interpreter
 def test_packed_sequences_of_one_length_run_as_views(monkeypatch):
     """Three sequences of 100 rows: no copy in or out (pad_rows, unpad_rows never called; the batch the equal-length
-    backward gets is the packed rows' memory), the bits of the backward on the ``[3, 100]`` batch itself, and the
-    float64 reference's gradients within the host chain's bound."""
+    backward gets is the packed rows' memory, left unmodified), the bits of the backward on the ``[3, 100]`` batch
+    itself, and the float64 reference's gradients within the host chain's bound."""
     use_twin_chain(monkeypatch)
     offsets = [0, 100, 200, 300]
     x = packed_inputs([100] * 3, seed=4)
     low = {n: t.float() for n, t in x.items()}
+    before = {n: t.clone() for n, t in low.items()}
     monkeypatch.setattr(varlen, "pad_rows", None)
     monkeypatch.setattr(varlen, "unpad_rows", None)
     seen = []
@@ -140,6 +141,7 @@ def test_packed_sequences_of_one_length_run_as_views(monkeypatch):
                                                      BV=16, cu_seqlens=torch.tensor(offsets, device=DEVICE))
     assert [t.shape[:2] for t in seen[0]] == [(3, 100)] * 5
     assert all(t.data_ptr() == low[n].data_ptr() for t, n in zip(seen[0], NAMES))
+    assert all(torch.equal(low[n], before[n]) for n in low)
     batch = {n: (t.view(3, 100, *t.shape[2:]) if n in (*NAMES, "do") else t) for n, t in x.items()}
     whole = hopper(batch, 0.3)
     assert all(torch.equal(a.reshape(b.shape), b) for a, b in zip(got, whole))
