@@ -173,7 +173,7 @@ def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: 
         return "triton", "Hopper backward: not a CUDA call"
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
-    reason = _hopper()[2].unsupported_reason(q, v, None) or \
+    reason = _hopper()[2].unsupported_reason(q, v) or \
         hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype, offsets,
                                 packed_by_padding)
     if reason is None:

@@ -165,7 +165,7 @@ def plan_inputs(q: torch.Tensor, v: torch.Tensor, others: tuple, cu_seqlens: Opt
     being k, g, β and the initial state), where packed sequences would waste more than
     ``config.max_padded_fraction`` to padding (unless ``forced``), and where :func:`plan` finds no launch that fills
     the card (unless ``forced``). ``offsets``: ``cu_seqlens`` on the host."""
-    why = unsupported_reason(q, v, None)
+    why = unsupported_reason(q, v)
     if why is None and misaligned(q, v, *others) is not None:
         why = "an input starts off a 16-byte boundary"
     if why is not None:
