@@ -137,7 +137,7 @@ def test_run_backward_hands_packed_sequences_to_the_hopper_backward(monkeypatch)
     """Where the choice is the Hopper backward, run_backward passes cu_seqlens and its host offsets on (the padded
     backward's inputs), so turning ``packed_by_padding`` on needs no other change."""
     from linattn.ops.hopper import backward
-    monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args: ("hopper", "test"))
+    monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args, **kw: ("hopper", "test"))
     seen = {}
     monkeypatch.setattr(backward, "chunk_gated_delta_rule_bwd_hopper", lambda *args, **kw: seen.update(kw) or "grads")
     x = inputs(1, 70, 1, 2, 16, 16)
@@ -145,3 +145,17 @@ def test_run_backward_hands_packed_sequences_to_the_hopper_backward(monkeypatch)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     assert dispatch.run_backward(*args, 0.25, None, cu, offsets, x["v"], None, "triton") == "grads"
     assert seen["cu_seqlens"] is cu and seen["offsets"] == offsets
+
+
+def test_backward_route_checks_every_tensor_the_walk_reads(monkeypatch):
+    """run_backward asks choose_backward_path with k, β, the initial state and dht beside q, v, g and dO: a tensor
+    off a 16-byte boundary keeps the Triton backward (``hopper.plan.input_blocker``, tested with the forward's)."""
+    asked = {}
+    monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args, **kw: asked.update(kw) or ("torch", "test"))
+    from linattn.ops.gated_delta import torch_chunk
+    monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_bwd_torch", lambda *args: "grads")
+    x = inputs(1, 70, 1, 2, 16, 16)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    h0, dht = torch.zeros(1, 2, 16, 16), torch.ones(1, 2, 16, 16)
+    assert dispatch.run_backward(*args, 0.25, h0, None, None, x["v"], dht, "triton") == "grads"
+    assert all(a is b for a, b in zip(asked["others"], (x["k"], x["beta"], h0, dht)))

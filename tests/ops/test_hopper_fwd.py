@@ -148,6 +148,8 @@ def test_inputs_off_a_16_byte_boundary_take_the_triton_paths(monkeypatch):
         found, why = hopper_plan.plan_inputs(x["q"], x["v"], tuple(moved), None, None)
         assert found is None and "16-byte" in why
     assert hopper_plan.plan_inputs(off_boundary(x["q"]), x["v"], (), None, None)[0] is None
+    assert hopper_plan.input_blocker(x["q"], x["v"], x["v"], None) is None           # the backward's do, dht
+    assert "16-byte" in hopper_plan.input_blocker(x["q"], x["v"], off_boundary(x["v"]))
     assert hopper.misaligned(off_boundary(x["v"], 8)) is None          # 8 bf16 elements: 16 bytes on
 
 

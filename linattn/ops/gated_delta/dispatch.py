@@ -164,16 +164,18 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
 
 def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
                          cu_seqlens: Optional[torch.Tensor], backend: str, offsets: Optional[list[int]] = None,
-                         packed_by_padding: bool = False) -> tuple[str, str]:
+                         packed_by_padding: bool = False, others: tuple = ()) -> tuple[str, str]:
     """The backward for these saved inputs on ``backend``: ("torch" | "hopper" | "triton", why). ``offsets``:
-    cu_seqlens' host values (None: read from the device); ``packed_by_padding``: :func:`hopper_backward_blocker`'s."""
+    cu_seqlens' host values (None: read from the device); ``packed_by_padding``: :func:`hopper_backward_blocker`'s;
+    ``others``: the call's other tensors (k, β, the initial state, dht; None skipped), which must start on a
+    16-byte boundary as q, v, g and dO must (``hopper.plan.input_blocker``: the walk's TMA loads)."""
     if backend != "triton":
         return "torch", f"backend={backend!r}"
     if q.device.type != "cuda":
         return "triton", "Hopper backward: not a CUDA call"
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
-    reason = _hopper()[2].unsupported_reason(q, v) or \
+    reason = _hopper()[0].input_blocker(q, v, g, do, *others) or \
         hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype, offsets,
                                 packed_by_padding)
     if reason is None:
@@ -188,7 +190,7 @@ def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.T
                  dht: torch.Tensor, backend: str) -> tuple:
     """dq, dk, dv, dg, dbeta, dh0 (None without initial_state) from the path :func:`choose_backward_path` picks. A
     Hopper backward that does not compile here warns once and leaves the Triton backward to every later call."""
-    path, _ = choose_backward_path(q, v, g, do, cu_seqlens, backend, offsets)
+    path, _ = choose_backward_path(q, v, g, do, cu_seqlens, backend, offsets, others=(k, beta, initial_state, dht))
     if path == "torch":
         from .torch_chunk import chunk_gated_delta_rule_bwd_torch
         return chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
