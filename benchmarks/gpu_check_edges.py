@@ -122,7 +122,7 @@ def hopper_runs(x):
     """Whether the forced "hopper" path really runs the Hopper forward for these inputs (else the Triton one)."""
     try:
         from linattn.ops.hopper import chunk_fwd
-        return chunk_fwd.unsupported_reason(x["q"], x["v"], None) is None
+        return chunk_fwd.unsupported_reason(x["q"], x["v"]) is None
     except Exception:
         return False
 

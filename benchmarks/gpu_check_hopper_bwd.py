@@ -40,15 +40,26 @@
     scan, phase C), h's relative L2 segmented vs unsegmented and each against float64, the plan's flags; at the
     anchors' gates the whole backward with segmented vs unsegmented states (ms). A table last.
 
+(f) --varlen (packed sequences by padding, ``backward.backward_packed``): on a small packed bf16 case (6 sequences:
+    a partial last chunk, two whole chunks, one shorter than a chunk, a single row, an empty one; GVA, K = V = 128,
+    h0 and dht) every gradient's relative L2 against float64 autograd of the reference over the packed sequences,
+    the padded Hopper backward's beside the Triton varlen backward's, and the padded backward against the Hopper
+    backward run on each sequence alone; then at 8 ragged sequences summing to 32768 tokens (H = HV = 16, K = V =
+    128; 9% and 19% of the padded batch is padding): the padded Hopper backward vs the Triton varlen backward (ms),
+    the padding copies alone (6 in, 5 out) and the Hopper backward on the already padded batch, the dispatch's
+    decision with ``packed_by_padding`` on, and the gradients' relative L2 Hopper vs Triton. A table last. Its
+    kernels are part (a)'s and row 2's (the smoke builds them).
+
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a); ≈ 25 TileLang kernels compiled first
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
     python benchmarks/gpu_check_hopper_bwd.py --warm --out $OUT       # part (d) alone
     python benchmarks/gpu_check_hopper_bwd.py --states --out $OUT     # part (e) alone, ≈ 3-5 min
+    python benchmarks/gpu_check_hopper_bwd.py --varlen --out $OUT     # part (f) alone, ≈ 1-2 min after compiles
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
 
 Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm,
-hopper_bwd_states.json with --states) under --out
+hopper_bwd_states.json with --states, hopper_bwd_varlen.json with --varlen) under --out
 after every case (a run cut short keeps what it reached), printing each row's JSON as it goes and a table last.
 """
 from __future__ import annotations
@@ -94,6 +105,11 @@ WARM_ROWS = SEGMENT_ROWS[:3]
 # part (e): name, B, T, gates divided by, segments (H = HV = 16, K = V = 128: row 3's kernels); and its rows
 STATES_CASES = [("B2_T2048_S4", 2, 2048, 1, 4), ("B1_T4096_S8_slow", 1, 4096, 1024, 8)]
 STATES_ROWS = SEGMENT_ROWS[:2]
+# part (f): the packed accuracy case (name, lengths, H, HV, K = V) and the timed packed rows (name, lengths summing to
+# 32768; H = HV = 16, K = V = 128): padded to 4480 rows (8.6% padding) and to 5056 (19.0%, near the 20% rule)
+VARLEN_CASE = ("packed_GVA_K128", [300, 128, 65, 1, 0, 200], 2, 4, 128)
+VARLEN_ROWS = [("ragged_9pct", [4480, 4100, 3900, 4450, 3700, 4200, 3838, 4100]),
+               ("skewed_19pct", [5056, 3400, 3600, 3800, 4000, 4100, 4312, 4500])]
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
     (2, 8, 4096, 16, 16),
     (3, 1, 32768, 16, 16),
@@ -635,6 +651,125 @@ def whole_backward_ms(x: dict, backward) -> dict:
                 backward_unsegmented_states=triton.testing.do_bench(lambda: run(False)))
 
 
+def packed_inputs(name: str, lengths: list[int], H: int, HV: int, K: int, decay: float = 1 / 16) -> dict:
+    """Part (f)'s packed inputs ``[1, ΣT, ...]`` (gpu_check_core.make's, one h0 per sequence) rounded as
+    :func:`bf16_inputs` rounds them, their float64 copies, dht ``[N, HV, K, V]``, cu_seqlens and its host offsets."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    low, exact, _ = bf16_inputs(name, 1, offsets[-1], H, HV, K, K, decay)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    low["initial_state"] = torch.randn(len(lengths), HV, K, K, device="cuda", generator=gen) * 0.1
+    exact["initial_state"] = low["initial_state"].double()
+    dht = torch.randn(len(lengths), HV, K, K, device="cuda", generator=gen)
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    return dict(low=low, exact=exact, dht=dht, cu_seqlens=cu, offsets=offsets)
+
+
+def packed_backwards(x: dict) -> dict:
+    """The padded Hopper backward and the Triton varlen backward on :func:`packed_inputs`' inputs, as callables."""
+    from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
+    from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
+    low, dht, cu, offsets = x["low"], x["dht"], x["cu_seqlens"], x["offsets"]
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [low["q"].shape[-1] ** -0.5, low["initial_state"]]
+    return dict(hopper=lambda: chunk_gated_delta_rule_bwd_hopper(*args, low["do"], dht, cu_seqlens=cu,
+                                                                 offsets=offsets),
+                triton=lambda: chunk_gated_delta_rule_bwd_triton(*args, cu, offsets, low["do"], dht))
+
+
+def varlen_case(case) -> dict:
+    """Part (f)'s accuracy: relative L2 of every gradient of the padded Hopper backward and of the Triton varlen
+    backward against float64 autograd over the packed sequences, and the padded backward against the Hopper
+    backward on each non-empty sequence alone (B = 1; an empty sequence's dh0 against its dht)."""
+    from gpu_check_core import grads_of, rel
+
+    from linattn.ops.gated_delta.reference import gated_delta_rule_reference
+    from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
+    name, lengths, H, HV, K = case
+    x = packed_inputs(name, lengths, H, HV, K)
+    low, exact, dht, offsets = x["low"], x["exact"], x["dht"], x["offsets"]
+    scale = K ** -0.5
+    ref = grads_of(lambda **a: gated_delta_rule_reference(
+        **{n: a[n] for n in ("q", "k", "v", "g", "beta")}, scale=scale, initial_state=a["initial_state"],
+        cu_seqlens=offsets), {n: t for n, t in exact.items() if n != "do"}, exact["do"], dht.double())[2:]
+    runs = packed_backwards(x)
+    hop, tri = runs["hopper"](), runs["triton"]()
+    alone = [[] for _ in GRADS]
+    for n, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
+        if bos == eos:
+            alone[5].append(dht[n])
+            continue
+        # copies: a view at an odd row would start β (bf16, 4 heads) off the kernels' 16-byte boundary
+        one = [low[m][:, bos:eos].clone() for m in ("q", "k", "v", "g", "beta", "do")]
+        grads = chunk_gated_delta_rule_bwd_hopper(*one[:5], scale, low["initial_state"][n:n + 1], one[5],
+                                                  dht[n:n + 1])
+        for i, t in enumerate(grads):
+            alone[i].append(t if i < 5 else t[0])
+    alone = [torch.cat(a, 1) for a in alone[:5]] + [torch.stack(alone[5])]
+    row = dict(case=name, lengths=lengths, H=H, HV=HV, K=K,
+               nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in hop))
+    for label, grads in (("hopper", hop), ("triton", tri)):
+        row[label] = {n: rel(a, b) for n, a, b in zip(GRADS, grads, ref)}
+    row["vs_triton"] = {n: row["hopper"][n] / max(row["triton"][n], 1e-30) for n in GRADS}
+    row["vs_alone"] = {n: rel(a.float(), b.float()) for n, a, b in zip(GRADS, hop, alone)}
+    row["bitwise_alone"] = {n: bool(torch.equal(a, b.to(a.dtype))) for n, a, b in zip(GRADS, hop, alone)}
+    return row
+
+
+def time_varlen(item) -> dict:
+    """Part (f) at one packed row: do_bench medians (ms) of the padded Hopper backward, the Triton varlen backward,
+    the padding copies alone (q, k, v, g, β, dO in; dq, dk, dv, dg, dβ out) and the Hopper backward on the already
+    padded batch; the dispatch's decision with ``packed_by_padding`` on; the gradients' relative L2 Hopper vs
+    Triton."""
+    import triton
+    from gpu_check_core import rel
+
+    from linattn.ops.gated_delta import dispatch
+    from linattn.ops.hopper import backward, varlen
+    name, lengths = item
+    H = HV = 16
+    K = 128
+    x = packed_inputs(name, lengths, H, HV, K)
+    low, dht, cu, offsets = x["low"], x["dht"], x["cu_seqlens"], x["offsets"]
+    N, total, Tp = len(lengths), offsets[-1], varlen.padded_rows(offsets)
+    names = ("q", "k", "v", "g", "beta", "do")
+    batch = {n: varlen.to_padded(low[n], cu, N, Tp) for n in names}
+    outs = [batch[n] for n in ("q", "k", "v", "g", "beta")]             # the gradients' shapes and dtypes
+    runs = packed_backwards(x)
+    hop, tri = runs["hopper"](), runs["triton"]()
+    on_batch = lambda: backward.chunk_gated_delta_rule_bwd_hopper(
+        *(batch[n] for n in names[:5]), K ** -0.5, low["initial_state"], batch["do"], dht)
+    blocker = dispatch.hopper_backward_blocker(1, total, HV, K, K, torch.bfloat16, low["g"].dtype, offsets,
+                                               packed_by_padding=True)
+    ms = dict(hopper=triton.testing.do_bench(runs["hopper"]), triton=triton.testing.do_bench(runs["triton"]),
+              copies_in=triton.testing.do_bench(lambda: [varlen.to_padded(low[n], cu, N, Tp) for n in names]),
+              copies_out=triton.testing.do_bench(lambda: [varlen.from_padded(t, cu, total) for t in outs]),
+              hopper_on_batch=triton.testing.do_bench(on_batch))
+    return dict(row=name, N=N, total=total, Tp=Tp, padded_fraction=1 - total / (N * Tp), H=H, HV=HV, K=K,
+                route=blocker or "hopper", ms=ms, speedup=ms["triton"] / ms["hopper"],
+                hopper_vs_triton={n: rel(a.float(), b.float()) for n, a, b in zip(GRADS, hop, tri)})
+
+
+def print_varlen_table(results: dict) -> None:
+    print(f"\ndevice: {results.get('device')}")
+    print(f"\n{'case':<20}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64 over the packed sequences)")
+    for r in measured(results["varlen_accuracy"], "case", 20):
+        print(f"{r['case']:<20}" + "".join(f"{r['hopper'][n]:9.1e}" for n in GRADS) + "   hopper padded")
+        print(f"{'':<20}" + "".join(f"{r['triton'][n]:9.1e}" for n in GRADS) + "   triton varlen")
+        print(f"{'':<20}" + "".join(f"{r['vs_triton'][n]:9.2f}" for n in GRADS) + "   hopper / triton")
+        print(f"{'':<20}" + "".join(f"{r['vs_alone'][n]:9.1e}" for n in GRADS)
+              + f"   padded vs each sequence alone (bitwise: {sum(r['bitwise_alone'].values())}/6); "
+              f"nonfinite {r['nonfinite']}")
+    print(f"\n{'row':<14}{'N':>3}{'ΣT':>7}{'Tp':>6}{'pad':>6}{'hopper':>9}{'triton':>9}{'tri/hop':>8}"
+          f"{'copies':>8}{'on batch':>9}  route (packed_by_padding on); max rel L2 hopper vs triton"
+          "   (ms, do_bench medians; copies = 6 in + 5 out)")
+    for r in measured(results["varlen"], "row", 14):
+        ms = r["ms"]
+        print(f"{r['row']:<14}{r['N']:>3}{r['total']:>7}{r['Tp']:>6}{r['padded_fraction']:6.1%}{ms['hopper']:9.3f}"
+              f"{ms['triton']:9.3f}{r['speedup']:8.2f}{ms['copies_in'] + ms['copies_out']:8.3f}"
+              f"{ms['hopper_on_batch']:9.3f}  {r['route']}; {max(r['hopper_vs_triton'].values()):.1e}")
+
+
 def print_states_table(results: dict) -> None:
     print(f"\ndevice: {results.get('device')}")
     print("part (e) kernels against their twins (rel L2; ≈ 1e-3 is rounding), then h (rel L2):")
@@ -754,16 +889,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--segments", action="store_true", help="only part (c), the segmented backward's rows")
     ap.add_argument("--warm", action="store_true", help="only part (d), the reverse warm-ups against the maps")
     ap.add_argument("--states", action="store_true", help="only part (e), the states recompute in segments")
+    ap.add_argument("--varlen", action="store_true", help="only part (f), packed sequences by padding")
     args = ap.parse_args(argv)
     if args.smoke:
         return dict(smoke=smoke())
     name = ("hopper_bwd_segments" if args.segments else "hopper_bwd_warm" if args.warm
-            else "hopper_bwd_states" if args.states
+            else "hopper_bwd_states" if args.states else "hopper_bwd_varlen" if args.varlen
             else "hopper_bwd_timing" if args.timing_only else "hopper_bwd")
     out = Path(args.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     results = dict(device=torch.cuda.get_device_name(), twin=[], recompute=[], accuracy=[], repeat=[], timing=[],
-                   segments=[], warm_twin=[], warm=[], states_twin=[], states=[])
+                   segments=[], warm_twin=[], warm=[], states_twin=[], states=[], varlen_accuracy=[],
+                   varlen=[])
 
     def chosen(table: list) -> list:
         """The rows of ``table`` that --rows names (all of them without it)."""
@@ -779,6 +916,12 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(results, indent=1))
         print(json.dumps(results[key][-1]), flush=True)
 
+    if args.varlen:
+        step("varlen_accuracy", varlen_case, VARLEN_CASE, "case")
+        for row in VARLEN_ROWS:
+            step("varlen", time_varlen, row, "row")
+        print_varlen_table(results)
+        return results
     if args.states:
         for case in STATES_CASES:
             step("states_twin", states_twin_case, case, "case")

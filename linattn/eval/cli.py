@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -216,18 +217,19 @@ class _Signals:
 class _Log:
     """One flushed line per unit of work on stderr, prefixed with the seconds since the run started."""
 
-    def __init__(self, enabled: bool, t0: float):
-        self.enabled, self.t0 = enabled, t0
+    def __init__(self, enabled: bool, clock: Callable[[], float], t0: float):
+        self.enabled, self.clock, self.t0 = enabled, clock, t0
 
     def __call__(self, line: str) -> None:
         if self.enabled:
-            print(f"[{time.monotonic() - self.t0:7.1f}s] {line}", file=sys.stderr, flush=True)
+            print(f"[{self.clock() - self.t0:7.1f}s] {line}", file=sys.stderr, flush=True)
 
 
 class Evaluation:
-    """One ``linattn eval`` run: its arguments checked (``ValueError`` otherwise), then :meth:`run`."""
+    """One ``linattn eval`` run: its arguments checked (``ValueError`` otherwise), then :meth:`run`. ``clock``: what
+    the budget, the log and the timings read (:attr:`Context.clock`)."""
 
-    def __init__(self, args, guard: _Signals = None):
+    def __init__(self, args, guard: _Signals = None, clock: Callable[[], float] = time.monotonic):
         from .cases import profile
         from .context import Context
         from .impls import parse_impls
@@ -248,11 +250,12 @@ class Evaluation:
             raise ValueError("none of the requested implementations can run here: " + "; ".join(
                 f"{i.name}: {i.reason}" for i in self.impls))
         self.bar_enabled = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
-        self.t0 = time.monotonic()
-        self.log = _Log(not self.bar_enabled, self.t0)
+        self.clock = clock
+        self.t0 = clock()
+        self.log = _Log(not self.bar_enabled, clock, self.t0)
         self.ctx = Context(device=self.device, profile=self.prof, impls=self.impls, deadline=self.t0 + self.budget,
                            seed=args.seed, gates=args.gates, peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs,
-                           t0=self.t0, log=self.log, on_unit=self._maybe_checkpoint)
+                           clock=clock, t0=self.t0, log=self.log, on_unit=self._maybe_checkpoint)
         self.warm_from = None  # meta.warm_from: what --warm-from took as cached
         if args.warm_from:
             from .warm import load_cached
@@ -289,7 +292,7 @@ class Evaluation:
                 state = "interrupted" if self.interrupted else "in progress"
                 out[name] = {"skipped": f"{state} (partial: the records so far are in report.json)",
                              state.replace(" ", "_"): True, **_copy(self.ctx.partial),
-                             "elapsed_s": time.monotonic() - self.section_start}
+                             "elapsed_s": self.clock() - self.section_start}
             elif name not in self.selected:
                 out[name] = {"skipped": "not selected (--sections)"}
             else:
@@ -321,7 +324,7 @@ class Evaluation:
         out["sections_done"] = done
         out["meta"] = {
             "profile": self.prof.name, "device": str(self.device), "time_budget_s": self.budget,
-            "wall_s": time.monotonic() - self.t0, "sections": self.selected, "seed": self.args.seed,
+            "wall_s": self.clock() - self.t0, "sections": self.selected, "seed": self.args.seed,
             "gates": self.args.gates,
             "argv": sys.argv[1:], "partial": not complete, "interrupted": self.interrupted,
             "first_call_max_s": {k: c.first_call_max_s for k, c in self.ctx.costs.items()},
@@ -341,11 +344,11 @@ class Evaluation:
             return write_all(results, self.args.out, figures=figures)
 
     def checkpoint(self) -> None:
-        self.last_checkpoint = time.monotonic()
+        self.last_checkpoint = self.clock()
         self.write(self.assemble(), figures=False)
 
     def _maybe_checkpoint(self) -> None:
-        if time.monotonic() - self.last_checkpoint >= CHECKPOINT_EVERY_S:
+        if self.clock() - self.last_checkpoint >= CHECKPOINT_EVERY_S:
             self.checkpoint()
 
     # ---- the run -------------------------------------------------------------------------------------------
@@ -395,7 +398,7 @@ class Evaluation:
                     self.sampler.section = name
                     ctx.plan_section(weights, i)  # what is left, divided over this section and the later ones
                     ctx.begin_section(name)
-                    self.running, self.section_start = name, time.monotonic()
+                    self.running, self.section_start = name, self.clock()
                     self.log(f"{name}: start ({ctx.remaining():.0f} s until its deadline at "
                              f"{ctx.deadline - self.t0:.0f} s, {max(ctx.spare(), 0):.0f} s with the run's spare "
                              "time)")
@@ -405,7 +408,7 @@ class Evaluation:
                         results[name] = {"error": error_record(e)}
                         self.log(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
                     budget = ctx.end_section()
-                    results[name]["elapsed_s"] = time.monotonic() - self.section_start
+                    results[name]["elapsed_s"] = self.clock() - self.section_start
                     results[name]["budget"] = budget
                     self.running = None
                     self.done.append(name)
@@ -421,7 +424,7 @@ class Evaluation:
             # running, and the report says which one had just finished instead of blaming the setup.
             during = (self.running or (f"the gap after {self.done[-1]}" if self.done else "setup"))
             self.interrupted = {"signal": signal.Signals(signum).name, "signum": int(signum),
-                                "at_s": time.monotonic() - self.t0, "section": self.running, "unit": unit,
+                                "at_s": self.clock() - self.t0, "section": self.running, "unit": unit,
                                 "during": during}
             self.log(f"interrupted by {self.interrupted['signal']} during {unit or during}: "
                      "writing the partial report")

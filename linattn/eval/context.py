@@ -38,6 +38,10 @@ budget each, at most its nominal share) and the fair shares of the later parts o
 share borrows that time (later sections rebalance: the CLI divides what is left when each starts,
 :meth:`Context.plan_section`); a unit that fits neither is skipped, counted and logged.
 
+Time: every deadline, unit time and time-sized loop of the sections reads :attr:`Context.clock` (``time.monotonic``
+unless told otherwise), and so do the hard timeouts of :meth:`Context.call_with_timeout`; the tests drive a virtual
+clock through it, so that their scheduling does not depend on the machine's speed.
+
 Also the device-neutral helpers the sections share: ``sync``, peak-memory measurement (the CUDA caching
 allocator's counters on GPU; the PyTorch profiler's allocation events on CPU), the process's resident set (soak),
 and ``run_with_timeout`` (robustness and mixed precision must survive a call that never returns).
@@ -166,14 +170,15 @@ class Context:
     device: torch.device
     profile: Profile
     impls: list[Impl]
-    deadline: float  # time.monotonic() value: the end of the running share (section, or a part of it)
+    deadline: float  # a ``clock`` reading: the end of the running share (section, or a part of it)
     seed: int = 0
     gates: str = "default"  # the speed sections' decay draw (cases.GATES: --gates)
     progress: Optional[Callable[[str], None]] = None  # called with a short description when a unit starts
     peak_tflops: Optional[float] = None  # user overrides of the roofline ceilings
     peak_gbs: Optional[float] = None
     notes: list = field(default_factory=list)
-    t0: float = field(default_factory=time.monotonic)  # start of the run: the log lines' clock
+    clock: Callable[[], float] = time.monotonic  # seconds, monotonic: what every deadline and unit time reads
+    t0: Optional[float] = None  # start of the run: the log lines' clock (default: ``clock()`` now)
     run_deadline: Optional[float] = None  # end of the whole run's usable time (default: ``deadline``)
     budget_s: Optional[float] = None  # the run's usable seconds (reserves are fractions of it; default from t0)
     later_reserve_s: float = 0.0  # kept for the minimal work of the sections after the running one
@@ -192,6 +197,8 @@ class Context:
     _borrow: bool = False  # the unit fits() just let start runs on spare time
 
     def __post_init__(self):
+        if self.t0 is None:
+            self.t0 = self.clock()
         if self.run_deadline is None:
             self.run_deadline = self.deadline
         if self.budget_s is None:
@@ -207,12 +214,12 @@ class Context:
     def remaining(self) -> float:
         """Seconds left of the running share (what time-sized loops divide), never past what the run keeps for
         the later sections."""
-        return min(self.deadline, self.run_deadline - self.later_reserve_s) - time.monotonic()
+        return min(self.deadline, self.run_deadline - self.later_reserve_s) - self.clock()
 
     def spare(self) -> float:
         """Seconds a unit may borrow beyond its share: the run's remaining time less the reserves for the later
         sections and the later parts of this one."""
-        return self.run_deadline - time.monotonic() - self.later_reserve_s - sum(self._part_reserves)
+        return self.run_deadline - self.clock() - self.later_reserve_s - sum(self._part_reserves)
 
     def out_of_time(self, reserve_s: float = 0.0) -> bool:
         return self.remaining() <= reserve_s
@@ -225,7 +232,7 @@ class Context:
         deadline and the reserve kept for the later ones. Each section gets a minimum (:data:`RESERVE_FRACTION` of
         the budget, at most its nominal share) plus its share by weight of what is left beyond the minima of it and
         the later sections; when even the minima no longer fit, they shrink in proportion."""
-        now = time.monotonic()
+        now = self.clock()
         left = max(0.0, self.run_deadline - now)
         total = sum(weights) or 1.0
         mins = [self._reserve(self.budget_s * w / total) for w in weights[i:]]
@@ -246,7 +253,7 @@ class Context:
         when it ends, so the later parts keep theirs (within what the run has left); time the block leaves unused
         stays for them. (Without this, the first implementation of a section could starve the rest.)"""
         old, n = self.deadline, max(1, parts_left)
-        now = time.monotonic()
+        now = self.clock()
         left = max(0.0, old - now)
         self.deadline = now + left / n
         self._part_reserves.append(left - left / n)
@@ -254,7 +261,7 @@ class Context:
             yield
         finally:
             self._part_reserves.pop()
-            over = max(0.0, time.monotonic() - self.deadline)
+            over = max(0.0, self.clock() - self.deadline)
             self.deadline = old + over
 
     # ---- the cost model and the per-unit budget ------------------------------------------------------------
@@ -387,7 +394,7 @@ class Context:
         if self._unit is not None:
             self.done("done")
         new = self.compile_estimates(impl, classes)
-        self._unit = {"desc": desc, "impl": impl, "classes": tuple(classes), "new": new, "t": time.monotonic(),
+        self._unit = {"desc": desc, "impl": impl, "classes": tuple(classes), "new": new, "t": self.clock(),
                       "borrowed": self._borrow}
         self._borrow = False
         if self.progress is not None:
@@ -400,7 +407,7 @@ class Context:
         u, self._unit = self._unit, None
         if u is None:
             return
-        unit_s = time.monotonic() - u["t"]
+        unit_s = self.clock() - u["t"]
         note = f"{unit_s:.1f} s"
         if u["impl"] is not None:
             c = self.costs.setdefault(u["impl"], ImplCost())
@@ -477,7 +484,7 @@ class Context:
         call may still be running in the abandoned thread: the caller skips the implementation's later units."""
         timeout, by_budget = self.hard_timeout(impl, classes, limit_s)
         compile_s = self.first_call_compile_s(impl, classes)
-        status, result = run_with_timeout(fn, timeout, self.device)
+        status, result = run_with_timeout(fn, timeout, self.device, self.clock)
         if status != "hang":
             return status, result, {}
         if by_budget:
@@ -598,6 +605,8 @@ def indexed(device: torch.device) -> torch.device:
     return device
 
 
+JOIN_SLICE_S = 0.05  # run_with_timeout reads its clock this often while the call runs
+
 # Worker threads whose call did not return in time (run_with_timeout): still running, perhaps inside CUDA or a JIT
 # compiler. The `linattn` command checks them before it exits (:func:`linattn.cli.entry`).
 _ABANDONED: list = []
@@ -608,9 +617,10 @@ def abandoned_threads() -> list:
     return [th for th in _ABANDONED if th.is_alive()]
 
 
-def run_with_timeout(fn: Callable[[], object], timeout_s: float,
-                     device: Optional[torch.device] = None) -> tuple[str, object]:
-    """Run ``fn`` in a worker thread; return ``("ok", result)``, ``("error", exception)`` or ``("hang", None)``.
+def run_with_timeout(fn: Callable[[], object], timeout_s: float, device: Optional[torch.device] = None,
+                     clock: Callable[[], float] = time.monotonic) -> tuple[str, object]:
+    """Run ``fn`` in a worker thread; return ``("ok", result)``, ``("error", exception)`` or ``("hang", None)``:
+    still running after ``timeout_s`` seconds of ``clock`` (the context's: :attr:`Context.clock`).
 
     A thread cannot be killed: a hung call is left running as a daemon and reported; the suite moves on. (A process
     would be killable but cannot share the caller's CUDA context and tensors, which is what is being tested.)
@@ -637,8 +647,11 @@ def run_with_timeout(fn: Callable[[], object], timeout_s: float,
             box["error"] = e
 
     th = threading.Thread(target=target, daemon=True)
+    end = clock() + timeout_s
     th.start()
-    th.join(timeout_s)
+    # joined in slices, so that the timeout is measured on ``clock`` (a join returns as soon as the call does)
+    while th.is_alive() and (left := end - clock()) > 0:
+        th.join(min(left, JOIN_SLICE_S))
     if th.is_alive():
         _ABANDONED.append(th)
         return "hang", None

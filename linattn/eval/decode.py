@@ -15,7 +15,8 @@ head). This section measures that step for every implementation with a decode pa
 Per (path, batch B, tokens per step Tq, pool dtype): the first call timed alone (JIT compile), ``dec_warmup`` steps
 discarded, then ``dec_steps`` steps (≥ 1000 on a GPU) timed one by one, each ending with a synchronize as in a
 generation loop whose next input depends on this step's output: CUDA events around the eager call on a GPU
-(host launch overhead + kernel), ``time.perf_counter`` on a CPU. Reported: P50/P95/P99/max and every sample.
+(host launch overhead + kernel), the context's clock (:attr:`Context.clock`: ``time.monotonic``) on a CPU. Reported:
+P50/P95/P99/max and every sample.
 On a GPU also the step under CUDA-graph replay (``dec_graph_calls`` steps captured in one graph, median over
 replays: the kernel time without the host), the bytes a step must move (state read + written once, plus q, k, v,
 g, β in and o out), the bandwidth that implies, and the bandwidth of a torch device copy of the same bytes timed
@@ -30,7 +31,6 @@ OpenMP fork/join across threads costs more than it saves (on a busy machine, ten
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -182,17 +182,17 @@ def time_steps(ctx: Context, fn: Callable[[], object], warmup: int, steps: int, 
                min_steps: int) -> dict:
     """First-call time (s), then per-step samples (ms) after warm-up, a synchronize after every step."""
     ctx.sync()
-    t0 = time.perf_counter()
+    t0 = ctx.clock()
     fn()
     ctx.sync()
-    first_s = time.perf_counter() - t0
+    first_s = ctx.clock() - t0
     for _ in range(warmup):
         fn()
     ctx.sync()
     samples = []
-    start = time.perf_counter()
+    start = ctx.clock()
     for i in range(steps):
-        if i >= min_steps and time.perf_counter() - start > budget_s:
+        if i >= min_steps and ctx.clock() - start > budget_s:
             break
         if ctx.gpu:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -202,9 +202,9 @@ def time_steps(ctx: Context, fn: Callable[[], object], warmup: int, steps: int, 
             b.synchronize()
             samples.append(a.elapsed_time(b))
         else:
-            t = time.perf_counter()
+            t = ctx.clock()
             fn()
-            samples.append((time.perf_counter() - t) * 1e3)
+            samples.append((ctx.clock() - t) * 1e3)
     return {"first_call_s": first_s, "samples_ms": samples}
 
 
@@ -439,7 +439,7 @@ def run(ctx: Context) -> dict:
     finally:
         torch.set_num_threads(threads)
     s = p.dec_shape
-    return {"timer": "cuda_events" if ctx.gpu else "perf_counter", "graph": ctx.gpu,
+    return {"timer": "cuda_events" if ctx.gpu else "monotonic", "graph": ctx.gpu,
             "cpu_threads": None if ctx.gpu else 1, "steps": p.dec_steps, "warmup": p.dec_warmup,
             "graph_calls": p.dec_graph_calls if ctx.gpu else None, "io_dtype": p.dec_dtype,
             "shape": {"H": s.H, "HV": s.HV, "K": s.K, "V": s.V}, "paths": [x.name for x in paths],

@@ -2,9 +2,9 @@
 
 For each (implementation, shape, dtype, direction) the first call is timed alone (it includes JIT compilation and
 autotuning: the forward's in the fwd row, which runs first, the backward's in the fwd+bwd row), then ``warmup``
-calls are discarded and up to ``reps`` calls are timed one by one: CUDA events on a GPU, ``time.perf_counter``
-around the (synchronous) call on a CPU. The report keeps every sample and gives median, P50/P95/P99
-(linear interpolation between order statistics, numpy's default), min, max, mean and std.
+calls are discarded and up to ``reps`` calls are timed one by one: CUDA events on a GPU, the context's clock
+(:attr:`Context.clock`: ``time.monotonic``) around the (synchronous) call on a CPU. The report keeps every sample and
+gives median, P50/P95/P99 (linear interpolation between order statistics, numpy's default), min, max, mean and std.
 
 FLOP/byte model of the chunked gated delta rule (chunk C, per value head, K = q/k head dim, V = value head dim).
 A fused kernel needs, per chunk of C tokens, these matrix products (multiply-adds):
@@ -29,7 +29,6 @@ known peak (CPUs) the fraction is null, and TFLOP/s and GB/s are still reported.
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -171,19 +170,19 @@ def time_calls(ctx: Context, fn: Callable[[], object], warmup: int, reps: int, b
     """First-call time, then per-call samples (ms) after warm-up; the number of calls is planned from a second,
     synchronised call so that the row fits ``budget_s`` (:func:`planned_calls`)."""
     ctx.sync()
-    t0 = time.perf_counter()
+    t0 = ctx.clock()
     fn()
     ctx.sync()
-    first_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    first_s = ctx.clock() - t0
+    t0 = ctx.clock()
     fn()
     ctx.sync()
-    warmup, reps = planned_calls(time.perf_counter() - t0, max(0, warmup - 1), reps, budget_s, min_reps)
+    warmup, reps = planned_calls(ctx.clock() - t0, max(0, warmup - 1), reps, budget_s, min_reps)
     for _ in range(warmup):
         fn()
     ctx.sync()
     samples = []
-    start = time.perf_counter()
+    start = ctx.clock()
     if ctx.gpu:
         # one event pair per call, read after a single sync: no host sync between calls distorts the timings
         evs = []
@@ -197,11 +196,11 @@ def time_calls(ctx: Context, fn: Callable[[], object], warmup: int, reps: int, b
         samples = [a.elapsed_time(b) for a, b in evs]
     else:
         for i in range(reps):
-            if i >= min_reps and time.perf_counter() - start > budget_s:
+            if i >= min_reps and ctx.clock() - start > budget_s:
                 break
-            t = time.perf_counter()
+            t = ctx.clock()
             fn()
-            samples.append((time.perf_counter() - t) * 1e3)
+            samples.append((ctx.clock() - t) * 1e3)
     return {"first_call_s": first_s, "samples_ms": samples}
 
 
@@ -297,6 +296,6 @@ def run(ctx: Context) -> dict:
     position = {uid: i for i, uid in enumerate(uids)}
     records.sort(key=lambda r: position.get(r["id"], len(uids)))  # the grid's order, as the tables show it
     peaks = {d: dict(zip(("tflops", "gbs", "source"), device_peaks(ctx, d))) for d in p.perf_dtypes}
-    return {"timer": "cuda_events" if ctx.gpu else "perf_counter", "warmup": p.warmup, "max_reps": p.reps,
+    return {"timer": "cuda_events" if ctx.gpu else "monotonic", "warmup": p.warmup, "max_reps": p.reps,
             "chunk": CHUNK, "peaks": peaks, "records": records, "skipped_for_time": skipped,
             "unsupported": unsupported}

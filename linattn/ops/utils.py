@@ -205,7 +205,14 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
 
     Reading the values syncs with the device; the ops need them on the host anyway (to plan chunks).
     """
-    offs = cu_seqlens.tolist()
+    return check_offsets(cu_seqlens.tolist(), T)
+
+
+def check_offsets(offs: list[int], T: int) -> list[int]:
+    """:func:`check_cu_seqlens_values` on offsets already on the host: at least two, starting at 0, never
+    decreasing, ending at T; return them."""
+    if len(offs) < 2:
+        raise ValueError(f"cu_seqlens must hold N + 1 >= 2 offsets, got {offs}")
     if offs[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {offs[0]}")
     if offs[-1] != T:

@@ -26,6 +26,8 @@ from linattn.eval.context import (
 )
 from linattn.eval.impls import Impl, build
 
+from .virtual_clock import OP_S, Costed, SlowCompiler, VirtualClock, run_eval
+
 CPU = torch.device("cpu")
 CASES = {c.id: c for c in correctness_cases(T=19, H=1, D=16)}
 LINE = re.compile(r"^\[\s*\d+\.\ds\] ", re.M)
@@ -87,9 +89,10 @@ def test_a_signal_between_two_sections_names_the_gap_not_the_setup(tmp_path, mon
     assert "during the gap after correctness" in (tmp_path / "report.md").read_text()
 
 
-def test_no_progress_prints_one_line_per_unit_on_stderr(tmp_path, capsys):
-    assert main(["eval", "--profile", "tiny", "--impl", "linattn,sdpa", "--device", "cpu", "--out", str(tmp_path),
-                 "--no-progress", "--time-budget", "120", "--sections", "correctness,performance,decode"]) == 0
+def test_no_progress_prints_one_line_per_unit_on_stderr(tmp_path, capsys, monkeypatch):
+    assert run_eval(monkeypatch, VirtualClock(), ["--profile", "tiny", "--impl", "linattn,sdpa", "--device", "cpu",
+                                                  "--out", str(tmp_path), "--no-progress", "--time-budget", "120",
+                                                  "--sections", "correctness,performance,decode"]) == 0
     err = capsys.readouterr().err
     assert re.search(r"^\[\s*\d+\.\ds\] correctness linattn fp32 case prefill: ok fwd \S+ bwd \S+ "
                      r"\(\d+\.\d s, new shape class: first call \d+\.\d s\)$", err, re.M), err
@@ -105,13 +108,14 @@ def test_no_progress_prints_one_line_per_unit_on_stderr(tmp_path, capsys):
         r["performance"]["records"]) + len(r["decode"]["records"]) + len(r["decode"]["drift"])
 
 
-def test_the_budget_holds_and_what_it_cut_is_recorded(tmp_path, capsys):
-    budget = 6.0
-    t = time.monotonic()
-    assert main(["eval", "--profile", "tiny", "--impl", "linattn,sdpa", "--device", "cpu", "--out", str(tmp_path),
-                 "--no-progress", "--time-budget", str(budget)]) == 0
-    total = time.monotonic() - t
-    assert total <= budget + 3, total  # sections stop at budget - reserve; the reports fit in the reserve
+def test_the_budget_holds_and_what_it_cut_is_recorded(tmp_path, capsys, monkeypatch):
+    budget, clock = 6.0, VirtualClock()
+    t = clock()
+    # 0.1 s a call: more work than the sections' 3 s hold, so that the budget cuts units of nearly every section
+    assert run_eval(monkeypatch, clock, ["--profile", "tiny", "--impl", "linattn,sdpa", "--device", "cpu", "--out",
+                                         str(tmp_path), "--no-progress", "--time-budget", str(budget)], op_s=0.1) == 0
+    total = clock() - t
+    assert total <= budget + 3, total  # sections stop at budget - reserve (the reports take none of this clock)
     err = capsys.readouterr().err
     r = json.loads((tmp_path / "report.json").read_text())
     assert r["partial"] is False and r["sections_done"][-1] == "scorecard" and r["meta"]["wall_s"] <= budget
@@ -131,8 +135,8 @@ def _sigs(impl, dtype="fp32", direction="fwdbwd", T=32, K=16, V=16, **options):
 
 def test_compile_estimates_per_signature_family_and_flags():
     lin, fla = build("linattn", CPU), Impl("fla", "gdn", None, native={"l2norm", "varlen", "h0"})
-    now = time.monotonic()
-    ctx = Context(CPU, profile("tiny", CPU), [lin], deadline=now + 100)
+    clock = VirtualClock()
+    ctx = Context(CPU, profile("tiny", CPU), [lin], deadline=clock() + 100, clock=clock)
     ctx.begin_section("correctness")
     base = _sigs(lin)  # forward and backward kernels, fp32, K = V = 16
     assert [s.kernel for s in base] == [("fwd",), ("bwd",)] and all(s.family == "chunk" for s in base)
@@ -170,7 +174,7 @@ def test_compile_estimates_per_signature_family_and_flags():
     assert ctx.estimate("linattn", _sigs(lin, direction="fwd", T=4, step=("decode", "fp32")))[0] == \
         pytest.approx(INCREMENTAL_FRACTION * 0.5, abs=0.05)
     # on a GPU: the family's prior until measured (decode: linattn 10 s, fla 15 s; fla's chunked op 40 s)
-    g = Context(torch.device("cuda"), profile("tiny", CPU), [], deadline=time.monotonic() + 1000)
+    g = Context(torch.device("cuda"), profile("tiny", CPU), [], deadline=clock() + 1000, clock=clock)
     g.begin_section("decode")
     assert g.estimate("linattn", step) == (FIRST_CALL_PRIOR_S["step"]["linattn"], "prior") == (10.0, "prior")
     assert g.estimate("fla", step)[0] == FIRST_CALL_PRIOR_S["step"]["fla"] == 15.0
@@ -184,7 +188,7 @@ def test_compile_estimates_per_signature_family_and_flags():
     # what the budget lets it use
     assert g.first_call_compile_s("fla", _sigs(fla, V=32)) == 30.0
     assert g.hard_timeout("fla", _sigs(fla, V=32), 30.0) == (30.0 + HANG_COMPILE_ALLOWANCE * 30.0, False)
-    g.deadline = g.run_deadline = time.monotonic() + 1
+    g.deadline = g.run_deadline = clock() + 1
     assert g.hard_timeout("fla", _sigs(fla, V=32), 30.0, grace_s=1.0)[1] is True
 
 
@@ -209,9 +213,10 @@ def test_a_first_call_stopped_by_the_hang_limit_is_no_hang(monkeypatch):
 
 
 def test_a_unit_over_its_share_borrows_the_runs_spare_time():
-    lin = build("linattn", CPU)
-    now = time.monotonic()
-    ctx = Context(CPU, profile("tiny", CPU), [lin], deadline=now + 5, run_deadline=now + 100, budget_s=100)
+    lin, clock = build("linattn", CPU), VirtualClock()
+    now = clock()
+    ctx = Context(CPU, profile("tiny", CPU), [lin], deadline=now + 5, run_deadline=now + 100, budget_s=100,
+                  clock=clock)
     ctx.begin_section("correctness")
     ctx.costs["linattn"] = ImplCost(compiles=[Compile(s, 20.0 * s.weight, False) for s in _sigs(lin)],
                                     classes=set(_sigs(lin)))
@@ -224,19 +229,19 @@ def test_a_unit_over_its_share_borrows_the_runs_spare_time():
     # a row of a time-sized loop: its part of the share, or of the spare time when it borrows
     ctx.step("steady unit", "linattn", _sigs(lin))
     assert ctx.unit_budget(5) == pytest.approx(ctx.remaining() / 5, abs=0.01) and ctx.unit_budget(5) > 0
-    ctx.deadline = time.monotonic() - 1  # the share is spent: a unit still inside it would get nothing
+    ctx.deadline = clock() - 1  # the share is spent: a unit still inside it would get nothing
     assert ctx.unit_budget(5) == 0.0
     assert ctx.fits("linattn", _sigs(lin), "borrowing unit")  # borrows
     ctx.step("borrowing unit", "linattn", _sigs(lin))
     assert ctx.unit_budget(4) == pytest.approx(ctx.spare() / 4, abs=0.01) and ctx.unit_budget(4) > 20
     ctx.done("ok")
-    ctx.deadline = time.monotonic() + 5
+    ctx.deadline = clock() + 5
     ctx.later_reserve_s = 50.0  # the later sections' minimal work is not lent
     assert not ctx.fits("linattn", _sigs(lin, V=32), "new V")
     assert ctx.section_stats["linattn"]["skipped_for_time"] == 1
     ctx.later_reserve_s = 0.0
     assert ctx.fits("linattn", _sigs(lin, V=32))  # 60 s
-    ctx.deadline = time.monotonic() + 90
+    ctx.deadline = clock() + 90
     with ctx.share(3):  # nor are the fair shares of the later parts of this section (30 s each)
         assert ctx.remaining() == pytest.approx(30, abs=0.1) and ctx.spare() == pytest.approx(40, abs=0.1)
         assert not ctx.fits("linattn", _sigs(lin, V=32))
@@ -246,36 +251,21 @@ def test_a_unit_over_its_share_borrows_the_runs_spare_time():
 
 
 def test_sections_rebalance_what_is_left():
-    now = time.monotonic()
-    ctx = Context(CPU, profile("tiny", CPU), [], deadline=now, run_deadline=now + 100, budget_s=100)
+    clock = VirtualClock()
+    now = clock()
+    ctx = Context(CPU, profile("tiny", CPU), [], deadline=now, run_deadline=now + 100, budget_s=100, clock=clock)
     weights = [0.1, 0.2, 0.07]
     ctx.plan_section(weights, 0)  # on schedule: a minimum each (10 % of the budget) plus a share by weight
     share, spare = ctx.remaining(), ctx.spare()
     assert share == pytest.approx(10 + 70 * 0.1 / 0.37, abs=0.1) and spare == pytest.approx(80, abs=0.1)
-    ctx.run_deadline = time.monotonic() + 30  # the first section borrowed: the second gets what is left over it
+    ctx.run_deadline = clock() + 30  # the first section borrowed: the second gets what is left over it
     ctx.plan_section(weights, 1)
     assert ctx.remaining() == pytest.approx(10 + 10 * 0.2 / 0.27, abs=0.1) and ctx.later_reserve_s == 10
-    ctx.run_deadline = time.monotonic() + 10  # behind schedule: the minima shrink in proportion
+    ctx.run_deadline = clock() + 10  # behind schedule: the minima shrink in proportion
     ctx.plan_section(weights, 1)
     assert ctx.remaining() == pytest.approx(5, abs=0.1) and ctx.spare() == pytest.approx(5, abs=0.1)
     ctx.plan_section(weights, 2)  # the last section: all that is left, nothing reserved
     assert ctx.remaining() == pytest.approx(10, abs=0.1) and ctx.later_reserve_s == 0
-
-
-class SlowCompiler:
-    """linattn's op behind a fake JIT: the process's first call sleeps ``first`` s (its compile), the first call of
-    each new (dtype, T == 1, option) combination ``inc`` s (a specialisation of kernels compiled before)."""
-
-    def __init__(self, fn, first: float, inc: float):
-        self.fn, self.first, self.inc, self.seen = fn, first, inc, set()
-
-    def __call__(self, x):
-        key = (x["q"].dtype, x["q"].shape[1] == 1, x["q"].shape[2], x["v"].shape[-1], x.get("cu_seqlens") is not None,
-               x.get("initial_state") is not None, x.get("A_log") is not None, bool(x.get("use_qk_l2norm_in_kernel")))
-        if key not in self.seen:
-            time.sleep(self.inc if self.seen else self.first)
-            self.seen.add(key)
-        return self.fn(x)
 
 
 def test_a_slow_first_compile_does_not_starve_the_run(tmp_path, capsys, monkeypatch):
@@ -284,20 +274,21 @@ def test_a_slow_first_compile_does_not_starve_the_run(tmp_path, capsys, monkeypa
     its own kernels, not from that compile."""
     from linattn.eval import impls
 
-    real = impls.build
+    real, clock = impls.build, VirtualClock()
 
     def build_slow(name, device):
         impl = real(name, device)
         if name == "linattn":
-            impl.fn = SlowCompiler(impl.fn, first=5.0, inc=0.2)
+            impl.fn = SlowCompiler(impl.fn, clock, first=5.0, inc=0.2)
         return impl
 
     monkeypatch.setattr(impls, "build", build_slow)
     budget = 20.0  # 10 s for the sections: the first compile is half of it, twice correctness's share
-    t = time.monotonic()
-    assert main(["eval", "--profile", "tiny", "--impl", "linattn,sdpa", "--device", "cpu", "--out", str(tmp_path),
-                 "--no-progress", "--time-budget", str(budget), "--sections", "correctness,performance,decode"]) == 0
-    assert time.monotonic() - t <= budget + 3
+    t = clock()
+    assert run_eval(monkeypatch, clock, ["--profile", "tiny", "--impl", "linattn,sdpa", "--device", "cpu", "--out",
+                                         str(tmp_path), "--no-progress", "--time-budget", str(budget), "--sections",
+                                         "correctness,performance,decode"]) == 0
+    assert clock() - t <= budget + 3
     err = capsys.readouterr().err
     first = re.search(r"correctness linattn fp32 case prefill: ok .* first call (\d+\.\d) s\)$", err, re.M)
     assert first and float(first.group(1)) >= 5.0, err
@@ -341,12 +332,14 @@ def test_a_slow_compiler_does_not_starve_the_next_implementations_base_case(monk
     section may borrow the later sections' time. linattn's second class used to run on that borrowed time and
     overrun its estimate before fla started, leaving fla no time for its first compile (no fla case at all: checked
     at these sizes); now fla's base-shape cases run right after linattn's."""
-    lin = build("linattn", CPU)
-    slow = Impl("linattn", "gdn", SlowCompiler(lin.fn, first=3.0, inc=3.0), native=lin.native)
-    fla = Impl("fla", "gdn", lin.fn, native={"l2norm", "varlen", "h0"})
+    lin, clock = build("linattn", CPU), VirtualClock()
+    op = Costed(lin.fn, clock, OP_S)
+    slow = Impl("linattn", "gdn", SlowCompiler(op, clock, first=3.0, inc=3.0), native=lin.native)
+    fla = Impl("fla", "gdn", op, native={"l2norm", "varlen", "h0"})
     monkeypatch.setattr(Context, "prior", lambda self, impl, family: 0.8 if impl == "fla" else 0.0)
-    now = time.monotonic()
-    ctx = Context(CPU, profile("tiny", CPU), [slow, fla], deadline=now + 4.4, run_deadline=now + 7.5, budget_s=7.5)
+    now = clock()
+    ctx = Context(CPU, profile("tiny", CPU), [slow, fla], deadline=now + 4.4, run_deadline=now + 7.5, budget_s=7.5,
+                  clock=clock)
     ctx.begin_section("correctness")
     r = correctness.run(ctx)
     ran = [(x["impl"], x["case"]) for x in r["records"]]
@@ -359,7 +352,8 @@ def test_a_slow_compiler_does_not_starve_the_next_implementations_base_case(monk
 def test_short_budget_keeps_a_compiling_impl_to_the_classes_it_has():
     lin = build("linattn", CPU)
     fla = Impl("fla", "gdn", lin.fn, native={"l2norm", "varlen", "h0"})  # linattn's op under fla's name and options
-    ctx = Context(CPU, profile("tiny", CPU), [fla], deadline=time.monotonic() + 120)
+    clock = VirtualClock()  # the units take no time: only the compile estimate can keep a unit out
+    ctx = Context(CPU, profile("tiny", CPU), [fla], deadline=clock() + 120, clock=clock)
     ctx.begin_section("correctness")
     sigs = correctness.case_classes(fla, CASES["prefill"], "fp32")  # a 1000 s compile, fwd + bwd
     ctx.costs["fla"] = ImplCost(classes=set(sigs), first_call_max_s=1000.0,
@@ -382,10 +376,12 @@ def test_slow_units_run_after_every_cheap_one(monkeypatch):
     all the others: on the H200 (run 14) FlashQLA's and fla's compiles, taken in turn, used the budget while 28 of
     linattn's correctness units and 42 of its performance rows (seconds each) were skipped."""
     from linattn.eval import perf
+    clock = VirtualClock()  # each call costs OP_S of it: none is skipped, whatever the machine's speed
     lin = build("linattn", CPU)
+    lin.fn = Costed(lin.fn, clock, OP_S)
     fla = Impl("fla", "gdn", lin.fn, native={"l2norm", "varlen", "h0"})  # linattn's op under fla's name
     monkeypatch.setattr(Context, "defers", _defer_new_fla_classes)
-    ctx = Context(CPU, profile("tiny", CPU), [lin, fla], deadline=time.monotonic() + 300)
+    ctx = Context(CPU, profile("tiny", CPU), [lin, fla], deadline=clock() + 300, clock=clock)
     ctx.begin_section("correctness")
     impl_order = [x["impl"] for x in correctness.run(ctx)["records"] if x["status"] != "unsupported"]
     n_lin = impl_order.count("linattn")

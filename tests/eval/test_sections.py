@@ -10,6 +10,8 @@ from linattn.eval.cases import Case, Shape, correctness_cases, profile
 from linattn.eval.context import Context, run_with_timeout
 from linattn.eval.impls import Impl, build, parse_impls
 
+from .virtual_clock import STUCK_S, VirtualClock, never_returns
+
 CPU = torch.device("cpu")
 TOL = {"fp32_rel_l2": 1e-4}  # what the torch backend reaches on abnormal-but-finite inputs, with margin (~2e-7)
 
@@ -82,11 +84,11 @@ def test_robustness_finite_case_runs_and_hang_is_reported():
     rec = robustness.check(build("linattn", CPU), "g-minus-100", "fp32", _ctx())
     assert rec["status"] == "pass" and rec["rel_l2"] < TOL["fp32_rel_l2"]
     import threading
-    gate = threading.Event()
-    status, _ = run_with_timeout(lambda: gate.wait(5), timeout_s=0.1)
+    gate, clock = threading.Event(), VirtualClock()
+    status, _ = run_with_timeout(never_returns(gate, clock), timeout_s=0.1, clock=clock)
     gate.set()
     assert status == "hang"
-    assert run_with_timeout(lambda: 1 / 0, 1)[0] == "error"
+    assert run_with_timeout(lambda: 1 / 0, 1, clock=clock)[0] == "error"
 
 
 def test_scorecard_normalisation():
@@ -217,9 +219,8 @@ def test_environment_records_the_triton_settings(monkeypatch):
 
 
 def test_share_splits_the_remaining_time():
-    import time
-    ctx = _ctx()
-    ctx.deadline = time.monotonic() + 100
+    clock = VirtualClock()
+    ctx = Context(CPU, profile("tiny", CPU), [], deadline=clock() + 100, clock=clock)
     with ctx.share(4):
         assert 20 < ctx.remaining() <= 25
     assert ctx.remaining() > 95
@@ -302,27 +303,28 @@ def test_robustness_flags_one_error_on_every_case():
     assert s["linattn"]["same_error_every_case"] is None
 
 
-def _stuck(gate):
-    """An implementation whose call does not return until ``gate`` is set (a hang, or an endless first autotune)."""
-    return Impl("stuck", "gdn", lambda x: gate.wait(30) and None, native={"l2norm"})
+def _stuck(gate, clock):
+    """An implementation whose call does not return until ``gate`` is set (a hang, or an endless first autotune);
+    it has run for STUCK_S of ``clock`` when first checked."""
+    return Impl("stuck", "gdn", never_returns(gate, clock), native={"l2norm"})
 
 
 def test_mixed_precision_survives_a_call_that_never_returns():
     import dataclasses
     import threading
-    import time
 
     from linattn.eval import mixed_precision
-    gate = threading.Event()
-    prof = dataclasses.replace(profile("tiny", CPU), amp_timeout_s=3.0)  # linattn trains in well under that
-    ctx = Context(CPU, prof, [_stuck(gate), build("linattn", CPU)], deadline=math.inf)
+    gate, clock = threading.Event(), VirtualClock()
+    # linattn trains in no time of the clock, the stuck call outlasts the limit: whatever the machine's speed
+    prof = dataclasses.replace(profile("tiny", CPU), amp_timeout_s=3.0)
+    ctx = Context(CPU, prof, [_stuck(gate, clock), build("linattn", CPU)], deadline=math.inf, clock=clock)
     ctx.begin_section("mixed_precision")
-    t = time.monotonic()
+    t = clock()
     try:
         r = mixed_precision.run(ctx)
     finally:
         gate.set()
-    assert time.monotonic() - t < 15
+    assert clock() - t == STUCK_S  # one stuck call, one timeout
     stuck, lin = r["records"]
     assert stuck["status"] == "hang" and stuck["passed"] is False and stuck["timeout_s"] == pytest.approx(3.0)
     assert ctx.section_stats["stuck"]["units"] == 1  # the fp32 run was not started beside the abandoned one
@@ -346,11 +348,10 @@ def test_mixed_precision_skips_the_fp32_reference_an_implementation_cannot_run()
 
 def test_mixed_precision_call_cut_by_the_budget_is_skipped_not_a_hang():
     import threading
-    import time
 
     from linattn.eval import mixed_precision
-    gate = threading.Event()
-    ctx = Context(CPU, profile("tiny", CPU), [_stuck(gate)], deadline=time.monotonic() + 0.5)
+    gate, clock = threading.Event(), VirtualClock()
+    ctx = Context(CPU, profile("tiny", CPU), [_stuck(gate, clock)], deadline=clock() + 0.5, clock=clock)
     ctx.begin_section("mixed_precision")
     try:
         rec = mixed_precision.run(ctx)["records"][0]
@@ -399,18 +400,17 @@ def test_robustness_stops_an_implementation_after_its_first_hang():
     later cases are recorded as not run instead of each waiting out its own timeout."""
     import dataclasses
     import threading
-    import time
 
-    gate = threading.Event()
+    gate, clock = threading.Event(), VirtualClock()
     prof = dataclasses.replace(profile("tiny", CPU), rob_timeout_s=1.0, corr_dtypes=("fp32",))
-    ctx = Context(CPU, prof, [_stuck(gate)], deadline=math.inf)
+    ctx = Context(CPU, prof, [_stuck(gate, clock)], deadline=math.inf, clock=clock)
     ctx.begin_section("robustness")
-    t = time.monotonic()
+    t = clock()
     try:
         recs = robustness.run(ctx)["records"]
     finally:
         gate.set()
-    assert time.monotonic() - t < 10  # one timeout, not one per case
+    assert clock() - t == STUCK_S  # one timeout, not one per case
     assert recs[0]["status"] == "hang"
     later = [r for r in recs[1:] if r["status"] != "unsupported"]  # it has no varlen: that case is unsupported
     assert len(later) > 2 and all(r["status"] == "skipped" and "hung" in r["reason"] for r in later)

@@ -103,3 +103,59 @@ def test_the_backward_choice_and_its_reason():
     assert blocker(1, long_tokens, long_pairs, 128, 128, bf16, f32) is None
     assert "pairs" in blocker(1, long_tokens - 64, long_pairs, 128, 128, bf16, f32)
     assert "pairs" in blocker(1, 8 * long_tokens, long_pairs - 1, 128, 128, bf16, f32)
+
+
+def test_packed_sequences_keep_the_triton_backward_until_the_padded_one_is_measured():
+    """Packed sequences (offsets): the Hopper backward's blocker says the padded backward is not yet measured, at
+    every shape (the op's default, ``packed_by_padding`` off). With it on, the rule the GPU check measures: the
+    forward's padding rule (at most max_padded_fraction of the padded batch), then the thresholds on the padded
+    batch of N sequences × HV pairs of Tp rows. The walk's own limits come first either way."""
+    from linattn.ops.hopper.varlen import padded_rows
+    bf16, f32 = torch.bfloat16, torch.float32
+    blocker = dispatch.hopper_backward_blocker
+    ragged = [0, 4096, 8096, 12000, 16096, 20000, 24096, 28000, 32768]      # 8 sequences, Tp = 4800: 15% padding
+    assert padded_rows(ragged) == 4800
+    assert "not yet measured" in blocker(1, 32768, 16, 128, 128, bf16, f32, ragged)
+    assert "not yet measured" in blocker(1, 4096, 16, 128, 128, bf16, f32, [0, 2048, 4096])
+    assert "K and V" in blocker(1, 32768, 16, 96, 128, bf16, f32, ragged)
+    packed = lambda offsets, HV=16: blocker(1, offsets[-1], HV, 128, 128, bf16, f32, offsets, packed_by_padding=True)
+    assert packed(ragged) is None
+    assert "padding" in packed([0, 4096, 4160])                           # 2 × 4096 rows for 4160 tokens
+    pairs, (long_pairs, long_tokens) = dispatch.HOPPER_BWD_MIN_PAIRS, dispatch.HOPPER_BWD_LONG
+    few = [0, 2000, 4096]                                                  # 2 sequences of Tp = 4096
+    assert "pairs" in packed(few, HV=pairs // 2 - 1) and packed(few, HV=pairs // 2) is None
+    long = [0, long_tokens - 40, 2 * long_tokens - 124]                    # Tp = long_tokens: the segmented walk
+    assert padded_rows(long) == long_tokens and packed(long, HV=long_pairs // 2) is None
+    shorter = [0, long_tokens - 84, 2 * long_tokens - 284]                 # Tp = long_tokens - 64
+    assert padded_rows(shorter) == long_tokens - 64 and "pairs" in packed(shorter, HV=long_pairs // 2)
+    # the decision's inputs are the padded batch's (N sequences of Tp rows), not the packed row's (B = 1, ΣT)
+    two = [0, 9000, 18000]
+    assert blocker(1, 18000, 16, 128, 128, bf16, f32) is None and "pairs" in packed(two)
+
+
+def test_run_backward_hands_packed_sequences_to_the_hopper_backward(monkeypatch):
+    """Where the choice is the Hopper backward, run_backward passes cu_seqlens and its host offsets on (the padded
+    backward's inputs), so turning ``packed_by_padding`` on needs no other change."""
+    from linattn.ops.hopper import backward
+    monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args, **kw: ("hopper", "test"))
+    seen = {}
+    monkeypatch.setattr(backward, "chunk_gated_delta_rule_bwd_hopper", lambda *args, **kw: seen.update(kw) or "grads")
+    x = inputs(1, 70, 1, 2, 16, 16)
+    cu, offsets = torch.tensor([0, 30, 70]), [0, 30, 70]
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    assert dispatch.run_backward(*args, 0.25, None, cu, offsets, x["v"], None, "triton") == "grads"
+    assert seen["cu_seqlens"] is cu and seen["offsets"] == offsets
+
+
+def test_backward_route_checks_every_tensor_the_walk_reads(monkeypatch):
+    """run_backward asks choose_backward_path with k, β, the initial state and dht beside q, v, g and dO: a tensor
+    off a 16-byte boundary keeps the Triton backward (``hopper.plan.input_blocker``, tested with the forward's)."""
+    asked = {}
+    monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args, **kw: asked.update(kw) or ("torch", "test"))
+    from linattn.ops.gated_delta import torch_chunk
+    monkeypatch.setattr(torch_chunk, "chunk_gated_delta_rule_bwd_torch", lambda *args: "grads")
+    x = inputs(1, 70, 1, 2, 16, 16)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    h0, dht = torch.zeros(1, 2, 16, 16), torch.ones(1, 2, 16, 16)
+    assert dispatch.run_backward(*args, 0.25, h0, None, None, x["v"], dht, "triton") == "grads"
+    assert all(a is b for a, b in zip(asked["others"], (x["k"], x["beta"], h0, dht)))

@@ -114,9 +114,9 @@ def test_head_major_rows_are_tma_copyable(T, dtype):
 
 def test_unsupported_inputs_say_why():
     x = inputs(1, 64, 1, 1, 64, 64, dtype=torch.float32)
-    assert "bf16" in hopper.unsupported_reason(x["q"], x["v"], None)
+    assert "bf16" in hopper.unsupported_reason(x["q"], x["v"])
     xb = inputs(1, 64, 1, 1, 64, 64, dtype=torch.bfloat16)
-    assert "sm_90" in hopper.unsupported_reason(xb["q"], xb["v"], None)   # a CPU tensor
+    assert "sm_90" in hopper.unsupported_reason(xb["q"], xb["v"])   # a CPU tensor
 
 
 def off_boundary(x: torch.Tensor, elements: int = 1) -> torch.Tensor:
@@ -134,7 +134,7 @@ def test_inputs_off_a_16_byte_boundary_take_the_triton_paths(monkeypatch):
     boundary."""
     from linattn.ops.hopper import plan as hopper_plan
     x = inputs(8, 64, 16, 16, 64, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(hopper_plan, "unsupported_reason", lambda q, v, cu_seqlens: None)
+    monkeypatch.setattr(hopper_plan, "unsupported_reason", lambda q, v: None)
     monkeypatch.setattr(hopper_plan, "num_sms", lambda device: 132)
     others = [x["k"], x["g"].float(), x["beta"].float(), x["initial_state"].float()]
     assert hopper.misaligned(x["q"], x["v"], *others, None) is None
@@ -148,6 +148,8 @@ def test_inputs_off_a_16_byte_boundary_take_the_triton_paths(monkeypatch):
         found, why = hopper_plan.plan_inputs(x["q"], x["v"], tuple(moved), None, None)
         assert found is None and "16-byte" in why
     assert hopper_plan.plan_inputs(off_boundary(x["q"]), x["v"], (), None, None)[0] is None
+    assert hopper_plan.input_blocker(x["q"], x["v"], x["v"], None) is None           # the backward's do, dht
+    assert "16-byte" in hopper_plan.input_blocker(x["q"], x["v"], off_boundary(x["v"]))
     assert hopper.misaligned(off_boundary(x["v"], 8)) is None          # 8 bf16 elements: 16 bytes on
 
 

@@ -134,7 +134,7 @@ def test_the_op_plans_packed_bf16_for_the_padded_forward_where_it_wastes_little(
     asked = []
     monkeypatch.setattr(plan_module, "plan", lambda N, HV, V, T, sms, forced, config: asked.append((N, T)) or
                         HopperPlan((("BV", 64),), config=config, reason="test"))
-    monkeypatch.setattr(plan_module, "unsupported_reason", lambda q, v, cu_seqlens: None)
+    monkeypatch.setattr(plan_module, "unsupported_reason", lambda q, v: None)
     monkeypatch.setattr(plan_module, "num_sms", lambda device: 132)
     offsets = offsets_of([100, 30])
     q = torch.zeros(1, 130, 1, 64, dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ The forward:
     forward.py        the pre-pass and the (segmented) walks for a plan
     prepared.py       a repeated signature's launches without forward.py's checks and plan, its scratch kept
     route.py          the public op's repeated calls sent straight to their prepared forward
-    varlen.py         packed sequences (cu_seqlens) padded to one length around forward.py
+    varlen.py         packed sequences (cu_seqlens) padded to one length around forward.py and backward.py
 
 The backward (the design: docs/backward.md):
 

@@ -1,6 +1,8 @@
 """The Hopper backward of the chunked gated delta rule (issue 45), equal-length sequences: the host chain around
-the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). The op's backward runs it where
-``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS pairs or HOPPER_BWD_LONG).
+the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). Packed sequences
+(``cu_seqlens``) run it on a batch padded to one length (``varlen.py``: exact; the copies are its cost). The op's
+backward runs it where ``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS
+pairs or HOPPER_BWD_LONG).
 
     recompute   on the Hopper forward's kernels: the pre-pass (``prepass.py``, ``beta_in_a_inv=False``) gives gc =
                 chunk-local cumsum of g and β head-major and T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
@@ -32,7 +34,7 @@ import torch
 from ..common import num_sms, seq_parallel
 from ..common.partial_sum import partial_sums
 from ..utils import cdiv
-from . import forward, prepass, segments, walk_launch
+from . import forward, prepass, segments, varlen, walk_launch
 from .chunk_fwd import BT
 from .plan import DEFAULT, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
 
@@ -58,9 +60,9 @@ def dtype_limit(g: torch.dtype, **operands: torch.dtype) -> Optional[str]:
     return None
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
+def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens=None, offsets=None) -> None:
     """ValueError / TypeError for inputs :func:`chunk_gated_delta_rule_bwd_hopper` cannot take (shapes and dtypes
-    first, the device last)."""
+    first, packed sequences' offsets (``varlen.check_packed``) and the states' count, the device last)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, HV, V], got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -76,9 +78,11 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht) -> None:
         raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
         raise ValueError(f"g and beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    N = B if cu_seqlens is None else varlen.check_packed(cu_seqlens, offsets, B, T, q.device)
     for name, x in (("initial_state", initial_state), ("dht", dht)):
-        if x is not None and x.shape != (B, HV, K, V):
-            raise ValueError(f"{name} must be [B, HV, K, V] = {(B, HV, K, V)} (no varlen), got {tuple(x.shape)}")
+        if x is not None and x.shape != (N, HV, K, V):
+            count = "B (no varlen)" if cu_seqlens is None else "the packed sequences"
+            raise ValueError(f"{name} must be [N, HV, K, V] = {(N, HV, K, V)}, N = {count}, got {tuple(x.shape)}")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -169,32 +173,65 @@ def token_major(x_hm: torch.Tensor, T: int) -> torch.Tensor:
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
                                       segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps",
-                                      segment_states: bool = False):
-    """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16, equal-length sequences).
+                                      segment_states: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                                      offsets: Optional[list[int]] = None):
+    """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16): equal-length sequences, or packed
+    ones (``cu_seqlens``) run as a padded batch of one length (``varlen.py``).
 
     Args:
         q, k: ``[B, T, H, K]`` bf16; v: ``[B, T, HV, V]`` bf16 (K, V in :data:`SIZES`); g: ``[B, T, HV]`` fp32 log
             decays; beta: ``[B, T, HV]`` (as given to the forward). scale: the query scale.
-        initial_state: ``[B, HV, K, V]`` or None. do: ``[B, T, HV, V]`` bf16, the output's gradient.
-        dht: ``[B, HV, K, V]``, the final state's gradient, or None (zeros).
+        initial_state: ``[N, HV, K, V]`` or None (N = B, or the packed sequences' count). do: ``[B, T, HV, V]``
+            bf16, the output's gradient.
+        dht: ``[N, HV, K, V]``, the final state's gradient, or None (zeros).
         BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
         segment_chunks: walk in segments of this many chunks (``segments.py``; an int dividing T/64, T a multiple
-            of 64; ≥ T/64 walks unsegmented): tests and benchmarks. None: ``segments.plan_walk_segments``.
+            of 64; ≥ T/64 walks unsegmented; with ``cu_seqlens``, of the padded batch's T): tests and benchmarks.
+            None: ``segments.plan_walk_segments``.
         segment_method: where the walk is segmented, how each segment's dS_out is found: "maps" (the Triton maps
             and reverse scan: exact) or "warm" (the reverse warm-ups: within 2⁻³⁰ of ‖dS‖, exact where a warm-up
             reaches the sequence's end). "maps" until the GPU's A/B (benchmarks/gpu_check_hopper_bwd.py --warm)
             decides.
         segment_states: the recompute's states in the forward's segments where its plan cuts the sequences
             (:func:`states`' ``segmented``), until the GPU's check (``gpu_check_hopper_bwd.py --states``) decides.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of N sequences packed along T (B = 1), or None.
+        offsets: cu_seqlens' values on the host where the caller holds them (None: read from the device).
     Returns:
         dq, dk ``[B, T, H, K]`` bf16, dv ``[B, T, HV, V]`` bf16, dg (g's dtype), dbeta (beta's dtype) ``[B, T, HV]``
-        and dh0 ``[B, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
+        and dh0 ``[N, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
         ``triton_bwd.chunk_gated_delta_rule_bwd_triton``.
     """
-    from . import chunk_bwd
     if segment_method not in SEGMENT_METHODS:
         raise ValueError(f"segment_method must be one of {SEGMENT_METHODS}, got {segment_method!r}")
-    check_inputs(q, k, v, g, beta, scale, initial_state, do, dht)
+    if isinstance(cu_seqlens, torch.Tensor) and offsets is None:
+        offsets = cu_seqlens.tolist()
+    check_inputs(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, offsets)
+    options = dict(BV=BV, segment_chunks=segment_chunks, segment_method=segment_method,
+                   segment_states=segment_states)
+    if cu_seqlens is None:
+        return backward_equal_lengths(q, k, v, g, beta, scale, initial_state, do, dht, **options)
+    return backward_packed(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, offsets, **options)
+
+
+def backward_packed(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor], do: torch.Tensor,
+                    dht: Optional[torch.Tensor], cu_seqlens: torch.Tensor, offsets: list[int], **options):
+    """:func:`backward_equal_lengths` on packed rows ``[1, total, ...]`` (checked): q, k, v, g, β and dO padded
+    into the ``[N, Tp, ...]`` batch (``varlen.to_padded``: views where the sequences share one length, Tp =
+    ``varlen.padded_rows``), the initial state and dht per sequence as they are, dq, dk, dv, dg and dβ gathered back
+    to the packed rows (``varlen.from_padded``), dh0 per sequence as the batch's. Exact: ``varlen.py``."""
+    N, total, Tp = len(offsets) - 1, q.shape[1], varlen.padded_rows(offsets)
+    batch = [varlen.to_padded(x, cu_seqlens, N, Tp) for x in (q, k, v, g, beta, do)]
+    *grads, dh0 = backward_equal_lengths(*batch[:5], scale, initial_state, batch[5], dht, **options)
+    del batch           # the padded inputs freed before the gradients are copied out
+    return (*(varlen.from_padded(x, cu_seqlens, total) for x in grads), dh0)
+
+
+def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor], do: torch.Tensor,
+                           dht: Optional[torch.Tensor], BV: Optional[int], segment_chunks: Optional[int],
+                           segment_method: SegmentMethod, segment_states: bool):
+    """:func:`chunk_gated_delta_rule_bwd_hopper` on ``[B, T, ...]`` batches of equal-length sequences (checked
+    inputs): the recompute, the segments' dS_out, the walk and the reductions."""
+    from . import chunk_bwd
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)

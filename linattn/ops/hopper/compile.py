@@ -76,17 +76,15 @@ def _cuda_major(index: Optional[int]) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def unsupported_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> Optional[str]:
-    """Why the Hopper forward cannot take these inputs (None: it can): bf16 on an sm_90 GPU with TileLang
-    installed, K and V multiples of 64, K up to 128 and V up to 256 (the TMA boxes), equal-length sequences (packed
-    ones go through ``varlen.py``'s padding, which asks with ``cu_seqlens`` None). The backward asks it too, then
-    ``backward.size_limit`` and ``dtype_limit``."""
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the Hopper kernels cannot take these inputs (None: they can): bf16 on an sm_90 GPU with TileLang
+    installed, K and V multiples of 64, K up to 128 and V up to 256 (the TMA boxes). Packed sequences are the
+    callers' (``varlen.py``'s padding). The backward asks it too, then ``backward.size_limit`` and
+    ``dtype_limit``."""
     if q.dtype != torch.bfloat16:
         return f"takes bf16 inputs, got {q.dtype}"
     if q.device.type != "cuda" or _cuda_major(q.device.index) != 9:
         return "needs an sm_90 (Hopper) GPU"
-    if cu_seqlens is not None:
-        return "packed sequences (cu_seqlens) only by padding: hopper.varlen.VARLEN_BY_PADDING is off"
     K, V = q.shape[-1], v.shape[-1]
     if K % 64 or V % 64 or K > 128 or V > 256:
         return f"K and V must be multiples of 64 (K <= 128, V <= 256), got K={K}, V={V}"

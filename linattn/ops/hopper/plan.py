@@ -157,6 +157,17 @@ def plan(num_sequences: int, HV: int, V: int, T: int, sms: int, forced: bool = F
     return HopperPlan(tuple(launch.items()), segments, planned_walk=small, config=config, reason=reason)
 
 
+def input_blocker(q: torch.Tensor, v: torch.Tensor, *others: Optional[torch.Tensor]) -> Optional[str]:
+    """Why the Hopper kernels cannot read these tensors (None: they can): ``chunk_fwd.unsupported_reason`` (not bf16,
+    not sm_90, no TileLang, K or V out of range), then any of q, v and ``others`` (None skipped) starting off a
+    16-byte boundary (``chunk_fwd.misaligned``: their TMA loads). The forward's plan and the backward's dispatch
+    ask it."""
+    why = unsupported_reason(q, v)
+    if why is None and misaligned(q, v, *others) is not None:
+        why = "an input starts off a 16-byte boundary"
+    return why
+
+
 def plan_inputs(q: torch.Tensor, v: torch.Tensor, others: tuple, cu_seqlens: Optional[torch.Tensor],
                 offsets: Optional[list[int]], forced: bool = False, config: HopperPlanConfig = DEFAULT
                 ) -> tuple[Optional[HopperPlan], str]:
@@ -165,9 +176,7 @@ def plan_inputs(q: torch.Tensor, v: torch.Tensor, others: tuple, cu_seqlens: Opt
     being k, g, β and the initial state), where packed sequences would waste more than
     ``config.max_padded_fraction`` to padding (unless ``forced``), and where :func:`plan` finds no launch that fills
     the card (unless ``forced``). ``offsets``: ``cu_seqlens`` on the host."""
-    why = unsupported_reason(q, v, None)
-    if why is None and misaligned(q, v, *others) is not None:
-        why = "an input starts off a 16-byte boundary"
+    why = input_blocker(q, v, *others)
     if why is not None:
         return None, f"the Hopper kernels cannot take it: {why}"
     num_sequences, T, rows = q.shape[0], q.shape[1], None
