@@ -46,13 +46,17 @@
     decision with ``packed_by_padding`` on, and the gradients' relative L2 Hopper vs Triton. A table last. Its
     kernels are part (a)'s and row 2's (the smoke builds them).
 
-    python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a); ≈ 25 TileLang kernels compiled first
+    python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a)
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
     python benchmarks/gpu_check_hopper_bwd.py --warm --out $OUT       # part (d) alone
     python benchmarks/gpu_check_hopper_bwd.py --states --out $OUT     # part (e) alone, ≈ 3-5 min
     python benchmarks/gpu_check_hopper_bwd.py --varlen --out $OUT     # part (f) alone, ≈ 1-2 min after compiles
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
+
+Every part first compiles every TileLang kernel of the script (all parts': the smoke's list) side by side, one
+process per CPU core, into TileLang's disk cache (``hopper/precompile.py``; it prints the time taken): the parts
+then load them.
 
 Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm,
 hopper_bwd_states.json with --states, hopper_bwd_varlen.json with --varlen) under --out
