@@ -268,7 +268,8 @@ def main(argv=None):
     unknown = [n for n in names if n not in PATHS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
         raise SystemExit(f"unknown path or dtype {unknown}; paths: {list(PATHS)}, dtypes: {list(DTYPES)}")
-    if torch.cuda.is_available() and "bf16" in args.dtypes.split(",") and any(n.startswith("hopper") for n in names):
+    hopper_paths = any(n.startswith("hopper") for n in names) and "bf16" in args.dtypes.split(",")
+    if hopper_paths and hopper_runs(inputs(torch.bfloat16)[0]):
         from linattn.ops.hopper.precompile import precompile
         print(precompile(hopper_builds()), flush=True)    # the Hopper paths' compiles, side by side
     rows = []

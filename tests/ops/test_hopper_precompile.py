@@ -71,6 +71,22 @@ def test_a_failed_build_is_reported_not_raised():
     assert failed[str(builds[0])].startswith("ValueError")
 
 
+def test_gpu_check_edges_names_each_hopper_kernel_once():
+    """benchmarks/gpu_check_edges.py's precompile list at its shapes (B = 2, T = 300: the forced plan is unsegmented,
+    as for the packed case, padded to 300 rows) on a 132-SM card: the forward's pre-pass and walk for β in fp32 and
+    bf16, the backward's walk and states walk and its pre-pass for β in fp32 and bf16, each once."""
+    from .sm90_compile import compile_for_h200
+    sms = "types.SimpleNamespace(multi_processor_count=132)"
+    built = compile_for_h200(f"import types, torch; from unittest import mock; import gpu_check_edges as edges; "
+                             f"mock.patch.object(torch.cuda, 'get_device_properties', lambda i: {sms}).start()",
+                             "[str(build) for build in edges.hopper_builds()]")
+    called = [name.split("(")[0].removeprefix("linattn.ops.hopper.") for name in built]
+    assert sorted(called) == sorted(["prepass.prepass_kernel", "walk_launch.walk_kernel"] * 2
+                                    + ["chunk_bwd.compiled_kernel", "walk_launch.states_kernel"]
+                                    + ["prepass.compiled_kernel"] * 2), built
+    assert len(set(built)) == len(built)
+
+
 def test_a_build_pickles_and_names_its_call():
     from linattn.ops.hopper import chunk_bwd
     build = Build(chunk_bwd.compiled_kernel, (2, 4, 64, 64, 0.125, 64), dict(target="sm_90a"))
