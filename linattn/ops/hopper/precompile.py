@@ -66,7 +66,7 @@ def _compile_in_worker(build: Build) -> Optional[str]:
 
 
 def precompile(builds: Iterable[Build], workers: Optional[int] = None) -> PrecompileReport:
-    """Compile ``builds`` in ``workers`` processes (None: one per CPU core, at most one per build), so that each
+    """Compile ``builds`` in ``workers`` processes (None: one per usable core, at most one per build), so that each
     kernel is in TileLang's disk cache when this process compiles it. Never raises for a failed build: the failure
     is in the report, and this process's own compile of that kernel raises it where it is used (a worker's
     environment could differ: an error there is no verdict). Spawned workers (a forked child of a process that
@@ -77,7 +77,7 @@ def precompile(builds: Iterable[Build], workers: Optional[int] = None) -> Precom
         raise ValueError(f"workers must be at least 1, got {workers}")
     if not builds or not _disk_cache_on():
         return PrecompileReport(0, (), 0.0, 0)
-    workers = min(len(builds), workers or os.cpu_count() or 1)
+    workers = min(len(builds), workers or usable_cores())
     start = time.perf_counter()
     failures = []
     try:
@@ -93,6 +93,12 @@ def precompile(builds: Iterable[Build], workers: Optional[int] = None) -> Precom
     except Exception as e:                  # the pool itself could not start
         failures = [(build, f"{type(e).__name__}: {e}"[:500]) for build in builds]
     return PrecompileReport(len(builds) - len(failures), tuple(failures), time.perf_counter() - start, workers)
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the platform tells it, else all of them)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _disk_cache_on() -> bool:
