@@ -69,8 +69,8 @@ def precompile(builds: Iterable[Build], workers: Optional[int] = None) -> Precom
     """Compile ``builds`` in ``workers`` processes (None: one per usable core, at most one per build), so that each
     kernel is in TileLang's disk cache when this process compiles it. Never raises for a failed build: the failure
     is in the report, and this process's own compile of that kernel raises it where it is used (a worker's
-    environment could differ: an error there is no verdict). Spawned workers (a forked child of a process that
-    initialised CUDA cannot use it). Nothing to do where TileLang is absent or its cache is off
+    environment could differ: an error there is no verdict). The workers are spawned, not forked: a forked child of
+    a process that has initialised CUDA cannot use it. Nothing to do where TileLang is absent or its cache is off
     (``TILELANG_DISABLE_CACHE``): the report then says 0 compiled."""
     builds = list(builds)
     if workers is not None and workers < 1:
