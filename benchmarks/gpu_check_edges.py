@@ -127,6 +127,29 @@ def hopper_runs(x):
         return False
 
 
+def hopper_builds() -> list:
+    """The Hopper kernels the "hopper" paths launch at this check's shapes (``hopper.precompile.Build``s): the
+    forward's under its plan (forced, as the path is; the packed case pads both sequences to one length) and the
+    backward's (gpu_check_hopper_bwd's configs: the walk, the recompute's states walk and pre-pass), each pre-pass
+    and walk for β in fp32 and in bf16 (they take β's dtype). A build no path launches costs a worker, not time:
+    they all compile side by side."""
+    from gpu_check_hopper_bwd import kernel_build, recompute_launch
+
+    from linattn.ops.hopper import plan, prepared
+    from linattn.ops.hopper.varlen import padded_rows
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    builds = []
+    for rows in (T, padded_rows(flat_offsets(B, T))):
+        chosen = plan.plan(B, HV, V, rows, sms, forced=True)
+        for beta_dtype in (torch.float32, torch.bfloat16):
+            builds += prepared.forward_builds(chosen, H, HV, K, V, SCALE, True, beta_dtype)
+    launch = recompute_launch(B, HV, V, sms)
+    configs = [(H, HV, K, V, SCALE, min(V, 64)), ("states", H, HV, K, V, launch["BV"], launch["num_stages"]),
+               ("prepass", H, HV, K, "float32"), ("prepass", H, HV, K, "bfloat16")]
+    builds += [kernel_build(config, None) for config in configs]
+    return list({str(build): build for build in builds}.values())
+
+
 def reference(kind, x, h0, do, dht):
     """(o, ht, grads) of the float64 reference, autograd through the token loop."""
     leaves = [x[n].double().cpu().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
@@ -245,6 +268,10 @@ def main(argv=None):
     unknown = [n for n in names if n not in PATHS] + [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
         raise SystemExit(f"unknown path or dtype {unknown}; paths: {list(PATHS)}, dtypes: {list(DTYPES)}")
+    hopper_paths = any(n.startswith("hopper") for n in names) and "bf16" in args.dtypes.split(",")
+    if hopper_paths and hopper_runs(inputs(torch.bfloat16)[0]):
+        from linattn.ops.hopper.precompile import precompile
+        print(precompile(hopper_builds()), flush=True)    # the Hopper paths' compiles, side by side
     rows = []
     for dtype in (DTYPES[d] for d in args.dtypes.split(",")):
         for name in names:

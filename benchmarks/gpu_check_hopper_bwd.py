@@ -50,13 +50,17 @@
     decision with ``packed_by_padding`` on, and the gradients' relative L2 Hopper vs Triton. A table last. Its
     kernels are part (a)'s and row 2's (the smoke builds them).
 
-    python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a); ≈ 25 TileLang kernels compiled first
+    python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a)
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
     python benchmarks/gpu_check_hopper_bwd.py --warm --out $OUT       # part (d) alone
     python benchmarks/gpu_check_hopper_bwd.py --states --out $OUT     # part (e) alone, ≈ 3-5 min
     python benchmarks/gpu_check_hopper_bwd.py --varlen --out $OUT     # part (f) alone, ≈ 1-2 min after compiles
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
+
+Every part first compiles every TileLang kernel of the script (all parts': the smoke's list) side by side, one
+process per CPU core, into TileLang's disk cache (``hopper/precompile.py``; it prints the time taken): the parts
+then load them.
 
 Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm,
 hopper_bwd_states.json with --states, hopper_bwd_varlen.json with --varlen) under --out
@@ -168,41 +172,57 @@ def recompute_configs() -> list[tuple]:
     return list(dict.fromkeys(configs))
 
 
-def compiled_for_sm90a(config: tuple):
-    """The kernel of a :func:`kernel_configs` or :func:`recompute_configs` entry, compiled for sm_90a."""
-    import torch
-
+def kernel_build(config: tuple, target: Optional[str]):
+    """The build (``hopper.precompile.Build``: the compile function the backward calls and its arguments) of a
+    :func:`kernel_configs` or :func:`recompute_configs` entry for ``target`` (None: this GPU; "sm_90a" without one):
+    one description for the smoke's compiles and the GPU run's precompile alike."""
     from linattn.ops.hopper import chunk_bwd, prepass, walk_launch
     from linattn.ops.hopper.plan import DEFAULT
+    from linattn.ops.hopper.precompile import Build
     if config[0] == "states":
         H, HV, K, V, BV, stages = config[1:]
-        return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, stages, True, torch.float32, "sm_90a")
-    if config[0] == "prepass":
-        return prepass.compiled_kernel(*config[1:], "bfloat16", "sm_90a", beta_in_a_inv=False)
+        return Build(walk_launch.states_kernel, (H, HV, K, V, BV, DEFAULT.threads, stages, True, torch.float32,
+                                                 target))
+    if config[0] == "prepass":     # ("prepass", H, HV, K[, β's dtype: bfloat16, this script's, unless named])
+        H, HV, K, beta_dtype = (*config[1:], "bfloat16")[:4]
+        return Build(prepass.compiled_kernel, (H, HV, K, beta_dtype, target), dict(beta_in_a_inv=False))
     if config[0] == "states_warm":
         H, HV, K, V, BV = config[1:]
-        return walk_launch.states_kernel(H, HV, K, V, BV, DEFAULT.threads, DEFAULT.num_stages, True, torch.float32,
-                                         "sm_90a", warm=True)
+        return Build(walk_launch.states_kernel, (H, HV, K, V, BV, DEFAULT.threads, DEFAULT.num_stages, True,
+                                                 torch.float32, target), dict(warm=True))
     if config[0] == "states_maps":
         H, HV, K, V, BV = config[1:]
-        return walk_launch.walk_kernel(H, HV, K, V, BV, 1.0, DEFAULT.threads, DEFAULT.num_stages, False,
-                                       torch.float32, True, True, "sm_90a", beta_in_a_inv=False)
+        return Build(walk_launch.walk_kernel, (H, HV, K, V, BV, 1.0, DEFAULT.threads, DEFAULT.num_stages, False,
+                                               torch.float32, True, True, target), dict(beta_in_a_inv=False))
     if config[0] == "warm":
-        return chunk_bwd.compiled_warm_kernel(*config[1:], target="sm_90a")
+        return Build(chunk_bwd.compiled_warm_kernel, config[1:], dict(target=target))
     if config[0] == "inline":
-        return chunk_bwd.compiled_kernel(*config[1:], target="sm_90a", deferred_sums=not chunk_bwd.DEFERRED_SUMS)
-    return chunk_bwd.compiled_kernel(*config, target="sm_90a")
+        return Build(chunk_bwd.compiled_kernel, config[1:], dict(target=target,
+                                                                 deferred_sums=not chunk_bwd.DEFERRED_SUMS))
+    return Build(chunk_bwd.compiled_kernel, config, dict(target=target))
+
+
+def precompile_kernels(target: Optional[str] = None) -> None:
+    """Compile every kernel of this script (all its parts': :func:`kernel_configs`, :func:`recompute_configs`) in
+    one process per CPU core, into TileLang's disk cache (``hopper.precompile``): each part's first launches then
+    load them instead of compiling one after another. Prints the time taken and any build that failed there (the
+    part that launches it compiles it again and reports its error)."""
+    from linattn.ops.hopper.precompile import precompile
+    report = precompile(kernel_build(config, target) for config in kernel_configs() + recompute_configs())
+    print(report, flush=True)
 
 
 def smoke() -> list[dict]:
     """Build every kernel (the walks, the reverse warm-ups, the recompute's states walks and pre-passes) for sm_90a
-    without a GPU and report its shared memory and ptxas figures."""
+    without a GPU and report its shared memory and ptxas figures (compiled in parallel first, then each loaded from
+    TileLang's cache)."""
     from linattn.ops.hopper import backward  # noqa: F401  (the host chain imports)
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
+    precompile_kernels("sm_90a")
     out = []
     for config in kernel_configs() + recompute_configs():
         t0 = time.time()
-        kernel = compiled_for_sm90a(config)
+        kernel = kernel_build(config, "sm_90a")()
         with tempfile.TemporaryDirectory() as d:
             report = compile_sm90a(kernel.get_kernel_source(), Path(d))[1]
         row = dict(config=config, shared_bytes=launch_shared_bytes(kernel), compile_s=round(time.time() - t0, 1),
@@ -893,6 +913,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         return dict(smoke=smoke())
+    precompile_kernels()
     name = ("hopper_bwd_segments" if args.segments else "hopper_bwd_warm" if args.warm
             else "hopper_bwd_states" if args.states else "hopper_bwd_varlen" if args.varlen
             else "hopper_bwd_timing" if args.timing_only else "hopper_bwd")

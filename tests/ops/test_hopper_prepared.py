@@ -108,6 +108,18 @@ def test_prepared_call_issues_the_plain_forwards_launches(recorder, monkeypatch,
     assert len(plain) == {"unsegmented": 2, "two_launch": 2, "five_launch": 5}[case] + 2
 
 
+@pytest.mark.parametrize("beta_dtype", [torch.float32, torch.bfloat16], ids=["beta_fp32", "beta_bf16"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_builds_are_the_kernels_the_plain_forward_compiles(recorder, case, with_state, beta_dtype):
+    """``prepared.forward_builds`` (what a script precompiles, ``hopper/precompile.py``) names exactly the TileLang
+    kernels the plain forward compiles under each plan, in its order: their compile arguments are equal."""
+    x = inputs(with_state, beta_dtype)
+    launched = [kernel for kernel, _ in traced_call(recorder, x, CASES[case])[:-2] if kernel[0] in ("walk", "prepass")]
+    builds = prepared.forward_builds(CASES[case], H, HV, D, D, D ** -0.5, with_state, beta_dtype)
+    assert [build() for build in builds] == launched
+
+
 @pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
 def test_the_scan_takes_the_plans_precision_in_both_paths(recorder, precision):
     """The plan's scan_precision reaches phase B's launch in the plain forward and in the prepared call alike, with

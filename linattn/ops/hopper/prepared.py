@@ -21,6 +21,7 @@ from ..common.seq_parallel import affine_scan_launcher
 from . import chunk_fwd, map_bound, prepass, walk_launch
 from . import plan as plan_module
 from .plan import HopperPlan, fitted_launch, map_slots, scan_options, warm_up_max
+from .precompile import Build
 
 
 def signature(q, k, v, g, beta, scale, initial_state, plan: HopperPlan) -> tuple:
@@ -145,22 +146,32 @@ def release_scratch() -> None:
         _scratch.clear()
 
 
-def compiled_walks(H: int, HV: int, K: int, V: int, scale: float, launch: dict, has_state: bool,
-                   beta_dtype: torch.dtype) -> dict:
-    """The compiled kernels the plain forward launches for this signature (cached since its call), by role:
-    "prepass", "walk" (unsegmented), "planned" (the warm walk that plans its warm-ups), "affine" (phase A), "warm"
-    (phase C); ``launch``: the walk's BV, threads and num_stages. The one place that names the kernel builders'
-    positional options."""
+def walk_builds(H: int, HV: int, K: int, V: int, scale: float, launch: dict, has_state: bool,
+                beta_dtype: torch.dtype, threshold: float) -> dict:
+    """The kernels the plain forward launches for this signature, by role, as builds (``precompile.Build``: call
+    one for its compiled kernel, cached since its first call): "prepass", "walk" (unsegmented), "planned" (the warm
+    walk that plans its warm-ups below ``threshold``), "affine" (phase A), "warm" (phase C); ``launch``: the walk's
+    BV, threads and num_stages. The one place that names the kernel builders' positional options."""
     BV, threads, stages = launch["BV"], launch["threads"], launch["num_stages"]
-    walk = functools.partial(walk_launch.walk_kernel, H, HV, K, V)
-    warm = functools.partial(walk_launch.warm_kernel, H, HV, K, V, BV, scale, threads, stages)
+    walk = lambda *options: Build(walk_launch.walk_kernel, (H, HV, K, V) + options)
+    warm = lambda *options: Build(walk_launch.warm_kernel, (H, HV, K, V, BV, scale, threads, stages) + options)
     return dict(
-        prepass=lambda: prepass.prepass_kernel(H, HV, K, beta_dtype),
-        walk=lambda: walk(BV, scale, threads, stages, has_state, beta_dtype, False, False),
-        planned=lambda threshold: warm(has_state, beta_dtype, threshold, True),
-        affine=lambda: walk(fitted_launch(K, launch)["BV"], scale, threads, stages, False, beta_dtype, True, True),
-        warm=lambda: warm(True, beta_dtype, None, True),
+        prepass=Build(prepass.prepass_kernel, (H, HV, K, beta_dtype)),
+        walk=walk(BV, scale, threads, stages, has_state, beta_dtype, False, False),
+        planned=warm(has_state, beta_dtype, threshold, True),
+        affine=walk(fitted_launch(K, launch)["BV"], scale, threads, stages, False, beta_dtype, True, True),
+        warm=warm(True, beta_dtype, None, True),
     )
+
+
+def forward_builds(plan: HopperPlan, H: int, HV: int, K: int, V: int, scale: float, has_state: bool,
+                   beta_dtype: torch.dtype) -> list:
+    """The builds of the kernels the forward launches under ``plan`` (:func:`walk_builds`' roles that the plan
+    takes: the pre-pass, then the walk, the planned walk, or phases A and C), for ``precompile.precompile``."""
+    builds = walk_builds(H, HV, K, V, scale, fitted_launch(V, plan.kernel_launch), has_state, beta_dtype,
+                         plan.config.negligible_m_log2)
+    roles = ("walk",) if plan.segments == 1 else ("planned",) if plan.planned_walk else ("affine", "warm")
+    return [builds["prepass"]] + [builds[role] for role in roles]
 
 
 def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
@@ -171,7 +182,7 @@ def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
     HV, V = v.shape[2], v.shape[3]
     S, config = plan.segments, plan.config
     launch = fitted_launch(V, plan.kernel_launch)
-    kernels = compiled_walks(H, HV, K, V, scale, launch, has_state, beta_dtype)
+    kernels = walk_builds(H, HV, K, V, scale, launch, has_state, beta_dtype, config.negligible_m_log2)
     BT, bf16, f32, i32 = chunk_fwd.BT, torch.bfloat16, torch.float32, torch.int32
     BS, L = B * S, T // S
     Lp, LC = chunk_fwd.padded_length(L), -(-L // BT)
@@ -224,7 +235,7 @@ def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
         return unsegmented
 
     if plan.planned_walk:
-        planned_exe = chunk_fwd.launcher(kernels["planned"](config.negligible_m_log2))
+        planned_exe = chunk_fwd.launcher(kernels["planned"]())
         held_by = scratch_of(h0_extra)
 
         def planned(q, k, v, g, beta, initial_state):
