@@ -8,9 +8,15 @@ that every process of the machine shares: TileLang's (``$TILELANG_CACHE_DIR``, d
 FlashQLA's ``@tilelang.jit`` kernels and ours go through ``tilelang.compile`` → ``cache.cached``) and Triton's
 (``~/.triton/cache``: compiled kernels, and autotune results where the autotuner caches them: fla's
 ``fla_cache_autotune`` kernels by default (``FLA_CACHE_RESULTS=1``), every ``triton.autotune`` with
-``TRITON_CACHE_AUTOTUNING=1``, which :func:`warm` sets when unset). A worker runs the very call the table times
+``TRITON_CACHE_AUTOTUNING=1``, which :func:`cache_autotune_results` sets when unset). fla's cached configs are then
+the ones its autotune picked in a worker while other workers used the card; ``FLA_CACHE_RESULTS=0
+TRITON_CACHE_AUTOTUNING=0`` keep autotune results per process, so the timed process tunes them alone again (its
+Triton binaries still load from the cache). A worker runs the very call the table times
 (``bench_anchors.load_impls``' implementation, ``make_inputs``' inputs, seed 2), so it compiles the same kernels with
-the same keys; the table's first calls then load them.
+the same keys; the table's first calls then load them. Ours run the op too rather than ``hopper.precompile``'s
+per-kernel builds: the backward's kernels at a shape have no builds list of their own, an op run compiles exactly
+what the table launches, and its serial chain (H100, row 2: ≈ 40 s) is shorter than FlashQLA's (≈ 80 s), which bounds
+the phase anyway.
 
 Bounded by the card's memory: each task is charged :func:`task_bytes` (a multiple of its row's largest input), and
 a task starts only while the tasks in flight plus it fit the budget (the card's free memory less each worker's CUDA

@@ -3,6 +3,7 @@ entry point's pickling, and the phase's pool without a GPU (each task a "no CUDA
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -89,16 +90,24 @@ def test_the_worker_entry_point_and_its_task_pickle():
     assert pickle.loads(pickle.dumps(anchors_warm.warm_one)) is anchors_warm.warm_one
 
 
-def test_the_phase_runs_its_pool_without_a_gpu_and_reports_every_task(monkeypatch):
+def test_the_phase_runs_its_pool_without_a_gpu_and_reports_every_task():
     """Spawned workers, one per task here: each returns "no CUDA device" (nothing that needs a GPU runs) and the
     phase logs one line per task without raising."""
     import torch
     if torch.cuda.is_available():
         pytest.skip("on a GPU the workers would run the implementations")
-    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
     lines = []
     tasks = warm_tasks(["a", "b"], {1: ROWS[1]}, train=True)
     seconds = anchors_warm.warm(tasks, 80 * GiB, cores=2, log=lines.append)
     assert seconds > 0 and lines[0].startswith("warm: 2 tasks on 2 workers")
     assert sorted(line.split(" row")[0] for line in lines[1:]) == ["warm: a", "warm: b"]
     assert all("error no CUDA device" in line for line in lines[1:])
+
+
+def test_autotune_caching_is_set_where_unset_and_an_explicit_choice_stays(monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    anchors_warm.cache_autotune_results()
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    anchors_warm.cache_autotune_results()
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0"
