@@ -158,8 +158,12 @@ def main():
     if args.warm:
         tasks = anchors_warm.warm_tasks(impls, {row: ROWS[row][0] for row in args.rows}, args.train,
                                         [LINATTN, *args.impl])
-        seconds = anchors_warm.warm(tasks, torch.cuda.mem_get_info()[0], usable_cores())
+        seconds, results = anchors_warm.warm(tasks, torch.cuda.mem_get_info()[0], usable_cores())
         print(f"warm phase: {seconds:.1f} s", flush=True)
+        (Path(os.environ.get("OUT", ".")) / "warm.json").write_text(json.dumps(
+            dict(seconds=seconds, tasks=[dict(impl=r.task.impl, row=r.task.row, charged_MB=r.task.nbytes / 2 ** 20,
+                                              seconds=r.seconds, peak_MB=r.peak_MB, error=r.error)
+                                         for r in results]), indent=1))
         first_call_key = "first_call_after_warm_s"
     records = []
     out = Path(os.environ.get("OUT", ".")) / ("train_table.json" if args.train else "forward_table.json")

@@ -149,14 +149,14 @@ def cache_autotune_results() -> None:
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
-def warm(tasks: list[WarmTask], free_bytes: int, cores: int, log=print) -> float:
+def warm(tasks: list[WarmTask], free_bytes: int, cores: int, log=print) -> tuple[float, list[WarmResult]]:
     """Run ``tasks`` in spawned workers under :func:`pool_bound`, admitting by :func:`admissible`; logs each
-    result as it comes and returns the phase's wall seconds. Never raises for a task or a broken pool: what did
-    not warm compiles in the table's own first calls."""
+    result as it comes and returns the phase's wall seconds and the results, in the order they came. Never raises
+    for a task or a broken pool: what did not warm compiles in the table's own first calls."""
     workers, budget = pool_bound(tasks, free_bytes, cores)
     log(f"warm: {len(tasks)} tasks on {workers} workers, memory budget {budget / 2 ** 30:.1f} GiB")
     start = time.perf_counter()
-    pending, running = list(tasks), {}
+    pending, running, results = list(tasks), {}, []
     try:
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             while pending or running:
@@ -171,9 +171,10 @@ def warm(tasks: list[WarmTask], free_bytes: int, cores: int, log=print) -> float
                         result = future.result()
                     except Exception as e:      # the worker died (killed for memory, a crash)
                         result = WarmResult(task, float("nan"), 0.0, f"{type(e).__name__}: {e}"[:300])
+                    results.append(result)
                     log(f"warm: {task.impl} row {task.row} {result.seconds:.1f} s, peak {result.peak_MB:.0f} MB"
                         + (f", error {result.error}" if result.error else "")
                         + f" (at {time.perf_counter() - start:.0f} s)")
     except Exception as e:      # a broken pool: what did not warm compiles in the table's own first calls
         log(f"warm: stopped, {len(pending) + len(running)} tasks not warmed: {type(e).__name__}: {e}"[:400])
-    return time.perf_counter() - start
+    return time.perf_counter() - start, results

@@ -98,8 +98,9 @@ def test_the_phase_runs_its_pool_without_a_gpu_and_reports_every_task():
         pytest.skip("on a GPU the workers would run the implementations")
     lines = []
     tasks = warm_tasks(["a", "b"], {1: ROWS[1]}, train=True)
-    seconds = anchors_warm.warm(tasks, 80 * GiB, cores=2, log=lines.append)
+    seconds, results = anchors_warm.warm(tasks, 80 * GiB, cores=2, log=lines.append)
     assert seconds > 0 and lines[0].startswith("warm: 2 tasks on 2 workers")
+    assert sorted(r.task.impl for r in results) == ["a", "b"] and all(r.error == "no CUDA device" for r in results)
     assert sorted(line.split(" row")[0] for line in lines[1:]) == ["warm: a", "warm: b"]
     assert all("error no CUDA device" in line for line in lines[1:])
 
