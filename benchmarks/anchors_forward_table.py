@@ -160,10 +160,7 @@ def main():
                                         [LINATTN, *args.impl])
         seconds, results = anchors_warm.warm(tasks, torch.cuda.mem_get_info()[0], usable_cores())
         print(f"warm phase: {seconds:.1f} s", flush=True)
-        (Path(os.environ.get("OUT", ".")) / "warm.json").write_text(json.dumps(
-            dict(seconds=seconds, tasks=[dict(impl=r.task.impl, row=r.task.row, charged_MB=r.task.nbytes / 2 ** 20,
-                                              seconds=r.seconds, peak_MB=r.peak_MB, error=r.error)
-                                         for r in results]), indent=1))
+        (Path(os.environ.get("OUT", ".")) / "warm.json").write_text(anchors_warm.to_json(seconds, results))
         first_call_key = "first_call_after_warm_s"
     records = []
     out = Path(os.environ.get("OUT", ".")) / ("train_table.json" if args.train else "forward_table.json")
@@ -172,7 +169,8 @@ def main():
         out.write_text(json.dumps(records, indent=1))
     print()
     print(table(records, args.rows, "fwdbwd_ms" if args.train else "fwd_ms"))
-    label = "after the warm phase (caches filled: no compile figure)" if args.warm else "cold (compiles included)"
+    label = ("after the warm phase (caches filled: no compile figure)" if args.warm else
+             "compiles included, unless an earlier process on this machine cached them")
     print(f"\nfirst call s, {label}")
     for r in records:
         if first_call_key in r:

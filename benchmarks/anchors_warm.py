@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import multiprocessing
 import os
 import sys
@@ -178,3 +179,11 @@ def warm(tasks: list[WarmTask], free_bytes: int, cores: int, log=print) -> tuple
     except Exception as e:      # a broken pool: what did not warm compiles in the table's own first calls
         log(f"warm: stopped, {len(pending) + len(running)} tasks not warmed: {type(e).__name__}: {e}"[:400])
     return time.perf_counter() - start, results
+
+
+def to_json(seconds: float, results: list[WarmResult]) -> str:
+    """The phase as ``$OUT/warm.json``: its seconds and each task's row, seconds, charged and peak MB and error (the
+    charged and peak figures side by side calibrate :data:`TENSOR_MULTIPLE`)."""
+    return json.dumps(dict(seconds=seconds, tasks=[
+        dict(impl=r.task.impl, row=r.task.row, seconds=r.seconds, charged_MB=r.task.nbytes / 2 ** 20,
+             peak_MB=r.peak_MB, error=r.error) for r in results]), indent=1)

@@ -2,6 +2,7 @@
 entry point's pickling, and the phase's pool without a GPU (each task a "no CUDA device" result, nothing raised)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -103,6 +104,9 @@ def test_the_phase_runs_its_pool_without_a_gpu_and_reports_every_task():
     assert sorted(r.task.impl for r in results) == ["a", "b"] and all(r.error == "no CUDA device" for r in results)
     assert sorted(line.split(" row")[0] for line in lines[1:]) == ["warm: a", "warm: b"]
     assert all("error no CUDA device" in line for line in lines[1:])
+    saved = json.loads(anchors_warm.to_json(seconds, results))
+    assert saved["seconds"] == seconds and sorted(t["impl"] for t in saved["tasks"]) == ["a", "b"]
+    assert all(t["charged_MB"] == task_bytes(*ROWS[1]) / 2 ** 20 for t in saved["tasks"])
 
 
 def test_autotune_caching_is_set_where_unset_and_an_explicit_choice_stays(monkeypatch):
