@@ -20,7 +20,8 @@ implementation's first call at the row's shape (compiles included: issue 4 asks 
 
 ``--warm`` first runs every implementation's first call at every row in spawned worker processes side by side
 (``anchors_warm.py``), filling TileLang's and Triton's disk caches, so that the timed process loads its kernels
-instead of compiling them one after another; it prints the phase's seconds. Its first calls are then no compile
+instead of compiling them one after another; it prints the phase's seconds (each task's seconds, charged and peak
+MB into ``$OUT/warm.json``, the workers' output into ``$OUT/warm_logs/``). Its first calls are then no compile
 figure: they are recorded as ``first_call_after_warm_s``, and the table's notes say so.
 """
 from __future__ import annotations
@@ -158,7 +159,8 @@ def main():
     if args.warm:
         tasks = anchors_warm.warm_tasks(impls, {row: ROWS[row][0] for row in args.rows}, args.train,
                                         [LINATTN, *args.impl])
-        seconds, results = anchors_warm.warm(tasks, torch.cuda.mem_get_info()[0], usable_cores())
+        log_dir = os.path.join(os.environ["OUT"], "warm_logs") if "OUT" in os.environ else None
+        seconds, results = anchors_warm.warm(tasks, torch.cuda.mem_get_info()[0], usable_cores(), log_dir=log_dir)
         print(f"warm phase: {seconds:.1f} s", flush=True)
         (Path(os.environ.get("OUT", ".")) / "warm.json").write_text(anchors_warm.to_json(seconds, results))
         first_call_key = "first_call_after_warm_s"

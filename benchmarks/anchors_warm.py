@@ -112,6 +112,7 @@ def warm_one(task: WarmTask) -> WarmResult:
     row's shape, then ``torch.autograd.grad`` over every input with ``train``, else one call under no_grad, on the
     GPU. Never raises: an error is in the result (the table's own first call then compiles, and reports it)."""
     import torch
+    print(f"--- {task.impl} row {task.row} {task.shape}", flush=True)
     if not torch.cuda.is_available():
         return WarmResult(task, float("nan"), 0.0, "no CUDA device")
     try:
@@ -150,16 +151,34 @@ def cache_autotune_results() -> None:
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
-def warm(tasks: list[WarmTask], free_bytes: int, cores: int, log=print) -> tuple[float, list[WarmResult]]:
-    """Run ``tasks`` in spawned workers under :func:`pool_bound`, admitting by :func:`admissible`; logs each
-    result as it comes and returns the phase's wall seconds and the results, in the order they came. Never raises
-    for a task or a broken pool: what did not warm compiles in the table's own first calls."""
+def _write_output_to(log_dir: Optional[str]) -> None:
+    """A worker's initializer: its stdout and stderr (the compilers' logs and warnings, many per task) into
+    ``log_dir/worker-<pid>.log``, so that they do not bury the table's own output; left as they are without one."""
+    if log_dir is None:
+        return
+    os.makedirs(log_dir, exist_ok=True)
+    fd = os.open(os.path.join(log_dir, f"worker-{os.getpid()}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+        os.dup2(fd, stream.fileno())
+    os.close(fd)
+
+
+def warm(tasks: list[WarmTask], free_bytes: int, cores: int, log=print,
+         log_dir: Optional[str] = None) -> tuple[float, list[WarmResult]]:
+    """Run ``tasks`` in spawned workers under :func:`pool_bound`, admitting by :func:`admissible`, their output into
+    ``log_dir`` (:func:`_write_output_to`); logs each result as it comes and returns the phase's wall seconds and
+    the results, in the order they came. Never raises for a task or a broken pool: what did not warm compiles in
+    the table's own first calls."""
     workers, budget = pool_bound(tasks, free_bytes, cores)
-    log(f"warm: {len(tasks)} tasks on {workers} workers, memory budget {budget / 2 ** 30:.1f} GiB")
+    log(f"warm: {len(tasks)} tasks on {workers} workers, memory budget {budget / 2 ** 30:.1f} GiB"
+        + (f", their output in {log_dir}" if log_dir else ""))
     start = time.perf_counter()
     pending, running, results = list(tasks), {}, []
+    context = multiprocessing.get_context("spawn")
     try:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_write_output_to,
+                                                    initargs=(log_dir,)) as pool:
             while pending or running:
                 in_flight = sum(t.nbytes for t in running.values())
                 for task in admissible(pending, in_flight, budget, workers - len(running)):

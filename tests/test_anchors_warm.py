@@ -91,16 +91,18 @@ def test_the_worker_entry_point_and_its_task_pickle():
     assert pickle.loads(pickle.dumps(anchors_warm.warm_one)) is anchors_warm.warm_one
 
 
-def test_the_phase_runs_its_pool_without_a_gpu_and_reports_every_task():
-    """Spawned workers, one per task here: each returns "no CUDA device" (nothing that needs a GPU runs) and the
-    phase logs one line per task without raising."""
+def test_the_phase_runs_its_pool_without_a_gpu_and_reports_every_task(tmp_path):
+    """Spawned workers, one per task here: each returns "no CUDA device" (nothing that needs a GPU runs), writes
+    its output into the log directory, and the phase logs one line per task without raising."""
     import torch
     if torch.cuda.is_available():
         pytest.skip("on a GPU the workers would run the implementations")
     lines = []
     tasks = warm_tasks(["a", "b"], {1: ROWS[1]}, train=True)
-    seconds, results = anchors_warm.warm(tasks, 80 * GiB, cores=2, log=lines.append)
+    seconds, results = anchors_warm.warm(tasks, 80 * GiB, cores=2, log=lines.append, log_dir=str(tmp_path))
     assert seconds > 0 and lines[0].startswith("warm: 2 tasks on 2 workers")
+    worker_logs = "".join(p.read_text() for p in tmp_path.glob("worker-*.log"))
+    assert "--- a row 1" in worker_logs and "--- b row 1" in worker_logs
     assert sorted(r.task.impl for r in results) == ["a", "b"] and all(r.error == "no CUDA device" for r in results)
     assert sorted(line.split(" row")[0] for line in lines[1:]) == ["warm: a", "warm: b"]
     assert all("error no CUDA device" in line for line in lines[1:])
