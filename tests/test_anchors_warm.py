@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after the installed packages: no shadowing
 import anchors_warm  # noqa: E402
 from anchors_warm import CONTEXT_BYTES, FREE_FRACTION, WarmTask, admissible, pool_bound, task_bytes, warm_tasks  # noqa: E402,E501
 
