@@ -17,6 +17,12 @@ Each record is printed as JSON as it is measured (a call cut at its limit keeps 
 run goes to ``$OUT/forward_table.json``; the table last gives each row's goal (FlashQLA's same-run figure / 1.25, and
 below SDPA at row 1) and linattn against it and against issue 4's roofline floor. ``first_call_s`` is each
 implementation's first call at the row's shape (compiles included: issue 4 asks for < 2 s on a new T).
+
+``--warm`` first runs every implementation's first call at every row in spawned worker processes side by side
+(``anchors_warm.py``), filling TileLang's and Triton's disk caches, so that the timed process loads its kernels
+instead of compiling them one after another; it prints the phase's seconds (each task's seconds, charged and peak
+MB into ``$OUT/warm.json``, the workers' output into ``$OUT/warm_logs/``). Its first calls are then no compile
+figure: they are recorded as ``first_call_after_warm_s``, and the table's notes say so.
 """
 from __future__ import annotations
 
@@ -31,7 +37,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
+import anchors_warm  # noqa: E402
 from bench_anchors import bench, load_impls, make_inputs  # noqa: E402  (the anchors' own pieces)
+
+from linattn.ops.hopper.precompile import usable_cores  # noqa: E402
 
 # issue 4's rows in its order: (B, T, Hqk, Hv) and its roofline floor in ms (K = V = 128)
 ROWS = {
@@ -67,9 +76,9 @@ def time_training(fn, xs) -> dict:
     return record
 
 
-def time_row(impls, B, T, H, HV, train: bool = False):
-    """One record per implementation at one row: ``fwd_ms`` (and ``first_call_s``), or with ``train`` the
-    :func:`time_training` figures, or ``error``."""
+def time_row(impls, B, T, H, HV, train: bool = False, first_call_key: str = "first_call_s"):
+    """One record per implementation at one row: ``fwd_ms`` (and the first call's seconds, under
+    ``first_call_key``), or with ``train`` the :func:`time_training` figures, or ``error``."""
     records = []
     for name, fn in list(impls.items()) + [("sdpa_flash", None)]:
         record = dict(impl=name, B=B, T=T, H=H, HV=HV, K=K)
@@ -87,7 +96,7 @@ def time_row(impls, B, T, H, HV, train: bool = False):
                 start = time.time()
                 fn(*xs, K ** -0.5)
                 torch.cuda.synchronize()
-                record["first_call_s"] = time.time() - start
+                record[first_call_key] = time.time() - start
                 if train:
                     record.update(time_training(lambda *x, fn=fn: fn(*x, K ** -0.5), xs))
                 else:
@@ -137,17 +146,37 @@ def main():
                     help="forward + backward (ms) and its peak extra memory (MB) instead of the forward, as "
                          "bench_anchors measures them (issue 45's table)")
     ap.add_argument("--skip", action="append", default=[], help="an implementation to leave out (e.g. fla)")
+    ap.add_argument("--warm", action="store_true",
+                    help="first call every implementation at every row in parallel worker processes (compiles "
+                         "into the disk caches), then time; first calls are then recorded as after warm")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if args.warm:
+        anchors_warm.cache_autotune_results()       # before fla's import in load_impls creates its autotuners
     impls = {n: f for n, f in load_impls([LINATTN, *args.impl]).items() if n not in args.skip}
     print("impls:", list(impls), flush=True)
+    first_call_key = "first_call_s"
+    if args.warm:
+        tasks = anchors_warm.warm_tasks(impls, {row: ROWS[row][0] for row in args.rows}, args.train,
+                                        [LINATTN, *args.impl])
+        log_dir = os.path.join(os.environ["OUT"], "warm_logs") if "OUT" in os.environ else None
+        seconds, results = anchors_warm.warm(tasks, torch.cuda.mem_get_info()[0], usable_cores(), log_dir=log_dir)
+        print(f"warm phase: {seconds:.1f} s", flush=True)
+        (Path(os.environ.get("OUT", ".")) / "warm.json").write_text(anchors_warm.to_json(seconds, results))
+        first_call_key = "first_call_after_warm_s"
     records = []
     out = Path(os.environ.get("OUT", ".")) / ("train_table.json" if args.train else "forward_table.json")
     for row in args.rows:
-        records += time_row(impls, *ROWS[row][0], train=args.train)
+        records += time_row(impls, *ROWS[row][0], train=args.train, first_call_key=first_call_key)
         out.write_text(json.dumps(records, indent=1))
     print()
     print(table(records, args.rows, "fwdbwd_ms" if args.train else "fwd_ms"))
+    label = ("after the warm phase (caches filled: no compile figure)" if args.warm else
+             "compiles included, unless an earlier process on this machine cached them")
+    print(f"\nfirst call s, {label}")
+    for r in records:
+        if first_call_key in r:
+            print(f"{r['B']},{r['T']},{r['H']},{r['HV']}  {r['impl']:<32} {r[first_call_key]:9.2f}")
     if args.train:
         print("\npeak extra MB during fwd+bwd (goal: linattn's ≤ FlashQLA's)")
         for r in records:

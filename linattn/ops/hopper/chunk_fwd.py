@@ -131,14 +131,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     segments walks the maps of that operator."""
     import tilelang.language as T
 
-    if affine and K % BV:
-        raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
-    if affine and warm:
-        raise ValueError("warm is phase C's walk (affine is phase A's)")
-    if store_states and (affine or warm_planned):
-        raise ValueError("store_states is the unsegmented walk or phase C's (warm): not with affine or warm_planned")
-    if not (beta_in_a_inv or affine or store_states):
-        raise ValueError("β in X (beta_in_a_inv=False) is built for the affine walk and the states walk")
+    check_build_flags(K, BV, affine, warm, warm_planned, store_states, beta_in_a_inv)
     B = T.symbolic("B")
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
@@ -240,6 +233,19 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
             walk.store_final_state(t, ht, ctl, ib, ibn, ihv, iv)
 
     return gdn_chunk_fwd
+
+
+def check_build_flags(K: int, BV: int, affine: bool, warm: bool, warm_planned: bool, store_states: bool,
+                      beta_in_a_inv: bool) -> None:
+    """ValueError for a combination of :func:`build_kernel`'s flags it does not build."""
+    if affine and K % BV:
+        raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
+    if affine and warm:
+        raise ValueError("warm is phase C's walk (affine is phase A's)")
+    if store_states and (affine or warm_planned):
+        raise ValueError("store_states is the unsegmented walk or phase C's (warm): not with affine or warm_planned")
+    if not (beta_in_a_inv or affine or store_states):
+        raise ValueError("β in X (beta_in_a_inv=False) is built for the affine walk and the states walk")
 
 
 def walk_macros(kernel) -> types.SimpleNamespace:
