@@ -59,7 +59,7 @@ def forward_equal_lengths(plan: HopperPlan, q: torch.Tensor, k: torch.Tensor, v:
         return call(q, k, v, g, beta, initial_state)
     result = forward_plain(plan, q, k, v, g, beta, scale, initial_state)
     if kernels_in_place():
-        prepared.remember(key, plan, q, k, v, beta, scale, initial_state)
+        prepared.remember(key, plan, q, v, beta, scale, initial_state)
     return result
 
 

@@ -39,13 +39,13 @@ def prepared_call(key: tuple) -> Optional[Callable]:
     return _prepared.get(key)
 
 
-def remember(key: tuple, plan: HopperPlan, q, k, v, beta, scale, initial_state) -> None:
+def remember(key: tuple, plan: HopperPlan, q, v, beta, scale, initial_state) -> None:
     """After the plain forward returned for these arguments: prepare ``key``."""
     if key in _prepared:
         return
     if len(_prepared) >= plan_module.CACHE_LIMITS.prepared:
         _prepared.clear()
-    _prepared[key] = build(plan, q, k, v, beta.dtype, scale, initial_state is not None)
+    _prepared[key] = build(plan, q, v, beta.dtype, scale, initial_state is not None)
 
 
 class _Kept:
@@ -174,7 +174,7 @@ def forward_builds(plan: HopperPlan, H: int, HV: int, K: int, V: int, scale: flo
     return [builds["prepass"]] + [builds[role] for role in roles]
 
 
-def build(plan: HopperPlan, q, k, v, beta_dtype, scale, has_state) -> Callable:
+def build(plan: HopperPlan, q, v, beta_dtype, scale, has_state) -> Callable:
     """The prepared call ``(q, k, v, g, beta, initial_state) -> (o, final state)`` of ``forward.forward_plain``
     under ``plan`` for these arguments (after its checks passed). Each step below names the plain function whose
     allocations and launch it repeats."""
