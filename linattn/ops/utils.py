@@ -173,12 +173,7 @@ def check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens,
 
     N = B
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
+        check_cu_seqlens_tensor(cu_seqlens)
         if B != 1:
             raise ValueError(f"cu_seqlens (varlen) needs B == 1 with the sequences packed along T, got B={B}")
         N = cu_seqlens.numel() - 1
@@ -198,6 +193,17 @@ def check_gated_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens,
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias go together: pass both (gate computed in the op) or neither")
     return scale, N
+
+
+def check_cu_seqlens_tensor(cu_seqlens) -> None:
+    """TypeError / ValueError unless ``cu_seqlens`` is a 1-D int32 or int64 tensor of N + 1 >= 2 offsets (its values
+    are :func:`check_cu_seqlens_values`' to check: reading them syncs with the device)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
 
 
 def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:

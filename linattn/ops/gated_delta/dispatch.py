@@ -134,7 +134,7 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
                             g_dtype: torch.dtype, offsets: Optional[list[int]] = None,
                             packed_by_padding: bool = False) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
-    ``hopper.compile.unsupported_reason`` says of the device and q's dtype: the walk's own size and dtype limits
+    ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
     (``hopper.backward.size_limit``, ``dtype_limit``), then :data:`HOPPER_BWD_MIN_PAIRS` and :data:`HOPPER_BWD_LONG`.
 
     Packed sequences (``offsets``, cu_seqlens' host values): the padded backward (``hopper/varlen.py``) only with

@@ -138,9 +138,9 @@ def segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, num_segm
 
     The flags, the maps' skips and the warm-ups are the forward's (``config``), so h equals the unsegmented walk's up
     to the maps' rounding (bf16 dot operands, the scan's tf32: the forward's) where a map is walked, and within
-    2^negligible_m_log2 of the state where a warm-up or a skipped map stands for it. k, v and T are viewed as ``[B·S, L, ...]``; gc, β ``[B, HV, NT·64]`` and the chunk bounds ``[B,
-    HV, NT]`` take one copy each into per-segment rows. ``launch``: phase C's (the plan's), BV = 64 for phase A
-    where the plan's does not divide K."""
+    2^negligible_m_log2 of the state where a warm-up or a skipped map stands for it. k, v and T are viewed as
+    ``[B·S, L, ...]``; gc, β ``[B, HV, NT·64]`` and the chunk bounds ``[B, HV, NT]`` take one copy each into
+    per-segment rows. ``launch``: phase C's (the plan's), BV = 64 for phase A where the plan's does not divide K."""
     B, T, H, K = k.shape
     V, S = v.shape[3], num_segments
     if S < 2 or T % (BT * S):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..common.varlen import pad_rows, unpad_rows
-from ..utils import check_offsets
+from ..utils import check_cu_seqlens_tensor, check_offsets
 from .chunk_fwd import BT
 
 
@@ -59,10 +59,7 @@ def check_packed(cu_seqlens: torch.Tensor, offsets: list[int], B: int, T: int, d
     """N, the number of packed sequences, after checking that ``cu_seqlens`` ``[N + 1]`` (int32 or int64, on
     ``device``) and ``offsets``, its values on the host, describe B = 1 row of T packed tokens: ValueError or
     TypeError otherwise (:func:`to_padded` would read or write past the rows)."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', cu_seqlens)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens_tensor(cu_seqlens)
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
     if B != 1:

@@ -153,13 +153,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
     warm-ups; dtypes and BV checked there): the layouts, then the warm kernel."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    NB, L = gc_hm.shape[0], gc_hm.shape[2]
-    if L % BT or T % L or NB != B * (T // L):
-        raise ValueError(f"gc must be per segment [B·S, HV, L] with L a multiple of {BT} dividing T = {T} and "
-                         f"B·S = {B}·T/L, got {list(gc_hm.shape)}")
-    if beta_hm.shape != gc_hm.shape or gc_hm.shape[1] != HV:
-        raise ValueError(f"gc and beta must be [B·S, HV, L] = {[NB, HV, L]}, got {list(gc_hm.shape)} and "
-                         f"{list(beta_hm.shape)}")
+    NB, L = _segment_rows(gc_hm, beta_hm, B, T, HV), gc_hm.shape[2]
     planned = bound is not None
     if planned:
         # the walk plans its warm-ups from the chunk bounds and starts a warm-up that reaches the sequence's start
@@ -172,11 +166,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
                              f"{[B, HV, K, V]}, got {list(initial_state.shape)}")
         h0, ctl = state_arg(initial_state, (B, HV, K, V), q.device), bound.contiguous()
     else:
-        if initial_state is None or initial_state.shape != (NB, HV, K, V):
-            raise ValueError(f"the warm walk needs each segment's starting state [B·S, HV, K, V] = "
-                             f"{[NB, HV, K, V]}, got {None if initial_state is None else list(initial_state.shape)}")
-        if warm_chunks.shape != (NB, HV):
-            raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
+        _check_warm_start(initial_state, warm_chunks, NB, HV, K, V)
         h0, ctl = state_arg(initial_state, (NB, HV, K, V), q.device), warm_chunks.to(torch.int32).contiguous()
     o = torch.empty_like(v)
     ht = torch.empty(B if lean else NB, HV, K, V, dtype=torch.float32, device=q.device)
@@ -242,14 +232,27 @@ def _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, 
             raise ValueError(f"initial_state must be [B, HV, K, V] = {[B, HV, K, V]}, got "
                              f"{list(initial_state.shape)}")
         return B
+    NB = _segment_rows(gc_hm, beta_hm, B, T, HV)
+    _check_warm_start(initial_state, warm_chunks, NB, HV, K, V)
+    return NB
+
+
+def _segment_rows(gc_hm, beta_hm, B: int, T: int, HV: int) -> int:
+    """B·S, after a ValueError unless gc and β are per segment ``[B·S, HV, L]``, L a multiple of 64 dividing T (the
+    warm walks' rows: the segmented forward's phase C and the states in segments)."""
     NB, L = gc_hm.shape[0], gc_hm.shape[-1]
     if gc_hm.dim() != 3 or L % BT or T % L or NB != B * (T // L) or gc_hm.shape[1] != HV or \
             beta_hm.shape != gc_hm.shape:
         raise ValueError(f"gc and beta must be per segment [B·S, HV, L] with L a multiple of {BT} dividing T = {T} "
                          f"and B·S = {B}·T/L, HV = {HV}, got {list(gc_hm.shape)} and {list(beta_hm.shape)}")
+    return NB
+
+
+def _check_warm_start(initial_state, warm_chunks, NB: int, HV: int, K: int, V: int) -> None:
+    """ValueError unless a warm walk with ``warm_chunks`` has each segment's entering state ``[B·S, HV, K, V]`` and
+    its warm-ups ``[B·S, HV]``."""
     if initial_state is None or initial_state.shape != (NB, HV, K, V):
         raise ValueError(f"the segments' walk needs each segment's entering state [B·S, HV, K, V] = "
                          f"{[NB, HV, K, V]}, got {None if initial_state is None else list(initial_state.shape)}")
     if warm_chunks.shape != (NB, HV):
         raise ValueError(f"warm_chunks must be [B·S, HV] = {[NB, HV]}, got {list(warm_chunks.shape)}")
-    return NB
