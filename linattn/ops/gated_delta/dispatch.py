@@ -132,7 +132,7 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: torch.dtype,
                             g_dtype: torch.dtype, offsets: Optional[list[int]] = None,
-                            packed_by_padding: bool = False) -> Optional[str]:
+                            packed_by_padding: bool = True) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
     (``hopper.backward.size_limit``, ``dtype_limit``), then :data:`HOPPER_BWD_MIN_PAIRS` and :data:`HOPPER_BWD_LONG`.
@@ -164,7 +164,7 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
 
 def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
                          cu_seqlens: Optional[torch.Tensor], backend: str, offsets: Optional[list[int]] = None,
-                         packed_by_padding: bool = False, others: tuple = ()) -> tuple[str, str]:
+                         packed_by_padding: bool = True, others: tuple = ()) -> tuple[str, str]:
     """The backward for these saved inputs on ``backend``: ("torch" | "hopper" | "triton", why). ``offsets``:
     cu_seqlens' host values (None: read from the device); ``packed_by_padding``: :func:`hopper_backward_blocker`'s;
     ``others``: the call's other tensors (k, β, the initial state, dht; None skipped), which must start on a

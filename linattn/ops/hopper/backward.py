@@ -172,8 +172,8 @@ def token_major(x_hm: torch.Tensor, T: int) -> torch.Tensor:
 
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
-                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "maps",
-                                      segment_states: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "warm",
+                                      segment_states: bool = True, cu_seqlens: Optional[torch.Tensor] = None,
                                       offsets: Optional[list[int]] = None):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16): equal-length sequences, or packed
     ones (``cu_seqlens``) run as a padded batch of one length (``varlen.py``).
