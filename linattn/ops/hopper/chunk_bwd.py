@@ -45,7 +45,7 @@ BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program ne
 FLAG_WARPS = 32     # a flag per warp of a program (1024 threads at most): the exchange is per warp
 # The slices' sums of dq, dk one step late (:func:`_exchange_macros`; True) or at their exchange points (False): the
 # A/B for the GPU (benchmarks/gpu_check_hopper_bwd.py times both walks and compares their bits); the loser goes
-DEFERRED_SUMS = True
+DEFERRED_SUMS = False
 # The slices' exchange of dq, dk tiles (:func:`_exchange_macro`), per warp: a fragment's element → thread map is the
 # same in every slice's program, so warp w of the owner reads only what warp w of each other slice wrote.
 # publish: every lane's tile stores made visible at GPU scope, then the warp's flag set (release);
