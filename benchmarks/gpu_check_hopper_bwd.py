@@ -13,9 +13,7 @@
     and 7 (B=1, T=32768, H=2, HV=8), K = V = 128: the recompute (pre-pass and states walk), the fused walk alone
     (and µs per chunk: walk ms over the T/64 chunks each program walks), the reductions (one launch: sums, mask,
     casts), the whole Hopper backward and the Triton backward; the Hopper backward's peak memory over its inputs
-    (torch.cuda.max_memory_allocated around one call, MiB); the walk with the other slice sums
-    (``chunk_bwd.DEFERRED_SUMS``'s A/B: at the exchange points or one step late) and whether its bits equal the
-    default walk's (they must: the same order). Part (a)'s twin rows compare both walks' bits too.
+    (torch.cuda.max_memory_allocated around one call, MiB).
     The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs;
     so is the states walk (one program per sequence, value head and V tile of 128 where those fill the card, else 64).
 (c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
@@ -125,17 +123,15 @@ SMS = 132    # an H100's or H200's SMs: the recompute's launch (backward.recompu
 
 
 def kernel_configs() -> list[tuple]:
-    """(H, HV, K, V, scale, BV) of every walk this script launches (its slices' sums as ``chunk_bwd.DEFERRED_SUMS``
-    says), ("inline", H, HV, K, V, scale, BV) of the timing rows' walks with the other sums (the A/B), and ("warm",
-    H, HV, K, V, scale, BV) of every reverse warm-ups kernel."""
+    """(H, HV, K, V, scale, BV) of every walk this script launches, and ("warm", H, HV, K, V, scale, BV) of every
+    reverse warm-ups kernel."""
     config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
     configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _, _ in CASES]
     configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in SEGMENTED_CASES]
     configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
     warm = [("warm",) + config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in WARM_CASES]
     warm += [("warm",) + config(H, HV, 128, 128, 64) for _, _, _, H, HV in WARM_ROWS]
-    other = [("inline",) + config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS]
-    return list(dict.fromkeys(configs + other + warm))
+    return list(dict.fromkeys(configs + warm))
 
 
 def recompute_launch(B: int, HV: int, V: int, sms: int = SMS) -> dict:
@@ -196,9 +192,6 @@ def kernel_build(config: tuple, target: Optional[str]):
                                                torch.float32, True, True, target), dict(beta_in_a_inv=False))
     if config[0] == "warm":
         return Build(chunk_bwd.compiled_warm_kernel, config[1:], dict(target=target))
-    if config[0] == "inline":
-        return Build(chunk_bwd.compiled_kernel, config[1:], dict(target=target,
-                                                                 deferred_sums=not chunk_bwd.DEFERRED_SUMS))
     return Build(chunk_bwd.compiled_kernel, config, dict(target=target))
 
 
@@ -300,9 +293,7 @@ def twin_case(case) -> dict:
     low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     scale = K ** -0.5
     gc_hm, beta_hm, a_inv, h = backward.recompute(low["k"], low["v"], low["g"], low["beta"], low["initial_state"])
-    walk = lambda deferred: chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], gc_hm, beta_hm, a_inv,
-                                                       h, dht, scale, BV, deferred)
-    got, other = walk(chunk_bwd.DEFERRED_SUMS), walk(not chunk_bwd.DEFERRED_SUMS)
+    got = chunk_bwd.chunk_bwd_hopper(low["q"], low["k"], low["v"], low["do"], gc_hm, beta_hm, a_inv, h, dht, scale, BV)
     # the twin pads gc past T with the sequence's last value (its γ is the chunk's last row), β with zeros (as the
     # recompute does); its "checkpoints" are h itself, one per chunk
     pad = (0, gc_hm.shape[-1] - T)
@@ -314,8 +305,7 @@ def twin_case(case) -> dict:
                    dg_partials=(tokens(got[3]), twin.dg), dbeta_partials=(tokens(got[4]), twin.dbeta),
                    dh0=(got[5], twin.dh0))
     return dict(case=name, rel_l2={n: rel(a, b) for n, (a, b) in outputs.items()},
-                nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()),
-                sums_variants_bitwise_equal=all(torch.equal(a, b) for a, b in zip(got, other)))
+                nonfinite=sum(int((~torch.isfinite(a)).sum()) for a, _ in outputs.values()))
 
 
 def difference(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -374,17 +364,13 @@ def time_row(row) -> dict:
     h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)
     launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
     states = lambda: backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)  # the plan's segments
-    walk = lambda deferred=chunk_bwd.DEFERRED_SUMS: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h,
-                                                                                dht, scale, 64, deferred)
+    walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_h, dk_h, _, dg_p, db_p, _ = walk()
-    # the A/B of the slices' sums (chunk_bwd.DEFERRED_SUMS): the other walk's bits, the same order
-    variants_equal = all(torch.equal(a, b) for a, b in zip(walk(), walk(not chunk_bwd.DEFERRED_SUMS)))
     ms = dict(
         recompute=triton.testing.do_bench(lambda: backward.recompute(k, v, g, beta, h0)),
         recompute_prepass=triton.testing.do_bench(lambda: prepass.prepass_hopper(k, g, beta, beta_in_a_inv=False)),
         recompute_states=triton.testing.do_bench(states),
         walk=triton.testing.do_bench(walk),
-        walk_other_sums=triton.testing.do_bench(lambda: walk(not chunk_bwd.DEFERRED_SUMS)),
         reductions=triton.testing.do_bench(lambda: backward.gradients_from_partials(
             dq_h, dk_h, dg_p, db_p, g, beta.dtype, q.dtype, H)),
         hopper=triton.testing.do_bench(lambda: backward.chunk_gated_delta_rule_bwd_hopper(
@@ -394,7 +380,6 @@ def time_row(row) -> dict:
     chunks = -(-T // 64)
     return dict(row=index, B=B, T=T, H=H, HV=HV, K=K, V=V, programs=B * HV * 2, chunks_per_program=chunks,
                 ms=ms, walk_us_per_chunk=ms["walk"] * 1000 / chunks, states_BV=launch["BV"], peak_MiB=peak,
-                deferred_sums=chunk_bwd.DEFERRED_SUMS, sums_variants_bitwise_equal=variants_equal,
                 states_segments=states_segments(B, T, HV))
 
 
@@ -867,8 +852,7 @@ def print_tables(results: dict) -> None:
     print(f"\ndevice: {results.get('device')}")
     print("\nthe walk against its twin on the same gc, T, h (rel L2 of each raw output; ≈ 1e-3 is rounding):")
     for r in results["twin"]:
-        print(f"{r['case']:<28}{r.get('rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}  "
-              f"sums' variants bitwise equal {r.get('sums_variants_bitwise_equal')}")
+        print(f"{r['case']:<28}{r.get('rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}")
     print(f"\n{'case':<28}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64; hopper/triton; hopper/base)")
     for r in measured(results["accuracy"], "case", 28):
         print(f"{r['case']:<28}" + "".join(f"{r['hopper'][n]:9.1e}" for n in GRADS) + "   hopper")
@@ -895,8 +879,6 @@ def print_tables(results: dict) -> None:
         print(f"{'':<23}recompute = pre-pass {ms['recompute_prepass']:.3f} + states {ms['recompute_states']:.3f} "
               f"({r['states_segments']} segments; unsegmented at BV {r['states_BV']}); Hopper backward's peak over its "
               f"inputs {r['peak_MiB']['extra']:.0f} MiB (its gradients {r['peak_MiB']['outputs']:.0f})")
-        print(f"{'':<23}walk with the other slice sums (deferred {not r['deferred_sums']}) "
-              f"{ms['walk_other_sums']:.3f}; bits equal {r['sums_variants_bitwise_equal']}")
 
 
 def main(argv=None) -> dict:

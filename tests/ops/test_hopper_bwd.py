@@ -292,31 +292,30 @@ COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which
 CTA_SHARED = 227 * 1024
 
 
-WALKS = [(2, 128, 64, True), (2, 128, 64, False), (4, 128, 64, True), (2, 64, 64, True), (2, 64, 32, True)]
-WALK_IDS = ["K128_gva", "K128_gva_inline_sums", "K128", "K64_gva_one_slice", "K64_gva_BV32"]
+WALKS = [(2, 128, 64), (4, 128, 64), (2, 64, 64), (2, 64, 32)]
+WALK_IDS = ["K128_gva", "K128", "K64_gva_one_slice", "K64_gva_BV32"]
 
 
 @COMPILES
-@pytest.mark.parametrize("H,K,BV,deferred", WALKS, ids=WALK_IDS)
-def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV, deferred):
+@pytest.mark.parametrize("H,K,BV", WALKS, ids=WALK_IDS)
+def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
     """The walk (V = K, four value heads on H qk heads) for sm_90a: its 20 dots on bf16 wgmma (none on mma.sync),
     its dynamic shared memory within a CTA's 227 KB (213 KB at K = 128), and ptxas spilling nothing and serialising
     no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D runs on threads 0–31, the producer
     warpgroup's in this warp-specialised kernel, so its scan would never run (the dg bug the GPU found).
     The slices' exchange: NV = V / BV slices launched as one cluster; at the exchange points each of dq, dk awaited
-    by the chunk's owner (one call in a loop over the others) and published by every other slice; deferred, one
-    publish a step and the owner's await at the next step's start and after the walk; dq, dk stored in fp32 per
-    value head with GVA, in bf16 (the gradient itself) without; one slice: no cluster, no exchange."""
+    by the chunk's owner (one call in a loop over the others) and published by every other slice; dq, dk stored in
+    fp32 per value head with GVA, in bf16 (the gradient itself) without; one slice: no cluster, no exchange."""
     from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
-    kernel = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a", deferred)  # gpu_check_hopper_bwd's
+    kernel = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")  # gpu_check_hopper_bwd's
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20 and "mma_sync" not in source
     assert "tl::CumSum" not in source
     NV = K // BV
     clusters = re.findall(r'"cluster_dims": \[(\d+), 1, 1\]', kernel.prim_func.script())
     assert clusters == ([] if NV == 1 else [str(NV)]), clusters
-    awaits, publishes = (0, 0) if NV == 1 else (2, 1) if deferred else (2, 2)
+    awaits, publishes = (0, 0) if NV == 1 else (2, 2)
     assert source.count("linattn_warp_await((") == awaits and source.count("linattn_warp_publish((") == publishes
     stored = "bfloat16_t* __restrict__ dq" if H == 4 else "float* __restrict__ dq"
     assert stored in source, stored
@@ -327,16 +326,16 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV, deferred):
 
 
 @COMPILES
-@pytest.mark.parametrize("H,K,BV,deferred", WALKS, ids=WALK_IDS)
-def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, BV, deferred):
+@pytest.mark.parametrize("H,K,BV", WALKS, ids=WALK_IDS)
+def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, BV):
     """chunk_bwd_hopper's tensors (CPU stand-ins; the launch recorded, not run) against the compiled walk's
     parameters, which the launch checks on the GPU: every dtype, and every shape with one value per symbolic size —
     dq, dk bf16 without GVA, fp32 with; the exchange ring and its zeroed flags per (sequence, value head), or one
     element each for one slice."""
     from linattn.ops.hopper import chunk_bwd
-    compiled = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a", deferred)
+    compiled = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")
     launched = []
-    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args, deferred_sums: {deferred: compiled}[deferred_sums])
+    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args: compiled)
     monkeypatch.setattr(chunk_bwd, "launcher", lambda kernel: lambda *args: launched.extend(args))
     B, T, NT = 2, 100, 2
     bf = torch.bfloat16
@@ -344,7 +343,7 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
     v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
     gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
     out = chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
-                                     torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, deferred)
+                                     torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV)
     assert len(launched) == len(compiled.params) and out[0] is launched[9] and out[1] is launched[10]
     sizes = {}
     for i, (x, param) in enumerate(zip(launched, compiled.params)):
@@ -353,7 +352,7 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
         for n, dim in zip(x.shape, param.shape):
             assert n == sizes.setdefault(str(dim), n) if not str(dim).isdigit() else n == int(str(dim)), (i, param)
     assert out[0].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
-    flags = B * 4 * (2 * 2 if deferred else 2 * 2 * 1) * chunk_bwd.FLAG_WARPS    # deferred: NV², else 2 · NV (NV − 1)
+    flags = B * 4 * 2 * 2 * 1 * chunk_bwd.FLAG_WARPS    # 2 · NV (NV − 1) per (sequence, value head)
     assert launched[-1].numel() == (1 if BV == K else flags)
 
 
@@ -422,8 +421,7 @@ def test_gpu_script_smoke_builds_every_kernel():
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 33 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
-    assert sum(r["config"][0] == "inline" for r in rows) == 2, rows
+    assert len(rows) == 31 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
     assert sum(r["config"][0] in ("states_warm", "states_maps") for r in rows) == 6, rows
     assert all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
@@ -604,23 +602,14 @@ def test_segment_length_forced_and_planned():
         assert L is None or (T // 64) % L == 0 and L >= segments.MIN_SEGMENT_CHUNKS
 
 
-def _exchange_events(NV: int, steps: int, deferred: bool, iv: int):
+def _exchange_events(NV: int, steps: int, iv: int):
     """Slice ``iv``'s exchange operations in program order, as ``chunk_bwd._exchange_macros`` places them (slot =
     step mod NV = the step's owner): ("write", ring index, step), ("publish", flag index, value), ("await", flag
     index, value), ("read", ring index, (step, writer)) — the ring index and flag index as the kernel forms them."""
-    for step in range(steps + (1 if deferred else 0)):
+    for step in range(steps):
         owner = step % NV
-        if deferred and step > 0 and iv == (step - 1) % NV:            # sum_previous at the step's start
-            prev = (step - 1) % NV
-            yield from (("await", (prev, (prev + p) % NV), step) for p in range(1, NV))
-            for which in (0, 1):
-                yield from (("read", (which, prev, (prev + p) % NV), (step - 1, (prev + p) % NV)) for p in range(NV))
-        if step == steps:
-            return
         for which in (0, 1):                                              # sum_out at the q and k sides
-            if deferred:
-                yield "write", (which, owner, iv), step
-            elif iv == owner:
+            if iv == owner:
                 for place in range(NV - 1):
                     yield "await", (which, owner, place), step + 1
                     yield "read", (which, owner, place), (step, (owner + place + 1) % NV)
@@ -628,22 +617,19 @@ def _exchange_events(NV: int, steps: int, deferred: bool, iv: int):
                 place = (iv - owner + NV) % NV - 1
                 yield "write", (which, owner, place), step
                 yield "publish", (which, owner, place), step + 1
-        if deferred:
-            yield "publish", (owner, iv), step + 1                          # publish at the step's end
 
 
-@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "inline"])
 @pytest.mark.parametrize("NV", [2, 3, 4])
-def test_exchange_protocol_reads_each_tile_once_written_and_never_deadlocks(NV, deferred):
+def test_exchange_protocol_reads_each_tile_once_written_and_never_deadlocks(NV):
     """The slices' exchange of dq, dk tiles (chunk_bwd._exchange_macros) as a model: NV slices run their operations
     in program order, interleaved at random (1000 schedules of 7 steps), an await blocking until its flag holds the
     value. Every read finds the tile of the step and slice the sum expects (never one overwritten by a later step or
     not yet written: the ring's reuse argument), every slice finishes (no deadlock), and each step's tiles are read
     by its owner alone. A slot reused one step early, or a publish before its write, fails here."""
     import random
-    rng = random.Random(NV * 2 + deferred)
+    rng = random.Random(NV)
     for _ in range(1000):
-        programs = [list(_exchange_events(NV, 7, deferred, iv)) for iv in range(NV)]
+        programs = [list(_exchange_events(NV, 7, iv)) for iv in range(NV)]
         at, ring, flags, reads = [0] * NV, {}, {}, []
         while any(a < len(p) for a, p in zip(at, programs)):
             ready = [iv for iv in range(NV) if at[iv] < len(programs[iv]) and (
@@ -659,4 +645,4 @@ def test_exchange_protocol_reads_each_tile_once_written_and_never_deadlocks(NV, 
             elif kind == "read":
                 assert ring.get(index) == value, (kind, index, value, ring.get(index))
                 reads.append((value[0], iv))
-        assert sorted(reads) == sorted((s, s % NV) for s in range(7) for _ in range(2 * (NV if deferred else NV - 1)))
+        assert sorted(reads) == sorted((s, s % NV) for s in range(7) for _ in range(2 * (NV - 1)))

@@ -43,9 +43,6 @@ from .chunk_fwd import BT, compile_prim_func, launcher
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
 FLAG_WARPS = 32     # a flag per warp of a program (1024 threads at most): the exchange is per warp
-# The slices' sums of dq, dk one step late (:func:`_exchange_macros`; True) or at their exchange points (False): the
-# A/B for the GPU (benchmarks/gpu_check_hopper_bwd.py times both walks and compares their bits); the loser goes
-DEFERRED_SUMS = False
 # The slices' exchange of dq, dk tiles (:func:`_exchange_macro`), per warp: a fragment's element → thread map is the
 # same in every slice's program, so warp w of the owner reads only what warp w of each other slice wrote.
 # publish: every lane's tile stores made visible at GPU scope, then the warp's flag set (release);
@@ -160,23 +157,17 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     return types.SimpleNamespace(column_sums_out=column_sums_out, recompute=recompute, chain=chain, x_terms=x_terms)
 
 
-def _exchange_macros(K: int, slices: int, deferred: bool) -> types.SimpleNamespace:
+def _exchange_macros(K: int, slices: int) -> types.SimpleNamespace:
     """The slices' sums of the dq and dk tiles (``slices`` = NV programs of one sequence and value head, one
-    cluster) as TileLang macros: ``sum_out`` at each tile's exchange point, and with ``deferred`` ``publish`` at the
-    step's end and ``sum_previous`` at the next step's start (and after the walk). Step s (the loop's count) is
-    owned by slice o = s mod NV, which adds the slices' tiles in the cyclic order from itself,
-    ((p_o + p_{o+1}) + p_{o+2}) + ..., and stores the sum; the owners alternate, so the loads and adds fall on every
-    slice alike. Flags hold the step + 1 that set them (zero every launch).
+    cluster) as a TileLang macro, ``sum_out``, at each tile's exchange point. Step s (the loop's count) is owned by
+    slice o = s mod NV, which adds the slices' tiles in the cyclic order from itself, ((p_o + p_{o+1}) + p_{o+2}) +
+    ..., and stores the sum; the owners alternate, so the loads and adds fall on every slice alike. Flags hold the
+    step + 1 that set them (zero every launch).
 
-    At the exchange point (``deferred`` False): every other slice stores its tile in the ring's slot o at its place
-    after the owner and publishes it; the owner awaits them there and adds them to its tile in registers. Slot o is
-    written again NV steps later, after the owner read it: each other slice owns one of the NV − 1 steps between,
-    where it awaited the owner's tile of that step, written after that read.
-    Deferred: every slice (the owner too) stores its tiles in slot o at its own place and publishes both at the
-    step's end; the owner of step s awaits them at the start of step s + 1, reads them back through dq's and dk's
-    fragments (free there) and stores the sums — the others' stores, fences and flags have the rest of the step to
-    land, where at the exchange point the owner waits out their round trip twice a step. Reuse: as above, with the
-    read one step late and the await at the start of the owning step.
+    Every other slice stores its tile in the ring's slot o at its place after the owner and publishes it; the owner
+    awaits them there and adds them to its tile in registers. Slot o is written again NV steps later, after the owner
+    read it: each other slice owns one of the NV − 1 steps between, where it awaited the owner's tile of that step,
+    written after that read.
 
     No deadlock: an owner awaits only tiles that the others publish without waiting in between; the cluster launches
     the NV programs together (an owner spinning on a slice that no SM holds yet could otherwise keep every SM busy
@@ -188,11 +179,9 @@ def _exchange_macros(K: int, slices: int, deferred: bool) -> types.SimpleNamespa
     @T.macro
     def sum_out(t, tile, out, which, c, step):
         """``tile`` (this slice's BT × K fp32 fragment) summed over the slices into ``out``'s chunk ``c``;
-        ``which``: 0 for dq, 1 for dk (their own scratch and flags). Deferred: the tile into the ring, no more."""
+        ``which``: 0 for dq, 1 for dk (their own scratch and flags)."""
         if slices == 1:
             T.copy(tile, out[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
-        elif deferred:
-            T.copy(tile, t.scratch[t.ib, t.ihv, which, T.truncmod(step, slices), t.iv, 0:BT, 0:K])
         else:
             owner = T.truncmod(step, slices)
             if t.iv == owner:
@@ -208,41 +197,7 @@ def _exchange_macros(K: int, slices: int, deferred: bool) -> types.SimpleNamespa
                 T.call_extern("handle", "linattn_warp_publish", T.address_of(t.flags[t.ib, t.ihv, which, owner, place, 0]),
                               step + 1)
 
-    @T.macro
-    def publish(t, step):
-        """Deferred: this step's dq and dk tiles published at its end (one flag per warp)."""
-        if deferred and slices > 1:
-            T.call_extern("handle", "linattn_warp_publish",
-                          T.address_of(t.flags[t.ib, t.ihv, T.truncmod(step, slices), t.iv, 0]), step + 1)
-
-    @T.macro
-    def ring_sum_out(t, tile, out, which, owner, c):
-        """Deferred: the slices' tiles of ``which`` in slot ``owner`` added into ``tile`` (from the owner's own, in the
-        cyclic order) and stored to ``out``'s chunk ``c``."""
-        for i, j in T.Parallel(BT, K):
-            tile[i, j] = t.scratch[t.ib, t.ihv, which, owner, owner, i, j]
-        for place in T.unroll(1, slices):
-            for i, j in T.Parallel(BT, K):
-                tile[i, j] = tile[i, j] + t.scratch[t.ib, t.ihv, which, owner, T.truncmod(owner + place, slices), i, j]
-        T.copy(tile, out[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
-
-    @T.macro
-    def sum_previous(t, step, chunks):
-        """Deferred: at step ``step``'s start (``chunks``: after the walk), the previous step's owner awaits the
-        slices' dq and dk tiles of that step, adds them from the ring (its own first) and stores the sums (chunk
-        chunks − step), through dqf and dkf (free there, and laid out as the tiles were written)."""
-        if deferred and slices > 1:
-            if step > 0:
-                owner = T.truncmod(step - 1, slices)
-                if t.iv == owner:
-                    for place in T.unroll(1, slices):
-                        T.call_extern("handle", "linattn_warp_await",
-                                      T.address_of(t.flags[t.ib, t.ihv, owner, T.truncmod(owner + place, slices), 0]),
-                                      step)
-                    ring_sum_out(t, t.dqf, t.dq, 0, owner, chunks - step)
-                    ring_sum_out(t, t.dkf, t.dk, 1, owner, chunks - step)
-
-    return types.SimpleNamespace(sum_out=sum_out, publish=publish, sum_previous=sum_previous)
+    return types.SimpleNamespace(sum_out=sum_out)
 
 
 def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchange=None) -> types.SimpleNamespace:
@@ -336,27 +291,24 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
     return types.SimpleNamespace(q_side=q_side, k_side=k_side, finish=finish, split_state=split_state)
 
 
-def step_macros(K: int, BV: int, scale: float, slices: int = 1, deferred: bool = DEFERRED_SUMS
-                ) -> types.SimpleNamespace:
+def step_macros(K: int, BV: int, scale: float, slices: int = 1) -> types.SimpleNamespace:
     """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
     finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
     import tilelang.language as T
 
     first = _recompute_macros(K, BV, scale)
-    exchange = _exchange_macros(K, slices, deferred)
+    exchange = _exchange_macros(K, slices)
     second = _gradient_macros(K, BV, scale, first.column_sums_out, exchange)
 
     @T.macro
-    def full_step(t, rows, g_last, c, step, chunks):
-        """One chunk's whole reverse step (the ``step``-th of the walk's ``chunks``)."""
-        exchange.sum_previous(t, step, chunks)
+    def full_step(t, rows, g_last, c, step):
+        """One chunk's whole reverse step (the walk's ``step``-th)."""
         first.recompute(t, rows, True)
         first.chain(t, g_last, True)
         first.x_terms(t)
         second.q_side(t, rows, c, step)
         second.k_side(t, rows, g_last, c, step)
         second.finish(t, g_last, c)
-        exchange.publish(t, step)
 
     @T.macro
     def chain_step(t, rows, g_last):
@@ -395,11 +347,9 @@ def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
     return types.SimpleNamespace(**tiles, **program)
 
 
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256,
-                 deferred_sums: bool = DEFERRED_SUMS):
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256):
     """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V.
-    Every dot is waited for at its issue. ``deferred_sums``: the slices' dq, dk added one step late
-    (:func:`_exchange_macros`)."""
+    Every dot is waited for at its issue."""
     import tilelang.language as T
 
     if V % BV:
@@ -408,9 +358,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G, NV = HV // H, V // BV
 
-    m = step_macros(K, BV, scale, NV, deferred_sums)
+    m = step_macros(K, BV, scale, NV)
     qk_out = bf if G == 1 else acc
-    scratch_shape, flags_shape = exchange_shapes(B, HV, K, NV, deferred_sums)
+    scratch_shape, flags_shape = exchange_shapes(B, HV, K, NV)
 
     @T.prim_func
     def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
@@ -448,8 +398,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], t.bs)
                 rows = T.min(BT, Tn - c * BT)
                 g_last = t.gcs[rows - 1]
-                m.full_step(t, rows, g_last, c, cr, chunks)
-            m.sum_previous(t, chunks, chunks)
+                m.full_step(t, rows, g_last, c, cr)
             T.copy(t.dS, dh0[ib, ihv, 0:K, v0:v0 + BV])
 
     return gdn_chunk_bwd
@@ -539,16 +488,15 @@ def _check_slices_and_gates(B: int, HV: int, V: int, NT: int, BV: int, gc: torch
 
 @functools.lru_cache(maxsize=32)
 def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
-                    target: Optional[str] = None, deferred_sums: bool = DEFERRED_SUMS):
+                    target: Optional[str] = None):
     """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target`` (None: this GPU;
     "sm_90a" without one)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV, deferred_sums=deferred_sums), target)
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV), target)
 
 
 def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                      beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
-                     scale: float, BV: int = BV_DEFAULT, deferred_sums: bool = DEFERRED_SUMS
-                     ) -> tuple[torch.Tensor, ...]:
+                     scale: float, BV: int = BV_DEFAULT) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
     Returns dq, dk ``[B, T, HV, K]`` (the slices added: fp32 per value head where G = HV / H > 1, for the host to
     add over each group; the gradients themselves in q's dtype where G = 1), dv ``[B, T, HV, V]`` bf16, the
@@ -567,31 +515,27 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     dv = torch.empty_like(v)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    scratch, flags = exchange_buffers(B, HV, K, NV, deferred_sums, q.device)
-    kernel = compiled_kernel(H, HV, K, V, scale, BV, deferred_sums=deferred_sums)
+    scratch, flags = exchange_buffers(B, HV, K, NV, q.device)
+    kernel = compiled_kernel(H, HV, K, V, scale, BV)
     launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
                      beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
                      scratch, flags)
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def exchange_shapes(B, HV: int, K: int, NV: int, deferred: bool) -> tuple[tuple, tuple]:
+def exchange_shapes(B, HV: int, K: int, NV: int) -> tuple[tuple, tuple]:
     """The shapes of the walk's exchange ring (fp32 tiles) and its flags (int32), per (sequence, value head): dq's and
-    dk's tiles, a slot per owner, a place per other slice (deferred: per slice, the owner's own too) and one flag
-    per warp (deferred: one for both tiles); one element each where one slice needs no exchange. ``B`` an int or
-    TileLang's symbolic size."""
+    dk's tiles, a slot per owner, a place per other slice and one flag per warp; one element each where one slice
+    needs no exchange. ``B`` an int or TileLang's symbolic size."""
     if NV == 1:
         return (1,), (1,)
-    places = NV if deferred else NV - 1
-    flags = (B, HV, NV, places, FLAG_WARPS) if deferred else (B, HV, 2, NV, places, FLAG_WARPS)
-    return (B, HV, 2, NV, places, BT, K), flags
+    return (B, HV, 2, NV, NV - 1, BT, K), (B, HV, 2, NV, NV - 1, FLAG_WARPS)
 
 
-def exchange_buffers(B: int, HV: int, K: int, NV: int, deferred: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+def exchange_buffers(B: int, HV: int, K: int, NV: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The walk's exchange ring (uninitialised: every tile is written before it is read) and its flags, zero (the
-    walk's steps count from 1): :func:`exchange_shapes`. At B = 8, HV = 16, K = 128, NV = 2: 16 MiB and 64 KiB
-    (deferred: 32 MiB)."""
-    ring, flags = exchange_shapes(B, HV, K, NV, deferred)
+    walk's steps count from 1): :func:`exchange_shapes`. At B = 8, HV = 16, K = 128, NV = 2: 16 MiB and 64 KiB."""
+    ring, flags = exchange_shapes(B, HV, K, NV)
     return (torch.empty(ring, dtype=torch.float32, device=device),
             torch.zeros(flags, dtype=torch.int32, device=device))
 
