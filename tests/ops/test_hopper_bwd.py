@@ -415,7 +415,7 @@ def test_recompute_prepass_compiles_for_sm90a(tmp_path):
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every kernel the GPU script launches — the reverse
     walks of the accuracy cases and timing rows (the segmented cases and rows reuse them), the reverse warm-ups of
-    part (d)'s cases and rows, the states walks (unsegmented, and the segments' phases A and C where the plan cuts a
+    the segmented cases and rows, the states walks (unsegmented, and the segments' phases A and C where the plan cuts a
     row), the pre-passes without β on T — compiles for sm_90a without a spill (kernels the compile tests built are
     cached by TileLang)."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
