@@ -439,18 +439,32 @@ def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
     return p.dq.to(qk_dtype), p.dk.to(qk_dtype), p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
 
 
+def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
+    """chunk_bwd.reverse_warm_ups_hopper's contract computed by its twin (no rounding): the host chain's stand-in."""
+    return bwd.reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv.float(), bound, dht, scale, segments, None)
+
+
+def use_host_chain_twins(monkeypatch) -> list:
+    """The recompute's kernels, the walk and the reverse warm-ups replaced by their twins, the dtype and device
+    checks lifted: the host chain alone runs. Returns the list each warm-ups launch appends its segment count to."""
+    from linattn.ops.hopper import chunk_bwd
+    use_recompute_twins(monkeypatch)
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    launches = []
+    monkeypatch.setattr(chunk_bwd, "reverse_warm_ups_hopper",
+                        lambda *a: launches.append(a[-2]) or _twin_warm_ups(*a))
+    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    return launches
+
+
 @pytest.mark.interpreter
 def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypatch):
     """The host chain (the recompute, layouts, partial sums, the gate floor's mask, output dtypes) with the walk and
     the recompute's kernels replaced by their twins, fp32 (the partial sums' Triton pass under the interpreter; the
     dtype and device checks lifted): the float64 reference's gradients up to the bf16 T the pre-pass stores (GVA,
     T = 100, V halves). An O(1) layout error fails."""
-    from linattn.ops.hopper import chunk_bwd
-
     from .test_hopper_bwd_ref import reference_grads
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    use_host_chain_twins(monkeypatch)
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 32, seed=2).items()}
     ref = reference_grads(x, 0.3, use_dht=True)
     low = {n: t.float() for n, t in x.items()}
@@ -468,12 +482,8 @@ def test_host_chain_takes_gates_at_the_end_of_their_range(monkeypatch, edge):
     """Issue 46 item 1 on the Hopper backward's host chain (the twins for its kernels, fp32): a −inf gate, or two
     at −3e38 whose chunk sum overflows, give finite gradients at the float64 reference's (its autograd through
     e^−inf = 0), dg = 0 at those gates (below the floor)."""
-    from linattn.ops.hopper import chunk_bwd
-
     from .test_hopper_bwd_ref import reference_grads
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    use_host_chain_twins(monkeypatch)
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 32, seed=2).items()}
     for t, hv, value in edge:
         x["g"][0, t, hv] = value
@@ -489,24 +499,6 @@ def test_host_chain_takes_gates_at_the_end_of_their_range(monkeypatch, edge):
         finite[3][0, t, hv] = False
     errors = {n: rel_l2(a[m], b[m]) for n, a, b, m in zip(GRADS, got, ref, finite)}
     assert max(errors.values()) < 2e-2, errors
-
-
-def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
-    """chunk_bwd.reverse_warm_ups_hopper's contract computed by its twin (no rounding): the host chain's stand-in."""
-    return bwd.reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv.float(), bound, dht, scale, segments, None)
-
-
-def use_host_chain_twins(monkeypatch) -> list:
-    """The recompute's kernels, the walk and the reverse warm-ups replaced by their twins, the dtype and device
-    checks lifted: the host chain alone runs. Returns the list each warm-ups launch appends its segment count to."""
-    from linattn.ops.hopper import chunk_bwd
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    launches = []
-    monkeypatch.setattr(chunk_bwd, "reverse_warm_ups_hopper",
-                        lambda *a: launches.append(a[-2]) or _twin_warm_ups(*a))
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
-    return launches
 
 
 @pytest.mark.interpreter
