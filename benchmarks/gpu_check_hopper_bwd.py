@@ -14,29 +14,28 @@
     (and µs per chunk: walk ms over the T/64 chunks each program walks), the reductions (one launch: sums, mask,
     casts), the whole Hopper backward and the Triton backward; the Hopper backward's peak memory over its inputs
     (torch.cuda.max_memory_allocated around one call, MiB).
-    The walk unsegmented (segment_chunks = T/64): rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs;
-    so is the states walk (one program per sequence, value head and V tile of 128 where those fill the card, else 64).
+    The walk alone unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs; the whole backward as
+    the planner cuts it (``segments.plan_walk_segments``: rows 3 and 7 in segments), its states as the forward's
+    plan cuts them (``backward.states``: rows 3 and 7 in segments).
 (c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
     T=32768, H=2, HV=8) and 1 (B=1, T=4096, H=HV=16), the segmented backward at the planner's L (or T/256 where
-    it plans none): its parts (W + dv_local, the Triton maps, maps + reverse scan, the walk on the segment views,
-    the sums), the whole against the unsegmented Hopper backward and the Triton backward, the whole at forced
-    S = 2, 4, 8, 16 segments (calibrates segments.py's estimates), and every gradient's relative L2 segmented vs
-    unsegmented. Part (a) checks segmented cases against float64 too (the "_seg" cases).
+    it plans none): its parts (solve, states, the reverse warm-ups, the walk on the segment views, the sums), the
+    whole against the unsegmented Hopper backward and the Triton backward, the whole at forced S = 2, 4, 8, 16
+    segments beside the planner's model (calibrates segments.py's constants), and every gradient's relative L2
+    segmented vs unsegmented. Part (a) checks segmented cases against float64 too (the "_seg" cases).
 
-(d) --warm (segment_method="warm": the reverse warm-ups, ``chunk_bwd.reverse_warm_ups_hopper``, instead of the
-    maps and scan): the warm-ups kernel against its twin (dS_out, rel L2); the warm path's accuracy against float64
-    on small cases (as part (a)'s, beside the maps'); then at rows 3, 4, 7, at the anchors' gates and at gates /
-    1024 (every warm-up reaches the end): the whole segmented backward with maps vs with warm-ups (ms), the
-    warm-ups alone and W + maps + scan alone (ms), w per segment (min/max over heads), and gradients warm vs maps
-    (rel L2).
+(d) --warm (the reverse warm-ups, ``chunk_bwd.reverse_warm_ups_hopper``, the segments' dS_out): the warm-ups kernel
+    against its twin (dS_out, rel L2); the segmented backward's accuracy against float64 on small cases (as part
+    (a)'s); then at rows 3, 4, 7, at the anchors' gates and at gates / 1024 (every warm-up reaches the end): the
+    whole segmented backward and the warm-ups alone (ms), w per segment (min/max over heads), and gradients
+    segmented vs unsegmented (rel L2).
 
 (e) --states (``backward.segmented_states``: the recompute's states walk in the forward's segments, plan → phase A
     (maps of the states walk's operator, β in X) → scan → phase C (the warm states walk)): on small cases at row 3's
     heads (H = HV = 16, K = V = 128) phase A's maps and phase C's h against their twins, and the segmented h against
     the unsegmented kernel's and against the float64 states twin; then at rows 3 and 4, at the anchors' gates and at
-    gates / 1024 (every head walks its maps): h unsegmented vs segmented (ms, and the parts: copies, plan, phase A,
-    scan, phase C), h's relative L2 segmented vs unsegmented and each against float64, the plan's flags; at the
-    anchors' gates the whole backward with segmented vs unsegmented states (ms). A table last.
+    gates / 1024 (every head walks its maps): h in segments (ms, and the parts: copies, plan, phase A, scan, phase
+    C), h's relative L2 against the unsegmented kernel's and each against float64, the plan's flags. A table last.
 
 (f) --varlen (packed sequences by padding, ``backward.backward_packed``): on a small packed bf16 case (6 sequences:
     a partial last chunk, two whole chunks, one shorter than a chunk, a single row, an empty one; GVA, K = V = 128,
@@ -45,7 +44,7 @@
     backward run on each sequence alone; then at 8 ragged sequences summing to 32768 tokens (H = HV = 16, K = V =
     128; 9% and 19% of the padded batch is padding): the padded Hopper backward vs the Triton varlen backward (ms),
     the padding copies alone (6 in, 5 out) and the Hopper backward on the already padded batch, the dispatch's
-    decision with ``packed_by_padding`` on, and the gradients' relative L2 Hopper vs Triton. A table last. Its
+    decision, and the gradients' relative L2 Hopper vs Triton. A table last. Its
     kernels are part (a)'s and row 2's (the smoke builds them).
 
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a)
@@ -100,8 +99,8 @@ SEGMENTED_CASES = [
     (("B1_T1024_K128_slow_decay_seg", 1, 1024, 2, 2, 128, 128, None, 1 / 1024, False), 2),
 ]
 SEGMENT_ROWS = [(3, 1, 32768, 16, 16), (4, 1, 131072, 16, 16), (7, 1, 32768, 2, 8), (1, 1, 4096, 16, 16)]
-# part (d): SEGMENTED_CASES' cases again, dS_out from the reverse warm-ups (the slow decay's reach the end: exact),
-# and the anchors' own gates (16× the others': a chunk's bound ≈ −75, so w = 1 and every warm-up truncates)
+# part (d): SEGMENTED_CASES' cases again (the slow decay's warm-ups reach the end: exact), and the anchors' own gates
+# (16× the others': a chunk's bound ≈ −75, so w = 1 and every warm-up truncates)
 WARM_CASES = SEGMENTED_CASES + [(("B2_T512_GVA_K128_fast_decay_seg", 2, 512, 2, 4, 128, 128, None, 1.0, False), 2)]
 WARM_ROWS = SEGMENT_ROWS[:3]
 # part (e): name, B, T, gates divided by, segments (H = HV = 16, K = V = 128: row 3's kernels); and its rows
@@ -129,8 +128,9 @@ def kernel_configs() -> list[tuple]:
     configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _, _ in CASES]
     configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in SEGMENTED_CASES]
     configs += [config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
+    # the warm-ups of every case and row the planner or segment_chunks cuts (row 2's config is row 3's)
     warm = [("warm",) + config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in WARM_CASES]
-    warm += [("warm",) + config(H, HV, 128, 128, 64) for _, _, _, H, HV in WARM_ROWS]
+    warm += [("warm",) + config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
     return list(dict.fromkeys(configs + warm))
 
 
@@ -242,10 +242,10 @@ def bf16_inputs(name, B, T, H, HV, K, V, decay, repeated=False):
     return low, exact, dht
 
 
-def check_case(case, segment_chunks: Optional[int] = None, segment_method: str = "maps") -> dict:
+def check_case(case, segment_chunks: Optional[int] = None) -> dict:
     """Errors of the Hopper and Triton backwards and of the rounded baseline against float64 autograd; with
-    ``segment_chunks``, the Hopper backward's walk in segments (dS_out by ``segment_method``), and its gradients'
-    distance to the unsegmented one's (``vs_unsegmented``, relative L2)."""
+    ``segment_chunks``, the Hopper backward's walk in segments, and its gradients' distance to the unsegmented
+    one's (``vs_unsegmented``, relative L2)."""
     from gpu_check_core import grads_of, rel, rounded_twin
 
     from linattn.ops.gated_delta.reference import gated_delta_rule_reference
@@ -260,7 +260,7 @@ def check_case(case, segment_chunks: Optional[int] = None, segment_method: str =
         {n: t for n, t in exact.items() if n != "do"}, exact["do"], dht.double())[2:]
     t0 = time.time()
     hop = chunk_gated_delta_rule_bwd_hopper(*args, scale, low["initial_state"], low["do"], dht, BV,
-                                            segment_chunks=segment_chunks, segment_method=segment_method)
+                                            segment_chunks=segment_chunks)
     torch.cuda.synchronize()
     first_s = time.time() - t0
     whole = chunk_gated_delta_rule_bwd_hopper(*args, scale, low["initial_state"], low["do"], dht, BV,
@@ -268,7 +268,6 @@ def check_case(case, segment_chunks: Optional[int] = None, segment_method: str =
     tri = chunk_gated_delta_rule_bwd_triton(*args, scale, low["initial_state"], None, None, low["do"], dht)
     base = rounded_twin(low, torch.bfloat16, scale, low["do"].double(), dht.double())[2:]
     row = dict(case=name, B=B, T=T, H=H, HV=HV, K=K, V=V, BV=BV, segment_chunks=segment_chunks,
-               segment_method=segment_method,
                first_call_s=round(first_s, 1), nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in hop))
     if whole is not None:
         row["vs_unsegmented"] = {n: rel(a, b) for n, a, b in zip(GRADS, hop, whole)}
@@ -328,16 +327,15 @@ def recompute_case(case) -> dict:
                 nonfinite=int((~torch.isfinite(new[3].float())).sum()))
 
 
-def repeat_case(case, segment_chunks: Optional[int] = None, segment_method: str = "maps") -> dict:
+def repeat_case(case, segment_chunks: Optional[int] = None) -> dict:
     """Two runs of the Hopper backward on the same inputs (walked in segments of ``segment_chunks``, or as
-    planned; dS_out by ``segment_method``): every output bit for bit equal."""
+    planned): every output bit for bit equal."""
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
     name, B, T, H, HV, K, V, BV, decay, repeated = case
     low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
-    runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks, segment_method=segment_method)
-            for _ in range(2)]
-    return dict(case=name, segment_chunks=segment_chunks, segment_method=segment_method,
+    runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks) for _ in range(2)]
+    return dict(case=name, segment_chunks=segment_chunks,
                 bitwise_equal={n: bool(torch.equal(a, b)) for n, a, b in zip(GRADS, *runs)})
 
 
@@ -361,9 +359,9 @@ def time_row(row) -> dict:
     backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, h0, do, dht)
     peak = peak_memory_mib(lambda: backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, h0, do, dht))
     gc_hm, beta_hm, a_inv, bound = backward.solve(k, g, beta)
-    h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)
+    h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0)
     launch = recompute_launch(B, HV, V, torch.cuda.get_device_properties(0).multi_processor_count)
-    states = lambda: backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0, segmented=True)  # the plan's segments
+    states = lambda: backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0)
     walk = lambda: chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
     dq_h, dk_h, _, dg_p, db_p, _ = walk()
     ms = dict(
@@ -414,23 +412,14 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     import triton
 
     from linattn.ops.common import CHUNK
-    from linattn.ops.common.local_bwd_dv import local_bwd_dv
-    from linattn.ops.common.seq_parallel import segment_layout
-    from linattn.ops.common.seq_parallel_bwd import reverse_maps, segment_grads
-    from linattn.ops.common.wy import wy_fwd
     from linattn.ops.hopper import backward, chunk_bwd, segments
-    from linattn.ops.utils import flat_offsets
     q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
     B, T, H, K = q.shape
     HV = v.shape[2]
     S = T // CHUNK // L
     gc_hm, beta_hm, t_inv, bound = backward.solve(k, g, beta)
-    gc, a_inv = backward.token_major(gc_hm, T), t_inv.float()
-    prep = lambda: (wy_fwd(k, v, beta, gc, a_inv)[0], local_bwd_dv(q, k, gc, do, scale))
-    w, dv_local = prep()
-    layout = segment_layout(flat_offsets(B, T), L, CHUNK, q.device)
-    flat = [t.view(1, B * T, *t.shape[2:]) for t in (q, k, w, gc, do, dv_local)]
-    dS_out = segment_grads(*flat, dht, scale, layout)
+    warm_ups = lambda: segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, 64)
+    dS_out = warm_ups()
     h = backward.states(k, v, gc_hm, beta_hm, t_inv, bound, x["initial_state"])
     seg = lambda t: segments.as_segments(t, S)
     hm_seg = lambda t: segments.head_major_as_segments(t, S)
@@ -446,9 +435,7 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     return dict(solve=triton.testing.do_bench(lambda: backward.solve(k, g, beta)),
                 states=triton.testing.do_bench(lambda: backward.states(k, v, gc_hm, beta_hm, t_inv, bound,
                                                                        x["initial_state"])),
-                w_dv_local=triton.testing.do_bench(prep),
-                maps=triton.testing.do_bench(lambda: reverse_maps(*flat, scale, layout)),
-                maps_scan=triton.testing.do_bench(lambda: segment_grads(*flat, dht, scale, layout)),
+                warm_ups=triton.testing.do_bench(warm_ups),
                 walk=triton.testing.do_bench(walk), sums=triton.testing.do_bench(sums))
 
 
@@ -465,7 +452,7 @@ def time_segments(row) -> dict:
     index, B, T, H, HV = row
     x = row_inputs(B, T, H, HV)
     NT = T // 64
-    planned = segments.plan_walk_segments(B, T, HV, 128, 128, 64, num_sms(x["q"].device))
+    planned = segments.plan_walk_segments(B, T, HV, 128, 64, num_sms(x["q"].device))
     L = planned or NT // 4
     hopper = lambda chunks: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=chunks)
     split, whole = hopper(L), hopper(NT)
@@ -476,7 +463,7 @@ def time_segments(row) -> dict:
                   x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], None, None, x["do"],
                   x["dht"])))
     by_segments = {S: triton.testing.do_bench(lambda S=S: hopper(NT // S)) for S in (2, 4, 8, 16) if NT % S == 0}
-    model_ms = {S: segments.walk_cost_us(B, NT, HV, 128, 128, 64, NT // S, num_sms(x["q"].device)) / 1000
+    model_ms = {S: segments.walk_cost_us(B, NT, HV, 128, 64, NT // S, num_sms(x["q"].device)) / 1000
                 for S in (1, 2, 4, 8, 16) if NT % S == 0}
     return dict(row=index, B=B, T=T, H=H, HV=HV, planned_L=planned, L=L, segments=NT // L,
                 walk_programs=B * (NT // L) * HV * 2, ms=ms, whole_ms_by_segments=by_segments,
@@ -507,9 +494,9 @@ def warm_twin_case(item) -> dict:
 
 def time_warm(item) -> dict:
     """Part (d) at one anchor row and gate scale (``decay``: the anchors' gates divided by it): the segmented
-    backward at the planner's L (else T/256) with the maps and with the warm-ups (whole, ms), the warm-ups alone and
-    W + dv_local + maps + scan alone (ms), the warm-ups' w per segment (min/max over value heads, from the chunk
-    bounds as the kernel finds it), and the gradients warm vs maps (relative L2)."""
+    backward at the planner's L (else T/256) whole and the warm-ups alone (ms), the warm-ups' w per segment
+    (min/max over value heads, from the chunk bounds as the kernel finds it), and the gradients segmented vs
+    unsegmented (relative L2)."""
     import triton
     from gpu_check_core import rel
 
@@ -519,23 +506,20 @@ def time_warm(item) -> dict:
     (index, B, T, H, HV), decay = item
     x = row_inputs(B, T, H, HV)
     x["g"] = x["g"] / decay
-    q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
+    q, k, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "g", "beta", "do", "dht", "scale"))
     NT = T // 64
-    L = segments.plan_walk_segments(B, T, HV, 128, 128, 64, num_sms(q.device)) or NT // 4
+    L = segments.plan_walk_segments(B, T, HV, 128, 64, num_sms(q.device)) or NT // 4
     S = NT // L
-    hopper = lambda method: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=L, segment_method=method)
-    maps, warm = hopper("maps"), hopper("warm")
+    hopper = lambda chunks: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=chunks)
+    split, whole = hopper(L), hopper(NT)
     gc_hm, beta_hm, t_inv, bound = backward.solve(k, g, beta)
     w = bwd.reverse_warm_ups_ref(bound, bwd.segment_cuts(NT, S))             # [S, B, HV]
-    ms = dict(maps=triton.testing.do_bench(lambda: hopper("maps")),
-              warm=triton.testing.do_bench(lambda: hopper("warm")),
+    ms = dict(segmented=triton.testing.do_bench(lambda: hopper(L)),
               warm_ups=triton.testing.do_bench(lambda: chunk_bwd.reverse_warm_ups_hopper(
-                  q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, S, 64)),
-              w_maps_scan=triton.testing.do_bench(lambda: segments.segment_state_grads(
-                  q, k, v, beta, backward.token_major(gc_hm, T), t_inv.float(), do, dht, scale, L)))
+                  q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, S, 64)))
     return dict(row=index, B=B, T=T, H=H, HV=HV, gates_divided_by=decay, L=L, segments=S, ms=ms,
                 w_min=[int(t.min()) for t in w], w_max=[int(t.max()) for t in w],
-                warm_vs_maps={n: rel(a, b) for n, a, b in zip(GRADS, warm, maps)})
+                segmented_vs_unsegmented={n: rel(a, b) for n, a, b in zip(GRADS, split, whole)})
 
 
 def states_inputs(B: int, T: int, decay: float) -> dict:
@@ -601,10 +585,9 @@ def states_twin_case(case) -> dict:
 
 
 def time_states(item) -> dict:
-    """Part (e) at one row and gate scale: h unsegmented (the walk at BV 128 where it fills the card, else 64) and
-    in the plan's segments (ms, do_bench medians; the parts as ``backward.segmented_states`` runs them), h's errors
-    (:func:`states_errors`), the plan's flags; at the anchors' gates also the whole backward with the segmented and
-    with the unsegmented states (ms)."""
+    """Part (e) at one row and gate scale: h in the plan's segments (``backward.states``; ms, do_bench medians, and
+    the parts as ``backward.segmented_states`` runs them), h's errors against the unsegmented kernel's (the walk at
+    BV 128 where it fills the card, else 64) and float64 (:func:`states_errors`), the plan's flags."""
     import triton
 
     from linattn.ops.common import num_sms, seq_parallel
@@ -619,7 +602,7 @@ def time_states(item) -> dict:
     S, launch, config = chosen.segments, chosen.kernel_launch, chosen.config
     whole_launch = recompute_launch(B, HV, V, num_sms(k.device))
     unsegmented = lambda: walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, t_inv, h0, **whole_launch)[0]
-    segmented = lambda: backward.segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, h0, S, launch, config)
+    segmented = lambda: backward.states(k, v, gc_hm, beta_hm, t_inv, bound, h0)
     row = dict(row=index, B=B, T=T, H=H, HV=HV, gates_divided_by=decay, segments=S, BV=launch["BV"],
                unsegmented_BV=whole_launch["BV"], **states_errors(segmented(), unsegmented(), x))
     view = lambda t: segments.as_segments(t, S)
@@ -635,25 +618,13 @@ def time_states(item) -> dict:
     h_in = scan()
     phase_c = lambda: walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, h_in, warm_chunks=flags.warm,
                                                       **launch)[0]
-    row["ms"] = dict(unsegmented=triton.testing.do_bench(unsegmented), segmented=triton.testing.do_bench(segmented),
-                     copies=triton.testing.do_bench(copies),
+    row["ms"] = dict(segmented=triton.testing.do_bench(segmented), copies=triton.testing.do_bench(copies),
                      plan=triton.testing.do_bench(lambda: forward.segment_flags(bound_s, S, k.device, B, config)),
                      phase_a=triton.testing.do_bench(phase_a), scan=triton.testing.do_bench(scan),
                      phase_c=triton.testing.do_bench(phase_c))
     row["flags"] = dict(mapped_heads=int(flags.walk.sum()), skipped_m=int((flags.skip_m == 1).sum()),
                         of=B * S * HV, max_warm_up=int(flags.warm.max()))
-    if decay == 1:
-        row["ms"].update(whole_backward_ms(x, backward))
     return row
-
-
-def whole_backward_ms(x: dict, backward) -> dict:
-    """The whole Hopper backward (do_bench median, ms) with its states in the plan's segments and unsegmented."""
-    import triton
-    args = {n: x[n] for n in ("q", "k", "v", "g", "beta", "scale", "initial_state", "do", "dht")}
-    run = lambda segmented: backward.chunk_gated_delta_rule_bwd_hopper(**args, segment_states=segmented)
-    return dict(backward_segmented_states=triton.testing.do_bench(lambda: run(True)),
-                backward_unsegmented_states=triton.testing.do_bench(lambda: run(False)))
 
 
 def packed_inputs(name: str, lengths: list[int], H: int, HV: int, K: int, decay: float = 1 / 16) -> dict:
@@ -724,8 +695,7 @@ def varlen_case(case) -> dict:
 def time_varlen(item) -> dict:
     """Part (f) at one packed row: do_bench medians (ms) of the padded Hopper backward, the Triton varlen backward,
     the padding copies alone (q, k, v, g, β, dO in; dq, dk, dv, dg, dβ out) and the Hopper backward on the already
-    padded batch; the dispatch's decision with ``packed_by_padding`` on; the gradients' relative L2 Hopper vs
-    Triton."""
+    padded batch; the dispatch's decision; the gradients' relative L2 Hopper vs Triton."""
     import triton
     from gpu_check_core import rel
 
@@ -744,8 +714,7 @@ def time_varlen(item) -> dict:
     hop, tri = runs["hopper"](), runs["triton"]()
     on_batch = lambda: backward.chunk_gated_delta_rule_bwd_hopper(
         *(batch[n] for n in names[:5]), K ** -0.5, low["initial_state"], batch["do"], dht)
-    blocker = dispatch.hopper_backward_blocker(1, total, HV, K, K, torch.bfloat16, low["g"].dtype, offsets,
-                                               packed_by_padding=True)
+    blocker = dispatch.hopper_backward_blocker(1, total, HV, K, K, torch.bfloat16, low["g"].dtype, offsets)
     ms = dict(hopper=triton.testing.do_bench(runs["hopper"]), triton=triton.testing.do_bench(runs["triton"]),
               copies_in=triton.testing.do_bench(lambda: [varlen.to_padded(low[n], cu, N, Tp) for n in names]),
               copies_out=triton.testing.do_bench(lambda: [varlen.from_padded(t, cu, total) for t in outs]),
@@ -766,7 +735,7 @@ def print_varlen_table(results: dict) -> None:
               + f"   padded vs each sequence alone (bitwise: {sum(r['bitwise_alone'].values())}/6); "
               f"nonfinite {r['nonfinite']}")
     print(f"\n{'row':<14}{'N':>3}{'ΣT':>7}{'Tp':>6}{'pad':>6}{'hopper':>9}{'triton':>9}{'tri/hop':>8}"
-          f"{'copies':>8}{'on batch':>9}  route (packed_by_padding on); max rel L2 hopper vs triton"
+          f"{'copies':>8}{'on batch':>9}  route; max rel L2 hopper vs triton"
           "   (ms, do_bench medians; copies = 6 in + 5 out)")
     for r in measured(results["varlen"], "row", 14):
         ms = r["ms"]
@@ -783,16 +752,12 @@ def print_states_table(results: dict) -> None:
               f"({r['warm_ups_drawn']} warm-ups)  seg/unseg {r['segmented_vs_unsegmented']:.1e}  vs float64: "
               f"unseg {r['unsegmented_vs_float64']:.2e} seg {r['segmented_vs_float64']:.2e}  "
               f"nonfinite {r['nonfinite']}")
-    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'S':>4}{'unseg':>8}{'seg':>8}{'copies':>8}{'plan':>8}{'A':>8}"
-          f"{'scan':>8}{'C':>8}{'bwd seg':>9}{'bwd unseg':>10}  h rel L2 seg/unseg; vs float64 unseg, seg; flags"
-          "   (ms, do_bench medians)")
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'S':>4}{'seg':>8}{'copies':>8}{'plan':>8}{'A':>8}"
+          f"{'scan':>8}{'C':>8}  h rel L2 seg/unseg; vs float64 unseg, seg; flags   (ms, do_bench medians)")
     for r in measured(results["states"], "row", 5):
         ms = r["ms"]
         print(f"{r['row']:<5}{row_shape(r):<18}{r['gates_divided_by']:>6}{r['segments']:>4}"
-              + "".join(f"{ms[n]:8.3f}" for n in ("unsegmented", "segmented", "copies", "plan", "phase_a", "scan",
-                                                   "phase_c"))
-              + f"{ms.get('backward_segmented_states', float('nan')):9.3f}"
-              + f"{ms.get('backward_unsegmented_states', float('nan')):10.3f}"
+              + "".join(f"{ms[n]:8.3f}" for n in ("segmented", "copies", "plan", "phase_a", "scan", "phase_c"))
               + f"  {r['segmented_vs_unsegmented']:.1e}; {r['unsegmented_vs_float64']:.2e}, "
               f"{r['segmented_vs_float64']:.2e}; {r['flags']}")
 
@@ -818,34 +783,34 @@ def print_warm_table(results: dict) -> None:
               f"w min {r.get('w_min')} max {r.get('w_max')}")
     print(f"\n{'case':<32}" + "".join(f"{n:>9}" for n in GRADS) + "   (hopper / rounded baseline vs float64)")
     for r in measured(results["accuracy"], "case", 32):
-        print(f"{r['case'] + ' ' + r['segment_method']:<32}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
+        print(f"{r['case']:<32}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
               + f"   worst {max(r['vs_base'].values()):.2f}; vs unsegmented "
               f"{max(r['vs_unsegmented'].values()):.1e}")
-    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'L':>6}{'S':>4}{'maps':>9}{'warm':>9}{'warm-ups':>10}"
-          f"{'W+maps+scan':>13}  w min/max per segment; max rel L2 warm/maps   (ms, do_bench medians)")
+    print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'L':>6}{'S':>4}{'seg':>9}{'warm-ups':>10}"
+          f"  w min/max per segment; max rel L2 seg/unseg   (ms, do_bench medians)")
     for r in measured(results["warm"], "row", 5):
         ms, shape = r["ms"], row_shape(r)
-        print(f"{r['row']:<5}{shape:<18}{r['gates_divided_by']:>6}{r['L']:>6}{r['segments']:>4}{ms['maps']:9.3f}"
-              f"{ms['warm']:9.3f}{ms['warm_ups']:10.3f}{ms['w_maps_scan']:13.3f}  {r['w_min']}/{r['w_max']}; "
-              f"{max(r['warm_vs_maps'].values()):.1e}")
+        print(f"{r['row']:<5}{shape:<18}{r['gates_divided_by']:>6}{r['L']:>6}{r['segments']:>4}"
+              f"{ms['segmented']:9.3f}{ms['warm_ups']:10.3f}  {r['w_min']}/{r['w_max']}; "
+              f"{max(r['segmented_vs_unsegmented'].values()):.1e}")
 
 
 def print_segment_table(results: dict) -> None:
     print(f"\ndevice: {results.get('device')}")
-    print("segmented Hopper backward (ms, do_bench medians; maps+scan includes the maps):")
-    print(f"{'row':<5}{'B,T,H,HV':<18}{'L':>5}{'S':>4}{'solve':>8}{'states':>8}{'W+dvl':>8}{'maps':>8}"
-          f"{'+scan':>8}{'walk':>8}{'sums':>8}{'seg':>9}{'unseg':>9}{'triton':>9}  max rel L2 seg/unseg")
+    print("segmented Hopper backward (ms, do_bench medians):")
+    print(f"{'row':<5}{'B,T,H,HV':<18}{'L':>5}{'S':>4}{'solve':>8}{'states':>8}{'warm-ups':>9}"
+          f"{'walk':>8}{'sums':>8}{'seg':>9}{'unseg':>9}{'triton':>9}  max rel L2 seg/unseg")
     for r in measured(results["segments"], "row", 5):
         ms, shape = r["ms"], row_shape(r)
-        print(f"{r['row']:<5}{shape:<18}{r['L']:>5}{r['segments']:>4}" + "".join(
-            f"{ms[n]:8.3f}" for n in ("solve", "states", "w_dv_local", "maps", "maps_scan", "walk", "sums"))
+        print(f"{r['row']:<5}{shape:<18}{r['L']:>5}{r['segments']:>4}{ms['solve']:8.3f}{ms['states']:8.3f}"
+              f"{ms['warm_ups']:9.3f}{ms['walk']:8.3f}{ms['sums']:8.3f}"
             + "".join(f"{ms[n]:9.3f}" for n in ("segmented", "unsegmented", "triton"))
             + f"  {max(r['segmented_vs_unsegmented'].values()):.1e}")
-    print("whole Hopper backward by forced segment count S (ms), beside the planner's modelled walk (ms, S = 1: "
-          "unsegmented):")
+    print("whole Hopper backward by forced segment count S (ms), beside the planner's model of the walk and the "
+          "warm-ups (ms, S = 1: unsegmented):")
     for r in results["segments"]:
         if "error" not in r:
-            print(f"{r['row']:<5}measured {r['whole_ms_by_segments']}  model walk {r['model_walk_ms_by_segments']}")
+            print(f"{r['row']:<5}measured {r['whole_ms_by_segments']}  model {r['model_walk_ms_by_segments']}")
 
 
 def print_tables(results: dict) -> None:
@@ -889,7 +854,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--timing-only", action="store_true", help="only part (b), e.g. after (a) ran in another process")
     ap.add_argument("--rows", default=None, help="anchor rows to time, e.g. 2,3 (default: all of the part's)")
     ap.add_argument("--segments", action="store_true", help="only part (c), the segmented backward's rows")
-    ap.add_argument("--warm", action="store_true", help="only part (d), the reverse warm-ups against the maps")
+    ap.add_argument("--warm", action="store_true", help="only part (d), the reverse warm-ups")
     ap.add_argument("--states", action="store_true", help="only part (e), the states recompute in segments")
     ap.add_argument("--varlen", action="store_true", help="only part (f), packed sequences by padding")
     args = ap.parse_args(argv)
@@ -942,9 +907,8 @@ def main(argv=None) -> dict:
         for item in WARM_CASES:
             step("warm_twin", warm_twin_case, item, "case")
         for case, chunks in WARM_CASES:
-            step("accuracy", lambda c, L=chunks: check_case(c, L, "maps"), case, "case")
-            step("accuracy", lambda c, L=chunks: check_case(c, L, "warm"), case, "case")
-        step("repeat", lambda c: repeat_case(c, WARM_CASES[0][1], "warm"), WARM_CASES[0][0], "case")
+            step("accuracy", lambda c, L=chunks: check_case(c, L), case, "case")
+        step("repeat", lambda c: repeat_case(c, WARM_CASES[0][1]), WARM_CASES[0][0], "case")
         for decay in (1, 1024):
             for row in chosen(WARM_ROWS):
                 step("warm", time_warm, (row, decay), "row")

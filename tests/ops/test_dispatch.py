@@ -105,20 +105,17 @@ def test_the_backward_choice_and_its_reason():
     assert "pairs" in blocker(1, 8 * long_tokens, long_pairs - 1, 128, 128, bf16, f32)
 
 
-def test_packed_sequences_keep_the_triton_backward_until_the_padded_one_is_measured():
-    """Packed sequences (offsets): the Hopper backward's blocker says the padded backward is not yet measured, at
-    every shape (the op's default, ``packed_by_padding`` off). With it on, the rule the GPU check measures: the
-    forward's padding rule (at most max_padded_fraction of the padded batch), then the thresholds on the padded
-    batch of N sequences × HV pairs of Tp rows. The walk's own limits come first either way."""
+def test_packed_sequences_take_the_padded_hopper_backward_by_the_forwards_rule():
+    """Packed sequences (offsets): the forward's padding rule (at most max_padded_fraction of the padded batch),
+    then the thresholds on the padded batch of N sequences × HV pairs of Tp rows. The walk's own limits come
+    first."""
     from linattn.ops.hopper.varlen import padded_rows
     bf16, f32 = torch.bfloat16, torch.float32
     blocker = dispatch.hopper_backward_blocker
     ragged = [0, 4096, 8096, 12000, 16096, 20000, 24096, 28000, 32768]      # 8 sequences, Tp = 4800: 15% padding
     assert padded_rows(ragged) == 4800
-    assert "not yet measured" in blocker(1, 32768, 16, 128, 128, bf16, f32, ragged)
-    assert "not yet measured" in blocker(1, 4096, 16, 128, 128, bf16, f32, [0, 2048, 4096])
     assert "K and V" in blocker(1, 32768, 16, 96, 128, bf16, f32, ragged)
-    packed = lambda offsets, HV=16: blocker(1, offsets[-1], HV, 128, 128, bf16, f32, offsets, packed_by_padding=True)
+    packed = lambda offsets, HV=16: blocker(1, offsets[-1], HV, 128, 128, bf16, f32, offsets)
     assert packed(ragged) is None
     assert "padding" in packed([0, 4096, 4160])                           # 2 × 4096 rows for 4160 tokens
     pairs, (long_pairs, long_tokens) = dispatch.HOPPER_BWD_MIN_PAIRS, dispatch.HOPPER_BWD_LONG
@@ -135,7 +132,7 @@ def test_packed_sequences_keep_the_triton_backward_until_the_padded_one_is_measu
 
 def test_run_backward_hands_packed_sequences_to_the_hopper_backward(monkeypatch):
     """Where the choice is the Hopper backward, run_backward passes cu_seqlens and its host offsets on (the padded
-    backward's inputs), so turning ``packed_by_padding`` on needs no other change."""
+    backward's inputs)."""
     from linattn.ops.hopper import backward
     monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args, **kw: ("hopper", "test"))
     seen = {}

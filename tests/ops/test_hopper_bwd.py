@@ -414,7 +414,7 @@ def test_recompute_prepass_compiles_for_sm90a(tmp_path):
 def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every kernel the GPU script launches — the reverse
     walks of the accuracy cases and timing rows (the segmented cases and rows reuse them), the reverse warm-ups of
-    part (d)'s cases and rows, the states walks (unsegmented, and the segments' phases A and C where the plan cuts a
+    the segmented cases and rows, the states walks (unsegmented, and the segments' phases A and C where the plan cuts a
     row), the pre-passes without β on T — compiles for sm_90a without a spill (kernels the compile tests built are
     cached by TileLang)."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
@@ -437,18 +437,32 @@ def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
     return p.dq.to(qk_dtype), p.dk.to(qk_dtype), p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
 
 
+def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
+    """chunk_bwd.reverse_warm_ups_hopper's contract computed by its twin (no rounding): the host chain's stand-in."""
+    return bwd.reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv.float(), bound, dht, scale, segments, None)
+
+
+def use_host_chain_twins(monkeypatch) -> list:
+    """The recompute's kernels, the walk and the reverse warm-ups replaced by their twins, the dtype and device
+    checks lifted: the host chain alone runs. Returns the list each warm-ups launch appends its segment count to."""
+    from linattn.ops.hopper import chunk_bwd
+    use_recompute_twins(monkeypatch)
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    launches = []
+    monkeypatch.setattr(chunk_bwd, "reverse_warm_ups_hopper",
+                        lambda *a: launches.append(a[-2]) or _twin_warm_ups(*a))
+    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    return launches
+
+
 @pytest.mark.interpreter
 def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypatch):
     """The host chain (the recompute, layouts, partial sums, the gate floor's mask, output dtypes) with the walk and
     the recompute's kernels replaced by their twins, fp32 (the partial sums' Triton pass under the interpreter; the
     dtype and device checks lifted): the float64 reference's gradients up to the bf16 T the pre-pass stores (GVA,
     T = 100, V halves). An O(1) layout error fails."""
-    from linattn.ops.hopper import chunk_bwd
-
     from .test_hopper_bwd_ref import reference_grads
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    use_host_chain_twins(monkeypatch)
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 32, seed=2).items()}
     ref = reference_grads(x, 0.3, use_dht=True)
     low = {n: t.float() for n, t in x.items()}
@@ -466,12 +480,8 @@ def test_host_chain_takes_gates_at_the_end_of_their_range(monkeypatch, edge):
     """Issue 46 item 1 on the Hopper backward's host chain (the twins for its kernels, fp32): a −inf gate, or two
     at −3e38 whose chunk sum overflows, give finite gradients at the float64 reference's (its autograd through
     e^−inf = 0), dg = 0 at those gates (below the floor)."""
-    from linattn.ops.hopper import chunk_bwd
-
     from .test_hopper_bwd_ref import reference_grads
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    use_host_chain_twins(monkeypatch)
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 32, seed=2).items()}
     for t, hv, value in edge:
         x["g"][0, t, hv] = value
@@ -489,32 +499,38 @@ def test_host_chain_takes_gates_at_the_end_of_their_range(monkeypatch, edge):
     assert max(errors.values()) < 2e-2, errors
 
 
-def _host_chain(x: dict, scale: float, segment_chunks, BV: int = 16) -> tuple[torch.Tensor, ...]:
-    """The host chain on x's fp32 copies (the twin walk and the lifted checks patched in by the caller)."""
-    low = {n: t.float() for n, t in x.items()}
-    return backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], scale,
-                                                      low["h0"], low["do"], low["dht"], BV=BV,
-                                                      segment_chunks=segment_chunks)
-
-
 @pytest.mark.interpreter
-@pytest.mark.parametrize("num_segments", [2, 4])
-def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, num_segments):
-    """hopper/segments.py: the walk (its twin) on segment views from the dS_out of the Triton maps and reverse scan,
-    fp32 under the interpreter (two sequences of 4 chunks, GVA, initial state and dht; the recompute's twins). The
-    maps' W is formed from the pre-pass's bf16 T, the walk's own, so both chains carry one operator: the
-    unsegmented gradients up to fp32 rounding. A segment out of place, a wrong dS_out or a dh0 from the wrong
-    segment is O(1)."""
-    from linattn.ops.hopper import chunk_bwd
+@pytest.mark.parametrize("decay,num_segments", [("anchor", 2), ("anchor", 4), ("fast", 4), ("slow", 4)])
+def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, decay, num_segments):
+    """hopper/segments.py: the walk (its twin) on segment views from the dS_out of the reverse warm-ups (their
+    twin, the pre-pass twin's chunk bounds), fp32 under the interpreter (two sequences of 4 chunks, GVA, initial
+    state and dht; the recompute's twins), against the unsegmented chain: the same gradients up to fp32 rounding,
+    and the float64 reference's up to the bf16 T. Slow decay (the anchors' gates / 1024): every warm-up reaches
+    the end (exact); fast decay (g ≈ −0.4 per token): the warm-ups stop after one chunk (truncated, error ≤ 2⁻³⁰
+    of ‖dS‖). A wrong w, a warm-up from the wrong chunk, a segment out of place, a wrong dS_out or a dh0 from the
+    wrong segment is O(1)."""
+    from linattn.ops.hopper.map_bound import chunk_bounds_ref
 
-    from .test_hopper_bwd_ref import reference_grads, rel_l2
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
-    x = {n: t.to(DEVICE) for n, t in make_inputs(2, 256, 1, 2, 32, seed=3).items()}
-    whole = _host_chain(x, 0.3, None)
-    split = _host_chain(x, 0.3, 4 // num_segments)
+    from .test_hopper_bwd_ref import reference_grads
+    launches = use_host_chain_twins(monkeypatch)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(2, 256, 1, 2, 32, "slow" if decay == "slow" else "anchor",
+                                                   seed=3).items()}
+    if decay == "fast":
+        x["g"] = -0.4 - 0.05 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(8),
+                                          dtype=torch.float64).to(DEVICE)
+    warm = bwd.reverse_warm_ups_ref(chunk_bounds_ref(x["k"], x["g"], x["beta"]), bwd.segment_cuts(4, num_segments))
+    L = 4 // num_segments
+    if decay == "fast":
+        assert warm[:-1].max() == 1
+    elif decay == "slow":
+        assert all(int(w.min()) == 4 - L * (s + 1) for s, w in enumerate(warm))
+    low = {n: t.float() for n, t in x.items()}
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, low["h0"], low["do"], low["dht"]]
+    whole = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16)
+    split = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=L)
+    assert launches == [num_segments]
     assert all(t.dtype == torch.float32 for t in split) and split[5].is_contiguous()
+    assert split[5].shape == x["h0"].shape
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
     assert max(errors.values()) < 2e-6, errors
     ref = reference_grads(x, 0.3, use_dht=True)
@@ -524,12 +540,7 @@ def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, num_segmen
 @pytest.mark.interpreter
 def test_segments_without_dht_start_from_zero(monkeypatch):
     """No dht: the last segment walks from zeros, as the unsegmented walk does (one sequence, 2 segments)."""
-    from linattn.ops.hopper import chunk_bwd
-
-    from .test_hopper_bwd_ref import rel_l2
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
+    use_host_chain_twins(monkeypatch)
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 128, 1, 1, 32, seed=4).items()}
     x["dht"] = None
     low = {n: t.float() for n, t in x.items() if t is not None}
@@ -540,62 +551,26 @@ def test_segments_without_dht_start_from_zero(monkeypatch):
     assert max(errors.values()) < 1e-5, errors
 
 
-def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
-    """chunk_bwd.reverse_warm_ups_hopper's contract computed by its twin (no rounding): the host chain's stand-in."""
-    return bwd.reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv.float(), bound, dht, scale, segments, None)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("decay", ["fast", "slow"])
-def test_warm_segments_host_chain_equals_the_maps(monkeypatch, decay):
-    """segment_method="warm" (the reverse warm-ups' twin for dS_out, the pre-pass twin's chunk bounds) against the
-    maps and scan, fp32 under the interpreter (two sequences of 4 chunks in 4 segments, GVA, h0 and dht; the
-    recompute's twins, the twin walk). Slow decay (the anchors' gates / 1024): every warm-up reaches the end, the
-    gradients equal the maps' to fp32 rounding; fast decay (g ≈ −0.4 per token): the warm-ups stop after one chunk
-    (truncated, error ≤ 2⁻³⁰ of ‖dS‖), equal to fp32 rounding too. A wrong w, a warm-up from the wrong chunk or a
-    dS_out out of place is O(1)."""
-    from linattn.ops.hopper import chunk_bwd
-    from linattn.ops.hopper.map_bound import chunk_bounds_ref
-
-    from .test_hopper_bwd_ref import rel_l2
-    use_recompute_twins(monkeypatch)
-    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
-    calls = []
-    monkeypatch.setattr(chunk_bwd, "reverse_warm_ups_hopper", lambda *a: calls.append(a[-2]) or _twin_warm_ups(*a))
-    monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
-    x = {n: t.to(DEVICE) for n, t in make_inputs(2, 256, 1, 2, 32, "slow" if decay == "slow" else "anchor",
-                                                   seed=3).items()}
-    if decay == "fast":
-        x["g"] = -0.4 - 0.05 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(8),
-                                          dtype=torch.float64).to(DEVICE)
-    warm = bwd.reverse_warm_ups_ref(chunk_bounds_ref(x["k"], x["g"], x["beta"]), bwd.segment_cuts(4, 4))
-    assert (warm[:3].max() == 1) if decay == "fast" else all(int(w.min()) == 3 - s for s, w in enumerate(warm))
-    low = {n: t.float() for n, t in x.items()}
-    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, low["h0"], low["do"], low["dht"]]
-    maps = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1)
-    warmed = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1, segment_method="warm")
-    assert calls == [4] and all(t.dtype == torch.float32 for t in warmed) and warmed[5].shape == x["h0"].shape
-    errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, warmed, maps)}
-    assert max(errors.values()) < 2e-6, errors
-    with pytest.raises(ValueError, match="segment_method"):
-        backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1, segment_method="scan")
-
-
-def test_segment_length_forced_and_planned():
-    """segment_chunks: bad values raise, ≥ T/64 walks unsegmented; the planner (its estimates): segments that fill
-    the card at B=1 T=32768 (4 × 32 programs at HV=16, 8 × 16 at HV=8), none where the unsegmented walk already
-    fills it (B=8 T=4096) or T is not a multiple of 64, and L always a divisor of T/64."""
+def test_segment_length_forced():
+    """segment_chunks: bad values raise, ≥ T/64 walks unsegmented, else the forced L."""
     from linattn.ops.hopper import segments
-    cpu = torch.device("cpu")
-    length = lambda chunks, T=256: segments.segment_length(chunks, 1, T, 16, 128, 128, 64, cpu)
+    length = lambda chunks, T=256: segments.segment_length(chunks, 1, T, 16, 128, 64, torch.device("cpu"))
     for bad, match in [(0, ">= 1"), (1.5, ">= 1"), (True, ">= 1"), (3, "multiple")]:
         with pytest.raises(ValueError, match=match):
             length(bad)
     with pytest.raises(ValueError, match="multiple"):
         length(2, T=250)
     assert length(2) == 2 and length(4) is None and length(9, T=250) is None
-    plan = lambda B, T, HV: segments.plan_walk_segments(B, T, HV, 128, 128, 64, 132)
-    assert plan(1, 32768, 16) == 128 and plan(1, 32768, 8) == 64
+
+
+def test_walk_planner_picks_the_measured_segments():
+    """The planner (walk and warm-up waves, 132 SMs, K = V = 128, BV = 64) at the configurations the GPU measured:
+    row 3 (B=1 T=32768 HV=16) L = 128 (4 × 32 programs), row 4 (T=131072) L = 512, row 7 (HV=8) L = 64 (8 × 16
+    programs), row 2 (B=8 T=4096 HV=16, 256 programs already) unsegmented; none where T is not a multiple of 64, and
+    L always a divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
+    from linattn.ops.hopper import segments
+    plan = lambda B, T, HV: segments.plan_walk_segments(B, T, HV, 128, 64, 132)
+    assert plan(1, 32768, 16) == 128 and plan(1, 131072, 16) == 512 and plan(1, 32768, 8) == 64
     assert plan(8, 4096, 16) is None and plan(1, 32768 - 64 + 1, 16) is None and plan(1, 0, 16) is None
     for T in (4096, 32768, 131072, 64 * 509, 64 * 600):
         L = plan(1, T, 16)

@@ -153,9 +153,9 @@ def test_backward_on_segmented_states_equals_the_unsegmented_recompute(monkeypat
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, x["h0"], x["do"], x["dht"]]
     segmented = []
     monkeypatch.setattr(backward, "plan", lambda *a: segmented.append(a) or hand_plan(4))
-    split = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=4, segment_states=True)
+    split = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=4)
     monkeypatch.setattr(backward, "plan", lambda *a: None)
-    whole = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=4, segment_states=True)
+    whole = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=4)
     assert len(segmented) == 1 and all(t.dtype == torch.float32 for t in split)
     assert warm_ups[1] is None and int(warm_ups[0].max()) == (1 if decay == "fast" else 0), warm_ups
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
@@ -175,12 +175,8 @@ def test_states_take_the_forwards_plan(monkeypatch):
     for B, T in ((1, 32768), (8, 4096), (1, 32768 - 1)):
         k = torch.empty(B, T, 16, 128, device="meta")
         v = torch.empty(B, T, 16, 128, device="meta")
-        backward.states(k, v, None, None, None, None, None, segmented=True)
+        backward.states(k, v, None, None, None, None, None)
     assert calls == [("segments", 8, 128), ("whole", 128), ("whole", 64)], calls
-    calls.clear()
-    backward.states(torch.empty(1, 32768, 16, 128, device="meta"), torch.empty(1, 32768, 16, 128, device="meta"),
-                    None, None, None, None, None)
-    assert calls == [("whole", 64)], calls           # off by default until the GPU's check
 
 
 COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which("nvcc") is None,

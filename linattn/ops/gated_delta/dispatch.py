@@ -12,9 +12,9 @@ path and its reason, :func:`run_forward` runs it. Read top to bottom:
 The backward (:func:`choose_backward_path`, :func:`run_backward`): the torch twin's on backend "torch"; on
 "triton", the Hopper backward (``hopper/backward.py``) for bf16 equal-length sequences on sm_90 from
 HOPPER_BWD_MIN_PAIRS (sequence × value head) pairs or from HOPPER_BWD_LONG (fewer pairs of long sequences: its walk in
-segments), else the Triton backward (``triton_bwd.py``). Packed sequences take the Triton backward until the GPU
-measures the padded Hopper backward (``packed_by_padding``, off by default; with it, the forward's padding rule and
-the thresholds above on the padded batch decide).
+segments), else the Triton backward (``triton_bwd.py``). Packed sequences take the Hopper backward on a batch padded
+to one length (``hopper/varlen.py``) where the forward's padding rule and the thresholds above on the padded batch
+say so.
 
 ``forward_path`` ("auto" for the public op) forces one of "split", "walk" or "hopper" for tests and debugging
 (``chunk.chunk_gated_delta_rule_on_path``); a forced "hopper" still falls back to the Triton paths where the Hopper
@@ -131,24 +131,19 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: torch.dtype,
-                            g_dtype: torch.dtype, offsets: Optional[list[int]] = None,
-                            packed_by_padding: bool = True) -> Optional[str]:
+                            g_dtype: torch.dtype, offsets: Optional[list[int]] = None) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
     (``hopper.backward.size_limit``, ``dtype_limit``), then :data:`HOPPER_BWD_MIN_PAIRS` and :data:`HOPPER_BWD_LONG`.
 
-    Packed sequences (``offsets``, cu_seqlens' host values): the padded backward (``hopper/varlen.py``) only with
-    ``packed_by_padding``, which stays off until the GPU measures it against the Triton backward
-    (``benchmarks/gpu_check_hopper_bwd.py --varlen``); with it, the forward's rule (padding at most
-    ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the thresholds on the padded batch: N sequences
-    of Tp rows (``varlen.padded_rows``)."""
+    Packed sequences (``offsets``, cu_seqlens' host values) run the padded backward (``hopper/varlen.py``): the
+    forward's rule (padding at most ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the thresholds
+    on the padded batch: N sequences of Tp rows (``varlen.padded_rows``)."""
     from ..hopper.backward import dtype_limit, size_limit
     static = size_limit(K, V) or dtype_limit(g_dtype, dO=do_dtype)
     if static is not None:
         return static
     if offsets is not None:
-        if not packed_by_padding:
-            return "packed sequences: the padded Hopper backward is not yet measured on the GPU"
         from ..hopper.plan import DEFAULT
         from ..hopper.varlen import padded_rows, worth_padding
         B, T = len(offsets) - 1, padded_rows(offsets)
@@ -164,11 +159,11 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
 
 def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
                          cu_seqlens: Optional[torch.Tensor], backend: str, offsets: Optional[list[int]] = None,
-                         packed_by_padding: bool = True, others: tuple = ()) -> tuple[str, str]:
+                         others: tuple = ()) -> tuple[str, str]:
     """The backward for these saved inputs on ``backend``: ("torch" | "hopper" | "triton", why). ``offsets``:
-    cu_seqlens' host values (None: read from the device); ``packed_by_padding``: :func:`hopper_backward_blocker`'s;
-    ``others``: the call's other tensors (k, β, the initial state, dht; None skipped), which must start on a
-    16-byte boundary as q, v, g and dO must (``hopper.plan.input_blocker``: the walk's TMA loads)."""
+    cu_seqlens' host values (None: read from the device); ``others``: the call's other tensors (k, β, the initial
+    state, dht; None skipped), which must start on a 16-byte boundary as q, v, g and dO must
+    (``hopper.plan.input_blocker``: the walk's TMA loads)."""
     if backend != "triton":
         return "torch", f"backend={backend!r}"
     if q.device.type != "cuda":
@@ -176,8 +171,7 @@ def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: 
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
     reason = _hopper()[0].input_blocker(q, v, g, do, *others) or \
-        hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype, offsets,
-                                packed_by_padding)
+        hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype, offsets)
     if reason is None:
         if offsets is not None:
             return "hopper", f"{len(offsets) - 1} packed sequences × {v.shape[2]} heads, padded"

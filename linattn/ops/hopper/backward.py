@@ -5,15 +5,15 @@ backward runs it where ``gated_delta/dispatch.choose_backward_path`` says (bf16 
 pairs or HOPPER_BWD_LONG).
 
     recompute   on the Hopper forward's kernels: the pre-pass (``prepass.py``, ``beta_in_a_inv=False``) gives gc =
-                chunk-local cumsum of g and β head-major and T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
-                the walk needs T without diag(β)); the forward walk's ``store_states`` build (``chunk_fwd.py``,
-                ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each chunk ``[B, NT, HV, K,
-                V]``, the walk's layout: two launches, or five (and three small copies) where the forward's plan
-                cuts the sequences into segments (``segmented_states``: the segmented forward's plan, maps, scan and
-                warm walk)
-    segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: W, dv_local and the
-                Triton maps and reverse scan give dS_out, the gradient of the state leaving every segment (or, with
-                ``segment_method="warm"``, the reverse warm-ups ``chunk_bwd.reverse_warm_ups_hopper``, one launch)
+                chunk-local cumsum of g and β head-major, T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
+                the walk needs T without diag(β)) and the chunks' map bounds; the forward walk's ``store_states``
+                build (``chunk_fwd.py``, ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each
+                chunk ``[B, NT, HV, K, V]``, the walk's layout: two launches, or five (and three small copies) where
+                the forward's plan cuts the sequences into segments (:func:`segmented_states`: the segmented
+                forward's plan, maps, scan and warm walk)
+    segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: the reverse warm-ups
+                (``chunk_bwd.reverse_warm_ups_hopper``, one launch) give dS_out, the gradient of the state leaving
+                every segment
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice), the
                 slices of a head one thread-block cluster: dv, dh0, dq and dk per value head (the slices' tiles
                 added in the walk, in a fixed order, fp32; the gradients themselves where HV = H), and partials of
@@ -27,7 +27,7 @@ forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, get_args
+from typing import Optional
 
 import torch
 
@@ -39,8 +39,6 @@ from .chunk_fwd import BT
 from .plan import DEFAULT, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
-SegmentMethod = Literal["maps", "warm"]
-SEGMENT_METHODS = get_args(SegmentMethod)
 
 
 def size_limit(K: int, V: int) -> Optional[str]:
@@ -89,10 +87,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens=Non
         raise ValueError(f"the Hopper backward runs on an sm_90 GPU, got a tensor on {q.device}")
 
 
-def recompute(k, v, g, beta, initial_state, segmented_states: bool = False) -> tuple[torch.Tensor, ...]:
+def recompute(k, v, g, beta, initial_state) -> tuple[torch.Tensor, ...]:
     """The forward's stages the walk reads, in its layouts: :func:`solve` then :func:`states`."""
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
-    return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segmented_states)
+    return gc_hm, beta_hm, t_inv, states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
 
 
 def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
@@ -106,16 +104,16 @@ def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
     return whole_chunks(gc_hm, T), whole_chunks(beta_hm.float(), T), t_inv, bound
 
 
-def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segmented: bool = False) -> torch.Tensor:
-    """h ``[B, NT, HV, K, V]`` bf16, the state entering each chunk, from :func:`solve`'s outputs: the forward walk's
-    states build from T and β, one program per sequence, value head and V tile (BV = 64 where 128 leaves the card
-    idle). ``segmented``: laid out as the forward's plan lays out its walk (``plan.plan``), in the plan's segments
-    where it cuts the sequences (:func:`segmented_states`; its five launches whatever ``planned_walk`` says: the
-    backward's walk outweighs their host time, and the two-launch walk would walk whole prefixes for the heads
-    that keep their state). Off until the GPU checks and times it (``gpu_check_hopper_bwd.py --states``)."""
+def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state) -> torch.Tensor:
+    """h ``[B, NT, HV, K, V]`` bf16, the state entering each chunk, from :func:`solve`'s outputs, laid out as the
+    forward's plan (``plan.plan``) lays out its walk: in the plan's segments where it cuts the sequences
+    (:func:`segmented_states`; its five launches whatever ``planned_walk`` says: the backward's walk outweighs their
+    host time, and the two-launch walk would walk whole prefixes for the heads that keep their state), else the
+    forward walk's states build from T and β, one program per sequence, value head and V tile (BV = 64 where 128
+    leaves the card idle)."""
     B, T, HV, V = k.shape[0], k.shape[1], *v.shape[2:]
     sms = num_sms(k.device)
-    chosen = plan(B, HV, V, T, sms) if segmented else None
+    chosen = plan(B, HV, V, T, sms)
     if chosen is not None and chosen.segments > 1:
         return segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, chosen.segments,
                                 chosen.kernel_launch, chosen.config)
@@ -165,15 +163,9 @@ def whole_chunks(x_hm: torch.Tensor, T: int) -> torch.Tensor:
     return torch.nn.functional.pad(x_hm, (0, pad)) if pad else x_hm
 
 
-def token_major(x_hm: torch.Tensor, T: int) -> torch.Tensor:
-    """Head-major ``[B, HV, ≥ T]`` → ``[B, T, HV]`` contiguous (the segments' Triton stages read gc so)."""
-    return x_hm[..., :T].transpose(1, 2).contiguous()
-
-
 def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                                       do: torch.Tensor, dht: Optional[torch.Tensor], BV: Optional[int] = None,
-                                      segment_chunks: Optional[int] = None, segment_method: SegmentMethod = "warm",
-                                      segment_states: bool = True, cu_seqlens: Optional[torch.Tensor] = None,
+                                      segment_chunks: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
                                       offsets: Optional[list[int]] = None):
     """Backward of the chunked gated delta rule on the Hopper walk (sm_90, bf16): equal-length sequences, or packed
     ones (``cu_seqlens``) run as a padded batch of one length (``varlen.py``).
@@ -187,13 +179,8 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
         segment_chunks: walk in segments of this many chunks (``segments.py``; an int dividing T/64, T a multiple
             of 64; ≥ T/64 walks unsegmented; with ``cu_seqlens``, of the padded batch's T): tests and benchmarks.
-            None: ``segments.plan_walk_segments``.
-        segment_method: where the walk is segmented, how each segment's dS_out is found: "maps" (the Triton maps
-            and reverse scan: exact) or "warm" (the reverse warm-ups: within 2⁻³⁰ of ‖dS‖, exact where a warm-up
-            reaches the sequence's end). "maps" until the GPU's A/B (benchmarks/gpu_check_hopper_bwd.py --warm)
-            decides.
-        segment_states: the recompute's states in the forward's segments where its plan cuts the sequences
-            (:func:`states`' ``segmented``), until the GPU's check (``gpu_check_hopper_bwd.py --states``) decides.
+            None: ``segments.plan_walk_segments``. Each segment's dS_out comes from a reverse warm-up: within
+            2⁻³⁰ of ‖dS‖, exact where the warm-up reaches the sequence's end.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of N sequences packed along T (B = 1), or None.
         offsets: cu_seqlens' values on the host where the caller holds them (None: read from the device).
     Returns:
@@ -201,13 +188,10 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         and dh0 ``[N, HV, K, V]`` in initial_state's dtype (None without initial_state): the contract of
         ``triton_bwd.chunk_gated_delta_rule_bwd_triton``.
     """
-    if segment_method not in SEGMENT_METHODS:
-        raise ValueError(f"segment_method must be one of {SEGMENT_METHODS}, got {segment_method!r}")
     if isinstance(cu_seqlens, torch.Tensor) and offsets is None:
         offsets = cu_seqlens.tolist()
     check_inputs(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, offsets)
-    options = dict(BV=BV, segment_chunks=segment_chunks, segment_method=segment_method,
-                   segment_states=segment_states)
+    options = dict(BV=BV, segment_chunks=segment_chunks)
     if cu_seqlens is None:
         return backward_equal_lengths(q, k, v, g, beta, scale, initial_state, do, dht, **options)
     return backward_packed(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, offsets, **options)
@@ -227,26 +211,18 @@ def backward_packed(q, k, v, g, beta, scale: float, initial_state: Optional[torc
 
 
 def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor], do: torch.Tensor,
-                           dht: Optional[torch.Tensor], BV: Optional[int], segment_chunks: Optional[int],
-                           segment_method: SegmentMethod, segment_states: bool):
+                           dht: Optional[torch.Tensor], BV: Optional[int], segment_chunks: Optional[int]):
     """:func:`chunk_gated_delta_rule_bwd_hopper` on ``[B, T, ...]`` batches of equal-length sequences (checked
-    inputs): the recompute, the segments' dS_out, the walk and the reductions."""
+    inputs): the recompute, the segments' dS_out (the reverse warm-ups), the walk and the reductions."""
     from . import chunk_bwd
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)
-    L = segments.segment_length(segment_chunks, B, T, HV, K, V, BV, q.device)
+    L = segments.segment_length(segment_chunks, B, T, HV, V, BV, q.device)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
-    # the segments' W and dv_local are made and dropped before h exists (the walk's inputs are the peak)
-    if not L:
-        dS_out = dht
-    elif segment_method == "warm":
-        dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, BV)
-    else:
-        dS_out = segments.segment_state_grads(q, k, v, beta, token_major(gc_hm, T), t_inv.float(), do, dht, scale,
-                                              L)
-    h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, segment_states)
+    dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, BV) if L else dht
+    h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
     hm_seg = lambda x: segments.head_major_as_segments(x, S)
