@@ -1,5 +1,5 @@
 """GPU check of the backward's routing (``gated_delta/dispatch.hopper_backward_blocker``): the Hopper backward
-against the Triton backward at the shapes around its thresholds (HOPPER_BWD_MIN_PAIRS, HOPPER_BWD_LONG).
+against the Triton backward at small shapes, which calibrate its threshold (HOPPER_BWD_MIN_WORK).
 
 Per shape (bf16, K = V = 128, the anchors' gates ``logsigmoid(randn) / 16``, h0 and dht): do_bench medians (ms) of
 ``hopper.backward.chunk_gated_delta_rule_bwd_hopper`` (its planned segments) and of
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-SHAPES = [  # (B, T, H, HV): below, at and above the dispatch's thresholds
+SHAPES = [  # (B, T, H, HV): at and around the dispatch's threshold
     (1, 4096, 16, 16), (2, 4096, 16, 16), (4, 4096, 16, 16), (1, 8192, 16, 16), (1, 16384, 16, 16),
     (1, 8192, 2, 8), (1, 16384, 2, 8), (2, 2048, 16, 16),
 ]

@@ -102,7 +102,7 @@ def hopper_backward_call():
     lowered for the row's calls (``run`` enters ``call.context``), so its input shapes stay the check's."""
     from linattn.ops.gated_delta import dispatch
     call = op_call(linattn.chunk_gated_delta_rule, "hopper", backend="triton")
-    call.context = lambda: mock.patch.object(dispatch, "HOPPER_BWD_MIN_PAIRS", 1)
+    call.context = lambda: mock.patch.object(dispatch, "HOPPER_BWD_MIN_WORK", 1)
     return call
 
 

@@ -95,14 +95,12 @@ def test_the_backward_choice_and_its_reason():
     assert "K and V" in blocker(8, T, 16, 96, 128, bf16, f32)
     assert "float32 g" in blocker(8, T, 16, 128, 128, bf16, bf16)
     assert "bf16 dO" in blocker(8, T, 16, 128, 128, f32, f32)
-    pairs = dispatch.HOPPER_BWD_MIN_PAIRS
-    assert "pairs" in blocker(1, T, pairs - 1, 128, 128, bf16, f32)
-    assert blocker(1, T, pairs, 128, 128, bf16, f32) is None and blocker(8, T, 16, 64, 64, bf16, f32) is None
-    # fewer pairs of long sequences: the segmented walk
-    long_pairs, long_tokens = dispatch.HOPPER_BWD_LONG
-    assert blocker(1, long_tokens, long_pairs, 128, 128, bf16, f32) is None
-    assert "pairs" in blocker(1, long_tokens - 64, long_pairs, 128, 128, bf16, f32)
-    assert "pairs" in blocker(1, 8 * long_tokens, long_pairs - 1, 128, 128, bf16, f32)
+    work = dispatch.HOPPER_BWD_MIN_WORK
+    assert blocker(1, work // 16, 16, 128, 128, bf16, f32) is None and blocker(8, T, 16, 64, 64, bf16, f32) is None
+    assert "pairs" in blocker(1, work // 16 - 1, 16, 128, 128, bf16, f32)
+    # the work, not the pairs alone: one pair of a long sequence, many pairs of short ones
+    assert blocker(1, work, 1, 128, 128, bf16, f32) is None and blocker(work // 64, 64, 1, 128, 128, bf16, f32) is None
+    assert "pairs" in blocker(1, work // 2 - 1, 2, 128, 128, bf16, f32)
 
 
 def test_packed_sequences_take_the_padded_hopper_backward_by_the_forwards_rule():
@@ -118,16 +116,16 @@ def test_packed_sequences_take_the_padded_hopper_backward_by_the_forwards_rule()
     packed = lambda offsets, HV=16: blocker(1, offsets[-1], HV, 128, 128, bf16, f32, offsets)
     assert packed(ragged) is None
     assert "padding" in packed([0, 4096, 4160])                           # 2 × 4096 rows for 4160 tokens
-    pairs, (long_pairs, long_tokens) = dispatch.HOPPER_BWD_MIN_PAIRS, dispatch.HOPPER_BWD_LONG
-    few = [0, 2000, 4096]                                                  # 2 sequences of Tp = 4096
-    assert "pairs" in packed(few, HV=pairs // 2 - 1) and packed(few, HV=pairs // 2) is None
-    long = [0, long_tokens - 40, 2 * long_tokens - 124]                    # Tp = long_tokens: the segmented walk
-    assert padded_rows(long) == long_tokens and packed(long, HV=long_pairs // 2) is None
-    shorter = [0, long_tokens - 84, 2 * long_tokens - 284]                 # Tp = long_tokens - 64
-    assert padded_rows(shorter) == long_tokens - 64 and "pairs" in packed(shorter, HV=long_pairs // 2)
-    # the decision's inputs are the padded batch's (N sequences of Tp rows), not the packed row's (B = 1, ΣT)
-    two = [0, 9000, 18000]
-    assert blocker(1, 18000, 16, 128, 128, bf16, f32) is None and "pairs" in packed(two)
+    assert dispatch.HOPPER_BWD_MIN_WORK == 65536
+    few = [0, 2000, 4096]                                        # 2 sequences of Tp = 2112: 2 × 2112 × 15 < 65536
+    assert padded_rows(few) == 2112 and "pairs" in packed(few, HV=15) and packed(few, HV=16) is None
+    # the decision's inputs are the padded batch's (N sequences of Tp rows), not the packed row's (B = 1, ΣT):
+    # 2 × 4160 rows for 4160 tokens would pass the threshold, but waste half the batch to padding
+    two = [0, 64, 4160]
+    assert blocker(1, 4160, 16, 128, 128, bf16, f32) is None and "padding" in packed(two)
+    # its work: N sequences × Tp rows × HV heads (3 × 1024 × 21 = 64512 below, × 22 = 67584 above)
+    three = [0, 1024, 2048, 3072]
+    assert padded_rows(three) == 1024 and "pairs" in packed(three, HV=21) and packed(three, HV=22) is None
 
 
 def test_run_backward_hands_packed_sequences_to_the_hopper_backward(monkeypatch):

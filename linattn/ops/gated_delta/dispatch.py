@@ -10,11 +10,10 @@ path and its reason, :func:`run_forward` runs it. Read top to bottom:
       split                      the split Triton forward (``triton_chunk.forward_split``): everything else
 
 The backward (:func:`choose_backward_path`, :func:`run_backward`): the torch twin's on backend "torch"; on
-"triton", the Hopper backward (``hopper/backward.py``) for bf16 equal-length sequences on sm_90 from
-HOPPER_BWD_MIN_PAIRS (sequence × value head) pairs or from HOPPER_BWD_LONG (fewer pairs of long sequences: its walk in
-segments), else the Triton backward (``triton_bwd.py``). Packed sequences take the Hopper backward on a batch padded
-to one length (``hopper/varlen.py``) where the forward's padding rule and the thresholds above on the padded batch
-say so.
+"triton", the Hopper backward (``hopper/backward.py``) for bf16 on sm_90 from HOPPER_BWD_MIN_WORK (sequence × value
+head) pairs × tokens, else the Triton backward (``triton_bwd.py``). Packed sequences take the Hopper backward on a
+batch padded to one length (``hopper/varlen.py``) where the forward's padding rule and that threshold on the padded
+batch say so.
 
 ``forward_path`` ("auto" for the public op) forces one of "split", "walk" or "hopper" for tests and debugging
 (``chunk.chunk_gated_delta_rule_on_path``); a forced "hopper" still falls back to the Triton paths where the Hopper
@@ -38,11 +37,10 @@ FORWARD_PATHS = get_args(ForwardPath)
 # bf16 and fp32 everywhere measured; fp16 (output dots at tf32x3) keeps the walk where the pairs fill the card
 WALK_MIN_PAIRS = MappingProxyType({torch.bfloat16: None, torch.float16: 128, torch.float32: None})
 
-# The Hopper backward from this many (sequence × value head) pairs, or from HOPPER_BWD_LONG = (pairs, tokens) where
-# its walk runs in segments (hopper/segments.py); shorter sequences with few pairs are not measured ahead of the Triton
-# backward (docs/performance.md, the Hopper backward)
-HOPPER_BWD_MIN_PAIRS = 64
-HOPPER_BWD_LONG = (8, 16384)
+# The Hopper backward from this many (sequence × value head) pairs × tokens: the smallest work at which it was measured
+# ahead of the Triton backward (16 pairs of 4096 tokens, 32 of 2048, 8 of 8192; docs/decisions.md); smaller calls
+# are a few launches of either, not measured
+HOPPER_BWD_MIN_WORK = 65536
 
 
 class ForwardChoice(NamedTuple):
@@ -134,7 +132,7 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
                             g_dtype: torch.dtype, offsets: Optional[list[int]] = None) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
-    (``hopper.backward.size_limit``, ``dtype_limit``), then :data:`HOPPER_BWD_MIN_PAIRS` and :data:`HOPPER_BWD_LONG`.
+    (``hopper.backward.size_limit``, ``dtype_limit``), then :data:`HOPPER_BWD_MIN_WORK`.
 
     Packed sequences (``offsets``, cu_seqlens' host values) run the padded backward (``hopper/varlen.py``): the
     forward's rule (padding at most ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the thresholds
@@ -150,10 +148,9 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
         if not worth_padding(offsets, T, DEFAULT.max_padded_fraction):
             return (f"packed sequences would waste more than {DEFAULT.max_padded_fraction:.0%} of the padded batch "
                     f"to padding")
-    pairs, (long_pairs, long_tokens) = B * HV, HOPPER_BWD_LONG
-    if pairs < HOPPER_BWD_MIN_PAIRS and (pairs < long_pairs or T < long_tokens):
-        return (f"{pairs} < {HOPPER_BWD_MIN_PAIRS} (sequence, head) pairs, and not {long_pairs} pairs of "
-                f"{long_tokens} tokens or more")
+    if B * HV * T < HOPPER_BWD_MIN_WORK:
+        return (f"{B * HV} (sequence, head) pairs × {T} tokens = {B * HV * T} < {HOPPER_BWD_MIN_WORK}, where it is "
+                f"not measured ahead")
     return None
 
 

@@ -1,8 +1,8 @@
 """The Hopper backward of the chunked gated delta rule (issue 45), equal-length sequences: the host chain around
 the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). Packed sequences
 (``cu_seqlens``) run it on a batch padded to one length (``varlen.py``: exact; the copies are its cost). The op's
-backward runs it where ``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_PAIRS
-pairs or HOPPER_BWD_LONG).
+backward runs it where ``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_WORK
+pairs × tokens).
 
     recompute   on the Hopper forward's kernels: the pre-pass (``prepass.py``, ``beta_in_a_inv=False``) gives gc =
                 chunk-local cumsum of g and β head-major, T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
