@@ -1,8 +1,8 @@
 """GPU check of the backward's routing (``gated_delta/dispatch.hopper_backward_blocker``): the Hopper backward
 against the Triton backward at small shapes, which calibrate its threshold (HOPPER_BWD_MIN_WORK).
 
-Per shape (bf16, K = V = 128, the anchors' gates ``logsigmoid(randn) / 16``, h0 and dht): do_bench medians (ms) of
-``hopper.backward.chunk_gated_delta_rule_bwd_hopper`` (its planned segments) and of
+Per shape (gpu_check_hopper_bwd's timing inputs: bf16, K = V = 128, the anchors' gates, h0 and dht): do_bench
+medians (ms) of ``hopper.backward.chunk_gated_delta_rule_bwd_hopper`` (its planned segments) and of
 ``triton_bwd.chunk_gated_delta_rule_bwd_triton``, the faster one, the path the dispatch picks, and every gradient's
 relative L2 Hopper against Triton (both bf16: ≈ 4e-3 is rounding). A table last; JSON to --out after each shape.
 
@@ -24,25 +24,14 @@ SHAPES = [  # (B, T, H, HV): at and around the dispatch's threshold
 ]
 
 
-def inputs(B: int, T: int, H: int, HV: int, K: int = 128, V: int = 128) -> dict:
-    """Seeded bf16 unit-norm q, k, random v, dO; the anchors' gates; β in [0, 1); h0 and dht."""
-    torch.manual_seed(0)
-    unit = lambda: torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    q, k = unit(), unit()
-    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
-    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
-    h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
-    return dict(q=q, k=k, v=v, g=g, beta=beta, scale=K ** -0.5, initial_state=h0, do=do, dht=dht)
-
-
 def measure(B: int, T: int, H: int, HV: int) -> dict:
     import triton
+    from gpu_check_hopper_bwd import row_inputs
 
     from linattn.ops.gated_delta.dispatch import choose_backward_path
     from linattn.ops.gated_delta.triton_bwd import chunk_gated_delta_rule_bwd_triton
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
-    x = inputs(B, T, H, HV)
+    x = row_inputs(B, T, H, HV)
     hopper = lambda: chunk_gated_delta_rule_bwd_hopper(**x)
     triton_bwd = lambda: chunk_gated_delta_rule_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"],
                                                            x["initial_state"], None, None, x["do"], x["dht"])
