@@ -12,6 +12,12 @@ op's eager do_bench median, its CUDA graph replay (GPU time alone) and FlashQLA'
 
     PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/gate_sensitivity.py 1,32768,16,16 [B,T,H,HV ...]
 
+``--train``: instead, forward + backward (``torch.autograd.grad`` over q, k, v, g, β; anchors_forward_table's
+``time_training``: do_bench median ms and peak extra MB during one call) of the op and FlashQLA at each draw: the
+segmented backward's warm-ups read the gates too (at gates that never forget they walk to the sequence's end).
+
+    PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks python benchmarks/gate_sensitivity.py --train 1,32768,2,8 [...]
+
 ``--phases``: instead, where the op's GPU time goes at each gate draw: every kernel's µs per call (the profiler's
 self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which launch grew (the segmented
 forward's warm-ups, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
@@ -103,6 +109,37 @@ def phases(B, T, H, HV, gates, trace=False):
     return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 
+def train_row(B, T, H, HV, gates, theirs):
+    """fwd+bwd ms and peak extra MB of the op (and FlashQLA's) at ``gates`` on bench_anchors' inputs."""
+    from anchors_forward_table import time_training
+    q, k, v, g, beta = (x.detach() for x in make_inputs(B, T, H, HV, 128, 128, torch.bfloat16, seed=2))
+    xs = [x.requires_grad_() for x in (q, k, v, GATES[gates](g).contiguous(), beta)]
+    scale = 128 ** -0.5
+    ours = time_training(lambda *x: chunk_gated_delta_rule(*x, scale=scale, output_final_state=True), xs)
+    result = dict(shape=(B, T, H, HV), gates=gates, linattn_ms=round(ours["fwdbwd_ms"], 4),
+                  linattn_peak_MB=round(ours["peak_extra_MB"]))
+    if theirs is not None:
+        flash = time_training(lambda *x: theirs(*x, scale), xs)
+        result.update(flashqla_ms=round(flash["fwdbwd_ms"], 4), flashqla_peak_MB=round(flash["peak_extra_MB"]))
+    return result
+
+
+def train_table(shapes, theirs) -> None:
+    rows = []
+    for shape in shapes:
+        for gates in GATES:
+            rows.append(train_row(*shape, gates, theirs))
+            print(rows[-1], flush=True)
+    print("\n| B, T, H, HV | gates | linattn fwd+bwd ms | FlashQLA ms | linattn / FlashQLA | peak MB linattn | "
+          "FlashQLA |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['linattn_ms'] / r['flashqla_ms']:.2f}×" if "flashqla_ms" in r else "-"
+        print(f"| {', '.join(map(str, r['shape']))} | {r['gates']} | {r['linattn_ms']:.3f} | "
+              f"{r.get('flashqla_ms', float('nan')):.3f} | {ratio} | {r['linattn_peak_MB']} | "
+              f"{r.get('flashqla_peak_MB', '-')} |")
+
+
 def main(argv):
     shapes = [tuple(int(x) for x in a.split(",")) for a in argv if "," in a]
     if "--phases" in argv:
@@ -114,6 +151,9 @@ def main(argv):
                     print(f"  {us:8.1f}  {name}")
         return
     theirs = flash_qla_forward()
+    if "--train" in argv:
+        train_table(shapes, theirs)
+        return
     rows = []
     for shape in shapes:
         for gates in GATES:
