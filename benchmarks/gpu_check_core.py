@@ -6,22 +6,29 @@ autograd to 1e-15 — for long ones), next to a *baseline*: the error PyTorch ma
 computation from the same low-precision inputs with every stage's output rounded to that precision (the error a
 kernel that stores intermediates in bf16/fp16 cannot avoid). The bound is kernel error ≤ 2 × baseline.
 
-    python benchmarks/gpu_check_core.py [--quick] [--cases NAME,...] [--forward-path PATH] [--out DIR]
+    python benchmarks/gpu_check_core.py [--quick] [--cases NAME,...] [--forward-path PATH] [--backward-path PATH]
+        [--out DIR]
+
+``--backward-path hopper`` gives the Hopper backward every call it can take (the dispatch's work threshold off:
+bf16 on sm_90, K and V in 64 and 128, aligned inputs); each row records the backward that ran (``backward``).
 
 Prints one table last; writes core_check.json (and core_check.jsonl, line by line) under --out.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 import zlib
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 import linattn
+from linattn.ops.gated_delta import dispatch
 from linattn.ops.gated_delta import torch_chunk as tc
 from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
 from linattn.ops.gated_delta.dispatch import FORWARD_PATHS
@@ -82,7 +89,17 @@ def rounded_twin(x, dt, scale, do, dht):
     return [un(o), ht, dq, dk, un(dv), un(dg), un(dbeta), dh0]
 
 
-def check(case, dt, use_token_ref, forward_path="auto"):
+BACKWARD_PATHS = ("auto", "hopper")
+
+
+def backward_routing(backward_path: str):
+    """The context the checked calls run in: the dispatch as it is ("auto"), or its Hopper work threshold at 1."""
+    if backward_path == "hopper":
+        return mock.patch.object(dispatch, "HOPPER_BWD_MIN_WORK", 1)
+    return contextlib.nullcontext()
+
+
+def check(case, dt, use_token_ref, forward_path="auto", backward_path="auto"):
     name, B, T, H, HV, K, V, lengths = case
     N = len(lengths) if lengths else B
     # zlib.crc32, not hash(): str hashes change with every process (PYTHONHASHSEED), and with them the inputs
@@ -107,13 +124,15 @@ def check(case, dt, use_token_ref, forward_path="auto"):
                        exact, do, dht)
     torch.cuda.synchronize()
     t0 = time.time()
-    tri = grads_of(lambda **a: chunk_gated_delta_rule_on_path(forward_path, **a, scale=scale, cu_seqlens=cu,
-                                                              output_final_state=True, backend="triton"),
-                   low, do, dht)
-    torch.cuda.synchronize()
-    first_s = time.time() - t0
+    with backward_routing(backward_path):
+        tri = grads_of(lambda **a: chunk_gated_delta_rule_on_path(forward_path, **a, scale=scale, cu_seqlens=cu,
+                                                                  output_final_state=True, backend="triton"),
+                       low, do, dht)
+        torch.cuda.synchronize()
+        first_s = time.time() - t0
+        ran, _ = dispatch.choose_backward_path(low["q"], low["v"], low["g"], do.to(dt), cu, "triton")
     row = dict(case=name, dtype=str(dt).split(".")[-1], B=B, T=T, H=H, HV=HV, K=K, V=V, first_call_s=first_s,
-               nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in tri))
+               backward=ran, nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in tri))
     row["err"] = {n: rel(a, b) for n, a, b in zip(NAMES, tri, ref)}
     if cu is None:
         base = rounded_twin(low, dt, scale, do, dht)
@@ -154,7 +173,9 @@ def main():
     ap.add_argument("--forward-path", default="auto", choices=FORWARD_PATHS,
                     help="the forward path for the run (e.g. hopper: the TileLang forward wherever it "
                          "takes the inputs, segmented where its programs alone cannot fill the card; the backward "
-                         "is the Triton one on every path)")
+                         "is the dispatch's)")
+    ap.add_argument("--backward-path", default="auto", choices=BACKWARD_PATHS,
+                    help="auto: the dispatch's backward; hopper: the Hopper backward wherever it takes the call")
     a = ap.parse_args()
     cases = CASES[:3] if a.quick else CASES
     if a.cases:
@@ -169,7 +190,8 @@ def main():
     for case in cases:
         for dt in (torch.bfloat16, torch.float16):
             try:
-                row = check(case, dt, use_token_ref=case[2] <= 1000, forward_path=a.forward_path)
+                row = check(case, dt, use_token_ref=case[2] <= 1000, forward_path=a.forward_path,
+                            backward_path=a.backward_path)
             except Exception as e:  # keep going: one failing case must not hide the others
                 row = dict(case=case[0], dtype=str(dt), error=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)
@@ -179,7 +201,7 @@ def main():
     with open(os.path.join(a.out, "core_check.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     print("\nrelative L2 error vs float64: kernel / rounded-PyTorch baseline (! marks kernel > 2 × baseline)")
-    print("%-22s %-9s " % ("case", "dtype") + " ".join("%-16s" % n for n in NAMES))
+    print("%-22s %-9s %-7s " % ("case", "dtype", "bwd") + " ".join("%-16s" % n for n in NAMES))
     for r in rows:
         if "error" in r:
             print(r["case"], r["dtype"], r["error"])
@@ -189,7 +211,7 @@ def main():
             e = r["err"][n]
             b = r.get("base", {}).get(n)
             cells.append(f"{e:.1e}" + (f"/{b:.1e}{'' if e <= 2 * b else '!'}" if b is not None else ""))
-        print("%-22s %-9s " % (r["case"][:22], r["dtype"]) + " ".join("%-16s" % c for c in cells)
+        print("%-22s %-9s %-7s " % (r["case"][:22], r["dtype"], r["backward"]) + " ".join("%-16s" % c for c in cells)
               + (f"  NONFINITE={r['nonfinite']}" if r["nonfinite"] else ""))
 
 
