@@ -31,8 +31,9 @@ import torch
 from ..common import CHUNK, num_sms
 from ..utils import cdiv
 
-WALK_CHUNK_US = 14.0       # one chunk step of a walk program (H100, K = V = 128, BV = 64: 7.3 ms / 512 chunks at
-                           # B=1 T=32768 H=HV=16, and 28 µs per step with two programs queued per SM at B=8 T=4096)
+WALK_CHUNK_US = 18.5       # one chunk step of a walk program (H100, K = V = 128, BV = 64, the slices' dq, dk
+                           # handoff included: 9.4 ms / 512 chunks at B=1 T=32768 H=HV=16, the same per step at 16
+                           # programs or 256: the step is latency-bound)
 WALK_OCCUPANCY = 1         # walk programs per SM (213 KB of shared memory each at K = V = 128)
 WARM_CHAIN_US = 7.0        # one dS chain step of a warm-up program (H100, K = V = 128, BV = 64: 0.05 ms for the
                            # ≈ 7-chunk warm-ups of 128 programs in one wave at B=1 T=32768 H=HV=16, S=4)
