@@ -135,7 +135,7 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
     (``hopper.backward.size_limit``, ``dtype_limit``), then :data:`HOPPER_BWD_MIN_WORK`.
 
     Packed sequences (``offsets``, cu_seqlens' host values) run the padded backward (``hopper/varlen.py``): the
-    forward's rule (padding at most ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the thresholds
+    forward's rule (padding at most ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the threshold
     on the padded batch: N sequences of Tp rows (``varlen.padded_rows``)."""
     from ..hopper.backward import dtype_limit, size_limit
     static = size_limit(K, V) or dtype_limit(g_dtype, dO=do_dtype)
