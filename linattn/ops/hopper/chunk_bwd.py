@@ -25,6 +25,15 @@ The reverse warm-ups (:func:`build_warm_kernel`, launched by :func:`reverse_warm
 dS chain alone (the step's P, C1, Pᵀ dO, C2, C3: 8 dots, 7.3 MFLOP; reads T, dO, q, k, gc, β: 48.5 KB per chunk) over
 the w chunks after it, w found in-kernel from the pre-pass's chunk bounds (docs/backward.md §5).
 
+The timeline build (``build_kernel(timeline=True)``, launched by :func:`walk_timeline`; a benchmark's instrument,
+never the op's): the same walk with one more output, the stamps (``timeline.py``): at each of ``timeline.POINTS`` of
+every chunk step the first thread of each consumer warpgroup stores the SM's clock64 (one global store), and at the
+step's start the global timer, which converts the cycles to µs. Its one change to the walk's order: the step's
+inputs are all awaited at its "loads" point (the default build awaits each at its first use, within the recompute
+and the chain). The default build is untouched (its prim_func is the same: no stamp, no parameter). ptxas keeps it
+within the 168 registers without a spill at K = V = 128, BV = 64 (a start stamp at the loop's top, before the wait
+on gc, spilled 8 B: the start is stamped after that wait). ``gpu_check_hopper_bwd.py --timeline`` prints its table.
+
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
 bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
@@ -65,9 +74,12 @@ __device__ __forceinline__ void linattn_warp_await(int* flags, int step) {
 """
 # The timeline build's stamp (``build_kernel(timeline=True)``, timeline.py): the first thread of each consumer
 # warpgroup (TileLang's producer warpgroup is threads 0-127, its consumers 128 on) stores the SM's clock64 at
-# ``row[point · warpgroups + its consumer index]``, ``row`` its step's stamps; at point 0 also the global timer (ns) in
-# the row's last entry. One global store per point and warpgroup; the "memory" clobbers keep the compiler from moving
-# loads and stores across the reads.
+# ``row[point · warpgroups + its consumer index]``, ``row`` = stamps[program, step] with program = ctaid.y · NV +
+# ctaid.x (the grid is (NV, B · HV)); at point 0 also the global timer (ns) in the row's last entry. One global store
+# per point and warpgroup. The row's address is formed here from volatile reads of the block index, so that no
+# register holds it across the step (formed by TileLang, ptxas kept it live and spilled 8 B); the "memory" clobbers
+# keep the compiler from moving loads and stores across the clock reads. ``Awaited...``: buffers the call names only
+# so that TileLang awaits their loads before it (the "loads" point), unused.
 TIMELINE_SOURCE = """
 template <typename... Awaited>
 __device__ __forceinline__ void linattn_stamp(int64_t* stamps, int step, int steps, int point, int points,
@@ -228,9 +240,9 @@ def _exchange_macros(K: int, slices: int) -> types.SimpleNamespace:
 
 
 def _timeline_macros(warpgroups: int) -> types.SimpleNamespace:
-    """The timeline build's ``stamp`` (:data:`TIMELINE_SOURCE`): point ``point`` (an index of
-    ``timeline.POINTS``) of step ``step`` stamped into ``t.stamps[t.program, step]`` while ``step`` is below the
-    steps it records (its shape's second size)."""
+    """The timeline build's ``stamp`` (:data:`TIMELINE_SOURCE`): point ``point`` (an index of ``timeline.POINTS``)
+    of step ``step`` stamped into the program's row of ``t.stamps`` while ``step`` is below the steps it records
+    (its shape's second size); TileLang awaits the loads of the shared buffers ``awaited`` before the stamp."""
     import tilelang.language as T
 
     @T.macro
@@ -449,7 +461,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
             ih = ihv // G
             v0 = iv * BV
             chunks = T.ceildiv(Tn, BT)
-            timed = dict(stamps=stamps, program=bh * NV + iv) if timeline else {}
+            timed = dict(stamps=stamps) if timeline else {}
             t = alloc_tiles(K, BV, iv=iv, ib=ib, ihv=ihv, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta,
                             scratch=scratch, flags=flags, **timed)
             T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
