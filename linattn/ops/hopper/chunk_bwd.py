@@ -358,13 +358,12 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
 def step_macros(K: int, BV: int, scale: float, slices: int = 1, timeline_warpgroups: int = 0) -> types.SimpleNamespace:
     """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
     finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it). With
-    ``timeline_warpgroups`` (the consumer warpgroups; 0: none) ``full_step`` stamps ``timeline.POINTS`` after
-    each phase (the timeline build; ``stamp`` stamps the step's start)."""
+    ``timeline_warpgroups`` (the consumer warpgroups; 0: none) ``full_step`` stamps each of ``timeline.POINTS``
+    (the timeline build)."""
     import tilelang.language as T
 
     timed = timeline_warpgroups > 0
-    stamps = _timeline_macros(timeline_warpgroups) if timed else types.SimpleNamespace(stamp=None)
-    stamp = stamps.stamp
+    stamp = _timeline_macros(timeline_warpgroups).stamp if timed else None
     first = _recompute_macros(K, BV, scale)
     exchange = _exchange_macros(K, slices)
     second = _gradient_macros(K, BV, scale, first.column_sums_out, exchange, stamp)
@@ -403,7 +402,7 @@ def step_macros(K: int, BV: int, scale: float, slices: int = 1, timeline_warpgro
         first.chain(t, g_last, False)
         second.split_state(t)
 
-    return types.SimpleNamespace(**vars(first), **vars(second), **vars(exchange), stamp=stamp, full_step=full_step,
+    return types.SimpleNamespace(**vars(first), **vars(second), **vars(exchange), full_step=full_step,
                                  chain_step=chain_step)
 
 
