@@ -47,12 +47,22 @@
     decision, and the gradients' relative L2 Hopper vs Triton. A table last. Its
     kernels are part (a)'s and row 2's (the smoke builds them).
 
+(g) --timeline (the walk's in-kernel timeline, ``chunk_bwd.walk_timeline``, hopper/timeline.py): at rows 2 (B=8,
+    T=4096, H=HV=16: two waves of 256 programs), 7 (B=1, T=32768, H=2, HV=8: 16 programs, the unsegmented walk alone)
+    and a small case (B=2, T=2048, H=2, HV=4: 16 programs), K = V = 128, BV = 64, every step stamped: the timeline
+    build's outputs against the default walk's on the same inputs (bit for bit: the stamps change no math), both
+    walks' do_bench medians (the instrument's cost), and per phase of the chunk step (timeline.PHASES: the waits for
+    the loads, recompute, chain, X terms, q side, dq's exchange, k side, dk's exchange, dv, finish, the whole step and
+    the gap to the next) µs per step, median and p90 over programs and steps, per consumer warpgroup, later steps
+    and the first (the exchanges also by role: the step's owner slice or another). A table last.
+
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a)
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
     python benchmarks/gpu_check_hopper_bwd.py --warm --out $OUT       # part (d) alone
     python benchmarks/gpu_check_hopper_bwd.py --states --out $OUT     # part (e) alone, ≈ 3-5 min
     python benchmarks/gpu_check_hopper_bwd.py --varlen --out $OUT     # part (f) alone, ≈ 1-2 min after compiles
+    python benchmarks/gpu_check_hopper_bwd.py --timeline --out $OUT   # part (g) alone, ≈ 1 min after compiles
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
 
 Every part first compiles every TileLang kernel of the script (all parts': the smoke's list) side by side, one
@@ -60,7 +70,8 @@ process per CPU core, into TileLang's disk cache (``hopper/precompile.py``; it p
 then load them.
 
 Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm,
-hopper_bwd_states.json with --states, hopper_bwd_varlen.json with --varlen) under --out
+hopper_bwd_states.json with --states, hopper_bwd_varlen.json with --varlen, hopper_bwd_timeline.json with --timeline)
+under --out
 after every case (a run cut short keeps what it reached), printing each row's JSON as it goes and a table last.
 """
 from __future__ import annotations
@@ -111,6 +122,9 @@ STATES_ROWS = SEGMENT_ROWS[:2]
 VARLEN_CASE = ("packed_GVA_K128", [300, 128, 65, 1, 0, 200], 2, 4, 128)
 VARLEN_ROWS = [("ragged_9pct", [4480, 4100, 3900, 4450, 3700, 4200, 3838, 4100]),
                ("skewed_19pct", [5056, 3400, 3600, 3800, 4000, 4100, 4312, 4500])]
+# part (g): label, B, T, H, HV (K = V = 128, BV = 64): rows 2 and 7, and a small case of one program per SM
+TIMELINE_ROWS = [("row2", 8, 4096, 16, 16), ("row7", 1, 32768, 2, 8), ("small", 2, 2048, 2, 4)]
+WALK_OUTPUTS = ("dq_heads", "dk_heads", "dv", "dg_partials", "dbeta_partials", "dh0")
 ROWS = [  # anchor row, B, T, H, HV (K = V = 128)
     (2, 8, 4096, 16, 16),
     (3, 1, 32768, 16, 16),
@@ -122,8 +136,8 @@ SMS = 132    # an H100's or H200's SMs: the recompute's launch (backward.recompu
 
 
 def kernel_configs() -> list[tuple]:
-    """(H, HV, K, V, scale, BV) of every walk this script launches, and ("warm", H, HV, K, V, scale, BV) of every
-    reverse warm-ups kernel."""
+    """(H, HV, K, V, scale, BV) of every walk this script launches, ("warm", H, HV, K, V, scale, BV) of every
+    reverse warm-ups kernel and ("timeline", H, HV, K, V, scale, BV) of every walk's timeline build."""
     config = lambda H, HV, K, V, BV: (H, HV, K, V, K ** -0.5, BV or min(V, 64))
     configs = [config(H, HV, K, V, BV) for _, _, _, H, HV, K, V, BV, _, _ in CASES]
     configs += [config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in SEGMENTED_CASES]
@@ -131,7 +145,8 @@ def kernel_configs() -> list[tuple]:
     # the warm-ups of every case and row the planner or segment_chunks cuts (row 2's config is row 3's)
     warm = [("warm",) + config(H, HV, K, V, BV) for (_, _, _, H, HV, K, V, BV, _, _), _ in WARM_CASES]
     warm += [("warm",) + config(H, HV, 128, 128, 64) for _, _, _, H, HV in ROWS + SEGMENT_ROWS]
-    return list(dict.fromkeys(configs + warm))
+    timeline = [("timeline",) + config(H, HV, 128, 128, 64) for _, _, _, H, HV in TIMELINE_ROWS]
+    return list(dict.fromkeys(configs + warm + timeline))
 
 
 def recompute_launch(B: int, HV: int, V: int, sms: int = SMS) -> dict:
@@ -192,6 +207,8 @@ def kernel_build(config: tuple, target: Optional[str]):
                                                torch.float32, True, True, target), dict(beta_in_a_inv=False))
     if config[0] == "warm":
         return Build(chunk_bwd.compiled_warm_kernel, config[1:], dict(target=target))
+    if config[0] == "timeline":
+        return Build(chunk_bwd.compiled_kernel, config[1:], dict(target=target, timeline=True))
     return Build(chunk_bwd.compiled_kernel, config, dict(target=target))
 
 
@@ -724,6 +741,43 @@ def time_varlen(item) -> dict:
                 hopper_vs_triton={n: rel(a.float(), b.float()) for n, a, b in zip(GRADS, hop, tri)})
 
 
+def time_timeline(item) -> dict:
+    """Part (g) at one row: the walk's timeline build (every step stamped) against the default walk on the same
+    recomputed inputs (each raw output bit for bit), both walks' do_bench medians (ms, and µs per step), and the
+    stamps reduced to µs per phase (``timeline.timeline_phases``)."""
+    import triton
+
+    from linattn.ops.hopper import backward, chunk_bwd, timeline
+    label, B, T, H, HV = item
+    x = row_inputs(B, T, H, HV)
+    q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
+    gc_hm, beta_hm, a_inv, bound = backward.solve(k, g, beta)
+    h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, x["initial_state"])
+    args = (q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64)
+    walk = lambda: chunk_bwd.chunk_bwd_hopper(*args)
+    timed = lambda: chunk_bwd.walk_timeline(*args)
+    default, (outputs, stamps) = walk(), timed()
+    chunks = -(-T // 64)
+    ms = dict(walk=triton.testing.do_bench(walk), walk_timeline=triton.testing.do_bench(timed))
+    return dict(row=label, B=B, T=T, H=H, HV=HV, programs=B * HV * 2, chunks=chunks,
+                bitwise_equal={n: bool(torch.equal(a, b)) for n, a, b in zip(WALK_OUTPUTS, default, outputs)},
+                ms=ms, us_per_step={n: t * 1000 / chunks for n, t in ms.items()},
+                phases=timeline.timeline_phases(stamps.cpu(), slices=2))
+
+
+def print_timeline_table(results: dict) -> None:
+    from linattn.ops.hopper.timeline import format_table
+    print(f"\ndevice: {results.get('device')}")
+    for r in measured(results["timeline"], "row", 8):
+        same = sum(r["bitwise_equal"].values())
+        print(f"\n{r['row']}: B={r['B']} T={r['T']} H={r['H']} HV={r['HV']}, {r['programs']} programs × "
+              f"{r['chunks']} steps; walk {r['ms']['walk']:.3f} ms ({r['us_per_step']['walk']:.2f} µs/step), "
+              f"timeline build {r['ms']['walk_timeline']:.3f} ms ({r['us_per_step']['walk_timeline']:.2f} µs/step); "
+              f"outputs bit for bit equal: {same}/{len(r['bitwise_equal'])}"
+              + ("" if same == len(r["bitwise_equal"]) else f" {r['bitwise_equal']}"))
+        print(format_table(r["phases"], r["row"]))
+
+
 def print_varlen_table(results: dict) -> None:
     print(f"\ndevice: {results.get('device')}")
     print(f"\n{'case':<20}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64 over the packed sequences)")
@@ -857,18 +911,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--warm", action="store_true", help="only part (d), the reverse warm-ups")
     ap.add_argument("--states", action="store_true", help="only part (e), the states recompute in segments")
     ap.add_argument("--varlen", action="store_true", help="only part (f), packed sequences by padding")
+    ap.add_argument("--timeline", action="store_true", help="only part (g), the walk's in-kernel timeline")
     args = ap.parse_args(argv)
     if args.smoke:
         return dict(smoke=smoke())
     precompile_kernels()
     name = ("hopper_bwd_segments" if args.segments else "hopper_bwd_warm" if args.warm
             else "hopper_bwd_states" if args.states else "hopper_bwd_varlen" if args.varlen
+            else "hopper_bwd_timeline" if args.timeline
             else "hopper_bwd_timing" if args.timing_only else "hopper_bwd")
     out = Path(args.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     results = dict(device=torch.cuda.get_device_name(), twin=[], recompute=[], accuracy=[], repeat=[], timing=[],
                    segments=[], warm_twin=[], warm=[], states_twin=[], states=[], varlen_accuracy=[],
-                   varlen=[])
+                   varlen=[], timeline=[])
 
     def chosen(table: list) -> list:
         """The rows of ``table`` that --rows names (all of them without it)."""
@@ -884,6 +940,11 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(results, indent=1))
         print(json.dumps(results[key][-1]), flush=True)
 
+    if args.timeline:
+        for row in TIMELINE_ROWS:
+            step("timeline", time_timeline, row, "row")
+        print_timeline_table(results)
+        return results
     if args.varlen:
         step("varlen_accuracy", varlen_case, VARLEN_CASE, "case")
         for row in VARLEN_ROWS:

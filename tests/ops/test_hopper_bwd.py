@@ -415,13 +415,14 @@ def test_gpu_script_smoke_builds_every_kernel():
     """benchmarks/gpu_check_hopper_bwd.py --smoke (as CI runs it): every kernel the GPU script launches — the reverse
     walks of the accuracy cases and timing rows (the segmented cases and rows reuse them), the reverse warm-ups of
     the segmented cases and rows, the states walks (unsegmented, and the segments' phases A and C where the plan cuts a
-    row), the pre-passes without β on T — compiles for sm_90a without a spill (kernels the compile tests built are
-    cached by TileLang)."""
+    row), the pre-passes without β on T, the walks' timeline builds of part (g) — compiles for sm_90a without a spill
+    (kernels the compile tests built are cached by TileLang)."""
     done = subprocess.run([sys.executable, "benchmarks/gpu_check_hopper_bwd.py", "--smoke"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'config'")]
-    assert len(rows) == 31 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
+    assert len(rows) == 34 and sum(r["config"][0] == "warm" for r in rows) == 5, rows
+    assert sum(r["config"][0] == "timeline" for r in rows) == 3, rows
     assert sum(r["config"][0] in ("states_warm", "states_maps") for r in rows) == 6, rows
     assert all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 

@@ -25,6 +25,15 @@ The reverse warm-ups (:func:`build_warm_kernel`, launched by :func:`reverse_warm
 dS chain alone (the step's P, C1, Pᵀ dO, C2, C3: 8 dots, 7.3 MFLOP; reads T, dO, q, k, gc, β: 48.5 KB per chunk) over
 the w chunks after it, w found in-kernel from the pre-pass's chunk bounds (docs/backward.md §5).
 
+The timeline build (``build_kernel(timeline=True)``, launched by :func:`walk_timeline`; a benchmark's instrument,
+never the op's): the same walk with one more output, the stamps (``timeline.py``): at each of ``timeline.POINTS`` of
+every chunk step the first thread of each consumer warpgroup stores the SM's clock64 (one global store), and at the
+step's start the global timer, which converts the cycles to µs. Its one change to the walk's order: the step's
+inputs are all awaited at its "loads" point (the default build awaits each at its first use, within the recompute
+and the chain). The default build is untouched (its prim_func is the same: no stamp, no parameter). ptxas keeps it
+within the 168 registers without a spill at K = V = 128, BV = 64 (a start stamp at the loop's top, before the wait
+on gc, spilled 8 B: the start is stamped after that wait). ``gpu_check_hopper_bwd.py --timeline`` prints its table.
+
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
 bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
@@ -39,6 +48,7 @@ import torch
 
 from .chunk_bwd_ref import NEGLIGIBLE_LOG2
 from .chunk_fwd import BT, compile_prim_func, launcher
+from .timeline import POINTS, stamps_shape
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
@@ -60,6 +70,35 @@ __device__ __forceinline__ void linattn_warp_await(int* flags, int step) {
   do {
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags + (threadIdx.x >> 5)) : "memory");
   } while (seen < step);
+}
+"""
+# The timeline build's stamp (``build_kernel(timeline=True)``, timeline.py): the first thread of each consumer
+# warpgroup (TileLang's producer warpgroup is threads 0-127, its consumers 128 on) stores the SM's clock64 at
+# ``row[point · warpgroups + its consumer index]``, ``row`` = stamps[program, step] with program = ctaid.y · NV +
+# ctaid.x (the grid is (NV, B · HV)); at point 0 also the global timer (ns) in the row's last entry. One global store
+# per point and warpgroup. The row's address is formed here from volatile reads of the block index, so that no
+# register holds it across the step (formed by TileLang, ptxas kept it live and spilled 8 B); the "memory" clobbers
+# keep the compiler from moving loads and stores across the clock reads. ``Awaited...``: buffers the call names only
+# so that TileLang awaits their loads before it (the "loads" point), unused.
+TIMELINE_SOURCE = """
+template <typename... Awaited>
+__device__ __forceinline__ void linattn_stamp(int64_t* stamps, int step, int steps, int point, int points,
+                                              int warpgroups, Awaited...) {
+  if ((threadIdx.x & 127) == 0) {
+    unsigned slice, cluster;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(slice));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(cluster));
+    int64_t* row = stamps + ((int64_t)(cluster * gridDim.x + slice) * steps + step) * (points + 1) * warpgroups;
+    const int wg = (threadIdx.x >> 7) - 1;
+    int64_t clock;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(clock) :: "memory");
+    row[point * warpgroups + wg] = clock;
+    if (point == 0) {
+      int64_t ns;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns) :: "memory");
+      row[points * warpgroups + wg] = ns;
+    }
+  }
 }
 """
 
@@ -200,9 +239,26 @@ def _exchange_macros(K: int, slices: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(sum_out=sum_out)
 
 
-def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchange=None) -> types.SimpleNamespace:
+def _timeline_macros(warpgroups: int) -> types.SimpleNamespace:
+    """The timeline build's ``stamp`` (:data:`TIMELINE_SOURCE`): point ``point`` (an index of ``timeline.POINTS``)
+    of step ``step`` stamped into the program's row of ``t.stamps`` while ``step`` is below the steps it records
+    (its shape's second size); TileLang awaits the loads of the shared buffers ``awaited`` before the stamp."""
+    import tilelang.language as T
+
+    @T.macro
+    def stamp(t, step, point, awaited=()):
+        if step < t.stamps.shape[1]:
+            T.call_extern("handle", "linattn_stamp", T.address_of(t.stamps[0, 0, 0, 0]), step, t.stamps.shape[1],
+                          point, len(POINTS), warpgroups, *[T.address_of(b[(0,) * len(b.shape)]) for b in awaited])
+
+    return types.SimpleNamespace(stamp=stamp)
+
+
+def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchange=None,
+                     stamp=None) -> types.SimpleNamespace:
     """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
-    :func:`_recompute_macros`.
+    :func:`_recompute_macros`; ``stamp`` the timeline build's (:func:`_timeline_macros`; None: no stamps), stamping
+    before and after the slices' exchanges.
 
     A staged input's slot goes back to the producer right after its last use in program order (every dot here
     waits for its result), so the next chunk's loads stream in under the later steps."""
@@ -210,6 +266,8 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
 
     acc, bf = "float32", "bfloat16"
     sum_out = exchange.sum_out
+    timed = stamp is not None
+    Q_SIDE, K_SIDE, DK_SUM = (POINTS.index(n) for n in ("q_side", "k_side", "dk_sum"))
 
     @T.macro
     def q_side(t, rows, c, step):
@@ -230,6 +288,8 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
         T.reduce_sum(t.dqS, t.rowsK, dim=1)
         for i in T.Parallel(BT):
             t.dGs[i] = t.dGs[i] + scale * T.exp(t.gcs[i]) * t.rowsK[i]
+        if timed:
+            stamp(t, step, Q_SIDE)
         sum_out(t, t.dqf, t.dq, 0, c, step)
 
     @T.macro
@@ -257,7 +317,11 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
         T.gemm(t.dKDs, t.Ks, t.dkf, transpose_A=True)
         T.gemm(t.dPs, t.Qs, t.dkf, transpose_A=True)       # q's last use: waits for the three
         T.gemm(t.Ysn, t.Hs, t.dkf, transpose_B=True)       # h's
+        if timed:
+            stamp(t, step, K_SIDE)
         sum_out(t, t.dkf, t.dk, 1, c, step)
+        if timed:
+            stamp(t, step, DK_SUM)
         for i, j in T.Parallel(BT, BV):
             t.Y[i, j] = t.Y[i, j] * t.bs[i]
         T.copy(t.Y, t.dv[t.ib, c * BT:(c + 1) * BT, t.ihv, t.iv * BV:(t.iv + 1) * BV])
@@ -291,24 +355,45 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
     return types.SimpleNamespace(q_side=q_side, k_side=k_side, finish=finish, split_state=split_state)
 
 
-def step_macros(K: int, BV: int, scale: float, slices: int = 1) -> types.SimpleNamespace:
+def step_macros(K: int, BV: int, scale: float, slices: int = 1, timeline_warpgroups: int = 0) -> types.SimpleNamespace:
     """The reverse walk's chunk step as TileLang macros (recompute, the dS chain, the X terms, the q and k sides,
-    finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it)."""
+    finish), defined outside the prim_func (TileLang 0.1.15 takes no macro defined inside it). With
+    ``timeline_warpgroups`` (the consumer warpgroups; 0: none) ``full_step`` stamps each of ``timeline.POINTS``
+    (the timeline build)."""
     import tilelang.language as T
 
+    timed = timeline_warpgroups > 0
+    stamp = _timeline_macros(timeline_warpgroups).stamp if timed else None
     first = _recompute_macros(K, BV, scale)
     exchange = _exchange_macros(K, slices)
-    second = _gradient_macros(K, BV, scale, first.column_sums_out, exchange)
+    second = _gradient_macros(K, BV, scale, first.column_sums_out, exchange, stamp)
+    START, LOADS, RECOMPUTE, CHAIN, X_TERMS, DQ_SUM, DV, FINISH = (
+        POINTS.index(n) for n in ("start", "loads", "recompute", "chain", "x_terms", "dq_sum", "dv", "finish"))
 
     @T.macro
     def full_step(t, rows, g_last, c, step):
         """One chunk's whole reverse step (the walk's ``step``-th)."""
+        if timed:
+            stamp(t, step, START)
+            stamp(t, step, LOADS, (t.As, t.Vs, t.dOs, t.Qs, t.Hs, t.Ks, t.gcs, t.bs))
         first.recompute(t, rows, True)
+        if timed:
+            stamp(t, step, RECOMPUTE)
         first.chain(t, g_last, True)
+        if timed:
+            stamp(t, step, CHAIN)
         first.x_terms(t)
+        if timed:
+            stamp(t, step, X_TERMS)
         second.q_side(t, rows, c, step)
+        if timed:
+            stamp(t, step, DQ_SUM)
         second.k_side(t, rows, g_last, c, step)
+        if timed:
+            stamp(t, step, DV)
         second.finish(t, g_last, c)
+        if timed:
+            stamp(t, step, FINISH)
 
     @T.macro
     def chain_step(t, rows, g_last):
@@ -347,9 +432,12 @@ def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
     return types.SimpleNamespace(**tiles, **program)
 
 
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256):
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256,
+                 timeline: bool = False):
     """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V.
-    Every dot is waited for at its issue."""
+    Every dot is waited for at its issue. ``timeline``: the benchmark's instrument (timeline.py), the same walk
+    with one more parameter, ``stamps`` int64 ``[B·HV·NV, steps, len(POINTS) + 1, threads / 128]`` (steps symbolic:
+    the first ``steps`` steps of every program are stamped), and a stamp at each of ``timeline.POINTS``."""
     import tilelang.language as T
 
     if V % BV:
@@ -357,29 +445,24 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
     acc, bf = "float32", "bfloat16"
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G, NV = HV // H, V // BV
+    warpgroups = threads // 128
 
-    m = step_macros(K, BV, scale, NV)
+    m = step_macros(K, BV, scale, NV, warpgroups if timeline else 0)
     qk_out = bf if G == 1 else acc
     scratch_shape, flags_shape = exchange_shapes(B, HV, K, NV)
 
-    @T.prim_func
-    def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
-                      v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
-                      gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
-                      a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
-                      dht: T.Tensor((B, HV, K, V), acc),
-                      dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
-                      dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
-                      dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc),
-                      scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32")):
+    @T.macro
+    def walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, scratch, flags, stamps):
+        """The kernel (``stamps`` None: no timeline)."""
         with T.Kernel(NV, B * HV, threads=threads, cluster_dims=NV) as (iv, bh):
-            T.import_source(EXCHANGE_SOURCE)
+            T.import_source(EXCHANGE_SOURCE + TIMELINE_SOURCE if timeline else EXCHANGE_SOURCE)   # one per kernel
             ib, ihv = bh // HV, bh % HV
             ih = ihv // G
             v0 = iv * BV
             chunks = T.ceildiv(Tn, BT)
+            timed = dict(stamps=stamps) if timeline else {}
             t = alloc_tiles(K, BV, iv=iv, ib=ib, ihv=ihv, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta,
-                            scratch=scratch, flags=flags)
+                            scratch=scratch, flags=flags, **timed)
             T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
             m.split_state(t)
             for cr in T.Pipelined(chunks, num_stages=1):
@@ -400,6 +483,35 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 g_last = t.gcs[rows - 1]
                 m.full_step(t, rows, g_last, c, cr)
             T.copy(t.dS, dh0[ib, ihv, 0:K, v0:v0 + BV])
+
+    if timeline:
+        @T.prim_func
+        def gdn_chunk_bwd_timeline(
+                q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
+                v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
+                gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
+                a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
+                dht: T.Tensor((B, HV, K, V), acc),
+                dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
+                dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
+                dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc),
+                scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32"),
+                stamps: T.Tensor(stamps_shape(B * HV * NV, T.symbolic("steps"), warpgroups), "int64")):
+            walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, scratch, flags, stamps)
+
+        return gdn_chunk_bwd_timeline
+
+    @T.prim_func
+    def gdn_chunk_bwd(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
+                      v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
+                      gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
+                      a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
+                      dht: T.Tensor((B, HV, K, V), acc),
+                      dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
+                      dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
+                      dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc),
+                      scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32")):
+        walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, scratch, flags, None)
 
     return gdn_chunk_bwd
 
@@ -488,10 +600,10 @@ def _check_slices_and_gates(B: int, HV: int, V: int, NT: int, BV: int, gc: torch
 
 @functools.lru_cache(maxsize=32)
 def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
-                    target: Optional[str] = None):
+                    target: Optional[str] = None, timeline: bool = False):
     """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target`` (None: this GPU;
-    "sm_90a" without one)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV), target)
+    "sm_90a" without one); ``timeline``: the benchmark's timeline build (:func:`walk_timeline`)."""
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV, timeline=timeline), target)
 
 
 def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
@@ -502,6 +614,35 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     add over each group; the gradients themselves in q's dtype where G = 1), dv ``[B, T, HV, V]`` bf16, the
     partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the
     partials)."""
+    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV)
+    H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    launcher(compiled_kernel(H, HV, K, V, scale, BV))(*arguments)
+    return outputs
+
+
+def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
+                  beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
+                  scale: float, BV: int = BV_DEFAULT,
+                  steps: Optional[int] = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The reverse walk's timeline build (``build_kernel(timeline=True)``; a benchmark's instrument): launched as
+    :func:`chunk_bwd_hopper` launches the walk, on the same inputs. Returns its outputs (:func:`chunk_bwd_hopper`'s,
+    the same bits) and the stamps int64 ``[B·HV·NV, steps, len(POINTS) + 1, 2]`` of the first ``steps`` steps of
+    every program (None: every step; layout in timeline.py, unwritten entries −1), which
+    ``timeline.timeline_phases(stamps, NV)`` reduces to µs per phase."""
+    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    chunks = -(-T // BT)
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
+    recorded = chunks if steps is None else min(steps, chunks)
+    stamps = torch.full(stamps_shape(B * HV * (V // BV), recorded), -1, dtype=torch.int64, device=q.device)
+    launcher(compiled_kernel(H, HV, K, V, scale, BV, timeline=True))(*arguments, stamps)
+    return outputs, stamps
+
+
+def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int) -> tuple[list, tuple[torch.Tensor, ...]]:
+    """The walk's launch arguments (inputs checked, outputs and exchange buffers allocated) and its outputs."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
@@ -516,11 +657,10 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
     scratch, flags = exchange_buffers(B, HV, K, NV, q.device)
-    kernel = compiled_kernel(H, HV, K, V, scale, BV)
-    launcher(kernel)(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
-                     beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
-                     scratch, flags)
-    return dq, dk, dv, dg, dbeta, dh0
+    arguments = [q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
+                 beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
+                 scratch, flags]
+    return arguments, (dq, dk, dv, dg, dbeta, dh0)
 
 
 def exchange_shapes(B, HV: int, K: int, NV: int) -> tuple[tuple, tuple]:

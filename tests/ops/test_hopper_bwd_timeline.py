@@ -1,0 +1,144 @@
+"""The reverse walk's timeline instrument (linattn/ops/hopper/timeline.py, ``chunk_bwd.build_kernel(timeline=True)``):
+
+* the host's reduction of stamps to µs per phase recovers known phase times from synthetic stamps (per program
+  clocks, clock64 offsets per SM, a slow first step, the exchange's roles), and rejects unwritten stamps;
+* the timeline build compiles for sm_90a at K = V = 128, BV = 64 without a spill, its stamps in the consumer
+  warpgroups only, one call per point; the default build carries no timer at all;
+* ``chunk_bwd.walk_timeline`` launches the timeline build with the walk's arguments and the stamps (CPU stand-ins,
+  the launch recorded, not run).
+What it measures on the GPU: benchmarks/gpu_check_hopper_bwd.py --timeline.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from linattn.ops.hopper import timeline
+
+from .test_hopper_bwd import COMPILES
+
+POINTS = timeline.POINTS
+# µs per phase (each point's, from the point before it) in later steps, warpgroup 0; warpgroup 1 takes 0.25 µs more
+# in every phase; the first step takes 10× each; the gap between steps 0.5 µs
+LATER_US = {name: 0.5 + i for i, name in enumerate(POINTS[1:])}
+
+
+def synthetic_stamps(programs: int, steps: int, slices: int, clocks: list[float]) -> torch.Tensor:
+    """Stamps of known phase times: program p's SM at ``clocks[p % len(clocks)]`` cycles per ns, its clock64 offset
+    by an arbitrary count; dq_sum and dk_sum take 3 µs more where the program's slice owns the step."""
+    stamps = torch.empty(timeline.stamps_shape(programs, steps, 2), dtype=torch.int64)
+    for p in range(programs):
+        rate, offset = clocks[p % len(clocks)], 10 ** 9 * (p + 1)
+        for w in range(2):
+            ns = 5_000 * p           # the program's start on the global timer
+            for s in range(steps):
+                stamps[p, s, len(POINTS), w] = ns
+                stamps[p, s, 0, w] = round(ns * rate) + offset
+                for i, name in enumerate(POINTS[1:], start=1):
+                    us = LATER_US[name] + 0.25 * w
+                    if name in ("dq_sum", "dk_sum") and s % slices == p % slices and slices > 1:
+                        us += 3.0
+                    ns += 1000 * us * (10 if s == 0 else 1)
+                    stamps[p, s, i, w] = round(ns * rate) + offset
+                ns += 500
+    return stamps
+
+
+def test_timeline_phases_recovers_known_phase_times():
+    """Per phase and warpgroup the median and p90 of later steps, and the first step's, equal the stamped times at
+    each program's own clock (two clocks, programs of both); the step is the sum of its phases, the gap 0.5 µs;
+    with two slices the exchange phases split into the owner's (3 µs more) and the other's."""
+    programs, steps, slices = 6, 5, 2
+    stamps = synthetic_stamps(programs, steps, slices, clocks=[1.5, 2.0])
+    clock = timeline.cycles_per_ns(stamps)
+    assert torch.allclose(clock[:, 0], torch.tensor([1.5, 2.0] * 3, dtype=torch.float64), rtol=1e-9)
+    summary = timeline.timeline_phases(stamps, slices)
+    assert summary["cycles_per_ns"] == pytest.approx(1.75) and summary["start_spread_us"] == pytest.approx(25.0)
+    for w in range(2):
+        wg = f"wg{w}"
+        for name in POINTS[1:]:
+            if name in ("dq_sum", "dk_sum"):
+                by_role = summary[name + "_by_role"][wg]
+                assert by_role["other"]["p50"] == pytest.approx(LATER_US[name] + 0.25 * w, abs=1e-6)
+                assert by_role["owner"]["p50"] == pytest.approx(LATER_US[name] + 0.25 * w + 3.0, abs=1e-6)
+                continue
+            later, first = summary[name][wg]["later"], summary[name][wg]["first"]
+            assert later["p50"] == pytest.approx(LATER_US[name] + 0.25 * w, abs=1e-6), (name, w)
+            assert later["p90"] == pytest.approx(LATER_US[name] + 0.25 * w, abs=1e-6), (name, w)
+            assert first["p50"] == pytest.approx(10 * (LATER_US[name] + 0.25 * w), abs=1e-5), (name, w)
+        assert summary["gap"][wg]["later"]["p50"] == pytest.approx(0.5, abs=1e-6)
+        steps_us = timeline.phase_us(stamps)["step"][:, 1:, w]
+        expected = sum(LATER_US.values()) + 0.25 * w * len(LATER_US)
+        assert steps_us.min().item() == pytest.approx(expected, abs=1e-6)
+        assert steps_us.max().item() == pytest.approx(expected + 6.0, abs=1e-6)   # owner steps: both exchanges
+    assert "dq_sum owner" in timeline.format_table(summary, "synthetic")
+
+
+def test_timeline_phases_rejects_bad_stamps():
+    """An entry the kernel never stamped (−1, the launcher's fill), a single recorded step (no clock) or a wrong
+    shape raise a clear error instead of a table of nonsense."""
+    stamps = synthetic_stamps(2, 3, 1, clocks=[1.5])
+    unwritten = stamps.clone()
+    unwritten[1, 2, 4, 0] = -1
+    with pytest.raises(ValueError, match="unwritten"):
+        timeline.timeline_phases(unwritten)
+    with pytest.raises(ValueError, match="two recorded steps"):
+        timeline.timeline_phases(stamps[:, :1])
+    with pytest.raises(ValueError, match="int64"):
+        timeline.timeline_phases(stamps[:, :, 1:])
+
+
+@COMPILES
+def test_walk_timeline_build_compiles_for_sm90a(tmp_path):
+    """The timeline build at K = V = 128, BV = 64 (GVA, two slices): ptxas spills nothing and serialises no wgmma
+    within the walk's 168 registers; the walk's 20 dots are all there; one stamp call per point, every one in the
+    consumers' branch (after the producer's loads), the loads' point after the waits on all eight input barriers.
+    The default build of the same sizes holds no timer, no stamp and no stamps parameter."""
+    from linattn.ops.hopper import chunk_bwd
+    from linattn.ops.hopper.cubin import compile_sm90a, ptxas_summary
+    source = chunk_bwd.compiled_kernel(2, 4, 128, 128, 128 ** -0.5, 64, "sm_90a", timeline=True).get_kernel_source()
+    assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == 20
+    assert "int64_t* __restrict__ stamps" in source
+    calls = [m.start() for m in re.finditer(r"linattn_stamp\(\(", source)]
+    assert len(calls) == len(POINTS), len(calls)
+    assert min(calls) > source.rindex("tl::tma_load("), "a stamp in the producer's branch"
+    loads = source[calls[0]:calls[1]]
+    assert len(set(re.findall(r"mbarrier\[(\d+)\]\.wait", loads))) == 7, loads[:2000]   # gc's wait precedes start
+    ptxas = ptxas_summary(compile_sm90a(source, tmp_path)[1])
+    assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0 and not ptxas["wgmma_serialised"], ptxas
+    default = chunk_bwd.compiled_kernel(2, 4, 128, 128, 128 ** -0.5, 64, "sm_90a").get_kernel_source()
+    assert not any(word in default for word in ("linattn_stamp", "clock64", "globaltimer", "stamps")), "timer"
+
+
+@COMPILES
+def test_walk_timeline_launch_matches_the_kernels_parameters(monkeypatch):
+    """chunk_bwd.walk_timeline's tensors (CPU stand-ins; the launch recorded, not run) against the timeline build's
+    parameters: the walk's, then the stamps int64 [B·HV·NV, steps, points + 1, 2] filled with −1, steps the chunks
+    (None) or fewer; the outputs returned are the ones launched."""
+    from linattn.ops.hopper import chunk_bwd
+    compiled = chunk_bwd.compiled_kernel(2, 4, 128, 128, 128 ** -0.5, 64, "sm_90a", timeline=True)
+    launched = []
+    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args, **kwargs: compiled)
+    monkeypatch.setattr(chunk_bwd, "launcher", lambda kernel: lambda *args: launched.append(args))
+    B, T, NT, K = 2, 100, 2, 128
+    bf = torch.bfloat16
+    q, k = (torch.zeros(B, T, 2, K, dtype=bf) for _ in range(2))
+    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
+    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
+    args = (q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf), torch.zeros(B, NT, 4, K, K, dtype=bf), None,
+            K ** -0.5)
+    outputs, stamps = chunk_bwd.walk_timeline(*args)
+    assert stamps.shape == timeline.stamps_shape(B * 4 * 2, NT) and (stamps == -1).all()
+    assert chunk_bwd.walk_timeline(*args, steps=1)[1].shape[1] == 1
+    with pytest.raises(ValueError, match="steps"):
+        chunk_bwd.walk_timeline(*args, steps=0)
+    first = launched[0]
+    assert len(first) == len(compiled.params) and first[-1] is stamps and first[9] is outputs[0]
+    sizes = {}
+    for i, (x, param) in enumerate(zip(first, compiled.params)):
+        assert x.dtype == getattr(torch, str(param.dtype)), (i, x.dtype, param.dtype)
+        assert len(x.shape) == len(param.shape), (i, tuple(x.shape), param.shape)
+        for n, dim in zip(x.shape, param.shape):
+            assert n == sizes.setdefault(str(dim), n) if not str(dim).isdigit() else n == int(str(dim)), (i, param)
