@@ -389,3 +389,41 @@ def test_walk_slice_sums_equal_the_twins_order_on_the_gpu(H, HV, K, BV):
     twin = bwd.chunk_bwd_v_slices_ref(low["q"], low["k"], low["v"], low["do"], low["dht"], saved, scale, BV)
     errors = {n: rel_l2(a.cpu().float(), b) for n, a, b in zip(("dq", "dk"), runs[0][:2], (twin.dq, twin.dk))}
     assert max(errors.values()) < 1e-2, errors
+
+
+@ON_HOPPER
+@pytest.mark.parametrize("B,T,H,HV", [(1, 4096, 4, 16), (1, 16384, 2, 8)], ids=["whole", "segments"])
+def test_op_forward_and_backward_replay_from_a_cuda_graph_with_the_eager_bits(B, T, H, HV):
+    """On the GPU: the public op's forward and torch.autograd.grad (the Hopper backward: no host sync on equal
+    lengths, unsegmented at 16 pairs of 4096 tokens, in the planner's segments at 8 pairs of 16384) captured in one
+    CUDA graph; its replay on new inputs copied into the static ones gives the eager call's gradients bit for bit."""
+    import linattn
+    from linattn.ops.gated_delta.dispatch import choose_backward_path
+    torch.manual_seed(0)
+    K = 128
+    unit = lambda: torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    fresh = lambda: [unit(), unit(), torch.randn(B, T, HV, K, device="cuda").bfloat16(),
+                     torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16,
+                     torch.rand(B, T, HV, device="cuda").bfloat16(), torch.randn(B, T, HV, K, device="cuda").bfloat16()]
+    static = [x.requires_grad_() if i < 5 else x for i, x in enumerate(fresh())]
+    q, k, v, g, beta, do = static
+    assert choose_backward_path(q, v, g, do, None, "triton")[0] == "hopper"
+    step = lambda: torch.autograd.grad(linattn.chunk_gated_delta_rule(q, k, v, g, beta)[0], [q, k, v, g, beta], do)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                  # the warm-up a capture needs (compiles, allocator pools)
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    new = fresh()
+    with torch.no_grad():
+        for x, value in zip(static, new):
+            x.copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), captured, eager):
+        assert torch.equal(a, b), name
