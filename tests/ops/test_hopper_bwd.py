@@ -325,6 +325,17 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
     assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0 and not ptxas["wgmma_serialised"], report
 
 
+def assert_launch_matches_params(launched: list, params) -> None:
+    """The tensors a launch passed against a compiled kernel's parameters (the checks its launch makes on the
+    GPU): every dtype, and every shape, one value per symbolic size."""
+    sizes = {}
+    for i, (x, param) in enumerate(zip(launched, params)):
+        assert x.dtype == getattr(torch, str(param.dtype)), (i, x.dtype, param.dtype)
+        assert len(x.shape) == len(param.shape), (i, tuple(x.shape), param.shape)
+        for n, dim in zip(x.shape, param.shape):
+            assert n == sizes.setdefault(str(dim), n) if not str(dim).isdigit() else n == int(str(dim)), (i, param)
+
+
 @COMPILES
 @pytest.mark.parametrize("H,K,BV", WALKS, ids=WALK_IDS)
 def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, BV):
@@ -345,12 +356,7 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
     out = chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
                                      torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV)
     assert len(launched) == len(compiled.params) and out[0] is launched[9] and out[1] is launched[10]
-    sizes = {}
-    for i, (x, param) in enumerate(zip(launched, compiled.params)):
-        assert x.dtype == getattr(torch, str(param.dtype)), (i, x.dtype, param.dtype)
-        assert len(x.shape) == len(param.shape), (i, tuple(x.shape), param.shape)
-        for n, dim in zip(x.shape, param.shape):
-            assert n == sizes.setdefault(str(dim), n) if not str(dim).isdigit() else n == int(str(dim)), (i, param)
+    assert_launch_matches_params(launched, compiled.params)
     assert out[0].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
     flags = B * 4 * 2 * 2 * 1 * chunk_bwd.FLAG_WARPS    # 2 · NV (NV − 1) per (sequence, value head)
     assert launched[-1].numel() == (1 if BV == K else flags)

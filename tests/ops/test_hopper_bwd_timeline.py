@@ -17,7 +17,7 @@ import torch
 
 from linattn.ops.hopper import timeline
 
-from .test_hopper_bwd import COMPILES
+from .test_hopper_bwd import COMPILES, assert_launch_matches_params
 
 POINTS = timeline.POINTS
 # µs per phase (each point's, from the point before it) in later steps, warpgroup 0; warpgroup 1 takes 0.25 µs more
@@ -136,9 +136,4 @@ def test_walk_timeline_launch_matches_the_kernels_parameters(monkeypatch):
         chunk_bwd.walk_timeline(*args, steps=0)
     first = launched[0]
     assert len(first) == len(compiled.params) and first[-1] is stamps and first[9] is outputs[0]
-    sizes = {}
-    for i, (x, param) in enumerate(zip(first, compiled.params)):
-        assert x.dtype == getattr(torch, str(param.dtype)), (i, x.dtype, param.dtype)
-        assert len(x.shape) == len(param.shape), (i, tuple(x.shape), param.shape)
-        for n, dim in zip(x.shape, param.shape):
-            assert n == sizes.setdefault(str(dim), n) if not str(dim).isdigit() else n == int(str(dim)), (i, param)
+    assert_launch_matches_params(first, compiled.params)
