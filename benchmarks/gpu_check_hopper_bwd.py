@@ -778,14 +778,19 @@ def print_timeline_table(results: dict) -> None:
         print(format_table(r["phases"], r["row"]))
 
 
+def grad_cells(values: dict, fmt: str) -> str:
+    """One printed cell per gradient (GRADS' order) of ``values``, each in ``fmt``."""
+    return "".join(f"{values[n]:{fmt}}" for n in GRADS)
+
+
 def print_varlen_table(results: dict) -> None:
     print(f"\ndevice: {results.get('device')}")
     print(f"\n{'case':<20}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64 over the packed sequences)")
     for r in measured(results["varlen_accuracy"], "case", 20):
-        print(f"{r['case']:<20}" + "".join(f"{r['hopper'][n]:9.1e}" for n in GRADS) + "   hopper padded")
-        print(f"{'':<20}" + "".join(f"{r['triton'][n]:9.1e}" for n in GRADS) + "   triton varlen")
-        print(f"{'':<20}" + "".join(f"{r['vs_triton'][n]:9.2f}" for n in GRADS) + "   hopper / triton")
-        print(f"{'':<20}" + "".join(f"{r['vs_alone'][n]:9.1e}" for n in GRADS)
+        print(f"{r['case']:<20}" + grad_cells(r["hopper"], "9.1e") + "   hopper padded")
+        print(f"{'':<20}" + grad_cells(r["triton"], "9.1e") + "   triton varlen")
+        print(f"{'':<20}" + grad_cells(r["vs_triton"], "9.2f") + "   hopper / triton")
+        print(f"{'':<20}" + grad_cells(r["vs_alone"], "9.1e")
               + f"   padded vs each sequence alone (bitwise: {sum(r['bitwise_alone'].values())}/6); "
               f"nonfinite {r['nonfinite']}")
     print(f"\n{'row':<14}{'N':>3}{'ΣT':>7}{'Tp':>6}{'pad':>6}{'hopper':>9}{'triton':>9}{'tri/hop':>8}"
@@ -837,7 +842,7 @@ def print_warm_table(results: dict) -> None:
               f"w min {r.get('w_min')} max {r.get('w_max')}")
     print(f"\n{'case':<32}" + "".join(f"{n:>9}" for n in GRADS) + "   (hopper / rounded baseline vs float64)")
     for r in measured(results["accuracy"], "case", 32):
-        print(f"{r['case']:<32}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
+        print(f"{r['case']:<32}" + grad_cells(r["vs_base"], "9.2f")
               + f"   worst {max(r['vs_base'].values()):.2f}; vs unsegmented "
               f"{max(r['vs_unsegmented'].values()):.1e}")
     print(f"\n{'row':<5}{'B,T,H,HV':<18}{'g/':>6}{'L':>6}{'S':>4}{'seg':>9}{'warm-ups':>10}"
@@ -874,14 +879,14 @@ def print_tables(results: dict) -> None:
         print(f"{r['case']:<28}{r.get('rel_l2', r.get('error'))}  nonfinite {r.get('nonfinite')}")
     print(f"\n{'case':<28}" + "".join(f"{n:>9}" for n in GRADS) + "   (rel L2 vs float64; hopper/triton; hopper/base)")
     for r in measured(results["accuracy"], "case", 28):
-        print(f"{r['case']:<28}" + "".join(f"{r['hopper'][n]:9.1e}" for n in GRADS) + "   hopper")
-        print(f"{'':<28}" + "".join(f"{r['triton'][n]:9.1e}" for n in GRADS) + "   triton")
-        print(f"{'':<28}" + "".join(f"{r['base'][n]:9.1e}" for n in GRADS) + "   rounded baseline")
-        print(f"{'':<28}" + "".join(f"{r['vs_triton'][n]:9.2f}" for n in GRADS) + "   hopper / triton")
-        print(f"{'':<28}" + "".join(f"{r['vs_base'][n]:9.2f}" for n in GRADS)
+        print(f"{r['case']:<28}" + grad_cells(r["hopper"], "9.1e") + "   hopper")
+        print(f"{'':<28}" + grad_cells(r["triton"], "9.1e") + "   triton")
+        print(f"{'':<28}" + grad_cells(r["base"], "9.1e") + "   rounded baseline")
+        print(f"{'':<28}" + grad_cells(r["vs_triton"], "9.2f") + "   hopper / triton")
+        print(f"{'':<28}" + grad_cells(r["vs_base"], "9.2f")
               + f"   hopper / base (goal ≤ 2; worst {max(r['vs_base'].values()):.2f})")
         if r.get("vs_unsegmented"):
-            print(f"{'':<28}" + "".join(f"{r['vs_unsegmented'][n]:9.1e}" for n in GRADS)
+            print(f"{'':<28}" + grad_cells(r["vs_unsegmented"], "9.1e")
                   + f"   segments of {r['segment_chunks']} chunks vs unsegmented (rel L2)")
     for r in results["repeat"]:
         print(f"bitwise repeat {r.get('case')}: {r.get('bitwise_equal', r.get('error'))}")
