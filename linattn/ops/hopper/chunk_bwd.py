@@ -11,7 +11,7 @@ At K = V = 128 the whole-V program needs 393 KB of shared memory; a BV = 64 slic
 single-buffered. Per chunk and program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16 wgmma dots; reads q, k 32 KB,
 v, dO 16, T 8, h 16 (72.5 KB); writes dv 8 KB, and dq, dk as below.
 
-dq and dk are added over the slices in the walk, in fp32 and a fixed order (:func:`_exchange_macro`): the NV
+dq and dk are added over the slices in the walk, in fp32 and a fixed order (:func:`_exchange_macros`): the NV
 slices of a (sequence, value head) are one thread-block cluster, launched together, and each chunk's owner
 (slice step mod NV) awaits the others' BT × K tiles in a ring in global memory (L2; per warp, flags with release
 and acquire), adds them to its own and stores the sum: fp32 per value head where G = HV / H > 1 (the host adds the
@@ -53,7 +53,7 @@ from .timeline import POINTS, stamps_shape
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
 FLAG_WARPS = 32     # a flag per warp of a program (1024 threads at most): the exchange is per warp
-# The slices' exchange of dq, dk tiles (:func:`_exchange_macro`), per warp: a fragment's element → thread map is the
+# The slices' exchange of dq, dk tiles (:func:`_exchange_macros`), per warp: a fragment's element → thread map is the
 # same in every slice's program, so warp w of the owner reads only what warp w of each other slice wrote.
 # publish: every lane's tile stores made visible at GPU scope, then the warp's flag set (release);
 # await: every lane spins on its warp's flag (acquire) until the step is there
