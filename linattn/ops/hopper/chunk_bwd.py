@@ -136,14 +136,18 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
             T.copy(t.hdS_rows, t.hrs)
             # recompute: KS, X = β(V − Γ KS), V_new = T bf16(X), P = Q Kᵀ ⊙ D; and the chain's C1 = K [dS_hi;
             # dS_lo], which reads only the chunk's keys and the dS leaving it
-            T.gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
-        T.gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
-        T.gemm(t.Ks, t.dSh, t.KdS, clear_accum=True)
-        T.gemm(t.Ks, t.dSl, t.KdS)
+            T.wgmma_gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
+        T.wgmma_gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(t.Ks, t.dSh, t.KdS, clear_accum=True)
+        T.wgmma_gemm(t.Ks, t.dSl, t.KdS)
+        for i, j in T.Parallel(BT, BV):
+            t.Gh[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc), bf)
+            t.Gl[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc) - T.cast(t.Gh[i, j], acc), bf)
+        T.wait_wgmma(0)
         if outputs:
             for i, j in T.Parallel(BT, BV):
                 t.Xs[i, j] = T.cast(t.bs[i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.gcs[i]) * t.KS[i, j]), bf)
-            T.gemm(t.As, t.Xs, t.Vn, clear_accum=True)
+            T.wgmma_gemm(t.As, t.Xs, t.Vn, clear_accum=True)
         for i, j in T.Parallel(BT, BT):
             t.Ps[i, j] = T.cast(t.QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows), t.gcs[i] - t.gcs[j], NEG)),
                                 bf)
@@ -152,7 +156,12 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     def chain(t, g_last, outputs):
         """The dS chain after C1 (:func:`recompute` issues it): Pᵀ dO, C2, C3 into dS; with ``outputs`` V_new's and
         Y's bf16 copies for the q and k sides."""
-        T.gemm(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
+        for i, j in T.Parallel(K, BV):
+            t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
+        T.wgmma_gemm(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
+        T.wgmma_gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
+        T.wgmma_gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
+        T.wait_wgmma(2)
         if outputs:
             T.copy(t.Vn, t.Vns)
         for i, j in T.Parallel(BT, BV):
@@ -164,13 +173,10 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
             t.Ysn[i, j] = T.cast(-t.bs[i] * T.exp(t.gcs[i]) * t.Y[i, j], bf)
             if outputs:
                 t.Yb[i, j] = T.cast(t.Y[i, j], bf)
-            t.Gh[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc), bf)
-            t.Gl[i, j] = T.cast(scale * T.exp(t.gcs[i]) * T.cast(t.dOs[i, j], acc) - T.cast(t.Gh[i, j], acc), bf)
-        for i, j in T.Parallel(K, BV):
-            t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
-        T.gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
-        T.gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
-        T.gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)     # waits for all three
+        if outputs:
+            T.wgmma_gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)
+        else:
+            T.gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)     # waits for all three
 
     @T.macro
     def x_terms(t):
@@ -280,7 +286,7 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
         T.reduce_sum(t.dP, t.rowsB, dim=1)     # dP keeps dlogD of P: its column sums leave with A's (k_side)
         for i in T.Parallel(BT):
             t.dGs[i] = t.dGs[i] + t.rowsB[i]
-        T.gemm(t.dPs, t.Ks, t.dqf, clear_accum=True)
+        T.wgmma_gemm(t.dPs, t.Ks, t.dqf, clear_accum=True)
         T.gemm(t.dOs, t.Hs, t.dqS, transpose_B=True, clear_accum=True)     # dO's last use: waits for both
         for i, j in T.Parallel(BT, K):     # Q ⊙ (dO h_bᵀ) in place: no third BT × K fragment
             t.dqf[i, j] = t.dqf[i, j] + scale * T.exp(t.gcs[i]) * t.dqS[i, j]
@@ -295,8 +301,10 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
     @T.macro
     def k_side(t, rows, g_last, c, step):
         """The k side: dA = −Y V_newᵀ (bf16 operands), dKD = β dA ⊙ D, dk (partial); dv written."""
-        T.gemm(t.Yb, t.Vns, t.dA, transpose_B=True, clear_accum=True)
-        T.gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)            # K Kᵀ, in dA's layout
+        T.wgmma_gemm(t.Yb, t.Vns, t.dA, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)            # K Kᵀ, in dA's layout
+        T.wgmma_gemm(t.Vns, t.dSh, t.dkf, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(1)
         for i, j in T.Parallel(BT, BT):
             t.dA[i, j] = T.if_then_else((i > j) & (i < rows), -t.dA[i, j] * T.exp(t.gcs[i] - t.gcs[j]), 0.0)
             t.dKDs[i, j] = T.cast(t.bs[i] * t.dA[i, j], bf)
@@ -310,13 +318,13 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
         column_sums_out(t.dLs, t.cols, t.cols_s, t.dGs)     # P's and A's column sums, one pass
         # the update's term ρ ⊙ (V_new dS_hiᵀ) first, its rows scaled in the accumulator, then the rest added to it
         # (one BT × K fragment)
-        T.gemm(t.Vns, t.dSh, t.dkf, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(0)
         for i, j in T.Parallel(BT, K):
             t.dkf[i, j] = T.exp(g_last - t.gcs[i]) * t.dkf[i, j]
-        T.gemm(t.dKDs, t.Ks, t.dkf)
-        T.gemm(t.dKDs, t.Ks, t.dkf, transpose_A=True)
-        T.gemm(t.dPs, t.Qs, t.dkf, transpose_A=True)       # q's last use: waits for the three
-        T.gemm(t.Ysn, t.Hs, t.dkf, transpose_B=True)       # h's
+        T.wgmma_gemm(t.dKDs, t.Ks, t.dkf)
+        T.wgmma_gemm(t.dKDs, t.Ks, t.dkf, transpose_A=True)
+        T.wgmma_gemm(t.dPs, t.Qs, t.dkf, transpose_A=True)
+        T.gemm(t.Ysn, t.Hs, t.dkf, transpose_B=True)       # h's last use: waits for the group
         if timed:
             stamp(t, step, K_SIDE)
         sum_out(t, t.dkf, t.dk, 1, c, step)
@@ -474,8 +482,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], t.As)
                 T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.Vs)
                 T.copy(do[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.dOs)
-                T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Qs)
                 T.copy(h[ib, c, ihv, 0:K, v0:v0 + BV], t.Hs)
+                T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Qs)
                 T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Ks)
                 T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], t.gcs)
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], t.bs)
