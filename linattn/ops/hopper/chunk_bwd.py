@@ -273,12 +273,14 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
     acc, bf = "float32", "bfloat16"
     sum_out = exchange.sum_out
     timed = stamp is not None
-    Q_SIDE, K_SIDE, DK_SUM = (POINTS.index(n) for n in ("q_side", "k_side", "dk_sum"))
+    X_TERMS, Q_SIDE, K_SIDE, DK_SUM = (POINTS.index(n) for n in ("x_terms", "q_side", "k_side", "dk_sum"))
 
     @T.macro
     def q_side(t, rows, c, step):
         """The q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ) (this slice's partial)."""
         T.gemm(t.dOs, t.Vns, t.dP, transpose_B=True, clear_accum=True)
+        if timed:
+            stamp(t, step, X_TERMS)     # after the q side's first dot: C3, under the X terms, is done there
         for i, j in T.Parallel(BT, BT):
             t.dP[i, j] = t.dP[i, j] * scale * T.exp(T.if_then_else((i >= j) & (i < rows), t.gcs[i] - t.gcs[j], NEG))
             t.dPs[i, j] = T.cast(t.dP[i, j], bf)
@@ -375,8 +377,8 @@ def step_macros(K: int, BV: int, scale: float, slices: int = 1, timeline_warpgro
     first = _recompute_macros(K, BV, scale)
     exchange = _exchange_macros(K, slices)
     second = _gradient_macros(K, BV, scale, first.column_sums_out, exchange, stamp)
-    START, LOADS, RECOMPUTE, CHAIN, X_TERMS, DQ_SUM, DV, FINISH = (
-        POINTS.index(n) for n in ("start", "loads", "recompute", "chain", "x_terms", "dq_sum", "dv", "finish"))
+    START, LOADS, RECOMPUTE, CHAIN, DQ_SUM, DV, FINISH = (
+        POINTS.index(n) for n in ("start", "loads", "recompute", "chain", "dq_sum", "dv", "finish"))
 
     @T.macro
     def full_step(t, rows, g_last, c, step):
@@ -391,8 +393,6 @@ def step_macros(K: int, BV: int, scale: float, slices: int = 1, timeline_warpgro
         if timed:
             stamp(t, step, CHAIN)
         first.x_terms(t)
-        if timed:
-            stamp(t, step, X_TERMS)
         second.q_side(t, rows, c, step)
         if timed:
             stamp(t, step, DQ_SUM)
