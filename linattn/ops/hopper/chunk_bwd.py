@@ -8,8 +8,10 @@ gradient is a sum over V of the slices' contributions), so the chains of one hea
 Each writes its columns of dv and dh0 (complete) and partials of dg and dβ that the host adds in a fixed order.
 At K = V = 128 the whole-V program needs 393 KB of shared memory; a BV = 64 slice fits one CTA (218 368 B; ptxas:
 168 registers, no spill). Not warp-specialised by hand (TileLang adds its producer warpgroup: 384 threads), loads
-single-buffered. Per chunk and program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16 wgmma dots; reads q, k 32 KB,
-v, dO 16, T 8, h 16 (72.5 KB); writes dv 8 KB, and dq, dk as below.
+single-buffered; dots that do not wait on each other are issued together (``T.wgmma_gemm``) and waited for where
+their results are read, as far as the 168 registers allow (the compile test rejects a spill). Per chunk and
+program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16 wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB);
+writes dv 8 KB, and dq, dk as below.
 
 dq and dk are added over the slices in the walk, in fp32 and a fixed order (:func:`_exchange_macros`): the NV
 slices of a (sequence, value head) are one thread-block cluster, launched together, and each chunk's owner
@@ -126,7 +128,9 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
     @T.macro
     def recompute(t, rows, outputs):
         """The chunk's forward recomputed (K S, X, V_new, P) and γ Σ h⊙dS with the dS leaving it (this slice's).
-        ``outputs`` (a Python bool) False: a warm-up's chunk, P and C1 alone (the chain reads no state)."""
+        ``outputs`` (a Python bool) False: a warm-up's chunk, P and C1 alone (the chain reads no state). K S, Q Kᵀ
+        and C1 are issued together, Γ ⊙ dO as bf16 hi + lo (the chain's C2 operands) formed under them, and
+        V_new = T X left running while P forms."""
         if outputs:
             # γ Σ h⊙dS with the dS leaving the chunk, before the chain replaces it (first:
             # its K × BV fragment is dead before the dots' accumulators are live)
@@ -154,8 +158,10 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
 
     @T.macro
     def chain(t, g_last, outputs):
-        """The dS chain after C1 (:func:`recompute` issues it): Pᵀ dO, C2, C3 into dS; with ``outputs`` V_new's and
-        Y's bf16 copies for the q and k sides."""
+        """The dS chain after C1 (:func:`recompute` issues it): Pᵀ dO and the two Qᵀ (Γ ⊙ dO) terms issued together,
+        C2 (synchronous: it waits for every dot before it), C3 into dS; with ``outputs`` V_new's and Y's bf16 copies
+        for the q and k sides, and C3 left running under the X terms (the q side's first dot waits for it). A
+        warm-up's C3 is synchronous: K's last use there."""
         for i, j in T.Parallel(K, BV):
             t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
         T.wgmma_gemm(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
@@ -176,7 +182,7 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
         if outputs:
             T.wgmma_gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)
         else:
-            T.gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)     # waits for all three
+            T.gemm(t.Ks, t.Ysn, t.dS, transpose_A=True)
 
     @T.macro
     def x_terms(t):
@@ -266,8 +272,9 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
     :func:`_recompute_macros`; ``stamp`` the timeline build's (:func:`_timeline_macros`; None: no stamps), stamping
     before and after the slices' exchanges.
 
-    A staged input's slot goes back to the producer right after its last use in program order (every dot here
-    waits for its result), so the next chunk's loads stream in under the later steps."""
+    A staged input's slot goes back to the producer right after its last use in program order, so the next chunk's
+    loads stream in under the later steps; where that last use is an asynchronous dot's issue, the producer's load
+    order keeps the slot from being refilled before the dot has read it (``build_kernel``)."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
@@ -443,9 +450,9 @@ def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
 def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256,
                  timeline: bool = False):
     """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V.
-    Every dot is waited for at its issue. ``timeline``: the benchmark's instrument (timeline.py), the same walk
-    with one more parameter, ``stamps`` int64 ``[B·HV·NV, steps, len(POINTS) + 1, threads / 128]`` (steps symbolic:
-    the first ``steps`` steps of every program are stamped), and a stamp at each of ``timeline.POINTS``."""
+    ``timeline``: the benchmark's instrument (timeline.py), the same walk with one more parameter, ``stamps`` int64
+    ``[B·HV·NV, steps, len(POINTS) + 1, threads / 128]`` (steps symbolic: the first ``steps`` steps of every program
+    are stamped), and a stamp at each of ``timeline.POINTS``."""
     import tilelang.language as T
 
     if V % BV:
