@@ -24,9 +24,10 @@ import torch
 # phase that ends there. "start": the step's first statement after the wait for its gates (gc, which the loop's
 # g_last reads; the producer loads it last, after the previous step's finish released its slot); "loads": the other
 # seven inputs awaited (the timeline build awaits them all here, the default build each at its first use within the
-# recompute and the chain: the one reordering the instrument makes); "dq_sum" and "dk_sum": the slices' exchange of
-# dq, dk (``chunk_bwd._exchange_macros``' ``sum_out``: the owner's awaits and adds, another slice's store and publish;
-# one slice: the plain store); "dv": dv's scale and store.
+# recompute and the chain: the one reordering the instrument makes); "x_terms": the X terms, which run under C3, and
+# the q side's first dot, dO V_newᵀ, which waits for C3 (a stamp between them, while C3 runs, made ptxas spill);
+# "dq_sum" and "dk_sum": the slices' exchange of dq, dk (``chunk_bwd._exchange_macros``' ``sum_out``: the owner's
+# awaits and adds, another slice's store and publish; one slice: the plain store); "dv": dv's scale and store.
 POINTS = ("start", "loads", "recompute", "chain", "x_terms", "q_side", "dq_sum", "k_side", "dk_sum", "dv", "finish")
 # Phases reported: each point's phase (the interval from the point before it), the step from start to finish, and
 # "gap": from a step's finish to the next step's start (the loop's statements and the wait for the next chunk's gc,
