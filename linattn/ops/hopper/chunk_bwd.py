@@ -57,20 +57,21 @@ BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program ne
 FLAG_WARPS = 32     # a flag per warp of a program (1024 threads at most): the exchange is per warp
 # The slices' exchange of dq, dk tiles (:func:`_exchange_macros`), per warp: a fragment's element → thread map is the
 # same in every slice's program, so warp w of the owner reads only what warp w of each other slice wrote.
-# publish: every lane's tile stores made visible at GPU scope, then the warp's flag set (release);
-# await: every lane spins on its warp's flag (acquire) until the step is there
+# publish: every lane's tile stores made visible at cluster scope, then the warp's flag set (release);
+# await: every lane spins on its warp's flag (acquire) until the step is there. Cluster scope suffices (every reader
+# is in the writer's cluster) and costs less than GPU scope's fence (docs/decisions.md)
 EXCHANGE_SOURCE = """
 __device__ __forceinline__ void linattn_warp_publish(int* flags, int step) {
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  asm volatile("fence.acq_rel.cluster;" ::: "memory");
   __syncwarp();
   if ((threadIdx.x & 31) == 0) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(flags + (threadIdx.x >> 5)), "r"(step) : "memory");
+    asm volatile("st.release.cluster.global.s32 [%0], %1;" :: "l"(flags + (threadIdx.x >> 5)), "r"(step) : "memory");
   }
 }
 __device__ __forceinline__ void linattn_warp_await(int* flags, int step) {
   int seen;
   do {
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags + (threadIdx.x >> 5)) : "memory");
+    asm volatile("ld.acquire.cluster.global.s32 %0, [%1];" : "=r"(seen) : "l"(flags + (threadIdx.x >> 5)) : "memory");
   } while (seen < step);
 }
 """
