@@ -168,7 +168,7 @@ def _recompute_macros(K: int, BV: int, scale: float) -> types.SimpleNamespace:
         T.wgmma_gemm(t.Ps, t.dOs, t.dVn, transpose_A=True, clear_accum=True)
         T.wgmma_gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
         T.wgmma_gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
-        T.wait_wgmma(2)
+        T.wait_wgmma(2)     # V_new and Pᵀ dO (the Qᵀ terms may still run: C2 waits for them)
         if outputs:
             T.copy(t.Vn, t.Vns)
         for i, j in T.Parallel(BT, BV):
@@ -285,7 +285,8 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
 
     @T.macro
     def q_side(t, rows, c, step):
-        """The q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ) (this slice's partial)."""
+        """The q side: dP = scale (dO V_newᵀ) ⊙ D, dq = dP K + scale Γ ⊙ (dO h_bᵀ) (this slice's partial); dP K runs
+        under dlogD of P."""
         T.gemm(t.dOs, t.Vns, t.dP, transpose_B=True, clear_accum=True)
         if timed:
             stamp(t, step, X_TERMS)     # after the q side's first dot: C3, under the X terms, is done there
@@ -314,7 +315,7 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
         T.wgmma_gemm(t.Yb, t.Vns, t.dA, transpose_B=True, clear_accum=True)
         T.wgmma_gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)            # K Kᵀ, in dA's layout
         T.wgmma_gemm(t.Vns, t.dSh, t.dkf, transpose_B=True, clear_accum=True)
-        T.wait_wgmma(1)
+        T.wait_wgmma(1)     # dA and K Kᵀ; V_new dS_hiᵀ runs under their element-wise work
         for i, j in T.Parallel(BT, BT):
             t.dA[i, j] = T.if_then_else((i > j) & (i < rows), -t.dA[i, j] * T.exp(t.gcs[i] - t.gcs[j]), 0.0)
             t.dKDs[i, j] = T.cast(t.bs[i] * t.dA[i, j], bf)
@@ -327,7 +328,7 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
             t.dGs[i] = t.dGs[i] + t.bs[i] * t.rowsA[i]
         column_sums_out(t.dLs, t.cols, t.cols_s, t.dGs)     # P's and A's column sums, one pass
         # the update's term ρ ⊙ (V_new dS_hiᵀ) first, its rows scaled in the accumulator, then the rest added to it
-        # (one BT × K fragment)
+        # (one BT × K fragment) in one group of dots
         T.wait_wgmma(0)
         for i, j in T.Parallel(BT, K):
             t.dkf[i, j] = T.exp(g_last - t.gcs[i]) * t.dkf[i, j]
