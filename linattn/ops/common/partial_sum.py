@@ -81,20 +81,18 @@ def partial_sums_kernel(dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg
     per configuration: ``launch.py``)."""
     i_p = tl.program_id(0)
     Lp = NT * BT
-    gate_slice_stride = B.to(tl.int64) * HV * Lp
+    gate_programs_from = 0      # the first program of dg and dβ: after dq's and dk's rows where G > 1
     if G > 1:
         rows = B * T * (HV // G)
         row_programs = tl.cdiv(rows, BR)
+        gate_programs_from = 2 * row_programs
         if i_p < row_programs:
             _sum_rows(dq_heads, dq, i_p, rows, G, K, BK, BR)
-        elif i_p < 2 * row_programs:
+        elif i_p < gate_programs_from:
             _sum_rows(dk_heads, dk, i_p - row_programs, rows, G, K, BK, BR)
-        else:
-            _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - 2 * row_programs, T, Lp, tl.cdiv(T, BTOK),
-                       gate_slice_stride, NV, HV, BH, BTOK, FLOOR)
-    else:
-        _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p, T, Lp, tl.cdiv(T, BTOK), gate_slice_stride, NV, HV, BH,
-                   BTOK, FLOOR)
+    if i_p >= gate_programs_from:
+        _sum_gates(dg_parts, dbeta_parts, g, dg, dbeta, i_p - gate_programs_from, T, Lp, tl.cdiv(T, BTOK),
+                   B.to(tl.int64) * HV * Lp, NV, HV, BH, BTOK, FLOOR)
 
 
 def _check(dq_heads, dk_heads, dg_parts, dbeta_parts, g, H: int) -> None:
