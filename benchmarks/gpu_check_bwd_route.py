@@ -26,6 +26,7 @@ SHAPES = [  # (B, T, H, HV): at and around the dispatch's threshold
 
 def measure(B: int, T: int, H: int, HV: int) -> dict:
     import triton
+    from gpu_check_core import rel
     from gpu_check_hopper_bwd import row_inputs
 
     from linattn.ops.gated_delta.dispatch import choose_backward_path
@@ -35,7 +36,6 @@ def measure(B: int, T: int, H: int, HV: int) -> dict:
     hopper = lambda: chunk_gated_delta_rule_bwd_hopper(**x)
     triton_bwd = lambda: chunk_gated_delta_rule_bwd_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"],
                                                            x["initial_state"], None, None, x["do"], x["dht"])
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
     diff = {n: rel(a, b) for n, a, b in zip(GRADS, hopper(), triton_bwd())}
     ms = dict(hopper=triton.testing.do_bench(hopper), triton=triton.testing.do_bench(triton_bwd))
     path, why = choose_backward_path(x["q"], x["v"], x["g"], x["do"], None, "triton")
