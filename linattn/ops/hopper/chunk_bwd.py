@@ -271,7 +271,7 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
                      stamp=None) -> types.SimpleNamespace:
     """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
     :func:`_recompute_macros`; ``stamp`` the timeline build's (:func:`_timeline_macros`; None: no stamps), stamping
-    before and after the slices' exchanges.
+    the X terms' end (after the q side's first dot) and before and after the slices' exchanges.
 
     A staged input's slot goes back to the producer right after its last use in program order, so the next chunk's
     loads stream in under the later steps; where that last use is an asynchronous dot's issue, the producer's load
