@@ -227,6 +227,40 @@ def test_partial_sums_add_the_heads_in_order():
     assert dq is own[0] and dk is own[1]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("HV", [4, 2], ids=["gva", "no_gva"])
+def test_partial_sums_write_into_out(HV):
+    """``out``: the same bits written into the given tensors (views of a larger gradient: the walk's batches), and
+    returned; without GVA the walk's dq, dk copied in unless they are out's own (then untouched)."""
+    from linattn.ops.common.partial_sum import partial_sums
+    args = _walk_partials(2, 2, 37, 2, HV, 32, seed=3)
+    fresh = partial_sums(*args, 2, torch.float32, torch.float32)
+    whole = [torch.full((3, *x.shape[1:]), 7.0, device=DEVICE) for x in fresh]
+    out = tuple(x[1:] for x in whole)
+    got = partial_sums(*args, 2, torch.float32, torch.float32, out=out)
+    assert all(a is b for a, b in zip(got, out)) and all(torch.equal(a, b) for a, b in zip(got, fresh))
+    assert all((x[0] == 7).all() for x in whole)
+    if HV == 2:
+        own = (args[0], args[1], *out[2:])
+        kept = args[0].clone()
+        got = partial_sums(*args, 2, torch.float32, torch.float32, out=own)
+        assert got[0] is args[0] and torch.equal(got[0], kept)
+
+
+def test_partial_sums_reject_bad_out():
+    from linattn.ops.common.partial_sum import partial_sums
+    args = _walk_partials(2, 1, 37, 1, 2, 16)
+    good = [torch.empty(1, 37, 1, 16), torch.empty(1, 37, 1, 16), torch.empty(1, 37, 2), torch.empty(1, 37, 2)]
+    for index, bad, match in [(0, torch.empty(1, 37, 2, 16), "dq must be"), (3, torch.empty(1, 37, 2).double(),
+                              "dbeta must be"), (2, torch.empty(1, 2, 37).transpose(1, 2), "not contiguous")]:
+        out = list(good)
+        out[index] = bad
+        with pytest.raises(ValueError, match=match):
+            partial_sums(*args, 1, torch.float32, torch.float32, out=tuple(out))
+    with pytest.raises(ValueError, match="out must be"):
+        partial_sums(*args, 1, torch.float32, torch.float32, out=tuple(good[:3]))
+
+
 def test_partial_sums_compile_for_h200_like_a_row_sum():
     """The one launch for sm_90 (row 5's sizes: G = 2, HV = 32): no spill, and registers
     of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate programs' transpose
@@ -360,6 +394,16 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
     assert out[0].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
     flags = B * 4 * 2 * 2 * 1 * chunk_bwd.FLAG_WARPS    # 2 · NV (NV − 1) per (sequence, value head)
     assert launched[-1].numel() == (1 if BV == K else flags)
+    given = dict(dv=torch.empty(B, T, 4, K, dtype=bf), dh0=torch.empty(B, 4, K, K))
+    launched.clear()
+    out = chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
+                                     torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **given)
+    assert out[2] is given["dv"] is launched[11] and out[5] is given["dh0"] is launched[14]
+    for bad, match in [(dict(dv=given["dv"].float()), "dv must be"), (dict(dh0=torch.empty(B, 4, K, 2 * K)
+                       .narrow(3, 0, K)), "non-contiguous"), (dict(dg=given["dh0"]), "writes only")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
+                                       torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **bad)
 
 
 @COMPILES
@@ -612,13 +656,14 @@ def test_walk_in_batches_equals_one_launch(monkeypatch, segment_chunks):
     """backward.walk_rows over batches of rows (forced to one row per batch; GVA, three sequences of two chunks,
     unsegmented and in segments of one chunk: the batches then split sequences) gives one launch's gradients
     bitwise (the twins, fp32, under the interpreter), each batch a walk over its rows alone: a row out of place,
-    a gradient left unwritten or written twice, or one batch's view of another fails."""
+    a gradient left unwritten or written twice, or one batch's view of another (its gates' mask included) fails."""
     from linattn.ops.hopper import chunk_bwd, segments
     use_host_chain_twins(monkeypatch)
     walked = []
     twin = chunk_bwd.chunk_bwd_hopper
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", lambda *a, **o: walked.append(a[0].shape[0]) or twin(*a, **o))
     x = {n: t.to(DEVICE) for n, t in make_inputs(3, 128, 1, 2, 32, seed=5).items()}
+    x["g"][2, 70, 1] = float("-inf")        # below the floor: dg there is 0 (the batch's own gates masked)
     low = {n: t.float() for n, t in x.items()}
     args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, low["h0"], low["do"], low["dht"]]
     rows = 3 if segment_chunks is None else 6
