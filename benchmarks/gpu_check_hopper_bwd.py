@@ -445,10 +445,8 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     walk = lambda: chunk_bwd.chunk_bwd_hopper(*walk_args)
     dq_h, dk_h, _, dg_p, db_p, _ = walk()
 
-    def sums():
-        parts = [p.view(B, T, HV, K) for p in (dq_h, dk_h)]
-        parts += [segments.head_major_from_segments(p, B) for p in (dg_p, db_p)]
-        return backward.gradients_from_partials(*parts, g, beta.dtype, q.dtype, H)
+    def sums():     # one launch over every segment (the op's batches of rows: walk_rows)
+        return backward.gradients_from_partials(dq_h, dk_h, dg_p, db_p, seg(g), beta.dtype, q.dtype, H)
     return dict(solve=triton.testing.do_bench(lambda: backward.solve(k, g, beta)),
                 states=triton.testing.do_bench(lambda: backward.states(k, v, gc_hm, beta_hm, t_inv, bound,
                                                                        x["initial_state"])),

@@ -227,6 +227,40 @@ def test_partial_sums_add_the_heads_in_order():
     assert dq is own[0] and dk is own[1]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("HV", [4, 2], ids=["gva", "no_gva"])
+def test_partial_sums_write_into_out(HV):
+    """``out``: the same bits written into the given tensors (views of a larger gradient: the walk's batches), and
+    returned; without GVA the walk's dq, dk copied in unless they are out's own (then untouched)."""
+    from linattn.ops.common.partial_sum import partial_sums
+    args = _walk_partials(2, 2, 37, 2, HV, 32, seed=3)
+    fresh = partial_sums(*args, 2, torch.float32, torch.float32)
+    whole = [torch.full((3, *x.shape[1:]), 7.0, device=DEVICE) for x in fresh]
+    out = tuple(x[1:] for x in whole)
+    got = partial_sums(*args, 2, torch.float32, torch.float32, out=out)
+    assert all(a is b for a, b in zip(got, out)) and all(torch.equal(a, b) for a, b in zip(got, fresh))
+    assert all((x[0] == 7).all() for x in whole)
+    if HV == 2:
+        own = (args[0], args[1], *out[2:])
+        kept = args[0].clone()
+        got = partial_sums(*args, 2, torch.float32, torch.float32, out=own)
+        assert got[0] is args[0] and torch.equal(got[0], kept)
+
+
+def test_partial_sums_reject_bad_out():
+    from linattn.ops.common.partial_sum import partial_sums
+    args = _walk_partials(2, 1, 37, 1, 2, 16)
+    good = [torch.empty(1, 37, 1, 16), torch.empty(1, 37, 1, 16), torch.empty(1, 37, 2), torch.empty(1, 37, 2)]
+    for index, bad, match in [(0, torch.empty(1, 37, 2, 16), "dq must be"), (3, torch.empty(1, 37, 2).double(),
+                              "dbeta must be"), (2, torch.empty(1, 2, 37).transpose(1, 2), "not contiguous")]:
+        out = list(good)
+        out[index] = bad
+        with pytest.raises(ValueError, match=match):
+            partial_sums(*args, 1, torch.float32, torch.float32, out=tuple(out))
+    with pytest.raises(ValueError, match="out must be"):
+        partial_sums(*args, 1, torch.float32, torch.float32, out=tuple(good[:3]))
+
+
 def test_partial_sums_compile_for_h200_like_a_row_sum():
     """The one launch for sm_90 (row 5's sizes: G = 2, HV = 32): no spill, and registers
     of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate programs' transpose
@@ -360,6 +394,16 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
     assert out[0].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
     flags = B * 4 * 2 * 2 * 1 * chunk_bwd.FLAG_WARPS    # 2 · NV (NV − 1) per (sequence, value head)
     assert launched[-1].numel() == (1 if BV == K else flags)
+    given = dict(dv=torch.empty(B, T, 4, K, dtype=bf), dh0=torch.empty(B, 4, K, K))
+    launched.clear()
+    out = chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
+                                     torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **given)
+    assert out[2] is given["dv"] is launched[11] and out[5] is given["dh0"] is launched[14]
+    for bad, match in [(dict(dv=given["dv"].float()), "dv must be"), (dict(dh0=torch.empty(B, 4, K, 2 * K)
+                       .narrow(3, 0, K)), "non-contiguous"), (dict(dg=given["dh0"]), "writes only")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
+                                       torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **bad)
 
 
 @COMPILES
@@ -433,15 +477,20 @@ def test_gpu_script_smoke_builds_every_kernel():
     assert all(r["spill_stores"] == 0 and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 
-def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV):
-    """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding): the host chain's stand-in walk."""
+def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, **out):
+    """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding): the host chain's stand-in walk,
+    writing ``out``'s tensors where given."""
     T = q.shape[1]
     pad = (0, gc.shape[-1] - T)
     saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
                              h.transpose(1, 2).float(), 1)
     p = bwd.chunk_bwd_v_slices_ref(q, k, v, do, dht, saved, scale, BV, None, "exact")
     qk_dtype = q.dtype if v.shape[2] == q.shape[2] else torch.float32      # the walk's dq, dk (G = 1: the gradients)
-    return p.dq.to(qk_dtype), p.dk.to(qk_dtype), p.dv, head_major(p.dg), head_major(p.dbeta), p.dh0
+    made = dict(dq=p.dq.to(qk_dtype), dk=p.dk.to(qk_dtype), dv=p.dv, dh0=p.dh0)
+    for name, x in out.items():
+        x.copy_(made[name])
+        made[name] = x
+    return made["dq"], made["dk"], made["dv"], head_major(p.dg), head_major(p.dbeta), made["dh0"]
 
 
 def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
@@ -561,7 +610,7 @@ def test_segments_without_dht_start_from_zero(monkeypatch):
 def test_segment_length_forced():
     """segment_chunks: bad values raise, ≥ T/64 walks unsegmented, else the forced L."""
     from linattn.ops.hopper import segments
-    length = lambda chunks, T=256: segments.segment_length(chunks, 1, T, 16, 128, 64, torch.device("cpu"))
+    length = lambda chunks, T=256: segments.segment_length(chunks, 1, T, 16, 128, 64, 1, torch.device("cpu"))
     for bad, match in [(0, ">= 1"), (1.5, ">= 1"), (True, ">= 1"), (3, "multiple")]:
         with pytest.raises(ValueError, match=match):
             length(bad)
@@ -572,16 +621,63 @@ def test_segment_length_forced():
 
 def test_walk_planner_picks_the_measured_segments():
     """The planner (walk and warm-up waves, 132 SMs, K = V = 128, BV = 64) at the configurations the GPU measured:
-    row 3 (B=1 T=32768 HV=16) L = 128 (4 × 32 programs), row 4 (T=131072) L = 512, row 7 (HV=8) L = 64 (8 × 16
-    programs), row 2 (B=8 T=4096 HV=16, 256 programs already) unsegmented; none where T is not a multiple of 64, and
-    L always a divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
+    row 3 (B=1 T=32768 HV=16) L = 128 (4 × 32 programs), row 4 (T=131072) L = 512, row 2 (B=8 T=4096 HV=16, 256
+    programs already) unsegmented; at HV=8 with G = 1 L = 64 (8 × 16 programs), with row 7's G = 4 L = 32 (two
+    batches of 8 × 16 programs: one batch of 8 segments would leave them half the card each); none where T is not a
+    multiple of 64, and L always a divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
     from linattn.ops.hopper import segments
-    plan = lambda B, T, HV: segments.plan_walk_segments(B, T, HV, 128, 64, 132)
+    plan = lambda B, T, HV, G=1: segments.plan_walk_segments(B, T, HV, 128, 64, 132, G)
     assert plan(1, 32768, 16) == 128 and plan(1, 131072, 16) == 512 and plan(1, 32768, 8) == 64
+    assert plan(1, 32768, 8, 4) == 32 and plan(4, 8192, 32, 2) is None
     assert plan(8, 4096, 16) is None and plan(1, 32768 - 64 + 1, 16) is None and plan(1, 0, 16) is None
     for T in (4096, 32768, 131072, 64 * 509, 64 * 600):
         L = plan(1, T, 16)
         assert L is None or (T // 64) % L == 0 and L >= segments.MIN_SEGMENT_CHUNKS
+
+
+def test_walk_batches_hold_half_the_rows_and_a_wave_at_most():
+    """segments.walk_batch_rows: every row in one launch where G = 1 (or one row); where G > 1 at most half the
+    rows and one wave of programs, at least one row (132 SMs, V = 128, BV = 64): row 5 (B=4, HV=32, G=2) two
+    sequences per batch (128 programs), 16 segments of row 7 (HV=8) eight, HV=128 one row (256 programs a row);
+    and the cost model counts the batches' waves."""
+    from linattn.ops.hopper import segments
+    rows = lambda n, HV, G: segments.walk_batch_rows(n, HV, 128, 64, G, 132)
+    assert rows(8, 16, 1) == 8 and rows(1, 32, 2) == 1
+    assert rows(4, 32, 2) == 2 and rows(16, 8, 4) == 8 and rows(8, 8, 4) == 4 and rows(3, 128, 2) == 1
+    assert rows(5, 32, 2) == 2      # batches of 2, 2, 1: three waves, as one launch of 320 programs
+    cost = lambda B, NT, HV, L, G: segments.walk_cost_us(B, NT, HV, 128, 64, L, 132, G)
+    assert cost(4, 128, 32, 128, 2) == cost(4, 128, 32, 128, 1) == 2 * 128 * segments.WALK_CHUNK_US
+    assert cost(1, 512, 8, 64, 4) - cost(1, 512, 8, 64, 1) == 64 * segments.WALK_CHUNK_US   # 2 half-card batches
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("segment_chunks", [None, 1])
+def test_walk_in_batches_equals_one_launch(monkeypatch, segment_chunks):
+    """backward.walk_rows over batches of rows (forced to one row per batch; GVA, three sequences of two chunks,
+    unsegmented and in segments of one chunk: the batches then split sequences) gives one launch's gradients
+    bitwise (the twins, fp32, under the interpreter), each batch a walk over its rows alone: a row out of place,
+    a gradient left unwritten or written twice, or one batch's view of another (its gates' mask included) fails."""
+    from linattn.ops.hopper import chunk_bwd, segments
+    use_host_chain_twins(monkeypatch)
+    walked = []
+    twin = chunk_bwd.chunk_bwd_hopper
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", lambda *a, **o: walked.append(a[0].shape[0]) or twin(*a, **o))
+    x = {n: t.to(DEVICE) for n, t in make_inputs(3, 128, 1, 2, 32, seed=5).items()}
+    x["g"][2, 70, 1] = float("-inf")        # below the floor: dg there is 0 (the batch's own gates masked)
+    low = {n: t.float() for n, t in x.items()}
+    args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, low["h0"], low["do"], low["dht"]]
+    rows = 3 if segment_chunks is None else 6
+
+    def run(per_batch):
+        monkeypatch.setattr(segments, "walk_batch_rows", lambda *a: per_batch)
+        walked.clear()
+        return backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=segment_chunks)
+    whole = run(rows)
+    assert walked == [rows]
+    batched = run(1)
+    assert walked == [1] * rows
+    for name, a, b in zip(GRADS, batched, whole):
+        assert torch.equal(a, b), name
 
 
 def _exchange_events(NV: int, steps: int, iv: int):

@@ -122,9 +122,9 @@ def test_the_phase_c_states_walk_checks_its_rows():
         walk_launch.chunk_fwd_hopper_hm(k, k, v, gc[:1], gc[:1], t_inv, 1.0, None, BV=16, beta_in_a_inv=False)
 
 
-def _twin_walk(*args):
+def _twin_walk(*args, **out):
     from .test_hopper_bwd import _twin_walk as walk
-    return walk(*args)
+    return walk(*args, **out)
 
 
 @pytest.mark.interpreter

@@ -16,6 +16,8 @@ T = 8192, H = 16, HV = 32, K = 128): dq and dk read 1.07 GB of fp32 per value he
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -115,7 +117,8 @@ def _check(dq_heads, dk_heads, dg_parts, dbeta_parts, g, H: int) -> None:
 
 
 def partial_sums(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch.Tensor, dbeta_parts: torch.Tensor,
-                 g: torch.Tensor, H: int, qk_dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+                 g: torch.Tensor, H: int, qk_dtype: torch.dtype, beta_dtype: torch.dtype,
+                 out: Optional[tuple] = None) -> tuple[torch.Tensor, ...]:
     """The walk's per-head dq, dk and per-slice dg, dβ added in one launch (module docstring; :func:`partial_sums_ref`'s
     order).
 
@@ -125,6 +128,8 @@ def partial_sums(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch
         dg_parts, dbeta_parts: ``[NV, B, HV, Lp]`` head-major, Lp ≥ T in whole chunks of 64, fp32 (or float64).
         g: ``[B, T, HV]`` the log decays (dg is zero where they are below ``MIN_LOG_DECAY``).
         H: the qk heads (HV a multiple of H). qk_dtype, beta_dtype: dq, dk's and dβ's dtypes.
+        out: (dq, dk, dg, dβ) contiguous tensors of the returned shapes and dtypes to write (where HV = H, dq and dk
+            copied into unless they are dq_heads and dk_heads themselves), or None: new ones.
     Returns:
         dq, dk ``[B, T, H, K]`` in ``qk_dtype``; dg ``[B, T, HV]`` in g's dtype; dβ ``[B, T, HV]`` in ``beta_dtype``.
     """
@@ -134,18 +139,35 @@ def partial_sums(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch
     dq_heads, dk_heads, dg_parts, dbeta_parts, g = (x.contiguous() for x in (dq_heads, dk_heads, dg_parts,
                                                                             dbeta_parts, g))
     G = HV // H
-    if G == 1:
+    shapes = [((B, T, H, K), qk_dtype)] * 2 + [((B, T, HV), g.dtype), ((B, T, HV), beta_dtype)]
+    if G == 1 and out is None:      # the walk's dq, dk are the gradients: no launch part, no copy in their dtype
         dq, dk = dq_heads.to(qk_dtype), dk_heads.to(qk_dtype)
+        dg, dbeta = _outputs(None, shapes[2:], g.device)
     else:
-        dq, dk = (torch.empty(B, T, H, K, dtype=qk_dtype, device=g.device) for _ in range(2))
-    dg = torch.empty(B, T, HV, dtype=g.dtype, device=g.device)
-    dbeta = torch.empty(B, T, HV, dtype=beta_dtype, device=g.device)
+        dq, dk, dg, dbeta = _outputs(out, shapes, g.device)
+        for heads, grad in ((dq_heads, dq), (dk_heads, dk)) if G == 1 else ():
+            if grad.data_ptr() != heads.data_ptr():
+                grad.copy_(heads)
     BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
     BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
     grid = ((2 * cdiv(B * T * H, BR) if G > 1 else 0) + B * cdiv(T, BTOK),)
     launch(partial_sums_kernel, grid, dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T,
            Lp // CHUNK, NV=NV, G=G, K=K, HV=HV, BT=CHUNK, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
     return dq, dk, dg, dbeta
+
+
+def _outputs(out: Optional[tuple], shapes: list, device) -> list:
+    """:func:`partial_sums`' outputs: ``out``'s tensors, checked against ``shapes`` ((shape, dtype) each), or new
+    ones (None)."""
+    if out is None:
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    if len(out) != 4:
+        raise ValueError(f"out must be (dq, dk, dg, dbeta), got {len(out)} tensors")
+    for name, x, (shape, dtype) in zip(("dq", "dk", "dg", "dbeta"), out, shapes):
+        if tuple(x.shape) != shape or x.dtype != dtype or x.device != device or not x.is_contiguous():
+            raise ValueError(f"out's {name} must be a contiguous {dtype} {shape} on {device}, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}{'' if x.is_contiguous() else ', not contiguous'}")
+    return list(out)
 
 
 def partial_sums_ref(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch.Tensor,

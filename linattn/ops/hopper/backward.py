@@ -22,6 +22,10 @@ pairs × tokens).
                 floor), dq, dk over the value heads of each qk head (HV > H), in a fixed order, every gradient in
                 its dtype: no atomics, the same bits every run
 
+The walk and its reductions run over the rows (sequences, or segments) in batches (``segments.walk_batch_rows``):
+one batch where HV = H; where HV > H each batch's fp32 per-value-head dq, dk are summed into the gradients before
+the next batch is walked (half the rows at most, a wave of programs at most: the same waves as one launch).
+
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
 forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU.
 """
@@ -34,7 +38,7 @@ import torch
 from ..common import num_sms, seq_parallel
 from ..common.partial_sum import partial_sums
 from ..utils import cdiv
-from . import forward, prepass, segments, varlen, walk_launch
+from . import chunk_bwd, forward, prepass, segments, varlen, walk_launch
 from .chunk_fwd import BT
 from .plan import DEFAULT, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
 
@@ -213,12 +217,12 @@ def backward_packed(q, k, v, g, beta, scale: float, initial_state: Optional[torc
 def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor], do: torch.Tensor,
                            dht: Optional[torch.Tensor], BV: Optional[int], segment_chunks: Optional[int]):
     """:func:`chunk_gated_delta_rule_bwd_hopper` on ``[B, T, ...]`` batches of equal-length sequences (checked
-    inputs): the recompute, the segments' dS_out (the reverse warm-ups), the walk and the reductions."""
-    from . import chunk_bwd
+    inputs): the recompute, the segments' dS_out (the reverse warm-ups), then the walk and the reductions over the
+    rows (sequences, or segments) in the batches of ``segments.walk_batch_rows`` (:func:`walk_rows`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)
-    L = segments.segment_length(segment_chunks, B, T, HV, V, BV, q.device)
+    L = segments.segment_length(segment_chunks, B, T, HV, V, BV, HV // H, q.device)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
     dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, BV) if L else dht
@@ -226,20 +230,41 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
     hm_seg = lambda x: segments.head_major_as_segments(x, S)
-    dq, dk, dv, dg_p, dbeta_p, dh0 = chunk_bwd.chunk_bwd_hopper(
-        seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out, scale, BV)
+    walk_inputs = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out)
+    # the gradients, written a batch of rows at a time through segment views (dq, dk, dv, dg, dβ) and rows (dh0)
+    dq, dk = (torch.empty_like(q) for _ in range(2))
+    dv = torch.empty_like(v)
+    dg = torch.empty_like(g)
+    dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=q.device)
+    dh0 = torch.empty(B * S, HV, K, V, dtype=torch.float32, device=q.device)
+    per_batch = segments.walk_batch_rows(B * S, HV, V, BV, HV // H, num_sms(q.device))
+    for r in range(0, B * S, per_batch):
+        rows = slice(r, r + per_batch)
+        walk_rows([x[rows] if x is not None else None for x in walk_inputs], scale, BV, seg(g)[rows], H,
+                  tuple(x[rows] for x in (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0)))
     del h
-    dq, dk = (x.view(B, T, HV, K) for x in (dq, dk))
-    dg_p, dbeta_p = (segments.head_major_from_segments(p, B) for p in (dg_p, dbeta_p))
-    dq, dk, dg, dbeta = gradients_from_partials(dq, dk, dg_p, dbeta_p, g, beta.dtype, q.dtype, H)
     dh0 = dh0.view(B, S, HV, K, V)[:, 0].contiguous()     # each sequence's first segment's
-    return dq, dk, dv.view(B, T, HV, V), dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
+    return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
+
+
+def walk_rows(walk_inputs: list, scale: float, BV: int, g: torch.Tensor, H: int, out: tuple) -> None:
+    """The walk (``chunk_bwd.chunk_bwd_hopper``) over some rows (sequences, or segment views) and its reductions
+    (:func:`gradients_from_partials`) into ``out`` = (dq, dk, dv, dg, dβ, dh0) of those rows; g theirs. Where
+    HV = H the walk writes dq, dk themselves (no reduction but the gates'); else its fp32 per-value-head dq, dk live
+    only within this call."""
+    dq, dk, dv, dg, dbeta, dh0 = out
+    G = walk_inputs[2].shape[2] // H
+    direct = dict(dq=dq, dk=dk) if G == 1 else {}
+    dq_heads, dk_heads, _, dg_p, dbeta_p, _ = chunk_bwd.chunk_bwd_hopper(*walk_inputs, scale, BV, dv=dv, dh0=dh0,
+                                                                          **direct)
+    gradients_from_partials(dq_heads, dk_heads, dg_p, dbeta_p, g, dbeta.dtype, dq.dtype, H, out=(dq, dk, dg, dbeta))
 
 
 def gradients_from_partials(dq_heads, dk_heads, dg_p, dbeta_p, g: torch.Tensor, beta_dtype: torch.dtype,
-                            qk_dtype: torch.dtype, H: int) -> tuple[torch.Tensor, ...]:
+                            qk_dtype: torch.dtype, H: int, out: Optional[tuple] = None) -> tuple[torch.Tensor, ...]:
     """The reductions after the walk, one launch (``common/partial_sum.partial_sums``): dq, dk ``[B, T, H, K]`` in
     ``qk_dtype`` from the walk's per value head ``[B, T, HV, K]`` (the gradients themselves where HV = H); dg (g's
     dtype, zero where the gate is below the floor: such gates do not move the output) and dβ (``beta_dtype``)
-    ``[B, T, HV]`` from the head-major partials ``[NV, B, HV, Lp]``."""
-    return partial_sums(dq_heads, dk_heads, dg_p, dbeta_p, g, H, qk_dtype, beta_dtype)
+    ``[B, T, HV]`` from the head-major partials ``[NV, B, HV, Lp]``; written into ``out`` = (dq, dk, dg, dβ) where
+    given."""
+    return partial_sums(dq_heads, dk_heads, dg_p, dbeta_p, g, H, qk_dtype, beta_dtype, out=out)

@@ -625,13 +625,14 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_
 
 def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                      beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
-                     scale: float, BV: int = BV_DEFAULT) -> tuple[torch.Tensor, ...]:
+                     scale: float, BV: int = BV_DEFAULT, **out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
     Returns dq, dk ``[B, T, HV, K]`` (the slices added: fp32 per value head where G = HV / H > 1, for the host to
     add over each group; the gradients themselves in q's dtype where G = 1), dv ``[B, T, HV, V]`` bf16, the
     partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the
-    partials)."""
-    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV)
+    partials). ``out``: any of dq, dk, dv, dh0 given as contiguous tensors of those shapes and dtypes, written in
+    place of new ones (the host's views of its gradients)."""
+    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV, out)
     H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     launcher(compiled_kernel(H, HV, K, V, scale, BV))(*arguments)
     return outputs
@@ -658,8 +659,10 @@ def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     return outputs, stamps
 
 
-def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int) -> tuple[list, tuple[torch.Tensor, ...]]:
-    """The walk's launch arguments (inputs checked, outputs and exchange buffers allocated) and its outputs."""
+def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int,
+                    out: Optional[dict] = None) -> tuple[list, tuple[torch.Tensor, ...]]:
+    """The walk's launch arguments (inputs checked, outputs and exchange buffers allocated, or taken from ``out``:
+    :func:`chunk_bwd_hopper`) and its outputs."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
@@ -669,15 +672,35 @@ def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int) -> tuple[list
         raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
                          f"{tuple(h.shape)}")
     dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
-    dq, dk = (q.new_empty(B, T, HV, K, dtype=q.dtype if HV == H else torch.float32) for _ in range(2))
-    dv = torch.empty_like(v)
+    qk = dict(shape=(B, T, HV, K), dtype=q.dtype if HV == H else torch.float32)
+    given = _outputs(out or {}, dict(dq=qk, dk=qk, dv=dict(shape=v.shape, dtype=v.dtype),
+                                     dh0=dict(shape=(B, HV, K, V), dtype=torch.float32)), q.device)
+    dq, dk, dv, dh0 = (given[n] for n in ("dq", "dk", "dv", "dh0"))
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
-    dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
     scratch, flags = exchange_buffers(B, HV, K, NV, q.device)
     arguments = [q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
                  beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
                  scratch, flags]
     return arguments, (dq, dk, dv, dg, dbeta, dh0)
+
+
+def _outputs(out: dict, specs: dict, device) -> dict:
+    """The walk's outputs named in ``specs`` (name → shape and dtype): ``out``'s tensor where given (checked: the
+    shape, dtype, device, and contiguous, which the kernel's layout needs), else a new one."""
+    if unknown := set(out) - set(specs):
+        raise TypeError(f"the walk writes only {sorted(specs)}, got {sorted(unknown)}")
+    tensors = {}
+    for name, spec in specs.items():
+        x = out.get(name)
+        if x is None:
+            x = torch.empty(spec["shape"], dtype=spec["dtype"], device=device)
+        elif (tuple(x.shape) != tuple(spec["shape"]) or x.dtype != spec["dtype"] or x.device != device
+                or not x.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {spec['dtype']} {tuple(spec['shape'])} on {device}, got "
+                             f"{'a non-contiguous ' if not x.is_contiguous() else ''}{x.dtype} {tuple(x.shape)} "
+                             f"on {x.device}")
+        tensors[name] = x
+    return tensors
 
 
 def exchange_shapes(B, HV: int, K: int, NV: int) -> tuple[tuple, tuple]:

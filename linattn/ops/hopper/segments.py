@@ -13,13 +13,15 @@ With T a multiple of 64·L a segment is a view: q ``[B, T, H, K]`` → ``[B·S, 
 T = A_inv) and h ``[B, NT, HV, K, V]`` → ``[B·S, NT/S, HV, K, V]``, segment s of sequence b at b·S + s; the
 head-major gc and β ``[B, HV, NT·64]`` take one small copy each (:func:`head_major_as_segments`). The walk,
 unchanged, runs on the views with dht = dS_out: its chunks are the same chunks (gc is the chunk-local cumsum, h the
-state entering each chunk), its partials come back in the viewed layout (dq, dk, dv reshape to ``[.., B, T, ..]``
-as views; the head-major dg, dβ need one small transpose), its dh0 of segment s is the gradient entering s, and
-sequence b's dh0 is its first segment's. Other T (a partial last chunk) walk unsegmented: the segments would not be
+state entering each chunk), it writes dv (and dq, dk where HV = H) into views of the gradients, its partials
+are summed per segment row into views of the others (the reductions take any rows: a segment's tokens are
+contiguous in its sequence's), its dh0 of segment s is the gradient entering s, and sequence b's dh0 is its first
+segment's. Other T (a partial last chunk) walk unsegmented: the segments would not be
 equal views, and padding would copy every input (decisions).
 
 :func:`plan_walk_segments` picks L among the divisors of NT with a cost model in µs (:func:`walk_cost_us`: the
-walk's waves and the warm-ups' waves). Everything is a fixed-order computation: deterministic.
+walk's waves and the warm-ups' waves), where the value heads share qk heads (G > 1) with the walk in batches of
+rows (:func:`walk_batch_rows`: its fp32 per-value-head dq, dk alive one batch at a time). Everything is a fixed-order computation: deterministic.
 """
 from __future__ import annotations
 
@@ -45,45 +47,61 @@ MAX_SEGMENTS = 64          # per sequence: bounds dS_out (B·S·HV·K·V fp32) a
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 
 
-def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int) -> float:
+def walk_batch_rows(rows: int, HV: int, V: int, BV: int, G: int, sms: int) -> int:
+    """Rows (sequences, or segments) per launch of the walk over ``rows``: all of them where G = HV / H is 1. Where
+    G > 1 the walk leaves dq and dk per value head in fp32 (``[rows, Ls, HV, K]`` each, the group summed after it:
+    at B = 4, T = 8192, HV = 32, the fp32 pair is 1.07 GB, more than the rest of the backward's tensors) and walks
+    the rows in batches, each summed into the gradients before the next is walked: at most half the rows, and at
+    most one wave's (``sms`` programs, one per SM), so a batch never splits a wave the whole launch would fill."""
+    if G == 1 or rows == 1:
+        return rows
+    per_wave = max(1, sms // (HV * (V // BV)))
+    return min(per_wave, -(-rows // 2))
+
+
+def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, G: int = 1) -> float:
     """Modelled µs of the reverse walk over B sequences of NT chunks in segments of L chunks (L = NT: unsegmented,
     no warm-ups): a phase whose programs walk c chunks each takes c · waves · its chunk cost, waves =
-    ceil(programs / slots); the walk and the warm-ups both run one program per (segment, value head, V slice), the
-    warm-ups W_TYPICAL chain steps each."""
-    waves = lambda programs, occupancy: -(-programs // (occupancy * sms))
+    ceil(programs / slots) per launch; the walk runs one program per (segment, value head, V slice) in the
+    launches of :func:`walk_batch_rows` (G = HV / H), the warm-ups the same programs in one launch, W_TYPICAL chain
+    steps each."""
+    waves = lambda rows, occupancy: -(-(rows * HV * (V // BV)) // (occupancy * sms))
     S = NT // L
-    programs = B * S * HV * (V // BV)
-    walk = WALK_CHUNK_US * L * waves(programs, WALK_OCCUPANCY)
+    rows = B * S
+    per_batch = walk_batch_rows(rows, HV, V, BV, G, sms)
+    full, rest = divmod(rows, per_batch)
+    walk = WALK_CHUNK_US * L * (full * waves(per_batch, WALK_OCCUPANCY) + waves(rest, WALK_OCCUPANCY))
     if S == 1:
         return walk
-    return walk + WARM_CHAIN_US * W_TYPICAL * waves(programs, WARM_OCCUPANCY)
+    return walk + WARM_CHAIN_US * W_TYPICAL * waves(rows, WARM_OCCUPANCY)
 
 
 @functools.lru_cache(maxsize=256)
-def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int) -> Optional[int]:
-    """Segment length L (chunks) for the walk over B sequences of T tokens, or None (unsegmented): the cheapest
+def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, G: int = 1) -> Optional[int]:
+    """Segment length L (chunks) for the walk over B sequences of T tokens (G value heads per qk head), or None
+    (unsegmented): the cheapest
     divisor L of NT = T/64 (T a multiple of 64; 2 … MAX_SEGMENTS segments of at least MIN_SEGMENT_CHUNKS chunks)
     by :func:`walk_cost_us`, if it saves SPLIT_MARGIN of the unsegmented cost; ties go to the longer L (fewer
     warm-ups). Cached: host time on every backward call."""
     NT = T // CHUNK
     if T % CHUNK or NT < 2 * MIN_SEGMENT_CHUNKS:
         return None
-    best_cost, best = SPLIT_MARGIN * walk_cost_us(B, NT, HV, V, BV, NT, sms), None
+    best_cost, best = SPLIT_MARGIN * walk_cost_us(B, NT, HV, V, BV, NT, sms, G), None
     for S in range(2, min(MAX_SEGMENTS, NT // MIN_SEGMENT_CHUNKS) + 1):
         if NT % S:
             continue
-        cost = walk_cost_us(B, NT, HV, V, BV, NT // S, sms)
+        cost = walk_cost_us(B, NT, HV, V, BV, NT // S, sms, G)
         if cost < best_cost:
             best_cost, best = cost, NT // S
     return best
 
 
-def segment_length(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int,
+def segment_length(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int, G: int,
                    device: torch.device) -> Optional[int]:
     """L for the walk: ``segment_chunks`` as forced (an int ≥ 1 dividing T/64, T a multiple of 64; ≥ T/64 walks
     unsegmented), or None → :func:`plan_walk_segments`. Returns None for the unsegmented walk."""
     if segment_chunks is None:
-        return plan_walk_segments(B, T, HV, V, BV, num_sms(device))
+        return plan_walk_segments(B, T, HV, V, BV, num_sms(device), G)
     if not isinstance(segment_chunks, int) or isinstance(segment_chunks, bool) or segment_chunks < 1:
         raise ValueError(f"segment_chunks must be None or an int >= 1, got {segment_chunks!r}")
     NT = cdiv(T, CHUNK)
@@ -107,16 +125,6 @@ def head_major_as_segments(x: torch.Tensor, S: int) -> torch.Tensor:
         return x
     B, HV, N = x.shape
     return x.view(B, HV, S, N // S).transpose(1, 2).reshape(B * S, HV, N // S)
-
-
-def head_major_from_segments(x: torch.Tensor, B: int) -> torch.Tensor:
-    """The walk's head-major partials ``[NV, B·S, HV, Ls]`` → ``[NV, B, HV, S·Ls]`` (sequence-major tokens; the
-    identity at S = 1)."""
-    NV, BS, HV, Ls = x.shape
-    if BS == B:
-        return x
-    S = BS // B
-    return x.view(NV, B, S, HV, Ls).transpose(2, 3).reshape(NV, B, HV, S * Ls)
 
 
 def warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht: Optional[torch.Tensor], scale: float, L: int,
