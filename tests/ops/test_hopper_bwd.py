@@ -622,32 +622,34 @@ def test_segment_length_forced():
 def test_walk_planner_picks_the_measured_segments():
     """The planner (walk and warm-up waves, 132 SMs, K = V = 128, BV = 64) at the configurations the GPU measured:
     row 3 (B=1 T=32768 HV=16) L = 128 (4 × 32 programs), row 4 (T=131072) L = 512, row 2 (B=8 T=4096 HV=16, 256
-    programs already) unsegmented; at HV=8 with G = 1 L = 64 (8 × 16 programs), with row 7's G = 4 L = 32 (two
-    batches of 8 × 16 programs: one batch of 8 segments would leave them half the card each); none where T is not a
-    multiple of 64, and L always a divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
+    programs already) unsegmented, HV=8 with G = 1 L = 64 (8 × 16 programs); with GVA, where the walk runs a
+    quarter of the rows at a time, the segments that keep each batch a full wave: row 7 (HV=8, G = 4) L = 16 (4
+    batches of 8 × 16 programs), row 5 (B=4 T=8192 HV=32, G = 2) L = 64 (4 batches of 2 × 64); none where T is not
+    a multiple of 64, and L always a divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
     from linattn.ops.hopper import segments
     plan = lambda B, T, HV, G=1: segments.plan_walk_segments(B, T, HV, 128, 64, 132, G)
     assert plan(1, 32768, 16) == 128 and plan(1, 131072, 16) == 512 and plan(1, 32768, 8) == 64
-    assert plan(1, 32768, 8, 4) == 32 and plan(4, 8192, 32, 2) is None
+    assert plan(1, 32768, 8, 4) == 16 and plan(4, 8192, 32, 2) == 64
     assert plan(8, 4096, 16) is None and plan(1, 32768 - 64 + 1, 16) is None and plan(1, 0, 16) is None
     for T in (4096, 32768, 131072, 64 * 509, 64 * 600):
         L = plan(1, T, 16)
         assert L is None or (T // 64) % L == 0 and L >= segments.MIN_SEGMENT_CHUNKS
 
 
-def test_walk_batches_hold_half_the_rows_and_a_wave_at_most():
-    """segments.walk_batch_rows: every row in one launch where G = 1 (or one row); where G > 1 at most half the
-    rows and one wave of programs, at least one row (132 SMs, V = 128, BV = 64): row 5 (B=4, HV=32, G=2) two
-    sequences per batch (128 programs), 16 segments of row 7 (HV=8) eight, HV=128 one row (256 programs a row);
-    and the cost model counts the batches' waves."""
+def test_walk_batches_hold_a_quarter_of_the_rows_and_a_wave_at_most():
+    """segments.walk_batch_rows: every row in one launch where G = 1 (or one row); where G > 1 at most a quarter of
+    the rows and one wave of programs, at least one row (132 SMs, V = 128, BV = 64): row 5 unsegmented (B=4,
+    HV=32, G=2) one sequence per batch, its 2 segments each (8 rows) two, 32 segments of row 7 (HV=8) eight (a
+    wave), HV=128 one row (256 programs a row); and the cost model counts the batches' waves: row 5 unsegmented in
+    four half-card batches takes twice one launch's."""
     from linattn.ops.hopper import segments
     rows = lambda n, HV, G: segments.walk_batch_rows(n, HV, 128, 64, G, 132)
     assert rows(8, 16, 1) == 8 and rows(1, 32, 2) == 1
-    assert rows(4, 32, 2) == 2 and rows(16, 8, 4) == 8 and rows(8, 8, 4) == 4 and rows(3, 128, 2) == 1
-    assert rows(5, 32, 2) == 2      # batches of 2, 2, 1: three waves, as one launch of 320 programs
+    assert rows(4, 32, 2) == 1 and rows(8, 32, 2) == 2 and rows(32, 8, 4) == 8 and rows(3, 128, 2) == 1
+    assert rows(9, 32, 2) == 2      # batches of 2, 2, 2, 2, 1
     cost = lambda B, NT, HV, L, G: segments.walk_cost_us(B, NT, HV, 128, 64, L, 132, G)
-    assert cost(4, 128, 32, 128, 2) == cost(4, 128, 32, 128, 1) == 2 * 128 * segments.WALK_CHUNK_US
-    assert cost(1, 512, 8, 64, 4) - cost(1, 512, 8, 64, 1) == 64 * segments.WALK_CHUNK_US   # 2 half-card batches
+    assert cost(4, 128, 32, 128, 2) == 2 * cost(4, 128, 32, 128, 1) == 4 * 128 * segments.WALK_CHUNK_US
+    assert cost(4, 128, 32, 64, 2) == cost(4, 128, 32, 64, 1)      # 4 full-wave batches: 512 programs as one
 
 
 @pytest.mark.interpreter

@@ -44,19 +44,21 @@ W_TYPICAL = 8              # chunks a warm-up walks: the kernel finds w from the
                            # see; the anchors' gates (logsigmoid / 16) give w ≈ 8 at K = V = 128
 MIN_SEGMENT_CHUNKS = 8     # a segment shorter than a typical warm-up (W_TYPICAL) warms up longer than it walks
 MAX_SEGMENTS = 64          # per sequence: bounds dS_out (B·S·HV·K·V fp32) and the warm-ups' programs
+GVA_BATCHES = 4            # where G > 1, the walk's rows in at least this many launches (walk_batch_rows)
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 
 
 def walk_batch_rows(rows: int, HV: int, V: int, BV: int, G: int, sms: int) -> int:
     """Rows (sequences, or segments) per launch of the walk over ``rows``: all of them where G = HV / H is 1. Where
     G > 1 the walk leaves dq and dk per value head in fp32 (``[rows, Ls, HV, K]`` each, the group summed after it:
-    at B = 4, T = 8192, HV = 32, the fp32 pair is 1.07 GB, more than the rest of the backward's tensors) and walks
-    the rows in batches, each summed into the gradients before the next is walked: at most half the rows, and at
-    most one wave's (``sms`` programs, one per SM), so a batch never splits a wave the whole launch would fill."""
+    at B = 4, T = 8192, HV = 32 the pair is 1.07 GB, twice the bf16 h) and walks the rows in batches, each summed
+    into the gradients before the next is walked: at most a quarter of the rows (GVA_BATCHES; the pair then at
+    most half of h's bytes at K = V), and at most one wave's (``sms`` programs, one per SM), so a batch never splits
+    a wave the whole launch would fill. :func:`plan_walk_segments` weighs the segments that keep the waves full."""
     if G == 1 or rows == 1:
         return rows
     per_wave = max(1, sms // (HV * (V // BV)))
-    return min(per_wave, -(-rows // 2))
+    return min(per_wave, -(-rows // GVA_BATCHES))
 
 
 def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, G: int = 1) -> float:
