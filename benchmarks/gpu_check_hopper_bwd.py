@@ -15,7 +15,7 @@
     casts), the whole Hopper backward and the Triton backward; the Hopper backward's peak memory over its inputs
     (torch.cuda.max_memory_allocated around one call, MiB).
     The walk alone unsegmented: rows 3 and 7 run B·HV·2 programs of 512 chunks on 132 SMs; the whole backward as
-    the planner cuts it (``segments.plan_walk_segments``: rows 3 and 7 in segments), its states as the forward's
+    the planner cuts it (``segments.plan_walk``: rows 3 and 7 in segments), its states as the forward's
     plan cuts them (``backward.states``: rows 3 and 7 in segments).
 (c) --segments (hopper/segments.py): at rows 3 (B=1, T=32768, H=HV=16), 4 (B=1, T=131072, H=HV=16), 7 (B=1,
     T=32768, H=2, HV=8) and 1 (B=1, T=4096, H=HV=16), the segmented backward at the planner's L (or T/256 where
@@ -431,8 +431,7 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     from linattn.ops.common import CHUNK
     from linattn.ops.hopper import backward, chunk_bwd, segments
     q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
-    B, T, H, K = q.shape
-    HV = v.shape[2]
+    T, H = q.shape[1], q.shape[2]
     S = T // CHUNK // L
     gc_hm, beta_hm, t_inv, bound = backward.solve(k, g, beta)
     warm_ups = lambda: segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, 64)
@@ -467,7 +466,8 @@ def time_segments(row) -> dict:
     index, B, T, H, HV = row
     x = row_inputs(B, T, H, HV)
     NT = T // 64
-    planned = segments.plan_walk_segments(B, T, HV, 128, 64, num_sms(x["q"].device))
+    plan = segments.plan_walk(None, B, T, HV, 128, 64, HV // H, x["q"].device)
+    planned = plan.L
     L = planned or NT // 4
     hopper = lambda chunks: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=chunks)
     split, whole = hopper(L), hopper(NT)
@@ -478,7 +478,7 @@ def time_segments(row) -> dict:
                   x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], None, None, x["do"],
                   x["dht"])))
     by_segments = {S: triton.testing.do_bench(lambda S=S: hopper(NT // S)) for S in (2, 4, 8, 16) if NT % S == 0}
-    model_ms = {S: segments.walk_cost_us(B, NT, HV, 128, 64, NT // S, num_sms(x["q"].device)) / 1000
+    model_ms = {S: segments.walk_cost_us(B, NT, HV, 128, 64, NT // S, num_sms(x["q"].device), plan.parts) / 1000
                 for S in (1, 2, 4, 8, 16) if NT % S == 0}
     return dict(row=index, B=B, T=T, H=H, HV=HV, planned_L=planned, L=L, segments=NT // L,
                 walk_programs=B * (NT // L) * HV * 2, ms=ms, whole_ms_by_segments=by_segments,
@@ -515,7 +515,6 @@ def time_warm(item) -> dict:
     import triton
     from gpu_check_core import rel
 
-    from linattn.ops.common import num_sms
     from linattn.ops.hopper import backward, chunk_bwd, segments
     from linattn.ops.hopper import chunk_bwd_ref as bwd
     (index, B, T, H, HV), decay = item
@@ -523,7 +522,7 @@ def time_warm(item) -> dict:
     x["g"] = x["g"] / decay
     q, k, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "g", "beta", "do", "dht", "scale"))
     NT = T // 64
-    L = segments.plan_walk_segments(B, T, HV, 128, 64, num_sms(q.device)) or NT // 4
+    L = segments.plan_walk(None, B, T, HV, 128, 64, HV // H, q.device).L or NT // 4
     S = NT // L
     hopper = lambda chunks: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=chunks)
     split, whole = hopper(L), hopper(NT)

@@ -610,7 +610,7 @@ def test_segments_without_dht_start_from_zero(monkeypatch):
 def test_segment_length_forced():
     """segment_chunks: bad values raise, ≥ T/64 walks unsegmented, else the forced L."""
     from linattn.ops.hopper import segments
-    length = lambda chunks, T=256: segments.segment_length(chunks, 1, T, 16, 128, 64, 1, torch.device("cpu"))
+    length = lambda chunks, T=256: segments.segment_length(chunks, T)
     for bad, match in [(0, ">= 1"), (1.5, ">= 1"), (True, ">= 1"), (3, "multiple")]:
         with pytest.raises(ValueError, match=match):
             length(bad)
@@ -621,35 +621,51 @@ def test_segment_length_forced():
 
 def test_walk_planner_picks_the_measured_segments():
     """The planner (walk and warm-up waves, 132 SMs, K = V = 128, BV = 64) at the configurations the GPU measured:
-    row 3 (B=1 T=32768 HV=16) L = 128 (4 × 32 programs), row 4 (T=131072) L = 512, row 2 (B=8 T=4096 HV=16, 256
-    programs already) unsegmented, HV=8 with G = 1 L = 64 (8 × 16 programs); with GVA, where the walk runs a
-    quarter of the rows at a time, the segments that keep each batch a full wave: row 7 (HV=8, G = 4) L = 16 (4
-    batches of 8 × 16 programs), row 5 (B=4 T=8192 HV=32, G = 2) L = 64 (4 batches of 2 × 64); none where T is not
-    a multiple of 64, and L always a divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
+    row 3 (B=1 T=32768 HV=16) L = 128 (4 × 32 programs), row 4 (T=131072) L = 512, row 7's HV=8 in one launch L = 64
+    (8 × 16 programs), row 2 (B=8 T=4096 HV=16, 256 programs already) unsegmented; in four launches (GVA's
+    batches) the segments that keep each batch a full wave: row 7 L = 16 (32 segments, 4 × 8 × 16 programs), row 5
+    (B=4 T=8192 HV=32) L = 64 (2 segments, 4 × 2 × 64); none where T is not a multiple of 64, and L always a
+    divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
     from linattn.ops.hopper import segments
-    plan = lambda B, T, HV, G=1: segments.plan_walk_segments(B, T, HV, 128, 64, 132, G)
+    plan = lambda B, T, HV, parts=1: segments.plan_walk_segments(B, T, HV, 128, 64, 132, parts)
     assert plan(1, 32768, 16) == 128 and plan(1, 131072, 16) == 512 and plan(1, 32768, 8) == 64
-    assert plan(1, 32768, 8, 4) == 16 and plan(4, 8192, 32, 2) == 64
+    assert plan(1, 32768, 8, 4) == 16 and plan(4, 8192, 32, 4) == 64
     assert plan(8, 4096, 16) is None and plan(1, 32768 - 64 + 1, 16) is None and plan(1, 0, 16) is None
     for T in (4096, 32768, 131072, 64 * 509, 64 * 600):
         L = plan(1, T, 16)
         assert L is None or (T // 64) % L == 0 and L >= segments.MIN_SEGMENT_CHUNKS
 
 
-def test_walk_batches_hold_a_quarter_of_the_rows_and_a_wave_at_most():
-    """segments.walk_batch_rows: every row in one launch where G = 1 (or one row); where G > 1 at most a quarter of
-    the rows and one wave of programs, at least one row (132 SMs, V = 128, BV = 64): row 5 unsegmented (B=4,
-    HV=32, G=2) one sequence per batch, its 2 segments each (8 rows) two, 32 segments of row 7 (HV=8) eight (a
-    wave), HV=128 one row (256 programs a row); and the cost model counts the batches' waves: row 5 unsegmented in
-    four half-card batches takes twice one launch's."""
+def test_walk_plan_batches_gva_where_the_model_allows():
+    """segments.plan_walk: one launch without GVA; with GVA four (a quarter of the fp32 per-value-head dq, dk at a
+    time) where the model puts them within GVA_TIME_MARGIN of one launch — rows 5 and 7 (B=4 T=8192 HV=32 G=2:
+    4960 µs against 4736; B=1 T=32768 HV=8 G=4: 1408 against 1240) — and one where it does not (B=1 T=4096 H=2
+    HV=8: four batches of a quarter wave); a forced segment length kept, its batches judged at that length."""
     from linattn.ops.hopper import segments
-    rows = lambda n, HV, G: segments.walk_batch_rows(n, HV, 128, 64, G, 132)
-    assert rows(8, 16, 1) == 8 and rows(1, 32, 2) == 1
-    assert rows(4, 32, 2) == 1 and rows(8, 32, 2) == 2 and rows(32, 8, 4) == 8 and rows(3, 128, 2) == 1
-    assert rows(9, 32, 2) == 2      # batches of 2, 2, 2, 2, 1
-    cost = lambda B, NT, HV, L, G: segments.walk_cost_us(B, NT, HV, 128, 64, L, 132, G)
-    assert cost(4, 128, 32, 128, 2) == 2 * cost(4, 128, 32, 128, 1) == 4 * 128 * segments.WALK_CHUNK_US
-    assert cost(4, 128, 32, 64, 2) == cost(4, 128, 32, 64, 1)      # 4 full-wave batches: 512 programs as one
+    cpu = torch.device("cpu")
+    plan = lambda B, T, H, HV, chunks=None: segments.plan_walk(chunks, B, T, HV, 128, 64, HV // H, cpu)
+    P = segments.WalkPlan
+    assert plan(8, 4096, 16, 16) == P(None, 1) and plan(1, 32768, 16, 16) == P(128, 1)
+    assert plan(4, 8192, 16, 32) == P(64, 4) and plan(1, 32768, 2, 8) == P(16, 4)
+    assert plan(1, 4096, 2, 8) == P(8, 1)
+    assert plan(1, 32768, 2, 8, chunks=16) == P(16, 4) and plan(1, 32768, 2, 8, chunks=64) == P(64, 1)
+    assert plan(1, 32768, 2, 8, chunks=512).L is None
+
+
+def test_walk_batches_hold_a_quarter_of_the_rows_and_a_wave_at_most():
+    """segments.walk_batch_rows: every row in one launch at one part (or one row); in four parts at most a quarter
+    of the rows and one wave of programs, at least one row (132 SMs, V = 128, BV = 64): row 5 unsegmented (B=4,
+    HV=32) one sequence per batch, its 2 segments each (8 rows) two, 32 segments of row 7 (HV=8) eight (a wave),
+    HV=128 one row (256 programs a row); and the cost model counts the batches' waves: row 5 unsegmented in four
+    half-card batches takes twice one launch's."""
+    from linattn.ops.hopper import segments
+    rows = lambda n, HV, parts: segments.walk_batch_rows(n, HV, 128, 64, 132, parts)
+    assert rows(8, 16, 1) == 8 and rows(1, 32, 4) == 1
+    assert rows(4, 32, 4) == 1 and rows(8, 32, 4) == 2 and rows(32, 8, 4) == 8 and rows(3, 128, 4) == 1
+    assert rows(9, 32, 4) == 2      # batches of 2, 2, 2, 2, 1
+    cost = lambda B, NT, HV, L, parts: segments.walk_cost_us(B, NT, HV, 128, 64, L, 132, parts)
+    assert cost(4, 128, 32, 128, 4) == 2 * cost(4, 128, 32, 128, 1) == 4 * 128 * segments.WALK_CHUNK_US
+    assert cost(4, 128, 32, 64, 4) == cost(4, 128, 32, 64, 1)      # 4 full-wave batches: 512 programs as one
 
 
 @pytest.mark.interpreter

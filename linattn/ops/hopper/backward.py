@@ -11,7 +11,7 @@ pairs × tokens).
                 chunk ``[B, NT, HV, K, V]``, the walk's layout: two launches, or five (and three small copies) where
                 the forward's plan cuts the sequences into segments (:func:`segmented_states`: the segmented
                 forward's plan, maps, scan and warm walk)
-    segments    where ``segments.plan_walk_segments`` (or segment_chunks) cuts the sequences: the reverse warm-ups
+    segments    where ``segments.plan_walk`` (or segment_chunks) cuts the sequences: the reverse warm-ups
                 (``chunk_bwd.reverse_warm_ups_hopper``, one launch) give dS_out, the gradient of the state leaving
                 every segment
     walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice), the
@@ -24,7 +24,8 @@ pairs × tokens).
 
 The walk and its reductions run over the rows (sequences, or segments) in batches (``segments.walk_batch_rows``):
 one batch where HV = H; where HV > H each batch's fp32 per-value-head dq, dk are summed into the gradients before
-the next batch is walked (half the rows at most, a wave of programs at most: the same waves as one launch).
+the next batch is walked (``segments.plan_walk``: a quarter of the rows at most, a wave of programs at most,
+where the model puts that within 15% of one launch's walk).
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
 forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU.
@@ -183,7 +184,7 @@ def chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale: float, initial_st
         BV: the V columns per program (None: ``chunk_bwd.BV_DEFAULT``, at most V).
         segment_chunks: walk in segments of this many chunks (``segments.py``; an int dividing T/64, T a multiple
             of 64; ≥ T/64 walks unsegmented; with ``cu_seqlens``, of the padded batch's T): tests and benchmarks.
-            None: ``segments.plan_walk_segments``. Each segment's dS_out comes from a reverse warm-up: within
+            None: ``segments.plan_walk``. Each segment's dS_out comes from a reverse warm-up: within
             2⁻³⁰ of ‖dS‖, exact where the warm-up reaches the sequence's end.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of N sequences packed along T (B = 1), or None.
         offsets: cu_seqlens' values on the host where the caller holds them (None: read from the device).
@@ -222,7 +223,8 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)
-    L = segments.segment_length(segment_chunks, B, T, HV, V, BV, HV // H, q.device)
+    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, q.device)
+    L = plan.L
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
     dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, BV) if L else dht
@@ -237,7 +239,7 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     dg = torch.empty_like(g)
     dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=q.device)
     dh0 = torch.empty(B * S, HV, K, V, dtype=torch.float32, device=q.device)
-    per_batch = segments.walk_batch_rows(B * S, HV, V, BV, HV // H, num_sms(q.device))
+    per_batch = segments.walk_batch_rows(B * S, HV, V, BV, num_sms(q.device), plan.parts)
     for r in range(0, B * S, per_batch):
         rows = slice(r, r + per_batch)
         walk_rows([x[rows] if x is not None else None for x in walk_inputs], scale, BV, seg(g)[rows], H,

@@ -20,11 +20,13 @@ segment's. Other T (a partial last chunk) walk unsegmented: the segments would n
 equal views, and padding would copy every input (decisions).
 
 :func:`plan_walk_segments` picks L among the divisors of NT with a cost model in µs (:func:`walk_cost_us`: the
-walk's waves and the warm-ups' waves), where the value heads share qk heads (G > 1) with the walk in batches of
-rows (:func:`walk_batch_rows`: its fp32 per-value-head dq, dk alive one batch at a time). Everything is a fixed-order computation: deterministic.
+walk's waves and the warm-ups' waves); :func:`plan_walk` also decides, where the value heads share qk heads
+(G > 1), whether the walk runs its rows in batches (:func:`walk_batch_rows`: its fp32 per-value-head dq, dk alive
+a batch at a time). Everything is a fixed-order computation: deterministic.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -44,33 +46,40 @@ W_TYPICAL = 8              # chunks a warm-up walks: the kernel finds w from the
                            # see; the anchors' gates (logsigmoid / 16) give w ≈ 8 at K = V = 128
 MIN_SEGMENT_CHUNKS = 8     # a segment shorter than a typical warm-up (W_TYPICAL) warms up longer than it walks
 MAX_SEGMENTS = 64          # per sequence: bounds dS_out (B·S·HV·K·V fp32) and the warm-ups' programs
-GVA_BATCHES = 4            # where G > 1, the walk's rows in at least this many launches (walk_batch_rows)
+GVA_BATCHES = 4            # where G > 1: the walk's rows in this many launches (walk_batch_rows) where the model
+GVA_TIME_MARGIN = 1.15     # costs that at most this much above one launch's plan (plan_walk)
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 
 
-def walk_batch_rows(rows: int, HV: int, V: int, BV: int, G: int, sms: int) -> int:
-    """Rows (sequences, or segments) per launch of the walk over ``rows``: all of them where G = HV / H is 1. Where
-    G > 1 the walk leaves dq and dk per value head in fp32 (``[rows, Ls, HV, K]`` each, the group summed after it:
-    at B = 4, T = 8192, HV = 32 the pair is 1.07 GB, twice the bf16 h) and walks the rows in batches, each summed
-    into the gradients before the next is walked: at most a quarter of the rows (GVA_BATCHES; the pair then at
-    most half of h's bytes at K = V), and at most one wave's (``sms`` programs, one per SM), so a batch never splits
-    a wave the whole launch would fill. :func:`plan_walk_segments` weighs the segments that keep the waves full."""
-    if G == 1 or rows == 1:
+@dataclasses.dataclass(frozen=True)
+class WalkPlan:
+    """How the walk runs: segments of ``L`` chunks (None: unsegmented), its rows (sequences, or segments) in
+    ``parts`` launches (:func:`walk_batch_rows`)."""
+    L: Optional[int]
+    parts: int
+
+
+def walk_batch_rows(rows: int, HV: int, V: int, BV: int, sms: int, parts: int) -> int:
+    """Rows per launch of the walk over ``rows`` rows (sequences, or segments) in ``parts`` launches: all of them
+    at one part; else at most ⌈rows / parts⌉ and at most one wave's (``sms`` programs, one per SM), so a batch
+    never splits a wave the whole launch would fill. Batches are for GVA (G = HV / H > 1): the walk leaves dq and dk
+    per value head in fp32 (``[rows, Ls, HV, K]`` each, twice the bf16 h's bytes at K = V; the group summed after
+    it), and each batch's are summed into the gradients before the next is walked."""
+    if parts == 1 or rows == 1:
         return rows
     per_wave = max(1, sms // (HV * (V // BV)))
-    return min(per_wave, -(-rows // GVA_BATCHES))
+    return min(per_wave, -(-rows // parts))
 
 
-def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, G: int = 1) -> float:
+def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, parts: int = 1) -> float:
     """Modelled µs of the reverse walk over B sequences of NT chunks in segments of L chunks (L = NT: unsegmented,
     no warm-ups): a phase whose programs walk c chunks each takes c · waves · its chunk cost, waves =
     ceil(programs / slots) per launch; the walk runs one program per (segment, value head, V slice) in the
-    launches of :func:`walk_batch_rows` (G = HV / H), the warm-ups the same programs in one launch, W_TYPICAL chain
-    steps each."""
+    launches of :func:`walk_batch_rows`, the warm-ups the same programs in one launch, W_TYPICAL chain steps each."""
     waves = lambda rows, occupancy: -(-(rows * HV * (V // BV)) // (occupancy * sms))
     S = NT // L
     rows = B * S
-    per_batch = walk_batch_rows(rows, HV, V, BV, G, sms)
+    per_batch = walk_batch_rows(rows, HV, V, BV, sms, parts)
     full, rest = divmod(rows, per_batch)
     walk = WALK_CHUNK_US * L * (full * waves(per_batch, WALK_OCCUPANCY) + waves(rest, WALK_OCCUPANCY))
     if S == 1:
@@ -79,31 +88,47 @@ def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, G:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, G: int = 1) -> Optional[int]:
-    """Segment length L (chunks) for the walk over B sequences of T tokens (G value heads per qk head), or None
-    (unsegmented): the cheapest
-    divisor L of NT = T/64 (T a multiple of 64; 2 … MAX_SEGMENTS segments of at least MIN_SEGMENT_CHUNKS chunks)
-    by :func:`walk_cost_us`, if it saves SPLIT_MARGIN of the unsegmented cost; ties go to the longer L (fewer
-    warm-ups). Cached: host time on every backward call."""
+def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts: int = 1) -> Optional[int]:
+    """Segment length L (chunks) for the walk over B sequences of T tokens in ``parts`` launches, or None
+    (unsegmented): the cheapest divisor L of NT = T/64 (T a multiple of 64; 2 … MAX_SEGMENTS segments of at least
+    MIN_SEGMENT_CHUNKS chunks) by :func:`walk_cost_us`, if it saves SPLIT_MARGIN of the unsegmented cost; ties go
+    to the longer L (fewer warm-ups). Cached: host time on every backward call."""
     NT = T // CHUNK
     if T % CHUNK or NT < 2 * MIN_SEGMENT_CHUNKS:
         return None
-    best_cost, best = SPLIT_MARGIN * walk_cost_us(B, NT, HV, V, BV, NT, sms, G), None
+    best_cost, best = SPLIT_MARGIN * walk_cost_us(B, NT, HV, V, BV, NT, sms, parts), None
     for S in range(2, min(MAX_SEGMENTS, NT // MIN_SEGMENT_CHUNKS) + 1):
         if NT % S:
             continue
-        cost = walk_cost_us(B, NT, HV, V, BV, NT // S, sms, G)
+        cost = walk_cost_us(B, NT, HV, V, BV, NT // S, sms, parts)
         if cost < best_cost:
             best_cost, best = cost, NT // S
     return best
 
 
-def segment_length(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int, G: int,
-                   device: torch.device) -> Optional[int]:
-    """L for the walk: ``segment_chunks`` as forced (an int ≥ 1 dividing T/64, T a multiple of 64; ≥ T/64 walks
-    unsegmented), or None → :func:`plan_walk_segments`. Returns None for the unsegmented walk."""
-    if segment_chunks is None:
-        return plan_walk_segments(B, T, HV, V, BV, num_sms(device), G)
+def plan_walk(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int, G: int,
+              device: torch.device) -> WalkPlan:
+    """The walk's segments and batches. L: ``segment_chunks`` as forced (:func:`segment_length`), else
+    :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, GVA_BATCHES (the fp32 per-value-head dq, dk a
+    quarter at a time, with the segments that keep each batch a full wave) if the model puts that within
+    GVA_TIME_MARGIN of the one-launch plan, else one (small shapes, where the buffers are small too)."""
+    sms = num_sms(device)
+    NT = cdiv(T, CHUNK)
+
+    def planned(parts: int) -> tuple[float, WalkPlan]:
+        L = segment_length(segment_chunks, T) if segment_chunks is not None else plan_walk_segments(
+            B, T, HV, V, BV, sms, parts)
+        return walk_cost_us(B, NT, HV, V, BV, L or NT, sms, parts), WalkPlan(L, parts)
+    one_cost, one = planned(1)
+    if G == 1:
+        return one
+    batched_cost, batched = planned(GVA_BATCHES)
+    return batched if batched_cost <= GVA_TIME_MARGIN * one_cost else one
+
+
+def segment_length(segment_chunks: int, T: int) -> Optional[int]:
+    """L for a forced ``segment_chunks`` (an int ≥ 1 dividing T/64, T a multiple of 64; ≥ T/64 walks unsegmented:
+    None)."""
     if not isinstance(segment_chunks, int) or isinstance(segment_chunks, bool) or segment_chunks < 1:
         raise ValueError(f"segment_chunks must be None or an int >= 1, got {segment_chunks!r}")
     NT = cdiv(T, CHUNK)
