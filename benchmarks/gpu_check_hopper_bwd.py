@@ -466,7 +466,7 @@ def time_segments(row) -> dict:
     index, B, T, H, HV = row
     x = row_inputs(B, T, H, HV)
     NT = T // 64
-    plan = segments.plan_walk(None, B, T, HV, 128, 64, HV // H, x["q"].device)
+    plan = segments.plan_walk(None, B, T, HV, 128, 64, HV // H, num_sms(x["q"].device))
     planned = plan.L
     L = planned or NT // 4
     hopper = lambda chunks: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=chunks)
@@ -515,6 +515,7 @@ def time_warm(item) -> dict:
     import triton
     from gpu_check_core import rel
 
+    from linattn.ops.common import num_sms
     from linattn.ops.hopper import backward, chunk_bwd, segments
     from linattn.ops.hopper import chunk_bwd_ref as bwd
     (index, B, T, H, HV), decay = item
@@ -522,7 +523,7 @@ def time_warm(item) -> dict:
     x["g"] = x["g"] / decay
     q, k, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "g", "beta", "do", "dht", "scale"))
     NT = T // 64
-    L = segments.plan_walk(None, B, T, HV, 128, 64, HV // H, q.device).L or NT // 4
+    L = segments.plan_walk(None, B, T, HV, 128, 64, HV // H, num_sms(q.device)).L or NT // 4
     S = NT // L
     hopper = lambda chunks: backward.chunk_gated_delta_rule_bwd_hopper(**x, segment_chunks=chunks)
     split, whole = hopper(L), hopper(NT)

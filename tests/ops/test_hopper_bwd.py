@@ -642,8 +642,7 @@ def test_walk_plan_batches_gva_where_the_model_allows():
     4960 µs against 4736; B=1 T=32768 HV=8 G=4: 1408 against 1240) — and one where it does not (B=1 T=4096 H=2
     HV=8: four batches of a quarter wave); a forced segment length kept, its batches judged at that length."""
     from linattn.ops.hopper import segments
-    cpu = torch.device("cpu")
-    plan = lambda B, T, H, HV, chunks=None: segments.plan_walk(chunks, B, T, HV, 128, 64, HV // H, cpu)
+    plan = lambda B, T, H, HV, chunks=None: segments.plan_walk(chunks, B, T, HV, 128, 64, HV // H, 132)
     P = segments.WalkPlan
     assert plan(8, 4096, 16, 16) == P(None, 1) and plan(1, 32768, 16, 16) == P(128, 1)
     assert plan(4, 8192, 16, 32) == P(64, 4) and plan(1, 32768, 2, 8) == P(16, 4)

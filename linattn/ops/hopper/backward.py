@@ -223,7 +223,7 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)
-    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, q.device)
+    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, num_sms(q.device))
     L = plan.L
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..common import CHUNK, num_sms
+from ..common import CHUNK
 from ..utils import cdiv
 
 WALK_CHUNK_US = 18.5       # one chunk step of a walk program (H100, K = V = 128, BV = 64, the slices' dq, dk
@@ -106,13 +106,14 @@ def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts
     return best
 
 
+@functools.lru_cache(maxsize=256)
 def plan_walk(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int, G: int,
-              device: torch.device) -> WalkPlan:
-    """The walk's segments and batches. L: ``segment_chunks`` as forced (:func:`segment_length`), else
-    :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, GVA_BATCHES (the fp32 per-value-head dq, dk a
-    quarter at a time, with the segments that keep each batch a full wave) if the model puts that within
-    GVA_TIME_MARGIN of the one-launch plan, else one (small shapes, where the buffers are small too)."""
-    sms = num_sms(device)
+              sms: int) -> WalkPlan:
+    """The walk's segments and batches on ``sms`` SMs. L: ``segment_chunks`` as forced (:func:`segment_length`),
+    else :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, GVA_BATCHES (the fp32 per-value-head dq,
+    dk a quarter at a time, with the segments that keep each batch a full wave) if the model puts that within
+    GVA_TIME_MARGIN of the one-launch plan, else one (small shapes, where the buffers are small too). Cached: host
+    time on every backward call."""
     NT = cdiv(T, CHUNK)
 
     def planned(parts: int) -> tuple[float, WalkPlan]:
