@@ -137,3 +137,25 @@ def test_walk_timeline_launch_matches_the_kernels_parameters(monkeypatch):
     first = launched[0]
     assert len(first) == len(compiled.params) and first[-1] is stamps and first[9] is outputs[0]
     assert_launch_matches_params(first, compiled.params)
+
+
+def test_walk_ab_precompiles_every_builds_kernels(monkeypatch):
+    """benchmarks/walk_ab.py's precompile list (the GPU A/B of walk builds): per build the walk and the warm-ups at
+    each row's heads and the timeline build at row 2's, plus the recompute's kernels; every entry a build of the
+    module it names (a second module here: this tree's chunk_bwd under another name)."""
+    from pathlib import Path
+
+    from linattn.ops.hopper import chunk_bwd, precompile
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    import gpu_check_hopper_bwd as g
+    import walk_ab
+    seen = []
+    monkeypatch.setattr(precompile, "precompile", lambda builds: seen.extend(builds) or "none")
+    walk_ab.precompile_all({"this tree": chunk_bwd, "copy": chunk_bwd}, [2, 7, 5])
+    recompute = len(g.recompute_configs())
+    walks = [b for b in seen[recompute:] if b.compile is chunk_bwd.compiled_kernel and not b.kwargs]
+    warms = [b for b in seen[recompute:] if b.compile is chunk_bwd.compiled_warm_kernel]
+    timelines = [b for b in seen[recompute:] if b.kwargs == dict(timeline=True)]
+    assert len(seen) == recompute + 2 * (3 * 2 + 1)
+    assert sorted(b.args[:2] for b in walks) == sorted(2 * [(16, 16), (2, 8), (16, 32)])
+    assert len(warms) == 6 and len(timelines) == 2 and all(b.args[:2] == (16, 16) for b in timelines)

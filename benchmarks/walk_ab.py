@@ -1,0 +1,100 @@
+"""A/B of reverse-walk builds in one process (issue 45): this tree's ``linattn.ops.hopper.chunk_bwd`` against
+copies of other branches' ``chunk_bwd.py`` placed beside it, e.g.
+
+    git show my-branch:linattn/ops/hopper/chunk_bwd.py > linattn/ops/hopper/chunk_bwd_mine.py
+    python benchmarks/walk_ab.py chunk_bwd_mine [--timeline] [--rows 2,7,3,5]
+
+(an untracked copy travels to the device with the working tree; delete it after). Every kernel is compiled first
+in parallel processes. Per row (2: B=8 T=4096 H=HV=16; 3: B=1 T=32768 H=HV=16; 5: B=4 T=8192 H=16 HV=32; 7: B=1
+T=32768 H=2 HV=8; K = V = 128, the anchors' gates, h0 and dht) and build: its walk's outputs against this tree's
+(bitwise, else the max relative difference per output), a bitwise repeat, do_bench ms of the walk alone
+(unsegmented) and of the whole backward with the build's walk and warm-ups swapped in; ``--timeline``: every
+build's in-kernel timeline at row 2 (µs per phase of the chunk step). A table last."""
+import importlib
+import json
+import sys
+
+import torch
+import triton
+
+from linattn.ops.hopper import backward, chunk_bwd, timeline
+
+ROWS = {2: (8, 4096, 16, 16), 3: (1, 32768, 16, 16), 7: (1, 32768, 2, 8), 5: (4, 8192, 16, 32)}
+
+
+def inputs(B, T, H, HV, K=128, V=128):
+    torch.manual_seed(0)
+    unit = lambda: torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    q, k = unit(), unit()
+    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
+    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
+    h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
+    return q, k, v, do, g, beta, h0, dht
+
+
+def precompile_all(mods: dict, rows: list) -> None:
+    """Every kernel of the run compiled in parallel processes into TileLang's disk cache first (serially they take
+    ≈ 20 s each): each build's walk and warm-ups per row's heads, its timeline at row 2, and the recompute's kernels
+    (gpu_check_hopper_bwd's rows 2, 3, 7; row 5's compile at first use)."""
+    import gpu_check_hopper_bwd as g
+
+    from linattn.ops.hopper.precompile import Build, precompile
+    builds = [g.kernel_build(c, None) for c in g.recompute_configs()]
+    scale = 128 ** -0.5
+    for m in mods.values():
+        for H, HV in {ROWS[i][2:] for i in rows}:
+            builds += [Build(m.compiled_kernel, (H, HV, 128, 128, scale, 64)),
+                       Build(m.compiled_warm_kernel, (H, HV, 128, 128, scale, 64))]
+        builds.append(Build(m.compiled_kernel, (16, 16, 128, 128, scale, 64), dict(timeline=True)))
+    print(precompile(builds), flush=True)
+
+
+def build_row(index: int, mods: dict, timeline_on: bool) -> list:
+    """Every build's results at one row (module docstring); the reference is this tree's walk."""
+    B, T, H, HV = ROWS[index]
+    q, k, v, do, g, beta, h0, dht = inputs(B, T, H, HV)
+    scale, NT = 128 ** -0.5, -(-T // 64)
+    gc_hm, beta_hm, a_inv, bound = backward.solve(k, g, beta)
+    h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0)
+    walk = lambda m: (lambda: m.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64))
+    whole = lambda: backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, h0, do, dht)
+    ref = walk(chunk_bwd)()
+    rows = []
+    for name, m in mods.items():
+        got, again = walk(m)(), walk(m)()
+        saved = chunk_bwd.chunk_bwd_hopper, chunk_bwd.reverse_warm_ups_hopper
+        chunk_bwd.chunk_bwd_hopper, chunk_bwd.reverse_warm_ups_hopper = m.chunk_bwd_hopper, m.reverse_warm_ups_hopper
+        try:
+            whole()
+            bwd_ms = triton.testing.do_bench(whole)
+        finally:
+            chunk_bwd.chunk_bwd_hopper, chunk_bwd.reverse_warm_ups_hopper = saved
+        walk_ms = triton.testing.do_bench(walk(m))
+        r = dict(row=index, build=name, bitwise_old=all(torch.equal(x, y) for x, y in zip(ref, got)),
+                 max_rel=[((x.float() - y.float()).abs().max() / x.float().abs().max().clamp_min(1e-30)).item()
+                          for x, y in zip(ref, got)],
+                 repeat=all(torch.equal(x, y) for x, y in zip(got, again)), walk_ms=walk_ms,
+                 us_per_chunk=walk_ms * 1000 / NT, bwd_ms=bwd_ms)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        if index == 2 and timeline_on:
+            _, stamps = m.walk_timeline(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64, steps=64)
+            print(timeline.format_table(timeline.timeline_phases(stamps.cpu()), f"row 2 {name}"), flush=True)
+    return rows
+
+
+def main():
+    names = [a for a in sys.argv[1:] if not a.startswith("--") and not a[0].isdigit()]
+    rows = [int(r) for r in sys.argv[sys.argv.index("--rows") + 1].split(",")] if "--rows" in sys.argv else list(ROWS)
+    mods = {"this tree": chunk_bwd, **{n: importlib.import_module(f"linattn.ops.hopper.{n}") for n in names}}
+    precompile_all(mods, rows)
+    table = [r for index in rows for r in build_row(index, mods, "--timeline" in sys.argv)]
+    print(f"\n{torch.cuda.get_device_name()}\nrow  build             bitwise  repeat  walk ms (µs/chunk)   backward ms")
+    for r in table:
+        print(f"{r['row']:>3}  {r['build']:<16}  {r['bitwise_old']!s:>7}  {r['repeat']!s:>6}  {r['walk_ms']:.3f} "
+              f"({r['us_per_chunk']:.1f})   {r['bwd_ms']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
