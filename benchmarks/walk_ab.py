@@ -16,21 +16,11 @@ import sys
 
 import torch
 import triton
+from gpu_check_hopper_bwd import row_inputs
 
 from linattn.ops.hopper import backward, chunk_bwd, timeline
 
 ROWS = {2: (8, 4096, 16, 16), 3: (1, 32768, 16, 16), 7: (1, 32768, 2, 8), 5: (4, 8192, 16, 32)}
-
-
-def inputs(B, T, H, HV, K=128, V=128):
-    torch.manual_seed(0)
-    unit = lambda: torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    q, k = unit(), unit()
-    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
-    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
-    h0, dht = (torch.randn(B, HV, K, V, device="cuda") * 0.1 for _ in range(2))
-    return q, k, v, do, g, beta, h0, dht
 
 
 def precompile_all(mods: dict, rows: list) -> None:
@@ -53,8 +43,10 @@ def precompile_all(mods: dict, rows: list) -> None:
 def build_row(index: int, mods: dict, timeline_on: bool) -> list:
     """Every build's results at one row (module docstring); the reference is this tree's walk."""
     B, T, H, HV = ROWS[index]
-    q, k, v, do, g, beta, h0, dht = inputs(B, T, H, HV)
-    scale, NT = 128 ** -0.5, -(-T // 64)
+    x = row_inputs(B, T, H, HV)
+    q, k, v, do, g, beta, h0, dht, scale = (x[n] for n in ("q", "k", "v", "do", "g", "beta", "initial_state",
+                                                          "dht", "scale"))
+    NT = -(-T // 64)
     gc_hm, beta_hm, a_inv, bound = backward.solve(k, g, beta)
     h = backward.states(k, v, gc_hm, beta_hm, a_inv, bound, h0)
     walk = lambda m: (lambda: m.chunk_bwd_hopper(q, k, v, do, gc_hm, beta_hm, a_inv, h, dht, scale, 64))
