@@ -239,6 +239,18 @@ def flat_offsets(B: int, T: int) -> list[int]:
     return [b * T for b in range(B + 1)]
 
 
+def output_tensor(x: Optional[torch.Tensor], name: str, shape: tuple, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """A kernel's output: ``x`` where given (a caller's view to write into; ValueError unless it is a contiguous
+    ``dtype`` tensor of ``shape`` on ``device``, which the kernel's layout needs), else a new one."""
+    if x is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(x.shape) != tuple(shape) or x.dtype != dtype or x.device != device or not x.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} {tuple(shape)} on {device}, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}{'' if x.is_contiguous() else ', not contiguous'}")
+    return x
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype of the torch paths' arithmetic and of every state: fp64 for fp64 inputs, else fp32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

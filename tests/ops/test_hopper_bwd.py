@@ -400,7 +400,7 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
                                      torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **given)
     assert out[2] is given["dv"] is launched[11] and out[5] is given["dh0"] is launched[14]
     for bad, match in [(dict(dv=given["dv"].float()), "dv must be"), (dict(dh0=torch.empty(B, 4, K, 2 * K)
-                       .narrow(3, 0, K)), "non-contiguous"), (dict(dg=given["dh0"]), "writes only")]:
+                       .narrow(3, 0, K)), "not contiguous"), (dict(dg=given["dh0"]), "writes only")]:
         with pytest.raises((ValueError, TypeError), match=match):
             chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
                                        torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **bad)

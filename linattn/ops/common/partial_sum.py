@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import MIN_LOG_DECAY, cdiv
+from ..utils import MIN_LOG_DECAY, cdiv, output_tensor
 from . import CHUNK
 from .launch import launch
 
@@ -139,35 +139,24 @@ def partial_sums(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch
     dq_heads, dk_heads, dg_parts, dbeta_parts, g = (x.contiguous() for x in (dq_heads, dk_heads, dg_parts,
                                                                             dbeta_parts, g))
     G = HV // H
-    shapes = [((B, T, H, K), qk_dtype)] * 2 + [((B, T, HV), g.dtype), ((B, T, HV), beta_dtype)]
+    if out is not None and len(out) != 4:
+        raise ValueError(f"out must be (dq, dk, dg, dbeta), got {len(out)} tensors")
+    given = dict(zip(("dq", "dk", "dg", "dbeta"), out or (None,) * 4))
     if G == 1 and out is None:      # the walk's dq, dk are the gradients: no launch part, no copy in their dtype
         dq, dk = dq_heads.to(qk_dtype), dk_heads.to(qk_dtype)
-        dg, dbeta = _outputs(None, shapes[2:], g.device)
     else:
-        dq, dk, dg, dbeta = _outputs(out, shapes, g.device)
+        dq, dk = (output_tensor(given[n], n, (B, T, H, K), qk_dtype, g.device) for n in ("dq", "dk"))
         for heads, grad in ((dq_heads, dq), (dk_heads, dk)) if G == 1 else ():
             if grad.data_ptr() != heads.data_ptr():
                 grad.copy_(heads)
+    dg = output_tensor(given["dg"], "dg", (B, T, HV), g.dtype, g.device)
+    dbeta = output_tensor(given["dbeta"], "dbeta", (B, T, HV), beta_dtype, g.device)
     BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
     BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
     grid = ((2 * cdiv(B * T * H, BR) if G > 1 else 0) + B * cdiv(T, BTOK),)
     launch(partial_sums_kernel, grid, dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T,
            Lp // CHUNK, NV=NV, G=G, K=K, HV=HV, BT=CHUNK, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
     return dq, dk, dg, dbeta
-
-
-def _outputs(out: Optional[tuple], shapes: list, device) -> list:
-    """:func:`partial_sums`' outputs: ``out``'s tensors, checked against ``shapes`` ((shape, dtype) each), or new
-    ones (None)."""
-    if out is None:
-        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
-    if len(out) != 4:
-        raise ValueError(f"out must be (dq, dk, dg, dbeta), got {len(out)} tensors")
-    for name, x, (shape, dtype) in zip(("dq", "dk", "dg", "dbeta"), out, shapes):
-        if tuple(x.shape) != shape or x.dtype != dtype or x.device != device or not x.is_contiguous():
-            raise ValueError(f"out's {name} must be a contiguous {dtype} {shape} on {device}, got {x.dtype} "
-                             f"{tuple(x.shape)} on {x.device}{'' if x.is_contiguous() else ', not contiguous'}")
-    return list(out)
 
 
 def partial_sums_ref(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch.Tensor,

@@ -48,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from ..utils import output_tensor
 from .chunk_bwd_ref import NEGLIGIBLE_LOG2
 from .chunk_fwd import BT, compile_prim_func, launcher
 from .timeline import POINTS, stamps_shape
@@ -672,35 +673,19 @@ def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int,
         raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
                          f"{tuple(h.shape)}")
     dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
-    qk = dict(shape=(B, T, HV, K), dtype=q.dtype if HV == H else torch.float32)
-    given = _outputs(out or {}, dict(dq=qk, dk=qk, dv=dict(shape=v.shape, dtype=v.dtype),
-                                     dh0=dict(shape=(B, HV, K, V), dtype=torch.float32)), q.device)
-    dq, dk, dv, dh0 = (given[n] for n in ("dq", "dk", "dv", "dh0"))
+    out = out or {}
+    if unknown := set(out) - {"dq", "dk", "dv", "dh0"}:
+        raise TypeError(f"the walk writes only dq, dk, dv, dh0, got {sorted(unknown)}")
+    qk_dtype = q.dtype if HV == H else torch.float32
+    dq, dk = (output_tensor(out.get(n), n, (B, T, HV, K), qk_dtype, q.device) for n in ("dq", "dk"))
+    dv = output_tensor(out.get("dv"), "dv", v.shape, v.dtype, q.device)
+    dh0 = output_tensor(out.get("dh0"), "dh0", (B, HV, K, V), torch.float32, q.device)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     scratch, flags = exchange_buffers(B, HV, K, NV, q.device)
     arguments = [q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
                  beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
                  scratch, flags]
     return arguments, (dq, dk, dv, dg, dbeta, dh0)
-
-
-def _outputs(out: dict, specs: dict, device) -> dict:
-    """The walk's outputs named in ``specs`` (name → shape and dtype): ``out``'s tensor where given (checked: the
-    shape, dtype, device, and contiguous, which the kernel's layout needs), else a new one."""
-    if unknown := set(out) - set(specs):
-        raise TypeError(f"the walk writes only {sorted(specs)}, got {sorted(unknown)}")
-    tensors = {}
-    for name, spec in specs.items():
-        x = out.get(name)
-        if x is None:
-            x = torch.empty(spec["shape"], dtype=spec["dtype"], device=device)
-        elif (tuple(x.shape) != tuple(spec["shape"]) or x.dtype != spec["dtype"] or x.device != device
-                or not x.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous {spec['dtype']} {tuple(spec['shape'])} on {device}, got "
-                             f"{'a non-contiguous ' if not x.is_contiguous() else ''}{x.dtype} {tuple(x.shape)} "
-                             f"on {x.device}")
-        tensors[name] = x
-    return tensors
 
 
 def exchange_shapes(B, HV: int, K: int, NV: int) -> tuple[tuple, tuple]:
