@@ -223,7 +223,8 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     BV = BV or min(V, chunk_bwd.BV_DEFAULT)
-    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, num_sms(q.device))
+    sms = num_sms(q.device)
+    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, sms)
     L = plan.L
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
@@ -239,7 +240,7 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     dg = torch.empty_like(g)
     dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=q.device)
     dh0 = torch.empty(B * S, HV, K, V, dtype=torch.float32, device=q.device)
-    per_batch = segments.walk_batch_rows(B * S, HV, V, BV, num_sms(q.device), plan.parts)
+    per_batch = segments.walk_batch_rows(B * S, HV, V, BV, sms, plan.parts)
     for r in range(0, B * S, per_batch):
         rows = slice(r, r + per_batch)
         walk_rows([x[rows] if x is not None else None for x in walk_inputs], scale, BV, seg(g)[rows], H,
