@@ -697,6 +697,30 @@ def test_walk_in_batches_equals_one_launch(monkeypatch, segment_chunks):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("segment_chunks", [None, 1])
+def test_no_final_state_gradient_is_zeros_and_a_given_one_is_kept(monkeypatch, segment_chunks):
+    """dht None gives dht = zeros' gradients bitwise, with and without an initial state (the walk's dh0 buffer then
+    starts as the zeros it reads), unsegmented and in segments; a caller's dht is read, never written (the walk's
+    dh0 is a buffer of its own, or the warm-ups' dS_out in segments). The twins, fp32, under the interpreter."""
+    use_host_chain_twins(monkeypatch)
+    x = {n: t.to(DEVICE).float() for n, t in make_inputs(2, 128, 1, 2, 32, seed=7).items()}
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    run = lambda h0, dht: backward.chunk_gated_delta_rule_bwd_hopper(*args, 0.3, h0, x["do"], dht, BV=16,
+                                                                     segment_chunks=segment_chunks)
+    for h0 in (x["h0"], None):
+        zeros = torch.zeros_like(x["dht"])
+        without, with_zeros = run(h0, None), run(h0, zeros)
+        assert not zeros.any()
+        assert (without[5] is None) == (h0 is None)
+        for name, a, b in zip(GRADS, without, with_zeros):
+            assert (a is None and b is None) or torch.equal(a, b), name
+    dht = x["dht"].clone()
+    grads = run(x["h0"], dht)
+    assert torch.equal(dht, x["dht"])
+    assert not torch.equal(grads[5], run(x["h0"], None)[5])     # dht is read
+
+
 def _exchange_events(NV: int, steps: int, iv: int):
     """Slice ``iv``'s exchange operations in program order, as ``chunk_bwd._exchange_macros`` places them (slot =
     step mod NV = the step's owner): ("write", ring index, step), ("publish", flag index, value), ("await", flag

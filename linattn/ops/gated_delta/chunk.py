@@ -92,11 +92,16 @@ def _backward(ctx, do, dht):
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if do is None:
         do = torch.zeros_like(v)
-    if dht is None:
-        dht = v.new_zeros(N, HV, K, V, dtype=compute_dtype(v))
-    do, dht = do.contiguous(), dht.contiguous()
-    bwd = _bwd_impl if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, do, dht) else _bwd_op
-    dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, ctx.backend)
+    if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, do, dht):
+        # dht None stays None: the backward allocates no zeros for it (the Hopper walk's dh0 buffer starts as them)
+        dq, dk, dv, dg, dbeta, dh0 = run_backward(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
+                                                  host_offsets(cu_seqlens, T), do.contiguous(),
+                                                  dht.contiguous() if dht is not None else None, ctx.backend)
+    else:       # the custom op's schema takes tensors
+        if dht is None:
+            dht = v.new_zeros(N, HV, K, V, dtype=compute_dtype(v))
+        dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do.contiguous(),
+                                             dht.contiguous(), ctx.backend)
     return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None, None
 
 

@@ -29,6 +29,8 @@ from typing import Literal, NamedTuple, Optional, get_args
 
 import torch
 
+from ..utils import compute_dtype
+
 ForwardPath = Literal["auto", "split", "walk", "hopper"]
 FORWARD_PATHS = get_args(ForwardPath)
 
@@ -119,7 +121,6 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         from .torch_chunk import chunk_gated_delta_rule_fwd_torch
         return chunk_gated_delta_rule_fwd_torch(q, k, v, g, beta, scale, initial_state, offsets)
     if choice.path == "reference":
-        from ..utils import compute_dtype
         from .reference import gated_delta_rule_reference
         o, ht = gated_delta_rule_reference(q, k, v, g, beta, scale, initial_state, offsets)
         return o.to(v.dtype), ht.to(compute_dtype(v))
@@ -178,9 +179,10 @@ def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: 
 
 def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                  cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]], do: torch.Tensor,
-                 dht: torch.Tensor, backend: str) -> tuple:
-    """dq, dk, dv, dg, dbeta, dh0 (None without initial_state) from the path :func:`choose_backward_path` picks. A
-    Hopper backward that does not compile here warns once and leaves the Triton backward to every later call."""
+                 dht: Optional[torch.Tensor], backend: str) -> tuple:
+    """dq, dk, dv, dg, dbeta, dh0 (None without initial_state) from the path :func:`choose_backward_path` picks;
+    dht None is the final state's gradient of zeros (the Hopper walk then allocates none: its dh0 buffer starts as
+    them). A Hopper backward that does not compile here warns once and leaves the Triton backward to every later call."""
     path, _ = choose_backward_path(q, v, g, do, cu_seqlens, backend, offsets, others=(k, beta, initial_state, dht))
     if path == "torch":
         from .torch_chunk import chunk_gated_delta_rule_bwd_torch
@@ -196,4 +198,7 @@ def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.T
             warnings.warn(f"linattn: the Hopper backward (TileLang) did not compile here, so the Triton backward "
                           f"runs instead: {e}", RuntimeWarning, stacklevel=2)
     from .triton_bwd import chunk_gated_delta_rule_bwd_triton  # lazy: triton is optional on CPU machines
+    if dht is None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        dht = v.new_zeros(N, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v))
     return chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets, do, dht)

@@ -233,21 +233,31 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
     hm_seg = lambda x: segments.head_major_as_segments(x, S)
-    walk_inputs = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out)
     # the gradients, written a batch of rows at a time through segment views (dq, dk, dv, dg, dβ) and rows (dh0)
     dq, dk = (torch.empty_like(q) for _ in range(2))
     dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=q.device)
-    dh0 = torch.empty(B * S, HV, K, V, dtype=torch.float32, device=q.device)
+    # dh0 of every row written over the row's own dS_out where that buffer is the backward's (the warm-ups', or
+    # zeros for dht None): each program reads its block of dS_out before its walk and writes the same block of dh0
+    # after it, and no other program touches that block
+    if dS_out is None:
+        dS_out = dh0 = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
+    elif L:
+        dh0 = dS_out
+    else:
+        dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
+    walk_inputs = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out)
     per_batch = segments.walk_batch_rows(B * S, HV, V, BV, sms, plan.parts)
     for r in range(0, B * S, per_batch):
         rows = slice(r, r + per_batch)
-        walk_rows([x[rows] if x is not None else None for x in walk_inputs], scale, BV, seg(g)[rows], H,
+        walk_rows([x[rows] for x in walk_inputs], scale, BV, seg(g)[rows], H,
                   tuple(x[rows] for x in (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0)))
     del h
+    if initial_state is None:
+        return dq, dk, dv, dg, dbeta, None
     dh0 = dh0.view(B, S, HV, K, V)[:, 0].contiguous()     # each sequence's first segment's
-    return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype) if initial_state is not None else None
+    return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype)
 
 
 def walk_rows(walk_inputs: list, scale: float, BV: int, g: torch.Tensor, H: int, out: tuple) -> None:

@@ -632,7 +632,8 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     add over each group; the gradients themselves in q's dtype where G = 1), dv ``[B, T, HV, V]`` bf16, the
     partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the
     partials). ``out``: any of dq, dk, dv, dh0 given as contiguous tensors of those shapes and dtypes, written in
-    place of new ones (the host's views of its gradients)."""
+    place of new ones (the host's views of its gradients); dh0 may be dht itself (fp32, contiguous), overwritten:
+    each program reads its block of dht before its walk and writes the same block of dh0 after it."""
     arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV, out)
     H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     launcher(compiled_kernel(H, HV, K, V, scale, BV))(*arguments)
