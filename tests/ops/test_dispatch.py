@@ -101,6 +101,10 @@ def test_the_backward_choice_and_its_reason():
     # the work, not the pairs alone: one pair of a long sequence, many pairs of short ones
     assert blocker(1, work, 1, 128, 128, bf16, f32) is None and blocker(work // 64, 64, 1, 128, 128, bf16, f32) is None
     assert "pairs" in blocker(1, work // 2 - 1, 2, 128, 128, bf16, f32)
+    # K = 64 with grouped value heads: an open accuracy defect (dβ), routed to the Triton backward
+    assert "K = 64" in blocker(1, 32768, 4, 64, 64, bf16, f32, groups=2)
+    assert blocker(1, 32768, 4, 64, 64, bf16, f32) is None
+    assert blocker(1, 32768, 8, 128, 128, bf16, f32, groups=4) is None
 
 
 def test_packed_sequences_take_the_padded_hopper_backward_by_the_forwards_rule():
