@@ -130,7 +130,8 @@ def check(case, dt, use_token_ref, forward_path="auto", backward_path="auto"):
                        low, do, dht)
         torch.cuda.synchronize()
         first_s = time.time() - t0
-        ran, _ = dispatch.choose_backward_path(low["q"], low["v"], low["g"], do.to(dt), cu, "triton")
+        ran, _ = dispatch.choose_backward_path(low["q"], low["v"], low["g"], do.to(dt), cu, "triton",
+                                               initial_state=low["initial_state"])
     row = dict(case=name, dtype=str(dt).split(".")[-1], B=B, T=T, H=H, HV=HV, K=K, V=V, first_call_s=first_s,
                backward=ran, nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in tri))
     row["err"] = {n: rel(a, b) for n, a, b in zip(NAMES, tri, ref)}

@@ -105,6 +105,10 @@ def test_the_backward_choice_and_its_reason():
     assert "K = 64" in blocker(1, 32768, 4, 64, 64, bf16, f32, groups=2)
     assert blocker(1, 32768, 4, 64, 64, bf16, f32) is None
     assert blocker(1, 32768, 8, 128, 128, bf16, f32, groups=4) is None
+    # an initial state with one-chunk sequences: dg's open accuracy defect, routed to the Triton backward
+    assert "one chunk" in blocker(2048, 64, 32, 128, 128, bf16, f32, initial_state=True)
+    assert blocker(2048, 64, 32, 128, 128, bf16, f32) is None
+    assert blocker(1024, 65, 32, 128, 128, bf16, f32, initial_state=True) is None
 
 
 def test_packed_sequences_take_the_padded_hopper_backward_by_the_forwards_rule():
@@ -147,7 +151,7 @@ def test_run_backward_hands_packed_sequences_to_the_hopper_backward(monkeypatch)
 
 
 def test_backward_route_checks_every_tensor_the_walk_reads(monkeypatch):
-    """run_backward asks choose_backward_path with k, β, the initial state and dht beside q, v, g and dO: a tensor
+    """run_backward asks choose_backward_path with k, β, dht and the initial state beside q, v, g and dO: a tensor
     off a 16-byte boundary keeps the Triton backward (``hopper.plan.input_blocker``, tested with the forward's)."""
     asked = {}
     monkeypatch.setattr(dispatch, "choose_backward_path", lambda *args, **kw: asked.update(kw) or ("torch", "test"))
@@ -157,4 +161,5 @@ def test_backward_route_checks_every_tensor_the_walk_reads(monkeypatch):
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     h0, dht = torch.zeros(1, 2, 16, 16), torch.ones(1, 2, 16, 16)
     assert dispatch.run_backward(*args, 0.25, h0, None, None, x["v"], dht, "triton") == "grads"
-    assert all(a is b for a, b in zip(asked["others"], (x["k"], x["beta"], h0, dht)))
+    assert all(a is b for a, b in zip(asked["others"], (x["k"], x["beta"], dht), strict=True))
+    assert asked["initial_state"] is h0

@@ -131,16 +131,19 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: torch.dtype,
                             g_dtype: torch.dtype, offsets: Optional[list[int]] = None, *,
-                            groups: int = 1) -> Optional[str]:
+                            groups: int = 1, initial_state: bool = False) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
     (``hopper.backward.size_limit``, ``dtype_limit``), K = 64 with ``groups`` = HV / H > 1 (its dβ is outside the
-    accuracy bound on the GPU at long sequences, cause not yet found: docs/backward.md §10), then
+    accuracy bound on the GPU at long sequences, cause not yet found: docs/backward.md §10), an
+    ``initial_state`` with sequences of one chunk (the walk reads the state entering a sequence's first chunk in
+    bf16, and where that chunk is the whole sequence dg's error is above the bound), then
     :data:`HOPPER_BWD_MIN_WORK`.
 
     Packed sequences (``offsets``, cu_seqlens' host values) run the padded backward (``hopper/varlen.py``): the
     forward's rule (padding at most ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the threshold
     on the padded batch: N sequences of Tp rows (``varlen.padded_rows``)."""
+    from ..common import CHUNK
     from ..hopper.backward import dtype_limit, size_limit
     static = size_limit(K, V) or dtype_limit(g_dtype, dO=do_dtype)
     if static is not None:
@@ -154,6 +157,8 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
         if not worth_padding(offsets, T, DEFAULT.max_padded_fraction):
             return (f"packed sequences would waste more than {DEFAULT.max_padded_fraction:.0%} of the padded batch "
                     f"to padding")
+    if initial_state and T <= CHUNK:
+        return f"an initial state with sequences of one chunk ({T} ≤ {CHUNK} tokens): dg outside the accuracy bound"
     if B * HV * T < HOPPER_BWD_MIN_WORK:
         return (f"{B * HV} (sequence, head) pairs × {T} tokens = {B * HV * T} < {HOPPER_BWD_MIN_WORK}, where it is "
                 f"not measured ahead")
@@ -162,10 +167,10 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
 
 def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
                          cu_seqlens: Optional[torch.Tensor], backend: str, offsets: Optional[list[int]] = None,
-                         others: tuple = ()) -> tuple[str, str]:
+                         others: tuple = (), initial_state: Optional[torch.Tensor] = None) -> tuple[str, str]:
     """The backward for these saved inputs on ``backend``: ("torch" | "hopper" | "triton", why). ``offsets``:
-    cu_seqlens' host values (None: read from the device); ``others``: the call's other tensors (k, β, the initial
-    state, dht; None skipped), which must start on a 16-byte boundary as q, v, g and dO must
+    cu_seqlens' host values (None: read from the device); ``others``: the call's other tensors (k, β, dht; None
+    skipped), which must start on a 16-byte boundary as q, v, g, dO and ``initial_state`` (or None) must
     (``hopper.plan.input_blocker``: the walk's TMA loads)."""
     if backend != "triton":
         return "torch", f"backend={backend!r}"
@@ -173,9 +178,9 @@ def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: 
         return "triton", "Hopper backward: not a CUDA call"
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
-    reason = _hopper()[0].input_blocker(q, v, g, do, *others) or \
+    reason = _hopper()[0].input_blocker(q, v, g, do, *others, initial_state) or \
         hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype, offsets,
-                                groups=v.shape[2] // q.shape[2])
+                                groups=v.shape[2] // q.shape[2], initial_state=initial_state is not None)
     if reason is None:
         if offsets is not None:
             return "hopper", f"{len(offsets) - 1} packed sequences × {v.shape[2]} heads, padded"
@@ -189,7 +194,8 @@ def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.T
     """dq, dk, dv, dg, dbeta, dh0 (None without initial_state) from the path :func:`choose_backward_path` picks;
     dht None is the final state's gradient of zeros (the Hopper walk then allocates none: its dh0 buffer starts as
     them). A Hopper backward that does not compile here warns once and leaves the Triton backward to every later call."""
-    path, _ = choose_backward_path(q, v, g, do, cu_seqlens, backend, offsets, others=(k, beta, initial_state, dht))
+    path, _ = choose_backward_path(q, v, g, do, cu_seqlens, backend, offsets, others=(k, beta, dht),
+                                   initial_state=initial_state)
     if path == "torch":
         from .torch_chunk import chunk_gated_delta_rule_bwd_torch
         return chunk_gated_delta_rule_bwd_torch(q, k, v, g, beta, scale, initial_state, offsets, do, dht)
