@@ -8,6 +8,7 @@ import torch
 import linattn
 from linattn.ops.gated_delta import dispatch
 from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
+from linattn.ops.gated_delta.reference import gated_delta_rule_reference
 
 from .test_hopper_fwd import inputs
 
@@ -163,3 +164,25 @@ def test_backward_route_checks_every_tensor_the_walk_reads(monkeypatch):
     assert dispatch.run_backward(*args, 0.25, h0, None, None, x["v"], dht, "triton") == "grads"
     assert all(a is b for a, b in zip(asked["others"], (x["k"], x["beta"], dht), strict=True))
     assert asked["initial_state"] is h0
+
+
+@pytest.mark.parametrize("read_state", [False, True], ids=["o_only", "o_and_state"])
+def test_eager_backward_passes_no_zeros_for_an_unread_final_state(monkeypatch, read_state):
+    """A loss that does not read the final state gives the backward dht None (no [N, HV, K, V] zeros allocated:
+    the Hopper walk's dh0 buffer stands in for them), one that reads it gives its gradient; the gradients match the
+    float64 reference's either way."""
+    from linattn.ops.gated_delta import chunk
+    seen = []
+    real = chunk.run_backward
+    monkeypatch.setattr(chunk, "run_backward", lambda *a: seen.append(a[10]) or real(*a))
+    x = inputs(1, 70, 1, 2, 16, 16)
+    xs = [x[n].float().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    o, ht = linattn.chunk_gated_delta_rule(*xs, 0.25, output_final_state=True, backend="torch")
+    loss = o.square().sum() + (ht.sum() if read_state else 0)
+    grads = torch.autograd.grad(loss, xs)
+    assert len(seen) == 1 and (seen[0] is None) != read_state
+    ys = [t.detach().double().requires_grad_() for t in xs]
+    o_ref, ht_ref = gated_delta_rule_reference(*ys, 0.25)
+    ref = torch.autograd.grad(o_ref.square().sum() + (ht_ref.sum() if read_state else 0), ys)
+    for a, b in zip(grads, ref):
+        assert torch.allclose(a.double(), b, rtol=1e-3, atol=1e-4)
