@@ -26,7 +26,7 @@ from ..utils import (
     l2norm,
     select_backend,
 )
-from .dispatch import ForwardPath, run_backward, run_forward
+from .dispatch import ForwardPath, run_backward, run_forward, zero_state_gradient
 from .fla_keywords import fla_keywords_given, resolve_fla_keywords
 from .reference import gated_delta_rule_reference
 
@@ -87,9 +87,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dht):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    T = q.shape[1]
     if do is None:
         do = torch.zeros_like(v)
     if eager_call(q, k, v, g, beta, initial_state, cu_seqlens, do, dht):
@@ -99,7 +97,7 @@ def _backward(ctx, do, dht):
                                                   dht.contiguous() if dht is not None else None, ctx.backend)
     else:       # the custom op's schema takes tensors
         if dht is None:
-            dht = v.new_zeros(N, HV, K, V, dtype=compute_dtype(v))
+            dht = zero_state_gradient(q, v, cu_seqlens)
         dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do.contiguous(),
                                              dht.contiguous(), ctx.backend)
     return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None, None

@@ -190,6 +190,13 @@ def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: 
     return "triton", f"Hopper backward: {reason}"
 
 
+def zero_state_gradient(q: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+    """The final state's gradient of zeros ``[N, HV, K, V]`` (N: the sequences) in the states' dtype, for the
+    backwards that read a tensor where the loss does not read the final state."""
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return v.new_zeros(N, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v))
+
+
 def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.Tensor],
                  cu_seqlens: Optional[torch.Tensor], offsets: Optional[list[int]], do: torch.Tensor,
                  dht: Optional[torch.Tensor], backend: str) -> tuple:
@@ -213,6 +220,5 @@ def run_backward(q, k, v, g, beta, scale: float, initial_state: Optional[torch.T
                           f"runs instead: {e}", RuntimeWarning, stacklevel=2)
     from .triton_bwd import chunk_gated_delta_rule_bwd_triton  # lazy: triton is optional on CPU machines
     if dht is None:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        dht = v.new_zeros(N, v.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v))
+        dht = zero_state_gradient(q, v, cu_seqlens)
     return chunk_gated_delta_rule_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, offsets, do, dht)

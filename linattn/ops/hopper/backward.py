@@ -41,7 +41,7 @@ from ..common.partial_sum import partial_sums
 from ..utils import cdiv
 from . import chunk_bwd, forward, prepass, segments, varlen, walk_launch
 from .chunk_fwd import BT
-from .plan import DEFAULT, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
+from .plan import DEFAULT, HopperPlan, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
 
@@ -60,11 +60,18 @@ def segmented_states_limit(B: int, T: int, HV: int, K: int, V: int, sms: int) ->
     6.7× the rounded baseline on an H100 (T = 32768, H = 2, HV = 4), while its twins give the unsegmented
     recompute's h and the unsegmented K = 64 recompute is within the bound (docs/performance.md, "Accuracy"):
     a defect of a K = 64 kernel of that recompute, not found yet. The dispatch routes on it."""
-    chosen = plan(B, HV, V, T, sms) if K == 64 else None
-    if chosen is not None and chosen.segments > 1:
+    chosen = segmented_states_plan(B, HV, V, T, sms) if K == 64 else None
+    if chosen is not None:
         return (f"K = 64 where the states recompute runs in segments ({chosen.segments}): dβ outside the accuracy "
                 f"bound (an open defect)")
     return None
+
+
+def segmented_states_plan(B: int, HV: int, V: int, T: int, sms: int) -> Optional[HopperPlan]:
+    """The forward's plan (``plan.plan``) where it cuts the sequences into segments, which :func:`states` then
+    follows; else None (:func:`states` walks them whole)."""
+    chosen = plan(B, HV, V, T, sms)
+    return chosen if chosen is not None and chosen.segments > 1 else None
 
 
 def dtype_limit(g: torch.dtype, **operands: torch.dtype) -> Optional[str]:
@@ -131,8 +138,8 @@ def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state) -> torch.Tensor:
     leaves the card idle)."""
     B, T, HV, V = k.shape[0], k.shape[1], *v.shape[2:]
     sms = num_sms(k.device)
-    chosen = plan(B, HV, V, T, sms)
-    if chosen is not None and chosen.segments > 1:
+    chosen = segmented_states_plan(B, HV, V, T, sms)
+    if chosen is not None:
         return segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, chosen.segments,
                                 chosen.kernel_launch, chosen.config)
     launch = hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
