@@ -380,7 +380,7 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
     from linattn.ops.hopper import chunk_bwd
     compiled = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")
     launched = []
-    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args: compiled)
+    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args, **kw: compiled)
     monkeypatch.setattr(chunk_bwd, "launcher", lambda kernel: lambda *args: launched.extend(args))
     B, T, NT = 2, 100, 2
     bf = torch.bfloat16
@@ -400,10 +400,45 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
                                      torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **given)
     assert out[2] is given["dv"] is launched[11] and out[5] is given["dh0"] is launched[14]
     for bad, match in [(dict(dv=given["dv"].float()), "dv must be"), (dict(dh0=torch.empty(B, 4, K, 2 * K)
-                       .narrow(3, 0, K)), "not contiguous"), (dict(dg=given["dh0"]), "writes only")]:
+                       .narrow(3, 0, K)), "not contiguous"), (dict(dg=given["dh0"]), "writes only"),
+                       (dict(dh0=given["dh0"], want_dh0=False), "without state gradients")]:
         with pytest.raises((ValueError, TypeError), match=match):
             chunk_bwd.chunk_bwd_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
                                        torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV, **bad)
+
+
+@COMPILES
+def test_reverse_walk_without_state_gradients(monkeypatch):
+    """Neither an initial state nor dht (``want_dh0=False``): the build without state gradients reads no dht and
+    writes no dh0 (its dS starts at zero), its dht and dh0 are one-element placeholders, and the launch matches its parameters; with dht given, or dh0 wanted, the
+    launch is the default build's."""
+    from linattn.ops.hopper import chunk_bwd
+    H, K, BV = 2, 128, 64
+    default = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")
+    lean = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a", state_grads=False)
+    params = {name: param for name, param in zip(("dht", "dh0"), (lean.params[8], lean.params[14]))}
+    assert all([str(n) for n in p.shape] == ["1"] for p in params.values()), params
+    source, default_source = lean.get_kernel_source(), default.get_kernel_source()
+    for name in ("dht", "dh0"):     # the lean kernel's source does not name them at all
+        assert re.search(rf"\b{name}\b", default_source) and not re.search(rf"\b{name}\b", source), name
+    built = []
+    monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args, **kw: built.append(kw) or
+                        (lean if kw.get("state_grads") is False else default))
+    launched = []
+    monkeypatch.setattr(chunk_bwd, "launcher", lambda kernel: lambda *args: launched.append((kernel, args)))
+    B, T, NT = 2, 100, 2
+    bf = torch.bfloat16
+    q, k = (torch.zeros(B, T, H, K, dtype=bf) for _ in range(2))
+    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
+    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
+    inputs = (q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf), torch.zeros(B, NT, 4, K, K, dtype=bf))
+    out = chunk_bwd.chunk_bwd_hopper(*inputs, None, K ** -0.5, BV, want_dh0=False)
+    kernel, args = launched[-1]
+    assert kernel is lean and out[5] is None and args[8].numel() == args[14].numel() == 1
+    assert_launch_matches_params(list(args), lean.params)
+    for dht, want in ((torch.zeros(B, 4, K, K), False), (None, True)):
+        out = chunk_bwd.chunk_bwd_hopper(*inputs, dht, K ** -0.5, BV, want_dh0=want)
+        assert launched[-1][0] is default and out[5].shape == (B, 4, K, K)
 
 
 @COMPILES

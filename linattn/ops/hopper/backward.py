@@ -260,8 +260,11 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=q.device)
     # dh0 of every row written over the row's own dS_out where that buffer is the backward's (the warm-ups', or
     # zeros for dht None): each program reads its block of dS_out before its walk and writes the same block of dh0
-    # after it, and no other program touches that block
-    if dS_out is None:
+    # after it, and no other program touches that block. Neither an initial state nor dht: the walk's build
+    # without state gradients, and no [B, HV, K, V] buffer
+    if dS_out is None and initial_state is None:
+        dh0 = None
+    elif dS_out is None:
         dS_out = dh0 = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
     elif L:
         dh0 = dS_out
@@ -271,8 +274,9 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     per_batch = segments.walk_batch_rows(B * S, HV, V, BV, sms, plan.parts)
     for r in range(0, B * S, per_batch):
         rows = slice(r, r + per_batch)
-        walk_rows([x[rows] for x in walk_inputs], scale, BV, seg(g)[rows], H,
-                  tuple(x[rows] for x in (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0)))
+        walk_rows([x[rows] if x is not None else None for x in walk_inputs], scale, BV, seg(g)[rows], H,
+                  tuple(x[rows] if x is not None else None for x in (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta),
+                                                                     dh0)))
     del h
     if initial_state is None:
         return dq, dk, dv, dg, dbeta, None
@@ -284,11 +288,12 @@ def walk_rows(walk_inputs: list, scale: float, BV: int, g: torch.Tensor, H: int,
     """The walk (``chunk_bwd.chunk_bwd_hopper``) over some rows (sequences, or segment views) and its reductions
     (:func:`gradients_from_partials`) into ``out`` = (dq, dk, dv, dg, dβ, dh0) of those rows; g theirs. Where
     HV = H the walk writes dq, dk themselves (no reduction but the gates'); else its fp32 per-value-head dq, dk live
-    only within this call."""
+    only within this call. dh0 None (and dht None among the inputs): the walk without state gradients."""
     dq, dk, dv, dg, dbeta, dh0 = out
     G = walk_inputs[2].shape[2] // H
     direct = dict(dq=dq, dk=dk) if G == 1 else {}
-    dq_heads, dk_heads, _, dg_p, dbeta_p, _ = chunk_bwd.chunk_bwd_hopper(*walk_inputs, scale, BV, dv=dv, dh0=dh0,
+    state = dict(dh0=dh0) if dh0 is not None else dict(want_dh0=False)
+    dq_heads, dk_heads, _, dg_p, dbeta_p, _ = chunk_bwd.chunk_bwd_hopper(*walk_inputs, scale, BV, dv=dv, **state,
                                                                           **direct)
     gradients_from_partials(dq_heads, dk_heads, dg_p, dbeta_p, g, dbeta.dtype, dq.dtype, H, out=(dq, dk, dg, dbeta))
 

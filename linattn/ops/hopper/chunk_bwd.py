@@ -451,11 +451,13 @@ def alloc_tiles(K: int, BV: int, **program) -> types.SimpleNamespace:
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256,
-                 timeline: bool = False):
+                 timeline: bool = False, state_grads: bool = True):
     """The TileLang prim_func of the reverse walk for these static sizes (B and T symbolic); ``BV`` divides V.
     ``timeline``: the benchmark's instrument (timeline.py), the same walk with one more parameter, ``stamps`` int64
     ``[B·HV·NV, steps, len(POINTS) + 1, threads / 128]`` (steps symbolic: the first ``steps`` steps of every program
-    are stamped), and a stamp at each of ``timeline.POINTS``."""
+    are stamped), and a stamp at each of ``timeline.POINTS``. ``state_grads`` False: the walk starts from a zero
+    gradient of the final state and writes no dh0 (no initial state, no dht: the buffers of ``[B, HV, K, V]`` fp32
+    they would take are not allocated); dht and dh0 are then one-element placeholders."""
     import tilelang.language as T
 
     if V % BV:
@@ -468,6 +470,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
     m = step_macros(K, BV, scale, NV, warpgroups if timeline else 0)
     qk_out = bf if G == 1 else acc
     scratch_shape, flags_shape = exchange_shapes(B, HV, K, NV)
+    state_shape = (B, HV, K, V) if state_grads else (1,)
 
     @T.macro
     def walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, scratch, flags, stamps):
@@ -481,7 +484,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
             timed = dict(stamps=stamps) if timeline else {}
             t = alloc_tiles(K, BV, iv=iv, ib=ib, ihv=ihv, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta,
                             scratch=scratch, flags=flags, **timed)
-            T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
+            if state_grads:
+                T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
+            else:
+                T.clear(t.dS)
             m.split_state(t)
             for cr in T.Pipelined(chunks, num_stages=1):
                 c = chunks - 1 - cr
@@ -500,7 +506,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 rows = T.min(BT, Tn - c * BT)
                 g_last = t.gcs[rows - 1]
                 m.full_step(t, rows, g_last, c, cr)
-            T.copy(t.dS, dh0[ib, ihv, 0:K, v0:v0 + BV])
+            if state_grads:
+                T.copy(t.dS, dh0[ib, ihv, 0:K, v0:v0 + BV])
 
     if timeline:
         @T.prim_func
@@ -509,10 +516,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
                 gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                 a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
-                dht: T.Tensor((B, HV, K, V), acc),
+                dht: T.Tensor(state_shape, acc),
                 dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
                 dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
-                dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc),
+                dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc),
                 scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32"),
                 stamps: T.Tensor(stamps_shape(B * HV * NV, T.symbolic("steps"), warpgroups), "int64")):
             walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, scratch, flags, stamps)
@@ -524,10 +531,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                       v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
                       gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                       a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
-                      dht: T.Tensor((B, HV, K, V), acc),
+                      dht: T.Tensor(state_shape, acc),
                       dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
                       dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
-                      dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor((B, HV, K, V), acc),
+                      dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc),
                       scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32")):
         walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, scratch, flags, None)
 
@@ -618,25 +625,31 @@ def _check_slices_and_gates(B: int, HV: int, V: int, NT: int, BV: int, gc: torch
 
 @functools.lru_cache(maxsize=32)
 def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
-                    target: Optional[str] = None, timeline: bool = False):
+                    target: Optional[str] = None, timeline: bool = False, state_grads: bool = True):
     """:func:`build_kernel` compiled by TileLang (``chunk_fwd.compile_prim_func``) for ``target`` (None: this GPU;
-    "sm_90a" without one); ``timeline``: the benchmark's timeline build (:func:`walk_timeline`)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV, timeline=timeline), target)
+    "sm_90a" without one); ``timeline``: the benchmark's timeline build (:func:`walk_timeline`); ``state_grads``
+    False: the build without dht and dh0."""
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, BV, timeline=timeline, state_grads=state_grads),
+                             target)
 
 
 def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                      beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
-                     scale: float, BV: int = BV_DEFAULT, **out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                     scale: float, BV: int = BV_DEFAULT, want_dh0: bool = True,
+                     **out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
     Returns dq, dk ``[B, T, HV, K]`` (the slices added: fp32 per value head where G = HV / H > 1, for the host to
     add over each group; the gradients themselves in q's dtype where G = 1), dv ``[B, T, HV, V]`` bf16, the
     partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the
     partials). ``out``: any of dq, dk, dv, dh0 given as contiguous tensors of those shapes and dtypes, written in
     place of new ones (the host's views of its gradients); dh0 may be dht itself (fp32, contiguous), overwritten:
-    each program reads its block of dht before its walk and writes the same block of dh0 after it."""
-    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV, out)
+    each program reads its block of dht before its walk and writes the same block of dh0 after it.
+    ``want_dh0`` False with dht None: the walk's build without state gradients (``build_kernel(state_grads=False)``:
+    from a zero dS, no dh0 buffer); dh0 is then None."""
+    state_grads = want_dh0 or dht is not None
+    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV, out, state_grads)
     H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
-    launcher(compiled_kernel(H, HV, K, V, scale, BV))(*arguments)
+    launcher(compiled_kernel(H, HV, K, V, scale, BV, state_grads=state_grads))(*arguments)
     return outputs
 
 
@@ -661,10 +674,11 @@ def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     return outputs, stamps
 
 
-def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int,
-                    out: Optional[dict] = None) -> tuple[list, tuple[torch.Tensor, ...]]:
+def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int, out: Optional[dict] = None,
+                    state_grads: bool = True) -> tuple[list, tuple[torch.Tensor, ...]]:
     """The walk's launch arguments (inputs checked, outputs and exchange buffers allocated, or taken from ``out``:
-    :func:`chunk_bwd_hopper`) and its outputs."""
+    :func:`chunk_bwd_hopper`) and its outputs; without ``state_grads`` one-element placeholders for dht and dh0,
+    and dh0 None among the outputs."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
@@ -673,20 +687,26 @@ def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int,
     if h.shape != (B, NT, HV, K, V) or h.dtype != torch.bfloat16:
         raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
                          f"{tuple(h.shape)}")
-    dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
     out = out or {}
     if unknown := set(out) - {"dq", "dk", "dv", "dh0"}:
         raise TypeError(f"the walk writes only dq, dk, dv, dh0, got {sorted(unknown)}")
+    if not state_grads and out.get("dh0") is not None:
+        raise ValueError("dh0 given to a walk without state gradients (want_dh0=False)")
+    state_shape = (B, HV, K, V) if state_grads else (1,)
+    if dht is not None:
+        dht = dht.float().contiguous()
+    else:
+        dht = q.new_zeros(state_shape, dtype=torch.float32)
     qk_dtype = q.dtype if HV == H else torch.float32
     dq, dk = (output_tensor(out.get(n), n, (B, T, HV, K), qk_dtype, q.device) for n in ("dq", "dk"))
     dv = output_tensor(out.get("dv"), "dv", v.shape, v.dtype, q.device)
-    dh0 = output_tensor(out.get("dh0"), "dh0", (B, HV, K, V), torch.float32, q.device)
+    dh0 = output_tensor(out.get("dh0"), "dh0", state_shape, torch.float32, q.device)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
     scratch, flags = exchange_buffers(B, HV, K, NV, q.device)
     arguments = [q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
                  beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
                  scratch, flags]
-    return arguments, (dq, dk, dv, dg, dbeta, dh0)
+    return arguments, (dq, dk, dv, dg, dbeta, dh0 if state_grads else None)
 
 
 def exchange_shapes(B, HV: int, K: int, NV: int) -> tuple[tuple, tuple]:
