@@ -131,20 +131,19 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: torch.dtype,
                             g_dtype: torch.dtype, offsets: Optional[list[int]] = None, *,
-                            sms: int = 132, initial_state: bool = False) -> Optional[str]:
+                            initial_state: bool = False) -> Optional[str]:
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
-    (``hopper.backward.size_limit``, ``dtype_limit``), then two measured accuracy misses (docs/performance.md,
-    "Accuracy"): K = 64 where the states recompute runs in segments on ``sms`` SMs
-    (``hopper.backward.segmented_states_limit``) and an ``initial_state`` with sequences of one chunk (the walk reads
-    the state entering a sequence's first chunk in bf16; where that chunk is the whole sequence, dg's error is above
-    the bound), then :data:`HOPPER_BWD_MIN_WORK`.
+    (``hopper.backward.size_limit``, ``dtype_limit``), then two measured defects (docs/performance.md, "Accuracy"):
+    K = 64, whose dβ is not repeatable (``hopper.backward.defect_limit``), and an ``initial_state`` with sequences
+    of one chunk (the walk reads the state entering a sequence's first chunk in bf16; where that chunk is the whole
+    sequence, dg's error is above the bound), then :data:`HOPPER_BWD_MIN_WORK`.
 
     Packed sequences (``offsets``, cu_seqlens' host values) run the padded backward (``hopper/varlen.py``): the
     forward's rule (padding at most ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the threshold
     on the padded batch: N sequences of Tp rows (``varlen.padded_rows``)."""
     from ..common import CHUNK
-    from ..hopper.backward import dtype_limit, segmented_states_limit, size_limit
+    from ..hopper.backward import defect_limit, dtype_limit, size_limit
     static = size_limit(K, V) or dtype_limit(g_dtype, dO=do_dtype)
     if static is not None:
         return static
@@ -155,9 +154,9 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
         if not worth_padding(offsets, T, DEFAULT.max_padded_fraction):
             return (f"packed sequences would waste more than {DEFAULT.max_padded_fraction:.0%} of the padded batch "
                     f"to padding")
-    accuracy = segmented_states_limit(B, T, HV, K, V, sms)
-    if accuracy is not None:
-        return accuracy
+    defect = defect_limit(K)
+    if defect is not None:
+        return defect
     if initial_state and T <= CHUNK:
         return f"an initial state with sequences of one chunk ({T} ≤ {CHUNK} tokens): dg outside the accuracy bound"
     if B * HV * T < HOPPER_BWD_MIN_WORK:
@@ -177,12 +176,11 @@ def choose_backward_path(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do: 
         return "torch", f"backend={backend!r}"
     if q.device.type != "cuda":
         return "triton", "Hopper backward: not a CUDA call"
-    from ..common import num_sms
     if cu_seqlens is not None and offsets is None:
         offsets = cu_seqlens.tolist()
     reason = _hopper()[0].input_blocker(q, v, g, do, *others, initial_state) or \
         hopper_backward_blocker(*q.shape[:2], v.shape[2], q.shape[3], v.shape[3], do.dtype, g.dtype, offsets,
-                                sms=num_sms(q.device), initial_state=initial_state is not None)
+                                initial_state=initial_state is not None)
     if reason is None:
         if offsets is not None:
             return "hopper", f"{len(offsets) - 1} packed sequences × {v.shape[2]} heads, padded"
