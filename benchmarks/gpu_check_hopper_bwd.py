@@ -56,6 +56,11 @@
     the gap to the next) µs per step, median and p90 over programs and steps, per consumer warpgroup, later steps
     and the first (the exchanges also by role: the step's owner slice or another). A table last.
 
+(h) --repeat: the Hopper backward run REPEAT_RUNS times on the same inputs at sequences long enough for a race
+    between the walk's warpgroups to show (T = 32768 at K = 64 and 128, H = 2, HV = 4; row 2), as planned: per
+    gradient "bitwise" or the largest relative L2 difference from the first run. Compiles as it goes (no
+    precompile), ≈ 2 min.
+
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --skip-timing    # (a)
     python benchmarks/gpu_check_hopper_bwd.py --out $OUT --timing-only --rows 2
     python benchmarks/gpu_check_hopper_bwd.py --segments --out $OUT   # part (c) alone, ≈ 2-4 min
@@ -63,14 +68,16 @@
     python benchmarks/gpu_check_hopper_bwd.py --states --out $OUT     # part (e) alone, ≈ 3-5 min
     python benchmarks/gpu_check_hopper_bwd.py --varlen --out $OUT     # part (f) alone, ≈ 1-2 min after compiles
     python benchmarks/gpu_check_hopper_bwd.py --timeline --out $OUT   # part (g) alone, ≈ 1 min after compiles
+    python benchmarks/gpu_check_hopper_bwd.py --repeat --out $OUT     # part (h) alone
     python benchmarks/gpu_check_hopper_bwd.py --smoke          # CPU: builds every kernel for sm_90a, ptxas report
 
-Every part first compiles every TileLang kernel of the script (all parts': the smoke's list) side by side, one
+Every part but (h) first compiles every TileLang kernel of the script (all parts': the smoke's list) side by side, one
 process per CPU core, into TileLang's disk cache (``hopper/precompile.py``; it prints the time taken): the parts
 then load them.
 
 Writes hopper_bwd.json (hopper_bwd_segments.json with --segments, hopper_bwd_warm.json with --warm,
-hopper_bwd_states.json with --states, hopper_bwd_varlen.json with --varlen, hopper_bwd_timeline.json with --timeline)
+hopper_bwd_states.json with --states, hopper_bwd_varlen.json with --varlen, hopper_bwd_timeline.json with --timeline,
+hopper_bwd_repeat.json with --repeat)
 under --out
 after every case (a run cut short keeps what it reached), printing each row's JSON as it goes and a table last.
 """
@@ -102,6 +109,14 @@ CASES = [
     ("B1_T1000_K128_slow_decay", 1, 1000, 2, 2, 128, 128, None, 1 / 1024, False),
     ("B1_T256_K128_repeated_token", 1, 256, 1, 2, 128, 128, None, 1 / 16, True),
 ]
+# --repeat: sequences long enough for a race between the walk's warpgroups to show (B2_T300_GVA_K64 repeated bit
+# for bit where T = 32768 at K = 64 did not: docs/performance.md, "Accuracy"), each run RUNS times as planned
+REPEAT_CASES = [
+    ("B1_T32768_GVA_K64", 1, 32768, 2, 4, 64, 64, None, 1 / 16, False),
+    ("B1_T32768_GVA_K128", 1, 32768, 2, 4, 128, 128, None, 1 / 16, False),
+    ("B8_T4096_K128", 8, 4096, 16, 16, 128, 128, None, 1 / 16, False),
+]
+REPEAT_RUNS = 4
 # part (a)'s cases walked in segments (the last field: segment_chunks): S = 4, 2 and 8 segments, their walks
 # already among CASES' kernels
 SEGMENTED_CASES = [
@@ -344,16 +359,20 @@ def recompute_case(case) -> dict:
                 nonfinite=int((~torch.isfinite(new[3].float())).sum()))
 
 
-def repeat_case(case, segment_chunks: Optional[int] = None) -> dict:
-    """Two runs of the Hopper backward on the same inputs (walked in segments of ``segment_chunks``, or as
-    planned): every output bit for bit equal."""
+def repeat_case(case, segment_chunks: Optional[int] = None, runs: int = 2) -> dict:
+    """``runs`` runs of the Hopper backward on the same inputs (walked in segments of ``segment_chunks``, or as
+    planned): whether every output of every run equals the first's bit for bit, and the largest relative L2
+    difference from it."""
     from linattn.ops.hopper.backward import chunk_gated_delta_rule_bwd_hopper
     name, B, T, H, HV, K, V, BV, decay, repeated = case
     low, _, dht = bf16_inputs(name, B, T, H, HV, K, V, decay, repeated)
     args = ([low[n] for n in ("q", "k", "v", "g", "beta")] + [K ** -0.5, low["initial_state"], low["do"], dht, BV])
-    runs = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks) for _ in range(2)]
-    return dict(case=name, segment_chunks=segment_chunks,
-                bitwise_equal={n: bool(torch.equal(a, b)) for n, a, b in zip(GRADS, *runs)})
+    first, *others = [chunk_gated_delta_rule_bwd_hopper(*args, segment_chunks=segment_chunks) for _ in range(runs)]
+    return dict(case=name, segment_chunks=segment_chunks, runs=runs,
+                bitwise_equal={n: all(torch.equal(a, o[i]) for o in others)
+                               for i, (n, a) in enumerate(zip(GRADS, first))},
+                max_difference={n: max(difference(o[i], a)["rel_l2"] for o in others)
+                                for i, (n, a) in enumerate(zip(GRADS, first))})
 
 
 def time_row(row) -> dict:
@@ -903,6 +922,25 @@ def print_tables(results: dict) -> None:
               f"inputs {r['peak_MiB']['extra']:.0f} MiB (its gradients {r['peak_MiB']['outputs']:.0f})")
 
 
+def long_repeats(out_dir: Path) -> dict:
+    """--repeat: :func:`repeat_case` of every REPEAT_CASES case, REPEAT_RUNS runs, as planned; one table."""
+    rows = []
+    for case in REPEAT_CASES:
+        try:
+            rows.append(repeat_case(case, runs=REPEAT_RUNS))
+        except Exception as e:      # one failing case must not hide the others
+            rows.append(dict(case=case[0], error=f"{type(e).__name__}: {e}"))
+        print(json.dumps(rows[-1]), flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "hopper_bwd_repeat.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{'case':<22} " + " ".join(f"{n:>16}" for n in GRADS))
+    for r in rows:
+        cells = [("bitwise" if r["bitwise_equal"][n] else f"{r['max_difference'][n]:.1e}") for n in GRADS] \
+            if "error" not in r else [r["error"][:80]]
+        print(f"{r['case']:<22} " + " ".join(f"{c:>16}" for c in cells))
+    return dict(repeat=rows)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -915,9 +953,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--states", action="store_true", help="only part (e), the states recompute in segments")
     ap.add_argument("--varlen", action="store_true", help="only part (f), packed sequences by padding")
     ap.add_argument("--timeline", action="store_true", help="only part (g), the walk's in-kernel timeline")
+    ap.add_argument("--repeat", action="store_true",
+                    help=f"only the long bitwise repeats ({REPEAT_RUNS} runs of each of REPEAT_CASES; no precompile)")
     args = ap.parse_args(argv)
     if args.smoke:
         return dict(smoke=smoke())
+    if args.repeat:
+        return long_repeats(Path(args.out))
     precompile_kernels()
     name = ("hopper_bwd_segments" if args.segments else "hopper_bwd_warm" if args.warm
             else "hopper_bwd_states" if args.states else "hopper_bwd_varlen" if args.varlen
