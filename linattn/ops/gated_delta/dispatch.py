@@ -135,7 +135,7 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
     (``hopper.backward.size_limit``, ``dtype_limit``), then two measured defects (docs/performance.md, "Accuracy"):
-    K = 64, whose dβ is not repeatable (``hopper.backward.defect_limit``), and an ``initial_state`` with sequences
+    K = 64 (and V = 64 with it), whose dβ is not repeatable (``hopper.backward.defect_limit``), and an ``initial_state`` with sequences
     of one chunk (the walk reads the state entering a sequence's first chunk in bf16; where that chunk is the whole
     sequence, dg's error is above the bound), then :data:`HOPPER_BWD_MIN_WORK`.
 
@@ -154,7 +154,7 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
         if not worth_padding(offsets, T, DEFAULT.max_padded_fraction):
             return (f"packed sequences would waste more than {DEFAULT.max_padded_fraction:.0%} of the padded batch "
                     f"to padding")
-    defect = defect_limit(K)
+    defect = defect_limit(K, V)
     if defect is not None:
         return defect
     if initial_state and T <= CHUNK:

@@ -32,9 +32,11 @@ never the op's): the same walk with one more output, the stamps (``timeline.py``
 every chunk step the first thread of each consumer warpgroup stores the SM's clock64 (one global store), and at the
 step's start the global timer, which converts the cycles to µs. Its one change to the walk's order: the step's
 inputs are all awaited at its "loads" point (the default build awaits each at its first use, within the recompute
-and the chain). The default build is untouched (its prim_func is the same: no stamp, no parameter). ptxas keeps it
-within the 168 registers without a spill at K = V = 128, BV = 64 (a start stamp at the loop's top, before the wait
-on gc, spilled 8 B: the start is stamped after that wait). ``gpu_check_hopper_bwd.py --timeline`` prints its table.
+and the chain). The default build is untouched (its prim_func is the same: no stamp, no parameter). At K = V = 128,
+BV = 64 it sits at the 168-register wall: TileLang places the shared buffers differently from one compile to the
+next, and ptxas spills 4 B in about one compile of five, none in the others (a start stamp at the loop's top, before
+the wait on gc, spilled 8 B every time: the start is stamped after that wait). ``gpu_check_hopper_bwd.py
+--timeline`` prints its table.
 
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
