@@ -519,9 +519,9 @@ def test_gpu_script_smoke_builds_every_kernel():
     assert all(r["spill_stores"] <= spill_bound(r) and r["shared_bytes"] <= CTA_SHARED for r in rows), rows
 
 
-def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, **out):
+def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, want_dh0=True, **out):
     """chunk_bwd.chunk_bwd_hopper's contract computed by the twin (no rounding): the host chain's stand-in walk,
-    writing ``out``'s tensors where given."""
+    writing ``out``'s tensors where given; dh0 None without state gradients (``want_dh0`` False, dht None)."""
     T = q.shape[1]
     pad = (0, gc.shape[-1] - T)
     saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
@@ -532,7 +532,8 @@ def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, **out):
     for name, x in out.items():
         x.copy_(made[name])
         made[name] = x
-    return made["dq"], made["dk"], made["dv"], head_major(p.dg), head_major(p.dbeta), made["dh0"]
+    dh0 = made["dh0"] if want_dh0 or dht is not None else None
+    return made["dq"], made["dk"], made["dv"], head_major(p.dg), head_major(p.dbeta), dh0
 
 
 def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
@@ -743,16 +744,26 @@ def test_walk_in_batches_equals_one_launch(monkeypatch, segment_chunks):
 @pytest.mark.parametrize("segment_chunks", [None, 1])
 def test_no_final_state_gradient_is_zeros_and_a_given_one_is_kept(monkeypatch, segment_chunks):
     """dht None gives dht = zeros' gradients bitwise, with and without an initial state (the walk's dh0 buffer then
-    starts as the zeros it reads), unsegmented and in segments; a caller's dht is read, never written (the walk's
+    starts as the zeros it reads; unsegmented without an initial state, the walk without state gradients, from a
+    zero dS), unsegmented and in segments; a caller's dht is read, never written (the walk's
     dh0 is a buffer of its own, or the warm-ups' dS_out in segments). The twins, fp32, under the interpreter."""
+    from linattn.ops.hopper import chunk_bwd
     use_host_chain_twins(monkeypatch)
+    walks = []      # per walk launch: whether it was asked for the state gradients (dht read, dh0 written)
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper",
+                        lambda *a, **kw: walks.append(kw.get("want_dh0", True) or a[8] is not None) or
+                        _twin_walk(*a, **kw))
     x = {n: t.to(DEVICE).float() for n, t in make_inputs(2, 128, 1, 2, 32, seed=7).items()}
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     run = lambda h0, dht: backward.chunk_gated_delta_rule_bwd_hopper(*args, 0.3, h0, x["do"], dht, BV=16,
                                                                      segment_chunks=segment_chunks)
     for h0 in (x["h0"], None):
         zeros = torch.zeros_like(x["dht"])
-        without, with_zeros = run(h0, None), run(h0, zeros)
+        walks.clear()
+        without = run(h0, None)
+        # unsegmented, neither an initial state nor dht: the walk without state gradients (no dh0 buffer)
+        assert set(walks) == {h0 is not None or segment_chunks is not None}, walks
+        with_zeros = run(h0, zeros)
         assert not zeros.any()
         assert (without[5] is None) == (h0 is None)
         for name, a, b in zip(GRADS, without, with_zeros):

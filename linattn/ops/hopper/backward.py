@@ -273,11 +273,10 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
         dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
     walk_inputs = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out)
     per_batch = segments.walk_batch_rows(B * S, HV, V, BV, sms, plan.parts)
+    grads = (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0)
     for r in range(0, B * S, per_batch):
-        rows = slice(r, r + per_batch)
-        walk_rows([x[rows] if x is not None else None for x in walk_inputs], scale, BV, seg(g)[rows], H,
-                  tuple(x[rows] if x is not None else None for x in (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta),
-                                                                     dh0)))
+        batch = lambda x, rows=slice(r, r + per_batch): None if x is None else x[rows]   # dS_out, dh0 may be None
+        walk_rows([batch(x) for x in walk_inputs], scale, BV, batch(seg(g)), H, tuple(batch(x) for x in grads))
     del h
     if initial_state is None:
         return dq, dk, dv, dg, dbeta, None
