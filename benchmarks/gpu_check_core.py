@@ -12,6 +12,9 @@ kernel that stores intermediates in bf16/fp16 cannot avoid). The bound is kernel
 ``--backward-path hopper`` gives the Hopper backward every call it can take (the dispatch's work threshold off:
 bf16 on sm_90, K and V in 64 and 128, aligned inputs); each row records the backward that ran (``backward``).
 
+Each case's kernel call runs twice: a row lists any output that differs bit for bit between the two
+(``not_repeated``: a race; the backward promises the same bits every run).
+
 Prints one table last; writes core_check.json (and core_check.jsonl, line by line) under --out.
 """
 from __future__ import annotations
@@ -124,16 +127,18 @@ def check(case, dt, use_token_ref, forward_path="auto", backward_path="auto"):
                        exact, do, dht)
     torch.cuda.synchronize()
     t0 = time.time()
+    kernel = lambda **a: chunk_gated_delta_rule_on_path(forward_path, **a, scale=scale, cu_seqlens=cu,
+                                                        output_final_state=True, backend="triton")
     with backward_routing(backward_path):
-        tri = grads_of(lambda **a: chunk_gated_delta_rule_on_path(forward_path, **a, scale=scale, cu_seqlens=cu,
-                                                                  output_final_state=True, backend="triton"),
-                       low, do, dht)
+        tri = grads_of(kernel, low, do, dht)
         torch.cuda.synchronize()
         first_s = time.time() - t0
+        again = grads_of(kernel, low, do, dht)     # the same call again: every output bit for bit (no race)
         ran, _ = dispatch.choose_backward_path(low["q"], low["v"], low["g"], do.to(dt), cu, "triton",
                                                initial_state=low["initial_state"])
     row = dict(case=name, dtype=str(dt).split(".")[-1], B=B, T=T, H=H, HV=HV, K=K, V=V, first_call_s=first_s,
-               backward=ran, nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in tri))
+               backward=ran, nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in tri),
+               not_repeated=[n for n, a, b in zip(NAMES, tri, again) if not torch.equal(a, b)])
     row["err"] = {n: rel(a, b) for n, a, b in zip(NAMES, tri, ref)}
     if cu is None:
         base = rounded_twin(low, dt, scale, do, dht)
@@ -213,7 +218,8 @@ def main():
             b = r.get("base", {}).get(n)
             cells.append(f"{e:.1e}" + (f"/{b:.1e}{'' if e <= 2 * b else '!'}" if b is not None else ""))
         print("%-22s %-9s %-7s " % (r["case"][:22], r["dtype"], r["backward"]) + " ".join("%-16s" % c for c in cells)
-              + (f"  NONFINITE={r['nonfinite']}" if r["nonfinite"] else ""))
+              + (f"  NONFINITE={r['nonfinite']}" if r["nonfinite"] else "")
+              + (f"  NOT REPEATED: {','.join(r['not_repeated'])}" if r["not_repeated"] else ""))
 
 
 if __name__ == "__main__":
