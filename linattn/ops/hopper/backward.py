@@ -41,7 +41,7 @@ from ..common.partial_sum import partial_sums
 from ..utils import cdiv
 from . import chunk_bwd, forward, prepass, segments, varlen, walk_launch
 from .chunk_fwd import BT
-from .plan import DEFAULT, HopperPlan, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
+from .plan import DEFAULT, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
 
 SIZES = (64, 128)       # K and V the walk is compiled and checked for (its shared memory: docs/backward.md §4)
 
@@ -66,13 +66,6 @@ def defect_limit(K: int, V: int) -> Optional[str]:
     if V == 64:
         return "V = 64: one slice per head, as at K = 64 where dβ is not repeatable (unchecked, routed with it)"
     return None
-
-
-def segmented_states_plan(B: int, HV: int, V: int, T: int, sms: int) -> Optional[HopperPlan]:
-    """The forward's plan (``plan.plan``) where it cuts the sequences into segments, which :func:`states` then
-    follows; else None (:func:`states` walks them whole)."""
-    chosen = plan(B, HV, V, T, sms)
-    return chosen if chosen is not None and chosen.segments > 1 else None
 
 
 def dtype_limit(g: torch.dtype, **operands: torch.dtype) -> Optional[str]:
@@ -139,8 +132,8 @@ def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state) -> torch.Tensor:
     leaves the card idle)."""
     B, T, HV, V = k.shape[0], k.shape[1], *v.shape[2:]
     sms = num_sms(k.device)
-    chosen = segmented_states_plan(B, HV, V, T, sms)
-    if chosen is not None:
+    chosen = plan(B, HV, V, T, sms)
+    if chosen is not None and chosen.segments > 1:
         return segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, chosen.segments,
                                 chosen.kernel_launch, chosen.config)
     launch = hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
