@@ -493,16 +493,17 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
             m.split_state(t)
             for cr in T.Pipelined(chunks, num_stages=1):
                 c = chunks - 1 - cr
-                # single-buffered loads in the order this step last reads each buffer (T at C2, V in the X terms,
-                # dO on the q side, q, h, k on the k side, gc and β in the finish): TileLang's producer issues them
-                # in this order, each once its slot is released (after its last use: every dot here waits for
-                # its result), so the next chunk's T, v, dO stream in under the q and k sides
+                # single-buffered loads, issued by TileLang's producer in this order, each once its slot is released
+                # (after its last use: every dot here waits for its result), so the next chunk's T and dO stream in
+                # under the q and k sides. v comes after k, not in its place by last use (the X terms): the X terms
+                # release v's slot right after issuing their shared loads of it, before those values are used, and a
+                # producer parked on that slot refilled it under them (dβ not repeatable at K = 64: decisions.md)
                 T.copy(a_inv[ib, c * BT:(c + 1) * BT, ihv, 0:BT], t.As)
-                T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.Vs)
                 T.copy(do[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.dOs)
                 T.copy(h[ib, c, ihv, 0:K, v0:v0 + BV], t.Hs)
                 T.copy(q[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Qs)
                 T.copy(k[ib, c * BT:(c + 1) * BT, ih, 0:K], t.Ks)
+                T.copy(v[ib, c * BT:(c + 1) * BT, ihv, v0:v0 + BV], t.Vs)
                 T.copy(gc[ib, ihv, c * BT:(c + 1) * BT], t.gcs)
                 T.copy(beta[ib, ihv, c * BT:(c + 1) * BT], t.bs)
                 rows = T.min(BT, Tn - c * BT)
