@@ -1,0 +1,170 @@
+"""The role-split walk (``hopper/chunk_bwd_roles.py``) beside the walk the backward runs (``hopper/chunk_bwd.py``),
+on an sm_90 GPU: the same recomputed inputs into both, each output's relative L2 difference (the slices' dg, dβ
+partials added), the role-split walk's outputs run twice (bit for bit), then both walks timed (do_bench medians, ms)
+at anchor shapes. ``--op``: then the whole backward with the role-split walk in place of the other
+(``backward.walk_rows`` patched in this process only) through ``gpu_check_core.check``: each gradient's error
+against float64 over the rounded baseline's (the core bound: ≤ 2).
+
+    S=/tmp/site; mkdir -p $S && tar -C $S -xJf .anchors/anchors-site.tar.xz
+    PYTHONPATH=$S:$PWD:$PWD/benchmarks python benchmarks/gpu_check_roles_walk.py [--op] --out $OUT
+
+Writes roles_walk.json under --out; prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+OUTPUTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+# (name, B, T, H, HV, with dht): odd lengths (a last chunk of 44 and 40 rows), GVA, and anchor row 2
+CASES = [("B2_T300_H16", 2, 300, 16, 16, True), ("B1_T1000_H2_HV8", 1, 1000, 2, 8, True),
+         ("row2_B8_T4096_H16", 8, 4096, 16, 16, False)]
+TIMED = [("row2", 8, 4096, 16, 16), ("row7", 1, 32768, 2, 8), ("row5", 4, 8192, 16, 32)]
+K = V = 128
+
+
+def inputs(B, T, H, HV, with_dht: bool, seed: int = 0) -> dict:
+    """bf16 q, k (unit rows), v, do; the anchors' gates; β; h0 and dht (fp32) where asked: the walk's inputs after
+    the backward's recompute (``backward.solve`` and ``states``)."""
+    from linattn.ops.hopper import backward
+    torch.manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
+    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
+    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
+    h0 = torch.randn(B, HV, K, V, device="cuda") * 0.1
+    dht = torch.randn(B, HV, K, V, device="cuda") * 0.1 if with_dht else None
+    gc, beta_hm, a_inv, bound = backward.solve(k, g, beta)
+    h = backward.states(k, v, gc, beta_hm, a_inv, bound, h0)
+    return dict(q=q, k=k, v=v, do=do, gc=gc, beta=beta_hm, a_inv=a_inv, h=h, dht=dht)
+
+
+def walks(x: dict, scale: float):
+    """(the slice walk's outputs with its dg, dβ partials added, a callable of it; the role-split walk's, a callable
+    of it)."""
+    from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
+    args = [x[n] for n in ("q", "k", "v", "do", "gc", "beta", "a_inv", "h", "dht")]
+    want = x["dht"] is not None
+    old = lambda: chunk_bwd.chunk_bwd_hopper(*args, scale, want_dh0=want)
+    new = lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, scale, want_dh0=want)
+    dq, dk, dv, dg, dbeta, dh0 = old()
+    return (dq, dk, dv, dg.sum(0), dbeta.sum(0), dh0), old, new()[:6], new
+
+
+def rel_l2(a, b) -> float:
+    if a is None or b is None:
+        return float("nan")
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def compare(case) -> dict:
+    name, B, T, H, HV, with_dht = case
+    x = inputs(B, T, H, HV, with_dht)
+    scale = K ** -0.5
+    old_out, _, new_out, new = walks(x, scale)
+    again = new()
+    row = dict(case=name, difference={}, bitwise_repeat={})
+    for n, a, b, c in zip(OUTPUTS, new_out, old_out, again):
+        if n in ("dg", "dbeta"):        # head-major [B, HV, Lp]: the rows past T are padding
+            a, b, c = (t[..., :T] if t is not None else None for t in (a, b, c))
+        row["difference"][n] = rel_l2(a, b)
+        row["bitwise_repeat"][n] = bool(a is None or torch.equal(a, c))
+        row.setdefault("finite", {})[n] = bool(a is None or torch.isfinite(a).all().item())
+    return row
+
+
+def time_case(case) -> dict:
+    import triton
+    name, B, T, H, HV = case
+    x = inputs(B, T, H, HV, False)
+    _, old, _, new = walks(x, K ** -0.5)
+    return dict(case=name, slices_ms=triton.testing.do_bench(old, warmup=25, rep=200),
+                roles_ms=triton.testing.do_bench(new, warmup=25, rep=200))
+
+
+def patched_op_check(cases) -> list:
+    """gpu_check_core.check on ``cases`` with ``backward.walk_rows`` running the role-split walk."""
+    import gpu_check_core
+
+    from linattn.ops.hopper import backward, chunk_bwd_roles
+
+    def walk_rows(walk_inputs, scale, BV, g, H, out):
+        dq, dk, dv, dg, dbeta, dh0 = out
+        want = dh0 is not None
+        dq_h, dk_h, dv_r, dg_r, db_r, dh0_r = chunk_bwd_roles.chunk_bwd_roles_hopper(*walk_inputs, scale,
+                                                                                    want_dh0=want)
+        dv.copy_(dv_r)
+        if want:
+            dh0.copy_(dh0_r)
+        backward.gradients_from_partials(dq_h, dk_h, dg_r[None], db_r[None], g, dbeta.dtype, dq.dtype, H,
+                                         out=(dq, dk, dg, dbeta))
+
+    backward.walk_rows = walk_rows
+    rows = []
+    for case in gpu_check_core.CASES:
+        if case[0] in cases:
+            rows.append(gpu_check_core.check(case, torch.bfloat16, use_token_ref=case[2] <= 1000,
+                                             backward_path="hopper"))
+            print(json.dumps(rows[-1], default=str), flush=True)
+    return rows
+
+
+def warm_one(case) -> str:
+    """One process's first run of both walks (and the recompute) at ``case``'s shape: the TileLang disk cache
+    filled for the main process."""
+    name, B, T, H, HV, with_dht = case
+    walks(inputs(B, T, H, HV, with_dht), K ** -0.5)
+    torch.cuda.synchronize()
+    return name
+
+
+def warm(cases) -> None:
+    """:func:`warm_one` of every case in its own spawned process, side by side (a compile is one core's nvcc)."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+    start = time.time()
+    with concurrent.futures.ProcessPoolExecutor(len(cases), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in pool.map(warm_one, cases):
+            print(f"warm {done}: {time.time() - start:.0f} s", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--op", default=None, help="comma-separated gpu_check_core cases to run through the op with "
+                                               "the role-split walk")
+    ap.add_argument("--skip-timing", action="store_true")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    warm(CASES + [(name, B, T, H, HV, False) for name, B, T, H, HV in TIMED])
+    result = dict(compare=[], timing=[])
+    for case in CASES:
+        result["compare"].append(compare(case))
+        print(json.dumps(result["compare"][-1]), flush=True)
+    if not a.skip_timing:
+        for case in TIMED:
+            result["timing"].append(time_case(case))
+            print(json.dumps(result["timing"][-1]), flush=True)
+    if a.op:
+        result["op"] = patched_op_check(a.op.split(","))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "roles_walk.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"\n{'case':<22} " + " ".join(f"{n:>9}" for n in OUTPUTS) + "  repeat")
+    for r in result["compare"]:
+        print(f"{r['case']:<22} " + " ".join(f"{r['difference'][n]:9.1e}" for n in OUTPUTS)
+              + f"  {all(r['bitwise_repeat'].values())}")
+    for r in result["timing"]:
+        print(f"{r['case']:<8} walk ms: slices {r['slices_ms']:.3f}  roles {r['roles_ms']:.3f}  "
+              f"({r['slices_ms'] / r['roles_ms']:.2f}×)")
+
+
+if __name__ == "__main__":
+    main()

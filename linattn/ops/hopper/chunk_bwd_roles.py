@@ -1,0 +1,422 @@
+"""Hopper backward (TileLang): the fused reverse walk split by roles (docs/backward.md §11), one program of 512
+threads per (sequence, value head) over the whole V, in place of ``chunk_bwd.py``'s two V slices per head and their
+exchange of dq and dk. Not yet taken by the backward (``backward.py``): it is checked and timed beside that walk by
+``benchmarks/gpu_check_roles_walk.py``. Twin: the slice walk's, ``chunk_bwd_ref.reverse_walk_ref`` (the same
+operations and rounding points, on the whole V).
+
+Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`REGISTERS`):
+
+    S (threads 0-127, 160 registers)      the chain's state: dS (K × V fp32) in its registers; γ Σ h⊙dS; dS·γ +
+                                          scale·Qᵀ(Γ⊙dO) (hi + lo operands) as soon as the chunk lands; C3 = Kᵀ
+                                          bf16(−βΓY); dS published as bf16 hi + lo for the next chunk's C1
+    B (128-255, 168)                      C1 = K [dS_hi; dS_lo], V_new = T X, t = rowsum(V_new ⊙ ρ K dS) (both
+                                          fp32), dV_new = scale Pᵀ dO + ρ K dS, Y = Tᵀ bf16(dV_new), bf16 Y and
+                                          bf16(−βΓY); the X terms from fp32 Y and K S (formed again: A's registers
+                                          do not keep it); dv = βY; dk = ρ⊙(V_new dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q
+                                          − bf16(βΓY) hᵀ
+    A (256-383, 160)                      Q Kᵀ, P, K S, X = β(V − Γ K S); dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ,
+                                          dKD; dq = dP K + scale Γ⊙(dO hᵀ); dβ and dg (the column sums of dlogD as
+                                          row sums of the transposed products)
+    producer (384-511, 24)                one thread's TMA copies of each chunk's tiles, the warpgroup's loads of
+                                          gc and β
+
+The chunk's step is lock-stepped: the producer loads chunk s + 1 once every consumer has arrived at ``end`` for
+chunk s (every input slot is read to the chunk's end, and the formed tiles take the slots of inputs that are dead:
+the chunk's vectors share one tile), and the roles hand tiles to each other through mbarriers, one phase per chunk
+(parity s mod 2). Shared memory: 226 KB with the mbarriers. Hand-offs (role → role: what is ready):
+
+    full      producer → all   the chunk's inputs (TMA transaction count)
+    ready_p   A → B            P (bf16, masked, decayed) in ``PdP``
+    ready_x   A → B            X in ``XVn``
+    ready_v   B → A            bf16 V_new in ``XVn`` (X read); t in ``vec``
+    read_p    B → A            Pᵀ dO issued and done: ``PdP`` may take dP
+    free_g    S → B            Qᵀ(Γ⊙dO) done: ``Gh``, ``Gl`` may take dV_new, Y and Y·(−βΓ); Σ h⊙dS's shares in ``vec``
+    ready_y   B → S, A         bf16 Y in ``Gh``, bf16(−βΓY) in ``Gl``
+    ready_dp  A → B            dP (bf16) in ``PdP``
+    ready_dkd A → B            dKD (bf16) in ``TdKD`` (B's two dots on T done before ready_y)
+    ready_xt  B → A            the X terms of dG and dβ in ``vec``
+    read_ds   B → S            C1 and dk's first dot done: S may overwrite dS hi + lo
+    end       S, A, B → producer
+"""
+import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
+import types
+from typing import Optional
+
+import torch
+
+from .chunk_fwd import BT, compile_prim_func, launcher
+
+NEG = -1.0e30       # an exponent whose exp is 0 (masked decays)
+THREADS = 512
+# registers a thread per role (S, B, A, producer): 4 × 128 in all, the register file at 512 threads
+REGISTERS = (160, 168, 160, 24)
+SIZES = (128,)
+# rows of the chunk's vector tile ``vec`` (alloc_tiles); S's 128 shares of Σ h⊙dS fill rows H_SHARES and H_SHARES + 1
+GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)      # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
+
+
+def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
+    """The program's shared tiles (inputs, and the formed tiles in the slots they share: module docstring), register
+    fragments of each role, and mbarriers, with ``program``'s indices and tensors beside them (call inside the
+    kernel; a TileLang macro sees only its arguments)."""
+    import tilelang.language as T
+
+    acc, bf = "float32", "bfloat16"
+    shared = dict(
+        Qs=((BT, K), bf), Ks=((BT, K), bf), Vs=((BT, V), bf), dOs=((BT, V), bf), Hs=((K, V), bf),
+        TdKD=((BT, BT), bf),        # T, then dKD
+        dSh=((K, V), bf), dSl=((K, V), bf),
+        PdP=((BT, BT), bf),         # P, then dP
+        XVn=((BT, V), bf),          # X, then bf16 V_new
+        Gh=((BT, V), bf),           # Γ⊙dO hi, then bf16 dV_new, then bf16 Y
+        Gl=((BT, V), bf),           # Γ⊙dO lo, then bf16(−βΓY)
+        # the chunk's vectors in one tile (each tile starts on a 1 KB boundary): gc and β, B's t and X terms of dG and
+        # dβ, A's dG, and S's 128 shares of Σ h⊙dS in the last two rows
+        vec=((8, BT), acc))
+    fragments = dict(
+        dS=(K, V),                              # S
+        F=(BT, V), N=(BT, K), rowsF=(BT,),      # B
+        QK=(BT, BT), dP=(BT, BT), KS=(BT, V), tmp=(BT, V), rowsA=(BT,), cols=(BT,), dbA=(BT,))     # A
+    arrivals = dict(full=128, init=128, ready_p=128, ready_x=128, ready_v=128, read_p=128, free_g=128, ready_y=128,
+                    ready_dp=128, ready_dkd=128, read_ds=128, ready_xt=128, end=3 * 128)
+    tiles = {n: T.alloc_shared(shape, dtype) for n, (shape, dtype) in shared.items()}
+    tiles.update({n: T.alloc_fragment(shape, acc) for n, shape in fragments.items()})
+    tiles.update({n: T.alloc_barrier(arrive_count=count) for n, count in arrivals.items()})
+    return types.SimpleNamespace(**tiles, **program)
+
+
+def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.SimpleNamespace:
+    """The four roles (module docstring) as TileLang macros over :func:`alloc_tiles`' namespace."""
+    import tilelang.language as T
+
+    acc, bf = "float32", "bfloat16"
+
+    @T.macro
+    def split(t):
+        """dS as the C1 operands bf16 hi + lo."""
+        for i, j in T.Parallel(K, V):
+            t.dSh[i, j] = T.cast(t.dS[i, j], bf)
+            t.dSl[i, j] = T.cast(t.dS[i, j] - T.cast(T.cast(t.dS[i, j], bf), acc), bf)
+
+    @T.macro
+    def chain(t):
+        """Role S: the state's gradient over the walk."""
+        if state_grads:
+            T.copy(t.dht[t.ib, t.ihv, 0:K, 0:V], t.dS)
+        else:
+            T.clear(t.dS)
+        split(t)
+        T.fence_proxy_async()
+        T.mbarrier_arrive(t.init)
+        for s in T.serial(t.chunks):
+            c = t.chunks - 1 - s
+            rows = T.min(BT, t.Tn - c * BT)
+            T.mbarrier_wait_parity(t.full, s % 2)
+            g_last = t.vec[GC, rows - 1]
+            # γ Σ h⊙dS with the dS leaving the chunk: each thread's share, added by A in its finish
+            part = T.alloc_var(acc, init=0.0)
+            for i, j in T.Parallel(K, V):
+                part += T.cast(t.Hs[i, j], acc) * t.dS[i, j]
+            t.vec[H_SHARES + t.tx // BT, t.tx % BT] = part
+            for i, j in T.Parallel(K, V):
+                t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
+            for i, j in T.Parallel(BT, V):
+                t.Gh[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc), bf)
+                t.Gl[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc) - T.cast(t.Gh[i, j], acc), bf)
+            T.fence_proxy_async()
+            T.wgmma_gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
+            T.wgmma_gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(t.free_g)
+            T.mbarrier_wait_parity(t.ready_y, s % 2)
+            T.wgmma_gemm(t.Ks, t.Gl, t.dS, transpose_A=True)        # C3: Gl holds bf16(−βΓY) now
+            T.wait_wgmma(0)
+            T.mbarrier_wait_parity(t.read_ds, s % 2)
+            split(t)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.end)
+        if state_grads:
+            T.copy(t.dS, t.dh0[t.ib, t.ihv, 0:K, 0:V])
+
+    @T.macro
+    def value_side(t):
+        """Role B: F holds K dS, then dV_new, then Y; N holds V_new, then dk."""
+        for s in T.serial(t.chunks):
+            c = t.chunks - 1 - s
+            rows = T.min(BT, t.Tn - c * BT)
+            T.mbarrier_wait_parity(t.full, s % 2)
+            g_last = t.vec[GC, rows - 1]
+            T.wgmma_gemm(t.Ks, t.dSh, t.F, clear_accum=True)       # C1
+            T.wgmma_gemm(t.Ks, t.dSl, t.F)
+            T.mbarrier_wait_parity(t.ready_x, s % 2)
+            T.wgmma_gemm(t.TdKD, t.XVn, t.N, clear_accum=True)     # V_new = T X
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, V):
+                t.XVn[i, j] = T.cast(t.N[i, j], bf)
+            # t_i = V_new_i · (ρ ⊙ K dS)_i, both fp32 (docs/decisions.md: either in bf16 breaks dg's bound)
+            for i, j in T.Parallel(BT, V):
+                t.N[i, j] = t.N[i, j] * t.F[i, j] * T.exp(g_last - t.vec[GC, i])
+            T.reduce_sum(t.N, t.rowsF, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[TS, i] = t.rowsF[i]
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.ready_v)
+            # dV_new = scale Pᵀ dO + ρ K dS: ρ K dS / scale in the accumulator, Pᵀ dO added, then × scale
+            for i, j in T.Parallel(BT, V):
+                t.F[i, j] = t.F[i, j] * (T.exp(g_last - t.vec[GC, i]) / scale)
+            T.mbarrier_wait_parity(t.ready_p, s % 2)
+            T.wgmma_gemm(t.PdP, t.dOs, t.F, transpose_A=True)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(t.read_p)
+            T.mbarrier_wait_parity(t.free_g, s % 2)
+            for i, j in T.Parallel(BT, V):
+                t.Gh[i, j] = T.cast(t.F[i, j] * scale, bf)
+            T.fence_proxy_async()
+            T.wgmma_gemm(t.TdKD, t.Gh, t.F, transpose_A=True, clear_accum=True)     # Y = Tᵀ bf16(dV_new)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, V):
+                t.Gh[i, j] = T.cast(t.F[i, j], bf)
+                t.Gl[i, j] = T.cast(-t.vec[BETA, i] * T.exp(t.vec[GC, i]) * t.F[i, j], bf)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.ready_y)
+            # the X terms, dβ's Y·W and dG's −βΓ Y·K S, from fp32 Y and K S (formed again: A's registers do not keep it)
+            T.wgmma_gemm(t.Ks, t.Hs, t.N, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, V):
+                t.N[i, j] = t.F[i, j] * t.N[i, j]
+            T.reduce_sum(t.N, t.rowsF, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[XG, i] = -t.vec[BETA, i] * T.exp(t.vec[GC, i]) * t.rowsF[i]
+                t.vec[XB, i] = -T.exp(t.vec[GC, i]) * t.rowsF[i]
+            for i, j in T.Parallel(BT, V):
+                t.N[i, j] = t.F[i, j] * T.cast(t.Vs[i, j], acc)
+            T.reduce_sum(t.N, t.rowsF, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[XB, i] = t.vec[XB, i] + t.rowsF[i]
+            T.mbarrier_arrive(t.ready_xt)
+            for i, j in T.Parallel(BT, V):
+                t.F[i, j] = t.F[i, j] * t.vec[BETA, i]
+            T.copy(t.F, t.dv[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:V])
+            # dk = ρ ⊙ (V_new dS_hiᵀ), its rows scaled in the accumulator, then the other four terms added
+            T.wgmma_gemm(t.XVn, t.dSh, t.N, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(t.read_ds)
+            for i, j in T.Parallel(BT, K):
+                t.N[i, j] = t.N[i, j] * T.exp(g_last - t.vec[GC, i])
+            T.mbarrier_wait_parity(t.ready_dkd, s % 2)
+            T.wgmma_gemm(t.TdKD, t.Ks, t.N)
+            T.wgmma_gemm(t.TdKD, t.Ks, t.N, transpose_A=True)
+            T.wgmma_gemm(t.PdP, t.Qs, t.N, transpose_A=True)
+            T.wgmma_gemm(t.Gl, t.Hs, t.N, transpose_B=True)
+            T.wait_wgmma(0)
+            T.copy(t.N, t.dk[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+            T.mbarrier_arrive(t.end)
+
+    @T.macro
+    def key_side(t):
+        """Role A: P, X, dP, the X terms, dA, dKD, dq, dβ and dg."""
+        for s in T.serial(t.chunks):
+            c = t.chunks - 1 - s
+            rows = T.min(BT, t.Tn - c * BT)
+            T.mbarrier_wait_parity(t.full, s % 2)
+            g_last = t.vec[GC, rows - 1]
+            T.wgmma_gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
+            T.wait_wgmma(1)
+            for i, j in T.Parallel(BT, BT):
+                t.PdP[i, j] = T.cast(t.QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows),
+                                                                       t.vec[GC, i] - t.vec[GC, j], NEG)), bf)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.ready_p)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, V):
+                t.XVn[i, j] = T.cast(t.vec[BETA, i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.vec[GC, i]) * t.KS[i, j]), bf)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.ready_x)
+            # dP = scale (dO V_newᵀ) ⊙ D; its dlogD (diagonal left out) by rows here, by columns below
+            T.mbarrier_wait_parity(t.ready_v, s % 2)
+            T.wgmma_gemm(t.dOs, t.XVn, t.dP, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, BT):
+                t.dP[i, j] = t.dP[i, j] * scale * T.exp(T.if_then_else((i >= j) & (i < rows),
+                                                                       t.vec[GC, i] - t.vec[GC, j], NEG))
+            T.mbarrier_wait_parity(t.read_p, s % 2)
+            for i, j in T.Parallel(BT, BT):
+                t.PdP[i, j] = T.cast(t.dP[i, j], bf)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.ready_dp)
+            for i, j in T.Parallel(BT, BT):
+                t.dP[i, j] = T.if_then_else(i > j, t.dP[i, j] * t.QK[i, j], 0.0)
+            T.reduce_sum(t.dP, t.rowsA, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[DG, i] = t.rowsA[i]
+            # the column sums: row j of V_new dOᵀ ⊙ K Qᵀ is column j of dO V_newᵀ ⊙ Q Kᵀ (the same bf16 operands)
+            T.wgmma_gemm(t.XVn, t.dOs, t.dP, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(t.Ks, t.Qs, t.QK, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for j, i in T.Parallel(BT, BT):
+                t.dP[j, i] = T.if_then_else((i > j) & (i < rows),
+                                            t.dP[j, i] * scale * T.exp(t.vec[GC, i] - t.vec[GC, j]) * t.QK[j, i], 0.0)
+            T.reduce_sum(t.dP, t.cols, dim=1)
+            for j in T.Parallel(BT):
+                t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
+            T.mbarrier_wait_parity(t.ready_y, s % 2)
+            # dA = −Y V_newᵀ (bf16 operands), dKD = β dA ⊙ D into T's slot (B's dots on T are done: ready_y)
+            T.wgmma_gemm(t.Gh, t.XVn, t.dP, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, BT):
+                t.dP[i, j] = T.if_then_else((i > j) & (i < rows), -t.dP[i, j] * T.exp(t.vec[GC, i] - t.vec[GC, j]), 0.0)
+                t.TdKD[i, j] = T.cast(t.vec[BETA, i] * t.dP[i, j], bf)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.ready_dkd)
+            for i, j in T.Parallel(BT, BT):
+                t.dP[i, j] = t.dP[i, j] * t.QK[i, j]
+            T.reduce_sum(t.dP, t.rowsA, dim=1)
+            for i in T.Parallel(BT):
+                t.dbA[i] = t.rowsA[i]
+                t.vec[DG, i] = t.vec[DG, i] + t.vec[BETA, i] * t.rowsA[i]
+            T.wgmma_gemm(t.XVn, t.Gh, t.dP, transpose_B=True, clear_accum=True)     # row j: column j of Y V_newᵀ
+            T.wait_wgmma(0)
+            for j, i in T.Parallel(BT, BT):
+                t.dP[j, i] = T.if_then_else((i > j) & (i < rows),
+                                            -t.dP[j, i] * T.exp(t.vec[GC, i] - t.vec[GC, j]) * t.vec[BETA, i] * t.QK[j, i], 0.0)
+            T.reduce_sum(t.dP, t.cols, dim=1)
+            for j in T.Parallel(BT):
+                t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
+            # Γ's term of dG from q·(dO hᵀ), then dq = dP K + scale Γ ⊙ (dO hᵀ) with dO hᵀ formed again: one BT × K
+            # fragment instead of two (two spill at 160 registers)
+            T.wgmma_gemm(t.dOs, t.Hs, t.tmp, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, K):
+                t.tmp[i, j] = T.cast(t.Qs[i, j], acc) * t.tmp[i, j]
+            T.reduce_sum(t.tmp, t.rowsA, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[DG, i] = t.vec[DG, i] + scale * T.exp(t.vec[GC, i]) * t.rowsA[i]
+            T.wgmma_gemm(t.dOs, t.Hs, t.tmp, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, K):
+                t.tmp[i, j] = t.tmp[i, j] * scale * T.exp(t.vec[GC, i])
+            T.wgmma_gemm(t.PdP, t.Ks, t.tmp)
+            T.wait_wgmma(0)
+            T.copy(t.tmp, t.dq[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+            # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j + γ Σ h⊙dS (one select per term in a fixed order)
+            total = T.alloc_var(acc, init=0.0)
+            for p in T.serial(128):
+                total = total + t.vec[H_SHARES + p // BT, p % BT]
+            T.mbarrier_wait_parity(t.ready_xt, s % 2)
+            for i in T.Parallel(BT):
+                t.rowsA[i] = 0.0
+                for j in T.unroll(BT):
+                    t.rowsA[i] = t.rowsA[i] + T.if_then_else(j >= i, t.vec[DG, j] + t.vec[XG, j], t.vec[TS, j])
+            for i in T.Parallel(BT):
+                t.dg[t.ib, t.ihv, c * BT + i] = t.rowsA[i] + T.exp(g_last) * total
+                t.dbeta[t.ib, t.ihv, c * BT + i] = t.vec[XB, i] + t.dbA[i]
+            T.mbarrier_arrive(t.end)
+
+    @T.macro
+    def producer(t):
+        """Chunk s's inputs, once every consumer has left chunk s − 1: one thread's TMA copies, the warpgroup's
+        plain loads of gc and β."""
+        T.mbarrier_wait_parity(t.init, 0)
+        for s in T.serial(t.chunks):
+            c = t.chunks - 1 - s
+            if s > 0:
+                T.mbarrier_wait_parity(t.end, (s - 1) % 2)
+            for i in T.Parallel(BT):        # gc and β by plain loads: TMA takes no row of the vector tile
+                t.vec[GC, i] = t.gc[t.ib, t.ihv, c * BT + i]
+                t.vec[BETA, i] = t.beta[t.ib, t.ihv, c * BT + i]
+            if t.tx == 3 * 128:
+                T.tma_copy(t.q[t.ib, c * BT:(c + 1) * BT, t.ih, 0:K], t.Qs, barrier=t.full)
+                T.tma_copy(t.k[t.ib, c * BT:(c + 1) * BT, t.ih, 0:K], t.Ks, barrier=t.full)
+                T.tma_copy(t.v[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:V], t.Vs, barrier=t.full)
+                T.tma_copy(t.do[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:V], t.dOs, barrier=t.full)
+                T.tma_copy(t.a_inv[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:BT], t.TdKD, barrier=t.full)
+                T.tma_copy(t.h[t.ib, c, t.ihv, 0:K, 0:V], t.Hs, barrier=t.full)
+            T.mbarrier_arrive(t.full)
+
+    return types.SimpleNamespace(chain=chain, value_side=value_side, key_side=key_side, producer=producer)
+
+
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool = True):
+    """The TileLang prim_func of the role-split walk for these static sizes (B and T symbolic): the inputs of
+    ``chunk_bwd.build_kernel``'s walk; dg, dβ complete ``[B, HV, Lp]`` (no partials); ``state_grads`` False: from a
+    zero dS, no dh0 (dht and dh0 one-element placeholders)."""
+    import tilelang.language as T
+
+    if K != V or K not in SIZES:
+        raise ValueError(f"the role-split walk is built for K = V in {SIZES}, got K={K}, V={V}")
+    acc, bf = "float32", "bfloat16"
+    B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
+    G = HV // H
+    qk_out = bf if G == 1 else acc
+    state_shape = (B, HV, K, V) if state_grads else (1,)
+    m = role_macros(K, V, scale, state_grads)
+    s_regs, b_regs, a_regs, p_regs = REGISTERS
+
+    @T.prim_func
+    def gdn_chunk_bwd_roles(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
+                            v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
+                            gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
+                            a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
+                            dht: T.Tensor(state_shape, acc),
+                            dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
+                            dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((B, HV, Lp), acc),
+                            dbeta: T.Tensor((B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc)):
+        with T.Kernel(B * HV, threads=THREADS) as (bh,):
+            ib, ihv = bh // HV, bh % HV
+            tx = T.get_thread_binding()
+            t = alloc_tiles(K, V, ib=ib, ihv=ihv, ih=ihv // G, tx=tx, Tn=Tn, chunks=T.ceildiv(Tn, BT), q=q, k=k, v=v,
+                            do=do, gc=gc, beta=beta, a_inv=a_inv, h=h, dht=dht, dq=dq, dk=dk, dv=dv, dg=dg,
+                            dbeta=dbeta, dh0=dh0)
+            if tx < 128:
+                T.set_max_nreg(s_regs, 1)
+                m.chain(t)
+            elif tx < 256:
+                T.set_max_nreg(b_regs, 1)
+                m.value_side(t)
+            elif tx < 384:
+                T.set_max_nreg(a_regs, 1)
+                m.key_side(t)
+            else:
+                T.set_max_nreg(p_regs, 0)
+                m.producer(t)
+
+    return gdn_chunk_bwd_roles
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, target: Optional[str] = None,
+                    state_grads: bool = True):
+    """:func:`build_kernel` compiled by TileLang for ``target`` (None: this GPU; "sm_90a" without one)."""
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, state_grads), target)
+
+
+def chunk_bwd_roles_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
+                           beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
+                           scale: float, want_dh0: bool = True) -> tuple[torch.Tensor, ...]:
+    """Launch the role-split walk on an sm_90 GPU (the inputs of ``chunk_bwd.chunk_bwd_hopper``). Returns dq, dk
+    ``[B, T, HV, K]`` (fp32 per value head where HV > H, for the host to add over each group; q's dtype where
+    HV = H), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[B, HV, Lp]`` fp32 head-major (complete) and dh0 ``[B, HV, K, V]``
+    fp32 (None where ``want_dh0`` is False and dht is None: the build without state gradients)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = -(-T // BT)
+    if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
+        raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
+                         f"{tuple(beta.shape)}")
+    if h.shape != (B, NT, HV, K, V) or h.dtype != torch.bfloat16:
+        raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
+                         f"{tuple(h.shape)}")
+    state_grads = want_dh0 or dht is not None
+    state_shape = (B, HV, K, V) if state_grads else (1,)
+    dht = dht.float().contiguous() if dht is not None else q.new_zeros(state_shape, dtype=torch.float32)
+    qk_dtype = q.dtype if HV == H else torch.float32
+    dq, dk = (q.new_empty(B, T, HV, K, dtype=qk_dtype) for _ in range(2))
+    dv = torch.empty_like(v)
+    dg, dbeta = (gc.new_empty(B, HV, NT * BT) for _ in range(2))
+    dh0 = q.new_empty(state_shape, dtype=torch.float32)
+    launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))(
+        q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(), beta.float().contiguous(),
+        a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0)
+    return dq, dk, dv, dg, dbeta, dh0 if state_grads else None

@@ -1,0 +1,64 @@
+"""The role-split reverse walk (linattn/ops/hopper/chunk_bwd_roles.py) on the CPU: its build for sm_90a (four
+warpgroups each at its own register budget, the chunk's tiles within a CTA's shared memory, every dot on wgmma, the
+hand-offs on mbarriers) and its argument checks. Its numbers on the GPU: benchmarks/gpu_check_roles_walk.py (against
+the slice walk and, through the op, float64). Its twin is the slice walk's (``chunk_bwd_ref.reverse_walk_ref``): the
+same operations and rounding points on the whole V."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from linattn.ops.hopper import chunk_bwd_roles, chunk_fwd
+
+COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which("nvcc") is None,
+                              reason="TileLang (optional) and nvcc compile the Hopper kernels")
+CTA_SHARED = 227 * 1024
+# Measured at REGISTERS = (160, 168, 160, 24): each role alone spills nothing at its budget; together ptxas spills
+# 64 B (values formed before the role branch live into every role). The next step is to remove it, not to grow it.
+SPILL_BYTES = 64
+# dots per chunk: S 3 (Qᵀ Gh, Qᵀ Gl, C3), B 11 (C1 ×2, T X, Pᵀ dO, Tᵀ dV_new, K S, V_new dS_hiᵀ, dk's four),
+# A 11 (Q Kᵀ, K S, dO V_newᵀ, V_new dOᵀ, K Qᵀ, Y V_newᵀ, K Kᵀ, V_new Yᵀ, dO hᵀ ×2, dP K): 25 dots per chunk
+DOTS = 25
+
+
+@COMPILES
+@pytest.mark.parametrize("H,HV,state_grads", [(16, 16, True), (2, 8, False)], ids=["H16", "gva_no_state_grads"])
+def test_role_split_walk_compiles_for_sm90a(tmp_path, H, HV, state_grads):
+    from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
+    kernel = chunk_bwd_roles.compiled_kernel(H, HV, 128, 128, 128 ** -0.5, "sm_90a", state_grads)
+    source = kernel.get_kernel_source()
+    assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == DOTS and "mma_sync" not in source
+    for registers in chunk_bwd_roles.REGISTERS[:3]:
+        assert f"tl::warpgroup_reg_alloc<{registers}>();" in source, registers
+    assert f"tl::warpgroup_reg_dealloc<{chunk_bwd_roles.REGISTERS[3]}>();" in source
+    assert sum(chunk_bwd_roles.REGISTERS) * 128 == 65536      # the register file at 512 threads
+    assert "__syncthreads();" not in source.split("tl::fence_barrier_init();")[1].split("warpgroup_reg_alloc")[1], \
+        "a CTA-wide barrier inside a role would deadlock the others"
+    assert ("dh0" in source) == state_grads
+    stored = "bfloat16_t* __restrict__ dq" if H == HV else "float* __restrict__ dq"
+    assert stored in source, stored
+    assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
+    ptxas = ptxas_summary(compile_sm90a(source, tmp_path)[1])
+    assert ptxas["spill_stores"] <= SPILL_BYTES and not ptxas["wgmma_serialised"], ptxas
+
+
+def test_role_split_walk_is_built_for_k_v_128_only():
+    with pytest.raises(ValueError, match="K = V in"):
+        chunk_bwd_roles.build_kernel(2, 2, 64, 64, 0.125)
+    with pytest.raises(ValueError, match="K = V in"):
+        chunk_bwd_roles.build_kernel(2, 2, 128, 64, 0.125)
+
+
+def test_role_split_walk_checks_its_layouts():
+    B, T, H, K = 1, 100, 2, 128
+    q = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    gc = torch.zeros(B, H, 128)
+    a_inv = torch.zeros(B, T, H, 64, dtype=torch.bfloat16)
+    h = torch.zeros(B, 2, H, K, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gc and beta"):
+        chunk_bwd_roles.chunk_bwd_roles_hopper(q, q, v, v, gc[..., :64], gc, a_inv, h, None, 0.1)
+    with pytest.raises(ValueError, match="h must be bf16"):
+        chunk_bwd_roles.chunk_bwd_roles_hopper(q, q, v, v, gc, gc, a_inv, h.float(), None, 0.1)
