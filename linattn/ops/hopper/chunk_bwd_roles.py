@@ -50,9 +50,9 @@ NEG = -1.0e30       # an exponent whose exp is 0 (masked decays)
 THREADS = 512
 # registers a thread per role (S, B, A, producer): 4 × 128 in all, the register file at 512 threads
 REGISTERS = (160, 168, 160, 24)
-SIZES = (128,)
+SIZES = (128,)      # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
 # rows of the chunk's vector tile ``vec`` (alloc_tiles); S's 128 shares of Σ h⊙dS fill rows H_SHARES and H_SHARES + 1
-GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)      # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
+GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)
 
 
 def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
@@ -120,9 +120,10 @@ def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.Simple
             t.vec[H_SHARES + t.tx // BT, t.tx % BT] = part
             for i, j in T.Parallel(K, V):
                 t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
-            for i, j in T.Parallel(BT, V):
+            for i, j in T.Parallel(BT, V):       # the lo half from the hi half's rounding, not from Gh (no re-read)
                 t.Gh[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc), bf)
-                t.Gl[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc) - T.cast(t.Gh[i, j], acc), bf)
+                t.Gl[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc) - T.cast(T.cast(
+                    scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc), bf), acc), bf)
             T.fence_proxy_async()
             T.wgmma_gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
             T.wgmma_gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
