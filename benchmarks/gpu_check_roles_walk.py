@@ -68,7 +68,10 @@ def compare(case) -> dict:
     name, B, T, H, HV, with_dht = case
     x = inputs(B, T, H, HV, with_dht)
     scale = K ** -0.5
+    print(f"{name}: inputs ready", flush=True)
     old_out, _, new_out, new = walks(x, scale)
+    torch.cuda.synchronize()
+    print(f"{name}: both walks ran", flush=True)
     again = new()
     row = dict(case=name, difference={}, bitwise_repeat={})
     for n, a, b, c in zip(OUTPUTS, new_out, old_out, again):
@@ -116,24 +119,29 @@ def patched_op_check(cases) -> list:
     return rows
 
 
-def warm_one(case) -> str:
-    """One process's first run of both walks (and the recompute) at ``case``'s shape: the TileLang disk cache
-    filled for the main process."""
-    name, B, T, H, HV, with_dht = case
-    walks(inputs(B, T, H, HV, with_dht), K ** -0.5)
-    torch.cuda.synchronize()
-    return name
+def warm(cases, timed) -> None:
+    """Every kernel the run launches compiled first, one process per core, into TileLang's disk cache
+    (``hopper.precompile``, with ``gpu_check_hopper_bwd``'s builds of the recompute and the slice walk)."""
+    import gpu_check_hopper_bwd as g
 
-
-def warm(cases) -> None:
-    """:func:`warm_one` of every case in its own spawned process, side by side (a compile is one core's nvcc)."""
-    import concurrent.futures
-    import multiprocessing
-    import time
-    start = time.time()
-    with concurrent.futures.ProcessPoolExecutor(len(cases), mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done in pool.map(warm_one, cases):
-            print(f"warm {done}: {time.time() - start:.0f} s", flush=True)
+    from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
+    from linattn.ops.hopper.plan import plan
+    from linattn.ops.hopper.precompile import Build, precompile
+    shapes = [(B, T, H, HV, dht) for _, B, T, H, HV, dht in cases]
+    shapes += [(B, T, H, HV, False) for _, B, T, H, HV in timed]
+    builds = []
+    for B, T, H, HV, dht in shapes:
+        chosen = plan(B, HV, V, T, g.SMS)
+        if chosen is not None and chosen.segments > 1:
+            BV = chosen.kernel_launch["BV"]
+            configs = [("states_warm", H, HV, K, V, BV), ("states_maps", H, HV, K, V, BV)]
+        else:
+            launch = g.recompute_launch(B, HV, V)
+            configs = [("states", H, HV, K, V, launch["BV"], launch["num_stages"])]
+        builds += [g.kernel_build(c, None) for c in configs + [("prepass", H, HV, K)]]
+        builds += [Build(chunk_bwd_roles.compiled_kernel, (H, HV, K, V, K ** -0.5, None, dht)),
+                   Build(chunk_bwd.compiled_kernel, (H, HV, K, V, K ** -0.5, 64), dict(target=None, state_grads=dht))]
+    print(precompile(list(dict.fromkeys(builds))), flush=True)
 
 
 def main():
@@ -142,15 +150,19 @@ def main():
     ap.add_argument("--op", default=None, help="comma-separated gpu_check_core cases to run through the op with "
                                                "the role-split walk")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--cases", default=None, help=f"comma-separated of {[c[0] for c in CASES]} (default: all)")
+    ap.add_argument("--timed", default=None, help=f"comma-separated of {[c[0] for c in TIMED]} (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
-    warm(CASES + [(name, B, T, H, HV, False) for name, B, T, H, HV in TIMED])
+    cases = [c for c in CASES if not a.cases or c[0] in a.cases.split(",")]
+    timed = [] if a.skip_timing else [c for c in TIMED if not a.timed or c[0] in a.timed.split(",")]
+    warm(cases, timed)
     result = dict(compare=[], timing=[])
-    for case in CASES:
+    for case in cases:
         result["compare"].append(compare(case))
         print(json.dumps(result["compare"][-1]), flush=True)
-    if not a.skip_timing:
-        for case in TIMED:
+    if timed:
+        for case in timed:
             result["timing"].append(time_case(case))
             print(json.dumps(result["timing"][-1]), flush=True)
     if a.op:
