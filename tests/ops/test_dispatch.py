@@ -102,7 +102,7 @@ def test_the_backward_choice_and_its_reason():
     # the work, not the pairs alone: one pair of a long sequence, many pairs of short ones
     assert blocker(1, work, 1, 128, 128, bf16, f32) is None and blocker(work // 64, 64, 1, 128, 128, bf16, f32) is None
     assert "pairs" in blocker(1, work // 2 - 1, 2, 128, 128, bf16, f32)
-    # K = 64: dβ not repeatable (an open race in the walk's K = 64 build), routed to the Triton backward at every
+    # K = 64: dβ's race fixed, not yet re-measured on a GPU: routed to the Triton backward at every
     # length and batch, and V = 64 (one slice per head, as there) with it; K = V = 128 at the same sizes keeps the walk
     assert "K = 64" in blocker(1, 32768, 4, 64, 64, bf16, f32) and "K = 64" in blocker(8, 4096, 16, 64, 64, bf16, f32)
     assert "K = 64" in blocker(8, 4096, 16, 64, 128, bf16, f32) and "V = 64" in blocker(8, 4096, 16, 128, 64, bf16, f32)

@@ -135,7 +135,7 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
     (``hopper.backward.size_limit``, ``dtype_limit``), then two measured defects (docs/performance.md, "Accuracy"):
-    K = 64 (and V = 64 with it), whose dβ is not repeatable (``hopper.backward.defect_limit``), and an
+    K = 64 (and V = 64 with it), whose dβ race is fixed but not re-measured (``hopper.backward.defect_limit``), and an
     ``initial_state`` with sequences of one chunk (the walk reads the state entering a sequence's first chunk in
     bf16; where that chunk is the whole sequence, dg's error is above the bound), then :data:`HOPPER_BWD_MIN_WORK`.
 

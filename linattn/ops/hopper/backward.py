@@ -56,15 +56,15 @@ def size_limit(K: int, V: int) -> Optional[str]:
 
 def defect_limit(K: int, V: int) -> Optional[str]:
     """Why the walk does not take heads of these sizes although it compiles for them (None: it does): at K = V = 64
-    its dβ is not repeatable (H100, T = 32768, H = 2, HV = 4: four runs on the same inputs give dβ differing by
-    2.8e-2 relative, and 6.4× the rounded baseline's error in one run of two, while every other output and the
-    recomputed h repeat bit for bit; K = V = 128 at that shape repeats bit for bit): a race that reaches dβ alone,
-    not found yet (docs/performance.md, "Accuracy"). V = 64 at K = 128 walks one slice per head as K = 64 does (no
-    cluster, no exchange) and is not yet checked for it, so it takes the same route. The dispatch routes on it."""
+    its dβ was not repeatable (H100, T = 32768, H = 2, HV = 4: four runs on the same inputs gave dβ differing by
+    2.8e-2 relative, 6.4× the rounded baseline's error in one run of two): the staged v tile was refilled under the X
+    terms' reads (docs/decisions.md). v now loads after k and dβ repeats bit for bit there; the route stays until
+    the core check measures K = 64's dβ within the bound with that order. V = 64 at K = 128 walks one slice per head
+    as K = 64 does and takes the same route. The dispatch routes on it."""
     if K == 64:
-        return "K = 64: dβ is not repeatable (a race in the walk, open)"
+        return "K = 64: dβ's race fixed, its accuracy not yet re-measured on a GPU"
     if V == 64:
-        return "V = 64: one slice per head, as at K = 64 where dβ is not repeatable (unchecked, routed with it)"
+        return "V = 64: one slice per head, as at K = 64 (routed with it until re-measured)"
     return None
 
 
