@@ -62,3 +62,43 @@ def test_role_split_walk_checks_its_layouts():
         chunk_bwd_roles.chunk_bwd_roles_hopper(q, q, v, v, gc[..., :64], gc, a_inv, h, None, 0.1)
     with pytest.raises(ValueError, match="h must be bf16"):
         chunk_bwd_roles.chunk_bwd_roles_hopper(q, q, v, v, gc, gc, a_inv, h.float(), None, 0.1)
+
+
+def test_hand_offs_order_every_shared_access_and_never_deadlock():
+    """The roles' events as the kernel's source writes them (tests/ops/roles_protocol.py), over three chunks in 200
+    random interleavings: every wait finds its phase (no deadlock, no wait two phases behind), every pair of
+    accesses of a shared tile by two roles with a write among them is ordered by the hand-offs (the TMA's writes
+    included), and every generic write that a wgmma reads has a proxy fence before it is handed on."""
+    from . import roles_protocol
+    for seed in range(200):
+        ran = roles_protocol.simulate(chunks=3, seed=seed)
+    assert ran["phases"]["end"] == 3 and ran["phases"]["init"] == 1, ran
+
+
+MUTATIONS = [("value_side", "wait", "free_g", "not ordered"), ("chain", "wait", "read_ds", "dSh"),
+             ("key_side", "wait", "read_p", "PdP"), ("key_side", "fence", "", "proxy fence"),
+             ("value_side", "arrive", "ready_xt", "deadlock")]
+
+
+@pytest.mark.parametrize("role,kind,barrier,found", MUTATIONS, ids=[f"{m[0]}_{m[1]}_{m[2]}" for m in MUTATIONS])
+def test_the_protocol_model_finds_a_missing_hand_off(monkeypatch, role, kind, barrier, found):
+    """The model fails where one wait, arrive or fence of a role is removed from its chunk loop."""
+    from . import roles_protocol
+    events = roles_protocol.role_events()
+
+    def without_one():
+        changed = dict(events)
+        loop = next(item for item in changed[role] if isinstance(item, tuple))
+        body = list(loop[1])
+        del body[next(i for i, e in enumerate(body) if e.kind == kind and e.barrier == barrier)]
+        changed[role] = [("loop", body) if item is loop else item for item in changed[role]]
+        return changed
+
+    monkeypatch.setattr(roles_protocol, "role_events", without_one)
+    errors = []
+    for seed in range(100):
+        try:
+            roles_protocol.simulate(chunks=3, seed=seed)
+        except roles_protocol.ProtocolError as e:
+            errors.append(str(e))
+    assert errors and any(found in e for e in errors), errors[:3]
