@@ -160,7 +160,8 @@ class _Reader:
 
 @functools.cache
 def role_events() -> dict:
-    """(cached; not to be changed) {role: [pre-loop events..., ("loop", [events per chunk]), post-loop events...]} from the kernel's source."""
+    """{role: [pre-loop events..., ("loop", [events per chunk]), post-loop events...]} from the kernel's source
+    (cached: callers read it, never change it)."""
     macros_fn = _function(_module(), "role_macros")
     macros = {f.name: f for f in macros_fn.body if isinstance(f, ast.FunctionDef)}
     reader = _Reader(shared_slots(), macros)
