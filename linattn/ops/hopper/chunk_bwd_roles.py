@@ -215,7 +215,7 @@ def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.Simple
 
     @T.macro
     def key_side(t):
-        """Role A: P, X, dP, the X terms, dA, dKD, dq, dβ and dg."""
+        """Role A: P, X, dP, dA, dKD, dq, and dg and dβ from every role's terms."""
         for s in T.serial(t.chunks):
             c = t.chunks - 1 - s
             rows = T.min(BT, t.Tn - c * BT)
