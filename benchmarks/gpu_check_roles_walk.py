@@ -88,8 +88,14 @@ def time_case(case) -> dict:
     name, B, T, H, HV = case
     x = inputs(B, T, H, HV, False)
     _, old, _, new = walks(x, K ** -0.5)
-    return dict(case=name, slices_ms=triton.testing.do_bench(old, warmup=25, rep=200),
-                roles_ms=triton.testing.do_bench(new, warmup=25, rep=200))
+    record = dict(case=name, slices_ms=triton.testing.do_bench(old, warmup=25, rep=200),
+                  roles_ms=triton.testing.do_bench(new, warmup=25, rep=200))
+    # µs per chunk step of one program: the walk's time over its waves (one program per SM) and chunks
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    steps = -(-T // 64)
+    for walk, programs in (("slices", 2 * B * HV), ("roles", B * HV)):
+        record[f"{walk}_us_per_step"] = record[f"{walk}_ms"] * 1e3 / (-(-programs // sms) * steps)
+    return record
 
 
 def patched_op_check(cases) -> list:
@@ -175,7 +181,8 @@ def main():
               + f"  {all(r['bitwise_repeat'].values())}")
     for r in result["timing"]:
         print(f"{r['case']:<8} walk ms: slices {r['slices_ms']:.3f}  roles {r['roles_ms']:.3f}  "
-              f"({r['slices_ms'] / r['roles_ms']:.2f}×)")
+              f"({r['slices_ms'] / r['roles_ms']:.2f}×); µs per step and program: slices "
+              f"{r['slices_us_per_step']:.1f}, roles {r['roles_us_per_step']:.1f}")
 
 
 if __name__ == "__main__":
