@@ -343,10 +343,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
     """The TileLang prim_func of the role-split walk for these static sizes (B and T symbolic): the inputs of
     ``chunk_bwd.build_kernel``'s walk; dg, dβ complete ``[B, HV, Lp]`` (no partials); ``state_grads`` False: from a
     zero dS, no dh0 (dht and dh0 one-element placeholders)."""
-    import tilelang.language as T
-
     if K != V or K not in SIZES:
         raise ValueError(f"the role-split walk is built for K = V in {SIZES}, got K={K}, V={V}")
+    import tilelang.language as T
+
     acc, bf = "float32", "bfloat16"
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G = HV // H
