@@ -162,8 +162,7 @@ class _Reader:
 def role_events() -> dict:
     """{role: [pre-loop events..., ("loop", [events per chunk]), post-loop events...]} from the kernel's source
     (cached: callers read it, never change it)."""
-    macros_fn = _function(_module(), "role_macros")
-    macros = {f.name: f for f in macros_fn.body if isinstance(f, ast.FunctionDef)}
+    macros = {f.name: f for f in ast.walk(_module()) if isinstance(f, ast.FunctionDef) and f.name in ROLES + ("split",)}
     reader = _Reader(shared_slots(), macros)
     events = {}
     for role in ROLES:

@@ -85,8 +85,8 @@ def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
     return types.SimpleNamespace(**tiles, **program)
 
 
-def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.SimpleNamespace:
-    """The four roles (module docstring) as TileLang macros over :func:`alloc_tiles`' namespace."""
+def _chain_macro(K: int, V: int, scale: float, state_grads: bool):
+    """Role S as a TileLang macro over :func:`alloc_tiles`' namespace."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
@@ -138,6 +138,15 @@ def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.Simple
             T.mbarrier_arrive(t.end)
         if state_grads:
             T.copy(t.dS, t.dh0[t.ib, t.ihv, 0:K, 0:V])
+
+    return chain
+
+
+def _value_macro(K: int, V: int, scale: float):
+    """Role B as a TileLang macro."""
+    import tilelang.language as T
+
+    acc, bf = "float32", "bfloat16"
 
     @T.macro
     def value_side(t):
@@ -212,6 +221,15 @@ def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.Simple
             T.wait_wgmma(0)
             T.copy(t.N, t.dk[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
             T.mbarrier_arrive(t.end)
+
+    return value_side
+
+
+def _key_macro(K: int, V: int, scale: float):
+    """Role A as a TileLang macro."""
+    import tilelang.language as T
+
+    acc, bf = "float32", "bfloat16"
 
     @T.macro
     def key_side(t):
@@ -315,6 +333,13 @@ def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.Simple
                 t.dbeta[t.ib, t.ihv, c * BT + i] = t.vec[XB, i] + t.dbA[i]
             T.mbarrier_arrive(t.end)
 
+    return key_side
+
+
+def _producer_macro(K: int, V: int):
+    """The producer as a TileLang macro."""
+    import tilelang.language as T
+
     @T.macro
     def producer(t):
         """Chunk s's inputs, once every consumer has left chunk s − 1: one thread's TMA copies, the warpgroup's
@@ -336,7 +361,13 @@ def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.Simple
                 T.tma_copy(t.h[t.ib, c, t.ihv, 0:K, 0:V], t.Hs, barrier=t.full)
             T.mbarrier_arrive(t.full)
 
-    return types.SimpleNamespace(chain=chain, value_side=value_side, key_side=key_side, producer=producer)
+    return producer
+
+
+def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.SimpleNamespace:
+    """The four roles (module docstring) as TileLang macros over :func:`alloc_tiles`' namespace."""
+    return types.SimpleNamespace(chain=_chain_macro(K, V, scale, state_grads), value_side=_value_macro(K, V, scale),
+                                 key_side=_key_macro(K, V, scale), producer=_producer_macro(K, V))
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool = True):
