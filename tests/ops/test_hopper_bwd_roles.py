@@ -44,6 +44,33 @@ def test_role_split_walk_compiles_for_sm90a(tmp_path, H, HV, state_grads):
     assert ptxas["spill_stores"] <= SPILL_BYTES and not ptxas["wgmma_serialised"], ptxas
 
 
+@COMPILES
+@pytest.mark.parametrize("H,want_dh0", [(4, True), (2, False)], ids=["H4", "gva_no_state_grads"])
+def test_role_split_walk_launch_matches_the_kernels_parameters(monkeypatch, H, want_dh0):
+    """chunk_bwd_roles_hopper's tensors (CPU stand-ins; the launch recorded, not run) against the compiled walk's
+    parameters, which the launch checks on the GPU: every dtype and shape (one value per symbolic size); dg and dβ
+    the one slice's rows of the [1, B, HV, Lp] outputs the backward's sums take; dv written in place."""
+    from .test_hopper_bwd import assert_launch_matches_params
+    compiled = chunk_bwd_roles.compiled_kernel(H, 4, 128, 128, 128 ** -0.5, "sm_90a", want_dh0)
+    launched = []
+    monkeypatch.setattr(chunk_bwd_roles, "compiled_kernel", lambda *args, **kw: compiled)
+    monkeypatch.setattr(chunk_bwd_roles, "launcher", lambda kernel: lambda *args: launched.extend(args))
+    B, T, NT, K = 2, 100, 2, 128
+    bf = torch.bfloat16
+    q, k = (torch.zeros(B, T, H, K, dtype=bf) for _ in range(2))
+    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
+    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
+    dv = torch.empty(B, T, 4, K, dtype=bf)
+    out = chunk_bwd_roles.chunk_bwd_roles_hopper(q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf),
+                                                 torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5,
+                                                 want_dh0=want_dh0, dv=dv)
+    assert len(launched) == len(compiled.params)
+    assert_launch_matches_params(launched, compiled.params)
+    assert out[2] is dv is launched[11] and out[3].shape == (1, B, 4, NT * 64)
+    assert launched[12].data_ptr() == out[3].data_ptr() and launched[13].data_ptr() == out[4].data_ptr()
+    assert (out[5] is None) != want_dh0
+
+
 def test_role_split_walk_is_built_for_k_v_128_only():
     with pytest.raises(ValueError, match="K = V in"):
         chunk_bwd_roles.build_kernel(2, 2, 64, 64, 0.125)

@@ -650,9 +650,11 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     ``want_dh0`` False with dht None: the walk's build without state gradients (``build_kernel(state_grads=False)``:
     from a zero dS, no dh0 buffer); dh0 is then None."""
     state_grads = want_dh0 or dht is not None
-    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV, out, state_grads)
-    H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
-    launcher(compiled_kernel(H, HV, K, V, scale, BV, state_grads=state_grads))(*arguments)
+    arguments, outputs = walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV, out, state_grads)
+    B, _, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    launcher(compiled_kernel(H, HV, K, V, scale, BV, state_grads=state_grads))(
+        *arguments, *exchange_buffers(B, HV, K, V // BV, q.device))
     return outputs
 
 
@@ -665,7 +667,7 @@ def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     the same bits) and the stamps int64 ``[B·HV·NV, steps, len(POINTS) + 1, 2]`` of the first ``steps`` steps of
     every program (None: every step; layout in timeline.py, unwritten entries −1), which
     ``timeline.timeline_phases(stamps, NV)`` reduces to µs per phase."""
-    arguments, outputs = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV)
+    arguments, outputs = walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     chunks = -(-T // BT)
@@ -673,15 +675,17 @@ def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
         raise ValueError(f"steps must be a positive int or None, got {steps!r}")
     recorded = chunks if steps is None else min(steps, chunks)
     stamps = torch.full(stamps_shape(B * HV * (V // BV), recorded), -1, dtype=torch.int64, device=q.device)
-    launcher(compiled_kernel(H, HV, K, V, scale, BV, timeline=True))(*arguments, stamps)
+    launcher(compiled_kernel(H, HV, K, V, scale, BV, timeline=True))(
+        *arguments, *exchange_buffers(B, HV, K, V // BV, q.device), stamps)
     return outputs, stamps
 
 
-def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int, out: Optional[dict] = None,
-                    state_grads: bool = True) -> tuple[list, tuple[torch.Tensor, ...]]:
-    """The walk's launch arguments (inputs checked, outputs and exchange buffers allocated, or taken from ``out``:
-    :func:`chunk_bwd_hopper`) and its outputs; without ``state_grads`` one-element placeholders for dht and dh0,
-    and dh0 None among the outputs."""
+def walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int, out: Optional[dict] = None,
+                   state_grads: bool = True) -> tuple[list, tuple[torch.Tensor, ...]]:
+    """A walk's launch arguments up to dh0 (inputs checked, outputs allocated, or taken from ``out``:
+    :func:`chunk_bwd_hopper`; the slices' exchange buffers are the caller's) and its outputs; without
+    ``state_grads`` one-element placeholders for dht and dh0, and dh0 None among the outputs. The role-split walk
+    (``chunk_bwd_roles``) takes the same with BV = V."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // BT)
@@ -705,10 +709,8 @@ def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int, out: Optional
     dv = output_tensor(out.get("dv"), "dv", v.shape, v.dtype, q.device)
     dh0 = output_tensor(out.get("dh0"), "dh0", state_shape, torch.float32, q.device)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))
-    scratch, flags = exchange_buffers(B, HV, K, NV, q.device)
     arguments = [q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(),
-                 beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0,
-                 scratch, flags]
+                 beta.float().contiguous(), a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0]
     return arguments, (dq, dk, dv, dg, dbeta, dh0 if state_grads else None)
 
 

@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from . import chunk_bwd
 from .chunk_fwd import BT, compile_prim_func, launcher
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays)
@@ -426,29 +427,13 @@ def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, target: Optio
 
 def chunk_bwd_roles_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                            beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
-                           scale: float, want_dh0: bool = True) -> tuple[torch.Tensor, ...]:
-    """Launch the role-split walk on an sm_90 GPU (the inputs of ``chunk_bwd.chunk_bwd_hopper``). Returns dq, dk
-    ``[B, T, HV, K]`` (fp32 per value head where HV > H, for the host to add over each group; q's dtype where
-    HV = H), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[B, HV, Lp]`` fp32 head-major (complete) and dh0 ``[B, HV, K, V]``
-    fp32 (None where ``want_dh0`` is False and dht is None: the build without state gradients)."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    NT = -(-T // BT)
-    if gc.shape != (B, HV, NT * BT) or beta.shape != gc.shape:
-        raise ValueError(f"gc and beta must be [B, HV, chunks·64] = {(B, HV, NT * BT)}, got {tuple(gc.shape)}, "
-                         f"{tuple(beta.shape)}")
-    if h.shape != (B, NT, HV, K, V) or h.dtype != torch.bfloat16:
-        raise ValueError(f"h must be bf16 [B, chunks, HV, K, V] = {(B, NT, HV, K, V)}, got {h.dtype} "
-                         f"{tuple(h.shape)}")
+                           scale: float, want_dh0: bool = True, **out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Launch the role-split walk on an sm_90 GPU: ``chunk_bwd.chunk_bwd_hopper``'s inputs, ``out`` and outputs as
+    that walk's with one slice of the whole V (its arguments from ``chunk_bwd.walk_arguments``): dg, dβ
+    ``[1, B, HV, Lp]``, complete."""
     state_grads = want_dh0 or dht is not None
-    state_shape = (B, HV, K, V) if state_grads else (1,)
-    dht = dht.float().contiguous() if dht is not None else q.new_zeros(state_shape, dtype=torch.float32)
-    qk_dtype = q.dtype if HV == H else torch.float32
-    dq, dk = (q.new_empty(B, T, HV, K, dtype=qk_dtype) for _ in range(2))
-    dv = torch.empty_like(v)
-    dg, dbeta = (gc.new_empty(B, HV, NT * BT) for _ in range(2))
-    dh0 = q.new_empty(state_shape, dtype=torch.float32)
-    launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))(
-        q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), gc.contiguous(), beta.float().contiguous(),
-        a_inv.contiguous(), h.contiguous(), dht, dq, dk, dv, dg, dbeta, dh0)
-    return dq, dk, dv, dg, dbeta, dh0 if state_grads else None
+    arguments, outputs = chunk_bwd.walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, v.shape[3], out, state_grads)
+    arguments[12:14] = outputs[3][0], outputs[4][0]     # dg, dβ: the one slice's rows, [B, HV, Lp]
+    H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))(*arguments)
+    return outputs
