@@ -2,7 +2,7 @@
 on an sm_90 GPU: the same recomputed inputs into both, each output's relative L2 difference (the slices' dg, dβ
 partials added), the role-split walk's outputs run twice (bit for bit), then both walks timed (do_bench medians, ms)
 at anchor shapes. ``--op``: then the whole backward with the role-split walk in place of the other
-(``backward.walk_rows`` patched in this process only) through ``gpu_check_core.check``: each gradient's error
+(``chunk_bwd.chunk_bwd_hopper`` patched in this process only) through ``gpu_check_core.check``: each gradient's error
 against float64 over the rounded baseline's (the core bound: ≤ 2).
 
     S=/tmp/site; mkdir -p $S && tar -C $S -xJf .anchors/anchors-site.tar.xz
@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 OUTPUTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 # (name, B, T, H, HV, with dht): odd lengths (a last chunk of 44 and 40 rows), GVA, and anchor row 2
@@ -28,66 +27,56 @@ TIMED = [("row2", 8, 4096, 16, 16), ("row7", 1, 32768, 2, 8), ("row5", 4, 8192, 
 K = V = 128
 
 
-def inputs(B, T, H, HV, with_dht: bool, seed: int = 0) -> dict:
-    """bf16 q, k (unit rows), v, do; the anchors' gates; β; h0 and dht (fp32) where asked: the walk's inputs after
-    the backward's recompute (``backward.solve`` and ``states``)."""
+def inputs(name, B, T, H, HV, with_dht: bool) -> dict:
+    """``gpu_check_hopper_bwd.bf16_inputs``' (the anchors' gates, an initial state; dht where asked) after the
+    backward's recompute (``backward.solve`` and ``states``): the walk's inputs."""
+    import gpu_check_hopper_bwd
+
     from linattn.ops.hopper import backward
-    torch.manual_seed(seed)
-    q = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    v, do = (torch.randn(B, T, HV, V, device="cuda").bfloat16() for _ in range(2))
-    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda")) / 16
-    beta = torch.rand(B, T, HV, device="cuda").bfloat16()
-    h0 = torch.randn(B, HV, K, V, device="cuda") * 0.1
-    dht = torch.randn(B, HV, K, V, device="cuda") * 0.1 if with_dht else None
-    gc, beta_hm, a_inv, bound = backward.solve(k, g, beta)
-    h = backward.states(k, v, gc, beta_hm, a_inv, bound, h0)
-    return dict(q=q, k=k, v=v, do=do, gc=gc, beta=beta_hm, a_inv=a_inv, h=h, dht=dht)
+    low, _, dht = gpu_check_hopper_bwd.bf16_inputs(name, B, T, H, HV, K, V, 1 / 16)
+    gc, beta_hm, a_inv, bound = backward.solve(low["k"], low["g"], low["beta"])
+    h = backward.states(low["k"], low["v"], gc, beta_hm, a_inv, bound, low["initial_state"])
+    return dict(q=low["q"], k=low["k"], v=low["v"], do=low["do"], gc=gc, beta=beta_hm, a_inv=a_inv, h=h,
+                dht=dht if with_dht else None)
 
 
 def walks(x: dict, scale: float):
-    """(the slice walk's outputs with its dg, dβ partials added, a callable of it; the role-split walk's, a callable
-    of it)."""
+    """(the slice walk's call, the role-split walk's) on the same inputs; both return dg, dβ ``[NV, B, HV, Lp]``."""
     from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
     args = [x[n] for n in ("q", "k", "v", "do", "gc", "beta", "a_inv", "h", "dht")]
     want = x["dht"] is not None
-    old = lambda: chunk_bwd.chunk_bwd_hopper(*args, scale, want_dh0=want)
-    new = lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, scale, want_dh0=want)
-    dq, dk, dv, dg, dbeta, dh0 = old()
-    return (dq, dk, dv, dg.sum(0), dbeta.sum(0), dh0), old, new()[:6], new
+    return (lambda: chunk_bwd.chunk_bwd_hopper(*args, scale, want_dh0=want),
+            lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, scale, want_dh0=want))
 
 
-def rel_l2(a, b) -> float:
-    if a is None or b is None:
-        return float("nan")
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def comparable(outputs, T: int) -> list:
+    """dq, dk, dv, dg, dβ, dh0 with the slices' dg, dβ added and the head-major rows past T (padding) left out."""
+    dq, dk, dv, dg, dbeta, dh0 = outputs
+    return [dq, dk, dv, dg.sum(0)[..., :T], dbeta.sum(0)[..., :T], dh0]
 
 
 def compare(case) -> dict:
+    import gpu_check_hopper_bwd
     name, B, T, H, HV, with_dht = case
-    x = inputs(B, T, H, HV, with_dht)
-    scale = K ** -0.5
+    x = inputs(name, B, T, H, HV, with_dht)
     print(f"{name}: inputs ready", flush=True)
-    old_out, _, new_out, new = walks(x, scale)
+    old, new = walks(x, K ** -0.5)
+    slices, roles = comparable(old(), T), comparable(new(), T)
     torch.cuda.synchronize()
     print(f"{name}: both walks ran", flush=True)
-    again = new()
-    row = dict(case=name, difference={}, bitwise_repeat={})
-    for n, a, b, c in zip(OUTPUTS, new_out, old_out, again):
-        if n in ("dg", "dbeta"):        # head-major [B, HV, Lp]: the rows past T are padding
-            a, b, c = (t[..., :T] if t is not None else None for t in (a, b, c))
-        row["difference"][n] = rel_l2(a, b)
+    again = comparable(new(), T)
+    row = dict(case=name, difference={}, bitwise_repeat={}, finite={})
+    for n, a, b, c in zip(OUTPUTS, roles, slices, again):
+        row["difference"][n] = float("nan") if a is None else gpu_check_hopper_bwd.difference(a, b)["rel_l2"]
         row["bitwise_repeat"][n] = bool(a is None or torch.equal(a, c))
-        row.setdefault("finite", {})[n] = bool(a is None or torch.isfinite(a).all().item())
+        row["finite"][n] = bool(a is None or torch.isfinite(a).all().item())
     return row
 
 
 def time_case(case) -> dict:
     import triton
     name, B, T, H, HV = case
-    x = inputs(B, T, H, HV, False)
-    _, old, _, new = walks(x, K ** -0.5)
+    old, new = walks(inputs(name, B, T, H, HV, False), K ** -0.5)
     record = dict(case=name, slices_ms=triton.testing.do_bench(old, warmup=25, rep=200),
                   roles_ms=triton.testing.do_bench(new, warmup=25, rep=200))
     # µs per chunk step of one program: the walk's time over its waves (one program per SM) and chunks
@@ -99,23 +88,16 @@ def time_case(case) -> dict:
 
 
 def patched_op_check(cases) -> list:
-    """gpu_check_core.check on ``cases`` with ``backward.walk_rows`` running the role-split walk."""
+    """gpu_check_core.check on ``cases`` with the role-split walk in place of the slice walk (the backward calls it
+    as ``chunk_bwd.chunk_bwd_hopper``; its BV argument has no use there)."""
     import gpu_check_core
 
-    from linattn.ops.hopper import backward, chunk_bwd_roles
+    from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
 
-    def walk_rows(walk_inputs, scale, BV, g, H, out):
-        dq, dk, dv, dg, dbeta, dh0 = out
-        want = dh0 is not None
-        dq_h, dk_h, dv_r, dg_r, db_r, dh0_r = chunk_bwd_roles.chunk_bwd_roles_hopper(*walk_inputs, scale,
-                                                                                    want_dh0=want)
-        dv.copy_(dv_r)
-        if want:
-            dh0.copy_(dh0_r)
-        backward.gradients_from_partials(dq_h, dk_h, dg_r[None], db_r[None], g, dbeta.dtype, dq.dtype, H,
-                                         out=(dq, dk, dg, dbeta))
+    def role_split_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV=None, **kwargs):
+        return chunk_bwd_roles.chunk_bwd_roles_hopper(q, k, v, do, gc, beta, a_inv, h, dht, scale, **kwargs)
 
-    backward.walk_rows = walk_rows
+    chunk_bwd.chunk_bwd_hopper = role_split_walk
     rows = []
     for case in gpu_check_core.CASES:
         if case[0] in cases:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[2] / "linattn" / "ops" / "hopper" / "chunk_bwd_roles.py"
 ROLES = ("chain", "value_side", "key_side", "producer")
-PARALLEL_LOOPS = ("Parallel", "unroll", "serial")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +55,7 @@ def vector_rows() -> set:
 def arrival_counts() -> dict:
     alloc = _function(_module(), "alloc_tiles")
     node = _assigned(alloc, "arrivals")
-    return {kw.arg: ast.literal_eval(kw.value) if not isinstance(kw.value, ast.BinOp) else eval(ast.unparse(kw.value))
-            for kw in node.value.keywords}
+    return {kw.arg: eval(ast.unparse(kw.value)) for kw in node.value.keywords}      # integer expressions
 
 
 class _Reader:
@@ -82,8 +80,7 @@ class _Reader:
     def _reads(self, expr) -> tuple:
         found = []
         for n in ast.walk(expr):
-            if isinstance(n, ast.Subscript) and self._slot(n) and not (
-                    isinstance(n.value, ast.Subscript)):
+            if isinstance(n, ast.Subscript) and self._slot(n):
                 found.append(self._slot(n))
         return tuple(dict.fromkeys(found))
 
