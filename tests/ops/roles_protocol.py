@@ -146,7 +146,8 @@ class _Reader:
             if dst:
                 out.append(Event("write", (dst,), when=when))
         elif name == "T.tma_copy":
-            out.append(Event("tma", (self._slot(args[1]),), when=when))
+            barrier = next(kw.value.attr for kw in call.keywords if kw.arg == "barrier")
+            out.append(Event("tma", (self._slot(args[1]),), barrier=barrier, when=when))
         elif name == "T.reduce_sum":
             reads = self._reads(call)
             if reads:
@@ -194,11 +195,14 @@ def simulate(chunks: int = 3, seed: int = 0) -> dict:
     roles = {r: expand(e, chunks) for r, e in role_events().items()}
     wgmma_slots = {s for evs in roles.values() for _, e in evs if e.kind == "wgmma" for s in e.slots}
     pc = dict.fromkeys(roles, 0)
-    clock = {r: {q: 0 for q in roles} for r in roles}
+    # vector clocks over the roles and, per TMA barrier, its copies' landing: a copy's write is ordered before only
+    # what waited its own barrier's phase (a later barrier's phase may complete first)
+    actors = list(roles) + [f"tma:{b}" for b in counts]
+    clock = {r: dict.fromkeys(actors, 0) for r in roles}
     arrived = dict.fromkeys(counts, 0)          # arrivals in the barrier's current phase
     completed = dict.fromkeys(counts, 0)        # phases completed
     phase_clock = {b: {} for b in counts}       # (barrier, phase) → joined clock of its arrivals
-    pending_tma = []                            # (slot, clock) written by the TMA before ``full`` completes
+    pending_tma = {}                            # barrier → [(slot, clock)] the TMA writes before it completes
     accesses = {}                               # slot → [(role, kind, clock)]
     in_flight = {r: [] for r in roles}          # wgmma reads not yet retired: lists of slots
     unfenced = {r: set() for r in roles}        # slots written by generic code since the role's last fence
@@ -242,15 +246,15 @@ def simulate(chunks: int = 3, seed: int = 0) -> dict:
         elif ev.kind == "arrive":
             clock[r][r] += 1
             b, p = ev.barrier, completed[ev.barrier]
-            phase_clock[b][p] = join(phase_clock[b].get(p, dict.fromkeys(roles, 0)), clock[r])
+            phase_clock[b][p] = join(phase_clock[b].get(p, dict.fromkeys(actors, 0)), clock[r])
             arrived[b] += 1
             if arrived[b] == counts[b] // 128:      # one event stands for a warpgroup's 128 arrivals
                 arrived[b] = 0
                 completed[b] += 1
-                if b == "full":                     # the TMA's writes land before the phase completes
-                    for slot, c in pending_tma:
-                        accesses.setdefault(slot, []).append(("tma", "write", c))
-                    pending_tma.clear()
+                for slot, c in pending_tma.pop(b, []):  # the TMA's writes land before its barrier's phase completes
+                    landed = {**c, f"tma:{b}": completed[b]}
+                    accesses.setdefault(slot, []).append(("tma", "write", landed))
+                    phase_clock[b][p] = join(phase_clock[b][p], landed)
         elif ev.kind == "read":
             for s in ev.slots:
                 access(r, s, "read")
@@ -275,7 +279,7 @@ def simulate(chunks: int = 3, seed: int = 0) -> dict:
             unfenced[r].clear()
         elif ev.kind == "tma":
             clock[r][r] += 1
-            pending_tma.append((ev.slots[0], dict(clock[r])))
+            pending_tma.setdefault(ev.barrier, []).append((ev.slots[0], dict(clock[r])))
         if ev.kind == "arrive" and ev.barrier != "init":
             for s in unfenced[r]:
                 if any(s in e.slots for q in roles if q != r for _, e in roles[q] if e.kind == "wgmma"):
