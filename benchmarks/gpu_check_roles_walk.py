@@ -129,7 +129,7 @@ def warm(cases, timed) -> None:
         builds += [g.kernel_build(c, None) for c in configs + [("prepass", H, HV, K)]]
         builds += [Build(chunk_bwd_roles.compiled_kernel, (H, HV, K, V, K ** -0.5, None, dht)),
                    Build(chunk_bwd.compiled_kernel, (H, HV, K, V, K ** -0.5, 64), dict(target=None, state_grads=dht))]
-    print(precompile(list(dict.fromkeys(builds))), flush=True)
+    print(precompile(list({repr(b): b for b in builds}.values())), flush=True)
 
 
 def main():

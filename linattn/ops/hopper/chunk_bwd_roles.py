@@ -353,7 +353,7 @@ def _producer_macro(K: int, V: int):
             for i in T.Parallel(BT):        # gc and β by plain loads: TMA takes no row of the vector tile
                 t.vec[GC, i] = t.gc[t.ib, t.ihv, c * BT + i]
                 t.vec[BETA, i] = t.beta[t.ib, t.ihv, c * BT + i]
-            if t.tx == 3 * 128:
+            if t.tx < 3 * 128 + 32:         # one warp: the copies' elect.sync picks one lane of it
                 T.tma_copy(t.q[t.ib, c * BT:(c + 1) * BT, t.ih, 0:K], t.Qs, barrier=t.full)
                 T.tma_copy(t.k[t.ib, c * BT:(c + 1) * BT, t.ih, 0:K], t.Ks, barrier=t.full)
                 T.tma_copy(t.v[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:V], t.Vs, barrier=t.full)
