@@ -5,6 +5,7 @@ the slice walk and, through the op, float64). Its twin is the slice walk's (``ch
 same operations and rounding points on the whole V."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -36,6 +37,9 @@ def test_role_split_walk_compiles_for_sm90a(tmp_path, H, HV, state_grads):
     assert sum(chunk_bwd_roles.REGISTERS) * 128 == 65536      # the register file at 512 threads
     assert "__syncthreads();" not in source.split("tl::fence_barrier_init();")[1].split("warpgroup_reg_alloc")[1], \
         "a CTA-wide barrier inside a role would deadlock the others"
+    # elect.sync (TileLang's copy issue) names the whole warp: under a branch of fewer lanes it hangs
+    elects = [int(n) for n in re.findall(r"tl_shuffle_elect<(\d+)>", source)]
+    assert elects and all(n == 0 or n % 32 == 0 for n in elects), elects
     assert ("dh0" in source) == state_grads
     stored = "bfloat16_t* __restrict__ dq" if H == HV else "float* __restrict__ dq"
     assert stored in source, stored
