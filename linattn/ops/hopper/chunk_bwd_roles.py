@@ -17,7 +17,7 @@ Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`
     A (256-383, 160)                      Q Kᵀ, P, K S, X = β(V − Γ K S); dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ,
                                           dKD; dq = dP K + scale Γ⊙(dO hᵀ); dβ and dg (the column sums of dlogD as
                                           row sums of the transposed products)
-    producer (384-511, 24)                one thread's TMA copies of each chunk's tiles, the warpgroup's loads of
+    producer (384-511, 24)                one warp's TMA copies of each chunk's tiles, the warpgroup's loads of
                                           gc and β
 
 The chunk's step is lock-stepped: the producer loads chunk s + 1 once every consumer has arrived at ``end`` for
@@ -343,7 +343,7 @@ def _producer_macro(K: int, V: int):
 
     @T.macro
     def producer(t):
-        """Chunk s's inputs, once every consumer has left chunk s − 1: one thread's TMA copies, the warpgroup's
+        """Chunk s's inputs, once every consumer has left chunk s − 1: one warp's TMA copies, the warpgroup's
         plain loads of gc and β."""
         T.mbarrier_wait_parity(t.init, 0)
         for s in T.serial(t.chunks):
