@@ -201,7 +201,7 @@ def simulate(chunks: int = 3, seed: int = 0) -> dict:
     clock = {r: dict.fromkeys(actors, 0) for r in roles}
     arrived = dict.fromkeys(counts, 0)          # arrivals in the barrier's current phase
     completed = dict.fromkeys(counts, 0)        # phases completed
-    phase_clock = {b: {} for b in counts}       # (barrier, phase) → joined clock of its arrivals
+    phase_clock = {b: {} for b in counts}       # (barrier, phase) → joined clock of its arrivals and copies
     pending_tma = {}                            # barrier → [(slot, clock)] the TMA writes before it completes
     accesses = {}                               # slot → [(role, kind, clock)]
     in_flight = {r: [] for r in roles}          # wgmma reads not yet retired: lists of slots
