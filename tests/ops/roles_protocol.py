@@ -12,7 +12,9 @@ import functools
 import random
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[2] / "linattn" / "ops" / "hopper" / "chunk_bwd_roles.py"
+HOPPER = Path(__file__).resolve().parents[2] / "linattn" / "ops" / "hopper"
+SOURCE = HOPPER / "chunk_bwd_roles.py"
+SPLIT_SOURCE = HOPPER / "chunk_bwd.py"     # the hi + lo split S calls (``chunk_bwd.hi_lo_split_macro``'s ``split``)
 ROLES = ("chain", "value_side", "key_side", "producer")
 
 
@@ -104,7 +106,7 @@ class _Reader:
                 self.statements(st.body, out, when)
             elif test == "s > 0":
                 self.statements(st.body, out, "s>0")
-            else:                           # t.tx == ...: one thread's TMA issue, taken
+            else:                           # t.tx < ...: one warp's TMA issue, taken
                 self.statements(st.body, out, when)
             return
         if isinstance(st, ast.Assign):
@@ -160,7 +162,8 @@ class _Reader:
 def role_events() -> dict:
     """{role: [pre-loop events..., ("loop", [events per chunk]), post-loop events...]} from the kernel's source
     (cached: callers read it, never change it)."""
-    macros = {f.name: f for f in ast.walk(_module()) if isinstance(f, ast.FunctionDef) and f.name in ROLES + ("split",)}
+    macros = {f.name: f for f in ast.walk(_module()) if isinstance(f, ast.FunctionDef) and f.name in ROLES}
+    macros["split"] = _function(_function(ast.parse(SPLIT_SOURCE.read_text()), "hi_lo_split_macro"), "split")
     reader = _Reader(shared_slots(), macros)
     events = {}
     for role in ROLES:

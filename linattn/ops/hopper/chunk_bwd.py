@@ -270,6 +270,23 @@ def _timeline_macros(warpgroups: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(stamp=stamp)
 
 
+def hi_lo_split_macro(K: int, width: int):
+    """A TileLang macro over a tile namespace ``t``: its fp32 ``dS`` fragment (K × ``width``) as the C1 operands bf16
+    hi + lo in ``t.dSh`` and ``t.dSl``. The slice walk's and the role-split walk's (``chunk_bwd_roles``) one split."""
+    import tilelang.language as T
+
+    acc, bf = "float32", "bfloat16"
+
+    @T.macro
+    def split(t):
+        """dS as the C1 operands bf16 hi + lo."""
+        for i, j in T.Parallel(K, width):
+            t.dSh[i, j] = T.cast(t.dS[i, j], bf)
+            t.dSl[i, j] = T.cast(t.dS[i, j] - T.cast(T.cast(t.dS[i, j], bf), acc), bf)
+
+    return split
+
+
 def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchange=None,
                      stamp=None) -> types.SimpleNamespace:
     """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
@@ -348,12 +365,7 @@ def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchan
             t.Y[i, j] = t.Y[i, j] * t.bs[i]
         T.copy(t.Y, t.dv[t.ib, c * BT:(c + 1) * BT, t.ihv, t.iv * BV:(t.iv + 1) * BV])
 
-    @T.macro
-    def split_state(t):
-        """dS as the C1 operands bf16 hi + lo."""
-        for i, j in T.Parallel(K, BV):
-            t.dSh[i, j] = T.cast(t.dS[i, j], bf)
-            t.dSl[i, j] = T.cast(t.dS[i, j] - T.cast(T.cast(t.dS[i, j], bf), acc), bf)
+    split_state = hi_lo_split_macro(K, BV)
 
     @T.macro
     def finish(t, g_last, c):

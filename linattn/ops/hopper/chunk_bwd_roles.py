@@ -91,13 +91,7 @@ def _chain_macro(K: int, V: int, scale: float, state_grads: bool):
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
-
-    @T.macro
-    def split(t):
-        """dS as the C1 operands bf16 hi + lo."""
-        for i, j in T.Parallel(K, V):
-            t.dSh[i, j] = T.cast(t.dS[i, j], bf)
-            t.dSl[i, j] = T.cast(t.dS[i, j] - T.cast(T.cast(t.dS[i, j], bf), acc), bf)
+    split = chunk_bwd.hi_lo_split_macro(K, V)
 
     @T.macro
     def chain(t):
