@@ -3,7 +3,10 @@ on an sm_90 GPU: the same recomputed inputs into both, each output's relative L2
 partials added), the role-split walk's outputs run twice (bit for bit), then both walks timed (do_bench medians, ms)
 at anchor shapes. ``--op``: then the whole backward with the role-split walk in place of the other
 (``chunk_bwd.chunk_bwd_hopper`` patched in this process only) through ``gpu_check_core.check``: each gradient's error
-against float64 over the rounded baseline's (the core bound: ≤ 2).
+against float64 over the rounded baseline's (the core bound: ≤ 2). ``--timeline``: at each timed row also the
+walk's timeline build (``chunk_bwd_roles.walk_timeline``): its outputs against the walk's (bit for bit), its time
+(the instrument's cost), and per role the µs of each phase of the chunk step (``timeline.ROLE_POINTS``): which role
+waits for which hand-off, and which one bounds the step.
 
     S=/tmp/site; mkdir -p $S && tar -C $S -xJf .anchors/anchors-site.tar.xz
     PYTHONPATH=$S:$PWD:$PWD/benchmarks python benchmarks/gpu_check_roles_walk.py [--op] --out $OUT
@@ -87,6 +90,24 @@ def time_case(case) -> dict:
     return record
 
 
+def time_timeline(case) -> dict:
+    """The role-split walk's timeline at a timed row: its outputs against the default build's, both timed, the
+    stamps of every step reduced per role (``timeline.role_timeline``)."""
+    import triton
+
+    from linattn.ops.hopper import chunk_bwd_roles, timeline
+    name, B, T, H, HV = case
+    x = inputs(name, B, T, H, HV, False)
+    args = [x[n] for n in ("q", "k", "v", "do", "gc", "beta", "a_inv", "h", "dht")]
+    walk = lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, K ** -0.5, want_dh0=False)
+    timed = lambda: chunk_bwd_roles.walk_timeline(*args, K ** -0.5, want_dh0=False)
+    default, (outputs, stamps) = walk(), timed()
+    same = all(a is None and b is None or torch.equal(a, b) for a, b in zip(default, outputs))
+    return dict(case=name, bitwise_same=same, walk_ms=triton.testing.do_bench(walk, warmup=25, rep=200),
+                timeline_ms=triton.testing.do_bench(timed, warmup=25, rep=200),
+                roles=timeline.role_timeline(stamps.cpu()))
+
+
 def patched_op_check(cases) -> list:
     """gpu_check_core.check on ``cases`` with the role-split walk in place of the slice walk (the backward calls it
     as ``chunk_bwd.chunk_bwd_hopper``; its BV argument has no use there)."""
@@ -107,7 +128,7 @@ def patched_op_check(cases) -> list:
     return rows
 
 
-def warm(cases, timed) -> None:
+def warm(cases, timed, timeline: bool) -> None:
     """Every kernel the run launches compiled first, one process per core, into TileLang's disk cache
     (``hopper.precompile``, with ``gpu_check_hopper_bwd``'s builds of the recompute and the slice walk)."""
     import gpu_check_hopper_bwd as g
@@ -127,7 +148,9 @@ def warm(cases, timed) -> None:
             launch = g.recompute_launch(B, HV, V)
             configs = [("states", H, HV, K, V, launch["BV"], launch["num_stages"])]
         builds += [g.kernel_build(c, None) for c in configs + [("prepass", H, HV, K)]]
-        builds += [Build(chunk_bwd_roles.compiled_kernel, (H, HV, K, V, K ** -0.5, None, dht)),
+        builds += [Build(chunk_bwd_roles.compiled_kernel, (H, HV, K, V, K ** -0.5, None, dht, stamped))
+                   for stamped in ((False, True) if timeline and not dht else (False,))]
+        builds += [
                    Build(chunk_bwd.compiled_kernel, (H, HV, K, V, K ** -0.5, 64), dict(target=None, state_grads=dht))]
     print(precompile(list({repr(b): b for b in builds}.values())), flush=True)
 
@@ -138,14 +161,15 @@ def main():
     ap.add_argument("--op", default=None, help="comma-separated gpu_check_core cases to run through the op with "
                                                "the role-split walk")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="at each timed row also the walk's timeline by role")
     ap.add_argument("--cases", default=None, help=f"comma-separated of {[c[0] for c in CASES]} (default: all)")
     ap.add_argument("--timed", default=None, help=f"comma-separated of {[c[0] for c in TIMED]} (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     cases = [c for c in CASES if not a.cases or c[0] in a.cases.split(",")]
     timed = [] if a.skip_timing else [c for c in TIMED if not a.timed or c[0] in a.timed.split(",")]
-    warm(cases, timed)
-    result = dict(compare=[], timing=[])
+    warm(cases, timed, a.timeline)
+    result = dict(compare=[], timing=[], timeline=[])
     for case in cases:
         result["compare"].append(compare(case))
         print(json.dumps(result["compare"][-1]), flush=True)
@@ -153,6 +177,8 @@ def main():
         for case in timed:
             result["timing"].append(time_case(case))
             print(json.dumps(result["timing"][-1]), flush=True)
+            if a.timeline:
+                result["timeline"].append(time_timeline(case))
     if a.op:
         result["op"] = patched_op_check(a.op.split(","))
     Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -161,6 +187,12 @@ def main():
     for r in result["compare"]:
         print(f"{r['case']:<22} " + " ".join(f"{r['difference'][n]:9.1e}" for n in OUTPUTS)
               + f"  {all(r['bitwise_repeat'].values())}")
+    from linattn.ops.hopper.timeline import format_table
+    for r in result["timeline"]:
+        print(f"\n{r['case']}: walk {r['walk_ms']:.3f} ms, timeline build {r['timeline_ms']:.3f} ms, outputs bit for "
+              f"bit: {r['bitwise_same']}")
+        for role, summary in r["roles"].items():
+            print(format_table(summary, f"role {role}"))
     for r in result["timing"]:
         print(f"{r['case']:<8} walk ms: slices {r['slices_ms']:.3f}  roles {r['roles_ms']:.3f}  "
               f"({r['slices_ms'] / r['roles_ms']:.2f}×); µs per step and program: slices "

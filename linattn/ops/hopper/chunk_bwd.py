@@ -78,10 +78,11 @@ __device__ __forceinline__ void linattn_warp_await(int* flags, int step) {
   } while (seen < step);
 }
 """
-# The timeline build's stamp (``build_kernel(timeline=True)``, timeline.py): the first thread of each consumer
-# warpgroup (TileLang's producer warpgroup is threads 0-127, its consumers 128 on) stores the SM's clock64 at
-# ``row[point · warpgroups + its consumer index]``, ``row`` = stamps[program, step] with program = ctaid.y · NV +
-# ctaid.x (the grid is (NV, B · HV)); at point 0 also the global timer (ns) in the row's last entry. One global store
+# The timeline builds' stamp (``build_kernel(timeline=True)``, timeline.py): the first thread of each stamping
+# warpgroup (from ``first_warpgroup`` on: TileLang's producer warpgroup is threads 0-127 and its consumers 128 on; the
+# role-split walk's roles are 0-383) stores the SM's clock64 at ``row[point · warpgroups + its index]``, ``row`` =
+# stamps[program, step] with program = ctaid.y · gridDim.x + ctaid.x (the slice walk's grid is (NV, B · HV), the
+# role-split walk's (B · HV)); at point 0 also the global timer (ns) in the row's last entry. One global store
 # per point and warpgroup. The row's address is formed here from volatile reads of the block index, so that no
 # register holds it across the step (formed by TileLang, ptxas kept it live and spilled 8 B); the "memory" clobbers
 # keep the compiler from moving loads and stores across the clock reads. ``Awaited...``: buffers the call names only
@@ -89,13 +90,13 @@ __device__ __forceinline__ void linattn_warp_await(int* flags, int step) {
 TIMELINE_SOURCE = """
 template <typename... Awaited>
 __device__ __forceinline__ void linattn_stamp(int64_t* stamps, int step, int steps, int point, int points,
-                                              int warpgroups, Awaited...) {
+                                              int warpgroups, int first_warpgroup, Awaited...) {
   if ((threadIdx.x & 127) == 0) {
     unsigned slice, cluster;
     asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(slice));
     asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(cluster));
     int64_t* row = stamps + ((int64_t)(cluster * gridDim.x + slice) * steps + step) * (points + 1) * warpgroups;
-    const int wg = (threadIdx.x >> 7) - 1;
+    const int wg = (threadIdx.x >> 7) - first_warpgroup;
     int64_t clock;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(clock) :: "memory");
     row[point * warpgroups + wg] = clock;
@@ -255,17 +256,19 @@ def _exchange_macros(K: int, slices: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(sum_out=sum_out)
 
 
-def _timeline_macros(warpgroups: int) -> types.SimpleNamespace:
-    """The timeline build's ``stamp`` (:data:`TIMELINE_SOURCE`): point ``point`` (an index of ``timeline.POINTS``)
-    of step ``step`` stamped into the program's row of ``t.stamps`` while ``step`` is below the steps it records
-    (its shape's second size); TileLang awaits the loads of the shared buffers ``awaited`` before the stamp."""
+def timeline_macros(warpgroups: int, points: int = len(POINTS), first_warpgroup: int = 1) -> types.SimpleNamespace:
+    """The timeline build's ``stamp`` (:data:`TIMELINE_SOURCE`): point ``point`` (an index of ``timeline.POINTS``,
+    or of the ``points`` a row holds) of step ``step`` stamped into the program's row of ``t.stamps`` while ``step``
+    is below the steps it records (its shape's second size), by ``warpgroups`` warpgroups from ``first_warpgroup``
+    on; TileLang awaits the loads of the shared buffers ``awaited`` before the stamp."""
     import tilelang.language as T
 
     @T.macro
     def stamp(t, step, point, awaited=()):
         if step < t.stamps.shape[1]:
             T.call_extern("handle", "linattn_stamp", T.address_of(t.stamps[0, 0, 0, 0]), step, t.stamps.shape[1],
-                          point, len(POINTS), warpgroups, *[T.address_of(b[(0,) * len(b.shape)]) for b in awaited])
+                          point, points, warpgroups, first_warpgroup,
+                          *[T.address_of(b[(0,) * len(b.shape)]) for b in awaited])
 
     return types.SimpleNamespace(stamp=stamp)
 
@@ -290,7 +293,7 @@ def hi_lo_split_macro(K: int, width: int):
 def _gradient_macros(K: int, BV: int, scale: float, column_sums_out=None, exchange=None,
                      stamp=None) -> types.SimpleNamespace:
     """The q side, the k side and the chunk's finish as TileLang macros; ``column_sums_out`` from
-    :func:`_recompute_macros`; ``stamp`` the timeline build's (:func:`_timeline_macros`; None: no stamps), stamping
+    :func:`_recompute_macros`; ``stamp`` the timeline build's (:func:`timeline_macros`; None: no stamps), stamping
     the X terms' end (after the q side's first dot) and before and after the slices' exchanges.
 
     A staged input's slot goes back to the producer right after its last use in program order, so the next chunk's
@@ -397,7 +400,7 @@ def step_macros(K: int, BV: int, scale: float, slices: int = 1, timeline_warpgro
     import tilelang.language as T
 
     timed = timeline_warpgroups > 0
-    stamp = _timeline_macros(timeline_warpgroups).stamp if timed else None
+    stamp = timeline_macros(timeline_warpgroups).stamp if timed else None
     first = _recompute_macros(K, BV, scale)
     exchange = _exchange_macros(K, slices)
     second = _gradient_macros(K, BV, scale, first.column_sums_out, exchange, stamp)

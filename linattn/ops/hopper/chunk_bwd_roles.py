@@ -46,6 +46,7 @@ import torch
 
 from . import chunk_bwd
 from .chunk_fwd import BT, compile_prim_func, launcher
+from .timeline import ROLE_POINTS, ROLE_SLOTS, role_stamps_shape
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays)
 THREADS = 512
@@ -86,12 +87,34 @@ def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
     return types.SimpleNamespace(**tiles, **program)
 
 
-def _chain_macro(K: int, V: int, scale: float, state_grads: bool):
-    """Role S as a TileLang macro over :func:`alloc_tiles`' namespace."""
+def _mark_macro(role: str, timed: bool):
+    """A TileLang macro ``mark(t, step, point)``: with ``timed`` the timeline build's stamp of ``role``'s point
+    (a name in ``timeline.ROLE_POINTS[role]``) at chunk step ``step``; without it nothing."""
+    import tilelang.language as T
+
+    if not timed:
+        @T.macro
+        def mark(t, step, point):
+            pass
+
+        return mark
+    points = ROLE_POINTS[role]
+    stamp = chunk_bwd.timeline_macros(len(ROLE_POINTS), ROLE_SLOTS, first_warpgroup=0).stamp
+
+    @T.macro
+    def mark(t, step, point):
+        stamp(t, step, points.index(point))
+
+    return mark
+
+
+def _chain_macro(K: int, V: int, scale: float, state_grads: bool, timed: bool):
+    """Role S as a TileLang macro over :func:`alloc_tiles`' namespace (``timed``: with its timeline stamps)."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
     split = chunk_bwd.hi_lo_split_macro(K, V)
+    mark = _mark_macro("S", timed)
 
     @T.macro
     def chain(t):
@@ -106,7 +129,9 @@ def _chain_macro(K: int, V: int, scale: float, state_grads: bool):
         for s in T.serial(t.chunks):
             c = t.chunks - 1 - s
             rows = T.min(BT, t.Tn - c * BT)
+            mark(t, s, "top")
             T.mbarrier_wait_parity(t.full, s % 2)
+            mark(t, s, "loads")
             g_last = t.vec[GC, rows - 1]
             # γ Σ h⊙dS with the dS leaving the chunk: each thread's share, added by A in its finish
             part = T.alloc_var(acc, init=0.0)
@@ -120,28 +145,35 @@ def _chain_macro(K: int, V: int, scale: float, state_grads: bool):
                 t.Gl[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc) - T.cast(T.cast(
                     scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc), bf), acc), bf)
             T.fence_proxy_async()
+            mark(t, s, "gamma_do")
             T.wgmma_gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
             T.wgmma_gemm(t.Qs, t.Gl, t.dS, transpose_A=True)
             T.wait_wgmma(0)
             T.mbarrier_arrive(t.free_g)
+            mark(t, s, "q_dots")
             T.mbarrier_wait_parity(t.ready_y, s % 2)
+            mark(t, s, "wait_y")
             T.wgmma_gemm(t.Ks, t.Gl, t.dS, transpose_A=True)        # C3: Gl holds bf16(−βΓY) now
             T.wait_wgmma(0)
+            mark(t, s, "c3")
             T.mbarrier_wait_parity(t.read_ds, s % 2)
+            mark(t, s, "wait_ds")
             split(t)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.end)
+            mark(t, s, "finish")
         if state_grads:
             T.copy(t.dS, t.dh0[t.ib, t.ihv, 0:K, 0:V])
 
     return chain
 
 
-def _value_macro(K: int, V: int, scale: float):
+def _value_macro(K: int, V: int, scale: float, timed: bool):
     """Role B as a TileLang macro."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
+    mark = _mark_macro("B", timed)
 
     @T.macro
     def value_side(t):
@@ -149,11 +181,14 @@ def _value_macro(K: int, V: int, scale: float):
         for s in T.serial(t.chunks):
             c = t.chunks - 1 - s
             rows = T.min(BT, t.Tn - c * BT)
+            mark(t, s, "top")
             T.mbarrier_wait_parity(t.full, s % 2)
+            mark(t, s, "loads")
             g_last = t.vec[GC, rows - 1]
             T.wgmma_gemm(t.Ks, t.dSh, t.F, clear_accum=True)       # C1
             T.wgmma_gemm(t.Ks, t.dSl, t.F)
             T.mbarrier_wait_parity(t.ready_x, s % 2)
+            mark(t, s, "wait_x")
             T.wgmma_gemm(t.TdKD, t.XVn, t.N, clear_accum=True)     # V_new = T X
             T.wait_wgmma(0)
             for i, j in T.Parallel(BT, V):
@@ -166,14 +201,18 @@ def _value_macro(K: int, V: int, scale: float):
                 t.vec[TS, i] = t.rowsF[i]
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_v)
+            mark(t, s, "v_new")
             # dV_new = scale Pᵀ dO + ρ K dS: ρ K dS / scale in the accumulator, Pᵀ dO added, then × scale
             for i, j in T.Parallel(BT, V):
                 t.F[i, j] = t.F[i, j] * (T.exp(g_last - t.vec[GC, i]) / scale)
             T.mbarrier_wait_parity(t.ready_p, s % 2)
+            mark(t, s, "wait_p")
             T.wgmma_gemm(t.PdP, t.dOs, t.F, transpose_A=True)
             T.wait_wgmma(0)
             T.mbarrier_arrive(t.read_p)
+            mark(t, s, "p_do")
             T.mbarrier_wait_parity(t.free_g, s % 2)
+            mark(t, s, "wait_g")
             for i, j in T.Parallel(BT, V):
                 t.Gh[i, j] = T.cast(t.F[i, j] * scale, bf)
             T.fence_proxy_async()
@@ -184,6 +223,7 @@ def _value_macro(K: int, V: int, scale: float):
                 t.Gl[i, j] = T.cast(-t.vec[BETA, i] * T.exp(t.vec[GC, i]) * t.F[i, j], bf)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_y)
+            mark(t, s, "y")
             # the X terms, dβ's Y·W and dG's −βΓ Y·K S, from fp32 Y and K S (formed again: A's registers do not keep it)
             T.wgmma_gemm(t.Ks, t.Hs, t.N, clear_accum=True)
             T.wait_wgmma(0)
@@ -199,16 +239,20 @@ def _value_macro(K: int, V: int, scale: float):
             for i in T.Parallel(BT):
                 t.vec[XB, i] = t.vec[XB, i] + t.rowsF[i]
             T.mbarrier_arrive(t.ready_xt)
+            mark(t, s, "x_terms")
             for i, j in T.Parallel(BT, V):
                 t.F[i, j] = t.F[i, j] * t.vec[BETA, i]
             T.copy(t.F, t.dv[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:V])
+            mark(t, s, "dv")
             # dk = ρ ⊙ (V_new dS_hiᵀ), its rows scaled in the accumulator, then the other four terms added
             T.wgmma_gemm(t.XVn, t.dSh, t.N, transpose_B=True, clear_accum=True)
             T.wait_wgmma(0)
             T.mbarrier_arrive(t.read_ds)
+            mark(t, s, "dk_first")
             for i, j in T.Parallel(BT, K):
                 t.N[i, j] = t.N[i, j] * T.exp(g_last - t.vec[GC, i])
             T.mbarrier_wait_parity(t.ready_dkd, s % 2)
+            mark(t, s, "wait_dkd")
             T.wgmma_gemm(t.TdKD, t.Ks, t.N)
             T.wgmma_gemm(t.TdKD, t.Ks, t.N, transpose_A=True)
             T.wgmma_gemm(t.PdP, t.Qs, t.N, transpose_A=True)
@@ -216,15 +260,17 @@ def _value_macro(K: int, V: int, scale: float):
             T.wait_wgmma(0)
             T.copy(t.N, t.dk[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
             T.mbarrier_arrive(t.end)
+            mark(t, s, "finish")
 
     return value_side
 
 
-def _key_macro(K: int, V: int, scale: float):
+def _key_macro(K: int, V: int, scale: float, timed: bool):
     """Role A as a TileLang macro."""
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
+    mark = _mark_macro("A", timed)
 
     @T.macro
     def key_side(t):
@@ -232,7 +278,9 @@ def _key_macro(K: int, V: int, scale: float):
         for s in T.serial(t.chunks):
             c = t.chunks - 1 - s
             rows = T.min(BT, t.Tn - c * BT)
+            mark(t, s, "top")
             T.mbarrier_wait_parity(t.full, s % 2)
+            mark(t, s, "loads")
             g_last = t.vec[GC, rows - 1]
             T.wgmma_gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
@@ -242,13 +290,16 @@ def _key_macro(K: int, V: int, scale: float):
                                                                        t.vec[GC, i] - t.vec[GC, j], NEG)), bf)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_p)
+            mark(t, s, "p")
             T.wait_wgmma(0)
             for i, j in T.Parallel(BT, V):
                 t.XVn[i, j] = T.cast(t.vec[BETA, i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.vec[GC, i]) * t.KS[i, j]), bf)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_x)
+            mark(t, s, "x")
             # dP = scale (dO V_newᵀ) ⊙ D; its dlogD (diagonal left out) by rows here, by columns below
             T.mbarrier_wait_parity(t.ready_v, s % 2)
+            mark(t, s, "wait_v")
             T.wgmma_gemm(t.dOs, t.XVn, t.dP, transpose_B=True, clear_accum=True)
             T.wait_wgmma(0)
             for i, j in T.Parallel(BT, BT):
@@ -259,6 +310,7 @@ def _key_macro(K: int, V: int, scale: float):
                 t.PdP[i, j] = T.cast(t.dP[i, j], bf)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_dp)
+            mark(t, s, "dp")
             for i, j in T.Parallel(BT, BT):
                 t.dP[i, j] = T.if_then_else(i > j, t.dP[i, j] * t.QK[i, j], 0.0)
             T.reduce_sum(t.dP, t.rowsA, dim=1)
@@ -274,7 +326,9 @@ def _key_macro(K: int, V: int, scale: float):
             T.reduce_sum(t.dP, t.cols, dim=1)
             for j in T.Parallel(BT):
                 t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
+            mark(t, s, "dlogd")
             T.mbarrier_wait_parity(t.ready_y, s % 2)
+            mark(t, s, "wait_y")
             # dA = −Y V_newᵀ (bf16 operands), dKD = β dA ⊙ D into T's slot (B's dots on T are done: ready_y)
             T.wgmma_gemm(t.Gh, t.XVn, t.dP, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(t.Ks, t.Ks, t.QK, transpose_B=True, clear_accum=True)
@@ -284,6 +338,7 @@ def _key_macro(K: int, V: int, scale: float):
                 t.TdKD[i, j] = T.cast(t.vec[BETA, i] * t.dP[i, j], bf)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_dkd)
+            mark(t, s, "dkd")
             for i, j in T.Parallel(BT, BT):
                 t.dP[i, j] = t.dP[i, j] * t.QK[i, j]
             T.reduce_sum(t.dP, t.rowsA, dim=1)
@@ -298,6 +353,7 @@ def _key_macro(K: int, V: int, scale: float):
             T.reduce_sum(t.dP, t.cols, dim=1)
             for j in T.Parallel(BT):
                 t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
+            mark(t, s, "da_sums")
             # Γ's term of dG from q·(dO hᵀ), then dq = dP K + scale Γ ⊙ (dO hᵀ) with dO hᵀ formed again: one BT × K
             # fragment instead of two (two spill at 160 registers)
             T.wgmma_gemm(t.dOs, t.Hs, t.tmp, transpose_B=True, clear_accum=True)
@@ -314,11 +370,13 @@ def _key_macro(K: int, V: int, scale: float):
             T.wgmma_gemm(t.PdP, t.Ks, t.tmp)
             T.wait_wgmma(0)
             T.copy(t.tmp, t.dq[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+            mark(t, s, "dq")
             # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j + γ Σ h⊙dS (one select per term in a fixed order)
             total = T.alloc_var(acc, init=0.0)
             for p in T.serial(128):
                 total = total + t.vec[H_SHARES + p // BT, p % BT]
             T.mbarrier_wait_parity(t.ready_xt, s % 2)
+            mark(t, s, "wait_xt")
             for i in T.Parallel(BT):
                 t.rowsA[i] = 0.0
                 for j in T.unroll(BT):
@@ -327,6 +385,7 @@ def _key_macro(K: int, V: int, scale: float):
                 t.dg[t.ib, t.ihv, c * BT + i] = t.rowsA[i] + T.exp(g_last) * total
                 t.dbeta[t.ib, t.ihv, c * BT + i] = t.vec[XB, i] + t.dbA[i]
             T.mbarrier_arrive(t.end)
+            mark(t, s, "finish")
 
     return key_side
 
@@ -359,16 +418,20 @@ def _producer_macro(K: int, V: int):
     return producer
 
 
-def role_macros(K: int, V: int, scale: float, state_grads: bool) -> types.SimpleNamespace:
-    """The four roles (module docstring) as TileLang macros over :func:`alloc_tiles`' namespace."""
-    return types.SimpleNamespace(chain=_chain_macro(K, V, scale, state_grads), value_side=_value_macro(K, V, scale),
-                                 key_side=_key_macro(K, V, scale), producer=_producer_macro(K, V))
+def role_macros(K: int, V: int, scale: float, state_grads: bool, timed: bool = False) -> types.SimpleNamespace:
+    """The four roles (module docstring) as TileLang macros over :func:`alloc_tiles`' namespace; ``timed``: S, B
+    and A stamp their points (timeline.ROLE_POINTS)."""
+    return types.SimpleNamespace(chain=_chain_macro(K, V, scale, state_grads, timed),
+                                 value_side=_value_macro(K, V, scale, timed), key_side=_key_macro(K, V, scale, timed),
+                                 producer=_producer_macro(K, V))
 
 
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool = True):
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool = True, timeline: bool = False):
     """The TileLang prim_func of the role-split walk for these static sizes (B and T symbolic): the inputs of
     ``chunk_bwd.build_kernel``'s walk; dg, dβ complete ``[B, HV, Lp]`` (no partials); ``state_grads`` False: from a
-    zero dS, no dh0 (dht and dh0 one-element placeholders)."""
+    zero dS, no dh0 (dht and dh0 one-element placeholders). ``timeline``: the benchmark's instrument, the same walk
+    with one more parameter, ``stamps`` int64 ``timeline.role_stamps_shape(B · HV, steps)`` (the first ``steps``
+    chunk steps of each program are stamped: :func:`walk_timeline`)."""
     if K != V or K not in SIZES:
         raise ValueError(f"the role-split walk is built for K = V in {SIZES}, got K={K}, V={V}")
     import tilelang.language as T
@@ -378,24 +441,21 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
     G = HV // H
     qk_out = bf if G == 1 else acc
     state_shape = (B, HV, K, V) if state_grads else (1,)
-    m = role_macros(K, V, scale, state_grads)
+    m = role_macros(K, V, scale, state_grads, timeline)
     s_regs, b_regs, a_regs, p_regs = REGISTERS
 
-    @T.prim_func
-    def gdn_chunk_bwd_roles(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
-                            v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
-                            gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
-                            a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
-                            dht: T.Tensor(state_shape, acc),
-                            dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
-                            dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((B, HV, Lp), acc),
-                            dbeta: T.Tensor((B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc)):
+    @T.macro
+    def walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, stamps):
+        """The kernel (``stamps`` None: no timeline)."""
         with T.Kernel(B * HV, threads=THREADS) as (bh,):
+            if timeline:
+                T.import_source(chunk_bwd.TIMELINE_SOURCE)
             ib, ihv = bh // HV, bh % HV
             tx = T.get_thread_binding()
+            timed = dict(stamps=stamps) if timeline else {}
             t = alloc_tiles(K, V, ib=ib, ihv=ihv, ih=ihv // G, tx=tx, Tn=Tn, chunks=T.ceildiv(Tn, BT), q=q, k=k, v=v,
                             do=do, gc=gc, beta=beta, a_inv=a_inv, h=h, dht=dht, dq=dq, dk=dk, dv=dv, dg=dg,
-                            dbeta=dbeta, dh0=dh0)
+                            dbeta=dbeta, dh0=dh0, **timed)
             if tx < 128:
                 T.set_max_nreg(s_regs, 1)
                 m.chain(t)
@@ -409,14 +469,39 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
                 T.set_max_nreg(p_regs, 0)
                 m.producer(t)
 
+    if timeline:
+        @T.prim_func
+        def gdn_chunk_bwd_roles_timeline(
+                q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf), v: T.Tensor((B, Tn, HV, V), bf),
+                do: T.Tensor((B, Tn, HV, V), bf), gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
+                a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
+                dht: T.Tensor(state_shape, acc), dq: T.Tensor((B, Tn, HV, K), qk_out),
+                dk: T.Tensor((B, Tn, HV, K), qk_out), dv: T.Tensor((B, Tn, HV, V), bf),
+                dg: T.Tensor((B, HV, Lp), acc), dbeta: T.Tensor((B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc),
+                stamps: T.Tensor(role_stamps_shape(B * HV, T.symbolic("steps")), "int64")):
+            walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, stamps)
+
+        return gdn_chunk_bwd_roles_timeline
+
+    @T.prim_func
+    def gdn_chunk_bwd_roles(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
+                            v: T.Tensor((B, Tn, HV, V), bf), do: T.Tensor((B, Tn, HV, V), bf),
+                            gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
+                            a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
+                            dht: T.Tensor(state_shape, acc),
+                            dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
+                            dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((B, HV, Lp), acc),
+                            dbeta: T.Tensor((B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc)):
+        walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, None)
+
     return gdn_chunk_bwd_roles
 
 
 @functools.lru_cache(maxsize=16)
 def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, target: Optional[str] = None,
-                    state_grads: bool = True):
+                    state_grads: bool = True, timeline: bool = False):
     """:func:`build_kernel` compiled by TileLang for ``target`` (None: this GPU; "sm_90a" without one)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale, state_grads), target)
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, state_grads, timeline), target)
 
 
 def chunk_bwd_roles_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
@@ -431,3 +516,25 @@ def chunk_bwd_roles_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
     H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))(*arguments)
     return outputs
+
+
+def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
+                  beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
+                  scale: float, want_dh0: bool = True,
+                  steps: Optional[int] = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The role-split walk's timeline build (a benchmark's instrument): launched as :func:`chunk_bwd_roles_hopper`
+    launches the walk, on the same inputs. Returns its outputs (the same bits) and the stamps int64
+    ``timeline.role_stamps_shape(B · HV, steps)`` of the first ``steps`` chunk steps of every program (None: every
+    step; unwritten entries −1), which ``timeline.role_timeline`` reduces to µs per phase and role."""
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
+    state_grads = want_dh0 or dht is not None
+    arguments, outputs = chunk_bwd.walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, v.shape[3], {}, state_grads)
+    arguments[12:14] = outputs[3][0], outputs[4][0]
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    chunks = -(-T // BT)
+    recorded = chunks if steps is None else min(steps, chunks)
+    stamps = torch.full(role_stamps_shape(B * HV, recorded), -1, dtype=torch.int64, device=q.device)
+    launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads, timeline=True))(*arguments, stamps)
+    return outputs, stamps
