@@ -6,7 +6,9 @@
   warpgroups only, one call per point; the default build carries no timer at all;
 * ``chunk_bwd.walk_timeline`` launches the timeline build with the walk's arguments and the stamps (CPU stand-ins,
   the launch recorded, not run).
-What it measures on the GPU: benchmarks/gpu_check_hopper_bwd.py --timeline.
+* the role-split walk's (``chunk_bwd_roles.build_kernel(timeline=True)``): each role's column reduced with its own
+  points, the build's stamps one per point in each role's branch, its launch.
+What they measure on the GPU: benchmarks/gpu_check_hopper_bwd.py --timeline, gpu_check_roles_walk.py --timeline.
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ from linattn.ops.hopper import timeline
 from .test_hopper_bwd import COMPILES, TIMELINE_SPILL_BYTES, assert_launch_matches_params
 
 POINTS = timeline.POINTS
+# The role-split walk's timeline build spills 108 B where its default build spills 64 (test_hopper_bwd_roles): the
+# stamps' address arithmetic in three roles at their register budgets. Its cost is measured beside the walk
+# (gpu_check_roles_walk --timeline).
+ROLES_TIMELINE_SPILL_BYTES = 108
 # µs per phase (each point's, from the point before it) in later steps, warpgroup 0; warpgroup 1 takes 0.25 µs more
 # in every phase; the first step takes 10× each; the gap between steps 0.5 µs
 LATER_US = {name: 0.5 + i for i, name in enumerate(POINTS[1:])}
@@ -161,3 +167,84 @@ def test_walk_ab_precompiles_every_builds_kernels(monkeypatch):
     assert len(seen) == recompute + 2 * (3 * 2 + 1)
     assert sorted(b.args[:2] for b in walks) == sorted(2 * [(16, 16), (2, 8), (16, 32)])
     assert len(warms) == 6 and len(timelines) == 2 and all(b.args[:2] == (16, 16) for b in timelines)
+
+
+def test_role_timeline_reduces_each_roles_column_with_its_points():
+    """The role-split walk's stamps (one column per role, each role's points first, the global timer last): each
+    role's phases come from its own points at its own clock; a role with fewer points than the row holds ignores
+    the entries past them; a wrong shape raises."""
+    programs, steps = 3, 4
+    stamps = torch.full(timeline.role_stamps_shape(programs, steps), -1, dtype=torch.int64)
+    rates = {"S": 1.5, "B": 1.5, "A": 1.5}
+    phase = {role: {name: 0.25 * (r + 1) * (i + 1) for i, name in enumerate(points[1:])}
+             for r, (role, points) in enumerate(timeline.ROLE_POINTS.items())}
+    for r, (role, points) in enumerate(timeline.ROLE_POINTS.items()):
+        for p in range(programs):
+            ns = 1000.0 * p
+            for s in range(steps):
+                stamps[p, s, -1, r] = round(ns)
+                stamps[p, s, 0, r] = round(ns * rates[role]) + 7 * p
+                for i, name in enumerate(points[1:], start=1):
+                    ns += 1000 * phase[role][name]
+                    stamps[p, s, i, r] = round(ns * rates[role]) + 7 * p
+                ns += 300
+    summaries = timeline.role_timeline(stamps)
+    assert list(summaries) == list(timeline.ROLE_POINTS)
+    for role, points in timeline.ROLE_POINTS.items():
+        summary = summaries[role]
+        assert summary["phases"] == points[1:] + ("step", "gap")
+        for name in points[1:]:
+            assert summary[name]["wg0"]["later"]["p50"] == pytest.approx(phase[role][name], abs=2e-3), (role, name)
+        assert summary["step"]["wg0"]["later"]["p50"] == pytest.approx(sum(phase[role].values()), abs=2e-3)
+        assert summary["gap"]["wg0"]["later"]["p50"] == pytest.approx(0.3, abs=2e-3)
+        assert "role " + role in timeline.format_table(summary, "role " + role)
+    with pytest.raises(ValueError, match="stamps must be"):
+        timeline.role_timeline(stamps[:, :, 1:])
+
+
+@COMPILES
+def test_role_split_walk_timeline_build_compiles_for_sm90a(tmp_path):
+    """The role-split walk's timeline build: one stamp call per point of each role (in that role's branch: after
+    its register allocation), none in the producer's; the walk's 25 dots; its spill within ROLES_TIMELINE_SPILL_BYTES.
+    The default build holds no timer."""
+    from linattn.ops.hopper import chunk_bwd_roles
+    from linattn.ops.hopper.cubin import compile_sm90a, ptxas_summary
+    from .test_hopper_bwd_roles import DOTS
+    source = chunk_bwd_roles.compiled_kernel(16, 16, 128, 128, 128 ** -0.5, "sm_90a", False, True).get_kernel_source()
+    assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == DOTS
+    assert "int64_t* __restrict__ stamps" in source
+    branches = source.split("tl::warpgroup_reg_")[1:]      # S, B, A (alloc), then the producer (dealloc)
+    assert len(branches) == 4
+    for branch, points in zip(branches, timeline.ROLE_POINTS.values()):
+        assert len(re.findall(r"linattn_stamp\(\(", branch)) == len(points)
+    assert "linattn_stamp((" not in branches[3]
+    ptxas = ptxas_summary(compile_sm90a(source, tmp_path)[1])
+    assert ptxas["spill_stores"] <= ROLES_TIMELINE_SPILL_BYTES and not ptxas["wgmma_serialised"], ptxas
+    default = chunk_bwd_roles.compiled_kernel(16, 16, 128, 128, 128 ** -0.5, "sm_90a").get_kernel_source()
+    assert not any(word in default for word in ("linattn_stamp", "clock64", "globaltimer", "stamps")), "timer"
+
+
+@COMPILES
+def test_role_split_walk_timeline_launch_matches_the_kernels_parameters(monkeypatch):
+    """chunk_bwd_roles.walk_timeline's tensors (CPU stand-ins, the launch recorded) against the timeline build's
+    parameters: the walk's, then the stamps int64 role_stamps_shape(B·HV, steps) filled with −1."""
+    from linattn.ops.hopper import chunk_bwd_roles
+    compiled = chunk_bwd_roles.compiled_kernel(2, 4, 128, 128, 128 ** -0.5, "sm_90a", False, True)
+    launched = []
+    monkeypatch.setattr(chunk_bwd_roles, "compiled_kernel", lambda *args, **kwargs: compiled)
+    monkeypatch.setattr(chunk_bwd_roles, "launcher", lambda kernel: lambda *args: launched.append(args))
+    B, T, NT, K = 2, 100, 2, 128
+    bf = torch.bfloat16
+    q, k = (torch.zeros(B, T, 2, K, dtype=bf) for _ in range(2))
+    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
+    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
+    args = (q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf), torch.zeros(B, NT, 4, K, K, dtype=bf), None,
+            K ** -0.5)
+    outputs, stamps = chunk_bwd_roles.walk_timeline(*args, want_dh0=False)
+    assert stamps.shape == timeline.role_stamps_shape(B * 4, NT) and (stamps == -1).all()
+    assert chunk_bwd_roles.walk_timeline(*args, want_dh0=False, steps=1)[1].shape[1] == 1
+    with pytest.raises(ValueError, match="steps"):
+        chunk_bwd_roles.walk_timeline(*args, want_dh0=False, steps=0)
+    first = launched[0]
+    assert len(first) == len(compiled.params) and first[-1] is stamps and first[9] is outputs[0]
+    assert_launch_matches_params(first, compiled.params)
