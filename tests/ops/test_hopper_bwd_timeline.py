@@ -120,6 +120,16 @@ def test_walk_timeline_build_compiles_for_sm90a(tmp_path):
     assert not any(word in default for word in ("linattn_stamp", "clock64", "globaltimer", "stamps")), "timer"
 
 
+def stand_in_walk_inputs(B: int, NT: int) -> tuple:
+    """A walk's inputs as CPU zeros (H = 2, HV = 4, K = V = 128, T = 100) and its scale, for a recorded launch."""
+    T, K, bf = 100, 128, torch.bfloat16
+    q, k = (torch.zeros(B, T, 2, K, dtype=bf) for _ in range(2))
+    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
+    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
+    return (q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf), torch.zeros(B, NT, 4, K, K, dtype=bf), None,
+            K ** -0.5)
+
+
 @COMPILES
 def test_walk_timeline_launch_matches_the_kernels_parameters(monkeypatch):
     """chunk_bwd.walk_timeline's tensors (CPU stand-ins; the launch recorded, not run) against the timeline build's
@@ -130,13 +140,8 @@ def test_walk_timeline_launch_matches_the_kernels_parameters(monkeypatch):
     launched = []
     monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args, **kwargs: compiled)
     monkeypatch.setattr(chunk_bwd, "launcher", lambda kernel: lambda *args: launched.append(args))
-    B, T, NT, K = 2, 100, 2, 128
-    bf = torch.bfloat16
-    q, k = (torch.zeros(B, T, 2, K, dtype=bf) for _ in range(2))
-    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
-    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
-    args = (q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf), torch.zeros(B, NT, 4, K, K, dtype=bf), None,
-            K ** -0.5)
+    B, NT = 2, 2
+    args = stand_in_walk_inputs(B, NT)
     outputs, stamps = chunk_bwd.walk_timeline(*args)
     assert stamps.shape == timeline.stamps_shape(B * 4 * 2, NT) and (stamps == -1).all()
     assert chunk_bwd.walk_timeline(*args, steps=1)[1].shape[1] == 1
@@ -209,6 +214,7 @@ def test_role_split_walk_timeline_build_compiles_for_sm90a(tmp_path):
     The default build holds no timer."""
     from linattn.ops.hopper import chunk_bwd_roles
     from linattn.ops.hopper.cubin import compile_sm90a, ptxas_summary
+
     from .test_hopper_bwd_roles import DOTS
     source = chunk_bwd_roles.compiled_kernel(16, 16, 128, 128, 128 ** -0.5, "sm_90a", False, True).get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == DOTS
@@ -233,13 +239,8 @@ def test_role_split_walk_timeline_launch_matches_the_kernels_parameters(monkeypa
     launched = []
     monkeypatch.setattr(chunk_bwd_roles, "compiled_kernel", lambda *args, **kwargs: compiled)
     monkeypatch.setattr(chunk_bwd_roles, "launcher", lambda kernel: lambda *args: launched.append(args))
-    B, T, NT, K = 2, 100, 2, 128
-    bf = torch.bfloat16
-    q, k = (torch.zeros(B, T, 2, K, dtype=bf) for _ in range(2))
-    v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
-    gc, beta = (torch.zeros(B, 4, NT * 64) for _ in range(2))
-    args = (q, k, v, do, gc, beta, torch.zeros(B, T, 4, 64, dtype=bf), torch.zeros(B, NT, 4, K, K, dtype=bf), None,
-            K ** -0.5)
+    B, NT = 2, 2
+    args = stand_in_walk_inputs(B, NT)
     outputs, stamps = chunk_bwd_roles.walk_timeline(*args, want_dh0=False)
     assert stamps.shape == timeline.role_stamps_shape(B * 4, NT) and (stamps == -1).all()
     assert chunk_bwd_roles.walk_timeline(*args, want_dh0=False, steps=1)[1].shape[1] == 1
