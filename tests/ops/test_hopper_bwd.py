@@ -573,6 +573,32 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
 
 
 @pytest.mark.interpreter
+def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch):
+    """At K = V = 128 (``chunk_bwd_roles.SIZES``) the host chain runs the role-split walk (its twin: the slice walk's
+    contract with one slice of the whole V) and never the slice walk, and gives the float64 reference's gradients
+    (GVA, T = 100, with h0 and dht); BV = 64 given asks for the slice walk instead, with the same gradients."""
+    from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
+
+    from .test_hopper_bwd_ref import reference_grads
+    use_host_chain_twins(monkeypatch)
+    walked = []
+    slices = chunk_bwd.chunk_bwd_hopper
+    monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", lambda *a, **o: walked.append(a[10]) or slices(*a, **o))
+    monkeypatch.setattr(chunk_bwd_roles, "chunk_bwd_roles_hopper",
+                        lambda *a, **o: walked.append("roles") or _twin_walk(*a, a[2].shape[3], **o))
+    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 128, seed=3).items()}
+    ref = reference_grads(x, 0.3, use_dht=True)
+    low = {n: t.float() for n, t in x.items()}
+    for BV, expected in ((None, ["roles"]), (64, [64])):
+        walked.clear()
+        got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
+                                                         low["h0"], low["do"], low["dht"], BV=BV)
+        assert walked == expected
+        errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, got, ref)}
+        assert max(errors.values()) < 2e-2, errors
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("edge", [((37, 1, float("-inf")),), ((20, 0, -3e38), (21, 0, -3e38))],
                          ids=["minus_inf", "overflowing_pair"])
 def test_host_chain_takes_gates_at_the_end_of_their_range(monkeypatch, edge):

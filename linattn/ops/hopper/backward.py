@@ -39,7 +39,7 @@ import torch
 from ..common import num_sms, seq_parallel
 from ..common.partial_sum import partial_sums
 from ..utils import cdiv
-from . import chunk_bwd, forward, prepass, segments, varlen, walk_launch
+from . import chunk_bwd, chunk_bwd_roles, forward, prepass, segments, varlen, walk_launch
 from .chunk_fwd import BT
 from .plan import DEFAULT, HopperPlanConfig, fitted_launch, hopper_launch, plan, scan_options
 
@@ -236,13 +236,15 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     rows (sequences, or segments) in the batches of ``segments.walk_batch_rows`` (:func:`walk_rows`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
-    BV = BV or min(V, chunk_bwd.BV_DEFAULT)
+    BV = walk_slice(K, V, BV)
     sms = num_sms(q.device)
-    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, sms)
+    step_us = segments.ROLES_CHUNK_US if takes_roles(K, V, BV) else segments.WALK_CHUNK_US
+    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, sms, step_us)
     L = plan.L
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
-    dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, BV) if L else dht
+    warm_bv = min(BV, segments.WARM_BV)
+    dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, warm_bv) if L else dht
     h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
@@ -277,17 +279,36 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype)
 
 
+def walk_slice(K: int, V: int, BV: Optional[int]) -> int:
+    """The V columns a walk program owns: V for the role-split walk (``chunk_bwd_roles``, K = V in its sizes, where
+    ``BV`` is None or V), else ``BV`` (None: ``chunk_bwd.BV_DEFAULT``, at most V) for the slice walk."""
+    if takes_roles(K, V, BV):
+        return V
+    return BV or min(V, chunk_bwd.BV_DEFAULT)
+
+
+def takes_roles(K: int, V: int, BV: Optional[int]) -> bool:
+    """Whether the role-split walk runs: K = V in ``chunk_bwd_roles.SIZES``, one program over the whole V."""
+    return K == V and K in chunk_bwd_roles.SIZES and BV in (None, V)
+
+
 def walk_rows(walk_inputs: list, scale: float, BV: int, g: torch.Tensor, H: int, out: tuple) -> None:
-    """The walk (``chunk_bwd.chunk_bwd_hopper``) over some rows (sequences, or segment views) and its reductions
-    (:func:`gradients_from_partials`) into ``out`` = (dq, dk, dv, dg, dβ, dh0) of those rows; g theirs. Where
-    HV = H the walk writes dq, dk themselves (no reduction but the gates'); else its fp32 per-value-head dq, dk live
-    only within this call. dh0 None (and dht None among the inputs): the walk without state gradients."""
+    """The walk over some rows (sequences, or segment views) and its reductions (:func:`gradients_from_partials`)
+    into ``out`` = (dq, dk, dv, dg, dβ, dh0) of those rows; g theirs. The walk: the role-split one
+    (``chunk_bwd_roles``) where ``BV`` is the whole V and it takes K, V (:func:`walk_slice`), else the slice walk
+    (``chunk_bwd.chunk_bwd_hopper``). Where HV = H the walk writes dq, dk themselves (no reduction but the gates');
+    else its fp32 per-value-head dq, dk live only within this call. dh0 None (and dht None among the inputs): the
+    walk without state gradients."""
     dq, dk, dv, dg, dbeta, dh0 = out
+    K, V = walk_inputs[0].shape[3], walk_inputs[2].shape[3]
     G = walk_inputs[2].shape[2] // H
     direct = dict(dq=dq, dk=dk) if G == 1 else {}
     state = dict(dh0=dh0) if dh0 is not None else dict(want_dh0=False)
-    dq_heads, dk_heads, _, dg_p, dbeta_p, _ = chunk_bwd.chunk_bwd_hopper(*walk_inputs, scale, BV, dv=dv, **state,
-                                                                          **direct)
+    if takes_roles(K, V, BV):
+        walk = chunk_bwd_roles.chunk_bwd_roles_hopper(*walk_inputs, scale, dv=dv, **state, **direct)
+    else:
+        walk = chunk_bwd.chunk_bwd_hopper(*walk_inputs, scale, BV, dv=dv, **state, **direct)
+    dq_heads, dk_heads, _, dg_p, dbeta_p, _ = walk
     gradients_from_partials(dq_heads, dk_heads, dg_p, dbeta_p, g, dbeta.dtype, dq.dtype, H, out=(dq, dk, dg, dbeta))
 
 

@@ -38,9 +38,11 @@ from ..utils import cdiv
 WALK_CHUNK_US = 18.5       # one chunk step of a walk program (H100, K = V = 128, BV = 64, the slices' dq, dk
                            # handoff included: 9.4 ms / 512 chunks at B=1 T=32768 H=HV=16, the same per step at 16
                            # programs or 256: the step is latency-bound)
+ROLES_CHUNK_US = 11.0      # one chunk step of the role-split walk (one program per value head, whole V): TO MEASURE
 WALK_OCCUPANCY = 1         # walk programs per SM (213 KB of shared memory each at K = V = 128)
 WARM_CHAIN_US = 7.0        # one dS chain step of a warm-up program (H100, K = V = 128, BV = 64: 0.05 ms for the
                            # ≈ 7-chunk warm-ups of 128 programs in one wave at B=1 T=32768 H=HV=16, S=4)
+WARM_BV = 64               # V columns of a warm-up program (whichever walk follows)
 WARM_OCCUPANCY = 1         # warm-up programs per SM (125 KB of shared memory each at K = V = 128)
 W_TYPICAL = 8              # chunks a warm-up walks: the kernel finds w from the gates, which the host does not
                            # see; the anchors' gates (logsigmoid / 16) give w ≈ 8 at K = V = 128
@@ -71,7 +73,8 @@ def walk_batch_rows(rows: int, HV: int, V: int, BV: int, sms: int, parts: int) -
     return min(per_wave, -(-rows // parts))
 
 
-def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, parts: int = 1) -> float:
+def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, parts: int = 1,
+                 step_us: float = WALK_CHUNK_US) -> float:
     """Modelled µs of the reverse walk over B sequences of NT chunks in segments of L chunks (L = NT: unsegmented,
     no warm-ups): a phase whose programs walk c chunks each takes c · waves · its chunk cost, waves =
     ceil(programs / slots) per launch; the walk runs one program per (segment, value head, V slice) in the
@@ -81,14 +84,16 @@ def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, pa
     rows = B * S
     per_batch = walk_batch_rows(rows, HV, V, BV, sms, parts)
     full, rest = divmod(rows, per_batch)
-    walk = WALK_CHUNK_US * L * (full * waves(per_batch, WALK_OCCUPANCY) + waves(rest, WALK_OCCUPANCY))
+    walk = step_us * L * (full * waves(per_batch, WALK_OCCUPANCY) + waves(rest, WALK_OCCUPANCY))
     if S == 1:
         return walk
-    return walk + WARM_CHAIN_US * W_TYPICAL * waves(rows, WARM_OCCUPANCY)
+    warm_waves = -(-(rows * HV * (V // min(BV, WARM_BV))) // (WARM_OCCUPANCY * sms))
+    return walk + WARM_CHAIN_US * W_TYPICAL * warm_waves
 
 
 @functools.lru_cache(maxsize=256)
-def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts: int = 1) -> Optional[int]:
+def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts: int = 1,
+                       step_us: float = WALK_CHUNK_US) -> Optional[int]:
     """Segment length L (chunks) for the walk over B sequences of T tokens in ``parts`` launches, or None
     (unsegmented): the cheapest divisor L of NT = T/64 (T a multiple of 64; 2 … MAX_SEGMENTS segments of at least
     MIN_SEGMENT_CHUNKS chunks) by :func:`walk_cost_us`, if it saves SPLIT_MARGIN of the unsegmented cost; ties go
@@ -96,11 +101,11 @@ def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts
     NT = T // CHUNK
     if T % CHUNK or NT < 2 * MIN_SEGMENT_CHUNKS:
         return None
-    best_cost, best = SPLIT_MARGIN * walk_cost_us(B, NT, HV, V, BV, NT, sms, parts), None
+    best_cost, best = SPLIT_MARGIN * walk_cost_us(B, NT, HV, V, BV, NT, sms, parts, step_us), None
     for S in range(2, min(MAX_SEGMENTS, NT // MIN_SEGMENT_CHUNKS) + 1):
         if NT % S:
             continue
-        cost = walk_cost_us(B, NT, HV, V, BV, NT // S, sms, parts)
+        cost = walk_cost_us(B, NT, HV, V, BV, NT // S, sms, parts, step_us)
         if cost < best_cost:
             best_cost, best = cost, NT // S
     return best
@@ -108,7 +113,7 @@ def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts
 
 @functools.lru_cache(maxsize=256)
 def plan_walk(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int, G: int,
-              sms: int) -> WalkPlan:
+              sms: int, step_us: float = WALK_CHUNK_US) -> WalkPlan:
     """The walk's segments and batches on ``sms`` SMs. L: ``segment_chunks`` as forced (:func:`segment_length`),
     else :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, GVA_BATCHES (the fp32 per-value-head dq,
     dk a quarter at a time, with the segments that keep each batch a full wave) if the model puts that within
@@ -118,8 +123,8 @@ def plan_walk(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV
 
     def planned(parts: int) -> tuple[float, WalkPlan]:
         L = segment_length(segment_chunks, T) if segment_chunks is not None else plan_walk_segments(
-            B, T, HV, V, BV, sms, parts)
-        return walk_cost_us(B, NT, HV, V, BV, L or NT, sms, parts), WalkPlan(L, parts)
+            B, T, HV, V, BV, sms, parts, step_us)
+        return walk_cost_us(B, NT, HV, V, BV, L or NT, sms, parts, step_us), WalkPlan(L, parts)
     one_cost, one = planned(1)
     if G == 1:
         return one
