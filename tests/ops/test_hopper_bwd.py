@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
-from linattn.ops.hopper import backward, chunk_fwd, prepass, walk_launch
+from linattn.ops.hopper import backward, chunk_fwd, prepass, segments, walk_launch
 from linattn.ops.hopper import chunk_bwd_ref as bwd
 from linattn.ops.hopper import chunk_fwd_ref as fwd_twins
 
@@ -574,9 +574,11 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
 
 @pytest.mark.interpreter
 def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch):
-    """At K = V = 128 (``chunk_bwd_roles.SIZES``) the host chain runs the role-split walk (its twin: the slice walk's
-    contract with one slice of the whole V) and never the slice walk, and gives the float64 reference's gradients
-    (GVA, T = 100, with h0 and dht); BV = 64 given asks for the slice walk instead, with the same gradients."""
+    """At K = V = 128 (``chunk_bwd_roles.SIZES``) with BV = V the host chain runs the role-split walk (its twin: the
+    slice walk's contract with one slice of the whole V) and never the slice walk, and gives the float64 reference's
+    gradients (GVA, T = 100, with h0 and dht); BV = 64 given asks for the slice walk instead, and so does BV None at
+    this size (four slice programs fit one wave: the model prices the shorter step lower), with the same
+    gradients."""
     from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
 
     from .test_hopper_bwd_ref import reference_grads
@@ -589,13 +591,35 @@ def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch):
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 128, seed=3).items()}
     ref = reference_grads(x, 0.3, use_dht=True)
     low = {n: t.float() for n, t in x.items()}
-    for BV, expected in ((None, ["roles"]), (64, [64])):
+    for BV, expected in ((128, ["roles"]), (64, [64]), (None, [64])):
         walked.clear()
         got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
                                                          low["h0"], low["do"], low["dht"], BV=BV)
         assert walked == expected
         errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, got, ref)}
         assert max(errors.values()) < 2e-2, errors
+
+
+def test_the_walk_is_the_one_the_segment_model_prices_lower():
+    """``backward.choose_walk``: BV None at K = V = 128 takes the role-split walk (BV = V) where the slice walk needs
+    a second wave (B = 8, T = 4096, HV = 16: 256 slice programs on 132 SMs) or shorter segments fill the SMs with it
+    (B = 1, T = 32768, HV = 8), and the slice walk where its programs fit one wave unsegmented (B = 1, T = 256,
+    HV = 2); each pick costs no more than the other by ``segments.walk_cost_us``. A BV given is the walk asked for;
+    at K = 64 the role-split walk is never taken."""
+    def cost(B, T, HV, G, BV, step_us):
+        plan = segments.plan_walk(None, B, T, HV, 128, BV, G, 132, step_us)
+        return segments.walk_cost_us(B, T // 64, HV, 128, BV, plan.L or T // 64, 132, plan.parts, step_us)
+
+    for (B, T, H, HV), width in (((8, 4096, 16, 16), 128), ((1, 32768, 2, 8), 128), ((1, 256, 2, 2), 64)):
+        chosen, _ = backward.choose_walk(B, T, H, HV, 128, 128, None, None, 132)
+        assert chosen == width, (B, T, HV)
+        costs = {BV: cost(B, T, HV, HV // H, BV, step_us)
+                 for BV, step_us in ((128, segments.ROLES_CHUNK_US), (64, segments.WALK_CHUNK_US))}
+        assert costs[chosen] == min(costs.values()), costs
+    assert backward.choose_walk(8, 4096, 16, 16, 128, 128, 64, None, 132)[0] == 64
+    assert backward.choose_walk(1, 256, 2, 2, 128, 128, 128, None, 132)[0] == 128
+    assert backward.choose_walk(8, 4096, 16, 16, 64, 64, None, None, 132)[0] == 64
+    assert not backward.takes_roles(64, 64, 64) and backward.takes_roles(128, 128, 128)
 
 
 @pytest.mark.interpreter
@@ -678,7 +702,6 @@ def test_segments_without_dht_start_from_zero(monkeypatch):
 
 def test_segment_length_forced():
     """segment_chunks: bad values raise, ≥ T/64 walks unsegmented, else the forced L."""
-    from linattn.ops.hopper import segments
     length = lambda chunks, T=256: segments.segment_length(chunks, T)
     for bad, match in [(0, ">= 1"), (1.5, ">= 1"), (True, ">= 1"), (3, "multiple")]:
         with pytest.raises(ValueError, match=match):
@@ -695,7 +718,6 @@ def test_walk_planner_picks_the_measured_segments():
     batches) the segments that keep each batch a full wave: row 7 L = 16 (32 segments, 4 × 8 × 16 programs), row 5
     (B=4 T=8192 HV=32) L = 64 (2 segments, 4 × 2 × 64); none where T is not a multiple of 64, and L always a
     divisor of T/64 of at least MIN_SEGMENT_CHUNKS chunks."""
-    from linattn.ops.hopper import segments
     plan = lambda B, T, HV, parts=1: segments.plan_walk_segments(B, T, HV, 128, 64, 132, parts)
     assert plan(1, 32768, 16) == 128 and plan(1, 131072, 16) == 512 and plan(1, 32768, 8) == 64
     assert plan(1, 32768, 8, 4) == 16 and plan(4, 8192, 32, 4) == 64
@@ -710,7 +732,6 @@ def test_walk_plan_batches_gva_where_the_model_allows():
     time) where the model puts them within GVA_TIME_MARGIN of one launch — rows 5 and 7 (B=4 T=8192 HV=32 G=2:
     4960 µs against 4736; B=1 T=32768 HV=8 G=4: 1408 against 1240) — and one where it does not (B=1 T=4096 H=2
     HV=8: four batches of a quarter wave); a forced segment length kept, its batches judged at that length."""
-    from linattn.ops.hopper import segments
     plan = lambda B, T, H, HV, chunks=None: segments.plan_walk(chunks, B, T, HV, 128, 64, HV // H, 132)
     P = segments.WalkPlan
     assert plan(8, 4096, 16, 16) == P(None, 1) and plan(1, 32768, 16, 16) == P(128, 1)
@@ -726,7 +747,6 @@ def test_walk_batches_hold_a_quarter_of_the_rows_and_a_wave_at_most():
     HV=32) one sequence per batch, its 2 segments each (8 rows) two, 32 segments of row 7 (HV=8) eight (a wave),
     HV=128 one row (256 programs a row); and the cost model counts the batches' waves: row 5 unsegmented in four
     half-card batches takes twice one launch's."""
-    from linattn.ops.hopper import segments
     rows = lambda n, HV, parts: segments.walk_batch_rows(n, HV, 128, 64, 132, parts)
     assert rows(8, 16, 1) == 8 and rows(1, 32, 4) == 1
     assert rows(4, 32, 4) == 1 and rows(8, 32, 4) == 2 and rows(32, 8, 4) == 8 and rows(3, 128, 4) == 1

@@ -236,10 +236,8 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     rows (sequences, or segments) in the batches of ``segments.walk_batch_rows`` (:func:`walk_rows`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
-    BV = walk_slice(K, V, BV)
     sms = num_sms(q.device)
-    step_us = segments.ROLES_CHUNK_US if takes_roles(K, V, BV) else segments.WALK_CHUNK_US
-    plan = segments.plan_walk(segment_chunks, B, T, HV, V, BV, HV // H, sms, step_us)
+    BV, plan = choose_walk(B, T, H, HV, K, V, BV, segment_chunks, sms)
     L = plan.L
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
@@ -279,23 +277,36 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype)
 
 
-def walk_slice(K: int, V: int, BV: Optional[int]) -> int:
-    """The V columns a walk program owns: V for the role-split walk (``chunk_bwd_roles``, K = V in its sizes, where
-    ``BV`` is None or V), else ``BV`` (None: ``chunk_bwd.BV_DEFAULT``, at most V) for the slice walk."""
-    if takes_roles(K, V, BV):
-        return V
-    return BV or min(V, chunk_bwd.BV_DEFAULT)
+def choose_walk(B: int, T: int, H: int, HV: int, K: int, V: int, BV: Optional[int], segment_chunks: Optional[int],
+                sms: int) -> tuple[int, segments.WalkPlan]:
+    """The walk's V columns per program and its plan (``segments.plan_walk``). The role-split walk
+    (``chunk_bwd_roles``: one program over the whole V, built for K = V in its sizes) where ``BV`` is V, the slice
+    walk where ``BV`` is another width; ``BV`` None: whichever of the two the segment model prices lower (the
+    role-split walk's step is longer, but it runs half the programs: it wins where the slice walk needs a second
+    wave or fewer, longer segments)."""
+    roles_built = K == V and K in chunk_bwd_roles.SIZES
+    widths = [V] if BV == V and roles_built else [BV] if BV is not None else \
+        [V, min(V, chunk_bwd.BV_DEFAULT)] if roles_built else [min(V, chunk_bwd.BV_DEFAULT)]
+    NT = cdiv(T, BT)
+    best = None
+    for width in widths:
+        step_us = segments.ROLES_CHUNK_US if takes_roles(K, V, width) else segments.WALK_CHUNK_US
+        plan = segments.plan_walk(segment_chunks, B, T, HV, V, width, HV // H, sms, step_us)
+        cost = segments.walk_cost_us(B, NT, HV, V, width, plan.L or NT, sms, plan.parts, step_us)
+        if best is None or cost < best[0]:
+            best = cost, width, plan
+    return best[1], best[2]
 
 
-def takes_roles(K: int, V: int, BV: Optional[int]) -> bool:
-    """Whether the role-split walk runs: K = V in ``chunk_bwd_roles.SIZES``, one program over the whole V."""
-    return K == V and K in chunk_bwd_roles.SIZES and BV in (None, V)
+def takes_roles(K: int, V: int, BV: int) -> bool:
+    """Whether a walk over ``BV`` columns per program is the role-split one: BV = V = K in its sizes."""
+    return K == V == BV and K in chunk_bwd_roles.SIZES
 
 
 def walk_rows(walk_inputs: list, scale: float, BV: int, g: torch.Tensor, H: int, out: tuple) -> None:
     """The walk over some rows (sequences, or segment views) and its reductions (:func:`gradients_from_partials`)
     into ``out`` = (dq, dk, dv, dg, dβ, dh0) of those rows; g theirs. The walk: the role-split one
-    (``chunk_bwd_roles``) where ``BV`` is the whole V and it takes K, V (:func:`walk_slice`), else the slice walk
+    (``chunk_bwd_roles``) where ``BV`` is the whole V and it takes K, V (:func:`takes_roles`), else the slice walk
     (``chunk_bwd.chunk_bwd_hopper``). Where HV = H the walk writes dq, dk themselves (no reduction but the gates');
     else its fp32 per-value-head dq, dk live only within this call. dh0 None (and dht None among the inputs): the
     walk without state gradients."""
