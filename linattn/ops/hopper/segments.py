@@ -49,8 +49,8 @@ W_TYPICAL = 8              # chunks a warm-up walks: the kernel finds w from the
                            # see; the anchors' gates (logsigmoid / 16) give w ≈ 8 at K = V = 128
 MIN_SEGMENT_CHUNKS = 8     # a segment shorter than a typical warm-up (W_TYPICAL) warms up longer than it walks
 MAX_SEGMENTS = 64          # per sequence: bounds dS_out (B·S·HV·K·V fp32) and the warm-ups' programs
-GVA_BATCHES = 4            # where G > 1: the walk's rows in this many launches (walk_batch_rows) where the model
-GVA_TIME_MARGIN = 1.15     # costs that at most this much above one launch's plan (plan_walk)
+GVA_BATCHES = (4, 2)       # where G > 1: the walk's rows in the most of these launches (walk_batch_rows) that the
+GVA_TIME_MARGIN = 1.15     # model costs at most this much above one launch's plan (plan_walk)
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 
 
@@ -116,10 +116,10 @@ def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts
 def plan_walk(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int, G: int,
               sms: int, step_us: float = WALK_CHUNK_US) -> WalkPlan:
     """The walk's segments and batches on ``sms`` SMs. L: ``segment_chunks`` as forced (:func:`segment_length`),
-    else :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, GVA_BATCHES (the fp32 per-value-head dq,
-    dk a quarter at a time, with the segments that keep each batch a full wave) if the model puts that within
-    GVA_TIME_MARGIN of the one-launch plan, else one (small shapes, where the buffers are small too). Cached: host
-    time on every backward call."""
+    else :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, the most of GVA_BATCHES (the fp32
+    per-value-head dq, dk a quarter or a half at a time, with the segments that keep each batch a full wave) that the
+    model puts within GVA_TIME_MARGIN of the one-launch plan, else one (small shapes, where the buffers are small
+    too). Cached: host time on every backward call."""
     NT = cdiv(T, CHUNK)
 
     def planned(parts: int) -> tuple[float, WalkPlan]:
@@ -129,8 +129,11 @@ def plan_walk(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV
     one_cost, one = planned(1)
     if G == 1:
         return one
-    batched_cost, batched = planned(GVA_BATCHES)
-    return batched if batched_cost <= GVA_TIME_MARGIN * one_cost else one
+    for parts in GVA_BATCHES:
+        batched_cost, batched = planned(parts)
+        if batched_cost <= GVA_TIME_MARGIN * one_cost:
+            return batched
+    return one
 
 
 def segment_length(segment_chunks: int, T: int) -> Optional[int]:
