@@ -12,11 +12,11 @@ Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`
     B (128-255, 168)                      C1 = K [dS_hi; dS_lo] and K S, X = β(V − Γ K S), V_new = T X, t =
                                           rowsum(V_new ⊙ ρ K dS) (both fp32), dV_new = scale Pᵀ dO + ρ K dS, Y =
                                           Tᵀ bf16(dV_new), bf16 Y and bf16(−βΓY); the X terms from fp32 Y and K S
-                                          (formed again: its fragment held V_new since); dv = βY; dk =
-                                          ρ⊙(V_new dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q − bf16(βΓY) hᵀ
-    A (256-383, 160)                      Q Kᵀ, P; dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ, dKD; dq = dP K +
-                                          scale Γ⊙(dO hᵀ); dβ and dg (the column sums of dlogD as row sums of the
-                                          transposed products)
+                                          (formed again: its fragment held V_new since) and dG's scale Γ q·(dO hᵀ);
+                                          dv = βY; dk = ρ⊙(V_new dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q − bf16(βΓY) hᵀ;
+                                          dq = dP K + scale Γ⊙(dO hᵀ) (dO hᵀ formed twice: one fragment)
+    A (256-383, 160)                      Q Kᵀ, P; dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ, dKD; dβ and dg (the
+                                          column sums of dlogD as row sums of the transposed products)
     producer (384-511, 24)                one warp's TMA copies of each chunk's tiles, the warpgroup's loads of
                                           gc and β
 
@@ -33,7 +33,7 @@ the chunk's vectors share one tile), and the roles hand tiles to each other thro
     ready_y   B → S, A         bf16 Y in ``Gh``, bf16(−βΓY) in ``Gl``
     ready_dp  A → B            dP (bf16) in ``PdP``
     ready_dkd A → B            dKD (bf16) in ``TdKD`` (B's two dots on T done before ready_y)
-    ready_xt  B → A            the X terms of dG and dβ in ``vec``
+    ready_xt  B → A            the X terms of dG and dβ, and dG's Γ term, in ``vec``
     read_ds   B → S            C1 and dk's first dot done: S may overwrite dS hi + lo
     end       S, A, B → producer
 """
@@ -77,7 +77,7 @@ def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
     fragments = dict(
         dS=(K, V),                              # S
         F=(BT, V), N=(BT, K), rowsF=(BT,),      # B
-        QK=(BT, BT), dP=(BT, BT), tmp=(BT, V), rowsA=(BT,), cols=(BT,), dbA=(BT,))     # A
+        QK=(BT, BT), dP=(BT, BT), rowsA=(BT,), cols=(BT,), dbA=(BT,))     # A
     arrivals = dict(full=128, init=128, ready_p=128, ready_v=128, read_p=128, free_g=128, ready_y=128,
                     ready_dp=128, ready_dkd=128, read_ds=128, ready_xt=128, end=3 * 128)
     tiles = {n: T.alloc_shared(shape, dtype) for n, (shape, dtype) in shared.items()}
@@ -241,6 +241,14 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.reduce_sum(t.N, t.rowsF, dim=1)
             for i in T.Parallel(BT):
                 t.vec[XB, i] = t.vec[XB, i] + t.rowsF[i]
+            # Γ's term of dG, scale Γ q·(dO hᵀ), with dG's X term (dO hᵀ formed again for dq below: one fragment)
+            T.wgmma_gemm(t.dOs, t.Hs, t.N, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, K):
+                t.N[i, j] = T.cast(t.Qs[i, j], acc) * t.N[i, j]
+            T.reduce_sum(t.N, t.rowsF, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[XG, i] = t.vec[XG, i] + scale * T.exp(t.vec[GC, i]) * t.rowsF[i]
             T.mbarrier_arrive(t.ready_xt)
             mark(t, s, "x_terms")
             for i, j in T.Parallel(BT, V):
@@ -262,6 +270,15 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.wgmma_gemm(t.Gl, t.Hs, t.N, transpose_B=True)
             T.wait_wgmma(0)
             T.copy(t.N, t.dk[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+            mark(t, s, "dk")
+            # dq = dP K + scale Γ ⊙ (dO hᵀ)
+            T.wgmma_gemm(t.dOs, t.Hs, t.N, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, K):
+                t.N[i, j] = t.N[i, j] * scale * T.exp(t.vec[GC, i])
+            T.wgmma_gemm(t.PdP, t.Ks, t.N)
+            T.wait_wgmma(0)
+            T.copy(t.N, t.dq[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
             T.mbarrier_arrive(t.end)
             mark(t, s, "finish")
 
@@ -277,7 +294,7 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
 
     @T.macro
     def key_side(t):
-        """Role A: P, dP, dA, dKD, dq, and dg and dβ from every role's terms."""
+        """Role A: P, dP, dA, dKD, and dg and dβ from every role's terms."""
         for s in T.serial(t.chunks):
             c = t.chunks - 1 - s
             rows = T.min(BT, t.Tn - c * BT)
@@ -350,23 +367,6 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             for j in T.Parallel(BT):
                 t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
             mark(t, s, "da_sums")
-            # Γ's term of dG from q·(dO hᵀ), then dq = dP K + scale Γ ⊙ (dO hᵀ) with dO hᵀ formed again: one BT × K
-            # fragment instead of two (two spill at 160 registers)
-            T.wgmma_gemm(t.dOs, t.Hs, t.tmp, transpose_B=True, clear_accum=True)
-            T.wait_wgmma(0)
-            for i, j in T.Parallel(BT, K):
-                t.tmp[i, j] = T.cast(t.Qs[i, j], acc) * t.tmp[i, j]
-            T.reduce_sum(t.tmp, t.rowsA, dim=1)
-            for i in T.Parallel(BT):
-                t.vec[DG, i] = t.vec[DG, i] + scale * T.exp(t.vec[GC, i]) * t.rowsA[i]
-            T.wgmma_gemm(t.dOs, t.Hs, t.tmp, transpose_B=True, clear_accum=True)
-            T.wait_wgmma(0)
-            for i, j in T.Parallel(BT, K):
-                t.tmp[i, j] = t.tmp[i, j] * scale * T.exp(t.vec[GC, i])
-            T.wgmma_gemm(t.PdP, t.Ks, t.tmp)
-            T.wait_wgmma(0)
-            T.copy(t.tmp, t.dq[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
-            mark(t, s, "dq")
             # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j + γ Σ h⊙dS (one select per term in a fixed order)
             total = T.alloc_var(acc, init=0.0)
             for p in T.serial(128):

@@ -47,8 +47,8 @@ PHASES = POINTS[1:] + ("step", "gap")
 ROLE_POINTS = {
     "S": ("top", "loads", "gamma_do", "q_dots", "wait_y", "c3", "wait_ds", "finish"),
     "B": ("top", "loads", "x", "v_new", "wait_p", "p_do", "wait_g", "y", "x_terms", "dv", "dk_first",
-          "wait_dkd", "finish"),
-    "A": ("top", "loads", "p", "wait_v", "dp", "dlogd", "wait_y", "dkd", "da_sums", "dq", "wait_xt", "finish"),
+          "wait_dkd", "dk", "finish"),
+    "A": ("top", "loads", "p", "wait_v", "dp", "dlogd", "wait_y", "dkd", "da_sums", "wait_xt", "finish"),
 }
 ROLE_SLOTS = max(len(points) for points in ROLE_POINTS.values())
 QUANTILES = (0.5, 0.9)
