@@ -9,14 +9,14 @@ Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`
     S (threads 0-127, 160 registers)      the chain's state: dS (K × V fp32) in its registers; γ Σ h⊙dS; dS·γ +
                                           scale·Qᵀ(Γ⊙dO) (hi + lo operands) as soon as the chunk lands; C3 = Kᵀ
                                           bf16(−βΓY); dS published as bf16 hi + lo for the next chunk's C1
-    B (128-255, 168)                      C1 = K [dS_hi; dS_lo], V_new = T X, t = rowsum(V_new ⊙ ρ K dS) (both
-                                          fp32), dV_new = scale Pᵀ dO + ρ K dS, Y = Tᵀ bf16(dV_new), bf16 Y and
-                                          bf16(−βΓY); the X terms from fp32 Y and K S (formed again: A's registers
-                                          do not keep it); dv = βY; dk = ρ⊙(V_new dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q
-                                          − bf16(βΓY) hᵀ
-    A (256-383, 160)                      Q Kᵀ, P, K S, X = β(V − Γ K S); dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ,
-                                          dKD; dq = dP K + scale Γ⊙(dO hᵀ); dβ and dg (the column sums of dlogD as
-                                          row sums of the transposed products)
+    B (128-255, 168)                      C1 = K [dS_hi; dS_lo] and K S, X = β(V − Γ K S), V_new = T X, t =
+                                          rowsum(V_new ⊙ ρ K dS) (both fp32), dV_new = scale Pᵀ dO + ρ K dS, Y =
+                                          Tᵀ bf16(dV_new), bf16 Y and bf16(−βΓY); the X terms from fp32 Y and K S
+                                          (formed again: its fragment held V_new since) and dG's scale Γ q·(dO hᵀ);
+                                          dv = βY; dk = ρ⊙(V_new dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q − bf16(βΓY) hᵀ;
+                                          dq = dP K + scale Γ⊙(dO hᵀ) (dO hᵀ formed twice: one fragment)
+    A (256-383, 160)                      Q Kᵀ, P; dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ, dKD; dβ and dg (the
+                                          column sums of dlogD as row sums of the transposed products)
     producer (384-511, 24)                one warp's TMA copies of each chunk's tiles, the warpgroup's loads of
                                           gc and β
 
@@ -27,14 +27,13 @@ the chunk's vectors share one tile), and the roles hand tiles to each other thro
 
     full      producer → all   the chunk's inputs (TMA transaction count)
     ready_p   A → B            P (bf16, masked, decayed) in ``PdP``
-    ready_x   A → B            X in ``XVn``
-    ready_v   B → A            bf16 V_new in ``XVn`` (X read); t in ``vec``
+    ready_v   B → A            bf16 V_new in ``XVn``; t in ``vec``
     read_p    B → A            Pᵀ dO issued and done: ``PdP`` may take dP
     free_g    S → B            Qᵀ(Γ⊙dO) done: ``Gh``, ``Gl`` may take dV_new, Y and Y·(−βΓ); Σ h⊙dS's shares in ``vec``
     ready_y   B → S, A         bf16 Y in ``Gh``, bf16(−βΓY) in ``Gl``
     ready_dp  A → B            dP (bf16) in ``PdP``
     ready_dkd A → B            dKD (bf16) in ``TdKD`` (B's two dots on T done before ready_y)
-    ready_xt  B → A            the X terms of dG and dβ in ``vec``
+    ready_xt  B → A            the X terms of dG and dβ, and dG's Γ term, in ``vec``
     read_ds   B → S            C1 and dk's first dot done: S may overwrite dS hi + lo
     end       S, A, B → producer
 """
@@ -78,8 +77,8 @@ def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
     fragments = dict(
         dS=(K, V),                              # S
         F=(BT, V), N=(BT, K), rowsF=(BT,),      # B
-        QK=(BT, BT), dP=(BT, BT), KS=(BT, V), tmp=(BT, V), rowsA=(BT,), cols=(BT,), dbA=(BT,))     # A
-    arrivals = dict(full=128, init=128, ready_p=128, ready_x=128, ready_v=128, read_p=128, free_g=128, ready_y=128,
+        QK=(BT, BT), dP=(BT, BT), rowsA=(BT,), cols=(BT,), dbA=(BT,))     # A
+    arrivals = dict(full=128, init=128, ready_p=128, ready_v=128, read_p=128, free_g=128, ready_y=128,
                     ready_dp=128, ready_dkd=128, read_ds=128, ready_xt=128, end=3 * 128)
     tiles = {n: T.alloc_shared(shape, dtype) for n, (shape, dtype) in shared.items()}
     tiles.update({n: T.alloc_fragment(shape, acc) for n, shape in fragments.items()})
@@ -187,8 +186,12 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             g_last = t.vec[GC, rows - 1]
             T.wgmma_gemm(t.Ks, t.dSh, t.F, clear_accum=True)       # C1
             T.wgmma_gemm(t.Ks, t.dSl, t.F)
-            T.mbarrier_wait_parity(t.ready_x, s % 2)
-            mark(t, s, "wait_x")
+            T.wgmma_gemm(t.Ks, t.Hs, t.N, clear_accum=True)        # K S
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, V):
+                t.XVn[i, j] = T.cast(t.vec[BETA, i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.vec[GC, i]) * t.N[i, j]), bf)
+            T.fence_proxy_async()
+            mark(t, s, "x")
             T.wgmma_gemm(t.TdKD, t.XVn, t.N, clear_accum=True)     # V_new = T X
             T.wait_wgmma(0)
             for i, j in T.Parallel(BT, V):
@@ -224,7 +227,7 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_y)
             mark(t, s, "y")
-            # the X terms, dβ's Y·W and dG's −βΓ Y·K S, from fp32 Y and K S (formed again: A's registers do not keep it)
+            # the X terms, dβ's Y·W and dG's −βΓ Y·K S, from fp32 Y and K S (formed again: N held V_new since)
             T.wgmma_gemm(t.Ks, t.Hs, t.N, clear_accum=True)
             T.wait_wgmma(0)
             for i, j in T.Parallel(BT, V):
@@ -238,6 +241,14 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.reduce_sum(t.N, t.rowsF, dim=1)
             for i in T.Parallel(BT):
                 t.vec[XB, i] = t.vec[XB, i] + t.rowsF[i]
+            # Γ's term of dG, scale Γ q·(dO hᵀ), with dG's X term (dO hᵀ formed again for dq below: one fragment)
+            T.wgmma_gemm(t.dOs, t.Hs, t.N, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, K):
+                t.N[i, j] = T.cast(t.Qs[i, j], acc) * t.N[i, j]
+            T.reduce_sum(t.N, t.rowsF, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[XG, i] = t.vec[XG, i] + scale * T.exp(t.vec[GC, i]) * t.rowsF[i]
             T.mbarrier_arrive(t.ready_xt)
             mark(t, s, "x_terms")
             for i, j in T.Parallel(BT, V):
@@ -259,6 +270,15 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.wgmma_gemm(t.Gl, t.Hs, t.N, transpose_B=True)
             T.wait_wgmma(0)
             T.copy(t.N, t.dk[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
+            mark(t, s, "dk")
+            # dq = dP K + scale Γ ⊙ (dO hᵀ)
+            T.wgmma_gemm(t.dOs, t.Hs, t.N, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(BT, K):
+                t.N[i, j] = t.N[i, j] * scale * T.exp(t.vec[GC, i])
+            T.wgmma_gemm(t.PdP, t.Ks, t.N)
+            T.wait_wgmma(0)
+            T.copy(t.N, t.dq[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
             T.mbarrier_arrive(t.end)
             mark(t, s, "finish")
 
@@ -274,7 +294,7 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
 
     @T.macro
     def key_side(t):
-        """Role A: P, X, dP, dA, dKD, dq, and dg and dβ from every role's terms."""
+        """Role A: P, dP, dA, dKD, and dg and dβ from every role's terms."""
         for s in T.serial(t.chunks):
             c = t.chunks - 1 - s
             rows = T.min(BT, t.Tn - c * BT)
@@ -283,20 +303,13 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             mark(t, s, "loads")
             g_last = t.vec[GC, rows - 1]
             T.wgmma_gemm(t.Qs, t.Ks, t.QK, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(t.Ks, t.Hs, t.KS, clear_accum=True)
-            T.wait_wgmma(1)
+            T.wait_wgmma(0)
             for i, j in T.Parallel(BT, BT):
                 t.PdP[i, j] = T.cast(t.QK[i, j] * T.exp(T.if_then_else((i >= j) & (i < rows),
                                                                        t.vec[GC, i] - t.vec[GC, j], NEG)), bf)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_p)
             mark(t, s, "p")
-            T.wait_wgmma(0)
-            for i, j in T.Parallel(BT, V):
-                t.XVn[i, j] = T.cast(t.vec[BETA, i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.vec[GC, i]) * t.KS[i, j]), bf)
-            T.fence_proxy_async()
-            T.mbarrier_arrive(t.ready_x)
-            mark(t, s, "x")
             # dP = scale (dO V_newᵀ) ⊙ D; its dlogD (diagonal left out) by rows here, by columns below
             T.mbarrier_wait_parity(t.ready_v, s % 2)
             mark(t, s, "wait_v")
@@ -354,23 +367,6 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             for j in T.Parallel(BT):
                 t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
             mark(t, s, "da_sums")
-            # Γ's term of dG from q·(dO hᵀ), then dq = dP K + scale Γ ⊙ (dO hᵀ) with dO hᵀ formed again: one BT × K
-            # fragment instead of two (two spill at 160 registers)
-            T.wgmma_gemm(t.dOs, t.Hs, t.tmp, transpose_B=True, clear_accum=True)
-            T.wait_wgmma(0)
-            for i, j in T.Parallel(BT, K):
-                t.tmp[i, j] = T.cast(t.Qs[i, j], acc) * t.tmp[i, j]
-            T.reduce_sum(t.tmp, t.rowsA, dim=1)
-            for i in T.Parallel(BT):
-                t.vec[DG, i] = t.vec[DG, i] + scale * T.exp(t.vec[GC, i]) * t.rowsA[i]
-            T.wgmma_gemm(t.dOs, t.Hs, t.tmp, transpose_B=True, clear_accum=True)
-            T.wait_wgmma(0)
-            for i, j in T.Parallel(BT, K):
-                t.tmp[i, j] = t.tmp[i, j] * scale * T.exp(t.vec[GC, i])
-            T.wgmma_gemm(t.PdP, t.Ks, t.tmp)
-            T.wait_wgmma(0)
-            T.copy(t.tmp, t.dq[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
-            mark(t, s, "dq")
             # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j + γ Σ h⊙dS (one select per term in a fixed order)
             total = T.alloc_var(acc, init=0.0)
             for p in T.serial(128):

@@ -46,9 +46,9 @@ PHASES = POINTS[1:] + ("step", "gap")
 # hand-off over; the others: the role's work since its point before, ending with the hand-off or store it names.
 ROLE_POINTS = {
     "S": ("top", "loads", "gamma_do", "q_dots", "wait_y", "c3", "wait_ds", "finish"),
-    "B": ("top", "loads", "wait_x", "v_new", "wait_p", "p_do", "wait_g", "y", "x_terms", "dv", "dk_first",
-          "wait_dkd", "finish"),
-    "A": ("top", "loads", "p", "x", "wait_v", "dp", "dlogd", "wait_y", "dkd", "da_sums", "dq", "wait_xt", "finish"),
+    "B": ("top", "loads", "x", "v_new", "wait_p", "p_do", "wait_g", "y", "x_terms", "dv", "dk_first",
+          "wait_dkd", "dk", "finish"),
+    "A": ("top", "loads", "p", "wait_v", "dp", "dlogd", "wait_y", "dkd", "da_sums", "wait_xt", "finish"),
 }
 ROLE_SLOTS = max(len(points) for points in ROLE_POINTS.values())
 QUANTILES = (0.5, 0.9)
