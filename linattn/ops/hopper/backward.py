@@ -1,5 +1,6 @@
 """The Hopper backward of the chunked gated delta rule (issue 45), equal-length sequences: the host chain around
-the fused reverse walk (``chunk_bwd.py``), walked whole or in segments (``segments.py``). Packed sequences
+the fused reverse walk (``chunk_bwd_roles.py`` or ``chunk_bwd.py``: :func:`choose_walk`), walked whole or in
+segments (``segments.py``). Packed sequences
 (``cu_seqlens``) run it on a batch padded to one length (``varlen.py``: exact; the copies are its cost). The op's
 backward runs it where ``gated_delta/dispatch.choose_backward_path`` says (bf16 on sm_90, from HOPPER_BWD_MIN_WORK
 pairs × tokens).
@@ -14,17 +15,19 @@ pairs × tokens).
     segments    where ``segments.plan_walk`` (or segment_chunks) cuts the sequences: the reverse warm-ups
                 (``chunk_bwd.reverse_warm_ups_hopper``, one launch) give dS_out, the gradient of the state leaving
                 every segment
-    walk        ``chunk_bwd.chunk_bwd_hopper``: one program per (sequence or segment, value head, V slice), the
-                slices of a head one thread-block cluster: dv, dh0, dq and dk per value head (the slices' tiles
-                added in the walk, in a fixed order, fp32; the gradients themselves where HV = H), and partials of
-                dg, dβ (per slice); segments are views of the sequences, walked from their dS_out
+    walk        the role-split walk (``chunk_bwd_roles.chunk_bwd_roles_hopper``, K = V = 128: one program per
+                (sequence or segment, value head) over the whole V) or the slice walk (``chunk_bwd.chunk_bwd_hopper``:
+                one per V slice, the slices of a head one thread-block cluster, their dq, dk tiles added in the
+                walk in a fixed order), whichever the segment model prices lower: dv, dh0, dq and dk per value head
+                (fp32; the gradients themselves where HV = H), dg, dβ (per slice); segments are views of the
+                sequences, walked from their dS_out
     reductions  ``common/partial_sum.py``, one launch: dg, dβ added over the slices (dg masked below the gate
                 floor), dq, dk over the value heads of each qk head (HV > H), in a fixed order, every gradient in
                 its dtype: no atomics, the same bits every run
 
 The walk and its reductions run over the rows (sequences, or segments) in batches (``segments.walk_batch_rows``):
 one batch where HV = H; where HV > H each batch's fp32 per-value-head dq, dk are summed into the gradients before
-the next batch is walked (``segments.plan_walk``: a quarter of the rows at most, a wave of programs at most,
+the next batch is walked (``segments.plan_walk``: a quarter or a half of the rows, a wave of programs at most,
 where the model puts that within 15% of one launch's walk).
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
@@ -285,8 +288,10 @@ def choose_walk(B: int, T: int, H: int, HV: int, K: int, V: int, BV: Optional[in
     role-split walk's step is longer, but it runs half the programs: it wins where the slice walk needs a second
     wave or fewer, longer segments)."""
     roles_built = K == V and K in chunk_bwd_roles.SIZES
-    widths = [V] if BV == V and roles_built else [BV] if BV is not None else \
-        [V, min(V, chunk_bwd.BV_DEFAULT)] if roles_built else [min(V, chunk_bwd.BV_DEFAULT)]
+    if BV is None:
+        widths = [V, min(V, chunk_bwd.BV_DEFAULT)] if roles_built else [min(V, chunk_bwd.BV_DEFAULT)]
+    else:
+        widths = [BV]
     NT = cdiv(T, BT)
     best = None
     for width in widths:
