@@ -1,8 +1,8 @@
 """Hopper backward (TileLang): the fused reverse walk split by roles (docs/backward.md §11), one program of 512
 threads per (sequence, value head) over the whole V, in place of ``chunk_bwd.py``'s two V slices per head and their
 exchange of dq and dk. The backward (``backward.choose_walk``) takes it where the segment model prices it below the
-slice walk; ``benchmarks/gpu_check_roles_walk.py`` checks and times it beside that walk. Twin: the slice walk's, ``chunk_bwd_ref.reverse_walk_ref`` (the same
-operations and rounding points, on the whole V).
+slice walk; ``benchmarks/gpu_check_roles_walk.py`` checks and times it beside that walk. Twin: the slice walk's,
+``chunk_bwd_ref.reverse_walk_ref`` (the same operations and rounding points, on the whole V).
 
 Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`REGISTERS`):
 
