@@ -43,10 +43,15 @@ def inputs(name, B, T, H, HV, with_dht: bool) -> dict:
                 dht=dht if with_dht else None)
 
 
+def walk_inputs(x: dict) -> list:
+    """:func:`inputs`' tensors in the walks' argument order."""
+    return [x[n] for n in ("q", "k", "v", "do", "gc", "beta", "a_inv", "h", "dht")]
+
+
 def walks(x: dict, scale: float):
     """(the slice walk's call, the role-split walk's) on the same inputs; both return dg, dβ ``[NV, B, HV, Lp]``."""
     from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
-    args = [x[n] for n in ("q", "k", "v", "do", "gc", "beta", "a_inv", "h", "dht")]
+    args = walk_inputs(x)
     want = x["dht"] is not None
     return (lambda: chunk_bwd.chunk_bwd_hopper(*args, scale, want_dh0=want),
             lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, scale, want_dh0=want))
@@ -97,8 +102,7 @@ def time_timeline(case) -> dict:
 
     from linattn.ops.hopper import chunk_bwd_roles, timeline
     name, B, T, H, HV = case
-    x = inputs(name, B, T, H, HV, False)
-    args = [x[n] for n in ("q", "k", "v", "do", "gc", "beta", "a_inv", "h", "dht")]
+    args = walk_inputs(inputs(name, B, T, H, HV, False))
     walk = lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, K ** -0.5, want_dh0=False)
     timed = lambda: chunk_bwd_roles.walk_timeline(*args, K ** -0.5, want_dh0=False)
     default, (outputs, stamps) = walk(), timed()
@@ -150,8 +154,8 @@ def warm(cases, timed, timeline: bool) -> None:
         builds += [g.kernel_build(c, None) for c in configs + [("prepass", H, HV, K)]]
         builds += [Build(chunk_bwd_roles.compiled_kernel, (H, HV, K, V, K ** -0.5, None, dht, stamped))
                    for stamped in ((False, True) if timeline and not dht else (False,))]
-        builds += [
-                   Build(chunk_bwd.compiled_kernel, (H, HV, K, V, K ** -0.5, 64), dict(target=None, state_grads=dht))]
+        builds.append(Build(chunk_bwd.compiled_kernel, (H, HV, K, V, K ** -0.5, 64),
+                            dict(target=None, state_grads=dht)))
     print(precompile(list({repr(b): b for b in builds}.values())), flush=True)
 
 

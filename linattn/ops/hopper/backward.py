@@ -244,8 +244,8 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     L = plan.L
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
-    warm_bv = min(BV, segments.WARM_BV)
-    dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, warm_bv) if L else dht
+    dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L,
+                                       segments.warm_slice(BV)) if L else dht
     h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)

@@ -53,7 +53,7 @@ import torch
 from ..utils import output_tensor
 from .chunk_bwd_ref import NEGLIGIBLE_LOG2
 from .chunk_fwd import BT, compile_prim_func, launcher
-from .timeline import POINTS, stamps_shape
+from .timeline import POINTS, recorded_steps, stamps_shape
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
 BV_DEFAULT = 64     # V columns per program: at K = V = 128 a whole-V program needs 393 KB of shared memory
@@ -685,10 +685,7 @@ def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     arguments, outputs = walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    chunks = -(-T // BT)
-    if steps is not None and (not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
-    recorded = chunks if steps is None else min(steps, chunks)
+    recorded = recorded_steps(steps, -(-T // BT))
     stamps = torch.full(stamps_shape(B * HV * (V // BV), recorded), -1, dtype=torch.int64, device=q.device)
     launcher(compiled_kernel(H, HV, K, V, scale, BV, timeline=True))(
         *arguments, *exchange_buffers(B, HV, K, V // BV, q.device), stamps)

@@ -45,7 +45,7 @@ import torch
 
 from . import chunk_bwd
 from .chunk_fwd import BT, compile_prim_func, launcher
-from .timeline import ROLE_POINTS, ROLE_SLOTS, role_stamps_shape
+from .timeline import ROLE_POINTS, ROLE_SLOTS, recorded_steps, role_stamps_shape
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays)
 THREADS = 512
@@ -506,12 +506,19 @@ def chunk_bwd_roles_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
     """Launch the role-split walk on an sm_90 GPU: ``chunk_bwd.chunk_bwd_hopper``'s inputs, ``out`` and outputs as
     that walk's with one slice of the whole V (its arguments from ``chunk_bwd.walk_arguments``): dg, dβ
     ``[1, B, HV, Lp]``, complete."""
-    state_grads = want_dh0 or dht is not None
-    arguments, outputs = chunk_bwd.walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, v.shape[3], out, state_grads)
-    arguments[12:14] = outputs[3][0], outputs[4][0]     # dg, dβ: the one slice's rows, [B, HV, Lp]
+    arguments, outputs, state_grads = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, want_dh0, out)
     H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))(*arguments)
     return outputs
+
+
+def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, want_dh0: bool, out: dict):
+    """The walk's launch arguments up to dh0, its outputs and whether it has state gradients:
+    ``chunk_bwd.walk_arguments``' with BV = V, dg and dβ the one slice's rows ``[B, HV, Lp]``."""
+    state_grads = want_dh0 or dht is not None
+    arguments, outputs = chunk_bwd.walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, v.shape[3], out, state_grads)
+    arguments[12:14] = outputs[3][0], outputs[4][0]
+    return arguments, outputs, state_grads
 
 
 def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
@@ -522,15 +529,10 @@ def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     launches the walk, on the same inputs. Returns its outputs (the same bits) and the stamps int64
     ``timeline.role_stamps_shape(B · HV, steps)`` of the first ``steps`` chunk steps of every program (None: every
     step; unwritten entries −1), which ``timeline.role_timeline`` reduces to µs per phase and role."""
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
-    state_grads = want_dh0 or dht is not None
-    arguments, outputs = chunk_bwd.walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, v.shape[3], {}, state_grads)
-    arguments[12:14] = outputs[3][0], outputs[4][0]
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    chunks = -(-T // BT)
-    recorded = chunks if steps is None else min(steps, chunks)
+    recorded = recorded_steps(steps, -(-T // BT))
+    arguments, outputs, state_grads = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, want_dh0, {})
     stamps = torch.full(role_stamps_shape(B * HV, recorded), -1, dtype=torch.int64, device=q.device)
     launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads, timeline=True))(*arguments, stamps)
     return outputs, stamps

@@ -43,7 +43,7 @@ ROLES_CHUNK_US = 25.8      # one chunk step of the role-split walk (H100, K = V 
 WALK_OCCUPANCY = 1         # walk programs per SM (213 KB of shared memory each at K = V = 128)
 WARM_CHAIN_US = 7.0        # one dS chain step of a warm-up program (H100, K = V = 128, BV = 64: 0.05 ms for the
                            # ≈ 7-chunk warm-ups of 128 programs in one wave at B=1 T=32768 H=HV=16, S=4)
-WARM_BV = 64               # V columns of a warm-up program (whichever walk follows)
+WARM_BV = 64               # V columns of a warm-up program at most (whichever walk follows: warm_slice)
 WARM_OCCUPANCY = 1         # warm-up programs per SM (125 KB of shared memory each at K = V = 128)
 W_TYPICAL = 8              # chunks a warm-up walks: the kernel finds w from the gates, which the host does not
                            # see; the anchors' gates (logsigmoid / 16) give w ≈ 8 at K = V = 128
@@ -74,6 +74,11 @@ def walk_batch_rows(rows: int, HV: int, V: int, BV: int, sms: int, parts: int) -
     return min(per_wave, -(-rows // parts))
 
 
+def warm_slice(BV: int) -> int:
+    """The V columns of a reverse warm-up program before a walk over ``BV`` columns a program."""
+    return min(BV, WARM_BV)
+
+
 def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, parts: int = 1,
                  step_us: float = WALK_CHUNK_US) -> float:
     """Modelled µs of the reverse walk over B sequences of NT chunks in segments of L chunks (L = NT: unsegmented,
@@ -88,7 +93,7 @@ def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, pa
     walk = step_us * L * (full * waves(per_batch, WALK_OCCUPANCY) + waves(rest, WALK_OCCUPANCY))
     if S == 1:
         return walk
-    warm_waves = -(-(rows * HV * (V // min(BV, WARM_BV))) // (WARM_OCCUPANCY * sms))
+    warm_waves = -(-(rows * HV * (V // warm_slice(BV))) // (WARM_OCCUPANCY * sms))
     return walk + WARM_CHAIN_US * W_TYPICAL * warm_waves
 
 

@@ -59,6 +59,13 @@ def stamps_shape(programs: int, steps: int, warpgroups: int = 2) -> tuple[int, i
     return programs, steps, len(POINTS) + 1, warpgroups
 
 
+def recorded_steps(steps: Optional[int], chunks: int) -> int:
+    """The chunk steps a timeline build stamps: the first ``steps`` (a positive int; None: every one) of ``chunks``."""
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
+    return chunks if steps is None else min(steps, chunks)
+
+
 def role_stamps_shape(programs: int, steps: int) -> tuple[int, int, int, int]:
     """The role-split walk's stamps: :data:`ROLE_SLOTS` clocks (each role's points first) and the global time, per
     role."""
