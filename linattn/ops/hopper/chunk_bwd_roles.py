@@ -188,8 +188,12 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.wgmma_gemm(t.Ks, t.dSl, t.F)
             T.wgmma_gemm(t.Ks, t.Hs, t.N, clear_accum=True)        # K S
             T.wait_wgmma(0)
+            # X formed in N, then stored: a pass that reads shared memory and writes it gets a barrier per
+            # element from TileLang's sync pass
             for i, j in T.Parallel(BT, V):
-                t.XVn[i, j] = T.cast(t.vec[BETA, i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.vec[GC, i]) * t.N[i, j]), bf)
+                t.N[i, j] = t.vec[BETA, i] * (T.cast(t.Vs[i, j], acc) - T.exp(t.vec[GC, i]) * t.N[i, j])
+            for i, j in T.Parallel(BT, V):
+                t.XVn[i, j] = T.cast(t.N[i, j], bf)
             T.fence_proxy_async()
             mark(t, s, "x")
             T.wgmma_gemm(t.TdKD, t.XVn, t.N, clear_accum=True)     # V_new = T X
@@ -221,9 +225,11 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.fence_proxy_async()
             T.wgmma_gemm(t.TdKD, t.Gh, t.F, transpose_A=True, clear_accum=True)     # Y = Tᵀ bf16(dV_new)
             T.wait_wgmma(0)
+            for i in T.Parallel(BT):            # −βΓ by rows: the stores below read no shared memory
+                t.rowsF[i] = -t.vec[BETA, i] * T.exp(t.vec[GC, i])
             for i, j in T.Parallel(BT, V):
                 t.Gh[i, j] = T.cast(t.F[i, j], bf)
-                t.Gl[i, j] = T.cast(-t.vec[BETA, i] * T.exp(t.vec[GC, i]) * t.F[i, j], bf)
+                t.Gl[i, j] = T.cast(t.rowsF[i] * t.F[i, j], bf)
             T.fence_proxy_async()
             T.mbarrier_arrive(t.ready_y)
             mark(t, s, "y")

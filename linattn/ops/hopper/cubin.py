@@ -44,3 +44,28 @@ def ptxas_summary(report: str) -> dict:
     registers = re.search(r"Used (\d+) registers", report)
     return dict(registers=int(registers[1]) if registers else None, spill_stores=int(spills[1]) if spills else None,
                 spill_loads=int(spills[2]) if spills else None, wgmma_serialised="C7512" in report)
+
+
+def barriers_in_element_loops(source: str) -> list[int]:
+    """Line numbers (1-based) of the warpgroup barriers (``__sync_thread_partial``, ``__syncthreads``) that a
+    TileLang kernel's generated CUDA places inside an unrolled element loop: TileLang's sync pass puts one in each
+    iteration where it cannot prove that a pass's shared-memory reads and writes are disjoint, which serialises the
+    pass (a load, its math and its store per element, around a barrier)."""
+    lines = source.splitlines()
+    found, loops = [], []           # loops: the brace depth each open unrolled loop's body starts at
+    depth = 0
+    for number, line in enumerate(lines, 1):
+        if ("__sync_thread_partial" in line or "__syncthreads" in line) and loops:
+            found.append(number)
+        unrolled = line.strip().startswith("for (") and lines[number - 2].strip() == "#pragma unroll"
+        for char in line:
+            if char == "{":
+                depth += 1
+                if unrolled:
+                    loops.append(depth)
+                    unrolled = False
+            elif char == "}":
+                if loops and loops[-1] == depth:
+                    loops.pop()
+                depth -= 1
+    return found
