@@ -35,7 +35,8 @@ the chunk's vectors share one tile), and the roles hand tiles to each other thro
     ready_dkd A → B            dKD (bf16) in ``TdKD`` (B's two dots on T done before ready_y)
     ready_xt  B → A            the X terms of dG and dβ, and dG's Γ term, in ``vec``
     read_ds   B → S            C1 and dk's first dot done: S may overwrite dS hi + lo
-    end       S, A, B → producer
+    end       S, A, B → producer   every tile and the rows gc, β read (A: before its dg finish)
+    read_vec  A → B            dg's finish has read t, dG's X terms and dβ's: B may write them for the next chunk
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import types
@@ -79,7 +80,7 @@ def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
         F=(BT, V), N=(BT, K), rowsF=(BT,),      # B
         QK=(BT, BT), dP=(BT, BT), rowsA=(BT,), cols=(BT,), dbA=(BT,))     # A
     arrivals = dict(full=128, init=128, ready_p=128, ready_v=128, read_p=128, free_g=128, ready_y=128,
-                    ready_dp=128, ready_dkd=128, read_ds=128, ready_xt=128, end=3 * 128)
+                    ready_dp=128, ready_dkd=128, read_ds=128, ready_xt=128, read_vec=128, end=3 * 128)
     tiles = {n: T.alloc_shared(shape, dtype) for n, (shape, dtype) in shared.items()}
     tiles.update({n: T.alloc_fragment(shape, acc) for n, shape in fragments.items()})
     tiles.update({n: T.alloc_barrier(arrive_count=count) for n, count in arrivals.items()})
@@ -182,6 +183,8 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             rows = T.min(BT, t.Tn - c * BT)
             mark(t, s, "top")
             T.mbarrier_wait_parity(t.full, s % 2)
+            if s > 0:                       # A's finish of the chunk before has read the rows B writes (t, X terms)
+                T.mbarrier_wait_parity(t.read_vec, (s - 1) % 2)
             mark(t, s, "loads")
             g_last = t.vec[GC, rows - 1]
             T.wgmma_gemm(t.Ks, t.dSh, t.F, clear_accum=True)       # C1
@@ -379,6 +382,9 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
                 total = total + t.vec[H_SHARES + p // BT, p % BT]
             T.mbarrier_wait_parity(t.ready_xt, s % 2)
             mark(t, s, "wait_xt")
+            # the tiles and the producer's rows are read: the next chunk loads under the finish, which reads only
+            # the rows B writes again after read_vec
+            T.mbarrier_arrive(t.end)
             for i in T.Parallel(BT):
                 t.rowsA[i] = 0.0
                 for j in T.unroll(BT):
@@ -386,7 +392,7 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             for i in T.Parallel(BT):
                 t.dg[t.ib, t.ihv, c * BT + i] = t.rowsA[i] + T.exp(g_last) * total
                 t.dbeta[t.ib, t.ihv, c * BT + i] = t.vec[XB, i] + t.dbA[i]
-            T.mbarrier_arrive(t.end)
+            T.mbarrier_arrive(t.read_vec)
             mark(t, s, "finish")
 
     return key_side
