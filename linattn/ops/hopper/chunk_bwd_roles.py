@@ -27,13 +27,13 @@ the chunk's vectors share one tile), and the roles hand tiles to each other thro
 
     full      producer → all   the chunk's inputs (TMA transaction count)
     ready_p   A → B            P (bf16, masked, decayed) in ``PdP``
-    ready_v   B → A            bf16 V_new in ``XVn``; t in ``vec``
+    ready_v   B → A            bf16 V_new in ``XVn``
     read_p    B → A            Pᵀ dO issued and done: ``PdP`` may take dP
     free_g    S → B            Qᵀ(Γ⊙dO) done: ``Gh``, ``Gl`` may take dV_new, Y and Y·(−βΓ); Σ h⊙dS's shares in ``vec``
     ready_y   B → S, A         bf16 Y in ``Gh``, bf16(−βΓY) in ``Gl``
     ready_dp  A → B            dP (bf16) in ``PdP``
     ready_dkd A → B            dKD (bf16) in ``TdKD`` (B's two dots on T done before ready_y)
-    ready_xt  B → A            the X terms of dG and dβ, and dG's Γ term, in ``vec``
+    ready_xt  B → A            t, the X terms of dG and dβ, and dG's Γ term, in ``vec``
     read_ds   B → S            C1 and dk's first dot done: S may overwrite dS hi + lo
     end       S, A, B → producer   every tile and the rows gc, β read (A: before its dg finish)
     read_vec  A → B            dg's finish has read t, dG's X terms and dβ's: B may write them for the next chunk
@@ -187,10 +187,10 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
                 T.mbarrier_wait_parity(t.read_vec, (s - 1) % 2)
             mark(t, s, "loads")
             g_last = t.vec[GC, rows - 1]
-            T.wgmma_gemm(t.Ks, t.dSh, t.F, clear_accum=True)       # C1
-            T.wgmma_gemm(t.Ks, t.dSl, t.F)
             T.wgmma_gemm(t.Ks, t.Hs, t.N, clear_accum=True)        # K S
-            T.wait_wgmma(0)
+            T.wgmma_gemm(t.Ks, t.dSh, t.F, clear_accum=True)       # C1, left running under the X pass
+            T.wgmma_gemm(t.Ks, t.dSl, t.F)
+            T.wait_wgmma(2)
             # X formed in N, then stored: a pass that reads shared memory and writes it gets a barrier per
             # element from TileLang's sync pass
             for i, j in T.Parallel(BT, V):
@@ -203,14 +203,15 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.wait_wgmma(0)
             for i, j in T.Parallel(BT, V):
                 t.XVn[i, j] = T.cast(t.N[i, j], bf)
-            # t_i = V_new_i · (ρ ⊙ K dS)_i, both fp32 (docs/decisions.md: either in bf16 breaks dg's bound)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(t.ready_v)
+            # t_i = V_new_i · (ρ ⊙ K dS)_i, both fp32 (docs/decisions.md: either in bf16 breaks dg's bound); A reads
+            # it after ready_xt
             for i, j in T.Parallel(BT, V):
                 t.N[i, j] = t.N[i, j] * t.F[i, j] * T.exp(g_last - t.vec[GC, i])
             T.reduce_sum(t.N, t.rowsF, dim=1)
             for i in T.Parallel(BT):
                 t.vec[TS, i] = t.rowsF[i]
-            T.fence_proxy_async()
-            T.mbarrier_arrive(t.ready_v)
             mark(t, s, "v_new")
             # dV_new = scale Pᵀ dO + ρ K dS: ρ K dS / scale in the accumulator, Pᵀ dO added, then × scale
             for i, j in T.Parallel(BT, V):
