@@ -61,7 +61,8 @@ def arrival_counts() -> dict:
 
 
 class _Reader:
-    """Events of one role macro, in program order; ``split(t)`` inlined; ``if state_grads`` taken as True."""
+    """Events of one role macro, in program order; the macros it calls (``split(t)``, ``dg_scans``) inlined; ``if
+    state_grads`` taken as True."""
 
     def __init__(self, slots: set, macros: dict):
         self.slots, self.macros, self.rows = slots, macros, vector_rows()
@@ -162,7 +163,8 @@ class _Reader:
 def role_events() -> dict:
     """{role: [pre-loop events..., ("loop", [events per chunk]), post-loop events...]} from the kernel's source
     (cached: callers read it, never change it)."""
-    macros = {f.name: f for f in ast.walk(_module()) if isinstance(f, ast.FunctionDef) and f.name in ROLES}
+    # every function of the module a role calls by name is inlined (the roles and their helper macros)
+    macros = {f.name: f for f in ast.walk(_module()) if isinstance(f, ast.FunctionDef)}
     macros["split"] = _function(_function(ast.parse(SPLIT_SOURCE.read_text()), "hi_lo_split_macro"), "split")
     reader = _Reader(shared_slots(), macros)
     events = {}

@@ -109,7 +109,7 @@ def test_hand_offs_order_every_shared_access_and_never_deadlock():
 
 MUTATIONS = [("value_side", "wait", "free_g", "not ordered"), ("chain", "wait", "read_ds", "dSh"),
              ("key_side", "wait", "read_p", "PdP"), ("key_side", "fence", "", "proxy fence"),
-             ("value_side", "arrive", "ready_xt", "deadlock")]
+             ("value_side", "arrive", "ready_xt", "deadlock"), ("value_side", "wait", "read_vec", "vec.TS")]
 
 
 @pytest.mark.parametrize("role,kind,barrier,found", MUTATIONS, ids=[f"{m[0]}_{m[1]}_{m[2]}" for m in MUTATIONS])
