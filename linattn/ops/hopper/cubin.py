@@ -57,7 +57,7 @@ def barriers_in_element_loops(source: str) -> list[int]:
     for number, line in enumerate(lines, 1):
         if ("__sync_thread_partial" in line or "__syncthreads" in line) and loops:
             found.append(number)
-        unrolled = line.strip().startswith("for (") and lines[number - 2].strip() == "#pragma unroll"
+        unrolled = line.strip().startswith("for (") and number > 1 and lines[number - 2].strip() == "#pragma unroll"
         for char in line:
             if char == "{":
                 depth += 1
