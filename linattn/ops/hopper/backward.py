@@ -287,9 +287,9 @@ def choose_walk(B: int, T: int, H: int, HV: int, K: int, V: int, BV: Optional[in
     walk where ``BV`` is another width; ``BV`` None: whichever of the two the segment model prices lower (the
     role-split walk's step is longer, but it runs half the programs: it wins where the slice walk needs a second
     wave or fewer, longer segments)."""
-    roles_built = K == V and K in chunk_bwd_roles.SIZES
+    slice_width = min(V, chunk_bwd.BV_DEFAULT)
     if BV is None:
-        widths = [V, min(V, chunk_bwd.BV_DEFAULT)] if roles_built else [min(V, chunk_bwd.BV_DEFAULT)]
+        widths = [V, slice_width] if takes_roles(K, V, V) else [slice_width]
     else:
         widths = [BV]
     NT = cdiv(T, BT)

@@ -85,16 +85,15 @@ def walk_cost_us(B: int, NT: int, HV: int, V: int, BV: int, L: int, sms: int, pa
     no warm-ups): a phase whose programs walk c chunks each takes c · waves · its chunk cost, waves =
     ceil(programs / slots) per launch; the walk runs one program per (segment, value head, V slice) in the
     launches of :func:`walk_batch_rows`, the warm-ups the same programs in one launch, W_TYPICAL chain steps each."""
-    waves = lambda rows, occupancy: -(-(rows * HV * (V // BV)) // (occupancy * sms))
+    waves = lambda rows, width, occupancy: -(-(rows * HV * (V // width)) // (occupancy * sms))
     S = NT // L
     rows = B * S
     per_batch = walk_batch_rows(rows, HV, V, BV, sms, parts)
     full, rest = divmod(rows, per_batch)
-    walk = step_us * L * (full * waves(per_batch, WALK_OCCUPANCY) + waves(rest, WALK_OCCUPANCY))
+    walk = step_us * L * (full * waves(per_batch, BV, WALK_OCCUPANCY) + waves(rest, BV, WALK_OCCUPANCY))
     if S == 1:
         return walk
-    warm_waves = -(-(rows * HV * (V // warm_slice(BV))) // (WARM_OCCUPANCY * sms))
-    return walk + WARM_CHAIN_US * W_TYPICAL * warm_waves
+    return walk + WARM_CHAIN_US * W_TYPICAL * waves(rows, warm_slice(BV), WARM_OCCUPANCY)
 
 
 @functools.lru_cache(maxsize=256)
