@@ -112,9 +112,10 @@ def time_timeline(case) -> dict:
                 roles=timeline.role_timeline(stamps.cpu()))
 
 
-def patched_op_check(cases) -> list:
-    """gpu_check_core.check on ``cases`` with the role-split walk in place of the slice walk (the backward calls it
-    as ``chunk_bwd.chunk_bwd_hopper``; its BV argument has no use there)."""
+def patched_op_check(cases, dtypes) -> list:
+    """gpu_check_core.check on ``cases`` in ``dtypes`` with the role-split walk in place of the slice walk (the
+    backward calls it as ``chunk_bwd.chunk_bwd_hopper``; its BV argument has no use there). Each row names the
+    backward that ran: a dtype or shape the Hopper backward declines runs the dispatch's."""
     import gpu_check_core
 
     from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
@@ -125,9 +126,8 @@ def patched_op_check(cases) -> list:
     chunk_bwd.chunk_bwd_hopper = role_split_walk
     rows = []
     for case in gpu_check_core.CASES:
-        if case[0] in cases:
-            rows.append(gpu_check_core.check(case, torch.bfloat16, use_token_ref=case[2] <= 1000,
-                                             backward_path="hopper"))
+        for dtype in dtypes if case[0] in cases else ():
+            rows.append(gpu_check_core.check(case, dtype, use_token_ref=case[2] <= 1000, backward_path="hopper"))
             print(json.dumps(rows[-1], default=str), flush=True)
     return rows
 
@@ -164,6 +164,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--op", default=None, help="comma-separated gpu_check_core cases to run through the op with "
                                                "the role-split walk")
+    ap.add_argument("--op-dtypes", default="bfloat16", help="comma-separated torch dtypes of --op's cases")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="at each timed row also the walk's timeline by role")
     ap.add_argument("--cases", default=None, help=f"comma-separated of {[c[0] for c in CASES]} (default: all)")
@@ -184,7 +185,7 @@ def main():
             if a.timeline:
                 result["timeline"].append(time_timeline(case))
     if a.op:
-        result["op"] = patched_op_check(a.op.split(","))
+        result["op"] = patched_op_check(a.op.split(","), [getattr(torch, d) for d in a.op_dtypes.split(",")])
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "roles_walk.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\n{'case':<22} " + " ".join(f"{n:>9}" for n in OUTPUTS) + "  repeat")
