@@ -622,6 +622,24 @@ def test_the_walk_is_the_one_the_segment_model_prices_lower():
     assert not backward.takes_roles(64, 64, 64) and backward.takes_roles(128, 128, 128)
 
 
+@ON_HOPPER
+@pytest.mark.parametrize("B,T,H,HV,BV,segment_chunks", [(2, 300, 2, 2, 128, None), (2, 300, 2, 2, 64, None),
+                                                         (1, 4096, 2, 8, 128, 16), (1, 4096, 2, 2, 64, 16)],
+                         ids=["roles", "slices", "roles_segments_gva", "slices_segments"])
+def test_backward_repeats_bit_for_bit_on_the_gpu(B, T, H, HV, BV, segment_chunks):
+    """Determinism on the GPU: the Hopper backward twice on the same inputs (initial state and dht given) gives every
+    gradient bit for bit, on both walks (BV = V: the role-split walk; 64: the slice walk), unsegmented with a
+    partial last chunk and in segments (their warm-ups; grouped value heads summed on the host)."""
+    x = make_inputs(B, T, H, HV, 128, seed=3)
+    low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "do") else t.float()).cuda() for n, t in x.items()}
+    run = lambda: backward.chunk_gated_delta_rule_bwd_hopper(
+        low["q"], low["k"], low["v"], low["g"], low["beta"], 128 ** -0.5, low["h0"], low["do"], low["dht"], BV=BV,
+        segment_chunks=segment_chunks)
+    first, second = run(), run()
+    for name, a, b in zip(GRADS, first, second):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("edge", [((37, 1, float("-inf")),), ((20, 0, -3e38), (21, 0, -3e38))],
                          ids=["minus_inf", "overflowing_pair"])
