@@ -112,23 +112,48 @@ def time_timeline(case) -> dict:
                 roles=timeline.role_timeline(stamps.cpu()))
 
 
-def patched_op_check(cases, dtypes) -> list:
-    """gpu_check_core.check on ``cases`` in ``dtypes`` with the role-split walk in place of the slice walk (the
-    backward calls it as ``chunk_bwd.chunk_bwd_hopper``; its BV argument has no use there). Each row names the
-    backward that ran: a dtype or shape the Hopper backward declines runs the dispatch's."""
-    import gpu_check_core
-
+def use_role_split_walk() -> None:
+    """The role-split walk in place of the slice walk in this process: the backward calls it as
+    ``chunk_bwd.chunk_bwd_hopper`` (its BV argument has no use there)."""
     from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
 
     def role_split_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV=None, **kwargs):
         return chunk_bwd_roles.chunk_bwd_roles_hopper(q, k, v, do, gc, beta, a_inv, h, dht, scale, **kwargs)
 
     chunk_bwd.chunk_bwd_hopper = role_split_walk
-    rows = []
-    for case in gpu_check_core.CASES:
-        for dtype in dtypes if case[0] in cases else ():
-            rows.append(gpu_check_core.check(case, dtype, use_token_ref=case[2] <= 1000, backward_path="hopper"))
-            print(json.dumps(rows[-1], default=str), flush=True)
+
+
+def op_rows(name: str, dtypes: tuple) -> list:
+    """gpu_check_core.check of case ``name`` in each of ``dtypes`` (names) with the role-split walk (in a worker
+    process of :func:`patched_op_check`)."""
+    import gpu_check_core
+    use_role_split_walk()
+    case = next(c for c in gpu_check_core.CASES if c[0] == name)
+    return [gpu_check_core.check(case, getattr(torch, d), use_token_ref=case[2] <= 1000, backward_path="hopper")
+            for d in dtypes]
+
+
+def patched_op_check(cases, dtypes) -> list:
+    """The op's gradients against float64 (``gpu_check_core.check``) on ``cases`` in ``dtypes`` (names) with the
+    role-split walk, one worker process per case: each compiles its shape's kernels on its first call, so the cases
+    compile side by side instead of one after another (TileLang's disk cache is the machine's). Each row names the
+    backward that ran: a dtype or shape the Hopper backward declines runs the dispatch's."""
+    import concurrent.futures
+    import multiprocessing
+
+    import gpu_check_core
+    known = [c[0] for c in gpu_check_core.CASES]
+    unknown = set(cases) - set(known)
+    if unknown:
+        raise ValueError(f"unknown --op case(s) {sorted(unknown)}; known: {known}")
+    ordered = [name for name in known if name in cases]
+    with concurrent.futures.ProcessPoolExecutor(len(ordered), mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = [pool.submit(op_rows, name, tuple(dtypes)) for name in ordered]
+        rows = []
+        for future in results:
+            rows += future.result()
+            for row in rows[-len(dtypes):]:
+                print(json.dumps(row, default=str), flush=True)
     return rows
 
 
@@ -185,7 +210,7 @@ def main():
             if a.timeline:
                 result["timeline"].append(time_timeline(case))
     if a.op:
-        result["op"] = patched_op_check(a.op.split(","), [getattr(torch, d) for d in a.op_dtypes.split(",")])
+        result["op"] = patched_op_check(a.op.split(","), a.op_dtypes.split(","))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "roles_walk.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\n{'case':<22} " + " ".join(f"{n:>9}" for n in OUTPUTS) + "  repeat")
