@@ -151,8 +151,8 @@ def patched_op_check(cases, dtypes) -> list:
         results = [pool.submit(op_rows, name, tuple(dtypes)) for name in ordered]
         rows = []
         for future in results:
-            rows += future.result()
-            for row in rows[-len(dtypes):]:
+            for row in future.result():
+                rows.append(row)
                 print(json.dumps(row, default=str), flush=True)
     return rows
 

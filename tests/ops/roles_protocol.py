@@ -61,8 +61,8 @@ def arrival_counts() -> dict:
 
 
 class _Reader:
-    """Events of one role macro, in program order; the macros it calls (``split(t)``, ``dg_scans``) inlined; ``if
-    state_grads`` taken as True."""
+    """Events of one role macro, in program order; the macros it calls (``split(t)``, any helper macro of the
+    kernel's module) inlined; ``if state_grads`` taken as True."""
 
     def __init__(self, slots: set, macros: dict):
         self.slots, self.macros, self.rows = slots, macros, vector_rows()

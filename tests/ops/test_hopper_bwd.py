@@ -750,8 +750,8 @@ def test_walk_plan_batches_gva_where_the_model_allows():
     time) where the model puts them within GVA_TIME_MARGIN of one launch — rows 5 and 7 (B=4 T=8192 HV=32 G=2:
     4960 µs against 4736; B=1 T=32768 HV=8 G=4: 1408 against 1240) — else two where those are within it (the
     role-split walk at row 7: 931 against 819, four 1155; at row 5: 3053 against 2829, four 3277), and one where
-    neither is (B=1 T=4096 H=2 HV=8: batches
-    of a quarter or half wave); a forced segment length kept, its batches judged at that length."""
+    neither is (B=1 T=4096 H=2 HV=8: batches of a quarter or half wave); a forced segment length kept, its batches
+    judged at that length."""
     plan = lambda B, T, H, HV, chunks=None: segments.plan_walk(chunks, B, T, HV, 128, 64, HV // H, 132)
     P = segments.WalkPlan
     assert plan(8, 4096, 16, 16) == P(None, 1) and plan(1, 32768, 16, 16) == P(128, 1)
