@@ -102,15 +102,32 @@ def test_the_backward_choice_and_its_reason():
     # the work, not the pairs alone: one pair of a long sequence, many pairs of short ones
     assert blocker(1, work, 1, 128, 128, bf16, f32) is None and blocker(work // 64, 64, 1, 128, 128, bf16, f32) is None
     assert "pairs" in blocker(1, work // 2 - 1, 2, 128, 128, bf16, f32)
-    # K = 64: dβ's race fixed, not yet re-measured on a GPU: routed to the Triton backward at every
-    # length and batch, and V = 64 (one slice per head, as there) with it; K = V = 128 at the same sizes keeps the walk
-    assert "K = 64" in blocker(1, 32768, 4, 64, 64, bf16, f32) and "K = 64" in blocker(8, 4096, 16, 64, 64, bf16, f32)
-    assert "K = 64" in blocker(8, 4096, 16, 64, 128, bf16, f32) and "V = 64" in blocker(8, 4096, 16, 128, 64, bf16, f32)
+    # K = 64 with V = 128 (the slice walk: dβ's race fixed, not yet re-measured on a GPU) goes to the Triton backward
+    # at every length and batch, and V = 64 at K = 128 (one slice per head, as there) with it; K = V = 64 (the
+    # role-split walk) and K = V = 128 at the same sizes keep the Hopper backward
+    assert "K = 64" in blocker(1, 32768, 4, 64, 128, bf16, f32) and "K = 64" in blocker(8, 4096, 16, 64, 128, bf16, f32)
+    assert "V = 64" in blocker(1, 32768, 4, 128, 64, bf16, f32) and "V = 64" in blocker(8, 4096, 16, 128, 64, bf16, f32)
+    assert blocker(1, 32768, 4, 64, 64, bf16, f32) is None and blocker(8, 4096, 16, 64, 64, bf16, f32) is None
     assert blocker(1, 32768, 4, 128, 128, bf16, f32) is None and blocker(8, 4096, 16, 128, 128, bf16, f32) is None
     # an initial state with one-chunk sequences: dg's open accuracy defect, routed to the Triton backward
     assert "one chunk" in blocker(2048, 64, 32, 128, 128, bf16, f32, initial_state=True)
     assert blocker(2048, 64, 32, 128, 128, bf16, f32) is None
     assert blocker(1024, 65, 32, 128, 128, bf16, f32, initial_state=True) is None
+
+
+@pytest.mark.parametrize("K,V,path", [(64, 64, "roles"), (128, 128, "roles"), (64, 128, "triton"),
+                                      (128, 64, "triton")])
+def test_a_bf16_call_of_these_sizes_takes_this_backward(K, V, path):
+    """Where the dispatch decides (bf16, B = 8, T = 4096, HV = 16: work above the threshold), K = V = 64 and 128 take
+    the Hopper backward and its walk is the role-split one (``hopper.backward.choose_walk``: BV = V); K = 64 with
+    V = 128 and V = 64 with K = 128 take the Triton backward (``hopper.backward.defect_limit``)."""
+    from linattn.ops.hopper import backward
+    reason = dispatch.hopper_backward_blocker(8, 4096, 16, K, V, torch.bfloat16, torch.float32)
+    if path == "triton":
+        assert reason is not None and reason == backward.defect_limit(K, V), reason
+        return
+    BV, _ = backward.choose_walk(8, 4096, 16, 16, K, V, None, None, 132)
+    assert reason is None and backward.takes_roles(K, V, BV), (reason, BV)
 
 
 def test_packed_sequences_take_the_padded_hopper_backward_by_the_forwards_rule():

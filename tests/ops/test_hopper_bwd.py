@@ -572,13 +572,19 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
     assert max(errors.values()) < 2e-2, errors
 
 
+# K = V, then (BV given or None, the walks it runs: "roles" or the slice walk's BV)
+ROLE_SPLIT_CHOICES = {128: ((128, ["roles"]), (64, [64]), (None, [64])),
+                      64: ((64, ["roles"]), (32, [32]), (None, ["roles"]))}
+
+
 @pytest.mark.interpreter
-def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch):
-    """At K = V = 128 (``chunk_bwd_roles.SIZES``) with BV = V the host chain runs the role-split walk (its twin: the
+@pytest.mark.parametrize("K", [128, 64], ids=["K128", "K64"])
+def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch, K):
+    """At K = V in ``chunk_bwd_roles.SIZES`` with BV = V the host chain runs the role-split walk (its twin: the
     slice walk's contract with one slice of the whole V) and never the slice walk, and gives the float64 reference's
-    gradients (GVA, T = 100, with h0 and dht); BV = 64 given asks for the slice walk instead, and so does BV None at
-    this size (four slice programs fit one wave: the model prices the shorter step lower), with the same
-    gradients."""
+    gradients (GVA, T = 100, with h0 and dht); a narrower BV given asks for the slice walk instead. BV None: at
+    K = 128 the slice walk (four slice programs fit one wave: the model prices the shorter step lower), at K = 64 the
+    role-split walk (the slice walk's width is V there), with the same gradients."""
     from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
 
     from .test_hopper_bwd_ref import reference_grads
@@ -588,10 +594,10 @@ def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch):
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", lambda *a, **o: walked.append(a[10]) or slices(*a, **o))
     monkeypatch.setattr(chunk_bwd_roles, "chunk_bwd_roles_hopper",
                         lambda *a, **o: walked.append("roles") or _twin_walk(*a, a[2].shape[3], **o))
-    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, 128, seed=3).items()}
+    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 100, 1, 2, K, seed=3).items()}
     ref = reference_grads(x, 0.3, use_dht=True)
     low = {n: t.float() for n, t in x.items()}
-    for BV, expected in ((128, ["roles"]), (64, [64]), (None, [64])):
+    for BV, expected in ROLE_SPLIT_CHOICES[K]:
         walked.clear()
         got = backward.chunk_gated_delta_rule_bwd_hopper(low["q"], low["k"], low["v"], low["g"], low["beta"], 0.3,
                                                          low["h0"], low["do"], low["dht"], BV=BV)
@@ -604,8 +610,8 @@ def test_the_walk_is_the_one_the_segment_model_prices_lower():
     """``backward.choose_walk``: BV None at K = V = 128 takes the role-split walk (BV = V) where the slice walk needs
     a second wave (B = 8, T = 4096, HV = 16: 256 slice programs on 132 SMs) or shorter segments fill the SMs with it
     (B = 1, T = 32768, HV = 8), and the slice walk where its programs fit one wave unsegmented (B = 1, T = 256,
-    HV = 2); each pick costs no more than the other by ``segments.walk_cost_us``. A BV given is the walk asked for;
-    at K = 64 the role-split walk is never taken."""
+    HV = 2); each pick costs no more than the other by ``segments.walk_cost_us``. A BV given is the walk asked for.
+    At K = V = 64 the slice walk's width is V: BV None is the role-split walk; K ≠ V never is."""
     def cost(B, T, HV, G, BV, step_us):
         plan = segments.plan_walk(None, B, T, HV, 128, BV, G, 132, step_us)
         return segments.walk_cost_us(B, T // 64, HV, 128, BV, plan.L or T // 64, 132, plan.parts, step_us)
@@ -619,21 +625,25 @@ def test_the_walk_is_the_one_the_segment_model_prices_lower():
     assert backward.choose_walk(8, 4096, 16, 16, 128, 128, 64, None, 132)[0] == 64
     assert backward.choose_walk(1, 256, 2, 2, 128, 128, 128, None, 132)[0] == 128
     assert backward.choose_walk(8, 4096, 16, 16, 64, 64, None, None, 132)[0] == 64
-    assert not backward.takes_roles(64, 64, 64) and backward.takes_roles(128, 128, 128)
+    assert backward.takes_roles(64, 64, 64) and backward.takes_roles(128, 128, 128)
+    assert not any(backward.takes_roles(K, V, BV) for K, V, BV in ((64, 128, 128), (128, 64, 64), (64, 64, 32),
+                                                                 (128, 128, 64)))
 
 
 @ON_HOPPER
-@pytest.mark.parametrize("B,T,H,HV,BV,segment_chunks", [(2, 300, 2, 2, 128, None), (2, 300, 2, 2, 64, None),
-                                                         (1, 4096, 2, 8, 128, 16), (1, 4096, 2, 2, 64, 16)],
-                         ids=["roles", "slices", "roles_segments_gva", "slices_segments"])
-def test_backward_repeats_bit_for_bit_on_the_gpu(B, T, H, HV, BV, segment_chunks):
+@pytest.mark.parametrize("B,T,H,HV,K,BV,segment_chunks", [
+    (2, 300, 2, 2, 128, 128, None), (2, 300, 2, 2, 128, 64, None), (1, 4096, 2, 8, 128, 128, 16),
+    (1, 4096, 2, 2, 128, 64, 16), (2, 300, 2, 4, 64, 64, None), (1, 4096, 2, 8, 64, 64, 16)],
+    ids=["roles", "slices", "roles_segments_gva", "slices_segments", "roles_k64_gva", "roles_k64_segments_gva"])
+def test_backward_repeats_bit_for_bit_on_the_gpu(B, T, H, HV, K, BV, segment_chunks):
     """Determinism on the GPU: the Hopper backward twice on the same inputs (initial state and dht given) gives every
-    gradient bit for bit, on both walks (BV = V: the role-split walk; 64: the slice walk), unsegmented with a
-    partial last chunk and in segments (their warm-ups; grouped value heads summed on the host)."""
-    x = make_inputs(B, T, H, HV, 128, seed=3)
+    gradient bit for bit, on both walks (BV = V: the role-split walk, at K = V = 128 and 64; 64 at K = 128: the
+    slice walk), unsegmented with a partial last chunk and in segments (their warm-ups; grouped value heads summed on
+    the host)."""
+    x = make_inputs(B, T, H, HV, K, seed=3)
     low = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "do") else t.float()).cuda() for n, t in x.items()}
     run = lambda: backward.chunk_gated_delta_rule_bwd_hopper(
-        low["q"], low["k"], low["v"], low["g"], low["beta"], 128 ** -0.5, low["h0"], low["do"], low["dht"], BV=BV,
+        low["q"], low["k"], low["v"], low["g"], low["beta"], K ** -0.5, low["h0"], low["do"], low["dht"], BV=BV,
         segment_chunks=segment_chunks)
     first, second = run(), run()
     for name, a, b in zip(GRADS, first, second):

@@ -1,8 +1,8 @@
-"""The role-split reverse walk (linattn/ops/hopper/chunk_bwd_roles.py) on the CPU: its build for sm_90a (four
-warpgroups each at its own register budget, the chunk's tiles within a CTA's shared memory, every dot on wgmma, the
-hand-offs on mbarriers) and its argument checks. Its numbers on the GPU: benchmarks/gpu_check_roles_walk.py (against
-the slice walk and, through the op, float64). Its twin is the slice walk's (``chunk_bwd_ref.reverse_walk_ref``): the
-same operations and rounding points on the whole V."""
+"""The role-split reverse walk (linattn/ops/hopper/chunk_bwd_roles.py) on the CPU: its build for sm_90a at K = V = 64
+and 128 (four warpgroups each at its own register budget, the chunk's tiles within a CTA's shared memory, every dot on
+wgmma, the hand-offs on mbarriers) and its argument checks. Its numbers on the GPU: benchmarks/gpu_check_roles_walk.py
+(K = V = 128, against the slice walk and, through the op, float64). Its twin is the slice walk's
+(``chunk_bwd_ref.reverse_walk_ref``): the same operations and rounding points on the whole V."""
 from __future__ import annotations
 
 import re
@@ -16,19 +16,29 @@ from linattn.ops.hopper import chunk_bwd_roles, chunk_fwd
 COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which("nvcc") is None,
                               reason="TileLang (optional) and nvcc compile the Hopper kernels")
 CTA_SHARED = 227 * 1024
-# Measured at REGISTERS = (160, 168, 160, 24): each role alone spills nothing at its budget; together ptxas spills
-# 20–48 B (values formed before the role branch live into every role). The next step is to remove it, not to grow it.
-SPILL_BYTES = 48
+# Measured at REGISTERS = (160, 168, 160, 24), K = V = 128: each role alone spills nothing at its budget; together
+# ptxas spills 20–48 B (values formed before the role branch live into every role). The next step is to remove it,
+# not to grow it. K = V = 64 (a quarter of S's state registers, half of B's fragments) spills nothing.
+SPILL_BYTES = {128: 48, 64: 0}
+# shared memory (bytes) of the launch: the tiles of alloc_tiles at K = V (each on a 1 KB boundary)
+SHARED_BYTES = {128: 231424, 64: 100352}
 # dots per chunk: S 3 (Qᵀ Gh, Qᵀ Gl, C3), B 15 (C1 ×2, K S ×2, T X, Pᵀ dO, Tᵀ dV_new, V_new dS_hiᵀ, dk's four,
 # dO hᵀ ×2, dP K), A 7 (Q Kᵀ, dO V_newᵀ, V_new dOᵀ, K Qᵀ, Y V_newᵀ, K Kᵀ, V_new Yᵀ): 25 dots per chunk
 DOTS = 25
 
 
+BUILDS = [(16, 16, 128, True), (2, 8, 128, False), (16, 16, 64, True), (2, 8, 64, False)]
+
+
 @COMPILES
-@pytest.mark.parametrize("H,HV,state_grads", [(16, 16, True), (2, 8, False)], ids=["H16", "gva_no_state_grads"])
-def test_role_split_walk_compiles_for_sm90a(tmp_path, H, HV, state_grads):
+@pytest.mark.parametrize("H,HV,K,state_grads", BUILDS,
+                         ids=["H16", "gva_no_state_grads", "K64_H16", "K64_gva_no_state_grads"])
+def test_role_split_walk_compiles_for_sm90a(tmp_path, H, HV, K, state_grads):
+    """At each of ``chunk_bwd_roles.SIZES``: every dot on wgmma, each role's register budget, no CTA-wide barrier in
+    a role, whole-warp elects, the launch's shared memory as planned, no barrier in an element loop, the spill
+    within its bound."""
     from linattn.ops.hopper.cubin import barriers_in_element_loops, compile_sm90a, launch_shared_bytes, ptxas_summary
-    kernel = chunk_bwd_roles.compiled_kernel(H, HV, 128, 128, 128 ** -0.5, "sm_90a", state_grads)
+    kernel = chunk_bwd_roles.compiled_kernel(H, HV, K, K, K ** -0.5, "sm_90a", state_grads)
     source = kernel.get_kernel_source()
     assert source.count("tl::wgmma_ss<tl::DataType::kBFloat16") == DOTS and "mma_sync" not in source
     for registers in chunk_bwd_roles.REGISTERS[:3]:
@@ -43,24 +53,25 @@ def test_role_split_walk_compiles_for_sm90a(tmp_path, H, HV, state_grads):
     assert ("dh0" in source) == state_grads
     stored = "bfloat16_t* __restrict__ dq" if H == HV else "float* __restrict__ dq"
     assert stored in source, stored
-    assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
+    assert launch_shared_bytes(kernel) == SHARED_BYTES[K] <= CTA_SHARED, launch_shared_bytes(kernel)
     assert not barriers_in_element_loops(source), "a pass that reads and writes shared memory: split it (B's X, Y)"
     ptxas = ptxas_summary(compile_sm90a(source, tmp_path)[1])
-    assert ptxas["spill_stores"] <= SPILL_BYTES and not ptxas["wgmma_serialised"], ptxas
+    assert ptxas["spill_stores"] <= SPILL_BYTES[K] and not ptxas["wgmma_serialised"], ptxas
 
 
 @COMPILES
-@pytest.mark.parametrize("H,want_dh0", [(4, True), (2, False)], ids=["H4", "gva_no_state_grads"])
-def test_role_split_walk_launch_matches_the_kernels_parameters(monkeypatch, H, want_dh0):
+@pytest.mark.parametrize("H,K,want_dh0", [(4, 128, True), (2, 128, False), (2, 64, False)],
+                         ids=["H4", "gva_no_state_grads", "K64_gva_no_state_grads"])
+def test_role_split_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, want_dh0):
     """chunk_bwd_roles_hopper's tensors (CPU stand-ins; the launch recorded, not run) against the compiled walk's
     parameters, which the launch checks on the GPU: every dtype and shape (one value per symbolic size); dg and dβ
     the one slice's rows of the [1, B, HV, Lp] outputs the backward's sums take; dv written in place."""
     from .test_hopper_bwd import assert_launch_matches_params
-    compiled = chunk_bwd_roles.compiled_kernel(H, 4, 128, 128, 128 ** -0.5, "sm_90a", want_dh0)
+    compiled = chunk_bwd_roles.compiled_kernel(H, 4, K, K, K ** -0.5, "sm_90a", want_dh0)
     launched = []
     monkeypatch.setattr(chunk_bwd_roles, "compiled_kernel", lambda *args, **kw: compiled)
     monkeypatch.setattr(chunk_bwd_roles, "launcher", lambda kernel: lambda *args: launched.extend(args))
-    B, T, NT, K = 2, 100, 2, 128
+    B, T, NT = 2, 100, 2
     bf = torch.bfloat16
     q, k = (torch.zeros(B, T, H, K, dtype=bf) for _ in range(2))
     v, do = (torch.zeros(B, T, 4, K, dtype=bf) for _ in range(2))
@@ -76,11 +87,11 @@ def test_role_split_walk_launch_matches_the_kernels_parameters(monkeypatch, H, w
     assert (out[5] is None) != want_dh0
 
 
-def test_role_split_walk_is_built_for_k_v_128_only():
-    with pytest.raises(ValueError, match="K = V in"):
-        chunk_bwd_roles.build_kernel(2, 2, 64, 64, 0.125)
-    with pytest.raises(ValueError, match="K = V in"):
-        chunk_bwd_roles.build_kernel(2, 2, 128, 64, 0.125)
+def test_role_split_walk_is_built_for_k_equal_to_v_in_its_sizes_only():
+    assert chunk_bwd_roles.SIZES == (64, 128)
+    for K, V in ((128, 64), (64, 128), (96, 96), (32, 32)):
+        with pytest.raises(ValueError, match="K = V in"):
+            chunk_bwd_roles.build_kernel(2, 2, K, V, 0.125)
 
 
 def test_role_split_walk_checks_its_layouts():

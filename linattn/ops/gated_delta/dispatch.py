@@ -135,9 +135,10 @@ def hopper_backward_blocker(B: int, T: int, HV: int, K: int, V: int, do_dtype: t
     """Why the Hopper backward does not take a call of these sizes and dtypes (None: it does), beyond what
     ``hopper.plan.input_blocker`` says of the device, q's dtype and alignment: the walk's own size and dtype limits
     (``hopper.backward.size_limit``, ``dtype_limit``), then two measured defects (docs/performance.md, "Accuracy"):
-    K = 64 (and V = 64 with it), whose dβ race is fixed but not re-measured (``hopper.backward.defect_limit``), and an
-    ``initial_state`` with sequences of one chunk (the walk reads the state entering a sequence's first chunk in
-    bf16; where that chunk is the whole sequence, dg's error is above the bound), then :data:`HOPPER_BWD_MIN_WORK`.
+    K = 64 with V = 128 (and V = 64 with K = 128), the slice walk's, whose dβ race is fixed but not re-measured
+    (``hopper.backward.defect_limit``; K = V = 64 takes the role-split walk), and an ``initial_state`` with
+    sequences of one chunk (the walk reads the state entering a sequence's first chunk in bf16; where that chunk is
+    the whole sequence, dg's error is above the bound), then :data:`HOPPER_BWD_MIN_WORK`.
 
     Packed sequences (``offsets``, cu_seqlens' host values) run the padded backward (``hopper/varlen.py``): the
     forward's rule (padding at most ``plan.HopperPlanConfig.max_padded_fraction`` of the batch), then the threshold

@@ -15,7 +15,7 @@ pairs × tokens).
     segments    where ``segments.plan_walk`` (or segment_chunks) cuts the sequences: the reverse warm-ups
                 (``chunk_bwd.reverse_warm_ups_hopper``, one launch) give dS_out, the gradient of the state leaving
                 every segment
-    walk        the role-split walk (``chunk_bwd_roles.chunk_bwd_roles_hopper``, K = V = 128: one program per
+    walk        the role-split walk (``chunk_bwd_roles.chunk_bwd_roles_hopper``, K = V = 64 or 128: one program per
                 (sequence or segment, value head) over the whole V) or the slice walk (``chunk_bwd.chunk_bwd_hopper``:
                 one per V slice, the slices of a head one thread-block cluster, their dq, dk tiles added in the
                 walk in a fixed order), whichever the segment model prices lower: dv, dh0, dq and dk per value head
@@ -58,12 +58,17 @@ def size_limit(K: int, V: int) -> Optional[str]:
 
 
 def defect_limit(K: int, V: int) -> Optional[str]:
-    """Why the walk does not take heads of these sizes although it compiles for them (None: it does): at K = V = 64
-    its dβ was not repeatable (H100, T = 32768, H = 2, HV = 4: four runs on the same inputs gave dβ differing by
-    2.8e-2 relative, 6.4× the rounded baseline's error in one run of two): the staged v tile was refilled under the X
-    terms' reads (docs/decisions.md). v now loads after k and dβ repeats bit for bit there; the route stays until
-    the core check measures K = 64's dβ within the bound with that order. V = 64 at K = 128 walks one slice per head
-    as K = 64 does and takes the same route. The dispatch routes on it."""
+    """Why the walk does not take heads of these sizes although it compiles for them (None: it does). K = V = 64
+    takes the role-split walk (:func:`takes_roles`), whose producer loads a chunk only once every role has read the
+    chunk before (the hand-off model, tests/ops/roles_protocol.py, checks the order); its accuracy at K = 64 is not
+    yet measured on a GPU. The slice walk at K = V = 64 had dβ not repeatable (H100, T = 32768, H = 2, HV = 4: four
+    runs on the same inputs gave dβ differing by 2.8e-2 relative, 6.4× the rounded baseline's error in one run of
+    two): the staged v tile was refilled under the X terms' reads (docs/decisions.md). v now loads after k and dβ
+    repeats bit for bit there; K = 64 with V = 128 keeps the Triton route until the core check measures K = 64's dβ
+    within the bound with that order. V = 64 at K = 128 walks one slice per head as K = 64 does and takes the same
+    route. The dispatch routes on it."""
+    if K == V == 64:
+        return None
     if K == 64:
         return "K = 64: dβ's race fixed, its accuracy not yet re-measured on a GPU"
     if V == 64:
@@ -286,10 +291,10 @@ def choose_walk(B: int, T: int, H: int, HV: int, K: int, V: int, BV: Optional[in
     (``chunk_bwd_roles``: one program over the whole V, built for K = V in its sizes) where ``BV`` is V, the slice
     walk where ``BV`` is another width; ``BV`` None: whichever of the two the segment model prices lower (the
     role-split walk's step is longer, but it runs half the programs: it wins where the slice walk needs a second
-    wave or fewer, longer segments)."""
+    wave or fewer, longer segments). At K = V = 64 the slice width is V: the role-split walk is the one priced."""
     slice_width = min(V, chunk_bwd.BV_DEFAULT)
-    if BV is None:
-        widths = [V, slice_width] if takes_roles(K, V, V) else [slice_width]
+    if BV is None:     # V first: a tie keeps the role-split walk
+        widths = sorted({V, slice_width}, reverse=True) if takes_roles(K, V, V) else [slice_width]
     else:
         widths = [BV]
     NT = cdiv(T, BT)

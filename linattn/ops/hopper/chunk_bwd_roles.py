@@ -1,8 +1,10 @@
 """Hopper backward (TileLang): the fused reverse walk split by roles (docs/backward.md §11), one program of 512
-threads per (sequence, value head) over the whole V, in place of ``chunk_bwd.py``'s two V slices per head and their
-exchange of dq and dk. The backward (``backward.choose_walk``) takes it where the segment model prices it below the
-slice walk; ``benchmarks/gpu_check_roles_walk.py`` checks and times it beside that walk. Twin: the slice walk's,
-``chunk_bwd_ref.reverse_walk_ref`` (the same operations and rounding points, on the whole V).
+threads per (sequence, value head) over the whole V, built for K = V in :data:`SIZES`: at 128 in place of
+``chunk_bwd.py``'s two V slices per head and their exchange of dq and dk, at 64 in place of its one slice. The
+backward (``backward.choose_walk``) takes it where the segment model prices it below the slice walk, and always at
+K = V = 64 (the slice walk's width there is V); ``benchmarks/gpu_check_roles_walk.py`` checks and times it beside
+that walk at K = V = 128. Twin: the slice walk's, ``chunk_bwd_ref.reverse_walk_ref`` (the same operations and
+rounding points, on the whole V).
 
 Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`REGISTERS`):
 
@@ -23,7 +25,8 @@ Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`
 The chunk's step is lock-stepped: the producer loads chunk s + 1 once every consumer has arrived at ``end`` for
 chunk s (every input slot is read to the chunk's end, and the formed tiles take the slots of inputs that are dead:
 the chunk's vectors share one tile), and the roles hand tiles to each other through mbarriers, one phase per chunk
-(parity s mod 2). Shared memory: 226 KB with the mbarriers. Hand-offs (role → role: what is ready):
+(parity s mod 2). Shared memory: 226 KB with the mbarriers at K = V = 128, 98 KB at 64. Hand-offs (role → role:
+what is ready):
 
     full      producer → all   the chunk's inputs (TMA transaction count)
     ready_p   A → B            P (bf16, masked, decayed) in ``PdP``
@@ -52,7 +55,7 @@ NEG = -1.0e30       # an exponent whose exp is 0 (masked decays)
 THREADS = 512
 # registers a thread per role (S, B, A, producer): 4 × 128 in all, the register file at 512 threads
 REGISTERS = (160, 168, 160, 24)
-SIZES = (128,)      # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
+SIZES = (64, 128)   # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
 # rows of the chunk's vector tile ``vec`` (alloc_tiles); S's 128 shares of Σ h⊙dS fill rows H_SHARES and H_SHARES + 1
 GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)
 
