@@ -63,17 +63,18 @@ def graph_ms(fn):
         fn()
     return bench(graph.replay)
 
-def host_profile(B=1, T=32768, H=2, HV=8, calls=300, fn=None):
+def host_profile(B=1, T=32768, H=2, HV=8, calls=300, fn=None, grad=False):
     """cProfile of ``calls`` back-to-back calls of the public op where "auto" plans the segmented Hopper forward
     (row 7: a host-bound row), or of ``fn``: the Python functions by their own time, then by cumulative time,
-    to find the host cost per call (the times are totals over the calls)."""
+    to find the host cost per call (the times are totals over the calls). ``grad``: ``fn`` runs with autograd on
+    (a forward + backward), else under no_grad."""
     import cProfile
     import io
     import pstats
     if fn is None:
         x = make_inputs(B, T, H, HV)
         fn = functools.partial(chunk_gated_delta_rule, **x, scale=128 ** -0.5, output_final_state=True)
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         fn()
         torch.cuda.synchronize()
         prof = cProfile.Profile()

@@ -13,6 +13,9 @@ not); ``--graph``: beside the eager time, the call captured in a CUDA graph and 
 above it is host time); ``--repeat N``: each shape N times in turn, so the spread shows the noise; ``--brief``: each
 row as its shape and its times only.
 
+``--train``: every mode times forward + ``torch.autograd.grad`` over q, k, v, g, β (bench_anchors' fwd+bwd) instead of
+the forward: the backward's host cost, its syncs (``--host-dist``) and its CUDA graph capture (``--graph``).
+
 ``--profile``: each shape's host time by function (cProfile over 200 calls issued back to back, one sync; the
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
@@ -52,6 +55,8 @@ SLOW_GATES = "--slow-gates" in sys.argv
 # log-uniform; the rate is A·dt), the tokens' variation kept: some heads forget within a chunk, others not within a
 # segment, so the segmented forwards mix warm-ups and maps as a real model's layer may
 MIXED_GATES = "--mixed-gates" in sys.argv
+# forward + backward instead of the forward, in every mode
+TRAIN = "--train" in sys.argv
 # the forward path every call takes ("auto": the public op's)
 PATH = sys.argv[sys.argv.index("--path") + 1] if "--path" in sys.argv else "auto"
 
@@ -59,6 +64,23 @@ PATH = sys.argv[sys.argv.index("--path") + 1] if "--path" in sys.argv else "auto
 def chunk_gated_delta_rule(*args, **kwargs):
     """The public op on ``--path``'s forward."""
     return chunk_gated_delta_rule_on_path(PATH, *args, **kwargs)
+
+
+def op_call(xs, K, packed):
+    """The timed call: the op's forward on ``xs``, or with ``--train`` forward + ``torch.autograd.grad`` over every
+    input against a fixed random dO (run it inside :func:`grad_mode`)."""
+    def forward():
+        return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True, **packed)
+    if not TRAIN:
+        return forward
+    with torch.enable_grad():
+        do = torch.randn_like(forward()[0])
+    return lambda: torch.autograd.grad(forward()[0], xs, do)
+
+
+def grad_mode():
+    """Autograd on with ``--train`` (the backward needs the forward's graph), else off."""
+    return torch.enable_grad() if TRAIN else torch.no_grad()
 
 
 def packed_lengths(B, T):
@@ -86,9 +108,8 @@ def op_inputs(B, T, H, HV, K, V):
 
 def check(B, T, H, HV, K=128, V=None, graph=False):
     xs, packed = op_inputs(B, T, H, HV, K, V or K)
-    with torch.no_grad():
-        def fn():
-            return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True, **packed)
+    fn = op_call(xs, K, packed)
+    with grad_mode():
         t0 = time.time()
         fn()
         torch.cuda.synchronize()
@@ -96,7 +117,7 @@ def check(B, T, H, HV, K=128, V=None, graph=False):
         ms = bench(fn)
         host = host_us(fn)
         extra = dict(graph_ms=round(graph_ms(fn), 4)) if graph else {}
-    return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, path=PATH, slow_gates=SLOW_GATES,
+    return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, path=PATH, train=TRAIN, slow_gates=SLOW_GATES,
                 mixed_gates=MIXED_GATES, first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1),
                 **extra)
 
@@ -105,7 +126,7 @@ def profile(B, T, H, HV, K=128, V=None, calls=200):
     """Print where ``calls`` calls' host time goes, by function (``gpu_timing.host_profile``)."""
     xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
     print(f"--- host profile {B, T, H, HV}: {calls} calls ---")
-    print(host_profile(calls=calls, fn=lambda: chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)))
+    print(host_profile(calls=calls, fn=op_call(xs, K, {}), grad=TRAIN))
 
 
 def host_parts(B, T, H, HV, K=128, V=None, calls=200):
@@ -134,9 +155,8 @@ def host_parts(B, T, H, HV, K=128, V=None, calls=200):
         for _, name, fn in saved[4:]:
             setattr(hopper_forward, name, timed(name + "()", fn))
         xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
-        with torch.no_grad():
-            def fn():
-                return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True)
+        fn = op_call(xs, K, {})
+        with grad_mode():
             fn()
             torch.cuda.synchronize()
             spent.clear()
@@ -163,9 +183,8 @@ def host_dist(B, T, H, HV, K=128, V=None, calls=300):
         elif started:
             collections_ms.append((time.perf_counter() - started.pop()) * 1e3)
 
-    with torch.no_grad():
-        def fn():
-            return chunk_gated_delta_rule(*xs, scale=K ** -0.5, output_final_state=True, **packed)
+    fn = op_call(xs, K, packed)
+    with grad_mode():
         fn()
         times, syncing = [], 0
         allocator = torch.cuda.memory_stats()
