@@ -20,8 +20,9 @@ segmented backward's warm-ups read the gates too (at gates that never forget the
 
 ``--phases``: instead, where the op's GPU time goes at each gate draw: every kernel's µs per call (the profiler's
 self device time over :data:`PROFILED_CALLS` calls), so a slower draw says which launch grew (the segmented
-forward's warm-ups, the scan, the walk). ``--trace``: also each profiled run's chrome trace into ``$OUT`` (every
-kernel's start, end and stream: how the launches overlap).
+forward's warm-ups, the scan, the walk; with ``--train``, of forward + backward: the reverse warm-ups, the walk).
+``--trace``: also each profiled run's chrome trace into ``$OUT`` (every kernel's start, end and stream: how the
+launches overlap).
 """
 from __future__ import annotations
 
@@ -84,17 +85,24 @@ def row(B, T, H, HV, gates, theirs):
 PROFILED_CALLS = 20
 
 
-def phases(B, T, H, HV, gates, trace=False):
+def phases(B, T, H, HV, gates, trace=False, train=False):
     """{kernel name: µs of GPU time per call} of the op at ``gates``, largest first; ``trace``: the profiled calls'
-    chrome trace written to ``$OUT/trace-B-T-H-HV-gates.json``."""
+    chrome trace written to ``$OUT/trace-B-T-H-HV-gates.json``; ``train``: of forward + ``torch.autograd.grad`` over
+    q, k, v, g, β (the backward's kernels with the forward's)."""
     from torch.profiler import ProfilerActivity, profile
-    ours = op_at(B, T, H, HV, gates)[0]
-    with torch.no_grad():
-        ours()
+    ours, xs, _ = op_at(B, T, H, HV, gates)
+    call = ours
+    if train:
+        for x in xs:        # the op's own inputs: ``ours`` reads these tensors
+            x.requires_grad_()
+        do = torch.randn(B, T, HV, 128, device=xs[0].device, dtype=torch.bfloat16)
+        call = lambda: torch.autograd.grad(ours()[0], xs, do)
+    with torch.enable_grad() if train else torch.no_grad():
+        call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILED_CALLS):
-                ours()
+                call()
             torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(str(Path(os.environ.get("OUT", "/tmp")) / f"trace-{B}-{T}-{H}-{HV}-{gates}.json"))
@@ -145,7 +153,7 @@ def main(argv):
     if "--phases" in argv:
         for shape in shapes:
             for gates in GATES:
-                kernels = phases(*shape, gates, trace="--trace" in argv)
+                kernels = phases(*shape, gates, trace="--trace" in argv, train="--train" in argv)
                 print(f"\n{shape} {gates}: {sum(kernels.values()):.1f} µs per call")
                 for name, us in kernels.items():
                     print(f"  {us:8.1f}  {name}")
