@@ -306,36 +306,6 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
     mark = _mark_macro("A", timed)
 
     @T.macro
-    def dg_scan(t, c, tail):
-        """dg_i = Σ_{j ≥ i} (dG_j + X_G,j) + Σ_{j < i} t_j + tail on one warp: lane l holds rows 2l and 2l + 1, the
-        pairs' suffix sums by shfl_down and prefix sums by shfl_up, five steps each, then the neighbours' sums one
-        more shuffle away (adds only, no sum taken back out, in a fixed order), in place of 64 dependent adds per
-        row."""
-        lane = t.tx - 2 * 128
-        d0 = t.vec[DG, 2 * lane] + t.vec[XG, 2 * lane]
-        d1 = t.vec[DG, 2 * lane + 1] + t.vec[XG, 2 * lane + 1]
-        t0 = t.vec[TS, 2 * lane]
-        t1 = t.vec[TS, 2 * lane + 1]
-        suffix = T.alloc_var(acc, init=0.0)
-        prefix = T.alloc_var(acc, init=0.0)
-        down = T.alloc_var(acc, init=0.0)       # the shuffles' values: vars, so no expression reads one stale
-        up = T.alloc_var(acc, init=0.0)
-        suffix = d0 + d1
-        prefix = t0 + t1
-        for u in T.unroll(5):
-            # every lane shuffles (a full-warp mask), then keeps what lies within the warp
-            down = T.shfl_down(suffix, 1 << u)
-            up = T.shfl_up(prefix, 1 << u)
-            suffix = suffix + T.if_then_else(lane + (1 << u) < 32, down, 0.0)
-            prefix = prefix + T.if_then_else(lane >= (1 << u), up, 0.0)
-        # the pairs after this lane's and before it: the neighbours' inclusive sums
-        down = T.shfl_down(suffix, 1)
-        up = T.shfl_up(prefix, 1)
-        t.dg[t.ib, t.ihv, c * BT + 2 * lane] = suffix + T.if_then_else(lane > 0, up, 0.0) + tail
-        t.dg[t.ib, t.ihv, c * BT + 2 * lane + 1] = ((d1 + T.if_then_else(lane < 31, down, 0.0))
-                                                   + (T.if_then_else(lane > 0, up, 0.0) + t0) + tail)
-
-    @T.macro
     def key_side(t):
         """Role A: P, dP, dA, dKD, and dg and dβ from every role's terms."""
         for s in T.serial(t.chunks):
@@ -420,9 +390,12 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             # the rows B writes again after read_vec
             T.mbarrier_arrive(t.end)
             for i in T.Parallel(BT):
+                t.rowsA[i] = 0.0
+                for j in T.unroll(BT):
+                    t.rowsA[i] = t.rowsA[i] + T.if_then_else(j >= i, t.vec[DG, j] + t.vec[XG, j], t.vec[TS, j])
+            for i in T.Parallel(BT):
+                t.dg[t.ib, t.ihv, c * BT + i] = t.rowsA[i] + T.exp(g_last) * total
                 t.dbeta[t.ib, t.ihv, c * BT + i] = t.vec[XB, i] + t.dbA[i]
-            if t.tx < 2 * 128 + 32:         # A's first warp
-                dg_scan(t, c, T.exp(g_last) * total)
             T.mbarrier_arrive(t.read_vec)
             mark(t, s, "finish")
 
