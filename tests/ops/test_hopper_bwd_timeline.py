@@ -152,26 +152,32 @@ def test_walk_timeline_launch_matches_the_kernels_parameters(monkeypatch):
     assert_launch_matches_params(first, compiled.params)
 
 
-def test_walk_ab_precompiles_every_builds_kernels(monkeypatch):
-    """benchmarks/walk_ab.py's precompile list (the GPU A/B of walk builds): per build the walk and the warm-ups at
-    each row's heads and the timeline build at row 2's, plus the recompute's kernels; every entry a build of the
-    module it names (a second module here: this tree's chunk_bwd under another name)."""
+@pytest.mark.parametrize("roles", [False, True], ids=["slices", "roles"])
+def test_walk_ab_precompiles_every_builds_kernels(monkeypatch, roles):
+    """benchmarks/walk_ab.py's precompile list (the GPU A/B of walk builds): per build the walk (and, for the slice
+    walk, the warm-ups) at each row's heads and the timeline build at row 2's, plus the recompute's kernels; every
+    entry a build of the module it names (a second module here: this tree's walk module under another name); the
+    role-split walk's builds take no BV."""
     from pathlib import Path
 
-    from linattn.ops.hopper import chunk_bwd, precompile
+    from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles, precompile
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
     import gpu_check_hopper_bwd as g
     import walk_ab
     seen = []
     monkeypatch.setattr(precompile, "precompile", lambda builds: seen.extend(builds) or "none")
-    walk_ab.precompile_all({"this tree": chunk_bwd, "copy": chunk_bwd}, [2, 7, 5])
+    module = chunk_bwd_roles if roles else chunk_bwd
+    walk_ab.precompile_all({"this tree": module, "copy": module}, [2, 7, 5], roles)
     recompute = len(g.recompute_configs())
-    walks = [b for b in seen[recompute:] if b.compile is chunk_bwd.compiled_kernel and not b.kwargs]
+    walks = [b for b in seen[recompute:] if b.compile is module.compiled_kernel and not b.kwargs]
     warms = [b for b in seen[recompute:] if b.compile is chunk_bwd.compiled_warm_kernel]
     timelines = [b for b in seen[recompute:] if b.kwargs == dict(timeline=True)]
-    assert len(seen) == recompute + 2 * (3 * 2 + 1)
+    per_row = 1 if roles else 2
+    assert len(seen) == recompute + 2 * (3 * per_row + 1)
     assert sorted(b.args[:2] for b in walks) == sorted(2 * [(16, 16), (2, 8), (16, 32)])
-    assert len(warms) == 6 and len(timelines) == 2 and all(b.args[:2] == (16, 16) for b in timelines)
+    assert all(len(b.args) == (5 if roles else 6) for b in walks + timelines)
+    assert len(warms) == (0 if roles else 6) and len(timelines) == 2
+    assert all(b.args[:2] == (16, 16) for b in timelines)
 
 
 def test_role_timeline_reduces_each_roles_column_with_its_points():
