@@ -774,6 +774,19 @@ def test_walk_plan_batches_gva_where_the_model_allows():
     assert roles(1, 32768, 2, 8) == P(16, 2) and roles(4, 8192, 16, 32) == P(32, 4)
 
 
+def test_head_major_segments_are_one_contiguous_copy():
+    """segments.head_major_as_segments: row b·S + s holds sequence b's segment s of every head, contiguous at B = 1
+    as at B > 1 (a strided view there would be copied again by every launch that reads it), x itself at S = 1."""
+    for B in (1, 2):
+        x = torch.arange(B * 3 * 8, dtype=torch.float32).view(B, 3, 8)
+        y = segments.head_major_as_segments(x, 4)
+        assert y.shape == (B * 4, 3, 2) and y.is_contiguous()
+        for b in range(B):
+            for s in range(4):
+                assert torch.equal(y[b * 4 + s], x[b, :, 2 * s:2 * s + 2])
+        assert segments.head_major_as_segments(x, 1) is x
+
+
 def test_walk_batches_hold_a_quarter_of_the_rows_and_a_wave_at_most():
     """segments.walk_batch_rows: every row in one launch at one part (or one row); in four parts at most a quarter
     of the rows and one wave of programs, at least one row (132 SMs, V = 128, BV = 64): row 5 unsegmented (B=4,

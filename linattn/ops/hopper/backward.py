@@ -255,7 +255,10 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
-    hm_seg = lambda x: segments.head_major_as_segments(x, S)
+    # the walk's gc and β in its segments' rows (copies where S > 1), made before the gradients are allocated and
+    # the pre-pass's own dropped: the walk's peak, the backward's, holds one of each
+    gc_walk, beta_walk = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm))
+    del gc_hm, beta_hm, bound
     # the gradients, written a batch of rows at a time through segment views (dq, dk, dv, dg, dβ) and rows (dh0)
     dq, dk = (torch.empty_like(q) for _ in range(2))
     dv = torch.empty_like(v)
@@ -273,7 +276,7 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
         dh0 = dS_out
     else:
         dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    walk_inputs = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out)
+    walk_inputs = (seg(q), seg(k), seg(v), seg(do), gc_walk, beta_walk, seg(t_inv), seg(h), dS_out)
     per_batch = segments.walk_batch_rows(B * S, HV, V, BV, sms, plan.parts)
     grads = (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0)
     for r in range(0, B * S, per_batch):

@@ -162,12 +162,13 @@ def as_segments(x: torch.Tensor, S: int) -> torch.Tensor:
 
 
 def head_major_as_segments(x: torch.Tensor, S: int) -> torch.Tensor:
-    """Head-major ``[B, HV, N]`` → ``[B·S, HV, N/S]`` (segment s of sequence b at b·S + s; one copy, x itself at
-    S = 1): the walk's gc and β for its segment views."""
+    """Head-major ``[B, HV, N]`` → ``[B·S, HV, N/S]`` (segment s of sequence b at b·S + s; one contiguous copy, x
+    itself at S = 1): the walk's gc and β for its segment views. Contiguous at every B: at B = 1 a reshape would
+    return a strided view, and every launch that reads it would copy it again."""
     if S == 1:
         return x
     B, HV, N = x.shape
-    return x.view(B, HV, S, N // S).transpose(1, 2).reshape(B * S, HV, N // S)
+    return x.view(B, HV, S, N // S).transpose(1, 2).contiguous().view(B * S, HV, N // S)
 
 
 def warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht: Optional[torch.Tensor], scale: float, L: int,
