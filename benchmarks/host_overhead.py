@@ -54,7 +54,7 @@ class _NoLaunch:
         self.arg_names = list(getattr(kernel, "arg_names", ()))
         # a JITFunction's own list; the interpreter's kernels keep theirs among the jit's keywords
         self.do_not_specialize = list(getattr(kernel, "do_not_specialize", None) or
-                                      getattr(kernel, "kwargs", {}).get("do_not_specialize", ()))
+                                      getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: _NoRunner()
@@ -67,17 +67,32 @@ class _NoRunner:
         return lambda *params: None
 
 
+class _NoKernel:
+    """Stands in for a compiled TileLang kernel: ``hopper.compile.launcher`` returns it as it is, and launching it
+    does nothing."""
+
+    def __call__(self, *args):
+        return None
+
+
 def no_launches():
     import importlib
     for mod, name in ((rk, "fused_recurrent_fwd_kernel"), (ff_mod, "fused_fwd_kernel"),
                       (fp_mod, "fused_prepass_kernel")):
         setattr(mod, name, _NoLaunch(getattr(mod, name)))
     # the split forward's state pass and output kernel (the default path below 128 (sequence, head) pairs), the
-    # sequence-parallel scan and the in-op pre-processing
-    for module, name in (("state_pass", "state_pass_fwd_kernel"), ("output", "output_fwd_kernel"),
-                         ("seq_parallel", "affine_scan_kernel"), ("preprocess", "preprocess_fwd_kernel")):
-        mod = importlib.import_module("linattn.ops.common." + module)
+    # sequence-parallel scan, the in-op pre-processing, the Hopper backward's gradient sums and segment plan
+    for module, name in (("common.state_pass", "state_pass_fwd_kernel"), ("common.output", "output_fwd_kernel"),
+                         ("common.seq_parallel", "affine_scan_kernel"), ("common.preprocess", "preprocess_fwd_kernel"),
+                         ("common.partial_sum", "partial_sums_kernel"), ("hopper.map_bound", "segment_plan_kernel")):
+        mod = importlib.import_module("linattn.ops." + module)
         setattr(mod, name, _NoLaunch(getattr(mod, name)))
+    # the Hopper kernels (TileLang): every build a no-op, so no compile either
+    stub = _NoKernel()
+    for module, name in (("chunk_fwd", "compiled_kernel"), ("prepass", "compiled_kernel"),
+                         ("chunk_bwd", "compiled_kernel"), ("chunk_bwd", "compiled_warm_kernel"),
+                         ("chunk_bwd_roles", "compiled_kernel")):
+        setattr(importlib.import_module("linattn.ops.hopper." + module), name, lambda *args, **kwargs: stub)
 
 
 def sync():
@@ -217,6 +232,40 @@ def recurrent_case():
     return calls, steps
 
 
+def hopper_backward_case(noop: bool):
+    """The Hopper backward at row 1 (B = 1, T = 4096, H = HV = 16, K = V = 128: a host-bound fwd+bwd), called directly
+    (no autograd), and its host stages. Without a GPU its input checks are skipped (they refuse CPU tensors); the
+    rest runs as on the GPU with every launch a no-op."""
+    from linattn.ops.common import num_sms
+    from linattn.ops.hopper import backward, segments
+    from linattn.ops.hopper import compile as hopper_compile
+    if not noop and hopper_compile.unsupported_reason(torch.empty(1, device=DEV, dtype=torch.bfloat16),
+                                                      torch.empty(1, device=DEV, dtype=torch.bfloat16)):
+        return {}, {}
+    T, Hb = 4096, 16
+    q, k, v, do = rand(1, T, Hb, K), rand(1, T, Hb, K), rand(1, T, Hb, V), rand(1, T, Hb, V)
+    g = torch.nn.functional.logsigmoid(rand(1, T, Hb, dtype=torch.float32)) / 16
+    beta = rand(1, T, Hb).sigmoid()
+    scale = K ** -0.5
+    if not GPU:
+        backward.check_inputs = lambda *args, **kwargs: None
+    BV, plan = backward.choose_walk(1, T, Hb, Hb, K, V, None, None, num_sms(q.device))
+    solved = backward.solve(k, g, beta)
+    calls = {f"Hopper bwd B=1 T={T} H={Hb}": lambda: backward.chunk_gated_delta_rule_bwd_hopper(
+        q, k, v, g, beta, scale, None, do, None)}
+    steps = {
+        "check_inputs" + ("" if GPU else " (skipped: CPU)"): lambda: backward.check_inputs(q, k, v, g, beta, scale,
+                                                                                          None, do, None),
+        "choose_walk": lambda: backward.choose_walk(1, T, Hb, Hb, K, V, None, None, num_sms(q.device)),
+        "solve (pre-pass)": lambda: backward.solve(k, g, beta),
+        "states recompute": lambda: backward.states(k, v, *solved, None),
+    }
+    if plan.L:
+        steps["reverse warm-ups"] = lambda: segments.warm_state_grads(q, k, do, *solved, None, scale, plan.L,
+                                                                      segments.warm_slice(BV))
+    return calls, steps
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--noop", action="store_true", help="replace the Triton launches by no-ops (always on a CPU)")
@@ -232,7 +281,7 @@ def main():
         ("no-op launches" if noop else "real kernels")
     rows = []
     torch.set_grad_enabled(False)
-    for calls, steps in (decode_case(), chunk_case(args.T), recurrent_case()):
+    for calls, steps in (decode_case(), chunk_case(args.T), recurrent_case(), hopper_backward_case(noop)):
         for name, fn in calls.items():
             rows.append((name, "public call", latency_us(fn, args.calls), host_rate_us(fn, args.calls),
                          launches(fn)))
