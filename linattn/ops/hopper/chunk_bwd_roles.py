@@ -58,16 +58,6 @@ REGISTERS = (160, 168, 160, 24)
 SIZES = (64, 128)   # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
 # rows of the chunk's vector tile ``vec`` (alloc_tiles); S's 128 shares of Σ h⊙dS fill rows H_SHARES and H_SHARES + 1
 GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)
-# The producer's L2 prefetch of the next chunk's tiles: ``rows`` rows of ``bytes`` (a multiple of 16, 16-byte
-# aligned) from ``first`` at ``stride`` bytes apart, lane l of the warp taking rows l, l + 32, ...
-PREFETCH_SOURCE = """
-__device__ __forceinline__ void linattn_prefetch_rows(const void* first, int stride, int bytes, int rows, int lane) {
-  for (int r = lane; r < rows; r += 32) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                 :: "l"((const char*)first + (long long)r * stride), "r"(bytes) : "memory");
-  }
-}
-"""
 
 
 def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
@@ -412,31 +402,22 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
     return key_side
 
 
-def _producer_macro(K: int, V: int, H: int, HV: int):
+def _producer_macro(K: int, V: int):
     """The producer as a TileLang macro."""
     import tilelang.language as T
-
-    acc = "float32"
-    row_bytes = dict(q=H * K * 2, v=HV * V * 2, a_inv=HV * BT * 2)     # token-row strides of the inputs
 
     @T.macro
     def producer(t):
         """Chunk s's inputs, once every consumer has left chunk s − 1: one warp's TMA copies, the warpgroup's
-        plain loads of gc and β (into registers before the wait for ``end``: their latency under it), and once
-        the chunk has landed, the next chunk's tiles prefetched into L2 (its copies after ``end`` then read L2,
-        not HBM)."""
-        p = t.tx - 3 * 128                  # 0-63: a gc element, 64-127: a β element
-        lane = t.tx % 32
+        plain loads of gc and β."""
         T.mbarrier_wait_parity(t.init, 0)
         for s in T.serial(t.chunks):
             c = t.chunks - 1 - s
-            row = T.alloc_var(acc)
-            if p < BT:
-                row = t.gc[t.ib, t.ihv, c * BT + p]
-            else:
-                row = t.beta[t.ib, t.ihv, c * BT + p - BT]
             if s > 0:
                 T.mbarrier_wait_parity(t.end, (s - 1) % 2)
+            for i in T.Parallel(BT):        # gc and β by plain loads: TMA takes no row of the vector tile
+                t.vec[GC, i] = t.gc[t.ib, t.ihv, c * BT + i]
+                t.vec[BETA, i] = t.beta[t.ib, t.ihv, c * BT + i]
             if t.tx < 3 * 128 + 32:         # one warp: the copies' elect.sync picks one lane of it
                 T.tma_copy(t.q[t.ib, c * BT:(c + 1) * BT, t.ih, 0:K], t.Qs, barrier=t.full)
                 T.tma_copy(t.k[t.ib, c * BT:(c + 1) * BT, t.ih, 0:K], t.Ks, barrier=t.full)
@@ -444,35 +425,17 @@ def _producer_macro(K: int, V: int, H: int, HV: int):
                 T.tma_copy(t.do[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:V], t.dOs, barrier=t.full)
                 T.tma_copy(t.a_inv[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:BT], t.TdKD, barrier=t.full)
                 T.tma_copy(t.h[t.ib, c, t.ihv, 0:K, 0:V], t.Hs, barrier=t.full)
-            t.vec[GC + p // BT, p % BT] = row      # gc and β by plain stores: TMA takes no row of the vector tile
             T.mbarrier_arrive(t.full)
-            if c > 0 and t.tx < 3 * 128 + 32:
-                # chunk c − 1's tiles into L2 once chunk c's have landed (before, they would share its bandwidth):
-                # every row of q, k, v, dO and T, and h in 1 KB pieces, the warp's lanes a row each in turn
-                T.mbarrier_wait_parity(t.full, s % 2)
-                n = (c - 1) * BT
-                T.call_extern("handle", "linattn_prefetch_rows", T.address_of(t.q[t.ib, n, t.ih, 0]),
-                              row_bytes["q"], K * 2, BT, lane)
-                T.call_extern("handle", "linattn_prefetch_rows", T.address_of(t.k[t.ib, n, t.ih, 0]),
-                              row_bytes["q"], K * 2, BT, lane)
-                T.call_extern("handle", "linattn_prefetch_rows", T.address_of(t.v[t.ib, n, t.ihv, 0]),
-                              row_bytes["v"], V * 2, BT, lane)
-                T.call_extern("handle", "linattn_prefetch_rows", T.address_of(t.do[t.ib, n, t.ihv, 0]),
-                              row_bytes["v"], V * 2, BT, lane)
-                T.call_extern("handle", "linattn_prefetch_rows", T.address_of(t.a_inv[t.ib, n, t.ihv, 0]),
-                              row_bytes["a_inv"], BT * 2, BT, lane)
-                T.call_extern("handle", "linattn_prefetch_rows", T.address_of(t.h[t.ib, c - 1, t.ihv, 0, 0]),
-                              1024, 1024, K * V * 2 // 1024, lane)
 
     return producer
 
 
-def role_macros(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool, timed: bool = False) -> types.SimpleNamespace:
+def role_macros(K: int, V: int, scale: float, state_grads: bool, timed: bool = False) -> types.SimpleNamespace:
     """The four roles (module docstring) as TileLang macros over :func:`alloc_tiles`' namespace; ``timed``: S, B
     and A stamp their points (timeline.ROLE_POINTS)."""
     return types.SimpleNamespace(chain=_chain_macro(K, V, scale, state_grads, timed),
                                  value_side=_value_macro(K, V, scale, timed), key_side=_key_macro(K, V, scale, timed),
-                                 producer=_producer_macro(K, V, H, HV))
+                                 producer=_producer_macro(K, V))
 
 
 def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool = True, timeline: bool = False):
@@ -490,14 +453,15 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
     G = HV // H
     qk_out = bf if G == 1 else acc
     state_shape = (B, HV, K, V) if state_grads else (1,)
-    m = role_macros(H, HV, K, V, scale, state_grads, timeline)
+    m = role_macros(K, V, scale, state_grads, timeline)
     s_regs, b_regs, a_regs, p_regs = REGISTERS
 
     @T.macro
     def walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, stamps):
         """The kernel (``stamps`` None: no timeline)."""
         with T.Kernel(B * HV, threads=THREADS) as (bh,):
-            T.import_source(PREFETCH_SOURCE + chunk_bwd.TIMELINE_SOURCE if timeline else PREFETCH_SOURCE)
+            if timeline:
+                T.import_source(chunk_bwd.TIMELINE_SOURCE)
             ib, ihv = bh // HV, bh % HV
             tx = T.get_thread_binding()
             timed = dict(stamps=stamps) if timeline else {}
