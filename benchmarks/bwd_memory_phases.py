@@ -7,7 +7,8 @@ memory before the forward. The row whose peak is the call's peak names the stage
 
 Rows are the anchors' (1 … 7). The stages: the pre-pass (``backward.solve``), the reverse warm-ups
 (``segments.warm_state_grads``, segmented walks only), the states recompute (``backward.states``), the walk
-(``chunk_bwd.chunk_bwd_hopper``, once per batch of rows) and its reductions (``backward.gradients_from_partials``).
+(``chunk_bwd_roles.chunk_bwd_roles_hopper`` or ``chunk_bwd.chunk_bwd_hopper``, once per batch of rows) and its
+reductions (``backward.gradients_from_partials``).
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from linattn.ops.gated_delta import chunk_gated_delta_rule
-from linattn.ops.hopper import backward, chunk_bwd, segments
+from linattn.ops.hopper import backward, chunk_bwd, chunk_bwd_roles, segments
 
 ROWS = {1: (1, 4096, 16, 16), 2: (8, 4096, 16, 16), 3: (1, 32768, 16, 16), 4: (1, 131072, 16, 16),
         5: (4, 8192, 16, 32), 6: (2, 16384, 32, 32), 7: (1, 32768, 2, 8)}
-STAGES = [(backward, "solve"), (segments, "warm_state_grads"), (backward, "states"), (chunk_bwd, "chunk_bwd_hopper"),
+STAGES = [(backward, "solve"), (segments, "warm_state_grads"), (backward, "states"),
+          (chunk_bwd_roles, "chunk_bwd_roles_hopper"), (chunk_bwd, "chunk_bwd_hopper"),
           (backward, "gradients_from_partials")]
 MiB = 2 ** 20
 
