@@ -20,7 +20,7 @@ the forward: the backward's host cost, its syncs (``--host-dist``) and its CUDA 
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
 (perf_counter around each; the plain forward's layers: its timed wrappers keep ``hopper.prepared`` from preparing
-the calls). ``--host-dist``: each shape's host µs per call as a distribution (p10 / p50 / p90 / max over isolated
+the calls; with ``--train`` the Hopper backward's stages and launches too). ``--host-dist``: each shape's host µs per call as a distribution (p10 / p50 / p90 / max over isolated
 calls: a sync before each, then the call timed alone, so no queue and no GPU wait in it), with Python's garbage
 collections inside the calls counted and timed, the calls that synchronise with the device counted
 (``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to the driver during them: whether a
@@ -37,9 +37,11 @@ from pathlib import Path
 import torch
 from gpu_timing import bench, graph_ms, host_profile, host_us, mixed_gates  # this folder is on sys.path
 
-from linattn.ops.common import seq_parallel
+from linattn.ops.common import partial_sum, seq_parallel
+from linattn.ops.gated_delta import chunk as gated_chunk
 from linattn.ops.gated_delta.chunk import chunk_gated_delta_rule_on_path
-from linattn.ops.hopper import chunk_fwd, map_bound, prepass
+from linattn.ops.hopper import backward as hopper_backward
+from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles, chunk_fwd, map_bound, prepass, segments
 from linattn.ops.hopper import forward as hopper_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".anchors"))
@@ -132,7 +134,9 @@ def profile(B, T, H, HV, K=128, V=None, calls=200):
 def host_parts(B, T, H, HV, K=128, V=None, calls=200):
     """Print the host µs per call spent inside each layer of the Hopper forward (``forward_hopper``, the pre-pass,
     the plan, the walk, the scan) and in its launches (TileLang's and Triton's), perf_counter around each, over
-    ``calls`` calls issued back to back; layers nest (forward_hopper holds the others)."""
+    ``calls`` calls issued back to back; layers nest (forward_hopper holds the others). With ``--train`` also the
+    Hopper backward's (the whole backward, the pre-pass, the states recompute, the reverse warm-ups, the walk, the
+    reductions) and its launches."""
     spent = collections.Counter()
 
     def timed(name, fn):
@@ -144,16 +148,23 @@ def host_parts(B, T, H, HV, K=128, V=None, calls=200):
                 spent[name] += time.perf_counter() - t0
         return wrapper
     tilelang_launcher = chunk_fwd.launcher
-    saved = [(chunk_fwd, "launcher"), (prepass, "launcher"), (map_bound, "launch"), (seq_parallel, "launch")] + \
-        [(hopper_forward, name) for name in ("forward_hopper", "prepass_hopper", "segment_plan", "chunk_fwd_hopper_hm",
-                                              "affine_scan")]
-    saved = [(module, name, getattr(module, name)) for module, name in saved]
+    tilelang_modules = [chunk_fwd, prepass] + ([chunk_bwd, chunk_bwd_roles] if TRAIN else [])
+    triton_modules = [map_bound, seq_parallel] + ([partial_sum] if TRAIN else [])
+    layers = [(hopper_forward, name) for name in ("forward_hopper", "prepass_hopper", "segment_plan",
+                                                  "chunk_fwd_hopper_hm", "affine_scan")]
+    if TRAIN:
+        layers += [(gated_chunk, "run_backward"), (hopper_backward, "solve"), (hopper_backward, "states"),
+                   (segments, "warm_state_grads"), (hopper_backward, "walk_rows"),
+                   (hopper_backward, "gradients_from_partials")]
+    saved = [(m, "launcher", m.launcher) for m in tilelang_modules] + \
+        [(m, "launch", m.launch) for m in triton_modules] + [(m, name, getattr(m, name)) for m, name in layers]
     try:
-        chunk_fwd.launcher = prepass.launcher = lambda kernel: timed("TileLang launches", tilelang_launcher(kernel))
-        map_bound.launch = timed("Triton launches", map_bound.launch)
-        seq_parallel.launch = timed("Triton launches", seq_parallel.launch)
-        for _, name, fn in saved[4:]:
-            setattr(hopper_forward, name, timed(name + "()", fn))
+        for m in tilelang_modules:
+            m.launcher = lambda kernel: timed("TileLang launches", tilelang_launcher(kernel))
+        for m in triton_modules:
+            m.launch = timed("Triton launches", m.launch)
+        for m, name in layers:
+            setattr(m, name, timed(name + "()", getattr(m, name)))
         xs = make_inputs(B, T, H, HV, K, V or K, torch.bfloat16, seed=2, requires_grad=True)
         fn = op_call(xs, K, {})
         with grad_mode():
@@ -162,7 +173,7 @@ def host_parts(B, T, H, HV, K=128, V=None, calls=200):
             spent.clear()
             whole = host_us(fn, calls=calls)
         parts = {name: round(s / (calls + 1) * 1e6, 1) for name, s in spent.items()}   # host_us calls once more
-        print(dict(shape=(B, T, H, HV), path=PATH, host_us=round(whole, 1), **parts), flush=True)
+        print(dict(shape=(B, T, H, HV), path=PATH, train=TRAIN, host_us=round(whole, 1), **parts), flush=True)
     finally:
         for module, name, fn in saved:
             setattr(module, name, fn)
