@@ -20,8 +20,9 @@ the forward: the backward's host cost, its syncs (``--host-dist``) and its CUDA 
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
 (perf_counter around each; the plain forward's layers: its timed wrappers keep ``hopper.prepared`` from preparing
-the calls; with ``--train`` the Hopper backward's stages and launches too). ``--host-dist``: each shape's host µs per call as a distribution (p10 / p50 / p90 / max over isolated
-calls: a sync before each, then the call timed alone, so no queue and no GPU wait in it), with Python's garbage
+the calls; with ``--train`` the Hopper backward's stages and launches too). ``--host-dist``: each shape's host µs
+per call as a distribution (p10 / p50 / p90 / max over isolated calls: a sync before each, then the call timed
+alone, so no queue and no GPU wait in it), with Python's garbage
 collections inside the calls counted and timed, the calls that synchronise with the device counted
 (``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to the driver during them: whether a
 host-bound call's time is its Python, a collection now and then, a hidden sync or cudaMalloc / cudaFree.
