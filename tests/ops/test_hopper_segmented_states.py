@@ -78,6 +78,44 @@ def test_segmented_states_equal_the_unsegmented_walk(monkeypatch, decay, B, T, S
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("with_h0", [True, False], ids=["h0", "no_h0"])
+@pytest.mark.parametrize("decay", ["fast", "slow", "mixed"])
+def test_planned_states_equal_the_unsegmented_walk(monkeypatch, decay, with_h0):
+    """The states in two launches (``backward.planned_states``, the host-bound sizes' plan) on the twins: every
+    segment finds its warm-up from the chunk bounds, the whole prefix from h0 where none is shorter (slow gates:
+    exact), and h is within :data:`BOUND` of the unsegmented states twin's at every chunk (2-chunk segments: at the
+anchors' gates these would all walk their prefixes, so fast gates show the warm-ups)."""
+    from linattn.ops.hopper import map_bound, segments
+    use_twins(monkeypatch)
+    x = gated_inputs(decay, 2, 512, 2, 16)
+    gc_hm, beta_hm, t_inv, bound = backward.solve(x["k"], x["g"], x["beta"])
+    h0 = x["h0"] if with_h0 else None
+    whole, _ = twins.chunk_states_hopper_ref(x["k"], x["v"], gc_hm, beta_hm, t_inv, h0)
+    planned = backward.planned_states(x["k"], x["v"], gc_hm, beta_hm, t_inv, bound, h0, 4, dict(BV=16))
+    assert planned.shape == whole.shape == (2, 8, 2, 16, 16)
+    assert max_rel(planned, whole) < BOUND, max_rel(planned, whole)
+    warm, from_start = map_bound.warm_from_bound_ref(segments.head_major_as_segments(bound, 4), 4, -30.0)
+    if decay == "fast":         # every later segment warms up one chunk, from zero
+        assert not from_start.view(2, 4, 2)[:, 1:].any() and (warm.view(2, 4, 2)[:, 1:] == 1).all(), warm
+    elif decay == "slow":       # no head forgets: every segment walks its whole prefix
+        assert from_start.all(), warm
+    else:                       # head 0 forgets within a chunk, head 1 never
+        assert not from_start.view(2, 4, 2)[:, 1:, 0].any() and from_start[:, 1].all(), warm
+
+
+@pytest.mark.interpreter
+def test_planned_states_need_the_sequences_initial_state(monkeypatch):
+    """Negative control at slow gates: the planned walk started from zero at the sequence's start (h0 dropped)
+    moves h far beyond :data:`BOUND`, so the test above sees where the prefix walks begin."""
+    use_twins(monkeypatch)
+    x = gated_inputs("slow", 2, 512, 2, 16)
+    gc_hm, beta_hm, t_inv, bound = backward.solve(x["k"], x["g"], x["beta"])
+    whole, _ = twins.chunk_states_hopper_ref(x["k"], x["v"], gc_hm, beta_hm, t_inv, x["h0"])
+    planned = backward.planned_states(x["k"], x["v"], gc_hm, beta_hm, t_inv, bound, None, 4, dict(BV=16))
+    assert max_rel(planned, whole) > 1e-2
+
+
+@pytest.mark.interpreter
 def test_segmented_states_need_the_right_maps(monkeypatch):
     """Negative controls at slow gates (the maps carry the entering state): phase A's M scaled by 0.95, or phase A
     run on the forward's operator (β in T, none in X: T itself here, so the maps miss β), moves h by far more than
@@ -105,6 +143,25 @@ def test_segmented_states_reject_bad_segments():
     for S in (1, 3):
         with pytest.raises(ValueError, match="segments need"):
             backward.segmented_states(k, v, None, None, None, None, None, S, dict(BV=16))
+
+
+def test_the_planned_states_walk_checks_its_arguments():
+    """chunk_states_hopper with warm_bound: its threshold, the bounds' rows and the sequences' initial state."""
+    bf = torch.bfloat16
+    k, v = torch.zeros(1, 256, 1, 16, dtype=bf), torch.zeros(1, 256, 2, 16, dtype=bf)
+    t_inv = torch.zeros(1, 256, 2, 64, dtype=bf)
+    gc, bound = torch.zeros(2, 2, 128), torch.zeros(2, 2, 2)
+    cases = [(dict(warm_bound=bound), "warm_threshold"),
+             (dict(warm_bound=bound, warm_threshold=-30.0, warm_chunks=torch.zeros(2, 2, dtype=torch.int32)),
+              "warm_threshold"),
+             (dict(warm_bound=bound[:1], warm_threshold=-30.0), "warm_bound must be"),
+             (dict(warm_bound=bound.double(), warm_threshold=-30.0), "warm_bound must be"),
+             (dict(warm_bound=bound, warm_threshold=-30.0, initial_state=torch.zeros(2, 2, 16, 16)),
+              "sequences' initial state")]
+    for kwargs, match in cases:
+        h0 = kwargs.pop("initial_state", None)
+        with pytest.raises(ValueError, match=match):
+            walk_launch.chunk_states_hopper(k, v, gc, gc, t_inv, h0, BV=16, **kwargs)
 
 
 def test_the_phase_c_states_walk_checks_its_rows():
@@ -166,17 +223,18 @@ def test_backward_on_segmented_states_equals_the_unsegmented_recompute(monkeypat
 
 def test_states_take_the_forwards_plan(monkeypatch):
     """backward.states follows plan.plan: segments where the plan cuts the sequences (B=1 T=32768 HV=16: 8 segments
-    at BV=128), the unsegmented walk where one program per sequence and head fills the card (B=8) or nothing does
-    (T not a multiple of 64: BV=64)."""
+    at BV=128), in two launches where it plans its own warm-ups (B=1 T=4096: 4 segments at BV=64), the unsegmented walk where
+    one program per sequence and head fills the card (B=8) or nothing does (T not a multiple of 64: BV=64)."""
     calls = []
     monkeypatch.setattr(backward, "segmented_states", lambda *a: calls.append(("segments", a[7], a[8]["BV"])))
+    monkeypatch.setattr(backward, "planned_states", lambda *a: calls.append(("planned", a[7], a[8]["BV"])))
     monkeypatch.setattr(walk_launch, "chunk_states_hopper",
                         lambda *a, **kw: calls.append(("whole", kw["BV"])) or (None, None))
-    for B, T in ((1, 32768), (8, 4096), (1, 32768 - 1)):
+    for B, T in ((1, 32768), (8, 4096), (1, 32768 - 1), (1, 4096)):
         k = torch.empty(B, T, 16, 128, device="meta")
         v = torch.empty(B, T, 16, 128, device="meta")
         backward.states(k, v, None, None, None, None, None)
-    assert calls == [("segments", 8, 128), ("whole", 128), ("whole", 64)], calls
+    assert calls == [("segments", 8, 128), ("whole", 128), ("whole", 64), ("planned", 4, 64)], calls
 
 
 COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which("nvcc") is None,
@@ -196,7 +254,10 @@ def test_segmented_states_kernels_compile_for_sm90a(tmp_path, H, HV, K, BV):
         maps=walk_launch.walk_kernel(H, HV, K, K, BV, 1.0, DEFAULT.threads, DEFAULT.num_stages, False, torch.float32,
                                      True, True, "sm_90a", beta_in_a_inv=False),
         warm_states=walk_launch.states_kernel(H, HV, K, K, BV, DEFAULT.threads, DEFAULT.num_stages, True,
-                                              torch.float32, "sm_90a", warm=True))
+                                              torch.float32, "sm_90a", warm=True),
+        planned_states=walk_launch.states_kernel(H, HV, K, K, BV, DEFAULT.threads, DEFAULT.num_stages, False,
+                                                 torch.float32, "sm_90a", warm=True,
+                                                 threshold=DEFAULT.negligible_m_log2))
     for name, kernel in kernels.items():
         src = kernel.get_kernel_source()
         assert "tma_load(beta_desc" in src and "q_desc" not in src, name
@@ -204,4 +265,4 @@ def test_segmented_states_kernels_compile_for_sm90a(tmp_path, H, HV, K, BV):
         (tmp_path / name).mkdir()
         ptxas = ptxas_summary(compile_sm90a(src, tmp_path / name)[1])
         assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0 and not ptxas["wgmma_serialised"], (name, ptxas)
-    assert "tma_store(o_desc" in kernels["warm_states"].get_kernel_source()
+    assert all("tma_store(o_desc" in kernels[name].get_kernel_source() for name in ("warm_states", "planned_states"))

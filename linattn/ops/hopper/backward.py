@@ -9,9 +9,10 @@ pairs × tokens).
                 chunk-local cumsum of g and β head-major, T = (I + A)⁻¹ in bf16 (β inside A, none on the right:
                 the walk needs T without diag(β)) and the chunks' map bounds; the forward walk's ``store_states``
                 build (``chunk_fwd.py``, ``walk_launch.chunk_states_hopper``) gives h = the bf16 state entering each
-                chunk ``[B, NT, HV, K, V]``, the walk's layout: two launches, or five (and three small copies) where
-                the forward's plan cuts the sequences into segments (:func:`segmented_states`: the segmented
-                forward's plan, maps, scan and warm walk)
+                chunk ``[B, NT, HV, K, V]``, the walk's layout: two launches; where the forward's plan cuts the
+                sequences into segments, five (:func:`segmented_states`: the segmented forward's plan, maps, scan
+                and warm walk), or two at the host-bound sizes whose forward plans its own warm-ups
+                (:func:`planned_states`), with three small copies either way
     segments    where ``segments.plan_walk`` (or segment_chunks) cuts the sequences: the reverse warm-ups
                 (``chunk_bwd.reverse_warm_ups_hopper``, one launch) give dS_out, the gradient of the state leaving
                 every segment
@@ -134,17 +135,17 @@ def solve(k, g, beta) -> tuple[torch.Tensor, ...]:
 
 def states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state) -> torch.Tensor:
     """h ``[B, NT, HV, K, V]`` bf16, the state entering each chunk, from :func:`solve`'s outputs, laid out as the
-    forward's plan (``plan.plan``) lays out its walk: in the plan's segments where it cuts the sequences
-    (:func:`segmented_states`; its five launches whatever ``planned_walk`` says: the backward's walk outweighs their
-    host time, and the two-launch walk would walk whole prefixes for the heads that keep their state), else the
-    forward walk's states build from T and β, one program per sequence, value head and V tile (BV = 64 where 128
-    leaves the card idle)."""
+    forward's plan (``plan.plan``) lays out its walk: in the plan's segments where it cuts the sequences, in two
+    launches where the plan's walk plans its own warm-ups (``planned_walk``, the host-bound sizes:
+    :func:`planned_states`), else in five (:func:`segmented_states`); unsegmented, the forward walk's states build
+    from T and β, one program per sequence, value head and V tile (BV = 64 where 128 leaves the card idle)."""
     B, T, HV, V = k.shape[0], k.shape[1], *v.shape[2:]
     sms = num_sms(k.device)
     chosen = plan(B, HV, V, T, sms)
     if chosen is not None and chosen.segments > 1:
-        return segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, chosen.segments,
-                                chosen.kernel_launch, chosen.config)
+        run = planned_states if chosen.planned_walk else segmented_states
+        return run(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, chosen.segments, chosen.kernel_launch,
+                   chosen.config)
     launch = hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
     return walk_launch.chunk_states_hopper(k, v, gc_hm, beta_hm, t_inv, initial_state, **launch)[0]
 
@@ -182,6 +183,21 @@ def segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, num_segm
     h_in = seq_parallel.affine_scan(mn, h0, V, B, nseg=S, BV=config.scan_bv, skip=flags.skip_m, skip_writes=True,
                                     **scan_options(K, config))
     return walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, h_in, warm_chunks=flags.warm, **launch)[0]
+
+
+def planned_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, num_segments: int, launch: dict,
+                   config: HopperPlanConfig = DEFAULT) -> torch.Tensor:
+    """h as :func:`segmented_states` gives it, in one launch after the pre-pass (the planned forward's walk,
+    ``forward.planned_walk``, with the states walk's operator): each segment's program starts the fewest chunks
+    before it whose bounds sum below ``config.negligible_m_log2`` (from zero: within 2^negligible_m_log2 of the
+    state), or at the sequence's start from its initial state (exact), and stores h at its own chunks. gc, β and
+    the chunk bounds take one copy each into per-segment rows. A head that never forgets walks its whole prefix, so
+    the plan takes this only for the host-bound sizes, as it does forwards."""
+    S = num_segments
+    gc_s, beta_s, bound_s = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm, bound))
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    return walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, h0, warm_bound=bound_s,
+                                           warm_threshold=config.negligible_m_log2, **launch)[0]
 
 
 def whole_chunks(x_hm: torch.Tensor, T: int) -> torch.Tensor:

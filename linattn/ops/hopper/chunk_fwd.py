@@ -124,7 +124,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     the stored h is S itself, the state ``chunk_bwd_ref.state_step_ref`` walks. The scale is not used. With ``warm``
     (and ``lean``) it is phase C of the states in segments (``backward.segmented_states``): each segment's program
     starts as the warm walk's and stores h at the global index of its own chunks alone (a warm-up's chunk runs the
-    same three dots and stores nothing), ht the sequences' final states.
+    same three dots and stores nothing), ht the sequences' final states; with ``warm_planned`` too, each program
+    finds its warm-up from the chunk bounds as the planned forward does (the states in two launches).
 
     ``beta_in_a_inv`` False (the affine walk; ``store_states`` always reads β so): A_inv is the plain T and
     X = β ⊙ (V − Γ ⊙ K S), β read per chunk, the operator the states walk applies: phase A of the states in
@@ -242,8 +243,8 @@ def check_build_flags(K: int, BV: int, affine: bool, warm: bool, warm_planned: b
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
     if affine and warm:
         raise ValueError("warm is phase C's walk (affine is phase A's)")
-    if store_states and (affine or warm_planned):
-        raise ValueError("store_states is the unsegmented walk or phase C's (warm): not with affine or warm_planned")
+    if store_states and affine:
+        raise ValueError("store_states is the unsegmented walk or phase C's (warm, warm_planned): not with affine")
     if not (beta_in_a_inv or affine or store_states):
         raise ValueError("β in X (beta_in_a_inv=False) is built for the affine walk and the states walk")
 

@@ -105,15 +105,24 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
 def chunk_states_hopper_ref(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor,
                             t_inv: torch.Tensor, initial_state: Optional[torch.Tensor],
-                            warm_chunks: Optional[torch.Tensor] = None, **launch
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            warm_chunks: Optional[torch.Tensor] = None, warm_bound: Optional[torch.Tensor] = None,
+                            warm_threshold: Optional[float] = None, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of ``walk_launch.chunk_states_hopper``, the walk's ``store_states`` build (same arguments and
     results; ``launch`` changes no value): per chunk ``chunk_bwd_ref.state_step_ref`` — h = S_b = bf16(S),
     X = β ⊙ (V − Γ ⊙ K S_b) rounded, V_new = T X, S ← γ S + Kᵀ bf16(ρ ⊙ V_new) —, rounding where the kernel does for
     bf16 k, nowhere for fp32 and float64 ones. Returns h ``[B, NT, HV, K, V]`` (bf16 for bf16 k, else the working
     dtype) and the final state ``[B, HV, K, V]`` in the working dtype. ``warm_chunks``: phase C of the states in
-    segments (:func:`_warm_states_ref`)."""
+    segments (:func:`_warm_states_ref`); ``warm_bound`` with ``warm_threshold``: the planned states walk, each
+    segment's warm-up found from the chunk bounds (``map_bound.warm_from_bound_ref``), the whole prefix from the
+    sequence's initial state where no shorter one is."""
     from ..gated_delta import torch_chunk as tc
+    if warm_bound is not None:
+        from .map_bound import warm_from_bound_ref
+        B, S = k.shape[0], gc_hm.shape[0] // k.shape[0]
+        warm, from_start = warm_from_bound_ref(warm_bound, S, warm_threshold)
+        entering = (initial_state.repeat_interleave(S, 0) if initial_state is not None else
+                    torch.zeros(B * S, *v.shape[2:3], k.shape[3], v.shape[3], dtype=torch.float32, device=k.device))
+        return _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, entering, warm, from_start)
     if warm_chunks is not None:
         return _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, initial_state, warm_chunks)
     from .chunk_bwd_ref import state_step_ref
@@ -135,11 +144,13 @@ def chunk_states_hopper_ref(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tenso
     return torch.stack(hs, 1).to(k.dtype if rounds else work), S
 
 
-def _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, initial_state, warm_chunks) -> tuple[torch.Tensor, torch.Tensor]:
+def _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, initial_state, warm_chunks,
+                     from_initial: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of the states walk's phase C (``chunk_states_hopper(warm_chunks=)``): for each segment s and value
     head, the unsegmented twin over the chunks from warm_chunks chunks before the segment to its end, from zero
     where that is above 0 (the lean kernel reads no entering state there), else from initial_state, keeping h of
-    the segment's own chunks; the final state is each sequence's last segment's."""
+    the segment's own chunks; the final state is each sequence's last segment's. ``from_initial`` ``[B·S, HV]``
+    bool: where to start from initial_state (else zero) instead (the planned walk's: at the sequence's start)."""
     B, T, H, _ = k.shape
     NB, HV, L = gc_hm.shape
     S, G, Lc = NB // B, HV // H, L // BT
@@ -150,11 +161,12 @@ def _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, initial_state, warm_chunks) ->
         row, last = [], []
         for hv in range(HV):
             w = int(warm_chunks[ibs, hv])
+            start = w == 0 if from_initial is None else bool(from_initial[ibs, hv])
             r0, r1, ih = (s * Lc - w) * BT, (s + 1) * L, hv // G
             h0 = initial_state[ibs:ibs + 1, hv:hv + 1]
             h, ht = chunk_states_hopper_ref(k[b:b + 1, r0:r1, ih:ih + 1], v[b:b + 1, r0:r1, hv:hv + 1],
                                             gc_all[b:b + 1, hv:hv + 1, r0:r1], beta_all[b:b + 1, hv:hv + 1, r0:r1],
-                                            t_inv[b:b + 1, r0:r1, hv:hv + 1], torch.zeros_like(h0) if w else h0)
+                                            t_inv[b:b + 1, r0:r1, hv:hv + 1], h0 if start else torch.zeros_like(h0))
             row.append(h[0, w:, 0])
             last.append(ht[0, 0])
         hs[b][s] = torch.stack(row, 1)                      # [Lc, HV, K, V]

@@ -42,12 +42,16 @@ def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
 
 
 def states_kernel(H: int, HV: int, K: int, V: int, BV: int, threads: int, num_stages: int, use_initial_state: bool,
-                  beta_dtype: torch.dtype, target: Optional[str] = None, warm: bool = False):
+                  beta_dtype: torch.dtype, target: Optional[str] = None, warm: bool = False,
+                  threshold: Optional[float] = None):
     """The compiled kernel of :func:`chunk_states_hopper` (the walk's ``store_states`` build; no scale: it forms no
     output); ``warm``: phase C of the states in segments (lean: warmed segments start from zero, ht the sequences'
-    final states); ``target`` as :func:`walk_kernel`'s."""
+    final states), and with ``threshold`` the warm walk that plans its warm-ups from the chunk bounds; ``target``
+    as :func:`walk_kernel`'s."""
+    planned = threshold is not None
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, 1.0, threads, num_stages, target, use_initial_state,
-                                     _dtype_name(beta_dtype), warm=warm, lean=warm, store_states=True)
+                                     _dtype_name(beta_dtype), warm=warm, warm_planned=planned,
+                                     threshold=float(threshold) if planned else -30.0, lean=warm, store_states=True)
 
 
 def chunk_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
@@ -179,7 +183,8 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
 
 def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor,
                         t_inv: torch.Tensor, initial_state: Optional[torch.Tensor], *, BV: int = 128,
-                        threads: int = 256, num_stages: int = 2, warm_chunks: Optional[torch.Tensor] = None
+                        threads: int = 256, num_stages: int = 2, warm_chunks: Optional[torch.Tensor] = None,
+                        warm_bound: Optional[torch.Tensor] = None, warm_threshold: Optional[float] = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Hopper backward's recompute of the states (``backward.recompute``): h ``[B, NT, HV, K, V]`` bf16, the
     state entering each chunk (``chunk_bwd``'s layout), and the final state ``[B, HV, K, V]`` fp32, from bf16 k
@@ -192,7 +197,13 @@ def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, b
     build's ``warm``, lean): gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of 64), initial_state
     ``[B·S, HV, K, V]`` the state entering each segment (the scan's), read only where the segment's warm-up is 0;
     segment s's program starts warm_chunks[s] ≤ s·L/64 chunks before it (not checked: a device read), from zero
-    where that is above 0, and stores h at its own chunks. The final state returned is the sequences'."""
+    where that is above 0, and stores h at its own chunks. The final state returned is the sequences'.
+
+    ``warm_bound`` ``[B·S, HV, L/64]`` fp32 (the pre-pass's chunk bounds per segment) with ``warm_threshold``, in
+    place of ``warm_chunks``: the states in two launches (``backward.states`` where the forward's plan is its planned
+    walk): each segment's program finds its warm-up itself, the fewest chunks before it whose bounds sum below
+    the threshold, else the whole prefix from ``initial_state`` ``[B, HV, K, V]`` (the sequences' own, or None:
+    exact), as :func:`chunk_fwd_hopper_hm`'s ``warm_bound`` walk does."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or t_inv.dtype != torch.bfloat16:
@@ -203,19 +214,31 @@ def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, b
         raise ValueError(f"V = {V} must be a multiple of BV = {BV}")
     if t_inv.shape != (B, T, HV, BT):
         raise ValueError(f"T must be [B, T, HV, 64] = {[B, T, HV, BT]}, got {list(t_inv.shape)}")
-    warm = warm_chunks is not None
-    NB = _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, V)
+    planned = warm_bound is not None
+    if planned != (warm_threshold is not None) or (planned and warm_chunks is not None):
+        raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
+    if planned:
+        NB = _segment_rows(gc_hm, beta_hm, B, T, HV)
+        if warm_bound.shape != (NB, HV, gc_hm.shape[2] // BT) or warm_bound.dtype != torch.float32:
+            raise ValueError(f"warm_bound must be [B·S, HV, L/64] = {[NB, HV, gc_hm.shape[2] // BT]} fp32, got "
+                             f"{list(warm_bound.shape)} {warm_bound.dtype}")
+        if initial_state is not None and initial_state.shape != (B, HV, K, V):
+            raise ValueError(f"the planned states walk takes the sequences' initial state [B, HV, K, V] = "
+                             f"{[B, HV, K, V]}, got {list(initial_state.shape)}")
+        h0_rows, ctl = B, warm_bound.contiguous()
+    else:
+        h0_rows = _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, V)
+        # the warm-ups of phase C, or a placeholder the unsegmented walk never reads
+        ctl = (warm_chunks.to(torch.int32).contiguous() if warm_chunks is not None else
+               torch.empty(B, HV, dtype=torch.int32, device=k.device))
     kernel = states_kernel(H, HV, K, V, BV, threads, num_stages, initial_state is not None, beta_hm.dtype,
-                           warm=warm)
+                           warm=warm_chunks is not None or planned, threshold=warm_threshold)
     h = torch.empty(B, -(-T // BT), HV, K, V, dtype=torch.bfloat16, device=k.device)
     ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=k.device)
     k = k.contiguous()
-    # the warm-ups of phase C, or a placeholder the unsegmented walk never reads
-    ctl = (warm_chunks.to(torch.int32).contiguous() if warm else
-           torch.empty(B, HV, dtype=torch.int32, device=k.device))
     # q is not read: k stands in for it
     chunk_fwd.launcher(kernel)(k, k, v.contiguous(), gc_hm.contiguous(), beta_hm.contiguous(), t_inv.contiguous(),
-                               state_arg(initial_state, (NB, HV, K, V), k.device), ctl, h, ht)
+                               state_arg(initial_state, (h0_rows, HV, K, V), k.device), ctl, h, ht)
     return h, ht
 
 
