@@ -223,8 +223,9 @@ def test_backward_on_segmented_states_equals_the_unsegmented_recompute(monkeypat
 
 def test_states_take_the_forwards_plan(monkeypatch):
     """backward.states follows plan.plan: segments where the plan cuts the sequences (B=1 T=32768 HV=16: 8 segments
-    at BV=128), in two launches where it plans its own warm-ups (B=1 T=4096: 4 segments at BV=64), the unsegmented walk where
-    one program per sequence and head fills the card (B=8) or nothing does (T not a multiple of 64: BV=64)."""
+    at BV=128), in two launches where it plans its own warm-ups (B=1 T=4096: 4 segments at BV=64), the unsegmented
+    walk where one program per sequence and head fills the card (B=8) or nothing does (T not a multiple of 64:
+    BV=64)."""
     calls = []
     monkeypatch.setattr(backward, "segmented_states", lambda *a: calls.append(("segments", a[7], a[8]["BV"])))
     monkeypatch.setattr(backward, "planned_states", lambda *a: calls.append(("planned", a[7], a[8]["BV"])))
