@@ -259,6 +259,33 @@ def _decay_gradient(Qc, Gc, bt, Y, KS, Vn, dq_state, dVn_state, dlogD_p, dlogD_a
     return tc.chunk_local_cumsum_bwd_ref(dG) + before + d_gamma[..., None]
 
 
+def warp_scan_dg_ref(dG: torch.Tensor, t: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The role-split walk's dg finish (``chunk_bwd_roles``' ``dg_scan``), transcribed: dg_i = Σ_{j ≥ i} dG_j +
+    Σ_{j < i} t_j + tail over a chunk's 64 rows ``[..., 64]`` (tail ``[...]``), on 32 lanes that hold rows 2l and
+    2l + 1: the pairs' suffix sums by shuffles down and prefix sums by shuffles up (five steps each, a lane keeping a
+    shuffled value only from within the warp), then the neighbours' inclusive sums one more shuffle away. The same
+    adds in the same order as the kernel's; :func:`_decay_gradient` forms the same sums directly."""
+    lanes = dG.shape[-1] // 2
+    d0, d1, t0, t1 = dG[..., 0::2], dG[..., 1::2], t[..., 0::2], t[..., 1::2]
+    lane = torch.arange(lanes, device=dG.device)
+    zero = torch.zeros((), dtype=dG.dtype, device=dG.device)
+
+    def down(x, n):       # lane l reads lane l + n (zero past the warp's end)
+        return torch.where(lane + n < lanes, torch.roll(x, -n, -1), zero)
+
+    def up(x, n):         # lane l reads lane l − n (zero before its start)
+        return torch.where(lane >= n, torch.roll(x, n, -1), zero)
+
+    suffix, prefix = d0 + d1, t0 + t1
+    for u in range(5):
+        suffix, prefix = suffix + down(suffix, 1 << u), prefix + up(prefix, 1 << u)
+    after, before = down(suffix, 1), up(prefix, 1)
+    tail = tail[..., None]
+    even = suffix + before + tail
+    odd = (d1 + after) + (before + t0) + tail
+    return torch.stack((even, odd), -1).flatten(-2)
+
+
 class _Chunks(NamedTuple):
     """The walk's inputs in chunks ``[B, HV, NT, BT, (d)]``, working dtype."""
     q: torch.Tensor

@@ -14,11 +14,12 @@ Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`
     B (128-255, 168)                      C1 = K [dS_hi; dS_lo] and K S, X = β(V − Γ K S), V_new = T X, t =
                                           rowsum(V_new ⊙ ρ K dS) (both fp32), dV_new = scale Pᵀ dO + ρ K dS, Y =
                                           Tᵀ bf16(dV_new), bf16 Y and bf16(−βΓY); the X terms from fp32 Y and K S
-                                          (formed again: its fragment held V_new since) and dG's scale Γ q·(dO hᵀ);
-                                          dv = βY; dk = ρ⊙(V_new dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q − bf16(βΓY) hᵀ;
-                                          dq = dP K + scale Γ⊙(dO hᵀ) (dO hᵀ formed twice: one fragment)
-    A (256-383, 160)                      Q Kᵀ, P; dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ, dKD; dβ and dg (the
-                                          column sums of dlogD as row sums of the transposed products)
+                                          (formed again: its fragment held V_new since); dv = βY; dk = ρ⊙(V_new
+                                          dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q − bf16(βΓY) hᵀ; dq = dP K + scale
+                                          Γ⊙(dO hᵀ), whose second term gives dG's Γ term scale Γ q·(dO hᵀ)
+    A (256-383, 160)                      Q Kᵀ, P; dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ, dKD (the column sums of
+                                          dlogD as row sums of the transposed products); then, under the next
+                                          chunk's loads, dβ and dg (its reverse and forward cumsums by warp scans)
     producer (384-511, 24)                one warp's TMA copies of each chunk's tiles, the warpgroup's loads of
                                           gc and β
 
@@ -254,15 +255,6 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.reduce_sum(t.N, t.rowsF, dim=1)
             for i in T.Parallel(BT):
                 t.vec[XB, i] = t.vec[XB, i] + t.rowsF[i]
-            # Γ's term of dG, scale Γ q·(dO hᵀ), with dG's X term (dO hᵀ formed again for dq below: one fragment)
-            T.wgmma_gemm(t.dOs, t.Hs, t.N, transpose_B=True, clear_accum=True)
-            T.wait_wgmma(0)
-            for i, j in T.Parallel(BT, K):
-                t.N[i, j] = T.cast(t.Qs[i, j], acc) * t.N[i, j]
-            T.reduce_sum(t.N, t.rowsF, dim=1)
-            for i in T.Parallel(BT):
-                t.vec[XG, i] = t.vec[XG, i] + scale * T.exp(t.vec[GC, i]) * t.rowsF[i]
-            T.mbarrier_arrive(t.ready_xt)
             mark(t, s, "x_terms")
             for i, j in T.Parallel(BT, V):
                 t.F[i, j] = t.F[i, j] * t.vec[BETA, i]
@@ -284,11 +276,18 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.wait_wgmma(0)
             T.copy(t.N, t.dk[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
             mark(t, s, "dk")
-            # dq = dP K + scale Γ ⊙ (dO hᵀ)
+            # dq = dP K + scale Γ ⊙ (dO hᵀ); its first part gives Γ's term of dG, scale Γ q·(dO hᵀ), added to dG's
+            # X term (F, dv's fragment, is free once dv is stored)
             T.wgmma_gemm(t.dOs, t.Hs, t.N, transpose_B=True, clear_accum=True)
             T.wait_wgmma(0)
             for i, j in T.Parallel(BT, K):
                 t.N[i, j] = t.N[i, j] * scale * T.exp(t.vec[GC, i])
+            for i, j in T.Parallel(BT, K):
+                t.F[i, j] = T.cast(t.Qs[i, j], acc) * t.N[i, j]
+            T.reduce_sum(t.F, t.rowsF, dim=1)
+            for i in T.Parallel(BT):
+                t.vec[XG, i] = t.vec[XG, i] + t.rowsF[i]
+            T.mbarrier_arrive(t.ready_xt)
             T.wgmma_gemm(t.PdP, t.Ks, t.N)
             T.wait_wgmma(0)
             T.copy(t.N, t.dq[t.ib, c * BT:(c + 1) * BT, t.ihv, 0:K])
@@ -304,6 +303,36 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
 
     acc, bf = "float32", "bfloat16"
     mark = _mark_macro("A", timed)
+
+    @T.macro
+    def dg_scan(t, c, tail):
+        """dg_i = Σ_{j ≥ i} (dG_j + X_G,j) + Σ_{j < i} t_j + tail on one warp: lane l holds rows 2l and 2l + 1, the
+        pairs' suffix sums by shfl_down and prefix sums by shfl_up, five steps each, then the neighbours' sums one
+        more shuffle away (adds only, no sum taken back out, in a fixed order), in place of 64 dependent adds per
+        row."""
+        lane = t.tx - 2 * 128
+        d0 = t.vec[DG, 2 * lane] + t.vec[XG, 2 * lane]
+        d1 = t.vec[DG, 2 * lane + 1] + t.vec[XG, 2 * lane + 1]
+        t0 = t.vec[TS, 2 * lane]
+        t1 = t.vec[TS, 2 * lane + 1]
+        suffix = T.alloc_var(acc, init=0.0)
+        prefix = T.alloc_var(acc, init=0.0)
+        down = T.alloc_var(acc, init=0.0)       # the shuffles' values: vars, so no expression reads one stale
+        up = T.alloc_var(acc, init=0.0)
+        suffix = d0 + d1
+        prefix = t0 + t1
+        for u in T.unroll(5):
+            # every lane shuffles (a full-warp mask), then keeps what lies within the warp
+            down = T.shfl_down(suffix, 1 << u)
+            up = T.shfl_up(prefix, 1 << u)
+            suffix = suffix + T.if_then_else(lane + (1 << u) < 32, down, 0.0)
+            prefix = prefix + T.if_then_else(lane >= (1 << u), up, 0.0)
+        # the pairs after this lane's and before it: the neighbours' inclusive sums
+        down = T.shfl_down(suffix, 1)
+        up = T.shfl_up(prefix, 1)
+        t.dg[t.ib, t.ihv, c * BT + 2 * lane] = suffix + T.if_then_else(lane > 0, up, 0.0) + tail
+        t.dg[t.ib, t.ihv, c * BT + 2 * lane + 1] = ((d1 + T.if_then_else(lane < 31, down, 0.0))
+                                                   + (T.if_then_else(lane > 0, up, 0.0) + t0) + tail)
 
     @T.macro
     def key_side(t):
@@ -384,18 +413,15 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             total = T.alloc_var(acc, init=0.0)
             for p in T.serial(128):
                 total = total + t.vec[H_SHARES + p // BT, p % BT]
-            T.mbarrier_wait_parity(t.ready_xt, s % 2)
-            mark(t, s, "wait_xt")
             # the tiles and the producer's rows are read: the next chunk loads under the finish, which reads only
             # the rows B writes again after read_vec
             T.mbarrier_arrive(t.end)
+            T.mbarrier_wait_parity(t.ready_xt, s % 2)
+            mark(t, s, "wait_xt")
             for i in T.Parallel(BT):
-                t.rowsA[i] = 0.0
-                for j in T.unroll(BT):
-                    t.rowsA[i] = t.rowsA[i] + T.if_then_else(j >= i, t.vec[DG, j] + t.vec[XG, j], t.vec[TS, j])
-            for i in T.Parallel(BT):
-                t.dg[t.ib, t.ihv, c * BT + i] = t.rowsA[i] + T.exp(g_last) * total
                 t.dbeta[t.ib, t.ihv, c * BT + i] = t.vec[XB, i] + t.dbA[i]
+            if t.tx < 2 * 128 + 32:         # A's first warp
+                dg_scan(t, c, T.exp(g_last) * total)
             T.mbarrier_arrive(t.read_vec)
             mark(t, s, "finish")
 

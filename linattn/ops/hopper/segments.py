@@ -38,8 +38,8 @@ from ..utils import cdiv
 WALK_CHUNK_US = 18.5       # one chunk step of a walk program (H100, K = V = 128, BV = 64, the slices' dq, dk
                            # handoff included: 9.4 ms / 512 chunks at B=1 T=32768 H=HV=16, the same per step at 16
                            # programs or 256: the step is latency-bound)
-ROLES_CHUNK_US = 22.1      # one chunk step of the role-split walk (H100, K = V = 128, one program per value head
-                           # over the whole V: 1.42 ms / 64 chunks at B=8 T=4096 H=HV=16, 128 programs in one wave)
+ROLES_CHUNK_US = 19.9      # one chunk step of the role-split walk (H100, K = V = 128, one program per value head
+                           # over the whole V: 1.27 ms / 64 chunks at B=8 T=4096 H=HV=16, 128 programs in one wave)
 WALK_OCCUPANCY = 1         # walk programs per SM (213 KB of shared memory each at K = V = 128)
 WARM_CHAIN_US = 7.0        # one dS chain step of a warm-up program (H100, K = V = 128, BV = 64: 0.05 ms for the
                            # ≈ 7-chunk warm-ups of 128 programs in one wave at B=1 T=32768 H=HV=16, S=4)
