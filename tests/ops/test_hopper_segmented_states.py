@@ -245,10 +245,11 @@ COMPILES = pytest.mark.skipif(not chunk_fwd.tilelang_available() or shutil.which
 @COMPILES
 @pytest.mark.parametrize("H,HV,K,BV", [(16, 16, 128, 128), (2, 8, 128, 128), (16, 16, 64, 64)])
 def test_segmented_states_kernels_compile_for_sm90a(tmp_path, H, HV, K, BV):
-    """Phase A with β in X (the affine walk of the states' operator, lean maps) and phase C's warm states walk for
-    sm_90a at the launches the plan gives (rows 3, 4 and 7 of the GPU script: BV = 128; K = 64): β loaded by TMA in
-    both, never q; phase C's h stored by TMA; shared memory within a CTA; no spill and no serialised wgmma, as the
-    builds they extend (the affine walk without β, the unsegmented states walk)."""
+    """Phase A with β in X (the affine walk of the states' operator, lean maps), phase C's warm states walk and the
+    planned states walk (with and without h0) for sm_90a at the launches the plan gives (rows 3, 4 and 7 of the GPU
+    script: BV = 128; K = 64): β loaded by TMA in each, never q; h stored by TMA; shared memory within a CTA; no
+    spill and no serialised wgmma, as the builds they extend (the affine walk without β, the unsegmented states
+    walk)."""
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
     from linattn.ops.hopper.plan import DEFAULT
     kernels = dict(
@@ -258,7 +259,10 @@ def test_segmented_states_kernels_compile_for_sm90a(tmp_path, H, HV, K, BV):
                                               torch.float32, "sm_90a", warm=True),
         planned_states=walk_launch.states_kernel(H, HV, K, K, BV, DEFAULT.threads, DEFAULT.num_stages, False,
                                                  torch.float32, "sm_90a", warm=True,
-                                                 threshold=DEFAULT.negligible_m_log2))
+                                                 threshold=DEFAULT.negligible_m_log2),
+        planned_states_h0=walk_launch.states_kernel(H, HV, K, K, BV, DEFAULT.threads, DEFAULT.num_stages, True,
+                                                    torch.float32, "sm_90a", warm=True,
+                                                    threshold=DEFAULT.negligible_m_log2))
     for name, kernel in kernels.items():
         src = kernel.get_kernel_source()
         assert "tma_load(beta_desc" in src and "q_desc" not in src, name
@@ -266,4 +270,5 @@ def test_segmented_states_kernels_compile_for_sm90a(tmp_path, H, HV, K, BV):
         (tmp_path / name).mkdir()
         ptxas = ptxas_summary(compile_sm90a(src, tmp_path / name)[1])
         assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0 and not ptxas["wgmma_serialised"], (name, ptxas)
-    assert all("tma_store(o_desc" in kernels[name].get_kernel_source() for name in ("warm_states", "planned_states"))
+    assert all("tma_store(o_desc" in kernels[name].get_kernel_source()
+               for name in ("warm_states", "planned_states", "planned_states_h0"))
