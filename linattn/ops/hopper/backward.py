@@ -195,8 +195,7 @@ def planned_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, num_segmen
     the plan takes this only for the host-bound sizes, as it does forwards."""
     S = num_segments
     gc_s, beta_s, bound_s = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm, bound))
-    h0 = initial_state.float().contiguous() if initial_state is not None else None
-    return walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, h0, warm_bound=bound_s,
+    return walk_launch.chunk_states_hopper(k, v, gc_s, beta_s, t_inv, initial_state, warm_bound=bound_s,
                                            warm_threshold=config.negligible_m_log2, **launch)[0]
 
 

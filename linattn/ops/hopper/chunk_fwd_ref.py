@@ -121,7 +121,7 @@ def chunk_states_hopper_ref(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tenso
         B, S = k.shape[0], gc_hm.shape[0] // k.shape[0]
         warm, from_start = warm_from_bound_ref(warm_bound, S, warm_threshold)
         entering = (initial_state.repeat_interleave(S, 0) if initial_state is not None else
-                    torch.zeros(B * S, *v.shape[2:3], k.shape[3], v.shape[3], dtype=torch.float32, device=k.device))
+                    torch.zeros(B * S, v.shape[2], k.shape[3], v.shape[3], dtype=torch.float32, device=k.device))
         return _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, entering, warm, from_start)
     if warm_chunks is not None:
         return _warm_states_ref(k, v, gc_hm, beta_hm, t_inv, initial_state, warm_chunks)

@@ -162,12 +162,7 @@ def _warm_walk(q, k, v, gc_hm, beta_hm, a_inv, scale, initial_state, warm_chunks
     if planned:
         # the walk plans its warm-ups from the chunk bounds and starts a warm-up that reaches the sequence's start
         # from the sequence's own initial state
-        if bound.shape != (NB, HV, L // BT) or bound.dtype != torch.float32:
-            raise ValueError(f"warm_bound must be [B·S, HV, L/64] = {[NB, HV, L // BT]} fp32, got "
-                             f"{list(bound.shape)} {bound.dtype}")
-        if initial_state is not None and initial_state.shape != (B, HV, K, V):
-            raise ValueError(f"the planned warm walk takes the sequences' initial state [B, HV, K, V] = "
-                             f"{[B, HV, K, V]}, got {list(initial_state.shape)}")
+        _check_warm_bound(bound, initial_state, NB, HV, L, B, K, V)
         h0, ctl = state_arg(initial_state, (B, HV, K, V), q.device), bound.contiguous()
     else:
         _check_warm_start(initial_state, warm_chunks, NB, HV, K, V)
@@ -218,13 +213,8 @@ def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, b
     if planned != (warm_threshold is not None) or (planned and warm_chunks is not None):
         raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
     if planned:
-        NB = _segment_rows(gc_hm, beta_hm, B, T, HV)
-        if warm_bound.shape != (NB, HV, gc_hm.shape[2] // BT) or warm_bound.dtype != torch.float32:
-            raise ValueError(f"warm_bound must be [B·S, HV, L/64] = {[NB, HV, gc_hm.shape[2] // BT]} fp32, got "
-                             f"{list(warm_bound.shape)} {warm_bound.dtype}")
-        if initial_state is not None and initial_state.shape != (B, HV, K, V):
-            raise ValueError(f"the planned states walk takes the sequences' initial state [B, HV, K, V] = "
-                             f"{[B, HV, K, V]}, got {list(initial_state.shape)}")
+        _check_warm_bound(warm_bound, initial_state, _segment_rows(gc_hm, beta_hm, B, T, HV), HV, gc_hm.shape[2],
+                          B, K, V)
         h0_rows, ctl = B, warm_bound.contiguous()
     else:
         h0_rows = _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, V)
@@ -269,6 +259,17 @@ def _segment_rows(gc_hm, beta_hm, B: int, T: int, HV: int) -> int:
         raise ValueError(f"gc and beta must be per segment [B·S, HV, L] with L a multiple of {BT} dividing T = {T} "
                          f"and B·S = {B}·T/L, HV = {HV}, got {list(gc_hm.shape)} and {list(beta_hm.shape)}")
     return NB
+
+
+def _check_warm_bound(bound, initial_state, NB: int, HV: int, L: int, B: int, K: int, V: int) -> None:
+    """ValueError unless a walk that plans its warm-ups (the forward's or the states') has the chunk bounds of its
+    B·S segments of L tokens ``[B·S, HV, L/64]`` fp32 and the sequences' initial state ``[B, HV, K, V]`` (or None)."""
+    if bound.shape != (NB, HV, L // BT) or bound.dtype != torch.float32:
+        raise ValueError(f"warm_bound must be [B·S, HV, L/64] = {[NB, HV, L // BT]} fp32, got "
+                         f"{list(bound.shape)} {bound.dtype}")
+    if initial_state is not None and initial_state.shape != (B, HV, K, V):
+        raise ValueError(f"the planned walk takes the sequences' initial state [B, HV, K, V] = {[B, HV, K, V]}, "
+                         f"got {list(initial_state.shape)}")
 
 
 def _check_warm_start(initial_state, warm_chunks, NB: int, HV: int, K: int, V: int) -> None:
