@@ -447,17 +447,18 @@ def segment_parts_ms(x: dict, L: int) -> dict:
     ``backward.chunk_gated_delta_rule_bwd_hopper`` runs them (the same calls on the same views)."""
     import triton
 
-    from linattn.ops.common import CHUNK
+    from linattn.ops.common import CHUNK, num_sms
     from linattn.ops.hopper import backward, chunk_bwd, segments
     q, k, v, g, beta, do, dht, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "do", "dht", "scale"))
     T, H = q.shape[1], q.shape[2]
     S = T // CHUNK // L
     gc_hm, beta_hm, t_inv, bound = backward.solve(k, g, beta)
-    warm_ups = lambda: segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L, 64)
-    dS_out = warm_ups()
-    h = backward.states(k, v, gc_hm, beta_hm, t_inv, bound, x["initial_state"])
     seg = lambda t: segments.as_segments(t, S)
     hm_seg = lambda t: segments.head_major_as_segments(t, S)
+    warm_ups = lambda: segments.warm_state_grads(q, k, v, do, gc_hm, beta_hm, hm_seg(gc_hm), hm_seg(beta_hm), t_inv,
+                                                 bound, dht, scale, L, 64, num_sms(q.device))
+    dS_out = warm_ups()
+    h = backward.states(k, v, gc_hm, beta_hm, t_inv, bound, x["initial_state"])
     walk_args = (seg(q), seg(k), seg(v), seg(do), hm_seg(gc_hm), hm_seg(beta_hm), seg(t_inv), seg(h), dS_out, scale,
                  64)
     walk = lambda: chunk_bwd.chunk_bwd_hopper(*walk_args)

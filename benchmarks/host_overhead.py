@@ -261,8 +261,11 @@ def hopper_backward_case(noop: bool):
         "states recompute": lambda: backward.states(k, v, *solved, None),
     }
     if plan.L:
-        steps["reverse warm-ups"] = lambda: segments.warm_state_grads(q, k, do, *solved, None, scale, plan.L,
-                                                                      segments.warm_slice(BV))
+        S = T // 64 // plan.L
+        gc_s, beta_s = (segments.head_major_as_segments(x, S) for x in solved[:2])
+        steps["reverse warm-ups"] = lambda: segments.warm_state_grads(
+            q, k, v, do, *solved[:2], gc_s, beta_s, *solved[2:], None, scale, plan.L, segments.warm_slice(BV),
+            num_sms(q.device))
     return calls, steps
 
 

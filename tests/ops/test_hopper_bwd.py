@@ -536,20 +536,27 @@ def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, want_dh0=True, *
     return made["dq"], made["dk"], made["dv"], head_major(p.dg), head_major(p.dbeta), dh0
 
 
-def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV):
-    """chunk_bwd.reverse_warm_ups_hopper's contract computed by its twin (no rounding): the host chain's stand-in."""
-    return bwd.reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv.float(), bound, dht, scale, segments, None)
+def _twin_warm_ups(q, k, do, gc, beta, a_inv, bound, dht, scale, segments, BV, map_flags=None):
+    """chunk_bwd.reverse_warm_ups_hopper's contract computed by its twin (no rounding): the host chain's stand-in,
+    capped at one segment with ``map_flags`` (written there)."""
+    capped = map_flags is not None
+    if capped:
+        map_flags.copy_(bwd.reverse_warm_map_flags_ref(bound, segments))
+    return bwd.reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv.float(), bound, dht, scale, segments, None,
+                                           capped)
 
 
 def use_host_chain_twins(monkeypatch) -> list:
-    """The recompute's kernels, the walk and the reverse warm-ups replaced by their twins, the dtype and device
-    checks lifted: the host chain alone runs. Returns the list each warm-ups launch appends its segment count to."""
+    """The recompute's kernels, the walk, the reverse warm-ups and the reverse maps' affine walk replaced by their
+    twins, the dtype and device checks lifted: the host chain alone runs (the reverse maps' scan in the
+    interpreter). Returns the list each warm-ups launch appends its segment count to."""
     from linattn.ops.hopper import chunk_bwd
     use_recompute_twins(monkeypatch)
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
+    monkeypatch.setattr(walk_launch, "chunk_fwd_hopper_hm", fwd_twins.chunk_fwd_hopper_hm_ref)
     launches = []
     monkeypatch.setattr(chunk_bwd, "reverse_warm_ups_hopper",
-                        lambda *a: launches.append(a[-2]) or _twin_warm_ups(*a))
+                        lambda *a, **kw: launches.append(a[-2]) or _twin_warm_ups(*a, **kw))
     monkeypatch.setattr(backward, "check_inputs", lambda *args: None)
     return launches
 

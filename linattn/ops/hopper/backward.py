@@ -15,7 +15,9 @@ pairs × tokens).
                 (:func:`planned_states`), with three small copies either way
     segments    where ``segments.plan_walk`` (or segment_chunks) cuts the sequences: the reverse warm-ups
                 (``chunk_bwd.reverse_warm_ups_hopper``, one launch) give dS_out, the gradient of the state leaving
-                every segment
+                every segment; from three segments the warm-ups walk one segment at most, and the maps of the
+                segments whose gates keep the state longer, and their scan, give the rest (``reverse_maps.py``,
+                two launches)
     walk        the role-split walk (``chunk_bwd_roles.chunk_bwd_roles_hopper``, K = V = 64 or 128: one program per
                 (sequence or segment, value head) over the whole V) or the slice walk (``chunk_bwd.chunk_bwd_hopper``:
                 one per V slice, the slices of a head one thread-block cluster, their dq, dk tiles added in the
@@ -265,14 +267,14 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     L = plan.L
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
-    dS_out = segments.warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, L,
-                                       segments.warm_slice(BV)) if L else dht
-    h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
     S = cdiv(T, BT) // L if L else 1
     seg = lambda x: segments.as_segments(x, S)
-    # the walk's gc and β in its segments' rows (copies where S > 1), made before the gradients are allocated and
-    # the pre-pass's own dropped: the walk's peak, the backward's, holds one of each
+    # the walk's gc and β in its segments' rows (copies where S > 1; the reverse maps read them too), made before the
+    # gradients are allocated and the pre-pass's own dropped: the walk's peak, the backward's, holds one of each
     gc_walk, beta_walk = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm))
+    dS_out = segments.warm_state_grads(q, k, v, do, gc_hm, beta_hm, gc_walk, beta_walk, t_inv, bound, dht, scale,
+                                       L, segments.warm_slice(BV), sms) if L else dht
+    h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
     del gc_hm, beta_hm, bound
     # the gradients, written a batch of rows at a time through segment views (dq, dk, dv, dg, dβ) and rows (dh0)
     dq, dk = (torch.empty_like(q) for _ in range(2))

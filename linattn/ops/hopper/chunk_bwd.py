@@ -560,7 +560,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
 
 
 def build_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT, threads: int = 256,
-                      threshold: float = NEGLIGIBLE_LOG2):
+                      threshold: float = NEGLIGIBLE_LOG2, capped: bool = False):
     """The TileLang prim_func of the reverse warm-ups (docs/backward.md §5; twin ``chunk_bwd_ref.reverse_warm_ref``
     with ``reverse_warm_ups_ref``'s w): dS_out ``[B·S, HV, K, V]`` fp32, the gradient of the state leaving every
     segment, for the walk in segments (``segments.py``) instead of the maps and the reverse scan. One program per
@@ -572,6 +572,13 @@ def build_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = B
     every chunk to the sequence's end. It starts at chunk end + w − 1, from dht where that is the sequence's last
     chunk (exact; w = 0 for the last segment), else from zero, and runs the dS chain alone (P, C1, Pᵀ dO, C2, C3:
     no state, no value, no gradient but dS) over the w chunks.
+
+    ``capped`` (the reverse maps', ``reverse_maps.py``): a warm-up walks one segment at most, and one more output,
+    ``map_flags [B·S, HV]`` int32, says for each segment whether the scan needs its map: the program of segment s
+    writes the flag of segment s + 1, 3 (walk M alone: ``chunk_fwd.affine_walk_chunks``) where its warm-up stopped at
+    the cap with the bounds' sum still above the threshold (dS_out is then D_{s+1}, the next segment's own term), else
+    2 (no map); the last segment's program writes the first segment's, 2. Twin: ``reverse_warm_ups_hopper_ref(capped=
+    True)``.
 
     A kernel of its own, not a branch of the walk: at K = V = 128 the walk's step uses the 168 registers a thread
     has at 384 threads, and a chain-only branch inside its chunk loop made ptxas spill (340 B) and serialise every
@@ -586,13 +593,15 @@ def build_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = B
     G, NV = HV // H, V // BV
 
     m = step_macros(K, BV, scale)
+    # the most chunks a warm-up walks: one segment where capped, else (the sequence's chunks) to the sequence's end
+    warm_cap = (lambda last, nseg: T.truncdiv(last, nseg)) if capped else (lambda last, nseg: last)
 
     @T.prim_func
     def gdn_chunk_bwd_warm(q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf),
                            do: T.Tensor((B, Tn, HV, V), bf), gc: T.Tensor((B, HV, Lp), acc),
                            beta: T.Tensor((B, HV, Lp), acc), a_inv: T.Tensor((B, Tn, HV, BT), bf),
                            dht: T.Tensor((B, HV, K, V), acc), bound: T.Tensor((B, HV, NT), acc),
-                           ds_out: T.Tensor((BS, HV, K, V), acc)):
+                           ds_out: T.Tensor((BS, HV, K, V), acc), map_flags: T.Tensor((BS, HV), "int32")):
         with T.Kernel(NV, BS * HV, threads=threads) as (iv, bh):
             ibn, ihv = bh // HV, bh % HV              # the program's segment, value head
             ih = ihv // G
@@ -606,9 +615,15 @@ def build_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = B
             # threshold, else to the sequence's end. Every thread runs the same loads and adds: the same w
             wv = T.alloc_var("int32", init=0)
             run = T.alloc_var(acc, init=0.0)
-            while (wv < last - end) and ((wv == 0) or (run >= threshold)):
+            most = T.min(last - end, warm_cap(last, nseg))
+            while (wv < most) and ((wv == 0) or (run >= threshold)):
                 run = run + bound[ib, ihv, end + wv]
                 wv = wv + 1
+            if capped:
+                if iv == 0:
+                    # the map of the segment after this one (the first segment's, 2, from the last segment's program)
+                    row = T.if_then_else(end == last, ibn + 1 - nseg, ibn + 1)
+                    map_flags[row, ihv] = T.if_then_else((end + wv < last) & (run >= threshold), 3, 2)
             t = alloc_tiles(K, BV)
             if end + wv == last:                      # from the sequence's end: dht, exact
                 T.copy(dht[ib, ihv, 0:K, v0:v0 + BV], t.dS)
@@ -745,19 +760,22 @@ def exchange_buffers(B: int, HV: int, K: int, NV: int, device) -> tuple[torch.Te
 
 @functools.lru_cache(maxsize=32)
 def compiled_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEFAULT,
-                         target: Optional[str] = None):
+                         target: Optional[str] = None, capped: bool = False):
     """:func:`build_warm_kernel` compiled by TileLang for ``target`` (None: this GPU; "sm_90a" without one)."""
-    return compile_prim_func(build_warm_kernel(H, HV, K, V, scale, BV), target)
+    return compile_prim_func(build_warm_kernel(H, HV, K, V, scale, BV, capped=capped), target)
 
 
 def reverse_warm_ups_hopper(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                             beta: torch.Tensor, a_inv: torch.Tensor, bound: torch.Tensor, dht: Optional[torch.Tensor],
-                            scale: float, segments: int, BV: int = BV_DEFAULT) -> torch.Tensor:
+                            scale: float, segments: int, BV: int = BV_DEFAULT,
+                            map_flags: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch the reverse warm-ups (:func:`build_warm_kernel`) on an sm_90 GPU: dS_out ``[B·S, HV, K, V]`` fp32, the
     gradient of the state leaving each of ``segments`` = S segments of every sequence (segment s of sequence b at
     b·S + s), from the whole sequences' q, k ``[B, T, H, K]``, do ``[B, T, HV, V]`` bf16, gc, β ``[B, HV, NT·64]``
     fp32 head-major, T ``[B, T, HV, 64]`` bf16 (without β), the pre-pass's chunk bounds ``bound [B, HV, NT]`` fp32
-    and dht ``[B, HV, K, V]`` (None: zeros). S divides NT = ⌈T/64⌉."""
+    and dht ``[B, HV, K, V]`` (None: zeros). S divides NT = ⌈T/64⌉. ``map_flags`` ``[B·S, HV]`` int32: the capped
+    build (one segment at most per warm-up) writes there which segments' maps the reverse scan needs
+    (``reverse_maps.py``); None: warm-ups to the sequence's end where the gates never forget."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     NT = -(-T // BT)
@@ -765,9 +783,15 @@ def reverse_warm_ups_hopper(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, 
     if bound.shape != (B, HV, NT) or not isinstance(segments, int) or segments < 1 or NT % segments:
         raise ValueError(f"the warm-ups need bound [B, HV, chunks] = {(B, HV, NT)} and segments dividing {NT} "
                          f"chunks, got {tuple(bound.shape)} and {segments!r}")
+    capped = map_flags is not None
+    if capped and (map_flags.shape != (B * segments, HV) or map_flags.dtype != torch.int32):
+        raise ValueError(f"map_flags must be int32 [B·S, HV] = {(B * segments, HV)}, got {map_flags.dtype} "
+                         f"{tuple(map_flags.shape)}")
     dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=torch.float32)
     ds_out = torch.empty(B * segments, HV, K, V, dtype=torch.float32, device=q.device)
-    kernel = compiled_warm_kernel(H, HV, K, V, scale, BV)
+    if not capped:      # the uncapped build writes no flag (the launch checks every argument's shape and strides)
+        map_flags = torch.empty(B * segments, HV, dtype=torch.int32, device=q.device)
+    kernel = compiled_warm_kernel(H, HV, K, V, scale, BV, capped=capped)
     launcher(kernel)(q.contiguous(), k.contiguous(), do.contiguous(), gc.contiguous(), beta.float().contiguous(),
-                     a_inv.contiguous(), dht, bound.float().contiguous(), ds_out)
+                     a_inv.contiguous(), dht, bound.float().contiguous(), ds_out, map_flags)
     return ds_out

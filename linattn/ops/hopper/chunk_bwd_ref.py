@@ -337,25 +337,49 @@ def reverse_scan_ref(Mt: torch.Tensor, D: torch.Tensor, dht: torch.Tensor) -> to
     return torch.stack(outs[::-1])
 
 
-def reverse_warm_ups_ref(bound: torch.Tensor, cuts: list[tuple[int, int]], threshold: float = NEGLIGIBLE_LOG2
-                         ) -> torch.Tensor:
+def reverse_warm_ups_ref(bound: torch.Tensor, cuts: list[tuple[int, int]], threshold: float = NEGLIGIBLE_LOG2,
+                         cap: Optional[int] = None) -> torch.Tensor:
     """``[S, B, HV]`` int64: per segment the fewest w ≥ 1 chunks after it whose bounds (``bound [B, HV, NT]``, the
     forward's chunk sums in log2 units: ``map_bound.chunk_bounds``) sum, nearest first in fp32, below
-    ``threshold``; where none do, every chunk to the sequence's end (the walk then starts from dht: exact). The last
-    segment's is 0."""
+    ``threshold``; where none do, every chunk to the sequence's end (the walk then starts from dht: exact), or
+    ``cap`` chunks where that is fewer. The last segment's is 0."""
+    return _warm_search(bound, cuts, threshold, cap)[0]
+
+
+def _warm_search(bound: torch.Tensor, cuts: list[tuple[int, int]], threshold: float, cap: Optional[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reverse_warm_ups_ref`'s w and whether each sum fell below the threshold (both ``[S, B, HV]``)."""
     NT = bound.shape[-1]
-    warm = []
+    warm, founds = [], []
     for _, end in cuts:
-        w = torch.full(bound.shape[:2], NT - end, dtype=torch.int64, device=bound.device)
+        most = NT - end if cap is None else min(NT - end, cap)
+        w = torch.full(bound.shape[:2], most, dtype=torch.int64, device=bound.device)
         run = torch.zeros(bound.shape[:2], dtype=torch.float32, device=bound.device)
         found = torch.zeros(bound.shape[:2], dtype=torch.bool, device=bound.device)
-        for j in range(1, NT - end + 1):
+        for j in range(1, most + 1):
             run = run + bound[..., end + j - 1].float()
             hit = ~found & (run < threshold)
             w = w.masked_fill(hit, j)
             found |= hit
         warm.append(w)
-    return torch.stack(warm)
+        founds.append(found)
+    return torch.stack(warm), torch.stack(founds)
+
+
+def reverse_warm_map_flags_ref(bound: torch.Tensor, segments: int, threshold: float = NEGLIGIBLE_LOG2
+                               ) -> torch.Tensor:
+    """The capped warm-ups' ``map_flags`` ``[B·S, HV]`` int32 (``chunk_bwd.reverse_warm_ups_hopper``'s; read by
+    ``reverse_maps.py``): segment s + 1's flag is 3 (its map M walked, the scan applies it) where segment s's
+    warm-up, capped at one segment, neither fell below the threshold nor reached the sequence's end; every other
+    flag 2 (the first segment's always)."""
+    NT = bound.shape[-1]
+    cuts = segment_cuts(NT, segments)
+    warm, found = _warm_search(bound, cuts, threshold, NT // segments)
+    ends = torch.tensor([end for _, end in cuts], device=bound.device)[:, None, None]
+    capped = ~found & (ends + warm < NT)                                   # [S, B, HV]
+    flags = torch.full(warm.shape, 2, dtype=torch.int32, device=bound.device)
+    flags[1:] = torch.where(capped[:-1], 3, 2).int()
+    return flags.transpose(0, 1).reshape(-1, bound.shape[1])
 
 
 def reverse_warm_ref(x: _Chunks, cuts: list[tuple[int, int]], warm: torch.Tensor, dht: torch.Tensor, scale: float,
@@ -378,12 +402,14 @@ def reverse_warm_ref(x: _Chunks, cuts: list[tuple[int, int]], warm: torch.Tensor
 
 
 def reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv, bound, dht: Optional[torch.Tensor], scale: float,
-                                segments: int, operand_dtype: Optional[torch.dtype] = torch.bfloat16) -> torch.Tensor:
+                                segments: int, operand_dtype: Optional[torch.dtype] = torch.bfloat16,
+                                capped: bool = False) -> torch.Tensor:
     """The twin of ``chunk_bwd.reverse_warm_ups_hopper`` (its layouts and contract): dS_out ``[B·S, HV, K, V]``
     (the working dtype), segment s of sequence b at b·S + s, from the whole sequences' q, k ``[B, T, H, K]``, do
     ``[B, T, HV, V]``, gc, β ``[B, HV, NT·64]`` head-major, T ``[B, T, HV, 64]`` (without β), the chunk bounds
     ``bound [B, HV, NT]`` and dht; ``segments`` = S divides NT. w as the kernel finds it
-    (:func:`reverse_warm_ups_ref`: fp32 sums, nearest first), then :func:`reverse_warm_ref`."""
+    (:func:`reverse_warm_ups_ref`: fp32 sums, nearest first; ``capped``: one segment at most, the kernel's flags
+    :func:`reverse_warm_map_flags_ref`), then :func:`reverse_warm_ref`."""
     work = _work_dtype(q)
     rnd = rounder(work, operand_dtype)
     B, T, H, K = q.shape
@@ -396,7 +422,8 @@ def reverse_warm_ups_hopper_ref(q, k, do, gc, beta, a_inv, bound, dht: Optional[
                 tc.to_chunks(a_inv.to(work), BT))
     cuts = segment_cuts(NT, segments)
     dS_last = dht.to(work) if dht is not None else x.do.new_zeros(B, HV, K, V)
-    dS_out = reverse_warm_ref(x, cuts, reverse_warm_ups_ref(bound, cuts), dS_last, scale, rnd)    # [S, B, HV, K, V]
+    warm = reverse_warm_ups_ref(bound, cuts, cap=NT // segments if capped else None)
+    dS_out = reverse_warm_ref(x, cuts, warm, dS_last, scale, rnd)                             # [S, B, HV, K, V]
     return dS_out.transpose(0, 1).reshape(B * segments, HV, K, V)
 
 

@@ -344,7 +344,8 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         for i, j in T.Parallel(K, BV):      # S = a S'
             S[i, j] = S[i, j] * T.exp(t.la)
         if affine and lean:
-            if ctl[ib, ihv] != 2:                # a map the warm walk does without: not written at all
+            # not written: a map the warm walk does without (2), N where M alone is read (3)
+            if (ctl[ib, ihv] != 2) & ((iv * BV < K) | (ctl[ib, ihv] != 3)):
                 T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
         elif warm and lean:
             # the sequence's last segment writes its final state (truncating divisions, as warm_planned's: every
@@ -623,10 +624,12 @@ def consumer_registers(threads: int) -> int:
 def affine_walk_chunks(tile_in_m, skip, chunks):
     """The affine walk's loop count for one program (a TileLang expression): 0 where the map's ``skip_m`` flag
     ``skip`` drops the tile — 1: the M tiles (a negligible map, M = 0), 2: every tile (a map the warm walk does
-    without, [M | N] = 0) —, else ``chunks``. A tile that walks no chunk starts from zeros instead of [I | 0] and
-    writes them."""
+    without, [M | N] = 0), 3: the N tiles (M alone: the backward's reverse maps, ``reverse_maps.py``) —, else
+    ``chunks``. A tile that walks no chunk starts from zeros instead of [I | 0] and writes them (with ``lean``, a
+    tile that nothing reads, flags 2 and 3, is not written)."""
     import tilelang.language as T
-    return T.if_then_else((tile_in_m & (skip != 0)) | (skip == 2), 0, chunks)
+    dropped = T.if_then_else(tile_in_m, (skip == 1) | (skip == 2), (skip == 2) | (skip == 3))
+    return T.if_then_else(dropped, 0, chunks)
 
 
 @functools.lru_cache(maxsize=64)

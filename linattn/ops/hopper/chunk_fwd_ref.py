@@ -57,11 +57,11 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     fp32 and float64 ones. ``beta_in_a_inv``: A_inv is A_inv diag(β), as the kernel's (the pre-pass's), and X has no
     β; False: the plain A_inv, X = β ⊙ (V − Γ ⊙ K S), for references built from it. ``deferred_decay``,
     ``fold_p_decay``: as the kernel (:func:`_walk_ref`; off: the plain algebra).
-    ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: those maps' M written as
-    zeros (the affine walk's negligible maps); ``warm_chunks``: the warm walk (one walk per segment and value head,
+    ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: 1 or 2, those maps' M written as
+    zeros (the affine walk's negligible maps); 3, their N (M alone); ``warm_chunks``: the warm walk (one walk per segment and value head,
     from warm_chunks chunks before the segment); ``warm_bound``, ``warm_threshold``: the warm walk that plans its
     warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'). ``lean`` (the kernel's): the affine
-    walk's maps flagged 2 come back NaN (the kernel leaves them unwritten: whatever the buffer held), and the warm
+    walk's maps flagged 2 (and N flagged 3) come back NaN (the kernel leaves them unwritten: whatever the buffer held), and the warm
     walks return the sequences' final states ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up
     is above zero from zero."""
     from ..gated_delta import torch_chunk as tc
@@ -97,9 +97,10 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     o, S = _walk_ref(q, k, v, gcc, beta, tc.to_chunks(a_inv.to(work), BT), scale, S0, work, rnd, rnd_x, True,
                      deferred_decay, fold_p_decay)
     if affine and skip_m is not None:
-        S = S.clone()
-        S[skip_m.int() != 0, :, :K] = 0
-        S[skip_m.int() == 2] = float("nan") if lean else 0
+        S, flags = S.clone(), skip_m.int()
+        S[(flags == 1) | (flags == 2), :, :K] = 0
+        S[flags == 3, :, K:] = float("nan") if lean else 0
+        S[flags == 2] = float("nan") if lean else 0
     return (None if affine else o), S
 
 

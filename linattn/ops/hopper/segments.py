@@ -7,7 +7,9 @@ the gradient of the state leaving it, dS_out(s), gives exactly the unsegmented w
 the gradient entering it. Every dS_out comes from a reverse warm-up (:func:`warm_state_grads`,
 ``chunk_bwd.reverse_warm_ups_hopper``, one launch before the walk): the dS chain alone from zero, w chunks after
 the segment, w found in-kernel from the pre-pass's chunk bounds (their sum below −30: error ≤ 2⁻³⁰ of ‖dS‖), or
-from dht where the warm-up reaches the sequence's end (exact).
+from dht where the warm-up reaches the sequence's end (exact). From three segments a warm-up walks one segment at
+most, and where the gates keep the state longer the next segment's map and a scan over the segments give the rest
+(``reverse_maps.py``).
 
 With T a multiple of 64·L a segment is a view: q ``[B, T, H, K]`` → ``[B·S, T/S, H, K]`` (likewise k, v, do and
 T = A_inv) and h ``[B, NT, HV, K, V]`` → ``[B·S, NT/S, HV, K, V]``, segment s of sequence b at b·S + s; the
@@ -54,6 +56,8 @@ GVA_TIME_MARGIN = 1.2      # model costs at most this much above one launch's pl
                            # role-split walk's four batches at B=4 T=8192 HV=32 (model 1.16×), whose fp32 dq, dk
                            # a quarter at a time keep the fwd+bwd peak under FlashQLA's (decisions.md)
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
+MAPS_MIN_SEGMENTS = 3      # from 3 segments a warm-up can stop short of the sequence's end: capped at one segment,
+                           # the maps and their scan (reverse_maps.py) stand for the rest (at 2 the cap is the end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,12 +175,23 @@ def head_major_as_segments(x: torch.Tensor, S: int) -> torch.Tensor:
     return x.view(B, HV, S, N // S).transpose(1, 2).contiguous().view(B * S, HV, N // S)
 
 
-def warm_state_grads(q, k, do, gc_hm, beta_hm, t_inv, bound, dht: Optional[torch.Tensor], scale: float, L: int,
-                     BV: int) -> torch.Tensor:
+def warm_state_grads(q, k, v, do, gc_hm, beta_hm, gc_s, beta_s, t_inv, bound, dht: Optional[torch.Tensor],
+                     scale: float, L: int, BV: int, sms: int) -> torch.Tensor:
     """dS_out ``[B·S, HV, K, V]`` fp32, the gradient of the state leaving every segment of L chunks (the last
     segment's of sequence b is dht[b], zeros without dht), segment s of b at b·S + s, from the reverse warm-ups
-    (``chunk_bwd.reverse_warm_ups_hopper``): the whole sequences' q, k, do ``[B, T, ...]`` bf16, the pre-pass's gc,
-    β head-major ``[B, HV, NT·64]``, T ``[B, T, HV, 64]`` bf16 and chunk bounds ``[B, HV, NT]``; S = NT / L."""
-    from . import chunk_bwd
-    NT = bound.shape[-1]
-    return chunk_bwd.reverse_warm_ups_hopper(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, NT // L, BV)
+    (``chunk_bwd.reverse_warm_ups_hopper``): the whole sequences' q, k ``[B, T, ...]``, do ``[B, T, HV, V]`` bf16,
+    the pre-pass's gc, β head-major ``[B, HV, NT·64]``, T ``[B, T, HV, 64]`` bf16 and chunk bounds ``[B, HV, NT]``;
+    S = NT / L. From :data:`MAPS_MIN_SEGMENTS` segments each warm-up walks one segment at most, and the segments'
+    maps and their scan (``reverse_maps.py``: v and the segments' gc_s, β_s ``[B·S, HV, L·64]`` read there) give
+    dS_out where the gates keep the state longer."""
+    from . import chunk_bwd, reverse_maps
+    S = bound.shape[-1] // L
+    if S < MAPS_MIN_SEGMENTS:
+        return chunk_bwd.reverse_warm_ups_hopper(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, S, BV)
+    flags = torch.empty(q.shape[0] * S, v.shape[2], dtype=torch.int32, device=q.device)
+    ds_out = chunk_bwd.reverse_warm_ups_hopper(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, S, BV,
+                                               map_flags=flags)
+    seg = lambda x: as_segments(x, S)
+    maps = reverse_maps.segment_maps(seg(k), seg(v), gc_s, beta_s, seg(t_inv), flags, sms)
+    reverse_maps.reverse_map_scan(ds_out, maps, flags, S)
+    return ds_out

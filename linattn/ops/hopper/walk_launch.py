@@ -78,9 +78,9 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     state): each sequence's state map [M | N] ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None
     (:func:`chunk_fwd.build_kernel`). In the affine walk ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the
     maps whose M is negligible (``forward.segment_flags``): their M is written as zeros without a walk (2: the whole
-    map, M and N). ``beta_in_a_inv`` False (affine only): a_inv is the plain T (``prepass_hopper(beta_in_a_inv=
-    False)``) and β is read, X = β ⊙ (V − Γ ⊙ K S): the maps of the states walk's operator
-    (``backward.segmented_states``).
+    map, M and N; 3: N, for the backward's reverse maps, which read M alone). ``beta_in_a_inv`` False (affine only):
+    a_inv is the plain T (``prepass_hopper(beta_in_a_inv=False)``) and β is read, X = β ⊙ (V − Γ ⊙ K S): the maps
+    of the states walk's operator (``backward.segmented_states``).
 
     ``warm_chunks`` ``[B·S, HV]`` (int): the segmented forward's phase C with warm-ups (:func:`build_kernel`'s
     ``warm``): q, k, v, a_inv whole ``[B, T, ...]``, gc and β per segment ``[B·S, HV, L]`` (L = T/S, a multiple of
