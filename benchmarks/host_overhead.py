@@ -81,10 +81,12 @@ def no_launches():
                       (fp_mod, "fused_prepass_kernel")):
         setattr(mod, name, _NoLaunch(getattr(mod, name)))
     # the split forward's state pass and output kernel (the default path below 128 (sequence, head) pairs), the
-    # sequence-parallel scan, the in-op pre-processing, the Hopper backward's gradient sums and segment plan
+    # sequence-parallel scan, the in-op pre-processing, the Hopper backward's gradient sums, segment plan and
+    # reverse scan
     for module, name in (("common.state_pass", "state_pass_fwd_kernel"), ("common.output", "output_fwd_kernel"),
                          ("common.seq_parallel", "affine_scan_kernel"), ("common.preprocess", "preprocess_fwd_kernel"),
-                         ("common.partial_sum", "partial_sums_kernel"), ("hopper.map_bound", "segment_plan_kernel")):
+                         ("common.partial_sum", "partial_sums_kernel"), ("hopper.map_bound", "segment_plan_kernel"),
+                         ("hopper.reverse_maps", "reverse_map_scan_kernel")):
         mod = importlib.import_module("linattn.ops." + module)
         setattr(mod, name, _NoLaunch(getattr(mod, name)))
     # the Hopper kernels (TileLang): every build a no-op, so no compile either
