@@ -48,7 +48,7 @@ def segment_maps(k: torch.Tensor, v: torch.Tensor, gc_s: torch.Tensor, beta_s: t
     return maps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSEG"])     # one binary for every segment count
 def reverse_map_scan_kernel(ds_out, maps, map_flags, NSEG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BV: tl.constexpr, FLAG: tl.constexpr):
     # grid (V / BV, B·HV): one program walks the segments of one (sequence, value head) back from the last, for BV
