@@ -563,7 +563,7 @@ def build_warm_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = B
                       threshold: float = NEGLIGIBLE_LOG2, capped: bool = False):
     """The TileLang prim_func of the reverse warm-ups (docs/backward.md §5; twin ``chunk_bwd_ref.reverse_warm_ref``
     with ``reverse_warm_ups_ref``'s w): dS_out ``[B·S, HV, K, V]`` fp32, the gradient of the state leaving every
-    segment, for the walk in segments (``segments.py``) instead of the maps and the reverse scan. One program per
+    segment, for the walk in segments (``segments.py``). One program per
     (segment, value head, V slice); S = dS_out's rows / B, each segment NT/S chunks (NT = ⌈T/64⌉ a multiple of S).
     q, k, do, gc, β and T are the whole sequences' (a warm-up crosses segment boundaries); ``bound`` the pre-pass's
     chunk bounds ``[B, HV, NT]`` fp32 (log2 units). The program of segment s finds its warm-up w itself, as

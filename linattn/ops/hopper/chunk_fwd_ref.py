@@ -57,13 +57,13 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     fp32 and float64 ones. ``beta_in_a_inv``: A_inv is A_inv diag(β), as the kernel's (the pre-pass's), and X has no
     β; False: the plain A_inv, X = β ⊙ (V − Γ ⊙ K S), for references built from it. ``deferred_decay``,
     ``fold_p_decay``: as the kernel (:func:`_walk_ref`; off: the plain algebra).
-    ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: 1 or 2, those maps' M written as
-    zeros (the affine walk's negligible maps); 3, their N (M alone); ``warm_chunks``: the warm walk (one walk per segment and value head,
-    from warm_chunks chunks before the segment); ``warm_bound``, ``warm_threshold``: the warm walk that plans its
-    warm-ups (``map_bound.warm_from_bound_ref``; initial_state the sequences'). ``lean`` (the kernel's): the affine
-    walk's maps flagged 2 (and N flagged 3) come back NaN (the kernel leaves them unwritten: whatever the buffer held), and the warm
-    walks return the sequences' final states ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up
-    is above zero from zero."""
+    ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: 1 or 2, those maps' M
+    written as zeros (the affine walk's negligible maps); 3, their N (M alone); ``warm_chunks``: the warm walk (one
+    walk per segment and value head, from warm_chunks chunks before the segment); ``warm_bound``,
+    ``warm_threshold``: the warm walk that plans its warm-ups (``map_bound.warm_from_bound_ref``; initial_state the
+    sequences'). ``lean`` (the kernel's): the affine walk's maps flagged 2 (and N flagged 3) come back NaN (the
+    kernel leaves them unwritten: whatever the buffer held), and the warm walks return the sequences' final states
+    ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up is above zero from zero."""
     from ..gated_delta import torch_chunk as tc
     if warm_bound is not None:
         from .map_bound import warm_from_bound_ref
