@@ -177,10 +177,7 @@ def segmented_states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state, num_segm
     view = lambda x: segments.as_segments(x, S)
     gc_s, beta_s, bound_s = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm, bound))
     flags = forward.segment_flags(bound_s, S, k.device, B, config)
-    # k stands in for q, which the affine walk does not read; the scale shapes no map
-    _, mn = walk_launch.chunk_fwd_hopper_hm(view(k), view(k), view(v), gc_s, beta_s, view(t_inv), 1.0, None,
-                                            affine=True, skip_m=flags.skip_m, lean=True, beta_in_a_inv=False,
-                                            **fitted_launch(K, launch))
+    mn = walk_launch.states_maps(view(k), view(v), gc_s, beta_s, view(t_inv), flags.skip_m, **fitted_launch(K, launch))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     h_in = seq_parallel.affine_scan(mn, h0, V, B, nseg=S, BV=config.scan_bv, skip=flags.skip_m, skip_writes=True,
                                     **scan_options(K, config))

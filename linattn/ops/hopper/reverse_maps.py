@@ -42,10 +42,7 @@ def segment_maps(k: torch.Tensor, v: torch.Tensor, gc_s: torch.Tensor, beta_s: t
     forward's walk would take over K columns."""
     rows, HV, K = gc_s.shape[0], gc_s.shape[1], k.shape[3]
     tiles = fitted_launch(K, hopper_launch(rows, HV, K, sms) or DEFAULT.launch(64))
-    # k stands in for q, which the affine walk does not read; the scale shapes no map
-    _, maps = walk_launch.chunk_fwd_hopper_hm(k, k, v, gc_s, beta_s, t_inv, 1.0, None, affine=True,
-                                              skip_m=map_flags, lean=True, beta_in_a_inv=False, **tiles)
-    return maps
+    return walk_launch.states_maps(k, v, gc_s, beta_s, t_inv, map_flags, **tiles)
 
 
 @triton.jit(do_not_specialize=["NSEG"])     # one binary for every segment count

@@ -232,6 +232,18 @@ def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, b
     return h, ht
 
 
+def states_maps(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor, t_inv: torch.Tensor,
+                skip_m: torch.Tensor, **launch) -> torch.Tensor:
+    """[M | N] ``[B, HV, K, K + V]`` fp32, each row's map of the states walk's operator (T without β, X = β ⊙ (V −
+    Γ ⊙ K S)): :func:`chunk_fwd_hopper_hm`'s lean affine walk with ``beta_in_a_inv=False`` on bf16 k ``[B, T, H, K]``,
+    v ``[B, T, HV, V]``, T ``[B, T, HV, 64]`` and head-major gc, β ``[B, HV, T]``, the maps ``skip_m`` flags
+    ``[B, HV]`` not walked or written as it says. The backward's segment maps, forwards (``backward.segmented_states``)
+    and in reverse (``reverse_maps.segment_maps``); ``launch``: BV, threads, num_stages."""
+    # k stands in for q, which the affine walk does not read; the scale shapes no map
+    return chunk_fwd_hopper_hm(k, k, v, gc_hm, beta_hm, t_inv, 1.0, None, affine=True, skip_m=skip_m, lean=True,
+                               beta_in_a_inv=False, **launch)[1]
+
+
 def _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, V) -> int:
     """ValueError unless gc, β, the initial state (and ``warm_chunks``) have :func:`chunk_states_hopper`'s shapes:
     whole sequences, or (``warm_chunks`` given) B·S segments of L tokens. Returns the program sequences (B or
