@@ -166,16 +166,15 @@ def recompute_configurations(H: int, HV: int, K: int, V: int, beta_dtypes: tuple
                                             threads=LAUNCH["threads"], num_stages=LAUNCH["num_stages"],
                                             warm_chunks=torch.zeros(SEGMENTS, HV, dtype=torch.int32))
 
-        def states_maps(H=H, HV=HV, K=K, V=V, BV=BV):
+        def states_maps(H=H, HV=HV, K=K, V=V, BV=BV, m_only=False):
             _, k, v, gc, b, t = _walk_inputs(H, HV, K, V, torch.float32)
-            walk_launch.chunk_fwd_hopper_hm(k, k, v, gc, b, t, 1.0, None, affine=True,
-                                            skip_m=torch.zeros(1, HV, dtype=torch.int32), lean=True,
-                                            beta_in_a_inv=False, BV=BV, threads=LAUNCH["threads"],
-                                            num_stages=LAUNCH["num_stages"])
+            walk_launch.states_maps(k, v, gc, b, t, torch.zeros(1, HV, dtype=torch.int32), m_only=m_only, BV=BV,
+                                    threads=LAUNCH["threads"], num_stages=LAUNCH["num_stages"])
 
         yield f"states_{shape}_BV{BV}_warm_lean", warm_states
         if K % BV == 0:
             yield f"states_{shape}_BV{BV}_maps_lean", states_maps
+            yield f"states_{shape}_BV{BV}_maps_lean_m-only", lambda maps=states_maps: maps(m_only=True)
 
     for beta_dtype in beta_dtypes:
         def pre(H=H, HV=HV, K=K, beta_dtype=beta_dtype):

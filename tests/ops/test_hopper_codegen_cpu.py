@@ -206,14 +206,15 @@ extern "C" void step4(char* shmem) {{
 
 def test_the_source_snapshot_tool_builds_the_default_launches_kernels():
     """``tests/ops/hopper_sources.py`` (the CPU proof that a refactor leaves the default kernels' CUDA byte for byte
-    as it was) names every default configuration (the forward's 73, the backward recompute's 33) and builds one
+    as it was) names every default configuration (the forward's 73, the backward recompute's 40) and builds one
     walk's, one pre-pass's and one states walk's source through the launchers, with the uniform-warpgroup rewrite
     where the walk applies it; the launchers' no-op launch leaves nothing behind."""
     from . import hopper_sources
     names = [name for name, _ in hopper_sources.configurations()]
-    assert len(names) == len(set(names)) and len(names) == 106
+    assert len(names) == len(set(names)) and len(names) == 113
     assert {"walk_H16_HV16_K128_V128_BV128_beta-float32_planned-warm_lean_h0",
             "states_H2_HV8_K128_V128_BV128_warm_lean", "states_H16_HV16_K128_V128_BV128_maps_lean",
+            "states_H16_HV16_K128_V128_BV128_maps_lean_m-only",
             "prepass_H2_HV8_K128_beta-float32_segments2", "states_H16_HV16_K128_V128_BV128_h0",
             "prepass_H16_HV16_K128_beta-bfloat16_no-beta-in-T"} <= set(names)
     built = dict(hopper_sources.sources("walk_H16_HV16_K64_V64_BV64_beta-float32_affine_skip-m_lean,"

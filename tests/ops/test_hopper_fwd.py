@@ -344,11 +344,14 @@ def test_kernel_compiles_for_sm90a_with_wgmma_and_tma():
     loop = src[src.index("for (int c_1 = 0;"):]
     assert loop.count("__sync_thread_partial") == 13, loop.count("__sync_thread_partial")
     # phase A: the state's three dots (K S, A_inv X, the update), no query loads, no output; the maps' skip (skip_m,
-    # the kernel's ctl: 1 the M tiles, 2 every tile, 3 the N tiles): producer and consumers both take their loop
-    # count from it (two reads each, one per tile kind's test); the output walk never reads it
+    # the kernel's ctl: 1 the M tiles, 2 every tile): producer and consumers both take their loop count from it; the
+    # output walk never reads it. M alone (the reverse maps' build): one K tile at BV = K, so no program tests which
+    # kind of tile it walks
     affine = source(use_initial_state=False, affine=True)
     assert affine.count("wgmma_ss<") == 3 and "q_desc" not in affine and "o_desc" not in affine
-    assert affine.count("ctl[") == 8 and "== 3)" in affine and "ctl[" not in src
+    assert affine.count("ctl[") == 6 and "== 3)" not in affine and "ctl[" not in src
+    m_only = source(use_initial_state=False, affine=True, m_only=True, lean=True, beta_in_a_inv=False)
+    assert m_only.count("wgmma_ss<") == 3 and "blockIdx.x" not in m_only and "blockIdx.x" in affine
     # the warm walk (phase C with warm-ups): its loop count and first chunk from ctl, o stored by TMA under a
     # condition (the warm-up's chunks write nothing), gc rows per segment (symbolic L)
     warm = source(warm=True, lean=True)

@@ -60,14 +60,13 @@ def test_lean_twin_writes_only_the_last_segments_final_states():
 
 @COMPILES
 def test_lean_kernels_guard_their_reads_and_writes():
-    """sm_90a source: phase A's lean kernel writes a map only where its flag is not 2, and an N tile only where it is
-    not 3 either (M alone: the backward's reverse maps); the lean warm walk reads h0
+    """sm_90a source: phase A's lean kernel writes a map only where its flag is not 2; the lean warm walk reads h0
     only where the warm-up is zero, and both warm walks write the final state only from a sequence's last segment
     (segment index T/L − 1), where the plain kernels read and write unconditionally."""
     variants = dict(KERNEL_VARIANTS, warm=dict(warm=True))
     last = "% (T / L)) == ((T / L) - 1)) {"
     flag = "ctl[((int64_t)((int)blockIdx.y))]"
-    for name, guards in (("affine", [f"if (({flag} != 2) & ((((int)blockIdx.x) < 1) | ({flag} != 3))) {{"]),
+    for name, guards in (("affine", [f"if ({flag} != 2) {{"]),
                          ("warm", ["if (0 < ctl[((int64_t)((int)blockIdx.y))]) {", last]),
                          ("warm_planned", [last])):
         plain, lean = (kernel_source(variants[name], lean=on) for on in (False, True))

@@ -85,7 +85,7 @@ NAN = float("nan")  # the rows a non-finite input feeds (T.float32(NAN): TileLan
 def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
                  use_initial_state: bool = True, beta_dtype: str = "float32", affine: bool = False,
                  warm: bool = False, warm_planned: bool = False, threshold: float = -30.0, lean: bool = False,
-                 store_states: bool = False, beta_in_a_inv: bool = True):
+                 store_states: bool = False, beta_in_a_inv: bool = True, m_only: bool = False):
     """The TileLang prim_func of the fused forward for these static sizes (B and T symbolic). Without
     ``use_initial_state`` the state starts at zero and h0 is not read. A_inv is bf16 with β folded into its columns
     (A_inv diag(β), the pre-pass's), so X = V − Γ ⊙ (K S) and β is not read (its tensor, in ``beta_dtype``, is
@@ -98,6 +98,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     by K (an M tile reads a valid tile and zeroes it), and only the state's three dots run (q not read, o not
     written); where ``skip_m [B, HV]`` (int32, the ``ctl`` argument) is 1 the M tiles walk no chunk and write M = 0
     (``forward.segment_flags``), where it is 2 every tile does ([M | N] = 0: a map the warm walk does without).
+    ``m_only`` (affine): M alone, ht ``[B, HV, K, K]`` and the grid over K columns (no N tile: the backward's reverse
+    maps, ``reverse_maps.py``, read nothing else).
 
     ``warm``: phase C of the segmented forward with warm-ups (``forward.py``). q, k, v, A_inv and o are the whole
     sequences ``[B, T, ...]``; gc, β ``[B·S, HV, L]``, h0 and ht ``[B·S, HV, K, V]`` are per segment (L = T/S, a
@@ -132,7 +134,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
     segments walks the maps of that operator."""
     import tilelang.language as T
 
-    check_build_flags(K, BV, affine, warm, warm_planned, store_states, beta_in_a_inv)
+    check_build_flags(K, BV, affine, warm, warm_planned, store_states, beta_in_a_inv, m_only)
     B = T.symbolic("B")
     Tn = T.symbolic("T")
     Tp = T.symbolic("Tp")   # gc and β are passed head-major, [B, HV, Tp], T padded for TMA (see head_major)
@@ -151,7 +153,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
                                    store_states=store_states, beta_in_x=store_states or not beta_in_a_inv,
                                    beta_dtype=beta_dtype)
     chunk_step = chunk_step_macro(kernel)
-    W = K + V if affine else V                      # the state's columns: [M | N] in phase A
+    W = K if m_only else K + V if affine else V     # the state's columns: [M | N] in phase A
     walk = walk_macros(kernel)
     dtype = DTYPE
 
@@ -237,8 +239,10 @@ def build_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads
 
 
 def check_build_flags(K: int, BV: int, affine: bool, warm: bool, warm_planned: bool, store_states: bool,
-                      beta_in_a_inv: bool) -> None:
+                      beta_in_a_inv: bool, m_only: bool = False) -> None:
     """ValueError for a combination of :func:`build_kernel`'s flags it does not build."""
+    if m_only and not affine:
+        raise ValueError("m_only is the affine walk's (its maps' M alone): pass affine=True")
     if affine and K % BV:
         raise ValueError(f"the affine walk needs BV ({BV}) to divide K ({K})")
     if affine and warm:
@@ -344,8 +348,7 @@ def walk_macros(kernel) -> types.SimpleNamespace:
         for i, j in T.Parallel(K, BV):      # S = a S'
             S[i, j] = S[i, j] * T.exp(t.la)
         if affine and lean:
-            # not written: a map the warm walk does without (2), N where M alone is read (3)
-            if (ctl[ib, ihv] != 2) & ((iv * BV < K) | (ctl[ib, ihv] != 3)):
+            if ctl[ib, ihv] != 2:           # not written: a map the warm walk does without
                 T.copy(S, ht[ibn, ihv, 0:K, iv * BV:(iv + 1) * BV])  # N's tiles at column K + (their V column)
         elif warm and lean:
             # the sequence's last segment writes its final state (truncating divisions, as warm_planned's: every
@@ -624,11 +627,10 @@ def consumer_registers(threads: int) -> int:
 def affine_walk_chunks(tile_in_m, skip, chunks):
     """The affine walk's loop count for one program (a TileLang expression): 0 where the map's ``skip_m`` flag
     ``skip`` drops the tile — 1: the M tiles (a negligible map, M = 0), 2: every tile (a map the warm walk does
-    without, [M | N] = 0), 3: the N tiles (M alone: the backward's reverse maps, ``reverse_maps.py``) —, else
-    ``chunks``. A tile that walks no chunk starts from zeros instead of [I | 0] and writes them (with ``lean``, a
-    tile that nothing reads, flags 2 and 3, is not written)."""
+    without, [M | N] = 0) —, else ``chunks``. A tile that walks no chunk starts from zeros instead of [I | 0] and
+    writes them (with ``lean``, flag 2, a tile that nothing reads, is not written)."""
     import tilelang.language as T
-    dropped = T.if_then_else(tile_in_m, (skip == 1) | (skip == 2), (skip == 2) | (skip == 3))
+    dropped = T.if_then_else(tile_in_m, (skip == 1) | (skip == 2), skip == 2)
     return T.if_then_else(dropped, 0, chunks)
 
 
@@ -636,13 +638,14 @@ def affine_walk_chunks(tile_in_m, skip, chunks):
 def compiled_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int = 256, num_stages: int = 2,
                     target: Optional[str] = None, use_initial_state: bool = True, beta_dtype: str = "float32",
                     affine: bool = False, warm: bool = False, warm_planned: bool = False, threshold: float = -30.0,
-                    lean: bool = False, store_states: bool = False, beta_in_a_inv: bool = True):
+                    lean: bool = False, store_states: bool = False, beta_in_a_inv: bool = True,
+                    m_only: bool = False):
     """The compiled kernel (cached per static configuration; the arguments :func:`build_kernel`'s, ``target`` as
     :func:`compile_prim_func`'s), its CUDA rewritten so that ptxas sees the warpgroup index as warp-uniform
     (``uniform_warpgroup.py``: the wgmma descriptors then live in uniform registers; no value changes)."""
     from . import uniform_warpgroup as uniform
     func = build_kernel(H, HV, K, V, BV, scale, threads, num_stages, use_initial_state, beta_dtype, affine, warm,
-                        warm_planned, threshold, lean, store_states, beta_in_a_inv)
+                        warm_planned, threshold, lean, store_states, beta_in_a_inv, m_only)
     with uniform.rewriting():
         return compile_prim_func(uniform.marked(func), target)
 

@@ -48,8 +48,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             skip_m: Optional[torch.Tensor] = None, warm_chunks: Optional[torch.Tensor] = None,
                             beta_in_a_inv: bool = True, warm_bound: Optional[torch.Tensor] = None,
                             warm_threshold: Optional[float] = None, lean: bool = False,
-                            deferred_decay: bool = True, fold_p_decay: bool = True, **launch
-                            ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                            deferred_decay: bool = True, fold_p_decay: bool = True, m_only: bool = False,
+                            **launch) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The twin of :func:`chunk_fwd_hopper_hm` (same arguments and results; ``launch``, the kernel's tile and
     pipeline keywords BV, threads, num_stages, changes no value), from the pre-pass's gc, β (head-major) and A_inv
     instead of its own: for tests of what runs around the kernel (the segmented forward) on a machine without the
@@ -58,10 +58,10 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     β; False: the plain A_inv, X = β ⊙ (V − Γ ⊙ K S), for references built from it. ``deferred_decay``,
     ``fold_p_decay``: as the kernel (:func:`_walk_ref`; off: the plain algebra).
     ``affine``: the walk of [I | 0] with values [0 | V], o None; ``skip_m`` ``[B, HV]``: 1 or 2, those maps' M
-    written as zeros (the affine walk's negligible maps); 3, their N (M alone); ``warm_chunks``: the warm walk (one
+    written as zeros (the affine walk's negligible maps); ``m_only``: M alone; ``warm_chunks``: the warm walk (one
     walk per segment and value head, from warm_chunks chunks before the segment); ``warm_bound``,
     ``warm_threshold``: the warm walk that plans its warm-ups (``map_bound.warm_from_bound_ref``; initial_state the
-    sequences'). ``lean`` (the kernel's): the affine walk's maps flagged 2 (and N flagged 3) come back NaN (the
+    sequences'). ``lean`` (the kernel's): the affine walk's maps flagged 2 come back NaN (the
     kernel leaves them unwritten: whatever the buffer held), and the warm walks return the sequences' final states
     ``[B, HV, K, V]``, with warm_chunks starting every segment whose warm-up is above zero from zero."""
     from ..gated_delta import torch_chunk as tc
@@ -99,9 +99,8 @@ def chunk_fwd_hopper_hm_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if affine and skip_m is not None:
         S, flags = S.clone(), skip_m.int()
         S[(flags == 1) | (flags == 2), :, :K] = 0
-        S[flags == 3, :, K:] = float("nan") if lean else 0
         S[flags == 2] = float("nan") if lean else 0
-    return (None if affine else o), S
+    return (None if affine else o), (S[..., :K] if m_only else S)
 
 
 def chunk_states_hopper_ref(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor,

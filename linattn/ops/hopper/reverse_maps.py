@@ -10,7 +10,8 @@ longest, and a program of the walk waits for it. Capped at one segment (``map_fl
 dS_out(s) itself (its sum fell below −30) or D_{s+1} (it did not), and the flags mark the second kind. Then:
 
     maps   M_{s+1} of every flagged segment: the forward's affine walk of the states' operator
-           (``chunk_fwd.build_kernel(affine=True, beta_in_a_inv=False)``), its M tiles alone (flag 3), one launch
+           (``chunk_fwd.build_kernel(affine=True, beta_in_a_inv=False, m_only=True)``), its M tiles alone, one
+           launch
     scan   dS_out(s) = W_s + M_{s+1}ᵀ dS_out(s + 1) from the last segment (dht) back, where s is flagged
            (W_s the warm-up's output, updated in place), one launch (:func:`reverse_map_scan`)
 
@@ -28,21 +29,21 @@ from ..common.launch import launch
 from . import walk_launch
 from .plan import DEFAULT, fitted_launch, hopper_launch
 
-MAP_WALKED = 3      # map_flags' value where the scan reads the segment's map (the affine walk's "M alone")
+MAP_WALKED = 3      # map_flags' value where the segment's map is walked and the scan reads it (the others are 2)
 SCAN_BV = 32        # V columns of a scan program
 SCAN_WARPS = 8      # a whole [K, K] map in registers at K = 128: 64 fp32 a thread
 
 
 def segment_maps(k: torch.Tensor, v: torch.Tensor, gc_s: torch.Tensor, beta_s: torch.Tensor, t_inv: torch.Tensor,
                  map_flags: torch.Tensor, sms: int) -> torch.Tensor:
-    """[M_s | ·] ``[B·S, HV, K, K + V]`` fp32, M_s the state map of every segment flagged :data:`MAP_WALKED` in
-    ``map_flags [B·S, HV]`` (the N columns and the other segments' maps left unwritten), from the segment views
+    """M_s ``[B·S, HV, K, K]`` fp32, the state map of every segment flagged :data:`MAP_WALKED` in ``map_flags
+    [B·S, HV]`` (the other segments' maps, flagged 2, left unwritten), from the segment views
     of k ``[B·S, L·64, H, K]``, v ``[B·S, L·64, HV, V]`` and T ``[B·S, L·64, HV, 64]`` bf16 (without β) and the
     segments' gc, β head-major ``[B·S, HV, L·64]`` fp32. One program per (segment, head, K tile): the launch the
     forward's walk would take over K columns."""
     rows, HV, K = gc_s.shape[0], gc_s.shape[1], k.shape[3]
     tiles = fitted_launch(K, hopper_launch(rows, HV, K, sms) or DEFAULT.launch(64))
-    return walk_launch.states_maps(k, v, gc_s, beta_s, t_inv, map_flags, **tiles)
+    return walk_launch.states_maps(k, v, gc_s, beta_s, t_inv, map_flags, m_only=True, **tiles)
 
 
 @triton.jit(do_not_specialize=["NSEG"])     # one binary for every segment count
@@ -50,13 +51,13 @@ def reverse_map_scan_kernel(ds_out, maps, map_flags, NSEG, HV: tl.constexpr, K: 
                             BV: tl.constexpr, FLAG: tl.constexpr):
     # grid (V / BV, B·HV): one program walks the segments of one (sequence, value head) back from the last, for BV
     # columns. Segment s's dS_out row is W_s (the warm-up's); where the flag of segment s + 1 is FLAG it becomes
-    # W_s + M_{s+1}ᵀ dS_out(s + 1), the map read transposed from maps [B·S, HV, K, K + V] (row stride K + V)
+    # W_s + M_{s+1}ᵀ dS_out(s + 1), the map read transposed from maps [B·S, HV, K, K]
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_kv = o_k[:, None] * V + o_v[None, :]
-    o_mt = o_k[None, :] * (K + V) + o_k[:, None]          # Mᵀ[i, j] = M[j, i]
+    o_mt = o_k[None, :] * K + o_k[:, None]                # Mᵀ[i, j] = M[j, i]
     row = i_b * NSEG + NSEG - 1
     b_ds = tl.load(ds_out + (row * HV + i_hv).to(tl.int64) * K * V + o_kv)
     first = i_b * NSEG
@@ -65,7 +66,7 @@ def reverse_map_scan_kernel(ds_out, maps, map_flags, NSEG, HV: tl.constexpr, K: 
         p_ds = ds_out + (row * HV + i_hv).to(tl.int64) * K * V + o_kv
         b_w = tl.load(p_ds)
         if tl.load(map_flags + (row + 1) * HV + i_hv) == FLAG:
-            b_mt = tl.load(maps + ((row + 1) * HV + i_hv).to(tl.int64) * K * (K + V) + o_mt)
+            b_mt = tl.load(maps + ((row + 1) * HV + i_hv).to(tl.int64) * K * K + o_mt)
             b_ds = b_w + tl.dot(b_mt, b_ds, input_precision="tf32")
             tl.store(p_ds, b_ds)
         else:
@@ -77,9 +78,9 @@ def reverse_map_scan(ds_out: torch.Tensor, maps: torch.Tensor, map_flags: torch.
     b·S + s) becomes every segment's dS_out, from ``maps`` (:func:`segment_maps`) where ``map_flags [B·S, HV]``
     int32 is :data:`MAP_WALKED`. S = ``segments`` ≥ 1."""
     rows, HV, K, V = ds_out.shape
-    if rows % segments or maps.shape != (rows, HV, K, K + V) or map_flags.shape != (rows, HV):
-        raise ValueError(f"the scan needs S = {segments} dividing the {rows} rows, maps [B·S, HV, K, K + V] = "
-                         f"{(rows, HV, K, K + V)} and map_flags [B·S, HV], got {tuple(maps.shape)} and "
+    if rows % segments or maps.shape != (rows, HV, K, K) or map_flags.shape != (rows, HV):
+        raise ValueError(f"the scan needs S = {segments} dividing the {rows} rows, maps [B·S, HV, K, K] = "
+                         f"{(rows, HV, K, K)} and map_flags [B·S, HV], got {tuple(maps.shape)} and "
                          f"{tuple(map_flags.shape)}")
     if ds_out.dtype != torch.float32 or maps.dtype != torch.float32 or map_flags.dtype != torch.int32:
         raise TypeError(f"ds_out and maps must be fp32 and map_flags int32, got {ds_out.dtype}, {maps.dtype}, "
@@ -94,7 +95,7 @@ def reverse_map_scan_ref(ds_out: torch.Tensor, maps: torch.Tensor, map_flags: to
     """The twin of :func:`reverse_map_scan` (its layouts; a new tensor, ds_out unchanged), in ds_out's dtype."""
     rows, HV, K, V = ds_out.shape
     out = ds_out.clone().view(rows // segments, segments, HV, K, V)
-    mt = maps[..., :K].transpose(-1, -2).to(ds_out.dtype).view(rows // segments, segments, HV, K, K)
+    mt = maps.transpose(-1, -2).to(ds_out.dtype).view(rows // segments, segments, HV, K, K)
     walked = (map_flags == MAP_WALKED).view(rows // segments, segments, HV, 1, 1)
     for s in reversed(range(segments - 1)):
         out[:, s] += torch.where(walked[:, s + 1], mt[:, s + 1] @ out[:, s + 1], 0.0)

@@ -21,13 +21,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
                 use_initial_state: bool, beta_dtype: torch.dtype, affine: bool, lean: bool,
-                target: Optional[str] = None, beta_in_a_inv: bool = True):
+                target: Optional[str] = None, beta_in_a_inv: bool = True, m_only: bool = False):
     """The compiled kernel of :func:`chunk_fwd_hopper_hm`'s plain walk (no warm-ups), or of its affine walk
     (phase A); ``lean``: phase A's lean maps (affine with skip_m only); ``target``: the compile target (None: the
     GPU's; "sm_90a" compiles without one, as the tests do); ``beta_in_a_inv`` False: the affine walk of the states
-    walk's operator (plain T, β in X)."""
+    walk's operator (plain T, β in X); ``m_only``: the affine walk's M alone."""
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), threads, num_stages, target, use_initial_state,
-                                     _dtype_name(beta_dtype), affine, lean=lean, beta_in_a_inv=beta_in_a_inv)
+                                     _dtype_name(beta_dtype), affine, lean=lean, beta_in_a_inv=beta_in_a_inv,
+                                     m_only=m_only)
 
 
 def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
@@ -69,8 +70,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
                         initial_state: Optional[torch.Tensor], *, BV: int = 128, threads: int = 256,
                         num_stages: int = 2, affine: bool = False, skip_m: Optional[torch.Tensor] = None,
                         warm_chunks: Optional[torch.Tensor] = None, warm_bound: Optional[torch.Tensor] = None,
-                        warm_threshold: Optional[float] = None, lean: bool = False, beta_in_a_inv: bool = True
-                        ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                        warm_threshold: Optional[float] = None, lean: bool = False, beta_in_a_inv: bool = True,
+                        m_only: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`chunk_fwd_hopper` with gc and β already head-major ``[B, HV, Tp]`` (:func:`head_major`). BV: the V
     tile of one program; threads: its consumer threads (TileLang adds a producer warpgroup for the TMA loads);
     num_stages: the depth of the chunk loop's load pipeline (the defaults: ``forward.LAUNCH``'s). A_inv ``[B, T, HV,
@@ -78,7 +79,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
     state): each sequence's state map [M | N] ``[B, HV, K, K + V]`` fp32 instead of the final state, and o None
     (:func:`chunk_fwd.build_kernel`). In the affine walk ``skip_m`` ``[B, HV]`` (bool or int, optional) marks the
     maps whose M is negligible (``forward.segment_flags``): their M is written as zeros without a walk (2: the whole
-    map, M and N; 3: N, for the backward's reverse maps, which read M alone). ``beta_in_a_inv`` False (affine only):
+    map, M and N). ``m_only`` (affine only): M alone, ``[B, HV, K, K]`` (the backward's reverse maps read nothing
+    else: no program walks N). ``beta_in_a_inv`` False (affine only):
     a_inv is the plain T (``prepass_hopper(beta_in_a_inv=False)``) and β is read, X = β ⊙ (V − Γ ⊙ K S): the maps
     of the states walk's operator (``backward.segmented_states``).
 
@@ -108,8 +110,8 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise TypeError(f"beta must be fp32 or bf16, got {beta_hm.dtype}")
     if a_inv.dtype != torch.bfloat16:
         raise TypeError(f"a_inv must be the pre-pass's bf16 A_inv, got {a_inv.dtype}")
-    if not (beta_in_a_inv or affine):
-        raise ValueError("beta_in_a_inv=False (β in X) is the affine walk's: pass affine=True")
+    if not (beta_in_a_inv or affine) or (m_only and not affine):
+        raise ValueError("beta_in_a_inv=False (β in X) and m_only are the affine walk's: pass affine=True")
     if warm_chunks is not None or warm_bound is not None:
         if (warm_chunks is None) == (warm_bound is None) or (warm_bound is not None) != (warm_threshold is not None):
             raise ValueError("give warm_chunks, or warm_bound with warm_threshold")
@@ -129,11 +131,11 @@ def chunk_fwd_hopper_hm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_hm
         raise ValueError(f"skip_m must be [B, HV] = {[B, HV]}, got {list(skip_m.shape)}")
     kernel = walk_kernel(H, HV, K, V, BV, scale, threads, num_stages, initial_state is not None, beta_hm.dtype,
                          affine, lean and affine and skip_m is not None,      # elsewhere lean is the same kernel
-                         beta_in_a_inv=beta_in_a_inv)
+                         beta_in_a_inv=beta_in_a_inv, m_only=m_only)
     h0 = state_arg(initial_state, (B, HV, K, V), q.device)
     v = v.contiguous()                  # the affine walk writes no o: v stands in for it
     o = v if affine else torch.empty_like(v)
-    ht = torch.empty(B, HV, K, K + V if affine else V, dtype=torch.float32, device=q.device)
+    ht = torch.empty(B, HV, K, K if m_only else K + V if affine else V, dtype=torch.float32, device=q.device)
     args = [q.contiguous(), k.contiguous(), v, gc_hm.contiguous(), beta_hm.contiguous(), a_inv.contiguous(), h0]
     # skip_m: read only by the affine walk (zeros there: every M walked); a placeholder elsewhere
     args.append(skip_m.to(torch.int32).contiguous() if skip_m is not None else
@@ -233,15 +235,16 @@ def chunk_states_hopper(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, b
 
 
 def states_maps(k: torch.Tensor, v: torch.Tensor, gc_hm: torch.Tensor, beta_hm: torch.Tensor, t_inv: torch.Tensor,
-                skip_m: torch.Tensor, **launch) -> torch.Tensor:
-    """[M | N] ``[B, HV, K, K + V]`` fp32, each row's map of the states walk's operator (T without β, X = β ⊙ (V −
-    Γ ⊙ K S)): :func:`chunk_fwd_hopper_hm`'s lean affine walk with ``beta_in_a_inv=False`` on bf16 k ``[B, T, H, K]``,
-    v ``[B, T, HV, V]``, T ``[B, T, HV, 64]`` and head-major gc, β ``[B, HV, T]``, the maps ``skip_m`` flags
-    ``[B, HV]`` not walked or written as it says. The backward's segment maps, forwards (``backward.segmented_states``)
-    and in reverse (``reverse_maps.segment_maps``); ``launch``: BV, threads, num_stages."""
+                skip_m: torch.Tensor, m_only: bool = False, **launch) -> torch.Tensor:
+    """[M | N] ``[B, HV, K, K + V]`` fp32 (``m_only``: M ``[B, HV, K, K]``), each row's map of the states walk's
+    operator (T without β, X = β ⊙ (V − Γ ⊙ K S)): :func:`chunk_fwd_hopper_hm`'s lean affine walk with
+    ``beta_in_a_inv=False`` on bf16 k ``[B, T, H, K]``, v ``[B, T, HV, V]``, T ``[B, T, HV, 64]`` and head-major gc,
+    β ``[B, HV, T]``, the maps ``skip_m`` flags ``[B, HV]`` not walked or written as it says. The backward's segment
+    maps, forwards (``backward.segmented_states``) and in reverse (``reverse_maps.segment_maps``: M alone);
+    ``launch``: BV, threads, num_stages."""
     # k stands in for q, which the affine walk does not read; the scale shapes no map
     return chunk_fwd_hopper_hm(k, k, v, gc_hm, beta_hm, t_inv, 1.0, None, affine=True, skip_m=skip_m, lean=True,
-                               beta_in_a_inv=False, **launch)[1]
+                               beta_in_a_inv=False, m_only=m_only, **launch)[1]
 
 
 def _check_states_rows(gc_hm, beta_hm, initial_state, warm_chunks, B, T, HV, K, V) -> int:
