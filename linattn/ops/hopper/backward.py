@@ -290,10 +290,12 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
         dh0 = dS_out
     else:
         dh0 = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
-    walk_inputs = (seg(q), seg(k), seg(v), seg(do), gc_walk, beta_walk, seg(t_inv), seg(h), dS_out)
+    walk_inputs = [seg(q), seg(k), seg(v), seg(do), gc_walk, beta_walk, seg(t_inv), seg(h), dS_out]
     per_batch = segments.walk_batch_rows(B * S, HV, V, BV, sms, plan.parts)
     grads = (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0)
-    for r in range(0, B * S, per_batch):
+    if per_batch == B * S:          # one batch: the views themselves (no slices: host time on small calls)
+        walk_rows(walk_inputs, scale, BV, seg(g), H, grads)
+    for r in range(0, B * S, per_batch) if per_batch < B * S else ():
         batch = lambda x, rows=slice(r, r + per_batch): None if x is None else x[rows]   # dS_out, dh0 may be None
         walk_rows([batch(x) for x in walk_inputs], scale, BV, batch(seg(g)), H, tuple(batch(x) for x in grads))
     del h
