@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
-from linattn.ops.hopper import backward, chunk_fwd, prepass, segments, walk_launch
+from linattn.ops.hopper import backward, chunk_fwd, prepass, reverse_maps, segments, walk_launch
 from linattn.ops.hopper import chunk_bwd_ref as bwd
 from linattn.ops.hopper import chunk_fwd_ref as fwd_twins
 
@@ -684,10 +684,12 @@ def test_host_chain_takes_gates_at_the_end_of_their_range(monkeypatch, edge):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("decay,num_segments", [("anchor", 2), ("anchor", 4), ("fast", 4), ("slow", 4)])
-def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, decay, num_segments):
+@pytest.mark.parametrize("decay,num_segments,maps", [("anchor", 2, False), ("anchor", 4, False), ("fast", 4, False),
+                                                     ("slow", 4, False), ("anchor", 4, True), ("slow", 4, True)])
+def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, decay, num_segments, maps):
     """hopper/segments.py: the walk (its twin) on segment views from the dS_out of the reverse warm-ups (their
-    twin, the pre-pass twin's chunk bounds), fp32 under the interpreter (two sequences of 4 chunks, GVA, initial
+    twin, the pre-pass twin's chunk bounds) — uncapped, or (``maps``: ``segments.MAPS_MIN_CHAIN`` 0) capped with the
+    reverse maps and their scan —, fp32 under the interpreter (two sequences of 4 chunks, GVA, initial
     state and dht; the recompute's twins), against the unsegmented chain: the same gradients up to fp32 rounding,
     and the float64 reference's up to the bf16 T. Slow decay (the anchors' gates / 1024): every warm-up reaches
     the end (exact); fast decay (g ≈ −0.4 per token): the warm-ups stop after one chunk (truncated, error ≤ 2⁻³⁰
@@ -697,6 +699,9 @@ def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, decay, num
 
     from .test_hopper_bwd_ref import reference_grads
     launches = use_host_chain_twins(monkeypatch)
+    scans, scan = [], reverse_maps.reverse_map_scan
+    monkeypatch.setattr(segments, "MAPS_MIN_CHAIN", 0 if maps else segments.MAPS_MIN_CHAIN)
+    monkeypatch.setattr(reverse_maps, "reverse_map_scan", lambda *a: scans.append(a[-1]) or scan(*a))
     x = {n: t.to(DEVICE) for n, t in make_inputs(2, 256, 1, 2, 32, "slow" if decay == "slow" else "anchor",
                                                    seed=3).items()}
     if decay == "fast":
@@ -712,7 +717,7 @@ def test_segmented_host_chain_equals_the_unsegmented_one(monkeypatch, decay, num
     args = [low[n] for n in ("q", "k", "v", "g", "beta")] + [0.3, low["h0"], low["do"], low["dht"]]
     whole = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16)
     split = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=L)
-    assert launches == [num_segments]
+    assert launches == [num_segments] and scans == ([num_segments] if maps else [])
     assert all(t.dtype == torch.float32 for t in split) and split[5].is_contiguous()
     assert split[5].shape == x["h0"].shape
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
@@ -733,6 +738,16 @@ def test_segments_without_dht_start_from_zero(monkeypatch):
     split = backward.chunk_gated_delta_rule_bwd_hopper(*args, BV=16, segment_chunks=1)
     errors = {n: rel_l2(a, b) for n, a, b in zip(GRADS, split, whole)}
     assert max(errors.values()) < 1e-5, errors
+
+
+def test_reverse_maps_where_the_uncapped_chain_is_long():
+    """segments.takes_maps: the reverse maps from 3 segments where the first segment's uncapped warm-up would walk
+    more than MAPS_MIN_CHAIN chunks; uncapped warm-ups at 2 segments (the cap is the end) and at T = 4096 in 8
+    segments (56 chunks: hidden under the host time of the maps' launches)."""
+    assert segments.MAPS_MIN_CHAIN == 64
+    assert not segments.takes_maps(2, 512) and not segments.takes_maps(8, 8) and not segments.takes_maps(3, 32)
+    assert segments.takes_maps(3, 33) and segments.takes_maps(32, 8) and segments.takes_maps(8, 64)
+    assert segments.takes_maps(4, 32) and segments.takes_maps(32, 16)      # rows 5 and 7
 
 
 def test_segment_length_forced():

@@ -58,6 +58,9 @@ GVA_TIME_MARGIN = 1.2      # model costs at most this much above one launch's pl
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 MAPS_MIN_SEGMENTS = 3      # from 3 segments a warm-up can stop short of the sequence's end: capped at one segment,
                            # the maps and their scan (reverse_maps.py) stand for the rest (at 2 the cap is the end)
+MAPS_MIN_CHAIN = 64        # and where the first segment's uncapped warm-up would walk more chunks than this
+                           # ((S − 1)·L): a shorter chain hides under the host time of the maps' two launches
+                           # (decisions.md: T = 4096, S = 8, L = 8 ahead uncapped; L = 8 at S = 32 behind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,18 +178,24 @@ def head_major_as_segments(x: torch.Tensor, S: int) -> torch.Tensor:
     return x.view(B, HV, S, N // S).transpose(1, 2).contiguous().view(B * S, HV, N // S)
 
 
+def takes_maps(S: int, L: int) -> bool:
+    """Whether S segments of L chunks a sequence take the reverse maps (capped warm-ups, the maps, their scan)
+    rather than warm-ups that may walk to the sequence's end: :data:`MAPS_MIN_SEGMENTS`, :data:`MAPS_MIN_CHAIN`."""
+    return S >= MAPS_MIN_SEGMENTS and (S - 1) * L > MAPS_MIN_CHAIN
+
+
 def warm_state_grads(q, k, v, do, gc_hm, beta_hm, gc_s, beta_s, t_inv, bound, dht: Optional[torch.Tensor],
                      scale: float, L: int, BV: int, sms: int) -> torch.Tensor:
     """dS_out ``[B·S, HV, K, V]`` fp32, the gradient of the state leaving every segment of L chunks (the last
     segment's of sequence b is dht[b], zeros without dht), segment s of b at b·S + s, from the reverse warm-ups
     (``chunk_bwd.reverse_warm_ups_hopper``): the whole sequences' q, k ``[B, T, ...]``, do ``[B, T, HV, V]`` bf16,
     the pre-pass's gc, β head-major ``[B, HV, NT·64]``, T ``[B, T, HV, 64]`` bf16 and chunk bounds ``[B, HV, NT]``;
-    S = NT / L. From :data:`MAPS_MIN_SEGMENTS` segments each warm-up walks one segment at most, and the segments'
+    S = NT / L. Where :func:`takes_maps` says so each warm-up walks one segment at most, and the segments'
     maps and their scan (``reverse_maps.py``: v and the segments' gc_s, β_s ``[B·S, HV, L·64]`` read there) give
     dS_out where the gates keep the state longer."""
     from . import chunk_bwd, reverse_maps
     S = bound.shape[-1] // L
-    if S < MAPS_MIN_SEGMENTS:
+    if not takes_maps(S, L):
         return chunk_bwd.reverse_warm_ups_hopper(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, S, BV)
     flags = torch.empty(q.shape[0] * S, v.shape[2], dtype=torch.int32, device=q.device)
     ds_out = chunk_bwd.reverse_warm_ups_hopper(q, k, do, gc_hm, beta_hm, t_inv, bound, dht, scale, S, BV,
