@@ -234,10 +234,23 @@ def recurrent_case():
     return calls, steps
 
 
+def unprepared(call):
+    """``call()`` with the Hopper backward's prepared calls out of the way (``backward_prepared.py``): the plain
+    backward, as on a signature's first call."""
+    from linattn.ops.hopper import backward_prepared
+    taken, kept = backward_prepared.prepared_call, backward_prepared.remember
+    backward_prepared.prepared_call, backward_prepared.remember = (lambda key: None), (lambda *a: None)
+    try:
+        return call()
+    finally:
+        backward_prepared.prepared_call, backward_prepared.remember = taken, kept
+
+
 def hopper_backward_case(noop: bool):
     """The Hopper backward at row 1 (B = 1, T = 4096, H = HV = 16, K = V = 128: a host-bound fwd+bwd), called directly
-    (no autograd), and its host stages. Without a GPU its input checks are skipped (they refuse CPU tensors); the
-    rest runs as on the GPU with every launch a no-op."""
+    (no autograd): its prepared call (``backward_prepared.py``) and the plain backward, then its host stages.
+    Without a GPU its input checks are skipped (they refuse CPU tensors); the rest runs as on the GPU with every
+    launch a no-op."""
     from linattn.ops.common import num_sms
     from linattn.ops.hopper import backward, segments
     from linattn.ops.hopper import compile as hopper_compile
@@ -253,8 +266,9 @@ def hopper_backward_case(noop: bool):
         backward.check_inputs = lambda *args, **kwargs: None
     BV, plan = backward.choose_walk(1, T, Hb, Hb, K, V, None, None, num_sms(q.device))
     solved = backward.solve(k, g, beta)
-    calls = {f"Hopper bwd B=1 T={T} H={Hb}": lambda: backward.chunk_gated_delta_rule_bwd_hopper(
-        q, k, v, g, beta, scale, None, do, None)}
+    run = lambda: backward.chunk_gated_delta_rule_bwd_hopper(q, k, v, g, beta, scale, None, do, None)
+    calls = {f"Hopper bwd B=1 T={T} H={Hb} (prepared)": run,
+             f"Hopper bwd B=1 T={T} H={Hb} (plain)": lambda: unprepared(run)}
     steps = {
         "check_inputs" + ("" if GPU else " (skipped: CPU)"): lambda: backward.check_inputs(q, k, v, g, beta, scale,
                                                                                           None, do, None),

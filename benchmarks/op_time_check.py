@@ -20,7 +20,8 @@ the forward: the backward's host cost, its syncs (``--host-dist``) and its CUDA 
 largest by own time, then by cumulative time), to say where a host-bound call's µs go. ``--host-parts``: the same
 question without cProfile's overhead: µs per call inside each layer of the Hopper forward and its launches
 (perf_counter around each; the plain forward's layers: its timed wrappers keep ``hopper.prepared`` from preparing
-the calls; with ``--train`` the Hopper backward's stages and launches too). ``--host-dist``: each shape's host µs
+the calls; with ``--train`` the plain Hopper backward's stages and launches too, kept from
+``hopper.backward_prepared`` alike). ``--host-dist``: each shape's host µs
 per call as a distribution (p10 / p50 / p90 / max over isolated calls: a sync before each, then the call timed
 alone, so no queue and no GPU wait in it), with Python's garbage
 collections inside the calls counted and timed, the calls that synchronise with the device counted

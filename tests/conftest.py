@@ -46,10 +46,12 @@ def poison_fresh_allocations(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def fresh_prepared_calls(monkeypatch):
-    """Each test starts with no prepared Hopper forward (``ops/hopper/prepared.py``), no kept scratch and no route of
-    the op's (``ops/hopper/route.py``): one test's signatures, made under its stand-ins, are not another's."""
-    from linattn.ops.hopper import prepared, route
+    """Each test starts with no prepared Hopper forward (``ops/hopper/prepared.py``) or backward
+    (``ops/hopper/backward_prepared.py``), no kept scratch and no route of the op's (``ops/hopper/route.py``): one
+    test's signatures, made under its stand-ins, are not another's."""
+    from linattn.ops.hopper import backward_prepared, prepared, route
     monkeypatch.setattr(prepared, "_prepared", {})
+    monkeypatch.setattr(backward_prepared, "_prepared", {})
     monkeypatch.setattr(prepared, "_scratch", {})
     monkeypatch.setattr(route, "_routes", {})
     yield

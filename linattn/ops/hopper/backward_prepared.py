@@ -1,0 +1,215 @@
+"""The Hopper backward's host work done once per signature: the checks, the plans (the walk's segments, the states'
+and the warm-ups' paths) and the compiled kernels' lookups of ``backward.backward_equal_lengths``, so that a
+repeated call only allocates, takes views and launches.
+
+Why: at host-bound sizes (B = 1, T = 4096, 16 heads: 0.43 ms on the GPU, ≈ 1 ms of host time a call) the plain
+backward's own Python — the checks of every launcher, its ``.contiguous()`` and ``.float()`` calls on tensors that
+already are, the plans and the kernel caches' keys — is a large share of the call.
+
+A signature (every input's shape and dtype, the initial state's and dht's, the scale and the device) is prepared
+only after the plain backward has run once under it and returned, so its checks passed for those shapes (none of
+them reads a value), and only where it takes the paths prepared here: the role-split walk in one batch of rows;
+the states unsegmented or in the planned walk's two launches; the reverse warm-ups uncapped or with the reverse
+maps. Elsewhere the signature keeps the plain backward. The prepared call issues the plain backward's launches in
+the same order, with the same kernels and arguments (``tests/ops/test_hopper_backward_prepared.py`` records both
+with the kernels stubbed and compares them), so its outputs are the plain backward's bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..common import partial_sum
+from ..common.launch import BoundLaunch
+from ..utils import MIN_LOG_DECAY, cdiv
+from . import chunk_bwd, chunk_bwd_roles, chunk_fwd, prepass, reverse_maps, segments, walk_launch
+from . import plan as plan_module
+from .chunk_fwd import BT, padded_length
+from .plan import DEFAULT, fitted_launch, hopper_launch
+
+_prepared: dict[tuple, Optional[Callable]] = {}
+f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
+
+
+def signature(q, k, v, g, beta, scale, initial_state, do, dht) -> tuple:
+    """The key of a prepared call: what the plain backward's checks and path read of its arguments (no values)."""
+    state = lambda x: None if x is None else (x.shape, x.dtype)
+    return (q.shape, k.shape, v.shape, g.shape, beta.shape, do.shape, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+            do.dtype, state(initial_state), state(dht), type(scale), scale, q.device)
+
+
+def prepared_call(key: tuple) -> Optional[Callable]:
+    """The prepared call of ``key``, or None (not prepared yet, or a signature the plain backward keeps)."""
+    return _prepared.get(key)
+
+
+def remember(key: tuple, build_call: Callable[[], Optional[Callable]]) -> None:
+    """After the plain backward returned under ``key``: prepare it (``build_call()``: :func:`build`'s call, or None
+    where the signature keeps the plain backward)."""
+    if key in _prepared:
+        return
+    if len(_prepared) >= plan_module.CACHE_LIMITS.prepared:
+        _prepared.clear()
+    _prepared[key] = build_call()
+
+
+def build(q, v, beta_dtype: torch.dtype, scale: float, has_state: bool, state_dtype, has_dht: bool, BV: int,
+          walk_plan: segments.WalkPlan, sms: int) -> Optional[Callable]:
+    """The prepared call ``(q, k, v, g, beta, do, initial_state, dht) -> (dq, dk, dv, dg, dβ, dh0)`` of
+    ``backward.backward_equal_lengths`` for these arguments (checked), the walk ``BV`` and ``walk_plan`` being
+    ``backward.choose_walk``'s; None where it takes a path not prepared here (the module docstring)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT, L = cdiv(T, BT), walk_plan.L
+    S = NT // L if L else 1
+    rows = B * S
+    if not (K == V == BV and K in chunk_bwd_roles.SIZES) or \
+            segments.walk_batch_rows(rows, HV, V, BV, sms, walk_plan.parts) != rows:
+        return None
+    solve = _solve(B, T, H, HV, K, beta_dtype)
+    warm = _warm_ups(B, T, H, HV, K, V, scale, S, L, segments.warm_slice(BV), sms) if L else None
+    states = _states(B, T, H, HV, K, V, has_state, sms)
+    if states is None:
+        return None
+    # the walk's dh0 (and dht): dS_out where the warm-ups give it, else dht's or the initial state's; none without
+    state_grads = bool(L) or has_dht or has_state
+    walk = _walk(B, T, H, HV, K, V, scale, S, state_grads)
+
+    def call(q, k, v, g, beta, do, initial_state, dht):
+        """backward.backward_equal_lengths' launches, in its order."""
+        q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+        gc_hm, beta_hm, t_inv, bound = solve(k, g, beta)
+        gc_walk, beta_walk = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm))
+        dS_out = warm(q, k, v, do, gc_hm, beta_hm, gc_walk, beta_walk, t_inv, bound, dht) if L else dht
+        h = states(k, v, gc_hm, beta_hm, t_inv, bound, initial_state)
+        del gc_hm, beta_hm, bound
+        dq, dk = (torch.empty_like(q) for _ in range(2))
+        dv, dg = torch.empty_like(v), torch.empty_like(g)
+        dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=q.device)
+        if not state_grads:
+            dh0 = None
+        elif dS_out is None:
+            dS_out = dh0 = torch.zeros(B, HV, K, V, dtype=f32, device=q.device)
+        else:
+            dh0 = dS_out if L else torch.empty(B, HV, K, V, dtype=f32, device=q.device)
+        seg = lambda x: segments.as_segments(x, S)
+        walk([seg(q), seg(k), seg(v), seg(do), gc_walk, beta_walk, seg(t_inv), seg(h), dS_out], seg(g),
+             (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0))
+        del h
+        if initial_state is None:
+            return dq, dk, dv, dg, dbeta, None
+        dh0 = dh0.view(B, S, HV, K, V)[:, 0].contiguous()
+        return dq, dk, dv, dg, dbeta, dh0.to(state_dtype)
+    return call
+
+
+def _solve(B: int, T: int, H: int, HV: int, K: int, beta_dtype: torch.dtype) -> Callable:
+    """``backward.solve``: the pre-pass (β read in its dtype where bf16 or fp32, else as fp32)."""
+    read_dtype = beta_dtype if beta_dtype in (bf16, f32) else f32
+    exe = prepass.launcher(prepass.prepass_kernel(H, HV, K, read_dtype, False))
+    Tp, NT = padded_length(T), cdiv(T, BT)
+    pad = NT * BT - Tp
+
+    def run(k, g, beta):
+        beta = beta if beta.dtype == read_dtype else beta.float()
+        a_inv = torch.empty(B, T, HV, BT, dtype=bf16, device=k.device)
+        gc_hm = torch.empty(B, HV, Tp, dtype=f32, device=k.device)
+        beta_hm = torch.empty(B, HV, Tp, dtype=read_dtype, device=k.device)
+        bound = torch.empty(B, HV, NT, dtype=f32, device=k.device)
+        exe(k, g, beta, a_inv, gc_hm, beta_hm, bound)
+        beta_hm = beta_hm.float()
+        if pad:         # backward.whole_chunks
+            gc_hm, beta_hm = (torch.nn.functional.pad(x, (0, pad)) for x in (gc_hm, beta_hm))
+        return gc_hm, beta_hm, a_inv, bound
+    return run
+
+
+def _warm_ups(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int, L: int, BV: int,
+              sms: int) -> Callable:
+    """``segments.warm_state_grads``: the reverse warm-ups, and where ``segments.takes_maps`` says so the segments'
+    maps (M alone) and their scan."""
+    maps = segments.takes_maps(S, L)
+    warm_exe = chunk_bwd.launcher(chunk_bwd.compiled_warm_kernel(H, HV, K, V, scale, BV, capped=maps))
+    rows = B * S
+    if maps:        # reverse_maps.segment_maps (walk_launch.states_maps) and reverse_map_scan
+        tiles = fitted_launch(K, hopper_launch(rows, HV, K, sms) or DEFAULT.launch(64))
+        maps_exe = chunk_fwd.launcher(walk_launch.walk_kernel(H, HV, K, V, tiles["BV"], 1.0, tiles["threads"],
+                                                              tiles["num_stages"], False, f32, True, True,
+                                                              beta_in_a_inv=False, m_only=True))
+        scan_bv = min(reverse_maps.SCAN_BV, V)
+        scan = BoundLaunch(reverse_maps.reverse_map_scan_kernel, (V // scan_bv, B * HV),
+                           num_warps=reverse_maps.SCAN_WARPS, HV=HV, K=K, V=V, BV=scan_bv,
+                           FLAG=reverse_maps.MAP_WALKED)
+
+    def run(q, k, v, do, gc_hm, beta_hm, gc_s, beta_s, t_inv, bound, dht):
+        dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=f32)
+        ds_out = torch.empty(rows, HV, K, V, dtype=f32, device=q.device)
+        flags = torch.empty(rows, HV, dtype=i32, device=q.device)
+        warm_exe(q, k, do, gc_hm, beta_hm, t_inv, dht, bound, ds_out, flags)
+        if maps:
+            seg = lambda x: segments.as_segments(x, S)
+            ks, vs = seg(k), seg(v)
+            m = torch.empty(rows, HV, K, K, dtype=f32, device=q.device)
+            maps_exe(ks, ks, vs, gc_s, beta_s, seg(t_inv), torch.empty(rows, HV, K, V, dtype=f32, device=q.device),
+                     flags, vs, m)
+            scan(ds_out, m, flags, S)
+        return ds_out
+    return run
+
+
+def _states(B: int, T: int, H: int, HV: int, K: int, V: int, has_state: bool, sms: int) -> Optional[Callable]:
+    """``backward.states``: unsegmented, or the planned walk's two launches (None: the five-launch states, not
+    prepared)."""
+    chosen = plan_module.plan(B, HV, V, T, sms)
+    segmented = chosen is not None and chosen.segments > 1
+    if segmented and not chosen.planned_walk:
+        return None
+    launch = chosen.kernel_launch if segmented else hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
+    threshold = chosen.config.negligible_m_log2 if segmented else None
+    exe = chunk_fwd.launcher(walk_launch.states_kernel(H, HV, K, V, launch["BV"], launch["threads"],
+                                                       launch["num_stages"], has_state, f32, warm=segmented,
+                                                       threshold=threshold))
+    NT = cdiv(T, BT)
+
+    def run(k, v, gc_hm, beta_hm, t_inv, bound, initial_state):
+        device = k.device
+        if segmented:       # backward.planned_states
+            gc_hm, beta_hm, ctl = (segments.head_major_as_segments(x, chosen.segments) for x in (gc_hm, beta_hm, bound))
+        else:
+            ctl = torch.empty(B, HV, dtype=i32, device=device)
+        h = torch.empty(B, NT, HV, K, V, dtype=bf16, device=device)
+        ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
+        exe(k, k, v, gc_hm, beta_hm, t_inv, walk_launch.state_arg(initial_state, (B, HV, K, V), device), ctl, h, ht)
+        return h
+    return run
+
+
+def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int, state_grads: bool) -> Callable:
+    """``backward.walk_rows`` on one batch of every row: the role-split walk (``chunk_bwd_roles_hopper``), then the
+    reductions (``partial_sum.partial_sums``)."""
+    exe = chunk_bwd_roles.launcher(chunk_bwd_roles.compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))
+    rows, Ls, G = B * S, T // S, HV // H
+    Lp = cdiv(Ls, BT) * BT
+    BK, BH = partial_sum.triton.next_power_of_2(K), partial_sum.triton.next_power_of_2(HV)
+    BR, BTOK = max(1, partial_sum.ROW_ELEMENTS // BK), max(1, partial_sum.GATE_ELEMENTS // BH)
+    grid = ((2 * cdiv(rows * Ls * H, BR) if G > 1 else 0) + rows * cdiv(Ls, BTOK),)
+    sums = BoundLaunch(partial_sum.partial_sums_kernel, grid, NV=1, G=G, K=K, HV=HV, BT=BT, BK=BK, BR=BR, BH=BH,
+                       BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
+
+    def run(inputs: list, g, out: tuple) -> None:
+        q, k, v, do, gc, beta, t_inv, h, dht = inputs
+        dq, dk, dv, dg, dbeta, dh0 = out
+        device = q.device
+        if state_grads:
+            dht = dht.float().contiguous()
+        else:
+            dht, dh0 = torch.zeros(1, dtype=f32, device=device), torch.empty(1, dtype=f32, device=device)
+        if G > 1:       # the walk's fp32 dq, dk per value head, summed by the reductions
+            dq_heads, dk_heads = (torch.empty(rows, Ls, HV, K, dtype=f32, device=device) for _ in range(2))
+        else:
+            dq_heads, dk_heads = dq, dk
+        dg_p, dbeta_p = (gc.new_empty(1, rows, HV, Lp) for _ in range(2))
+        exe(q, k, v, do, gc, beta, t_inv, h, dht, dq_heads, dk_heads, dv, dg_p[0], dbeta_p[0], dh0)
+        sums(dq_heads, dk_heads, dg_p, dbeta_p, g, dq, dk, dg, dbeta, rows, Ls, Lp // BT)
+    return run
