@@ -28,6 +28,9 @@ pairs × tokens).
                 floor), dq, dk over the value heads of each qk head (HV > H), in a fixed order, every gradient in
                 its dtype: no atomics, the same bits every run
 
+A signature's repeated calls take its prepared call (``backward_prepared.py``: the same launches without the
+checks, the plans and the kernel lookups) where it takes the paths prepared there.
+
 The walk and its reductions run over the rows (sequences, or segments) in batches (``segments.walk_batch_rows``):
 one batch where HV = H; where HV > H each batch's fp32 per-value-head dq, dk are summed into the gradients before
 the next batch is walked (``segments.plan_walk``: a quarter or a half of the rows, a wave of programs at most,
@@ -332,9 +335,10 @@ def backward_equal_lengths(q, k, v, g, beta, scale: float, initial_state: Option
     grads = (seg(dq), seg(dk), seg(dv), seg(dg), seg(dbeta), dh0)
     if per_batch == B * S:          # one batch: the views themselves (no slices: host time on small calls)
         walk_rows(walk_inputs, scale, BV, seg(g), H, grads)
-    for r in range(0, B * S, per_batch) if per_batch < B * S else ():
-        batch = lambda x, rows=slice(r, r + per_batch): None if x is None else x[rows]   # dS_out, dh0 may be None
-        walk_rows([batch(x) for x in walk_inputs], scale, BV, batch(seg(g)), H, tuple(batch(x) for x in grads))
+    else:
+        for r in range(0, B * S, per_batch):
+            batch = lambda x, rows=slice(r, r + per_batch): None if x is None else x[rows]  # dS_out, dh0 may be None
+            walk_rows([batch(x) for x in walk_inputs], scale, BV, batch(seg(g)), H, tuple(batch(x) for x in grads))
     del h
     if initial_state is None:
         return dq, dk, dv, dg, dbeta, None
@@ -402,7 +406,8 @@ def gradients_from_partials(dq_heads, dk_heads, dg_p, dbeta_p, g: torch.Tensor, 
 
 # what the prepared calls repeat (stages_in_place): this module's stages and the launchers under them
 _PREPARED_STAGES = [(module, name, getattr(module, name)) for module, names in (
-    (sys.modules[__name__], ("solve", "states", "planned_states", "walk_rows", "gradients_from_partials")),
+    (sys.modules[__name__], ("backward_equal_lengths", "solve", "states", "planned_states", "walk_rows",
+                             "gradients_from_partials")),
     (segments, ("warm_state_grads",)), (prepass, ("prepass_hopper",)), (chunk_bwd, ("reverse_warm_ups_hopper",)),
     (reverse_maps, ("segment_maps", "reverse_map_scan")), (chunk_bwd_roles, ("chunk_bwd_roles_hopper",)),
     (walk_launch, ("chunk_states_hopper", "states_maps", "chunk_fwd_hopper_hm"))) for name in names]
