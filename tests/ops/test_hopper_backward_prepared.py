@@ -9,33 +9,54 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn.ops.common import partial_sum
-from linattn.ops.hopper import backward, backward_prepared, chunk_bwd, chunk_bwd_roles, chunk_fwd, prepass, reverse_maps
+from linattn.ops.common import partial_sum, seq_parallel
+from linattn.ops.hopper import (
+    backward,
+    backward_prepared,
+    chunk_bwd,
+    chunk_bwd_roles,
+    chunk_fwd,
+    map_bound,
+    prepass,
+    reverse_maps,
+)
 from linattn.ops.hopper import plan as plan_module
 
 from .test_hopper_prepared import Recorder
 
-# (B, T, H, HV, K): the paths at 132 SMs (backward.choose_walk, plan.plan, segments.takes_maps)
+# (B, T, H, HV, K): the paths at 132 SMs (backward.choose_walk, plan.plan, segments.takes_maps), and the launches
+# each takes
 CASES = {
     "row1_uncapped_planned_states": (1, 4096, 16, 16, 128),      # 8 segments, 56-chunk chains; states in 4, planned
     "maps_planned_states": (1, 16384, 4, 4, 128),                # 32 segments: the reverse maps; states in 16
     "maps_gva": (1, 8192, 1, 2, 64),                             # 16 segments, G = 2 (fp32 dq, dk summed)
     "unsegmented": (8, 512, 4, 4, 64),                           # no warm-ups, states unsegmented
-}
+    "five_launch_states_gva_batches": (1, 32768, 2, 8, 64),      # row 7's paths at K = 64: states in 16 segments,
+}                                                                # the walk in 32, two batches of 16 rows
+LAUNCHES = {"row1_uncapped_planned_states": ["prepass", "warm", "states", "walk", "sums"],
+            "maps_planned_states": ["prepass", "warm", "maps", "scan", "states", "walk", "sums"],
+            "maps_gva": ["prepass", "warm", "maps", "scan", "states", "walk", "sums"],
+            "unsegmented": ["prepass", "states", "walk", "sums"],
+            "five_launch_states_gva_batches": ["prepass", "warm", "maps", "scan", "plan", "maps", "affine_scan",
+                                               "states", "walk", "sums", "walk", "sums"]}
+KINDS = {"linattn.ops.hopper.prepass.compiled_kernel": "prepass", "linattn.ops.hopper.chunk_bwd.compiled_warm_kernel":
+         "warm", "linattn.ops.hopper.chunk_bwd_roles.compiled_kernel": "walk"}
 NAMES = "q k v g beta do h0 dht".split()
 
 
 @pytest.fixture
 def recorder(monkeypatch):
     rec = Recorder()
-    for module, name in ((chunk_fwd, "compiled_kernel"), (prepass, "compiled_kernel"),
+    for module, name in ((chunk_fwd, "compiled_kernel"), (prepass, "compiled_kernel"), (chunk_bwd, "compiled_kernel"),
                          (chunk_bwd, "compiled_warm_kernel"), (chunk_bwd_roles, "compiled_kernel")):
         monkeypatch.setattr(module, name, lambda *a, name=f"{module.__name__}.{name}", **kw:
                             (name, a, tuple(sorted(kw.items()))))
     for module in (chunk_fwd, prepass, chunk_bwd, chunk_bwd_roles):
         monkeypatch.setattr(module, "launcher", rec.executable)
     for module, name, label in ((reverse_maps, "reverse_map_scan_kernel", "scan"),
-                                (partial_sum, "partial_sums_kernel", "sums")):
+                                (partial_sum, "partial_sums_kernel", "sums"),
+                                (map_bound, "segment_plan_kernel", "plan"),
+                                (seq_parallel, "affine_scan_kernel", "affine_scan")):
         monkeypatch.setattr(module, name, rec.triton(label, getattr(module, name)))
     monkeypatch.setattr(backward, "check_inputs", lambda *args: None)        # CPU tensors
     return rec
@@ -72,21 +93,25 @@ def test_prepared_call_issues_the_plain_backwards_launches(recorder, monkeypatch
     monkeypatch.setattr(backward, "backward_equal_lengths", None)     # a prepared call must not need it
     again = traced_call(recorder, x)
     assert again == plain
-    kernels = [kernel[0] for kernel, _ in plain[:-6]]
-    maps = case.startswith("maps")
-    assert kernels.count("scan") == maps and kernels.count("sums") == 1
-    assert len(kernels) == 4 + (case != "unsegmented") + 2 * maps      # pre-pass, (warm-ups, maps, scan,) states, walk
+    assert [kind(kernel) for kernel, _ in plain[:-6]] == LAUNCHES[case]
+
+
+def kind(kernel) -> str:
+    """A recorded launch's kind: the Triton kernels' labels, the TileLang builds' by their builder and options."""
+    if kernel[0] != "linattn.ops.hopper.chunk_fwd.compiled_kernel":
+        return KINDS.get(kernel[0], kernel[0])
+    options = dict(kernel[2])
+    return "maps" if options.get("lean") and not options.get("store_states") else "states"
 
 
 def test_unprepared_paths_keep_the_plain_backward(recorder):
-    """The states in five launches (B = 1, T = 32768, 16 heads), the walk in GVA batches (B = 4, T = 8192, H = 16,
-    HV = 32) and a stage stood in for (a benchmark's timed wrapper) are not prepared: each call runs the plain
-    backward, whose launches are the same every time."""
-    for shape in ((1, 32768, 16, 16, 128), (4, 8192, 16, 32, 128)):
-        x = inputs(*shape)
-        first = traced_call(recorder, x)
-        assert list(backward_prepared._prepared.values()) == [None] and traced_call(recorder, x) == first
-        backward_prepared._prepared.clear()
+    """The slice walk (B = 1, T = 256, 2 heads of 128: its programs fit one wave) and a stage stood in for (a
+    benchmark's timed wrapper) are not prepared: each call runs the plain backward, whose launches are the same
+    every time."""
+    x = inputs(1, 256, 2, 2, 128)
+    first = traced_call(recorder, x)
+    assert list(backward_prepared._prepared.values()) == [None] and traced_call(recorder, x) == first
+    backward_prepared._prepared.clear()
     solve = backward.solve
     backward.solve = lambda *a: solve(*a)
     try:

@@ -8,9 +8,8 @@ already are, the plans and the kernel caches' keys — is a large share of the c
 
 A signature (every input's shape and dtype, the initial state's and dht's, the scale and the device) is prepared
 only after the plain backward has run once under it and returned, so its checks passed for those shapes (none of
-them reads a value), and only where it takes the paths prepared here: the role-split walk in one batch of rows;
-the states unsegmented or in the planned walk's two launches; the reverse warm-ups uncapped or with the reverse
-maps. Elsewhere the signature keeps the plain backward. The prepared call issues the plain backward's launches in
+them reads a value), and only where it walks the role-split walk (the slice walk's signatures keep the plain
+backward). The prepared call issues the plain backward's launches in
 the same order, with the same kernels and arguments (``tests/ops/test_hopper_backward_prepared.py`` records both
 with the kernels stubbed and compares them), so its outputs are the plain backward's bit for bit.
 """
@@ -22,11 +21,12 @@ import torch
 
 from ..common import partial_sum
 from ..common.launch import BoundLaunch
+from ..common.seq_parallel import affine_scan_launcher
 from ..utils import MIN_LOG_DECAY, cdiv
-from . import chunk_bwd, chunk_bwd_roles, chunk_fwd, prepass, reverse_maps, segments, walk_launch
+from . import chunk_bwd, chunk_bwd_roles, chunk_fwd, map_bound, prepass, reverse_maps, segments, walk_launch
 from . import plan as plan_module
 from .chunk_fwd import BT, padded_length
-from .plan import DEFAULT, fitted_launch, hopper_launch
+from .plan import DEFAULT, fitted_launch, hopper_launch, map_slots, scan_options, warm_up_max
 
 _prepared: dict[tuple, Optional[Callable]] = {}
 f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
@@ -63,18 +63,15 @@ def build(q, v, beta_dtype: torch.dtype, scale: float, has_state: bool, state_dt
     HV, V = v.shape[2], v.shape[3]
     NT, L = cdiv(T, BT), walk_plan.L
     S = NT // L if L else 1
-    rows = B * S
-    if not (K == V == BV and K in chunk_bwd_roles.SIZES) or \
-            segments.walk_batch_rows(rows, HV, V, BV, sms, walk_plan.parts) != rows:
+    if not (K == V == BV and K in chunk_bwd_roles.SIZES):      # the slice walk: not prepared
         return None
+    per_batch = segments.walk_batch_rows(B * S, HV, V, BV, sms, walk_plan.parts)
     solve = _solve(B, T, H, HV, K, beta_dtype)
     warm = _warm_ups(B, T, H, HV, K, V, scale, S, L, segments.warm_slice(BV), sms) if L else None
-    states = _states(B, T, H, HV, K, V, has_state, sms)
-    if states is None:
-        return None
+    states = _states(B, T, H, HV, K, V, has_state, q.device, sms)
     # the walk's dh0 (and dht): dS_out where the warm-ups give it, else dht's or the initial state's; none without
     state_grads = bool(L) or has_dht or has_state
-    walk = _walk(B, T, H, HV, K, V, scale, S, state_grads)
+    walk = _walk(B, T, H, HV, K, V, scale, S, state_grads, per_batch)
 
     def call(q, k, v, g, beta, do, initial_state, dht):
         """backward.backward_equal_lengths' launches, in its order."""
@@ -158,58 +155,91 @@ def _warm_ups(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: 
     return run
 
 
-def _states(B: int, T: int, H: int, HV: int, K: int, V: int, has_state: bool, sms: int) -> Optional[Callable]:
-    """``backward.states``: unsegmented, or the planned walk's two launches (None: the five-launch states, not
-    prepared)."""
+def _states(B: int, T: int, H: int, HV: int, K: int, V: int, has_state: bool, device: torch.device,
+            sms: int) -> Callable:
+    """``backward.states``: unsegmented, in the planned walk's two launches (``planned_states``) or in the forward's
+    five (``segmented_states``: the segment plan, the maps, their scan, the warm states walk)."""
     chosen = plan_module.plan(B, HV, V, T, sms)
-    segmented = chosen is not None and chosen.segments > 1
-    if segmented and not chosen.planned_walk:
-        return None
-    launch = chosen.kernel_launch if segmented else hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
-    threshold = chosen.config.negligible_m_log2 if segmented else None
-    exe = chunk_fwd.launcher(walk_launch.states_kernel(H, HV, K, V, launch["BV"], launch["threads"],
-                                                       launch["num_stages"], has_state, f32, warm=segmented,
-                                                       threshold=threshold))
+    S = chosen.segments if chosen is not None else 1
+    launch = chosen.kernel_launch if S > 1 else hopper_launch(B, HV, V, sms) or DEFAULT.launch(64)
+    five = S > 1 and not chosen.planned_walk
+    kernel = lambda **options: chunk_fwd.launcher(walk_launch.states_kernel(
+        H, HV, K, V, launch["BV"], launch["threads"], launch["num_stages"], **options))
     NT = cdiv(T, BT)
+    if S == 1:
+        exe = kernel(use_initial_state=has_state, beta_dtype=f32)
+    elif not five:
+        exe = kernel(use_initial_state=has_state, beta_dtype=f32, warm=True,
+                     threshold=chosen.config.negligible_m_log2)
+    else:
+        config, BS, LC = chosen.config, B * S, NT // S
+        flags_of = map_bound.segment_plan_launcher(BS, HV, LC, S, warm_up_max(LC, config), config.negligible_m_log2,
+                                                   True, True, map_slots(device, B))
+        tiles = fitted_launch(K, launch)
+        maps_exe = chunk_fwd.launcher(walk_launch.walk_kernel(H, HV, K, V, tiles["BV"], 1.0, tiles["threads"],
+                                                              tiles["num_stages"], False, f32, True, True,
+                                                              beta_in_a_inv=False))
+        scan = affine_scan_launcher(BS, HV, K, V, B, S, config.scan_bv, has_state, True, **scan_options(K, config))
+        exe = kernel(use_initial_state=True, beta_dtype=f32, warm=True)
 
     def run(k, v, gc_hm, beta_hm, t_inv, bound, initial_state):
         device = k.device
-        if segmented:       # backward.planned_states
-            gc_hm, beta_hm, ctl = (segments.head_major_as_segments(x, chosen.segments) for x in (gc_hm, beta_hm, bound))
+        if S > 1:
+            gc_hm, beta_hm, bound = (segments.head_major_as_segments(x, S) for x in (gc_hm, beta_hm, bound))
+        if five:        # backward.segmented_states
+            flags = flags_of(bound, map_bound.plan_outputs(BS, HV, device))
+            seg = lambda x: segments.as_segments(x, S)
+            ks, vs = seg(k), seg(v)
+            mn = torch.empty(BS, HV, K, K + V, dtype=f32, device=device)
+            maps_exe(ks, ks, vs, gc_hm, beta_hm, seg(t_inv), torch.empty(BS, HV, K, V, dtype=f32, device=device),
+                     flags.skip_m, vs, mn)
+            h0 = initial_state.float().contiguous() if initial_state is not None else None
+            entering, ctl = scan(mn, h0, flags.skip_m), flags.warm
         else:
-            ctl = torch.empty(B, HV, dtype=i32, device=device)
+            entering = walk_launch.state_arg(initial_state, (B, HV, K, V), device)
+            ctl = bound if S > 1 else torch.empty(B, HV, dtype=i32, device=device)
         h = torch.empty(B, NT, HV, K, V, dtype=bf16, device=device)
         ht = torch.empty(B, HV, K, V, dtype=f32, device=device)
-        exe(k, k, v, gc_hm, beta_hm, t_inv, walk_launch.state_arg(initial_state, (B, HV, K, V), device), ctl, h, ht)
+        exe(k, k, v, gc_hm, beta_hm, t_inv, entering, ctl, h, ht)
         return h
     return run
 
 
-def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int, state_grads: bool) -> Callable:
-    """``backward.walk_rows`` on one batch of every row: the role-split walk (``chunk_bwd_roles_hopper``), then the
-    reductions (``partial_sum.partial_sums``)."""
+def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int, state_grads: bool,
+          per_batch: int) -> Callable:
+    """``backward.walk_rows`` over the rows in batches of ``per_batch`` (``segments.walk_batch_rows``): the role-split
+    walk (``chunk_bwd_roles_hopper``), then the reductions (``partial_sum.partial_sums``), a batch at a time."""
     exe = chunk_bwd_roles.launcher(chunk_bwd_roles.compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))
     rows, Ls, G = B * S, T // S, HV // H
     Lp = cdiv(Ls, BT) * BT
     BK, BH = partial_sum.triton.next_power_of_2(K), partial_sum.triton.next_power_of_2(HV)
     BR, BTOK = max(1, partial_sum.ROW_ELEMENTS // BK), max(1, partial_sum.GATE_ELEMENTS // BH)
-    grid = ((2 * cdiv(rows * Ls * H, BR) if G > 1 else 0) + rows * cdiv(Ls, BTOK),)
-    sums = BoundLaunch(partial_sum.partial_sums_kernel, grid, NV=1, G=G, K=K, HV=HV, BT=BT, BK=BK, BR=BR, BH=BH,
-                       BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
+    sums = {n: BoundLaunch(partial_sum.partial_sums_kernel,
+                           ((2 * cdiv(n * Ls * H, BR) if G > 1 else 0) + n * cdiv(Ls, BTOK),), NV=1, G=G, K=K, HV=HV,
+                           BT=BT, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
+            for n in {min(per_batch, rows - r) for r in range(0, rows, per_batch)}}
 
-    def run(inputs: list, g, out: tuple) -> None:
+    def walk_batch(inputs: list, g, out: tuple) -> None:
         q, k, v, do, gc, beta, t_inv, h, dht = inputs
         dq, dk, dv, dg, dbeta, dh0 = out
-        device = q.device
+        n, device = q.shape[0], q.device
         if state_grads:
             dht = dht.float().contiguous()
         else:
             dht, dh0 = torch.zeros(1, dtype=f32, device=device), torch.empty(1, dtype=f32, device=device)
         if G > 1:       # the walk's fp32 dq, dk per value head, summed by the reductions
-            dq_heads, dk_heads = (torch.empty(rows, Ls, HV, K, dtype=f32, device=device) for _ in range(2))
+            dq_heads, dk_heads = (torch.empty(n, Ls, HV, K, dtype=f32, device=device) for _ in range(2))
         else:
             dq_heads, dk_heads = dq, dk
-        dg_p, dbeta_p = (gc.new_empty(1, rows, HV, Lp) for _ in range(2))
+        dg_p, dbeta_p = (gc.new_empty(1, n, HV, Lp) for _ in range(2))
         exe(q, k, v, do, gc, beta, t_inv, h, dht, dq_heads, dk_heads, dv, dg_p[0], dbeta_p[0], dh0)
-        sums(dq_heads, dk_heads, dg_p, dbeta_p, g, dq, dk, dg, dbeta, rows, Ls, Lp // BT)
+        sums[n](dq_heads, dk_heads, dg_p, dbeta_p, g, dq, dk, dg, dbeta, n, Ls, Lp // BT)
+
+    def run(inputs: list, g, out: tuple) -> None:
+        if per_batch == rows:
+            walk_batch(inputs, g, out)
+            return
+        for r in range(0, rows, per_batch):
+            batch = lambda x, part=slice(r, r + per_batch): None if x is None else x[part]
+            walk_batch([batch(x) for x in inputs], batch(g), tuple(batch(x) for x in out))
     return run
