@@ -69,7 +69,7 @@ def build(q, v, beta_dtype: torch.dtype, scale: float, has_state: bool, state_dt
     solve = _solve(B, T, H, HV, K, beta_dtype)
     warm = _warm_ups(B, T, H, HV, K, V, scale, S, L, segments.warm_slice(BV), sms) if L else None
     states = _states(B, T, H, HV, K, V, has_state, q.device, sms)
-    # the walk's dh0 (and dht): dS_out where the warm-ups give it, else dht's or the initial state's; none without
+    # the walk's state gradients (dS_out in, dh0 out): where the warm-ups give dS_out, or dht or h0 is given
     state_grads = bool(L) or has_dht or has_state
     walk = _walk(B, T, H, HV, K, V, scale, S, state_grads, per_batch)
 
