@@ -7,9 +7,9 @@ the gradient of the state leaving it, dS_out(s), gives exactly the unsegmented w
 the gradient entering it. Every dS_out comes from a reverse warm-up (:func:`warm_state_grads`,
 ``chunk_bwd.reverse_warm_ups_hopper``, one launch before the walk): the dS chain alone from zero, w chunks after
 the segment, w found in-kernel from the pre-pass's chunk bounds (their sum below −30: error ≤ 2⁻³⁰ of ‖dS‖), or
-from dht where the warm-up reaches the sequence's end (exact). From three segments a warm-up walks one segment at
-most, and where the gates keep the state longer the next segment's map and a scan over the segments give the rest
-(``reverse_maps.py``).
+from dht where the warm-up reaches the sequence's end (exact). Where the uncapped warm-ups could walk long chains
+(:func:`takes_maps`) a warm-up walks one segment at most, and where the gates keep the state longer the next
+segment's map and a scan over the segments give the rest (``reverse_maps.py``).
 
 With T a multiple of 64·L a segment is a view: q ``[B, T, H, K]`` → ``[B·S, T/S, H, K]`` (likewise k, v, do and
 T = A_inv) and h ``[B, NT, HV, K, V]`` → ``[B·S, NT/S, HV, K, V]``, segment s of sequence b at b·S + s; the
