@@ -16,9 +16,8 @@ pairs × tokens).
     segments    where ``segments.plan_walk`` (or segment_chunks) cuts the sequences: the reverse warm-ups
                 (``chunk_bwd.reverse_warm_ups_hopper``, one launch) give dS_out, the gradient of the state leaving
                 every segment; where ``segments.takes_maps`` says so (long uncapped chains) the warm-ups walk one
-                segment at most, and the maps of the
-                segments whose gates keep the state longer, and their scan, give the rest (``reverse_maps.py``,
-                two launches)
+                segment at most, and the maps of the segments whose gates keep the state longer, and their scan,
+                give the rest (``reverse_maps.py``, two launches)
     walk        the role-split walk (``chunk_bwd_roles.chunk_bwd_roles_hopper``, K = V = 64 or 128: one program per
                 (sequence or segment, value head) over the whole V) or the slice walk (``chunk_bwd.chunk_bwd_hopper``:
                 one per V slice, the slices of a head one thread-block cluster, their dq, dk tiles added in the
