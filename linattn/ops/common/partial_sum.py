@@ -16,7 +16,7 @@ T = 8192, H = 16, HV = 32, K = 128): dq and dk read 1.07 GB of fp32 per value he
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..utils import MIN_LOG_DECAY, cdiv, output_tensor
 from . import CHUNK
-from .launch import launch
+from .launch import BoundLaunch, launch
 
 ROW_ELEMENTS = 4096     # dq, dk values summed per program (rows × K): 16 KB of fp32 per partial read
 # dg, dβ values per program (HV × tokens): a larger tile and its on-chip transpose raise the kernel's registers for
@@ -151,12 +151,30 @@ def partial_sums(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch
                 grad.copy_(heads)
     dg = output_tensor(given["dg"], "dg", (B, T, HV), g.dtype, g.device)
     dbeta = output_tensor(given["dbeta"], "dbeta", (B, T, HV), beta_dtype, g.device)
+    grid, constexprs = _sums_launch(B, T, H, HV, K, NV)
+    launch(partial_sums_kernel, grid, dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T,
+           Lp // CHUNK, **constexprs)
+    return dq, dk, dg, dbeta
+
+
+def _sums_launch(B: int, T: int, H: int, HV: int, K: int, NV: int) -> tuple[tuple, dict]:
+    """partial_sums_kernel's grid and constexprs for B rows of T tokens, H qk heads, HV value heads of K, NV
+    slices."""
+    G = HV // H
     BK, BH = triton.next_power_of_2(K), triton.next_power_of_2(HV)
     BR, BTOK = max(1, ROW_ELEMENTS // BK), max(1, GATE_ELEMENTS // BH)
     grid = ((2 * cdiv(B * T * H, BR) if G > 1 else 0) + B * cdiv(T, BTOK),)
-    launch(partial_sums_kernel, grid, dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta, B, T,
-           Lp // CHUNK, NV=NV, G=G, K=K, HV=HV, BT=CHUNK, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
-    return dq, dk, dg, dbeta
+    return grid, dict(NV=NV, G=G, K=K, HV=HV, BT=CHUNK, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
+
+
+def partial_sums_launcher(B: int, T: int, H: int, HV: int, K: int, NV: int, Lp: int) -> Callable:
+    """:func:`partial_sums` for a prepared call (``hopper/backward_prepared.py``): its launch configuration once;
+    then ``sums(dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg, dbeta)`` on contiguous tensors of those
+    sizes (the partials ``[NV, B, HV, Lp]``), the outputs the caller's (where HV = H, dq and dk the walk's own),
+    through ``common.launch.BoundLaunch`` (the same kernel and arguments, none of the per-call checks)."""
+    grid, constexprs = _sums_launch(B, T, H, HV, K, NV)
+    run = BoundLaunch(partial_sums_kernel, grid, **constexprs)
+    return lambda *tensors: run(*tensors, B, T, Lp // CHUNK)
 
 
 def partial_sums_ref(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch.Tensor,

@@ -20,9 +20,8 @@ from typing import Callable, Optional
 import torch
 
 from ..common import partial_sum
-from ..common.launch import BoundLaunch
 from ..common.seq_parallel import affine_scan_launcher
-from ..utils import MIN_LOG_DECAY, cdiv
+from ..utils import cdiv
 from . import chunk_bwd, chunk_bwd_roles, chunk_fwd, map_bound, prepass, reverse_maps, segments, walk_launch
 from . import plan as plan_module
 from .chunk_fwd import BT, padded_length
@@ -130,14 +129,8 @@ def _warm_ups(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: 
     warm_exe = chunk_bwd.launcher(chunk_bwd.compiled_warm_kernel(H, HV, K, V, scale, BV, capped=maps))
     rows = B * S
     if maps:        # reverse_maps.segment_maps (walk_launch.states_maps) and reverse_map_scan
-        tiles = fitted_launch(K, hopper_launch(rows, HV, K, sms) or DEFAULT.launch(64))
-        maps_exe = chunk_fwd.launcher(walk_launch.walk_kernel(H, HV, K, V, tiles["BV"], 1.0, tiles["threads"],
-                                                              tiles["num_stages"], False, f32, True, True,
-                                                              beta_in_a_inv=False, m_only=True))
-        scan_bv = min(reverse_maps.SCAN_BV, V)
-        scan = BoundLaunch(reverse_maps.reverse_map_scan_kernel, (V // scan_bv, B * HV),
-                           num_warps=reverse_maps.SCAN_WARPS, HV=HV, K=K, V=V, BV=scan_bv,
-                           FLAG=reverse_maps.MAP_WALKED)
+        maps_exe = _maps_executable(H, HV, K, V, reverse_maps.maps_tiles(rows, HV, K, sms), m_only=True)
+        scan = reverse_maps.reverse_map_scan_launcher(B, HV, K, V)
 
     def run(q, k, v, do, gc_hm, beta_hm, gc_s, beta_s, t_inv, bound, dht):
         dht = dht.float().contiguous() if dht is not None else q.new_zeros(B, HV, K, V, dtype=f32)
@@ -175,10 +168,7 @@ def _states(B: int, T: int, H: int, HV: int, K: int, V: int, has_state: bool, de
         config, BS, LC = chosen.config, B * S, NT // S
         flags_of = map_bound.segment_plan_launcher(BS, HV, LC, S, warm_up_max(LC, config), config.negligible_m_log2,
                                                    True, True, map_slots(device, B))
-        tiles = fitted_launch(K, launch)
-        maps_exe = chunk_fwd.launcher(walk_launch.walk_kernel(H, HV, K, V, tiles["BV"], 1.0, tiles["threads"],
-                                                              tiles["num_stages"], False, f32, True, True,
-                                                              beta_in_a_inv=False))
+        maps_exe = _maps_executable(H, HV, K, V, fitted_launch(K, launch), m_only=False)
         scan = affine_scan_launcher(BS, HV, K, V, B, S, config.scan_bv, has_state, True, **scan_options(K, config))
         exe = kernel(use_initial_state=True, beta_dtype=f32, warm=True)
 
@@ -205,6 +195,14 @@ def _states(B: int, T: int, H: int, HV: int, K: int, V: int, has_state: bool, de
     return run
 
 
+def _maps_executable(H: int, HV: int, K: int, V: int, tiles: dict, m_only: bool) -> Callable:
+    """``walk_launch.states_maps``' kernel: the lean affine walk of the states walk's operator (no initial state,
+    fp32 β) at ``tiles`` (BV, threads, num_stages), M alone with ``m_only``."""
+    return chunk_fwd.launcher(walk_launch.walk_kernel(H, HV, K, V, tiles["BV"], 1.0, tiles["threads"],
+                                                      tiles["num_stages"], False, f32, True, True,
+                                                      beta_in_a_inv=False, m_only=m_only))
+
+
 def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int, state_grads: bool,
           per_batch: int) -> Callable:
     """``backward.walk_rows`` over the rows in batches of ``per_batch`` (``segments.walk_batch_rows``): the role-split
@@ -212,11 +210,7 @@ def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int,
     exe = chunk_bwd_roles.launcher(chunk_bwd_roles.compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))
     rows, Ls, G = B * S, T // S, HV // H
     Lp = cdiv(Ls, BT) * BT
-    BK, BH = partial_sum.triton.next_power_of_2(K), partial_sum.triton.next_power_of_2(HV)
-    BR, BTOK = max(1, partial_sum.ROW_ELEMENTS // BK), max(1, partial_sum.GATE_ELEMENTS // BH)
-    sums = {n: BoundLaunch(partial_sum.partial_sums_kernel,
-                           ((2 * cdiv(n * Ls * H, BR) if G > 1 else 0) + n * cdiv(Ls, BTOK),), NV=1, G=G, K=K, HV=HV,
-                           BT=BT, BK=BK, BR=BR, BH=BH, BTOK=BTOK, FLOOR=MIN_LOG_DECAY)
+    sums = {n: partial_sum.partial_sums_launcher(n, Ls, H, HV, K, 1, Lp)
             for n in {min(per_batch, rows - r) for r in range(0, rows, per_batch)}}
 
     def walk_batch(inputs: list, g, out: tuple) -> None:
@@ -233,7 +227,7 @@ def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int,
             dq_heads, dk_heads = dq, dk
         dg_p, dbeta_p = (gc.new_empty(1, n, HV, Lp) for _ in range(2))
         exe(q, k, v, do, gc, beta, t_inv, h, dht, dq_heads, dk_heads, dv, dg_p[0], dbeta_p[0], dh0)
-        sums[n](dq_heads, dk_heads, dg_p, dbeta_p, g, dq, dk, dg, dbeta, n, Ls, Lp // BT)
+        sums[n](dq_heads, dk_heads, dg_p, dbeta_p, g, dq, dk, dg, dbeta)
 
     def run(inputs: list, g, out: tuple) -> None:
         if per_batch == rows:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.launch import launch
+from ..common.launch import BoundLaunch, launch
 from . import walk_launch
 from .plan import DEFAULT, fitted_launch, hopper_launch
 
@@ -42,8 +42,13 @@ def segment_maps(k: torch.Tensor, v: torch.Tensor, gc_s: torch.Tensor, beta_s: t
     segments' gc, β head-major ``[B·S, HV, L·64]`` fp32. One program per (segment, head, K tile): the launch the
     forward's walk would take over K columns."""
     rows, HV, K = gc_s.shape[0], gc_s.shape[1], k.shape[3]
-    tiles = fitted_launch(K, hopper_launch(rows, HV, K, sms) or DEFAULT.launch(64))
-    return walk_launch.states_maps(k, v, gc_s, beta_s, t_inv, map_flags, m_only=True, **tiles)
+    return walk_launch.states_maps(k, v, gc_s, beta_s, t_inv, map_flags, m_only=True, **maps_tiles(rows, HV, K, sms))
+
+
+def maps_tiles(rows: int, HV: int, K: int, sms: int) -> dict:
+    """The maps' launch (BV, threads, num_stages) over ``rows`` segments of HV heads: the forward walk's over K
+    columns."""
+    return fitted_launch(K, hopper_launch(rows, HV, K, sms) or DEFAULT.launch(64))
 
 
 @triton.jit(do_not_specialize=["NSEG"])     # one binary for every segment count
@@ -85,9 +90,21 @@ def reverse_map_scan(ds_out: torch.Tensor, maps: torch.Tensor, map_flags: torch.
     if ds_out.dtype != torch.float32 or maps.dtype != torch.float32 or map_flags.dtype != torch.int32:
         raise TypeError(f"ds_out and maps must be fp32 and map_flags int32, got {ds_out.dtype}, {maps.dtype}, "
                         f"{map_flags.dtype}")
+    grid, constexprs = _scan_launch(rows // segments, HV, K, V)
+    launch(reverse_map_scan_kernel, grid, ds_out, maps, map_flags, segments, num_warps=SCAN_WARPS, **constexprs)
+
+
+def _scan_launch(B: int, HV: int, K: int, V: int) -> tuple[tuple, dict]:
+    """reverse_map_scan_kernel's grid and constexprs for B sequences of HV heads."""
     BV = min(SCAN_BV, V)
-    launch(reverse_map_scan_kernel, (V // BV, rows // segments * HV), ds_out, maps, map_flags, segments, HV=HV, K=K,
-           V=V, BV=BV, FLAG=MAP_WALKED, num_warps=SCAN_WARPS)
+    return (V // BV, B * HV), dict(HV=HV, K=K, V=V, BV=BV, FLAG=MAP_WALKED)
+
+
+def reverse_map_scan_launcher(B: int, HV: int, K: int, V: int) -> BoundLaunch:
+    """:func:`reverse_map_scan` for a prepared call (``hopper/backward_prepared.py``): its launch configuration once;
+    then ``scan(ds_out, maps, map_flags, segments)`` on tensors of its shapes, none of the per-call checks."""
+    grid, constexprs = _scan_launch(B, HV, K, V)
+    return BoundLaunch(reverse_map_scan_kernel, grid, num_warps=SCAN_WARPS, **constexprs)
 
 
 def reverse_map_scan_ref(ds_out: torch.Tensor, maps: torch.Tensor, map_flags: torch.Tensor, segments: int
