@@ -27,6 +27,9 @@ alone, so no queue and no GPU wait in it), with Python's garbage
 collections inside the calls counted and timed, the calls that synchronise with the device counted
 (``torch.cuda.set_sync_debug_mode``), and the caching allocator's trips to the driver during them: whether a
 host-bound call's time is its Python, a collection now and then, a hidden sync or cudaMalloc / cudaFree.
+``--plain`` (with ``--train``): each shape's fwd+bwd with the Hopper backward prepared (``hopper.backward_prepared``,
+the default) and plain (``host_overhead.unprepared``: a signature's first call), alternated four times in one
+process, the medians and whether the two give the same gradients bit for bit.
 """
 import collections
 import gc
@@ -124,6 +127,22 @@ def check(B, T, H, HV, K=128, V=None, graph=False):
     return dict(shape=(B, T, H, HV, K, V or K), packed=PACKED, path=PATH, train=TRAIN, slow_gates=SLOW_GATES,
                 mixed_gates=MIXED_GATES, first_call_s=round(first, 1), op_ms=round(ms, 4), host_us=round(host, 1),
                 **extra)
+
+
+def prepared_against_plain(B, T, H, HV, K=128, V=None, rounds=4):
+    """Print ``--plain``'s medians (ms) of fwd+bwd with the Hopper backward prepared and plain, alternated."""
+    from host_overhead import unprepared
+    xs, packed = op_inputs(B, T, H, HV, K, V or K)
+    fn = op_call(xs, K, packed)
+    plain = lambda: unprepared(fn)
+    with grad_mode():
+        same = all(torch.equal(a, b) for a, b in zip(fn(), plain()))
+        ms = {"prepared": [], "plain": []}
+        for _ in range(rounds):
+            ms["prepared"].append(bench(fn))
+            ms["plain"].append(bench(plain))
+    print(dict(shape=(B, T, H, HV, K, V or K), **{f"{name}_ms": round(statistics.median(v), 4)
+                                                  for name, v in ms.items()}, bitwise_same=same), flush=True)
 
 
 def profile(B, T, H, HV, K=128, V=None, calls=200):
@@ -243,6 +262,9 @@ for arg in (a for a in args if not a.startswith("--")):
         continue
     if "--host-parts" in args:
         host_parts(*shape)
+        continue
+    if "--plain" in args:
+        prepared_against_plain(*shape)
         continue
     graph = "--graph" in args
     for _ in range(repeat):
