@@ -131,6 +131,8 @@ def check(B, T, H, HV, K=128, V=None, graph=False):
 
 def prepared_against_plain(B, T, H, HV, K=128, V=None, rounds=4):
     """Print ``--plain``'s medians (ms) of fwd+bwd with the Hopper backward prepared and plain, alternated."""
+    if not TRAIN:
+        raise SystemExit("--plain compares two backwards: pass --train too")
     from host_overhead import unprepared
     xs, packed = op_inputs(B, T, H, HV, K, V or K)
     fn = op_call(xs, K, packed)

@@ -199,7 +199,8 @@ def _maps_executable(H: int, HV: int, K: int, V: int, tiles: dict, m_only: bool)
     """``walk_launch.states_maps``' kernel: the lean affine walk of the states walk's operator (no initial state,
     fp32 β) at ``tiles`` (BV, threads, num_stages), M alone with ``m_only``."""
     return chunk_fwd.launcher(walk_launch.walk_kernel(H, HV, K, V, tiles["BV"], 1.0, tiles["threads"],
-                                                      tiles["num_stages"], False, f32, True, True,
+                                                      tiles["num_stages"], use_initial_state=False,
+                                                      beta_dtype=f32, affine=True, lean=True,
                                                       beta_in_a_inv=False, m_only=m_only))
 
 
