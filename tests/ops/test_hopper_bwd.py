@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from linattn.ops.gated_delta.reference import gated_delta_rule_reference
-from linattn.ops.hopper import backward, chunk_fwd, prepass, reverse_maps, segments, walk_launch
+from linattn.ops.hopper import backward, chunk_bwd, chunk_fwd, prepass, reverse_maps, segments, walk_launch
 from linattn.ops.hopper import chunk_bwd_ref as bwd
 from linattn.ops.hopper import chunk_fwd_ref as fwd_twins
 
@@ -195,6 +195,21 @@ def test_partial_sums_equal_their_twin(NV, H, HV, K):
 
 
 @pytest.mark.interpreter
+def test_partial_sums_add_the_walks_bf16_dq_heads_in_fp32():
+    """The walk's per-value-head dtypes with GVA (chunk_bwd.qk_heads_dtypes: dq bf16, dk fp32): the twin's fp32
+    bits, dq's heads summed in fp32 (a bf16 sum rounds at every head: four values of 1 + 2⁻⁷ add to 4 + 2⁻⁵ in
+    fp32, not in bf16)."""
+    from linattn.ops.common.partial_sum import partial_sums, partial_sums_ref
+    dq_h, dk_h, dg_p, db_p, g = _walk_partials(2, 2, 37, 1, 4, 32, seed=4)
+    dq_h = dq_h.to(chunk_bwd.qk_heads_dtypes(4)[0])
+    dq_h[0, 0] = 1 + 2 ** -7
+    got = partial_sums(dq_h, dk_h, dg_p, db_p, g, 1, torch.float32, torch.float32)
+    twin = partial_sums_ref(dq_h, dk_h, dg_p, db_p, g, 1, torch.float32, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(got, twin))
+    assert (got[0][0, 0] == 4 * (1 + 2 ** -7)).all()
+
+
+@pytest.mark.interpreter
 def test_partial_sums_cast_to_the_gradients_dtypes():
     """bf16 dq, dk and dβ: the twin's, to one bf16 unit in the last place (the interpreter rounds fp32 → bf16 by
     truncation, the GPU to nearest even); dg stays in g's dtype."""
@@ -280,7 +295,7 @@ def test_partial_sums_reject_bad_partials():
     from linattn.ops.common.partial_sum import partial_sums
     dq_p, dk_p, dg_p, db_p, g = _walk_partials(2, 1, 37, 1, 2, 16)
     for bad, match in [(dict(H=3), "multiple"), (dict(dk_p=dk_p[:, :5]), "one shape"),
-                       (dict(dq_p=dq_p.bfloat16(), dk_p=dk_p.bfloat16()), "per value head must be one of"),
+                       (dict(dq_p=dq_p.half()), "per value head must be of"),
                        (dict(dg_p=dg_p[..., :30]), "Lp"), (dict(db_p=db_p.bfloat16()), "dbeta partials"),
                        (dict(g=g[:, :5]), "g must")]:
         x = {**dict(dq_p=dq_p, dk_p=dk_p, dg_p=dg_p, db_p=db_p, g=g, H=1), **bad}
@@ -343,9 +358,9 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
     no wgmma (C7512). No shared-memory scan template: TileLang's CumSum1D runs on threads 0–31, the producer
     warpgroup's in this warp-specialised kernel, so its scan would never run (the dg bug the GPU found).
     The slices' exchange: NV = V / BV slices launched as one cluster; at the exchange points each of dq, dk awaited
-    by the chunk's owner (one call in a loop over the others) and published by every other slice; dq, dk stored in
-    fp32 per value head with GVA, in bf16 (the gradient itself) without; one slice: no cluster, no exchange."""
-    from linattn.ops.hopper import chunk_bwd
+    by the chunk's owner (one call in a loop over the others) and published by every other slice; dq, dk stored
+    per value head with GVA (dq bf16, dk fp32), in bf16 (the gradients themselves) without; one slice: no cluster, no
+    exchange."""
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
     kernel = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")  # gpu_check_hopper_bwd's
     source = kernel.get_kernel_source()
@@ -356,8 +371,8 @@ def test_reverse_walk_compiles_for_sm90a(tmp_path, H, K, BV):
     assert clusters == ([] if NV == 1 else [str(NV)]), clusters
     awaits, publishes = (0, 0) if NV == 1 else (2, 2)
     assert source.count("linattn_warp_await((") == awaits and source.count("linattn_warp_publish((") == publishes
-    stored = "bfloat16_t* __restrict__ dq" if H == 4 else "float* __restrict__ dq"
-    assert stored in source, stored
+    dk_stored = "bfloat16_t* __restrict__ dk" if H == 4 else "float* __restrict__ dk"    # chunk_bwd.qk_heads_dtypes
+    assert "bfloat16_t* __restrict__ dq" in source and dk_stored in source, dk_stored
     assert launch_shared_bytes(kernel) <= CTA_SHARED, launch_shared_bytes(kernel)
     report = compile_sm90a(source, tmp_path)[1]
     ptxas = ptxas_summary(report)
@@ -380,9 +395,8 @@ def assert_launch_matches_params(launched: list, params) -> None:
 def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, BV):
     """chunk_bwd_hopper's tensors (CPU stand-ins; the launch recorded, not run) against the compiled walk's
     parameters, which the launch checks on the GPU: every dtype, and every shape with one value per symbolic size —
-    dq, dk bf16 without GVA, fp32 with; the exchange ring and its zeroed flags per (sequence, value head), or one
-    element each for one slice."""
-    from linattn.ops.hopper import chunk_bwd
+    dq, dk bf16 without GVA, dq bf16 and dk fp32 with; the exchange ring and its zeroed flags per (sequence, value
+    head), or one element each for one slice."""
     compiled = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")
     launched = []
     monkeypatch.setattr(chunk_bwd, "compiled_kernel", lambda *args, **kw: compiled)
@@ -396,7 +410,7 @@ def test_reverse_walk_launch_matches_the_kernels_parameters(monkeypatch, H, K, B
                                      torch.zeros(B, NT, 4, K, K, dtype=bf), None, K ** -0.5, BV)
     assert len(launched) == len(compiled.params) and out[0] is launched[9] and out[1] is launched[10]
     assert_launch_matches_params(launched, compiled.params)
-    assert out[0].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
+    assert out[0].dtype == bf and out[1].dtype == (bf if H == 4 else torch.float32) and not launched[-1].any()
     flags = B * 4 * 2 * 2 * 1 * chunk_bwd.FLAG_WARPS    # 2 · NV (NV − 1) per (sequence, value head)
     assert launched[-1].numel() == (1 if BV == K else flags)
     given = dict(dv=torch.empty(B, T, 4, K, dtype=bf), dh0=torch.empty(B, 4, K, K))
@@ -418,7 +432,6 @@ def test_reverse_walk_without_state_gradients(monkeypatch):
     writes no dh0 (its dS starts at zero), its dht and dh0 are one-element placeholders, and the launch matches its
     parameters; with dht given, or dh0 wanted, the launch is the default build's. (On an H100 the two builds give
     the same dq, dk, dv, dg, dβ bit for bit, at row 2 and at B = 1, T = 8192, H = 2, HV = 8.)"""
-    from linattn.ops.hopper import chunk_bwd
     H, K, BV = 2, 128, 64
     default = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a")
     lean = chunk_bwd.compiled_kernel(H, 4, K, K, K ** -0.5, BV, "sm_90a", state_grads=False)
@@ -454,7 +467,6 @@ def test_reverse_warm_ups_compile_for_sm90a(tmp_path, K, BV):
     Pᵀ dO, C2, C3's three) on bf16 wgmma, no h or v loaded, no gradient but dS_out stored; its shared memory within
     the walk's 218 368 B at K = 128, BV = 64 (the walk's tiles, those the chain reads), no spill, no serialised
     wgmma."""
-    from linattn.ops.hopper import chunk_bwd
     from linattn.ops.hopper.cubin import compile_sm90a, launch_shared_bytes, ptxas_summary
     kernel = chunk_bwd.compiled_warm_kernel(2, 4, K, K, K ** -0.5, BV, "sm_90a")
     source = kernel.get_kernel_source()
@@ -527,8 +539,8 @@ def _twin_walk(q, k, v, do, gc, beta, a_inv, h, dht, scale, BV, want_dh0=True, *
     saved = bwd.SavedForward(torch.nn.functional.pad(gc[..., :T], pad, mode="replicate"), beta, a_inv.float(),
                              h.transpose(1, 2).float(), 1)
     p = bwd.chunk_bwd_v_slices_ref(q, k, v, do, dht, saved, scale, BV, None, "exact")
-    qk_dtype = q.dtype if v.shape[2] == q.shape[2] else torch.float32      # the walk's dq, dk (G = 1: the gradients)
-    made = dict(dq=p.dq.to(qk_dtype), dk=p.dk.to(qk_dtype), dv=p.dv, dh0=p.dh0)
+    dq_dtype, dk_dtype = chunk_bwd.qk_heads_dtypes(v.shape[2] // q.shape[2])     # the walk's (G = 1: the gradients)
+    made = dict(dq=p.dq.to(dq_dtype), dk=p.dk.to(dk_dtype), dv=p.dv, dh0=p.dh0)
     for name, x in out.items():
         x.copy_(made[name])
         made[name] = x
@@ -550,7 +562,6 @@ def use_host_chain_twins(monkeypatch) -> list:
     """The recompute's kernels, the walk, the reverse warm-ups and the reverse maps' affine walk replaced by their
     twins, the dtype and device checks lifted: the host chain alone runs (the reverse maps' scan in the
     interpreter). Returns the list each warm-ups launch appends its segment count to."""
-    from linattn.ops.hopper import chunk_bwd
     use_recompute_twins(monkeypatch)
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper", _twin_walk)
     monkeypatch.setattr(walk_launch, "chunk_fwd_hopper_hm", fwd_twins.chunk_fwd_hopper_hm_ref)
@@ -861,7 +872,6 @@ def test_no_final_state_gradient_is_zeros_and_a_given_one_is_kept(monkeypatch, s
     starts as the zeros it reads; unsegmented without an initial state, the walk without state gradients, from a
     zero dS), unsegmented and in segments; a caller's dht is read, never written (the walk's
     dh0 is a buffer of its own, or the warm-ups' dS_out in segments). The twins, fp32, under the interpreter."""
-    from linattn.ops.hopper import chunk_bwd
     use_host_chain_twins(monkeypatch)
     walks = []      # per walk launch: whether it was asked for the state gradients (dht read, dh0 written)
     monkeypatch.setattr(chunk_bwd, "chunk_bwd_hopper",

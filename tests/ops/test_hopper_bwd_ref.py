@@ -263,6 +263,9 @@ BF16_CASES = [
     ("T256_K128", 256, 1, 1, 128, "anchor", False),
     ("T200_K64_slow_decay", 200, 2, 2, 64, "slow", False),
     ("T128_K64_repeated_token", 128, 1, 1, 64, "anchor", True),
+    # four value heads per qk head: dq per value head rounds to bf16 before the group's sum (qk_heads_dtypes)
+    ("T200_gva4_K64_slow_decay", 200, 1, 4, 64, "slow", False),
+    ("T128_gva4_K64_repeated_token", 128, 1, 4, 64, "anchor", True),
 ]
 
 

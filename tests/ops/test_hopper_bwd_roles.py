@@ -51,8 +51,8 @@ def test_role_split_walk_compiles_for_sm90a(tmp_path, H, HV, K, state_grads):
     elects = [int(n) for n in re.findall(r"tl_shuffle_elect<(\d+)>", source)]
     assert elects and all(n == 0 or n % 32 == 0 for n in elects), elects
     assert ("dh0" in source) == state_grads
-    stored = "bfloat16_t* __restrict__ dq" if H == HV else "float* __restrict__ dq"
-    assert stored in source, stored
+    dk_stored = "bfloat16_t* __restrict__ dk" if H == HV else "float* __restrict__ dk"   # chunk_bwd.qk_heads_dtypes
+    assert "bfloat16_t* __restrict__ dq" in source and dk_stored in source, dk_stored
     assert launch_shared_bytes(kernel) == SHARED_BYTES[K] <= CTA_SHARED, launch_shared_bytes(kernel)
     assert not barriers_in_element_loops(source), "a pass that reads and writes shared memory: split it (B's X, Y)"
     ptxas = ptxas_summary(compile_sm90a(source, tmp_path)[1])

@@ -11,8 +11,8 @@ The gates' partials come head-major (``[NV, B, HV, Lp]``, the walk's TMA layout)
 (``[B, T, HV]``). Programs ``[0, P)`` add dq's rows, ``[P, 2P)`` dk's (none where G = 1), the rest the gates'
 tiles: one launch where the host chain ran seven or eight (two row sums; sums, compare, masked copy of dg; dβ's sum
 and cast), which is what counts where the backward is host-bound (B = 1, T = 4096). Bytes at row 5 (B = 4,
-T = 8192, H = 16, HV = 32, K = 128): dq and dk read 1.07 GB of fp32 per value head and write 268 MB; at row 2
-(G = 1) the gates alone, 8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
+T = 8192, H = 16, HV = 32, K = 128): dq and dk read 0.8 GB per value head (dq bf16, dk fp32: the walk's
+``chunk_bwd.qk_heads_dtypes``), summed in fp32, and write 268 MB; at row 2 (G = 1) the gates alone, 8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
 """
 from __future__ import annotations
 
@@ -31,20 +31,22 @@ ROW_ELEMENTS = 4096     # dq, dk values summed per program (rows × K): 16 KB of
 # every program (172 per thread at 4096 against 48, sm_90), and the row sums' occupancy with them
 GATE_ELEMENTS = 1024
 SUM_DTYPES = (torch.float32, torch.float64)     # the partials summed in their dtype; float64: the CPU tests' exact sums
+HEAD_DTYPES = (torch.bfloat16, *SUM_DTYPES)     # dq, dk per value head: bf16 summed in fp32
 
 
 @triton.jit
 def _sum_rows(heads, out, i_p, rows, G: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    """BR output rows (b, t, h flattened) × K: each the sum of its G value heads' rows in their dtype, in head order
-    from head 0; read G·K values, write K per row."""
+    """BR output rows (b, t, h flattened) × K: each the sum of its G value heads' rows in fp32 (float64 for float64
+    heads), in head order from head 0; read G·K values, write K per row."""
+    ACC: tl.constexpr = tl.float64 if heads.dtype.element_ty == tl.float64 else tl.float32
     o_r = i_p * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m = (o_r < rows)[:, None] & (o_k < K)[None, :]
     # row (b·T + t)·HV + h·G + g: the flattened output row times G, plus g
     first = o_r.to(tl.int64)[:, None] * G * K + o_k[None, :]
-    acc = tl.load(heads + first, mask=m, other=0.)     # fp32 (float64 for float64 heads)
+    acc = tl.load(heads + first, mask=m, other=0.).to(ACC)
     for g in tl.static_range(1, G):
-        acc += tl.load(heads + first + g * K, mask=m, other=0.)
+        acc += tl.load(heads + first + g * K, mask=m, other=0.).to(ACC)
     tl.store(out + o_r.to(tl.int64)[:, None] * K + o_k[None, :], acc.to(out.dtype.element_ty), mask=m)
 
 
@@ -98,13 +100,13 @@ def partial_sums_kernel(dq_heads, dk_heads, dg_parts, dbeta_parts, g, dq, dk, dg
 
 
 def _check(dq_heads, dk_heads, dg_parts, dbeta_parts, g, H: int) -> None:
-    if dq_heads.dim() != 4 or dk_heads.shape != dq_heads.shape or dk_heads.dtype != dq_heads.dtype:
-        raise ValueError(f"dq and dk must be [B, T, HV, K] of one shape and dtype, got {tuple(dq_heads.shape)} "
-                         f"{dq_heads.dtype}, {tuple(dk_heads.shape)} {dk_heads.dtype}")
+    if dq_heads.dim() != 4 or dk_heads.shape != dq_heads.shape:
+        raise ValueError(f"dq and dk must be [B, T, HV, K] of one shape, got {tuple(dq_heads.shape)}, "
+                         f"{tuple(dk_heads.shape)}")
     B, T, HV, K = dq_heads.shape
-    if HV % H or (HV != H and dq_heads.dtype not in SUM_DTYPES):
-        raise ValueError(f"dq, dk per value head must be one of {SUM_DTYPES} with HV = {HV} a multiple of H = {H}, "
-                         f"got {dq_heads.dtype}")
+    if HV % H or (HV != H and not {dq_heads.dtype, dk_heads.dtype} <= set(HEAD_DTYPES)):
+        raise ValueError(f"dq, dk per value head must be of {HEAD_DTYPES} with HV = {HV} a multiple of H = {H}, "
+                         f"got {dq_heads.dtype}, {dk_heads.dtype}")
     if dg_parts.dim() != 4 or dg_parts.shape[1:3] != (B, HV) or dg_parts.shape[3] < T \
             or dg_parts.shape[3] % CHUNK or dbeta_parts.shape != dg_parts.shape:
         raise ValueError(f"dg and dbeta partials must be [NV, B, HV, Lp] = [NV, {B}, {HV}, Lp], Lp ≥ T = {T} in "
@@ -123,8 +125,9 @@ def partial_sums(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: torch
     order).
 
     Args:
-        dq_heads, dk_heads: ``[B, T, HV, K]``, per value head: fp32 (or float64: summed in it) where HV > H; where
-            HV = H the gradients themselves (returned in ``qk_dtype``, cast only if they are not in it).
+        dq_heads, dk_heads: ``[B, T, HV, K]``, per value head where HV > H: bf16 or fp32 (summed in fp32), or
+            float64 (summed in it); where HV = H the gradients themselves (returned in ``qk_dtype``, cast only if they
+            are not in it).
         dg_parts, dbeta_parts: ``[NV, B, HV, Lp]`` head-major, Lp ≥ T in whole chunks of 64, fp32 (or float64).
         g: ``[B, T, HV]`` the log decays (dg is zero where they are below ``MIN_LOG_DECAY``).
         H: the qk heads (HV a multiple of H). qk_dtype, beta_dtype: dq, dk's and dβ's dtypes.
@@ -187,7 +190,7 @@ def partial_sums_ref(dq_heads: torch.Tensor, dk_heads: torch.Tensor, dg_parts: t
     T, K = dq_heads.shape[1], dq_heads.shape[3]
 
     def rows(heads: torch.Tensor) -> torch.Tensor:
-        grouped = heads.view(B, T, H, HV // H, K)
+        grouped = heads.view(B, T, H, HV // H, K).to(torch.float64 if heads.dtype == torch.float64 else torch.float32)
         total = grouped[:, :, :, 0]
         for j in range(1, HV // H):
             total = total + grouped[:, :, :, j]

@@ -32,7 +32,7 @@ A signature's repeated calls take its prepared call (``backward_prepared.py``: t
 checks, the plans and the kernel lookups) where it takes the paths prepared there.
 
 The walk and its reductions run over the rows (sequences, or segments) in batches (``segments.walk_batch_rows``):
-one batch where HV = H; where HV > H each batch's fp32 per-value-head dq, dk are summed into the gradients before
+one batch where HV = H; where HV > H each batch's per-value-head dq, dk (bf16, fp32) are summed into the gradients before
 the next batch is walked (``segments.plan_walk``: a quarter or a half of the rows, a wave of programs at most,
 where the model puts that within ``segments.GVA_TIME_MARGIN`` of one launch's walk).
 
@@ -379,7 +379,7 @@ def walk_rows(walk_inputs: list, scale: float, BV: int, g: torch.Tensor, H: int,
     into ``out`` = (dq, dk, dv, dg, dβ, dh0) of those rows; g theirs. The walk: the role-split one
     (``chunk_bwd_roles``) where ``BV`` is the whole V and it takes K, V (:func:`takes_roles`), else the slice walk
     (``chunk_bwd.chunk_bwd_hopper``). Where HV = H the walk writes dq, dk themselves (no reduction but the gates');
-    else its fp32 per-value-head dq, dk live only within this call. dh0 None (and dht None among the inputs): the
+    else its per-value-head dq, dk live only within this call. dh0 None (and dht None among the inputs): the
     walk without state gradients."""
     dq, dk, dv, dg, dbeta, dh0 = out
     K, V = walk_inputs[0].shape[3], walk_inputs[2].shape[3]

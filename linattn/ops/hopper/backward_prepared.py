@@ -211,6 +211,7 @@ def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int,
     exe = chunk_bwd_roles.launcher(chunk_bwd_roles.compiled_kernel(H, HV, K, V, scale, state_grads=state_grads))
     rows, Ls, G = B * S, T // S, HV // H
     Lp = cdiv(Ls, BT) * BT
+    heads_dtypes = chunk_bwd.qk_heads_dtypes(G)
     sums = {n: partial_sum.partial_sums_launcher(n, Ls, H, HV, K, 1, Lp)
             for n in {min(per_batch, rows - r) for r in range(0, rows, per_batch)}}
 
@@ -222,8 +223,8 @@ def _walk(B: int, T: int, H: int, HV: int, K: int, V: int, scale: float, S: int,
             dht = dht.float().contiguous()
         else:
             dht, dh0 = torch.zeros(1, dtype=f32, device=device), torch.empty(1, dtype=f32, device=device)
-        if G > 1:       # the walk's fp32 dq, dk per value head, summed by the reductions
-            dq_heads, dk_heads = (torch.empty(n, Ls, HV, K, dtype=f32, device=device) for _ in range(2))
+        if G > 1:       # the walk's dq, dk per value head, summed by the reductions
+            dq_heads, dk_heads = (torch.empty(n, Ls, HV, K, dtype=dtype, device=device) for dtype in heads_dtypes)
         else:
             dq_heads, dk_heads = dq, dk
         dg_p, dbeta_p = (gc.new_empty(1, n, HV, Lp) for _ in range(2))

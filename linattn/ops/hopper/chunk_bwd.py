@@ -16,8 +16,8 @@ writes dv 8 KB, and dq, dk as below.
 dq and dk are added over the slices in the walk, in fp32 and a fixed order (:func:`_exchange_macros`): the NV
 slices of a (sequence, value head) are one thread-block cluster, launched together, and each chunk's owner
 (slice step mod NV) awaits the others' BT × K tiles in a ring in global memory (L2; per warp, flags with release
-and acquire), adds them to its own and stores the sum: fp32 per value head where G = HV / H > 1 (the host adds the
-group), the gradient itself in q's dtype where G = 1. No shared memory for the exchange (the step uses 213 KB of
+and acquire), adds them to its own and stores the sum: per value head where G = HV / H > 1 (the host adds the
+group; dq in bf16, dk in fp32: :func:`qk_heads_dtypes`), the gradient itself in bf16 where G = 1. No shared memory for the exchange (the step uses 213 KB of
 the 227), no atomics, no fp32 partials (1 GB at B = 8, T = 4096, H = HV = 16). Per chunk and head (two slices):
 one 64 KB fp32 pair of tiles through L2 and dq, dk stored once (32 KB in bf16) where the partials wrote 128 KB.
 benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
@@ -41,7 +41,7 @@ the wait on gc, spilled 8 B every time: the start is stamped after that wait). `
 Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
 head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
 bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
-``[B, T, HV, K]`` (fp32 per value head; bf16 where HV = H), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
+``[B, T, HV, K]`` (per value head in :func:`qk_heads_dtypes`; bf16 where HV = H), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
 fp32 partials, dh0 ``[B, HV, K, V]`` fp32 (NV = V / BV); the exchange's ring and flags (:func:`exchange_buffers`).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
@@ -485,7 +485,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
     warpgroups = threads // 128
 
     m = step_macros(K, BV, scale, NV, warpgroups if timeline else 0)
-    qk_out = bf if G == 1 else acc
+    dq_out, dk_out = map(tile_dtype, qk_heads_dtypes(G))
     scratch_shape, flags_shape = exchange_shapes(B, HV, K, NV)
     state_shape = (B, HV, K, V) if state_grads else (1,)
 
@@ -535,7 +535,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                 gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                 a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
                 dht: T.Tensor(state_shape, acc),
-                dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
+                dq: T.Tensor((B, Tn, HV, K), dq_out), dk: T.Tensor((B, Tn, HV, K), dk_out),
                 dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
                 dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc),
                 scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32"),
@@ -550,7 +550,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, BV: int = BV_DEF
                       gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                       a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
                       dht: T.Tensor(state_shape, acc),
-                      dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
+                      dq: T.Tensor((B, Tn, HV, K), dq_out), dk: T.Tensor((B, Tn, HV, K), dk_out),
                       dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((NV, B, HV, Lp), acc),
                       dbeta: T.Tensor((NV, B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc),
                       scratch: T.Tensor(scratch_shape, acc), flags: T.Tensor(flags_shape, "int32")):
@@ -671,8 +671,8 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
                      scale: float, BV: int = BV_DEFAULT, want_dh0: bool = True,
                      **out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
-    Returns dq, dk ``[B, T, HV, K]`` (the slices added: fp32 per value head where G = HV / H > 1, for the host to
-    add over each group; the gradients themselves in q's dtype where G = 1), dv ``[B, T, HV, V]`` bf16, the
+    Returns dq, dk ``[B, T, HV, K]`` (the slices added: per value head where G = HV / H > 1, in
+    :func:`qk_heads_dtypes`, for the host to add over each group; the gradients themselves in bf16 where G = 1), dv ``[B, T, HV, V]`` bf16, the
     partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the
     partials). ``out``: any of dq, dk, dv, dh0 given as contiguous tensors of those shapes and dtypes, written in
     place of new ones (the host's views of its gradients); dh0 may be dht itself (fp32, contiguous), overwritten:
@@ -707,6 +707,19 @@ def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
     return outputs, stamps
 
 
+def qk_heads_dtypes(G: int) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes a walk stores dq and dk in, per value head: bf16 where G = HV / H = 1 (the gradients themselves);
+    where G > 1 (the host adds each group) dq in bf16, which halves its buffer and bytes, and dk in fp32: a bf16 dk
+    per value head moves dk's error at a repeated token from 1.57× to 1.82× the rounded baseline, a bf16 dq moves
+    dq's worst case from 1.41× to 1.60× (the twin, decisions.md)."""
+    return torch.bfloat16, (torch.bfloat16 if G == 1 else torch.float32)
+
+
+def tile_dtype(dtype: torch.dtype) -> str:
+    """A torch dtype as TileLang names it ("bfloat16", "float32")."""
+    return str(dtype).removeprefix("torch.")
+
+
 def walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int, out: Optional[dict] = None,
                    state_grads: bool = True) -> tuple[list, tuple[torch.Tensor, ...]]:
     """A walk's launch arguments up to dh0 (inputs checked, outputs allocated, or taken from ``out``:
@@ -731,8 +744,8 @@ def walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int, out: Optional[
         dht = dht.float().contiguous()
     else:
         dht = q.new_zeros(state_shape, dtype=torch.float32)
-    qk_dtype = q.dtype if HV == H else torch.float32
-    dq, dk = (output_tensor(out.get(n), n, (B, T, HV, K), qk_dtype, q.device) for n in ("dq", "dk"))
+    dq, dk = (output_tensor(out.get(n), n, (B, T, HV, K), dtype, q.device)
+              for n, dtype in zip(("dq", "dk"), qk_heads_dtypes(HV // H)))
     dv = output_tensor(out.get("dv"), "dv", v.shape, v.dtype, q.device)
     dh0 = output_tensor(out.get("dh0"), "dh0", state_shape, torch.float32, q.device)
     dg, dbeta = (gc.new_empty(NV, B, HV, NT * BT) for _ in range(2))

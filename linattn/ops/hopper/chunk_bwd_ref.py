@@ -472,7 +472,8 @@ def chunk_bwd_hopper_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: SavedF
         grads = seg_grads + grads
     dq, dk, dv, dbeta, dg = (tc.from_chunks(torch.stack([getattr(c, n) for c in grads], 2), T)
                              for n in ("dq", "dk", "dv", "dbeta", "dg"))
-    return group_sum(dq, H), group_sum(dk, H), dv, dg, dbeta, dh0
+    heads = rnd if HV > H else (lambda t: t)    # the walk stores dq per value head in bf16 (GVA), dk in fp32
+    return group_sum(heads(dq), H), group_sum(dk, H), dv, dg, dbeta, dh0
 
 
 class SlicePartials(NamedTuple):
@@ -520,7 +521,9 @@ def chunk_bwd_v_slices_ref(q, k, v, do, dht: Optional[torch.Tensor], saved: Save
         slices.append(([tc.from_chunks(torch.stack([getattr(c, n) for c in grads], 2), T)
                         for n in ("dq", "dk", "dv", "dg", "dbeta")], dh0))
     part = lambda i: torch.stack([s[0][i] for s in slices])
-    return SlicePartials(slice_sum_ref(part(0)), slice_sum_ref(part(1)), torch.cat([s[0][2] for s in slices], -1),
+    heads = rnd if HV > H else (lambda t: t)    # the slices' dq stored per value head in bf16 (GVA), dk in fp32
+    return SlicePartials(heads(slice_sum_ref(part(0))), slice_sum_ref(part(1)),
+                         torch.cat([s[0][2] for s in slices], -1),
                          part(3), part(4), torch.cat([s[1] for s in slices], -1))
 
 

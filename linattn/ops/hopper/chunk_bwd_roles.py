@@ -477,7 +477,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
     acc, bf = "float32", "bfloat16"
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G = HV // H
-    qk_out = bf if G == 1 else acc
+    dq_out, dk_out = map(chunk_bwd.tile_dtype, chunk_bwd.qk_heads_dtypes(G))
     state_shape = (B, HV, K, V) if state_grads else (1,)
     m = role_macros(K, V, scale, state_grads, timeline)
     s_regs, b_regs, a_regs, p_regs = REGISTERS
@@ -513,8 +513,8 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
                 q: T.Tensor((B, Tn, H, K), bf), k: T.Tensor((B, Tn, H, K), bf), v: T.Tensor((B, Tn, HV, V), bf),
                 do: T.Tensor((B, Tn, HV, V), bf), gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                 a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
-                dht: T.Tensor(state_shape, acc), dq: T.Tensor((B, Tn, HV, K), qk_out),
-                dk: T.Tensor((B, Tn, HV, K), qk_out), dv: T.Tensor((B, Tn, HV, V), bf),
+                dht: T.Tensor(state_shape, acc), dq: T.Tensor((B, Tn, HV, K), dq_out),
+                dk: T.Tensor((B, Tn, HV, K), dk_out), dv: T.Tensor((B, Tn, HV, V), bf),
                 dg: T.Tensor((B, HV, Lp), acc), dbeta: T.Tensor((B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc),
                 stamps: T.Tensor(role_stamps_shape(B * HV, T.symbolic("steps")), "int64")):
             walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, stamps)
@@ -527,7 +527,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
                             gc: T.Tensor((B, HV, Lp), acc), beta: T.Tensor((B, HV, Lp), acc),
                             a_inv: T.Tensor((B, Tn, HV, BT), bf), h: T.Tensor((B, NT, HV, K, V), bf),
                             dht: T.Tensor(state_shape, acc),
-                            dq: T.Tensor((B, Tn, HV, K), qk_out), dk: T.Tensor((B, Tn, HV, K), qk_out),
+                            dq: T.Tensor((B, Tn, HV, K), dq_out), dk: T.Tensor((B, Tn, HV, K), dk_out),
                             dv: T.Tensor((B, Tn, HV, V), bf), dg: T.Tensor((B, HV, Lp), acc),
                             dbeta: T.Tensor((B, HV, Lp), acc), dh0: T.Tensor(state_shape, acc)):
         walk(q, k, v, do, gc, beta, a_inv, h, dht, dq, dk, dv, dg, dbeta, dh0, None)

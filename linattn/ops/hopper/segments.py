@@ -23,7 +23,7 @@ equal views, and padding would copy every input (decisions).
 
 :func:`plan_walk_segments` picks L among the divisors of NT with a cost model in µs (:func:`walk_cost_us`: the
 walk's waves and the warm-ups' waves); :func:`plan_walk` also decides, where the value heads share qk heads
-(G > 1), whether the walk runs its rows in batches (:func:`walk_batch_rows`: its fp32 per-value-head dq, dk alive
+(G > 1), whether the walk runs its rows in batches (:func:`walk_batch_rows`: its per-value-head dq, dk alive
 a batch at a time). Everything is a fixed-order computation: deterministic.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ MIN_SEGMENT_CHUNKS = 8     # a segment shorter than a typical warm-up (W_TYPICAL
 MAX_SEGMENTS = 64          # per sequence: bounds dS_out (B·S·HV·K·V fp32) and the warm-ups' programs
 GVA_BATCHES = (4, 2)       # where G > 1: the walk's rows in the most of these launches (walk_batch_rows) that the
 GVA_TIME_MARGIN = 1.2      # model costs at most this much above one launch's plan (plan_walk): admits the
-                           # role-split walk's four batches at B=4 T=8192 HV=32 (model 1.16×), whose fp32 dq, dk
+                           # role-split walk's four batches at B=4 T=8192 HV=32 (model 1.16×), whose dq, dk per value head
                            # a quarter at a time keep the fwd+bwd peak under FlashQLA's (decisions.md)
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 MAPS_MIN_SEGMENTS = 3      # from 3 segments a warm-up can stop short of the sequence's end: capped at one segment,
@@ -75,8 +75,8 @@ def walk_batch_rows(rows: int, HV: int, V: int, BV: int, sms: int, parts: int) -
     """Rows per launch of the walk over ``rows`` rows (sequences, or segments) in ``parts`` launches: all of them
     at one part; else at most ⌈rows / parts⌉ and at most one wave's (``sms`` programs, one per SM), so a batch
     never splits a wave the whole launch would fill. Batches are for GVA (G = HV / H > 1): the walk leaves dq and dk
-    per value head in fp32 (``[rows, Ls, HV, K]`` each, twice the bf16 h's bytes at K = V; the group summed after
-    it), and each batch's are summed into the gradients before the next is walked."""
+    per value head (``[rows, Ls, HV, K]`` each, dq bf16 and dk fp32: 1.5× the bf16 h's bytes at K = V; the group
+    summed after it), and each batch's are summed into the gradients before the next is walked."""
     if parts == 1 or rows == 1:
         return rows
     per_wave = max(1, sms // (HV * (V // BV)))
@@ -129,7 +129,7 @@ def plan_walk_segments(B: int, T: int, HV: int, V: int, BV: int, sms: int, parts
 def plan_walk(segment_chunks: Optional[int], B: int, T: int, HV: int, V: int, BV: int, G: int,
               sms: int, step_us: float = WALK_CHUNK_US) -> WalkPlan:
     """The walk's segments and batches on ``sms`` SMs. L: ``segment_chunks`` as forced (:func:`segment_length`),
-    else :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, the most of GVA_BATCHES (the fp32
+    else :func:`plan_walk_segments`'. Parts: one where G = 1; where G > 1, the most of GVA_BATCHES (the
     per-value-head dq, dk a quarter or a half at a time, with the segments that keep each batch a full wave) that the
     model puts within GVA_TIME_MARGIN of the one-launch plan, else one (small shapes, where the buffers are small
     too). Cached: host time on every backward call."""
