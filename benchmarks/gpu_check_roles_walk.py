@@ -6,7 +6,9 @@ at anchor shapes. ``--op``: then the whole backward with the role-split walk in 
 against float64 over the rounded baseline's (the core bound: ≤ 2). ``--timeline``: at each timed row also the
 walk's timeline build (``chunk_bwd_roles.walk_timeline``): its outputs against the walk's (bit for bit), its time
 (the instrument's cost), and per role the µs of each phase of the chunk step (``timeline.ROLE_POINTS``): which role
-waits for which hand-off, and which one bounds the step.
+waits for which hand-off, and which one bounds the step. ``--alone`` (with ``--timeline``): also each role's phases
+in the timeline build where that role alone works and the others only hand off (``walk_timeline(busy=...)``): what
+each phase costs without the other roles' work on the SM beside it.
 
     S=/tmp/site; mkdir -p $S && tar -C $S -xJf .anchors/anchors-site.tar.xz
     PYTHONPATH=$S:$PWD:$PWD/benchmarks python benchmarks/gpu_check_roles_walk.py [--op] --out $OUT
@@ -95,21 +97,39 @@ def time_case(case) -> dict:
     return record
 
 
-def time_timeline(case) -> dict:
+def time_timeline(case, alone: bool = False) -> dict:
     """The role-split walk's timeline at a timed row: its outputs against the default build's, both timed, the
-    stamps of every step reduced per role (``timeline.role_timeline``)."""
+    stamps of every step reduced per role (``timeline.role_timeline``). ``alone``: also each role's phases in the
+    build where it alone works (``walk_timeline(busy=role)``: the other roles hand off only), and that build's ms."""
     import triton
 
     from linattn.ops.hopper import chunk_bwd_roles, timeline
     name, B, T, H, HV = case
     args = walk_inputs(inputs(name, B, T, H, HV, False))
     walk = lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, K ** -0.5, want_dh0=False)
-    timed = lambda: chunk_bwd_roles.walk_timeline(*args, K ** -0.5, want_dh0=False)
+    timed = lambda busy="SBA": chunk_bwd_roles.walk_timeline(*args, K ** -0.5, want_dh0=False, busy=busy)
     default, (outputs, stamps) = walk(), timed()
     same = all(a is None and b is None or torch.equal(a, b) for a, b in zip(default, outputs))
-    return dict(case=name, bitwise_same=same, walk_ms=triton.testing.do_bench(walk, warmup=25, rep=200),
-                timeline_ms=triton.testing.do_bench(timed, warmup=25, rep=200),
-                roles=timeline.role_timeline(stamps.cpu()))
+    record = dict(case=name, bitwise_same=same, walk_ms=triton.testing.do_bench(walk, warmup=25, rep=200),
+                  timeline_ms=triton.testing.do_bench(timed, warmup=25, rep=200),
+                  roles=timeline.role_timeline(stamps.cpu()), alone={})
+    for role in chunk_bwd_roles.ROLES if alone else ():
+        build = lambda busy=role: timed(busy)
+        record["alone"][role] = dict(ms=triton.testing.do_bench(build, warmup=25, rep=200),
+                                     summary=timeline.role_timeline(build()[1].cpu(), role)[role])
+    return record
+
+
+def alone_table(record: dict) -> str:
+    """Per role and phase, the median µs of the later steps with every role busy and with the role alone."""
+    lines = [f"{record['case']}: median µs a step, every role busy | the role alone (that build "
+             + ", ".join(f"{role} {a['ms']:.3f} ms" for role, a in record["alone"].items()) + ")"]
+    for role, a in record["alone"].items():
+        together = record["roles"][role]
+        for phase in together["phases"]:
+            cells = [x[phase]["wg0"]["later"]["p50"] for x in (together, a["summary"])]
+            lines.append(f"  {role} {phase:<10} {cells[0]:7.2f} | {cells[1]:7.2f}")
+    return "\n".join(lines)
 
 
 def use_role_split_walk() -> None:
@@ -157,7 +177,7 @@ def patched_op_check(cases, dtypes) -> list:
     return rows
 
 
-def warm(cases, timed, timeline: bool) -> None:
+def warm(cases, timed, timeline: bool, alone: bool = False) -> None:
     """Every kernel the run launches compiled first, one process per core, into TileLang's disk cache
     (``hopper.precompile``, with ``gpu_check_hopper_bwd``'s builds of the recompute and the slice walk)."""
     import gpu_check_hopper_bwd as g
@@ -179,6 +199,9 @@ def warm(cases, timed, timeline: bool) -> None:
         builds += [g.kernel_build(c, None) for c in configs + [("prepass", H, HV, K)]]
         builds += [Build(chunk_bwd_roles.compiled_kernel, (H, HV, K, V, K ** -0.5, None, dht, stamped))
                    for stamped in ((False, True) if timeline and not dht else (False,))]
+        if timeline and alone and not dht:
+            builds += [Build(chunk_bwd_roles.compiled_kernel, (H, HV, K, V, K ** -0.5, None, False, True, busy))
+                       for busy in chunk_bwd_roles.ROLES]
         builds.append(Build(chunk_bwd.compiled_kernel, (H, HV, K, V, K ** -0.5, 64),
                             dict(target=None, state_grads=dht)))
     print(precompile(list({repr(b): b for b in builds}.values())), flush=True)
@@ -192,13 +215,15 @@ def main():
     ap.add_argument("--op-dtypes", default="bfloat16", help="comma-separated torch dtypes of --op's cases")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="at each timed row also the walk's timeline by role")
+    ap.add_argument("--alone", action="store_true", help="with --timeline: also each role's phases with the other "
+                                                         "roles idle (their hand-offs alone)")
     ap.add_argument("--cases", default=None, help=f"comma-separated of {[c[0] for c in CASES]} (default: all)")
     ap.add_argument("--timed", default=None, help=f"comma-separated of {[c[0] for c in TIMED]} (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     cases = [c for c in CASES if not a.cases or c[0] in a.cases.split(",")]
     timed = [] if a.skip_timing else [c for c in TIMED if not a.timed or c[0] in a.timed.split(",")]
-    warm(cases, timed, a.timeline)
+    warm(cases, timed, a.timeline, a.alone)
     result = dict(compare=[], timing=[], timeline=[])
     for case in cases:
         result["compare"].append(compare(case))
@@ -208,7 +233,7 @@ def main():
             result["timing"].append(time_case(case))
             print(json.dumps(result["timing"][-1]), flush=True)
             if a.timeline:
-                result["timeline"].append(time_timeline(case))
+                result["timeline"].append(time_timeline(case, a.alone))
     if a.op:
         result["op"] = patched_op_check(a.op.split(","), a.op_dtypes.split(","))
     Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -223,6 +248,8 @@ def main():
               f"bit: {r['bitwise_same']}")
         for role, summary in r["roles"].items():
             print(format_table(summary, f"role {role}"))
+        if r["alone"]:
+            print(alone_table(r))
     for r in result["timing"]:
         print(f"{r['case']:<8} walk ms: slices {r['slices_ms']:.3f}  roles {r['roles_ms']:.3f}  "
               f"({r['slices_ms'] / r['roles_ms']:.2f}×); µs per step and program: slices "

@@ -160,17 +160,18 @@ class _Reader:
 
 
 @functools.cache
-def role_events() -> dict:
+def role_events(busy: str = "SBA") -> dict:
     """{role: [pre-loop events..., ("loop", [events per chunk]), post-loop events...]} from the kernel's source
-    (cached: callers read it, never change it)."""
+    (cached: callers read it, never change it). The consumer roles (S, B, A: chain, value_side, key_side) not in
+    ``busy`` are their idle macros (``idle_chain``, ...: the timeline build's hand-offs alone)."""
     # every function of the module a role calls by name is inlined (the roles and their helper macros)
     macros = {f.name: f for f in ast.walk(_module()) if isinstance(f, ast.FunctionDef)}
     macros["split"] = _function(_function(ast.parse(SPLIT_SOURCE.read_text()), "hi_lo_split_macro"), "split")
     reader = _Reader(shared_slots(), macros)
     events = {}
-    for role in ROLES:
+    for role, letter in zip(ROLES, "SBA_"):
         out = []
-        reader.statements(macros[role].body, out)
+        reader.statements(macros[role if letter in busy + "_" else "idle_" + role].body, out)
         events[role] = out
     return events
 
@@ -191,13 +192,13 @@ class ProtocolError(AssertionError):
     pass
 
 
-def simulate(chunks: int = 3, seed: int = 0) -> dict:
-    """Run the four roles over ``chunks`` chunks in one random interleaving; raise :class:`ProtocolError` on a
-    deadlock, a wait two phases behind, an unordered pair of accesses, or a wgmma read of a generic write with no
-    fence between. Returns counts of what ran."""
+def simulate(chunks: int = 3, seed: int = 0, busy: str = "SBA") -> dict:
+    """Run the four roles over ``chunks`` chunks in one random interleaving (the consumer roles not in ``busy``
+    idle: :func:`role_events`); raise :class:`ProtocolError` on a deadlock, a wait two phases behind, an unordered
+    pair of accesses, or a wgmma read of a generic write with no fence between. Returns counts of what ran."""
     rng = random.Random(seed)
     counts = arrival_counts()
-    roles = {r: expand(e, chunks) for r, e in role_events().items()}
+    roles = {r: expand(e, chunks) for r, e in role_events(busy).items()}
     wgmma_slots = {s for evs in roles.values() for _, e in evs if e.kind == "wgmma" for s in e.slots}
     pc = dict.fromkeys(roles, 0)
     # vector clocks over the roles and, per TMA barrier, its copies' landing: a copy's write is ordered before only

@@ -211,6 +211,14 @@ def test_role_timeline_reduces_each_roles_column_with_its_points():
         assert "role " + role in timeline.format_table(summary, "role " + role)
     with pytest.raises(ValueError, match="stamps must be"):
         timeline.role_timeline(stamps[:, :, 1:])
+    # a build with A idle never stamps A's column: the busy roles alone, the same summaries
+    stamps[..., 2] = -1
+    busy = timeline.role_timeline(stamps, "SB")
+    assert list(busy) == ["S", "B"] and busy["B"]["dk"] == summaries["B"]["dk"]
+    with pytest.raises(ValueError, match="unwritten"):
+        timeline.role_timeline(stamps)
+    with pytest.raises(ValueError, match="roles must be"):
+        timeline.role_timeline(stamps, "SX")
 
 
 @COMPILES

@@ -57,6 +57,7 @@ THREADS = 512
 # registers a thread per role (S, B, A, producer): 4 × 128 in all, the register file at 512 threads
 REGISTERS = (160, 168, 160, 24)
 SIZES = (64, 128)   # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
+ROLES = "SBA"       # the consumer roles: the chain, the value side, the key side
 # rows of the chunk's vector tile ``vec`` (alloc_tiles); S's 128 shares of Σ h⊙dS fill rows H_SHARES and H_SHARES + 1
 GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)
 
@@ -456,22 +457,80 @@ def _producer_macro(K: int, V: int):
     return producer
 
 
-def role_macros(K: int, V: int, scale: float, state_grads: bool, timed: bool = False) -> types.SimpleNamespace:
+def _idle_macros():
+    """Each consumer role's hand-offs alone, in its order, with no work and no stamps: the roles a timeline build
+    leaves idle (:func:`build_kernel`'s ``busy``)."""
+    import tilelang.language as T
+
+    @T.macro
+    def idle_chain(t):
+        T.mbarrier_arrive(t.init)
+        for s in T.serial(t.chunks):
+            T.mbarrier_wait_parity(t.full, s % 2)
+            T.mbarrier_arrive(t.free_g)
+            T.mbarrier_wait_parity(t.ready_y, s % 2)
+            T.mbarrier_wait_parity(t.read_ds, s % 2)
+            T.mbarrier_arrive(t.end)
+
+    @T.macro
+    def idle_value_side(t):
+        for s in T.serial(t.chunks):
+            T.mbarrier_wait_parity(t.full, s % 2)
+            if s > 0:
+                T.mbarrier_wait_parity(t.read_vec, (s - 1) % 2)
+            T.mbarrier_arrive(t.ready_v)
+            T.mbarrier_wait_parity(t.ready_p, s % 2)
+            T.mbarrier_arrive(t.read_p)
+            T.mbarrier_wait_parity(t.free_g, s % 2)
+            T.mbarrier_arrive(t.ready_y)
+            T.mbarrier_arrive(t.read_ds)
+            T.mbarrier_wait_parity(t.ready_dkd, s % 2)
+            T.mbarrier_arrive(t.ready_xt)
+            T.mbarrier_arrive(t.end)
+
+    @T.macro
+    def idle_key_side(t):
+        for s in T.serial(t.chunks):
+            T.mbarrier_wait_parity(t.full, s % 2)
+            T.mbarrier_arrive(t.ready_p)
+            T.mbarrier_wait_parity(t.ready_v, s % 2)
+            T.mbarrier_wait_parity(t.read_p, s % 2)
+            T.mbarrier_arrive(t.ready_dp)
+            T.mbarrier_wait_parity(t.ready_y, s % 2)
+            T.mbarrier_arrive(t.ready_dkd)
+            T.mbarrier_arrive(t.end)
+            T.mbarrier_wait_parity(t.ready_xt, s % 2)
+            T.mbarrier_arrive(t.read_vec)
+
+    return types.SimpleNamespace(chain=idle_chain, value_side=idle_value_side, key_side=idle_key_side)
+
+
+def role_macros(K: int, V: int, scale: float, state_grads: bool, timed: bool = False,
+                busy: str = ROLES) -> types.SimpleNamespace:
     """The four roles (module docstring) as TileLang macros over :func:`alloc_tiles`' namespace; ``timed``: S, B
-    and A stamp their points (timeline.ROLE_POINTS)."""
-    return types.SimpleNamespace(chain=_chain_macro(K, V, scale, state_grads, timed),
-                                 value_side=_value_macro(K, V, scale, timed), key_side=_key_macro(K, V, scale, timed),
+    and A stamp their points (timeline.ROLE_POINTS); the consumer roles not in ``busy`` only hand off (idle)."""
+    idle = _idle_macros() if busy != ROLES else None
+    pick = lambda role, name, macro: macro if role in busy else getattr(idle, name)
+    return types.SimpleNamespace(chain=pick("S", "chain", _chain_macro(K, V, scale, state_grads, timed)),
+                                 value_side=pick("B", "value_side", _value_macro(K, V, scale, timed)),
+                                 key_side=pick("A", "key_side", _key_macro(K, V, scale, timed)),
                                  producer=_producer_macro(K, V))
 
 
-def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool = True, timeline: bool = False):
+def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: bool = True, timeline: bool = False,
+                 busy: str = ROLES):
     """The TileLang prim_func of the role-split walk for these static sizes (B and T symbolic): the inputs of
     ``chunk_bwd.build_kernel``'s walk; dg, dβ complete ``[B, HV, Lp]`` (no partials); ``state_grads`` False: from a
     zero dS, no dh0 (dht and dh0 one-element placeholders). ``timeline``: the benchmark's instrument, the same walk
     with one more parameter, ``stamps`` int64 ``timeline.role_stamps_shape(B · HV, steps)`` (the first ``steps``
-    chunk steps of each program are stamped: :func:`walk_timeline`)."""
+    chunk steps of each program are stamped: :func:`walk_timeline`). ``busy`` (the timeline build only): the
+    consumer roles that work, a non-empty part of "SBA"; the others keep their hand-offs alone, so each busy role's
+    phases take their time without the idle roles' work beside them on the SM (the outputs are then garbage)."""
     if K != V or K not in SIZES:
         raise ValueError(f"the role-split walk is built for K = V in {SIZES}, got K={K}, V={V}")
+    if not busy or set(busy) - set(ROLES) or (busy != ROLES and not timeline):
+        raise ValueError(f"busy must be a non-empty part of {ROLES!r}, other than all only in the timeline build, "
+                         f"got {busy!r} (timeline={timeline})")
     import tilelang.language as T
 
     acc, bf = "float32", "bfloat16"
@@ -479,7 +538,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
     G = HV // H
     dq_out, dk_out = map(chunk_bwd.tile_dtype, chunk_bwd.qk_heads_dtypes(G))
     state_shape = (B, HV, K, V) if state_grads else (1,)
-    m = role_macros(K, V, scale, state_grads, timeline)
+    m = role_macros(K, V, scale, state_grads, timeline, busy)
     s_regs, b_regs, a_regs, p_regs = REGISTERS
 
     @T.macro
@@ -537,9 +596,9 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
 
 @functools.lru_cache(maxsize=16)
 def compiled_kernel(H: int, HV: int, K: int, V: int, scale: float, target: Optional[str] = None,
-                    state_grads: bool = True, timeline: bool = False):
+                    state_grads: bool = True, timeline: bool = False, busy: str = ROLES):
     """:func:`build_kernel` compiled by TileLang for ``target`` (None: this GPU; "sm_90a" without one)."""
-    return compile_prim_func(build_kernel(H, HV, K, V, scale, state_grads, timeline), target)
+    return compile_prim_func(build_kernel(H, HV, K, V, scale, state_grads, timeline, busy), target)
 
 
 def chunk_bwd_roles_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
@@ -566,15 +625,17 @@ def _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, want_dh0: bool, out: d
 def walk_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, gc: torch.Tensor,
                   beta: torch.Tensor, a_inv: torch.Tensor, h: torch.Tensor, dht: Optional[torch.Tensor],
                   scale: float, want_dh0: bool = True,
-                  steps: Optional[int] = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+                  steps: Optional[int] = None, busy: str = ROLES) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """The role-split walk's timeline build (a benchmark's instrument): launched as :func:`chunk_bwd_roles_hopper`
-    launches the walk, on the same inputs. Returns its outputs (the same bits) and the stamps int64
-    ``timeline.role_stamps_shape(B · HV, steps)`` of the first ``steps`` chunk steps of every program (None: every
-    step; unwritten entries −1), which ``timeline.role_timeline`` reduces to µs per phase and role."""
+    launches the walk, on the same inputs. Returns its outputs (the same bits where every role is ``busy``) and the
+    stamps int64 ``timeline.role_stamps_shape(B · HV, steps)`` of the first ``steps`` chunk steps of every program
+    (None: every step; unwritten entries −1, an idle role's all), which ``timeline.role_timeline`` reduces to µs
+    per phase and role."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     recorded = recorded_steps(steps, -(-T // BT))
     arguments, outputs, state_grads = _walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, want_dh0, {})
     stamps = torch.full(role_stamps_shape(B * HV, recorded), -1, dtype=torch.int64, device=q.device)
-    launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads, timeline=True))(*arguments, stamps)
+    launcher(compiled_kernel(H, HV, K, V, scale, state_grads=state_grads, timeline=True, busy=busy))(*arguments,
+                                                                                                     stamps)
     return outputs, stamps

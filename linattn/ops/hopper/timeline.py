@@ -160,14 +160,19 @@ def format_table(summary: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def role_timeline(stamps: torch.Tensor) -> dict[str, dict]:
+def role_timeline(stamps: torch.Tensor, roles: str = "".join(ROLE_POINTS)) -> dict[str, dict]:
     """The role-split walk's stamps (:func:`role_stamps_shape`) as one :func:`timeline_phases` summary per role of
-    :data:`ROLE_POINTS` (its column, its points and the global time)."""
+    :data:`ROLE_POINTS` in ``roles`` (its column, its points and the global time): the busy roles of a build that
+    leaves others idle (``chunk_bwd_roles.build_kernel``'s ``busy``), whose columns are never stamped."""
     if stamps.dim() != 4 or stamps.shape[2:] != (ROLE_SLOTS + 1, len(ROLE_POINTS)):
         raise ValueError(f"stamps must be [programs, steps, {ROLE_SLOTS + 1}, {len(ROLE_POINTS)}], got "
                          f"{tuple(stamps.shape)}")
     out = {}
+    if not roles or set(roles) - set(ROLE_POINTS):
+        raise ValueError(f"roles must be a non-empty part of {''.join(ROLE_POINTS)!r}, got {roles!r}")
     for r, (role, points) in enumerate(ROLE_POINTS.items()):
+        if role not in roles:
+            continue
         column = stamps[:, :, :, r:r + 1]
         out[role] = timeline_phases(torch.cat([column[:, :, :len(points)], column[:, :, -1:]], 2), points=points)
     return out
