@@ -12,7 +12,8 @@ The gates' partials come head-major (``[NV, B, HV, Lp]``, the walk's TMA layout)
 tiles: one launch where the host chain ran seven or eight (two row sums; sums, compare, masked copy of dg; dβ's sum
 and cast), which is what counts where the backward is host-bound (B = 1, T = 4096). Bytes at row 5 (B = 4,
 T = 8192, H = 16, HV = 32, K = 128): dq and dk read 0.8 GB per value head (dq bf16, dk fp32: the walk's
-``chunk_bwd.qk_heads_dtypes``), summed in fp32, and write 268 MB; at row 2 (G = 1) the gates alone, 8 MB. Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
+``chunk_bwd.qk_heads_dtypes``), summed in fp32, and write 268 MB; at row 2 (G = 1) the gates alone, 8 MB.
+Deterministic (no atomics, the same order every run). Twin: :func:`partial_sums_ref`.
 """
 from __future__ import annotations
 

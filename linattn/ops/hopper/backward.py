@@ -31,10 +31,10 @@ pairs × tokens).
 A signature's repeated calls take its prepared call (``backward_prepared.py``: the same launches without the
 checks, the plans and the kernel lookups) where it takes the paths prepared there.
 
-The walk and its reductions run over the rows (sequences, or segments) in batches (``segments.walk_batch_rows``):
-one batch where HV = H; where HV > H each batch's per-value-head dq, dk (bf16, fp32) are summed into the gradients before
-the next batch is walked (``segments.plan_walk``: a quarter or a half of the rows, a wave of programs at most,
-where the model puts that within ``segments.GVA_TIME_MARGIN`` of one launch's walk).
+The walk and its reductions run over the rows (sequences, or segments) in batches (``segments.walk_batch_rows``): one
+batch where HV = H; where HV > H each batch's per-value-head dq, dk (bf16, fp32) are summed into the gradients before
+the next batch is walked (``segments.plan_walk``: a quarter or a half of the rows, a wave of programs at most, where the
+model puts that within ``segments.GVA_TIME_MARGIN`` of one launch's walk).
 
 Twin: ``chunk_bwd_ref.chunk_bwd_v_slices_ref`` + ``sum_partials_ref`` (the recompute there comes from its own
 forward twin). benchmarks/gpu_check_hopper_bwd.py checks and times it on the GPU.

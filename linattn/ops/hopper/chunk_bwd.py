@@ -13,12 +13,12 @@ their results are read, as far as the 168 registers allow (the compile test reje
 program at K = 128, BV = 64: 19.5 MFLOP on 20 bf16 wgmma dots; reads q, k 32 KB, v, dO 16, T 8, h 16 (72.5 KB);
 writes dv 8 KB, and dq, dk as below.
 
-dq and dk are added over the slices in the walk, in fp32 and a fixed order (:func:`_exchange_macros`): the NV
-slices of a (sequence, value head) are one thread-block cluster, launched together, and each chunk's owner
-(slice step mod NV) awaits the others' BT × K tiles in a ring in global memory (L2; per warp, flags with release
-and acquire), adds them to its own and stores the sum: per value head where G = HV / H > 1 (the host adds the
-group; dq in bf16, dk in fp32: :func:`qk_heads_dtypes`), the gradient itself in bf16 where G = 1. No shared memory for the exchange (the step uses 213 KB of
-the 227), no atomics, no fp32 partials (1 GB at B = 8, T = 4096, H = HV = 16). Per chunk and head (two slices):
+dq and dk are added over the slices in the walk, in fp32 and a fixed order (:func:`_exchange_macros`): the NV slices of
+a (sequence, value head) are one thread-block cluster, launched together, and each chunk's owner (slice step mod NV)
+awaits the others' BT × K tiles in a ring in global memory (L2; per warp, flags with release and acquire), adds them to
+its own and stores the sum: per value head where G = HV / H > 1 (the host adds the group; dq in bf16, dk in fp32:
+:func:`qk_heads_dtypes`), the gradient itself in bf16 where G = 1. No shared memory for the exchange (the step uses 213
+KB of the 227), no atomics, no fp32 partials (1 GB at B = 8, T = 4096, H = HV = 16). Per chunk and head (two slices):
 one 64 KB fp32 pair of tiles through L2 and dq, dk stored once (32 KB in bf16) where the partials wrote 128 KB.
 benchmarks/gpu_check_hopper_bwd.py checks it against the twin and float64 on the GPU, then times it.
 
@@ -38,10 +38,10 @@ next, and ptxas spills 4 B in about one compile of five, none in the others (a s
 the wait on gc, spilled 8 B every time: the start is stamped after that wait). ``gpu_check_hopper_bwd.py
 --timeline`` prints its table.
 
-Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32
-head-major (Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]``
-bf16 (the states entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk
-``[B, T, HV, K]`` (per value head in :func:`qk_heads_dtypes`; bf16 where HV = H), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
+Inputs, per program: q, k ``[B, T, H, K]`` bf16; v, do ``[B, T, HV, V]`` bf16; gc, β ``[B, HV, Lp]`` fp32 head-major
+(Lp = chunks · 64, zero-padded); T ``[B, T, HV, 64]`` bf16 (A_inv without β); h ``[B, NT, HV, K, V]`` bf16 (the states
+entering each chunk, the Triton state pass's layout); dht ``[B, HV, K, V]`` fp32. Outputs: dq, dk ``[B, T, HV, K]``
+(per value head in :func:`qk_heads_dtypes`; bf16 where HV = H), dv ``[B, T, HV, V]`` bf16, dg, dβ ``[NV, B, HV, Lp]``
 fp32 partials, dh0 ``[B, HV, K, V]`` fp32 (NV = V / BV); the exchange's ring and flags (:func:`exchange_buffers`).
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
@@ -671,14 +671,14 @@ def chunk_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
                      scale: float, BV: int = BV_DEFAULT, want_dh0: bool = True,
                      **out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Launch the reverse walk on an sm_90 GPU (layouts in the module docstring; h ``[B, NT, HV, K, V]`` bf16).
-    Returns dq, dk ``[B, T, HV, K]`` (the slices added: per value head where G = HV / H > 1, in
-    :func:`qk_heads_dtypes`, for the host to add over each group; the gradients themselves in bf16 where G = 1), dv ``[B, T, HV, V]`` bf16, the
+    Returns dq, dk ``[B, T, HV, K]`` (the slices added: per value head where G = HV / H > 1, in :func:`qk_heads_dtypes`,
+    for the host to add over each group; the gradients themselves in bf16 where G = 1), dv ``[B, T, HV, V]`` bf16, the
     partials dg, dβ ``[NV, B, HV, Lp]`` fp32 head-major and dh0 ``[B, HV, K, V]`` fp32 (``backward.py`` adds the
-    partials). ``out``: any of dq, dk, dv, dh0 given as contiguous tensors of those shapes and dtypes, written in
-    place of new ones (the host's views of its gradients); dh0 may be dht itself (fp32, contiguous), overwritten:
-    each program reads its block of dht before its walk and writes the same block of dh0 after it.
-    ``want_dh0`` False with dht None: the walk's build without state gradients (``build_kernel(state_grads=False)``:
-    from a zero dS, no dh0 buffer); dh0 is then None."""
+    partials). ``out``: any of dq, dk, dv, dh0 given as contiguous tensors of those shapes and dtypes, written in place
+    of new ones (the host's views of its gradients); dh0 may be dht itself (fp32, contiguous), overwritten: each program
+    reads its block of dht before its walk and writes the same block of dh0 after it. ``want_dh0`` False with dht None:
+    the walk's build without state gradients (``build_kernel(state_grads=False)``: from a zero dS, no dh0 buffer); dh0
+    is then None."""
     state_grads = want_dh0 or dht is not None
     arguments, outputs = walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV, out, state_grads)
     B, _, H, K = q.shape

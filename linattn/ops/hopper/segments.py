@@ -53,8 +53,8 @@ MIN_SEGMENT_CHUNKS = 8     # a segment shorter than a typical warm-up (W_TYPICAL
 MAX_SEGMENTS = 64          # per sequence: bounds dS_out (B·S·HV·K·V fp32) and the warm-ups' programs
 GVA_BATCHES = (4, 2)       # where G > 1: the walk's rows in the most of these launches (walk_batch_rows) that the
 GVA_TIME_MARGIN = 1.2      # model costs at most this much above one launch's plan (plan_walk): admits the
-                           # role-split walk's four batches at B=4 T=8192 HV=32 (model 1.16×), whose dq, dk per value head
-                           # a quarter at a time keep the fwd+bwd peak under FlashQLA's (decisions.md)
+                           # role-split walk's four batches at B=4 T=8192 HV=32 (model 1.16×), whose dq, dk per
+                           # value head a quarter at a time keep the fwd+bwd peak under FlashQLA's (decisions.md)
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 MAPS_MIN_SEGMENTS = 3      # from 3 segments a warm-up can stop short of the sequence's end: capped at one segment,
                            # the maps and their scan (reverse_maps.py) stand for the rest (at 2 the cap is the end)
