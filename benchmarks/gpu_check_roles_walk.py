@@ -107,7 +107,8 @@ def time_timeline(case, alone: bool = False) -> dict:
     name, B, T, H, HV = case
     args = walk_inputs(inputs(name, B, T, H, HV, False))
     walk = lambda: chunk_bwd_roles.chunk_bwd_roles_hopper(*args, K ** -0.5, want_dh0=False)
-    timed = lambda busy="SBA": chunk_bwd_roles.walk_timeline(*args, K ** -0.5, want_dh0=False, busy=busy)
+    timed = lambda busy=chunk_bwd_roles.ROLES: chunk_bwd_roles.walk_timeline(*args, K ** -0.5, want_dh0=False,
+                                                                             busy=busy)
     default, (outputs, stamps) = walk(), timed()
     same = all(a is None and b is None or torch.equal(a, b) for a, b in zip(default, outputs))
     record = dict(case=name, bitwise_same=same, walk_ms=triton.testing.do_bench(walk, warmup=25, rep=200),

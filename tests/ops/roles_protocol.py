@@ -16,6 +16,7 @@ HOPPER = Path(__file__).resolve().parents[2] / "linattn" / "ops" / "hopper"
 SOURCE = HOPPER / "chunk_bwd_roles.py"
 SPLIT_SOURCE = HOPPER / "chunk_bwd.py"     # the hi + lo split S calls (``chunk_bwd.hi_lo_split_macro``'s ``split``)
 ROLES = ("chain", "value_side", "key_side", "producer")
+LETTERS = {"chain": "S", "value_side": "B", "key_side": "A"}   # the consumer roles as the kernel's ``busy`` names them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +170,10 @@ def role_events(busy: str = "SBA") -> dict:
     macros["split"] = _function(_function(ast.parse(SPLIT_SOURCE.read_text()), "hi_lo_split_macro"), "split")
     reader = _Reader(shared_slots(), macros)
     events = {}
-    for role, letter in zip(ROLES, "SBA_"):
+    for role in ROLES:
+        idle = role in LETTERS and LETTERS[role] not in busy
         out = []
-        reader.statements(macros[role if letter in busy + "_" else "idle_" + role].body, out)
+        reader.statements(macros["idle_" + role if idle else role].body, out)
         events[role] = out
     return events
 

@@ -53,6 +53,7 @@ import torch
 from ..utils import output_tensor
 from .chunk_bwd_ref import NEGLIGIBLE_LOG2
 from .chunk_fwd import BT, compile_prim_func, launcher
+from .compile import tile_dtype
 from .timeline import POINTS, recorded_steps, stamps_shape
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays: never e^{G_i − G_j} above the diagonal)
@@ -713,11 +714,6 @@ def qk_heads_dtypes(G: int) -> tuple[torch.dtype, torch.dtype]:
     per value head moves dk's error at a repeated token from 1.57× to 1.82× the rounded baseline, a bf16 dq moves
     dq's worst case from 1.41× to 1.60× (the twin, decisions.md)."""
     return torch.bfloat16, (torch.bfloat16 if G == 1 else torch.float32)
-
-
-def tile_dtype(dtype: torch.dtype) -> str:
-    """A torch dtype as TileLang names it ("bfloat16", "float32")."""
-    return str(dtype).removeprefix("torch.")
 
 
 def walk_arguments(q, k, v, do, gc, beta, a_inv, h, dht, BV: int, out: Optional[dict] = None,

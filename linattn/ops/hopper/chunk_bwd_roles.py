@@ -50,6 +50,7 @@ import torch
 
 from . import chunk_bwd
 from .chunk_fwd import BT, compile_prim_func, launcher
+from .compile import tile_dtype
 from .timeline import ROLE_POINTS, ROLE_SLOTS, recorded_steps, role_stamps_shape
 
 NEG = -1.0e30       # an exponent whose exp is 0 (masked decays)
@@ -57,7 +58,7 @@ THREADS = 512
 # registers a thread per role (S, B, A, producer): 4 × 128 in all, the register file at 512 threads
 REGISTERS = (160, 168, 160, 24)
 SIZES = (64, 128)   # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
-ROLES = "SBA"       # the consumer roles: the chain, the value side, the key side
+ROLES = "".join(ROLE_POINTS)    # the consumer roles "SBA": the chain, the value side, the key side
 # rows of the chunk's vector tile ``vec`` (alloc_tiles); S's 128 shares of Σ h⊙dS fill rows H_SHARES and H_SHARES + 1
 GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)
 
@@ -536,7 +537,7 @@ def build_kernel(H: int, HV: int, K: int, V: int, scale: float, state_grads: boo
     acc, bf = "float32", "bfloat16"
     B, Tn, Lp, NT = T.symbolic("B"), T.symbolic("T"), T.symbolic("Lp"), T.symbolic("NT")
     G = HV // H
-    dq_out, dk_out = map(chunk_bwd.tile_dtype, chunk_bwd.qk_heads_dtypes(G))
+    dq_out, dk_out = map(tile_dtype, chunk_bwd.qk_heads_dtypes(G))
     state_shape = (B, HV, K, V) if state_grads else (1,)
     m = role_macros(K, V, scale, state_grads, timeline, busy)
     s_regs, b_regs, a_regs, p_regs = REGISTERS

@@ -55,6 +55,11 @@ def launcher(kernel):
     return kernel
 
 
+def tile_dtype(dtype: torch.dtype) -> str:
+    """A torch dtype as TileLang names it in a kernel's signature ("bfloat16", "float32")."""
+    return str(dtype).removeprefix("torch.")
+
+
 def compile_prim_func(func, target: Optional[str] = None):
     """Compile a TileLang prim_func of the Hopper kernels (``chunk_fwd``, ``prepass``, ``chunk_bwd``) with TileLang's
     default launcher (tvm_ffi in 0.1.15; its "cython" launcher costs more host time per launch).

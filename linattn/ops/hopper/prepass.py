@@ -42,7 +42,7 @@ import torch
 
 from ..utils import MIN_LOG_DECAY
 from .chunk_fwd import ACC, BT, DTYPE, padded_length
-from .compile import compile_prim_func, launcher
+from .compile import compile_prim_func, launcher, tile_dtype
 from .map_bound import LOG2E
 
 D = 16            # the diagonal blocks' size: four per chunk
@@ -333,7 +333,7 @@ def compiled_kernel(H: int, HV: int, K: int, beta_dtype: str = "float32", target
 
 def prepass_kernel(H: int, HV: int, K: int, beta_dtype: torch.dtype, beta_in_a_inv: bool = True):
     """The compiled pre-pass :func:`prepass_hopper` launches."""
-    return compiled_kernel(H, HV, K, str(beta_dtype).removeprefix("torch."), beta_in_a_inv=beta_in_a_inv)
+    return compiled_kernel(H, HV, K, tile_dtype(beta_dtype), beta_in_a_inv=beta_in_a_inv)
 
 
 def _check(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: int) -> None:

@@ -167,9 +167,9 @@ def role_timeline(stamps: torch.Tensor, roles: str = "".join(ROLE_POINTS)) -> di
     if stamps.dim() != 4 or stamps.shape[2:] != (ROLE_SLOTS + 1, len(ROLE_POINTS)):
         raise ValueError(f"stamps must be [programs, steps, {ROLE_SLOTS + 1}, {len(ROLE_POINTS)}], got "
                          f"{tuple(stamps.shape)}")
-    out = {}
     if not roles or set(roles) - set(ROLE_POINTS):
         raise ValueError(f"roles must be a non-empty part of {''.join(ROLE_POINTS)!r}, got {roles!r}")
+    out = {}
     for r, (role, points) in enumerate(ROLE_POINTS.items()):
         if role not in roles:
             continue

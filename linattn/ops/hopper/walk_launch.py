@@ -13,10 +13,7 @@ import torch
 
 from . import chunk_fwd
 from .chunk_fwd import BT
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from .compile import tile_dtype
 
 
 def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads: int, num_stages: int,
@@ -27,7 +24,7 @@ def walk_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
     GPU's; "sm_90a" compiles without one, as the tests do); ``beta_in_a_inv`` False: the affine walk of the states
     walk's operator (plain T, β in X); ``m_only``: the affine walk's M alone."""
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), threads, num_stages, target, use_initial_state,
-                                     _dtype_name(beta_dtype), affine, lean=lean, beta_in_a_inv=beta_in_a_inv,
+                                     tile_dtype(beta_dtype), affine, lean=lean, beta_in_a_inv=beta_in_a_inv,
                                      m_only=m_only)
 
 
@@ -38,7 +35,7 @@ def warm_kernel(H: int, HV: int, K: int, V: int, BV: int, scale: float, threads:
     plans its warm-ups from the chunk bounds); ``target`` as :func:`walk_kernel`'s."""
     planned = threshold is not None
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, float(scale), threads, num_stages, target, use_initial_state,
-                                     _dtype_name(beta_dtype), False, True, planned,
+                                     tile_dtype(beta_dtype), False, True, planned,
                                      float(threshold) if planned else -30.0, lean)
 
 
@@ -51,7 +48,7 @@ def states_kernel(H: int, HV: int, K: int, V: int, BV: int, threads: int, num_st
     as :func:`walk_kernel`'s."""
     planned = threshold is not None
     return chunk_fwd.compiled_kernel(H, HV, K, V, BV, 1.0, threads, num_stages, target, use_initial_state,
-                                     _dtype_name(beta_dtype), warm=warm, warm_planned=planned,
+                                     tile_dtype(beta_dtype), warm=warm, warm_planned=planned,
                                      threshold=float(threshold) if planned else -30.0, lean=warm, store_states=True)
 
 
