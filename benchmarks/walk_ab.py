@@ -25,7 +25,7 @@ import torch
 import triton
 from gpu_check_hopper_bwd import row_inputs
 
-from linattn.ops.hopper import backward, chunk_bwd, chunk_bwd_roles, timeline
+from linattn.ops.hopper import backward, backward_prepared, chunk_bwd, chunk_bwd_roles, timeline
 
 ROWS = {2: (8, 4096, 16, 16), 3: (1, 32768, 16, 16), 7: (1, 32768, 2, 8), 5: (4, 8192, 16, 32)}
 
@@ -57,11 +57,13 @@ def walk_of(m, roles: bool, args: tuple, scale: float):
 
 
 def swapped_in(m, roles: bool) -> list:
-    """(module, attribute, build m's function) that the whole backward calls for its walk (and warm-ups)."""
+    """(module, attribute, build m's function) that the whole backward calls for its walk (and warm-ups), and no
+    prepared calls: a signature prepared under one build would launch that build's kernels under every other."""
+    plain = [(backward_prepared, "prepared_call", lambda key: None)]
     if roles:
-        return [(chunk_bwd_roles, "chunk_bwd_roles_hopper", m.chunk_bwd_roles_hopper)]
-    return [(chunk_bwd, "chunk_bwd_hopper", m.chunk_bwd_hopper),
-            (chunk_bwd, "reverse_warm_ups_hopper", m.reverse_warm_ups_hopper)]
+        return plain + [(chunk_bwd_roles, "chunk_bwd_roles_hopper", m.chunk_bwd_roles_hopper)]
+    return plain + [(chunk_bwd, "chunk_bwd_hopper", m.chunk_bwd_hopper),
+                    (chunk_bwd, "reverse_warm_ups_hopper", m.reverse_warm_ups_hopper)]
 
 
 def print_timeline(m, roles: bool, args: tuple, scale: float, name: str) -> None:
