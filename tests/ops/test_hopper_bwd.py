@@ -278,9 +278,8 @@ def test_partial_sums_reject_bad_out():
 
 def test_partial_sums_compile_for_h200_like_a_row_sum():
     """The one launch for sm_90 (row 5's sizes: G = 2, HV = 32; the walk's bf16 dq and fp32 dk per value head): no
-    spill, and registers
-    of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate programs' transpose
-    costs the row sums no occupancy."""
+    spill, and registers of a plain row sum (≤ 64 per thread; the old dq/dk kernel took 48-54), so that the gate
+    programs' transpose costs the row sums no occupancy."""
     from tests.ops.sm90_compile import compile_for_h200
     types = {"dq": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dq_heads": "*bf16", "dk_heads": "*fp32",
              "dg_parts": "*fp32", "dbeta_parts": "*fp32", "g": "*fp32", "dg": "*fp32"}
