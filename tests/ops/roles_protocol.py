@@ -48,6 +48,14 @@ def shared_slots() -> set:
     return {kw.arg for kw in _assigned(alloc, "shared").value.keywords}
 
 
+def sums_aliases() -> dict:
+    """A's column-sum tiles and the slots they take at K = V = 128 (``SUMS_SLOTS``): the model checks the stricter
+    plan, each access of one counted as an access of its slot."""
+    node = next(n for n in _module().body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "SUMS_SLOTS")
+    return {kw.arg: ast.literal_eval(kw.value) for kw in node.value.keywords}
+
+
 def vector_rows() -> set:
     """The names of the vector tile's rows (``GC, BETA, ... = range(n)``)."""
     node = next(n for n in _module().body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Tuple)
@@ -63,10 +71,11 @@ def arrival_counts() -> dict:
 
 class _Reader:
     """Events of one role macro, in program order; the macros it calls (``split(t)``, any helper macro of the
-    kernel's module) inlined; ``if state_grads`` taken as True."""
+    kernel's module) inlined, a tile passed as an argument read as the tile; ``if state_grads`` taken as True."""
 
     def __init__(self, slots: set, macros: dict):
-        self.slots, self.macros, self.rows = slots, macros, vector_rows()
+        self.slots, self.macros, self.rows, self.aliases = slots, macros, vector_rows(), sums_aliases()
+        self.bound = {}         # a macro's parameter → the tile argument it was called with
 
     def _slot(self, node) -> str | None:
         """The shared tile a ``t.X`` or ``t.vec[ROW, ...]`` names, else None."""
@@ -76,9 +85,13 @@ class _Reader:
                 names = [n.id for n in ast.walk(row) if isinstance(n, ast.Name) and n.id in self.rows]
                 return "vec." + (names[0] if names else ast.unparse(row))
             node = node.value
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "t" \
-                and node.attr in self.slots:
-            return node.attr
+        if isinstance(node, ast.Name) and node.id in self.bound:
+            node = self.bound[node.id]
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "t":
+            if node.attr in self.aliases:
+                return self.aliases[node.attr]
+            if node.attr in self.slots:
+                return node.attr
         return None
 
     def _reads(self, expr) -> tuple:
@@ -157,7 +170,11 @@ class _Reader:
             if reads:
                 out.append(Event("read", reads, when=when))
         elif isinstance(call.func, ast.Name) and call.func.id in self.macros:
-            self.statements(self.macros[call.func.id].body, out, when)
+            macro = self.macros[call.func.id]
+            outer = self.bound
+            self.bound = {**outer, **{p.arg: a for p, a in zip(macro.args.args, args) if self._slot(a)}}
+            self.statements(macro.body, out, when)
+            self.bound = outer
 
 
 @functools.cache

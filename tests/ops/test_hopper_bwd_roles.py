@@ -21,10 +21,11 @@ CTA_SHARED = 227 * 1024
 # not to grow it. K = V = 64 (a quarter of S's state registers, half of B's fragments) spills nothing.
 SPILL_BYTES = {128: 20, 64: 0}
 # shared memory (bytes) of the launch: the tiles of alloc_tiles at K = V (each on a 1 KB boundary)
-SHARED_BYTES = {128: 231424, 64: 100352}
+SHARED_BYTES = {128: 231424, 64: 133120}
 # dots per chunk: S 3 (Qᵀ Gh, Qᵀ Gl, C3), B 14 (C1 ×2, K S ×2, T X, Pᵀ dO, Tᵀ dV_new, V_new dS_hiᵀ, dk's four,
-# dO hᵀ, dP K), A 7 (Q Kᵀ, dO V_newᵀ, V_new dOᵀ, K Qᵀ, Y V_newᵀ, K Kᵀ, V_new Yᵀ): 24 dots per chunk
-ROLE_DOTS = {"S": 3, "B": 14, "A": 7}
+# dO hᵀ, dP K), A 4 (Q Kᵀ, dO V_newᵀ, Y V_newᵀ, K Kᵀ; its column sums read the products from shared memory):
+# 21 dots per chunk
+ROLE_DOTS = {"S": 3, "B": 14, "A": 4}
 DOTS = sum(ROLE_DOTS.values())
 
 
@@ -154,7 +155,8 @@ def test_timeline_builds_with_idle_roles_never_deadlock(busy):
 
 MUTATIONS = [("value_side", "wait", "free_g", "not ordered"), ("chain", "wait", "read_ds", "dSh"),
              ("key_side", "wait", "read_p", "PdP"), ("key_side", "fence", "", "proxy fence"),
-             ("value_side", "arrive", "ready_xt", "deadlock"), ("value_side", "wait", "read_vec", "vec.TS")]
+             ("value_side", "arrive", "ready_xt", "deadlock"), ("value_side", "wait", "read_vec", "vec.TS"),
+             ("chain", "wait", "read_sums", "dSl"), ("key_side", "wait", "read_v", "Vs")]
 
 
 @pytest.mark.parametrize("role,kind,barrier,found", MUTATIONS, ids=[f"{m[0]}_{m[1]}_{m[2]}" for m in MUTATIONS])

@@ -18,7 +18,8 @@ Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`
                                           dS_hiᵀ) + dKD K + dKDᵀ K + dPᵀ Q − bf16(βΓY) hᵀ; dq = dP K + scale
                                           Γ⊙(dO hᵀ), whose second term gives dG's Γ term scale Γ q·(dO hᵀ)
     A (256-383, 160)                      Q Kᵀ, P; dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ, dKD (the column sums of
-                                          dlogD as row sums of the transposed products); then, under the next
+                                          dlogD's and dA's products through fp32 tiles in shared memory,
+                                          ``SUMS_SLOTS``); then, under the next
                                           chunk's loads, dβ and dg (its reverse and forward cumsums by warp scans)
     producer (384-511, 24)                one warp's TMA copies of each chunk's tiles, the warpgroup's loads of
                                           gc and β
@@ -41,6 +42,8 @@ what is ready):
     read_ds   B → S            C1 and dk's first dot done: S may overwrite dS hi + lo
     end       S, A, B → producer   every tile and the rows gc, β read (A: before its dg finish)
     read_vec  A → B            dg's finish has read t, dG's X terms and dβ's: B may write them for the next chunk
+    read_sums A → S            dlogD's column sums have read ``sumsD``: S may overwrite dS lo (its slot)
+    read_v    B → A            the X terms have read v: A may write ``sumsA`` (v's slot)
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
 import types
@@ -59,6 +62,9 @@ THREADS = 512
 REGISTERS = (160, 168, 160, 24)
 SIZES = (64, 128)   # K = V the walk is built for (its shared memory plan: docs/backward.md §11)
 ROLES = "".join(ROLE_POINTS)    # the consumer roles "SBA": the chain, the value side, the key side
+# A's column sums read its fp32 products from these tiles (dlogD's, dA's), at K = V = 128 in the slots of tiles dead
+# meanwhile: dS lo from B's C1 to S's split (read_sums), v from B's X terms (read_v) to the next chunk's loads
+SUMS_SLOTS = dict(sumsD="dSl", sumsA="Vs")
 # rows of the chunk's vector tile ``vec`` (alloc_tiles); S's 128 shares of Σ h⊙dS fill rows H_SHARES and H_SHARES + 1
 GC, BETA, TS, XG, XB, DG, H_SHARES = range(7)
 
@@ -81,13 +87,21 @@ def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
         # the chunk's vectors in one tile (each tile starts on a 1 KB boundary): gc and β, B's t and X terms of dG and
         # dβ, A's dG, and S's 128 shares of Σ h⊙dS in the last two rows
         vec=((8, BT), acc))
+    if K == max(SIZES):         # shared memory is full: the sums' tiles take the slots of tiles dead meanwhile
+        views = {n: (of, (K * V // (2 * BT * BT) if of == "dSl" else V // (2 * BT), BT, BT))
+                 for n, of in SUMS_SLOTS.items()}
+    else:
+        shared.update({n: ((1, BT, BT), acc) for n in SUMS_SLOTS})
+        views = {}
     fragments = dict(
         dS=(K, V),                              # S
         F=(BT, V), N=(BT, K), rowsF=(BT,),      # B
-        QK=(BT, BT), dP=(BT, BT), rowsA=(BT,), cols=(BT,), dbA=(BT,))     # A
+        QK=(BT, BT), dP=(BT, BT), rowsA=(BT,), dbA=(BT,))     # A
     arrivals = dict(full=128, init=128, ready_p=128, ready_v=128, read_p=128, free_g=128, ready_y=128,
-                    ready_dp=128, ready_dkd=128, read_ds=128, ready_xt=128, read_vec=128, end=3 * 128)
+                    ready_dp=128, ready_dkd=128, read_ds=128, ready_xt=128, read_vec=128, read_sums=128,
+                    read_v=128, end=3 * 128)
     tiles = {n: T.alloc_shared(shape, dtype) for n, (shape, dtype) in shared.items()}
+    tiles.update({n: T.view(tiles[of], shape, acc) for n, (of, shape) in views.items()})
     tiles.update({n: T.alloc_fragment(shape, acc) for n, shape in fragments.items()})
     tiles.update({n: T.alloc_barrier(arrive_count=count) for n, count in arrivals.items()})
     return types.SimpleNamespace(**tiles, **program)
@@ -163,6 +177,7 @@ def _chain_macro(K: int, V: int, scale: float, state_grads: bool, timed: bool):
             T.wait_wgmma(0)
             mark(t, s, "c3")
             T.mbarrier_wait_parity(t.read_ds, s % 2)
+            T.mbarrier_wait_parity(t.read_sums, s % 2)
             mark(t, s, "wait_ds")
             split(t)
             T.fence_proxy_async()
@@ -257,6 +272,7 @@ def _value_macro(K: int, V: int, scale: float, timed: bool):
             T.reduce_sum(t.N, t.rowsF, dim=1)
             for i in T.Parallel(BT):
                 t.vec[XB, i] = t.vec[XB, i] + t.rowsF[i]
+            T.mbarrier_arrive(t.read_v)
             mark(t, s, "x_terms")
             for i, j in T.Parallel(BT, V):
                 t.F[i, j] = t.F[i, j] * t.vec[BETA, i]
@@ -337,6 +353,18 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
                                                    + (T.if_then_else(lane > 0, up, 0.0) + t0) + tail)
 
     @T.macro
+    def column_sums(t, products):
+        """dG_j −= Σ_i products[0, i, j] (fp32, i in order) on A's first BT threads, a column each, once every
+        thread of A has stored its products."""
+        if t.tx < 2 * 128 + BT:
+            col = t.tx - 2 * 128
+            column = T.alloc_var(acc, init=0.0)
+            for i0 in T.serial(BT // 8):
+                for i1 in T.unroll(8):      # eight loads issued ahead of their adds
+                    column = column + products[0, i0 * 8 + i1, col]
+            t.vec[DG, col] = t.vec[DG, col] - column
+
+    @T.macro
     def key_side(t):
         """Role A: P, dP, dA, dKD, and dg and dβ from every role's terms."""
         for s in T.serial(t.chunks):
@@ -373,16 +401,13 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             T.reduce_sum(t.dP, t.rowsA, dim=1)
             for i in T.Parallel(BT):
                 t.vec[DG, i] = t.rowsA[i]
-            # the column sums: row j of V_new dOᵀ ⊙ K Qᵀ is column j of dO V_newᵀ ⊙ Q Kᵀ (the same bf16 operands)
-            T.wgmma_gemm(t.XVn, t.dOs, t.dP, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(t.Ks, t.Qs, t.QK, transpose_B=True, clear_accum=True)
-            T.wait_wgmma(0)
-            for j, i in T.Parallel(BT, BT):
-                t.dP[j, i] = T.if_then_else((i > j) & (i < rows),
-                                            t.dP[j, i] * scale * T.exp(t.vec[GC, i] - t.vec[GC, j]) * t.QK[j, i], 0.0)
-            T.reduce_sum(t.dP, t.cols, dim=1)
-            for j in T.Parallel(BT):
-                t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
+            # the column sums of the same products: dG_j −= Σ_i, through shared memory (a fragment's columns span
+            # the warpgroup's threads)
+            for i, j in T.Parallel(BT, BT):
+                t.sumsD[0, i, j] = t.dP[i, j]
+            column_sums(t, t.sumsD)
+            T.fence_proxy_async()           # dS lo, this slot, is B's next wgmma operand
+            T.mbarrier_arrive(t.read_sums)
             mark(t, s, "dlogd")
             T.mbarrier_wait_parity(t.ready_y, s % 2)
             mark(t, s, "wait_y")
@@ -402,14 +427,11 @@ def _key_macro(K: int, V: int, scale: float, timed: bool):
             for i in T.Parallel(BT):
                 t.dbA[i] = t.rowsA[i]
                 t.vec[DG, i] = t.vec[DG, i] + t.vec[BETA, i] * t.rowsA[i]
-            T.wgmma_gemm(t.XVn, t.Gh, t.dP, transpose_B=True, clear_accum=True)     # row j: column j of Y V_newᵀ
-            T.wait_wgmma(0)
-            for j, i in T.Parallel(BT, BT):
-                t.dP[j, i] = T.if_then_else((i > j) & (i < rows),
-                                            -t.dP[j, i] * T.exp(t.vec[GC, i] - t.vec[GC, j]) * t.vec[BETA, i] * t.QK[j, i], 0.0)
-            T.reduce_sum(t.dP, t.cols, dim=1)
-            for j in T.Parallel(BT):
-                t.vec[DG, j] = t.vec[DG, j] - t.cols[j]
+            T.mbarrier_wait_parity(t.read_v, s % 2)
+            for i, j in T.Parallel(BT, BT):
+                t.sumsA[0, i, j] = t.vec[BETA, i] * t.dP[i, j]
+            column_sums(t, t.sumsA)
+            T.fence_proxy_async()           # the next chunk's v lands by TMA where these generic writes were
             mark(t, s, "da_sums")
             # dg_i = Σ_{j ≥ i} dG_j + Σ_{j < i} t_j + γ Σ h⊙dS (one select per term in a fixed order)
             total = T.alloc_var(acc, init=0.0)
@@ -471,6 +493,7 @@ def _idle_macros():
             T.mbarrier_arrive(t.free_g)
             T.mbarrier_wait_parity(t.ready_y, s % 2)
             T.mbarrier_wait_parity(t.read_ds, s % 2)
+            T.mbarrier_wait_parity(t.read_sums, s % 2)
             T.mbarrier_arrive(t.end)
 
     @T.macro
@@ -484,6 +507,7 @@ def _idle_macros():
             T.mbarrier_arrive(t.read_p)
             T.mbarrier_wait_parity(t.free_g, s % 2)
             T.mbarrier_arrive(t.ready_y)
+            T.mbarrier_arrive(t.read_v)
             T.mbarrier_arrive(t.read_ds)
             T.mbarrier_wait_parity(t.ready_dkd, s % 2)
             T.mbarrier_arrive(t.ready_xt)
@@ -497,8 +521,10 @@ def _idle_macros():
             T.mbarrier_wait_parity(t.ready_v, s % 2)
             T.mbarrier_wait_parity(t.read_p, s % 2)
             T.mbarrier_arrive(t.ready_dp)
+            T.mbarrier_arrive(t.read_sums)
             T.mbarrier_wait_parity(t.ready_y, s % 2)
             T.mbarrier_arrive(t.ready_dkd)
+            T.mbarrier_wait_parity(t.read_v, s % 2)
             T.mbarrier_arrive(t.end)
             T.mbarrier_wait_parity(t.ready_xt, s % 2)
             T.mbarrier_arrive(t.read_vec)
