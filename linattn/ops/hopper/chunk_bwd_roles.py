@@ -161,9 +161,10 @@ def _chain_macro(K: int, V: int, scale: float, state_grads: bool, timed: bool):
             for i, j in T.Parallel(K, V):
                 t.dS[i, j] = t.dS[i, j] * T.exp(g_last)
             for i, j in T.Parallel(BT, V):       # the lo half from the hi half's rounding, not from Gh (no re-read)
-                t.Gh[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc), bf)
-                t.Gl[i, j] = T.cast(scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc) - T.cast(T.cast(
-                    scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc), bf), acc), bf)
+                x = scale * T.exp(t.vec[GC, i]) * T.cast(t.dOs[i, j], acc)
+                hi = T.cast(x, bf)
+                t.Gh[i, j] = hi
+                t.Gl[i, j] = T.cast(x - T.cast(hi, acc), bf)
             T.fence_proxy_async()
             mark(t, s, "gamma_do")
             T.wgmma_gemm(t.Qs, t.Gh, t.dS, transpose_A=True)
