@@ -591,7 +591,7 @@ def test_host_chain_around_the_twin_walk_gives_the_reference_gradients(monkeypat
 
 
 # K = V, then (BV given or None, the walks it runs: "roles" or the slice walk's BV)
-ROLE_SPLIT_CHOICES = {128: ((128, ["roles"]), (64, [64]), (None, [64])),
+ROLE_SPLIT_CHOICES = {128: ((128, ["roles"]), (64, [64]), (None, ["roles"])),
                       64: ((64, ["roles"]), (32, [32]), (None, ["roles"]))}
 
 
@@ -600,9 +600,9 @@ ROLE_SPLIT_CHOICES = {128: ((128, ["roles"]), (64, [64]), (None, [64])),
 def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch, K):
     """At K = V in ``chunk_bwd_roles.SIZES`` with BV = V the host chain runs the role-split walk (its twin: the
     slice walk's contract with one slice of the whole V) and never the slice walk, and gives the float64 reference's
-    gradients (GVA, T = 100, with h0 and dht); a narrower BV given asks for the slice walk instead. BV None: at
-    K = 128 the slice walk (four slice programs fit one wave: the model prices the shorter step lower), at K = 64 the
-    role-split walk (the slice walk's width is V there), with the same gradients."""
+    gradients (GVA, T = 100, with h0 and dht); a narrower BV given asks for the slice walk instead. BV None: the
+    role-split walk (at K = 128 the model prices its step lower, at K = 64 the slice walk's width is V), with the
+    same gradients."""
     from linattn.ops.hopper import chunk_bwd, chunk_bwd_roles
 
     from .test_hopper_bwd_ref import reference_grads
@@ -626,15 +626,16 @@ def test_host_chain_takes_the_role_split_walk_where_it_is_built(monkeypatch, K):
 
 def test_the_walk_is_the_one_the_segment_model_prices_lower():
     """``backward.choose_walk``: BV None at K = V = 128 takes the role-split walk (BV = V) where the slice walk needs
-    a second wave (B = 8, T = 4096, HV = 16: 256 slice programs on 132 SMs) or shorter segments fill the SMs with it
-    (B = 1, T = 32768, HV = 8), and the slice walk where its programs fit one wave unsegmented (B = 1, T = 256,
-    HV = 2); each pick costs no more than the other by ``segments.walk_cost_us``. A BV given is the walk asked for.
-    At K = V = 64 the slice walk's width is V: BV None is the role-split walk; K ≠ V never is."""
+    a second wave (B = 8, T = 4096, HV = 16: 256 slice programs on 132 SMs), where shorter segments fill the SMs with
+    it (B = 1, T = 32768, HV = 8), and where the slice walk's programs fit one wave unsegmented (B = 1, T = 256,
+    HV = 2: its step is the shorter); each pick costs no more than the other by ``segments.walk_cost_us``. A BV
+    given is the walk asked for. At K = V = 64 the slice walk's width is V: BV None is the role-split walk; K ≠ V
+    never is."""
     def cost(B, T, HV, G, BV, step_us):
         plan = segments.plan_walk(None, B, T, HV, 128, BV, G, 132, step_us)
         return segments.walk_cost_us(B, T // 64, HV, 128, BV, plan.L or T // 64, 132, plan.parts, step_us)
 
-    for (B, T, H, HV), width in (((8, 4096, 16, 16), 128), ((1, 32768, 2, 8), 128), ((1, 256, 2, 2), 64)):
+    for (B, T, H, HV), width in (((8, 4096, 16, 16), 128), ((1, 32768, 2, 8), 128), ((1, 256, 2, 2), 128)):
         chosen, _ = backward.choose_walk(B, T, H, HV, 128, 128, None, None, 132)
         assert chosen == width, (B, T, HV)
         costs = {BV: cost(B, T, HV, HV // H, BV, step_us)
@@ -792,8 +793,8 @@ def test_walk_plan_batches_gva_where_the_model_allows():
     """segments.plan_walk: one launch without GVA; with GVA four (a quarter of the fp32 per-value-head dq, dk at a
     time) where the model puts them within GVA_TIME_MARGIN of one launch — rows 5 and 7 (B=4 T=8192 HV=32 G=2:
     4960 µs against 4736; B=1 T=32768 HV=8 G=4: 1408 against 1240) — else two where those are within it (the
-    role-split walk at row 7: 931 against 819, four 1155), four at the role-split walk's row 5 (3277 against 2829:
-    1.16×, within the margin of 1.2), and one where
+    role-split walk at row 7: 714 against 602, four 938), four at the role-split walk's row 5 (2406 against 1958:
+    1.23×, within the margin of 1.25), and one where
     neither is (B=1 T=4096 H=2 HV=8: batches of a quarter or half wave); a forced segment length kept, its batches
     judged at that length."""
     plan = lambda B, T, H, HV, chunks=None: segments.plan_walk(chunks, B, T, HV, 128, 64, HV // H, 132)

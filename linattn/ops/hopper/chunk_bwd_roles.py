@@ -19,15 +19,15 @@ Four warpgroups, each a role with its own registers (``T.set_max_nreg``, :data:`
                                           Γ⊙(dO hᵀ), whose second term gives dG's Γ term scale Γ q·(dO hᵀ)
     A (256-383, 160)                      Q Kᵀ, P; dP and its dlogD; dA = −Y V_newᵀ, K Kᵀ, dKD (the column sums of
                                           dlogD's and dA's products through fp32 tiles in shared memory,
-                                          ``SUMS_SLOTS``); then, under the next
-                                          chunk's loads, dβ and dg (its reverse and forward cumsums by warp scans)
+                                          ``SUMS_SLOTS``); then, under the next chunk's loads, dβ and dg (its
+                                          reverse and forward cumsums by warp scans)
     producer (384-511, 24)                one warp's TMA copies of each chunk's tiles, the warpgroup's loads of
                                           gc and β
 
 The chunk's step is lock-stepped: the producer loads chunk s + 1 once every consumer has arrived at ``end`` for
 chunk s (every input slot is read to the chunk's end, and the formed tiles take the slots of inputs that are dead:
 the chunk's vectors share one tile), and the roles hand tiles to each other through mbarriers, one phase per chunk
-(parity s mod 2). Shared memory: 226 KB with the mbarriers at K = V = 128, 98 KB at 64. Hand-offs (role → role:
+(parity s mod 2). Shared memory: 226 KB with the mbarriers at K = V = 128, 130 KB at 64. Hand-offs (role → role:
 what is ready):
 
     full      producer → all   the chunk's inputs (TMA transaction count)

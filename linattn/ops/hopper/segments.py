@@ -40,8 +40,8 @@ from ..utils import cdiv
 WALK_CHUNK_US = 18.5       # one chunk step of a walk program (H100, K = V = 128, BV = 64, the slices' dq, dk
                            # handoff included: 9.4 ms / 512 chunks at B=1 T=32768 H=HV=16, the same per step at 16
                            # programs or 256: the step is latency-bound)
-ROLES_CHUNK_US = 19.9      # one chunk step of the role-split walk (H100, K = V = 128, one program per value head
-                           # over the whole V: 1.27 ms / 64 chunks at B=8 T=4096 H=HV=16, 128 programs in one wave)
+ROLES_CHUNK_US = 15.3      # one chunk step of the role-split walk (H100, K = V = 128, one program per value head
+                           # over the whole V: 0.98 ms / 64 chunks at B=8 T=4096 H=HV=16, 128 programs in one wave)
 WALK_OCCUPANCY = 1         # walk programs per SM (213 KB of shared memory each at K = V = 128)
 WARM_CHAIN_US = 7.0        # one dS chain step of a warm-up program (H100, K = V = 128, BV = 64: 0.05 ms for the
                            # ≈ 7-chunk warm-ups of 128 programs in one wave at B=1 T=32768 H=HV=16, S=4)
@@ -52,8 +52,8 @@ W_TYPICAL = 8              # chunks a warm-up walks: the kernel finds w from the
 MIN_SEGMENT_CHUNKS = 8     # a segment shorter than a typical warm-up (W_TYPICAL) warms up longer than it walks
 MAX_SEGMENTS = 64          # per sequence: bounds dS_out (B·S·HV·K·V fp32) and the warm-ups' programs
 GVA_BATCHES = (4, 2)       # where G > 1: the walk's rows in the most of these launches (walk_batch_rows) that the
-GVA_TIME_MARGIN = 1.2      # model costs at most this much above one launch's plan (plan_walk): admits the
-                           # role-split walk's four batches at B=4 T=8192 HV=32 (model 1.16×), whose dq, dk per
+GVA_TIME_MARGIN = 1.25     # model costs at most this much above one launch's plan (plan_walk): admits the
+                           # role-split walk's four batches at B=4 T=8192 HV=32 (model 1.23×), whose dq, dk per
                            # value head a quarter at a time keep the fwd+bwd peak under FlashQLA's (decisions.md)
 SPLIT_MARGIN = 0.9         # split only where the model predicts a 10% saving (its constants are rough)
 MAPS_MIN_SEGMENTS = 3      # from 3 segments a warm-up can stop short of the sequence's end: capped at one segment,
