@@ -72,13 +72,13 @@ def inputs(B, T, H, HV, K, with_state=False, with_dht=False):
                 dht=r(B, HV, K, K) if with_dht else None)
 
 
-def traced_call(rec: Recorder, x: dict) -> list:
+def traced_call(rec: Recorder, x: dict, **options) -> list:
     """One backward call's launches and returned tensors, each tensor named by its storage (the inputs by their
-    names)."""
+    names); ``options`` go to the backward."""
     rec.trace.clear()
     rec.labels = {t.untyped_storage().data_ptr(): n for n, t in x.items() if isinstance(t, torch.Tensor)}
     grads = backward.chunk_gated_delta_rule_bwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                                       x["q"].shape[-1] ** -0.5, x["h0"], x["do"], x["dht"])
+                                                       x["q"].shape[-1] ** -0.5, x["h0"], x["do"], x["dht"], **options)
     return [(kernel, described) for kernel, described, _ in rec.trace] + [rec.describe(t) for t in grads]
 
 
@@ -105,12 +105,11 @@ def kind(kernel) -> str:
 
 
 def test_unprepared_paths_keep_the_plain_backward(recorder):
-    """The slice walk (B = 1, T = 256, 2 heads of 128: its programs fit one wave) and a stage stood in for (a
-    benchmark's timed wrapper) are not prepared: each call runs the plain backward, whose launches are the same
-    every time."""
+    """The slice walk (B = 1, T = 256, 2 heads of 128, BV = 64 asked for) and a stage stood in for (a benchmark's
+    timed wrapper) are not prepared: each call runs the plain backward, whose launches are the same every time."""
     x = inputs(1, 256, 2, 2, 128)
-    first = traced_call(recorder, x)
-    assert list(backward_prepared._prepared.values()) == [None] and traced_call(recorder, x) == first
+    first = traced_call(recorder, x, BV=64)
+    assert not any(backward_prepared._prepared.values()) and traced_call(recorder, x, BV=64) == first
     backward_prepared._prepared.clear()
     solve = backward.solve
     backward.solve = lambda *a: solve(*a)
