@@ -46,6 +46,7 @@ what is ready):
     read_v    B → A            the X terms have read v: A may write ``sumsA`` (v's slot)
 """
 import functools  # no "from __future__ import annotations": TileLang reads the kernel's annotations as objects
+import math
 import types
 from typing import Optional
 
@@ -87,9 +88,9 @@ def alloc_tiles(K: int, V: int, **program) -> types.SimpleNamespace:
         # the chunk's vectors in one tile (each tile starts on a 1 KB boundary): gc and β, B's t and X terms of dG and
         # dβ, A's dG, and S's 128 shares of Σ h⊙dS in the last two rows
         vec=((8, BT), acc))
-    if K == max(SIZES):         # shared memory is full: the sums' tiles take the slots of tiles dead meanwhile
-        views = {n: (of, (K * V // (2 * BT * BT) if of == "dSl" else V // (2 * BT), BT, BT))
-                 for n, of in SUMS_SLOTS.items()}
+    if K == max(SIZES):         # shared memory is full: the sums' tiles take the slots of tiles dead meanwhile,
+        # each bf16 slot seen whole as fp32 BT × BT tiles
+        views = {n: (of, (math.prod(shared[of][0]) // (2 * BT * BT), BT, BT)) for n, of in SUMS_SLOTS.items()}
     else:
         shared.update({n: ((1, BT, BT), acc) for n in SUMS_SLOTS})
         views = {}
